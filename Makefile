@@ -1,0 +1,31 @@
+# tandem: `make run` and `make test` are the two set-up commands on a fresh Debian 12 machine.
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+PORT ?= 8000
+
+.PHONY: deps configure build run test bench clean
+
+deps:
+	@scripts/install_deps.sh
+
+$(BUILD_DIR)/build.ninja:
+	cmake -S . -B $(BUILD_DIR) -G Ninja $(CMAKE_FLAGS)
+
+configure: deps $(BUILD_DIR)/build.ninja
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+# Starts a local worker on the built-in model and generates from a prompt.
+run: build
+	scripts/run_local.sh $(BUILD_DIR)/tandem $(PORT)
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
+
+bench: build
+	$(BUILD_DIR)/tandem bench engine --preset small
+
+clean:
+	rm -rf $(BUILD_DIR)

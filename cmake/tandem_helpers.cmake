@@ -1,0 +1,37 @@
+# tandem_cc_library / tandem_cc_test / tandem_cc_binary: one helper each, in the
+# spirit of Abseil's absl_cc_library. Every library is used through its
+# tandem::<name> alias.
+
+set(TANDEM_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers)
+
+function(tandem_cc_library)
+  cmake_parse_arguments(T "" "NAME" "SRCS;HDRS;DEPS;PUBLIC_DEPS" ${ARGN})
+  if(T_SRCS)
+    add_library(tandem_${T_NAME} STATIC ${T_SRCS} ${T_HDRS})
+    target_compile_options(tandem_${T_NAME} PRIVATE ${TANDEM_WARNINGS})
+    target_include_directories(tandem_${T_NAME} PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+    target_link_libraries(tandem_${T_NAME} PUBLIC ${T_DEPS} ${T_PUBLIC_DEPS})
+  else()
+    add_library(tandem_${T_NAME} INTERFACE)
+    target_include_directories(tandem_${T_NAME} INTERFACE ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+    target_link_libraries(tandem_${T_NAME} INTERFACE ${T_DEPS} ${T_PUBLIC_DEPS})
+  endif()
+  add_library(tandem::${T_NAME} ALIAS tandem_${T_NAME})
+endfunction()
+
+# Unit tests sit beside the code; each test binary is discovered by ctest.
+function(tandem_cc_test)
+  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
+  if(NOT TANDEM_BUILD_TESTS)
+    return()
+  endif()
+  add_executable(${T_NAME} ${T_SRCS})
+  target_compile_options(${T_NAME} PRIVATE ${TANDEM_WARNINGS})
+  target_link_libraries(${T_NAME} PRIVATE ${T_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  gtest_discover_tests(${T_NAME} DISCOVERY_TIMEOUT 60
+    PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}"
+    ENVIRONMENT "TANDEM_BIN=$<TARGET_FILE:tandem>;TANDEM_SOURCE_DIR=${PROJECT_SOURCE_DIR};OPENBLAS_NUM_THREADS=1")
+endfunction()
