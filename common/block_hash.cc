@@ -1,0 +1,25 @@
+#include "common/block_hash.h"
+
+#include <xxhash.h>
+
+namespace tandem {
+
+static_assert(sizeof(int32_t) == 4, "token ids are hashed as 4-byte integers");
+
+uint64_t HashBlock(uint64_t parent_hash, std::span<const int32_t> tokens) {
+  // x86-64 and aarch64 are little-endian, so the in-memory bytes are the
+  // documented little-endian encoding.
+  return XXH3_64bits_withSeed(tokens.data(), tokens.size_bytes(), parent_hash);
+}
+
+std::vector<uint64_t> HashBlocks(uint64_t seed, std::span<const int32_t> tokens, int block_size) {
+  std::vector<uint64_t> hashes;
+  uint64_t parent = seed;
+  for (size_t i = 0; i + block_size <= tokens.size(); i += block_size) {
+    parent = HashBlock(parent, tokens.subspan(i, block_size));
+    hashes.push_back(parent);
+  }
+  return hashes;
+}
+
+}  // namespace tandem

@@ -1,0 +1,25 @@
+// The chained KV block hash: the one contract the workers' prefix caches and
+// the router's KV index must compute identically.
+//
+//   hash(block) = XXH3_64bits_withSeed(token_ids as little-endian int32 bytes,
+//                                      seed = hash(parent block))
+//
+// The first block of a sequence takes `seed` (ModelInfo.block_hash_seed) as
+// its parent. Only full blocks (block_size tokens) are hashed. Thread-safe.
+#ifndef TANDEM_COMMON_BLOCK_HASH_H_
+#define TANDEM_COMMON_BLOCK_HASH_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace tandem {
+
+uint64_t HashBlock(uint64_t parent_hash, std::span<const int32_t> tokens);
+
+// Hashes of the first floor(tokens.size() / block_size) full blocks.
+std::vector<uint64_t> HashBlocks(uint64_t seed, std::span<const int32_t> tokens, int block_size);
+
+}  // namespace tandem
+
+#endif  // TANDEM_COMMON_BLOCK_HASH_H_

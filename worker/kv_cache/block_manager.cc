@@ -1,0 +1,96 @@
+#include "worker/kv_cache/block_manager.h"
+
+#include "common/logging.h"
+
+namespace tandem::worker {
+
+BlockManager::BlockManager(int64_t num_blocks, int block_size, bool enable_prefix_caching,
+                           KvEventLog* events)
+    : block_size_(block_size),
+      prefix_caching_(enable_prefix_caching),
+      events_(events),
+      blocks_(num_blocks) {
+  free_.reserve(num_blocks);
+  // Hand out low ids first (pop from the back).
+  for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
+}
+
+void BlockManager::Uncache(int32_t block) {
+  Block& b = blocks_[block];
+  by_hash_.erase(b.hash);
+  b.cached = false;
+  if (events_ != nullptr) events_->Removed(b.hash);
+}
+
+bool BlockManager::Allocate(int n, std::vector<int32_t>* out) {
+  if (n < 0 || n > num_allocatable()) return false;
+  for (int i = 0; i < n; ++i) {
+    int32_t id;
+    if (!free_.empty()) {
+      id = free_.back();
+      free_.pop_back();
+    } else {
+      id = evictable_.front();
+      evictable_.pop_front();
+      Uncache(id);
+    }
+    CHECK(blocks_[id].ref_count == 0) << "allocating block " << id << " in use";
+    blocks_[id].ref_count = 1;
+    out->push_back(id);
+  }
+  return true;
+}
+
+int BlockManager::AcquireCachedPrefix(std::span<const uint64_t> hashes, std::vector<int32_t>* out) {
+  if (!prefix_caching_) return 0;
+  int hits = 0;
+  for (uint64_t h : hashes) {
+    auto it = by_hash_.find(h);
+    if (it == by_hash_.end()) break;
+    Block& b = blocks_[it->second];
+    if (b.ref_count++ == 0) evictable_.erase(b.lru);
+    out->push_back(it->second);
+    ++hits;
+  }
+  return hits;
+}
+
+void BlockManager::Commit(int32_t block, uint64_t hash, uint64_t parent,
+                          std::span<const int32_t> tokens) {
+  if (!prefix_caching_) return;
+  Block& b = blocks_[block];
+  CHECK(b.ref_count > 0) << "commit of unused block " << block;
+  if (b.cached || by_hash_.contains(hash)) return;
+  b.cached = true;
+  b.hash = hash;
+  by_hash_[hash] = block;
+  if (events_ != nullptr) events_->Stored(hash, parent, tokens);
+}
+
+void BlockManager::Release(std::span<const int32_t> blocks) {
+  for (int32_t id : blocks) {
+    Block& b = blocks_[id];
+    CHECK(b.ref_count > 0) << "double release of block " << id;
+    if (--b.ref_count > 0) continue;
+    if (b.cached) {
+      b.lru = evictable_.insert(evictable_.end(), id);
+    } else {
+      free_.push_back(id);
+    }
+  }
+}
+
+int64_t BlockManager::Clear() {
+  int64_t freed = static_cast<int64_t>(evictable_.size());
+  for (int32_t id : evictable_) {
+    blocks_[id].cached = false;
+    free_.push_back(id);
+  }
+  evictable_.clear();
+  for (Block& b : blocks_) b.cached = false;
+  by_hash_.clear();
+  if (events_ != nullptr) events_->Cleared();
+  return freed;
+}
+
+}  // namespace tandem::worker

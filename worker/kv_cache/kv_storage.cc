@@ -1,0 +1,34 @@
+#include "worker/kv_cache/kv_storage.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_format.h"
+
+namespace tandem::worker {
+
+int64_t KvStorage::BlocksForBudget(const kernels::KvLayout& block_layout, int64_t budget_bytes) {
+  int64_t per_block = BytesPerBlock(block_layout);
+  return per_block > 0 ? budget_bytes / per_block : 0;
+}
+
+absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLayout& layout) {
+  int64_t bytes = layout.total_floats() * static_cast<int64_t>(sizeof(float));
+  if (bytes <= 0) {
+    return absl::InvalidArgumentError("KV cache: the memory budget holds no block");
+  }
+  void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "KV cache: cannot map %d bytes for %d blocks: %s", bytes, layout.num_blocks,
+        std::strerror(errno)));
+  }
+  return std::unique_ptr<KvStorage>(new KvStorage(layout, static_cast<float*>(p), bytes));
+}
+
+KvStorage::~KvStorage() { munmap(data_, static_cast<size_t>(bytes_)); }
+
+}  // namespace tandem::worker

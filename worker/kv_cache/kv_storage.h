@@ -1,0 +1,46 @@
+// KvStorage: the memory of a paged KV pool on the host, laid out as
+// kernels::KvLayout describes (one block = one contiguous run). Allocated with
+// mmap so it is page-aligned and can be registered with a transport (UCX)
+// later. Not copyable. Access is synchronized by the engine thread.
+#ifndef TANDEM_WORKER_KV_CACHE_KV_STORAGE_H_
+#define TANDEM_WORKER_KV_CACHE_KV_STORAGE_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kernels/paged_attention.h"
+
+namespace tandem::worker {
+
+class KvStorage {
+ public:
+  // The number of blocks of `block_layout` (num_blocks ignored) that fit in
+  // `budget_bytes`.
+  static int64_t BlocksForBudget(const kernels::KvLayout& block_layout, int64_t budget_bytes);
+  static int64_t BytesPerBlock(const kernels::KvLayout& layout) {
+    return layout.block_stride() * static_cast<int64_t>(sizeof(float));
+  }
+
+  // ResourceExhausted if the memory cannot be mapped.
+  static absl::StatusOr<std::unique_ptr<KvStorage>> Create(const kernels::KvLayout& layout);
+  ~KvStorage();
+  KvStorage(const KvStorage&) = delete;
+  KvStorage& operator=(const KvStorage&) = delete;
+
+  const kernels::KvLayout& layout() const { return layout_; }
+  float* data() { return data_; }
+  const float* data() const { return data_; }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  KvStorage(const kernels::KvLayout& layout, float* data, int64_t bytes)
+      : layout_(layout), data_(data), bytes_(bytes) {}
+  kernels::KvLayout layout_;
+  float* data_;
+  int64_t bytes_;
+};
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_KV_CACHE_KV_STORAGE_H_
