@@ -1,8 +1,17 @@
+// The `tandem` binary: parses the command line and dispatches to the
+// subcommands each module registers. No other logic lives here.
 #include <CLI/CLI.hpp>
 
+#include "worker/cli/commands.h"
+
 int main(int argc, char** argv) {
-  CLI::App app{"tandem: disaggregated LLM serving"};
+  CLI::App app{"tandem: disaggregated LLM serving (router, prefill and decode workers)"};
   app.require_subcommand(1);
+  tandem::worker::AddWorkerCommand(app);
+  tandem::worker::AddGenerateCommand(app);
+  tandem::worker::AddLogitsCommand(app);
+  tandem::worker::AddExportModelCommand(app);
+  tandem::worker::AddBenchCommand(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -1,0 +1,35 @@
+// The worker-side subcommands of the `tandem` binary. Each Add*Command
+// registers a CLI11 subcommand with its flags; the subcommand's callback runs
+// it and exits the process with its status.
+#ifndef TANDEM_WORKER_CLI_COMMANDS_H_
+#define TANDEM_WORKER_CLI_COMMANDS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace CLI {
+class App;
+}
+
+namespace tandem::worker {
+
+// `tandem worker`: serve the worker gRPC API.
+void AddWorkerCommand(CLI::App& app);
+// `tandem logits`: full-vocabulary logits of token sequences (a debugging and
+// verification tool; the reference test drives it).
+void AddLogitsCommand(CLI::App& app);
+// `tandem export-model`: write a built-in model as a Hugging Face checkpoint.
+void AddExportModelCommand(CLI::App& app);
+// `tandem generate`: a small client that generates from a prompt over gRPC.
+void AddGenerateCommand(CLI::App& app);
+// `tandem bench engine`: CPU prefill and decode throughput against OpenBLAS sgemm.
+void AddBenchCommand(CLI::App& app);
+
+// "256MiB", "1.5GiB", "4096", "2GB" -> bytes. InvalidArgument otherwise.
+absl::StatusOr<int64_t> ParseByteSize(const std::string& text);
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_CLI_COMMANDS_H_

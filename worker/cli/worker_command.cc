@@ -1,0 +1,159 @@
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "worker/cli/commands.h"
+#include "worker/engine/engine.h"
+#include "worker/model/model_loader.h"
+#include "worker/server/worker_service.h"
+
+namespace tandem::worker {
+namespace {
+
+struct WorkerOptions {
+  std::string model = "builtin:tiny";   // builtin:tiny, builtin:small or a checkpoint directory
+  std::string served_model_name;        // name reported to clients; default: the model's
+  std::string role = "both";            // prefill, decode or both
+  std::string host = "127.0.0.1";
+  int port = 50051;                     // 0 picks a free port (see --ready-file)
+  std::string ready_file;               // written with "host:port" once serving
+  std::string kv_cache_memory = "256MiB";
+  bool no_prefix_caching = false;
+  EngineConfig engine;
+};
+
+absl::Status RunWorker(WorkerOptions opt) {
+  if (opt.role != "both" && opt.role != "prefill" && opt.role != "decode") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--role must be prefill, decode or both, got '%s'", opt.role));
+  }
+  ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(opt.kv_cache_memory));
+  opt.engine.enable_prefix_caching = !opt.no_prefix_caching;
+  RETURN_IF_ERROR(opt.engine.Validate());
+
+  // Block the shutdown signals in every thread; one thread waits for them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  LOG(INFO) << "loading model " << opt.model;
+  ASSIGN_OR_RETURN(LoadedModel model, LoadModel(opt.model));
+  if (!opt.served_model_name.empty()) model.name = opt.served_model_name;
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(opt.engine, std::move(model)));
+  engine->Start();
+  WorkerService service(engine.get(), opt.role);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int bound_port = 0;
+  builder.AddListeningPort(absl::StrFormat("%s:%d", opt.host, opt.port),
+                           grpc::InsecureServerCredentials(), &bound_port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || bound_port == 0) {
+    engine->Stop();
+    return absl::UnavailableError(absl::StrFormat("cannot listen on %s:%d", opt.host, opt.port));
+  }
+  const LoadSnapshot load = engine->GetLoad();
+  LOG(INFO) << "worker " << service.instance_id() << " (" << opt.role << ") serving "
+            << engine->model_name() << " on " << opt.host << ":" << bound_port << ", "
+            << load.total_blocks << " KV blocks of " << opt.engine.block_size
+            << " tokens, context " << engine->max_model_len();
+  if (!opt.ready_file.empty()) {
+    std::string tmp = opt.ready_file + ".tmp";
+    std::ofstream(tmp) << opt.host << ":" << bound_port << "\n";
+    std::rename(tmp.c_str(), opt.ready_file.c_str());
+  }
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  LOG(INFO) << "signal " << sig << ": shutting down";
+  engine->Stop();  // aborts in-flight requests, so open streams finish at once
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> ParseByteSize(const std::string& text) {
+  std::string t = absl::AsciiStrToLower(text);
+  struct Unit {
+    const char* suffix;
+    double scale;
+  };
+  static const Unit kUnits[] = {{"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0},
+                                {"kb", 1e3},     {"mb", 1e6},        {"gb", 1e9},
+                                {"k", 1024.0},   {"m", 1048576.0},   {"g", 1073741824.0},
+                                {"b", 1.0}};
+  double scale = 1.0;
+  for (const Unit& u : kUnits) {
+    if (absl::EndsWith(t, u.suffix)) {
+      t = t.substr(0, t.size() - std::string(u.suffix).size());
+      scale = u.scale;
+      break;
+    }
+  }
+  double v = 0;
+  if (!absl::SimpleAtod(t, &v) || !(v > 0) || !std::isfinite(v * scale) || v * scale > 9e18) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("'%s' is not a size (e.g. 512MiB, 2GiB, 1000000)", text));
+  }
+  return static_cast<int64_t>(v * scale);
+}
+
+void AddWorkerCommand(CLI::App& app) {
+  auto opt = std::make_shared<WorkerOptions>();
+  CLI::App* cmd = app.add_subcommand("worker", "Serve the worker gRPC API (an inference engine)");
+  cmd->add_option("--model", opt->model, "builtin:tiny, builtin:small or a Hugging Face checkpoint directory")
+      ->capture_default_str();
+  cmd->add_option("--served-model-name", opt->served_model_name, "Model name reported to clients");
+  cmd->add_option("--role", opt->role, "prefill, decode or both")->capture_default_str();
+  cmd->add_option("--host", opt->host, "Address to listen on")->capture_default_str();
+  cmd->add_option("--port", opt->port, "gRPC port (0: pick a free one)")->capture_default_str();
+  cmd->add_option("--ready-file", opt->ready_file, "Write host:port here once serving");
+  cmd->add_option("--kv-cache-memory", opt->kv_cache_memory, "Memory budget of the KV cache")
+      ->capture_default_str();
+  cmd->add_option("--block-size", opt->engine.block_size, "Tokens per KV block")->capture_default_str();
+  cmd->add_option("--max-batched-tokens", opt->engine.max_batched_tokens,
+                  "Tokens per engine step (the prefill chunk budget)")
+      ->capture_default_str();
+  cmd->add_option("--max-running", opt->engine.max_running, "Sequences decoding at once")
+      ->capture_default_str();
+  cmd->add_option("--max-waiting", opt->engine.max_waiting,
+                  "Queued requests before RESOURCE_EXHAUSTED")
+      ->capture_default_str();
+  cmd->add_option("--watermark", opt->engine.watermark, "Fraction of KV blocks admission keeps free")
+      ->capture_default_str();
+  cmd->add_option("--max-model-len", opt->engine.max_model_len, "Context limit (0: the model's)")
+      ->capture_default_str();
+  cmd->add_flag("--no-prefix-caching", opt->no_prefix_caching, "Disable the prefix cache");
+  cmd->add_option("--block-hash-seed", opt->engine.block_hash_seed,
+                  "Parent hash of a sequence's first KV block")
+      ->capture_default_str();
+  cmd->add_option("--threads", opt->engine.threads, "BLAS threads (0: all cores)")->capture_default_str();
+  cmd->callback([opt] {
+    absl::Status st = RunWorker(*opt);
+    if (!st.ok()) {
+      std::fprintf(stderr, "tandem worker: %s\n", std::string(st.message()).c_str());
+      std::exit(1);
+    }
+    std::exit(0);
+  });
+}
+
+}  // namespace tandem::worker

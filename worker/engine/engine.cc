@@ -1,0 +1,347 @@
+#include "worker/engine/engine.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <random>
+
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+
+namespace tandem::worker {
+namespace {
+
+uint64_t RandomSeed() {
+  static std::mutex mu;
+  static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mu);
+  return rng();
+}
+
+}  // namespace
+
+absl::Status EngineConfig::Validate() const {
+  if (block_size < 1 || block_size > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat("block_size must be in [1, 1024], got %d", block_size));
+  }
+  if (kv_cache_bytes <= 0) return absl::InvalidArgumentError("kv_cache_bytes must be positive");
+  if (max_batched_tokens < 1) return absl::InvalidArgumentError("max_batched_tokens must be >= 1");
+  if (max_running < 1) return absl::InvalidArgumentError("max_running must be >= 1");
+  if (max_waiting < 1) return absl::InvalidArgumentError("max_waiting must be >= 1");
+  if (!(watermark >= 0.0 && watermark < 1.0)) {
+    return absl::InvalidArgumentError("watermark must be in [0, 1)");
+  }
+  if (max_model_len < 0) return absl::InvalidArgumentError("max_model_len must be >= 0");
+  if (threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, LoadedModel model) {
+  RETURN_IF_ERROR(config.Validate());
+  LlamaModel probe_layout(model.config, ModelWeights{});
+  kernels::KvLayout layout = probe_layout.KvBlockLayout(config.block_size);
+  layout.num_blocks = KvStorage::BlocksForBudget(layout, config.kv_cache_bytes);
+  if (layout.num_blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv cache budget of %d bytes holds no block (one block of %d tokens takes %d bytes)",
+        config.kv_cache_bytes, config.block_size, KvStorage::BytesPerBlock(layout)));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage, KvStorage::Create(layout));
+  int max_len = model.config.max_position_embeddings;
+  if (config.max_model_len > 0) max_len = std::min(max_len, config.max_model_len);
+  const int64_t cache_tokens = layout.num_blocks * config.block_size;
+  const int max_len_before_cache = max_len;
+  if (cache_tokens < max_len) {
+    LOG(WARNING) << "the KV cache holds " << cache_tokens << " tokens (" << layout.num_blocks
+                 << " blocks), less than the context of " << max_len
+                 << ": requests are limited to the cache";
+    max_len = static_cast<int>(cache_tokens);
+  }
+  auto engine =
+      std::unique_ptr<Engine>(new Engine(config, std::move(model), std::move(storage), max_len));
+  engine->cache_limited_ = cache_tokens < max_len_before_cache;
+  return engine;
+}
+
+Engine::Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<KvStorage> storage,
+               int max_model_len)
+    : config_(config),
+      model_name_(model.name),
+      model_(std::move(model.config), std::move(model.weights)),
+      storage_(std::move(storage)),
+      max_model_len_(max_model_len),
+      total_blocks_(storage_->layout().num_blocks),
+      events_(config.kv_event_capacity),
+      blocks_(total_blocks_, config.block_size, config.enable_prefix_caching, &events_),
+      scheduler_(SchedulerConfig{.max_batched_tokens = config.max_batched_tokens,
+                                 .max_running = config.max_running,
+                                 .watermark = config.watermark,
+                                 .block_hash_seed = config.block_hash_seed},
+                 &blocks_) {
+  batch_.Clear();
+  PublishLoad();
+}
+
+Engine::~Engine() { Stop(); }
+
+void Engine::Start() {
+  if (config_.threads > 0) openblas_set_num_threads(config_.threads);
+  running_ = true;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Engine::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  running_ = false;
+}
+
+absl::StatusOr<uint64_t> Engine::Submit(GenerateSpec spec, std::shared_ptr<OutputSink> sink) {
+  const ModelConfig& mc = model_.config();
+  const int len = static_cast<int>(spec.prompt.size());
+  if (len == 0) return absl::InvalidArgumentError("prompt_token_ids is empty");
+  for (int i = 0; i < len; ++i) {
+    if (spec.prompt[i] < 0 || spec.prompt[i] >= mc.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "prompt_token_ids[%d] = %d is outside the vocabulary [0, %d)", i, spec.prompt[i],
+          mc.vocab_size));
+    }
+  }
+  RETURN_IF_ERROR(ValidateSamplingParams(spec.params, mc.vocab_size));
+  const std::string limit =
+      cache_limited_ ? absl::StrFormat("the whole KV cache (%d blocks of %d tokens)", total_blocks_,
+                                    config_.block_size)
+                  : std::string("the context");
+  if (len >= max_model_len_) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the prompt has %d tokens but %s holds %d, leaving no room to generate", len, limit,
+        max_model_len_));
+  }
+  int max_tokens = max_model_len_ - len;
+  if (spec.params.max_tokens >= 0) {
+    if (len + int64_t{spec.params.max_tokens} > max_model_len_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "max_tokens = %d is too large: the prompt has %d tokens and %s holds %d",
+          spec.params.max_tokens, len, limit, max_model_len_));
+    }
+    max_tokens = spec.params.max_tokens;
+  }
+  if (!running_.load()) return absl::UnavailableError("the engine is not running");
+  auto seq = std::make_unique<Sequence>();
+  seq->id = next_id_.fetch_add(1);
+  seq->request_id = std::move(spec.request_id);
+  seq->prompt_len = len;
+  seq->tokens = std::move(spec.prompt);
+  seq->seed = spec.params.seed.has_value() ? *spec.params.seed : RandomSeed();
+  seq->params = std::move(spec.params);
+  seq->max_tokens = max_tokens;
+  seq->sink = std::move(sink);
+  seq->last_hash = config_.block_hash_seed;
+  const uint64_t id = seq->id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return absl::UnavailableError("the engine is stopping");
+    if (static_cast<int>(submitted_.size()) + waiting_.load() >= config_.max_waiting) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "worker overloaded: %d requests are already waiting", config_.max_waiting));
+    }
+    submitted_.push_back(std::move(seq));
+  }
+  cv_.notify_one();
+  return id;
+}
+
+void Engine::Cancel(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled_.push_back(id);
+  }
+  cv_.notify_one();
+}
+
+int64_t Engine::ClearPrefixCache() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stop_ || !running_.load()) return 0;
+  const int64_t before = cleared_blocks_;
+  ++clear_requests_;
+  cv_.notify_one();
+  clear_cv_.wait(lock, [&] { return clear_requests_ == 0 || stop_; });
+  return cleared_blocks_ - before;
+}
+
+LoadSnapshot Engine::GetLoad() const {
+  std::lock_guard<std::mutex> lock(load_mu_);
+  LoadSnapshot s = load_;
+  s.kv_event_seq = events_.last_seq();
+  return s;
+}
+
+void Engine::Finish(std::unique_ptr<Sequence> seq, FinishInfo info) {
+  info.prompt_tokens = seq->prompt_len;
+  info.completion_tokens = seq->output_len();
+  info.cached_prompt_tokens = seq->cached_prompt_tokens;
+  ++finished_;
+  if (seq->sink) seq->sink->OnFinish(info);
+}
+
+void Engine::DrainCommands() {
+  std::deque<std::unique_ptr<Sequence>> submitted;
+  std::vector<uint64_t> cancelled;
+  int clears = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    submitted.swap(submitted_);
+    cancelled.swap(cancelled_);
+    clears = clear_requests_;
+  }
+  for (auto& seq : submitted) scheduler_.Add(std::move(seq));
+  for (uint64_t id : cancelled) {
+    std::unique_ptr<Sequence> seq = scheduler_.Remove(id);
+    if (seq == nullptr) continue;
+    Finish(std::move(seq), FinishInfo{.reason = FinishReason::kAbort});
+  }
+  if (clears > 0) {
+    int64_t n = blocks_.Clear();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cleared_blocks_ += n;
+      clear_requests_ = 0;
+    }
+    clear_cv_.notify_all();
+  }
+}
+
+void Engine::Loop() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] {
+        return stop_ || !submitted_.empty() || !cancelled_.empty() || clear_requests_ > 0 ||
+               !scheduler_.empty();
+      });
+      if (stop_) break;
+    }
+    DrainCommands();
+    if (!scheduler_.empty()) Step();
+    events_.Publish();
+    PublishLoad();
+  }
+  // Shutdown: every request still here ends with kAbort.
+  DrainCommands();
+  std::vector<uint64_t> ids;
+  for (const auto& s : scheduler_.running()) ids.push_back(s->id);
+  for (const auto& s : scheduler_.waiting()) ids.push_back(s->id);
+  for (uint64_t id : ids) Finish(scheduler_.Remove(id), FinishInfo{.reason = FinishReason::kAbort});
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    clear_requests_ = 0;
+  }
+  clear_cv_.notify_all();
+  events_.Publish();
+  PublishLoad();
+}
+
+void Engine::Step() {
+  std::vector<ScheduledWork> work = scheduler_.Schedule();
+  if (work.empty()) return;
+
+  const int bs = config_.block_size;
+  int max_blocks = 0;
+  for (const ScheduledWork& w : work) {
+    max_blocks = std::max(max_blocks, static_cast<int>(w.seq->blocks.size()));
+  }
+  batch_.Clear();
+  batch_.max_blocks_per_seq = max_blocks;
+  batch_.block_tables.assign(work.size() * max_blocks, 0);
+  for (size_t s = 0; s < work.size(); ++s) {
+    const Sequence& seq = *work[s].seq;
+    for (int i = 0; i < work[s].num_tokens; ++i) {
+      const int pos = seq.num_computed + i;
+      batch_.tokens.push_back(seq.tokens[pos]);
+      batch_.positions.push_back(pos);
+      batch_.slot_mapping.push_back(int64_t{seq.blocks[pos / bs]} * bs + pos % bs);
+    }
+    batch_.query_start.push_back(batch_.num_tokens());
+    batch_.context_lens.push_back(seq.num_computed + work[s].num_tokens);
+    std::copy(seq.blocks.begin(), seq.blocks.end(), batch_.block_tables.begin() + s * max_blocks);
+    if (seq.num_computed + work[s].num_tokens == static_cast<int>(seq.tokens.size())) {
+      batch_.logits_rows.push_back(batch_.num_tokens() - 1);
+    }
+  }
+
+  absl::Status st = model_.Forward(batch_, storage_->data(), storage_->layout(), &logits_);
+  if (!st.ok()) {
+    LOG(ERROR) << "forward pass failed: " << st;
+    std::vector<uint64_t> ids;
+    for (const ScheduledWork& w : work) ids.push_back(w.seq->id);
+    for (uint64_t id : ids) {
+      Finish(scheduler_.Remove(id), FinishInfo{.reason = FinishReason::kError,
+                                               .error = std::string(st.message())});
+    }
+    return;
+  }
+
+  const ModelConfig& mc = model_.config();
+  std::vector<uint64_t> finished_ids;
+  std::vector<FinishInfo> finish_infos;
+  int row = 0;
+  for (const ScheduledWork& w : work) {
+    scheduler_.Advance(w);
+    Sequence& seq = *w.seq;
+    if (seq.num_computed != static_cast<int>(seq.tokens.size())) continue;  // mid-prompt chunk
+    std::span<float> logits(&logits_[size_t(row++) * mc.vocab_size], size_t(mc.vocab_size));
+    SampledToken tok = SampleToken(logits, seq.params, seq.prompt(), seq.output(),
+                                   mc.eos_token_ids, seq.seed);
+    seq.tokens.push_back(tok.token_id);
+    if (seq.sink) seq.sink->OnToken(tok);
+    if (IsStopToken(tok.token_id, seq.params, mc.eos_token_ids)) {
+      finished_ids.push_back(seq.id);
+      finish_infos.push_back({.reason = FinishReason::kStop, .stop_token_id = tok.token_id});
+    } else if (seq.output_len() >= seq.max_tokens ||
+               static_cast<int>(seq.tokens.size()) >= max_model_len_) {
+      finished_ids.push_back(seq.id);
+      finish_infos.push_back({.reason = FinishReason::kLength});
+    }
+  }
+  for (size_t i = 0; i < finished_ids.size(); ++i) {
+    Finish(scheduler_.Remove(finished_ids[i]), finish_infos[i]);
+  }
+}
+
+void Engine::PublishLoad() {
+  LoadSnapshot s;
+  for (const auto& seq : scheduler_.running()) {
+    s.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
+    s.prefill_tokens_pending += std::max(0, seq->pending() - 1);
+  }
+  for (const auto& seq : scheduler_.waiting()) {
+    s.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
+    s.prefill_tokens_pending += seq->pending();
+  }
+  s.running = static_cast<int>(scheduler_.running().size());
+  s.waiting = static_cast<int>(scheduler_.waiting().size());
+  waiting_.store(s.waiting);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.waiting += static_cast<int>(submitted_.size());
+  }
+  s.total_blocks = blocks_.total_blocks();
+  s.free_blocks = blocks_.num_free();
+  s.used_blocks = blocks_.num_used();
+  s.cached_blocks = blocks_.num_cached();
+  s.prefix_query_tokens = scheduler_.stats().prefix_query_tokens;
+  s.prefix_hit_tokens = scheduler_.stats().prefix_hit_tokens;
+  s.preemptions = scheduler_.stats().preemptions;
+  s.finished = finished_;
+  std::lock_guard<std::mutex> lock(load_mu_);
+  s.steps = load_.steps + 1;
+  load_ = s;
+}
+
+}  // namespace tandem::worker

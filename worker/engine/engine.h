@@ -1,0 +1,149 @@
+// Engine: one worker's inference engine. It owns the model, the paged KV
+// cache (memory, block manager, prefix cache, event log) and the scheduler,
+// and runs them on a single engine thread: each iteration drains submitted
+// requests and cancellations, schedules one step (continuous batching with
+// chunked prefill), runs the forward pass, samples, and delivers tokens to
+// each request's OutputSink.
+//
+// Thread safety: Submit, Cancel, GetLoad, ClearPrefixCache and the accessors
+// may be called from any thread. Sinks are called on the engine thread.
+#ifndef TANDEM_WORKER_ENGINE_ENGINE_H_
+#define TANDEM_WORKER_ENGINE_ENGINE_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/engine/output_sink.h"
+#include "worker/engine/scheduler.h"
+#include "worker/kv_cache/block_manager.h"
+#include "worker/kv_cache/kv_event_log.h"
+#include "worker/kv_cache/kv_storage.h"
+#include "worker/model/model_loader.h"
+#include "worker/runner/llama_model.h"
+
+namespace tandem::worker {
+
+struct EngineConfig {
+  int block_size = 16;                       // tokens per KV block
+  int64_t kv_cache_bytes = 256ll << 20;      // memory budget of the KV pool
+  int max_batched_tokens = 2048;             // tokens per step (prefill chunk budget)
+  int max_running = 256;                     // sequences decoding at once
+  int max_waiting = 4096;                    // queued requests before RESOURCE_EXHAUSTED
+  double watermark = 0.01;                   // fraction of blocks admission keeps free
+  int max_model_len = 0;                     // 0: the model's max_position_embeddings
+  bool enable_prefix_caching = true;
+  uint64_t block_hash_seed = 0;              // parent hash of a sequence's first block
+  size_t kv_event_capacity = 1 << 16;        // events kept for resuming subscribers
+  int threads = 0;                           // BLAS threads; 0 = all cores
+
+  absl::Status Validate() const;
+};
+
+struct GenerateSpec {
+  std::string request_id;
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+};
+
+struct LoadSnapshot {
+  int running = 0;
+  int waiting = 0;
+  int64_t tokens_in_flight = 0;
+  int64_t prefill_tokens_pending = 0;
+  int64_t total_blocks = 0;
+  int64_t free_blocks = 0;
+  int64_t used_blocks = 0;
+  int64_t cached_blocks = 0;
+  int64_t prefix_query_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
+  int64_t preemptions = 0;
+  int64_t finished = 0;
+  int64_t steps = 0;
+  uint64_t kv_event_seq = 0;
+  double hit_rate() const {
+    return prefix_query_tokens > 0 ? double(prefix_hit_tokens) / double(prefix_query_tokens) : 0.0;
+  }
+};
+
+class Engine {
+ public:
+  // Builds the KV pool from config.kv_cache_bytes. The effective context is
+  // capped by the model, config.max_model_len and the pool's capacity.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config,
+                                                        LoadedModel model);
+  ~Engine();  // stops the engine thread; pending requests finish with kAbort
+
+  void Start();
+  void Stop();
+
+  // Validates and queues a request; returns its engine id. InvalidArgument
+  // for a bad request (empty prompt, ids outside the vocabulary, bad sampling
+  // values, a prompt or max_tokens past the context or the whole cache),
+  // ResourceExhausted when the queue is full, Unavailable when stopped.
+  absl::StatusOr<uint64_t> Submit(GenerateSpec spec, std::shared_ptr<OutputSink> sink);
+  // Aborts a request: its blocks are freed at the start of the next step and
+  // its sink gets OnFinish(kAbort). Unknown or finished ids are ignored.
+  void Cancel(uint64_t id);
+  // Drops every unreferenced block from the prefix cache; returns how many.
+  int64_t ClearPrefixCache();
+
+  LoadSnapshot GetLoad() const;
+  KvEventLog& events() { return events_; }
+  const ModelConfig& model_config() const { return model_.config(); }
+  const std::string& model_name() const { return model_name_; }
+  const EngineConfig& config() const { return config_; }
+  int max_model_len() const { return max_model_len_; }
+  int64_t total_blocks() const { return total_blocks_; }
+  bool running() const { return running_.load(); }
+
+ private:
+  Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<KvStorage> storage,
+         int max_model_len);
+  void Loop();
+  void DrainCommands();
+  void Step();
+  void Finish(std::unique_ptr<Sequence> seq, FinishInfo info);
+  void PublishLoad();
+
+  const EngineConfig config_;
+  const std::string model_name_;
+  LlamaModel model_;
+  std::unique_ptr<KvStorage> storage_;
+  const int max_model_len_;
+  const int64_t total_blocks_;
+  KvEventLog events_;
+  BlockManager blocks_;     // engine thread only
+  Scheduler scheduler_;     // engine thread only
+  BatchInput batch_;        // engine thread only
+  std::vector<float> logits_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Sequence>> submitted_;  // guarded by mu_
+  std::vector<uint64_t> cancelled_;                  // guarded by mu_
+  int clear_requests_ = 0;                           // guarded by mu_
+  int64_t cleared_blocks_ = 0;                       // guarded by mu_
+  std::condition_variable clear_cv_;
+  bool stop_ = false;                                // guarded by mu_
+  std::atomic<bool> running_{false};
+  std::atomic<uint64_t> next_id_{1};
+  std::atomic<int> waiting_{0};  // the scheduler's queue length, for the overload check
+  bool cache_limited_ = false;   // the context was capped by the KV cache's size
+  std::thread thread_;
+
+  mutable std::mutex load_mu_;
+  LoadSnapshot load_;  // guarded by load_mu_
+  int64_t finished_ = 0;
+};
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_ENGINE_ENGINE_H_

@@ -1,0 +1,46 @@
+// Sequence: one request's state inside the engine. Owned by the engine
+// thread; nothing here is thread-safe.
+#ifndef TANDEM_WORKER_ENGINE_SEQUENCE_H_
+#define TANDEM_WORKER_ENGINE_SEQUENCE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "worker/engine/output_sink.h"
+#include "worker/sampling/sampling_params.h"
+
+namespace tandem::worker {
+
+struct Sequence {
+  uint64_t id = 0;                  // engine-assigned, increasing with arrival
+  std::string request_id;           // the caller's id
+  std::vector<int32_t> tokens;      // prompt, then every sampled token
+  int prompt_len = 0;
+  SamplingParams params;
+  uint64_t seed = 0;                // params.seed or one drawn at submission
+  int max_tokens = 0;               // resolved: never past the context
+  std::shared_ptr<OutputSink> sink;
+
+  std::vector<int32_t> blocks;      // block table: block i holds tokens [i*bs, (i+1)*bs)
+  int num_computed = 0;             // leading tokens whose K/V is in the cache
+  int num_hashed = 0;               // leading full blocks registered in the prefix cache
+  uint64_t last_hash = 0;           // hash of block num_hashed - 1 (the seed when 0)
+  int cached_prompt_tokens = 0;     // prompt tokens found in the prefix cache at admission
+  bool admitted_before = false;     // a preempted sequence re-enters the queue
+  int preemptions = 0;
+
+  int output_len() const { return static_cast<int>(tokens.size()) - prompt_len; }
+  std::span<const int32_t> prompt() const { return {tokens.data(), size_t(prompt_len)}; }
+  std::span<const int32_t> output() const {
+    return {tokens.data() + prompt_len, size_t(output_len())};
+  }
+  // Tokens still to be computed before the next sample (1 while decoding).
+  int pending() const { return static_cast<int>(tokens.size()) - num_computed; }
+};
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_ENGINE_SEQUENCE_H_

@@ -1,0 +1,73 @@
+// LlamaModel: the CPU forward pass of a Llama-family decoder (Llama 2/3,
+// Mistral, Qwen2) over a ragged batch whose KV cache is paged.
+//
+// One Forward() runs one engine step: any mix of prefill chunks (over a
+// cached prefix or not) and decode tokens. Activations are f32; every matrix
+// product goes through OpenBLAS sgemm (which brings its own threads);
+// attention goes through kernels::PagedAttention.
+//
+// Not thread-safe: the engine thread owns the model and its scratch buffers.
+#ifndef TANDEM_WORKER_RUNNER_LLAMA_MODEL_H_
+#define TANDEM_WORKER_RUNNER_LLAMA_MODEL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/paged_attention.h"
+#include "worker/model/model_config.h"
+#include "worker/model/weights.h"
+
+namespace tandem::worker {
+
+// The tokens of one step, sequences concatenated.
+struct BatchInput {
+  std::vector<int32_t> tokens;        // [T]
+  std::vector<int32_t> positions;     // [T], position of each token in its sequence
+  std::vector<int64_t> slot_mapping;  // [T], block * block_size + offset of its K/V
+  std::vector<int> query_start;       // [S + 1], prefix sums of tokens per sequence
+  std::vector<int> context_lens;      // [S], tokens in cache after this step
+  std::vector<int32_t> block_tables;  // [S * max_blocks_per_seq]
+  int max_blocks_per_seq = 0;
+  std::vector<int> logits_rows;       // indices into tokens whose logits are wanted
+
+  void Clear();
+  int num_tokens() const { return static_cast<int>(tokens.size()); }
+  int num_seqs() const { return static_cast<int>(context_lens.size()); }
+};
+
+class LlamaModel {
+ public:
+  LlamaModel(ModelConfig config, ModelWeights weights);
+
+  const ModelConfig& config() const { return config_; }
+
+  // The KV geometry this model needs for blocks of `block_size` tokens
+  // (num_blocks left 0 for the caller to fill).
+  kernels::KvLayout KvBlockLayout(int block_size) const;
+
+  // Runs `in`: writes its tokens' K/V into `kv_cache` (laid out as `layout`)
+  // and returns the logits of in.logits_rows, [rows, vocab], in `logits`.
+  // REQUIRES: token ids < vocab_size, positions < max_position_embeddings.
+  absl::Status Forward(const BatchInput& in, float* kv_cache, const kernels::KvLayout& layout,
+                       std::vector<float>* logits);
+
+  // Floating-point operations of a forward over `num_tokens` new tokens whose
+  // attention spans `attended_keys` (query, key) pairs in total, counting
+  // 2 per multiply-add. Used by the benchmark to report FLOP rates.
+  double Flops(int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) const;
+
+ private:
+  void ComputeRope(const BatchInput& in);
+  void ApplyRope(float* x, int num_heads, int64_t row_stride, int num_tokens) const;
+
+  ModelConfig config_;
+  ModelWeights w_;
+  std::vector<double> inv_freq_;  // [head_dim / 2]
+  // Scratch, reused across steps.
+  std::vector<float> x_, h_, qkv_, attn_, gu_, act_, cos_, sin_, last_;
+};
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_RUNNER_LLAMA_MODEL_H_
