@@ -44,7 +44,9 @@ LogMessage::LogMessage(const char* file, int line, LogSeverity severity) : sever
   char buf[32];
   std::strftime(buf, sizeof(buf), "%m%d %H:%M:%S", &tm);
   const char* base = std::strrchr(file, '/');
-  stream_ << kLetters[static_cast<int>(severity)] << buf << '.' << us << ' '
+  char frac[16];
+  std::snprintf(frac, sizeof(frac), ".%06d", static_cast<int>(us));
+  stream_ << kLetters[static_cast<int>(severity)] << buf << frac << ' '
           << (base ? base + 1 : file) << ':' << line << "] ";
 }
 
