@@ -31,7 +31,13 @@ function(tandem_cc_test)
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
+  set(props TIMEOUT ${T_TIMEOUT})
+  if(T_LABELS)
+    list(APPEND props LABELS "${T_LABELS}")
+  endif()
+  # Tests that start worker processes find the binary through TANDEM_BIN.
+  # Two variables: the semicolon must survive gtest_discover_tests' script.
   gtest_discover_tests(${T_NAME} DISCOVERY_TIMEOUT 60
-    PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}"
-    ENVIRONMENT "TANDEM_BIN=$<TARGET_FILE:tandem>;TANDEM_SOURCE_DIR=${PROJECT_SOURCE_DIR};OPENBLAS_NUM_THREADS=1")
+    PROPERTIES ${props}
+    ENVIRONMENT "TANDEM_BIN=$<TARGET_FILE:tandem>$<SEMICOLON>TANDEM_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
 endfunction()

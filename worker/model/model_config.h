@@ -1,12 +1,16 @@
 // ModelConfig: the shape of a Llama-family decoder as read from a Hugging Face
 // config.json (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) or
-// given by a built-in preset. Plain data; validated once by ParseModelConfig.
+// given by a built-in preset. Plain data; validated once by ParseModelConfig
+// (or ValidateModelConfig for a config built in code).
+//
+// Thread safety: all functions are pure; ModelConfig is a value type.
 #ifndef TANDEM_WORKER_MODEL_MODEL_CONFIG_H_
 #define TANDEM_WORKER_MODEL_MODEL_CONFIG_H_
 
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace tandem::worker {
@@ -24,6 +28,8 @@ struct RopeConfig {
   double low_freq_factor = 1.0;               // kLlama3
   double high_freq_factor = 4.0;              // kLlama3
   int original_max_position_embeddings = 8192;  // kLlama3
+
+  friend bool operator==(const RopeConfig&, const RopeConfig&) = default;
 };
 
 struct ModelConfig {
@@ -48,12 +54,26 @@ struct ModelConfig {
 
   int q_size() const { return num_heads * head_dim; }
   int kv_size() const { return num_kv_heads * head_dim; }
+
+  friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
+
+// The architectures ParseModelConfig accepts, in the order error messages list them.
+const std::vector<std::string>& SupportedArchitectures();
+
+// Checks a config built in code with the rules ParseModelConfig applies:
+// positive sizes, num_heads % num_kv_heads == 0, even head_dim, token ids inside
+// the vocabulary, rope parameters, and the bias pattern of the architecture
+// (Llama: qkv_bias == o_bias; Mistral: none; Qwen2: qkv only).
+absl::Status ValidateModelConfig(const ModelConfig& config);
 
 // Parses the text of a config.json. `source` names the file in error messages.
 // Reads RoPE settings from either rope_theta + rope_scaling (older checkpoints)
 // or rope_parameters (transformers 5). Unknown architectures, unsupported
 // rope types and inconsistent shapes are InvalidArgument errors.
+// A Mistral/Qwen2 sliding window smaller than max_position_embeddings caps
+// max_position_embeddings to the window (logged as a WARNING): the attention
+// kernels have no sliding window, and within the window full attention is exact.
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
                                              const std::string& source);
 
@@ -61,7 +81,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);
 
 // Serializes `config` as a Hugging Face config.json (model_type, architectures,
-// rope_theta/rope_scaling, ...), loadable by transformers and by ParseModelConfig.
+// rope_theta/rope_scaling, ...), loadable by transformers and by ParseModelConfig,
+// which reads it back equal to `config`. REQUIRES: ValidateModelConfig(config).ok().
 std::string ModelConfigToJson(const ModelConfig& config);
 
 }  // namespace tandem::worker

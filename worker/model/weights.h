@@ -6,10 +6,14 @@
 // A TensorSource yields named tensors (Hugging Face names such as
 // "model.layers.0.self_attn.q_proj.weight"); both a safetensors checkpoint and
 // a built-in preset are TensorSources, so weights are assembled by one path.
+//
+// Thread safety: TensorSource implementations are immutable once built; their
+// const methods may be called concurrently. ModelWeights is plain data.
 #ifndef TANDEM_WORKER_MODEL_WEIGHTS_H_
 #define TANDEM_WORKER_MODEL_WEIGHTS_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,6 +60,11 @@ struct ModelWeights {
   std::vector<float> lm_head;        // [vocab, hidden]; empty when tied to embed
   const std::vector<float>& output_matrix() const { return lm_head.empty() ? embed : lm_head; }
 };
+
+// The Hugging Face tensors LoadWeights reads for `config`: name -> shape, with
+// matrices as [out_features, in_features]. Biases appear where the config has
+// them; lm_head.weight is absent when tie_word_embeddings is set.
+std::map<std::string, std::vector<int64_t>> ExpectedTensorShapes(const ModelConfig& config);
 
 // Assembles weights from `source`, checking every tensor's presence and shape
 // against `config`. Errors name the tensor, the expected and the found shape.

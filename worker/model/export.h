@@ -1,0 +1,39 @@
+// ExportModel: writes a built-in preset as a Hugging Face checkpoint directory
+// that transformers loads as LlamaForCausalLM and that LoadModel(dir) reads
+// back (bit-identical weights for float32):
+//   config.json, generation_config.json,
+//   model.safetensors  or  model-0000i-of-0000N.safetensors + model.safetensors.index.json,
+//   tokenizer.json (byte-level BPE with no merges, for the `tokenizers` library),
+//   tokenizer_config.json (PreTrainedTokenizerFast, with the built-in chat template).
+// Weight files of an earlier export in `dir` are removed first, so a sharded
+// export does not leave a stale model.safetensors that would shadow it.
+//
+// Thread safety: concurrent exports must use different directories.
+#ifndef TANDEM_WORKER_MODEL_EXPORT_H_
+#define TANDEM_WORKER_MODEL_EXPORT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace tandem::worker {
+
+struct ExportOptions {
+  // Weight dtype, also written as config.json's torch_dtype: "float32",
+  // "bfloat16" or "float16" (16-bit values round to nearest even).
+  std::string dtype = "float32";
+  // 0: one model.safetensors. Otherwise tensors, in name order, fill shards of
+  // at most this many bytes (a larger tensor gets a shard of its own), named
+  // model-00001-of-0000N.safetensors, with model.safetensors.index.json
+  // holding metadata.total_size and the weight_map.
+  int64_t max_shard_bytes = 0;
+};
+
+// Exports preset `preset` ("tiny" or "small") into `dir`, creating it.
+absl::Status ExportModel(const std::string& preset, const std::string& dir,
+                         const ExportOptions& options = {});
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_MODEL_EXPORT_H_

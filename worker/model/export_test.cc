@@ -1,0 +1,355 @@
+#include "worker/model/export.h"
+
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "worker/model/test_util.h"
+#include "worker/model/builtin_models.h"
+#include "worker/model/model_loader.h"
+#include "worker/model/safetensors.h"
+
+namespace tandem::worker {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+nlohmann::json ReadJson(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+// Every parameter, in a fixed order, for whole-model comparisons.
+std::vector<const std::vector<float>*> Parameters(const ModelWeights& w) {
+  std::vector<const std::vector<float>*> all = {&w.embed, &w.final_norm, &w.lm_head};
+  for (const LayerWeights& l : w.layers) {
+    for (const std::vector<float>* v : {&l.input_norm, &l.wqkv, &l.bqkv, &l.wo, &l.bo,
+                                        &l.post_norm, &l.w_gate_up, &l.b_gate_up, &l.w_down,
+                                        &l.b_down}) {
+      all.push_back(v);
+    }
+  }
+  return all;
+}
+
+// Expects `got` to equal `want` rounded through `dtype`, bit for bit.
+void ExpectWeightsEqual(const ModelWeights& want, const ModelWeights& got,
+                        SafetensorsDtype dtype = SafetensorsDtype::kF32) {
+  const auto a = Parameters(want);
+  const auto b = Parameters(got);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i]->size(), b[i]->size()) << "parameter " << i;
+    for (size_t k = 0; k < a[i]->size(); ++k) {
+      const float expected = RoundToDtype((*a[i])[k], dtype);
+      ASSERT_EQ(std::bit_cast<uint32_t>(expected), std::bit_cast<uint32_t>((*b[i])[k]))
+          << "parameter " << i << " element " << k;
+    }
+  }
+}
+
+TEST(ExportTest, Float32ExportReloadsBitIdentical) {
+  ScopedTempDir tmp("tiny_f32");
+  const std::string& dir = tmp.path();
+  ASSERT_TRUE(ExportModel("tiny", dir).ok());
+  for (const char* file : {"config.json", "generation_config.json", "model.safetensors",
+                           "tokenizer.json", "tokenizer_config.json"}) {
+    EXPECT_TRUE(std::filesystem::exists(dir + "/" + file)) << file;
+  }
+  absl::StatusOr<LoadedModel> builtin = LoadModel("builtin:tiny");
+  ASSERT_TRUE(builtin.ok()) << builtin.status();
+  absl::StatusOr<LoadedModel> loaded = LoadModel(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->name, "tiny_f32");
+  EXPECT_EQ(loaded->source_dir, dir);
+  EXPECT_EQ(builtin->name, "tiny");
+  EXPECT_TRUE(builtin->source_dir.empty());
+  EXPECT_TRUE(loaded->config == builtin->config);
+  ExpectWeightsEqual(builtin->weights, loaded->weights);
+
+  EXPECT_EQ(LoadModel(dir + "/")->name, "tiny_f32");
+
+  const nlohmann::json generation = ReadJson(dir + "/generation_config.json");
+  EXPECT_EQ(generation["bos_token_id"], 256);
+  EXPECT_EQ(generation["eos_token_id"], nlohmann::json::array({257, 260}));
+}
+
+TEST(ExportTest, BFloat16AndFloat16ExportsReloadRounded) {
+  absl::StatusOr<LoadedModel> builtin = LoadModel("builtin:tiny");
+  ASSERT_TRUE(builtin.ok());
+  for (const auto& [name, dtype] : {std::pair{"bfloat16", SafetensorsDtype::kBF16},
+                                    std::pair{"float16", SafetensorsDtype::kF16}}) {
+    ScopedTempDir tmp(std::string("tiny_") + name);
+    const std::string& dir = tmp.path();
+    ASSERT_TRUE(ExportModel("tiny", dir, {.dtype = name}).ok());
+    absl::StatusOr<LoadedModel> loaded = LoadModel(dir);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    EXPECT_EQ(loaded->config.torch_dtype, name);
+    ExpectWeightsEqual(builtin->weights, loaded->weights, dtype);
+    // The file holds 16-bit values: about half the f32 size.
+    EXPECT_LT(std::filesystem::file_size(dir + "/model.safetensors"), 500000u);
+  }
+}
+
+TEST(ExportTest, ShardedExportReloads) {
+  ScopedTempDir tmp("tiny_sharded");
+  const std::string& dir = tmp.path();
+  ASSERT_TRUE(ExportModel("tiny", dir).ok());  // a single file first: must be replaced
+  ASSERT_TRUE(ExportModel("tiny", dir, {.max_shard_bytes = 100000}).ok());
+  EXPECT_FALSE(std::filesystem::exists(dir + "/model.safetensors"));
+
+  const nlohmann::json index = ReadJson(dir + "/model.safetensors.index.json");
+  std::set<std::string> shards;
+  for (const auto& item : index["weight_map"].items()) shards.insert(item.value().get<std::string>());
+  ASSERT_GE(shards.size(), 3u);
+  const int n = static_cast<int>(shards.size());
+  char expected_last[64];
+  std::snprintf(expected_last, sizeof(expected_last), "model-%05d-of-%05d.safetensors", n, n);
+  EXPECT_EQ(*shards.rbegin(), expected_last);
+  EXPECT_EQ(*shards.begin(), std::string("model-00001-of-") + (expected_last + 15));
+
+  int64_t total = 0;
+  for (const auto& [name, shape] : ExpectedTensorShapes(*BuiltinModelConfig("tiny"))) {
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    total += numel * 4;
+    EXPECT_TRUE(index["weight_map"].contains(name)) << name;
+  }
+  EXPECT_EQ(index["metadata"]["total_size"], total);
+  for (const std::string& shard : shards) {
+    // A shard holds at most max_shard_bytes of data, unless one tensor is larger.
+    auto file = SafetensorsFile::Open(dir + "/" + shard);
+    ASSERT_TRUE(file.ok()) << file.status();
+    uint64_t bytes = 0;
+    for (const auto& [name, entry] : (*file)->entries()) bytes += entry.end - entry.begin;
+    EXPECT_TRUE(bytes <= 100000 || (*file)->entries().size() == 1) << shard;
+  }
+
+  absl::StatusOr<LoadedModel> loaded = LoadModel(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ExpectWeightsEqual(LoadModel("builtin:tiny")->weights, loaded->weights);
+
+  // Exporting unsharded again removes the shards.
+  ASSERT_TRUE(ExportModel("tiny", dir).ok());
+  EXPECT_FALSE(std::filesystem::exists(dir + "/model.safetensors.index.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/" + *shards.begin()));
+}
+
+TEST(ExportTest, TokenizerJsonIsByteLevel) {
+  ScopedTempDir tmp("tokenizer");
+  const std::string& dir = tmp.path();
+  ASSERT_TRUE(ExportModel("tiny", dir).ok());
+  const nlohmann::json t = ReadJson(dir + "/tokenizer.json");
+  const nlohmann::json& model = t["model"];
+  EXPECT_EQ(model["type"], "BPE");
+  EXPECT_EQ(model["merges"], nlohmann::json::array());
+  const nlohmann::json& vocab = model["vocab"];
+  EXPECT_EQ(vocab["A"], 0x41);
+  EXPECT_EQ(vocab["!"], 33);
+  EXPECT_EQ(vocab["\xC4\xA0"], 32);   // U+0120 'Ġ' is the space
+  EXPECT_EQ(vocab["\xC4\x8A"], 10);   // U+010A 'Ċ' is the newline
+  EXPECT_EQ(vocab["\xC4\x80"], 0);    // U+0100 is byte 0
+  EXPECT_EQ(vocab["\xC3\xBF"], 255);  // U+00FF 'ÿ' stands for itself
+  EXPECT_EQ(vocab["\xC5\x83"], 0xAD);  // U+0143: the last shifted byte, soft hyphen
+  std::set<int> ids;
+  for (const auto& item : vocab.items()) ids.insert(item.value().get<int>());
+  EXPECT_EQ(vocab.size(), 256u);
+  EXPECT_EQ(ids.size(), 256u);
+  EXPECT_EQ(*ids.rbegin(), 255);
+
+  EXPECT_EQ(t["pre_tokenizer"]["type"], "ByteLevel");
+  EXPECT_EQ(t["pre_tokenizer"]["add_prefix_space"], false);
+  EXPECT_EQ(t["pre_tokenizer"]["use_regex"], false);
+  EXPECT_EQ(t["pre_tokenizer"]["trim_offsets"], true);
+  EXPECT_EQ(t["decoder"]["type"], "ByteLevel");
+  const nlohmann::json& added = t["added_tokens"];
+  ASSERT_EQ(added.size(), 128u);
+  EXPECT_EQ(added[0]["id"], 256);
+  EXPECT_EQ(added[0]["content"], "<|begin_of_text|>");
+  EXPECT_EQ(added[4]["content"], "<|eot_id|>");
+  EXPECT_EQ(added[127]["id"], 383);
+  EXPECT_EQ(added[127]["content"], "<|reserved_special_token_122|>");
+  for (const auto& token : added) EXPECT_EQ(token["special"], true);
+
+  const nlohmann::json c = ReadJson(dir + "/tokenizer_config.json");
+  EXPECT_EQ(c["bos_token"], "<|begin_of_text|>");
+  EXPECT_EQ(c["eos_token"], "<|eot_id|>");
+  EXPECT_EQ(c["chat_template"], std::string(BuiltinChatTemplate()));
+  EXPECT_EQ(c["tokenizer_class"], "PreTrainedTokenizerFast");
+  EXPECT_EQ(c["clean_up_tokenization_spaces"], false);
+  EXPECT_EQ(c["model_max_length"], 2048);
+  EXPECT_EQ(c["added_tokens_decoder"]["260"]["content"], "<|eot_id|>");
+  EXPECT_EQ(c["added_tokens_decoder"].size(), 128u);
+}
+
+TEST(ExportTest, BadOptionsAndPresets) {
+  ScopedTempDir tmp("bad");
+  const std::string& dir = tmp.path();
+  EXPECT_THAT(ExportModel("tiny", dir, {.dtype = "int8"}).message(), HasSubstr("int8"));
+  EXPECT_THAT(ExportModel("tiny", dir, {.max_shard_bytes = -1}).message(),
+              HasSubstr("max_shard_bytes"));
+  absl::Status s = ExportModel("huge", dir);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("huge"), HasSubstr("tiny"), HasSubstr("small")));
+}
+
+TEST(LoadModelTest, ErrorsNameWhatIsWrong) {
+  absl::StatusOr<LoadedModel> m = LoadModel("builtin:huge");
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(), AllOf(HasSubstr("huge"), HasSubstr("tiny")));
+
+  m = LoadModel("/nonexistent/model");
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(m.status().message(), HasSubstr("/nonexistent/model"));
+
+  ScopedTempDir tmp("broken");
+  const std::string& dir = tmp.path();
+  m = LoadModel(dir);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(m.status().message(), HasSubstr(dir + "/config.json"));
+
+  // A truncated checkpoint names the file and the tensor cut off.
+  ASSERT_TRUE(ExportModel("tiny", dir).ok());
+  const std::string weights = dir + "/model.safetensors";
+  std::filesystem::resize_file(weights, std::filesystem::file_size(weights) - 100);
+  m = LoadModel(dir);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(m.status().message(),
+              AllOf(HasSubstr(weights), HasSubstr("truncated"), HasSubstr("'model.norm.weight'")));
+
+  // A config that disagrees with the weights names the tensor.
+  ASSERT_TRUE(ExportModel("tiny", dir).ok());
+  nlohmann::json config = ReadJson(dir + "/config.json");
+  config["intermediate_size"] = 128;
+  std::ofstream(dir + "/config.json") << config.dump();
+  m = LoadModel(dir);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.status().message(),
+              AllOf(HasSubstr("'model.layers.0.mlp.gate_proj.weight'"), HasSubstr("[176, 64]"),
+                    HasSubstr("expected [128, 64]"), HasSubstr("checkpoint " + dir)));
+}
+
+TEST(BuiltinModelsTest, PresetsAreDeterministic) {
+  auto a = MakeBuiltinTensorSource("tiny");
+  auto b = MakeBuiltinTensorSource("tiny");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ((*a)->Describe(), "builtin:tiny");
+  for (const std::string& name : (*a)->TensorNames()) {
+    EXPECT_EQ((*a)->Get(name)->data, (*b)->Get(name)->data) << name;
+  }
+  // Pinned values: a change here changes every built-in model's outputs.
+  const std::vector<float> embed = (*a)->Get("model.embed_tokens.weight")->data;
+  const std::vector<float> q = (*a)->Get("model.layers.0.self_attn.q_proj.weight")->data;
+  char text[128];
+  std::snprintf(text, sizeof(text), "%.9g %.9g %.9g | %.9g", embed[0], embed[1], embed[12345],
+                q[7]);
+  EXPECT_STREQ(text, "-0.228333741 2.1654501 -0.65065068 | 0.0538303629");
+  // Different tensors and presets get different numbers.
+  EXPECT_NE(q[0], (*a)->Get("model.layers.1.self_attn.q_proj.weight")->data[0]);
+  auto small = MakeBuiltinTensorSource("small");
+  ASSERT_TRUE(small.ok());
+  EXPECT_NE(embed[0], (*small)->Get("model.embed_tokens.weight")->data[0]);
+}
+
+double Mean(const std::vector<float>& v) {
+  double sum = 0;
+  for (float x : v) sum += x;
+  return sum / v.size();
+}
+
+double Std(const std::vector<float>& v) {
+  const double mean = Mean(v);
+  double sum = 0;
+  for (float x : v) sum += (x - mean) * (x - mean);
+  return std::sqrt(sum / v.size());
+}
+
+TEST(BuiltinModelsTest, WeightScales) {
+  auto source = MakeBuiltinTensorSource("tiny");
+  ASSERT_TRUE(source.ok());
+  auto get = [&](const char* name) { return (*source)->Get(name)->data; };
+  EXPECT_NEAR(Mean(get("model.embed_tokens.weight")), 0.0, 0.03);
+  EXPECT_NEAR(Std(get("model.embed_tokens.weight")), 1.0, 0.03);
+  EXPECT_NEAR(Std(get("model.layers.0.mlp.gate_proj.weight")), 1 / 8.0, 0.005);   // 1/sqrt(64)
+  EXPECT_NEAR(Std(get("model.layers.0.mlp.down_proj.weight")), 1 / std::sqrt(176.0), 0.005);
+  EXPECT_NEAR(Std(get("lm_head.weight")), 3 / 8.0, 0.01);
+  EXPECT_NEAR(Mean(get("model.norm.weight")), 1.0, 0.03);
+  EXPECT_NEAR(Std(get("model.layers.2.input_layernorm.weight")), 0.05, 0.02);
+}
+
+TEST(BuiltinModelsTest, PresetConfigs) {
+  absl::StatusOr<ModelConfig> tiny = BuiltinModelConfig("tiny");
+  ASSERT_TRUE(tiny.ok());
+  EXPECT_TRUE(ValidateModelConfig(*tiny).ok());
+  EXPECT_EQ(tiny->vocab_size, 384);
+  EXPECT_EQ(tiny->hidden_size, 64);
+  EXPECT_EQ(tiny->intermediate_size, 176);
+  EXPECT_EQ(tiny->num_layers, 3);
+  EXPECT_EQ(tiny->num_heads, 4);
+  EXPECT_EQ(tiny->num_kv_heads, 2);
+  EXPECT_EQ(tiny->head_dim, 16);
+  EXPECT_EQ(tiny->max_position_embeddings, 2048);
+  EXPECT_EQ(tiny->rope.type, RopeType::kLlama3);
+  EXPECT_EQ(tiny->rope.original_max_position_embeddings, 256);
+  EXPECT_EQ(tiny->bos_token_id, 256);
+  EXPECT_THAT(tiny->eos_token_ids, ElementsAre(257, 260));
+  EXPECT_FALSE(tiny->tie_word_embeddings);
+
+  absl::StatusOr<ModelConfig> small = BuiltinModelConfig("small");
+  ASSERT_TRUE(small.ok());
+  EXPECT_TRUE(ValidateModelConfig(*small).ok());
+  EXPECT_EQ(small->hidden_size, 512);
+  EXPECT_EQ(small->intermediate_size, 1536);
+  EXPECT_EQ(small->num_layers, 8);
+  EXPECT_EQ(small->num_heads, 8);
+  EXPECT_EQ(small->num_kv_heads, 4);
+  EXPECT_EQ(small->head_dim, 64);
+  EXPECT_EQ(small->max_position_embeddings, 8192);
+  EXPECT_EQ(small->rope.original_max_position_embeddings, 8192);
+}
+
+TEST(BuiltinModelsTest, LoadsSmall) {
+  absl::StatusOr<LoadedModel> m = LoadModel("builtin:small");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->weights.layers.size(), 8u);
+  EXPECT_EQ(m->weights.layers[7].wqkv.size(), size_t{(512 + 2 * 256) * 512});
+  EXPECT_EQ(m->weights.layers[7].w_gate_up.size(), size_t{2 * 1536 * 512});
+}
+
+TEST(BuiltinModelsTest, ByteTokenizer) {
+  EXPECT_THAT(EncodeBuiltinText("Hi!"), ElementsAre(72, 105, 33));
+  EXPECT_THAT(EncodeBuiltinText("\xFF\x00"), ElementsAre(255));  // string_view stops at NUL
+  EXPECT_THAT(EncodeBuiltinText(std::string_view("a\0b", 3)), ElementsAre(97, 0, 98));
+  EXPECT_THAT(EncodeBuiltinText("<|begin_of_text|>x<|eot_id|><|reserved_special_token_122|>"),
+              ElementsAre(256, 120, 260, 383));
+  // Text that only looks like a special token stays bytes.
+  EXPECT_EQ(EncodeBuiltinText("<|nope|>").size(), 8u);
+  EXPECT_EQ(EncodeBuiltinText("<|eot_id").size(), 8u);
+
+  const std::vector<int> ids = {256, 72, 105, 260, 383, 10, -1, 999};
+  EXPECT_EQ(DecodeBuiltinTokens(ids), "Hi\n");
+  EXPECT_EQ(BuiltinTokenText(258), "<|start_header_id|>");
+  EXPECT_EQ(BuiltinTokenText(259), "<|end_header_id|>");
+  EXPECT_EQ(BuiltinTokenText(261), "<|reserved_special_token_0|>");
+  EXPECT_EQ(BuiltinTokenText(65), "A");
+  for (int id = 0; id < kBuiltinVocabSize; ++id) {
+    EXPECT_THAT(EncodeBuiltinText(BuiltinTokenText(id)), ElementsAre(id));
+  }
+  EXPECT_THAT(std::string(BuiltinChatTemplate()),
+              AllOf(HasSubstr("<|start_header_id|>"), HasSubstr("<|eot_id|>"),
+                    HasSubstr("add_generation_prompt"), HasSubstr("bos_token")));
+}
+
+}  // namespace
+}  // namespace tandem::worker

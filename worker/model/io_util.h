@@ -1,0 +1,40 @@
+// Internal helpers of the model I/O library: whole-file reads and writes that
+// report failures as absl::Status naming the path, and JSON parsing that turns
+// nlohmann_json's exceptions into Status at this edge. Not for use outside
+// worker/model/.
+//
+// Thread safety: all functions are thread-compatible (no shared state).
+#ifndef TANDEM_WORKER_MODEL_IO_UTIL_H_
+#define TANDEM_WORKER_MODEL_IO_UTIL_H_
+
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace tandem::worker::model_internal {
+
+// The contents of the regular file `path`. NotFound when it does not exist.
+absl::StatusOr<std::string> ReadFile(const std::string& path);
+
+// Replaces `path` with `contents`.
+absl::Status WriteFile(const std::string& path, std::string_view contents);
+
+// Parses `text` as JSON; `what` names the text (a file path) in the error,
+// which carries nlohmann's byte position.
+absl::StatusOr<nlohmann::json> ParseJson(std::string_view text, const std::string& what);
+
+// Serializes with `indent` spaces (-1: compact); invalid UTF-8 is replaced
+// rather than thrown on.
+std::string DumpJson(const nlohmann::json& value, int indent);
+std::string DumpJson(const nlohmann::ordered_json& value, int indent);
+
+// `dir` + "/" + `name`.
+std::string JoinPath(const std::string& dir, const std::string& name);
+
+}  // namespace tandem::worker::model_internal
+
+#endif  // TANDEM_WORKER_MODEL_IO_UTIL_H_

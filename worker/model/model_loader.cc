@@ -1,0 +1,69 @@
+#include "worker/model/model_loader.h"
+
+#include <filesystem>
+#include <memory>
+#include <string_view>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "worker/model/builtin_models.h"
+#include "worker/model/safetensors.h"
+
+namespace tandem::worker {
+namespace {
+
+constexpr std::string_view kBuiltinPrefix = "builtin:";
+
+// "/a/b/llama/" -> "llama".
+std::string BaseName(const std::string& dir) {
+  std::filesystem::path path(dir);
+  if (!path.has_filename()) path = path.parent_path();  // a trailing slash
+  std::string name = path.filename().string();
+  return name.empty() || name == "." || name == ".." ? dir : name;
+}
+
+int64_t ParameterCount(const ModelWeights& w) {
+  int64_t count = static_cast<int64_t>(w.embed.size() + w.final_norm.size() + w.lm_head.size());
+  for (const LayerWeights& l : w.layers) {
+    for (const std::vector<float>* v :
+         {&l.input_norm, &l.wqkv, &l.bqkv, &l.wo, &l.bo, &l.post_norm, &l.w_gate_up,
+          &l.b_gate_up, &l.w_down, &l.b_down}) {
+      count += static_cast<int64_t>(v->size());
+    }
+  }
+  return count;
+}
+
+}  // namespace
+
+absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
+  LoadedModel model;
+  if (spec.rfind(kBuiltinPrefix, 0) == 0) {
+    model.name = spec.substr(kBuiltinPrefix.size());
+    ASSIGN_OR_RETURN(std::unique_ptr<SeededTensorSource> source,
+                     MakeBuiltinTensorSource(model.name));
+    model.config = source->config();
+    ASSIGN_OR_RETURN(model.weights, LoadWeights(model.config, *source));
+  } else {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(spec, ec)) {
+      return absl::NotFoundError(absl::StrCat(
+          "model \"", spec, "\" is neither a checkpoint directory nor builtin:tiny|small"));
+    }
+    model.name = BaseName(spec);
+    model.source_dir = spec;
+    ASSIGN_OR_RETURN(model.config, LoadModelConfig(spec));
+    ASSIGN_OR_RETURN(std::unique_ptr<CheckpointTensorSource> source,
+                     CheckpointTensorSource::Open(spec));
+    ASSIGN_OR_RETURN(model.weights, LoadWeights(model.config, *source));
+  }
+  LOG(INFO) << "loaded model " << model.name << " (" << model.config.architecture << ", "
+            << model.config.num_layers << " layers, hidden " << model.config.hidden_size << ", "
+            << ParameterCount(model.weights) << " parameters) from "
+            << (model.source_dir.empty() ? spec : model.source_dir);
+  return model;
+}
+
+}  // namespace tandem::worker

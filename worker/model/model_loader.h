@@ -1,0 +1,36 @@
+// LoadModel: the one entry point that turns a model spec into a config and f32
+// weights ready for the forward pass.
+//
+//   "builtin:tiny", "builtin:small"  seeded built-in presets (builtin_models.h)
+//   any other string                 a Hugging Face checkpoint directory with
+//                                    config.json and model.safetensors or
+//                                    model.safetensors.index.json + shards
+//
+// Every failure (no such directory, unsupported architecture, missing or
+// misshapen tensor, truncated file) is a Status naming the file or tensor;
+// nothing here crashes on bad input.
+//
+// Thread safety: LoadModel may be called concurrently; a LoadedModel is plain data.
+#ifndef TANDEM_WORKER_MODEL_MODEL_LOADER_H_
+#define TANDEM_WORKER_MODEL_MODEL_LOADER_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "worker/model/model_config.h"
+#include "worker/model/weights.h"
+
+namespace tandem::worker {
+
+struct LoadedModel {
+  std::string name;        // the preset ("tiny") or the directory's base name
+  ModelConfig config;
+  ModelWeights weights;
+  std::string source_dir;  // the checkpoint directory; empty for built-ins
+};
+
+absl::StatusOr<LoadedModel> LoadModel(const std::string& spec);
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_MODEL_MODEL_LOADER_H_

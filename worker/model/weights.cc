@@ -1,0 +1,140 @@
+#include "worker/model/weights.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+
+namespace tandem::worker {
+namespace {
+
+std::string LayerTensor(int layer, const std::string& suffix) {
+  return absl::StrCat("model.layers.", layer, ".", suffix);
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// The data of tensor `name`, which must have `shape`.
+absl::StatusOr<std::vector<float>> Fetch(const TensorSource& source, const std::string& name,
+                                         const std::vector<int64_t>& shape) {
+  if (!source.Has(name)) {
+    return absl::NotFoundError(absl::StrCat("tensor '", name, "' (expected shape ",
+                                            ShapeString(shape), ") is missing from ",
+                                            source.Describe()));
+  }
+  ASSIGN_OR_RETURN(Tensor tensor, source.Get(name));
+  if (tensor.shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in ", source.Describe(),
+                                                   " has shape ", ShapeString(tensor.shape),
+                                                   ", expected ", ShapeString(shape)));
+  }
+  size_t numel = 1;
+  for (int64_t d : shape) numel *= static_cast<size_t>(d);
+  if (tensor.data.size() != numel) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in ", source.Describe(),
+                                                   " has ", tensor.data.size(),
+                                                   " values for shape ", ShapeString(shape)));
+  }
+  return std::move(tensor.data);
+}
+
+// Appends the row-major matrix (or vector) `rows` below `fused`.
+void AppendRows(std::vector<float>* fused, const std::vector<float>& rows) {
+  fused->insert(fused->end(), rows.begin(), rows.end());
+}
+
+}  // namespace
+
+std::map<std::string, std::vector<int64_t>> ExpectedTensorShapes(const ModelConfig& config) {
+  const int64_t vocab = config.vocab_size;
+  const int64_t hidden = config.hidden_size;
+  const int64_t inter = config.intermediate_size;
+  const int64_t q = config.q_size();
+  const int64_t kv = config.kv_size();
+  std::map<std::string, std::vector<int64_t>> shapes;
+  shapes["model.embed_tokens.weight"] = {vocab, hidden};
+  for (int i = 0; i < config.num_layers; ++i) {
+    shapes[LayerTensor(i, "input_layernorm.weight")] = {hidden};
+    shapes[LayerTensor(i, "self_attn.q_proj.weight")] = {q, hidden};
+    shapes[LayerTensor(i, "self_attn.k_proj.weight")] = {kv, hidden};
+    shapes[LayerTensor(i, "self_attn.v_proj.weight")] = {kv, hidden};
+    shapes[LayerTensor(i, "self_attn.o_proj.weight")] = {hidden, q};
+    if (config.qkv_bias) {
+      shapes[LayerTensor(i, "self_attn.q_proj.bias")] = {q};
+      shapes[LayerTensor(i, "self_attn.k_proj.bias")] = {kv};
+      shapes[LayerTensor(i, "self_attn.v_proj.bias")] = {kv};
+    }
+    if (config.o_bias) shapes[LayerTensor(i, "self_attn.o_proj.bias")] = {hidden};
+    shapes[LayerTensor(i, "post_attention_layernorm.weight")] = {hidden};
+    shapes[LayerTensor(i, "mlp.gate_proj.weight")] = {inter, hidden};
+    shapes[LayerTensor(i, "mlp.up_proj.weight")] = {inter, hidden};
+    shapes[LayerTensor(i, "mlp.down_proj.weight")] = {hidden, inter};
+    if (config.mlp_bias) {
+      shapes[LayerTensor(i, "mlp.gate_proj.bias")] = {inter};
+      shapes[LayerTensor(i, "mlp.up_proj.bias")] = {inter};
+      shapes[LayerTensor(i, "mlp.down_proj.bias")] = {hidden};
+    }
+  }
+  shapes["model.norm.weight"] = {hidden};
+  if (!config.tie_word_embeddings) shapes["lm_head.weight"] = {vocab, hidden};
+  return shapes;
+}
+
+absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const TensorSource& source) {
+  RETURN_IF_ERROR(ValidateModelConfig(config));
+  const std::map<std::string, std::vector<int64_t>> shapes = ExpectedTensorShapes(config);
+  auto fetch = [&](const std::string& name) {
+    auto it = shapes.find(name);
+    CHECK(it != shapes.end()) << name;
+    return Fetch(source, name, it->second);
+  };
+  // Appends the named tensors, in order, to `fused`.
+  auto fuse = [&](int layer, std::initializer_list<const char*> suffixes,
+                  std::vector<float>* fused) -> absl::Status {
+    for (const char* suffix : suffixes) {
+      ASSIGN_OR_RETURN(std::vector<float> part, fetch(LayerTensor(layer, suffix)));
+      AppendRows(fused, part);
+    }
+    return absl::OkStatus();
+  };
+
+  ModelWeights w;
+  ASSIGN_OR_RETURN(w.embed, fetch("model.embed_tokens.weight"));
+  w.layers.resize(config.num_layers);
+  for (int i = 0; i < config.num_layers; ++i) {
+    LayerWeights& layer = w.layers[i];
+    ASSIGN_OR_RETURN(layer.input_norm, fetch(LayerTensor(i, "input_layernorm.weight")));
+    RETURN_IF_ERROR(fuse(i,
+                         {"self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                          "self_attn.v_proj.weight"},
+                         &layer.wqkv));
+    if (config.qkv_bias) {
+      RETURN_IF_ERROR(fuse(
+          i, {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"},
+          &layer.bqkv));
+    }
+    ASSIGN_OR_RETURN(layer.wo, fetch(LayerTensor(i, "self_attn.o_proj.weight")));
+    if (config.o_bias) {
+      ASSIGN_OR_RETURN(layer.bo, fetch(LayerTensor(i, "self_attn.o_proj.bias")));
+    }
+    ASSIGN_OR_RETURN(layer.post_norm, fetch(LayerTensor(i, "post_attention_layernorm.weight")));
+    RETURN_IF_ERROR(fuse(i, {"mlp.gate_proj.weight", "mlp.up_proj.weight"}, &layer.w_gate_up));
+    ASSIGN_OR_RETURN(layer.w_down, fetch(LayerTensor(i, "mlp.down_proj.weight")));
+    if (config.mlp_bias) {
+      RETURN_IF_ERROR(fuse(i, {"mlp.gate_proj.bias", "mlp.up_proj.bias"}, &layer.b_gate_up));
+      ASSIGN_OR_RETURN(layer.b_down, fetch(LayerTensor(i, "mlp.down_proj.bias")));
+    }
+  }
+  ASSIGN_OR_RETURN(w.final_norm, fetch("model.norm.weight"));
+  // With tied embeddings lm_head.weight is ignored even when present.
+  if (!config.tie_word_embeddings) {
+    ASSIGN_OR_RETURN(w.lm_head, fetch("lm_head.weight"));
+  }
+  return w;
+}
+
+}  // namespace tandem::worker
