@@ -27,7 +27,7 @@ inline double Exp(double x) {
   // high part with 32 significant bits (k * kLn2High is exact for |k| < 2^21)
   // and the rest, so that r carries no cancellation error.
   constexpr double kInvLn2 = 0x1.71547652b82fep+0;   // 1 / ln 2
-  constexpr double kLn2High = 0x1.62e42feep-1;      // ln 2, top 32 bits
+  constexpr double kLn2High = 0x1.62e42feep-1;       // ln 2, top 32 bits
   constexpr double kLn2Low = 0x1.a39ef35793c76p-33;  // ln 2 - kLn2High
   // Adding 1.5 * 2^52 rounds to an integer (ties to even) held in the low
   // mantissa bits, whence k both as a double and as an integer, with plain
@@ -36,8 +36,7 @@ inline double Exp(double x) {
   constexpr double kRoundingShift = 0x1.8p52;
   const double shifted = clamped * kInvLn2 + kRoundingShift;
   const double k = shifted - kRoundingShift;
-  const int64_t exponent =
-      std::bit_cast<int64_t>(shifted) - std::bit_cast<int64_t>(kRoundingShift);
+  const int64_t exponent = std::bit_cast<int64_t>(shifted) - std::bit_cast<int64_t>(kRoundingShift);
   const double r = (clamped - k * kLn2High) - k * kLn2Low;
   // Taylor series of e^r to r^13 / 13!: the first omitted term is below
   // 0.3466^14 / 14! < 5e-18, about 2% of an ulp of 1. Evaluated by Estrin's

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -39,6 +40,30 @@ TEST(PortableExpTest, WithinTwoUlpNearZero) {
     worst = std::max(worst, UlpDistance(PortableExp(x), std::exp(x)));
   }
   EXPECT_LE(worst, 2);
+}
+
+TEST(PortableExpTest, BatchGivesTheSameBitsAsScalar) {
+  std::vector<double> x;
+  for (int i = 0; i <= 100000; ++i) x.push_back(-750.0 + 1462.0 * i / 100000);
+  x.push_back(std::numeric_limits<double>::quiet_NaN());
+  x.push_back(-std::numeric_limits<double>::infinity());
+  x.push_back(std::numeric_limits<double>::infinity());
+  std::vector<double> batch(x.size());
+  PortableExp(x, batch);
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(std::bit_cast<uint64_t>(batch[i]), std::bit_cast<uint64_t>(PortableExp(x[i])))
+        << "x = " << x[i];
+  }
+}
+
+// Pinned bits: a change here changes sampled tokens, so it must be
+// deliberate (and is then a change for every worker at once). All are the
+// correctly rounded e^x except e^-0.3, one ulp below it.
+TEST(PortableExpTest, PinnedValues) {
+  EXPECT_EQ(std::bit_cast<uint64_t>(PortableExp(-1.0)), 0x3fd78b56362cef38u);
+  EXPECT_EQ(std::bit_cast<uint64_t>(PortableExp(-0.3)), 0x3fe7b4c869c37c04u);
+  EXPECT_EQ(std::bit_cast<uint64_t>(PortableExp(-20.5)), 0x3e157a3afeed00abu);
+  EXPECT_EQ(std::bit_cast<uint64_t>(PortableExp(-744.0)), 0x2u);  // subnormal
 }
 
 TEST(PortableExpTest, ExactAndSpecialValues) {

@@ -7,7 +7,6 @@
 #include <iterator>
 #include <limits>
 #include <optional>
-#include <ranges>
 
 #include "absl/container/flat_hash_map.h"
 #include "common/logging.h"
@@ -120,8 +119,8 @@ class RawLogprobs {
     for (size_t id = 0; id < logits.size(); ++id) {
       const float logit = logits[id];
       if (top.size() == static_cast<size_t>(n) && !(logit > logits[top.back()])) continue;
-      auto position = std::find_if(top.begin(), top.end(),
-                                   [&](int other) { return logits[other] < logit; });
+      auto position =
+          std::find_if(top.begin(), top.end(), [&](int other) { return logits[other] < logit; });
       top.insert(position, static_cast<int>(id));
       if (top.size() > static_cast<size_t>(n)) top.pop_back();
     }
@@ -150,8 +149,7 @@ constexpr auto kComesFirst = [](const Candidate& a, const Candidate& b) {
 class SamplingOrder {
  public:
   SamplingOrder(std::span<const float> logits, float max_logit, double temperature)
-      : logits_(logits), size_(logits.size()), max_logit_(max_logit),
-        temperature_(temperature) {}
+      : logits_(logits), size_(logits.size()), max_logit_(max_logit), temperature_(temperature) {}
 
   size_t size() const { return size_; }
 
@@ -186,14 +184,6 @@ class SamplingOrder {
   static constexpr size_t kGrowth = 4;
   static constexpr size_t kMaxHeapSelection = 1024;
 
-  // The vocabulary as candidates, in token-id order.
-  auto AllCandidates() const {
-    return std::views::iota(size_t{0}, logits_.size()) |
-           std::views::transform([this](size_t id) {
-             return Candidate{logits_[id], static_cast<int>(id)};
-           });
-  }
-
   void SortThrough(size_t i) {
     if (i >= sorted_) SortPrefix(std::max({i + 1, kGrowth * sorted_, kFirstPrefix}));
   }
@@ -203,13 +193,15 @@ class SamplingOrder {
     n = std::min(n, size_);
     if (n <= sorted_) return;
     if (!all_listed_ && n <= kMaxHeapSelection) {
-      candidates_.resize(n);
-      std::ranges::partial_sort_copy(AllCandidates(), candidates_, kComesFirst);
+      SelectByHeap(n);
     } else {
       size_t first = sorted_;
       if (!all_listed_) {
-        candidates_.resize(logits_.size());
-        std::ranges::copy(AllCandidates(), candidates_.begin());
+        candidates_.clear();
+        candidates_.reserve(logits_.size());
+        for (size_t id = 0; id < logits_.size(); ++id) {
+          candidates_.push_back({logits_[id], static_cast<int>(id)});
+        }
         all_listed_ = true;
         first = 0;
       }
@@ -222,10 +214,30 @@ class SamplingOrder {
     }
     // The order is total, so the first sorted_ candidates did not move.
     for (size_t i = sorted_; i < n; ++i) {
-      weights_.push_back(PortableExp(
-          (static_cast<double>(candidates_[i].logit) - max_logit_) / temperature_));
+      weights_.push_back(
+          PortableExp((static_cast<double>(candidates_[i].logit) - max_logit_) / temperature_));
     }
     sorted_ = n;
+  }
+
+  // candidates_ = the first n of the order, sorted: one pass over the
+  // logits with a heap of the best n so far, whose top is the one that
+  // comes last.
+  void SelectByHeap(size_t n) {
+    candidates_.clear();
+    candidates_.reserve(n);
+    for (size_t id = 0; id < logits_.size(); ++id) {
+      const Candidate candidate{logits_[id], static_cast<int>(id)};
+      if (candidates_.size() < n) {
+        candidates_.push_back(candidate);
+        std::push_heap(candidates_.begin(), candidates_.end(), kComesFirst);
+      } else if (kComesFirst(candidate, candidates_.front())) {
+        std::pop_heap(candidates_.begin(), candidates_.end(), kComesFirst);
+        candidates_.back() = candidate;
+        std::push_heap(candidates_.begin(), candidates_.end(), kComesFirst);
+      }
+    }
+    std::sort_heap(candidates_.begin(), candidates_.end(), kComesFirst);
   }
 
   std::span<const float> logits_;
@@ -369,9 +381,10 @@ SampledToken SampleToken(std::span<float> logits, const SamplingParams& params,
 }
 
 bool IsStopToken(int token, const SamplingParams& params, std::span<const int> eos_token_ids) {
-  auto contains = [token](auto ids) { return std::find(ids.begin(), ids.end(), token) != ids.end(); };
-  return contains(std::span<const int>(params.stop_token_ids)) ||
-         (!params.ignore_eos && contains(eos_token_ids));
+  auto contains = [token](std::span<const int> ids) {
+    return std::find(ids.begin(), ids.end(), token) != ids.end();
+  };
+  return contains(params.stop_token_ids) || (!params.ignore_eos && contains(eos_token_ids));
 }
 
 }  // namespace tandem::worker

@@ -31,20 +31,24 @@
 //
 // Reproducible: the token is a function of (logits, params, prompt, output,
 // eos ids, seed) alone, bit for bit on any IEEE-754 machine: the random draw
-// is counter based (philox.h), exp is PortableExp (portable_exp.h), sums run
-// in a fixed order (token-id order over every candidate, else the sorted
-// order) and the library is built without FMA contraction. A sequence sampled
-// partly on one worker and partly on another therefore gets the same tokens
-// as on one worker. Reported logprobs use std::log once, so their last bit
-// may differ across C libraries; the sampled token never does.
+// is counter based (philox.h), exp is PortableExp (portable_exp.h), every sum
+// runs in a fixed order (over the whole vocabulary, eight interleaved partial
+// sums in token-id order; over a prefix of the order, along it), and the
+// library is built without FMA contraction. A sequence sampled partly on one
+// worker and partly on another therefore gets the same tokens as on one
+// worker. Reported logprobs use std::log once, so their last bit may differ
+// across C libraries; the sampled token never does.
 //
-// Cost, for vocabulary V: greedy is two passes over the logits. Sampling
-// adds one exp per token for the softmax's total (none with top_k, which
-// needs only its k), and an nth_element pass to find the most likely
-// candidates: the order is sorted lazily, 64 candidates first and 4x more
-// each time a walk (top_p, min_p, the pick) goes past them, so a full sort
-// happens only when a walk reaches deep into a flat distribution. Penalties
-// cost O(prompt + output).
+// Cost, for vocabulary V: greedy is three passes over the logits.
+// Sampling adds the softmax's denominator, one exp per token (none with
+// top_k, which needs only its k), and one pass with a heap to find the 64
+// most likely candidates. The sorted prefix grows 4x each time a walk
+// (top_p, min_p, the pick) goes past it: by heap up to 1024, then by
+// nth_element over a list of the vocabulary, so a full sort happens only
+// when a walk reaches deep into a flat distribution. Penalties cost
+// O(prompt + output). Measured on one Xeon core, 128k vocabulary: greedy
+// 0.07 ms, top_k=50 0.18 ms, top_p or min_p 0.6 ms, unfiltered sampling of a
+// flat distribution 1.6 ms; logprobs add 0.6 ms (their own softmax).
 //
 // Thread safety: pure functions; concurrent calls on distinct logits are safe.
 #ifndef TANDEM_WORKER_SAMPLING_SAMPLER_H_

@@ -97,6 +97,21 @@ std::vector<int> Support(const std::vector<float>& logits, const SamplingParams&
   return support;
 }
 
+// The sum sampler.cc takes over a whole vocabulary: eight interleaved
+// partial sums in token-id order, added in lane order, then the tail.
+double LaneSum(const std::vector<double>& values) {
+  constexpr size_t kLanes = 8;
+  double lanes[kLanes] = {};
+  size_t i = 0;
+  for (; i + kLanes <= values.size(); i += kLanes) {
+    for (size_t lane = 0; lane < kLanes; ++lane) lanes[lane] += values[i + lane];
+  }
+  double sum = 0.0;
+  for (double lane : lanes) sum += lane;
+  for (; i < values.size(); ++i) sum += values[i];
+  return sum;
+}
+
 // SampleToken for temperature > 0 and no penalties, written from
 // sampler.h with a full sort, the same sums and the same exp.
 int ReferenceSample(const std::vector<float>& logits, const SamplingParams& params, double u) {
@@ -120,7 +135,9 @@ int ReferenceSample(const std::vector<float>& logits, const SamplingParams& para
     keep = static_cast<size_t>(params.top_k);
     total = sum_of_first[keep];
   } else {
-    for (size_t i = 0; i < logits.size(); ++i) total += weight(static_cast<int>(i));
+    std::vector<double> all_weights;
+    for (size_t i = 0; i < logits.size(); ++i) all_weights.push_back(weight(static_cast<int>(i)));
+    total = LaneSum(all_weights);
   }
   if (params.top_p < 1.0f) {
     for (size_t i = 0; i < keep; ++i) {
@@ -257,6 +274,16 @@ TEST(SampleTokenTest, TopPKeepsTheSmallestSetReachingP) {
   EXPECT_THAT(Support(logits, params), ElementsAre(0, 1, 2, 3, 4));
 }
 
+TEST(SampleTokenTest, TopPIsReachedAtEquality) {
+  // Four equal tokens: two of them hold exactly 0.5, which reaches top_p
+  // 0.5 (the lower ids, by the tie rule).
+  SamplingParams params;
+  params.top_p = 0.5f;
+  EXPECT_THAT(Support({1.0f, 1.0f, 1.0f, 1.0f}, params), ElementsAre(0, 1));
+  params.top_p = 0.75f;
+  EXPECT_THAT(Support({1.0f, 1.0f, 1.0f, 1.0f}, params), ElementsAre(0, 1, 2));
+}
+
 TEST(SampleTokenTest, TopPAppliesToWhatTopKKept) {
   // After top_k = 3 the probabilities are {0.588, 0.235, 0.176}: top_p 0.8 is
   // reached by two tokens, where it needs three without top_k.
@@ -304,8 +331,8 @@ TEST(SampleTokenTest, MatchesAFullSortReference) {
     float min_p;
   };
   const std::vector<Case> cases = {
-      {3.0f, 1.0f, 0, 1.0f, 0.0f},     {3.0f, 0.8f, 40, 1.0f, 0.0f},
-      {2.0f, 1.2f, 0, 0.9f, 0.0f},     {2.0f, 1.0f, 0, 1.0f, 0.05f},
+      {3.0f, 1.0f, 0, 1.0f, 0.0f},      {3.0f, 0.8f, 40, 1.0f, 0.0f},
+      {2.0f, 1.2f, 0, 0.9f, 0.0f},      {2.0f, 1.0f, 0, 1.0f, 0.05f},
       {1.0f, 2.0f, 1000, 0.95f, 0.01f}, {0.5f, 5.0f, 0, 1.0f, 0.0f},
       {0.5f, 5.0f, 4999, 0.999f, 0.0f}, {4.0f, 0.3f, 0, 0.5f, 0.2f},
   };

@@ -20,9 +20,7 @@ absl::Status Invalid(absl::string_view field, absl::string_view allowed, int val
 }
 
 // Every comparison below is written so that NaN fails it.
-bool InClosedRange(float value, float low, float high) {
-  return value >= low && value <= high;
-}
+bool InClosedRange(float value, float low, float high) { return value >= low && value <= high; }
 
 }  // namespace
 
@@ -60,15 +58,15 @@ absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size
   }
   if (params.max_tokens != -1 && params.min_tokens > params.max_tokens) {
     return absl::InvalidArgumentError(
-        absl::StrCat("sampling parameter min_tokens must be <= max_tokens (",
-                     params.max_tokens, "); got ", params.min_tokens));
+        absl::StrCat("sampling parameter min_tokens must be <= max_tokens (", params.max_tokens,
+                     "); got ", params.min_tokens));
   }
   for (size_t i = 0; i < params.stop_token_ids.size(); ++i) {
     const int id = params.stop_token_ids[i];
     if (id < 0 || id >= vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sampling parameter stop_token_ids[", i, "] must be in [0, ",
-                       vocab_size, ") (the vocabulary); got ", id));
+      return absl::InvalidArgumentError(absl::StrCat("sampling parameter stop_token_ids[", i,
+                                                     "] must be in [0, ", vocab_size,
+                                                     ") (the vocabulary); got ", id));
     }
   }
   if (params.logprobs < -1 || params.logprobs > kMaxLogprobs) {
