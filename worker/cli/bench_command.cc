@@ -251,12 +251,7 @@ void AddBenchCommand(CLI::App& app) {
   cmd->add_option("--threads", opt->threads, "BLAS threads (0: all cores)")->capture_default_str();
   cmd->add_flag("--json", opt->json, "Print the results as JSON");
   cmd->callback([opt] {
-    absl::Status st = RunBench(*opt);
-    if (!st.ok()) {
-      std::fprintf(stderr, "tandem bench engine: %s\n", std::string(st.message()).c_str());
-      std::exit(1);
-    }
-    std::exit(0);
+    ExitWithStatus("bench engine", RunBench(*opt));
   });
 }
 

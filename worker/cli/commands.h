@@ -27,6 +27,10 @@ void AddGenerateCommand(CLI::App& app);
 // `tandem bench engine`: CPU prefill and decode throughput against OpenBLAS sgemm.
 void AddBenchCommand(CLI::App& app);
 
+// Ends a subcommand: exit 0 if `status` is OK, else prints
+// "tandem <command>: <message>" to stderr and exits 1.
+[[noreturn]] void ExitWithStatus(const char* command, const absl::Status& status);
+
 // "256MiB", "1.5GiB", "4096", "2GB" -> bytes. InvalidArgument otherwise.
 absl::StatusOr<int64_t> ParseByteSize(const std::string& text);
 

@@ -33,11 +33,7 @@ void AddExportModelCommand(CLI::App& app) {
       st = bytes.status();
     }
     if (st.ok()) st = ExportModel(opt->preset, opt->dir, opt->options);
-    if (!st.ok()) {
-      std::fprintf(stderr, "tandem export-model: %s\n", std::string(st.message()).c_str());
-      std::exit(1);
-    }
-    std::exit(0);
+    ExitWithStatus("export-model", st);
   });
 }
 

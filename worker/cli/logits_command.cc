@@ -120,12 +120,7 @@ void AddLogitsCommand(CLI::App& app) {
   cmd->add_option("--chunk", opt->chunk, "Prefill in chunks of this many tokens (0: one pass)")
       ->capture_default_str();
   cmd->callback([opt] {
-    absl::Status st = RunLogits(*opt);
-    if (!st.ok()) {
-      std::fprintf(stderr, "tandem logits: %s\n", std::string(st.message()).c_str());
-      std::exit(1);
-    }
-    std::exit(0);
+    ExitWithStatus("logits", RunLogits(*opt));
   });
 }
 

@@ -90,6 +90,12 @@ absl::Status RunWorker(WorkerOptions opt) {
 
 }  // namespace
 
+void ExitWithStatus(const char* command, const absl::Status& status) {
+  if (status.ok()) std::exit(0);
+  std::fprintf(stderr, "tandem %s: %s\n", command, std::string(status.message()).c_str());
+  std::exit(1);
+}
+
 absl::StatusOr<int64_t> ParseByteSize(const std::string& text) {
   std::string t = absl::AsciiStrToLower(text);
   struct Unit {
@@ -147,12 +153,7 @@ void AddWorkerCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--threads", opt->engine.threads, "BLAS threads (0: all cores)")->capture_default_str();
   cmd->callback([opt] {
-    absl::Status st = RunWorker(*opt);
-    if (!st.ok()) {
-      std::fprintf(stderr, "tandem worker: %s\n", std::string(st.message()).c_str());
-      std::exit(1);
-    }
-    std::exit(0);
+    ExitWithStatus("worker", RunWorker(*opt));
   });
 }
 

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <numbers>
 
@@ -13,8 +14,24 @@
 namespace tandem::worker {
 namespace {
 
+// Up to this many rows, a matrix product runs as one sgemv per row. OpenBLAS
+// 0.3.21's sgemm packs the whole weight matrix on every call, which at decode
+// sizes costs far more than streaming the weights once through sgemv
+// (measured on builtin:small, 2 cores: see docs/benchmarks.md).
+static const int kGemvMaxRows = [] {
+  const char* e = std::getenv("TANDEM_GEMV_MAX_ROWS");
+  return e ? std::atoi(e) : 4;
+}();
+
 // Y[m, n] = X[m, k] . W[n, k]^T + beta * Y (row-major, W as Hugging Face stores it).
 void MatMulT(const float* x, int m, int k, const float* w, int n, float beta, float* y) {
+  if (m <= kGemvMaxRows) {
+    for (int r = 0; r < m; ++r) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, k, x + int64_t{r} * k, 1, beta,
+                  y + int64_t{r} * n, 1);
+    }
+    return;
+  }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x, k, w, k, beta, y, n);
 }
 
