@@ -197,6 +197,9 @@ void Engine::DrainCommands() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     submitted.swap(submitted_);
+    // Moved requests stay counted against max_waiting until PublishLoad
+    // recounts the scheduler's queue.
+    waiting_.fetch_add(static_cast<int>(submitted.size()));
     cancelled.swap(cancelled_);
     clears = clear_requests_;
   }
@@ -208,6 +211,9 @@ void Engine::DrainCommands() {
   }
   if (clears > 0) {
     int64_t n = blocks_.Clear();
+    // The caller sees the cleared cache in the events and the load report.
+    events_.Publish();
+    PublishLoad();
     {
       std::lock_guard<std::mutex> lock(mu_);
       cleared_blocks_ += n;

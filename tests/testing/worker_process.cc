@@ -1,0 +1,219 @@
+#include "tests/testing/worker_process.h"
+
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+extern char** environ;
+
+namespace tandem::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr std::chrono::milliseconds kPollInterval(10);
+
+std::string DescribeWaitStatus(int status) {
+  if (WIFEXITED(status)) return absl::StrCat("exited with status ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return absl::StrCat("killed by signal ", WTERMSIG(status));
+  return absl::StrCat("wait status ", status);
+}
+
+absl::StatusOr<std::string> MakeTempDir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = absl::StrCat(base != nullptr && *base != '\0' ? base : "/tmp",
+                                  "/tandem_worker_XXXXXX");
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("mkdtemp(", tmpl, "): ", std::strerror(errno)));
+  }
+  return tmpl;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> TandemBinary() {
+  const char* bin = std::getenv("TANDEM_BIN");
+  if (bin == nullptr || *bin == '\0') {
+    return absl::FailedPreconditionError(
+        "TANDEM_BIN is not set (ctest sets it; by hand: TANDEM_BIN=build/tandem)");
+  }
+  return std::string(bin);
+}
+
+// ---------------------------------------------------------------------------
+// ChildProcess
+
+absl::StatusOr<ChildProcess> ChildProcess::Spawn(const std::vector<std::string>& argv,
+                                                 std::optional<std::string> stdout_path) {
+  if (argv.empty()) return absl::InvalidArgumentError("empty argv");
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (stdout_path.has_value()) {
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path->c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  }
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    return absl::InternalError(
+        absl::StrCat("posix_spawn(", absl::StrJoin(argv, " "), "): ", std::strerror(rc)));
+  }
+  return ChildProcess(pid);
+}
+
+ChildProcess::ChildProcess(ChildProcess&& other) noexcept
+    : pid_(std::exchange(other.pid_, -1)), wait_status_(other.wait_status_) {}
+
+ChildProcess& ChildProcess::operator=(ChildProcess&& other) noexcept {
+  if (this != &other) {
+    if (pid_ > 0 && Running()) Stop(std::chrono::milliseconds(0));
+    pid_ = std::exchange(other.pid_, -1);
+    wait_status_ = other.wait_status_;
+  }
+  return *this;
+}
+
+ChildProcess::~ChildProcess() {
+  if (pid_ > 0 && Running()) {
+    kill(pid_, SIGKILL);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+  }
+}
+
+bool ChildProcess::Running() {
+  if (pid_ <= 0 || wait_status_.has_value()) return false;
+  int status = 0;
+  const pid_t r = waitpid(pid_, &status, WNOHANG);
+  if (r == pid_) {
+    wait_status_ = status;
+    return false;
+  }
+  return r == 0;
+}
+
+void ChildProcess::Signal(int signal) {
+  if (Running()) kill(pid_, signal);
+}
+
+absl::StatusOr<int> ChildProcess::Wait(std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Running()) {
+    if (Clock::now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("process ", pid_, " still running after ", timeout.count(), " ms"));
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  if (!wait_status_.has_value()) return absl::InternalError("process was never started");
+  return *wait_status_;
+}
+
+int ChildProcess::Stop(std::chrono::milliseconds grace) {
+  Signal(SIGTERM);
+  absl::StatusOr<int> status = Wait(grace);
+  if (status.ok()) return *status;
+  Signal(SIGKILL);
+  status = Wait(std::chrono::seconds(30));
+  return status.ok() ? *status : -1;
+}
+
+// ---------------------------------------------------------------------------
+// WorkerProcess
+
+absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
+    const std::vector<std::string>& flags, std::chrono::milliseconds ready_timeout) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  if (!bin.ok()) return bin.status();
+  absl::StatusOr<std::string> dir = MakeTempDir();
+  if (!dir.ok()) return dir.status();
+  const std::string ready_file = *dir + "/ready";
+
+  std::vector<std::string> argv = {*bin,         "worker",    "--port",    "0",
+                                   "--ready-file", ready_file, "--threads", "1"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  absl::StatusOr<ChildProcess> child = ChildProcess::Spawn(argv);
+  if (!child.ok()) {
+    std::filesystem::remove_all(*dir);
+    return child.status();
+  }
+  auto fail = [&](absl::Status status) {
+    child->Stop(std::chrono::seconds(5));
+    std::filesystem::remove_all(*dir);
+    return status;
+  };
+
+  // The worker writes the file under another name and renames it, so once it
+  // exists it is complete.
+  const auto deadline = Clock::now() + ready_timeout;
+  std::string address;
+  while (true) {
+    std::ifstream in(ready_file);
+    if (in && std::getline(in, address) && !absl::StripAsciiWhitespace(address).empty()) break;
+    if (!child->Running()) {
+      absl::StatusOr<int> status = child->Wait(std::chrono::milliseconds(0));
+      return fail(absl::InternalError(
+          absl::StrCat("tandem worker ", absl::StrJoin(flags, " "), " ",
+                       status.ok() ? DescribeWaitStatus(*status) : "ended", " before serving")));
+    }
+    if (Clock::now() >= deadline) {
+      return fail(absl::DeadlineExceededError(absl::StrCat(
+          "tandem worker wrote no ready file within ", ready_timeout.count(), " ms")));
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  address = std::string(absl::StripAsciiWhitespace(address));
+
+  auto worker = std::unique_ptr<WorkerProcess>(
+      new WorkerProcess(std::move(*child), *dir, address));
+  const auto connect_deadline =
+      std::chrono::system_clock::now() + std::max(ready_timeout, std::chrono::milliseconds(1000));
+  if (!worker->channel_->WaitForConnected(connect_deadline)) {
+    return absl::UnavailableError(absl::StrCat("cannot connect to the worker at ", address));
+  }
+  return worker;
+}
+
+WorkerProcess::WorkerProcess(ChildProcess process, std::string dir, std::string address)
+    : process_(std::move(process)),
+      dir_(std::move(dir)),
+      address_(std::move(address)),
+      channel_(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials())),
+      stub_(tandem::v1::Worker::NewStub(channel_)) {}
+
+WorkerProcess::~WorkerProcess() {
+  if (!stopped_) Stop();
+  std::error_code ignored;
+  std::filesystem::remove_all(dir_, ignored);
+}
+
+int WorkerProcess::Stop(std::chrono::milliseconds grace) {
+  stopped_ = true;
+  // Close our connection first: the worker's server shutdown waits for open
+  // connections until its own deadline.
+  stub_.reset();
+  channel_.reset();
+  return process_.Stop(grace);
+}
+
+}  // namespace tandem::testing

@@ -1,0 +1,99 @@
+// Test helpers that run `tandem` as real child processes: a worker serving
+// its gRPC API (WorkerProcess) and any other subcommand (ChildProcess), for
+// cross-process integration tests. The binary is $TANDEM_BIN, which the
+// tandem_cc_test CMake helper sets.
+//
+// WorkerProcess::Start spawns
+//   tandem worker --port 0 --ready-file <temp dir>/ready --threads 1 <flags>
+// and waits, bounded, until the worker has written its address to the ready
+// file and accepts connections. Destruction stops it: SIGTERM, then SIGKILL
+// if it has not exited within the grace period. The helper's own connection
+// is closed first: gRPC's server shutdown (as of 1.51) waits out its whole
+// deadline while any client connection stays open, idle or not. Children
+// inherit the test's stdout and stderr, so a failing test shows the worker's
+// log.
+//
+// Thread safety: the objects are not thread-safe, except that stub() may be
+// used from any thread until Stop (gRPC stubs are thread-safe).
+#ifndef TANDEM_TESTS_TESTING_WORKER_PROCESS_H_
+#define TANDEM_TESTS_TESTING_WORKER_PROCESS_H_
+
+#include <grpcpp/grpcpp.h>
+#include <sys/types.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::testing {
+
+// $TANDEM_BIN, or an error saying it is unset.
+absl::StatusOr<std::string> TandemBinary();
+
+// A process started with posix_spawn. If it is still running when the object
+// is destroyed it is killed with SIGKILL and reaped.
+class ChildProcess {
+ public:
+  // Runs argv[0] (a path) with argv. `stdout_path`, when set, receives the
+  // child's standard output (e.g. "/dev/null").
+  static absl::StatusOr<ChildProcess> Spawn(const std::vector<std::string>& argv,
+                                            std::optional<std::string> stdout_path = std::nullopt);
+
+  ChildProcess(ChildProcess&& other) noexcept;
+  ChildProcess& operator=(ChildProcess&& other) noexcept;
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+  ~ChildProcess();
+
+  pid_t pid() const { return pid_; }
+  // True until the process has exited (reaps it when it has).
+  bool Running();
+  // Sends `signal` if the process is still running.
+  void Signal(int signal);
+  // Waits up to `timeout` for the process to exit. Returns its wait status
+  // (as waitpid reports it), or DeadlineExceeded.
+  absl::StatusOr<int> Wait(std::chrono::milliseconds timeout);
+  // SIGTERM, then SIGKILL after `grace`; returns the wait status.
+  int Stop(std::chrono::milliseconds grace);
+
+ private:
+  explicit ChildProcess(pid_t pid) : pid_(pid) {}
+  pid_t pid_ = -1;
+  std::optional<int> wait_status_;
+};
+
+class WorkerProcess {
+ public:
+  // `flags` follow the fixed ones, e.g. {"--kv-cache-memory", "1MiB"}.
+  static absl::StatusOr<std::unique_ptr<WorkerProcess>> Start(
+      const std::vector<std::string>& flags,
+      std::chrono::milliseconds ready_timeout = std::chrono::seconds(30));
+  ~WorkerProcess();  // Stop(10 s) unless stopped already
+
+  // "host:port" from the ready file.
+  const std::string& address() const { return address_; }
+  tandem::v1::Worker::Stub& stub() { return *stub_; }
+  pid_t pid() const { return process_.pid(); }
+  // Closes stub()'s connection, then SIGTERM, then SIGKILL after `grace`;
+  // returns the wait status. stub() is unusable afterwards.
+  int Stop(std::chrono::milliseconds grace = std::chrono::seconds(10));
+
+ private:
+  WorkerProcess(ChildProcess process, std::string dir, std::string address);
+
+  ChildProcess process_;
+  bool stopped_ = false;
+  const std::string dir_;  // temp dir holding the ready file; removed at the end
+  const std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<tandem::v1::Worker::Stub> stub_;
+};
+
+}  // namespace tandem::testing
+
+#endif  // TANDEM_TESTS_TESTING_WORKER_PROCESS_H_

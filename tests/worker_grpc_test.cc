@@ -1,0 +1,1136 @@
+// Cross-process tests of `tandem worker`: each test starts real worker
+// processes (tests/testing/worker_process.h) and drives them through the
+// gRPC API of proto/tandem/v1/worker.proto only. The model is builtin:tiny
+// (vocabulary 384: bytes 0-255 plus specials, EOS ids 257 and 260, context
+// 2048, 3 layers, 2 KV heads of dimension 16), which generates about two
+// thousand tokens a second on one CPU thread, so every test is short.
+//
+// Behaviour is checked through responses, status codes, GetLoad and the KV
+// event stream, never through the worker's log.
+#include <grpcpp/grpcpp.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <latch>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/block_hash.h"
+#include "tandem/v1/worker.grpc.pb.h"
+#include "tests/testing/worker_process.h"
+
+namespace tandem {
+namespace {
+
+using ::tandem::testing::ChildProcess;
+using ::tandem::testing::WorkerProcess;
+using ::testing::HasSubstr;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr int kVocabSize = 384;
+constexpr int kBlockSize = 16;
+constexpr int kContext = 2048;
+// One KV block of builtin:tiny in float32:
+// layers(3) * {K,V}(2) * kv_heads(2) * block_size(16) * head_dim(16) * 4 bytes.
+constexpr int64_t kBytesPerBlock = 3 * 2 * 2 * kBlockSize * 16 * 4;
+constexpr float kLogprobTolerance = 1e-5f;
+constexpr seconds kRpcTimeout(60);
+constexpr milliseconds kIdleTimeout(5000);
+
+std::string CacheBytesFlag(int blocks) { return absl::StrCat(blocks * kBytesPerBlock); }
+
+// Deterministic pseudo-random byte tokens: different seeds give different
+// prompts (no shared first block).
+std::vector<int32_t> MakePrompt(uint32_t seed, int len) {
+  std::vector<int32_t> out;
+  uint64_t x = 0x9E3779B97F4A7C15ull * (seed + 1);
+  for (int i = 0; i < len; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    out.push_back(static_cast<int32_t>(x % 256));
+  }
+  return out;
+}
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Greedy, with the sampled token's logprob and 3 alternatives.
+v1::GenerateRequest GreedyRequest(const std::vector<int32_t>& prompt, int max_tokens) {
+  v1::GenerateRequest req;
+  req.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+  v1::SamplingParams* s = req.mutable_sampling();
+  s->set_temperature(0.0f);
+  s->set_max_tokens(max_tokens);
+  s->set_logprobs(3);
+  return req;
+}
+
+// Seeded nucleus sampling, with logprobs.
+v1::GenerateRequest SampledRequest(const std::vector<int32_t>& prompt, int max_tokens,
+                                   uint64_t seed) {
+  v1::GenerateRequest req = GreedyRequest(prompt, max_tokens);
+  req.mutable_sampling()->set_temperature(0.8f);
+  req.mutable_sampling()->set_top_p(0.9f);
+  req.mutable_sampling()->set_seed(seed);
+  return req;
+}
+
+// Everything one Generate stream returned.
+struct Output {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+  std::vector<std::vector<std::pair<int32_t, float>>> top;  // per token, most likely first
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  int32_t stop_token_id = 0;
+  v1::Usage usage;
+  std::string error_message;
+  int messages = 0;
+  int finish_messages = 0;       // messages that carried a finish_reason
+  bool finish_before_end = false;  // a message followed the one with the finish_reason
+  std::chrono::steady_clock::time_point started;  // when the call was made
+  std::chrono::steady_clock::time_point ended;    // when its status came back
+};
+
+Output Generate(v1::Worker::Stub& stub, const v1::GenerateRequest& req,
+                std::chrono::milliseconds timeout = kRpcTimeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub.Generate(&ctx, req);
+  Output out;
+  out.started = std::chrono::steady_clock::now();
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    ++out.messages;
+    if (out.finish_messages > 0) out.finish_before_end = true;
+    for (const v1::TokenOutput& t : msg.tokens()) {
+      out.tokens.push_back(t.token_id());
+      out.logprobs.push_back(t.logprob());
+      std::vector<std::pair<int32_t, float>> alts;
+      for (const v1::TopLogprob& a : t.top_logprobs()) alts.emplace_back(a.token_id(), a.logprob());
+      out.top.push_back(std::move(alts));
+    }
+    if (msg.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      ++out.finish_messages;
+      out.finish = msg.finish_reason();
+      out.stop_token_id = msg.stop_token_id();
+      out.usage = msg.usage();
+      out.error_message = msg.error_message();
+    }
+  }
+  out.status = reader->Finish();
+  out.ended = std::chrono::steady_clock::now();
+  return out;
+}
+
+// A finished stream: OK status, exactly one finishing message, the last one.
+void ExpectWellFormed(const Output& out, const std::string& what) {
+  EXPECT_TRUE(out.status.ok()) << what << ": " << out.status.error_code() << " "
+                               << out.status.error_message();
+  EXPECT_EQ(out.finish_messages, 1) << what;
+  EXPECT_FALSE(out.finish_before_end) << what;
+  EXPECT_EQ(out.usage.completion_tokens(), static_cast<int>(out.tokens.size())) << what;
+  for (int32_t t : out.tokens) {
+    EXPECT_GE(t, 0) << what;
+    EXPECT_LT(t, kVocabSize) << what;
+  }
+}
+
+// Same tokens, finish and (within kLogprobTolerance) logprobs.
+void ExpectSameOutput(const Output& got, const Output& want, const std::string& what) {
+  ExpectWellFormed(got, what);
+  ExpectWellFormed(want, what + " (reference)");
+  EXPECT_EQ(got.tokens, want.tokens) << what;
+  EXPECT_EQ(got.finish, want.finish) << what;
+  EXPECT_EQ(got.stop_token_id, want.stop_token_id) << what;
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
+  ASSERT_EQ(got.top.size(), want.top.size()) << what;
+  for (size_t i = 0; i < got.logprobs.size(); ++i) {
+    EXPECT_NEAR(got.logprobs[i], want.logprobs[i], kLogprobTolerance) << what << " token " << i;
+    ASSERT_EQ(got.top[i].size(), want.top[i].size()) << what << " token " << i;
+    for (size_t k = 0; k < got.top[i].size(); ++k) {
+      EXPECT_EQ(got.top[i][k].first, want.top[i][k].first) << what << " token " << i << " alt " << k;
+      EXPECT_NEAR(got.top[i][k].second, want.top[i][k].second, kLogprobTolerance)
+          << what << " token " << i << " alt " << k;
+    }
+  }
+}
+
+v1::LoadReport GetLoad(v1::Worker::Stub& stub) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
+  v1::LoadReport report;
+  grpc::Status st = stub.GetLoad(&ctx, v1::LoadRequest(), &report);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return report;
+}
+
+v1::ModelInfo GetModelInfo(v1::Worker::Stub& stub) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
+  v1::ModelInfo info;
+  grpc::Status st = stub.GetModelInfo(&ctx, v1::ModelInfoRequest(), &info);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return info;
+}
+
+// Polls GetLoad until `done` holds or `timeout` passes; returns the last
+// report, and whether `done` held, in *ok.
+v1::LoadReport WaitForLoad(v1::Worker::Stub& stub,
+                           const std::function<bool(const v1::LoadReport&)>& done, bool* ok,
+                           milliseconds timeout = kIdleTimeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    v1::LoadReport load = GetLoad(stub);
+    *ok = done(load);
+    if (*ok || std::chrono::steady_clock::now() >= deadline) return load;
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+}
+
+bool IsIdle(const v1::LoadReport& l) {
+  return l.running_sequences() == 0 && l.waiting_sequences() == 0 && l.used_blocks() == 0;
+}
+
+// Waits until no sequence runs or waits and no block is referenced.
+v1::LoadReport ExpectIdle(v1::Worker::Stub& stub, const std::string& what) {
+  bool ok = false;
+  v1::LoadReport load = WaitForLoad(stub, IsIdle, &ok);
+  EXPECT_TRUE(ok) << what << ": the worker did not become idle: " << load.ShortDebugString();
+  return load;
+}
+
+// The test fixture owns the workers it starts and stops them at the end.
+class WorkerGrpcTest : public ::testing::Test {
+ protected:
+  // Starts `tandem worker` with builtin:tiny and `flags`; null (and a test
+  // failure) if it does not come up.
+  WorkerProcess* StartWorker(std::vector<std::string> flags = {}) {
+    flags.insert(flags.begin(), {"--model", "builtin:tiny"});
+    absl::StatusOr<std::unique_ptr<WorkerProcess>> w = WorkerProcess::Start(flags);
+    if (!w.ok()) {
+      ADD_FAILURE() << "cannot start a worker with " << absl::StrJoin(flags, " ") << ": "
+                    << w.status();
+      return nullptr;
+    }
+    workers_.push_back(std::move(*w));
+    return workers_.back().get();
+  }
+
+ private:
+  std::vector<std::unique_ptr<WorkerProcess>> workers_;
+};
+
+// ---------------------------------------------------------------------------
+// 1. Health and model info.
+
+TEST_F(WorkerGrpcTest, HealthAndModelInfo) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
+  v1::HealthResponse health;
+  ASSERT_TRUE(w->stub().Health(&ctx, v1::HealthRequest(), &health).ok());
+  EXPECT_EQ(health.status(), v1::HealthResponse::SERVING);
+  EXPECT_EQ(health.role(), "both");
+  EXPECT_FALSE(health.instance_id().empty());
+
+  v1::ModelInfo info = GetModelInfo(w->stub());
+  EXPECT_EQ(info.vocab_size(), kVocabSize);
+  EXPECT_EQ(info.block_size(), kBlockSize);
+  EXPECT_THAT(info.eos_token_ids(), ::testing::UnorderedElementsAre(257, 260));
+  EXPECT_EQ(info.max_context_length(), kContext);
+  EXPECT_EQ(info.num_layers(), 3);
+  EXPECT_EQ(info.num_kv_heads(), 2);
+  EXPECT_EQ(info.head_dim(), 16);
+  EXPECT_EQ(info.total_blocks(), (int64_t{256} << 20) / kBytesPerBlock);
+  EXPECT_EQ(info.role(), "both");
+  EXPECT_EQ(info.instance_id(), health.instance_id());
+  EXPECT_EQ(info.kv_dtype(), "float32");
+
+  // The block geometry follows the flags.
+  WorkerProcess* w8 = StartWorker({"--block-size", "8", "--kv-cache-memory", "1MiB"});
+  ASSERT_NE(w8, nullptr);
+  v1::ModelInfo info8 = GetModelInfo(w8->stub());
+  EXPECT_EQ(info8.block_size(), 8);
+  EXPECT_EQ(info8.total_blocks(), (int64_t{1} << 20) / (kBytesPerBlock / 2));
+  EXPECT_NE(info8.instance_id(), info.instance_id());
+}
+
+// ---------------------------------------------------------------------------
+// 2. Greedy generation, streamed.
+
+TEST_F(WorkerGrpcTest, GreedyGenerationStreamsMaxTokens) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  const std::vector<int32_t> prompt = MakePrompt(1, 12);
+  v1::GenerateRequest req = GreedyRequest(prompt, 32);
+  req.mutable_sampling()->set_ignore_eos(true);
+
+  Output out = Generate(w->stub(), req);
+  ExpectWellFormed(out, "greedy");
+  EXPECT_EQ(out.tokens.size(), 32u);
+  EXPECT_EQ(out.finish, v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(out.usage.prompt_tokens(), 12);
+  EXPECT_EQ(out.usage.completion_tokens(), 32);
+  EXPECT_EQ(out.usage.cached_prompt_tokens(), 0);
+  EXPECT_GE(out.messages, 1);
+  // Greedy: the sampled token is the most likely alternative.
+  ASSERT_EQ(out.top.size(), out.tokens.size());
+  for (size_t i = 0; i < out.tokens.size(); ++i) {
+    ASSERT_EQ(out.top[i].size(), 3u) << "token " << i;
+    EXPECT_EQ(out.top[i][0].first, out.tokens[i]) << "token " << i;
+    EXPECT_FLOAT_EQ(out.top[i][0].second, out.logprobs[i]) << "token " << i;
+    EXPECT_LE(out.logprobs[i], 0.0f) << "token " << i;
+    EXPECT_GE(out.top[i][0].second, out.top[i][1].second) << "token " << i;
+    EXPECT_GE(out.top[i][1].second, out.top[i][2].second) << "token " << i;
+  }
+
+  // Without logprobs requested none come back; the tokens are the same.
+  v1::GenerateRequest plain = req;
+  plain.mutable_sampling()->clear_logprobs();
+  Output plain_out = Generate(w->stub(), plain);
+  ExpectWellFormed(plain_out, "greedy without logprobs");
+  EXPECT_EQ(plain_out.tokens, out.tokens);
+  for (size_t i = 0; i < plain_out.top.size(); ++i) EXPECT_TRUE(plain_out.top[i].empty());
+}
+
+// ---------------------------------------------------------------------------
+// 3. Continuous batching gives each request what it gets alone.
+
+TEST_F(WorkerGrpcTest, ConcurrentStreamsMatchSequentialRuns) {
+  WorkerProcess* alone = StartWorker();
+  WorkerProcess* batched = StartWorker();
+  ASSERT_NE(alone, nullptr);
+  ASSERT_NE(batched, nullptr);
+
+  constexpr int kRequests = 12;
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < kRequests; ++i) {
+    const std::vector<int32_t> prompt = MakePrompt(100 + i, 5 + 7 * i);
+    const int max_tokens = 12 + 2 * i;
+    requests.push_back(i % 2 == 0 ? GreedyRequest(prompt, max_tokens)
+                                  : SampledRequest(prompt, max_tokens, 1000 + i));
+    requests.back().set_request_id(absl::StrCat("r", i));
+  }
+
+  std::vector<Output> want;
+  for (const v1::GenerateRequest& r : requests) want.push_back(Generate(alone->stub(), r));
+
+  std::vector<Output> got(kRequests);
+  std::latch start(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      start.arrive_and_wait();
+      got[i] = Generate(batched->stub(), requests[i]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+
+  for (int i = 0; i < kRequests; ++i) {
+    ExpectSameOutput(got[i], want[i], absl::StrCat("request ", i));
+    EXPECT_EQ(got[i].usage.prompt_tokens(), requests[i].prompt_token_ids_size());
+  }
+  v1::LoadReport load = ExpectIdle(batched->stub(), "after the burst");
+  EXPECT_EQ(load.finished_requests(), kRequests);
+}
+
+// ---------------------------------------------------------------------------
+// 4. The prefix cache serves full blocks and changes nothing.
+
+TEST_F(WorkerGrpcTest, PrefixCacheHitGivesIdenticalOutput) {
+  WorkerProcess* w = StartWorker();
+  WorkerProcess* uncached = StartWorker({"--no-prefix-caching"});
+  ASSERT_NE(w, nullptr);
+  ASSERT_NE(uncached, nullptr);
+  v1::GenerateRequest req = GreedyRequest(MakePrompt(4, 100), 16);
+  req.mutable_sampling()->set_ignore_eos(true);
+
+  Output first = Generate(w->stub(), req);
+  Output second = Generate(w->stub(), req);
+  ExpectWellFormed(first, "first");
+  EXPECT_EQ(first.usage.cached_prompt_tokens(), 0);
+  // 100 prompt tokens: the last one is always computed, so 6 full blocks of
+  // the first 99 can come from the cache.
+  EXPECT_GE(second.usage.cached_prompt_tokens(), 6 * kBlockSize);
+  EXPECT_LT(second.usage.cached_prompt_tokens(), 100);
+  ExpectSameOutput(second, first, "cached vs first");
+
+  Output off1 = Generate(uncached->stub(), req);
+  Output off2 = Generate(uncached->stub(), req);
+  EXPECT_EQ(off1.usage.cached_prompt_tokens(), 0);
+  EXPECT_EQ(off2.usage.cached_prompt_tokens(), 0);
+  ExpectSameOutput(off1, first, "no prefix caching vs first");
+  ExpectSameOutput(off2, first, "no prefix caching, again");
+
+  bool ok = false;
+  v1::LoadReport load = WaitForLoad(
+      w->stub(), [](const v1::LoadReport& l) { return l.finished_requests() == 2; }, &ok);
+  EXPECT_TRUE(ok) << load.ShortDebugString();
+  EXPECT_EQ(load.prefix_hit_tokens(), second.usage.cached_prompt_tokens());
+  EXPECT_EQ(load.prefix_query_tokens(), 200);
+  EXPECT_EQ(GetLoad(uncached->stub()).prefix_hit_tokens(), 0);
+  EXPECT_EQ(GetLoad(uncached->stub()).cached_blocks(), 0);
+}
+
+// ---------------------------------------------------------------------------
+// 5. Chunked prefill gives the same result as one-shot prefill.
+
+TEST_F(WorkerGrpcTest, ChunkedPrefillMatchesOneShotPrefill) {
+  WorkerProcess* chunked = StartWorker({"--max-batched-tokens", "7"});
+  WorkerProcess* whole = StartWorker();
+  ASSERT_NE(chunked, nullptr);
+  ASSERT_NE(whole, nullptr);
+  const std::vector<int32_t> prompt = MakePrompt(5, 150);
+  for (const v1::GenerateRequest& req :
+       {GreedyRequest(prompt, 16), SampledRequest(prompt, 16, 77)}) {
+    Output want = Generate(whole->stub(), req);
+    Output got = Generate(chunked->stub(), req);
+    ExpectSameOutput(got, want, req.sampling().ShortDebugString());
+    EXPECT_EQ(got.usage.prompt_tokens(), 150);
+  }
+  // Two chunked prefills at once share each step's 7-token budget.
+  std::vector<int32_t> other = MakePrompt(6, 150);
+  Output want_other = Generate(whole->stub(), GreedyRequest(other, 8));
+  Output want_first = Generate(whole->stub(), GreedyRequest(prompt, 8));
+  Output got_other, got_first;
+  std::thread t([&] { got_other = Generate(chunked->stub(), GreedyRequest(other, 8)); });
+  got_first = Generate(chunked->stub(), GreedyRequest(prompt, 8));
+  t.join();
+  ExpectSameOutput(got_other, want_other, "concurrent chunked prefill, other");
+  ExpectSameOutput(got_first, want_first, "concurrent chunked prefill, first");
+}
+
+// ---------------------------------------------------------------------------
+// 6. Cancelling a stream frees its blocks at once.
+
+TEST_F(WorkerGrpcTest, CancelMidStreamFreesEveryBlock) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  constexpr int kPrompt = 20;
+  constexpr int kMaxTokens = 1500;
+  v1::GenerateRequest req = GreedyRequest(MakePrompt(6, kPrompt), kMaxTokens);
+  req.mutable_sampling()->set_ignore_eos(true);
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  auto reader = w->stub().Generate(&ctx, req);
+  v1::GenerateResponse msg;
+  int received = 0;
+  for (int m = 0; m < 3 && reader->Read(&msg); ++m) {
+    received += msg.tokens_size();
+    ASSERT_EQ(msg.finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
+  }
+  ASSERT_GT(received, 0);
+  ctx.TryCancel();
+  while (reader->Read(&msg)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+
+  v1::LoadReport load = ExpectIdle(w->stub(), "after cancelling");
+  EXPECT_EQ(load.free_blocks() + load.cached_blocks(), load.total_blocks());
+  // The sequence stopped early: a run to max_tokens would have left
+  // (kPrompt + kMaxTokens - 1) / kBlockSize full blocks in the prefix cache.
+  EXPECT_LT(load.cached_blocks(), (kPrompt + kMaxTokens - 1) / kBlockSize)
+      << "the request ran to completion instead of being aborted";
+
+  v1::GenerateRequest next = GreedyRequest(MakePrompt(7, 10), 8);
+  Output out = Generate(w->stub(), next);
+  ExpectWellFormed(out, "after cancel");
+  EXPECT_GT(out.tokens.size(), 0u);
+  ExpectIdle(w->stub(), "after the next request");
+}
+
+// ---------------------------------------------------------------------------
+// 7. A client process that dies mid-stream: its request is aborted.
+
+TEST_F(WorkerGrpcTest, KilledClientProcessFreesEveryBlock) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  absl::StatusOr<std::string> bin = tandem::testing::TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  // `tandem generate` samples greedily without ignore_eos; greedy decoding of
+  // this prompt meets no EOS within kMaxTokens (checked at the end).
+  const std::vector<int32_t> prompt = MakePrompt(9, 20);
+  constexpr int kMaxTokens = 1500;
+
+  absl::StatusOr<ChildProcess> client = ChildProcess::Spawn(
+      {*bin, "generate", "--target", w->address(), "--prompt-ids", absl::StrJoin(prompt, ","),
+       "--max-tokens", absl::StrCat(kMaxTokens)},
+      "/dev/null");
+  ASSERT_TRUE(client.ok()) << client.status();
+  bool running = false;
+  v1::LoadReport load = WaitForLoad(
+      w->stub(),
+      [](const v1::LoadReport& l) { return l.running_sequences() == 1 && l.used_blocks() > 0; },
+      &running, seconds(20));
+  ASSERT_TRUE(running) << "the client's request never ran: " << load.ShortDebugString();
+  client->Signal(SIGKILL);
+  absl::StatusOr<int> status = client->Wait(seconds(10));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGKILL)
+      << "the client ended on its own before it was killed";
+
+  load = ExpectIdle(w->stub(), "after the client was killed");
+  EXPECT_EQ(load.free_blocks() + load.cached_blocks(), load.total_blocks());
+  EXPECT_EQ(load.finished_requests(), 1);
+  const int64_t blocks_when_killed = load.cached_blocks();
+
+  // The same request run to its end (here) computes more blocks than the
+  // killed one got to, so the kill did stop it early.
+  v1::GenerateRequest same = GreedyRequest(prompt, kMaxTokens);
+  same.mutable_sampling()->clear_logprobs();
+  Output full = Generate(w->stub(), same);
+  ExpectWellFormed(full, "the same request, run to its end");
+  EXPECT_EQ(full.usage.completion_tokens(), kMaxTokens);
+  const int64_t full_blocks =
+      (static_cast<int64_t>(prompt.size()) + full.usage.completion_tokens() - 1) / kBlockSize;
+  EXPECT_LT(blocks_when_killed, full_blocks)
+      << "the killed client's request ran to completion instead of being aborted";
+  ExpectIdle(w->stub(), "after the full run");
+}
+
+// ---------------------------------------------------------------------------
+// 8. Invalid requests.
+
+TEST_F(WorkerGrpcTest, InvalidRequestsAreRejectedWithAReason) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  const std::vector<int32_t> prompt = MakePrompt(9, 10);
+  struct Case {
+    std::string name;
+    v1::GenerateRequest request;
+    std::string names;  // the message names the problem
+  };
+  std::vector<Case> cases;
+  {
+    v1::GenerateRequest r = GreedyRequest({}, 4);
+    cases.push_back({"empty prompt", r, "prompt_token_ids"});
+  }
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, 4);
+    r.set_prompt_token_ids(3, kVocabSize);
+    cases.push_back({"token id = vocab size", r, "prompt_token_ids"});
+  }
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, 4);
+    r.set_prompt_token_ids(0, -1);
+    cases.push_back({"negative token id", r, "prompt_token_ids"});
+  }
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, 4);
+    r.mutable_sampling()->set_temperature(-1.0f);
+    cases.push_back({"temperature -1", r, "temperature"});
+  }
+  for (float top_p : {0.0f, 1.5f}) {
+    v1::GenerateRequest r = GreedyRequest(prompt, 4);
+    r.mutable_sampling()->set_top_p(top_p);
+    cases.push_back({absl::StrCat("top_p ", top_p), r, "top_p"});
+  }
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, 4);
+    r.mutable_sampling()->set_logprobs(50);
+    cases.push_back({"logprobs 50", r, "logprobs"});
+  }
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, 5000);
+    cases.push_back({"max_tokens past the context", r, "max_tokens"});
+  }
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, 4);
+    r.mutable_sampling()->add_stop_token_ids(kVocabSize + 5);
+    cases.push_back({"stop id outside the vocabulary", r, "stop_token_ids"});
+  }
+  {
+    v1::GenerateRequest r = GreedyRequest(MakePrompt(9, kContext), 1);
+    cases.push_back({"prompt as long as the context", r, "prompt"});
+  }
+
+  for (const Case& c : cases) {
+    Output out = Generate(w->stub(), c.request, seconds(10));
+    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << c.name << ": " << out.status.error_message();
+    EXPECT_THAT(out.status.error_message(), HasSubstr(c.names)) << c.name;
+    EXPECT_TRUE(out.tokens.empty()) << c.name;
+  }
+
+  // Still serving, and nothing leaked.
+  Output out = Generate(w->stub(), GreedyRequest(prompt, 4));
+  ExpectWellFormed(out, "valid request after invalid ones");
+  v1::LoadReport load = ExpectIdle(w->stub(), "after invalid requests");
+  EXPECT_EQ(load.finished_requests(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// 9. A request that cannot fit in the whole KV cache fails at once.
+
+TEST_F(WorkerGrpcTest, RequestLargerThanTheCacheIsRejected) {
+  constexpr int kBlocks = 20;
+  WorkerProcess* w = StartWorker({"--kv-cache-memory", CacheBytesFlag(kBlocks)});
+  ASSERT_NE(w, nullptr);
+  v1::ModelInfo info = GetModelInfo(w->stub());
+  EXPECT_EQ(info.total_blocks(), kBlocks);
+  EXPECT_EQ(info.max_context_length(), kBlocks * kBlockSize);
+
+  const auto start = std::chrono::steady_clock::now();
+  Output too_long = Generate(w->stub(), GreedyRequest(MakePrompt(10, 400), 4), seconds(5));
+  EXPECT_EQ(too_long.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << too_long.status.error_message();
+  EXPECT_THAT(too_long.status.error_message(), HasSubstr("cache"));
+
+  // The prompt fits but prompt + max_tokens does not.
+  Output too_many = Generate(w->stub(), GreedyRequest(MakePrompt(10, 300), 100), seconds(5));
+  EXPECT_EQ(too_many.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << too_many.status.error_message();
+  EXPECT_THAT(too_many.status.error_message(), HasSubstr("max_tokens"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(5));
+
+  // A request that uses the whole cache still runs.
+  v1::GenerateRequest full = GreedyRequest(MakePrompt(10, 300), 20);
+  full.mutable_sampling()->set_ignore_eos(true);
+  Output out = Generate(w->stub(), full);
+  ExpectWellFormed(out, "a request of exactly the cache's size");
+  EXPECT_EQ(out.tokens.size(), 20u);
+  ExpectIdle(w->stub(), "after the cache-sized request");
+}
+
+// ---------------------------------------------------------------------------
+// 10. Overload: a full queue answers RESOURCE_EXHAUSTED.
+
+TEST_F(WorkerGrpcTest, OverloadIsRejectedWithResourceExhausted) {
+  constexpr int kMaxRunning = 1;
+  constexpr int kMaxWaiting = 2;
+  WorkerProcess* w = StartWorker(
+      {"--max-running", absl::StrCat(kMaxRunning), "--max-waiting", absl::StrCat(kMaxWaiting)});
+  ASSERT_NE(w, nullptr);
+
+  // Each request takes a few hundred milliseconds, far longer than the burst
+  // takes to arrive, so no slot frees up while it does.
+  constexpr int kRequests = 10;
+  constexpr int kMaxTokens = 600;
+  std::vector<Output> outs(kRequests);
+  std::latch start(kRequests + 1);
+  std::atomic<int> done{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      v1::GenerateRequest req = GreedyRequest(MakePrompt(200 + i, 16), kMaxTokens);
+      req.mutable_sampling()->set_ignore_eos(true);
+      req.mutable_sampling()->clear_logprobs();
+      start.arrive_and_wait();
+      outs[i] = Generate(w->stub(), req);
+      done.fetch_add(1);
+    });
+  }
+  // Meanwhile the queue never holds more than --max-waiting requests.
+  start.arrive_and_wait();
+  int max_waiting = 0;
+  while (done.load() < kRequests) {
+    v1::LoadReport l = GetLoad(w->stub());
+    max_waiting = std::max(max_waiting, l.waiting_sequences());
+    EXPECT_LE(l.running_sequences(), kMaxRunning);
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_LE(max_waiting, kMaxWaiting)
+      << "GetLoad showed more requests waiting than --max-waiting allows";
+
+  int rejected = 0;
+  int completed = 0;
+  auto last_call = std::chrono::steady_clock::time_point::min();
+  auto first_completion = std::chrono::steady_clock::time_point::max();
+  for (int i = 0; i < kRequests; ++i) {
+    const Output& o = outs[i];
+    last_call = std::max(last_call, o.started);
+    if (o.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++rejected;
+      EXPECT_TRUE(o.tokens.empty());
+    } else {
+      ExpectWellFormed(o, absl::StrCat("request ", i));
+      EXPECT_EQ(o.finish, v1::FINISH_REASON_LENGTH) << "request " << i;
+      EXPECT_EQ(o.tokens.size(), size_t{kMaxTokens}) << "request " << i;
+      first_completion = std::min(first_completion, o.ended);
+      ++completed;
+    }
+  }
+  EXPECT_GE(rejected, 1);
+  EXPECT_GE(completed, 1);
+  // If every call was made before the first completion came back, no slot
+  // freed up during the burst: only one running request plus a full queue
+  // can have been accepted.
+  if (last_call < first_completion) {
+    EXPECT_LE(completed, kMaxRunning + kMaxWaiting)
+        << "more requests were accepted than --max-running + --max-waiting allow";
+  }
+  v1::LoadReport load = ExpectIdle(w->stub(), "after the burst");
+  EXPECT_EQ(load.finished_requests(), completed);
+
+  // Once the queue drains it accepts again.
+  Output again = Generate(w->stub(), GreedyRequest(MakePrompt(250, 8), 4));
+  ExpectWellFormed(again, "after the overload");
+}
+
+// ---------------------------------------------------------------------------
+// 11. Preemption by recompute gives the same results.
+
+TEST_F(WorkerGrpcTest, PreemptionByRecomputeGivesIdenticalOutputs) {
+  // 24 blocks: six sequences of 60 + 80 tokens need 6 * 9 = 54.
+  WorkerProcess* small = StartWorker({"--kv-cache-memory", CacheBytesFlag(24)});
+  WorkerProcess* large = StartWorker();
+  ASSERT_NE(small, nullptr);
+  ASSERT_NE(large, nullptr);
+
+  constexpr int kRequests = 6;
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < kRequests; ++i) {
+    v1::GenerateRequest req = GreedyRequest(MakePrompt(300 + i, 60), 80);
+    req.mutable_sampling()->set_ignore_eos(true);
+    requests.push_back(req);
+  }
+  std::vector<Output> want;
+  for (const v1::GenerateRequest& r : requests) want.push_back(Generate(large->stub(), r));
+
+  std::vector<Output> got(kRequests);
+  std::latch start(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      start.arrive_and_wait();
+      got[i] = Generate(small->stub(), requests[i]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+
+  for (int i = 0; i < kRequests; ++i) {
+    ExpectSameOutput(got[i], want[i], absl::StrCat("request ", i));
+    EXPECT_EQ(got[i].tokens.size(), 80u);
+    EXPECT_EQ(got[i].finish, v1::FINISH_REASON_LENGTH);
+  }
+  v1::LoadReport load = ExpectIdle(small->stub(), "after the preempted requests");
+  EXPECT_GT(load.preemptions(), 0);
+  EXPECT_EQ(load.finished_requests(), kRequests);
+  EXPECT_EQ(load.free_blocks() + load.cached_blocks(), load.total_blocks());
+  EXPECT_EQ(GetLoad(large->stub()).preemptions(), 0);
+}
+
+// ---------------------------------------------------------------------------
+// 12. Stop ids, min_tokens and ignore_eos.
+
+TEST_F(WorkerGrpcTest, StopTokensMinTokensAndIgnoreEos) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  const std::vector<int32_t> prompt = MakePrompt(12, 10);
+  v1::GenerateRequest base_req = GreedyRequest(prompt, 8);
+  base_req.mutable_sampling()->set_ignore_eos(true);
+  Output base = Generate(w->stub(), base_req);
+  ExpectWellFormed(base, "base");
+  ASSERT_EQ(base.tokens.size(), 8u);
+  const int32_t stop = base.tokens[2];
+  const size_t first_stop = std::find(base.tokens.begin(), base.tokens.end(), stop) -
+                            base.tokens.begin();  // 2, or earlier if repeated
+
+  // Stops on (and includes) the first occurrence of the stop id.
+  v1::GenerateRequest stop_req = base_req;
+  stop_req.mutable_sampling()->add_stop_token_ids(stop);
+  Output stopped = Generate(w->stub(), stop_req);
+  ExpectWellFormed(stopped, "stop id");
+  EXPECT_EQ(stopped.finish, v1::FINISH_REASON_STOP);
+  EXPECT_EQ(stopped.stop_token_id, stop);
+  EXPECT_EQ(stopped.tokens,
+            std::vector<int32_t>(base.tokens.begin(), base.tokens.begin() + first_stop + 1));
+
+  // min_tokens masks the stop id: greedy then takes the runner-up there.
+  constexpr int kMinTokens = 5;
+  v1::GenerateRequest min_req = stop_req;
+  min_req.mutable_sampling()->set_min_tokens(kMinTokens);
+  Output masked = Generate(w->stub(), min_req);
+  ExpectWellFormed(masked, "min_tokens");
+  ASSERT_GE(masked.tokens.size(), size_t{kMinTokens});
+  for (int i = 0; i < kMinTokens; ++i) EXPECT_NE(masked.tokens[i], stop) << "token " << i;
+  EXPECT_EQ(std::vector<int32_t>(masked.tokens.begin(), masked.tokens.begin() + first_stop),
+            std::vector<int32_t>(base.tokens.begin(), base.tokens.begin() + first_stop));
+  ASSERT_GE(base.top[first_stop].size(), 2u);
+  EXPECT_EQ(masked.tokens[first_stop], base.top[first_stop][1].first);
+  if (masked.finish == v1::FINISH_REASON_STOP) {
+    EXPECT_EQ(masked.tokens.back(), stop);
+    EXPECT_EQ(masked.stop_token_id, stop);
+  } else {
+    EXPECT_EQ(masked.finish, v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(masked.tokens.size(), 8u);
+  }
+
+  // EOS: find a seed whose sample reaches an EOS id (deterministic: the model
+  // and the sampler are seeded), then check ignore_eos and min_tokens on it.
+  const std::set<int32_t> eos = {257, 260};
+  constexpr int kLen = 64;
+  Output eos_run;
+  v1::GenerateRequest eos_req;
+  for (uint64_t seed = 1; seed <= 32; ++seed) {
+    v1::GenerateRequest r = GreedyRequest(prompt, kLen);
+    r.mutable_sampling()->set_temperature(1.0f);
+    r.mutable_sampling()->set_seed(seed);
+    Output o = Generate(w->stub(), r);
+    ExpectWellFormed(o, absl::StrCat("seed ", seed));
+    if (o.finish == v1::FINISH_REASON_STOP) {
+      eos_run = o;
+      eos_req = r;
+      break;
+    }
+  }
+  ASSERT_EQ(eos_run.finish, v1::FINISH_REASON_STOP) << "no seed in 1..32 sampled an EOS id";
+  ASSERT_FALSE(eos_run.tokens.empty());
+  EXPECT_TRUE(eos.contains(eos_run.tokens.back()));
+  EXPECT_EQ(eos_run.stop_token_id, eos_run.tokens.back());
+  for (size_t i = 0; i + 1 < eos_run.tokens.size(); ++i) {
+    EXPECT_FALSE(eos.contains(eos_run.tokens[i])) << "an EOS id that did not stop, at " << i;
+  }
+
+  v1::GenerateRequest ignore_req = eos_req;
+  ignore_req.mutable_sampling()->set_ignore_eos(true);
+  Output ignored = Generate(w->stub(), ignore_req);
+  ExpectWellFormed(ignored, "ignore_eos");
+  EXPECT_EQ(ignored.finish, v1::FINISH_REASON_LENGTH);
+  ASSERT_EQ(ignored.tokens.size(), size_t{kLen});
+  // Same samples up to and including the EOS, then it goes on.
+  EXPECT_EQ(std::vector<int32_t>(ignored.tokens.begin(),
+                                 ignored.tokens.begin() + eos_run.tokens.size()),
+            eos_run.tokens);
+
+  // (Masking changes the distribution every step, so the samples before the
+  // EOS may differ too: the sampler draws by inverse CDF.)
+  const int eos_at = static_cast<int>(eos_run.tokens.size()) - 1;
+  v1::GenerateRequest min_eos_req = eos_req;
+  min_eos_req.mutable_sampling()->set_min_tokens(eos_at + 2);
+  Output min_eos = Generate(w->stub(), min_eos_req);
+  ExpectWellFormed(min_eos, "min_tokens past the EOS");
+  ASSERT_GE(min_eos.tokens.size(), size_t(eos_at + 2));
+  for (int i = 0; i < eos_at + 2; ++i) {
+    EXPECT_FALSE(eos.contains(min_eos.tokens[i])) << "EOS id not masked at " << i;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 13. The KV event stream mirrors the prefix cache exactly.
+
+// Reads one StreamKvEvents call on a thread of its own.
+class KvEventReader {
+ public:
+  KvEventReader(v1::Worker::Stub& stub, const v1::KvEventsRequest& req) {
+    reader_ = stub.StreamKvEvents(&ctx_, req);
+    thread_ = std::thread([this] {
+      v1::KvEventBatch batch;
+      while (reader_->Read(&batch)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (batch.has_snapshot()) last_seq_ = std::max(last_seq_, batch.snapshot().seq());
+        for (const v1::KvEvent& e : batch.events()) last_seq_ = std::max(last_seq_, e.seq());
+        batches_.push_back(batch);
+        cv_.notify_all();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      ended_ = true;
+      cv_.notify_all();
+    });
+  }
+  ~KvEventReader() {
+    ctx_.TryCancel();
+    thread_.join();
+    reader_->Finish();
+  }
+
+  // Waits until the stream has covered `seq` (in a snapshot or an event).
+  bool WaitForSeq(uint64_t seq, milliseconds timeout = kIdleTimeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto covered = [&] { return last_seq_ >= seq && !batches_.empty(); };
+    cv_.wait_for(lock, timeout, [&] { return covered() || ended_; });
+    return covered();
+  }
+  std::vector<v1::KvEventBatch> batches() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return batches_;
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::KvEventBatch>> reader_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<v1::KvEventBatch> batches_;  // guarded by mu_
+  uint64_t last_seq_ = 0;                  // guarded by mu_
+  bool ended_ = false;                     // guarded by mu_
+  std::thread thread_;
+};
+
+// The cache as a subscriber rebuilds it from a stream.
+struct CacheView {
+  std::set<uint64_t> blocks;
+  uint64_t seq = 0;
+  std::vector<v1::KvEvent> events;  // every event after the snapshot / start
+  int stored = 0;
+  int removed = 0;
+  int cleared = 0;
+};
+
+void ExpectValidBlock(const v1::BlockStored& b, const std::string& what) {
+  EXPECT_EQ(b.token_ids_size(), kBlockSize) << what;
+  std::vector<int32_t> tokens(b.token_ids().begin(), b.token_ids().end());
+  EXPECT_EQ(b.block_hash(), HashBlock(b.parent_hash(), tokens)) << what;
+}
+
+// Applies `batches` (from one stream) to a view, checking the stream's
+// invariants: one instance id, a snapshot only first, seqs without gaps,
+// valid hashes, no block stored twice or removed unstored.
+CacheView Replay(const std::vector<v1::KvEventBatch>& batches, const std::string& instance_id,
+                 bool expect_snapshot, uint64_t start_after_seq) {
+  CacheView view;
+  view.seq = start_after_seq;
+  for (size_t b = 0; b < batches.size(); ++b) {
+    const v1::KvEventBatch& batch = batches[b];
+    EXPECT_EQ(batch.instance_id(), instance_id);
+    if (b == 0) {
+      EXPECT_EQ(batch.has_snapshot(), expect_snapshot);
+    } else {
+      EXPECT_FALSE(batch.has_snapshot()) << "batch " << b;
+    }
+    if (batch.has_snapshot()) {
+      view.seq = batch.snapshot().seq();
+      view.blocks.clear();
+      for (const v1::BlockStored& s : batch.snapshot().blocks()) {
+        ExpectValidBlock(s, "snapshot block");
+        EXPECT_TRUE(view.blocks.insert(s.block_hash()).second) << "snapshot repeats a block";
+      }
+    }
+    for (const v1::KvEvent& e : batch.events()) {
+      EXPECT_EQ(e.seq(), view.seq + 1) << "a gap or reordering in the event seqs";
+      view.seq = e.seq();
+      view.events.push_back(e);
+      if (e.has_stored()) {
+        ++view.stored;
+        ExpectValidBlock(e.stored(), absl::StrCat("stored event ", e.seq()));
+        EXPECT_TRUE(view.blocks.insert(e.stored().block_hash()).second)
+            << "block stored twice, event " << e.seq();
+      } else if (e.has_removed()) {
+        ++view.removed;
+        EXPECT_EQ(view.blocks.erase(e.removed().block_hash()), 1u)
+            << "removed a block never stored, event " << e.seq();
+      } else if (e.has_cleared()) {
+        ++view.cleared;
+        view.blocks.clear();
+      } else {
+        ADD_FAILURE() << "event " << e.seq() << " carries nothing";
+      }
+    }
+  }
+  return view;
+}
+
+// A fresh subscription's snapshot (and whatever follows it in the first batch).
+CacheView Snapshot(v1::Worker::Stub& stub, const std::string& instance_id, uint64_t seq) {
+  v1::KvEventsRequest req;
+  req.set_snapshot(true);
+  KvEventReader reader(stub, req);
+  EXPECT_TRUE(reader.WaitForSeq(seq)) << "no snapshot at seq " << seq;
+  return Replay(reader.batches(), instance_id, /*expect_snapshot=*/true, 0);
+}
+
+// The hashes of the full blocks that a finished request leaves computed: its
+// prompt and every output token but the last (never fed back).
+std::set<uint64_t> ExpectedBlocks(uint64_t seed, const std::vector<int32_t>& prompt,
+                                  const Output& out) {
+  std::vector<int32_t> all = prompt;
+  all.insert(all.end(), out.tokens.begin(), out.tokens.end());
+  if (!all.empty()) all.pop_back();
+  std::vector<uint64_t> hashes = HashBlocks(seed, all, kBlockSize);
+  return std::set<uint64_t>(hashes.begin(), hashes.end());
+}
+
+TEST_F(WorkerGrpcTest, KvEventsMirrorThePrefixCache) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  const v1::ModelInfo info = GetModelInfo(w->stub());
+  const std::string& instance = info.instance_id();
+  const uint64_t seed = info.block_hash_seed();
+
+  v1::KvEventsRequest live_req;
+  live_req.set_snapshot(true);
+  KvEventReader live(w->stub(), live_req);
+  ASSERT_TRUE(live.WaitForSeq(0)) << "no snapshot on the live stream";
+
+  // Requests sharing prefixes: b and c extend a's first 48 tokens.
+  const std::vector<int32_t> a = MakePrompt(13, 50);
+  const std::vector<int32_t> b = Concat(std::vector<int32_t>(a.begin(), a.begin() + 48),
+                                        MakePrompt(14, 30));
+  const std::vector<int32_t> c = Concat(std::vector<int32_t>(a.begin(), a.begin() + 48),
+                                        MakePrompt(15, 21));
+  const std::vector<int32_t> d = MakePrompt(16, 37);
+  std::set<uint64_t> expected;
+  for (const std::vector<int32_t>* p : {&a, &b, &c, &d, &a}) {
+    v1::GenerateRequest req = GreedyRequest(*p, 20);
+    req.mutable_sampling()->set_ignore_eos(true);
+    Output out = Generate(w->stub(), req);
+    ExpectWellFormed(out, "request");
+    std::set<uint64_t> blocks = ExpectedBlocks(seed, *p, out);
+    expected.insert(blocks.begin(), blocks.end());
+  }
+  v1::LoadReport load = ExpectIdle(w->stub(), "after the requests");
+  const uint64_t seq = load.kv_event_seq();
+  ASSERT_GT(seq, 0u);
+  ASSERT_TRUE(live.WaitForSeq(seq)) << "the live stream did not reach seq " << seq;
+
+  CacheView view = Replay(live.batches(), instance, /*expect_snapshot=*/true, 0);
+  EXPECT_EQ(view.seq, seq);
+  EXPECT_EQ(view.removed, 0);  // a big cache evicts nothing
+  EXPECT_EQ(view.blocks, expected) << "the events do not describe the computed blocks";
+  EXPECT_EQ(static_cast<int64_t>(view.blocks.size()), load.cached_blocks());
+  // Every stored block's parent is the seed or a block stored before it.
+  std::set<uint64_t> seen = {seed};
+  for (const v1::KvEvent& e : view.events) {
+    if (!e.has_stored()) continue;
+    EXPECT_TRUE(seen.contains(e.stored().parent_hash())) << "orphan block, event " << e.seq();
+    seen.insert(e.stored().block_hash());
+  }
+
+  CacheView fresh = Snapshot(w->stub(), instance, seq);
+  EXPECT_EQ(fresh.seq, seq);
+  EXPECT_EQ(fresh.blocks, view.blocks) << "a fresh snapshot differs from the replayed events";
+
+  // ClearKvCache: one CacheCleared event, then an empty cache.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
+    v1::ClearKvCacheResponse resp;
+    ASSERT_TRUE(w->stub().ClearKvCache(&ctx, v1::ClearKvCacheRequest(), &resp).ok());
+    EXPECT_EQ(resp.blocks_cleared(), static_cast<int64_t>(view.blocks.size()));
+  }
+  ASSERT_TRUE(live.WaitForSeq(seq + 1)) << "no CacheCleared event";
+  view = Replay(live.batches(), instance, /*expect_snapshot=*/true, 0);
+  EXPECT_EQ(view.seq, seq + 1);
+  ASSERT_FALSE(view.events.empty());
+  EXPECT_TRUE(view.events.back().has_cleared());
+  EXPECT_TRUE(view.blocks.empty());
+  // ClearKvCache has returned: the load report shows its effect.
+  v1::LoadReport cleared = GetLoad(w->stub());
+  EXPECT_EQ(cleared.kv_event_seq(), seq + 1);
+  EXPECT_EQ(cleared.cached_blocks(), 0) << "GetLoad after ClearKvCache returned still counts "
+                                           "cached blocks (at kv_event_seq "
+                                        << cleared.kv_event_seq() << ")";
+  EXPECT_EQ(cleared.free_blocks(), cleared.total_blocks());
+  CacheView after_clear = Snapshot(w->stub(), instance, seq + 1);
+  EXPECT_EQ(after_clear.seq, seq + 1);
+  EXPECT_TRUE(after_clear.blocks.empty());
+
+  // Resume: a subscriber that saw up to `from` gets exactly the later events.
+  const uint64_t from = seq / 2;
+  v1::KvEventsRequest resume_req;
+  resume_req.set_start_after_seq(from);
+  KvEventReader resumed(w->stub(), resume_req);
+  ASSERT_TRUE(resumed.WaitForSeq(seq + 1));
+  CacheView tail = Replay(resumed.batches(), instance, /*expect_snapshot=*/false, from);
+  std::vector<std::string> want, got;
+  for (const v1::KvEvent& e : view.events) {
+    if (e.seq() > from) want.push_back(e.SerializeAsString());
+  }
+  for (const v1::KvEvent& e : tail.events) got.push_back(e.SerializeAsString());
+  EXPECT_EQ(got, want) << "resumed events differ from the live stream's";
+  EXPECT_EQ(tail.seq, seq + 1);
+}
+
+TEST_F(WorkerGrpcTest, KvEventsReportEvictions) {
+  constexpr int kBlocks = 16;
+  WorkerProcess* w = StartWorker({"--kv-cache-memory", CacheBytesFlag(kBlocks)});
+  ASSERT_NE(w, nullptr);
+  const v1::ModelInfo info = GetModelInfo(w->stub());
+  ASSERT_EQ(info.total_blocks(), kBlocks);
+
+  v1::KvEventsRequest req;
+  req.set_snapshot(true);
+  KvEventReader live(w->stub(), req);
+  ASSERT_TRUE(live.WaitForSeq(0));
+
+  // 8 distinct requests of 3 full blocks each: 24 blocks in a 16-block cache.
+  std::set<uint64_t> last_blocks;
+  for (int i = 0; i < 8; ++i) {
+    const std::vector<int32_t> prompt = MakePrompt(400 + i, 48);
+    v1::GenerateRequest r = GreedyRequest(prompt, 8);
+    r.mutable_sampling()->set_ignore_eos(true);
+    Output out = Generate(w->stub(), r);
+    ExpectWellFormed(out, absl::StrCat("request ", i));
+    if (i == 7) last_blocks = ExpectedBlocks(info.block_hash_seed(), prompt, out);
+  }
+  v1::LoadReport load = ExpectIdle(w->stub(), "after the requests");
+  ASSERT_TRUE(live.WaitForSeq(load.kv_event_seq()));
+  CacheView view = Replay(live.batches(), info.instance_id(), /*expect_snapshot=*/true, 0);
+  EXPECT_EQ(view.seq, load.kv_event_seq());
+  EXPECT_GT(view.removed, 0) << "no eviction reported";
+  EXPECT_EQ(view.stored - view.removed, static_cast<int>(view.blocks.size()));
+  EXPECT_LE(static_cast<int64_t>(view.blocks.size()), kBlocks);
+  EXPECT_EQ(static_cast<int64_t>(view.blocks.size()), load.cached_blocks());
+  // The most recent request's blocks were released last and are still cached.
+  for (uint64_t h : last_blocks) EXPECT_TRUE(view.blocks.contains(h));
+
+  CacheView fresh = Snapshot(w->stub(), info.instance_id(), load.kv_event_seq());
+  EXPECT_EQ(fresh.blocks, view.blocks);
+}
+
+// ---------------------------------------------------------------------------
+// 14. GetLoad after the work is done.
+
+TEST_F(WorkerGrpcTest, LoadReportIsConsistentWhenIdle) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  v1::LoadReport initial = GetLoad(w->stub());
+  EXPECT_TRUE(IsIdle(initial));
+  EXPECT_EQ(initial.free_blocks(), initial.total_blocks());
+  EXPECT_EQ(initial.finished_requests(), 0);
+  EXPECT_EQ(initial.prefix_hit_rate(), 0.0);
+
+  const std::vector<int32_t> shared = MakePrompt(17, 40);
+  const std::vector<int32_t> other = MakePrompt(18, 30);
+  for (const std::vector<int32_t>* p : {&shared, &shared, &other}) {
+    Output out = Generate(w->stub(), GreedyRequest(*p, 10));
+    ExpectWellFormed(out, "request");
+  }
+  bool ok = false;
+  v1::LoadReport load = WaitForLoad(
+      w->stub(),
+      [](const v1::LoadReport& l) { return IsIdle(l) && l.finished_requests() == 3; }, &ok);
+  ASSERT_TRUE(ok) << load.ShortDebugString();
+  EXPECT_EQ(load.running_sequences(), 0);
+  EXPECT_EQ(load.waiting_sequences(), 0);
+  EXPECT_EQ(load.used_blocks(), 0);
+  EXPECT_EQ(load.tokens_in_flight(), 0);
+  EXPECT_EQ(load.prefill_tokens_pending(), 0);
+  EXPECT_EQ(load.total_blocks(), GetModelInfo(w->stub()).total_blocks());
+  EXPECT_EQ(load.free_blocks() + load.cached_blocks(), load.total_blocks());
+  EXPECT_GT(load.cached_blocks(), 0);
+  EXPECT_EQ(load.prefix_query_tokens(), 40 + 40 + 30);
+  EXPECT_EQ(load.prefix_hit_tokens(), 2 * kBlockSize);  // the repeat: 2 full blocks of 39
+  EXPECT_GE(load.prefix_hit_rate(), 0.0);
+  EXPECT_LE(load.prefix_hit_rate(), 1.0);
+  EXPECT_NEAR(load.prefix_hit_rate(), 32.0 / 110.0, 1e-9);
+  EXPECT_EQ(load.preemptions(), 0);
+  EXPECT_GT(load.kv_event_seq(), 0u);
+}
+
+}  // namespace
+}  // namespace tandem
