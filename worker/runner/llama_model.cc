@@ -3,7 +3,6 @@
 #include <cblas.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <numbers>
 
@@ -16,12 +15,11 @@ namespace {
 
 // Up to this many rows, a matrix product runs as one sgemv per row. OpenBLAS
 // 0.3.21's sgemm packs the whole weight matrix on every call, which at decode
-// sizes costs far more than streaming the weights once through sgemv
-// (measured on builtin:small, 2 cores: see docs/benchmarks.md).
-static const int kGemvMaxRows = [] {
-  const char* e = std::getenv("TANDEM_GEMV_MAX_ROWS");
-  return e ? std::atoi(e) : 4;
-}();
+// sizes costs more than streaming the weights once per row through sgemv.
+// Measured on builtin:small, 2 cores (tok/s, sgemm only -> sgemv up to N rows):
+// decode alone 86 -> 203 (N=1..16 alike); 8 sequences 362 -> 403 (N=8);
+// 32 sequences 457 -> 458 (N=8) but 341 (N=32). So N = 8.
+constexpr int kGemvMaxRows = 8;
 
 // Y[m, n] = X[m, k] . W[n, k]^T + beta * Y (row-major, W as Hugging Face stores it).
 void MatMulT(const float* x, int m, int k, const float* w, int n, float beta, float* y) {
