@@ -22,6 +22,7 @@
 #include <latch>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -1130,6 +1131,112 @@ TEST_F(WorkerGrpcTest, LoadReportIsConsistentWhenIdle) {
   EXPECT_NEAR(load.prefix_hit_rate(), 32.0 / 110.0, 1e-9);
   EXPECT_EQ(load.preemptions(), 0);
   EXPECT_GT(load.kv_event_seq(), 0u);
+}
+
+// ---------------------------------------------------------------------------
+// 15. Chaos: many concurrent clients on a small cache, each ending its stream
+// in a different way (reading to the end, cancelling after a few messages,
+// a deadline that expires mid-stream, an invalid request), while the prefix
+// cache is cleared and KV event subscribers come and go. The worker must
+// stay up, free every block, and keep its accounting exact.
+
+TEST_F(WorkerGrpcTest, RandomCancellationsDeadlinesAndClearsLeakNothing) {
+  WorkerProcess* w = StartWorker({"--kv-cache-memory", CacheBytesFlag(48), "--max-running", "6",
+                                  "--max-waiting", "200", "--max-batched-tokens", "64"});
+  ASSERT_NE(w, nullptr);
+  constexpr int kClients = 8;
+  constexpr int kRequestsPerClient = 16;
+  std::atomic<int> completed{0}, cancelled{0}, expired{0}, rejected{0}, unexpected{0};
+  std::atomic<bool> stop_background{false};
+
+  // Background churn: clears of the prefix cache and short-lived event streams.
+  std::thread churn([&] {
+    std::mt19937 rng(99);
+    while (!stop_background.load()) {
+      {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
+        v1::ClearKvCacheResponse resp;
+        EXPECT_TRUE(w->stub().ClearKvCache(&ctx, v1::ClearKvCacheRequest(), &resp).ok());
+      }
+      {
+        grpc::ClientContext ctx;
+        v1::KvEventsRequest req;
+        req.set_snapshot(rng() % 2 == 0);
+        auto reader = w->stub().StreamKvEvents(&ctx, req);
+        v1::KvEventBatch batch;
+        reader->Read(&batch);  // at least the snapshot or the first events, or nothing
+        ctx.TryCancel();
+        while (reader->Read(&batch)) {
+        }
+        reader->Finish();
+      }
+      std::this_thread::sleep_for(milliseconds(5 + rng() % 20));
+    }
+  });
+
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      std::mt19937 rng(1000 + c);
+      for (int r = 0; r < kRequestsPerClient; ++r) {
+        const int len = 1 + static_cast<int>(rng() % 150);
+        v1::GenerateRequest req = rng() % 2 ? GreedyRequest(MakePrompt(rng(), len), 1 + rng() % 120)
+                                            : SampledRequest(MakePrompt(rng(), len), 1 + rng() % 120, rng());
+        req.mutable_sampling()->set_ignore_eos(rng() % 2 == 0);
+        if (rng() % 3 == 0) req.mutable_sampling()->set_logprobs(rng() % 4);
+        const int mode = static_cast<int>(rng() % 4);
+        if (mode == 3) req.mutable_sampling()->set_temperature(-1.0f);  // invalid
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() +
+                         (mode == 2 ? milliseconds(5 + rng() % 40) : milliseconds(60000)));
+        auto reader = w->stub().Generate(&ctx, req);
+        v1::GenerateResponse msg;
+        int messages = 0;
+        const int cancel_after = 1 + static_cast<int>(rng() % 3);
+        bool saw_finish = false;
+        while (reader->Read(&msg)) {
+          ++messages;
+          if (msg.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) saw_finish = true;
+          if (mode == 1 && messages == cancel_after) ctx.TryCancel();
+        }
+        grpc::Status st = reader->Finish();
+        if (st.ok() && saw_finish) {
+          ++completed;
+        } else if (st.error_code() == grpc::StatusCode::CANCELLED) {
+          ++cancelled;
+        } else if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+          ++expired;
+        } else if (st.error_code() == grpc::StatusCode::INVALID_ARGUMENT && mode == 3) {
+          ++rejected;
+        } else {
+          ++unexpected;
+          ADD_FAILURE() << "mode " << mode << ": " << st.error_code() << " " << st.error_message();
+        }
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  stop_background = true;
+  churn.join();
+
+  EXPECT_EQ(unexpected.load(), 0);
+  EXPECT_EQ(completed + cancelled + expired + rejected, kClients * kRequestsPerClient);
+  RecordProperty("outcomes", absl::StrCat(completed.load(), " completed, ", cancelled.load(),
+                                          " cancelled, ", expired.load(), " expired, ",
+                                          rejected.load(), " rejected"));
+  EXPECT_GT(completed.load(), 0);
+  EXPECT_GT(rejected.load(), 0);
+  v1::LoadReport load = ExpectIdle(w->stub(), "after the chaos");
+  EXPECT_EQ(load.free_blocks() + load.cached_blocks(), load.total_blocks());
+  EXPECT_EQ(load.used_blocks(), 0);
+
+  // Still serving, and still correct: a request matches a fresh worker's output.
+  WorkerProcess* fresh = StartWorker();
+  ASSERT_NE(fresh, nullptr);
+  v1::GenerateRequest probe = GreedyRequest(MakePrompt(4242, 70), 24);
+  probe.mutable_sampling()->set_logprobs(2);
+  ExpectSameOutput(Generate(w->stub(), probe), Generate(fresh->stub(), probe), "after the chaos");
 }
 
 }  // namespace
