@@ -843,7 +843,9 @@ class KvEventReader {
       v1::KvEventBatch batch;
       while (reader_->Read(&batch)) {
         std::lock_guard<std::mutex> lock(mu_);
-        if (batch.has_snapshot()) last_seq_ = std::max(last_seq_, batch.snapshot().seq());
+        if (batch.has_snapshot() && batch.snapshot().complete()) {
+          last_seq_ = std::max(last_seq_, batch.snapshot().seq());
+        }
         for (const v1::KvEvent& e : batch.events()) last_seq_ = std::max(last_seq_, e.seq());
         batches_.push_back(batch);
         cv_.notify_all();
@@ -899,27 +901,42 @@ void ExpectValidBlock(const v1::BlockStored& b, const std::string& what) {
 }
 
 // Applies `batches` (from one stream) to a view, checking the stream's
-// invariants: one instance id, a snapshot only first, seqs without gaps,
-// valid hashes, no block stored twice or removed unstored.
+// invariants: one instance id, a snapshot (possibly over several batches,
+// the last marked complete) only first, no events inside an incomplete
+// snapshot, seqs without gaps, valid hashes, no block stored twice or
+// removed unstored.
 CacheView Replay(const std::vector<v1::KvEventBatch>& batches, const std::string& instance_id,
                  bool expect_snapshot, uint64_t start_after_seq) {
   CacheView view;
   view.seq = start_after_seq;
+  bool snapshot_open = false;   // a snapshot has started and not completed
+  bool snapshot_done = false;
   for (size_t b = 0; b < batches.size(); ++b) {
     const v1::KvEventBatch& batch = batches[b];
     EXPECT_EQ(batch.instance_id(), instance_id);
     if (b == 0) {
       EXPECT_EQ(batch.has_snapshot(), expect_snapshot);
-    } else {
-      EXPECT_FALSE(batch.has_snapshot()) << "batch " << b;
     }
     if (batch.has_snapshot()) {
+      EXPECT_TRUE(snapshot_open || b == 0) << "a second snapshot in batch " << b;
+      if (!snapshot_open) {
+        view.blocks.clear();
+        snapshot_open = true;
+      } else {
+        EXPECT_EQ(batch.snapshot().seq(), view.seq) << "a snapshot's batches differ in seq";
+      }
       view.seq = batch.snapshot().seq();
-      view.blocks.clear();
-      for (const v1::BlockStored& s : batch.snapshot().blocks()) {
-        ExpectValidBlock(s, "snapshot block");
+      for (const v1::CachedBlock& s : batch.snapshot().blocks()) {
         EXPECT_TRUE(view.blocks.insert(s.block_hash()).second) << "snapshot repeats a block";
       }
+      if (batch.snapshot().complete()) {
+        snapshot_open = false;
+        snapshot_done = true;
+      } else {
+        EXPECT_EQ(batch.events_size(), 0) << "events inside an incomplete snapshot";
+      }
+    } else {
+      EXPECT_FALSE(snapshot_open) << "batch " << b << " interrupts a snapshot";
     }
     for (const v1::KvEvent& e : batch.events()) {
       EXPECT_EQ(e.seq(), view.seq + 1) << "a gap or reordering in the event seqs";
@@ -942,6 +959,7 @@ CacheView Replay(const std::vector<v1::KvEventBatch>& batches, const std::string
       }
     }
   }
+  EXPECT_EQ(snapshot_done, expect_snapshot) << "the snapshot never completed";
   return view;
 }
 
@@ -1237,6 +1255,89 @@ TEST_F(WorkerGrpcTest, RandomCancellationsDeadlinesAndClearsLeakNothing) {
   v1::GenerateRequest probe = GreedyRequest(MakePrompt(4242, 70), 24);
   probe.mutable_sampling()->set_logprobs(2);
   ExpectSameOutput(Generate(w->stub(), probe), Generate(fresh->stub(), probe), "after the chaos");
+}
+
+// ---------------------------------------------------------------------------
+// 16. A worker that shuts down ends its open streams with UNAVAILABLE (so a
+// router retries elsewhere), after the tokens it had already produced.
+
+TEST_F(WorkerGrpcTest, ShutdownEndsStreamsWithUnavailable) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  v1::GenerateRequest req = GreedyRequest(MakePrompt(16, 30), 1500);
+  req.mutable_sampling()->set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  auto reader = w->stub().Generate(&ctx, req);
+  v1::GenerateResponse msg;
+  int tokens = 0;
+  ASSERT_TRUE(reader->Read(&msg));
+  tokens += msg.tokens_size();
+  ASSERT_EQ(kill(w->pid(), SIGTERM), 0);
+  while (reader->Read(&msg)) {
+    tokens += msg.tokens_size();
+    EXPECT_EQ(msg.finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
+  }
+  grpc::Status st = reader->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_GT(tokens, 0);
+  EXPECT_LT(tokens, 1500);
+}
+
+// ---------------------------------------------------------------------------
+// 17. A snapshot larger than one batch arrives in bounded chunks that a
+// client with gRPC's default 4 MiB message limit reads.
+
+TEST_F(WorkerGrpcTest, LargeSnapshotArrivesInChunks) {
+  // Block size 1: every computed token is a cached block.
+  WorkerProcess* w = StartWorker({"--block-size", "1", "--kv-cache-memory", "64MiB"});
+  ASSERT_NE(w, nullptr);
+  constexpr int kPrompts = 40;
+  constexpr int kLen = 1800;  // 40 * 1800 = 72000 blocks > 65536 per batch
+  for (int i = 0; i < kPrompts; ++i) {
+    Output out = Generate(w->stub(), GreedyRequest(MakePrompt(5000 + i, kLen), 1));
+    ASSERT_EQ(out.status.error_code(), grpc::StatusCode::OK) << out.status.error_message();
+  }
+  v1::LoadReport load = GetLoad(w->stub());
+  ASSERT_GT(load.cached_blocks(), 65536);
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  v1::KvEventsRequest req;
+  req.set_snapshot(true);
+  auto reader = w->stub().StreamKvEvents(&ctx, req);
+  v1::KvEventBatch batch;
+  std::set<uint64_t> blocks;
+  int batches = 0;
+  bool complete = false;
+  while (!complete && reader->Read(&batch)) {
+    ASSERT_TRUE(batch.has_snapshot());
+    EXPECT_EQ(batch.snapshot().seq(), load.kv_event_seq());
+    for (const v1::CachedBlock& b : batch.snapshot().blocks()) blocks.insert(b.block_hash());
+    complete = batch.snapshot().complete();
+    ++batches;
+  }
+  ctx.TryCancel();
+  reader->Finish();
+  EXPECT_TRUE(complete);
+  EXPECT_GE(batches, 2);
+  EXPECT_EQ(static_cast<int64_t>(blocks.size()), load.cached_blocks());
+}
+
+// ---------------------------------------------------------------------------
+// 18. A KV budget larger than the machine's memory is refused at start (the
+// pool is mapped lazily and would otherwise be OOM-killed under load).
+
+TEST_F(WorkerGrpcTest, KvBudgetBeyondMemoryIsRefusedAtStart) {
+  absl::StatusOr<std::string> bin = tandem::testing::TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  absl::StatusOr<tandem::testing::ChildProcess> child = tandem::testing::ChildProcess::Spawn(
+      {*bin, "worker", "--port", "0", "--kv-cache-memory", "1000000GiB"}, "/dev/null");
+  ASSERT_TRUE(child.ok()) << child.status();
+  absl::StatusOr<int> status = child->Wait(std::chrono::seconds(30));
+  ASSERT_TRUE(status.ok()) << "the worker started with a budget it cannot have";
+  EXPECT_TRUE(WIFEXITED(*status));
+  EXPECT_EQ(WEXITSTATUS(*status), 1);
 }
 
 }  // namespace

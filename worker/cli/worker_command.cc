@@ -1,8 +1,11 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -34,6 +37,34 @@ struct WorkerOptions {
   EngineConfig engine;
 };
 
+// The self-pipe the signal handler writes the signal number to.
+int g_signal_pipe[2] = {-1, -1};
+std::atomic<bool> g_signalled{false};
+
+void OnShutdownSignal(int sig) {
+  if (g_signalled.exchange(true)) _exit(128 + sig);  // second signal: no more waiting
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &byte, 1);
+}
+
+absl::Status InstallShutdownHandler() {
+  if (pipe(g_signal_pipe) != 0) return absl::InternalError("cannot create the signal pipe");
+  struct sigaction sa = {};
+  sa.sa_handler = OnShutdownSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+  return absl::OkStatus();
+}
+
+int WaitForShutdownSignal() {
+  unsigned char byte = 0;
+  while (read(g_signal_pipe[0], &byte, 1) != 1) {
+    if (errno != EINTR) return SIGTERM;
+  }
+  return byte;
+}
+
 absl::Status RunWorker(WorkerOptions opt) {
   if (opt.role != "both" && opt.role != "prefill" && opt.role != "decode") {
     return absl::InvalidArgumentError(
@@ -43,12 +74,9 @@ absl::Status RunWorker(WorkerOptions opt) {
   opt.engine.enable_prefix_caching = !opt.no_prefix_caching;
   RETURN_IF_ERROR(opt.engine.Validate());
 
-  // Block the shutdown signals in every thread; one thread waits for them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // SIGTERM/SIGINT start a graceful shutdown whichever thread receives them
+  // (OpenBLAS starts threads before main); a second one exits at once.
+  RETURN_IF_ERROR(InstallShutdownHandler());
 
   LOG(INFO) << "loading model " << opt.model;
   ASSIGN_OR_RETURN(LoadedModel model, LoadModel(opt.model));
@@ -80,8 +108,7 @@ absl::Status RunWorker(WorkerOptions opt) {
     std::rename(tmp.c_str(), opt.ready_file.c_str());
   }
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = WaitForShutdownSignal();
   LOG(INFO) << "signal " << sig << ": shutting down";
   engine->Stop();  // aborts in-flight requests, so their streams finish at once
   // gRPC waits out the whole deadline while any client keeps a connection

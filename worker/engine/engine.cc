@@ -2,7 +2,10 @@
 
 #include <cblas.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <limits>
 #include <random>
 
 #include "absl/strings/str_format.h"
@@ -46,6 +49,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     return absl::InvalidArgumentError(absl::StrFormat(
         "kv cache budget of %d bytes holds no block (one block of %d tokens takes %d bytes)",
         config.kv_cache_bytes, config.block_size, KvStorage::BytesPerBlock(layout)));
+  }
+  // The pool is mapped lazily (pages arrive as blocks are first written), so
+  // an oversized budget would start fine and be OOM-killed under load.
+  const int64_t phys = int64_t{sysconf(_SC_PHYS_PAGES)} * sysconf(_SC_PAGESIZE);
+  if (phys > 0 && config.kv_cache_bytes > phys) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv cache budget of %d bytes exceeds this machine's %d bytes of memory",
+        config.kv_cache_bytes, phys));
+  }
+  if (layout.num_blocks > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv cache budget gives %d blocks; block ids are 32-bit: use larger blocks",
+        layout.num_blocks));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage, KvStorage::Create(layout));
   int max_len = model.config.max_position_embeddings;
@@ -165,14 +181,19 @@ void Engine::Cancel(uint64_t id) {
   cv_.notify_one();
 }
 
-int64_t Engine::ClearPrefixCache() {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (stop_ || !running_.load()) return 0;
-  const int64_t before = cleared_blocks_;
-  ++clear_requests_;
+void Engine::ClearPrefixCache(std::function<void(absl::StatusOr<int64_t>)> done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_ && running_.load()) {
+      clears_.push_back(std::move(done));
+      done = nullptr;
+    }
+  }
+  if (done) {
+    done(absl::UnavailableError("the engine is not running"));
+    return;
+  }
   cv_.notify_one();
-  clear_cv_.wait(lock, [&] { return clear_requests_ == 0 || stop_; });
-  return cleared_blocks_ - before;
 }
 
 LoadSnapshot Engine::GetLoad() const {
@@ -193,7 +214,7 @@ void Engine::Finish(std::unique_ptr<Sequence> seq, FinishInfo info) {
 void Engine::DrainCommands() {
   std::deque<std::unique_ptr<Sequence>> submitted;
   std::vector<uint64_t> cancelled;
-  int clears = 0;
+  std::vector<std::function<void(absl::StatusOr<int64_t>)>> clears;
   {
     std::lock_guard<std::mutex> lock(mu_);
     submitted.swap(submitted_);
@@ -201,7 +222,7 @@ void Engine::DrainCommands() {
     // recounts the scheduler's queue.
     waiting_.fetch_add(static_cast<int>(submitted.size()));
     cancelled.swap(cancelled_);
-    clears = clear_requests_;
+    clears.swap(clears_);
   }
   for (auto& seq : submitted) scheduler_.Add(std::move(seq));
   for (uint64_t id : cancelled) {
@@ -209,17 +230,12 @@ void Engine::DrainCommands() {
     if (seq == nullptr) continue;
     Finish(std::move(seq), FinishInfo{.reason = FinishReason::kAbort});
   }
-  if (clears > 0) {
-    int64_t n = blocks_.Clear();
+  for (auto& done : clears) {
+    const int64_t freed = blocks_.Clear();
     // The caller sees the cleared cache in the events and the load report.
     events_.Publish();
     PublishLoad();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cleared_blocks_ += n;
-      clear_requests_ = 0;
-    }
-    clear_cv_.notify_all();
+    done(freed);
   }
 }
 
@@ -228,7 +244,7 @@ void Engine::Loop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] {
-        return stop_ || !submitted_.empty() || !cancelled_.empty() || clear_requests_ > 0 ||
+        return stop_ || !submitted_.empty() || !cancelled_.empty() || !clears_.empty() ||
                !scheduler_.empty();
       });
       if (stop_) break;
@@ -238,17 +254,23 @@ void Engine::Loop() {
     events_.Publish();
     PublishLoad();
   }
-  // Shutdown: every request still here ends with kAbort.
-  DrainCommands();
+  // Shutdown: every request still here ends with kAbort, marked as the
+  // worker's doing so that clients retry elsewhere.
+  std::vector<std::function<void(absl::StatusOr<int64_t>)>> clears;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& seq : submitted_) scheduler_.Add(std::move(seq));
+    submitted_.clear();
+    clears.swap(clears_);
+  }
   std::vector<uint64_t> ids;
   for (const auto& s : scheduler_.running()) ids.push_back(s->id);
   for (const auto& s : scheduler_.waiting()) ids.push_back(s->id);
-  for (uint64_t id : ids) Finish(scheduler_.Remove(id), FinishInfo{.reason = FinishReason::kAbort});
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    clear_requests_ = 0;
+  for (uint64_t id : ids) {
+    Finish(scheduler_.Remove(id),
+           FinishInfo{.reason = FinishReason::kAbort, .worker_stopping = true});
   }
-  clear_cv_.notify_all();
+  for (auto& done : clears) done(absl::UnavailableError("the engine stopped"));
   events_.Publish();
   PublishLoad();
 }

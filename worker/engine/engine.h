@@ -6,7 +6,8 @@
 // each request's OutputSink.
 //
 // Thread safety: Submit, Cancel, GetLoad, ClearPrefixCache and the accessors
-// may be called from any thread. Sinks are called on the engine thread.
+// may be called from any thread. Sinks and ClearPrefixCache's callbacks are
+// called on the engine thread.
 #ifndef TANDEM_WORKER_ENGINE_ENGINE_H_
 #define TANDEM_WORKER_ENGINE_ENGINE_H_
 
@@ -14,6 +15,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -80,6 +82,7 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config,
                                                         LoadedModel model);
   ~Engine();  // stops the engine thread; pending requests finish with kAbort
+              // and FinishInfo::worker_stopping
 
   void Start();
   void Stop();
@@ -92,8 +95,11 @@ class Engine {
   // Aborts a request: its blocks are freed at the start of the next step and
   // its sink gets OnFinish(kAbort). Unknown or finished ids are ignored.
   void Cancel(uint64_t id);
-  // Drops every unreferenced block from the prefix cache; returns how many.
-  int64_t ClearPrefixCache();
+  // Drops every block from the prefix cache (blocks in use stay in use,
+  // uncached) at the start of the next step, then calls `done` with the
+  // number of unreferenced cached blocks freed; Unavailable if the engine
+  // stops first. Requests are served in order, each by its own clear.
+  void ClearPrefixCache(std::function<void(absl::StatusOr<int64_t>)> done);
 
   LoadSnapshot GetLoad() const;
   KvEventLog& events() { return events_; }
@@ -129,9 +135,7 @@ class Engine {
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Sequence>> submitted_;  // guarded by mu_
   std::vector<uint64_t> cancelled_;                  // guarded by mu_
-  int clear_requests_ = 0;                           // guarded by mu_
-  int64_t cleared_blocks_ = 0;                       // guarded by mu_
-  std::condition_variable clear_cv_;
+  std::vector<std::function<void(absl::StatusOr<int64_t>)>> clears_;  // guarded by mu_
   bool stop_ = false;                                // guarded by mu_
   std::atomic<bool> running_{false};
   std::atomic<uint64_t> next_id_{1};

@@ -21,6 +21,7 @@ struct FinishInfo {
   int completion_tokens = 0;
   int cached_prompt_tokens = 0;
   std::string error;                // kError: what went wrong
+  bool worker_stopping = false;     // kAbort because the worker shuts down (not the client)
 };
 
 class OutputSink {

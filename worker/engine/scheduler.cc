@@ -44,7 +44,7 @@ bool Scheduler::AdmitHead(int* budget, std::vector<ScheduledWork>* out) {
   std::span<const int32_t> hashable(seq.tokens.data(), size_t(len - 1));
   std::vector<uint64_t> hashes = HashBlocks(config_.block_hash_seed, hashable, bs);
   std::vector<int32_t> table;
-  const int hits = blocks_->AcquireCachedPrefix(hashes, &table);
+  const int hits = blocks_->AcquireCachedPrefix(hashes, hashable, &table);
   const int new_blocks = BlocksFor(len, bs) - hits;
   // The watermark keeps room for running sequences to decode into; with
   // nothing running it would only stall the queue, so it is waived.

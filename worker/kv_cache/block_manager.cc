@@ -1,5 +1,7 @@
 #include "worker/kv_cache/block_manager.h"
 
+#include <algorithm>
+
 #include "common/logging.h"
 
 namespace tandem::worker {
@@ -9,7 +11,8 @@ BlockManager::BlockManager(int64_t num_blocks, int block_size, bool enable_prefi
     : block_size_(block_size),
       prefix_caching_(enable_prefix_caching),
       events_(events),
-      blocks_(num_blocks) {
+      blocks_(num_blocks),
+      tokens_(enable_prefix_caching ? num_blocks * block_size : 0) {
   free_.reserve(num_blocks);
   // Hand out low ids first (pop from the back).
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
@@ -41,15 +44,21 @@ bool BlockManager::Allocate(int n, std::vector<int32_t>* out) {
   return true;
 }
 
-int BlockManager::AcquireCachedPrefix(std::span<const uint64_t> hashes, std::vector<int32_t>* out) {
+int BlockManager::AcquireCachedPrefix(std::span<const uint64_t> hashes,
+                                      std::span<const int32_t> tokens, std::vector<int32_t>* out) {
   if (!prefix_caching_) return 0;
   int hits = 0;
   for (uint64_t h : hashes) {
     auto it = by_hash_.find(h);
     if (it == by_hash_.end()) break;
-    Block& b = blocks_[it->second];
+    const int32_t id = it->second;
+    const int32_t* stored = &tokens_[size_t(id) * block_size_];
+    if (!std::equal(stored, stored + block_size_, tokens.begin() + size_t(hits) * block_size_)) {
+      break;  // a hash collision: compute instead
+    }
+    Block& b = blocks_[id];
     if (b.ref_count++ == 0) evictable_.erase(b.lru);
-    out->push_back(it->second);
+    out->push_back(id);
     ++hits;
   }
   return hits;
@@ -63,6 +72,7 @@ void BlockManager::Commit(int32_t block, uint64_t hash, uint64_t parent,
   if (b.cached || by_hash_.contains(hash)) return;
   b.cached = true;
   b.hash = hash;
+  std::copy(tokens.begin(), tokens.end(), tokens_.begin() + size_t(block) * block_size_);
   by_hash_[hash] = block;
   if (events_ != nullptr) events_->Stored(hash, parent, tokens);
 }

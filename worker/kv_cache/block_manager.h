@@ -44,9 +44,13 @@ class BlockManager {
   // needed. Returns false (allocating nothing) if fewer than n are allocatable.
   bool Allocate(int n, std::vector<int32_t>* out);
 
-  // The longest prefix of `hashes` present in the cache: takes a reference on
+  // The longest prefix of `hashes` present in the cache whose blocks also
+  // hold exactly the corresponding block_size tokens of `tokens` (a 64-bit
+  // hash alone could collide, and the seed is public): takes a reference on
   // each of those blocks and appends their ids to `out`. Returns how many.
-  int AcquireCachedPrefix(std::span<const uint64_t> hashes, std::vector<int32_t>* out);
+  // REQUIRES: tokens.size() >= hashes.size() * block_size.
+  int AcquireCachedPrefix(std::span<const uint64_t> hashes, std::span<const int32_t> tokens,
+                          std::vector<int32_t>* out);
 
   // Registers `block`, which holds exactly `tokens` (block_size of them) after
   // the block hashed `parent`, under `hash`. If another block already holds
@@ -80,6 +84,7 @@ class BlockManager {
   const bool prefix_caching_;
   KvEventLog* const events_;
   std::vector<Block> blocks_;
+  std::vector<int32_t> tokens_;               // [block][block_size]: a cached block's tokens
   std::vector<int32_t> free_;                 // stack of never-cached free blocks
   std::list<int32_t> evictable_;              // LRU order: front is evicted first
   absl::flat_hash_map<uint64_t, int32_t> by_hash_;

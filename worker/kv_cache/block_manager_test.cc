@@ -47,7 +47,7 @@ TEST(BlockManagerTest, PrefixHitSharesBlocksAndCountsReferences) {
   EXPECT_EQ(log.last_seq(), 2u);
 
   std::vector<int32_t> b;
-  EXPECT_EQ(m.AcquireCachedPrefix(hashes, &b), 2);
+  EXPECT_EQ(m.AcquireCachedPrefix(hashes, tokens, &b), 2);
   EXPECT_EQ(b, a);
   EXPECT_EQ(m.ref_count(a[0]), 2);
   m.Release(a);
@@ -62,7 +62,7 @@ TEST(BlockManagerTest, PrefixHitSharesBlocksAndCountsReferences) {
   other[5] = 99;
   auto other_hashes = HashBlocks(7, other, 4);
   std::vector<int32_t> c;
-  EXPECT_EQ(m.AcquireCachedPrefix(other_hashes, &c), 1);
+  EXPECT_EQ(m.AcquireCachedPrefix(other_hashes, other, &c), 1);
   m.Release(c);
 }
 
@@ -91,8 +91,23 @@ TEST(BlockManagerTest, EvictsLeastRecentlyReleasedAndPublishesRemoval) {
   EXPECT_EQ(ev[0].block_hash, hashes[2]);
   EXPECT_EQ(ev[0].seq, 4u);
   std::vector<int32_t> miss;
-  EXPECT_EQ(m.AcquireCachedPrefix(std::vector<uint64_t>{hashes[2]}, &miss), 0);
+  EXPECT_EQ(m.AcquireCachedPrefix(std::vector<uint64_t>{hashes[2]}, Tokens(2, 20), &miss), 0);
   ExpectAccounting(m);
+}
+
+TEST(BlockManagerTest, HashCollisionWithOtherTokensIsAMiss) {
+  BlockManager m(4, 2, true, nullptr);
+  std::vector<int32_t> ids;
+  ASSERT_TRUE(m.Allocate(1, &ids));
+  m.Commit(ids[0], /*hash=*/42, 0, Tokens(2, 0));
+  std::vector<int32_t> got;
+  // Same hash, different tokens (a collision, or a crafted one): never shared.
+  EXPECT_EQ(m.AcquireCachedPrefix(std::vector<uint64_t>{42}, Tokens(2, 7), &got), 0);
+  EXPECT_TRUE(got.empty());
+  EXPECT_EQ(m.ref_count(ids[0]), 1);
+  EXPECT_EQ(m.AcquireCachedPrefix(std::vector<uint64_t>{42}, Tokens(2, 0), &got), 1);
+  m.Release(got);
+  m.Release(ids);
 }
 
 TEST(BlockManagerTest, DuplicateCommitKeepsFirstBlock) {

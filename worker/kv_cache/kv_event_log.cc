@@ -14,10 +14,9 @@ void KvEventLog::Append(KvEvent event) {
 
 void KvEventLog::Stored(uint64_t hash, uint64_t parent, std::span<const int32_t> tokens) {
   absl::MutexLock lock(&mu_);
-  std::vector<int32_t> ids(tokens.begin(), tokens.end());
-  live_[hash] = Live{parent, ids};
+  live_[hash] = parent;
   Append(KvEvent{.kind = KvEvent::Kind::kStored, .block_hash = hash, .parent_hash = parent,
-                 .token_ids = std::move(ids)});
+                 .token_ids = std::vector<int32_t>(tokens.begin(), tokens.end())});
 }
 
 void KvEventLog::Removed(uint64_t hash) {
@@ -64,10 +63,7 @@ KvSnapshot KvEventLog::TakeSnapshot() const {
   KvSnapshot snap;
   snap.seq = seq_;
   snap.blocks.reserve(live_.size());
-  for (const auto& [hash, live] : live_) {
-    snap.blocks.push_back(KvEvent{.seq = 0, .kind = KvEvent::Kind::kStored, .block_hash = hash,
-                                  .parent_hash = live.parent, .token_ids = live.tokens});
-  }
+  for (const auto& [hash, parent] : live_) snap.blocks.push_back({hash, parent});
   return snap;
 }
 

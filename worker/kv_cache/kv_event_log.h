@@ -34,9 +34,14 @@ struct KvEvent {
   std::vector<int32_t> token_ids;    // kStored
 };
 
+struct CachedBlock {
+  uint64_t hash = 0;
+  uint64_t parent = 0;
+};
+
 struct KvSnapshot {
   uint64_t seq = 0;                  // reflects every event up to and including seq
-  std::vector<KvEvent> blocks;       // kStored records of every cached block
+  std::vector<CachedBlock> blocks;   // every cached block
 };
 
 class KvEventLog {
@@ -70,11 +75,7 @@ class KvEventLog {
   std::deque<KvEvent> recent_ ABSL_GUARDED_BY(mu_);
   uint64_t seq_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t published_seq_ ABSL_GUARDED_BY(mu_) = 0;
-  struct Live {
-    uint64_t parent;
-    std::vector<int32_t> tokens;
-  };
-  absl::flat_hash_map<uint64_t, Live> live_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, uint64_t> live_ ABSL_GUARDED_BY(mu_);  // hash -> parent
 
   absl::Mutex listeners_mu_;  // held while listeners run; never with mu_
   std::map<int, std::function<void()>> listeners_ ABSL_GUARDED_BY(listeners_mu_);

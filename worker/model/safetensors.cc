@@ -66,7 +66,7 @@ void EncodeValues(const std::vector<float>& values, SafetensorsDtype dtype, std:
   char* dst = out->data();
   switch (dtype) {
     case SafetensorsDtype::kF32:
-      std::memcpy(dst, values.data(), out->size());
+      if (!values.empty()) std::memcpy(dst, values.data(), out->size());
       break;
     case SafetensorsDtype::kF16:
     case SafetensorsDtype::kBF16:
@@ -306,7 +306,7 @@ absl::StatusOr<Tensor> SafetensorsFile::Read(const std::string& name) const {
   tensor.shape = entry.shape;
   if (entry.dtype == "F32") {
     tensor.data.resize((entry.end - entry.begin) / 4);
-    std::memcpy(tensor.data.data(), src, tensor.data.size() * 4);
+    if (!tensor.data.empty()) std::memcpy(tensor.data.data(), src, tensor.data.size() * 4);
   } else if (entry.dtype == "F16" || entry.dtype == "BF16") {
     const bool is_half = entry.dtype == "F16";
     tensor.data.resize((entry.end - entry.begin) / 2);

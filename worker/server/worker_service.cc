@@ -1,5 +1,6 @@
 #include "worker/server/worker_service.h"
 
+#include <algorithm>
 #include <mutex>
 #include <random>
 #include <utility>
@@ -33,6 +34,12 @@ tandem::v1::FinishReason ToProto(FinishReason r) {
 // reactor writes whatever accumulated since the last write as one message.
 // Lifetime: gRPC owns the reactor until OnDone; the Sink (shared with the
 // engine) outlives it and drops output once the reactor is gone.
+//
+// How a stream ends: a normal finish sends the pending tokens with the finish
+// reason and usage, status OK. An abort sends what is pending, then ends with
+// CANCELLED (the client cancelled) or UNAVAILABLE (the worker is stopping, so
+// the caller may retry elsewhere). A failed write (client gone) cancels the
+// request in the engine and ends with CANCELLED.
 class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> {
  public:
   class Sink final : public OutputSink {
@@ -40,32 +47,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
     explicit Sink(GenerateReactor* r) : reactor_(r) {}
     void OnToken(const SampledToken& t) override {
       std::lock_guard<std::mutex> lock(mu_);
-      if (reactor_ == nullptr) return;
-      auto* out = reactor_->pending_.add_tokens();
-      out->set_token_id(t.token_id);
-      if (reactor_->want_logprobs_) {
-        out->set_logprob(t.logprob);
-        for (const TokenLogprob& tl : t.top_logprobs) {
-          auto* alt = out->add_top_logprobs();
-          alt->set_token_id(tl.token_id);
-          alt->set_logprob(tl.logprob);
-        }
-      }
-      reactor_->MaybeWriteLocked();
+      if (reactor_ != nullptr) reactor_->AddTokenLocked(t);
     }
     void OnFinish(const FinishInfo& info) override {
       std::lock_guard<std::mutex> lock(mu_);
-      if (reactor_ == nullptr) return;
-      GenerateResponse& p = reactor_->pending_;
-      p.set_finish_reason(ToProto(info.reason));
-      if (info.stop_token_id >= 0) p.set_stop_token_id(info.stop_token_id);
-      p.mutable_usage()->set_prompt_tokens(info.prompt_tokens);
-      p.mutable_usage()->set_completion_tokens(info.completion_tokens);
-      p.mutable_usage()->set_cached_prompt_tokens(info.cached_prompt_tokens);
-      if (!info.error.empty()) p.set_error_message(info.error);
-      reactor_->finished_ = true;
-      reactor_->finish_reason_ = info.reason;
-      reactor_->MaybeWriteLocked();
+      if (reactor_ != nullptr) reactor_->FinishLocked(info);
     }
     // Called from OnDone: no more output reaches the reactor.
     void Detach() {
@@ -100,7 +86,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
     std::lock_guard<std::mutex> lock(sink_->mu());
     writing_ = false;
     if (!ok) {
-      // The client is gone: stop generating; OnCancel or OnDone follows.
+      // The client is gone: stop generating.
       if (!done_called_) {
         done_called_ = true;
         engine_->Cancel(id_);
@@ -115,31 +101,61 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
 
   void OnDone() override {
     sink_->Detach();
-    // A request still in the engine (e.g. Finish after a failed write) is
-    // cancelled above; the engine owns the sink until it finishes it.
     delete this;
   }
 
  private:
-  friend class Sink;
-  // REQUIRES: sink_->mu() held.
+  // REQUIRES: sink_->mu() held (all below).
+  void AddTokenLocked(const SampledToken& t) {
+    auto* out = pending_.add_tokens();
+    out->set_token_id(t.token_id);
+    if (want_logprobs_) {
+      out->set_logprob(t.logprob);
+      for (const TokenLogprob& tl : t.top_logprobs) {
+        auto* alt = out->add_top_logprobs();
+        alt->set_token_id(tl.token_id);
+        alt->set_logprob(tl.logprob);
+      }
+    }
+    MaybeWriteLocked();
+  }
+
+  void FinishLocked(const FinishInfo& info) {
+    finished_ = true;
+    if (info.reason == FinishReason::kAbort) {
+      final_status_ = info.worker_stopping
+                          ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down")
+                          : grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled");
+    }
+    final_.set_finish_reason(ToProto(info.reason));
+    if (info.stop_token_id >= 0) final_.set_stop_token_id(info.stop_token_id);
+    final_.mutable_usage()->set_prompt_tokens(info.prompt_tokens);
+    final_.mutable_usage()->set_completion_tokens(info.completion_tokens);
+    final_.mutable_usage()->set_cached_prompt_tokens(info.cached_prompt_tokens);
+    if (!info.error.empty()) final_.set_error_message(info.error);
+    MaybeWriteLocked();
+  }
+
   void MaybeWriteLocked() {
     if (writing_ || done_called_) return;
-    if (pending_.tokens_size() == 0 && !finished_) return;
-    current_.Swap(&pending_);
-    pending_.Clear();
-    const bool last = current_.finish_reason() != tandem::v1::FINISH_REASON_UNSPECIFIED;
-    if (last) {
+    if (finished_ && final_status_.ok()) {
+      // The last message: pending tokens, finish reason and usage together.
+      final_.mutable_tokens()->Swap(pending_.mutable_tokens());
       done_called_ = true;
-      if (finish_reason_ == FinishReason::kAbort && current_.tokens_size() == 0) {
-        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled"));
-        return;
-      }
-      StartWriteAndFinish(&current_, grpc::WriteOptions(), grpc::Status::OK);
+      StartWriteAndFinish(&final_, grpc::WriteOptions(), grpc::Status::OK);
       return;
     }
-    writing_ = true;
-    StartWrite(&current_);
+    if (pending_.tokens_size() > 0) {
+      current_.Clear();
+      current_.Swap(&pending_);
+      writing_ = true;
+      StartWrite(&current_);
+      return;
+    }
+    if (finished_) {
+      done_called_ = true;
+      Finish(final_status_);
+    }
   }
 
   Engine* const engine_;
@@ -147,26 +163,33 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
   uint64_t id_ = 0;
   bool want_logprobs_ = false;
   // Guarded by sink_->mu().
-  GenerateResponse pending_;
-  GenerateResponse current_;
+  GenerateResponse pending_;   // tokens not yet written
+  GenerateResponse current_;   // the message being written
+  GenerateResponse final_;     // finish reason and usage, once finished_
+  grpc::Status final_status_;  // OK, or why an aborted stream ends
   bool writing_ = false;
   bool finished_ = false;
-  FinishReason finish_reason_ = FinishReason::kStop;
-  bool done_called_ = false;  // Finish (or StartWriteAndFinish) was called
+  bool done_called_ = false;   // Finish (or StartWriteAndFinish) was called
 };
 
-// One KV event stream: a snapshot when needed, then events as they come.
+// One KV event stream: a snapshot when needed (in chunks), then events as
+// they come, each batch bounded in size so default gRPC clients (4 MiB
+// messages) can read it.
 class KvEventsReactor final : public grpc::ServerWriteReactor<KvEventBatch> {
  public:
   KvEventsReactor(Engine* engine, const std::string& instance_id,
                   const tandem::v1::KvEventsRequest& req)
       : log_(engine->events()), instance_id_(instance_id), cursor_(req.start_after_seq()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    need_snapshot_ = req.snapshot() || cursor_ > log_.last_seq();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      need_snapshot_ = req.snapshot() || cursor_ > log_.last_seq();
+    }
+    // The listener may run as soon as it is added; it takes mu_ itself.
     listener_ = log_.AddListener([this] {
       std::lock_guard<std::mutex> l(mu_);
       MaybeWriteLocked();
     });
+    std::lock_guard<std::mutex> lock(mu_);
     MaybeWriteLocked();
   }
 
@@ -189,7 +212,11 @@ class KvEventsReactor final : public grpc::ServerWriteReactor<KvEventBatch> {
   }
 
  private:
+  // Per batch: 65536 snapshot blocks is ~1.3 MB on the wire; events are
+  // capped by an estimate of their encoded size (5 bytes a token id at most).
+  static constexpr size_t kSnapshotBlocksPerBatch = 65536;
   static constexpr size_t kMaxEventsPerBatch = 4096;
+  static constexpr size_t kMaxBatchBytes = 1 << 20;
 
   void FinishLocked(const grpc::Status& s) {
     if (finished_) return;
@@ -203,27 +230,43 @@ class KvEventsReactor final : public grpc::ServerWriteReactor<KvEventBatch> {
     batch_.Clear();
     batch_.set_instance_id(instance_id_);
     std::vector<KvEvent> events;
-    if (!need_snapshot_ && !log_.ReadSince(cursor_, kMaxEventsPerBatch, &events)) {
+    if (!need_snapshot_ && !sending_snapshot_ &&
+        !log_.ReadSince(cursor_, kMaxEventsPerBatch, &events)) {
       need_snapshot_ = true;  // fell behind the log: resync
     }
     if (need_snapshot_) {
       need_snapshot_ = false;
-      KvSnapshot snap = log_.TakeSnapshot();
+      snapshot_ = log_.TakeSnapshot();
+      snapshot_sent_ = 0;
+      cursor_ = snapshot_.seq;
+      sending_snapshot_ = true;
+    }
+    if (sending_snapshot_) {
       auto* s = batch_.mutable_snapshot();
-      s->set_seq(snap.seq);
-      for (const KvEvent& b : snap.blocks) {
-        auto* st = s->add_blocks();
-        st->set_block_hash(b.block_hash);
-        st->set_parent_hash(b.parent_hash);
-        st->mutable_token_ids()->Add(b.token_ids.begin(), b.token_ids.end());
+      s->set_seq(snapshot_.seq);
+      const size_t end = std::min(snapshot_.blocks.size(), snapshot_sent_ + kSnapshotBlocksPerBatch);
+      for (; snapshot_sent_ < end; ++snapshot_sent_) {
+        auto* b = s->add_blocks();
+        b->set_block_hash(snapshot_.blocks[snapshot_sent_].hash);
+        b->set_parent_hash(snapshot_.blocks[snapshot_sent_].parent);
       }
-      cursor_ = snap.seq;
+      if (snapshot_sent_ < snapshot_.blocks.size()) {
+        writing_ = true;
+        StartWrite(&batch_);
+        return;
+      }
+      s->set_complete(true);
+      sending_snapshot_ = false;
+      snapshot_ = KvSnapshot{};
       events.clear();
       log_.ReadSince(cursor_, kMaxEventsPerBatch, &events);
     } else if (events.empty()) {
       return;
     }
+    size_t bytes = 0;
     for (const KvEvent& e : events) {
+      if (bytes > kMaxBatchBytes) break;  // the rest goes in the next batch
+      bytes += 32 + 5 * e.token_ids.size();
       auto* out = batch_.add_events();
       out->set_seq(e.seq);
       switch (e.kind) {
@@ -250,8 +293,12 @@ class KvEventsReactor final : public grpc::ServerWriteReactor<KvEventBatch> {
   KvEventLog& log_;
   const std::string instance_id_;
   std::mutex mu_;
-  uint64_t cursor_;  // guarded by mu_: the last seq sent
+  // Guarded by mu_.
+  uint64_t cursor_;              // the last seq sent (or covered by the snapshot)
   bool need_snapshot_ = false;
+  bool sending_snapshot_ = false;
+  KvSnapshot snapshot_;          // being sent, in chunks
+  size_t snapshot_sent_ = 0;
   bool writing_ = false;
   bool finished_ = false;
   int listener_ = -1;
@@ -357,10 +404,12 @@ grpc::ServerWriteReactor<KvEventBatch>* WorkerService::StreamKvEvents(
 grpc::ServerUnaryReactor* WorkerService::ClearKvCache(grpc::CallbackServerContext* ctx,
                                                       const tandem::v1::ClearKvCacheRequest*,
                                                       tandem::v1::ClearKvCacheResponse* r) {
-  // Waits for one engine step at most; acceptable for an admin call.
-  r->set_blocks_cleared(engine_->ClearPrefixCache());
+  // Completed on the engine thread at its next step; no gRPC thread waits.
   auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  engine_->ClearPrefixCache([reactor, r](absl::StatusOr<int64_t> cleared) {
+    if (cleared.ok()) r->set_blocks_cleared(*cleared);
+    reactor->Finish(cleared.ok() ? grpc::Status::OK : ToGrpcStatus(cleared.status()));
+  });
   return reactor;
 }
 
