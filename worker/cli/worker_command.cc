@@ -182,6 +182,9 @@ void AddWorkerCommand(CLI::App& app) {
                   "Parent hash of a sequence's first KV block")
       ->capture_default_str();
   cmd->add_option("--threads", opt->engine.threads, "BLAS threads (0: all cores)")->capture_default_str();
+  cmd->add_option("--log-stats-interval", opt->engine.log_stats_interval_s,
+                  "Seconds between engine stats lines while busy (0: none)")
+      ->capture_default_str();
   cmd->callback([opt] {
     ExitWithStatus("worker", RunWorker(*opt));
   });

@@ -253,6 +253,7 @@ void Engine::Loop() {
     if (!scheduler_.empty()) Step();
     events_.Publish();
     PublishLoad();
+    MaybeLogStats();
   }
   // Shutdown: every request still here ends with kAbort, marked as the
   // worker's doing so that clients retry elsewhere.
@@ -315,6 +316,12 @@ void Engine::Step() {
     return;
   }
 
+  for (const ScheduledWork& w : work) {
+    if (w.seq->num_computed < w.seq->prompt_len) {
+      prompt_tokens_computed_ += std::min(w.num_tokens, w.seq->prompt_len - w.seq->num_computed);
+    }
+  }
+  tokens_generated_ += static_cast<int64_t>(batch_.logits_rows.size());
   const ModelConfig& mc = model_.config();
   std::vector<uint64_t> finished_ids;
   std::vector<FinishInfo> finish_infos;
@@ -370,6 +377,27 @@ void Engine::PublishLoad() {
   std::lock_guard<std::mutex> lock(load_mu_);
   s.steps = load_.steps + 1;
   load_ = s;
+}
+
+
+// One line like vLLM's: throughput since the last line, queue, KV usage.
+void Engine::MaybeLogStats() {
+  if (config_.log_stats_interval_s <= 0) return;
+  const auto now = std::chrono::steady_clock::now();
+  const double elapsed = std::chrono::duration<double>(now - last_stats_).count();
+  if (elapsed < config_.log_stats_interval_s) return;
+  if (prompt_tokens_computed_ > 0 || tokens_generated_ > 0 || !scheduler_.empty()) {
+    const LoadSnapshot s = GetLoad();
+    LOG(INFO) << absl::StrFormat(
+        "engine: prompt %.1f tok/s, generation %.1f tok/s, %d running, %d waiting, "
+        "KV %.1f%% used (%d cached blocks), prefix hit rate %.1f%%, %d preemptions",
+        prompt_tokens_computed_ / elapsed, tokens_generated_ / elapsed, s.running, s.waiting,
+        100.0 * s.used_blocks / std::max<int64_t>(1, s.total_blocks), s.cached_blocks,
+        100.0 * s.hit_rate(), s.preemptions);
+  }
+  prompt_tokens_computed_ = 0;
+  tokens_generated_ = 0;
+  last_stats_ = now;
 }
 
 }  // namespace tandem::worker

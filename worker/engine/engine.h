@@ -12,6 +12,7 @@
 #define TANDEM_WORKER_ENGINE_ENGINE_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -45,6 +46,7 @@ struct EngineConfig {
   uint64_t block_hash_seed = 0;              // parent hash of a sequence's first block
   size_t kv_event_capacity = 1 << 16;        // events kept for resuming subscribers
   int threads = 0;                           // BLAS threads; 0 = all cores
+  double log_stats_interval_s = 10.0;        // a stats line this often while busy; 0 = never
 
   absl::Status Validate() const;
 };
@@ -118,6 +120,7 @@ class Engine {
   void Step();
   void Finish(std::unique_ptr<Sequence> seq, FinishInfo info);
   void PublishLoad();
+  void MaybeLogStats();
 
   const EngineConfig config_;
   const std::string model_name_;
@@ -146,6 +149,10 @@ class Engine {
   mutable std::mutex load_mu_;
   LoadSnapshot load_;  // guarded by load_mu_
   int64_t finished_ = 0;
+  // Engine thread only: throughput since the last stats line.
+  int64_t prompt_tokens_computed_ = 0;
+  int64_t tokens_generated_ = 0;
+  std::chrono::steady_clock::time_point last_stats_ = std::chrono::steady_clock::now();
 };
 
 }  // namespace tandem::worker
