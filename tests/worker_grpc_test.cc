@@ -176,6 +176,23 @@ void ExpectSameOutput(const Output& got, const Output& want, const std::string& 
   }
 }
 
+// Sends every request at once, one thread each (released together), and
+// returns their outputs in request order.
+std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub,
+                                         const std::vector<v1::GenerateRequest>& requests) {
+  std::vector<Output> got(requests.size());
+  std::latch start(static_cast<std::ptrdiff_t>(requests.size()));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] {
+      start.arrive_and_wait();
+      got[i] = Generate(stub, requests[i]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return got;
+}
+
 v1::LoadReport GetLoad(v1::Worker::Stub& stub) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
@@ -338,16 +355,7 @@ TEST_F(WorkerGrpcTest, ConcurrentStreamsMatchSequentialRuns) {
   std::vector<Output> want;
   for (const v1::GenerateRequest& r : requests) want.push_back(Generate(alone->stub(), r));
 
-  std::vector<Output> got(kRequests);
-  std::latch start(kRequests);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kRequests; ++i) {
-    threads.emplace_back([&, i] {
-      start.arrive_and_wait();
-      got[i] = Generate(batched->stub(), requests[i]);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  std::vector<Output> got = GenerateConcurrently(batched->stub(), requests);
 
   for (int i = 0; i < kRequests; ++i) {
     ExpectSameOutput(got[i], want[i], absl::StrCat("request ", i));
@@ -712,16 +720,7 @@ TEST_F(WorkerGrpcTest, PreemptionByRecomputeGivesIdenticalOutputs) {
   std::vector<Output> want;
   for (const v1::GenerateRequest& r : requests) want.push_back(Generate(large->stub(), r));
 
-  std::vector<Output> got(kRequests);
-  std::latch start(kRequests);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kRequests; ++i) {
-    threads.emplace_back([&, i] {
-      start.arrive_and_wait();
-      got[i] = Generate(small->stub(), requests[i]);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  std::vector<Output> got = GenerateConcurrently(small->stub(), requests);
 
   for (int i = 0; i < kRequests; ++i) {
     ExpectSameOutput(got[i], want[i], absl::StrCat("request ", i));
