@@ -18,6 +18,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <latch>
 #include <memory>
@@ -1337,6 +1339,42 @@ TEST_F(WorkerGrpcTest, KvBudgetBeyondMemoryIsRefusedAtStart) {
   ASSERT_TRUE(status.ok()) << "the worker started with a budget it cannot have";
   EXPECT_TRUE(WIFEXITED(*status));
   EXPECT_EQ(WEXITSTATUS(*status), 1);
+}
+
+// ---------------------------------------------------------------------------
+// 19. `tandem export-model` writes a checkpoint that `tandem worker --model
+// DIR` serves with the built-in model's exact outputs (f32 export: the same
+// weights, bit for bit).
+
+TEST_F(WorkerGrpcTest, ExportedCheckpointServesTheBuiltinOutputs) {
+  absl::StatusOr<std::string> bin = tandem::testing::TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  char tmpl[] = "/tmp/tandem-export-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = std::string(tmpl) + "/tiny";
+  absl::StatusOr<tandem::testing::ChildProcess> exporter =
+      tandem::testing::ChildProcess::Spawn({*bin, "export-model", "--preset", "tiny", dir});
+  ASSERT_TRUE(exporter.ok()) << exporter.status();
+  absl::StatusOr<int> status = exporter->Wait(std::chrono::seconds(60));
+  ASSERT_TRUE(status.ok());
+  ASSERT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "export-model failed";
+
+  WorkerProcess* builtin = StartWorker();
+  ASSERT_NE(builtin, nullptr);
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> exported = WorkerProcess::Start({"--model", dir});
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_EQ(GetModelInfo((*exported)->stub()).model(), "tiny");
+  for (int i = 0; i < 3; ++i) {
+    v1::GenerateRequest req = i == 0 ? GreedyRequest(MakePrompt(900 + i, 50), 30)
+                                     : SampledRequest(MakePrompt(900 + i, 50), 30, 77 + i);
+    Output want = Generate(builtin->stub(), req);
+    Output got = Generate((*exported)->stub(), req);
+    ExpectWellFormed(got, "exported");
+    EXPECT_EQ(got.tokens, want.tokens) << "request " << i;
+    EXPECT_EQ(got.logprobs, want.logprobs) << "request " << i << ": not bit-identical";
+  }
+  (*exported)->Stop();
+  std::filesystem::remove_all(tmpl);
 }
 
 }  // namespace
