@@ -1,0 +1,162 @@
+#include "kvtransfer/loopback/fault_injecting_transport.h"
+
+#include <utility>
+
+namespace tandem::kvtransfer {
+
+FaultInjectingTransport::FaultInjectingTransport(std::unique_ptr<Transport> inner)
+    : inner_(std::move(inner)) {
+  timer_ = std::thread([this] { TimerLoop(); });
+}
+
+FaultInjectingTransport::~FaultInjectingTransport() {
+  std::map<uint64_t, Held> held;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    held.swap(held_);
+  }
+  cv_.notify_all();
+  timer_.join();
+  for (auto& [id, h] : held) h.done(absl::CancelledError("the transport was destroyed"));
+}
+
+void FaultInjectingTransport::SetFaults(const Faults& faults) {
+  std::lock_guard<std::mutex> lock(mu_);
+  faults_ = faults;
+}
+
+int FaultInjectingTransport::held_transfers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(held_.size());
+}
+
+absl::Status FaultInjectingTransport::RegisterPool(const PoolLayout& layout, void* base) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    num_blocks_ = layout.num_blocks;
+  }
+  return inner_->RegisterPool(layout, base);
+}
+
+absl::StatusOr<uint64_t> FaultInjectingTransport::Push(const std::string& agent_id,
+                                                       std::vector<BlockPair> blocks,
+                                                       Deadline deadline, TransferDone done) {
+  return Start(agent_id, std::move(blocks), deadline, std::move(done), true);
+}
+
+absl::StatusOr<uint64_t> FaultInjectingTransport::Pull(const std::string& agent_id,
+                                                       std::vector<BlockPair> blocks,
+                                                       Deadline deadline, TransferDone done) {
+  return Start(agent_id, std::move(blocks), deadline, std::move(done), false);
+}
+
+absl::StatusOr<uint64_t> FaultInjectingTransport::Forward(const std::string& agent_id,
+                                                          std::vector<BlockPair> blocks,
+                                                          Deadline deadline, TransferDone done,
+                                                          bool push) {
+  return push ? inner_->Push(agent_id, std::move(blocks), deadline, std::move(done))
+              : inner_->Pull(agent_id, std::move(blocks), deadline, std::move(done));
+}
+
+absl::StatusOr<uint64_t> FaultInjectingTransport::Start(const std::string& agent_id,
+                                                        std::vector<BlockPair> blocks,
+                                                        Deadline deadline, TransferDone done,
+                                                        bool push) {
+  Faults f;
+  int64_t num_blocks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    f = faults_;
+    num_blocks = num_blocks_;
+  }
+  if (f.fail_submit) return absl::UnavailableError("injected: peer unreachable");
+  if (f.corrupt && !blocks.empty() && num_blocks > 1) {
+    // Read the wrong block (push: local; pull: the peer's, assumed the same size).
+    blocks[0].src = (blocks[0].src + 1) % static_cast<int32_t>(num_blocks);
+  }
+  if (f.fail_after_blocks >= 0 && f.fail_after_blocks < static_cast<int>(blocks.size())) {
+    blocks.resize(f.fail_after_blocks);
+    done = [inner = std::move(done)](absl::Status st) {
+      inner(st.ok() ? absl::UnavailableError("injected: peer lost mid-transfer") : st);
+    };
+  }
+  if (!f.drop && f.delay.count() == 0) {
+    return Forward(agent_id, std::move(blocks), deadline, std::move(done), push);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = next_id_++;
+  held_[id] = Held{agent_id, std::move(blocks), deadline, std::move(done), push, f.drop,
+                   std::chrono::steady_clock::now() + f.delay};
+  cv_.notify_all();
+  return id;
+}
+
+void FaultInjectingTransport::Cancel(uint64_t transfer_id) {
+  TransferDone done;
+  uint64_t inner_id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto h = held_.find(transfer_id);
+    if (h != held_.end()) {
+      done = std::move(h->second.done);
+      held_.erase(h);
+    } else {
+      auto i = inner_ids_.find(transfer_id);
+      inner_id = i != inner_ids_.end() ? i->second : transfer_id;
+    }
+  }
+  if (done) {
+    done(absl::CancelledError("transfer cancelled"));
+  } else {
+    inner_->Cancel(inner_id);
+  }
+}
+
+void FaultInjectingTransport::TimerLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    const auto now = std::chrono::steady_clock::now();
+    auto next = now + std::chrono::hours(1);
+    for (auto it = held_.begin(); it != held_.end();) {
+      Held& h = it->second;
+      const bool expired = now >= h.deadline;
+      const bool released = !h.dropped && now >= h.release;
+      if (!expired && !released) {
+        next = std::min(next, h.dropped ? h.deadline : std::min(h.deadline, h.release));
+        ++it;
+        continue;
+      }
+      const uint64_t id = it->first;
+      Held taken = std::move(h);
+      it = held_.erase(it);
+      lock.unlock();
+      if (expired) {
+        taken.done(absl::DeadlineExceededError("KV transfer deadline passed"));
+      } else {
+        // The caller cancels by our id: map it to the inner id until done.
+        TransferDone forget = [this, id, done = taken.done](absl::Status st) {
+          {
+            std::lock_guard<std::mutex> l(mu_);
+            inner_ids_.erase(id);
+          }
+          done(std::move(st));
+        };
+        absl::Status refused;
+        {
+          std::lock_guard<std::mutex> l(mu_);  // `forget` cannot run before the id is mapped
+          absl::StatusOr<uint64_t> inner = Forward(taken.agent_id, std::move(taken.blocks),
+                                                   taken.deadline, std::move(forget), taken.push);
+          if (inner.ok()) inner_ids_[id] = *inner;
+          else refused = inner.status();
+        }
+        if (!refused.ok()) taken.done(refused);
+      }
+      lock.lock();
+      it = held_.begin();  // the map may have changed while unlocked
+    }
+    cv_.wait_until(lock, next);
+  }
+}
+
+}  // namespace tandem::kvtransfer

@@ -1,0 +1,89 @@
+// FaultInjectingTransport: wraps any Transport and injects the failures a
+// real network and a real peer produce, so every error path of the
+// disaggregated lifecycle can be tested on one machine (in the spirit of
+// leveldb's FaultInjectionTestEnv):
+//   - drop:    the transfer never completes on its own; only its deadline
+//              (DeadlineExceeded) or a Cancel ends it;
+//   - delay:   the transfer starts after a pause;
+//   - corrupt: the first pair's source block is replaced by another block,
+//              so the destination receives wrong bytes and `done` says OK
+//              (what a checksum must catch);
+//   - fail_after_blocks = N: only the first N pairs are copied, then `done`
+//              gets Unavailable ("peer lost mid-transfer");
+//   - fail_submit: Push/Pull return Unavailable at once.
+// Faults apply to the transfers started after SetFaults.
+//
+// Thread-safe.
+#ifndef TANDEM_KVTRANSFER_LOOPBACK_FAULT_INJECTING_TRANSPORT_H_
+#define TANDEM_KVTRANSFER_LOOPBACK_FAULT_INJECTING_TRANSPORT_H_
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "kvtransfer/transport.h"
+
+namespace tandem::kvtransfer {
+
+struct Faults {
+  bool drop = false;
+  std::chrono::milliseconds delay{0};
+  bool corrupt = false;
+  int fail_after_blocks = -1;  // -1: off
+  bool fail_submit = false;
+};
+
+class FaultInjectingTransport final : public Transport {
+ public:
+  explicit FaultInjectingTransport(std::unique_ptr<Transport> inner);
+  ~FaultInjectingTransport() override;  // held (dropped or delayed) transfers end Cancelled
+
+  void SetFaults(const Faults& faults);
+  // Transfers that a fault held back and that have not ended yet.
+  int held_transfers() const;
+
+  std::string backend() const override { return inner_->backend(); }
+  absl::Status RegisterPool(const PoolLayout& layout, void* base) override;
+  absl::StatusOr<PeerInfo> LocalInfo() const override { return inner_->LocalInfo(); }
+  absl::Status AddPeer(const PeerInfo& peer) override { return inner_->AddPeer(peer); }
+  void RemovePeer(const std::string& agent_id) override { inner_->RemovePeer(agent_id); }
+  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                Deadline deadline, TransferDone done) override;
+  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                Deadline deadline, TransferDone done) override;
+  void Cancel(uint64_t transfer_id) override;
+
+ private:
+  // A transfer the wrapper holds: dropped (until deadline/cancel) or delayed.
+  struct Held {
+    std::string agent_id;
+    std::vector<BlockPair> blocks;
+    Deadline deadline;
+    TransferDone done;
+    bool push;
+    bool dropped;
+    std::chrono::steady_clock::time_point release;  // delayed: when to start it
+  };
+  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                 Deadline deadline, TransferDone done, bool push);
+  absl::StatusOr<uint64_t> Forward(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                   Deadline deadline, TransferDone done, bool push);
+  void TimerLoop();
+
+  const std::unique_ptr<Transport> inner_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  Faults faults_;                              // guarded by mu_
+  int64_t num_blocks_ = 0;                     // guarded by mu_: the local pool's
+  uint64_t next_id_ = 1ull << 62;              // guarded by mu_: ids of held transfers
+  std::map<uint64_t, Held> held_;              // guarded by mu_
+  std::map<uint64_t, uint64_t> inner_ids_;     // guarded by mu_: our id -> inner id
+  bool stop_ = false;                          // guarded by mu_
+  std::thread timer_;
+};
+
+}  // namespace tandem::kvtransfer
+
+#endif  // TANDEM_KVTRANSFER_LOOPBACK_FAULT_INJECTING_TRANSPORT_H_

@@ -1,0 +1,71 @@
+#include "kvtransfer/transport.h"
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace tandem::kvtransfer {
+namespace {
+
+template <typename T>
+absl::Status Mismatch(const char* field, const T& local, const T& remote) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("KV pool layouts differ in ", field, ": local ", local, ", peer ", remote));
+}
+
+}  // namespace
+
+absl::Status CheckCompatible(const PoolLayout& local, const PoolLayout& remote) {
+  if (local.model != remote.model) return Mismatch("model", local.model, remote.model);
+  if (local.dtype != remote.dtype) return Mismatch("dtype", local.dtype, remote.dtype);
+  if (local.num_layers != remote.num_layers) {
+    return Mismatch("num_layers", local.num_layers, remote.num_layers);
+  }
+  if (local.num_kv_heads != remote.num_kv_heads) {
+    return Mismatch("num_kv_heads", local.num_kv_heads, remote.num_kv_heads);
+  }
+  if (local.head_dim != remote.head_dim) return Mismatch("head_dim", local.head_dim, remote.head_dim);
+  if (local.block_size != remote.block_size) {
+    return Mismatch("block_size", local.block_size, remote.block_size);
+  }
+  if (local.block_bytes != remote.block_bytes) {
+    return Mismatch("block_bytes", local.block_bytes, remote.block_bytes);
+  }
+  if (local.block_bytes <= 0) {
+    return absl::InvalidArgumentError("KV pool layout has no bytes per block");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<CopyRun>> PlanRuns(std::span<const BlockPair> blocks,
+                                              int64_t block_bytes, int64_t src_blocks,
+                                              int64_t dst_blocks) {
+  std::vector<CopyRun> runs;
+  absl::flat_hash_set<int32_t> seen_dst;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const BlockPair& b = blocks[i];
+    if (b.src < 0 || b.src >= src_blocks) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "block pair %d: source block %d outside [0, %d)", i, b.src, src_blocks));
+    }
+    if (b.dst < 0 || b.dst >= dst_blocks) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "block pair %d: destination block %d outside [0, %d)", i, b.dst, dst_blocks));
+    }
+    if (!seen_dst.insert(b.dst).second) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("block pair %d: destination block %d is written twice", i, b.dst));
+    }
+    const int64_t src = int64_t{b.src} * block_bytes;
+    const int64_t dst = int64_t{b.dst} * block_bytes;
+    if (!runs.empty() && runs.back().src_offset + runs.back().bytes == src &&
+        runs.back().dst_offset + runs.back().bytes == dst) {
+      runs.back().bytes += block_bytes;
+    } else {
+      runs.push_back({src, dst, block_bytes});
+    }
+  }
+  return runs;
+}
+
+}  // namespace tandem::kvtransfer

@@ -1,0 +1,129 @@
+// kvtransfer: moving KV-cache blocks from one worker's pool to another's,
+// worker to worker, never through the router.
+//
+// A Transport registers the local KV pool once, publishes what a peer needs
+// to reach it (PeerInfo, carried over gRPC by the workers), connects to peers
+// after checking that both pools have the same layout, and moves lists of
+// blocks: Push writes local blocks into a peer's blocks (the default:
+// the decode worker has reserved the destination), Pull reads a peer's blocks
+// into local ones. Block ids are expanded to byte runs and runs contiguous on
+// both sides are merged (PlanRuns), so many small blocks do not become many
+// operations.
+//
+// Completion: `done` is called exactly once per transfer, from the
+// transport's own thread, with OK only when every byte is visible at the
+// destination; otherwise with the reason (DeadlineExceeded past the
+// transfer's deadline, Unavailable for a lost peer, Cancelled, ...). A
+// transport never waits on a peer without a deadline.
+//
+// Thread safety: every method may be called from any thread.
+#ifndef TANDEM_KVTRANSFER_TRANSPORT_H_
+#define TANDEM_KVTRANSFER_TRANSPORT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace tandem::kvtransfer {
+
+enum class MemoryType { kHost, kCuda };
+
+// The geometry both sides must agree on before the first byte moves. One
+// block is one contiguous run of block_bytes at base + id * block_bytes
+// (kernels::KvLayout's block-major layout).
+struct PoolLayout {
+  std::string model;          // served model name
+  std::string dtype;          // KV element type, e.g. "float32"
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;         // tokens per block
+  int64_t num_blocks = 0;     // may differ between peers
+  int64_t block_bytes = 0;
+  MemoryType memory_type = MemoryType::kHost;
+  int device_id = -1;         // kCuda: the GPU; -1 on the host
+};
+
+// OK if blocks of `remote` can be copied into blocks of `local` and back:
+// model, dtype, layers, KV heads, head dim, block size and bytes per block
+// must be equal. The error names the first field that differs, with both
+// values.
+absl::Status CheckCompatible(const PoolLayout& local, const PoolLayout& remote);
+
+// What a peer needs to reach a pool: exchanged over gRPC, opaque to the
+// workers except for the layout.
+struct PeerInfo {
+  std::string agent_id;       // unique per transport instance (changes on restart)
+  std::string backend;        // "ucx", "loopback", ...
+  PoolLayout layout;
+  std::string address;        // backend-specific: worker address, rkeys, base address
+};
+
+struct BlockPair {
+  int32_t src;                // block id in the pool the bytes are read from
+  int32_t dst;                // block id in the pool they are written to
+};
+
+// One contiguous copy.
+struct CopyRun {
+  int64_t src_offset;
+  int64_t dst_offset;
+  int64_t bytes;
+};
+
+// Expands `blocks` (in order) to byte runs of block_bytes each and merges
+// neighbours that are contiguous on both sides. InvalidArgument for a block id
+// outside [0, src_blocks) or [0, dst_blocks), or a destination used twice.
+absl::StatusOr<std::vector<CopyRun>> PlanRuns(std::span<const BlockPair> blocks,
+                                              int64_t block_bytes, int64_t src_blocks,
+                                              int64_t dst_blocks);
+
+using TransferDone = std::function<void(absl::Status)>;
+using Deadline = std::chrono::steady_clock::time_point;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string backend() const = 0;
+
+  // Registers the local pool: `base` holds layout.num_blocks blocks of
+  // layout.block_bytes and stays valid for the transport's lifetime.
+  // FailedPrecondition if a pool is already registered.
+  virtual absl::Status RegisterPool(const PoolLayout& layout, void* base) = 0;
+
+  // This transport's PeerInfo. FailedPrecondition before RegisterPool.
+  virtual absl::StatusOr<PeerInfo> LocalInfo() const = 0;
+
+  // Connects to a peer, after CheckCompatible. Re-adding an agent replaces it.
+  virtual absl::Status AddPeer(const PeerInfo& peer) = 0;
+  // Disconnects; its transfers in flight finish with Unavailable.
+  virtual void RemovePeer(const std::string& agent_id) = 0;
+
+  // Copies local block pair.src into the peer's block pair.dst for every
+  // pair (Push), or the peer's pair.src into local pair.dst (Pull). Returns
+  // the transfer's id; `done` follows, exactly once. Errors found before
+  // anything starts (unknown peer, bad block ids) are returned and `done` is
+  // not called.
+  virtual absl::StatusOr<uint64_t> Push(const std::string& agent_id,
+                                        std::vector<BlockPair> blocks, Deadline deadline,
+                                        TransferDone done) = 0;
+  virtual absl::StatusOr<uint64_t> Pull(const std::string& agent_id,
+                                        std::vector<BlockPair> blocks, Deadline deadline,
+                                        TransferDone done) = 0;
+
+  // Cancels a transfer in flight: `done` gets Cancelled unless it already
+  // completed. Unknown ids are ignored.
+  virtual void Cancel(uint64_t transfer_id) = 0;
+};
+
+}  // namespace tandem::kvtransfer
+
+#endif  // TANDEM_KVTRANSFER_TRANSPORT_H_
