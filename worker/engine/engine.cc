@@ -118,7 +118,8 @@ void Engine::Stop() {
   running_ = false;
 }
 
-absl::StatusOr<uint64_t> Engine::Submit(GenerateSpec spec, std::shared_ptr<OutputSink> sink) {
+absl::StatusOr<std::unique_ptr<Sequence>> Engine::MakeSequence(GenerateSpec spec,
+                                                               std::shared_ptr<OutputSink> sink) {
   const ModelConfig& mc = model_.config();
   const int len = static_cast<int>(spec.prompt.size());
   if (len == 0) return absl::InvalidArgumentError("prompt_token_ids is empty");
@@ -148,7 +149,6 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateSpec spec, std::shared_ptr<Outpu
     }
     max_tokens = spec.params.max_tokens;
   }
-  if (!running_.load()) return absl::UnavailableError("the engine is not running");
   auto seq = std::make_unique<Sequence>();
   seq->id = next_id_.fetch_add(1);
   seq->request_id = std::move(spec.request_id);
@@ -159,6 +159,14 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateSpec spec, std::shared_ptr<Outpu
   seq->max_tokens = max_tokens;
   seq->sink = std::move(sink);
   seq->last_hash = config_.block_hash_seed;
+  seq->on_prefilled = std::move(spec.on_prefilled);
+  seq->hold_deadline = spec.hold_deadline;
+  return seq;
+}
+
+absl::StatusOr<uint64_t> Engine::Submit(GenerateSpec spec, std::shared_ptr<OutputSink> sink) {
+  if (!running_.load()) return absl::UnavailableError("the engine is not running");
+  ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq, MakeSequence(std::move(spec), std::move(sink)));
   const uint64_t id = seq->id;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -171,6 +179,50 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateSpec spec, std::shared_ptr<Outpu
   }
   cv_.notify_one();
   return id;
+}
+
+void Engine::Reserve(GenerateSpec spec, std::shared_ptr<OutputSink> sink, Deadline deadline,
+                     std::function<void(absl::StatusOr<Reservation>)> done) {
+  absl::StatusOr<std::unique_ptr<Sequence>> seq = MakeSequence(std::move(spec), std::move(sink));
+  if (!seq.ok()) {
+    done(seq.status());
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_ && running_.load()) {
+      reserves_.push_back({std::move(*seq), deadline, std::move(done)});
+      done = nullptr;
+    }
+  }
+  if (done) {
+    done(absl::UnavailableError("the engine is not running"));
+    return;
+  }
+  cv_.notify_one();
+}
+
+void Engine::Commit(uint64_t id, SampledToken first, std::function<void(absl::Status)> done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_ && running_.load()) {
+      commits_.push_back({id, std::move(first), std::move(done)});
+      done = nullptr;
+    }
+  }
+  if (done) {
+    done(absl::UnavailableError("the engine is not running"));
+    return;
+  }
+  cv_.notify_one();
+}
+
+void Engine::ReleasePrefilled(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    releases_.push_back(id);
+  }
+  cv_.notify_one();
 }
 
 void Engine::Cancel(uint64_t id) {
@@ -215,8 +267,14 @@ void Engine::DrainCommands() {
   std::deque<std::unique_ptr<Sequence>> submitted;
   std::vector<uint64_t> cancelled;
   std::vector<std::function<void(absl::StatusOr<int64_t>)>> clears;
+  std::vector<ReserveCommand> reserves;
+  std::vector<CommitCommand> commits;
+  std::vector<uint64_t> releases;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    reserves.swap(reserves_);
+    commits.swap(commits_);
+    releases.swap(releases_);
     submitted.swap(submitted_);
     // Moved requests stay counted against max_waiting until PublishLoad
     // recounts the scheduler's queue.
@@ -227,8 +285,57 @@ void Engine::DrainCommands() {
   for (auto& seq : submitted) scheduler_.Add(std::move(seq));
   for (uint64_t id : cancelled) {
     std::unique_ptr<Sequence> seq = scheduler_.Remove(id);
-    if (seq == nullptr) continue;
+    if (seq == nullptr) {
+      auto r = reserved_.find(id);
+      if (r == reserved_.end()) continue;
+      seq = std::move(r->second.seq);
+      reserved_.erase(r);
+      scheduler_.ReleaseBlocks(*seq);
+    }
     Finish(std::move(seq), FinishInfo{.reason = FinishReason::kAbort});
+  }
+  for (uint64_t id : releases) {
+    auto p = prefilled_.find(id);
+    if (p == prefilled_.end()) continue;
+    scheduler_.ReleaseBlocks(*p->second.seq);
+    prefilled_.erase(p);
+  }
+  for (ReserveCommand& r : reserves) {
+    if (!scheduler_.Reserve(*r.seq)) {
+      r.done(absl::ResourceExhaustedError(absl::StrFormat(
+          "no room in the KV cache for %d prompt tokens (%d blocks free)", r.seq->prompt_len,
+          blocks_.num_allocatable())));
+      continue;
+    }
+    Reservation res{.id = r.seq->id, .cached_tokens = r.seq->num_computed, .blocks = r.seq->blocks};
+    reserved_[res.id] = Parked{std::move(r.seq), r.deadline};
+    r.done(std::move(res));
+  }
+  for (CommitCommand& c : commits) {
+    auto r = reserved_.find(c.id);
+    if (r == reserved_.end()) {
+      c.done(absl::NotFoundError(absl::StrFormat("no reservation %d (expired or cancelled)", c.id)));
+      continue;
+    }
+    std::unique_ptr<Sequence> seq = std::move(r->second.seq);
+    reserved_.erase(r);
+    // The prompt's KV arrived: register its blocks (KV events for what was
+    // received), then continue from the prefill worker's first token.
+    seq->num_computed = seq->prompt_len;
+    scheduler_.CommitFullBlocks(*seq);
+    seq->tokens.push_back(c.first.token_id);
+    const ModelConfig& mc = model_.config();
+    c.done(absl::OkStatus());
+    if (IsStopToken(c.first.token_id, seq->params, mc.eos_token_ids)) {
+      scheduler_.ReleaseBlocks(*seq);
+      Finish(std::move(seq), {.reason = FinishReason::kStop, .stop_token_id = c.first.token_id});
+    } else if (seq->output_len() >= seq->max_tokens ||
+               static_cast<int>(seq->tokens.size()) >= max_model_len_) {
+      scheduler_.ReleaseBlocks(*seq);
+      Finish(std::move(seq), {.reason = FinishReason::kLength});
+    } else {
+      scheduler_.AddRunning(std::move(seq));
+    }
   }
   for (auto& done : clears) {
     const int64_t freed = blocks_.Clear();
@@ -243,13 +350,20 @@ void Engine::Loop() {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] {
+      auto ready = [&] {
         return stop_ || !submitted_.empty() || !cancelled_.empty() || !clears_.empty() ||
+               !reserves_.empty() || !commits_.empty() || !releases_.empty() ||
                !scheduler_.empty();
-      });
+      };
+      if (reserved_.empty() && prefilled_.empty()) {
+        cv_.wait(lock, ready);
+      } else {
+        cv_.wait_until(lock, NextDeadline(), ready);
+      }
       if (stop_) break;
     }
     DrainCommands();
+    ExpireParked();
     if (!scheduler_.empty()) Step();
     events_.Publish();
     PublishLoad();
@@ -271,6 +385,22 @@ void Engine::Loop() {
     Finish(scheduler_.Remove(id),
            FinishInfo{.reason = FinishReason::kAbort, .worker_stopping = true});
   }
+  for (auto& [id, parked] : reserved_) {
+    scheduler_.ReleaseBlocks(*parked.seq);
+    Finish(std::move(parked.seq), FinishInfo{.reason = FinishReason::kAbort, .worker_stopping = true});
+  }
+  reserved_.clear();
+  for (auto& [id, parked] : prefilled_) scheduler_.ReleaseBlocks(*parked.seq);
+  prefilled_.clear();
+  std::vector<ReserveCommand> reserves;
+  std::vector<CommitCommand> commits;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reserves.swap(reserves_);
+    commits.swap(commits_);
+  }
+  for (auto& r : reserves) r.done(absl::UnavailableError("the engine stopped"));
+  for (auto& c : commits) c.done(absl::UnavailableError("the engine stopped"));
   for (auto& done : clears) done(absl::UnavailableError("the engine stopped"));
   events_.Publish();
   PublishLoad();
@@ -325,6 +455,7 @@ void Engine::Step() {
   const ModelConfig& mc = model_.config();
   std::vector<uint64_t> finished_ids;
   std::vector<FinishInfo> finish_infos;
+  std::vector<uint64_t> handoffs;
   int row = 0;
   for (const ScheduledWork& w : work) {
     scheduler_.Advance(w);
@@ -335,6 +466,12 @@ void Engine::Step() {
                                    mc.eos_token_ids, seq.seed);
     seq.tokens.push_back(tok.token_id);
     if (seq.sink) seq.sink->OnToken(tok);
+    if (seq.on_prefilled) {
+      handoffs.push_back(seq.id);
+      seq.on_prefilled(Prefilled{.id = seq.id, .first = tok, .blocks = seq.blocks,
+                                 .prompt_len = seq.prompt_len});
+      continue;
+    }
     if (IsStopToken(tok.token_id, seq.params, mc.eos_token_ids)) {
       finished_ids.push_back(seq.id);
       finish_infos.push_back({.reason = FinishReason::kStop, .stop_token_id = tok.token_id});
@@ -346,6 +483,67 @@ void Engine::Step() {
   }
   for (size_t i = 0; i < finished_ids.size(); ++i) {
     Finish(scheduler_.Remove(finished_ids[i]), finish_infos[i]);
+  }
+  for (uint64_t id : handoffs) HandOff(id);
+}
+
+// A prefill-only sequence produced its first token: it leaves the batch with
+// its blocks still referenced, until ReleasePrefilled or its hold deadline.
+void Engine::HandOff(uint64_t id) {
+  std::unique_ptr<Sequence> seq = scheduler_.Take(id);
+  if (seq == nullptr) return;
+  const int first = seq->tokens.back();
+  FinishInfo info{.reason = IsStopToken(first, seq->params, model_.config().eos_token_ids)
+                                ? FinishReason::kStop
+                                : FinishReason::kLength};
+  if (info.reason == FinishReason::kStop) info.stop_token_id = first;
+  // Only the prompt's blocks travel; the first token's KV is computed by the
+  // decode worker.
+  seq->num_computed = seq->prompt_len;
+  info.prompt_tokens = seq->prompt_len;
+  info.completion_tokens = seq->output_len();
+  info.cached_prompt_tokens = seq->cached_prompt_tokens;
+  ++finished_;
+  if (seq->sink) seq->sink->OnFinish(info);
+  Deadline until = seq->hold_deadline;
+  if (until == Deadline{}) until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  prefilled_[id] = Parked{std::move(seq), until};
+}
+
+Deadline Engine::NextDeadline() const {
+  Deadline next = Deadline::max();
+  for (const auto& [id, p] : reserved_) next = std::min(next, p.deadline);
+  for (const auto& [id, p] : prefilled_) next = std::min(next, p.deadline);
+  return next;
+}
+
+// Parked sequences past their deadline: a reservation whose prefill never
+// came ends with an error; blocks held for a transfer that never finished
+// are freed. Both are counted and logged.
+void Engine::ExpireParked() {
+  const Deadline now = std::chrono::steady_clock::now();
+  for (auto it = reserved_.begin(); it != reserved_.end();) {
+    if (it->second.deadline > now) {
+      ++it;
+      continue;
+    }
+    std::unique_ptr<Sequence> seq = std::move(it->second.seq);
+    it = reserved_.erase(it);
+    scheduler_.ReleaseBlocks(*seq);
+    ++expired_reservations_;
+    LOG(WARNING) << "reservation " << seq->id << " expired before its KV arrived";
+    Finish(std::move(seq), FinishInfo{.reason = FinishReason::kError,
+                                      .error = "the prefill did not arrive before the deadline"});
+  }
+  for (auto it = prefilled_.begin(); it != prefilled_.end();) {
+    if (it->second.deadline > now) {
+      ++it;
+      continue;
+    }
+    scheduler_.ReleaseBlocks(*it->second.seq);
+    ++expired_handoffs_;
+    LOG(WARNING) << "prefilled sequence " << it->first << " was never released; freed its blocks";
+    it = prefilled_.erase(it);
   }
 }
 
@@ -374,6 +572,10 @@ void Engine::PublishLoad() {
   s.prefix_hit_tokens = scheduler_.stats().prefix_hit_tokens;
   s.preemptions = scheduler_.stats().preemptions;
   s.finished = finished_;
+  s.reserved = static_cast<int>(reserved_.size());
+  s.prefilled = static_cast<int>(prefilled_.size());
+  s.expired_reservations = expired_reservations_;
+  s.expired_handoffs = expired_handoffs_;
   std::lock_guard<std::mutex> lock(load_mu_);
   s.steps = load_.steps + 1;
   load_ = s;

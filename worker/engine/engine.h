@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,10 +52,37 @@ struct EngineConfig {
   absl::Status Validate() const;
 };
 
+using Deadline = std::chrono::steady_clock::time_point;
+
+// A prefill worker's hand-off: the first token it sampled and the blocks that
+// hold the prompt's KV (still referenced until Engine::ReleasePrefilled).
+struct Prefilled {
+  uint64_t id = 0;
+  SampledToken first;
+  std::vector<int32_t> blocks;       // blocks of the whole prompt, in order
+  int prompt_len = 0;
+};
+
 struct GenerateSpec {
   std::string request_id;
   std::vector<int32_t> prompt;
   SamplingParams params;
+  // Prefill only (disaggregation): after the first token, instead of
+  // decoding, call this on the engine thread and hold the blocks until
+  // ReleasePrefilled or `hold_deadline`. The sink still gets the first token
+  // and a finish (LENGTH, or STOP if it is a stop token).
+  std::function<void(const Prefilled&)> on_prefilled;
+  Deadline hold_deadline{};          // default: 30 s after the first token
+};
+
+// A decode worker's reservation: the blocks it set aside for a prompt it will
+// not compute. The prefill worker writes the prompt's KV into
+// blocks[cached_tokens / block_size ...]; the first cached_tokens tokens are
+// already here (prefix cache).
+struct Reservation {
+  uint64_t id = 0;
+  int cached_tokens = 0;
+  std::vector<int32_t> blocks;
 };
 
 struct LoadSnapshot {
@@ -71,6 +99,10 @@ struct LoadSnapshot {
   int64_t preemptions = 0;
   int64_t finished = 0;
   int64_t steps = 0;
+  int reserved = 0;                 // decode side: parked until their KV arrives
+  int prefilled = 0;                // prefill side: holding blocks until sent
+  int64_t expired_reservations = 0; // reservations whose KV never came (degraded path)
+  int64_t expired_handoffs = 0;     // prefilled blocks never released (degraded path)
   uint64_t kv_event_seq = 0;
   double hit_rate() const {
     return prefix_query_tokens > 0 ? double(prefix_hit_tokens) / double(prefix_query_tokens) : 0.0;
@@ -97,6 +129,20 @@ class Engine {
   // Aborts a request: its blocks are freed at the start of the next step and
   // its sink gets OnFinish(kAbort). Unknown or finished ids are ignored.
   void Cancel(uint64_t id);
+  // Disaggregation, decode side. Validates `spec` as Submit does, sets aside
+  // blocks for its whole prompt (sharing cached ones) without computing it,
+  // and parks the request until Commit, Cancel or `deadline` (then its
+  // blocks are freed and its sink finishes with an error). `done` runs on the
+  // engine thread: ResourceExhausted if the cache cannot spare the blocks.
+  void Reserve(GenerateSpec spec, std::shared_ptr<OutputSink> sink, Deadline deadline,
+               std::function<void(absl::StatusOr<Reservation>)> done);
+  // The prompt's KV is in the reserved blocks and `first` is the token the
+  // prefill worker sampled: the request decodes from here (its sink gets the
+  // tokens after `first`). NotFound for an unknown or expired reservation.
+  void Commit(uint64_t id, SampledToken first, std::function<void(absl::Status)> done);
+  // Prefill side: the blocks handed over by on_prefilled were sent; free them.
+  void ReleasePrefilled(uint64_t id);
+
   // Drops every block from the prefix cache (blocks in use stay in use,
   // uncached) at the start of the next step, then calls `done` with the
   // number of unreferenced cached blocks freed; Unavailable if the engine
@@ -110,6 +156,10 @@ class Engine {
   const EngineConfig& config() const { return config_; }
   int max_model_len() const { return max_model_len_; }
   int64_t total_blocks() const { return total_blocks_; }
+  // The KV pool's memory and geometry, for registering it with a KV
+  // transport. Transports write only into blocks this engine reserved.
+  float* kv_data() { return storage_->data(); }
+  const kernels::KvLayout& kv_layout() const { return storage_->layout(); }
   bool running() const { return running_.load(); }
 
  private:
@@ -121,6 +171,11 @@ class Engine {
   void Finish(std::unique_ptr<Sequence> seq, FinishInfo info);
   void PublishLoad();
   void MaybeLogStats();
+  absl::StatusOr<std::unique_ptr<Sequence>> MakeSequence(GenerateSpec spec,
+                                                         std::shared_ptr<OutputSink> sink);
+  void ExpireParked();
+  Deadline NextDeadline() const;
+  void HandOff(uint64_t id);
 
   const EngineConfig config_;
   const std::string model_name_;
@@ -139,6 +194,29 @@ class Engine {
   std::deque<std::unique_ptr<Sequence>> submitted_;  // guarded by mu_
   std::vector<uint64_t> cancelled_;                  // guarded by mu_
   std::vector<std::function<void(absl::StatusOr<int64_t>)>> clears_;  // guarded by mu_
+  struct ReserveCommand {
+    std::unique_ptr<Sequence> seq;
+    Deadline deadline;
+    std::function<void(absl::StatusOr<Reservation>)> done;
+  };
+  struct CommitCommand {
+    uint64_t id;
+    SampledToken first;
+    std::function<void(absl::Status)> done;
+  };
+  std::vector<ReserveCommand> reserves_;   // guarded by mu_
+  std::vector<CommitCommand> commits_;     // guarded by mu_
+  std::vector<uint64_t> releases_;         // guarded by mu_
+  // Engine thread only: sequences parked with their blocks until a deadline:
+  // reserved on a decode worker, or prefilled and awaiting transfer.
+  struct Parked {
+    std::unique_ptr<Sequence> seq;
+    Deadline deadline;
+  };
+  std::map<uint64_t, Parked> reserved_;
+  std::map<uint64_t, Parked> prefilled_;
+  int64_t expired_reservations_ = 0;
+  int64_t expired_handoffs_ = 0;
   bool stop_ = false;                                // guarded by mu_
   std::atomic<bool> running_{false};
   std::atomic<uint64_t> next_id_{1};

@@ -36,12 +36,8 @@ void Scheduler::Preempt(size_t running_index) {
   waiting_.push_front(std::move(seq));
 }
 
-bool Scheduler::AdmitHead(int* budget, std::vector<ScheduledWork>* out) {
-  Sequence& seq = *waiting_.front();
+bool Scheduler::AllocateFor(Sequence& seq, std::span<const int32_t> hashable, int len) {
   const int bs = blocks_->block_size();
-  const int len = static_cast<int>(seq.tokens.size());
-  // Leave at least one token to compute: its logits give the next sample.
-  std::span<const int32_t> hashable(seq.tokens.data(), size_t(len - 1));
   std::vector<uint64_t> hashes = HashBlocks(config_.block_hash_seed, hashable, bs);
   std::vector<int32_t> table;
   const int hits = blocks_->AcquireCachedPrefix(hashes, hashable, &table);
@@ -65,16 +61,45 @@ bool Scheduler::AdmitHead(int* budget, std::vector<ScheduledWork>* out) {
     stats_.prefix_query_tokens += seq.prompt_len;
     stats_.prefix_hit_tokens += int64_t{hits} * bs;
   }
+  return true;
+}
+
+bool Scheduler::AdmitHead(int* budget, std::vector<ScheduledWork>* out) {
+  Sequence& seq = *waiting_.front();
+  const int len = static_cast<int>(seq.tokens.size());
+  // Leave at least one token to compute: its logits give the next sample.
+  if (!AllocateFor(seq, std::span<const int32_t>(seq.tokens.data(), size_t(len - 1)), len)) {
+    return false;
+  }
   const int n = std::min(seq.pending(), *budget);
   *budget -= n;
   std::unique_ptr<Sequence> owned = std::move(waiting_.front());
   waiting_.pop_front();
   out->push_back({owned.get(), n});
-  // Keep running_ in arrival order so preemption always picks the newest.
-  auto pos = std::upper_bound(running_.begin(), running_.end(), owned->id,
-                              [](uint64_t id, const auto& s) { return id < s->id; });
-  running_.insert(pos, std::move(owned));
+  InsertRunning(std::move(owned));
   return true;
+}
+
+bool Scheduler::Reserve(Sequence& seq) {
+  return AllocateFor(seq, seq.prompt(), seq.prompt_len);
+}
+
+void Scheduler::InsertRunning(std::unique_ptr<Sequence> seq) {
+  // Keep running_ in arrival order so preemption always picks the newest.
+  auto pos = std::upper_bound(running_.begin(), running_.end(), seq->id,
+                              [](uint64_t id, const auto& s) { return id < s->id; });
+  running_.insert(pos, std::move(seq));
+}
+
+void Scheduler::AddRunning(std::unique_ptr<Sequence> seq) { InsertRunning(std::move(seq)); }
+
+std::unique_ptr<Sequence> Scheduler::Take(uint64_t id) {
+  auto r = std::find_if(running_.begin(), running_.end(),
+                        [id](const std::unique_ptr<Sequence>& s) { return s->id == id; });
+  if (r == running_.end()) return nullptr;
+  std::unique_ptr<Sequence> seq = std::move(*r);
+  running_.erase(r);
+  return seq;
 }
 
 std::vector<ScheduledWork> Scheduler::Schedule() {
@@ -110,9 +135,12 @@ std::vector<ScheduledWork> Scheduler::Schedule() {
 }
 
 void Scheduler::Advance(const ScheduledWork& w) {
-  Sequence& seq = *w.seq;
+  w.seq->num_computed += w.num_tokens;
+  CommitFullBlocks(*w.seq);
+}
+
+void Scheduler::CommitFullBlocks(Sequence& seq) {
   const int bs = blocks_->block_size();
-  seq.num_computed += w.num_tokens;
   while ((seq.num_hashed + 1) * bs <= seq.num_computed) {
     std::span<const int32_t> block_tokens(seq.tokens.data() + size_t(seq.num_hashed) * bs, size_t(bs));
     const uint64_t h = HashBlock(seq.last_hash, block_tokens);

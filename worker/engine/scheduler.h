@@ -59,6 +59,23 @@ class Scheduler {
   // (null if unknown).
   std::unique_ptr<Sequence> Remove(uint64_t id);
 
+  // Disaggregation. Reserve gives `seq` (not queued) blocks for its whole
+  // prompt now, reusing every cached full block of it (a decode worker
+  // computes nothing of the prompt: the prefill worker sends the rest).
+  // Returns false, holding nothing, if the cache cannot spare the blocks
+  // (the watermark applies). Keeps the prefix-cache statistics.
+  bool Reserve(Sequence& seq);
+  // Puts a sequence whose KV is complete up to num_computed into the running
+  // batch (after Commit on a decode worker).
+  void AddRunning(std::unique_ptr<Sequence> seq);
+  // Removes a running sequence keeping its blocks (a prefill worker holds
+  // them until they are sent); null if unknown.
+  std::unique_ptr<Sequence> Take(uint64_t id);
+  // Registers the sequence's full computed blocks in the prefix cache.
+  void CommitFullBlocks(Sequence& seq);
+  // Releases a sequence's blocks (last to first) and resets its progress.
+  void ReleaseBlocks(Sequence& seq);
+
   bool empty() const { return running_.empty() && waiting_.empty(); }
   const std::vector<std::unique_ptr<Sequence>>& running() const { return running_; }
   const std::deque<std::unique_ptr<Sequence>>& waiting() const { return waiting_; }
@@ -66,8 +83,11 @@ class Scheduler {
 
  private:
   bool AdmitHead(int* budget, std::vector<ScheduledWork>* out);
+  // Takes the cached prefix of `hashable` and allocates blocks up to `len`
+  // tokens; false (holding nothing) below the watermark.
+  bool AllocateFor(Sequence& seq, std::span<const int32_t> hashable, int len);
   void Preempt(size_t running_index);
-  void ReleaseBlocks(Sequence& seq);
+  void InsertRunning(std::unique_ptr<Sequence> seq);
 
   const SchedulerConfig config_;
   BlockManager* const blocks_;

@@ -3,7 +3,9 @@
 #ifndef TANDEM_WORKER_ENGINE_SEQUENCE_H_
 #define TANDEM_WORKER_ENGINE_SEQUENCE_H_
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -13,6 +15,8 @@
 #include "worker/sampling/sampling_params.h"
 
 namespace tandem::worker {
+
+struct Prefilled;
 
 struct Sequence {
   uint64_t id = 0;                  // engine-assigned, increasing with arrival
@@ -31,6 +35,11 @@ struct Sequence {
   int cached_prompt_tokens = 0;     // prompt tokens found in the prefix cache at admission
   bool admitted_before = false;     // a preempted sequence re-enters the queue
   int preemptions = 0;
+
+  // Disaggregation, prefill side: when set, the sequence stops after its
+  // first token and the engine hands its blocks over (Engine::Prefilled).
+  std::function<void(const struct Prefilled&)> on_prefilled;
+  std::chrono::steady_clock::time_point hold_deadline{};  // {}: 30 s after the first token
 
   int output_len() const { return static_cast<int>(tokens.size()) - prompt_len; }
   std::span<const int32_t> prompt() const { return {tokens.data(), size_t(prompt_len)}; }

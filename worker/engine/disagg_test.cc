@@ -1,0 +1,300 @@
+// Disaggregated serving inside one process: a prefill engine and a decode
+// engine (both builtin:tiny) joined by the loopback KV transport, checked
+// against an aggregated engine. The multi-process version over UCX drives
+// the same engine calls through gRPC.
+#include <condition_variable>
+#include <future>
+#include <mutex>
+
+#include "gtest/gtest.h"
+#include "kvtransfer/loopback/loopback_transport.h"
+#include "worker/engine/engine.h"
+#include "worker/model/model_loader.h"
+
+namespace tandem::worker {
+namespace {
+
+using std::chrono::milliseconds;
+
+class CollectSink final : public OutputSink {
+ public:
+  void OnToken(const SampledToken& t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    tokens_.push_back(t);
+  }
+  void OnFinish(const FinishInfo& info) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    info_ = info;
+    done_ = true;
+    cv_.notify_all();
+  }
+  bool Wait(milliseconds timeout = milliseconds(20000)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return done_; });
+  }
+  std::vector<SampledToken> tokens() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return tokens_;
+  }
+  FinishInfo info() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return info_;
+  }
+  bool done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<SampledToken> tokens_;
+  FinishInfo info_;
+  bool done_ = false;
+};
+
+std::unique_ptr<Engine> StartEngine(int64_t kv_bytes = 16 << 20) {
+  absl::StatusOr<LoadedModel> model = LoadModel("builtin:tiny");
+  EXPECT_TRUE(model.ok()) << model.status();
+  EngineConfig config;
+  config.kv_cache_bytes = kv_bytes;
+  config.threads = 1;
+  config.log_stats_interval_s = 0;
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(config, std::move(*model));
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  (*engine)->Start();
+  return std::move(*engine);
+}
+
+kvtransfer::PoolLayout PoolOf(Engine& e) {
+  const kernels::KvLayout& l = e.kv_layout();
+  return kvtransfer::PoolLayout{.model = e.model_name(), .dtype = "float32",
+                                .num_layers = l.num_layers, .num_kv_heads = l.num_kv_heads,
+                                .head_dim = l.head_dim, .block_size = l.block_size,
+                                .num_blocks = l.num_blocks,
+                                .block_bytes = l.block_stride() * int64_t{sizeof(float)}};
+}
+
+GenerateSpec Spec(std::vector<int32_t> prompt, int max_tokens, std::optional<uint64_t> seed) {
+  GenerateSpec spec{.request_id = "t", .prompt = std::move(prompt), .params = {}};
+  spec.params.max_tokens = max_tokens;
+  spec.params.ignore_eos = true;
+  spec.params.logprobs = 2;
+  if (seed) {
+    spec.params.temperature = 0.8f;
+    spec.params.seed = *seed;
+  } else {
+    spec.params.temperature = 0.0f;
+  }
+  return spec;
+}
+
+std::vector<int32_t> Prompt(int len, int salt) {
+  std::vector<int32_t> p(len);
+  for (int i = 0; i < len; ++i) p[i] = (i * 31 + salt * 7) % 256;
+  return p;
+}
+
+class DisaggTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    prefill_ = StartEngine();
+    decode_ = StartEngine();
+    aggregated_ = StartEngine();
+    auto fabric = std::make_shared<kvtransfer::LoopbackFabric>();
+    p_transport_ = std::make_unique<kvtransfer::LoopbackTransport>(fabric);
+    d_transport_ = std::make_unique<kvtransfer::LoopbackTransport>(fabric);
+    ASSERT_TRUE(p_transport_->RegisterPool(PoolOf(*prefill_), prefill_->kv_data()).ok());
+    ASSERT_TRUE(d_transport_->RegisterPool(PoolOf(*decode_), decode_->kv_data()).ok());
+    ASSERT_TRUE(p_transport_->AddPeer(*d_transport_->LocalInfo()).ok());
+    decode_agent_ = d_transport_->LocalInfo()->agent_id;
+  }
+
+  struct Result {
+    std::vector<SampledToken> tokens;  // first (from prefill) + decode's
+    FinishInfo decode_finish;
+    int blocks_sent = 0;
+    int cached_on_decode = 0;
+  };
+
+  // The lifecycle: reserve on decode -> prefill -> push the blocks decode
+  // lacks -> commit on decode -> decode streams.
+  Result RunDisaggregated(const GenerateSpec& spec) {
+    Result r;
+    auto decode_sink = std::make_shared<CollectSink>();
+    std::promise<absl::StatusOr<Reservation>> reserved;
+    decode_->Reserve(spec, decode_sink, std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                     [&](absl::StatusOr<Reservation> res) { reserved.set_value(std::move(res)); });
+    absl::StatusOr<Reservation> res = reserved.get_future().get();
+    EXPECT_TRUE(res.ok()) << res.status();
+    if (!res.ok()) return r;
+    r.cached_on_decode = res->cached_tokens;
+
+    std::promise<absl::Status> committed;
+    GenerateSpec p = spec;
+    const int bs = decode_->config().block_size;
+    p.on_prefilled = [&, res = *res](const Prefilled& done) {
+      std::vector<kvtransfer::BlockPair> pairs;
+      for (size_t i = res.cached_tokens / bs; i < done.blocks.size(); ++i) {
+        pairs.push_back({done.blocks[i], res.blocks[i]});
+      }
+      r.blocks_sent = static_cast<int>(pairs.size());
+      r.tokens.push_back(done.first);
+      const uint64_t id = done.id;
+      const SampledToken first = done.first;
+      absl::StatusOr<uint64_t> t = p_transport_->Push(
+          decode_agent_, std::move(pairs), std::chrono::steady_clock::now() + std::chrono::seconds(10),
+          [&, id, first, rid = res.id](absl::Status st) {
+            prefill_->ReleasePrefilled(id);
+            if (!st.ok()) {
+              committed.set_value(st);
+              return;
+            }
+            decode_->Commit(rid, first, [&](absl::Status c) { committed.set_value(c); });
+          });
+      if (!t.ok()) committed.set_value(t.status());
+    };
+    auto prefill_sink = std::make_shared<CollectSink>();
+    EXPECT_TRUE(prefill_->Submit(std::move(p), prefill_sink).ok());
+    EXPECT_TRUE(prefill_sink->Wait());
+    EXPECT_EQ(prefill_sink->tokens().size(), 1u);
+    absl::Status c = committed.get_future().get();
+    EXPECT_TRUE(c.ok()) << c;
+    EXPECT_TRUE(decode_sink->Wait());
+    for (const SampledToken& t : decode_sink->tokens()) r.tokens.push_back(t);
+    r.decode_finish = decode_sink->info();
+    return r;
+  }
+
+  std::vector<SampledToken> RunAggregated(const GenerateSpec& spec) {
+    auto sink = std::make_shared<CollectSink>();
+    EXPECT_TRUE(aggregated_->Submit(spec, sink).ok());
+    EXPECT_TRUE(sink->Wait());
+    return sink->tokens();
+  }
+
+  void ExpectIdle(Engine& e) {
+    for (int i = 0; i < 500; ++i) {
+      LoadSnapshot l = e.GetLoad();
+      if (l.used_blocks == 0 && l.running == 0 && l.reserved == 0 && l.prefilled == 0) return;
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    LoadSnapshot l = e.GetLoad();
+    ADD_FAILURE() << "not idle: used " << l.used_blocks << " running " << l.running << " reserved "
+                  << l.reserved << " prefilled " << l.prefilled;
+  }
+
+  std::unique_ptr<Engine> prefill_, decode_, aggregated_;
+  std::unique_ptr<kvtransfer::LoopbackTransport> p_transport_, d_transport_;
+  std::string decode_agent_;
+};
+
+void ExpectSame(const std::vector<SampledToken>& got, const std::vector<SampledToken>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].token_id, want[i].token_id) << "token " << i;
+    EXPECT_NEAR(got[i].logprob, want[i].logprob, 1e-5) << "token " << i;
+  }
+}
+
+TEST_F(DisaggTest, SplitAcrossTwoEnginesMatchesAggregated) {
+  for (int i = 0; i < 4; ++i) {
+    GenerateSpec spec = Spec(Prompt(37 + 20 * i, i), 24, i % 2 ? std::optional<uint64_t>(5 + i)
+                                                                 : std::nullopt);
+    Result r = RunDisaggregated(spec);
+    ExpectSame(r.tokens, RunAggregated(spec));
+    EXPECT_EQ(r.decode_finish.reason, FinishReason::kLength);
+    EXPECT_EQ(r.decode_finish.completion_tokens, 24);
+  }
+  ExpectIdle(*prefill_);
+  ExpectIdle(*decode_);
+}
+
+TEST_F(DisaggTest, DecodePrefixHitsAreNotSentAgainAndItsEventsCoverReceivedBlocks) {
+  GenerateSpec first = Spec(Prompt(100, 1), 8, std::nullopt);
+  Result a = RunDisaggregated(first);
+  EXPECT_EQ(a.cached_on_decode, 0);
+  EXPECT_EQ(a.blocks_sent, 7);  // ceil(100 / 16)
+  // The decode worker's KV events now list the received prompt blocks.
+  EXPECT_GE(decode_->GetLoad().kv_event_seq, 6u);
+  // Same 96-token prefix: decode already holds 6 blocks, only the tail moves.
+  std::vector<int32_t> longer = Prompt(100, 1);
+  longer.resize(96);
+  for (int i = 0; i < 30; ++i) longer.push_back(200 + i);
+  GenerateSpec second = Spec(longer, 8, std::nullopt);
+  Result b = RunDisaggregated(second);
+  EXPECT_EQ(b.cached_on_decode, 96);
+  EXPECT_EQ(b.blocks_sent, 2);  // blocks 6 and 7 of ceil(126 / 16) = 8
+  ExpectSame(b.tokens, RunAggregated(second));
+  ExpectIdle(*prefill_);
+  ExpectIdle(*decode_);
+}
+
+TEST_F(DisaggTest, ExpiredReservationFreesItsBlocksAndReportsAnError) {
+  auto sink = std::make_shared<CollectSink>();
+  std::promise<absl::StatusOr<Reservation>> reserved;
+  decode_->Reserve(Spec(Prompt(50, 3), 8, std::nullopt), sink,
+                   std::chrono::steady_clock::now() + milliseconds(50),
+                   [&](absl::StatusOr<Reservation> r) { reserved.set_value(std::move(r)); });
+  absl::StatusOr<Reservation> res = reserved.get_future().get();
+  ASSERT_TRUE(res.ok());
+  EXPECT_EQ(res->blocks.size(), 4u);
+  EXPECT_EQ(decode_->GetLoad().reserved, 1);
+  ASSERT_TRUE(sink->Wait(milliseconds(5000)));
+  EXPECT_EQ(sink->info().reason, FinishReason::kError);
+  ExpectIdle(*decode_);
+  EXPECT_EQ(decode_->GetLoad().expired_reservations, 1);
+  // A late commit is refused.
+  std::promise<absl::Status> late;
+  decode_->Commit(res->id, SampledToken{.token_id = 1}, [&](absl::Status s) { late.set_value(s); });
+  EXPECT_EQ(late.get_future().get().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(DisaggTest, CancelledReservationAndUnreleasedHandOffFreeEverything) {
+  auto sink = std::make_shared<CollectSink>();
+  std::promise<absl::StatusOr<Reservation>> reserved;
+  decode_->Reserve(Spec(Prompt(40, 4), 8, std::nullopt), sink,
+                   std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                   [&](absl::StatusOr<Reservation> r) { reserved.set_value(std::move(r)); });
+  absl::StatusOr<Reservation> res = reserved.get_future().get();
+  ASSERT_TRUE(res.ok());
+  decode_->Cancel(res->id);
+  ASSERT_TRUE(sink->Wait());
+  EXPECT_EQ(sink->info().reason, FinishReason::kAbort);
+  ExpectIdle(*decode_);
+
+  // A prefill whose transfer never reports back: its blocks are freed at the
+  // hold deadline.
+  GenerateSpec p = Spec(Prompt(40, 5), 8, std::nullopt);
+  p.hold_deadline = std::chrono::steady_clock::now() + milliseconds(100);
+  p.on_prefilled = [](const Prefilled&) {};
+  auto psink = std::make_shared<CollectSink>();
+  ASSERT_TRUE(prefill_->Submit(std::move(p), psink).ok());
+  ASSERT_TRUE(psink->Wait());
+  EXPECT_EQ(psink->tokens().size(), 1u);
+  ExpectIdle(*prefill_);
+  EXPECT_EQ(prefill_->GetLoad().expired_handoffs, 1);
+}
+
+TEST_F(DisaggTest, ReservationLargerThanTheFreeCacheIsRefused) {
+  std::unique_ptr<Engine> small = StartEngine(/*kv_bytes=*/12288 * 4);  // 4 blocks of 16 tokens (3 layers x K,V x 2 heads x 16 x 16 floats)
+  auto sink = std::make_shared<CollectSink>();
+  std::promise<absl::StatusOr<Reservation>> first;
+  small->Reserve(Spec(Prompt(60, 6), 2, std::nullopt), sink,
+                 std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                 [&](absl::StatusOr<Reservation> r) { first.set_value(std::move(r)); });
+  absl::StatusOr<Reservation> got = first.get_future().get();
+  ASSERT_TRUE(got.ok()) << got.status();  // 4 blocks: the whole cache
+  std::promise<absl::StatusOr<Reservation>> second;
+  small->Reserve(Spec(Prompt(20, 7), 2, std::nullopt), std::make_shared<CollectSink>(),
+                 std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                 [&](absl::StatusOr<Reservation> r) { second.set_value(std::move(r)); });
+  EXPECT_EQ(second.get_future().get().status().code(), absl::StatusCode::kResourceExhausted);
+  small->Stop();
+  ASSERT_TRUE(sink->Wait());
+  EXPECT_EQ(sink->info().reason, FinishReason::kAbort);
+  EXPECT_TRUE(sink->info().worker_stopping);
+}
+
+}  // namespace
+}  // namespace tandem::worker
