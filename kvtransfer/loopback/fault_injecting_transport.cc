@@ -155,7 +155,8 @@ void FaultInjectingTransport::TimerLoop() {
       lock.lock();
       it = held_.begin();  // the map may have changed while unlocked
     }
-    cv_.wait_until(lock, next);
+    // stop_ may have been set (and notified) while the lock was released above.
+    if (!stop_) cv_.wait_until(lock, next);
   }
 }
 

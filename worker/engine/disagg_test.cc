@@ -95,6 +95,14 @@ std::vector<int32_t> Prompt(int len, int salt) {
   return p;
 }
 
+void ExpectSame(const std::vector<SampledToken>& got, const std::vector<SampledToken>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].token_id, want[i].token_id) << "token " << i;
+    EXPECT_NEAR(got[i].logprob, want[i].logprob, 1e-5) << "token " << i;
+  }
+}
+
 class DisaggTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -176,7 +184,10 @@ class DisaggTest : public ::testing::Test {
   void ExpectIdle(Engine& e) {
     for (int i = 0; i < 500; ++i) {
       LoadSnapshot l = e.GetLoad();
-      if (l.used_blocks == 0 && l.running == 0 && l.reserved == 0 && l.prefilled == 0) return;
+      if (l.used_blocks == 0 && l.running == 0 && l.waiting == 0 && l.reserved == 0 &&
+          l.prefilled == 0) {
+        return;
+      }
       std::this_thread::sleep_for(milliseconds(10));
     }
     LoadSnapshot l = e.GetLoad();
@@ -188,14 +199,6 @@ class DisaggTest : public ::testing::Test {
   std::unique_ptr<kvtransfer::LoopbackTransport> p_transport_, d_transport_;
   std::string decode_agent_;
 };
-
-void ExpectSame(const std::vector<SampledToken>& got, const std::vector<SampledToken>& want) {
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_EQ(got[i].token_id, want[i].token_id) << "token " << i;
-    EXPECT_NEAR(got[i].logprob, want[i].logprob, 1e-5) << "token " << i;
-  }
-}
 
 TEST_F(DisaggTest, SplitAcrossTwoEnginesMatchesAggregated) {
   for (int i = 0; i < 4; ++i) {
@@ -230,24 +233,64 @@ TEST_F(DisaggTest, DecodePrefixHitsAreNotSentAgainAndItsEventsCoverReceivedBlock
   ExpectIdle(*decode_);
 }
 
-TEST_F(DisaggTest, ExpiredReservationFreesItsBlocksAndReportsAnError) {
+TEST_F(DisaggTest, ExpiredReservationFallsBackToALocalPrefill) {
+  GenerateSpec spec = Spec(Prompt(50, 3), 8, std::nullopt);
   auto sink = std::make_shared<CollectSink>();
   std::promise<absl::StatusOr<Reservation>> reserved;
-  decode_->Reserve(Spec(Prompt(50, 3), 8, std::nullopt), sink,
-                   std::chrono::steady_clock::now() + milliseconds(50),
+  decode_->Reserve(spec, sink, std::chrono::steady_clock::now() + milliseconds(50),
                    [&](absl::StatusOr<Reservation> r) { reserved.set_value(std::move(r)); });
   absl::StatusOr<Reservation> res = reserved.get_future().get();
   ASSERT_TRUE(res.ok());
   EXPECT_EQ(res->blocks.size(), 4u);
-  EXPECT_EQ(decode_->GetLoad().reserved, 1);
-  ASSERT_TRUE(sink->Wait(milliseconds(5000)));
-  EXPECT_EQ(sink->info().reason, FinishReason::kError);
+  ASSERT_TRUE(sink->Wait(milliseconds(10000)));
+  // No prefill came: the decode worker computed the prompt itself, and the
+  // whole output (first token included) is what an aggregated run gives.
+  EXPECT_EQ(sink->info().reason, FinishReason::kLength);
+  ExpectSame(sink->tokens(), RunAggregated(spec));
   ExpectIdle(*decode_);
   EXPECT_EQ(decode_->GetLoad().expired_reservations, 1);
+  EXPECT_EQ(decode_->GetLoad().local_prefill_fallbacks, 1);
   // A late commit is refused.
   std::promise<absl::Status> late;
   decode_->Commit(res->id, SampledToken{.token_id = 1}, [&](absl::Status s) { late.set_value(s); });
   EXPECT_EQ(late.get_future().get().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(DisaggTest, ReportedPrefillFailureFallsBackOrFailsAsConfigured) {
+  // Fallback on (the default): Fallback() prefills locally, same output.
+  GenerateSpec spec = Spec(Prompt(33, 8), 6, 42);
+  auto sink = std::make_shared<CollectSink>();
+  std::promise<absl::StatusOr<Reservation>> reserved;
+  decode_->Reserve(spec, sink, std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                   [&](absl::StatusOr<Reservation> r) { reserved.set_value(std::move(r)); });
+  absl::StatusOr<Reservation> res = reserved.get_future().get();
+  ASSERT_TRUE(res.ok());
+  decode_->Fallback(res->id);
+  ASSERT_TRUE(sink->Wait());
+  ExpectSame(sink->tokens(), RunAggregated(spec));
+  EXPECT_EQ(decode_->GetLoad().local_prefill_fallbacks, 1);
+
+  // Fallback off: the request ends with an error and frees its blocks.
+  absl::StatusOr<LoadedModel> model = LoadModel("builtin:tiny");
+  ASSERT_TRUE(model.ok());
+  EngineConfig strict_config;
+  strict_config.kv_cache_bytes = 16 << 20;
+  strict_config.log_stats_interval_s = 0;
+  strict_config.local_prefill_fallback = false;
+  absl::StatusOr<std::unique_ptr<Engine>> strict = Engine::Create(strict_config, std::move(*model));
+  ASSERT_TRUE(strict.ok());
+  (*strict)->Start();
+  auto strict_sink = std::make_shared<CollectSink>();
+  std::promise<absl::StatusOr<Reservation>> strict_reserved;
+  (*strict)->Reserve(spec, strict_sink, std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                     [&](absl::StatusOr<Reservation> r) { strict_reserved.set_value(std::move(r)); });
+  absl::StatusOr<Reservation> strict_res = strict_reserved.get_future().get();
+  ASSERT_TRUE(strict_res.ok());
+  (*strict)->Fallback(strict_res->id);
+  ASSERT_TRUE(strict_sink->Wait());
+  EXPECT_EQ(strict_sink->info().reason, FinishReason::kError);
+  EXPECT_TRUE(strict_sink->tokens().empty());
+  ExpectIdle(**strict);
 }
 
 TEST_F(DisaggTest, CancelledReservationAndUnreleasedHandOffFreeEverything) {
@@ -258,6 +301,12 @@ TEST_F(DisaggTest, CancelledReservationAndUnreleasedHandOffFreeEverything) {
                    [&](absl::StatusOr<Reservation> r) { reserved.set_value(std::move(r)); });
   absl::StatusOr<Reservation> res = reserved.get_future().get();
   ASSERT_TRUE(res.ok());
+  // The load report shows the parked reservation (published after the step).
+  for (int i = 0; i < 500 && decode_->GetLoad().reserved != 1; ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(decode_->GetLoad().reserved, 1);
+  EXPECT_EQ(decode_->GetLoad().used_blocks, 3);  // ceil(40 / 16)
   decode_->Cancel(res->id);
   ASSERT_TRUE(sink->Wait());
   EXPECT_EQ(sink->info().reason, FinishReason::kAbort);
@@ -272,8 +321,12 @@ TEST_F(DisaggTest, CancelledReservationAndUnreleasedHandOffFreeEverything) {
   ASSERT_TRUE(prefill_->Submit(std::move(p), psink).ok());
   ASSERT_TRUE(psink->Wait());
   EXPECT_EQ(psink->tokens().size(), 1u);
-  ExpectIdle(*prefill_);
+  // The hand-off parks after the sink's finish: wait for it to expire.
+  for (int i = 0; i < 500 && prefill_->GetLoad().expired_handoffs == 0; ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
   EXPECT_EQ(prefill_->GetLoad().expired_handoffs, 1);
+  ExpectIdle(*prefill_);
 }
 
 TEST_F(DisaggTest, ReservationLargerThanTheFreeCacheIsRefused) {

@@ -8,6 +8,7 @@
 #include <limits>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -217,6 +218,28 @@ void Engine::Commit(uint64_t id, SampledToken first, std::function<void(absl::St
   cv_.notify_one();
 }
 
+void Engine::Fallback(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fallbacks_.push_back(id);
+  }
+  cv_.notify_one();
+}
+
+// A reservation whose KV will not come: compute its prompt here, from the
+// cached prefix on (its blocks are already reserved), or end it with an error.
+void Engine::FallBackLocally(std::unique_ptr<Sequence> seq, const char* why) {
+  if (!config_.local_prefill_fallback) {
+    scheduler_.ReleaseBlocks(*seq);
+    Finish(std::move(seq), FinishInfo{.reason = FinishReason::kError,
+                                      .error = absl::StrCat("disaggregated prefill failed: ", why)});
+    return;
+  }
+  ++local_prefill_fallbacks_;
+  LOG(WARNING) << "reservation " << seq->id << ": " << why << "; prefilling locally";
+  scheduler_.AddRunning(std::move(seq));
+}
+
 void Engine::ReleasePrefilled(uint64_t id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -270,8 +293,10 @@ void Engine::DrainCommands() {
   std::vector<ReserveCommand> reserves;
   std::vector<CommitCommand> commits;
   std::vector<uint64_t> releases;
+  std::vector<uint64_t> fallbacks;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    fallbacks.swap(fallbacks_);
     reserves.swap(reserves_);
     commits.swap(commits_);
     releases.swap(releases_);
@@ -299,6 +324,13 @@ void Engine::DrainCommands() {
     if (p == prefilled_.end()) continue;
     scheduler_.ReleaseBlocks(*p->second.seq);
     prefilled_.erase(p);
+  }
+  for (uint64_t id : fallbacks) {
+    auto r = reserved_.find(id);
+    if (r == reserved_.end()) continue;
+    std::unique_ptr<Sequence> seq = std::move(r->second.seq);
+    reserved_.erase(r);
+    FallBackLocally(std::move(seq), "the prefill worker reported a failure");
   }
   for (ReserveCommand& r : reserves) {
     if (!scheduler_.Reserve(*r.seq)) {
@@ -346,15 +378,19 @@ void Engine::DrainCommands() {
   }
 }
 
+// Whatever a command queue holds wakes the engine thread; every queue that
+// DrainCommands empties must be listed here.
+bool Engine::HasWorkLocked() const {
+  return stop_ || !submitted_.empty() || !cancelled_.empty() || !clears_.empty() ||
+         !reserves_.empty() || !commits_.empty() || !releases_.empty() || !fallbacks_.empty() ||
+         !scheduler_.empty();
+}
+
 void Engine::Loop() {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      auto ready = [&] {
-        return stop_ || !submitted_.empty() || !cancelled_.empty() || !clears_.empty() ||
-               !reserves_.empty() || !commits_.empty() || !releases_.empty() ||
-               !scheduler_.empty();
-      };
+      auto ready = [&] { return HasWorkLocked(); };
       if (reserved_.empty() && prefilled_.empty()) {
         cv_.wait(lock, ready);
       } else {
@@ -518,8 +554,8 @@ Deadline Engine::NextDeadline() const {
 }
 
 // Parked sequences past their deadline: a reservation whose prefill never
-// came ends with an error; blocks held for a transfer that never finished
-// are freed. Both are counted and logged.
+// came falls back to a local prefill (or ends with an error); blocks held for
+// a transfer that never finished are freed. Both are counted and logged.
 void Engine::ExpireParked() {
   const Deadline now = std::chrono::steady_clock::now();
   for (auto it = reserved_.begin(); it != reserved_.end();) {
@@ -529,11 +565,8 @@ void Engine::ExpireParked() {
     }
     std::unique_ptr<Sequence> seq = std::move(it->second.seq);
     it = reserved_.erase(it);
-    scheduler_.ReleaseBlocks(*seq);
     ++expired_reservations_;
-    LOG(WARNING) << "reservation " << seq->id << " expired before its KV arrived";
-    Finish(std::move(seq), FinishInfo{.reason = FinishReason::kError,
-                                      .error = "the prefill did not arrive before the deadline"});
+    FallBackLocally(std::move(seq), "its KV did not arrive before the deadline");
   }
   for (auto it = prefilled_.begin(); it != prefilled_.end();) {
     if (it->second.deadline > now) {
@@ -575,6 +608,7 @@ void Engine::PublishLoad() {
   s.reserved = static_cast<int>(reserved_.size());
   s.prefilled = static_cast<int>(prefilled_.size());
   s.expired_reservations = expired_reservations_;
+  s.local_prefill_fallbacks = local_prefill_fallbacks_;
   s.expired_handoffs = expired_handoffs_;
   std::lock_guard<std::mutex> lock(load_mu_);
   s.steps = load_.steps + 1;

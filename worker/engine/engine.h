@@ -48,6 +48,9 @@ struct EngineConfig {
   size_t kv_event_capacity = 1 << 16;        // events kept for resuming subscribers
   int threads = 0;                           // BLAS threads; 0 = all cores
   double log_stats_interval_s = 10.0;        // a stats line this often while busy; 0 = never
+  // Decode side: when a reservation's KV does not arrive (deadline, or
+  // Fallback() from the orchestration), prefill it here instead of failing.
+  bool local_prefill_fallback = true;
 
   absl::Status Validate() const;
 };
@@ -102,6 +105,7 @@ struct LoadSnapshot {
   int reserved = 0;                 // decode side: parked until their KV arrives
   int prefilled = 0;                // prefill side: holding blocks until sent
   int64_t expired_reservations = 0; // reservations whose KV never came (degraded path)
+  int64_t local_prefill_fallbacks = 0;  // reservations prefilled here instead (degraded path)
   int64_t expired_handoffs = 0;     // prefilled blocks never released (degraded path)
   uint64_t kv_event_seq = 0;
   double hit_rate() const {
@@ -140,6 +144,9 @@ class Engine {
   // prefill worker sampled: the request decodes from here (its sink gets the
   // tokens after `first`). NotFound for an unknown or expired reservation.
   void Commit(uint64_t id, SampledToken first, std::function<void(absl::Status)> done);
+  // Decode side: the prefill for reservation `id` failed; prefill it locally
+  // (local_prefill_fallback) or end it with an error. Unknown ids are ignored.
+  void Fallback(uint64_t id);
   // Prefill side: the blocks handed over by on_prefilled were sent; free them.
   void ReleasePrefilled(uint64_t id);
 
@@ -166,6 +173,7 @@ class Engine {
   Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<KvStorage> storage,
          int max_model_len);
   void Loop();
+  bool HasWorkLocked() const;  // REQUIRES: mu_ held
   void DrainCommands();
   void Step();
   void Finish(std::unique_ptr<Sequence> seq, FinishInfo info);
@@ -176,6 +184,7 @@ class Engine {
   void ExpireParked();
   Deadline NextDeadline() const;
   void HandOff(uint64_t id);
+  void FallBackLocally(std::unique_ptr<Sequence> seq, const char* why);
 
   const EngineConfig config_;
   const std::string model_name_;
@@ -207,6 +216,7 @@ class Engine {
   std::vector<ReserveCommand> reserves_;   // guarded by mu_
   std::vector<CommitCommand> commits_;     // guarded by mu_
   std::vector<uint64_t> releases_;         // guarded by mu_
+  std::vector<uint64_t> fallbacks_;        // guarded by mu_
   // Engine thread only: sequences parked with their blocks until a deadline:
   // reserved on a decode worker, or prefilled and awaiting transfer.
   struct Parked {
@@ -216,6 +226,7 @@ class Engine {
   std::map<uint64_t, Parked> reserved_;
   std::map<uint64_t, Parked> prefilled_;
   int64_t expired_reservations_ = 0;
+  int64_t local_prefill_fallbacks_ = 0;
   int64_t expired_handoffs_ = 0;
   bool stop_ = false;                                // guarded by mu_
   std::atomic<bool> running_{false};

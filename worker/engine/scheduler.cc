@@ -81,7 +81,9 @@ bool Scheduler::AdmitHead(int* budget, std::vector<ScheduledWork>* out) {
 }
 
 bool Scheduler::Reserve(Sequence& seq) {
-  return AllocateFor(seq, seq.prompt(), seq.prompt_len);
+  // As in admission, the last prompt token is never taken from the cache, so
+  // a reservation that falls back to a local prefill has a token to compute.
+  return AllocateFor(seq, seq.prompt().first(size_t(seq.prompt_len - 1)), seq.prompt_len);
 }
 
 void Scheduler::InsertRunning(std::unique_ptr<Sequence> seq) {

@@ -60,8 +60,9 @@ class Scheduler {
   std::unique_ptr<Sequence> Remove(uint64_t id);
 
   // Disaggregation. Reserve gives `seq` (not queued) blocks for its whole
-  // prompt now, reusing every cached full block of it (a decode worker
-  // computes nothing of the prompt: the prefill worker sends the rest).
+  // prompt now, reusing the cached full blocks of all but its last token (a
+  // decode worker computes nothing of the prompt: the prefill worker sends
+  // the rest).
   // Returns false, holding nothing, if the cache cannot spare the blocks
   // (the watermark applies). Keeps the prefix-cache statistics.
   bool Reserve(Sequence& seq);
