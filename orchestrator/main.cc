@@ -11,7 +11,10 @@ int main(int argc, char** argv) {
   tandem::worker::AddGenerateCommand(app);
   tandem::worker::AddLogitsCommand(app);
   tandem::worker::AddExportModelCommand(app);
-  tandem::worker::AddBenchCommand(app);
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+  tandem::worker::AddBenchCommand(*bench);
+  tandem::worker::AddTransferBenchCommand(*bench);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

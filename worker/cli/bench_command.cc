@@ -236,11 +236,9 @@ absl::Status RunBench(const BenchOptions& opt) {
 
 }  // namespace
 
-void AddBenchCommand(CLI::App& app) {
-  CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
-  bench->require_subcommand(1);
+void AddBenchCommand(CLI::App& bench) {
   auto opt = std::make_shared<BenchOptions>();
-  CLI::App* cmd = bench->add_subcommand("engine", "CPU prefill/decode throughput of the engine");
+  CLI::App* cmd = bench.add_subcommand("engine", "CPU prefill/decode throughput of the engine");
   cmd->add_option("--model", opt->model, "builtin:small, builtin:tiny or a checkpoint directory")
       ->capture_default_str();
   cmd->add_option("--prompt-len", opt->prompt_len, "Prefill prompt length")->capture_default_str();

@@ -24,8 +24,12 @@ void AddLogitsCommand(CLI::App& app);
 void AddExportModelCommand(CLI::App& app);
 // `tandem generate`: a small client that generates from a prompt over gRPC.
 void AddGenerateCommand(CLI::App& app);
-// `tandem bench engine`: CPU prefill and decode throughput against OpenBLAS sgemm.
-void AddBenchCommand(CLI::App& app);
+// `tandem bench engine`: CPU prefill and decode throughput against OpenBLAS
+// sgemm. Registers under `bench`, the `tandem bench` parent command.
+void AddBenchCommand(CLI::App& bench);
+// `tandem bench transfer`: KV-block Push between two processes (UCX shm/tcp,
+// or the loopback backend) against memcpy. Registers under `bench`.
+void AddTransferBenchCommand(CLI::App& bench);
 
 // Ends a subcommand: exit 0 if `status` is OK, else prints
 // "tandem <command>: <message>" to stderr and exits 1.

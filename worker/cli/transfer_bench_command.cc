@@ -1,0 +1,361 @@
+// `tandem bench transfer`: bandwidth and latency of KV-block Push between two
+// real processes (forked before anything of UCX exists; PeerInfo goes over a
+// pipe), against a plain memcpy of the same blocks measured in the same run
+// (machines are noisy; only same-run ratios are comparable).
+//
+// The cache is Llama-3-8B shaped: 32 layers x 8 KV heads x 128 head dim x
+// (K,V) x fp16 = 128 KiB per token, 16 tokens per block = 2 MiB blocks.
+// Sizes go from one block to --max-blocks (256 blocks = 4096 tokens =
+// 512 MiB). Destination block ids are a random permutation, as a decode
+// worker's free list gives them. Both pools are allocated by UCX
+// (UCP_MEM_MAP_ALLOCATE), which is what lets shared-memory puts copy
+// directly into the peer's pool.
+//
+// --backend loopback runs two in-process LoopbackTransports instead (no
+// second process), as a baseline of the interface's own overhead.
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <future>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "kvtransfer/loopback/loopback_transport.h"
+#include "kvtransfer/transport.h"
+#include "worker/cli/commands.h"
+#ifdef TANDEM_HAVE_UCX
+#include "kvtransfer/ucx/ucx_transport.h"
+#endif
+
+namespace tandem::worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kvtransfer::BlockPair;
+using kvtransfer::PeerInfo;
+using kvtransfer::PoolLayout;
+using kvtransfer::Transport;
+
+struct TransferBenchOptions {
+  std::string backend = "ucx";
+  std::string tls = "shm";
+  int max_blocks = 256;
+  int repeats = 5;
+  bool json = false;
+};
+
+// Llama-3-8B: 32 layers, 8 KV heads, head dim 128, fp16, K and V.
+PoolLayout LlamaLayout(int64_t num_blocks) {
+  PoolLayout l{.model = "llama-3-8b",
+               .dtype = "float16",
+               .num_layers = 32,
+               .num_kv_heads = 8,
+               .head_dim = 128,
+               .block_size = 16,
+               .num_blocks = num_blocks};
+  l.block_bytes = int64_t{l.num_layers} * l.num_kv_heads * l.head_dim * 2 * 2 * l.block_size;
+  return l;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Block b is filled with a byte pattern derived from b.
+void FillPool(uint8_t* base, const PoolLayout& l) {
+  for (int64_t b = 0; b < l.num_blocks; ++b) {
+    std::memset(base + b * l.block_bytes, static_cast<int>((b * 37 + 11) & 0xff),
+                static_cast<size_t>(l.block_bytes));
+    std::memcpy(base + b * l.block_bytes, &b, sizeof(b));
+  }
+}
+
+// Posts one Push and waits for `done`; returns post -> done seconds.
+absl::StatusOr<double> TimedPush(Transport& t, const std::string& peer,
+                                 const std::vector<BlockPair>& pairs) {
+  std::promise<absl::Status> done;
+  const Clock::time_point start = Clock::now();
+  RETURN_IF_ERROR(t.Push(peer, pairs, start + std::chrono::seconds(60), [&done](absl::Status st) {
+                     done.set_value(std::move(st));
+                   }).status());
+  absl::Status st = done.get_future().get();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  RETURN_IF_ERROR(st);
+  return seconds;
+}
+
+struct Row {
+  int blocks;
+  int64_t bytes;
+  double seconds;  // median post -> done
+  double min_seconds;
+  double memcpy_seconds;  // median
+};
+
+// The measurement, given a connected initiator whose pool is `src`.
+absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, uint8_t* src,
+                                         const PoolLayout& layout,
+                                         const TransferBenchOptions& opt) {
+  const int64_t bb = layout.block_bytes;
+  // The memcpy baseline's destination: ordinary pre-faulted memory.
+  void* dst_mem = mmap(nullptr, static_cast<size_t>(layout.num_blocks * bb), PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (dst_mem == MAP_FAILED) return absl::ResourceExhaustedError("mmap of the memcpy buffer");
+  uint8_t* dst = static_cast<uint8_t*>(dst_mem);
+  std::memset(dst, 1, static_cast<size_t>(layout.num_blocks * bb));
+
+  std::vector<int32_t> perm(layout.num_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
+
+  std::vector<Row> rows;
+  absl::Status status;
+  for (int n = 1; n <= opt.max_blocks; n *= 2) {
+    std::vector<BlockPair> pairs;
+    for (int i = 0; i < n; ++i) pairs.push_back({i, perm[i]});
+    std::vector<double> push, copy;
+    absl::StatusOr<double> warm = TimedPush(t, peer, pairs);
+    if (!warm.ok()) {
+      status = warm.status();
+      break;
+    }
+    for (int r = 0; r < opt.repeats; ++r) {
+      absl::StatusOr<double> s = TimedPush(t, peer, pairs);
+      if (!s.ok()) {
+        status = s.status();
+        break;
+      }
+      push.push_back(*s);
+      const Clock::time_point c0 = Clock::now();
+      for (const BlockPair& p : pairs) {
+        std::memcpy(dst + int64_t{p.dst} * bb, src + int64_t{p.src} * bb, static_cast<size_t>(bb));
+      }
+      copy.push_back(std::chrono::duration<double>(Clock::now() - c0).count());
+    }
+    if (!status.ok()) break;
+    rows.push_back(
+        Row{n, n * bb, Median(push), *std::min_element(push.begin(), push.end()), Median(copy)});
+  }
+  munmap(dst_mem, static_cast<size_t>(layout.num_blocks * bb));
+  RETURN_IF_ERROR(status);
+  return rows;
+}
+
+// Pulls back the peer block that local block 0 was pushed into (perm[0])
+// and checks it holds block 0's bytes: the benchmark moved real bytes.
+absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool,
+                           const PoolLayout& layout) {
+  std::vector<int32_t> perm(layout.num_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
+  const int32_t scratch = static_cast<int32_t>(layout.num_blocks - 1);
+  std::promise<absl::Status> done;
+  RETURN_IF_ERROR(t.Pull(peer, {{perm[0], scratch}}, Clock::now() + std::chrono::seconds(30),
+                         [&done](absl::Status st) { done.set_value(std::move(st)); })
+                      .status());
+  RETURN_IF_ERROR(done.get_future().get());
+  if (std::memcmp(pool + scratch * layout.block_bytes, pool,
+                  static_cast<size_t>(layout.block_bytes)) != 0) {
+    return absl::DataLossError("the block pulled back differs from the block pushed");
+  }
+  return absl::OkStatus();
+}
+
+void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
+  const std::string name = opt.backend == "ucx" ? "ucx/" + opt.tls : opt.backend;
+  if (!opt.json) {
+    std::printf("KV Push %s, 2 MiB blocks (Llama-3-8B, 16 tokens), median of %d; GB/s = 1e9 B/s\n",
+                name.c_str(), opt.repeats);
+    std::printf("%7s %7s %10s %10s %9s %12s %8s\n", "blocks", "MiB", "lat_ms", "min_ms", "GB/s",
+                "memcpy_GB/s", "ratio");
+  }
+  for (const Row& r : rows) {
+    const double gbps = r.bytes / r.seconds / 1e9, memcpy_gbps = r.bytes / r.memcpy_seconds / 1e9;
+    if (opt.json) {
+      nlohmann::json j = {{"backend", name},
+                          {"blocks", r.blocks},
+                          {"bytes", r.bytes},
+                          {"seconds", r.seconds},
+                          {"min_seconds", r.min_seconds},
+                          {"gbps", gbps},
+                          {"memcpy_gbps", memcpy_gbps},
+                          {"ratio_to_memcpy", gbps / memcpy_gbps}};
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      std::printf("%7d %7.0f %10.3f %10.3f %9.2f %12.2f %8.2f\n", r.blocks, r.bytes / 1048576.0,
+                  r.seconds * 1e3, r.min_seconds * 1e3, gbps, memcpy_gbps, gbps / memcpy_gbps);
+    }
+  }
+}
+
+absl::Status RunLoopback(const TransferBenchOptions& opt) {
+  const PoolLayout layout = LlamaLayout(opt.max_blocks);
+  const size_t bytes = static_cast<size_t>(layout.num_blocks * layout.block_bytes);
+  std::vector<uint8_t> pool_a(bytes), pool_b(bytes, 0);
+  FillPool(pool_a.data(), layout);
+  auto fabric = std::make_shared<kvtransfer::LoopbackFabric>();
+  kvtransfer::LoopbackTransport a(fabric), b(fabric);
+  RETURN_IF_ERROR(a.RegisterPool(layout, pool_a.data()));
+  RETURN_IF_ERROR(b.RegisterPool(layout, pool_b.data()));
+  ASSIGN_OR_RETURN(PeerInfo b_info, b.LocalInfo());
+  RETURN_IF_ERROR(a.AddPeer(b_info));
+  ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(a, b_info.agent_id, pool_a.data(), layout, opt));
+  RETURN_IF_ERROR(CheckOneBlock(a, b_info.agent_id, pool_a.data(), layout));
+  Print(rows, opt);
+  return absl::OkStatus();
+}
+
+#ifdef TANDEM_HAVE_UCX
+// Length-prefixed messages over the pipes between the two processes.
+absl::Status WriteMessage(int fd, const std::string& bytes) {
+  uint32_t n = static_cast<uint32_t>(bytes.size());
+  std::string framed(reinterpret_cast<const char*>(&n), sizeof(n));
+  framed += bytes;
+  size_t off = 0;
+  while (off < framed.size()) {
+    ssize_t w = write(fd, framed.data() + off, framed.size() - off);
+    if (w <= 0) return absl::UnavailableError("pipe to the peer process closed");
+    off += static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadMessage(int fd) {
+  auto read_all = [fd](char* p, size_t n) {
+    while (n > 0) {
+      ssize_t r = read(fd, p, n);
+      if (r <= 0) return false;
+      p += r;
+      n -= static_cast<size_t>(r);
+    }
+    return true;
+  };
+  uint32_t n = 0;
+  if (!read_all(reinterpret_cast<char*>(&n), sizeof(n))) {
+    return absl::UnavailableError("the peer process closed its pipe");
+  }
+  std::string bytes(n, '\0');
+  if (!read_all(bytes.data(), n)) return absl::UnavailableError("the peer process closed its pipe");
+  return bytes;
+}
+
+kvtransfer::UcxOptions UcxOptionsFor(const TransferBenchOptions& opt) {
+  kvtransfer::UcxOptions o;
+  o.transports = opt.tls;
+  return o;
+}
+
+// The target process: a UCX-allocated pool, its PeerInfo up the pipe, then
+// progress (on the transport's thread) until the initiator closes the pipe.
+int RunTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
+  absl::Status st = [&]() -> absl::Status {
+    const PoolLayout layout = LlamaLayout(opt.max_blocks);
+    ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t,
+                     kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
+    ASSIGN_OR_RETURN(void* pool, t->AllocatePool(layout.num_blocks * layout.block_bytes));
+    RETURN_IF_ERROR(t->RegisterPool(layout, pool));
+    ASSIGN_OR_RETURN(PeerInfo info, t->LocalInfo());
+    RETURN_IF_ERROR(WriteMessage(to_parent, kvtransfer::EncodePeerInfo(info)));
+    char c;
+    while (read(from_parent, &c, 1) > 0) {
+    }
+    return absl::OkStatus();
+  }();
+  if (!st.ok()) {
+    std::fprintf(stderr, "tandem bench transfer (target): %s\n", st.ToString().c_str());
+    // Tell the initiator, which is waiting for a PeerInfo.
+    (void)WriteMessage(to_parent, "");
+    return 1;
+  }
+  return 0;
+}
+
+absl::Status RunUcx(const TransferBenchOptions& opt) {
+  int down[2], up[2];
+  if (pipe(down) != 0 || pipe(up) != 0) return absl::InternalError("pipe failed");
+  std::fflush(stdout);
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    close(down[1]);
+    close(up[0]);
+    _exit(RunTarget(opt, up[1], down[0]));
+  }
+  close(down[0]);
+  close(up[1]);
+  absl::Status st = [&]() -> absl::Status {
+    const PoolLayout layout = LlamaLayout(opt.max_blocks);
+    ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t,
+                     kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
+    ASSIGN_OR_RETURN(void* mem, t->AllocatePool(layout.num_blocks * layout.block_bytes));
+    uint8_t* pool = static_cast<uint8_t*>(mem);
+    FillPool(pool, layout);
+    RETURN_IF_ERROR(t->RegisterPool(layout, pool));
+    ASSIGN_OR_RETURN(std::string encoded, ReadMessage(up[0]));
+    if (encoded.empty()) return absl::UnavailableError("the target process failed to start");
+    ASSIGN_OR_RETURN(PeerInfo peer, kvtransfer::DecodePeerInfo(encoded));
+    RETURN_IF_ERROR(t->AddPeer(peer));
+    ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(*t, peer.agent_id, pool, layout, opt));
+    RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, pool, layout));
+    Print(rows, opt);
+    return absl::OkStatus();
+  }();
+  close(down[1]);  // the target exits on EOF
+  close(up[0]);
+  int wstatus = 0;
+  waitpid(pid, &wstatus, 0);
+  if (st.ok() && !(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0)) {
+    return absl::InternalError("the target process failed");
+  }
+  return st;
+}
+#endif  // TANDEM_HAVE_UCX
+
+absl::Status RunTransferBench(const TransferBenchOptions& opt) {
+  if (opt.max_blocks < 1 || opt.repeats < 1) {
+    return absl::InvalidArgumentError("--max-blocks and --repeats must be >= 1");
+  }
+  if (opt.backend == "loopback") return RunLoopback(opt);
+  if (opt.backend != "ucx") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--backend %s: want ucx or loopback", opt.backend));
+  }
+#ifdef TANDEM_HAVE_UCX
+  if (opt.tls != "shm" && opt.tls != "tcp") {
+    return absl::InvalidArgumentError(absl::StrFormat("--tls %s: want shm or tcp", opt.tls));
+  }
+  return RunUcx(opt);
+#else
+  return absl::UnimplementedError("this tandem was built without UCX (TANDEM_WITH_UCX=OFF)");
+#endif
+}
+
+}  // namespace
+
+void AddTransferBenchCommand(CLI::App& bench) {
+  auto opt = std::make_shared<TransferBenchOptions>();
+  CLI::App* cmd = bench.add_subcommand(
+      "transfer", "KV-block Push bandwidth/latency between two processes vs memcpy");
+  cmd->add_option("--backend", opt->backend, "ucx or loopback")->capture_default_str();
+  cmd->add_option("--tls", opt->tls, "UCX transports: shm or tcp (tcp over lo)")
+      ->capture_default_str();
+  cmd->add_option("--max-blocks", opt->max_blocks,
+                  "Largest transfer in 2 MiB blocks (sizes double from 1)")
+      ->capture_default_str();
+  cmd->add_option("--repeats", opt->repeats, "Timed repeats per size (median)")
+      ->capture_default_str();
+  cmd->add_flag("--json", opt->json, "One JSON object per size");
+  cmd->callback([opt] { ExitWithStatus("bench transfer", RunTransferBench(*opt)); });
+}
+
+}  // namespace tandem::worker
