@@ -19,6 +19,10 @@
 #include "common/status_macros.h"
 #include "worker/cli/commands.h"
 #include "worker/engine/engine.h"
+#include "kvtransfer/transport.h"
+#ifdef TANDEM_HAVE_UCX
+#include "kvtransfer/ucx/ucx_transport.h"
+#endif
 #include "worker/model/model_loader.h"
 #include "worker/server/worker_service.h"
 
@@ -34,8 +38,29 @@ struct WorkerOptions {
   std::string ready_file;               // written with "host:port" once serving
   std::string kv_cache_memory = "256MiB";
   bool no_prefix_caching = false;
+  std::string kv_transport = "none";    // none or ucx: moves KV blocks between workers
+  std::string kv_transport_tls = "auto";  // ucx: auto, shm (one host) or tcp
   EngineConfig engine;
 };
+
+// The KV transport for disaggregation, its pool registered; null for "none".
+absl::StatusOr<std::unique_ptr<kvtransfer::Transport>> MakeKvTransport(const WorkerOptions& opt,
+                                                                       Engine& engine) {
+  if (opt.kv_transport == "none") return std::unique_ptr<kvtransfer::Transport>();
+  if (opt.kv_transport != "ucx") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--kv-transport must be none or ucx, got '%s'", opt.kv_transport));
+  }
+#ifdef TANDEM_HAVE_UCX
+  kvtransfer::UcxOptions ucx;
+  ucx.transports = opt.kv_transport_tls;
+  ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t, kvtransfer::UcxTransport::Create(ucx));
+  RETURN_IF_ERROR(t->RegisterPool(engine.pool_layout(), engine.kv_data()));
+  return std::unique_ptr<kvtransfer::Transport>(std::move(t));
+#else
+  return absl::UnimplementedError("this tandem was built without UCX (TANDEM_WITH_UCX=OFF)");
+#endif
+}
 
 // The self-pipe the signal handler writes the signal number to.
 int g_signal_pipe[2] = {-1, -1};
@@ -82,8 +107,10 @@ absl::Status RunWorker(WorkerOptions opt) {
   ASSIGN_OR_RETURN(LoadedModel model, LoadModel(opt.model));
   if (!opt.served_model_name.empty()) model.name = opt.served_model_name;
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(opt.engine, std::move(model)));
+  absl::StatusOr<std::unique_ptr<kvtransfer::Transport>> transport = MakeKvTransport(opt, *engine);
+  if (!transport.ok()) return transport.status();
   engine->Start();
-  WorkerService service(engine.get(), opt.role);
+  WorkerService service(engine.get(), opt.role, transport->get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -178,6 +205,12 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--max-model-len", opt->engine.max_model_len, "Context limit (0: the model's)")
       ->capture_default_str();
   cmd->add_flag("--no-prefix-caching", opt->no_prefix_caching, "Disable the prefix cache");
+  cmd->add_option("--kv-transport", opt->kv_transport,
+                  "KV block transport between workers: none or ucx")
+      ->capture_default_str();
+  cmd->add_option("--kv-transport-tls", opt->kv_transport_tls,
+                  "UCX transports: auto, shm (one host) or tcp")
+      ->capture_default_str();
   cmd->add_option("--block-hash-seed", opt->engine.block_hash_seed,
                   "Parent hash of a sequence's first KV block")
       ->capture_default_str();

@@ -66,15 +66,6 @@ std::unique_ptr<Engine> StartEngine(int64_t kv_bytes = 16 << 20) {
   return std::move(*engine);
 }
 
-kvtransfer::PoolLayout PoolOf(Engine& e) {
-  const kernels::KvLayout& l = e.kv_layout();
-  return kvtransfer::PoolLayout{.model = e.model_name(), .dtype = "float32",
-                                .num_layers = l.num_layers, .num_kv_heads = l.num_kv_heads,
-                                .head_dim = l.head_dim, .block_size = l.block_size,
-                                .num_blocks = l.num_blocks,
-                                .block_bytes = l.block_stride() * int64_t{sizeof(float)}};
-}
-
 GenerateSpec Spec(std::vector<int32_t> prompt, int max_tokens, std::optional<uint64_t> seed) {
   GenerateSpec spec{.request_id = "t", .prompt = std::move(prompt), .params = {}};
   spec.params.max_tokens = max_tokens;
@@ -112,8 +103,8 @@ class DisaggTest : public ::testing::Test {
     auto fabric = std::make_shared<kvtransfer::LoopbackFabric>();
     p_transport_ = std::make_unique<kvtransfer::LoopbackTransport>(fabric);
     d_transport_ = std::make_unique<kvtransfer::LoopbackTransport>(fabric);
-    ASSERT_TRUE(p_transport_->RegisterPool(PoolOf(*prefill_), prefill_->kv_data()).ok());
-    ASSERT_TRUE(d_transport_->RegisterPool(PoolOf(*decode_), decode_->kv_data()).ok());
+    ASSERT_TRUE(p_transport_->RegisterPool(prefill_->pool_layout(), prefill_->kv_data()).ok());
+    ASSERT_TRUE(d_transport_->RegisterPool(decode_->pool_layout(), decode_->kv_data()).ok());
     ASSERT_TRUE(p_transport_->AddPeer(*d_transport_->LocalInfo()).ok());
     decode_agent_ = d_transport_->LocalInfo()->agent_id;
   }

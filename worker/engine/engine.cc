@@ -102,6 +102,15 @@ Engine::Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<Kv
 
 Engine::~Engine() { Stop(); }
 
+kvtransfer::PoolLayout Engine::pool_layout() const {
+  const kernels::KvLayout& l = storage_->layout();
+  return kvtransfer::PoolLayout{.model = model_name_, .dtype = "float32",
+                                .num_layers = l.num_layers, .num_kv_heads = l.num_kv_heads,
+                                .head_dim = l.head_dim, .block_size = l.block_size,
+                                .num_blocks = l.num_blocks,
+                                .block_bytes = KvStorage::BytesPerBlock(l)};
+}
+
 void Engine::Start() {
   if (config_.threads > 0) openblas_set_num_threads(config_.threads);
   running_ = true;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvtransfer/transport.h"
 #include "worker/engine/output_sink.h"
 #include "worker/engine/scheduler.h"
 #include "worker/kv_cache/block_manager.h"
@@ -167,6 +168,8 @@ class Engine {
   // transport. Transports write only into blocks this engine reserved.
   float* kv_data() { return storage_->data(); }
   const kernels::KvLayout& kv_layout() const { return storage_->layout(); }
+  // The pool as a KV transport registers it (float32 blocks on the host).
+  kvtransfer::PoolLayout pool_layout() const;
   bool running() const { return running_.load(); }
 
  private:

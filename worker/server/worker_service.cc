@@ -329,8 +329,54 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
-WorkerService::WorkerService(Engine* engine, std::string role)
-    : engine_(engine), role_(std::move(role)), instance_id_(NewInstanceId()) {}
+WorkerService::WorkerService(Engine* engine, std::string role, kvtransfer::Transport* transport)
+    : engine_(engine), transport_(transport), role_(std::move(role)), instance_id_(NewInstanceId()) {}
+
+void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out) {
+  out->set_agent_id(info.agent_id);
+  out->set_backend(info.backend);
+  out->set_address(info.address);
+  tandem::v1::KvPoolLayout* l = out->mutable_layout();
+  l->set_model(info.layout.model);
+  l->set_dtype(info.layout.dtype);
+  l->set_num_layers(info.layout.num_layers);
+  l->set_num_kv_heads(info.layout.num_kv_heads);
+  l->set_head_dim(info.layout.head_dim);
+  l->set_block_size(info.layout.block_size);
+  l->set_num_blocks(info.layout.num_blocks);
+  l->set_block_bytes(info.layout.block_bytes);
+  l->set_cuda(info.layout.memory_type == kvtransfer::MemoryType::kCuda);
+  l->set_device_id(info.layout.device_id);
+}
+
+kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info) {
+  const tandem::v1::KvPoolLayout& l = info.layout();
+  return kvtransfer::PeerInfo{
+      .agent_id = info.agent_id(),
+      .backend = info.backend(),
+      .layout = {.model = l.model(), .dtype = l.dtype(), .num_layers = l.num_layers(),
+                 .num_kv_heads = l.num_kv_heads(), .head_dim = l.head_dim(),
+                 .block_size = l.block_size(), .num_blocks = l.num_blocks(),
+                 .block_bytes = l.block_bytes(),
+                 .memory_type = l.cuda() ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost,
+                 .device_id = l.device_id()},
+      .address = info.address()};
+}
+
+grpc::ServerUnaryReactor* WorkerService::GetKvTransferInfo(grpc::CallbackServerContext* ctx,
+                                                           const tandem::v1::KvTransferInfoRequest*,
+                                                           tandem::v1::KvTransferInfo* response) {
+  auto* reactor = ctx->DefaultReactor();
+  if (transport_ == nullptr) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                 "this worker runs without a KV transport (--kv-transport)"));
+    return reactor;
+  }
+  absl::StatusOr<kvtransfer::PeerInfo> info = transport_->LocalInfo();
+  if (info.ok()) ToProto(*info, response);
+  reactor->Finish(info.ok() ? grpc::Status::OK : ToGrpcStatus(info.status()));
+  return reactor;
+}
 
 grpc::ServerWriteReactor<GenerateResponse>* WorkerService::Generate(
     grpc::CallbackServerContext* ctx, const tandem::v1::GenerateRequest* request) {

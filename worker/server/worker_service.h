@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "kvtransfer/transport.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
 
@@ -20,7 +21,8 @@ namespace tandem::worker {
 class WorkerService final : public tandem::v1::Worker::CallbackService {
  public:
   // `role` is reported by Health and GetModelInfo ("prefill", "decode", "both").
-  WorkerService(Engine* engine, std::string role);
+  // `transport` (may be null) is the worker's KV transport, its pool registered.
+  WorkerService(Engine* engine, std::string role, kvtransfer::Transport* transport = nullptr);
 
   grpc::ServerWriteReactor<tandem::v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* ctx, const tandem::v1::GenerateRequest* request) override;
@@ -39,16 +41,24 @@ class WorkerService final : public tandem::v1::Worker::CallbackService {
                                          const tandem::v1::ClearKvCacheRequest* request,
                                          tandem::v1::ClearKvCacheResponse* response) override;
 
+  grpc::ServerUnaryReactor* GetKvTransferInfo(grpc::CallbackServerContext* ctx,
+                                              const tandem::v1::KvTransferInfoRequest* request,
+                                              tandem::v1::KvTransferInfo* response) override;
+
   const std::string& instance_id() const { return instance_id_; }
 
  private:
   Engine* const engine_;
+  kvtransfer::Transport* const transport_;
   const std::string role_;
   const std::string instance_id_;
 };
 
 // Converts the wire sampling parameters to the engine's (defaults applied).
 SamplingParams FromProto(const tandem::v1::SamplingParams& p);
+// PeerInfo <-> its wire form, for the KV transfer metadata exchange.
+void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out);
+kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info);
 // The gRPC status for an absl::Status: same code, same message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
