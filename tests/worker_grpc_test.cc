@@ -1299,7 +1299,8 @@ TEST_F(WorkerGrpcTest, LargeSnapshotArrivesInChunks) {
     Output out = Generate(w->stub(), GreedyRequest(MakePrompt(5000 + i, kLen), 1));
     ASSERT_EQ(out.status.error_code(), grpc::StatusCode::OK) << out.status.error_message();
   }
-  v1::LoadReport load = GetLoad(w->stub());
+  // Idle first: the load report is published after each engine step.
+  v1::LoadReport load = ExpectIdle(w->stub(), "after the prompts");
   ASSERT_GT(load.cached_blocks(), 65536);
 
   grpc::ClientContext ctx;
