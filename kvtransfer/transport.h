@@ -14,7 +14,10 @@
 // transport's own thread, with OK only when every byte is visible at the
 // destination; otherwise with the reason (DeadlineExceeded past the
 // transfer's deadline, Unavailable for a lost peer, Cancelled, ...). A
-// transport never waits on a peer without a deadline.
+// transport never waits on a peer without a deadline. After a Push ends
+// with an error, bytes may still arrive in its destination blocks for a
+// short while (a network backend cannot recall data in flight): the
+// receiver must not reuse those blocks at once.
 //
 // Thread safety: every method may be called from any thread.
 #ifndef TANDEM_KVTRANSFER_TRANSPORT_H_

@@ -51,14 +51,15 @@ TEST(KvTransferGrpcTest, PeerConnectsWithTheWorkersPublishedInfo) {
   EXPECT_EQ(info->layout().block_bytes(), 3 * 2 * 2 * 16 * 16 * 4);
   const kvtransfer::PeerInfo peer = worker::FromProto(*info);
 
-  // A pool of the same layout here; connect with nothing but the gRPC answer.
+  // A pool of the same layout here (declared first: it must outlive the
+  // transport that registers it); connect with nothing but the gRPC answer.
+  kvtransfer::PoolLayout layout = peer.layout;
+  layout.num_blocks = 8;
+  std::vector<uint8_t> pool(layout.num_blocks * layout.block_bytes, 0xAB);
   kvtransfer::UcxOptions options;
   options.transports = "shm";
   absl::StatusOr<std::unique_ptr<kvtransfer::UcxTransport>> local = kvtransfer::UcxTransport::Create(options);
   if (!local.ok()) GTEST_SKIP() << "UCX unavailable here: " << local.status();
-  kvtransfer::PoolLayout layout = peer.layout;
-  layout.num_blocks = 8;
-  std::vector<uint8_t> pool(layout.num_blocks * layout.block_bytes, 0xAB);
   ASSERT_TRUE((*local)->RegisterPool(layout, pool.data()).ok());
   ASSERT_TRUE((*local)->AddPeer(peer).ok());
 
@@ -93,15 +94,15 @@ TEST(KvTransferGrpcTest, MismatchedLayoutIsRefusedAndAWorkerWithoutTransportSays
   ASSERT_TRUE(w.ok()) << w.status();
   absl::StatusOr<v1::KvTransferInfo> info = GetInfo((*w)->stub());
   ASSERT_TRUE(info.ok()) << info.status();
+  kvtransfer::PoolLayout layout = worker::FromProto(*info).layout;
+  layout.block_size = 16;  // this side's blocks are twice as long
+  layout.block_bytes *= 2;
+  layout.num_blocks = 4;
+  std::vector<uint8_t> pool(4 * layout.block_bytes);  // outlives `local`
   kvtransfer::UcxOptions options;
   options.transports = "shm";
   absl::StatusOr<std::unique_ptr<kvtransfer::UcxTransport>> local = kvtransfer::UcxTransport::Create(options);
   if (!local.ok()) GTEST_SKIP() << "UCX unavailable here: " << local.status();
-  kvtransfer::PoolLayout layout = worker::FromProto(*info).layout;
-  layout.block_size = 16;  // this side's blocks are twice as long
-  layout.block_bytes *= 2;
-  std::vector<uint8_t> pool(4 * layout.block_bytes);
-  layout.num_blocks = 4;
   ASSERT_TRUE((*local)->RegisterPool(layout, pool.data()).ok());
   absl::Status st = (*local)->AddPeer(worker::FromProto(*info));
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -246,6 +247,10 @@ class UcxTransport::Impl {
       std::lock_guard<std::mutex> lock(mu_);
       if (registered_) return absl::FailedPreconditionError("a KV pool is already registered");
     }
+    if (layout.num_blocks <= 0 || layout.block_bytes <= 0 ||
+        layout.num_blocks > std::numeric_limits<int64_t>::max() / layout.block_bytes) {
+      return absl::InvalidArgumentError("RegisterPool: the pool's size is empty or overflows");
+    }
     const uint64_t bytes = static_cast<uint64_t>(layout.num_blocks * layout.block_bytes);
     absl::Status status;
     std::string rkey;
@@ -319,8 +324,10 @@ class UcxTransport::Impl {
       RETURN_IF_ERROR(CheckCompatible(layout_, peer.layout));
     }
     ASSIGN_OR_RETURN(UcxAddress address, DecodeAddress(peer.address));
-    if (peer.layout.num_blocks <= 0 ||
-        static_cast<uint64_t>(peer.layout.num_blocks * peer.layout.block_bytes) > address.length) {
+    // Division, not multiplication: the peer's numbers must not overflow past the check.
+    if (peer.layout.num_blocks <= 0 || peer.layout.block_bytes <= 0 ||
+        static_cast<uint64_t>(peer.layout.num_blocks) >
+            address.length / static_cast<uint64_t>(peer.layout.block_bytes)) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "peer %s: %d blocks of %d bytes exceed its registered %d bytes", peer.agent_id,
           peer.layout.num_blocks, peer.layout.block_bytes, address.length));

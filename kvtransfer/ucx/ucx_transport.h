@@ -16,9 +16,13 @@
 // UcxOptions::max_transfer_time). At the deadline, on Cancel, or when the
 // peer is removed, the transfer ends at once with DeadlineExceeded /
 // Cancelled / Unavailable. If it still had UCX operations in flight, the
-// peer's endpoint is force-closed (so no byte of the abandoned transfer is
-// written after `done`) and re-created for later transfers; the other
-// transfers in flight on that endpoint end with Unavailable. On the same
+// peer's endpoint is force-closed and re-created for later transfers; the
+// other transfers in flight on that endpoint end with Unavailable.
+// A failed or abandoned Push does NOT guarantee that no byte lands later:
+// over tcp, data already sent is still applied by the target after `done`
+// (measured). The receiver must keep a failed push's destination blocks out
+// of use for a while (the engine quarantines them: transfer_quarantine_s).
+// A failed Pull writes nothing after `done`. On the same
 // host, a peer whose process is gone (checked through /proc) fails its
 // transfers with Unavailable.
 //

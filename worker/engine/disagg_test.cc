@@ -60,6 +60,7 @@ std::unique_ptr<Engine> StartEngine(int64_t kv_bytes = 16 << 20) {
   config.kv_cache_bytes = kv_bytes;
   config.threads = 1;
   config.log_stats_interval_s = 0;
+  config.transfer_quarantine_s = 0.05;
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(config, std::move(*model));
   EXPECT_TRUE(engine.ok()) << engine.status();
   (*engine)->Start();
@@ -268,6 +269,7 @@ TEST_F(DisaggTest, ReportedPrefillFailureFallsBackOrFailsAsConfigured) {
   strict_config.kv_cache_bytes = 16 << 20;
   strict_config.log_stats_interval_s = 0;
   strict_config.local_prefill_fallback = false;
+  strict_config.transfer_quarantine_s = 0.5;
   absl::StatusOr<std::unique_ptr<Engine>> strict = Engine::Create(strict_config, std::move(*model));
   ASSERT_TRUE(strict.ok());
   (*strict)->Start();
@@ -281,7 +283,15 @@ TEST_F(DisaggTest, ReportedPrefillFailureFallsBackOrFailsAsConfigured) {
   ASSERT_TRUE(strict_sink->Wait());
   EXPECT_EQ(strict_sink->info().reason, FinishReason::kError);
   EXPECT_TRUE(strict_sink->tokens().empty());
+  // The blocks a transfer was writing stay out of use for the quarantine
+  // (a late byte must not land in a block already given to someone else),
+  // then return to the pool.
+  for (int i = 0; i < 100 && (*strict)->GetLoad().quarantined_blocks == 0; ++i) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  EXPECT_EQ((*strict)->GetLoad().quarantined_blocks, 3);  // ceil(33 / 16), none cached
   ExpectIdle(**strict);
+  EXPECT_EQ((*strict)->GetLoad().quarantined_blocks, 0);
 }
 
 TEST_F(DisaggTest, CancelledReservationAndUnreleasedHandOffFreeEverything) {

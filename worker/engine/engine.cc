@@ -238,15 +238,30 @@ void Engine::Fallback(uint64_t id) {
 // A reservation whose KV will not come: compute its prompt here, from the
 // cached prefix on (its blocks are already reserved), or end it with an error.
 void Engine::FallBackLocally(std::unique_ptr<Sequence> seq, const char* why) {
+  DropReservationBlocks(*seq);
   if (!config_.local_prefill_fallback) {
-    scheduler_.ReleaseBlocks(*seq);
     Finish(std::move(seq), FinishInfo{.reason = FinishReason::kError,
                                       .error = absl::StrCat("disaggregated prefill failed: ", why)});
     return;
   }
   ++local_prefill_fallbacks_;
   LOG(WARNING) << "reservation " << seq->id << ": " << why << "; prefilling locally";
-  scheduler_.AddRunning(std::move(seq));
+  // Queued like a new request: admission finds its cached prefix again and
+  // gives it fresh blocks for the rest.
+  scheduler_.Add(std::move(seq));
+}
+
+void Engine::DropReservationBlocks(Sequence& seq) {
+  // Blocks [0, num_hashed) came from the prefix cache and were never a
+  // transfer's destination; the rest were.
+  const size_t shared = static_cast<size_t>(seq.num_hashed);
+  Quarantined q{.blocks = std::vector<int32_t>(seq.blocks.begin() + shared, seq.blocks.end()),
+                .until = std::chrono::steady_clock::now() +
+                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                             std::chrono::duration<double>(config_.transfer_quarantine_s))};
+  seq.blocks.resize(shared);
+  scheduler_.ReleaseBlocks(seq);
+  if (!q.blocks.empty()) quarantine_.push_back(std::move(q));
 }
 
 void Engine::ReleasePrefilled(uint64_t id) {
@@ -324,7 +339,7 @@ void Engine::DrainCommands() {
       if (r == reserved_.end()) continue;
       seq = std::move(r->second.seq);
       reserved_.erase(r);
-      scheduler_.ReleaseBlocks(*seq);
+      DropReservationBlocks(*seq);
     }
     Finish(std::move(seq), FinishInfo{.reason = FinishReason::kAbort});
   }
@@ -400,7 +415,7 @@ void Engine::Loop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto ready = [&] { return HasWorkLocked(); };
-      if (reserved_.empty() && prefilled_.empty()) {
+      if (reserved_.empty() && prefilled_.empty() && quarantine_.empty()) {
         cv_.wait(lock, ready);
       } else {
         cv_.wait_until(lock, NextDeadline(), ready);
@@ -431,7 +446,7 @@ void Engine::Loop() {
            FinishInfo{.reason = FinishReason::kAbort, .worker_stopping = true});
   }
   for (auto& [id, parked] : reserved_) {
-    scheduler_.ReleaseBlocks(*parked.seq);
+    DropReservationBlocks(*parked.seq);
     Finish(std::move(parked.seq), FinishInfo{.reason = FinishReason::kAbort, .worker_stopping = true});
   }
   reserved_.clear();
@@ -559,6 +574,7 @@ Deadline Engine::NextDeadline() const {
   Deadline next = Deadline::max();
   for (const auto& [id, p] : reserved_) next = std::min(next, p.deadline);
   for (const auto& [id, p] : prefilled_) next = std::min(next, p.deadline);
+  for (const Quarantined& q : quarantine_) next = std::min(next, q.until);
   return next;
 }
 
@@ -576,6 +592,15 @@ void Engine::ExpireParked() {
     it = reserved_.erase(it);
     ++expired_reservations_;
     FallBackLocally(std::move(seq), "its KV did not arrive before the deadline");
+  }
+  for (auto it = quarantine_.begin(); it != quarantine_.end();) {
+    if (it->until > now) {
+      ++it;
+      continue;
+    }
+    std::vector<int32_t> reversed(it->blocks.rbegin(), it->blocks.rend());
+    blocks_.Release(reversed);
+    it = quarantine_.erase(it);
   }
   for (auto it = prefilled_.begin(); it != prefilled_.end();) {
     if (it->second.deadline > now) {
@@ -615,6 +640,7 @@ void Engine::PublishLoad() {
   s.preemptions = scheduler_.stats().preemptions;
   s.finished = finished_;
   s.reserved = static_cast<int>(reserved_.size());
+  for (const Quarantined& q : quarantine_) s.quarantined_blocks += static_cast<int64_t>(q.blocks.size());
   s.prefilled = static_cast<int>(prefilled_.size());
   s.expired_reservations = expired_reservations_;
   s.local_prefill_fallbacks = local_prefill_fallbacks_;

@@ -52,6 +52,11 @@ struct EngineConfig {
   // Decode side: when a reservation's KV does not arrive (deadline, or
   // Fallback() from the orchestration), prefill it here instead of failing.
   bool local_prefill_fallback = true;
+  // Decode side: a reservation that ends without its KV (expired, failed,
+  // cancelled) keeps the blocks a transfer was writing out of use this long,
+  // because a network transport may still land bytes after reporting the
+  // failure (UCX over tcp does); a fallback prefill uses fresh blocks.
+  double transfer_quarantine_s = 2.0;
 
   absl::Status Validate() const;
 };
@@ -105,6 +110,7 @@ struct LoadSnapshot {
   int64_t steps = 0;
   int reserved = 0;                 // decode side: parked until their KV arrives
   int prefilled = 0;                // prefill side: holding blocks until sent
+  int64_t quarantined_blocks = 0;   // decode side: failed transfers' blocks, briefly out of use
   int64_t expired_reservations = 0; // reservations whose KV never came (degraded path)
   int64_t local_prefill_fallbacks = 0;  // reservations prefilled here instead (degraded path)
   int64_t expired_handoffs = 0;     // prefilled blocks never released (degraded path)
@@ -188,6 +194,9 @@ class Engine {
   Deadline NextDeadline() const;
   void HandOff(uint64_t id);
   void FallBackLocally(std::unique_ptr<Sequence> seq, const char* why);
+  // Releases a reservation's shared prefix blocks and quarantines the blocks
+  // a transfer was writing; the sequence keeps no block.
+  void DropReservationBlocks(Sequence& seq);
 
   const EngineConfig config_;
   const std::string model_name_;
@@ -228,6 +237,11 @@ class Engine {
   };
   std::map<uint64_t, Parked> reserved_;
   std::map<uint64_t, Parked> prefilled_;
+  struct Quarantined {
+    std::vector<int32_t> blocks;
+    Deadline until;
+  };
+  std::vector<Quarantined> quarantine_;
   int64_t expired_reservations_ = 0;
   int64_t local_prefill_fallbacks_ = 0;
   int64_t expired_handoffs_ = 0;
