@@ -584,14 +584,7 @@ class UcxTransport::Impl {
       }
       busy = true;
     }
-    for (auto it = closing_.begin(); it != closing_.end();) {
-      if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
-        ucp_request_free(*it);
-        it = closing_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    ReapClosedEndpoints();
     busy |= DeliverCompletions();
     return busy;
   }
@@ -641,6 +634,18 @@ class UcxTransport::Impl {
     ucs_status_ptr_t r = ucp_ep_close_nbx(conn.ep, &p);
     if (UCS_PTR_IS_PTR(r)) closing_.push_back(r);
     conn.ep = nullptr;
+  }
+
+  // Frees the endpoint-close requests UCX has finished. Progress thread only.
+  void ReapClosedEndpoints() {
+    for (auto it = closing_.begin(); it != closing_.end();) {
+      if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
+        ucp_request_free(*it);
+        it = closing_.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
 
   // Ends every transfer to `conn` with `status`.
@@ -833,14 +838,7 @@ class UcxTransport::Impl {
       const auto give_up = Clock::now() + std::chrono::seconds(2);
       while (!closing_.empty() && Clock::now() < give_up) {
         ucp_worker_progress(worker_);
-        for (auto it = closing_.begin(); it != closing_.end();) {
-          if (ucp_request_check_status(*it) != UCS_INPROGRESS) {
-            ucp_request_free(*it);
-            it = closing_.erase(it);
-          } else {
-            ++it;
-          }
-        }
+        ReapClosedEndpoints();
       }
       DeliverCompletions();
     }
