@@ -362,9 +362,17 @@ class UcxTransport::Impl {
 
   absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks,
                                  Deadline deadline, TransferDone done, bool push) {
-    auto xfer = std::make_unique<Xfer>();
+    auto xfer = std::make_shared<Xfer>();
+    xfer->peer = agent_id;
+    xfer->push = push;
+    xfer->deadline = std::min(deadline, Clock::now() + options_.max_transfer_time);
+    uint64_t id;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      // Checked with the enqueue under one lock: the loop reads stop_ and
+      // takes the queue under the same lock, so a transfer queued here always
+      // runs (and calls `done`), and none is queued once the loop may be gone.
+      if (stop_) return absl::UnavailableError("the KV transport is shutting down");
       auto peer = peers_.find(agent_id);
       if (peer == peers_.end()) {
         return absl::NotFoundError(absl::StrFormat("unknown KV transfer peer %s", agent_id));
@@ -372,17 +380,13 @@ class UcxTransport::Impl {
       const int64_t local = layout_.num_blocks, remote = peer->second.num_blocks;
       ASSIGN_OR_RETURN(xfer->runs, PlanRuns(blocks, layout_.block_bytes, push ? local : remote,
                                             push ? remote : local));
-      xfer->id = next_id_++;
+      id = xfer->id = next_id_++;
+      xfer->done = std::move(done);
+      commands_.push_back([this, xfer]() mutable {
+        Begin(std::make_unique<Xfer>(std::move(*xfer)));
+      });
     }
-    xfer->peer = agent_id;
-    xfer->push = push;
-    xfer->deadline = std::min(deadline, Clock::now() + options_.max_transfer_time);
-    xfer->done = std::move(done);
-    const uint64_t id = xfer->id;
-    Enqueue([this, x = std::shared_ptr<Xfer>(std::move(xfer))]() mutable {
-      auto owned = std::make_unique<Xfer>(std::move(*x));
-      Begin(std::move(owned));
-    });
+    Wake();
     return id;
   }
 
