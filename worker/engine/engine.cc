@@ -380,15 +380,10 @@ void Engine::DrainCommands() {
     seq->num_computed = seq->prompt_len;
     scheduler_.CommitFullBlocks(*seq);
     seq->tokens.push_back(c.first.token_id);
-    const ModelConfig& mc = model_.config();
     c.done(absl::OkStatus());
-    if (IsStopToken(c.first.token_id, seq->params, mc.eos_token_ids)) {
+    if (std::optional<FinishInfo> end = FinishAfterLastToken(*seq)) {
       scheduler_.ReleaseBlocks(*seq);
-      Finish(std::move(seq), {.reason = FinishReason::kStop, .stop_token_id = c.first.token_id});
-    } else if (seq->output_len() >= seq->max_tokens ||
-               static_cast<int>(seq->tokens.size()) >= max_model_len_) {
-      scheduler_.ReleaseBlocks(*seq);
-      Finish(std::move(seq), {.reason = FinishReason::kLength});
+      Finish(std::move(seq), *end);
     } else {
       scheduler_.AddRunning(std::move(seq));
     }
@@ -532,13 +527,9 @@ void Engine::Step() {
                                  .prompt_len = seq.prompt_len});
       continue;
     }
-    if (IsStopToken(tok.token_id, seq.params, mc.eos_token_ids)) {
+    if (std::optional<FinishInfo> end = FinishAfterLastToken(seq)) {
       finished_ids.push_back(seq.id);
-      finish_infos.push_back({.reason = FinishReason::kStop, .stop_token_id = tok.token_id});
-    } else if (seq.output_len() >= seq.max_tokens ||
-               static_cast<int>(seq.tokens.size()) >= max_model_len_) {
-      finished_ids.push_back(seq.id);
-      finish_infos.push_back({.reason = FinishReason::kLength});
+      finish_infos.push_back(*end);
     }
   }
   for (size_t i = 0; i < finished_ids.size(); ++i) {
@@ -552,11 +543,10 @@ void Engine::Step() {
 void Engine::HandOff(uint64_t id) {
   std::unique_ptr<Sequence> seq = scheduler_.Take(id);
   if (seq == nullptr) return;
-  const int first = seq->tokens.back();
-  FinishInfo info{.reason = IsStopToken(first, seq->params, model_.config().eos_token_ids)
-                                ? FinishReason::kStop
-                                : FinishReason::kLength};
-  if (info.reason == FinishReason::kStop) info.stop_token_id = first;
+  // The prefill's part ends here: STOP if the first token is a stop token,
+  // LENGTH otherwise.
+  FinishInfo info =
+      FinishAfterLastToken(*seq).value_or(FinishInfo{.reason = FinishReason::kLength});
   // Only the prompt's blocks travel; the first token's KV is computed by the
   // decode worker.
   seq->num_computed = seq->prompt_len;
@@ -568,6 +558,17 @@ void Engine::HandOff(uint64_t id) {
   Deadline until = seq->hold_deadline;
   if (until == Deadline{}) until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   prefilled_[id] = Parked{std::move(seq), until};
+}
+
+std::optional<FinishInfo> Engine::FinishAfterLastToken(const Sequence& seq) const {
+  const int last = seq.tokens.back();
+  if (IsStopToken(last, seq.params, model_.config().eos_token_ids)) {
+    return FinishInfo{.reason = FinishReason::kStop, .stop_token_id = last};
+  }
+  if (seq.output_len() >= seq.max_tokens || static_cast<int>(seq.tokens.size()) >= max_model_len_) {
+    return FinishInfo{.reason = FinishReason::kLength};
+  }
+  return std::nullopt;
 }
 
 Deadline Engine::NextDeadline() const {
@@ -598,8 +599,7 @@ void Engine::ExpireParked() {
       ++it;
       continue;
     }
-    std::vector<int32_t> reversed(it->blocks.rbegin(), it->blocks.rend());
-    blocks_.Release(reversed);
+    blocks_.ReleaseTable(it->blocks);
     it = quarantine_.erase(it);
   }
   for (auto it = prefilled_.begin(); it != prefilled_.end();) {

@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -193,6 +194,9 @@ class Engine {
   void ExpireParked();
   Deadline NextDeadline() const;
   void HandOff(uint64_t id);
+  // Whether the token just appended ends `seq`: a stop token, max_tokens or
+  // the context. nullopt while it continues.
+  std::optional<FinishInfo> FinishAfterLastToken(const Sequence& seq) const;
   void FallBackLocally(std::unique_ptr<Sequence> seq, const char* why);
   // Releases a reservation's shared prefix blocks and quarantines the blocks
   // a transfer was writing; the sequence keeps no block.

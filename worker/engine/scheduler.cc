@@ -17,8 +17,7 @@ Scheduler::Scheduler(const SchedulerConfig& config, BlockManager* blocks)
 void Scheduler::Add(std::unique_ptr<Sequence> seq) { waiting_.push_back(std::move(seq)); }
 
 void Scheduler::ReleaseBlocks(Sequence& seq) {
-  std::vector<int32_t> reversed(seq.blocks.rbegin(), seq.blocks.rend());
-  blocks_->Release(reversed);
+  blocks_->ReleaseTable(seq.blocks);
   seq.blocks.clear();
   seq.num_computed = 0;
   seq.num_hashed = 0;
@@ -47,8 +46,7 @@ bool Scheduler::AllocateFor(Sequence& seq, std::span<const int32_t> hashable, in
   const int64_t reserve =
       running_.empty() ? 0 : static_cast<int64_t>(std::ceil(config_.watermark * blocks_->total_blocks()));
   if (blocks_->num_allocatable() - new_blocks < reserve || !blocks_->Allocate(new_blocks, &table)) {
-    std::vector<int32_t> reversed(table.rbegin(), table.rend());
-    blocks_->Release(reversed);
+    blocks_->ReleaseTable(table);
     return false;
   }
   seq.blocks = std::move(table);

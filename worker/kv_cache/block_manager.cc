@@ -90,6 +90,11 @@ void BlockManager::Release(std::span<const int32_t> blocks) {
   }
 }
 
+void BlockManager::ReleaseTable(std::span<const int32_t> table) {
+  std::vector<int32_t> reversed(table.rbegin(), table.rend());
+  Release(reversed);
+}
+
 int64_t BlockManager::Clear() {
   int64_t freed = static_cast<int64_t>(evictable_.size());
   for (int32_t id : evictable_) {

@@ -62,6 +62,8 @@ class BlockManager {
   // a sequence's blocks last-to-first, so its tail blocks become the least
   // recently used and are evicted before the prefix other requests share.
   void Release(std::span<const int32_t> blocks);
+  // Releases a sequence's block table, last block first (the order above).
+  void ReleaseTable(std::span<const int32_t> table);
 
   // Removes every block from the prefix cache (used blocks stay used, just
   // uncached). Publishes one CacheCleared event. Returns the number of
