@@ -198,33 +198,15 @@ void Engine::Reserve(GenerateSpec spec, std::shared_ptr<OutputSink> sink, Deadli
     done(seq.status());
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!stop_ && running_.load()) {
-      reserves_.push_back({std::move(*seq), deadline, std::move(done)});
-      done = nullptr;
-    }
-  }
-  if (done) {
+  if (!EnqueueIfRunning([&] { reserves_.push_back({std::move(*seq), deadline, std::move(done)}); })) {
     done(absl::UnavailableError("the engine is not running"));
-    return;
   }
-  cv_.notify_one();
 }
 
 void Engine::Commit(uint64_t id, SampledToken first, std::function<void(absl::Status)> done) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!stop_ && running_.load()) {
-      commits_.push_back({id, std::move(first), std::move(done)});
-      done = nullptr;
-    }
-  }
-  if (done) {
+  if (!EnqueueIfRunning([&] { commits_.push_back({id, std::move(first), std::move(done)}); })) {
     done(absl::UnavailableError("the engine is not running"));
-    return;
   }
-  cv_.notify_one();
 }
 
 void Engine::Fallback(uint64_t id) {
@@ -281,18 +263,23 @@ void Engine::Cancel(uint64_t id) {
 }
 
 void Engine::ClearPrefixCache(std::function<void(absl::StatusOr<int64_t>)> done) {
+  if (!EnqueueIfRunning([&] { clears_.push_back(std::move(done)); })) {
+    done(absl::UnavailableError("the engine is not running"));
+  }
+}
+
+// `enqueue` runs under mu_ (so it may touch the command queues) only while
+// the engine accepts commands; the engine thread is then woken. When it
+// returns false nothing was queued and whatever `enqueue` would have moved
+// is still the caller's.
+bool Engine::EnqueueIfRunning(const std::function<void()>& enqueue) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!stop_ && running_.load()) {
-      clears_.push_back(std::move(done));
-      done = nullptr;
-    }
-  }
-  if (done) {
-    done(absl::UnavailableError("the engine is not running"));
-    return;
+    if (stop_ || !running_.load()) return false;
+    enqueue();
   }
   cv_.notify_one();
+  return true;
 }
 
 LoadSnapshot Engine::GetLoad() const {

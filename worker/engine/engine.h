@@ -184,6 +184,7 @@ class Engine {
          int max_model_len);
   void Loop();
   bool HasWorkLocked() const;  // REQUIRES: mu_ held
+  bool EnqueueIfRunning(const std::function<void()>& enqueue);
   void DrainCommands();
   void Step();
   void Finish(std::unique_ptr<Sequence> seq, FinishInfo info);
