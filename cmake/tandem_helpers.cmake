@@ -36,8 +36,6 @@ function(tandem_cc_test)
     list(APPEND props LABELS "${T_LABELS}")
   endif()
   # Tests that start worker processes find the binary through TANDEM_BIN.
-  # Two variables: the semicolon must survive gtest_discover_tests' script.
   gtest_discover_tests(${T_NAME} DISCOVERY_TIMEOUT 60
-    PROPERTIES ${props}
-    ENVIRONMENT "TANDEM_BIN=$<TARGET_FILE:tandem>$<SEMICOLON>TANDEM_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
+    PROPERTIES ${props} ENVIRONMENT "TANDEM_BIN=$<TARGET_FILE:tandem>")
 endfunction()

@@ -633,7 +633,6 @@ void Engine::PublishLoad() {
   s.local_prefill_fallbacks = local_prefill_fallbacks_;
   s.expired_handoffs = expired_handoffs_;
   std::lock_guard<std::mutex> lock(load_mu_);
-  s.steps = load_.steps + 1;
   load_ = s;
 }
 

@@ -108,7 +108,6 @@ struct LoadSnapshot {
   int64_t prefix_hit_tokens = 0;
   int64_t preemptions = 0;
   int64_t finished = 0;
-  int64_t steps = 0;
   int reserved = 0;                 // decode side: parked until their KV arrives
   int prefilled = 0;                // prefill side: holding blocks until sent
   int64_t quarantined_blocks = 0;   // decode side: failed transfers' blocks, briefly out of use
