@@ -12,6 +12,8 @@ uint64_t HashBlock(uint64_t parent_hash, std::span<const int32_t> tokens) {
   return XXH3_64bits_withSeed(tokens.data(), tokens.size_bytes(), parent_hash);
 }
 
+uint64_t HashBytes(const void* data, size_t size) { return XXH3_64bits(data, size); }
+
 std::vector<uint64_t> HashBlocks(uint64_t seed, std::span<const int32_t> tokens, int block_size) {
   std::vector<uint64_t> hashes;
   uint64_t parent = seed;

@@ -2,7 +2,36 @@
 
 #include <utility>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
 namespace tandem::kvtransfer {
+
+absl::StatusOr<Faults> ParseFaults(absl::string_view spec) {
+  Faults f;
+  for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
+    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    int value = 0;
+    const bool has_value = !kv.second.empty() && absl::SimpleAtoi(kv.second, &value) && value >= 0;
+    if (kv.first == "drop" && kv.second.empty()) {
+      f.drop = true;
+    } else if (kv.first == "corrupt" && kv.second.empty()) {
+      f.corrupt = true;
+    } else if (kv.first == "fail_submit" && kv.second.empty()) {
+      f.fail_submit = true;
+    } else if (kv.first == "delay_ms" && has_value) {
+      f.delay = std::chrono::milliseconds(value);
+    } else if (kv.first == "fail_after_blocks" && has_value) {
+      f.fail_after_blocks = value;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bad fault '", item, "': expected drop, corrupt, fail_submit, delay_ms=N or "
+          "fail_after_blocks=N"));
+    }
+  }
+  return f;
+}
 
 FaultInjectingTransport::FaultInjectingTransport(std::unique_ptr<Transport> inner)
     : inner_(std::move(inner)) {
@@ -72,8 +101,9 @@ absl::StatusOr<uint64_t> FaultInjectingTransport::Start(const std::string& agent
   }
   if (f.fail_submit) return absl::UnavailableError("injected: peer unreachable");
   if (f.corrupt && !blocks.empty() && num_blocks > 1) {
-    // Read the wrong block (push: local; pull: the peer's, assumed the same size).
-    blocks[0].src = (blocks[0].src + 1) % static_cast<int32_t>(num_blocks);
+    // Read the wrong block: a neighbour, which exists in any pool of two
+    // blocks or more (push: the local pool; pull: the peer's).
+    blocks[0].src = blocks[0].src > 0 ? blocks[0].src - 1 : blocks[0].src + 1;
   }
   if (f.fail_after_blocks >= 0 && f.fail_after_blocks < static_cast<int>(blocks.size())) {
     blocks.resize(f.fail_after_blocks);

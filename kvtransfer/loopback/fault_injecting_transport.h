@@ -21,8 +21,10 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <thread>
 
+#include "absl/strings/string_view.h"
 #include "kvtransfer/transport.h"
 
 namespace tandem::kvtransfer {
@@ -34,6 +36,10 @@ struct Faults {
   int fail_after_blocks = -1;  // -1: off
   bool fail_submit = false;
 };
+
+// Parses "drop", "corrupt", "fail_submit", "delay_ms=N", "fail_after_blocks=N",
+// comma-separated (e.g. "delay_ms=200,corrupt"); "" is no fault.
+absl::StatusOr<Faults> ParseFaults(absl::string_view spec);
 
 class FaultInjectingTransport final : public Transport {
  public:

@@ -19,6 +19,7 @@
 #include "common/status_macros.h"
 #include "worker/cli/commands.h"
 #include "worker/engine/engine.h"
+#include "kvtransfer/loopback/fault_injecting_transport.h"
 #include "kvtransfer/transport.h"
 #ifdef TANDEM_HAVE_UCX
 #include "kvtransfer/ucx/ucx_transport.h"
@@ -40,6 +41,11 @@ struct WorkerOptions {
   bool no_prefix_caching = false;
   std::string kv_transport = "none";    // none or ucx: moves KV blocks between workers
   std::string kv_transport_tls = "auto";  // ucx: auto, shm (one host) or tcp
+  int kv_receive_timeout_ms = 30000;    // decode: a reservation's wait for its KV (default)
+  int kv_hold_timeout_ms = 10000;       // prefill: blocks held for a decode worker at most
+  std::string kv_fallback = "local";    // decode, KV never came: local (prefill here) or error
+  bool no_kv_checksums = false;         // prefill: send no per-block checksums
+  std::string kv_fault;                 // testing: faults injected into the KV transport
   EngineConfig engine;
 };
 
@@ -54,9 +60,18 @@ absl::StatusOr<std::unique_ptr<kvtransfer::Transport>> MakeKvTransport(const Wor
 #ifdef TANDEM_HAVE_UCX
   kvtransfer::UcxOptions ucx;
   ucx.transports = opt.kv_transport_tls;
-  ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t, kvtransfer::UcxTransport::Create(ucx));
+  ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> ucx_transport,
+                   kvtransfer::UcxTransport::Create(ucx));
+  std::unique_ptr<kvtransfer::Transport> t = std::move(ucx_transport);
+  if (!opt.kv_fault.empty()) {
+    ASSIGN_OR_RETURN(kvtransfer::Faults faults, kvtransfer::ParseFaults(opt.kv_fault));
+    auto faulty = std::make_unique<kvtransfer::FaultInjectingTransport>(std::move(t));
+    faulty->SetFaults(faults);
+    LOG(WARNING) << "KV transport faults injected: " << opt.kv_fault;
+    t = std::move(faulty);
+  }
   RETURN_IF_ERROR(t->RegisterPool(engine.pool_layout(), engine.kv_data()));
-  return std::unique_ptr<kvtransfer::Transport>(std::move(t));
+  return t;
 #else
   return absl::UnimplementedError("this tandem was built without UCX (TANDEM_WITH_UCX=OFF)");
 #endif
@@ -95,6 +110,14 @@ absl::Status RunWorker(WorkerOptions opt) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--role must be prefill, decode or both, got '%s'", opt.role));
   }
+  if (opt.kv_fallback != "local" && opt.kv_fallback != "error") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--kv-fallback must be local or error, got '%s'", opt.kv_fallback));
+  }
+  if (opt.kv_receive_timeout_ms < 1 || opt.kv_hold_timeout_ms < 1) {
+    return absl::InvalidArgumentError("--kv-receive-timeout-ms and --kv-hold-timeout-ms must be >= 1");
+  }
+  opt.engine.local_prefill_fallback = opt.kv_fallback == "local";
   ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(opt.kv_cache_memory));
   opt.engine.enable_prefix_caching = !opt.no_prefix_caching;
   RETURN_IF_ERROR(opt.engine.Validate());
@@ -110,7 +133,12 @@ absl::Status RunWorker(WorkerOptions opt) {
   absl::StatusOr<std::unique_ptr<kvtransfer::Transport>> transport = MakeKvTransport(opt, *engine);
   if (!transport.ok()) return transport.status();
   engine->Start();
-  WorkerService service(engine.get(), opt.role, transport->get());
+  const KvHandoffConfig kv{.receive_timeout = std::chrono::milliseconds(opt.kv_receive_timeout_ms),
+                           .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
+                           .checksums = !opt.no_kv_checksums};
+  // Declared after the transport: destroyed first, so no transfer callback
+  // outlives it.
+  WorkerService service(engine.get(), opt.role, transport->get(), kv);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -211,6 +239,21 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--kv-transport-tls", opt->kv_transport_tls,
                   "UCX transports: auto, shm (one host) or tcp")
       ->capture_default_str();
+  cmd->add_option("--kv-receive-timeout-ms", opt->kv_receive_timeout_ms,
+                  "Decode: how long a reservation waits for its KV (unless the request says)")
+      ->capture_default_str();
+  cmd->add_option("--kv-hold-timeout-ms", opt->kv_hold_timeout_ms,
+                  "Prefill: how long prefilled blocks wait for the decode worker to take them")
+      ->capture_default_str();
+  cmd->add_option("--kv-fallback", opt->kv_fallback,
+                  "Decode, when the KV never comes: local (prefill here) or error")
+      ->capture_default_str();
+  cmd->add_flag("--no-kv-checksums", opt->no_kv_checksums,
+                "Prefill: send no per-block checksums with the KV");
+  cmd->add_option("--kv-fault", opt->kv_fault,
+                  "Testing: inject KV transport faults (drop, corrupt, fail_submit, delay_ms=N, "
+                  "fail_after_blocks=N; comma-separated)")
+      ->group("Testing");
   cmd->add_option("--block-hash-seed", opt->engine.block_hash_seed,
                   "Parent hash of a sequence's first KV block")
       ->capture_default_str();

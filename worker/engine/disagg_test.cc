@@ -257,10 +257,25 @@ TEST_F(DisaggTest, ReportedPrefillFailureFallsBackOrFailsAsConfigured) {
                    [&](absl::StatusOr<Reservation> r) { reserved.set_value(std::move(r)); });
   absl::StatusOr<Reservation> res = reserved.get_future().get();
   ASSERT_TRUE(res.ok());
-  decode_->Fallback(res->id);
+  decode_->Fallback(res->id, std::nullopt, "test: prefill failed");
   ASSERT_TRUE(sink->Wait());
-  ExpectSame(sink->tokens(), RunAggregated(spec));
+  const std::vector<SampledToken> aggregated = RunAggregated(spec);
+  ExpectSame(sink->tokens(), aggregated);
   EXPECT_EQ(decode_->GetLoad().local_prefill_fallbacks, 1);
+
+  // The prefill worker's first token is known (its transfer failed after
+  // it): the local prefill keeps it and the sink gets only what follows.
+  auto known = std::make_shared<CollectSink>();
+  std::promise<absl::StatusOr<Reservation>> known_reserved;
+  decode_->Reserve(spec, known, std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                   [&](absl::StatusOr<Reservation> r) { known_reserved.set_value(std::move(r)); });
+  absl::StatusOr<Reservation> known_res = known_reserved.get_future().get();
+  ASSERT_TRUE(known_res.ok());
+  decode_->Fallback(known_res->id, aggregated[0], "test: transfer failed");
+  ASSERT_TRUE(known->Wait());
+  ExpectSame(known->tokens(), std::vector<SampledToken>(aggregated.begin() + 1, aggregated.end()));
+  EXPECT_EQ(known->info().completion_tokens, 6);
+  EXPECT_EQ(decode_->GetLoad().local_prefill_fallbacks, 2);
 
   // Fallback off: the request ends with an error and frees its blocks.
   absl::StatusOr<LoadedModel> model = LoadModel("builtin:tiny");
@@ -279,7 +294,7 @@ TEST_F(DisaggTest, ReportedPrefillFailureFallsBackOrFailsAsConfigured) {
                      [&](absl::StatusOr<Reservation> r) { strict_reserved.set_value(std::move(r)); });
   absl::StatusOr<Reservation> strict_res = strict_reserved.get_future().get();
   ASSERT_TRUE(strict_res.ok());
-  (*strict)->Fallback(strict_res->id);
+  (*strict)->Fallback(strict_res->id, std::nullopt, "test: prefill failed");
   ASSERT_TRUE(strict_sink->Wait());
   EXPECT_EQ(strict_sink->info().reason, FinishReason::kError);
   EXPECT_TRUE(strict_sink->tokens().empty());
@@ -316,7 +331,7 @@ TEST_F(DisaggTest, CancelledReservationAndUnreleasedHandOffFreeEverything) {
   // A prefill whose transfer never reports back: its blocks are freed at the
   // hold deadline.
   GenerateSpec p = Spec(Prompt(40, 5), 8, std::nullopt);
-  p.hold_deadline = std::chrono::steady_clock::now() + milliseconds(100);
+  p.hold_timeout = milliseconds(100);
   p.on_prefilled = [](const Prefilled&) {};
   auto psink = std::make_shared<CollectSink>();
   ASSERT_TRUE(prefill_->Submit(std::move(p), psink).ok());

@@ -170,7 +170,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::MakeSequence(GenerateSpec spec
   seq->sink = std::move(sink);
   seq->last_hash = config_.block_hash_seed;
   seq->on_prefilled = std::move(spec.on_prefilled);
-  seq->hold_deadline = spec.hold_deadline;
+  seq->hold_timeout = spec.hold_timeout;
   return seq;
 }
 
@@ -209,17 +209,18 @@ void Engine::Commit(uint64_t id, SampledToken first, std::function<void(absl::St
   }
 }
 
-void Engine::Fallback(uint64_t id) {
+void Engine::Fallback(uint64_t id, std::optional<SampledToken> first, std::string why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    fallbacks_.push_back(id);
+    fallbacks_.push_back({id, std::move(first), std::move(why)});
   }
   cv_.notify_one();
 }
 
 // A reservation whose KV will not come: compute its prompt here, from the
 // cached prefix on (its blocks are already reserved), or end it with an error.
-void Engine::FallBackLocally(std::unique_ptr<Sequence> seq, const char* why) {
+void Engine::FallBackLocally(std::unique_ptr<Sequence> seq, std::optional<SampledToken> first,
+                             const std::string& why) {
   DropReservationBlocks(*seq);
   if (!config_.local_prefill_fallback) {
     Finish(std::move(seq), FinishInfo{.reason = FinishReason::kError,
@@ -227,7 +228,10 @@ void Engine::FallBackLocally(std::unique_ptr<Sequence> seq, const char* why) {
     return;
   }
   ++local_prefill_fallbacks_;
-  LOG(WARNING) << "reservation " << seq->id << ": " << why << "; prefilling locally";
+  LOG(WARNING) << "reservation " << seq->id << " (" << seq->request_id << "): " << why
+               << "; prefilling locally";
+  if (seq->sink) seq->sink->OnLocalPrefill(first.has_value());
+  seq->forced_first = std::move(first);
   // Queued like a new request: admission finds its cached prefix again and
   // gives it fresh blocks for the rest.
   scheduler_.Add(std::move(seq));
@@ -304,7 +308,7 @@ void Engine::DrainCommands() {
   std::vector<ReserveCommand> reserves;
   std::vector<CommitCommand> commits;
   std::vector<uint64_t> releases;
-  std::vector<uint64_t> fallbacks;
+  std::vector<FallbackCommand> fallbacks;
   {
     std::lock_guard<std::mutex> lock(mu_);
     fallbacks.swap(fallbacks_);
@@ -336,12 +340,12 @@ void Engine::DrainCommands() {
     scheduler_.ReleaseBlocks(*p->second.seq);
     prefilled_.erase(p);
   }
-  for (uint64_t id : fallbacks) {
-    auto r = reserved_.find(id);
+  for (FallbackCommand& f : fallbacks) {
+    auto r = reserved_.find(f.id);
     if (r == reserved_.end()) continue;
     std::unique_ptr<Sequence> seq = std::move(r->second.seq);
     reserved_.erase(r);
-    FallBackLocally(std::move(seq), "the prefill worker reported a failure");
+    FallBackLocally(std::move(seq), std::move(f.first), f.why);
   }
   for (ReserveCommand& r : reserves) {
     if (!scheduler_.Reserve(*r.seq)) {
@@ -504,15 +508,22 @@ void Engine::Step() {
     Sequence& seq = *w.seq;
     if (seq.num_computed != static_cast<int>(seq.tokens.size())) continue;  // mid-prompt chunk
     std::span<float> logits(&logits_[size_t(row++) * mc.vocab_size], size_t(mc.vocab_size));
-    SampledToken tok = SampleToken(logits, seq.params, seq.prompt(), seq.output(),
-                                   mc.eos_token_ids, seq.seed);
-    seq.tokens.push_back(tok.token_id);
-    if (seq.sink) seq.sink->OnToken(tok);
-    if (seq.on_prefilled) {
-      handoffs.push_back(seq.id);
-      seq.on_prefilled(Prefilled{.id = seq.id, .first = tok, .blocks = seq.blocks,
-                                 .prompt_len = seq.prompt_len});
-      continue;
+    if (seq.forced_first.has_value() && seq.output_len() == 0) {
+      // A local prefill after a failed transfer: the caller already has the
+      // prefill worker's first token; continue from it.
+      seq.tokens.push_back(seq.forced_first->token_id);
+      seq.forced_first.reset();
+    } else {
+      SampledToken tok = SampleToken(logits, seq.params, seq.prompt(), seq.output(),
+                                     mc.eos_token_ids, seq.seed);
+      seq.tokens.push_back(tok.token_id);
+      if (seq.sink) seq.sink->OnToken(tok);
+      if (seq.on_prefilled) {
+        handoffs.push_back(seq.id);
+        seq.on_prefilled(Prefilled{.id = seq.id, .first = tok, .blocks = seq.blocks,
+                                   .prompt_len = seq.prompt_len});
+        continue;
+      }
     }
     if (std::optional<FinishInfo> end = FinishAfterLastToken(seq)) {
       finished_ids.push_back(seq.id);
@@ -542,8 +553,7 @@ void Engine::HandOff(uint64_t id) {
   info.cached_prompt_tokens = seq->cached_prompt_tokens;
   ++finished_;
   if (seq->sink) seq->sink->OnFinish(info);
-  Deadline until = seq->hold_deadline;
-  if (until == Deadline{}) until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  const Deadline until = std::chrono::steady_clock::now() + seq->hold_timeout;
   prefilled_[id] = Parked{std::move(seq), until};
 }
 
@@ -579,7 +589,7 @@ void Engine::ExpireParked() {
     std::unique_ptr<Sequence> seq = std::move(it->second.seq);
     it = reserved_.erase(it);
     ++expired_reservations_;
-    FallBackLocally(std::move(seq), "its KV did not arrive before the deadline");
+    FallBackLocally(std::move(seq), std::nullopt, "its KV did not arrive before the deadline");
   }
   for (auto it = quarantine_.begin(); it != quarantine_.end();) {
     if (it->until > now) {

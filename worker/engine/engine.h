@@ -79,10 +79,10 @@ struct GenerateSpec {
   SamplingParams params;
   // Prefill only (disaggregation): after the first token, instead of
   // decoding, call this on the engine thread and hold the blocks until
-  // ReleasePrefilled or `hold_deadline`. The sink still gets the first token
-  // and a finish (LENGTH, or STOP if it is a stop token).
+  // ReleasePrefilled or `hold_timeout` after the first token. The sink still
+  // gets the first token and a finish (LENGTH, or STOP if it is a stop token).
   std::function<void(const Prefilled&)> on_prefilled;
-  Deadline hold_deadline{};          // default: 30 s after the first token
+  std::chrono::milliseconds hold_timeout{30000};
 };
 
 // A decode worker's reservation: the blocks it set aside for a prompt it will
@@ -151,9 +151,11 @@ class Engine {
   // prefill worker sampled: the request decodes from here (its sink gets the
   // tokens after `first`). NotFound for an unknown or expired reservation.
   void Commit(uint64_t id, SampledToken first, std::function<void(absl::Status)> done);
-  // Decode side: the prefill for reservation `id` failed; prefill it locally
-  // (local_prefill_fallback) or end it with an error. Unknown ids are ignored.
-  void Fallback(uint64_t id);
+  // Decode side: the KV for reservation `id` will not come (`why`); prefill
+  // it locally (local_prefill_fallback) or end it with an error. `first`,
+  // when the prefill worker's first token is known, is kept instead of
+  // sampling another. Unknown ids are ignored.
+  void Fallback(uint64_t id, std::optional<SampledToken> first, std::string why);
   // Prefill side: the blocks handed over by on_prefilled were sent; free them.
   void ReleasePrefilled(uint64_t id);
 
@@ -197,7 +199,8 @@ class Engine {
   // Whether the token just appended ends `seq`: a stop token, max_tokens or
   // the context. nullopt while it continues.
   std::optional<FinishInfo> FinishAfterLastToken(const Sequence& seq) const;
-  void FallBackLocally(std::unique_ptr<Sequence> seq, const char* why);
+  void FallBackLocally(std::unique_ptr<Sequence> seq, std::optional<SampledToken> first,
+                       const std::string& why);
   // Releases a reservation's shared prefix blocks and quarantines the blocks
   // a transfer was writing; the sequence keeps no block.
   void DropReservationBlocks(Sequence& seq);
@@ -232,7 +235,12 @@ class Engine {
   std::vector<ReserveCommand> reserves_;   // guarded by mu_
   std::vector<CommitCommand> commits_;     // guarded by mu_
   std::vector<uint64_t> releases_;         // guarded by mu_
-  std::vector<uint64_t> fallbacks_;        // guarded by mu_
+  struct FallbackCommand {
+    uint64_t id;
+    std::optional<SampledToken> first;
+    std::string why;
+  };
+  std::vector<FallbackCommand> fallbacks_;  // guarded by mu_
   // Engine thread only: sequences parked with their blocks until a deadline:
   // reserved on a decode worker, or prefilled and awaiting transfer.
   struct Parked {

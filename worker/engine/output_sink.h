@@ -29,6 +29,11 @@ class OutputSink {
   virtual ~OutputSink() = default;
   virtual void OnToken(const SampledToken& token) = 0;
   virtual void OnFinish(const FinishInfo& info) = 0;
+  // Disaggregation, decode side: the reserved prompt's KV did not arrive and
+  // is being computed here. `first_token_known`: the prefill worker's first
+  // token is reused (OnToken starts after it); otherwise OnToken's next call
+  // is this worker's own first token.
+  virtual void OnLocalPrefill(bool first_token_known) {}
 };
 
 }  // namespace tandem::worker

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -39,7 +40,11 @@ struct Sequence {
   // Disaggregation, prefill side: when set, the sequence stops after its
   // first token and the engine hands its blocks over (Engine::Prefilled).
   std::function<void(const struct Prefilled&)> on_prefilled;
-  std::chrono::steady_clock::time_point hold_deadline{};  // {}: 30 s after the first token
+  std::chrono::milliseconds hold_timeout{30000};  // blocks held this long after the first token
+  // Decode side, local prefill after a failed transfer: the first token the
+  // prefill worker already sampled (and the caller already has). It is used
+  // instead of sampling and not sent to the sink again.
+  std::optional<SampledToken> forced_first;
 
   int output_len() const { return static_cast<int>(tokens.size()) - prompt_len; }
   std::span<const int32_t> prompt() const { return {tokens.data(), size_t(prompt_len)}; }

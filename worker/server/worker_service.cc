@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "common/block_hash.h"
 #include "common/logging.h"
 
 namespace tandem::worker {
@@ -30,6 +31,15 @@ tandem::v1::FinishReason ToProto(FinishReason r) {
   return tandem::v1::FINISH_REASON_ERROR;
 }
 
+// How a Generate call takes part in disaggregation (KvTransferParams.mode).
+struct GenerateContext {
+  Engine* engine;
+  const std::string& role;
+  KvReceiver* receiver;        // null without a KV transport
+  KvSender* sender;            // null without a KV transport
+  const KvHandoffConfig& kv;
+};
+
 // One Generate stream. The engine thread pushes tokens through the Sink; the
 // reactor writes whatever accumulated since the last write as one message.
 // Lifetime: gRPC owns the reactor until OnDone; the Sink (shared with the
@@ -40,45 +50,123 @@ tandem::v1::FinishReason ToProto(FinishReason r) {
 // CANCELLED (the client cancelled) or UNAVAILABLE (the worker is stopping, so
 // the caller may retry elsewhere). A failed write (client gone) cancels the
 // request in the engine and ends with CANCELLED.
+//
+// Disaggregation: a RECEIVE stream reserves instead of submitting and opens
+// with the reservation; a SEND stream holds its last message until the KV
+// hand-off has an answer (kv_transfer_error).
 class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> {
  public:
   class Sink final : public OutputSink {
    public:
-    explicit Sink(GenerateReactor* r) : reactor_(r) {}
+    Sink(GenerateReactor* r, KvReceiver* receiver) : reactor_(r), receiver_(receiver) {}
     void OnToken(const SampledToken& t) override {
       std::lock_guard<std::mutex> lock(mu_);
       if (reactor_ != nullptr) reactor_->AddTokenLocked(t);
     }
     void OnFinish(const FinishInfo& info) override {
+      ForgetReservation();
       std::lock_guard<std::mutex> lock(mu_);
       if (reactor_ != nullptr) reactor_->FinishLocked(info);
     }
+    void OnLocalPrefill(bool first_token_known) override {
+      ForgetReservation();
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reactor_ != nullptr && !first_token_known) reactor_->pending_.set_includes_first_token(true);
+    }
+    // RECEIVE: the engine's answer to Reserve.
+    void OnReserved(absl::StatusOr<Reservation> r, const KvReceiver::Waiting& waiting) {
+      if (r.ok() && receiver_ != nullptr) {
+        KvReceiver::Waiting w = waiting;
+        w.reservation_id = r->id;
+        w.blocks = r->blocks;
+        w.cached_tokens = r->cached_tokens;
+        reservation_id_ = r->id;
+        receiver_->Add(std::move(w));
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reactor_ != nullptr) reactor_->ReservedLocked(r);
+    }
+    // SEND: the engine handed the prefilled blocks over (before OnFinish).
+    void OnHandedOff() {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reactor_ != nullptr) reactor_->awaiting_kv_ = true;
+    }
+    // SEND: the decode worker's answer ("" = it took the KV).
+    void OnKvSent(const std::string& error) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reactor_ == nullptr) return;
+      reactor_->kv_done_ = true;
+      if (!error.empty()) reactor_->final_.set_kv_transfer_error(error);
+      reactor_->MaybeWriteLocked();
+    }
     // Called from OnDone: no more output reaches the reactor.
     void Detach() {
+      ForgetReservation();
       std::lock_guard<std::mutex> lock(mu_);
       reactor_ = nullptr;
     }
     std::mutex& mu() { return mu_; }
 
    private:
+    // The reservation takes no more KV once it ended or fell back.
+    void ForgetReservation() {
+      const uint64_t id = reservation_id_.exchange(0);
+      if (id != 0) receiver_->Forget(id);
+    }
+
     std::mutex mu_;
     GenerateReactor* reactor_;
+    KvReceiver* const receiver_;
+    std::atomic<uint64_t> reservation_id_{0};
   };
 
-  GenerateReactor(Engine* engine, const tandem::v1::GenerateRequest& req)
-      : engine_(engine), sink_(std::make_shared<Sink>(this)) {
+  GenerateReactor(const GenerateContext& c, const tandem::v1::GenerateRequest& req)
+      : engine_(c.engine), sink_(std::make_shared<Sink>(this, c.receiver)) {
     GenerateSpec spec;
     spec.request_id = req.request_id();
     spec.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
     spec.params = FromProto(req.sampling());
     want_logprobs_ = spec.params.logprobs >= 0;
-    absl::StatusOr<uint64_t> id = engine_->Submit(std::move(spec), sink_);
-    if (!id.ok()) {
-      std::lock_guard<std::mutex> lock(sink_->mu());
-      done_called_ = true;
-      Finish(ToGrpcStatus(id.status()));
+    const tandem::v1::KvTransferParams& kv = req.kv_transfer();
+    absl::Status bad = CheckKvTransfer(c, kv, static_cast<int>(spec.prompt.size()));
+    if (!bad.ok()) {
+      FinishEarly(bad);
       return;
     }
+    if (kv.mode() == tandem::v1::KvTransferParams::RECEIVE) {
+      const auto timeout = kv.timeout_ms() > 0 ? std::chrono::milliseconds(kv.timeout_ms())
+                                               : c.kv.receive_timeout;
+      KvReceiver::Waiting waiting{.prompt_len = static_cast<int>(spec.prompt.size()),
+                                  .prompt_hash = HashTokens(spec.prompt),
+                                  .deadline = std::chrono::steady_clock::now() + timeout};
+      reserve_timeout_ms_ = static_cast<uint32_t>(timeout.count());
+      instance_id_ = c.receiver->instance_id();
+      engine_->Reserve(std::move(spec), sink_, waiting.deadline,
+                       [sink = sink_, waiting](absl::StatusOr<Reservation> r) {
+                         sink->OnReserved(std::move(r), waiting);
+                       });
+      return;
+    }
+    if (kv.mode() == tandem::v1::KvTransferParams::SEND) {
+      spec.hold_timeout = c.sender->engine_hold_timeout();
+      spec.on_prefilled = [sender = c.sender, sink = std::weak_ptr<Sink>(sink_), target = kv,
+                           hash = HashTokens(spec.prompt)](const Prefilled& p) {
+        // The sequence owns the sink; a weak reference avoids a cycle.
+        std::shared_ptr<Sink> s = sink.lock();
+        if (s) s->OnHandedOff();
+        sender->Send(KvSender::Job{.target = target, .prompt_hash = hash, .prefilled = p,
+                                   .handed_off = std::chrono::steady_clock::now()},
+                     [s](const std::string& error) {
+                       if (s) s->OnKvSent(error);
+                     });
+      };
+    }
+    absl::StatusOr<uint64_t> id = engine_->Submit(std::move(spec), sink_);
+    if (!id.ok()) {
+      FinishEarly(id.status());
+      return;
+    }
+    std::lock_guard<std::mutex> lock(sink_->mu());
     id_ = *id;
   }
 
@@ -89,7 +177,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
       // The client is gone: stop generating.
       if (!done_called_) {
         done_called_ = true;
-        engine_->Cancel(id_);
+        if (id_ != 0) engine_->Cancel(id_);
         Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client stream closed"));
       }
       return;
@@ -97,7 +185,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
     MaybeWriteLocked();
   }
 
-  void OnCancel() override { engine_->Cancel(id_); }
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(sink_->mu());
+    cancelled_ = true;
+    if (id_ != 0) engine_->Cancel(id_);  // else: when the reservation is made
+  }
 
   void OnDone() override {
     sink_->Detach();
@@ -105,7 +197,67 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
   }
 
  private:
+  // What a KvTransferParams asks of this worker, checked before anything runs.
+  static absl::Status CheckKvTransfer(const GenerateContext& c,
+                                      const tandem::v1::KvTransferParams& kv, int prompt_len) {
+    using tandem::v1::KvTransferParams;
+    if (kv.mode() == KvTransferParams::MODE_UNSPECIFIED) return absl::OkStatus();
+    if (kv.mode() != KvTransferParams::RECEIVE && kv.mode() != KvTransferParams::SEND) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("kv_transfer.mode %d is not RECEIVE (1) or SEND (2)", kv.mode()));
+    }
+    const bool receive = kv.mode() == KvTransferParams::RECEIVE;
+    if (c.receiver == nullptr) {
+      return absl::FailedPreconditionError(
+          "this worker runs without a KV transport (--kv-transport): it cannot take part in "
+          "disaggregated serving");
+    }
+    if (c.role == (receive ? "prefill" : "decode")) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "this worker's role is %s: it does not %s", c.role,
+          receive ? "receive KV (mode RECEIVE)" : "prefill for other workers (mode SEND)"));
+    }
+    if (receive) return absl::OkStatus();
+    if (kv.decode_address().empty() || kv.decode_instance_id().empty() || kv.reservation_id() == 0) {
+      return absl::InvalidArgumentError(
+          "kv_transfer mode SEND needs decode_address, decode_instance_id and reservation_id from "
+          "the decode worker's KvReservation");
+    }
+    const int bs = c.engine->config().block_size;
+    if (kv.decode_cached_tokens() < 0 || kv.decode_cached_tokens() % bs != 0 ||
+        (prompt_len > 0 && kv.decode_cached_tokens() >= prompt_len)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "kv_transfer.decode_cached_tokens = %d must be a multiple of the block size (%d) below "
+          "the prompt length (%d)",
+          kv.decode_cached_tokens(), bs, prompt_len));
+    }
+    return absl::OkStatus();
+  }
+
+  void FinishEarly(const absl::Status& status) {
+    std::lock_guard<std::mutex> lock(sink_->mu());
+    done_called_ = true;
+    Finish(ToGrpcStatus(status));
+  }
+
   // REQUIRES: sink_->mu() held (all below).
+  void ReservedLocked(const absl::StatusOr<Reservation>& r) {
+    if (done_called_) return;
+    if (!r.ok()) {
+      done_called_ = true;
+      Finish(ToGrpcStatus(r.status()));
+      return;
+    }
+    id_ = r->id;
+    if (cancelled_) engine_->Cancel(id_);
+    tandem::v1::KvReservation* out = pending_.mutable_reservation();
+    out->set_reservation_id(r->id);
+    out->set_cached_tokens(r->cached_tokens);
+    out->set_instance_id(instance_id_);
+    out->set_timeout_ms(reserve_timeout_ms_);
+    MaybeWriteLocked();
+  }
+
   void AddTokenLocked(const SampledToken& t) {
     auto* out = pending_.add_tokens();
     out->set_token_id(t.token_id);
@@ -138,21 +290,23 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
 
   void MaybeWriteLocked() {
     if (writing_ || done_called_) return;
-    if (finished_ && final_status_.ok()) {
-      // The last message: pending tokens, finish reason and usage together.
-      final_.mutable_tokens()->Swap(pending_.mutable_tokens());
+    // A SEND stream's last message waits for the hand-off's answer.
+    const bool final_ready = finished_ && (!awaiting_kv_ || kv_done_);
+    if (final_ready && final_status_.ok()) {
+      // The last message: whatever is pending, the finish reason and usage.
+      pending_.MergeFrom(final_);
       done_called_ = true;
-      StartWriteAndFinish(&final_, grpc::WriteOptions(), grpc::Status::OK);
+      StartWriteAndFinish(&pending_, grpc::WriteOptions(), grpc::Status::OK);
       return;
     }
-    if (pending_.tokens_size() > 0) {
+    if (pending_.tokens_size() > 0 || pending_.has_reservation()) {
       current_.Clear();
       current_.Swap(&pending_);
       writing_ = true;
       StartWrite(&current_);
       return;
     }
-    if (finished_) {
+    if (final_ready) {
       done_called_ = true;
       Finish(final_status_);
     }
@@ -160,15 +314,20 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
 
   Engine* const engine_;
   std::shared_ptr<Sink> sink_;
-  uint64_t id_ = 0;
   bool want_logprobs_ = false;
+  std::string instance_id_;          // RECEIVE: this worker's, for the reservation
+  uint32_t reserve_timeout_ms_ = 0;  // RECEIVE
   // Guarded by sink_->mu().
-  GenerateResponse pending_;   // tokens not yet written
+  uint64_t id_ = 0;            // the engine's id (0 until a reservation is made)
+  GenerateResponse pending_;   // not yet written
   GenerateResponse current_;   // the message being written
   GenerateResponse final_;     // finish reason and usage, once finished_
   grpc::Status final_status_;  // OK, or why an aborted stream ends
   bool writing_ = false;
   bool finished_ = false;
+  bool cancelled_ = false;     // OnCancel came
+  bool awaiting_kv_ = false;   // SEND: handed off, the answer not yet in
+  bool kv_done_ = false;
   bool done_called_ = false;   // Finish (or StartWriteAndFinish) was called
 };
 
@@ -325,42 +484,42 @@ SamplingParams FromProto(const tandem::v1::SamplingParams& p) {
   return s;
 }
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+WorkerService::WorkerService(Engine* engine, std::string role, kvtransfer::Transport* transport,
+                             KvHandoffConfig kv)
+    : engine_(engine),
+      transport_(transport),
+      role_(std::move(role)),
+      instance_id_(NewInstanceId()),
+      kv_(kv) {
+  if (transport_ != nullptr) {
+    receiver_ = std::make_unique<KvReceiver>(engine_, transport_, instance_id_);
+    sender_ = std::make_unique<KvSender>(engine_, transport_, kv_);
+  }
 }
 
-WorkerService::WorkerService(Engine* engine, std::string role, kvtransfer::Transport* transport)
-    : engine_(engine), transport_(transport), role_(std::move(role)), instance_id_(NewInstanceId()) {}
+WorkerService::~WorkerService() = default;
 
-void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out) {
-  out->set_agent_id(info.agent_id);
-  out->set_backend(info.backend);
-  out->set_address(info.address);
-  tandem::v1::KvPoolLayout* l = out->mutable_layout();
-  l->set_model(info.layout.model);
-  l->set_dtype(info.layout.dtype);
-  l->set_num_layers(info.layout.num_layers);
-  l->set_num_kv_heads(info.layout.num_kv_heads);
-  l->set_head_dim(info.layout.head_dim);
-  l->set_block_size(info.layout.block_size);
-  l->set_num_blocks(info.layout.num_blocks);
-  l->set_block_bytes(info.layout.block_bytes);
-  l->set_cuda(info.layout.memory_type == kvtransfer::MemoryType::kCuda);
-  l->set_device_id(info.layout.device_id);
-}
-
-kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info) {
-  const tandem::v1::KvPoolLayout& l = info.layout();
-  return kvtransfer::PeerInfo{
-      .agent_id = info.agent_id(),
-      .backend = info.backend(),
-      .layout = {.model = l.model(), .dtype = l.dtype(), .num_layers = l.num_layers(),
-                 .num_kv_heads = l.num_kv_heads(), .head_dim = l.head_dim(),
-                 .block_size = l.block_size(), .num_blocks = l.num_blocks(),
-                 .block_bytes = l.block_bytes(),
-                 .memory_type = l.cuda() ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost,
-                 .device_id = l.device_id()},
-      .address = info.address()};
+grpc::ServerUnaryReactor* WorkerService::KvReady(grpc::CallbackServerContext* ctx,
+                                                 const tandem::v1::KvReadyRequest* request,
+                                                 tandem::v1::KvReadyResponse* response) {
+  auto* reactor = ctx->DefaultReactor();
+  if (receiver_ == nullptr || role_ == "prefill") {
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        receiver_ == nullptr ? "this worker runs without a KV transport (--kv-transport)"
+                             : "this worker's role is prefill: it does not receive KV"));
+    return reactor;
+  }
+  // The caller's deadline, on this machine's steady clock (none: an hour).
+  const auto now_sys = std::chrono::system_clock::now();
+  const auto left = ctx->deadline() > now_sys + std::chrono::hours(1)
+                        ? std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::hours(1))
+                        : std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              ctx->deadline() - now_sys);
+  receiver_->KvReady(*request, std::chrono::steady_clock::now() + left, response,
+                     [reactor](grpc::Status s) { reactor->Finish(s); });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* WorkerService::GetKvTransferInfo(grpc::CallbackServerContext* ctx,
@@ -380,7 +539,10 @@ grpc::ServerUnaryReactor* WorkerService::GetKvTransferInfo(grpc::CallbackServerC
 
 grpc::ServerWriteReactor<GenerateResponse>* WorkerService::Generate(
     grpc::CallbackServerContext* ctx, const tandem::v1::GenerateRequest* request) {
-  return new GenerateReactor(engine_, *request);
+  return new GenerateReactor(GenerateContext{.engine = engine_, .role = role_,
+                                             .receiver = receiver_.get(), .sender = sender_.get(),
+                                             .kv = kv_},
+                             *request);
 }
 
 grpc::ServerUnaryReactor* WorkerService::Health(grpc::CallbackServerContext* ctx,
@@ -437,6 +599,21 @@ grpc::ServerUnaryReactor* WorkerService::GetLoad(grpc::CallbackServerContext* ct
   r->set_kv_event_seq(s.kv_event_seq);
   r->set_preemptions(s.preemptions);
   r->set_finished_requests(s.finished);
+  r->set_reserved_requests(s.reserved);
+  r->set_prefilled_requests(s.prefilled);
+  r->set_quarantined_blocks(s.quarantined_blocks);
+  r->set_expired_reservations(s.expired_reservations);
+  r->set_local_prefill_fallbacks(s.local_prefill_fallbacks);
+  r->set_expired_handoffs(s.expired_handoffs);
+  KvHandoffStats kv;
+  if (receiver_ != nullptr) receiver_->AddStats(&kv);
+  if (sender_ != nullptr) sender_->AddStats(&kv);
+  r->set_kv_pulls(kv.pulls);
+  r->set_kv_pull_failures(kv.pull_failures);
+  r->set_kv_checksum_failures(kv.checksum_failures);
+  r->set_kv_bytes_pulled(kv.bytes_pulled);
+  r->set_kv_handoffs(kv.handoffs);
+  r->set_kv_handoff_failures(kv.handoff_failures);
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -15,14 +15,19 @@
 #include "kvtransfer/transport.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
+#include "worker/server/kv_handoff.h"
 
 namespace tandem::worker {
 
 class WorkerService final : public tandem::v1::Worker::CallbackService {
  public:
-  // `role` is reported by Health and GetModelInfo ("prefill", "decode", "both").
-  // `transport` (may be null) is the worker's KV transport, its pool registered.
-  WorkerService(Engine* engine, std::string role, kvtransfer::Transport* transport = nullptr);
+  // `role` is reported by Health and GetModelInfo ("prefill", "decode", "both")
+  // and decides which disaggregation calls are served. `transport` (may be
+  // null) is the worker's KV transport, its pool registered; it must outlive
+  // the service.
+  WorkerService(Engine* engine, std::string role, kvtransfer::Transport* transport = nullptr,
+                KvHandoffConfig kv = {});
+  ~WorkerService() override;
 
   grpc::ServerWriteReactor<tandem::v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* ctx, const tandem::v1::GenerateRequest* request) override;
@@ -44,6 +49,9 @@ class WorkerService final : public tandem::v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* GetKvTransferInfo(grpc::CallbackServerContext* ctx,
                                               const tandem::v1::KvTransferInfoRequest* request,
                                               tandem::v1::KvTransferInfo* response) override;
+  grpc::ServerUnaryReactor* KvReady(grpc::CallbackServerContext* ctx,
+                                    const tandem::v1::KvReadyRequest* request,
+                                    tandem::v1::KvReadyResponse* response) override;
 
   const std::string& instance_id() const { return instance_id_; }
 
@@ -52,15 +60,13 @@ class WorkerService final : public tandem::v1::Worker::CallbackService {
   kvtransfer::Transport* const transport_;
   const std::string role_;
   const std::string instance_id_;
+  const KvHandoffConfig kv_;
+  std::unique_ptr<KvReceiver> receiver_;  // with a transport
+  std::unique_ptr<KvSender> sender_;      // with a transport
 };
 
 // Converts the wire sampling parameters to the engine's (defaults applied).
 SamplingParams FromProto(const tandem::v1::SamplingParams& p);
-// PeerInfo <-> its wire form, for the KV transfer metadata exchange.
-void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out);
-kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info);
-// The gRPC status for an absl::Status: same code, same message.
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 }  // namespace tandem::worker
 

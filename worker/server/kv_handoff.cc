@@ -1,0 +1,457 @@
+#include "worker/server/kv_handoff.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/block_hash.h"
+#include "common/logging.h"
+
+namespace tandem::worker {
+namespace {
+
+using std::chrono::steady_clock;
+using std::chrono::system_clock;
+
+SampledToken FromProto(const tandem::v1::TokenOutput& t) {
+  SampledToken s{.token_id = t.token_id(), .logprob = t.logprob()};
+  for (const auto& alt : t.top_logprobs()) {
+    s.top_logprobs.push_back(TokenLogprob{.token_id = alt.token_id(), .logprob = alt.logprob()});
+  }
+  return s;
+}
+
+void ToProto(const SampledToken& s, tandem::v1::TokenOutput* out) {
+  out->set_token_id(s.token_id);
+  out->set_logprob(s.logprob);
+  for (const TokenLogprob& tl : s.top_logprobs) {
+    auto* alt = out->add_top_logprobs();
+    alt->set_token_id(tl.token_id);
+    alt->set_logprob(tl.logprob);
+  }
+}
+
+uint64_t BlockChecksum(Engine& engine, int32_t block) {
+  const int64_t bytes = engine.pool_layout().block_bytes;
+  const auto* base = reinterpret_cast<const unsigned char*>(engine.kv_data());
+  return HashBytes(base + block * bytes, static_cast<size_t>(bytes));
+}
+
+// Answers after which the decode worker has finished with the caller's
+// blocks for good: it answered itself, or no handler ran. Anything else
+// (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, ...) may come from the network
+// while a pull is still running there.
+bool IsDefiniteAnswer(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+    case grpc::StatusCode::ALREADY_EXISTS:
+    case grpc::StatusCode::DATA_LOSS:
+    case grpc::StatusCode::ABORTED:
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out) {
+  out->set_agent_id(info.agent_id);
+  out->set_backend(info.backend);
+  out->set_address(info.address);
+  tandem::v1::KvPoolLayout* l = out->mutable_layout();
+  l->set_model(info.layout.model);
+  l->set_dtype(info.layout.dtype);
+  l->set_num_layers(info.layout.num_layers);
+  l->set_num_kv_heads(info.layout.num_kv_heads);
+  l->set_head_dim(info.layout.head_dim);
+  l->set_block_size(info.layout.block_size);
+  l->set_num_blocks(info.layout.num_blocks);
+  l->set_block_bytes(info.layout.block_bytes);
+  l->set_cuda(info.layout.memory_type == kvtransfer::MemoryType::kCuda);
+  l->set_device_id(info.layout.device_id);
+}
+
+kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info) {
+  const tandem::v1::KvPoolLayout& l = info.layout();
+  return kvtransfer::PeerInfo{
+      .agent_id = info.agent_id(),
+      .backend = info.backend(),
+      .layout = {.model = l.model(), .dtype = l.dtype(), .num_layers = l.num_layers(),
+                 .num_kv_heads = l.num_kv_heads(), .head_dim = l.head_dim(),
+                 .block_size = l.block_size(), .num_blocks = l.num_blocks(),
+                 .block_bytes = l.block_bytes(),
+                 .memory_type = l.cuda() ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost,
+                 .device_id = l.device_id()},
+      .address = info.address()};
+}
+
+// ---------------------------------------------------------------------------
+// KvReceiver
+
+// One KvReady being served.
+struct KvReceiver::Pull {
+  uint64_t reservation_id = 0;
+  std::string agent_id;
+  std::vector<kvtransfer::BlockPair> pairs;
+  std::vector<uint64_t> checksums;  // per pair, or empty
+  SampledToken first;
+  tandem::v1::KvReadyResponse* response = nullptr;
+  std::function<void(grpc::Status)> done;
+};
+
+KvReceiver::KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id)
+    : engine_(engine), transport_(transport), instance_id_(std::move(instance_id)) {}
+
+void KvReceiver::Add(Waiting waiting) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = waiting.reservation_id;
+  entries_[id] = Entry{.waiting = std::move(waiting)};
+}
+
+void KvReceiver::Forget(uint64_t reservation_id) {
+  uint64_t transfer = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(reservation_id);
+    if (it == entries_.end()) return;
+    transfer = it->second.transfer_id;
+    entries_.erase(it);
+  }
+  if (transfer != 0) transport_->Cancel(transfer);
+}
+
+absl::Status KvReceiver::EnsurePeer(const tandem::v1::KvTransferInfo& source) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  if (source.backend() != transport_->backend()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the prefill worker's KV transport is '%s', this worker's is '%s'", source.backend(),
+        transport_->backend()));
+  }
+  if (peers_.count(source.agent_id()) > 0) return absl::OkStatus();
+  absl::Status added = transport_->AddPeer(FromProto(source));
+  if (!added.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot pull KV from the prefill worker: ", added.message()));
+  }
+  peers_.insert(source.agent_id());
+  return absl::OkStatus();
+}
+
+void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_deadline,
+                         tandem::v1::KvReadyResponse* response,
+                         std::function<void(grpc::Status)> done) {
+  using grpc::StatusCode;
+  if (transport_ == nullptr) {
+    done(grpc::Status(StatusCode::FAILED_PRECONDITION,
+                      "this worker runs without a KV transport (--kv-transport)"));
+    return;
+  }
+  if (req.decode_instance_id() != instance_id_) {
+    done(grpc::Status(StatusCode::NOT_FOUND,
+                      absl::StrFormat("reservation %d was made by worker instance '%s'; this is '%s'",
+                                      req.reservation_id(), req.decode_instance_id(), instance_id_)));
+    return;
+  }
+  const int bs = engine_->config().block_size;
+  auto pull = std::make_shared<Pull>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(req.reservation_id());
+    if (it == entries_.end()) {
+      done(grpc::Status(StatusCode::NOT_FOUND,
+                        absl::StrFormat("no reservation %d is waiting for KV (expired, cancelled or "
+                                        "already filled)", req.reservation_id())));
+      return;
+    }
+    Entry& e = it->second;
+    const Waiting& w = e.waiting;
+    if (e.state != State::kWaiting) {
+      done(grpc::Status(StatusCode::ALREADY_EXISTS,
+                        absl::StrFormat("reservation %d is already receiving its KV", w.reservation_id)));
+      return;
+    }
+    // A request that does not match leaves the reservation waiting for the
+    // right one (or its deadline).
+    if (req.prompt_tokens() != w.prompt_len || req.prompt_hash() != w.prompt_hash) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("KvReady describes another prompt (%d tokens, hash %016x) than "
+                                        "reservation %d (%d tokens, hash %016x)",
+                                        req.prompt_tokens(), req.prompt_hash(), w.reservation_id,
+                                        w.prompt_len, w.prompt_hash)));
+      return;
+    }
+    if (req.block_ids_size() != static_cast<int>(w.blocks.size())) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("KvReady names %d blocks; a %d-token prompt takes %d",
+                                        req.block_ids_size(), w.prompt_len, w.blocks.size())));
+      return;
+    }
+    const int skip = w.cached_tokens / bs;
+    const int sent = static_cast<int>(w.blocks.size()) - skip;
+    if (req.block_checksums_size() != 0 && req.block_checksums_size() != sent) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("KvReady has %d block checksums; %d blocks are pulled "
+                                        "(the first %d are cached here)",
+                                        req.block_checksums_size(), sent, skip)));
+      return;
+    }
+    const int32_t first = req.first_token().token_id();
+    if (first < 0 || first >= engine_->model_config().vocab_size) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("first_token %d is outside the vocabulary", first)));
+      return;
+    }
+    for (int i = skip; i < static_cast<int>(w.blocks.size()); ++i) {
+      pull->pairs.push_back({req.block_ids(i), w.blocks[i]});
+    }
+    pull->checksums.assign(req.block_checksums().begin(), req.block_checksums().end());
+    e.state = State::kPulling;
+    call_deadline = std::min(call_deadline, w.deadline);
+  }
+  pull->reservation_id = req.reservation_id();
+  pull->agent_id = req.source().agent_id();
+  pull->first = FromProto(req.first_token());
+  pull->response = response;
+  pull->done = std::move(done);
+
+  // From here the reservation is this call's: every path ends in a commit or
+  // a fallback.
+  absl::Status peer = EnsurePeer(req.source());
+  if (!peer.ok()) {
+    Fail(pull, ToGrpcStatus(peer), /*fall_back=*/true);
+    return;
+  }
+  if (pull->pairs.empty()) {
+    OnPulled(pull, absl::OkStatus());
+    return;
+  }
+  // End the pull before the caller's deadline (then it frees its blocks):
+  // the deadline arrived as a duration, late by the network's latency.
+  const auto now = steady_clock::now();
+  const auto margin = std::max<steady_clock::duration>(std::chrono::milliseconds(100),
+                                                       (call_deadline - now) / 10);
+  absl::StatusOr<uint64_t> transfer =
+      transport_->Pull(pull->agent_id, pull->pairs, call_deadline - margin,
+                       [this, pull](absl::Status s) { OnPulled(pull, std::move(s)); });
+  if (!transfer.ok()) {
+    Fail(pull, grpc::Status(grpc::StatusCode::ABORTED,
+                            absl::StrCat("cannot start the KV pull: ", transfer.status().message())),
+         /*fall_back=*/true);
+    return;
+  }
+  bool forgotten = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(pull->reservation_id);
+    if (it == entries_.end()) {
+      forgotten = true;
+    } else {
+      it->second.transfer_id = *transfer;
+    }
+  }
+  // The stream went away while the pull started (or it already ended:
+  // cancelling a finished transfer is a no-op).
+  if (forgotten) transport_->Cancel(*transfer);
+}
+
+void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
+  // Off the transport's thread: checksums take a pass over the KV.
+  verifier_.Post([this, pull, status = std::move(status)] {
+    if (!status.ok()) {
+      if (status.code() == absl::StatusCode::kUnavailable) {
+        // The peer is gone: forget it, a restarted one has a new agent id.
+        std::lock_guard<std::mutex> lock(peers_mu_);
+        if (peers_.erase(pull->agent_id) > 0) transport_->RemovePeer(pull->agent_id);
+      }
+      Fail(pull, grpc::Status(grpc::StatusCode::ABORTED,
+                              absl::StrCat("pulling the KV failed: ", status.message())),
+           /*fall_back=*/true);
+      return;
+    }
+    for (size_t i = 0; i < pull->checksums.size(); ++i) {
+      const uint64_t got = BlockChecksum(*engine_, pull->pairs[i].dst);
+      if (got != pull->checksums[i]) {
+        ++checksum_failures_;
+        Fail(pull, grpc::Status(grpc::StatusCode::DATA_LOSS,
+                                absl::StrFormat("KV block %d of %d arrived corrupted (checksum %016x, "
+                                                "expected %016x)",
+                                                i, pull->pairs.size(), got, pull->checksums[i])),
+             /*fall_back=*/true);
+        return;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (entries_.count(pull->reservation_id) == 0) {
+        // Cancelled or expired while the bytes moved: nothing to commit.
+        ++pull_failures_;
+        pull->done(grpc::Status(grpc::StatusCode::ABORTED,
+                                "the reservation ended while its KV was moving"));
+        return;
+      }
+    }
+    const int64_t bytes =
+        static_cast<int64_t>(pull->pairs.size()) * engine_->pool_layout().block_bytes;
+    engine_->Commit(pull->reservation_id, pull->first, [this, pull, bytes](absl::Status s) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        entries_.erase(pull->reservation_id);
+      }
+      if (!s.ok()) {
+        ++pull_failures_;
+        pull->done(grpc::Status(grpc::StatusCode::ABORTED,
+                                absl::StrCat("the reservation ended while its KV was moving: ",
+                                             s.message())));
+        return;
+      }
+      ++pulls_;
+      bytes_pulled_ += bytes;
+      pull->response->set_blocks_pulled(static_cast<int32_t>(pull->pairs.size()));
+      pull->response->set_bytes_pulled(bytes);
+      pull->done(grpc::Status::OK);
+    });
+  });
+}
+
+void KvReceiver::Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back) {
+  ++pull_failures_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_.erase(pull->reservation_id);
+  }
+  LOG(WARNING) << "KV for reservation " << pull->reservation_id
+               << " not received: " << status.error_message();
+  if (fall_back) engine_->Fallback(pull->reservation_id, pull->first, status.error_message());
+  pull->done(std::move(status));
+}
+
+void KvReceiver::AddStats(KvHandoffStats* stats) const {
+  stats->pulls += pulls_.load();
+  stats->pull_failures += pull_failures_.load();
+  stats->checksum_failures += checksum_failures_.load();
+  stats->bytes_pulled += bytes_pulled_.load();
+}
+
+// ---------------------------------------------------------------------------
+// KvSender
+
+KvSender::KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config)
+    : engine_(engine), transport_(transport), config_(config) {}
+
+KvSender::~KvSender() {
+  executor_.reset();  // runs what was posted: no call starts after this
+  std::unique_lock<std::mutex> lock(calls_mu_);
+  for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
+  calls_cv_.wait(lock, [&] { return calls_.empty(); });
+}
+
+void KvSender::Send(Job job, std::function<void(std::string error)> done) {
+  executor_->Post([this, job = std::move(job), done = std::move(done)]() mutable {
+    Start(std::move(job), std::move(done));
+  });
+}
+
+std::shared_ptr<tandem::v1::Worker::Stub> KvSender::StubFor(const std::string& address) {
+  std::lock_guard<std::mutex> lock(stubs_mu_);
+  auto it = stubs_.find(address);
+  if (it != stubs_.end()) return it->second;
+  // Decode workers come and go (autoscaling): keep the map bounded.
+  if (stubs_.size() >= 1024) stubs_.clear();
+  auto stub = std::shared_ptr<tandem::v1::Worker::Stub>(tandem::v1::Worker::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials())));
+  stubs_[address] = stub;
+  return stub;
+}
+
+void KvSender::Start(Job job, std::function<void(std::string error)> done) {
+  const uint64_t id = job.prefilled.id;
+  const auto deadline = job.handed_off + config_.hold_timeout;
+  auto fail_unsent = [&](std::string why) {
+    ++handoff_failures_;
+    engine_->ReleasePrefilled(id);  // nothing reads these blocks
+    LOG(WARNING) << "KV of request " << id << " not handed off: " << why;
+    done(std::move(why));
+  };
+  if (steady_clock::now() >= deadline) {
+    fail_unsent("the hold timeout passed before KvReady could be sent");
+    return;
+  }
+  absl::StatusOr<kvtransfer::PeerInfo> local =
+      transport_ != nullptr ? transport_->LocalInfo()
+                            : absl::FailedPreconditionError("this worker has no KV transport");
+  if (!local.ok()) {
+    fail_unsent(std::string(local.status().message()));
+    return;
+  }
+  struct Call {
+    grpc::ClientContext ctx;
+    tandem::v1::KvReadyRequest request;
+    tandem::v1::KvReadyResponse response;
+  };
+  auto call = std::make_shared<Call>();
+  tandem::v1::KvReadyRequest& r = call->request;
+  r.set_reservation_id(job.target.reservation_id());
+  r.set_decode_instance_id(job.target.decode_instance_id());
+  ToProto(*local, r.mutable_source());
+  r.mutable_block_ids()->Add(job.prefilled.blocks.begin(), job.prefilled.blocks.end());
+  r.set_prompt_tokens(job.prefilled.prompt_len);
+  r.set_prompt_hash(job.prompt_hash);
+  ToProto(job.prefilled.first, r.mutable_first_token());
+  if (config_.checksums) {
+    const size_t skip = static_cast<size_t>(job.target.decode_cached_tokens()) /
+                        static_cast<size_t>(engine_->config().block_size);
+    for (size_t i = skip; i < job.prefilled.blocks.size(); ++i) {
+      r.add_block_checksums(BlockChecksum(*engine_, job.prefilled.blocks[i]));
+    }
+  }
+  call->ctx.set_deadline(system_clock::now() + (deadline - steady_clock::now()));
+  std::shared_ptr<tandem::v1::Worker::Stub> stub = StubFor(job.target.decode_address());
+  {
+    std::lock_guard<std::mutex> lock(calls_mu_);
+    calls_.insert(&call->ctx);
+  }
+  stub->async()->KvReady(
+      &call->ctx, &call->request, &call->response,
+      [this, call, stub, id, done = std::move(done)](grpc::Status s) {
+        // Ends the call's registration last, after every use of `this`.
+        struct Unregister {
+          KvSender* sender;
+          grpc::ClientContext* ctx;
+          ~Unregister() {
+            std::lock_guard<std::mutex> lock(sender->calls_mu_);
+            sender->calls_.erase(ctx);
+            sender->calls_cv_.notify_all();
+          }
+        } unregister{this, &call->ctx};
+        if (IsDefiniteAnswer(s.error_code())) {
+          engine_->ReleasePrefilled(id);
+        } else {
+          LOG(WARNING) << "KvReady for request " << id << " failed (" << s.error_message()
+                       << "); its blocks stay held until the call's deadline";
+        }
+        if (s.ok()) {
+          ++handoffs_;
+          done("");
+        } else {
+          ++handoff_failures_;
+          done(absl::StrFormat("KvReady on %s failed: %s", call->request.decode_instance_id(),
+                               s.error_message()));
+        }
+      });
+}
+
+void KvSender::AddStats(KvHandoffStats* stats) const {
+  stats->handoffs += handoffs_.load();
+  stats->handoff_failures += handoff_failures_.load();
+}
+
+}  // namespace tandem::worker

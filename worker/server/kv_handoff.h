@@ -1,0 +1,173 @@
+// The worker side of disaggregated serving: moving one request's prompt KV
+// from the prefill worker to the decode worker (proto/tandem/v1/worker.proto
+// has the protocol; docs/architecture.md the life of a request).
+//
+//   KvSender (prefill worker): once the engine hands a prefilled prompt over,
+//     it calls KvReady on the decode worker, naming its own pool and the
+//     blocks, with the first token and per-block checksums. The answer
+//     releases the blocks; an ambiguous failure (the call may still be
+//     running there) keeps them until the call's deadline has passed, since
+//     the decode worker bounds its pull by that deadline.
+//   KvReceiver (decode worker): knows the reservations waiting for their KV.
+//     KvReady pulls the blocks the reservation lacks from the named pool,
+//     verifies them, and commits (the engine decodes from the first token)
+//     or falls back (local prefill, or an error as configured).
+//
+// Safety argument: a decode worker's memory is written only by its own
+// pulls, into blocks of a reservation it still holds; a pull that fails is
+// never committed and its blocks are quarantined by the engine. A prefill
+// worker's blocks are read only while it holds them: until KvReady answers,
+// or until its deadline, by which the decode side's pull has ended.
+//
+// Thread-safe; callbacks run on gRPC, transport and executor threads.
+#ifndef TANDEM_WORKER_SERVER_KV_HANDOFF_H_
+#define TANDEM_WORKER_SERVER_KV_HANDOFF_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/serial_executor.h"
+#include "kvtransfer/transport.h"
+#include "tandem/v1/worker.grpc.pb.h"
+#include "worker/engine/engine.h"
+
+namespace tandem::worker {
+
+struct KvHandoffConfig {
+  // Decode: how long a reservation waits for its KV when the request does
+  // not say (KvTransferParams.timeout_ms).
+  std::chrono::milliseconds receive_timeout{30000};
+  // Prefill: the KvReady deadline, counted from the first token; the blocks
+  // are held this long at most (plus a second, so the engine never frees
+  // them before the call's deadline).
+  std::chrono::milliseconds hold_timeout{10000};
+  // Prefill: send an XXH3 checksum per transferred block; the decode worker
+  // verifies them (a corrupted transfer falls back instead of decoding
+  // garbage). Costs one pass over the KV on each side.
+  bool checksums = true;
+};
+
+// Counters of the degraded and normal paths, for the load report.
+struct KvHandoffStats {
+  int64_t pulls = 0;              // decode: KV pulled, verified and committed
+  int64_t pull_failures = 0;      // decode: KvReady that ended in a fallback
+  int64_t checksum_failures = 0;  // decode: of which, a checksum mismatch
+  int64_t bytes_pulled = 0;
+  int64_t handoffs = 0;           // prefill: KvReady answered OK
+  int64_t handoff_failures = 0;   // prefill: KvReady that failed
+};
+
+// Decode side.
+class KvReceiver {
+ public:
+  // `transport` may be null (then every KvReady is refused).
+  KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id);
+
+  // A reservation the engine granted; KvReady may fill it until Forget.
+  struct Waiting {
+    uint64_t reservation_id = 0;
+    std::vector<int32_t> blocks;
+    int cached_tokens = 0;
+    int prompt_len = 0;
+    uint64_t prompt_hash = 0;
+    Deadline deadline{};
+  };
+  void Add(Waiting waiting);
+  // The reservation no longer takes KV (it committed, fell back, finished or
+  // its stream closed): a pull in flight is cancelled and never committed.
+  void Forget(uint64_t reservation_id);
+
+  // Serves one KvReady call; `done` gets the status to answer with
+  // (`response` is filled when OK). `call_deadline` is the caller's
+  // deadline: the pull ends before it.
+  void KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline,
+               tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done);
+
+  void AddStats(KvHandoffStats* stats) const;
+  const std::string& instance_id() const { return instance_id_; }
+
+ private:
+  enum class State { kWaiting, kPulling };
+  struct Entry {
+    Waiting waiting;
+    State state = State::kWaiting;
+    uint64_t transfer_id = 0;  // kPulling, once started
+  };
+  struct Pull;
+  absl::Status EnsurePeer(const tandem::v1::KvTransferInfo& source);
+  void OnPulled(std::shared_ptr<Pull> pull, absl::Status status);
+  void Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back);
+
+  Engine* const engine_;
+  kvtransfer::Transport* const transport_;
+  const std::string instance_id_;
+  SerialExecutor verifier_;  // checksums and commits, off the transport's thread
+
+  std::mutex mu_;
+  std::map<uint64_t, Entry> entries_;  // guarded by mu_
+  std::mutex peers_mu_;
+  std::set<std::string> peers_;        // guarded by peers_mu_: agents added to the transport
+
+  std::atomic<int64_t> pulls_{0}, pull_failures_{0}, checksum_failures_{0}, bytes_pulled_{0};
+};
+
+// Prefill side.
+class KvSender {
+ public:
+  KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config);
+  // Cancels the calls in flight and waits for their callbacks.
+  ~KvSender();
+
+  struct Job {
+    tandem::v1::KvTransferParams target;  // decode worker and reservation
+    uint64_t prompt_hash = 0;
+    Prefilled prefilled;
+    std::chrono::steady_clock::time_point handed_off;  // the first token's time
+  };
+  // Calls KvReady for `job` (from the executor thread) and releases the
+  // blocks as its answer allows. `done` gets "" when the decode worker took
+  // the KV, else why not.
+  void Send(Job job, std::function<void(std::string error)> done);
+
+  // The engine's hold for a hand-off: the call's deadline plus a margin.
+  std::chrono::milliseconds engine_hold_timeout() const {
+    return config_.hold_timeout + std::chrono::seconds(1);
+  }
+
+  void AddStats(KvHandoffStats* stats) const;
+
+ private:
+  void Start(Job job, std::function<void(std::string error)> done);
+  std::shared_ptr<tandem::v1::Worker::Stub> StubFor(const std::string& address);
+
+  Engine* const engine_;
+  kvtransfer::Transport* const transport_;
+  const KvHandoffConfig config_;
+  std::mutex stubs_mu_;
+  std::map<std::string, std::shared_ptr<tandem::v1::Worker::Stub>> stubs_;  // guarded by stubs_mu_
+  std::atomic<int64_t> handoffs_{0}, handoff_failures_{0};
+  std::mutex calls_mu_;
+  std::condition_variable calls_cv_;
+  std::set<grpc::ClientContext*> calls_;  // guarded by calls_mu_: KvReady calls in flight
+  std::unique_ptr<SerialExecutor> executor_ = std::make_unique<SerialExecutor>();
+};
+
+// PeerInfo <-> its wire form, for the KV transfer metadata exchange.
+void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out);
+kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info);
+// The gRPC status for an absl::Status: same code, same message.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_SERVER_KV_HANDOFF_H_
