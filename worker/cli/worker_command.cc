@@ -45,6 +45,7 @@ struct WorkerOptions {
   int kv_hold_timeout_ms = 10000;       // prefill: blocks held for a decode worker at most
   std::string kv_fallback = "local";    // decode, KV never came: local (prefill here) or error
   bool no_kv_checksums = false;         // prefill: send no per-block checksums
+  int kv_quarantine_ms = 2000;          // decode: a failed transfer's blocks stay unused this long
   std::string kv_fault;                 // testing: faults injected into the KV transport
   EngineConfig engine;
 };
@@ -118,6 +119,8 @@ absl::Status RunWorker(WorkerOptions opt) {
     return absl::InvalidArgumentError("--kv-receive-timeout-ms and --kv-hold-timeout-ms must be >= 1");
   }
   opt.engine.local_prefill_fallback = opt.kv_fallback == "local";
+  if (opt.kv_quarantine_ms < 0) return absl::InvalidArgumentError("--kv-quarantine-ms must be >= 0");
+  opt.engine.transfer_quarantine_s = opt.kv_quarantine_ms / 1000.0;
   ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(opt.kv_cache_memory));
   opt.engine.enable_prefix_caching = !opt.no_prefix_caching;
   RETURN_IF_ERROR(opt.engine.Validate());
@@ -247,6 +250,9 @@ void AddWorkerCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--kv-fallback", opt->kv_fallback,
                   "Decode, when the KV never comes: local (prefill here) or error")
+      ->capture_default_str();
+  cmd->add_option("--kv-quarantine-ms", opt->kv_quarantine_ms,
+                  "Decode: blocks of a failed KV transfer stay out of use this long (late bytes)")
       ->capture_default_str();
   cmd->add_flag("--no-kv-checksums", opt->no_kv_checksums,
                 "Prefill: send no per-block checksums with the KV");

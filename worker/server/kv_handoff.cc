@@ -131,11 +131,6 @@ void KvReceiver::Forget(uint64_t reservation_id) {
 
 absl::Status KvReceiver::EnsurePeer(const tandem::v1::KvTransferInfo& source) {
   std::lock_guard<std::mutex> lock(peers_mu_);
-  if (source.backend() != transport_->backend()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "the prefill worker's KV transport is '%s', this worker's is '%s'", source.backend(),
-        transport_->backend()));
-  }
   if (peers_.count(source.agent_id()) > 0) return absl::OkStatus();
   absl::Status added = transport_->AddPeer(FromProto(source));
   if (!added.ok()) {
@@ -163,6 +158,13 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
   }
   const int bs = engine_->config().block_size;
   auto pull = std::make_shared<Pull>();
+  absl::Status compatible =
+      req.source().backend() != transport_->backend()
+          ? absl::FailedPreconditionError(absl::StrFormat(
+                "its KV transport is '%s', this worker's is '%s'", req.source().backend(),
+                transport_->backend()))
+          : kvtransfer::CheckCompatible(engine_->pool_layout(), FromProto(req.source()).layout);
+  bool incompatible = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(req.reservation_id());
@@ -179,6 +181,32 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
                         absl::StrFormat("reservation %d is already receiving its KV", w.reservation_id)));
       return;
     }
+    // A pool this worker can never copy from: the KV will not come from
+    // there, so the reservation falls back at once.
+    if (!compatible.ok()) {
+      entries_.erase(it);
+      incompatible = true;
+    }
+  }
+  if (incompatible) {
+    ++pull_failures_;
+    const std::string why = absl::StrCat("cannot take KV from the prefill worker's pool: ",
+                                         compatible.message());
+    LOG(WARNING) << "reservation " << req.reservation_id() << ": " << why;
+    engine_->Fallback(req.reservation_id(), FromProto(req.first_token()), why);
+    done(grpc::Status(StatusCode::FAILED_PRECONDITION, why));
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(req.reservation_id());
+    if (it == entries_.end() || it->second.state != State::kWaiting) {
+      done(grpc::Status(StatusCode::NOT_FOUND,
+                        absl::StrFormat("reservation %d ended", req.reservation_id())));
+      return;
+    }
+    Entry& e = it->second;
+    const Waiting& w = e.waiting;
     // A request that does not match leaves the reservation waiting for the
     // right one (or its deadline).
     if (req.prompt_tokens() != w.prompt_len || req.prompt_hash() != w.prompt_hash) {

@@ -1,0 +1,511 @@
+// Disaggregated serving across processes: a prefill `tandem worker` and a
+// decode `tandem worker`, the KV moving between them over UCX, driven
+// through the gRPC protocol of proto/tandem/v1/worker.proto (RECEIVE on the
+// decode worker, SEND on the prefill worker, KvReady between them), as the
+// router does. Outputs are compared with an aggregated worker's; every fault
+// of the fault-injecting transport wrapper and a SIGKILL of either worker
+// mid-transfer are checked to leave no block behind on the survivor, which
+// keeps serving.
+#include <grpcpp/grpcpp.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <latch>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/block_hash.h"
+#include "tandem/v1/worker.grpc.pb.h"
+#include "tests/testing/worker_client.h"
+#include "tests/testing/worker_process.h"
+
+namespace tandem {
+namespace {
+
+using namespace ::tandem::testing;  // NOLINT: the helpers of every test here
+using ::testing::HasSubstr;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+// A disaggregated request's two streams, as a router would see them.
+struct Split {
+  Output decode;   // RECEIVE stream: reservation, then the tokens after the first
+  Output prefill;  // SEND stream: the first token, then the hand-off's outcome
+  // The client's view: the prefill's first token, then decode's (or decode's
+  // whole output when it prefilled locally before anything came).
+  Output combined;
+};
+
+// A decode stream opened with RECEIVE; the reservation arrives first.
+class ReceiveStream {
+ public:
+  ReceiveStream(v1::Worker::Stub& decode, v1::GenerateRequest req, uint32_t timeout_ms = 0) {
+    req.mutable_kv_transfer()->set_mode(v1::KvTransferParams::RECEIVE);
+    req.mutable_kv_transfer()->set_timeout_ms(timeout_ms);
+    ctx_.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+    reader_ = decode.Generate(&ctx_, req);
+    v1::GenerateResponse msg;
+    if (reader_->Read(&msg)) Accumulate(msg, &out_);
+  }
+  // The reservation (absent if the call failed: see Finish()).
+  bool reserved() const { return out_.reservation.reservation_id() != 0; }
+  const v1::KvReservation& reservation() const { return out_.reservation; }
+  void Cancel() { ctx_.TryCancel(); }
+  Output Finish() {
+    v1::GenerateResponse msg;
+    while (reader_->Read(&msg)) Accumulate(msg, &out_);
+    out_.status = reader_->Finish();
+    return out_;
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader_;
+  Output out_;
+};
+
+v1::GenerateRequest SendRequest(v1::GenerateRequest req, const std::string& decode_address,
+                                const v1::KvReservation& r) {
+  v1::KvTransferParams* kv = req.mutable_kv_transfer();
+  kv->set_mode(v1::KvTransferParams::SEND);
+  kv->set_decode_address(decode_address);
+  kv->set_reservation_id(r.reservation_id());
+  kv->set_decode_cached_tokens(r.cached_tokens());
+  kv->set_decode_instance_id(r.instance_id());
+  return req;
+}
+
+Output Combine(const Output& prefill, const Output& decode) {
+  Output c = decode;
+  if (!decode.includes_first_token && !prefill.tokens.empty()) {
+    c.tokens.insert(c.tokens.begin(), prefill.tokens[0]);
+    c.logprobs.insert(c.logprobs.begin(), prefill.logprobs[0]);
+    c.top.insert(c.top.begin(), prefill.top[0]);
+  }
+  return c;
+}
+
+class DisaggGrpcTest : public ::testing::Test {
+ protected:
+  WorkerProcess* StartWorker(std::vector<std::string> flags) {
+    flags.insert(flags.begin(), {"--model", "builtin:tiny", "--kv-cache-memory", "8MiB"});
+    absl::StatusOr<std::unique_ptr<WorkerProcess>> w = WorkerProcess::Start(flags);
+    if (!w.ok()) {
+      ADD_FAILURE() << "cannot start a worker with " << absl::StrJoin(flags, " ") << ": "
+                    << w.status();
+      return nullptr;
+    }
+    workers_.push_back(std::move(*w));
+    return workers_.back().get();
+  }
+  WorkerProcess* StartPrefill(std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {"--role", "prefill", "--kv-transport", "ucx",
+                                      "--kv-transport-tls", "shm", "--kv-hold-timeout-ms", "3000"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return StartWorker(flags);
+  }
+  WorkerProcess* StartDecode(std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {"--role", "decode", "--kv-transport", "ucx",
+                                      "--kv-transport-tls", "shm", "--kv-quarantine-ms", "300"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return StartWorker(flags);
+  }
+  void SetUp() override {
+    aggregated_ = StartWorker({});
+    ASSERT_NE(aggregated_, nullptr);
+  }
+
+  // The router's part: reserve on decode, prefill with SEND, read both.
+  Split RunSplit(WorkerProcess& prefill, WorkerProcess& decode, const v1::GenerateRequest& req,
+                 uint32_t timeout_ms = 0) {
+    Split s;
+    ReceiveStream receive(decode.stub(), req, timeout_ms);
+    if (!receive.reserved()) {
+      s.decode = receive.Finish();
+      ADD_FAILURE() << "no reservation: " << s.decode.status.error_message();
+      return s;
+    }
+    s.prefill = Generate(prefill.stub(), SendRequest(req, decode.address(), receive.reservation()));
+    s.decode = receive.Finish();
+    s.combined = Combine(s.prefill, s.decode);
+    return s;
+  }
+
+  Output Aggregated(const v1::GenerateRequest& req) { return Generate(aggregated_->stub(), req); }
+
+  WorkerProcess* aggregated_ = nullptr;
+  std::vector<std::unique_ptr<WorkerProcess>> workers_;
+};
+
+// Mixed lengths (one token to 20 blocks, block-aligned or not), greedy and
+// seeded, all at once: the same tokens and logprobs as one worker gives.
+TEST_F(DisaggGrpcTest, ConcurrentMixedRequestsMatchAggregatedServing) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  const int lengths[] = {1, 15, 16, 17, 64, 100, 129, 300, 47, 250, 33, 320};
+  std::vector<v1::GenerateRequest> reqs;
+  for (int i = 0; i < 12; ++i) {
+    std::vector<int32_t> prompt = MakePrompt(100 + i, lengths[i]);
+    reqs.push_back(i % 2 ? SampledRequest(prompt, 10 + i, 7 + i) : GreedyRequest(prompt, 10 + i));
+    reqs.back().mutable_sampling()->set_ignore_eos(true);
+  }
+  std::vector<Split> got(reqs.size());
+  std::latch start(static_cast<std::ptrdiff_t>(reqs.size()));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    threads.emplace_back([&, i] {
+      start.arrive_and_wait();
+      got[i] = RunSplit(*prefill, *decode, reqs[i]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const std::string what = absl::StrCat("request ", i, " (", lengths[i], " prompt tokens)");
+    EXPECT_TRUE(got[i].prefill.status.ok()) << what << ": " << got[i].prefill.status.error_message();
+    EXPECT_EQ(got[i].prefill.tokens.size(), 1u) << what;
+    EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
+    EXPECT_FALSE(got[i].decode.includes_first_token) << what;
+    ExpectSameOutput(got[i].combined, Aggregated(reqs[i]), what);
+    EXPECT_EQ(got[i].decode.usage.prompt_tokens(), lengths[i]) << what;
+  }
+  const v1::LoadReport d = ExpectIdle(decode->stub(), "decode");
+  const v1::LoadReport p = ExpectIdle(prefill->stub(), "prefill");
+  EXPECT_EQ(d.kv_pulls(), 12);
+  EXPECT_EQ(d.kv_pull_failures(), 0);
+  EXPECT_EQ(d.local_prefill_fallbacks(), 0);
+  EXPECT_EQ(p.kv_handoffs(), 12);
+  EXPECT_EQ(p.expired_handoffs(), 0);
+  // Only the blocks each prompt needs moved: sum of ceil(len / 16).
+  int64_t blocks = 0;
+  for (int len : lengths) blocks += (len + kBlockSize - 1) / kBlockSize;
+  EXPECT_EQ(d.kv_bytes_pulled(), blocks * kBytesPerBlock);
+}
+
+// Prefix hits on either side: the decode worker pulls only what it lacks,
+// the prefill worker computes only what it lacks; outputs do not change. The
+// decode worker's KV events cover the blocks it received.
+TEST_F(DisaggGrpcTest, PrefixHitsOnEitherSideSaveWorkAndChangeNothing) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  const std::vector<int32_t> shared = MakePrompt(7, 96);  // 6 full blocks
+  const v1::GenerateRequest first = GreedyRequest(Concat(shared, MakePrompt(8, 20)), 12);
+  Split a = RunSplit(*prefill, *decode, first);
+  ExpectSameOutput(a.combined, Aggregated(first), "first");
+  EXPECT_EQ(a.decode.reservation.cached_tokens(), 0);
+  const int64_t bytes_first = GetLoad(decode->stub()).kv_bytes_pulled();
+  EXPECT_EQ(bytes_first, 8 * kBytesPerBlock);  // ceil(116 / 16)
+
+  // The decode worker's KV events name every full block it now holds.
+  const v1::ModelInfo info = GetModelInfo(decode->stub());
+  std::vector<int32_t> computed = Concat(
+      std::vector<int32_t>(first.prompt_token_ids().begin(), first.prompt_token_ids().end()),
+      a.combined.tokens);
+  computed.pop_back();  // the last token is never fed back
+  {
+    v1::KvEventsRequest er;
+    er.set_snapshot(true);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
+    auto reader = decode->stub().StreamKvEvents(&ctx, er);
+    std::set<uint64_t> held;
+    v1::KvEventBatch batch;
+    while (reader->Read(&batch)) {
+      for (const v1::CachedBlock& b : batch.snapshot().blocks()) held.insert(b.block_hash());
+      if (batch.snapshot().complete()) break;
+    }
+    ctx.TryCancel();
+    reader->Finish();
+    for (uint64_t h : HashBlocks(info.block_hash_seed(), computed, kBlockSize)) {
+      EXPECT_TRUE(held.count(h)) << "block hash " << h << " missing from the decode worker's events";
+    }
+  }
+
+  // Same 96-token prefix, another tail: decode holds 6 blocks, prefill too.
+  const v1::GenerateRequest second = SampledRequest(Concat(shared, MakePrompt(9, 40)), 12, 99);
+  Split b = RunSplit(*prefill, *decode, second);
+  ExpectSameOutput(b.combined, Aggregated(second), "second");
+  EXPECT_EQ(b.decode.reservation.cached_tokens(), 96);
+  EXPECT_EQ(b.prefill.usage.cached_prompt_tokens(), 96);
+  // ceil(136 / 16) = 9 blocks, 6 of them cached on the decode worker.
+  EXPECT_EQ(GetLoad(decode->stub()).kv_bytes_pulled() - bytes_first, 3 * kBytesPerBlock);
+  ExpectIdle(decode->stub(), "decode");
+  ExpectIdle(prefill->stub(), "prefill");
+}
+
+// Every fault of the wrapper, injected into the decode worker's transport
+// (it pulls): the request still completes with the aggregated output (local
+// prefill from the prefill worker's first token), the counters say so, and
+// both workers end with nothing held.
+TEST_F(DisaggGrpcTest, EveryTransportFaultFallsBackAndLeaksNothing) {
+  WorkerProcess* prefill = StartPrefill();
+  ASSERT_NE(prefill, nullptr);
+  struct Case {
+    std::string fault;
+    bool fails;
+    bool checksum;
+  };
+  const Case cases[] = {{"drop", true, false},
+                        {"delay_ms=300", false, false},
+                        {"corrupt", true, true},
+                        {"fail_after_blocks=2", true, false},
+                        {"fail_submit", true, false}};
+  int n = 0;
+  for (const Case& c : cases) {
+    WorkerProcess* decode = StartDecode({"--kv-fault", c.fault});
+    ASSERT_NE(decode, nullptr);
+    const v1::GenerateRequest req = SampledRequest(MakePrompt(300 + n++, 90), 12, 5);
+    Split s = RunSplit(*prefill, *decode, req);
+    ExpectSameOutput(s.combined, Aggregated(req), c.fault);
+    EXPECT_TRUE(s.prefill.status.ok()) << c.fault;
+    EXPECT_FALSE(s.decode.includes_first_token) << c.fault << ": the prefill's first token is kept";
+    const v1::LoadReport d = ExpectIdle(decode->stub(), c.fault + ": decode");
+    if (c.fails) {
+      EXPECT_NE(s.prefill.kv_transfer_error, "") << c.fault;
+      EXPECT_EQ(d.kv_pull_failures(), 1) << c.fault;
+      EXPECT_EQ(d.local_prefill_fallbacks(), 1) << c.fault;
+      EXPECT_EQ(d.kv_checksum_failures(), c.checksum ? 1 : 0) << c.fault;
+      if (c.checksum) {
+        EXPECT_THAT(s.prefill.kv_transfer_error, HasSubstr("corrupted"));
+      }
+    } else {
+      EXPECT_EQ(s.prefill.kv_transfer_error, "") << c.fault;
+      EXPECT_EQ(d.kv_pulls(), 1) << c.fault;
+    }
+    // The prefill worker got a definite answer each time: its blocks are
+    // free at once, not at the hold timeout.
+    const v1::LoadReport p = ExpectIdle(prefill->stub(), c.fault + ": prefill");
+    EXPECT_EQ(p.expired_handoffs(), 0) << c.fault;
+  }
+}
+
+// --kv-fallback error: a failed transfer ends the request with an error.
+TEST_F(DisaggGrpcTest, FallbackErrorEndsTheRequestWithAReason) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode({"--kv-fault", "fail_submit", "--kv-fallback", "error"});
+  ASSERT_TRUE(prefill && decode);
+  Split s = RunSplit(*prefill, *decode, GreedyRequest(MakePrompt(5, 40), 8));
+  EXPECT_TRUE(s.decode.status.ok());
+  EXPECT_EQ(s.decode.finish, v1::FINISH_REASON_ERROR);
+  EXPECT_THAT(s.decode.error_message, HasSubstr("disaggregated prefill failed"));
+  EXPECT_TRUE(s.decode.tokens.empty());
+  ExpectIdle(decode->stub(), "decode");
+  ExpectIdle(prefill->stub(), "prefill");
+}
+
+// No prefill ever comes: the reservation expires, the decode worker
+// prefills itself and says its stream starts with the first token.
+TEST_F(DisaggGrpcTest, ExpiredReservationPrefillsLocally) {
+  WorkerProcess* decode = StartDecode();
+  ASSERT_NE(decode, nullptr);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(11, 70), 9);
+  ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/200);
+  ASSERT_TRUE(receive.reserved());
+  EXPECT_EQ(receive.reservation().timeout_ms(), 200u);
+  Output out = receive.Finish();
+  EXPECT_TRUE(out.includes_first_token);
+  ExpectSameOutput(out, Aggregated(req), "expired");
+  const v1::LoadReport d = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(d.expired_reservations(), 1);
+  EXPECT_EQ(d.local_prefill_fallbacks(), 1);
+}
+
+// The client goes away while the reservation waits: its blocks are freed,
+// and the prefill worker's late KvReady is refused, which frees its blocks.
+TEST_F(DisaggGrpcTest, CancelledReservationRefusesTheLateKv) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(12, 50), 9);
+  auto receive = std::make_unique<ReceiveStream>(decode->stub(), req);
+  ASSERT_TRUE(receive->reserved());
+  const v1::KvReservation r = receive->reservation();
+  bool ok = false;
+  WaitForLoad(decode->stub(), [](const v1::LoadReport& l) { return l.reserved_requests() == 1; }, &ok);
+  EXPECT_TRUE(ok);
+  receive->Cancel();
+  EXPECT_EQ(receive->Finish().status.error_code(), grpc::StatusCode::CANCELLED);
+  receive.reset();
+  ExpectIdle(decode->stub(), "decode after the cancel");
+  Output p = Generate(prefill->stub(), SendRequest(req, decode->address(), r));
+  EXPECT_TRUE(p.status.ok());
+  EXPECT_EQ(p.tokens.size(), 1u);
+  EXPECT_THAT(p.kv_transfer_error, HasSubstr("no reservation"));
+  const v1::LoadReport pl = ExpectIdle(prefill->stub(), "prefill");
+  EXPECT_EQ(pl.kv_handoff_failures(), 1);
+  EXPECT_EQ(pl.expired_handoffs(), 0);
+}
+
+// Requests that cannot be served say why, and leave nothing behind.
+TEST_F(DisaggGrpcTest, InvalidDisaggregatedRequestsAreRejected) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(13, 40), 5);
+
+  // Roles: a prefill worker does not reserve, a decode worker does not send.
+  Output wrong_role = ReceiveStream(prefill->stub(), req).Finish();
+  EXPECT_EQ(wrong_role.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(wrong_role.status.error_message(), HasSubstr("role is prefill"));
+  v1::KvReservation fake;
+  fake.set_reservation_id(1);
+  fake.set_instance_id("x");
+  Output send_on_decode = Generate(decode->stub(), SendRequest(req, prefill->address(), fake));
+  EXPECT_EQ(send_on_decode.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+
+  // SEND without a destination; cached tokens not on a block boundary.
+  v1::GenerateRequest no_dest = req;
+  no_dest.mutable_kv_transfer()->set_mode(v1::KvTransferParams::SEND);
+  EXPECT_EQ(Generate(prefill->stub(), no_dest).status.error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  v1::KvReservation odd = fake;
+  odd.set_cached_tokens(5);
+  Output odd_out = Generate(prefill->stub(), SendRequest(req, decode->address(), odd));
+  EXPECT_EQ(odd_out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(odd_out.status.error_message(), HasSubstr("decode_cached_tokens"));
+
+  // A worker without a KV transport takes no part.
+  Output no_transport = ReceiveStream(aggregated_->stub(), req).Finish();
+  EXPECT_EQ(no_transport.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(no_transport.status.error_message(), HasSubstr("--kv-transport"));
+
+  // The prefill worker is given another prompt than the decode worker
+  // reserved: KvReady is refused (nothing moves) and the reservation waits
+  // for its deadline, then prefills locally.
+  ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/1000);
+  ASSERT_TRUE(receive.reserved());
+  Output mismatched = Generate(
+      prefill->stub(), SendRequest(GreedyRequest(MakePrompt(14, 40), 5), decode->address(),
+                                   receive.reservation()));
+  EXPECT_THAT(mismatched.kv_transfer_error, HasSubstr("another prompt"));
+  Output local = receive.Finish();
+  EXPECT_TRUE(local.includes_first_token);
+  ExpectSameOutput(local, Aggregated(req), "mismatched prompt, local prefill");
+
+  // A restarted decode worker (another instance id) refuses the KvReady.
+  ReceiveStream again(decode->stub(), req, /*timeout_ms=*/500);
+  ASSERT_TRUE(again.reserved());
+  v1::KvReservation stale = again.reservation();
+  stale.set_instance_id("an-older-instance");
+  Output stale_out = Generate(prefill->stub(), SendRequest(req, decode->address(), stale));
+  EXPECT_THAT(stale_out.kv_transfer_error, HasSubstr("instance"));
+  again.Finish();
+
+  ExpectIdle(decode->stub(), "decode");
+  ExpectIdle(prefill->stub(), "prefill");
+}
+
+// Workers whose KV layouts differ (block size) never exchange bytes: the
+// decode worker refuses the pool and prefills locally.
+TEST_F(DisaggGrpcTest, IncompatibleLayoutsAreRefusedBeforeAnyByteMoves) {
+  WorkerProcess* prefill = StartPrefill({"--block-size", "32"});
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(15, 70), 6);
+  Split s = RunSplit(*prefill, *decode, req);
+  EXPECT_THAT(s.prefill.kv_transfer_error, HasSubstr("block_size"));
+  ExpectSameOutput(s.combined, Aggregated(req), "layout mismatch");
+  const v1::LoadReport d = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(d.local_prefill_fallbacks(), 1);
+  EXPECT_EQ(d.kv_bytes_pulled(), 0);
+  ExpectIdle(prefill->stub(), "prefill");
+}
+
+// SIGKILL of the prefill worker while the decode worker's pull waits (a
+// delay fault holds it): the pull fails, the decode worker prefills locally
+// from the first token it was given, frees everything and serves the next
+// request with a new prefill worker.
+TEST_F(DisaggGrpcTest, KilledPrefillWorkerMidTransfer) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode({"--kv-fault", "delay_ms=1500"});
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = SampledRequest(MakePrompt(16, 120), 10, 3);
+  ReceiveStream receive(decode->stub(), req);
+  ASSERT_TRUE(receive.reserved());
+  Output p;
+  std::thread send([&] {
+    p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()),
+                 seconds(20));
+  });
+  // The first token is out and the pull is held: kill the prefill worker.
+  bool pulling = false;
+  for (int i = 0; i < 500 && !pulling; ++i) {
+    pulling = GetLoad(prefill->stub()).prefilled_requests() == 1;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_TRUE(pulling);
+  ::kill(prefill->pid(), SIGKILL);
+  send.join();
+  EXPECT_FALSE(p.status.ok());
+  Output d = receive.Finish();
+  EXPECT_TRUE(d.status.ok()) << d.status.error_message();
+  const Output reference = Aggregated(req);
+  EXPECT_EQ(Combine(p, d).tokens.size(), reference.tokens.size());
+  if (!d.includes_first_token) {
+    // The decode worker continued from the first token it was handed.
+    std::vector<int32_t> tail(reference.tokens.begin() + 1, reference.tokens.end());
+    EXPECT_EQ(d.tokens, tail);
+  }
+  const v1::LoadReport dl = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(dl.local_prefill_fallbacks(), 1);
+
+  WorkerProcess* prefill2 = StartPrefill();
+  ASSERT_NE(prefill2, nullptr);
+  const v1::GenerateRequest next = GreedyRequest(MakePrompt(17, 60), 8);
+  Split s = RunSplit(*prefill2, *decode, next);
+  ExpectSameOutput(s.combined, Aggregated(next), "after the kill");
+  ExpectIdle(decode->stub(), "decode");
+}
+
+// SIGKILL of the decode worker while it pulls: the prefill worker's
+// KvReady fails without a definite answer, so it holds the blocks until the
+// call's deadline (the dead side could still have been reading), then frees
+// them and keeps serving.
+TEST_F(DisaggGrpcTest, KilledDecodeWorkerMidTransfer) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode({"--kv-fault", "delay_ms=1500"});
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(18, 120), 10);
+  auto receive = std::make_unique<ReceiveStream>(decode->stub(), req);
+  ASSERT_TRUE(receive->reserved());
+  Output p;
+  std::thread send([&] {
+    p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive->reservation()),
+                 seconds(20));
+  });
+  bool handed_off = false;
+  for (int i = 0; i < 500 && !handed_off; ++i) {
+    handed_off = GetLoad(prefill->stub()).prefilled_requests() == 1;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_TRUE(handed_off);
+  std::this_thread::sleep_for(milliseconds(200));  // KvReady is in the decode worker
+  ::kill(decode->pid(), SIGKILL);
+  send.join();
+  EXPECT_TRUE(p.status.ok()) << p.status.error_message();
+  EXPECT_EQ(p.tokens.size(), 1u);
+  EXPECT_NE(p.kv_transfer_error, "");
+  EXPECT_FALSE(receive->Finish().status.ok());
+  receive.reset();
+  // Held until the 3 s hold timeout, then freed.
+  const v1::LoadReport pl = ExpectIdle(prefill->stub(), "prefill", seconds(10));
+  EXPECT_EQ(pl.expired_handoffs(), 1);
+
+  WorkerProcess* decode2 = StartDecode();
+  ASSERT_NE(decode2, nullptr);
+  const v1::GenerateRequest next = GreedyRequest(MakePrompt(19, 60), 8);
+  Split s = RunSplit(*prefill, *decode2, next);
+  ExpectSameOutput(s.combined, Aggregated(next), "after the kill");
+  ExpectIdle(prefill->stub(), "prefill");
+  ExpectIdle(decode2->stub(), "decode");
+}
+
+}  // namespace
+}  // namespace tandem

@@ -1,0 +1,187 @@
+#include "tests/testing/worker_client.h"
+
+#include <gtest/gtest.h>
+
+#include <latch>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace tandem::testing {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+std::string CacheBytesFlag(int blocks) { return absl::StrCat(blocks * kBytesPerBlock); }
+
+// Deterministic pseudo-random byte tokens: different seeds give different
+// prompts (no shared first block).
+std::vector<int32_t> MakePrompt(uint32_t seed, int len) {
+  std::vector<int32_t> out;
+  uint64_t x = 0x9E3779B97F4A7C15ull * (seed + 1);
+  for (int i = 0; i < len; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    out.push_back(static_cast<int32_t>(x % 256));
+  }
+  return out;
+}
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Greedy, with the sampled token's logprob and 3 alternatives.
+v1::GenerateRequest GreedyRequest(const std::vector<int32_t>& prompt, int max_tokens) {
+  v1::GenerateRequest req;
+  req.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+  v1::SamplingParams* s = req.mutable_sampling();
+  s->set_temperature(0.0f);
+  s->set_max_tokens(max_tokens);
+  s->set_logprobs(3);
+  return req;
+}
+
+// Seeded nucleus sampling, with logprobs.
+v1::GenerateRequest SampledRequest(const std::vector<int32_t>& prompt, int max_tokens,
+                                   uint64_t seed) {
+  v1::GenerateRequest req = GreedyRequest(prompt, max_tokens);
+  req.mutable_sampling()->set_temperature(0.8f);
+  req.mutable_sampling()->set_top_p(0.9f);
+  req.mutable_sampling()->set_seed(seed);
+  return req;
+}
+
+void Accumulate(const v1::GenerateResponse& msg, Output* out) {
+  ++out->messages;
+  if (out->finish_messages > 0) out->finish_before_end = true;
+  if (msg.has_reservation()) out->reservation = msg.reservation();
+  if (msg.includes_first_token()) out->includes_first_token = true;
+  for (const v1::TokenOutput& t : msg.tokens()) {
+    out->tokens.push_back(t.token_id());
+    out->logprobs.push_back(t.logprob());
+    std::vector<std::pair<int32_t, float>> alts;
+    for (const v1::TopLogprob& a : t.top_logprobs()) alts.emplace_back(a.token_id(), a.logprob());
+    out->top.push_back(std::move(alts));
+  }
+  if (msg.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+    ++out->finish_messages;
+    out->finish = msg.finish_reason();
+    out->stop_token_id = msg.stop_token_id();
+    out->usage = msg.usage();
+    out->error_message = msg.error_message();
+    out->kv_transfer_error = msg.kv_transfer_error();
+  }
+}
+
+Output Generate(v1::Worker::Stub& stub, const v1::GenerateRequest& req,
+                std::chrono::milliseconds timeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub.Generate(&ctx, req);
+  Output out;
+  out.started = std::chrono::steady_clock::now();
+  v1::GenerateResponse msg;
+  while (reader->Read(&msg)) Accumulate(msg, &out);
+  out.status = reader->Finish();
+  out.ended = std::chrono::steady_clock::now();
+  return out;
+}
+
+// A finished stream: OK status, exactly one finishing message, the last one.
+void ExpectWellFormed(const Output& out, const std::string& what) {
+  EXPECT_TRUE(out.status.ok()) << what << ": " << out.status.error_code() << " "
+                               << out.status.error_message();
+  EXPECT_EQ(out.finish_messages, 1) << what;
+  EXPECT_FALSE(out.finish_before_end) << what;
+  EXPECT_EQ(out.usage.completion_tokens(), static_cast<int>(out.tokens.size())) << what;
+  for (int32_t t : out.tokens) {
+    EXPECT_GE(t, 0) << what;
+    EXPECT_LT(t, kVocabSize) << what;
+  }
+}
+
+// Same tokens, finish and (within kLogprobTolerance) logprobs.
+void ExpectSameOutput(const Output& got, const Output& want, const std::string& what) {
+  ExpectWellFormed(got, what);
+  ExpectWellFormed(want, what + " (reference)");
+  EXPECT_EQ(got.tokens, want.tokens) << what;
+  EXPECT_EQ(got.finish, want.finish) << what;
+  EXPECT_EQ(got.stop_token_id, want.stop_token_id) << what;
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
+  ASSERT_EQ(got.top.size(), want.top.size()) << what;
+  for (size_t i = 0; i < got.logprobs.size(); ++i) {
+    EXPECT_NEAR(got.logprobs[i], want.logprobs[i], kLogprobTolerance) << what << " token " << i;
+    ASSERT_EQ(got.top[i].size(), want.top[i].size()) << what << " token " << i;
+    for (size_t k = 0; k < got.top[i].size(); ++k) {
+      EXPECT_EQ(got.top[i][k].first, want.top[i][k].first) << what << " token " << i << " alt " << k;
+      EXPECT_NEAR(got.top[i][k].second, want.top[i][k].second, kLogprobTolerance)
+          << what << " token " << i << " alt " << k;
+    }
+  }
+}
+
+std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub,
+                                         const std::vector<v1::GenerateRequest>& requests) {
+  std::vector<Output> got(requests.size());
+  std::latch start(static_cast<std::ptrdiff_t>(requests.size()));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] {
+      start.arrive_and_wait();
+      got[i] = Generate(stub, requests[i]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return got;
+}
+
+v1::LoadReport GetLoad(v1::Worker::Stub& stub) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
+  v1::LoadReport report;
+  grpc::Status st = stub.GetLoad(&ctx, v1::LoadRequest(), &report);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return report;
+}
+
+v1::ModelInfo GetModelInfo(v1::Worker::Stub& stub) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
+  v1::ModelInfo info;
+  grpc::Status st = stub.GetModelInfo(&ctx, v1::ModelInfoRequest(), &info);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return info;
+}
+
+// Polls GetLoad until `done` holds or `timeout` passes; returns the last
+// report, and whether `done` held, in *ok.
+v1::LoadReport WaitForLoad(v1::Worker::Stub& stub,
+                           const std::function<bool(const v1::LoadReport&)>& done, bool* ok,
+                           milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    v1::LoadReport load = GetLoad(stub);
+    *ok = done(load);
+    if (*ok || std::chrono::steady_clock::now() >= deadline) return load;
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+}
+
+bool IsIdle(const v1::LoadReport& l) {
+  return l.running_sequences() == 0 && l.waiting_sequences() == 0 && l.used_blocks() == 0 &&
+         l.reserved_requests() == 0 && l.prefilled_requests() == 0 && l.quarantined_blocks() == 0;
+}
+
+// Waits until no sequence runs or waits and no block is referenced.
+v1::LoadReport ExpectIdle(v1::Worker::Stub& stub, const std::string& what,
+                          milliseconds timeout) {
+  bool ok = false;
+  v1::LoadReport load = WaitForLoad(stub, IsIdle, &ok, timeout);
+  EXPECT_TRUE(ok) << what << ": the worker did not become idle: " << load.ShortDebugString();
+  return load;
+}
+
+}  // namespace tandem::testing

@@ -1,0 +1,103 @@
+// Client-side helpers for tests that drive `tandem worker` processes over
+// gRPC: requests, whole-stream reads, output comparison (tokens, finish,
+// logprobs within a tolerance) and load polling. They report mismatches as
+// gtest failures. The model constants are builtin:tiny's (vocabulary 384:
+// bytes 0-255 plus specials, EOS ids 257 and 260, context 2048, 3 layers,
+// 2 KV heads of dimension 16).
+#ifndef TANDEM_TESTS_TESTING_WORKER_CLIENT_H_
+#define TANDEM_TESTS_TESTING_WORKER_CLIENT_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::testing {
+
+constexpr int kVocabSize = 384;
+constexpr int kBlockSize = 16;
+constexpr int kContext = 2048;
+// One KV block of builtin:tiny in float32:
+// layers(3) * {K,V}(2) * kv_heads(2) * block_size(16) * head_dim(16) * 4 bytes.
+constexpr int64_t kBytesPerBlock = 3 * 2 * 2 * kBlockSize * 16 * 4;
+constexpr float kLogprobTolerance = 1e-5f;
+constexpr std::chrono::seconds kRpcTimeout(60);
+constexpr std::chrono::milliseconds kIdleTimeout(5000);
+
+// --kv-cache-memory for a pool of `blocks` blocks.
+std::string CacheBytesFlag(int blocks);
+
+// Deterministic pseudo-random byte tokens: different seeds give different
+// prompts (no shared first block).
+std::vector<int32_t> MakePrompt(uint32_t seed, int len);
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b);
+
+// Greedy, with the sampled token's logprob and 3 alternatives.
+v1::GenerateRequest GreedyRequest(const std::vector<int32_t>& prompt, int max_tokens);
+// Seeded nucleus sampling, with logprobs.
+v1::GenerateRequest SampledRequest(const std::vector<int32_t>& prompt, int max_tokens,
+                                   uint64_t seed);
+
+// Everything one Generate stream returned.
+struct Output {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+  std::vector<std::vector<std::pair<int32_t, float>>> top;  // per token, most likely first
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  int32_t stop_token_id = 0;
+  v1::Usage usage;
+  std::string error_message;
+  int messages = 0;
+  int finish_messages = 0;       // messages that carried a finish_reason
+  bool finish_before_end = false;  // a message followed the one with the finish_reason
+  // Disaggregation: the reservation (RECEIVE), whether the decode worker sent
+  // its own first token (includes_first_token), the hand-off's outcome (SEND).
+  v1::KvReservation reservation;
+  bool includes_first_token = false;
+  std::string kv_transfer_error;
+  std::chrono::steady_clock::time_point started;  // when the call was made
+  std::chrono::steady_clock::time_point ended;    // when its status came back
+};
+
+// Adds one stream message to `out`.
+void Accumulate(const v1::GenerateResponse& msg, Output* out);
+
+Output Generate(v1::Worker::Stub& stub, const v1::GenerateRequest& req,
+                std::chrono::milliseconds timeout = kRpcTimeout);
+
+// A finished stream: OK status, exactly one finishing message, the last one.
+void ExpectWellFormed(const Output& out, const std::string& what);
+// Same tokens, finish and (within kLogprobTolerance) logprobs.
+void ExpectSameOutput(const Output& got, const Output& want, const std::string& what);
+
+// Sends every request at once, one thread each (released together), and
+// returns their outputs in request order.
+std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub,
+                                         const std::vector<v1::GenerateRequest>& requests);
+
+v1::LoadReport GetLoad(v1::Worker::Stub& stub);
+v1::ModelInfo GetModelInfo(v1::Worker::Stub& stub);
+
+// Polls GetLoad until `done` holds or `timeout` passes; returns the last
+// report, and whether `done` held, in *ok.
+v1::LoadReport WaitForLoad(v1::Worker::Stub& stub,
+                           const std::function<bool(const v1::LoadReport&)>& done, bool* ok,
+                           std::chrono::milliseconds timeout = kIdleTimeout);
+
+// No sequence runs or waits, no block is referenced, nothing is reserved
+// for or held back from a transfer.
+bool IsIdle(const v1::LoadReport& l);
+// Waits until IsIdle (a test failure if it does not come).
+v1::LoadReport ExpectIdle(v1::Worker::Stub& stub, const std::string& what,
+                          std::chrono::milliseconds timeout = kIdleTimeout);
+
+}  // namespace tandem::testing
+
+#endif  // TANDEM_TESTS_TESTING_WORKER_CLIENT_H_
