@@ -33,64 +33,6 @@ using ::testing::HasSubstr;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-// A disaggregated request's two streams, as a router would see them.
-struct Split {
-  Output decode;   // RECEIVE stream: reservation, then the tokens after the first
-  Output prefill;  // SEND stream: the first token, then the hand-off's outcome
-  // The client's view: the prefill's first token, then decode's (or decode's
-  // whole output when it prefilled locally before anything came).
-  Output combined;
-};
-
-// A decode stream opened with RECEIVE; the reservation arrives first.
-class ReceiveStream {
- public:
-  ReceiveStream(v1::Worker::Stub& decode, v1::GenerateRequest req, uint32_t timeout_ms = 0) {
-    req.mutable_kv_transfer()->set_mode(v1::KvTransferParams::RECEIVE);
-    req.mutable_kv_transfer()->set_timeout_ms(timeout_ms);
-    ctx_.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
-    reader_ = decode.Generate(&ctx_, req);
-    v1::GenerateResponse msg;
-    if (reader_->Read(&msg)) Accumulate(msg, &out_);
-  }
-  // The reservation (absent if the call failed: see Finish()).
-  bool reserved() const { return out_.reservation.reservation_id() != 0; }
-  const v1::KvReservation& reservation() const { return out_.reservation; }
-  void Cancel() { ctx_.TryCancel(); }
-  Output Finish() {
-    v1::GenerateResponse msg;
-    while (reader_->Read(&msg)) Accumulate(msg, &out_);
-    out_.status = reader_->Finish();
-    return out_;
-  }
-
- private:
-  grpc::ClientContext ctx_;
-  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader_;
-  Output out_;
-};
-
-v1::GenerateRequest SendRequest(v1::GenerateRequest req, const std::string& decode_address,
-                                const v1::KvReservation& r) {
-  v1::KvTransferParams* kv = req.mutable_kv_transfer();
-  kv->set_mode(v1::KvTransferParams::SEND);
-  kv->set_decode_address(decode_address);
-  kv->set_reservation_id(r.reservation_id());
-  kv->set_decode_cached_tokens(r.cached_tokens());
-  kv->set_decode_instance_id(r.instance_id());
-  return req;
-}
-
-Output Combine(const Output& prefill, const Output& decode) {
-  Output c = decode;
-  if (!decode.includes_first_token && !prefill.tokens.empty()) {
-    c.tokens.insert(c.tokens.begin(), prefill.tokens[0]);
-    c.logprobs.insert(c.logprobs.begin(), prefill.logprobs[0]);
-    c.top.insert(c.top.begin(), prefill.top[0]);
-  }
-  return c;
-}
-
 class DisaggGrpcTest : public ::testing::Test {
  protected:
   WorkerProcess* StartWorker(std::vector<std::string> flags) {
@@ -121,20 +63,9 @@ class DisaggGrpcTest : public ::testing::Test {
     ASSERT_NE(aggregated_, nullptr);
   }
 
-  // The router's part: reserve on decode, prefill with SEND, read both.
   Split RunSplit(WorkerProcess& prefill, WorkerProcess& decode, const v1::GenerateRequest& req,
                  uint32_t timeout_ms = 0) {
-    Split s;
-    ReceiveStream receive(decode.stub(), req, timeout_ms);
-    if (!receive.reserved()) {
-      s.decode = receive.Finish();
-      ADD_FAILURE() << "no reservation: " << s.decode.status.error_message();
-      return s;
-    }
-    s.prefill = Generate(prefill.stub(), SendRequest(req, decode.address(), receive.reservation()));
-    s.decode = receive.Finish();
-    s.combined = Combine(s.prefill, s.decode);
-    return s;
+    return RunDisaggregated(prefill.stub(), decode.stub(), decode.address(), req, timeout_ms);
   }
 
   Output Aggregated(const v1::GenerateRequest& req) { return Generate(aggregated_->stub(), req); }
@@ -430,7 +361,7 @@ TEST_F(DisaggGrpcTest, KilledPrefillWorkerMidTransfer) {
   ReceiveStream receive(decode->stub(), req);
   ASSERT_TRUE(receive.reserved());
   Output p;
-  std::thread send([&] {
+  std::jthread send([&] {
     p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()),
                  seconds(20));
   });
@@ -476,7 +407,7 @@ TEST_F(DisaggGrpcTest, KilledDecodeWorkerMidTransfer) {
   auto receive = std::make_unique<ReceiveStream>(decode->stub(), req);
   ASSERT_TRUE(receive->reserved());
   Output p;
-  std::thread send([&] {
+  std::jthread send([&] {
     p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive->reservation()),
                  seconds(20));
   });

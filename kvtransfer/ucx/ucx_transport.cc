@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <atomic>
 #include <cstring>
@@ -471,10 +472,12 @@ class UcxTransport::Impl {
       st = ucp_config_modify(cfg, "TLS", "sm,self");
     } else if (options_.transports == "tcp") {
       st = ucp_config_modify(cfg, "TLS", "tcp");
-      if (st == UCS_OK) {
-        st = ucp_config_modify(cfg, "NET_DEVICES",
-                               options_.net_devices.empty() ? "lo" : options_.net_devices.c_str());
-      }
+      // The option, else UCX_NET_DEVICES from the environment, else loopback.
+      const char* env = std::getenv("UCX_NET_DEVICES");
+      const std::string devices = !options_.net_devices.empty() ? options_.net_devices
+                                  : env != nullptr && *env != '\0' ? std::string(env)
+                                                                     : std::string("lo");
+      if (st == UCS_OK) st = ucp_config_modify(cfg, "NET_DEVICES", devices.c_str());
     }
     if (st != UCS_OK) {
       ucp_config_release(cfg);

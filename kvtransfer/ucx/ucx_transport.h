@@ -50,11 +50,12 @@ struct UcxOptions {
   // Which UCX transports carry the data:
   //   "shm":  shared memory (UCX_TLS=sm,self), peers on this host only;
   //           no UCX failure detection (UCX cannot offer it on shm).
-  //   "tcp":  TCP over `net_devices` (default "lo"), UCX peer-failure
+  //   "tcp":  TCP over `net_devices`, UCX peer-failure
   //           detection on (a killed peer fails transfers in about 1 s).
   //   "auto": whatever the UCX_* environment selects (default: all).
   std::string transports = "auto";
-  // UCX_NET_DEVICES for "tcp" (empty: "lo"); ignored otherwise.
+  // The network devices for "tcp", e.g. "eth0" (empty: $UCX_NET_DEVICES if
+  // set, else "lo"); ignored otherwise.
   std::string net_devices;
   // Every transfer ends within this time even if its deadline is later: a
   // transport never waits on a peer without a deadline.

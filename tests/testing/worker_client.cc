@@ -184,4 +184,63 @@ v1::LoadReport ExpectIdle(v1::Worker::Stub& stub, const std::string& what,
   return load;
 }
 
+
+// ---------------------------------------------------------------------------
+// Disaggregated serving
+
+ReceiveStream::ReceiveStream(v1::Worker::Stub& decode, v1::GenerateRequest req,
+                             uint32_t timeout_ms) {
+  req.mutable_kv_transfer()->set_mode(v1::KvTransferParams::RECEIVE);
+  req.mutable_kv_transfer()->set_timeout_ms(timeout_ms);
+  ctx_.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  reader_ = decode.Generate(&ctx_, req);
+  v1::GenerateResponse msg;
+  if (reader_->Read(&msg)) Accumulate(msg, &out_);
+}
+
+Output ReceiveStream::Finish() {
+  v1::GenerateResponse msg;
+  while (reader_->Read(&msg)) Accumulate(msg, &out_);
+  out_.status = reader_->Finish();
+  out_.ended = std::chrono::steady_clock::now();
+  return out_;
+}
+
+v1::GenerateRequest SendRequest(v1::GenerateRequest req, const std::string& decode_address,
+                                const v1::KvReservation& r) {
+  v1::KvTransferParams* kv = req.mutable_kv_transfer();
+  kv->set_mode(v1::KvTransferParams::SEND);
+  kv->set_decode_address(decode_address);
+  kv->set_reservation_id(r.reservation_id());
+  kv->set_decode_cached_tokens(r.cached_tokens());
+  kv->set_decode_instance_id(r.instance_id());
+  return req;
+}
+
+Output Combine(const Output& prefill, const Output& decode) {
+  Output c = decode;
+  if (!decode.includes_first_token && !prefill.tokens.empty()) {
+    c.tokens.insert(c.tokens.begin(), prefill.tokens[0]);
+    c.logprobs.insert(c.logprobs.begin(), prefill.logprobs[0]);
+    c.top.insert(c.top.begin(), prefill.top[0]);
+  }
+  return c;
+}
+
+Split RunDisaggregated(v1::Worker::Stub& prefill, v1::Worker::Stub& decode,
+                       const std::string& decode_address, const v1::GenerateRequest& req,
+                       uint32_t timeout_ms) {
+  Split s;
+  ReceiveStream receive(decode, req, timeout_ms);
+  if (!receive.reserved()) {
+    s.decode = receive.Finish();
+    ADD_FAILURE() << "no reservation: " << s.decode.status.error_message();
+    return s;
+  }
+  s.prefill = Generate(prefill, SendRequest(req, decode_address, receive.reservation()));
+  s.decode = receive.Finish();
+  s.combined = Combine(s.prefill, s.decode);
+  return s;
+}
+
 }  // namespace tandem::testing

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -97,6 +98,46 @@ bool IsIdle(const v1::LoadReport& l);
 // Waits until IsIdle (a test failure if it does not come).
 v1::LoadReport ExpectIdle(v1::Worker::Stub& stub, const std::string& what,
                           std::chrono::milliseconds timeout = kIdleTimeout);
+
+// ---------------------------------------------------------------------------
+// Disaggregated serving, driven as the router does (worker.proto's protocol).
+
+// A request's two streams.
+struct Split {
+  Output decode;   // RECEIVE stream: reservation, then the tokens after the first
+  Output prefill;  // SEND stream: the first token, then the hand-off's outcome
+  // The client's view: the prefill's first token, then decode's (or decode's
+  // whole output when it prefilled locally before anything came).
+  Output combined;
+};
+
+// A decode stream opened with RECEIVE; the reservation arrives first.
+class ReceiveStream {
+ public:
+  ReceiveStream(v1::Worker::Stub& decode, v1::GenerateRequest req, uint32_t timeout_ms = 0);
+  // The reservation (absent if the call failed: see Finish()).
+  bool reserved() const { return out_.reservation.reservation_id() != 0; }
+  const v1::KvReservation& reservation() const { return out_.reservation; }
+  void Cancel() { ctx_.TryCancel(); }
+  // Reads the rest of the stream.
+  Output Finish();
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader_;
+  Output out_;
+};
+
+// `req` as a SEND request for the reservation `r` of the decode worker at
+// `decode_address` (as the prefill worker reaches it).
+v1::GenerateRequest SendRequest(v1::GenerateRequest req, const std::string& decode_address,
+                                const v1::KvReservation& r);
+// What the client sees of a split request.
+Output Combine(const Output& prefill, const Output& decode);
+// Reserve on the decode worker, prefill with SEND, read both streams.
+Split RunDisaggregated(v1::Worker::Stub& prefill, v1::Worker::Stub& decode,
+                       const std::string& decode_address, const v1::GenerateRequest& req,
+                       uint32_t timeout_ms = 0);
 
 }  // namespace tandem::testing
 

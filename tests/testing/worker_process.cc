@@ -142,15 +142,20 @@ int ChildProcess::Stop(std::chrono::milliseconds grace) {
 // WorkerProcess
 
 absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
-    const std::vector<std::string>& flags, std::chrono::milliseconds ready_timeout) {
+    const std::vector<std::string>& flags, std::chrono::milliseconds ready_timeout,
+    const LaunchOptions& launch) {
   absl::StatusOr<std::string> bin = TandemBinary();
   if (!bin.ok()) return bin.status();
   absl::StatusOr<std::string> dir = MakeTempDir();
   if (!dir.ok()) return dir.status();
   const std::string ready_file = *dir + "/ready";
 
-  std::vector<std::string> argv = {*bin,         "worker",    "--port",    "0",
-                                   "--ready-file", ready_file, "--threads", "1"};
+  std::vector<std::string> argv = launch.wrapper;
+  for (const char* a : {"worker", "--port", "0", "--ready-file"}) {
+    if (argv.size() == launch.wrapper.size()) argv.push_back(*bin);
+    argv.push_back(a);
+  }
+  argv.insert(argv.end(), {ready_file, "--threads", "1"});
   argv.insert(argv.end(), flags.begin(), flags.end());
   absl::StatusOr<ChildProcess> child = ChildProcess::Spawn(argv);
   if (!child.ok()) {
@@ -183,6 +188,9 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
     std::this_thread::sleep_for(kPollInterval);
   }
   address = std::string(absl::StripAsciiWhitespace(address));
+  if (!launch.connect_host.empty()) {
+    address = absl::StrCat(launch.connect_host, address.substr(address.rfind(':')));
+  }
 
   auto worker = std::unique_ptr<WorkerProcess>(
       new WorkerProcess(std::move(*child), *dir, address));
@@ -200,6 +208,8 @@ WorkerProcess::WorkerProcess(ChildProcess process, std::string dir, std::string 
       address_(std::move(address)),
       channel_(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials())),
       stub_(tandem::v1::Worker::NewStub(channel_)) {}
+
+int WorkerProcess::port() const { return std::stoi(address_.substr(address_.rfind(':') + 1)); }
 
 WorkerProcess::~WorkerProcess() {
   if (!stopped_) Stop();

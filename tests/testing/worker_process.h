@@ -67,16 +67,27 @@ class ChildProcess {
   std::optional<int> wait_status_;
 };
 
+// How a worker is launched beyond its flags: inside another environment
+// (e.g. {"ip", "netns", "exec", "ns1", "env", "UCX_NET_DEVICES=veth0"}, each
+// of which execs the next, so the pid stays the worker's) and reached at
+// another host than the one it listens on (it may listen on 0.0.0.0).
+struct LaunchOptions {
+  std::vector<std::string> wrapper;
+  std::string connect_host;  // empty: the host from the ready file
+};
+
 class WorkerProcess {
  public:
   // `flags` follow the fixed ones, e.g. {"--kv-cache-memory", "1MiB"}.
   static absl::StatusOr<std::unique_ptr<WorkerProcess>> Start(
       const std::vector<std::string>& flags,
-      std::chrono::milliseconds ready_timeout = std::chrono::seconds(30));
+      std::chrono::milliseconds ready_timeout = std::chrono::seconds(30),
+      const LaunchOptions& launch = {});
   ~WorkerProcess();  // Stop(10 s) unless stopped already
 
-  // "host:port" from the ready file.
+  // "host:port": the ready file's, or LaunchOptions::connect_host's.
   const std::string& address() const { return address_; }
+  int port() const;
   tandem::v1::Worker::Stub& stub() { return *stub_; }
   pid_t pid() const { return process_.pid(); }
   // Closes stub()'s connection, then SIGTERM, then SIGKILL after `grace`;

@@ -41,6 +41,7 @@ struct WorkerOptions {
   bool no_prefix_caching = false;
   std::string kv_transport = "none";    // none or ucx: moves KV blocks between workers
   std::string kv_transport_tls = "auto";  // ucx: auto, shm (one host) or tcp
+  std::string kv_net_devices;           // ucx tcp: devices, e.g. eth0 (empty: $UCX_NET_DEVICES or lo)
   int kv_receive_timeout_ms = 30000;    // decode: a reservation's wait for its KV (default)
   int kv_hold_timeout_ms = 10000;       // prefill: blocks held for a decode worker at most
   std::string kv_fallback = "local";    // decode, KV never came: local (prefill here) or error
@@ -61,6 +62,7 @@ absl::StatusOr<std::unique_ptr<kvtransfer::Transport>> MakeKvTransport(const Wor
 #ifdef TANDEM_HAVE_UCX
   kvtransfer::UcxOptions ucx;
   ucx.transports = opt.kv_transport_tls;
+  ucx.net_devices = opt.kv_net_devices;
   ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> ucx_transport,
                    kvtransfer::UcxTransport::Create(ucx));
   std::unique_ptr<kvtransfer::Transport> t = std::move(ucx_transport);
@@ -242,6 +244,8 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--kv-transport-tls", opt->kv_transport_tls,
                   "UCX transports: auto, shm (one host) or tcp")
       ->capture_default_str();
+  cmd->add_option("--kv-net-devices", opt->kv_net_devices,
+                  "UCX tcp: network devices, e.g. eth0 (default: $UCX_NET_DEVICES, else lo)");
   cmd->add_option("--kv-receive-timeout-ms", opt->kv_receive_timeout_ms,
                   "Decode: how long a reservation waits for its KV (unless the request says)")
       ->capture_default_str();

@@ -1,0 +1,229 @@
+// Disaggregated serving between two network namespaces: the prefill and
+// decode workers each run in their own namespace with their own address,
+// joined by a veth pair; the KV moves over UCX's tcp transport on that pair
+// and the prefill worker calls KvReady across it, as between two hosts.
+// The test reaches each worker over a second veth into its namespace.
+//
+//   test (root ns) --ctl veth-- [prefill ns] tp ==pair== td [decode ns] --ctl veth-- test
+//
+// Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for `ip netns`); skipped with
+// the reason where namespaces cannot be created.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <latch>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "tests/testing/worker_client.h"
+#include "tests/testing/worker_process.h"
+
+namespace tandem {
+namespace {
+
+using namespace ::tandem::testing;  // NOLINT: the helpers of every test here
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr const char* kIp = "/usr/sbin/ip";
+
+// Runs a command line; its output goes to `out` when given.
+int Run(const std::string& cmd, std::string* out = nullptr) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return -1;
+  std::string text;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), p) != nullptr) text += buf;
+  const int rc = pclose(p);
+  if (out != nullptr) *out = text;
+  return rc;
+}
+
+// Two namespaces joined by a veth pair, each with a control veth to the root
+// namespace. Names and subnets carry the pid, so concurrent runs (other
+// build trees) do not collide. Torn down in the destructor.
+class Topology {
+ public:
+  static std::unique_ptr<Topology> Create(std::string* why) {
+    auto t = std::unique_ptr<Topology>(new Topology());
+    const int pid = static_cast<int>(getpid());
+    const std::string tag = absl::StrCat(pid % 100000);
+    t->prefill_ns_ = "tndp" + tag;
+    t->decode_ns_ = "tndd" + tag;
+    t->prefill_if_ = "tp" + tag;
+    t->decode_if_ = "td" + tag;
+    const int net = 16 + pid % 200;  // 10.<net>.{0,1,2}.0/24
+    t->pair_prefix_ = absl::StrCat("10.", net, ".0.");
+    const std::string ctl_p = absl::StrCat("10.", net, ".1.");
+    const std::string ctl_d = absl::StrCat("10.", net, ".2.");
+    t->prefill_ctl_ = ctl_p + "2";
+    t->decode_ctl_ = ctl_d + "2";
+    const std::string ip = kIp;
+    const std::vector<std::string> cmds = {
+        ip + " netns add " + t->prefill_ns_,
+        ip + " netns add " + t->decode_ns_,
+        // The pair the workers talk over.
+        ip + " link add " + t->prefill_if_ + " type veth peer name " + t->decode_if_,
+        ip + " link set " + t->prefill_if_ + " netns " + t->prefill_ns_,
+        ip + " link set " + t->decode_if_ + " netns " + t->decode_ns_,
+        ip + " -n " + t->prefill_ns_ + " addr add " + t->pair_prefix_ + "1/24 dev " + t->prefill_if_,
+        ip + " -n " + t->decode_ns_ + " addr add " + t->pair_prefix_ + "2/24 dev " + t->decode_if_,
+        ip + " -n " + t->prefill_ns_ + " link set " + t->prefill_if_ + " up",
+        ip + " -n " + t->decode_ns_ + " link set " + t->decode_if_ + " up",
+        ip + " -n " + t->prefill_ns_ + " link set lo up",
+        ip + " -n " + t->decode_ns_ + " link set lo up",
+        // Control links from the root namespace (the test's gRPC only).
+        ip + " link add cp" + tag + " type veth peer name cr" + tag + "p",
+        ip + " link set cp" + tag + " netns " + t->prefill_ns_,
+        ip + " addr add " + ctl_p + "1/24 dev cr" + tag + "p",
+        ip + " link set cr" + tag + "p up",
+        ip + " -n " + t->prefill_ns_ + " addr add " + ctl_p + "2/24 dev cp" + tag,
+        ip + " -n " + t->prefill_ns_ + " link set cp" + tag + " up",
+        ip + " link add cd" + tag + " type veth peer name cr" + tag + "d",
+        ip + " link set cd" + tag + " netns " + t->decode_ns_,
+        ip + " addr add " + ctl_d + "1/24 dev cr" + tag + "d",
+        ip + " link set cr" + tag + "d up",
+        ip + " -n " + t->decode_ns_ + " addr add " + ctl_d + "2/24 dev cd" + tag,
+        ip + " -n " + t->decode_ns_ + " link set cd" + tag + " up",
+    };
+    for (const std::string& c : cmds) {
+      std::string out;
+      if (Run(c, &out) != 0) {
+        *why = absl::StrCat("`", c, "` failed: ", out);
+        return nullptr;
+      }
+    }
+    return t;
+  }
+
+  ~Topology() {
+    // Deleting a namespace deletes the veths in it, and their peers.
+    Run(absl::StrCat(kIp, " netns del ", prefill_ns_));
+    Run(absl::StrCat(kIp, " netns del ", decode_ns_));
+  }
+
+  // Launch options for a worker in the prefill or decode namespace: UCX uses
+  // the pair's interface only.
+  LaunchOptions Launch(bool prefill) const {
+    return LaunchOptions{
+        .wrapper = {kIp, "netns", "exec", prefill ? prefill_ns_ : decode_ns_, "/usr/bin/env",
+                    "UCX_NET_DEVICES=" + (prefill ? prefill_if_ : decode_if_)},
+        .connect_host = prefill ? prefill_ctl_ : decode_ctl_};
+  }
+  // The decode worker's address on the pair, as the prefill worker reaches it.
+  std::string DecodeOnPair(int port) const { return absl::StrCat(pair_prefix_, "2:", port); }
+  // Bytes the decode worker's end of the pair has received.
+  int64_t DecodePairRxBytes() const {
+    std::string out;
+    Run(absl::StrCat(kIp, " netns exec ", decode_ns_, " cat /sys/class/net/", decode_if_,
+                     "/statistics/rx_bytes"),
+        &out);
+    return std::atoll(out.c_str());
+  }
+
+ private:
+  Topology() = default;
+  std::string prefill_ns_, decode_ns_, prefill_if_, decode_if_, pair_prefix_, prefill_ctl_,
+      decode_ctl_;
+};
+
+TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
+  if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root; this test runs as uid " << geteuid();
+  std::string why;
+  std::unique_ptr<Topology> topo = Topology::Create(&why);
+  if (topo == nullptr) GTEST_SKIP() << "cannot build the two-namespace topology: " << why;
+
+  const std::vector<std::string> common = {"--model", "builtin:tiny", "--kv-cache-memory", "8MiB",
+                                           "--host", "0.0.0.0", "--kv-transport", "ucx",
+                                           "--kv-transport-tls", "tcp"};
+  auto flags = [&](std::vector<std::string> extra) {
+    std::vector<std::string> f = common;
+    f.insert(f.end(), extra.begin(), extra.end());
+    return f;
+  };
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> prefill = WorkerProcess::Start(
+      flags({"--role", "prefill", "--kv-hold-timeout-ms", "3000"}), seconds(30),
+      topo->Launch(true));
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> decode = WorkerProcess::Start(
+      flags({"--role", "decode", "--kv-quarantine-ms", "300"}), seconds(30), topo->Launch(false));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> aggregated =
+      WorkerProcess::Start({"--model", "builtin:tiny", "--kv-cache-memory", "8MiB"});
+  ASSERT_TRUE(aggregated.ok()) << aggregated.status();
+  const std::string decode_on_pair = topo->DecodeOnPair((*decode)->port());
+
+  // Concurrent requests of mixed lengths match one worker's outputs.
+  const int64_t rx_before = topo->DecodePairRxBytes();
+  const int lengths[] = {5, 16, 70, 130, 257, 33};
+  std::vector<v1::GenerateRequest> reqs;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> prompt = MakePrompt(500 + i, lengths[i]);
+    reqs.push_back(i % 2 ? SampledRequest(prompt, 12, 40 + i) : GreedyRequest(prompt, 12));
+    reqs.back().mutable_sampling()->set_ignore_eos(true);
+  }
+  std::vector<Split> got(reqs.size());
+  {
+    std::latch start(static_cast<std::ptrdiff_t>(reqs.size()));
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      threads.emplace_back([&, i] {
+        start.arrive_and_wait();
+        got[i] = RunDisaggregated((*prefill)->stub(), (*decode)->stub(), decode_on_pair, reqs[i]);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const std::string what = absl::StrCat("request ", i);
+    EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
+    ExpectSameOutput(got[i].combined, Generate((*aggregated)->stub(), reqs[i]), what);
+  }
+  const v1::LoadReport d = ExpectIdle((*decode)->stub(), "decode");
+  EXPECT_EQ(d.kv_pulls(), 6);
+  EXPECT_EQ(d.local_prefill_fallbacks(), 0);
+  ExpectIdle((*prefill)->stub(), "prefill");
+  // The KV crossed the pair (the decode end received at least its bytes).
+  EXPECT_GE(topo->DecodePairRxBytes() - rx_before, d.kv_bytes_pulled());
+
+  // The prefill worker dies while the decode worker's pull is held back (a
+  // delay fault): over tcp the pull fails, the decode worker prefills locally
+  // and frees everything.
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> slow_decode = WorkerProcess::Start(
+      flags({"--role", "decode", "--kv-quarantine-ms", "300", "--kv-fault", "delay_ms=1000"}),
+      seconds(30), topo->Launch(false));
+  ASSERT_TRUE(slow_decode.ok()) << slow_decode.status();
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(600, 90), 8);
+  ReceiveStream receive((*slow_decode)->stub(), req);
+  ASSERT_TRUE(receive.reserved());
+  std::jthread send([&] {
+    Generate((*prefill)->stub(),
+             SendRequest(req, topo->DecodeOnPair((*slow_decode)->port()), receive.reservation()),
+             seconds(20));
+  });
+  bool handed_off = false;
+  for (int i = 0; i < 1000 && !handed_off; ++i) {
+    handed_off = GetLoad((*prefill)->stub()).prefilled_requests() == 1;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  ASSERT_TRUE(handed_off);
+  ::kill((*prefill)->pid(), SIGKILL);
+  send.join();
+  Output out = receive.Finish();
+  EXPECT_TRUE(out.status.ok()) << out.status.error_message();
+  const Output reference = Generate((*aggregated)->stub(), req);
+  EXPECT_EQ(out.tokens.size() + (out.includes_first_token ? 0 : 1), reference.tokens.size());
+  const v1::LoadReport s = ExpectIdle((*slow_decode)->stub(), "decode after the kill", seconds(15));
+  EXPECT_EQ(s.local_prefill_fallbacks(), 1);
+}
+
+}  // namespace
+}  // namespace tandem
