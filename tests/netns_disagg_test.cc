@@ -64,6 +64,8 @@ class Topology {
     t->pair_prefix_ = absl::StrCat("10.", net, ".0.");
     const std::string ctl_p = absl::StrCat("10.", net, ".1.");
     const std::string ctl_d = absl::StrCat("10.", net, ".2.");
+    t->ctl_root_p_ = "cr" + tag + "p";
+    t->ctl_root_d_ = "cr" + tag + "d";
     t->prefill_ctl_ = ctl_p + "2";
     t->decode_ctl_ = ctl_d + "2";
     const std::string ip = kIp;
@@ -105,7 +107,10 @@ class Topology {
   }
 
   ~Topology() {
-    // Deleting a namespace deletes the veths in it, and their peers.
+    // The root ends first: a namespace a process still holds outlives `netns
+    // del`, and with it its veths' peers.
+    Run(absl::StrCat(kIp, " link del ", ctl_root_p_));
+    Run(absl::StrCat(kIp, " link del ", ctl_root_d_));
     Run(absl::StrCat(kIp, " netns del ", prefill_ns_));
     Run(absl::StrCat(kIp, " netns del ", decode_ns_));
   }
@@ -132,7 +137,7 @@ class Topology {
  private:
   Topology() = default;
   std::string prefill_ns_, decode_ns_, prefill_if_, decode_if_, pair_prefix_, prefill_ctl_,
-      decode_ctl_;
+      decode_ctl_, ctl_root_p_, ctl_root_d_;
 };
 
 TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
