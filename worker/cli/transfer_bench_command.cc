@@ -1,4 +1,4 @@
-// `tandem bench transfer`: bandwidth and latency of KV-block Push between two
+// `tandem bench transfer`: bandwidth and latency of KV-block Pull (or Push) between two
 // real processes (forked before anything of UCX exists; PeerInfo goes over a
 // pipe), against a plain memcpy of the same blocks measured in the same run
 // (machines are noisy; only same-run ratios are comparable).
@@ -48,6 +48,7 @@ using kvtransfer::Transport;
 struct TransferBenchOptions {
   std::string backend = "ucx";
   std::string tls = "shm";
+  std::string op = "pull";  // pull: what the decode worker does; push
   int max_blocks = 256;
   int repeats = 5;
   bool json = false;
@@ -72,22 +73,33 @@ double Median(std::vector<double> v) {
 }
 
 // Block b is filled with a byte pattern derived from b.
-void FillPool(uint8_t* base, const PoolLayout& l) {
-  for (int64_t b = 0; b < l.num_blocks; ++b) {
-    std::memset(base + b * l.block_bytes, static_cast<int>((b * 37 + 11) & 0xff),
-                static_cast<size_t>(l.block_bytes));
-    std::memcpy(base + b * l.block_bytes, &b, sizeof(b));
-  }
+// Block b's contents, the same in both processes: its id, then a byte pattern.
+void FillBlock(uint8_t* block, int64_t b, int64_t block_bytes) {
+  std::memset(block, static_cast<int>((b * 37 + 11) & 0xff), static_cast<size_t>(block_bytes));
+  std::memcpy(block, &b, sizeof(b));
 }
 
-// Posts one Push and waits for `done`; returns post -> done seconds.
-absl::StatusOr<double> TimedPush(Transport& t, const std::string& peer,
-                                 const std::vector<BlockPair>& pairs) {
+void FillPool(uint8_t* base, const PoolLayout& l) {
+  for (int64_t b = 0; b < l.num_blocks; ++b) FillBlock(base + b * l.block_bytes, b, l.block_bytes);
+}
+
+// The block pairs of one transfer of n blocks: local block i and the peer's
+// block perm[i] (a scattered destination, as a real block table is).
+std::vector<BlockPair> PairsFor(int n, const std::vector<int32_t>& perm, bool pull) {
+  std::vector<BlockPair> pairs;
+  for (int i = 0; i < n; ++i) pairs.push_back(pull ? BlockPair{perm[i], i} : BlockPair{i, perm[i]});
+  return pairs;
+}
+
+// Posts one transfer and waits for `done`; returns post -> done seconds.
+absl::StatusOr<double> TimedTransfer(Transport& t, const std::string& peer,
+                                     const std::vector<BlockPair>& pairs, bool pull) {
   std::promise<absl::Status> done;
   const Clock::time_point start = Clock::now();
-  RETURN_IF_ERROR(t.Push(peer, pairs, start + std::chrono::seconds(60), [&done](absl::Status st) {
-                     done.set_value(std::move(st));
-                   }).status());
+  auto on_done = [&done](absl::Status st) { done.set_value(std::move(st)); };
+  const kvtransfer::Deadline deadline = start + std::chrono::seconds(60);
+  RETURN_IF_ERROR((pull ? t.Pull(peer, pairs, deadline, on_done)
+                        : t.Push(peer, pairs, deadline, on_done)).status());
   absl::Status st = done.get_future().get();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   RETURN_IF_ERROR(st);
@@ -120,17 +132,17 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
 
   std::vector<Row> rows;
   absl::Status status;
+  const bool pull = opt.op == "pull";
   for (int n = 1; n <= opt.max_blocks; n *= 2) {
-    std::vector<BlockPair> pairs;
-    for (int i = 0; i < n; ++i) pairs.push_back({i, perm[i]});
+    const std::vector<BlockPair> pairs = PairsFor(n, perm, pull);
     std::vector<double> push, copy;
-    absl::StatusOr<double> warm = TimedPush(t, peer, pairs);
+    absl::StatusOr<double> warm = TimedTransfer(t, peer, pairs, pull);
     if (!warm.ok()) {
       status = warm.status();
       break;
     }
     for (int r = 0; r < opt.repeats; ++r) {
-      absl::StatusOr<double> s = TimedPush(t, peer, pairs);
+      absl::StatusOr<double> s = TimedTransfer(t, peer, pairs, pull);
       if (!s.ok()) {
         status = s.status();
         break;
@@ -151,22 +163,29 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
   return rows;
 }
 
-// Pulls back the peer block that local block 0 was pushed into (perm[0])
-// and checks it holds block 0's bytes: the benchmark moved real bytes.
+// Checks that the benchmark moved real bytes. Push: pulls back the peer
+// block that local block 0 went to (perm[0]) and compares. Pull: local
+// block 0 must now hold the peer's block perm[0] (both pools were filled the
+// same way).
 absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool,
-                           const PoolLayout& layout) {
+                           const PoolLayout& layout, bool pull) {
   std::vector<int32_t> perm(layout.num_blocks);
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
-  const int32_t scratch = static_cast<int32_t>(layout.num_blocks - 1);
-  std::promise<absl::Status> done;
-  RETURN_IF_ERROR(t.Pull(peer, {{perm[0], scratch}}, Clock::now() + std::chrono::seconds(30),
-                         [&done](absl::Status st) { done.set_value(std::move(st)); })
-                      .status());
-  RETURN_IF_ERROR(done.get_future().get());
-  if (std::memcmp(pool + scratch * layout.block_bytes, pool,
-                  static_cast<size_t>(layout.block_bytes)) != 0) {
-    return absl::DataLossError("the block pulled back differs from the block pushed");
+  const size_t bytes = static_cast<size_t>(layout.block_bytes);
+  std::vector<uint8_t> want(bytes);
+  FillBlock(want.data(), pull ? perm[0] : 0, layout.block_bytes);
+  int32_t check = 0;
+  if (!pull) {
+    check = static_cast<int32_t>(layout.num_blocks - 1);
+    std::promise<absl::Status> done;
+    RETURN_IF_ERROR(t.Pull(peer, {{perm[0], check}}, Clock::now() + std::chrono::seconds(30),
+                           [&done](absl::Status st) { done.set_value(std::move(st)); })
+                        .status());
+    RETURN_IF_ERROR(done.get_future().get());
+  }
+  if (std::memcmp(pool + check * layout.block_bytes, want.data(), bytes) != 0) {
+    return absl::DataLossError("a transferred block differs from its source");
   }
   return absl::OkStatus();
 }
@@ -174,8 +193,8 @@ absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool,
 void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
   const std::string name = opt.backend == "ucx" ? "ucx/" + opt.tls : opt.backend;
   if (!opt.json) {
-    std::printf("KV Push %s, 2 MiB blocks (Llama-3-8B, 16 tokens), median of %d; GB/s = 1e9 B/s\n",
-                name.c_str(), opt.repeats);
+    std::printf("KV %s %s, 2 MiB blocks (Llama-3-8B, 16 tokens), median of %d; GB/s = 1e9 B/s\n",
+                opt.op.c_str(), name.c_str(), opt.repeats);
     std::printf("%7s %7s %10s %10s %9s %12s %8s\n", "blocks", "MiB", "lat_ms", "min_ms", "GB/s",
                 "memcpy_GB/s", "ratio");
   }
@@ -183,6 +202,7 @@ void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
     const double gbps = r.bytes / r.seconds / 1e9, memcpy_gbps = r.bytes / r.memcpy_seconds / 1e9;
     if (opt.json) {
       nlohmann::json j = {{"backend", name},
+                          {"op", opt.op},
                           {"blocks", r.blocks},
                           {"bytes", r.bytes},
                           {"seconds", r.seconds},
@@ -203,6 +223,7 @@ absl::Status RunLoopback(const TransferBenchOptions& opt) {
   const size_t bytes = static_cast<size_t>(layout.num_blocks * layout.block_bytes);
   std::vector<uint8_t> pool_a(bytes), pool_b(bytes, 0);
   FillPool(pool_a.data(), layout);
+  FillPool(pool_b.data(), layout);
   auto fabric = std::make_shared<kvtransfer::LoopbackFabric>();
   kvtransfer::LoopbackTransport a(fabric), b(fabric);
   RETURN_IF_ERROR(a.RegisterPool(layout, pool_a.data()));
@@ -210,7 +231,7 @@ absl::Status RunLoopback(const TransferBenchOptions& opt) {
   ASSIGN_OR_RETURN(PeerInfo b_info, b.LocalInfo());
   RETURN_IF_ERROR(a.AddPeer(b_info));
   ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(a, b_info.agent_id, pool_a.data(), layout, opt));
-  RETURN_IF_ERROR(CheckOneBlock(a, b_info.agent_id, pool_a.data(), layout));
+  RETURN_IF_ERROR(CheckOneBlock(a, b_info.agent_id, pool_a.data(), layout, opt.op == "pull"));
   Print(rows, opt);
   return absl::OkStatus();
 }
@@ -263,6 +284,7 @@ int RunTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
     ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t,
                      kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
     ASSIGN_OR_RETURN(void* pool, t->AllocatePool(layout.num_blocks * layout.block_bytes));
+    FillPool(static_cast<uint8_t*>(pool), layout);
     RETURN_IF_ERROR(t->RegisterPool(layout, pool));
     ASSIGN_OR_RETURN(PeerInfo info, t->LocalInfo());
     RETURN_IF_ERROR(WriteMessage(to_parent, kvtransfer::EncodePeerInfo(info)));
@@ -306,7 +328,7 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
     ASSIGN_OR_RETURN(PeerInfo peer, kvtransfer::DecodePeerInfo(encoded));
     RETURN_IF_ERROR(t->AddPeer(peer));
     ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(*t, peer.agent_id, pool, layout, opt));
-    RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, pool, layout));
+    RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, pool, layout, opt.op == "pull"));
     Print(rows, opt);
     return absl::OkStatus();
   }();
@@ -324,6 +346,9 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
 absl::Status RunTransferBench(const TransferBenchOptions& opt) {
   if (opt.max_blocks < 1 || opt.repeats < 1) {
     return absl::InvalidArgumentError("--max-blocks and --repeats must be >= 1");
+  }
+  if (opt.op != "pull" && opt.op != "push") {
+    return absl::InvalidArgumentError(absl::StrFormat("--op %s: want pull or push", opt.op));
   }
   if (opt.backend == "loopback") return RunLoopback(opt);
   if (opt.backend != "ucx") {
@@ -345,7 +370,10 @@ absl::Status RunTransferBench(const TransferBenchOptions& opt) {
 void AddTransferBenchCommand(CLI::App& bench) {
   auto opt = std::make_shared<TransferBenchOptions>();
   CLI::App* cmd = bench.add_subcommand(
-      "transfer", "KV-block Push bandwidth/latency between two processes vs memcpy");
+      "transfer", "KV-block transfer bandwidth/latency between two processes vs memcpy");
+  cmd->add_option("--op", opt->op,
+                  "pull (what a decode worker does in disaggregation) or push")
+      ->capture_default_str();
   cmd->add_option("--backend", opt->backend, "ucx or loopback")->capture_default_str();
   cmd->add_option("--tls", opt->tls, "UCX transports: shm or tcp (tcp over lo)")
       ->capture_default_str();
