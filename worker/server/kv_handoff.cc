@@ -103,6 +103,7 @@ struct KvReceiver::Pull {
   std::string agent_id;
   std::vector<kvtransfer::BlockPair> pairs;
   std::vector<uint64_t> checksums;  // per pair, or empty
+  bool peer_held = false;           // EnsurePeer counted this pull
   SampledToken first;
   tandem::v1::KvReadyResponse* response = nullptr;
   std::function<void(grpc::Status)> done;
@@ -130,15 +131,45 @@ void KvReceiver::Forget(uint64_t reservation_id) {
 }
 
 absl::Status KvReceiver::EnsurePeer(const tandem::v1::KvTransferInfo& source) {
+  const auto now = steady_clock::now();
   std::lock_guard<std::mutex> lock(peers_mu_);
-  if (peers_.count(source.agent_id()) > 0) return absl::OkStatus();
-  absl::Status added = transport_->AddPeer(FromProto(source));
-  if (!added.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot pull KV from the prefill worker: ", added.message()));
+  auto it = peers_.find(source.agent_id());
+  if (it == peers_.end()) {
+    absl::Status added = transport_->AddPeer(FromProto(source));
+    if (!added.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot pull KV from the prefill worker: ", added.message()));
+    }
+    it = peers_.emplace(source.agent_id(), PeerUse{}).first;
   }
-  peers_.insert(source.agent_id());
+  ++it->second.pulls;
+  it->second.last_used = now;
+  if (peers_.size() > kMaxIdlePeers) {
+    for (auto p = peers_.begin(); p != peers_.end();) {
+      if (p->second.pulls == 0 && now - p->second.last_used > std::chrono::minutes(1)) {
+        transport_->RemovePeer(p->first);
+        p = peers_.erase(p);
+      } else {
+        ++p;
+      }
+    }
+  }
   return absl::OkStatus();
+}
+
+void KvReceiver::ReleasePeer(const std::string& agent_id, bool lost) {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  auto it = peers_.find(agent_id);
+  if (it == peers_.end()) return;
+  --it->second.pulls;
+  it->second.last_used = steady_clock::now();
+  // A lost peer is forgotten once its pulls have ended (a restarted one
+  // comes back with a new agent id).
+  if (lost) it->second.last_used = {};
+  if (lost && it->second.pulls == 0) {
+    transport_->RemovePeer(agent_id);
+    peers_.erase(it);
+  }
 }
 
 void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_deadline,
@@ -258,6 +289,7 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
     Fail(pull, ToGrpcStatus(peer), /*fall_back=*/true);
     return;
   }
+  pull->peer_held = true;
   if (pull->pairs.empty()) {
     OnPulled(pull, absl::OkStatus());
     return;
@@ -294,12 +326,9 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
 void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
   // Off the transport's thread: checksums take a pass over the KV.
   verifier_.Post([this, pull, status = std::move(status)] {
+    ReleasePeer(pull->agent_id, status.code() == absl::StatusCode::kUnavailable);
+    pull->peer_held = false;
     if (!status.ok()) {
-      if (status.code() == absl::StatusCode::kUnavailable) {
-        // The peer is gone: forget it, a restarted one has a new agent id.
-        std::lock_guard<std::mutex> lock(peers_mu_);
-        if (peers_.erase(pull->agent_id) > 0) transport_->RemovePeer(pull->agent_id);
-      }
       Fail(pull, grpc::Status(grpc::StatusCode::ABORTED,
                               absl::StrCat("pulling the KV failed: ", status.message())),
            /*fall_back=*/true);
@@ -352,6 +381,8 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
 
 void KvReceiver::Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back) {
   ++pull_failures_;
+  if (pull->peer_held) ReleasePeer(pull->agent_id, /*lost=*/false);
+  pull->peer_held = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     entries_.erase(pull->reservation_id);

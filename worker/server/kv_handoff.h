@@ -104,7 +104,10 @@ class KvReceiver {
     uint64_t transfer_id = 0;  // kPulling, once started
   };
   struct Pull;
+  // Connects to the source once per agent id and counts the pull; ReleasePeer
+  // ends it (`lost`: the peer is gone, forget it).
   absl::Status EnsurePeer(const tandem::v1::KvTransferInfo& source);
+  void ReleasePeer(const std::string& agent_id, bool lost);
   void OnPulled(std::shared_ptr<Pull> pull, absl::Status status);
   void Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back);
 
@@ -115,8 +118,16 @@ class KvReceiver {
 
   std::mutex mu_;
   std::map<uint64_t, Entry> entries_;  // guarded by mu_
+  // Agents added to the transport. Prefill workers come and go (each restart
+  // is a new agent id): beyond kMaxIdlePeers, those idle for a minute are
+  // removed.
+  static constexpr size_t kMaxIdlePeers = 64;
+  struct PeerUse {
+    int pulls = 0;  // in flight
+    std::chrono::steady_clock::time_point last_used;
+  };
   std::mutex peers_mu_;
-  std::set<std::string> peers_;        // guarded by peers_mu_: agents added to the transport
+  std::map<std::string, PeerUse> peers_;  // guarded by peers_mu_
 
   std::atomic<int64_t> pulls_{0}, pull_failures_{0}, checksum_failures_{0}, bytes_pulled_{0};
 };
