@@ -13,6 +13,7 @@
 
 #include <latch>
 #include <memory>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -436,6 +437,85 @@ TEST_F(DisaggGrpcTest, KilledDecodeWorkerMidTransfer) {
   ExpectSameOutput(s.combined, Aggregated(next), "after the kill");
   ExpectIdle(prefill->stub(), "prefill");
   ExpectIdle(decode2->stub(), "decode");
+}
+
+
+// Chaos: concurrent split requests whose streams are cancelled at random
+// moments on either side, or given short deadlines. Whatever happens, both
+// workers end with nothing held, and serve a normal request correctly.
+TEST_F(DisaggGrpcTest, RandomCancellationsOnEitherSideLeakNothing) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  constexpr int kThreads = 4;
+  constexpr int kPerThread = 8;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(1234 + t);
+      for (int i = 0; i < kPerThread; ++i) {
+        const int len = 1 + static_cast<int>(rng() % 200);
+        v1::GenerateRequest req = GreedyRequest(MakePrompt(1000 + t * 100 + i, len), 20);
+        req.mutable_sampling()->set_ignore_eos(true);
+        const int action = static_cast<int>(rng() % 4);
+        const milliseconds delay(rng() % 40);
+        // A short reservation timeout: a prefill that is cancelled before
+        // its first token never sends KvReady.
+        ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/800);
+        if (!receive.reserved()) {
+          receive.Finish();
+          continue;
+        }
+        grpc::ClientContext pctx;
+        pctx.set_deadline(std::chrono::system_clock::now() +
+                          (action == 2 ? milliseconds(1 + rng() % 10) : kRpcTimeout));
+        std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = prefill->stub().Generate(
+            &pctx, SendRequest(req, decode->address(), receive.reservation()));
+        std::jthread canceller([&] {
+          std::this_thread::sleep_for(delay);
+          if (action == 0) receive.Cancel();
+          if (action == 1) pctx.TryCancel();
+        });
+        v1::GenerateResponse msg;
+        while (reader->Read(&msg)) {
+        }
+        reader->Finish();
+        canceller.join();
+        Output d = receive.Finish();
+        if (action == 3) {
+          EXPECT_TRUE(d.status.ok()) << d.status.error_message();
+          EXPECT_EQ(d.finish, v1::FINISH_REASON_LENGTH);
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  ExpectIdle(decode->stub(), "decode", seconds(10));
+  ExpectIdle(prefill->stub(), "prefill", seconds(10));
+  const v1::GenerateRequest req = SampledRequest(MakePrompt(77, 130), 16, 4);
+  Split s = RunSplit(*prefill, *decode, req);
+  ExpectSameOutput(s.combined, Aggregated(req), "after the chaos");
+}
+
+
+// A decode worker shutting down ends its waiting reservations with
+// UNAVAILABLE (the caller retries elsewhere); the prefill worker's late
+// KvReady fails and it frees its blocks.
+TEST_F(DisaggGrpcTest, ShutdownEndsWaitingReservationsWithUnavailable) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(21, 60), 8);
+  ReceiveStream receive(decode->stub(), req);
+  ASSERT_TRUE(receive.reserved());
+  const v1::KvReservation r = receive.reservation();
+  ::kill(decode->pid(), SIGTERM);
+  Output d = receive.Finish();
+  EXPECT_EQ(d.status.error_code(), grpc::StatusCode::UNAVAILABLE) << d.status.error_message();
+  Output p = Generate(prefill->stub(), SendRequest(req, decode->address(), r), seconds(20));
+  EXPECT_TRUE(p.status.ok());
+  EXPECT_NE(p.kv_transfer_error, "");
+  ExpectIdle(prefill->stub(), "prefill", seconds(10));
 }
 
 }  // namespace
