@@ -1,10 +1,16 @@
 // `tandem generate`: a small gRPC client. It tokenizes a prompt (bytes, for
 // the built-in models; or --prompt-ids), streams the worker's tokens and
-// prints them as they arrive. `make run` uses it against a local worker.
+// prints them as they arrive. `make run` uses it against local workers.
+//
+// With --decode it splits the request as the router does: a RECEIVE stream
+// on the decode worker (which answers with a reservation), then a SEND
+// stream on --target (the prefill worker), which prints the first token;
+// the rest comes from the decode worker.
 #include <grpcpp/grpcpp.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <random>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
@@ -18,6 +24,7 @@ namespace {
 
 struct GenerateOptions {
   std::string target = "127.0.0.1:50051";
+  std::string decode;  // disaggregated: the decode worker (then target prefills)
   std::string prompt = "Hello, tandem!";
   std::string prompt_ids;
   int max_tokens = 64;
@@ -46,18 +53,16 @@ int RunGenerate(const GenerateOptions& opt) {
   auto* s = req.mutable_sampling();
   s->set_max_tokens(opt.max_tokens);
   s->set_temperature(opt.temperature);
-  if (opt.seed >= 0) s->set_seed(static_cast<uint64_t>(opt.seed));
+  if (opt.seed >= 0) {
+    s->set_seed(static_cast<uint64_t>(opt.seed));
+  } else if (!opt.decode.empty()) {
+    // Both workers must sample alike (the decode worker may prefill itself).
+    s->set_seed(std::random_device{}());
+  }
 
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
-  auto reader = stub->Generate(&ctx, req);
-  tandem::v1::GenerateResponse resp;
   std::printf("%s", opt.prompt_ids.empty() ? opt.prompt.c_str() : "");
-  std::vector<int> all;
-  tandem::v1::GenerateResponse last;
-  while (reader->Read(&resp)) {
+  auto print_tokens = [&](const tandem::v1::GenerateResponse& resp) {
     for (const auto& t : resp.tokens()) {
-      all.push_back(t.token_id());
       if (opt.show_ids) {
         std::printf(" %d", t.token_id());
       } else {
@@ -66,19 +71,78 @@ int RunGenerate(const GenerateOptions& opt) {
       }
       std::fflush(stdout);
     }
+  };
+  auto fail = [](const char* what, const grpc::Status& st) {
+    std::printf("\n");
+    std::fprintf(stderr, "tandem generate: %s: %s (code %d)\n", what, st.error_message().c_str(),
+                 static_cast<int>(st.error_code()));
+    return 1;
+  };
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::minutes(10);
+
+  // Disaggregated: reserve on the decode worker first.
+  std::unique_ptr<tandem::v1::Worker::Stub> decode_stub;
+  grpc::ClientContext decode_ctx;
+  std::unique_ptr<grpc::ClientReader<tandem::v1::GenerateResponse>> decode_reader;
+  tandem::v1::GenerateResponse resp;
+  std::string kv_error;
+  if (!opt.decode.empty()) {
+    decode_stub = tandem::v1::Worker::NewStub(
+        grpc::CreateChannel(opt.decode, grpc::InsecureChannelCredentials()));
+    tandem::v1::GenerateRequest receive = req;
+    receive.mutable_kv_transfer()->set_mode(tandem::v1::KvTransferParams::RECEIVE);
+    decode_ctx.set_deadline(deadline);
+    decode_reader = decode_stub->Generate(&decode_ctx, receive);
+    if (!decode_reader->Read(&resp) || !resp.has_reservation()) {
+      return fail("no reservation from the decode worker", decode_reader->Finish());
+    }
+    tandem::v1::KvTransferParams* kv = req.mutable_kv_transfer();
+    kv->set_mode(tandem::v1::KvTransferParams::SEND);
+    kv->set_decode_address(opt.decode);
+    kv->set_reservation_id(resp.reservation().reservation_id());
+    kv->set_decode_cached_tokens(resp.reservation().cached_tokens());
+    kv->set_decode_instance_id(resp.reservation().instance_id());
+  }
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline);
+  auto reader = stub->Generate(&ctx, req);
+  tandem::v1::GenerateResponse last;
+  bool first_shown = false;
+  while (reader->Read(&resp)) {
+    print_tokens(resp);
+    first_shown = first_shown || resp.tokens_size() > 0;
     if (resp.finish_reason() != tandem::v1::FINISH_REASON_UNSPECIFIED) last = resp;
   }
   grpc::Status st = reader->Finish();
-  std::printf("\n");
-  if (!st.ok()) {
-    std::fprintf(stderr, "tandem generate: %s (code %d)\n", st.error_message().c_str(),
-                 static_cast<int>(st.error_code()));
-    return 1;
+  if (!st.ok()) return fail(opt.decode.empty() ? "generate" : "prefill", st);
+  kv_error = last.kv_transfer_error();
+  if (decode_reader != nullptr) {
+    while (decode_reader->Read(&resp)) {
+      // The decode worker prefilled itself before the KV came: its stream
+      // starts with its own first token, which replaces nothing shown yet
+      // only if the prefill showed none.
+      if (resp.includes_first_token() && first_shown && resp.tokens_size() > 0) {
+        resp.mutable_tokens()->erase(resp.mutable_tokens()->begin());
+      }
+      print_tokens(resp);
+      if (resp.finish_reason() != tandem::v1::FINISH_REASON_UNSPECIFIED) last = resp;
+    }
+    st = decode_reader->Finish();
+    if (!st.ok()) return fail("decode", st);
   }
-  std::fprintf(stderr, "[%d prompt tokens (%d cached), %d generated, finish: %s]\n",
+  std::printf("\n");
+  std::fprintf(stderr, "[%d prompt tokens (%d cached), %d generated, finish: %s%s]\n",
                last.usage().prompt_tokens(), last.usage().cached_prompt_tokens(),
                last.usage().completion_tokens(),
-               tandem::v1::FinishReason_Name(last.finish_reason()).c_str());
+               tandem::v1::FinishReason_Name(last.finish_reason()).c_str(),
+               opt.decode.empty() ? ""
+               : kv_error.empty() ? "; KV handed from prefill to decode"
+                                  : (std::string("; KV not handed off: ") + kv_error).c_str());
+  if (!last.error_message().empty()) {
+    std::fprintf(stderr, "tandem generate: %s\n", last.error_message().c_str());
+    return 1;
+  }
   return 0;
 }
 
@@ -87,7 +151,10 @@ int RunGenerate(const GenerateOptions& opt) {
 void AddGenerateCommand(CLI::App& app) {
   auto opt = std::make_shared<GenerateOptions>();
   CLI::App* cmd = app.add_subcommand("generate", "Generate from a prompt on a worker over gRPC");
-  cmd->add_option("--target", opt->target, "Worker address host:port")->capture_default_str();
+  cmd->add_option("--target", opt->target, "Worker address host:port (the prefill worker with --decode)")
+      ->capture_default_str();
+  cmd->add_option("--decode", opt->decode,
+                  "Disaggregated: the decode worker's host:port (as --target reaches it)");
   cmd->add_option("--prompt", opt->prompt, "Prompt text (byte tokens of the built-in models)")
       ->capture_default_str();
   cmd->add_option("--prompt-ids", opt->prompt_ids, "Comma-separated prompt token ids instead");
