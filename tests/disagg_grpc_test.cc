@@ -10,7 +10,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
 
+#include <fstream>
 #include <latch>
 #include <memory>
 #include <random>
@@ -516,6 +518,33 @@ TEST_F(DisaggGrpcTest, ShutdownEndsWaitingReservationsWithUnavailable) {
   EXPECT_TRUE(p.status.ok());
   EXPECT_NE(p.kv_transfer_error, "");
   ExpectIdle(prefill->stub(), "prefill", seconds(10));
+}
+
+
+// The CLI splits a request the same way: `tandem generate --decode`.
+TEST_F(DisaggGrpcTest, GenerateCliSplitsARequest) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  const std::vector<int32_t> prompt = MakePrompt(31, 40);
+  const std::string out_path = ::testing::TempDir() + "/generate_split.txt";
+  absl::StatusOr<ChildProcess> cli = ChildProcess::Spawn(
+      {*bin, "generate", "--target", prefill->address(), "--decode", decode->address(),
+       "--prompt-ids", absl::StrJoin(prompt, ","), "--max-tokens", "12", "--temperature", "0",
+       "--show-ids"},
+      out_path);
+  ASSERT_TRUE(cli.ok()) << cli.status();
+  absl::StatusOr<int> status = cli->Wait(seconds(30));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+  std::ifstream in(out_path);
+  std::vector<int32_t> printed;
+  int32_t id;
+  while (in >> id) printed.push_back(id);
+  EXPECT_EQ(printed, Aggregated(GreedyRequest(prompt, 12)).tokens);
+  EXPECT_EQ(GetLoad(decode->stub()).kv_pulls(), 1);
 }
 
 }  // namespace
