@@ -27,6 +27,7 @@
 #include "tandem/v1/worker.grpc.pb.h"
 #include "tests/testing/worker_client.h"
 #include "tests/testing/worker_process.h"
+#include "tests/testing/worker_test.h"
 
 namespace tandem {
 namespace {
@@ -36,33 +37,24 @@ using ::testing::HasSubstr;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-class DisaggGrpcTest : public ::testing::Test {
+class DisaggGrpcTest : public WorkerTest {
  protected:
-  WorkerProcess* StartWorker(std::vector<std::string> flags) {
-    flags.insert(flags.begin(), {"--model", "builtin:tiny", "--kv-cache-memory", "8MiB"});
-    absl::StatusOr<std::unique_ptr<WorkerProcess>> w = WorkerProcess::Start(flags);
-    if (!w.ok()) {
-      ADD_FAILURE() << "cannot start a worker with " << absl::StrJoin(flags, " ") << ": "
-                    << w.status();
-      return nullptr;
-    }
-    workers_.push_back(std::move(*w));
-    return workers_.back().get();
-  }
   WorkerProcess* StartPrefill(std::vector<std::string> extra = {}) {
-    std::vector<std::string> flags = {"--role", "prefill", "--kv-transport", "ucx",
+    std::vector<std::string> flags = {"--kv-cache-memory", "8MiB", "--role", "prefill",
+                                      "--kv-transport", "ucx",
                                       "--kv-transport-tls", "shm", "--kv-hold-timeout-ms", "3000"};
     flags.insert(flags.end(), extra.begin(), extra.end());
     return StartWorker(flags);
   }
   WorkerProcess* StartDecode(std::vector<std::string> extra = {}) {
-    std::vector<std::string> flags = {"--role", "decode", "--kv-transport", "ucx",
+    std::vector<std::string> flags = {"--kv-cache-memory", "8MiB", "--role", "decode",
+                                      "--kv-transport", "ucx",
                                       "--kv-transport-tls", "shm", "--kv-quarantine-ms", "300"};
     flags.insert(flags.end(), extra.begin(), extra.end());
     return StartWorker(flags);
   }
   void SetUp() override {
-    aggregated_ = StartWorker({});
+    aggregated_ = StartWorker({"--kv-cache-memory", "8MiB"});
     ASSERT_NE(aggregated_, nullptr);
   }
 
@@ -73,8 +65,15 @@ class DisaggGrpcTest : public ::testing::Test {
 
   Output Aggregated(const v1::GenerateRequest& req) { return Generate(aggregated_->stub(), req); }
 
+  // Waits until `decode` has a KV pull submitted to its transport.
+  static void ExpectPullInFlight(WorkerProcess& decode) {
+    bool ok = false;
+    WaitForLoad(decode.stub(), [](const v1::LoadReport& l) { return l.kv_pulls_in_flight() == 1; },
+                &ok);
+    ASSERT_TRUE(ok) << "no KV pull started on the decode worker";
+  }
+
   WorkerProcess* aggregated_ = nullptr;
-  std::vector<std::unique_ptr<WorkerProcess>> workers_;
 };
 
 // Mixed lengths (one token to 20 blocks, block-aligned or not), greedy and
@@ -361,21 +360,17 @@ TEST_F(DisaggGrpcTest, KilledPrefillWorkerMidTransfer) {
   WorkerProcess* decode = StartDecode({"--kv-fault", "delay_ms=1500"});
   ASSERT_TRUE(prefill && decode);
   const v1::GenerateRequest req = SampledRequest(MakePrompt(16, 120), 10, 3);
-  ReceiveStream receive(decode->stub(), req);
+  ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/10000);
   ASSERT_TRUE(receive.reserved());
   Output p;
   std::jthread send([&] {
     p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()),
                  seconds(20));
   });
-  // The first token is out and the pull is held: kill the prefill worker.
-  bool pulling = false;
-  for (int i = 0; i < 500 && !pulling; ++i) {
-    pulling = GetLoad(prefill->stub()).prefilled_requests() == 1;
-    std::this_thread::sleep_for(milliseconds(5));
-  }
-  ASSERT_TRUE(pulling);
-  ::kill(prefill->pid(), SIGKILL);
+  // The first token is out and the decode worker's pull is under way (held
+  // by the delay): kill the prefill worker.
+  ExpectPullInFlight(*decode);
+  Kill(prefill);
   send.join();
   EXPECT_FALSE(p.status.ok());
   Output d = receive.Finish();
@@ -414,14 +409,8 @@ TEST_F(DisaggGrpcTest, KilledDecodeWorkerMidTransfer) {
     p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive->reservation()),
                  seconds(20));
   });
-  bool handed_off = false;
-  for (int i = 0; i < 500 && !handed_off; ++i) {
-    handed_off = GetLoad(prefill->stub()).prefilled_requests() == 1;
-    std::this_thread::sleep_for(milliseconds(5));
-  }
-  ASSERT_TRUE(handed_off);
-  std::this_thread::sleep_for(milliseconds(200));  // KvReady is in the decode worker
-  ::kill(decode->pid(), SIGKILL);
+  ExpectPullInFlight(*decode);
+  Kill(decode);
   send.join();
   EXPECT_TRUE(p.status.ok()) << p.status.error_message();
   EXPECT_EQ(p.tokens.size(), 1u);

@@ -207,19 +207,18 @@ TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
       seconds(30), topo->Launch(false));
   ASSERT_TRUE(slow_decode.ok()) << slow_decode.status();
   const v1::GenerateRequest req = GreedyRequest(MakePrompt(600, 90), 8);
-  ReceiveStream receive((*slow_decode)->stub(), req);
+  ReceiveStream receive((*slow_decode)->stub(), req, /*timeout_ms=*/10000);
   ASSERT_TRUE(receive.reserved());
   std::jthread send([&] {
     Generate((*prefill)->stub(),
              SendRequest(req, topo->DecodeOnPair((*slow_decode)->port()), receive.reservation()),
              seconds(20));
   });
-  bool handed_off = false;
-  for (int i = 0; i < 1000 && !handed_off; ++i) {
-    handed_off = GetLoad((*prefill)->stub()).prefilled_requests() == 1;
-    std::this_thread::sleep_for(milliseconds(5));
-  }
-  ASSERT_TRUE(handed_off);
+  // The pull is under way (held by the delay): kill the prefill worker.
+  bool pulling = false;
+  WaitForLoad((*slow_decode)->stub(),
+              [](const v1::LoadReport& l) { return l.kv_pulls_in_flight() == 1; }, &pulling);
+  ASSERT_TRUE(pulling);
   ::kill((*prefill)->pid(), SIGKILL);
   send.join();
   Output out = receive.Finish();

@@ -36,6 +36,7 @@
 #include "tandem/v1/worker.grpc.pb.h"
 #include "tests/testing/worker_client.h"
 #include "tests/testing/worker_process.h"
+#include "tests/testing/worker_test.h"
 
 namespace tandem {
 namespace {
@@ -45,26 +46,8 @@ using ::testing::HasSubstr;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-// The test fixture owns the workers it starts and stops them at the end.
-class WorkerGrpcTest : public ::testing::Test {
- protected:
-  // Starts `tandem worker` with builtin:tiny and `flags`; null (and a test
-  // failure) if it does not come up.
-  WorkerProcess* StartWorker(std::vector<std::string> flags = {}) {
-    flags.insert(flags.begin(), {"--model", "builtin:tiny"});
-    absl::StatusOr<std::unique_ptr<WorkerProcess>> w = WorkerProcess::Start(flags);
-    if (!w.ok()) {
-      ADD_FAILURE() << "cannot start a worker with " << absl::StrJoin(flags, " ") << ": "
-                    << w.status();
-      return nullptr;
-    }
-    workers_.push_back(std::move(*w));
-    return workers_.back().get();
-  }
-
- private:
-  std::vector<std::unique_ptr<WorkerProcess>> workers_;
-};
+// Each test owns the workers it starts; they must exit cleanly at the end.
+using WorkerGrpcTest = WorkerTest;
 
 // ---------------------------------------------------------------------------
 // 1. Health and model info.

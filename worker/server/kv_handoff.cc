@@ -393,7 +393,11 @@ void KvReceiver::Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bo
   pull->done(std::move(status));
 }
 
-void KvReceiver::AddStats(KvHandoffStats* stats) const {
+void KvReceiver::AddStats(KvHandoffStats* stats) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, e] : entries_) stats->pulls_in_flight += e.transfer_id != 0 ? 1 : 0;
+  }
   stats->pulls += pulls_.load();
   stats->pull_failures += pull_failures_.load();
   stats->checksum_failures += checksum_failures_.load();

@@ -65,6 +65,7 @@ struct KvHandoffStats {
   int64_t bytes_pulled = 0;
   int64_t handoffs = 0;           // prefill: KvReady answered OK
   int64_t handoff_failures = 0;   // prefill: KvReady that failed
+  int pulls_in_flight = 0;        // decode: submitted to the transport, not yet ended
 };
 
 // Decode side.
@@ -93,7 +94,7 @@ class KvReceiver {
   void KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline,
                tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done);
 
-  void AddStats(KvHandoffStats* stats) const;
+  void AddStats(KvHandoffStats* stats);
   const std::string& instance_id() const { return instance_id_; }
 
  private:

@@ -614,6 +614,7 @@ grpc::ServerUnaryReactor* WorkerService::GetLoad(grpc::CallbackServerContext* ct
   r->set_kv_bytes_pulled(kv.bytes_pulled);
   r->set_kv_handoffs(kv.handoffs);
   r->set_kv_handoff_failures(kv.handoff_failures);
+  r->set_kv_pulls_in_flight(kv.pulls_in_flight);
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
