@@ -503,6 +503,9 @@ TEST_F(DisaggGrpcTest, ShutdownEndsWaitingReservationsWithUnavailable) {
   ::kill(decode->pid(), SIGTERM);
   Output d = receive.Finish();
   EXPECT_EQ(d.status.error_code(), grpc::StatusCode::UNAVAILABLE) << d.status.error_message();
+  absl::StatusOr<int> exited = decode->Wait(seconds(10));
+  ASSERT_TRUE(exited.ok()) << exited.status();
+  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
   Output p = Generate(prefill->stub(), SendRequest(req, decode->address(), r), seconds(20));
   EXPECT_TRUE(p.status.ok());
   EXPECT_NE(p.kv_transfer_error, "");

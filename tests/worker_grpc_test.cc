@@ -1072,6 +1072,10 @@ TEST_F(WorkerGrpcTest, ShutdownEndsStreamsWithUnavailable) {
   EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
   EXPECT_GT(tokens, 0);
   EXPECT_LT(tokens, 1500);
+  // It exits by itself, cleanly (a second signal would force it).
+  absl::StatusOr<int> exited = w->Wait(seconds(10));
+  ASSERT_TRUE(exited.ok()) << exited.status();
+  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
 }
 
 // ---------------------------------------------------------------------------

@@ -90,6 +90,9 @@ class WorkerProcess {
   int port() const;
   tandem::v1::Worker::Stub& stub() { return *stub_; }
   pid_t pid() const { return process_.pid(); }
+  // Waits up to `timeout` for the worker to exit on its own (e.g. after a
+  // signal the test sent); its wait status, or DeadlineExceeded.
+  absl::StatusOr<int> Wait(std::chrono::milliseconds timeout) { return process_.Wait(timeout); }
   // Closes stub()'s connection, then SIGTERM, then SIGKILL after `grace`;
   // returns the wait status. stub() is unusable afterwards.
   int Stop(std::chrono::milliseconds grace = std::chrono::seconds(10));
