@@ -49,6 +49,7 @@ struct TransferBenchOptions {
   std::string backend = "ucx";
   std::string tls = "shm";
   std::string op = "pull";  // pull: what the decode worker does; push
+  std::string pool = "ucx";  // ucx: allocated by UCX (shareable); mmap: anonymous, registered
   int max_blocks = 256;
   int repeats = 5;
   bool json = false;
@@ -276,6 +277,19 @@ kvtransfer::UcxOptions UcxOptionsFor(const TransferBenchOptions& opt) {
   return o;
 }
 
+// A pool from UCX (--pool ucx: UCP_MEM_MAP_ALLOCATE, shareable) or plain
+// anonymous memory (--pool mmap), which UCX then only registers. Lives until
+// the process exits.
+absl::StatusOr<void*> AllocateBenchPool(kvtransfer::UcxTransport& t, const PoolLayout& layout,
+                                        const TransferBenchOptions& opt) {
+  const int64_t bytes = layout.num_blocks * layout.block_bytes;
+  if (opt.pool == "ucx") return t.AllocatePool(bytes);
+  void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return absl::ResourceExhaustedError("mmap of the pool failed");
+  return p;
+}
+
 // The target process: a UCX-allocated pool, its PeerInfo up the pipe, then
 // progress (on the transport's thread) until the initiator closes the pipe.
 int RunTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
@@ -283,7 +297,7 @@ int RunTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
     const PoolLayout layout = LlamaLayout(opt.max_blocks);
     ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t,
                      kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
-    ASSIGN_OR_RETURN(void* pool, t->AllocatePool(layout.num_blocks * layout.block_bytes));
+    ASSIGN_OR_RETURN(void* pool, AllocateBenchPool(*t, layout, opt));
     FillPool(static_cast<uint8_t*>(pool), layout);
     RETURN_IF_ERROR(t->RegisterPool(layout, pool));
     ASSIGN_OR_RETURN(PeerInfo info, t->LocalInfo());
@@ -319,7 +333,7 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
     const PoolLayout layout = LlamaLayout(opt.max_blocks);
     ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t,
                      kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
-    ASSIGN_OR_RETURN(void* mem, t->AllocatePool(layout.num_blocks * layout.block_bytes));
+    ASSIGN_OR_RETURN(void* mem, AllocateBenchPool(*t, layout, opt));
     uint8_t* pool = static_cast<uint8_t*>(mem);
     FillPool(pool, layout);
     RETURN_IF_ERROR(t->RegisterPool(layout, pool));
@@ -346,6 +360,9 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
 absl::Status RunTransferBench(const TransferBenchOptions& opt) {
   if (opt.max_blocks < 1 || opt.repeats < 1) {
     return absl::InvalidArgumentError("--max-blocks and --repeats must be >= 1");
+  }
+  if (opt.pool != "ucx" && opt.pool != "mmap") {
+    return absl::InvalidArgumentError(absl::StrFormat("--pool %s: want ucx or mmap", opt.pool));
   }
   if (opt.op != "pull" && opt.op != "push") {
     return absl::InvalidArgumentError(absl::StrFormat("--op %s: want pull or push", opt.op));
@@ -376,6 +393,9 @@ void AddTransferBenchCommand(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_option("--backend", opt->backend, "ucx or loopback")->capture_default_str();
   cmd->add_option("--tls", opt->tls, "UCX transports: shm or tcp (tcp over lo)")
+      ->capture_default_str();
+  cmd->add_option("--pool", opt->pool,
+                  "UCX pools: ucx (allocated by UCX, shareable) or mmap (anonymous, registered)")
       ->capture_default_str();
   cmd->add_option("--max-blocks", opt->max_blocks,
                   "Largest transfer in 2 MiB blocks (sizes double from 1)")

@@ -51,10 +51,17 @@ struct WorkerOptions {
   EngineConfig engine;
 };
 
-// The KV transport for disaggregation, its pool registered; null for "none".
-absl::StatusOr<std::unique_ptr<kvtransfer::Transport>> MakeKvTransport(const WorkerOptions& opt,
-                                                                       Engine& engine) {
-  if (opt.kv_transport == "none") return std::unique_ptr<kvtransfer::Transport>();
+// The KV transport for disaggregation (null for "none") and the allocator of
+// the engine's KV pool: the transport's own, where it has one, so that a peer
+// on this host copies straight from the pool's shared memory (UCX: 100x a
+// pool it can only register, measured with `tandem bench transfer --pool`).
+struct KvTransport {
+  std::unique_ptr<kvtransfer::Transport> transport;
+  KvStorage::Allocator pool_allocator;
+};
+
+absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
+  if (opt.kv_transport == "none") return KvTransport{};
   if (opt.kv_transport != "ucx") {
     return absl::InvalidArgumentError(
         absl::StrFormat("--kv-transport must be none or ucx, got '%s'", opt.kv_transport));
@@ -65,6 +72,8 @@ absl::StatusOr<std::unique_ptr<kvtransfer::Transport>> MakeKvTransport(const Wor
   ucx.net_devices = opt.kv_net_devices;
   ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> ucx_transport,
                    kvtransfer::UcxTransport::Create(ucx));
+  kvtransfer::UcxTransport* raw = ucx_transport.get();
+  KvStorage::Allocator allocate = [raw](int64_t bytes) { return raw->AllocatePool(bytes); };
   std::unique_ptr<kvtransfer::Transport> t = std::move(ucx_transport);
   if (!opt.kv_fault.empty()) {
     ASSIGN_OR_RETURN(kvtransfer::Faults faults, kvtransfer::ParseFaults(opt.kv_fault));
@@ -73,8 +82,7 @@ absl::StatusOr<std::unique_ptr<kvtransfer::Transport>> MakeKvTransport(const Wor
     LOG(WARNING) << "KV transport faults injected: " << opt.kv_fault;
     t = std::move(faulty);
   }
-  RETURN_IF_ERROR(t->RegisterPool(engine.pool_layout(), engine.kv_data()));
-  return t;
+  return KvTransport{.transport = std::move(t), .pool_allocator = std::move(allocate)};
 #else
   return absl::UnimplementedError("this tandem was built without UCX (TANDEM_WITH_UCX=OFF)");
 #endif
@@ -134,16 +142,22 @@ absl::Status RunWorker(WorkerOptions opt) {
   LOG(INFO) << "loading model " << opt.model;
   ASSIGN_OR_RETURN(LoadedModel model, LoadModel(opt.model));
   if (!opt.served_model_name.empty()) model.name = opt.served_model_name;
-  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(opt.engine, std::move(model)));
-  absl::StatusOr<std::unique_ptr<kvtransfer::Transport>> transport = MakeKvTransport(opt, *engine);
-  if (!transport.ok()) return transport.status();
+  // The transport comes first: it may provide the KV pool's memory, so it
+  // is destroyed after the engine.
+  ASSIGN_OR_RETURN(KvTransport kv_transport, MakeKvTransport(opt));
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                   Engine::Create(opt.engine, std::move(model), kv_transport.pool_allocator));
+  kvtransfer::Transport* transport = kv_transport.transport.get();
+  if (transport != nullptr) {
+    RETURN_IF_ERROR(transport->RegisterPool(engine->pool_layout(), engine->kv_data()));
+  }
   engine->Start();
   const KvHandoffConfig kv{.receive_timeout = std::chrono::milliseconds(opt.kv_receive_timeout_ms),
                            .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
                            .checksums = !opt.no_kv_checksums};
   // Declared after the transport: destroyed first, so no transfer callback
   // outlives it.
-  WorkerService service(engine.get(), opt.role, transport->get(), kv);
+  WorkerService service(engine.get(), opt.role, transport, kv);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

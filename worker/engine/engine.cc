@@ -41,7 +41,8 @@ absl::Status EngineConfig::Validate() const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, LoadedModel model) {
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, LoadedModel model,
+                                                       const KvStorage::Allocator& pool_allocator) {
   RETURN_IF_ERROR(config.Validate());
   LlamaModel probe_layout(model.config, ModelWeights{});
   kernels::KvLayout layout = probe_layout.KvBlockLayout(config.block_size);
@@ -64,7 +65,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
         "kv cache budget gives %d blocks; block ids are 32-bit: use larger blocks",
         layout.num_blocks));
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage, KvStorage::Create(layout));
+  ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage, KvStorage::Create(layout, pool_allocator));
   int max_len = model.config.max_position_embeddings;
   if (config.max_model_len > 0) max_len = std::min(max_len, config.max_model_len);
   const int64_t cache_tokens = layout.num_blocks * config.block_size;

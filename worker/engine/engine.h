@@ -122,10 +122,13 @@ struct LoadSnapshot {
 
 class Engine {
  public:
-  // Builds the KV pool from config.kv_cache_bytes. The effective context is
-  // capped by the model, config.max_model_len and the pool's capacity.
-  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config,
-                                                        LoadedModel model);
+  // Builds the KV pool from config.kv_cache_bytes, in memory from
+  // `pool_allocator` when given (a KV transport's; it must outlive the
+  // engine). The effective context is capped by the model,
+  // config.max_model_len and the pool's capacity.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      const EngineConfig& config, LoadedModel model,
+      const KvStorage::Allocator& pool_allocator = nullptr);
   ~Engine();  // stops the engine thread; pending requests finish with kAbort
               // and FinishInfo::worker_stopping
 

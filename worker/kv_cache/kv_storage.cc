@@ -14,10 +14,20 @@ int64_t KvStorage::BlocksForBudget(const kernels::KvLayout& block_layout, int64_
   return per_block > 0 ? budget_bytes / per_block : 0;
 }
 
-absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLayout& layout) {
+absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLayout& layout,
+                                                             const Allocator& allocator) {
   int64_t bytes = layout.total_floats() * static_cast<int64_t>(sizeof(float));
   if (bytes <= 0) {
     return absl::InvalidArgumentError("KV cache: the memory budget holds no block");
+  }
+  if (allocator) {
+    absl::StatusOr<void*> p = allocator(bytes);
+    if (!p.ok()) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "KV cache: the transport cannot allocate %d bytes for %d blocks: %s", bytes,
+          layout.num_blocks, p.status().message()));
+    }
+    return std::unique_ptr<KvStorage>(new KvStorage(layout, static_cast<float*>(*p), bytes, false));
   }
   void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -26,9 +36,11 @@ absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLa
         "KV cache: cannot map %d bytes for %d blocks: %s", bytes, layout.num_blocks,
         std::strerror(errno)));
   }
-  return std::unique_ptr<KvStorage>(new KvStorage(layout, static_cast<float*>(p), bytes));
+  return std::unique_ptr<KvStorage>(new KvStorage(layout, static_cast<float*>(p), bytes, true));
 }
 
-KvStorage::~KvStorage() { munmap(data_, static_cast<size_t>(bytes_)); }
+KvStorage::~KvStorage() {
+  if (owned_) munmap(data_, static_cast<size_t>(bytes_));
+}
 
 }  // namespace tandem::worker
