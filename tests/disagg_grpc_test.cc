@@ -119,6 +119,8 @@ TEST_F(DisaggGrpcTest, ConcurrentMixedRequestsMatchAggregatedServing) {
   int64_t blocks = 0;
   for (int len : lengths) blocks += (len + kBlockSize - 1) / kBlockSize;
   EXPECT_EQ(d.kv_bytes_pulled(), blocks * kBytesPerBlock);
+  EXPECT_GT(d.kv_pull_seconds(), 0.0);
+  EXPECT_EQ(d.kv_pulls_in_flight(), 0);
 }
 
 // Prefix hits on either side: the decode worker pulls only what it lacks,

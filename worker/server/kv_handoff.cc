@@ -104,6 +104,8 @@ struct KvReceiver::Pull {
   std::vector<kvtransfer::BlockPair> pairs;
   std::vector<uint64_t> checksums;  // per pair, or empty
   bool peer_held = false;           // EnsurePeer counted this pull
+  steady_clock::time_point started;
+  steady_clock::duration took{};    // submit -> completion
   SampledToken first;
   tandem::v1::KvReadyResponse* response = nullptr;
   std::function<void(grpc::Status)> done;
@@ -299,6 +301,7 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
   const auto now = steady_clock::now();
   const auto margin = std::max<steady_clock::duration>(std::chrono::milliseconds(100),
                                                        (call_deadline - now) / 10);
+  pull->started = steady_clock::now();
   absl::StatusOr<uint64_t> transfer =
       transport_->Pull(pull->agent_id, pull->pairs, call_deadline - margin,
                        [this, pull](absl::Status s) { OnPulled(pull, std::move(s)); });
@@ -324,6 +327,7 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
 }
 
 void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
+  if (pull->started != steady_clock::time_point{}) pull->took = steady_clock::now() - pull->started;
   // Off the transport's thread: checksums take a pass over the KV.
   verifier_.Post([this, pull, status = std::move(status)] {
     ReleasePeer(pull->agent_id, status.code() == absl::StatusCode::kUnavailable);
@@ -372,8 +376,10 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
       }
       ++pulls_;
       bytes_pulled_ += bytes;
+      pull_nanos_ += std::chrono::duration_cast<std::chrono::nanoseconds>(pull->took).count();
       pull->response->set_blocks_pulled(static_cast<int32_t>(pull->pairs.size()));
       pull->response->set_bytes_pulled(bytes);
+      pull->response->set_pull_seconds(std::chrono::duration<double>(pull->took).count());
       pull->done(grpc::Status::OK);
     });
   });
@@ -402,6 +408,7 @@ void KvReceiver::AddStats(KvHandoffStats* stats) {
   stats->pull_failures += pull_failures_.load();
   stats->checksum_failures += checksum_failures_.load();
   stats->bytes_pulled += bytes_pulled_.load();
+  stats->pull_seconds += static_cast<double>(pull_nanos_.load()) * 1e-9;
 }
 
 // ---------------------------------------------------------------------------

@@ -66,6 +66,7 @@ struct KvHandoffStats {
   int64_t handoffs = 0;           // prefill: KvReady answered OK
   int64_t handoff_failures = 0;   // prefill: KvReady that failed
   int pulls_in_flight = 0;        // decode: submitted to the transport, not yet ended
+  double pull_seconds = 0;        // decode: time the committed pulls took
 };
 
 // Decode side.
@@ -131,6 +132,7 @@ class KvReceiver {
   std::map<std::string, PeerUse> peers_;  // guarded by peers_mu_
 
   std::atomic<int64_t> pulls_{0}, pull_failures_{0}, checksum_failures_{0}, bytes_pulled_{0};
+  std::atomic<int64_t> pull_nanos_{0};
 };
 
 // Prefill side.

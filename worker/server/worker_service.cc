@@ -615,6 +615,7 @@ grpc::ServerUnaryReactor* WorkerService::GetLoad(grpc::CallbackServerContext* ct
   r->set_kv_handoffs(kv.handoffs);
   r->set_kv_handoff_failures(kv.handoff_failures);
   r->set_kv_pulls_in_flight(kv.pulls_in_flight);
+  r->set_kv_pull_seconds(kv.pull_seconds);
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
