@@ -117,6 +117,8 @@ int RunGenerate(const GenerateOptions& opt) {
   grpc::Status st = reader->Finish();
   if (!st.ok()) return fail(opt.decode.empty() ? "generate" : "prefill", st);
   kv_error = last.kv_transfer_error();
+  const int64_t kv_bytes = last.kv_transfer_bytes();
+  const double kv_seconds = last.kv_transfer_seconds();
   if (decode_reader != nullptr) {
     while (decode_reader->Read(&resp)) {
       // The decode worker prefilled itself before the KV came: its stream
@@ -137,8 +139,11 @@ int RunGenerate(const GenerateOptions& opt) {
                last.usage().completion_tokens(),
                tandem::v1::FinishReason_Name(last.finish_reason()).c_str(),
                opt.decode.empty() ? ""
-               : kv_error.empty() ? "; KV handed from prefill to decode"
-                                  : (std::string("; KV not handed off: ") + kv_error).c_str());
+               : kv_error.empty()
+                   ? absl::StrFormat("; KV handed from prefill to decode: %.2f MiB pulled in %.3f ms",
+                                     kv_bytes / 1048576.0, kv_seconds * 1e3)
+                         .c_str()
+                   : (std::string("; KV not handed off: ") + kv_error).c_str());
   if (!last.error_message().empty()) {
     std::fprintf(stderr, "tandem generate: %s\n", last.error_message().c_str());
     return 1;

@@ -424,7 +424,7 @@ KvSender::~KvSender() {
   calls_cv_.wait(lock, [&] { return calls_.empty(); });
 }
 
-void KvSender::Send(Job job, std::function<void(std::string error)> done) {
+void KvSender::Send(Job job, SendDone done) {
   executor_->Post([this, job = std::move(job), done = std::move(done)]() mutable {
     Start(std::move(job), std::move(done));
   });
@@ -442,14 +442,14 @@ std::shared_ptr<tandem::v1::Worker::Stub> KvSender::StubFor(const std::string& a
   return stub;
 }
 
-void KvSender::Start(Job job, std::function<void(std::string error)> done) {
+void KvSender::Start(Job job, SendDone done) {
   const uint64_t id = job.prefilled.id;
   const auto deadline = job.handed_off + config_.hold_timeout;
   auto fail_unsent = [&](std::string why) {
     ++handoff_failures_;
     engine_->ReleasePrefilled(id);  // nothing reads these blocks
     LOG(WARNING) << "KV of request " << id << " not handed off: " << why;
-    done(std::move(why));
+    done(why, tandem::v1::KvReadyResponse());
   };
   if (steady_clock::now() >= deadline) {
     fail_unsent("the hold timeout passed before KvReady could be sent");
@@ -510,11 +510,12 @@ void KvSender::Start(Job job, std::function<void(std::string error)> done) {
         }
         if (s.ok()) {
           ++handoffs_;
-          done("");
+          done("", call->response);
         } else {
           ++handoff_failures_;
           done(absl::StrFormat("KvReady on %s failed: %s", call->request.decode_instance_id(),
-                               s.error_message()));
+                               s.error_message()),
+               call->response);
         }
       });
 }

@@ -148,10 +148,13 @@ class KvSender {
     Prefilled prefilled;
     std::chrono::steady_clock::time_point handed_off;  // the first token's time
   };
+  // The hand-off's outcome: `error` is "" when the decode worker took the
+  // KV (then `answer` says how much moved and how long the pull took).
+  using SendDone =
+      std::function<void(const std::string& error, const tandem::v1::KvReadyResponse& answer)>;
   // Calls KvReady for `job` (from the executor thread) and releases the
-  // blocks as its answer allows. `done` gets "" when the decode worker took
-  // the KV, else why not.
-  void Send(Job job, std::function<void(std::string error)> done);
+  // blocks as its answer allows.
+  void Send(Job job, SendDone done);
 
   // The engine's hold for a hand-off: the call's deadline plus a margin.
   std::chrono::milliseconds engine_hold_timeout() const {
@@ -161,7 +164,7 @@ class KvSender {
   void AddStats(KvHandoffStats* stats) const;
 
  private:
-  void Start(Job job, std::function<void(std::string error)> done);
+  void Start(Job job, SendDone done);
   std::shared_ptr<tandem::v1::Worker::Stub> StubFor(const std::string& address);
 
   Engine* const engine_;

@@ -92,11 +92,13 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
       if (reactor_ != nullptr) reactor_->awaiting_kv_ = true;
     }
     // SEND: the decode worker's answer ("" = it took the KV).
-    void OnKvSent(const std::string& error) {
+    void OnKvSent(const std::string& error, const tandem::v1::KvReadyResponse& answer) {
       std::lock_guard<std::mutex> lock(mu_);
       if (reactor_ == nullptr) return;
       reactor_->kv_done_ = true;
       if (!error.empty()) reactor_->final_.set_kv_transfer_error(error);
+      reactor_->final_.set_kv_transfer_bytes(answer.bytes_pulled());
+      reactor_->final_.set_kv_transfer_seconds(answer.pull_seconds());
       reactor_->MaybeWriteLocked();
     }
     // Called from OnDone: no more output reaches the reactor.
@@ -156,8 +158,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
         if (s) s->OnHandedOff();
         sender->Send(KvSender::Job{.target = target, .prompt_hash = hash, .prefilled = p,
                                    .handed_off = std::chrono::steady_clock::now()},
-                     [s](const std::string& error) {
-                       if (s) s->OnKvSent(error);
+                     [s](const std::string& error, const tandem::v1::KvReadyResponse& answer) {
+                       if (s) s->OnKvSent(error, answer);
                      });
       };
     }
