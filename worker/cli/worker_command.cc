@@ -53,8 +53,9 @@ struct WorkerOptions {
 
 // The KV transport for disaggregation (null for "none") and the allocator of
 // the engine's KV pool: the transport's own, where it has one, so that a peer
-// on this host copies straight from the pool's shared memory (UCX: 100x a
-// pool it can only register, measured with `tandem bench transfer --pool`).
+// on this host copies straight from the pool's shared memory (UCX 1.13: about
+// 2x the pull rate of a pool it can only register, `tandem bench transfer
+// --pool`).
 struct KvTransport {
   std::unique_ptr<kvtransfer::Transport> transport;
   KvStorage::Allocator pool_allocator;
