@@ -50,6 +50,7 @@ struct TransferBenchOptions {
   std::string tls = "shm";
   std::string op = "pull";  // pull: what the decode worker does; push
   std::string pool = "ucx";  // ucx: allocated by UCX (shareable); mmap: anonymous, registered
+  bool sequential = false;  // peer block ids in order: one merged run per transfer
   int max_blocks = 256;
   int repeats = 5;
   bool json = false;
@@ -129,7 +130,7 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
 
   std::vector<int32_t> perm(layout.num_blocks);
   std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
+  if (!opt.sequential) std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
 
   std::vector<Row> rows;
   absl::Status status;
@@ -169,10 +170,11 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
 // block 0 must now hold the peer's block perm[0] (both pools were filled the
 // same way).
 absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool,
-                           const PoolLayout& layout, bool pull) {
+                           const PoolLayout& layout, const TransferBenchOptions& opt) {
+  const bool pull = opt.op == "pull";
   std::vector<int32_t> perm(layout.num_blocks);
   std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
+  if (!opt.sequential) std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
   const size_t bytes = static_cast<size_t>(layout.block_bytes);
   std::vector<uint8_t> want(bytes);
   FillBlock(want.data(), pull ? perm[0] : 0, layout.block_bytes);
@@ -232,7 +234,7 @@ absl::Status RunLoopback(const TransferBenchOptions& opt) {
   ASSIGN_OR_RETURN(PeerInfo b_info, b.LocalInfo());
   RETURN_IF_ERROR(a.AddPeer(b_info));
   ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(a, b_info.agent_id, pool_a.data(), layout, opt));
-  RETURN_IF_ERROR(CheckOneBlock(a, b_info.agent_id, pool_a.data(), layout, opt.op == "pull"));
+  RETURN_IF_ERROR(CheckOneBlock(a, b_info.agent_id, pool_a.data(), layout, opt));
   Print(rows, opt);
   return absl::OkStatus();
 }
@@ -342,7 +344,7 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
     ASSIGN_OR_RETURN(PeerInfo peer, kvtransfer::DecodePeerInfo(encoded));
     RETURN_IF_ERROR(t->AddPeer(peer));
     ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(*t, peer.agent_id, pool, layout, opt));
-    RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, pool, layout, opt.op == "pull"));
+    RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, pool, layout, opt));
     Print(rows, opt);
     return absl::OkStatus();
   }();
@@ -397,6 +399,8 @@ void AddTransferBenchCommand(CLI::App& bench) {
   cmd->add_option("--pool", opt->pool,
                   "UCX pools: ucx (allocated by UCX, shareable) or mmap (anonymous, registered)")
       ->capture_default_str();
+  cmd->add_flag("--sequential", opt->sequential,
+                "Peer block ids in order (one merged run) instead of a random permutation");
   cmd->add_option("--max-blocks", opt->max_blocks,
                   "Largest transfer in 2 MiB blocks (sizes double from 1)")
       ->capture_default_str();
