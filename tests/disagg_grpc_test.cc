@@ -541,5 +541,66 @@ TEST_F(DisaggGrpcTest, GenerateCliSplitsARequest) {
   EXPECT_EQ(GetLoad(decode->stub()).kv_pulls(), 1);
 }
 
+
+// KvReady called directly with malformed content: each is refused with the
+// right code; one the reservation cannot survive (block ids outside the
+// source pool) ends in a local prefill that keeps the given first token.
+TEST_F(DisaggGrpcTest, MalformedKvReadyCallsAreRefused) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  const std::vector<int32_t> prompt = MakePrompt(41, 40);  // 3 blocks
+  const v1::GenerateRequest req = GreedyRequest(prompt, 6);
+  ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/20000);
+  ASSERT_TRUE(receive.reserved());
+  v1::KvTransferInfo source;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(prefill->stub().GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), &source).ok());
+  }
+  const Output reference = Aggregated(req);
+  v1::KvReadyRequest good;
+  good.set_reservation_id(receive.reservation().reservation_id());
+  good.set_decode_instance_id(receive.reservation().instance_id());
+  *good.mutable_source() = source;
+  for (int b : {0, 1, 2}) good.add_block_ids(b);
+  good.set_prompt_tokens(40);
+  good.set_prompt_hash(HashTokens(prompt));
+  good.mutable_first_token()->set_token_id(reference.tokens[0]);
+  auto call = [&](const v1::KvReadyRequest& r) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    v1::KvReadyResponse resp;
+    return decode->stub().KvReady(&ctx, r, &resp);
+  };
+  v1::KvReadyRequest r = good;
+  r.set_decode_instance_id("another");
+  EXPECT_EQ(call(r).error_code(), grpc::StatusCode::NOT_FOUND);
+  r = good;
+  r.mutable_first_token()->set_token_id(kVocabSize);
+  EXPECT_EQ(call(r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  r = good;
+  r.add_block_ids(3);
+  EXPECT_EQ(call(r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  r = good;
+  r.add_block_checksums(1);
+  EXPECT_EQ(call(r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  r = good;
+  r.set_prompt_hash(good.prompt_hash() + 1);
+  EXPECT_EQ(call(r).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(GetLoad(decode->stub()).reserved_requests(), 1) << "still waiting for the right call";
+  // Block ids past the source pool: the pull cannot start; fallback.
+  r = good;
+  r.set_block_ids(2, static_cast<int32_t>(source.layout().num_blocks()));
+  grpc::Status st = call(r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ABORTED) << st.error_message();
+  Output d = receive.Finish();
+  EXPECT_FALSE(d.includes_first_token);
+  ExpectSameOutput(Combine(reference, d), reference, "fallback after a bad KvReady");
+  // The reservation is gone: the good call now finds nothing.
+  EXPECT_EQ(call(good).error_code(), grpc::StatusCode::NOT_FOUND);
+  ExpectIdle(decode->stub(), "decode");
+}
+
 }  // namespace
 }  // namespace tandem

@@ -197,6 +197,9 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
                 "its KV transport is '%s', this worker's is '%s'", req.source().backend(),
                 transport_->backend()))
           : kvtransfer::CheckCompatible(engine_->pool_layout(), FromProto(req.source()).layout);
+  // Under mu_, in order: the reservation exists and waits; the request
+  // describes its prompt (else it keeps waiting for the right one); the pool
+  // can be copied from (else it falls back at once); the blocks add up.
   bool incompatible = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -214,11 +217,43 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
                         absl::StrFormat("reservation %d is already receiving its KV", w.reservation_id)));
       return;
     }
-    // A pool this worker can never copy from: the KV will not come from
-    // there, so the reservation falls back at once.
+    if (req.prompt_tokens() != w.prompt_len || req.prompt_hash() != w.prompt_hash) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("KvReady describes another prompt (%d tokens, hash %016x) than "
+                                        "reservation %d (%d tokens, hash %016x)",
+                                        req.prompt_tokens(), req.prompt_hash(), w.reservation_id,
+                                        w.prompt_len, w.prompt_hash)));
+      return;
+    }
+    const int32_t first = req.first_token().token_id();
+    if (first < 0 || first >= engine_->model_config().vocab_size) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("first_token %d is outside the vocabulary", first)));
+      return;
+    }
+    const int skip = w.cached_tokens / bs;
+    const int sent = static_cast<int>(w.blocks.size()) - skip;
     if (!compatible.ok()) {
       entries_.erase(it);
       incompatible = true;
+    } else if (req.block_ids_size() != static_cast<int>(w.blocks.size())) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("KvReady names %d blocks; a %d-token prompt takes %d",
+                                        req.block_ids_size(), w.prompt_len, w.blocks.size())));
+      return;
+    } else if (req.block_checksums_size() != 0 && req.block_checksums_size() != sent) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("KvReady has %d block checksums; %d blocks are pulled "
+                                        "(the first %d are cached here)",
+                                        req.block_checksums_size(), sent, skip)));
+      return;
+    } else {
+      for (int i = skip; i < static_cast<int>(w.blocks.size()); ++i) {
+        pull->pairs.push_back({req.block_ids(i), w.blocks[i]});
+      }
+      pull->checksums.assign(req.block_checksums().begin(), req.block_checksums().end());
+      e.state = State::kPulling;
+      call_deadline = std::min(call_deadline, w.deadline);
     }
   }
   if (incompatible) {
@@ -229,54 +264,6 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
     engine_->Fallback(req.reservation_id(), FromProto(req.first_token()), why);
     done(grpc::Status(StatusCode::FAILED_PRECONDITION, why));
     return;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(req.reservation_id());
-    if (it == entries_.end() || it->second.state != State::kWaiting) {
-      done(grpc::Status(StatusCode::NOT_FOUND,
-                        absl::StrFormat("reservation %d ended", req.reservation_id())));
-      return;
-    }
-    Entry& e = it->second;
-    const Waiting& w = e.waiting;
-    // A request that does not match leaves the reservation waiting for the
-    // right one (or its deadline).
-    if (req.prompt_tokens() != w.prompt_len || req.prompt_hash() != w.prompt_hash) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrFormat("KvReady describes another prompt (%d tokens, hash %016x) than "
-                                        "reservation %d (%d tokens, hash %016x)",
-                                        req.prompt_tokens(), req.prompt_hash(), w.reservation_id,
-                                        w.prompt_len, w.prompt_hash)));
-      return;
-    }
-    if (req.block_ids_size() != static_cast<int>(w.blocks.size())) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrFormat("KvReady names %d blocks; a %d-token prompt takes %d",
-                                        req.block_ids_size(), w.prompt_len, w.blocks.size())));
-      return;
-    }
-    const int skip = w.cached_tokens / bs;
-    const int sent = static_cast<int>(w.blocks.size()) - skip;
-    if (req.block_checksums_size() != 0 && req.block_checksums_size() != sent) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrFormat("KvReady has %d block checksums; %d blocks are pulled "
-                                        "(the first %d are cached here)",
-                                        req.block_checksums_size(), sent, skip)));
-      return;
-    }
-    const int32_t first = req.first_token().token_id();
-    if (first < 0 || first >= engine_->model_config().vocab_size) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrFormat("first_token %d is outside the vocabulary", first)));
-      return;
-    }
-    for (int i = skip; i < static_cast<int>(w.blocks.size()); ++i) {
-      pull->pairs.push_back({req.block_ids(i), w.blocks[i]});
-    }
-    pull->checksums.assign(req.block_checksums().begin(), req.block_checksums().end());
-    e.state = State::kPulling;
-    call_deadline = std::min(call_deadline, w.deadline);
   }
   pull->reservation_id = req.reservation_id();
   pull->agent_id = req.source().agent_id();
