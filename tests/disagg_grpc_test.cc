@@ -306,6 +306,11 @@ TEST_F(DisaggGrpcTest, InvalidDisaggregatedRequestsAreRejected) {
   EXPECT_EQ(odd_out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(odd_out.status.error_message(), HasSubstr("decode_cached_tokens"));
 
+  // A reservation may not wait for more than an hour.
+  Output too_long = ReceiveStream(decode->stub(), req, /*timeout_ms=*/3600 * 1000 + 1).Finish();
+  EXPECT_EQ(too_long.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(too_long.status.error_message(), HasSubstr("timeout_ms"));
+
   // A worker without a KV transport takes no part.
   Output no_transport = ReceiveStream(aggregated_->stub(), req).Finish();
   EXPECT_EQ(no_transport.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);

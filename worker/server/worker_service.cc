@@ -219,7 +219,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
           "this worker's role is %s: it does not %s", c.role,
           receive ? "receive KV (mode RECEIVE)" : "prefill for other workers (mode SEND)"));
     }
-    if (receive) return absl::OkStatus();
+    if (receive) {
+      // A reservation holds KV blocks while it waits: an hour at most.
+      if (kv.timeout_ms() > 3600 * 1000) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "kv_transfer.timeout_ms = %d is over an hour (3600000)", kv.timeout_ms()));
+      }
+      return absl::OkStatus();
+    }
     if (kv.decode_address().empty() || kv.decode_instance_id().empty() || kv.reservation_id() == 0) {
       return absl::InvalidArgumentError(
           "kv_transfer mode SEND needs decode_address, decode_instance_id and reservation_id from "

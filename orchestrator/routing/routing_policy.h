@@ -1,0 +1,97 @@
+// Routing policies: which worker should serve a request.
+//
+// A policy only decides; another component (the router) sends. Pick is a
+// function of the request and a snapshot of the cluster (WorkerView per
+// worker, built by the router from its own bookkeeping and the workers'
+// reports), so every policy is testable with a fake snapshot and no network.
+// Some policies keep state between calls (a round-robin cursor, a random
+// generator, a consistent-hash ring, a session table); that state never
+// outlives the meaning of the snapshot it was built from.
+//
+// Contract: Pick returns an index into `workers` of a healthy worker, or
+// Unavailable when there is none (empty list or all unhealthy). It never
+// returns any other error.
+//
+// Policies are created by name from a RoutingPolicyRegistry, filled by
+// RegisterBuiltinRoutingPolicies (an explicit list: static self-registration
+// silently drops out of static archives).
+//
+// Thread safety: RoutingPolicy::Pick may be called concurrently from any
+// thread. RoutingPolicyRegistry::Register is not thread-safe; its const
+// methods are, once registration is done.
+#ifndef TANDEM_ORCHESTRATOR_ROUTING_ROUTING_POLICY_H_
+#define TANDEM_ORCHESTRATOR_ROUTING_ROUTING_POLICY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace tandem::router {
+
+// One worker as the router sees it at the moment of the decision.
+struct WorkerView {
+  std::string id;                        // the worker's address; unique in a snapshot
+  int in_flight = 0;                     // requests the router has in flight there
+  int64_t prefill_tokens_in_flight = 0;  // prompt tokens not yet prefilled there
+  int64_t used_blocks = 0;               // KV blocks in use, as last reported
+  int64_t total_blocks = 0;              // KV pool size in blocks
+  bool healthy = true;                   // false: never picked
+};
+
+struct RouteRequest {
+  std::span<const int32_t> tokens;  // prompt token ids; the caller keeps them alive
+  std::string session_id;           // empty if the client sent none
+};
+
+class RoutingPolicy {
+ public:
+  virtual ~RoutingPolicy();
+
+  // The config name, e.g. "round_robin".
+  virtual std::string name() const = 0;
+
+  // Index into `workers` of the chosen worker; Unavailable if no healthy
+  // worker. Thread-safe.
+  virtual absl::StatusOr<size_t> Pick(const RouteRequest& req,
+                                      std::span<const WorkerView> workers) = 0;
+};
+
+// Policy parameters by name, as strings (the YAML layer fills them). Each
+// policy rejects names it does not know and values it cannot parse.
+using PolicyParams = std::map<std::string, std::string>;
+
+class RoutingPolicyRegistry {
+ public:
+  using Factory =
+      std::function<absl::StatusOr<std::unique_ptr<RoutingPolicy>>(const PolicyParams&)>;
+
+  // REQUIRES: `name` is not registered yet.
+  void Register(std::string name, Factory f);
+
+  // InvalidArgument for an unknown name (the message lists the known ones)
+  // or for a parameter the policy rejects (the message names the parameter
+  // and the policy).
+  absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const std::string& name,
+                                                        const PolicyParams& params) const;
+
+  // Registered names, sorted.
+  std::vector<std::string> names() const;
+
+ private:
+  std::map<std::string, Factory> factories_;
+};
+
+// Registers round_robin, random, least_request, power_of_two, prefix_aware
+// and sticky_session.
+void RegisterBuiltinRoutingPolicies(RoutingPolicyRegistry& registry);
+
+}  // namespace tandem::router
+
+#endif  // TANDEM_ORCHESTRATOR_ROUTING_ROUTING_POLICY_H_
