@@ -21,7 +21,7 @@ endfunction()
 
 # Unit tests sit beside the code; each test binary is discovered by ctest.
 function(tandem_cc_test)
-  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;TIMEOUT;FIXTURES_REQUIRED" "SRCS;DEPS;LABELS" ${ARGN})
   if(NOT TANDEM_BUILD_TESTS)
     return()
   endif()
@@ -34,6 +34,10 @@ function(tandem_cc_test)
   set(props TIMEOUT ${T_TIMEOUT})
   if(T_LABELS)
     list(APPEND props LABELS "${T_LABELS}")
+  endif()
+  # A ctest fixture (e.g. test data fetched by a setup test) run first.
+  if(T_FIXTURES_REQUIRED)
+    list(APPEND props FIXTURES_REQUIRED "${T_FIXTURES_REQUIRED}")
   endif()
   # Tests that start worker processes find the binary through TANDEM_BIN.
   gtest_discover_tests(${T_NAME} DISCOVERY_TIMEOUT 60

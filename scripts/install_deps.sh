@@ -8,9 +8,12 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libucx-dev libyaml-cpp-dev libboost-dev libopenblas-dev libxxhash-dev
   libsimdjson-dev rapidjson-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev
   python3 python3-numpy
 )
+# The tokenizer tests fetch reference data with npm: Debian's Node.js unless
+# one is installed already.
+command -v npm >/dev/null || PACKAGES+=(nodejs npm)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
