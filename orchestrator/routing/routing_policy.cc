@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "orchestrator/routing/kv_cache_aware.h"
 #include "orchestrator/routing/least_request.h"
 #include "orchestrator/routing/power_of_two.h"
 #include "orchestrator/routing/prefix_aware.h"
@@ -46,6 +47,7 @@ void RegisterBuiltinRoutingPolicies(RoutingPolicyRegistry& registry) {
   registry.Register("power_of_two", &PowerOfTwoPolicy::Create);
   registry.Register("prefix_aware", &PrefixAwarePolicy::Create);
   registry.Register("sticky_session", &StickySessionPolicy::Create);
+  registry.Register("kv_cache_aware", &KvCacheAwarePolicy::Create);
 }
 
 }  // namespace tandem::router

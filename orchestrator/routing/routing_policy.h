@@ -88,8 +88,8 @@ class RoutingPolicyRegistry {
   std::map<std::string, Factory> factories_;
 };
 
-// Registers round_robin, random, least_request, power_of_two, prefix_aware
-// and sticky_session.
+// Registers round_robin, random, least_request, power_of_two, prefix_aware,
+// sticky_session and kv_cache_aware.
 void RegisterBuiltinRoutingPolicies(RoutingPolicyRegistry& registry);
 
 }  // namespace tandem::router

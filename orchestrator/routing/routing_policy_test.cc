@@ -107,7 +107,8 @@ TEST_P(AllPoliciesTest, ConcurrentPicksAreSafe) {
 
 INSTANTIATE_TEST_SUITE_P(Builtin, AllPoliciesTest,
                          ::testing::Values("round_robin", "random", "least_request",
-                                           "power_of_two", "prefix_aware", "sticky_session"),
+                                           "power_of_two", "prefix_aware", "sticky_session",
+                                           "kv_cache_aware"),
                          [](const auto& info) { return info.param; });
 
 // ---- registry ------------------------------------------------------------
@@ -116,16 +117,16 @@ TEST(RoutingPolicyRegistryTest, NamesAreTheBuiltinsSorted) {
   RoutingPolicyRegistry registry;
   RegisterBuiltinRoutingPolicies(registry);
   EXPECT_THAT(registry.names(),
-              ::testing::ElementsAre("least_request", "power_of_two", "prefix_aware", "random",
-                                     "round_robin", "sticky_session"));
+              ::testing::ElementsAre("kv_cache_aware", "least_request", "power_of_two",
+                                     "prefix_aware", "random", "round_robin", "sticky_session"));
 }
 
 TEST(RoutingPolicyRegistryTest, UnknownNameListsTheKnownOnes) {
   RoutingPolicyRegistry registry;
   RegisterBuiltinRoutingPolicies(registry);
-  auto policy = registry.Create("kv_cache_aware", {});
+  auto policy = registry.Create("least_latency", {});
   EXPECT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(policy.status().message(), HasSubstr("kv_cache_aware"));
+  EXPECT_THAT(policy.status().message(), HasSubstr("least_latency"));
   EXPECT_THAT(policy.status().message(), HasSubstr("round_robin, sticky_session"));
 }
 
@@ -147,6 +148,11 @@ TEST(RoutingPolicyRegistryTest, BadParametersNameTheParameterAndThePolicy) {
       {"prefix_aware", "load_factor", "nan"},
       {"sticky_session", "max_sessions", "0"},
       {"sticky_session", "ttl_s", "1.5"},
+      {"kv_cache_aware", "block_size", "0"},
+      {"kv_cache_aware", "temperature", "-1"},
+      {"kv_cache_aware", "max_blocks", "0"},
+      {"kv_cache_aware", "ttl_s", "1.5"},
+      {"kv_cache_aware", "overlap_weigth", "1"},  // typo
   };
   for (const Case& c : cases) {
     auto policy = registry.Create(c.policy, {{c.key, c.value}});
@@ -166,6 +172,13 @@ TEST(RoutingPolicyRegistryTest, GoodParametersAreAccepted) {
                           {{"prefix_tokens", "64"}, {"virtual_nodes", "10"}, {"load_factor", "2"}})
                   .ok());
   EXPECT_TRUE(registry.Create("sticky_session", {{"max_sessions", "5"}, {"ttl_s", "60"}}).ok());
+  EXPECT_TRUE(registry
+                  .Create("kv_cache_aware",
+                          {{"block_hash_seed", "12345"}, {"block_size", "64"},
+                           {"overlap_weight", "2"}, {"load_weight", "0.5"},
+                           {"prefill_tokens_scale", "4096"}, {"temperature", "0.1"},
+                           {"seed", "3"}, {"max_blocks", "1000"}, {"ttl_s", "30"}})
+                  .ok());
 }
 
 // ---- round_robin ---------------------------------------------------------
