@@ -28,6 +28,8 @@ find_program(TANDEM_PYTHON NAMES python3 PATHS /usr/bin NO_DEFAULT_PATH)
 if(NOT TANDEM_PYTHON)
   find_program(TANDEM_PYTHON python3)
 endif()
+# The router's YAML config (orchestrator/config).
+find_package(yaml-cpp CONFIG REQUIRED)
 # The router's tokenizer (orchestrator/tokenizer): PCRE2 for pre-tokenizer
 # regexes, ICU for Unicode normalization.
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)

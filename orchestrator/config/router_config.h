@@ -1,0 +1,205 @@
+// RouterConfig: everything `tandem router` reads from its one YAML file, as
+// one typed struct with in-line defaults and a comment per field (leveldb's
+// Options). The YAML keys mirror the field names; router.example.yaml beside
+// this header documents every key.
+//
+// Contract: LoadRouterConfig / ParseRouterConfig return a config that has
+// passed ValidateRouterConfig, or InvalidArgument whose message reads
+// "FILE:LINE:COL: key.path: why" (1-based line and column) for YAML syntax
+// errors, unknown or duplicate keys (with a "did you mean" when a known key
+// is close), wrong types and invalid values. Routing policies are validated
+// by creating them through RegisterBuiltinRoutingPolicies, so a bad policy
+// name or parameter fails here, at load time, not at the first request.
+// Nothing here touches the network: DNS names are checked for syntax only,
+// and tokenizer / chat-template paths are not opened.
+//
+// Thread safety: the functions are pure and may be called concurrently.
+// A RouterConfig is a plain value; reloads (SIGHUP) build a new one and swap
+// it in as a whole, keeping the old one when the new file fails to load.
+#ifndef TANDEM_ORCHESTRATOR_CONFIG_ROUTER_CONFIG_H_
+#define TANDEM_ORCHESTRATOR_CONFIG_ROUTER_CONFIG_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "orchestrator/routing/routing_policy.h"
+
+namespace tandem::router {
+
+// Where the router accepts HTTP (OpenAI-compatible) requests.
+struct ListenerConfig {
+  // Address to bind: an IPv4/IPv6 literal or a host name. "0.0.0.0" (or
+  // "::") listens on every interface, as in a container.
+  std::string host = "127.0.0.1";
+  // TCP port, 1..65535.
+  int port = 8000;
+};
+
+// The one model this router serves.
+struct ModelConfig {
+  // The name clients send in the request's "model" field and see in
+  // /v1/models. Non-empty.
+  std::string served_name = "tandem";
+  // Path to a tokenizer.json, or "builtin" for the tokenizer compiled into
+  // the binary. The router tokenizes prompts to route on prefixes.
+  std::string tokenizer = "builtin";
+  // Path to a chat template that overrides the model's own; empty: use the
+  // model's.
+  std::string chat_template;
+};
+
+// A pool's workers found through DNS: `dns` is resolved every `interval_s`
+// to all its A/AAAA records, as a Kubernetes headless Service exposes its
+// pods; each address with `port` is one worker.
+struct DnsDiscoveryConfig {
+  // The name to resolve, e.g. "tandem-decode.default.svc.cluster.local".
+  std::string dns;
+  // The workers' gRPC port, 1..65535. Required.
+  int port = 0;
+  // Seconds between resolutions, in [1, 3600]. Pods that vanish from DNS
+  // leave the pool within one interval.
+  double interval_s = 10.0;
+};
+
+// Which routing policy picks a worker within a pool, by registry name.
+struct PolicyConfig {
+  // One of round_robin, random, least_request, power_of_two, prefix_aware,
+  // sticky_session, kv_cache_aware.
+  std::string name = "least_request";
+  // Policy-specific parameters as strings; each policy rejects names it does
+  // not know and values it cannot parse (see orchestrator/routing/*.h).
+  PolicyParams params;
+};
+
+// A set of workers of one role and the policy that chooses among them.
+// Exactly one of `workers` and `discovery` is set.
+struct PoolConfig {
+  // Static worker list, "host:port" each ("[v6addr]:port" for IPv6); no
+  // duplicates.
+  std::vector<std::string> workers;
+  // DNS discovery instead of a static list.
+  std::optional<DnsDiscoveryConfig> discovery;
+  // How a worker is picked among the pool's healthy ones.
+  PolicyConfig policy;
+};
+
+// Whether prefill and decode run on different workers.
+enum class DisaggregationMode {
+  kNever,   // "never": each request runs whole on one decode-pool worker
+            // (workers of role "both"); no prefill pool needed.
+  kAlways,  // "always": prefill on the prefill pool, KV shipped to decode.
+  kAuto,    // "auto": prefill on the decode worker itself when the uncached
+            // part of the prompt is shorter than auto_threshold_tokens.
+};
+
+// "never", "always" or "auto".
+std::string_view DisaggregationModeName(DisaggregationMode mode);
+
+struct DisaggregationConfig {
+  DisaggregationMode mode = DisaggregationMode::kAuto;
+  // Mode auto: prompts with fewer uncached tokens than this are prefilled on
+  // the decode worker. In [1, 1048576]. 512: below a few hundred tokens a
+  // local prefill takes about as long as the prefill-worker round trip plus
+  // the KV transfer, and it adds little to the decode batch's step time;
+  // tune per model and network.
+  int64_t auto_threshold_tokens = 512;
+};
+
+// Deadlines, in seconds, each in (0, 86400].
+struct TimeoutsConfig {
+  // From accepting the request to the first token (queueing and prefill
+  // included); past it the request fails with DeadlineExceeded (504).
+  double first_token_s = 60.0;
+  // Longest gap between two streamed tokens before the stream is cut.
+  double idle_stream_s = 30.0;
+  // Whole request, first byte in to last byte out. >= first_token_s.
+  double request_s = 600.0;
+};
+
+// Retries of a request that failed before its first token was sent (a
+// worker that is unreachable, overloaded or dies mid-prefill). Never after:
+// a client cannot un-see tokens.
+struct RetriesConfig {
+  // Attempts per request including the first, in [1, 10]; 1 disables retry.
+  int max_attempts = 3;
+  // Retries across all requests may be at most this fraction of requests
+  // (a retry budget, so a sick cluster is not hit with max_attempts times
+  // its load). In [0, 1]; 0 disables retry.
+  double budget_ratio = 0.2;
+};
+
+// Admission limits; beyond them requests are refused, never stalled.
+struct LimitsConfig {
+  // Largest request body, in bytes, in [1024, 1073741824]; larger: 400.
+  int64_t max_body_bytes = int64_t{8} << 20;
+  // Requests waiting for a worker slot, in [0, 1048576]; beyond: 429.
+  int64_t max_queue = 1024;
+  // Requests the router has on workers at once, in [1, 1048576].
+  int64_t max_in_flight = 256;
+};
+
+// Active health checks of every worker in every pool.
+struct HealthConfig {
+  // Seconds between checks of one worker, in [0.1, 3600].
+  double interval_s = 5.0;
+  // Seconds a check may take before it counts as a failure, in
+  // (0, interval_s].
+  double timeout_s = 2.0;
+  // Consecutive failures that eject a healthy worker, in [1, 100].
+  int unhealthy_after = 3;
+  // Consecutive successes that restore an ejected worker, in [1, 100].
+  int healthy_after = 2;
+};
+
+// The workers' KV-cache event streams (blocks stored / evicted), which feed
+// the router's index for kv_cache_aware routing.
+struct KvEventsConfig {
+  // Subscribe to the events. Required by the kv_cache_aware policy.
+  bool enabled = true;
+};
+
+// Session affinity for the sticky_session policy.
+struct SessionsConfig {
+  // HTTP request header whose value is the session id; an HTTP token
+  // (RFC 9110 field-name characters), matched case-insensitively.
+  std::string header = "X-Session-ID";
+};
+
+struct RouterConfig {
+  ListenerConfig listener;
+  ModelConfig model;
+  // Pools by role. `decode` is required; `prefill` is required unless
+  // disaggregation.mode is never, and must be absent when it is never.
+  std::optional<PoolConfig> prefill;
+  std::optional<PoolConfig> decode;
+  DisaggregationConfig disaggregation;
+  TimeoutsConfig timeouts;
+  RetriesConfig retries;
+  LimitsConfig limits;
+  HealthConfig health;
+  KvEventsConfig kv_events;
+  SessionsConfig sessions;
+};
+
+// Checks every field's range and the rules between fields (see each field's
+// comment). InvalidArgument "key.path: why" on the first violation; for a
+// config built in code rather than read from YAML.
+absl::Status ValidateRouterConfig(const RouterConfig& config);
+
+// Parses and validates YAML text. `name_for_errors` (usually the file path)
+// starts every error message.
+absl::StatusOr<RouterConfig> ParseRouterConfig(std::string_view yaml,
+                                               const std::string& name_for_errors);
+
+// Reads `path` and parses it as above. NotFound naming the path when the file
+// does not exist; InvalidArgument when it cannot be read or is invalid.
+absl::StatusOr<RouterConfig> LoadRouterConfig(const std::string& path);
+
+}  // namespace tandem::router
+
+#endif  // TANDEM_ORCHESTRATOR_CONFIG_ROUTER_CONFIG_H_

@@ -1,0 +1,251 @@
+#include "orchestrator/config/router_config.h"
+
+#include <fstream>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace tandem::router {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+using ::testing::StartsWith;
+
+// The smallest valid config: one decode pool, no disaggregation.
+constexpr char kMinimal[] = R"(
+disaggregation: {mode: never}
+pools:
+  decode:
+    workers: [decode-0:50051]
+)";
+
+absl::StatusOr<RouterConfig> Parse(const std::string& yaml) {
+  return ParseRouterConfig(yaml, "t.yaml");
+}
+
+// The error message of parsing `yaml`, which must fail with InvalidArgument.
+std::string ErrorOf(const std::string& yaml) {
+  auto config = Parse(yaml);
+  EXPECT_FALSE(config.ok()) << yaml;
+  if (config.ok()) return "";
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  return std::string(config.status().message());
+}
+
+TEST(RouterConfigTest, ExampleLoads) {
+  auto config = LoadRouterConfig(TANDEM_ROUTER_EXAMPLE_YAML);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->listener.host, "0.0.0.0");
+  EXPECT_EQ(config->disaggregation.mode, DisaggregationMode::kAuto);
+  ASSERT_TRUE(config->prefill.has_value());
+  ASSERT_TRUE(config->prefill->discovery.has_value());
+  EXPECT_EQ(config->prefill->discovery->port, 50051);
+  EXPECT_EQ(config->prefill->policy.name, "kv_cache_aware");
+  EXPECT_EQ(config->prefill->policy.params.at("overlap_weight"), "1.0");
+  ASSERT_TRUE(config->decode.has_value());
+  EXPECT_EQ(config->decode->workers.size(), 2u);
+  EXPECT_EQ(config->sessions.header, "X-Session-ID");
+}
+
+TEST(RouterConfigTest, DefaultsFillWhatTheFileOmits) {
+  auto config = Parse(kMinimal);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const RouterConfig defaults;
+  EXPECT_EQ(config->listener.host, "127.0.0.1");
+  EXPECT_EQ(config->listener.port, 8000);
+  EXPECT_EQ(config->model.tokenizer, "builtin");
+  EXPECT_EQ(config->model.chat_template, "");
+  EXPECT_FALSE(config->prefill.has_value());
+  ASSERT_TRUE(config->decode.has_value());
+  EXPECT_EQ(config->decode->policy.name, "least_request");
+  EXPECT_TRUE(config->decode->policy.params.empty());
+  EXPECT_EQ(config->disaggregation.mode, DisaggregationMode::kNever);
+  EXPECT_EQ(config->disaggregation.auto_threshold_tokens,
+            defaults.disaggregation.auto_threshold_tokens);
+  EXPECT_EQ(config->timeouts.first_token_s, defaults.timeouts.first_token_s);
+  EXPECT_EQ(config->timeouts.idle_stream_s, defaults.timeouts.idle_stream_s);
+  EXPECT_EQ(config->timeouts.request_s, defaults.timeouts.request_s);
+  EXPECT_EQ(config->retries.max_attempts, 3);
+  EXPECT_EQ(config->limits.max_body_bytes, defaults.limits.max_body_bytes);
+  EXPECT_EQ(config->limits.max_queue, defaults.limits.max_queue);
+  EXPECT_EQ(config->limits.max_in_flight, defaults.limits.max_in_flight);
+  EXPECT_EQ(config->health.interval_s, defaults.health.interval_s);
+  EXPECT_EQ(config->health.unhealthy_after, defaults.health.unhealthy_after);
+  EXPECT_EQ(config->health.healthy_after, defaults.health.healthy_after);
+  EXPECT_TRUE(config->kv_events.enabled);
+  EXPECT_EQ(config->sessions.header, "X-Session-ID");
+}
+
+TEST(RouterConfigTest, ModeNeverNeedsNoPrefillPool) {
+  ASSERT_TRUE(Parse(kMinimal).ok());
+}
+
+TEST(RouterConfigTest, DiscoveryPool) {
+  auto config = Parse(R"(
+pools:
+  prefill:
+    discovery: {dns: tandem-prefill.ns.svc.cluster.local, port: 50051, interval_s: 2.5}
+  decode:
+    workers: ["[::1]:50052", 127.0.0.1:50053]
+    policy: {name: prefix_aware, params: {prefix_tokens: 128}}
+)");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->prefill->discovery->dns, "tandem-prefill.ns.svc.cluster.local");
+  EXPECT_EQ(config->prefill->discovery->interval_s, 2.5);
+  EXPECT_EQ(config->decode->policy.params.at("prefix_tokens"), "128");
+}
+
+TEST(RouterConfigTest, UnknownNestedKeyNamesLineAndSuggests) {
+  const std::string msg = ErrorOf(R"(pools:
+  decode:
+    workers: [a:1]
+    polcy: {name: random}
+)");
+  EXPECT_THAT(msg, StartsWith("t.yaml:4:5: pools.decode.polcy: unknown key"));
+  EXPECT_THAT(msg, HasSubstr("did you mean 'policy'"));
+}
+
+TEST(RouterConfigTest, UnknownTopLevelKeyWithoutCloseMatch) {
+  const std::string msg = ErrorOf("frobnicate: 1\n");
+  EXPECT_THAT(msg, StartsWith("t.yaml:1:1: frobnicate: unknown key"));
+  EXPECT_THAT(msg, Not(HasSubstr("did you mean")));
+}
+
+TEST(RouterConfigTest, DuplicateKey) {
+  EXPECT_THAT(ErrorOf("listener: {port: 1}\nlistener: {port: 2}\n"),
+              StartsWith("t.yaml:2:1: listener: duplicate key"));
+}
+
+TEST(RouterConfigTest, WrongType) {
+  EXPECT_THAT(ErrorOf("listener:\n  port: eighty\n"),
+              StartsWith("t.yaml:2:9: listener.port: expected an integer, got 'eighty'"));
+  EXPECT_THAT(ErrorOf("listener: [1, 2]\n"),
+              StartsWith("t.yaml:1:11: listener: expected a mapping, got a list"));
+  EXPECT_THAT(ErrorOf("kv_events: {enabled: maybe}\n"),
+              StartsWith("t.yaml:1:22: kv_events.enabled: expected true or false"));
+  EXPECT_THAT(ErrorOf("pools: {decode: {workers: a:1}}\n"),
+              StartsWith("t.yaml:1:27: pools.decode.workers: expected a list"));
+}
+
+TEST(RouterConfigTest, OutOfRangeValue) {
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "health:\n  unhealthy_after: 0\n"),
+              StartsWith("t.yaml:7:20: health.unhealthy_after: 0 is not in [1, 100]"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "timeouts: {first_token_s: -1}\n"),
+              StartsWith("t.yaml:6:27: timeouts.first_token_s:"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "listener: {port: 70000}\n"),
+              StartsWith("t.yaml:6:18: listener.port:"));
+  EXPECT_THAT(ErrorOf("disaggregation: {mode: sometimes}\n"),
+              StartsWith("t.yaml:1:24: disaggregation.mode: expected never, always or auto"));
+}
+
+TEST(RouterConfigTest, BadPolicyName) {
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "    policy: {name: fastest}\n"),
+              StartsWith("t.yaml:6:20: pools.decode.policy.name: unknown routing policy "
+                         "'fastest'"));
+}
+
+TEST(RouterConfigTest, BadPolicyParam) {
+  const std::string msg = ErrorOf(std::string(kMinimal) + R"(    policy:
+      name: prefix_aware
+      params:
+        virtual_nodes: 0
+)");
+  EXPECT_THAT(msg, StartsWith("t.yaml:9:24: pools.decode.policy.params.virtual_nodes:"));
+  EXPECT_THAT(msg, HasSubstr("prefix_aware"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "    policy: {name: random, params: {bogus: 1}}\n"),
+              StartsWith("t.yaml:6:44: pools.decode.policy.params.bogus:"));
+}
+
+TEST(RouterConfigTest, KvCacheAwareNeedsKvEvents) {
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) +
+                      "    policy: {name: kv_cache_aware}\nkv_events: {enabled: false}\n"),
+              StartsWith("t.yaml:6:20: pools.decode.policy.name: kv_cache_aware needs"));
+}
+
+TEST(RouterConfigTest, BothWorkersAndDiscovery) {
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "    discovery: {dns: decode, port: 1}\n"),
+              StartsWith("t.yaml:6:5: pools.decode.discovery: set either workers or discovery, "
+                         "not both"));
+}
+
+TEST(RouterConfigTest, PoolWithNeitherWorkersNorDiscovery) {
+  EXPECT_THAT(ErrorOf("disaggregation: {mode: never}\npools:\n  decode: {policy: {name: random}}\n"),
+              StartsWith("t.yaml:3:3: pools.decode: needs workers"));
+}
+
+TEST(RouterConfigTest, MissingDecodePool) {
+  EXPECT_THAT(ErrorOf("listener: {port: 9000}\npools:\n  prefill: {workers: [p:1]}\n"),
+              StartsWith("t.yaml:2:1: pools.decode: required"));
+  // No pools at all: the top of the file.
+  EXPECT_THAT(ErrorOf("listener: {port: 9000}\n"), StartsWith("t.yaml:1:1: pools.decode: required"));
+  EXPECT_THAT(ErrorOf(""), StartsWith("t.yaml:1:1: pools.decode: required"));
+}
+
+TEST(RouterConfigTest, PrefillPoolRequiredUnlessModeNever) {
+  EXPECT_THAT(ErrorOf("pools:\n  decode: {workers: [d:1]}\n"),
+              StartsWith("t.yaml:1:1: pools.prefill: required when disaggregation.mode is auto"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "  prefill: {workers: [p:1]}\n"),
+              StartsWith("t.yaml:6:3: pools.prefill: disaggregation.mode is never"));
+}
+
+TEST(RouterConfigTest, BadHostPort) {
+  const std::string head = "disaggregation: {mode: never}\npools:\n  decode:\n    workers:\n";
+  EXPECT_THAT(ErrorOf(head + "      - a:1\n      - b:99999\n"),
+              StartsWith("t.yaml:6:9: pools.decode.workers[1]: port '99999' is not in 1..65535"));
+  EXPECT_THAT(ErrorOf(head + "      - noport\n"),
+              StartsWith("t.yaml:5:9: pools.decode.workers[0]: 'noport' is not host:port"));
+  EXPECT_THAT(ErrorOf(head + "      - bad_-host-:1\n"),
+              StartsWith("t.yaml:5:9: pools.decode.workers[0]: 'bad_-host-' is not a host name"));
+  EXPECT_THAT(ErrorOf(head + "      - 300.1.1.1:1\n"),
+              StartsWith("t.yaml:5:9: pools.decode.workers[0]:"));
+  EXPECT_THAT(ErrorOf(head + "      - \"[zz::1]:1\"\n"),
+              StartsWith("t.yaml:5:9: pools.decode.workers[0]: 'zz::1' is not an IPv6"));
+  EXPECT_THAT(ErrorOf(head + "      - a:1\n      - a:1\n"),
+              StartsWith("t.yaml:6:9: pools.decode.workers[1]: 'a:1' is listed twice"));
+}
+
+TEST(RouterConfigTest, BadSessionHeader) {
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "sessions: {header: \"X Session\"}\n"),
+              StartsWith("t.yaml:6:20: sessions.header:"));
+}
+
+TEST(RouterConfigTest, YamlSyntaxError) {
+  const std::string msg = ErrorOf("listener:\n  port: 1\n  host: [a, b\n");
+  EXPECT_THAT(msg, StartsWith("t.yaml:"));
+  EXPECT_THAT(msg, HasSubstr("YAML syntax error"));
+  EXPECT_THAT(ErrorOf("a: 1\n---\nb: 2\n"), HasSubstr("2 YAML documents"));
+}
+
+TEST(RouterConfigTest, LoadNamesTheFile) {
+  auto missing = LoadRouterConfig("/nonexistent/router.yaml");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("/nonexistent/router.yaml"));
+
+  const std::string path = ::testing::TempDir() + "/router_config_test.yaml";
+  {
+    std::ofstream out(path);
+    out << "listener:\n  prot: 1\n";
+  }
+  auto bad = LoadRouterConfig(path);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()),
+              StartsWith(path + ":2:3: listener.prot: unknown key; did you mean 'port'"));
+}
+
+TEST(RouterConfigTest, ValidateConfigBuiltInCode) {
+  RouterConfig config;
+  config.disaggregation.mode = DisaggregationMode::kNever;
+  EXPECT_THAT(std::string(ValidateRouterConfig(config).message()),
+              StartsWith("pools.decode: required"));
+  config.decode.emplace();
+  config.decode->workers = {"localhost:50051"};
+  EXPECT_TRUE(ValidateRouterConfig(config).ok());
+  config.retries.max_attempts = 0;
+  EXPECT_THAT(std::string(ValidateRouterConfig(config).message()),
+              StartsWith("retries.max_attempts: 0 is not in [1, 10]"));
+}
+
+}  // namespace
+}  // namespace tandem::router
