@@ -2,11 +2,13 @@
 // subcommands each module registers. No other logic lives here.
 #include <CLI/CLI.hpp>
 
+#include "orchestrator/cli/router_command.h"
 #include "worker/cli/commands.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"tandem: disaggregated LLM serving (router, prefill and decode workers)"};
   app.require_subcommand(1);
+  tandem::router::AddRouterCommand(app);
   tandem::worker::AddWorkerCommand(app);
   tandem::worker::AddGenerateCommand(app);
   tandem::worker::AddLogitsCommand(app);
