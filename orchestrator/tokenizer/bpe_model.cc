@@ -1,5 +1,6 @@
 #include "orchestrator/tokenizer/bpe_model.h"
 
+#include <algorithm>
 #include <functional>
 #include <queue>
 
@@ -44,13 +45,28 @@ absl::StatusOr<std::pair<std::string, std::string>> ParseMerge(const json& m, si
 
 }  // namespace
 
+std::string ByteFallbackToken(unsigned char byte) {
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  return std::string{'<', '0', 'x', kHex[byte >> 4], kHex[byte & 15], '>'};
+}
+
+std::optional<unsigned char> ParseByteFallbackToken(std::string_view token) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  if (token.size() != 6 || token.substr(0, 3) != "<0x" || token[5] != '>') return std::nullopt;
+  const int hi = hex(token[3]), lo = hex(token[4]);
+  if (hi < 0 || lo < 0) return std::nullopt;
+  return static_cast<unsigned char>(hi * 16 + lo);
+}
+
 absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(const json& model) {
   auto m = std::unique_ptr<BpeModel>(new BpeModel());
   if (!IsUnset(model, "dropout") && !(model["dropout"].is_number() && model["dropout"].get<double>() == 0.0)) {
     return Unsupported("model.dropout", "BPE dropout is not supported");
-  }
-  if (!IsUnset(model, "byte_fallback")) {
-    return Unsupported("model.byte_fallback", "byte fallback is not supported yet");
   }
   if (!IsUnset(model, "continuing_subword_prefix")) {
     return Unsupported("model.continuing_subword_prefix", "subword prefixes are not supported");
@@ -102,6 +118,15 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(const json& model) {
     if (it == m->vocab_.end()) return Unsupported("model.unk_token", "not in the vocab");
     m->unk_id_ = it->second;
   }
+
+  if (model.contains("byte_fallback") && !model["byte_fallback"].is_null()) {
+    if (!model["byte_fallback"].is_boolean()) return Unsupported("model.byte_fallback", "expected a boolean");
+    m->byte_fallback_ = model["byte_fallback"].get<bool>();
+  }
+  m->byte_ids_.fill(-1);
+  for (int b = 0; b < 256; ++b) {
+    if (auto id = m->TokenToId(ByteFallbackToken(static_cast<unsigned char>(b)))) m->byte_ids_[b] = *id;
+  }
   return m;
 }
 
@@ -149,24 +174,37 @@ void BpeModel::MergeWord(std::string_view word, std::vector<int32_t>* ids) const
   };
   std::vector<Symbol> symbols;
   symbols.reserve(word.size());
+  auto add = [&symbols](int32_t id) {
+    const auto n = static_cast<int32_t>(symbols.size());
+    symbols.push_back(Symbol{id, n - 1, n + 1, true});
+  };
+  // As in the Rust crate's merge_word: an unk is held back so that the next
+  // unknown character can fuse into it (fuse_unk); a known character flushes
+  // it, byte-fallback tokens do not (so they land before it).
+  bool pending_unk = false;
   size_t i = 0;
   while (i < word.size()) {
     int len = Utf8SequenceLength(word.substr(i));
     if (len <= 0) len = 1;  // input is sanitized upstream; be safe anyway
-    auto it = vocab_.find(absl::string_view(word.data() + i, len));
+    const std::string_view ch = word.substr(i, len);
     i += len;
-    int32_t id;
+    auto it = vocab_.find(absl::string_view(ch.data(), ch.size()));
     if (it != vocab_.end()) {
-      id = it->second;
-    } else if (unk_id_) {
-      if (fuse_unk_ && !symbols.empty() && symbols.back().id == *unk_id_) continue;
-      id = *unk_id_;
-    } else {
-      continue;  // dropped, as the Rust crate does without an unk token
+      if (pending_unk) add(*unk_id_);
+      pending_unk = false;
+      add(it->second);
+      continue;
     }
-    const auto n = static_cast<int32_t>(symbols.size());
-    symbols.push_back(Symbol{id, n - 1, n + 1, true});
+    if (byte_fallback_ &&
+        std::all_of(ch.begin(), ch.end(), [&](char c) { return byte_ids_[static_cast<unsigned char>(c)] >= 0; })) {
+      for (char c : ch) add(byte_ids_[static_cast<unsigned char>(c)]);
+      continue;
+    }
+    if (!unk_id_) continue;  // dropped, as the Rust crate does without an unk token
+    if (pending_unk && !fuse_unk_) add(*unk_id_);
+    pending_unk = true;
   }
+  if (pending_unk) add(*unk_id_);
   if (symbols.empty()) return;
   symbols.back().next = -1;
 

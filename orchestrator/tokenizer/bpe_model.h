@@ -4,9 +4,11 @@
 // `tokenizers` crate's word.rs does). With `ignore_merges` (Llama 3) a word
 // that is itself in the vocabulary becomes that one token without merging.
 // Contract: Create validates the whole model section and names the JSON path
-// of anything unsupported (dropout, byte_fallback, affixes, ...). Characters
-// absent from the vocabulary become unk_token when one is set and are
-// dropped otherwise, as in the Rust crate.
+// of anything unsupported (dropout, affixes, ...). A character absent from
+// the vocabulary becomes, as in the Rust crate: with `byte_fallback`
+// (SentencePiece-style files: Llama 2, Mistral), one <0xXX> token per UTF-8
+// byte when the vocabulary has all of them; otherwise unk_token when one is
+// set (consecutive ones fused into one with `fuse_unk`); otherwise nothing.
 // Thread safety: Tokenize is safe to call concurrently; the per-word result
 // cache is sharded and each shard is guarded by its own mutex.
 #ifndef TANDEM_ORCHESTRATOR_TOKENIZER_BPE_MODEL_H_
@@ -28,6 +30,12 @@
 #include "nlohmann/json_fwd.hpp"
 
 namespace tandem::router {
+
+// The byte-fallback token of `byte`, e.g. "<0xE4>".
+std::string ByteFallbackToken(unsigned char byte);
+// The byte that a "<0xXX>" token stands for (hex digits of either case, as
+// the ByteFallback decoder reads them); nullopt for any other token.
+std::optional<unsigned char> ParseByteFallbackToken(std::string_view token);
 
 class BpeModel {
  public:
@@ -75,6 +83,8 @@ class BpeModel {
   std::optional<int32_t> unk_id_;
   bool fuse_unk_ = false;
   bool ignore_merges_ = false;
+  bool byte_fallback_ = false;
+  std::array<int32_t, 256> byte_ids_;  // id of "<0xXX>" per byte, or -1
   mutable std::array<CacheShard, kCacheShards> cache_;
 };
 

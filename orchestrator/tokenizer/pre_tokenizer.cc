@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/byte_level.h"
+#include "orchestrator/tokenizer/utf8.h"
 
 namespace tandem::router {
 namespace {
@@ -33,7 +34,9 @@ struct Regex::Code {
 absl::StatusOr<Regex> Regex::Compile(const std::string& pattern, bool literal) {
   int error = 0;
   PCRE2_SIZE offset = 0;
-  const uint32_t options = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+  // PCRE2_LITERAL admits PCRE2_UTF but not PCRE2_UCP (which only affects
+  // character classes anyway).
+  const uint32_t options = literal ? PCRE2_UTF | PCRE2_LITERAL : PCRE2_UTF | PCRE2_UCP;
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options,
                                    &error, &offset, nullptr);
   if (code == nullptr) {
@@ -124,6 +127,29 @@ absl::Status PreTokenizer::AddSteps(const json& config, const std::string& path,
     out->byte_level_ = true;
     return absl::OkStatus();
   }
+  if (type == "Metaspace") {
+    MetaspaceStep step{config.value("replacement", "\xE2\x96\x81"), MetaspaceStep::Prepend::kAlways,
+                       config.value("split", true)};
+    if (step.replacement.empty() || Utf8SequenceLength(step.replacement) != static_cast<int>(step.replacement.size())) {
+      return Invalid(path + ".replacement", "expected one character");
+    }
+    if (config.contains("prepend_scheme")) {
+      const std::string scheme = config["prepend_scheme"].get<std::string>();
+      if (scheme == "always") {
+        step.prepend = MetaspaceStep::Prepend::kAlways;
+      } else if (scheme == "first") {
+        step.prepend = MetaspaceStep::Prepend::kFirst;
+      } else if (scheme == "never") {
+        step.prepend = MetaspaceStep::Prepend::kNever;
+      } else {
+        return Invalid(path + ".prepend_scheme", absl::StrCat("unsupported prepend scheme \"", scheme, "\""));
+      }
+    } else if (!config.value("add_prefix_space", true)) {  // files before prepend_scheme
+      step.prepend = MetaspaceStep::Prepend::kNever;
+    }
+    out->steps_.push_back(std::move(step));
+    return absl::OkStatus();
+  }
   return Invalid(path + ".type", absl::StrCat("unsupported pre-tokenizer \"", type, "\""));
 }
 
@@ -136,26 +162,81 @@ absl::StatusOr<PreTokenizer> PreTokenizer::Create(const json& config) {
 namespace {
 
 // Appends to `out` the pieces of `text` that `regex` isolates: each match and
-// each gap between matches (Isolated), or only the gaps (Removed).
-void SplitPieces(const Regex& regex, bool remove_matches, std::string_view text, std::vector<std::string>* out) {
+// each gap between matches (Isolated), or only the gaps (Removed). Returns
+// whether the first piece appended starts at text[0].
+bool SplitPieces(const Regex& regex, bool remove_matches, std::string_view text, std::vector<std::string>* out) {
   size_t last = 0;
+  bool removed_start = false;
   regex.ForEachMatch(text, [&](size_t begin, size_t end) {
     if (begin > last) out->emplace_back(text.substr(last, begin - last));
     if (!remove_matches) out->emplace_back(text.substr(begin, end - begin));
+    if (remove_matches && begin == 0) removed_start = true;
     last = end;
   });
   if (last < text.size()) out->emplace_back(text.substr(last));
+  return !removed_start;
+}
+
+// Replaces every `from` in `text` with `to`.
+std::string ReplaceAll(std::string_view text, std::string_view from, std::string_view to) {
+  std::string out;
+  out.reserve(text.size() + text.size() / 4 * to.size());
+  size_t last = 0;
+  for (size_t pos = text.find(from); pos != std::string_view::npos; pos = text.find(from, last)) {
+    out.append(text.substr(last, pos - last));
+    out.append(to);
+    last = pos + from.size();
+  }
+  out.append(text.substr(last));
+  return out;
 }
 
 }  // namespace
 
-void PreTokenizer::PreTokenize(std::string_view text, std::vector<std::string>* words) const {
+void PreTokenizer::PreTokenize(std::string_view text, bool at_text_start, std::vector<std::string>* words) const {
   std::vector<std::string> pieces{std::string(text)};
   std::vector<std::string> next;
+  // Whether pieces[0] starts at the beginning of the whole input, which is
+  // what `tokenizers` checks (offsets_original().0 == 0) for Metaspace "first".
+  bool first_at_start = at_text_start;
   for (const Step& step : steps_) {
     next.clear();
     if (const auto* split = std::get_if<SplitStep>(&step)) {
-      for (const std::string& p : pieces) SplitPieces(split->regex, split->remove_matches, p, &next);
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        const size_t before = next.size();
+        const bool starts = SplitPieces(split->regex, split->remove_matches, pieces[i], &next);
+        if (i == 0) first_at_start = first_at_start && starts && next.size() > before;
+      }
+    } else if (const auto* ms = std::get_if<MetaspaceStep>(&step)) {
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        std::string p = ReplaceAll(pieces[i], " ", ms->replacement);
+        const bool prepend = ms->prepend == MetaspaceStep::Prepend::kAlways ||
+                             (ms->prepend == MetaspaceStep::Prepend::kFirst && i == 0 && first_at_start);
+        if (prepend && !p.empty() && p.compare(0, ms->replacement.size(), ms->replacement) != 0) {
+          p.insert(0, ms->replacement);
+        }
+        if (!ms->split) {
+          next.push_back(std::move(p));
+          continue;
+        }
+        // MergedWithNext: a word starts at each replacement that does not
+        // follow another one ("a▁▁b" -> "a", "▁▁b").
+        const std::string_view r = ms->replacement;
+        size_t word_start = 0;
+        size_t pos = 0;
+        bool previous_was_replacement = false;
+        while (pos < p.size()) {
+          const bool is_replacement = p.compare(pos, r.size(), r) == 0;
+          if (is_replacement && !previous_was_replacement && pos > word_start) {
+            next.push_back(p.substr(word_start, pos - word_start));
+            word_start = pos;
+          }
+          previous_was_replacement = is_replacement;
+          int len = is_replacement ? static_cast<int>(r.size()) : Utf8SequenceLength(std::string_view(p).substr(pos));
+          pos += len > 0 ? len : 1;
+        }
+        if (word_start < p.size()) next.push_back(p.substr(word_start));
+      }
     } else {
       const auto& bl = std::get<ByteLevelStep>(step);
       std::vector<std::string> split_pieces;

