@@ -3,7 +3,7 @@
 #include <array>
 #include <cstdint>
 
-#include "orchestrator/tokenizer/utf8.h"
+#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {

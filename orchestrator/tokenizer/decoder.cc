@@ -5,7 +5,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/bpe_model.h"
-#include "orchestrator/tokenizer/utf8.h"
+#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {

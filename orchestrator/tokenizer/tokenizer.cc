@@ -10,7 +10,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/byte_level.h"
-#include "orchestrator/tokenizer/utf8.h"
+#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {

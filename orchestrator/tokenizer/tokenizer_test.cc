@@ -12,7 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "orchestrator/tokenizer/utf8.h"
+#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {

@@ -1,18 +1,18 @@
-// UTF-8 helpers shared by the tokenizer: walking code points and repairing
-// invalid byte sequences. Tokens of a byte-level BPE vocabulary are arbitrary
+// UTF-8 helpers: walking code points and repairing invalid byte sequences
+// (the tokenizer, the detokenizer, JSON output). Tokens of a byte-level BPE vocabulary are arbitrary
 // byte strings, so decoded text is only valid UTF-8 once the bytes of a whole
 // character have arrived; these helpers find that boundary.
 // Contract: invalid input is never an error; each maximal invalid subpart
 // becomes U+FFFD, as Unicode's "best practice" (and Python's / Rust's lossy
 // decoders) do. Pure functions, thread-safe.
-#ifndef TANDEM_ORCHESTRATOR_TOKENIZER_UTF8_H_
-#define TANDEM_ORCHESTRATOR_TOKENIZER_UTF8_H_
+#ifndef TANDEM_COMMON_UTF8_H_
+#define TANDEM_COMMON_UTF8_H_
 
 #include <cstddef>
 #include <string>
 #include <string_view>
 
-namespace tandem::router {
+namespace tandem {
 
 inline constexpr std::string_view kUtf8Replacement = "\xEF\xBF\xBD";  // U+FFFD
 
@@ -29,6 +29,6 @@ size_t AppendValidUtf8(std::string_view in, bool final, std::string* out);
 // True when `s` is entirely valid UTF-8.
 bool IsValidUtf8(std::string_view s);
 
-}  // namespace tandem::router
+}  // namespace tandem
 
-#endif  // TANDEM_ORCHESTRATOR_TOKENIZER_UTF8_H_
+#endif  // TANDEM_COMMON_UTF8_H_

@@ -1,6 +1,6 @@
-#include "orchestrator/tokenizer/utf8.h"
+#include "common/utf8.h"
 
-namespace tandem::router {
+namespace tandem {
 
 int Utf8SequenceLength(std::string_view s) {
   const auto b0 = static_cast<unsigned char>(s[0]);
@@ -67,4 +67,4 @@ bool IsValidUtf8(std::string_view s) {
   return true;
 }
 
-}  // namespace tandem::router
+}  // namespace tandem
