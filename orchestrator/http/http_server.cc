@@ -1,0 +1,660 @@
+#include "orchestrator/http/http_server.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <deque>
+#include <exception>
+#include <optional>
+#include <unordered_map>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+
+namespace tandem::http {
+
+namespace {
+
+// absl::EqualsIgnoreCase takes absl::string_view, which Debian's Abseil does
+// not alias to std::string_view.
+bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (absl::ascii_tolower(static_cast<unsigned char>(a[i])) !=
+        absl::ascii_tolower(static_cast<unsigned char>(b[i]))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = boost::beast::http;
+using tcp = net::ip::tcp;
+using error_code = boost::system::error_code;
+
+// ---------------------------------------------------------------------------
+// Request
+
+std::string_view Request::Header(std::string_view name) const {
+  for (const auto& [key, value] : headers) {
+    if (EqualsIgnoreCase(key, name)) return value;
+  }
+  return {};
+}
+
+bool Request::HasHeader(std::string_view name) const {
+  for (const auto& header : headers) {
+    if (EqualsIgnoreCase(header.first, name)) return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------
+// Helpers
+
+std::string JsonErrorBody(std::string_view message, std::string_view type) {
+  auto escape = [](std::string_view s) {
+    std::string out;
+    out.reserve(s.size());
+    for (char c : s) {
+      switch (c) {
+        case '"': out += "\\\""; break;
+        case '\\': out += "\\\\"; break;
+        case '\n': out += "\\n"; break;
+        case '\r': out += "\\r"; break;
+        case '\t': out += "\\t"; break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20) {
+            out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
+          } else {
+            out += c;
+          }
+      }
+    }
+    return out;
+  };
+  return absl::StrCat("{\"error\":{\"message\":\"", escape(message), "\",\"type\":\"",
+                      escape(type), "\"}}");
+}
+
+namespace {
+
+bool ValidHeaderToken(std::string_view s) {
+  return !s.empty() && s.find_first_of("\r\n:") == std::string_view::npos;
+}
+bool ValidHeaderValue(std::string_view s) {
+  return s.find_first_of("\r\n") == std::string_view::npos;
+}
+
+// Status line and headers, up to and including the blank line.
+std::string HeadBlock(int status, std::string_view content_type, const HeaderList& extra,
+                      std::string_view framing, bool keep_alive) {
+  std::string reason(bhttp::obsolete_reason(static_cast<bhttp::status>(status)));
+  std::string out = absl::StrCat("HTTP/1.1 ", status, " ", reason, "\r\n");
+  if (!content_type.empty() && ValidHeaderValue(content_type)) {
+    absl::StrAppend(&out, "Content-Type: ", std::string(content_type), "\r\n");
+  }
+  for (const auto& [name, value] : extra) {
+    if (!ValidHeaderToken(name) || !ValidHeaderValue(value)) {
+      LOG(WARNING) << "http: dropping invalid response header " << name;
+      continue;
+    }
+    absl::StrAppend(&out, name, ": ", value, "\r\n");
+  }
+  absl::StrAppend(&out, std::string(framing), keep_alive ? "Connection: keep-alive\r\n" : "Connection: close\r\n",
+                  "\r\n");
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Server internals
+
+// Declaration order matters: the registry outlives the io_context, because
+// destroying the io_context destroys pending handlers, and the Sessions they
+// hold unregister themselves.
+struct HttpServer::Impl {
+  absl::Mutex mu;
+  uint64_t next_id ABSL_GUARDED_BY(mu) = 0;
+  std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions ABSL_GUARDED_BY(mu);
+
+  net::io_context ioc;
+  std::optional<net::executor_work_guard<net::io_context::executor_type>> work;
+  net::strand<net::io_context::executor_type> accept_strand{net::make_strand(ioc)};
+  tcp::acceptor acceptor{accept_strand};
+  net::steady_timer accept_backoff{accept_strand};
+  std::atomic<bool> stopping{false};
+};
+
+// One connection. Every member is touched only on the socket's strand.
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(HttpServer* server, tcp::socket socket, uint64_t id)
+      : server_(server),
+        impl_(server->impl_.get()),
+        opts_(server->options_),
+        socket_(std::move(socket)),
+        timer_(socket_.get_executor()),
+        id_(id) {}
+
+  // May run inside ~Impl (the io_context destroying pending handlers), so it
+  // touches only Impl members declared before the io_context.
+  ~Session() {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->sessions.erase(id_);
+  }
+
+  net::any_io_executor executor() { return socket_.get_executor(); }
+
+  void Start() {
+    Touch();
+    WaitTimer();
+    ReadHeader();
+  }
+
+  // Stop(): idle connections close now; a pending response finishes first.
+  void Shutdown() {
+    keep_alive_ = false;
+    if (state_ == State::kReading) Close();
+  }
+
+  // Stop()'s deadline passed.
+  void ForceClose() { Close(); }
+
+  // --- Called (posted) by ResponseWriter; all on the strand. ---
+  void Enqueue(std::string bytes, bool last) {
+    if (closed_ || state_ != State::kResponding) return;
+    if (!bytes.empty()) out_.push_back(std::move(bytes));
+    if (last) response_done_ = true;
+    // No Touch() here: only bytes actually written move the deadline, so a
+    // client that stops reading is closed after idle_timeout.
+    WriteNext();
+  }
+
+  bool keep_alive() const { return keep_alive_; }
+  int request_version() const { return version_; }
+
+ private:
+  enum class State { kReading, kResponding, kDraining };
+
+  // --- Timeout: one wait loop; Touch() moves the deadline. ---
+  void Touch() { timer_.expires_after(opts_.idle_timeout); }
+  void WaitTimer() {
+    timer_.async_wait([self = shared_from_this()](error_code) {
+      if (self->closed_) return;
+      if (self->timer_.expiry() <= net::steady_timer::clock_type::now()) {
+        self->Close();
+        return;
+      }
+      self->WaitTimer();
+    });
+  }
+
+  // --- Reading a request: headers first, to decide 413/100-continue. ---
+  void ReadHeader() {
+    state_ = State::kReading;
+    if (impl_->stopping.load()) {
+      Close();
+      return;
+    }
+    parser_.emplace();
+    parser_->header_limit(static_cast<uint32_t>(std::min<size_t>(opts_.max_header_bytes, UINT32_MAX)));
+    parser_->body_limit(opts_.max_body_bytes);
+    Touch();
+    bhttp::async_read_header(socket_, buffer_, *parser_,
+                             [self = shared_from_this()](error_code ec, size_t) {
+                               self->OnHeader(ec);
+                             });
+  }
+
+  void OnHeader(error_code ec) {
+    if (closed_) return;
+    if (ec) return OnReadError(ec);
+    const auto& req = parser_->get();
+    if (auto length = parser_->content_length(); length && *length > opts_.max_body_bytes) {
+      return Reject(413, "request body too large");
+    }
+    if (EqualsIgnoreCase(std::string(req[bhttp::field::expect]), "100-continue") &&
+        !parser_->is_done()) {
+      auto cont = std::make_shared<std::string>("HTTP/1.1 100 Continue\r\n\r\n");
+      net::async_write(socket_, net::buffer(*cont),
+                       [self = shared_from_this(), cont](error_code ec, size_t) {
+                         if (self->closed_) return;
+                         if (ec) return self->Close();
+                         self->ReadBody();
+                       });
+      return;
+    }
+    ReadBody();
+  }
+
+  void ReadBody() {
+    Touch();
+    bhttp::async_read(socket_, buffer_, *parser_, [self = shared_from_this()](error_code ec, size_t) {
+      if (self->closed_) return;
+      if (ec) return self->OnReadError(ec);
+      self->Dispatch();
+    });
+  }
+
+  void OnReadError(error_code ec) {
+    if (ec == bhttp::error::end_of_stream || ec == bhttp::error::partial_message ||
+        ec.category() != bhttp::make_error_code(bhttp::error::bad_target).category()) {
+      Close();  // the peer closed, the socket failed or timed out
+    } else if (ec == bhttp::error::body_limit) {
+      Reject(413, "request body too large");
+    } else if (ec == bhttp::error::header_limit) {
+      Reject(431, "request header fields too large");
+    } else {
+      Reject(400, absl::StrCat("malformed request: ", ec.message()));
+    }
+  }
+
+  // An error response, then close (the rest of the request is not read).
+  void Reject(int status, std::string message) {
+    state_ = State::kResponding;
+    keep_alive_ = false;
+    std::string body = JsonErrorBody(message);
+    std::string bytes = HeadBlock(status, "application/json", {},
+                                  absl::StrCat("Content-Length: ", body.size(), "\r\n"), false);
+    bytes += body;
+    out_.push_back(std::move(bytes));
+    response_done_ = true;
+    Touch();
+    WriteNext();
+  }
+
+  void Dispatch() {
+    auto msg = parser_->release();
+    parser_.reset();
+    Request req;
+    req.method = std::string(msg.method_string());
+    req.target = std::string(msg.target());
+    size_t q = req.target.find('?');
+    req.path = req.target.substr(0, q);
+    if (q != std::string::npos) req.query = req.target.substr(q + 1);
+    for (const auto& field : msg) {
+      req.headers.emplace_back(std::string(field.name_string()), std::string(field.value()));
+    }
+    req.body = std::move(msg.body());
+    req.version = msg.version();
+    Touch();
+    version_ = msg.version();
+    keep_alive_ = msg.keep_alive() && !impl_->stopping.load();
+
+    state_ = State::kResponding;
+    response_done_ = false;
+    writer_ = std::make_shared<ResponseWriter>(weak_from_this());
+    Probe();
+
+    int status = 0;
+    std::string allow;
+    const Handler* handler = server_->Find(req.method, req.path, &status, &allow);
+    if (handler == nullptr) {
+      std::string message = status == 404
+                                ? absl::StrCat("no route for ", req.path)
+                                : absl::StrCat("method ", req.method, " not allowed for ", req.path);
+      HeaderList extra;
+      if (status == 405) extra.emplace_back("Allow", allow);
+      writer_->Send(status, "application/json", JsonErrorBody(message), extra);
+      return;
+    }
+    try {
+      (*handler)(req, writer_);
+    } catch (const std::exception& e) {
+      LOG(WARNING) << "http: handler for " << req.path << " threw: " << e.what();
+      writer_->Send(500, "application/json", JsonErrorBody("internal error", "server_error"));
+    } catch (...) {
+      LOG(WARNING) << "http: handler for " << req.path << " threw";
+      writer_->Send(500, "application/json", JsonErrorBody("internal error", "server_error"));
+    }
+  }
+
+  // --- While a response is pending, a read watches for the client leaving.
+  // Bytes that arrive (a pipelined request) are kept in buffer_ for later.
+  // EOF counts as leaving: a client that half-closes after its request loses
+  // the response, as with most servers. Past max_header_bytes of buffered
+  // input the watch stops (the pipeline is full enough).
+  void Probe() {
+    if (probing_ || closed_ || buffer_.size() >= opts_.max_header_bytes) return;
+    probing_ = true;
+    socket_.async_read_some(buffer_.prepare(4096), [self = shared_from_this()](error_code ec, size_t n) {
+      self->probing_ = false;
+      self->buffer_.commit(n);
+      if (self->closed_) return;
+      if (self->read_wanted_) {
+        self->read_wanted_ = false;
+        return self->ReadHeader();
+      }
+      if (ec) return self->Close();  // client gone
+      self->Probe();
+    });
+  }
+
+  // --- Writing: one async_write at a time, in queue order. ---
+  void WriteNext() {
+    if (writing_ || closed_) return;
+    if (out_.empty()) {
+      if (response_done_ && state_ == State::kResponding) FinishResponse();
+      return;
+    }
+    writing_ = true;
+    net::async_write(socket_, net::buffer(out_.front()),
+                     [self = shared_from_this()](error_code ec, size_t) {
+                       self->writing_ = false;
+                       if (self->closed_) return;
+                       if (ec) return self->Close();
+                       self->out_.pop_front();
+                       self->Touch();
+                       self->WriteNext();
+                     });
+  }
+
+  void FinishResponse() {
+    writer_.reset();
+    if (!keep_alive_ || impl_->stopping.load()) return Drain();
+    if (probing_) {
+      read_wanted_ = true;  // the probe's completion starts the next read
+      error_code ignored;
+      socket_.cancel(ignored);
+      return;
+    }
+    ReadHeader();
+  }
+
+  // Graceful close: stop sending, discard what the client still sends for a
+  // short while (so it reads our response instead of a reset), then close.
+  void Drain() {
+    state_ = State::kDraining;
+    error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    // 1 s is ample for a client to read a small response and close; during
+    // Stop() the bound is shorter so shutdown is not held up by slow clients.
+    std::chrono::steady_clock::duration bound = impl_->stopping.load()
+                                                    ? std::chrono::milliseconds(100)
+                                                    : std::chrono::seconds(1);
+    timer_.expires_after(std::min<std::chrono::steady_clock::duration>(opts_.idle_timeout, bound));
+    if (probing_) return;  // the probe sees EOF or the timer closes
+    DrainRead();
+  }
+  void DrainRead() {
+    auto scratch = std::make_shared<std::array<char, 4096>>();
+    socket_.async_read_some(net::buffer(*scratch), [self = shared_from_this(), scratch](error_code ec, size_t) {
+      if (self->closed_) return;
+      if (ec) return self->Close();
+      self->DrainRead();
+    });
+  }
+
+  void Close() {
+    if (closed_) return;
+    closed_ = true;
+    error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_both, ignored);
+    socket_.close(ignored);
+    timer_.cancel();
+    out_.clear();
+    if (writer_) {
+      std::shared_ptr<ResponseWriter> writer = std::move(writer_);
+      writer->MarkClosed();
+    }
+  }
+
+  HttpServer* server_;
+  HttpServer::Impl* impl_;
+  const HttpServer::Options& opts_;
+  tcp::socket socket_;
+  net::steady_timer timer_;
+  const uint64_t id_;
+
+  beast::flat_buffer buffer_;
+  std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
+  State state_ = State::kReading;
+  bool keep_alive_ = true;
+  int version_ = 11;
+  bool closed_ = false;
+  bool probing_ = false;
+  bool read_wanted_ = false;
+  bool writing_ = false;
+  bool response_done_ = false;
+  std::deque<std::string> out_;
+  std::shared_ptr<ResponseWriter> writer_;
+};
+
+// ---------------------------------------------------------------------------
+// ResponseWriter
+
+namespace {
+
+// Runs `fn(session)` on the session's strand, if the session still exists.
+template <typename Fn>
+bool PostToSession(const std::weak_ptr<Session>& weak, Fn fn) {
+  std::shared_ptr<Session> session = weak.lock();
+  if (!session) return false;
+  net::post(session->executor(), [session, fn = std::move(fn)]() mutable { fn(*session); });
+  return true;
+}
+
+std::string ChunkFrame(std::string_view data) {
+  return absl::StrCat(absl::StrFormat("%x", data.size()), "\r\n", std::string(data), "\r\n");
+}
+
+}  // namespace
+
+bool ResponseWriter::Send(int status, std::string_view content_type, std::string body,
+                          const HeaderList& extra_headers) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed() || state_ != State::kIdle) return false;
+    state_ = State::kSent;
+  }
+  std::string type(content_type);
+  HeaderList extra = extra_headers;
+  return PostToSession(session_, [type = std::move(type), extra = std::move(extra),
+                                  body = std::move(body), status](Session& s) mutable {
+    std::string bytes = HeadBlock(status, type, extra,
+                                  absl::StrCat("Content-Length: ", body.size(), "\r\n"),
+                                  s.keep_alive());
+    bytes += body;
+    s.Enqueue(std::move(bytes), /*last=*/true);
+  });
+}
+
+bool ResponseWriter::StartStream(int status, std::string_view content_type,
+                                 const HeaderList& extra_headers) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed() || state_ != State::kIdle) return false;
+    state_ = State::kStreaming;
+  }
+  std::string type(content_type);
+  HeaderList extra = extra_headers;
+  extra.emplace_back("Cache-Control", "no-cache");
+  return PostToSession(session_, [type = std::move(type), extra = std::move(extra),
+                                  status](Session& s) mutable {
+    // HTTP/1.0 has no chunked encoding: the body ends when the connection does.
+    bool chunked = s.request_version() >= 11;
+    std::string bytes = HeadBlock(status, type, extra,
+                                  chunked ? "Transfer-Encoding: chunked\r\n" : "",
+                                  chunked && s.keep_alive());
+    s.Enqueue(std::move(bytes), /*last=*/false);
+  });
+}
+
+bool ResponseWriter::Write(std::string chunk) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed() || state_ != State::kStreaming) return false;
+  }
+  if (chunk.empty()) return true;
+  return PostToSession(session_, [chunk = std::move(chunk)](Session& s) mutable {
+    s.Enqueue(s.request_version() >= 11 ? ChunkFrame(chunk) : std::move(chunk), /*last=*/false);
+  });
+}
+
+bool ResponseWriter::End() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed() || state_ != State::kStreaming) return false;
+    state_ = State::kEnded;
+  }
+  return PostToSession(session_, [](Session& s) {
+    s.Enqueue(s.request_version() >= 11 ? "0\r\n\r\n" : "", /*last=*/true);
+  });
+}
+
+void ResponseWriter::OnClose(std::function<void()> callback) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!closed()) {
+      on_close_.push_back(std::move(callback));
+      return;
+    }
+  }
+  callback();
+}
+
+void ResponseWriter::MarkClosed() {
+  std::vector<std::function<void()>> callbacks;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_.exchange(true, std::memory_order_acq_rel)) return;
+    callbacks.swap(on_close_);
+  }
+  for (auto& callback : callbacks) callback();
+}
+
+// ---------------------------------------------------------------------------
+// HttpServer
+
+HttpServer::HttpServer(Options options) : options_(std::move(options)), impl_(new Impl) {}
+
+HttpServer::~HttpServer() { Stop(); }
+
+void HttpServer::Route(std::string method, std::string path, Handler handler) {
+  CHECK(!started_) << "HttpServer::Route after Start";
+  routes_[std::move(path)][std::move(method)] = std::move(handler);
+}
+
+const Handler* HttpServer::Find(std::string_view method, std::string_view path, int* status,
+                                std::string* allow) const {
+  auto it = routes_.find(path);
+  if (it == routes_.end()) {
+    *status = 404;
+    return nullptr;
+  }
+  auto m = it->second.find(std::string(method));
+  if (m != it->second.end()) return &m->second;
+  *status = 405;
+  for (const auto& entry : it->second) {
+    if (!allow->empty()) *allow += ", ";
+    *allow += entry.first;
+  }
+  return nullptr;
+}
+
+absl::Status HttpServer::Start() {
+  if (started_) return absl::FailedPreconditionError("HttpServer already started");
+  error_code ec;
+  net::ip::address address = net::ip::make_address(options_.host, ec);
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("bad HTTP host '", options_.host, "'"));
+  if (options_.port < 0 || options_.port > 65535 || options_.threads < 1) {
+    return absl::InvalidArgumentError("HTTP port must be in [0, 65535] and threads >= 1");
+  }
+  tcp::endpoint endpoint(address, static_cast<uint16_t>(options_.port));
+  tcp::acceptor& acceptor = impl_->acceptor;
+  auto fail = [&](std::string_view what) {
+    error_code ignored;
+    acceptor.close(ignored);
+    return absl::UnavailableError(absl::StrCat("HTTP ", std::string(what), " ", options_.host, ":",
+                                               options_.port, ": ", ec.message()));
+  };
+  if (acceptor.open(endpoint.protocol(), ec); ec) return fail("open");
+  if (acceptor.set_option(net::socket_base::reuse_address(true), ec); ec) return fail("setsockopt");
+  if (acceptor.bind(endpoint, ec); ec) return fail("bind");
+  if (acceptor.listen(net::socket_base::max_listen_connections, ec); ec) return fail("listen");
+  bound_port_ = acceptor.local_endpoint(ec).port();
+  started_ = true;
+
+  impl_->work.emplace(impl_->ioc.get_executor());
+  StartAccept();
+  for (int i = 0; i < options_.threads; ++i) {
+    threads_.emplace_back([this] { impl_->ioc.run(); });
+  }
+  return absl::OkStatus();
+}
+
+void HttpServer::StartAccept() {
+  impl_->acceptor.async_accept(
+      net::make_strand(impl_->ioc), [this](error_code ec, tcp::socket socket) {
+        if (!impl_->acceptor.is_open() || impl_->stopping.load()) return;
+        if (ec) {
+          // Typically EMFILE: back off instead of spinning on the error.
+          LOG(WARNING) << "http: accept failed: " << ec.message();
+          impl_->accept_backoff.expires_after(std::chrono::milliseconds(100));
+          impl_->accept_backoff.async_wait([this](error_code) { StartAccept(); });
+          return;
+        } else {
+          std::shared_ptr<Session> session;
+          {
+            absl::MutexLock lock(&impl_->mu);
+            uint64_t id = impl_->next_id++;
+            session = std::make_shared<Session>(this, std::move(socket), id);
+            impl_->sessions.emplace(id, session);
+          }
+          net::post(session->executor(), [session] { session->Start(); });
+        }
+        StartAccept();
+      });
+}
+
+void HttpServer::Stop() {
+  if (!started_ || stopped_) return;
+  stopped_ = true;
+  impl_->stopping.store(true);
+  net::post(impl_->accept_strand, [impl = impl_.get()] {
+    error_code ignored;
+    impl->acceptor.close(ignored);
+    impl->accept_backoff.cancel();
+  });
+
+  auto for_each_session = [this](void (Session::*method)()) {
+    std::vector<std::shared_ptr<Session>> live;
+    {
+      absl::MutexLock lock(&impl_->mu);
+      for (auto& [id, weak] : impl_->sessions) {
+        if (auto session = weak.lock()) live.push_back(std::move(session));
+      }
+    }
+    for (auto& session : live) {
+      net::post(session->executor(), [session, method] { ((*session).*method)(); });
+    }
+  };
+  for_each_session(&Session::Shutdown);
+  struct NoSessions {
+    static bool Eval(Impl* impl) ABSL_NO_THREAD_SAFETY_ANALYSIS { return impl->sessions.empty(); }
+  };
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->mu.AwaitWithTimeout(absl::Condition(&NoSessions::Eval, impl_.get()),
+                               absl::FromChrono(options_.stop_grace));
+  }
+  for_each_session(&Session::ForceClose);
+  impl_->work.reset();
+  for (auto& thread : threads_) thread.join();
+  threads_.clear();
+}
+
+}  // namespace tandem::http

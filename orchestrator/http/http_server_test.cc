@@ -1,0 +1,364 @@
+// Tests for HttpServer, through a Beast synchronous client over loopback.
+#include "orchestrator/http/http_server.h"
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+
+namespace tandem::http {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = boost::beast::http;
+using tcp = net::ip::tcp;
+using namespace std::chrono_literals;
+
+HttpServer::Options TestOptions() {
+  HttpServer::Options options;
+  options.port = 0;
+  options.threads = 2;
+  options.max_body_bytes = 1024;
+  options.idle_timeout = std::chrono::seconds(5);
+  options.stop_grace = std::chrono::milliseconds(2000);
+  return options;
+}
+
+// A blocking client connection.
+class Client {
+ public:
+  explicit Client(int port) : socket_(ioc_) {
+    socket_.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<uint16_t>(port)));
+  }
+
+  bhttp::response<bhttp::string_body> Do(bhttp::verb method, std::string target,
+                                         std::string body = "", bool close = false) {
+    Send(method, std::move(target), std::move(body), close);
+    return Read();
+  }
+  void Send(bhttp::verb method, std::string target, std::string body = "", bool close = false) {
+    bhttp::request<bhttp::string_body> req{method, target, 11};
+    req.set(bhttp::field::host, "localhost");
+    req.set("X-Test", "hello");
+    if (close) req.set(bhttp::field::connection, "close");
+    if (!body.empty() || method == bhttp::verb::post) {
+      req.body() = std::move(body);
+      req.prepare_payload();
+    }
+    bhttp::write(socket_, req);
+  }
+  bhttp::response<bhttp::string_body> Read() {
+    bhttp::response<bhttp::string_body> res;
+    bhttp::read(socket_, buffer_, res);
+    return res;
+  }
+  // True if the server closed the connection (a read sees EOF).
+  bool SeesEof() {
+    char c;
+    boost::system::error_code ec;
+    socket_.read_some(net::buffer(&c, 1), ec);
+    return ec == net::error::eof || ec == net::error::connection_reset;
+  }
+  tcp::socket& socket() { return socket_; }
+
+ private:
+  net::io_context ioc_;
+  tcp::socket socket_;
+  beast::flat_buffer buffer_;
+};
+
+class HttpServerTest : public ::testing::Test {
+ protected:
+  void StartServer(HttpServer::Options options = TestOptions()) {
+    server_ = std::make_unique<HttpServer>(options);
+    server_->Route("GET", "/hello", [](const Request& req, std::shared_ptr<ResponseWriter> w) {
+      w->Send(200, "text/plain", "hi " + std::string(req.Header("x-test")) + " q=" + req.query,
+              {{"X-Reply", "yes"}});
+    });
+    server_->Route("POST", "/echo", [](const Request& req, std::shared_ptr<ResponseWriter> w) {
+      w->Send(201, "application/json", req.body);
+    });
+    AddRoutes();
+    ASSERT_TRUE(server_->Start().ok());
+    ASSERT_GT(server_->port(), 0);
+  }
+  virtual void AddRoutes() {}
+
+  std::unique_ptr<HttpServer> server_;
+};
+
+TEST_F(HttpServerTest, GetAndPostRoundTrip) {
+  StartServer();
+  Client client(server_->port());
+  auto res = client.Do(bhttp::verb::get, "/hello?a=1");
+  EXPECT_EQ(res.result_int(), 200);
+  EXPECT_EQ(res.body(), "hi hello q=a=1");
+  EXPECT_EQ(res["X-Reply"], "yes");
+  EXPECT_EQ(res[bhttp::field::content_type], "text/plain");
+
+  res = client.Do(bhttp::verb::post, "/echo", "{\"x\":1}");
+  EXPECT_EQ(res.result_int(), 201);
+  EXPECT_EQ(res.body(), "{\"x\":1}");
+  EXPECT_TRUE(res.keep_alive());
+}
+
+TEST_F(HttpServerTest, KeepAliveServesManyRequestsOnOneConnection) {
+  StartServer();
+  Client client(server_->port());
+  for (int i = 0; i < 10; ++i) {
+    auto res = client.Do(bhttp::verb::post, "/echo", "n" + std::to_string(i));
+    ASSERT_EQ(res.body(), "n" + std::to_string(i));
+  }
+}
+
+TEST_F(HttpServerTest, PipelinedRequestsAnsweredInOrder) {
+  StartServer();
+  Client client(server_->port());
+  for (int i = 0; i < 5; ++i) client.Send(bhttp::verb::post, "/echo", "p" + std::to_string(i));
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(client.Read().body(), "p" + std::to_string(i));
+}
+
+TEST_F(HttpServerTest, ConnectionCloseHonoured) {
+  StartServer();
+  Client client(server_->port());
+  auto res = client.Do(bhttp::verb::get, "/hello", "", /*close=*/true);
+  EXPECT_EQ(res.result_int(), 200);
+  EXPECT_FALSE(res.keep_alive());
+  EXPECT_TRUE(client.SeesEof());
+}
+
+TEST_F(HttpServerTest, NotFoundAndMethodNotAllowed) {
+  StartServer();
+  Client client(server_->port());
+  auto res = client.Do(bhttp::verb::get, "/nope");
+  EXPECT_EQ(res.result_int(), 404);
+  EXPECT_NE(res.body().find("\"type\":\"invalid_request_error\""), std::string::npos);
+  EXPECT_EQ(res[bhttp::field::content_type], "application/json");
+
+  res = client.Do(bhttp::verb::get, "/echo");
+  EXPECT_EQ(res.result_int(), 405);
+  EXPECT_EQ(res[bhttp::field::allow], "POST");
+  EXPECT_NE(res.body().find("\"error\":{\"message\":"), std::string::npos);
+  // The connection stays usable after 404/405.
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/hello").result_int(), 200);
+}
+
+TEST_F(HttpServerTest, BodyTooLargeIs413WithoutReadingIt) {
+  StartServer();
+  Client client(server_->port());
+  // Announce 1 MiB but send only the headers: the answer must come anyway.
+  std::string head =
+      "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n";
+  net::write(client.socket(), net::buffer(head));
+  auto res = client.Read();
+  EXPECT_EQ(res.result_int(), 413);
+  EXPECT_TRUE(client.SeesEof());
+}
+
+TEST_F(HttpServerTest, ChunkedBodyTooLargeIs413) {
+  StartServer();
+  Client client(server_->port());
+  std::string req = "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n800\r\n" +
+                    std::string(2048, 'a') + "\r\n";
+  net::write(client.socket(), net::buffer(req));
+  EXPECT_EQ(client.Read().result_int(), 413);
+}
+
+TEST_F(HttpServerTest, MalformedRequestIs400) {
+  StartServer();
+  Client client(server_->port());
+  net::write(client.socket(), net::buffer(std::string("GARBAGE\x01 / HTTP/1.1\r\n\r\n")));
+  EXPECT_EQ(client.Read().result_int(), 400);
+  EXPECT_TRUE(client.SeesEof());
+}
+
+TEST_F(HttpServerTest, OversizedHeadersAre431) {
+  HttpServer::Options options = TestOptions();
+  options.max_header_bytes = 1024;
+  StartServer(options);
+  Client client(server_->port());
+  std::string req = "GET /hello HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(4096, 'b') + "\r\n\r\n";
+  net::write(client.socket(), net::buffer(req));
+  EXPECT_EQ(client.Read().result_int(), 431);
+}
+
+TEST_F(HttpServerTest, PortInUseIsAnError) {
+  StartServer();
+  HttpServer::Options options = TestOptions();
+  options.port = server_->port();
+  HttpServer second(options);
+  absl::Status status = second.Start();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+}
+
+class StreamingTest : public HttpServerTest {
+ protected:
+  void AddRoutes() override {
+    server_->Route("GET", "/stream", [this](const Request&, std::shared_ptr<ResponseWriter> w) {
+      w->OnClose([this] { on_close_fired_.Notify(); });
+      threads_.emplace_back([this, w] {
+        w->StartStream(200, "text/event-stream");
+        for (int i = 0; i < 5; ++i) {
+          if (i == 4) last_written_.store(true);
+          w->Write("data: " + std::to_string(i) + "\n\n");
+          std::this_thread::sleep_for(50ms);
+        }
+        w->End();
+      });
+    });
+    server_->Route("GET", "/forever", [this](const Request&, std::shared_ptr<ResponseWriter> w) {
+      w->OnClose([this] { on_close_fired_.Notify(); });
+      threads_.emplace_back([this, w] {
+        w->StartStream(200, "text/event-stream");
+        for (int i = 0; i < 400 && !w->closed(); ++i) {
+          w->Write("data: tick\n\n");
+          std::this_thread::sleep_for(5ms);
+        }
+        write_after_close_ = w->Write("data: late\n\n");
+        end_after_close_ = w->End();
+      });
+    });
+  }
+  void TearDown() override {
+    for (auto& t : threads_) t.join();
+  }
+
+  std::vector<std::thread> threads_;
+  std::atomic<bool> last_written_{false};
+  absl::Notification on_close_fired_;
+  bool write_after_close_ = true;
+  bool end_after_close_ = true;
+};
+
+TEST_F(StreamingTest, ChunksArriveAsWritten) {
+  StartServer();
+  Client client(server_->port());
+  client.Send(bhttp::verb::get, "/stream");
+  std::string seen;
+  bool first_before_last = false;
+  char buf[1024];
+  while (seen.find("0\r\n\r\n") == std::string::npos) {
+    boost::system::error_code ec;
+    size_t n = client.socket().read_some(net::buffer(buf), ec);
+    ASSERT_FALSE(ec) << ec.message();
+    seen.append(buf, n);
+    if (!first_before_last && seen.find("data: 0") != std::string::npos) {
+      first_before_last = !last_written_.load();
+    }
+  }
+  EXPECT_TRUE(first_before_last);
+  EXPECT_NE(seen.find("Transfer-Encoding: chunked"), std::string::npos);
+  EXPECT_NE(seen.find("Content-Type: text/event-stream"), std::string::npos);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_NE(seen.find("data: " + std::to_string(i)), std::string::npos);
+  }
+  // A chunked response is well-formed for Beast's parser too, and the
+  // connection is reusable.
+  std::this_thread::sleep_for(10ms);
+  auto res = client.Do(bhttp::verb::get, "/hello");
+  EXPECT_EQ(res.result_int(), 200);
+}
+
+TEST_F(StreamingTest, ChunkedResponseParses) {
+  StartServer();
+  Client client(server_->port());
+  auto res = client.Do(bhttp::verb::get, "/stream");
+  EXPECT_EQ(res.result_int(), 200);
+  EXPECT_EQ(res.body(), "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n");
+}
+
+TEST_F(StreamingTest, ClientDisconnectFiresOnClose) {
+  StartServer();
+  {
+    Client client(server_->port());
+    client.Send(bhttp::verb::get, "/forever");
+    char buf[256];
+    client.socket().read_some(net::buffer(buf));  // the stream has begun
+  }  // the client goes away
+  EXPECT_TRUE(on_close_fired_.WaitForNotificationWithTimeout(absl::Seconds(3)));
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+  EXPECT_FALSE(write_after_close_);
+  EXPECT_FALSE(end_after_close_);
+}
+
+TEST_F(StreamingTest, SilentHandlerClosedByIdleTimeout) {
+  HttpServer::Options options = TestOptions();
+  options.idle_timeout = std::chrono::seconds(1);
+  std::shared_ptr<ResponseWriter> kept;
+  absl::Notification closed;
+  server_ = std::make_unique<HttpServer>(options);
+  server_->Route("GET", "/silent", [&](const Request&, std::shared_ptr<ResponseWriter> w) {
+    w->OnClose([&] { closed.Notify(); });
+    kept = w;  // never answers
+  });
+  ASSERT_TRUE(server_->Start().ok());
+  Client client(server_->port());
+  client.Send(bhttp::verb::get, "/silent");
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(client.SeesEof());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  EXPECT_TRUE(closed.WaitForNotificationWithTimeout(absl::Seconds(1)));
+  EXPECT_TRUE(kept->closed());
+  EXPECT_FALSE(kept->Send(200, "text/plain", "late"));
+}
+
+TEST_F(HttpServerTest, StopWithIdleConnectionIsPrompt) {
+  StartServer();
+  Client client(server_->port());
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/hello").result_int(), 200);
+  auto start = std::chrono::steady_clock::now();
+  server_->Stop();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  EXPECT_TRUE(client.SeesEof());
+}
+
+TEST_F(HttpServerTest, StopLetsInFlightResponseFinish) {
+  std::thread worker;
+  server_ = std::make_unique<HttpServer>(TestOptions());
+  server_->Route("GET", "/slow", [&](const Request&, std::shared_ptr<ResponseWriter> w) {
+    worker = std::thread([w] {
+      std::this_thread::sleep_for(200ms);
+      w->Send(200, "text/plain", "done");
+    });
+  });
+  ASSERT_TRUE(server_->Start().ok());
+  Client client(server_->port());
+  client.Send(bhttp::verb::get, "/slow");
+  std::this_thread::sleep_for(50ms);
+  std::thread stopper([&] { server_->Stop(); });
+  auto res = client.Read();
+  EXPECT_EQ(res.body(), "done");
+  stopper.join();
+  worker.join();
+}
+
+TEST_F(HttpServerTest, ConcurrentClients) {
+  StartServer();
+  std::atomic<int> ok{0};
+  std::vector<std::thread> clients;
+  for (int t = 0; t < 8; ++t) {
+    clients.emplace_back([&, t] {
+      Client client(server_->port());
+      for (int i = 0; i < 20; ++i) {
+        std::string body = std::to_string(t) + ":" + std::to_string(i);
+        auto res = client.Do(bhttp::verb::post, "/echo", body);
+        if (res.result_int() == 201 && res.body() == body) ok.fetch_add(1);
+      }
+    });
+  }
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(ok.load(), 160);
+}
+
+}  // namespace
+}  // namespace tandem::http
