@@ -1,6 +1,8 @@
 #include "orchestrator/http/http_server.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
 #include <array>
 #include <cstdio>
 #include <deque>
@@ -126,7 +128,10 @@ std::string HeadBlock(int status, std::string_view content_type, const HeaderLis
 // destroying the io_context destroys pending handlers, and the Sessions they
 // hold unregister themselves.
 struct HttpServer::Impl {
-  absl::Mutex mu;
+  // std::mutex rather than absl::Mutex: Debian's Abseil is not instrumented
+  // for ThreadSanitizer.
+  std::mutex mu;
+  std::condition_variable sessions_empty;  // notified when the last session ends
   uint64_t next_id ABSL_GUARDED_BY(mu) = 0;
   std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions ABSL_GUARDED_BY(mu);
 
@@ -152,8 +157,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // May run inside ~Impl (the io_context destroying pending handlers), so it
   // touches only Impl members declared before the io_context.
   ~Session() {
-    absl::MutexLock lock(&impl_->mu);
+    std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->sessions.erase(id_);
+    if (impl_->sessions.empty()) impl_->sessions_empty.notify_all();
   }
 
   net::any_io_executor executor() { return socket_.get_executor(); }
@@ -456,7 +462,7 @@ std::string ChunkFrame(std::string_view data) {
 bool ResponseWriter::Send(int status, std::string_view content_type, std::string body,
                           const HeaderList& extra_headers) {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (closed() || state_ != State::kIdle) return false;
     state_ = State::kSent;
   }
@@ -475,7 +481,7 @@ bool ResponseWriter::Send(int status, std::string_view content_type, std::string
 bool ResponseWriter::StartStream(int status, std::string_view content_type,
                                  const HeaderList& extra_headers) {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (closed() || state_ != State::kIdle) return false;
     state_ = State::kStreaming;
   }
@@ -495,7 +501,7 @@ bool ResponseWriter::StartStream(int status, std::string_view content_type,
 
 bool ResponseWriter::Write(std::string chunk) {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (closed() || state_ != State::kStreaming) return false;
   }
   if (chunk.empty()) return true;
@@ -506,7 +512,7 @@ bool ResponseWriter::Write(std::string chunk) {
 
 bool ResponseWriter::End() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (closed() || state_ != State::kStreaming) return false;
     state_ = State::kEnded;
   }
@@ -517,7 +523,7 @@ bool ResponseWriter::End() {
 
 void ResponseWriter::OnClose(std::function<void()> callback) {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (!closed()) {
       on_close_.push_back(std::move(callback));
       return;
@@ -529,7 +535,7 @@ void ResponseWriter::OnClose(std::function<void()> callback) {
 void ResponseWriter::MarkClosed() {
   std::vector<std::function<void()>> callbacks;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (closed_.exchange(true, std::memory_order_acq_rel)) return;
     callbacks.swap(on_close_);
   }
@@ -609,7 +615,7 @@ void HttpServer::StartAccept() {
         } else {
           std::shared_ptr<Session> session;
           {
-            absl::MutexLock lock(&impl_->mu);
+            std::lock_guard<std::mutex> lock(impl_->mu);
             uint64_t id = impl_->next_id++;
             session = std::make_shared<Session>(this, std::move(socket), id);
             impl_->sessions.emplace(id, session);
@@ -633,7 +639,7 @@ void HttpServer::Stop() {
   auto for_each_session = [this](void (Session::*method)()) {
     std::vector<std::shared_ptr<Session>> live;
     {
-      absl::MutexLock lock(&impl_->mu);
+      std::lock_guard<std::mutex> lock(impl_->mu);
       for (auto& [id, weak] : impl_->sessions) {
         if (auto session = weak.lock()) live.push_back(std::move(session));
       }
@@ -643,13 +649,12 @@ void HttpServer::Stop() {
     }
   };
   for_each_session(&Session::Shutdown);
-  struct NoSessions {
-    static bool Eval(Impl* impl) ABSL_NO_THREAD_SAFETY_ANALYSIS { return impl->sessions.empty(); }
-  };
   {
-    absl::MutexLock lock(&impl_->mu);
-    impl_->mu.AwaitWithTimeout(absl::Condition(&NoSessions::Eval, impl_.get()),
-                               absl::FromChrono(options_.stop_grace));
+    std::unique_lock<std::mutex> lock(impl_->mu);
+    impl_->sessions_empty.wait_for(lock, options_.stop_grace,
+                                   [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                     return impl_->sessions.empty();
+                                   });
   }
   for_each_session(&Session::ForceClose);
   impl_->work.reset();

@@ -44,6 +44,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -52,7 +53,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/base/thread_annotations.h"
 
 namespace tandem::http {
 
@@ -116,7 +117,7 @@ class ResponseWriter {
 
   std::weak_ptr<Session> session_;
   std::atomic<bool> closed_{false};
-  absl::Mutex mu_;
+  std::mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kIdle;
   std::vector<std::function<void()>> on_close_ ABSL_GUARDED_BY(mu_);
 };
