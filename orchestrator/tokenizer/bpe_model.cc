@@ -8,16 +8,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "orchestrator/tokenizer/json_steps.h"
 #include "common/utf8.h"
 
 namespace tandem::router {
 namespace {
 
 using nlohmann::json;
-
-absl::Status Unsupported(absl::string_view path, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("tokenizer.json ", path, ": ", why));
-}
 
 bool IsUnset(const json& j, const char* key) {
   auto it = j.find(key);
@@ -31,7 +28,7 @@ absl::StatusOr<std::pair<std::string, std::string>> ParseMerge(const json& m, si
     const auto& s = m.get_ref<const std::string&>();
     const size_t space = s.find(' ');
     if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos) {
-      return Unsupported(absl::StrCat("model.merges[", index, "]"),
+      return InvalidTokenizerJson(absl::StrCat("model.merges[", index, "]"),
                          absl::StrCat("expected \"left right\", got \"", s, "\""));
     }
     return std::make_pair(s.substr(0, space), s.substr(space + 1));
@@ -39,7 +36,7 @@ absl::StatusOr<std::pair<std::string, std::string>> ParseMerge(const json& m, si
   if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
     return std::make_pair(m[0].get<std::string>(), m[1].get<std::string>());
   }
-  return Unsupported(absl::StrCat("model.merges[", index, "]"),
+  return InvalidTokenizerJson(absl::StrCat("model.merges[", index, "]"),
                      "expected a \"left right\" string or a [left, right] pair");
 }
 
@@ -66,26 +63,26 @@ std::optional<unsigned char> ParseByteFallbackToken(std::string_view token) {
 absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(const json& model) {
   auto m = std::unique_ptr<BpeModel>(new BpeModel());
   if (!IsUnset(model, "dropout") && !(model["dropout"].is_number() && model["dropout"].get<double>() == 0.0)) {
-    return Unsupported("model.dropout", "BPE dropout is not supported");
+    return InvalidTokenizerJson("model.dropout", "BPE dropout is not supported");
   }
   if (!IsUnset(model, "continuing_subword_prefix")) {
-    return Unsupported("model.continuing_subword_prefix", "subword prefixes are not supported");
+    return InvalidTokenizerJson("model.continuing_subword_prefix", "subword prefixes are not supported");
   }
   if (!IsUnset(model, "end_of_word_suffix")) {
-    return Unsupported("model.end_of_word_suffix", "end-of-word suffixes are not supported");
+    return InvalidTokenizerJson("model.end_of_word_suffix", "end-of-word suffixes are not supported");
   }
   m->ignore_merges_ = model.value("ignore_merges", false);
   m->fuse_unk_ = model.value("fuse_unk", false);
 
   const auto vocab = model.find("vocab");
   if (vocab == model.end() || !vocab->is_object()) {
-    return Unsupported("model.vocab", "expected an object of token -> id");
+    return InvalidTokenizerJson("model.vocab", "expected an object of token -> id");
   }
   m->vocab_.reserve(vocab->size());
   int32_t max_id = -1;
   for (const auto& [token, id] : vocab->items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > (1 << 30)) {
-      return Unsupported(absl::StrCat("model.vocab[\"", token, "\"]"), "expected an id >= 0");
+      return InvalidTokenizerJson(absl::StrCat("model.vocab[\"", token, "\"]"), "expected an id >= 0");
     }
     const auto i = id.get<int32_t>();
     m->vocab_.emplace(token, i);
@@ -96,7 +93,7 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(const json& model) {
 
   const auto merges = model.find("merges");
   if (merges == model.end() || !merges->is_array()) {
-    return Unsupported("model.merges", "expected an array");
+    return InvalidTokenizerJson("model.merges", "expected an array");
   }
   m->merges_.reserve(merges->size());
   for (size_t i = 0; i < merges->size(); ++i) {
@@ -105,7 +102,7 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(const json& model) {
     const auto& [left, right] = *pair;
     auto l = m->vocab_.find(left), r = m->vocab_.find(right), n = m->vocab_.find(left + right);
     if (l == m->vocab_.end() || r == m->vocab_.end() || n == m->vocab_.end()) {
-      return Unsupported(absl::StrCat("model.merges[", i, "]"),
+      return InvalidTokenizerJson(absl::StrCat("model.merges[", i, "]"),
                          absl::StrCat("\"", left, "\", \"", right, "\" or their concatenation is not in the vocab"));
     }
     // The first occurrence of a pair wins, as in the Rust crate.
@@ -113,14 +110,14 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(const json& model) {
   }
 
   if (!IsUnset(model, "unk_token")) {
-    if (!model["unk_token"].is_string()) return Unsupported("model.unk_token", "expected a string");
+    if (!model["unk_token"].is_string()) return InvalidTokenizerJson("model.unk_token", "expected a string");
     auto it = m->vocab_.find(model["unk_token"].get<std::string>());
-    if (it == m->vocab_.end()) return Unsupported("model.unk_token", "not in the vocab");
+    if (it == m->vocab_.end()) return InvalidTokenizerJson("model.unk_token", "not in the vocab");
     m->unk_id_ = it->second;
   }
 
   if (model.contains("byte_fallback") && !model["byte_fallback"].is_null()) {
-    if (!model["byte_fallback"].is_boolean()) return Unsupported("model.byte_fallback", "expected a boolean");
+    if (!model["byte_fallback"].is_boolean()) return InvalidTokenizerJson("model.byte_fallback", "expected a boolean");
     m->byte_fallback_ = model["byte_fallback"].get<bool>();
   }
   m->byte_ids_.fill(-1);

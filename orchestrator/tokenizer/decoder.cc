@@ -5,32 +5,13 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/bpe_model.h"
+#include "orchestrator/tokenizer/json_steps.h"
 #include "common/utf8.h"
 
 namespace tandem::router {
 namespace {
 
 using nlohmann::json;
-
-absl::Status Invalid(absl::string_view path, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("tokenizer.json ", path, ": ", why));
-}
-
-bool IsOneCharacter(std::string_view s) {
-  return !s.empty() && Utf8SequenceLength(s) == static_cast<int>(s.size());
-}
-
-std::string ReplaceAll(std::string_view text, std::string_view from, std::string_view to) {
-  std::string out;
-  size_t last = 0;
-  for (size_t pos = text.find(from); pos != std::string_view::npos; pos = text.find(from, last)) {
-    out.append(text.substr(last, pos - last));
-    out.append(to);
-    last = pos + from.size();
-  }
-  out.append(text.substr(last));
-  return out;
-}
 
 // Removes up to `start` leading and `stop` trailing copies of `c`.
 void StripToken(std::string_view c, size_t start, size_t stop, std::string* token) {
@@ -47,15 +28,15 @@ void StripToken(std::string_view c, size_t start, size_t stop, std::string* toke
 
 absl::Status Decoder::AddSteps(const json& config, const std::string& path, Decoder* out) {
   if (!config.is_object() || !config.contains("type") || !config["type"].is_string()) {
-    return Invalid(path, "expected an object with a \"type\"");
+    return InvalidTokenizerJson(path, "expected an object with a \"type\"");
   }
   const std::string type = config["type"].get<std::string>();
   if (out->fused_ && type != "Strip") {
-    return Invalid(path + ".type", absl::StrCat("\"", type, "\" after Fuse is not supported"));
+    return InvalidTokenizerJson(path + ".type", absl::StrCat("\"", type, "\" after Fuse is not supported"));
   }
   if (type == "Sequence") {
     const auto it = config.find("decoders");
-    if (it == config.end() || !it->is_array()) return Invalid(path + ".decoders", "expected an array");
+    if (it == config.end() || !it->is_array()) return InvalidTokenizerJson(path + ".decoders", "expected an array");
     for (size_t i = 0; i < it->size(); ++i) {
       RETURN_IF_ERROR(AddSteps((*it)[i], absl::StrCat(path, ".decoders[", i, "]"), out));
     }
@@ -65,10 +46,10 @@ absl::Status Decoder::AddSteps(const json& config, const std::string& path, Deco
     const auto pattern = config.find("pattern");
     if (pattern == config.end() || !pattern->is_object() || !pattern->contains("String") ||
         !(*pattern)["String"].is_string() || (*pattern)["String"].get<std::string>().empty()) {
-      return Invalid(path + ".pattern", "expected {\"String\": non-empty} (Regex is not supported in decoders)");
+      return InvalidTokenizerJson(path + ".pattern", "expected {\"String\": non-empty} (Regex is not supported in decoders)");
     }
     const auto content = config.find("content");
-    if (content == config.end() || !content->is_string()) return Invalid(path + ".content", "expected a string");
+    if (content == config.end() || !content->is_string()) return InvalidTokenizerJson(path + ".content", "expected a string");
     out->steps_.push_back(Replace{(*pattern)["String"].get<std::string>(), content->get<std::string>()});
     return absl::OkStatus();
   }
@@ -82,14 +63,14 @@ absl::Status Decoder::AddSteps(const json& config, const std::string& path, Deco
   }
   if (type == "Strip") {
     Strip strip{config.value("content", " "), config.value("start", size_t{0}), config.value("stop", size_t{0})};
-    if (!IsOneCharacter(strip.content)) return Invalid(path + ".content", "expected one character");
+    if (!IsOneCharacter(strip.content)) return InvalidTokenizerJson(path + ".content", "expected one character");
     if (!out->fused_) {
       out->steps_.push_back(std::move(strip));
       return absl::OkStatus();
     }
-    if (strip.stop != 0) return Invalid(path + ".stop", "stripping the end of the fused text is not supported");
+    if (strip.stop != 0) return InvalidTokenizerJson(path + ".stop", "stripping the end of the fused text is not supported");
     if (out->stream_strip_.count > 0 && out->stream_strip_.content != strip.content) {
-      return Invalid(path, "a second Strip of another character after Fuse is not supported");
+      return InvalidTokenizerJson(path, "a second Strip of another character after Fuse is not supported");
     }
     out->stream_strip_.content = strip.content;
     out->stream_strip_.count += strip.start;
@@ -97,21 +78,14 @@ absl::Status Decoder::AddSteps(const json& config, const std::string& path, Deco
   }
   if (type == "Metaspace") {
     Metaspace ms{config.value("replacement", "\xE2\x96\x81"), true};
-    if (!IsOneCharacter(ms.replacement)) return Invalid(path + ".replacement", "expected one character");
-    if (config.contains("prepend_scheme")) {
-      const std::string scheme = config["prepend_scheme"].get<std::string>();
-      if (scheme != "always" && scheme != "first" && scheme != "never") {
-        return Invalid(path + ".prepend_scheme", absl::StrCat("unsupported prepend scheme \"", scheme, "\""));
-      }
-      ms.drop_in_first = scheme != "never";
-    } else {
-      ms.drop_in_first = config.value("add_prefix_space", true);
-    }
+    if (!IsOneCharacter(ms.replacement)) return InvalidTokenizerJson(path + ".replacement", "expected one character");
+    ASSIGN_OR_RETURN(PrependScheme scheme, ParsePrependScheme(config, path));
+    ms.drop_in_first = scheme != PrependScheme::kNever;
     out->first_token_differs_ = out->first_token_differs_ || ms.drop_in_first;
     out->steps_.push_back(std::move(ms));
     return absl::OkStatus();
   }
-  return Invalid(path + ".type", absl::StrCat("unsupported decoder \"", type, "\""));
+  return InvalidTokenizerJson(path + ".type", absl::StrCat("unsupported decoder \"", type, "\""));
 }
 
 absl::StatusOr<Decoder> Decoder::Create(const json& config) {

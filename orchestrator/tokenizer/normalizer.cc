@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "orchestrator/tokenizer/json_steps.h"
 #include "common/utf8.h"
 
 namespace tandem::router {
@@ -13,14 +14,10 @@ namespace {
 
 using nlohmann::json;
 
-absl::Status Invalid(absl::string_view path, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("tokenizer.json ", path, ": ", why));
-}
-
 absl::Status AddSteps(const json& config, const std::string& path, std::vector<Normalizer::Step>* steps) {
   if (config.is_null()) return absl::OkStatus();
   if (!config.is_object() || !config.contains("type") || !config["type"].is_string()) {
-    return absl::InvalidArgumentError(absl::StrCat("tokenizer.json ", path, ": expected an object with a \"type\""));
+    return InvalidTokenizerJson(path, "expected an object with a \"type\"");
   }
   const std::string type = config["type"].get<std::string>();
   if (type == "NFC") {
@@ -33,33 +30,32 @@ absl::Status AddSteps(const json& config, const std::string& path, std::vector<N
     steps->push_back(Normalizer::Form::kNfkd);
   } else if (type == "Prepend") {
     const auto it = config.find("prepend");
-    if (it == config.end() || !it->is_string()) return Invalid(path + ".prepend", "expected a string");
+    if (it == config.end() || !it->is_string()) return InvalidTokenizerJson(path + ".prepend", "expected a string");
     steps->push_back(Normalizer::Prepend{it->get<std::string>()});
   } else if (type == "Replace") {
     const auto pattern = config.find("pattern");
     const auto content = config.find("content");
-    if (content == config.end() || !content->is_string()) return Invalid(path + ".content", "expected a string");
-    if (pattern == config.end() || !pattern->is_object()) return Invalid(path + ".pattern", "expected an object");
+    if (content == config.end() || !content->is_string()) return InvalidTokenizerJson(path + ".content", "expected a string");
+    if (pattern == config.end() || !pattern->is_object()) return InvalidTokenizerJson(path + ".pattern", "expected an object");
     const bool literal = pattern->contains("String") && (*pattern)["String"].is_string();
     if (!literal && !(pattern->contains("Regex") && (*pattern)["Regex"].is_string())) {
-      return Invalid(path + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
+      return InvalidTokenizerJson(path + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
     }
     const std::string text = (*pattern)[literal ? "String" : "Regex"].get<std::string>();
-    if (text.empty()) return Invalid(path + ".pattern", "must not be empty");
+    if (text.empty()) return InvalidTokenizerJson(path + ".pattern", "must not be empty");
     auto regex = Regex::Compile(text, literal);
-    if (!regex.ok()) return Invalid(path + ".pattern", regex.status().message());
+    if (!regex.ok()) return InvalidTokenizerJson(path + ".pattern", regex.status().message());
     steps->push_back(Normalizer::Replace{*std::move(regex), content->get<std::string>()});
   } else if (type == "Sequence") {
     const auto it = config.find("normalizers");
     if (it == config.end() || !it->is_array()) {
-      return absl::InvalidArgumentError(absl::StrCat("tokenizer.json ", path, ".normalizers: expected an array"));
+      return InvalidTokenizerJson(path + ".normalizers", "expected an array");
     }
     for (size_t i = 0; i < it->size(); ++i) {
       if (auto s = AddSteps((*it)[i], absl::StrCat(path, ".normalizers[", i, "]"), steps); !s.ok()) return s;
     }
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokenizer.json ", path, ".type: unsupported normalizer \"", type, "\""));
+    return InvalidTokenizerJson(path + ".type", absl::StrCat("unsupported normalizer \"", type, "\""));
   }
   return absl::OkStatus();
 }

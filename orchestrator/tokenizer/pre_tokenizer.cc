@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/byte_level.h"
+#include "orchestrator/tokenizer/json_steps.h"
 #include "common/utf8.h"
 
 namespace tandem::router {
@@ -19,10 +20,6 @@ using nlohmann::json;
 // GPT-2's pre-tokenization regex, used by ByteLevel when use_regex is set.
 constexpr char kGpt2Pattern[] =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-
-absl::Status Invalid(absl::string_view path, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("tokenizer.json ", path, ": ", why));
-}
 
 }  // namespace
 
@@ -82,25 +79,25 @@ bool Regex::Next(std::string_view text, size_t start, void* md, size_t* begin, s
 absl::Status PreTokenizer::AddSteps(const json& config, const std::string& path, PreTokenizer* out) {
   if (config.is_null()) return absl::OkStatus();
   if (!config.is_object() || !config.contains("type") || !config["type"].is_string()) {
-    return Invalid(path, "expected an object with a \"type\"");
+    return InvalidTokenizerJson(path, "expected an object with a \"type\"");
   }
   const std::string type = config["type"].get<std::string>();
   if (type == "Sequence") {
     const auto it = config.find("pretokenizers");
-    if (it == config.end() || !it->is_array()) return Invalid(path + ".pretokenizers", "expected an array");
+    if (it == config.end() || !it->is_array()) return InvalidTokenizerJson(path + ".pretokenizers", "expected an array");
     for (size_t i = 0; i < it->size(); ++i) {
       RETURN_IF_ERROR(AddSteps((*it)[i], absl::StrCat(path, ".pretokenizers[", i, "]"), out));
     }
     return absl::OkStatus();
   }
   if (type == "Split") {
-    if (config.value("invert", false)) return Invalid(path + ".invert", "inverted splits are not supported");
+    if (config.value("invert", false)) return InvalidTokenizerJson(path + ".invert", "inverted splits are not supported");
     const std::string behavior = config.value("behavior", "");
     if (behavior != "Isolated" && behavior != "Removed") {
-      return Invalid(path + ".behavior", absl::StrCat("unsupported split behavior \"", behavior, "\""));
+      return InvalidTokenizerJson(path + ".behavior", absl::StrCat("unsupported split behavior \"", behavior, "\""));
     }
     const auto pattern = config.find("pattern");
-    if (pattern == config.end() || !pattern->is_object()) return Invalid(path + ".pattern", "expected an object");
+    if (pattern == config.end() || !pattern->is_object()) return InvalidTokenizerJson(path + ".pattern", "expected an object");
     bool literal;
     std::string text;
     if (pattern->contains("Regex") && (*pattern)["Regex"].is_string()) {
@@ -110,10 +107,10 @@ absl::Status PreTokenizer::AddSteps(const json& config, const std::string& path,
       literal = true;
       text = (*pattern)["String"].get<std::string>();
     } else {
-      return Invalid(path + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
+      return InvalidTokenizerJson(path + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
     }
     auto regex = Regex::Compile(text, literal);
-    if (!regex.ok()) return Invalid(path + ".pattern", regex.status().message());
+    if (!regex.ok()) return InvalidTokenizerJson(path + ".pattern", regex.status().message());
     out->steps_.push_back(SplitStep{*std::move(regex), behavior == "Removed"});
     return absl::OkStatus();
   }
@@ -128,29 +125,16 @@ absl::Status PreTokenizer::AddSteps(const json& config, const std::string& path,
     return absl::OkStatus();
   }
   if (type == "Metaspace") {
-    MetaspaceStep step{config.value("replacement", "\xE2\x96\x81"), MetaspaceStep::Prepend::kAlways,
+    MetaspaceStep step{config.value("replacement", "\xE2\x96\x81"), PrependScheme::kAlways,
                        config.value("split", true)};
-    if (step.replacement.empty() || Utf8SequenceLength(step.replacement) != static_cast<int>(step.replacement.size())) {
-      return Invalid(path + ".replacement", "expected one character");
+    if (!IsOneCharacter(step.replacement)) {
+      return InvalidTokenizerJson(path + ".replacement", "expected one character");
     }
-    if (config.contains("prepend_scheme")) {
-      const std::string scheme = config["prepend_scheme"].get<std::string>();
-      if (scheme == "always") {
-        step.prepend = MetaspaceStep::Prepend::kAlways;
-      } else if (scheme == "first") {
-        step.prepend = MetaspaceStep::Prepend::kFirst;
-      } else if (scheme == "never") {
-        step.prepend = MetaspaceStep::Prepend::kNever;
-      } else {
-        return Invalid(path + ".prepend_scheme", absl::StrCat("unsupported prepend scheme \"", scheme, "\""));
-      }
-    } else if (!config.value("add_prefix_space", true)) {  // files before prepend_scheme
-      step.prepend = MetaspaceStep::Prepend::kNever;
-    }
+    ASSIGN_OR_RETURN(step.prepend, ParsePrependScheme(config, path));
     out->steps_.push_back(std::move(step));
     return absl::OkStatus();
   }
-  return Invalid(path + ".type", absl::StrCat("unsupported pre-tokenizer \"", type, "\""));
+  return InvalidTokenizerJson(path + ".type", absl::StrCat("unsupported pre-tokenizer \"", type, "\""));
 }
 
 absl::StatusOr<PreTokenizer> PreTokenizer::Create(const json& config) {
@@ -177,20 +161,6 @@ bool SplitPieces(const Regex& regex, bool remove_matches, std::string_view text,
   return !removed_start;
 }
 
-// Replaces every `from` in `text` with `to`.
-std::string ReplaceAll(std::string_view text, std::string_view from, std::string_view to) {
-  std::string out;
-  out.reserve(text.size() + text.size() / 4 * to.size());
-  size_t last = 0;
-  for (size_t pos = text.find(from); pos != std::string_view::npos; pos = text.find(from, last)) {
-    out.append(text.substr(last, pos - last));
-    out.append(to);
-    last = pos + from.size();
-  }
-  out.append(text.substr(last));
-  return out;
-}
-
 }  // namespace
 
 void PreTokenizer::PreTokenize(std::string_view text, bool at_text_start, std::vector<std::string>* words) const {
@@ -210,8 +180,8 @@ void PreTokenizer::PreTokenize(std::string_view text, bool at_text_start, std::v
     } else if (const auto* ms = std::get_if<MetaspaceStep>(&step)) {
       for (size_t i = 0; i < pieces.size(); ++i) {
         std::string p = ReplaceAll(pieces[i], " ", ms->replacement);
-        const bool prepend = ms->prepend == MetaspaceStep::Prepend::kAlways ||
-                             (ms->prepend == MetaspaceStep::Prepend::kFirst && i == 0 && first_at_start);
+        const bool prepend = ms->prepend == PrependScheme::kAlways ||
+                             (ms->prepend == PrependScheme::kFirst && i == 0 && first_at_start);
         if (prepend && !p.empty() && p.compare(0, ms->replacement.size(), ms->replacement) != 0) {
           p.insert(0, ms->replacement);
         }

@@ -28,6 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json_fwd.hpp"
+#include "orchestrator/tokenizer/json_steps.h"
 
 namespace tandem::router {
 
@@ -73,9 +74,8 @@ class PreTokenizer {
     std::shared_ptr<const Regex> regex;  // GPT-2 regex when use_regex
   };
   struct MetaspaceStep {
-    enum class Prepend { kAlways, kFirst, kNever };
     std::string replacement;  // one character, UTF-8
-    Prepend prepend;
+    PrependScheme prepend;
     bool split;
   };
   using Step = std::variant<SplitStep, ByteLevelStep, MetaspaceStep>;

@@ -10,16 +10,13 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/byte_level.h"
+#include "orchestrator/tokenizer/json_steps.h"
 #include "common/utf8.h"
 
 namespace tandem::router {
 namespace {
 
 using nlohmann::json;
-
-absl::Status Invalid(absl::string_view path, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("tokenizer.json ", path, ": ", why));
-}
 
 std::string TypeOf(const json& j) {
   return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "";
@@ -53,19 +50,19 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
 absl::Status Tokenizer::Load(std::string_view json_text) {
   const json root = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return absl::InvalidArgumentError("tokenizer.json: not valid JSON");
-  if (!root.is_object()) return Invalid("(root)", "expected an object");
+  if (!root.is_object()) return InvalidTokenizerJson("(root)", "expected an object");
   for (const char* key : {"truncation", "padding"}) {
     if (root.contains(key) && !root[key].is_null()) {
-      return Invalid(key, "must be null: the router encodes whole texts without padding");
+      return InvalidTokenizerJson(key, "must be null: the router encodes whole texts without padding");
     }
   }
 
   // Model.
   const auto model = root.find("model");
-  if (model == root.end() || !model->is_object()) return Invalid("model", "missing");
+  if (model == root.end() || !model->is_object()) return InvalidTokenizerJson("model", "missing");
   const std::string model_type = model->value("type", "BPE");  // old files omit it for BPE
   if (model_type != "BPE") {
-    return Invalid("model.type", absl::StrCat("unsupported model \"", model_type, "\" (supported: BPE)"));
+    return InvalidTokenizerJson("model.type", absl::StrCat("unsupported model \"", model_type, "\" (supported: BPE)"));
   }
   ASSIGN_OR_RETURN(model_, BpeModel::Create(*model));
 
@@ -75,26 +72,26 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
   // Added tokens.
   id_to_token_ = model_->id_to_token();
   const json added = root.value("added_tokens", json::array());
-  if (!added.is_array()) return Invalid("added_tokens", "expected an array");
+  if (!added.is_array()) return InvalidTokenizerJson("added_tokens", "expected an array");
   trie_.assign(1, TrieNode());
   for (size_t i = 0; i < added.size(); ++i) {
     const json& t = added[i];
     const std::string path = absl::StrCat("added_tokens[", i, "]");
     if (!t.is_object() || !t.contains("id") || !t["id"].is_number_integer() || t["id"].get<int64_t>() < 0 ||
         t["id"].get<int64_t>() > (1 << 30) || !t.contains("content") || !t["content"].is_string()) {
-      return Invalid(path, "expected {\"id\": int, \"content\": string, ...}");
+      return InvalidTokenizerJson(path, "expected {\"id\": int, \"content\": string, ...}");
     }
     for (const char* flag : {"single_word", "lstrip", "rstrip"}) {
-      if (t.value(flag, false)) return Invalid(absl::StrCat(path, ".", flag), "is not supported yet");
+      if (t.value(flag, false)) return InvalidTokenizerJson(absl::StrCat(path, ".", flag), "is not supported yet");
     }
     AddedToken token{t["content"].get<std::string>(), t["id"].get<int32_t>(), t.value("special", false)};
     // `tokenizers` matches normalized tokens (the default for non-special
     // ones) in the normalized text; only raw-text matching is implemented,
     // which is the same thing when the normalizer does nothing.
     if (t.value("normalized", !token.special) && !normalizer_.is_identity()) {
-      return Invalid(path + ".normalized", "normalized added tokens are not supported with a normalizer");
+      return InvalidTokenizerJson(path + ".normalized", "normalized added tokens are not supported with a normalizer");
     }
-    if (token.content.empty()) return Invalid(path + ".content", "must not be empty");
+    if (token.content.empty()) return InvalidTokenizerJson(path + ".content", "must not be empty");
     if (token.id >= static_cast<int32_t>(id_to_token_.size())) id_to_token_.resize(token.id + 1);
     id_to_token_[token.id] = token.content;
     added_ids_[token.content] = token.id;
@@ -121,17 +118,17 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
     if (type == "ByteLevel") return absl::OkStatus();  // only adjusts offsets
     if (type == "Sequence") {
       const json procs = pp.value("processors", json());
-      if (!procs.is_array()) return Invalid(path + ".processors", "expected an array");
+      if (!procs.is_array()) return InvalidTokenizerJson(path + ".processors", "expected an array");
       for (size_t i = 0; i < procs.size(); ++i) {
         RETURN_IF_ERROR(add_post(procs[i], absl::StrCat(path, ".processors[", i, "]")));
       }
       return absl::OkStatus();
     }
     if (type != "TemplateProcessing") {
-      return Invalid(path + ".type", absl::StrCat("unsupported post-processor \"", type, "\""));
+      return InvalidTokenizerJson(path + ".type", absl::StrCat("unsupported post-processor \"", type, "\""));
     }
     const json single = pp.value("single", json());
-    if (!single.is_array()) return Invalid(path + ".single", "expected an array");
+    if (!single.is_array()) return InvalidTokenizerJson(path + ".single", "expected an array");
     const json specials = pp.value("special_tokens", json::object());
     bool seen_sequence = false;
     prefix_ids_.clear();
@@ -140,16 +137,16 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
       const std::string item_path = absl::StrCat(path, ".single[", i, "]");
       const json& item = single[i];
       if (item.contains("Sequence")) {
-        if (seen_sequence) return Invalid(item_path, "more than one sequence in the single template");
+        if (seen_sequence) return InvalidTokenizerJson(item_path, "more than one sequence in the single template");
         seen_sequence = true;
         continue;
       }
       if (!item.contains("SpecialToken") || !item["SpecialToken"].contains("id")) {
-        return Invalid(item_path, "expected a Sequence or a SpecialToken");
+        return InvalidTokenizerJson(item_path, "expected a Sequence or a SpecialToken");
       }
       const std::string name = item["SpecialToken"]["id"].get<std::string>();
       if (!specials.contains(name) || !specials[name].contains("ids") || !specials[name]["ids"].is_array()) {
-        return Invalid(absl::StrCat(path, ".special_tokens[\"", name, "\"]"), "missing or without ids");
+        return InvalidTokenizerJson(absl::StrCat(path, ".special_tokens[\"", name, "\"]"), "missing or without ids");
       }
       for (const json& id : specials[name]["ids"]) {
         (seen_sequence ? suffix_ids_ : prefix_ids_).push_back(id.get<int32_t>());
@@ -163,7 +160,7 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
   const json decoder = root.value("decoder", json());
   const std::string decoder_type = TypeOf(decoder);
   if (decoder_type == "ByteLevel" && !pre_tokenizer_.byte_level()) {
-    return Invalid("decoder", "a ByteLevel decoder needs a ByteLevel pre-tokenizer");
+    return InvalidTokenizerJson("decoder", "a ByteLevel decoder needs a ByteLevel pre-tokenizer");
   }
   if (!decoder.is_null() && decoder_type != "ByteLevel") {
     ASSIGN_OR_RETURN(Decoder d, Decoder::Create(decoder));

@@ -1,0 +1,37 @@
+// Helpers shared by the tokenizer.json readers (normalizer, pre-tokenizer,
+// decoder, tokenizer): the error every load failure uses, and the pieces of
+// configuration more than one step parses. Internal to the tokenizer;
+// pure functions, thread-safe.
+#ifndef TANDEM_ORCHESTRATOR_TOKENIZER_JSON_STEPS_H_
+#define TANDEM_ORCHESTRATOR_TOKENIZER_JSON_STEPS_H_
+
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "nlohmann/json_fwd.hpp"
+
+namespace tandem::router {
+
+// InvalidArgument "tokenizer.json <path>: <why>".
+absl::Status InvalidTokenizerJson(absl::string_view path, absl::string_view why);
+
+// True when `s` is exactly one UTF-8 character.
+bool IsOneCharacter(std::string_view s);
+
+// `text` with every occurrence of `from` (non-empty) replaced by `to`.
+std::string ReplaceAll(std::string_view text, std::string_view from, std::string_view to);
+
+// Where a Metaspace step (pre-tokenizer or decoder) puts its replacement
+// character before the text: "always", "first" (the first word only) or
+// "never". Read from `prepend_scheme`, or from the older `add_prefix_space`
+// (true: always, the default; false: never). `path` names the step.
+enum class PrependScheme { kAlways, kFirst, kNever };
+absl::StatusOr<PrependScheme> ParsePrependScheme(const nlohmann::json& metaspace,
+                                                 const std::string& path);
+
+}  // namespace tandem::router
+
+#endif  // TANDEM_ORCHESTRATOR_TOKENIZER_JSON_STEPS_H_
