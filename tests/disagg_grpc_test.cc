@@ -13,7 +13,6 @@
 #include <sys/wait.h>
 
 #include <fstream>
-#include <latch>
 #include <memory>
 #include <random>
 #include <set>
@@ -67,10 +66,7 @@ class DisaggGrpcTest : public WorkerTest {
 
   // Waits until `decode` has a KV pull submitted to its transport.
   static void ExpectPullInFlight(WorkerProcess& decode) {
-    bool ok = false;
-    WaitForLoad(decode.stub(), [](const v1::LoadReport& l) { return l.kv_pulls_in_flight() == 1; },
-                &ok);
-    ASSERT_TRUE(ok) << "no KV pull started on the decode worker";
+    ASSERT_TRUE(WaitForPullInFlight(decode.stub())) << "no KV pull started on the decode worker";
   }
 
   WorkerProcess* aggregated_ = nullptr;
@@ -89,16 +85,8 @@ TEST_F(DisaggGrpcTest, ConcurrentMixedRequestsMatchAggregatedServing) {
     reqs.push_back(i % 2 ? SampledRequest(prompt, 10 + i, 7 + i) : GreedyRequest(prompt, 10 + i));
     reqs.back().mutable_sampling()->set_ignore_eos(true);
   }
-  std::vector<Split> got(reqs.size());
-  std::latch start(static_cast<std::ptrdiff_t>(reqs.size()));
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    threads.emplace_back([&, i] {
-      start.arrive_and_wait();
-      got[i] = RunSplit(*prefill, *decode, reqs[i]);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  const std::vector<Split> got =
+      RunDisaggregatedConcurrently(prefill->stub(), decode->stub(), decode->address(), reqs);
   for (size_t i = 0; i < reqs.size(); ++i) {
     const std::string what = absl::StrCat("request ", i, " (", lengths[i], " prompt tokens)");
     EXPECT_TRUE(got[i].prefill.status.ok()) << what << ": " << got[i].prefill.status.error_message();

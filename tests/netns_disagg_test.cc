@@ -15,7 +15,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <latch>
 #include <memory>
 #include <string>
 #include <thread>
@@ -175,18 +174,8 @@ TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
     reqs.push_back(i % 2 ? SampledRequest(prompt, 12, 40 + i) : GreedyRequest(prompt, 12));
     reqs.back().mutable_sampling()->set_ignore_eos(true);
   }
-  std::vector<Split> got(reqs.size());
-  {
-    std::latch start(static_cast<std::ptrdiff_t>(reqs.size()));
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < reqs.size(); ++i) {
-      threads.emplace_back([&, i] {
-        start.arrive_and_wait();
-        got[i] = RunDisaggregated((*prefill)->stub(), (*decode)->stub(), decode_on_pair, reqs[i]);
-      });
-    }
-    for (std::thread& t : threads) t.join();
-  }
+  const std::vector<Split> got =
+      RunDisaggregatedConcurrently((*prefill)->stub(), (*decode)->stub(), decode_on_pair, reqs);
   for (size_t i = 0; i < reqs.size(); ++i) {
     const std::string what = absl::StrCat("request ", i);
     EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
@@ -215,10 +204,7 @@ TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
              seconds(20));
   });
   // The pull is under way (held by the delay): kill the prefill worker.
-  bool pulling = false;
-  WaitForLoad((*slow_decode)->stub(),
-              [](const v1::LoadReport& l) { return l.kv_pulls_in_flight() == 1; }, &pulling);
-  ASSERT_TRUE(pulling);
+  ASSERT_TRUE(WaitForPullInFlight((*slow_decode)->stub()));
   ::kill((*prefill)->pid(), SIGKILL);
   send.join();
   Output out = receive.Finish();

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <latch>
 #include <thread>
 
@@ -123,19 +124,30 @@ void ExpectSameOutput(const Output& got, const Output& want, const std::string& 
   }
 }
 
-std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub,
-                                         const std::vector<v1::GenerateRequest>& requests) {
-  std::vector<Output> got(requests.size());
-  std::latch start(static_cast<std::ptrdiff_t>(requests.size()));
+namespace {
+
+// run(i) for i in [0, n), each on its own thread, released together.
+template <typename T>
+std::vector<T> RunConcurrently(size_t n, const std::function<T(size_t)>& run) {
+  std::vector<T> got(n);
+  std::latch start(static_cast<std::ptrdiff_t>(n));
   std::vector<std::thread> threads;
-  for (size_t i = 0; i < requests.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     threads.emplace_back([&, i] {
       start.arrive_and_wait();
-      got[i] = Generate(stub, requests[i]);
+      got[i] = run(i);
     });
   }
   for (std::thread& t : threads) t.join();
   return got;
+}
+
+}  // namespace
+
+std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub,
+                                         const std::vector<v1::GenerateRequest>& requests) {
+  return RunConcurrently<Output>(requests.size(),
+                                 [&](size_t i) { return Generate(stub, requests[i]); });
 }
 
 v1::LoadReport GetLoad(v1::Worker::Stub& stub) {
@@ -225,6 +237,21 @@ Output Combine(const Output& prefill, const Output& decode) {
     c.top.insert(c.top.begin(), prefill.top[0]);
   }
   return c;
+}
+
+std::vector<Split> RunDisaggregatedConcurrently(v1::Worker::Stub& prefill,
+                                                v1::Worker::Stub& decode,
+                                                const std::string& decode_address,
+                                                const std::vector<v1::GenerateRequest>& requests) {
+  return RunConcurrently<Split>(requests.size(), [&](size_t i) {
+    return RunDisaggregated(prefill, decode, decode_address, requests[i]);
+  });
+}
+
+bool WaitForPullInFlight(v1::Worker::Stub& decode) {
+  bool ok = false;
+  WaitForLoad(decode, [](const v1::LoadReport& l) { return l.kv_pulls_in_flight() == 1; }, &ok);
+  return ok;
 }
 
 Split RunDisaggregated(v1::Worker::Stub& prefill, v1::Worker::Stub& decode,

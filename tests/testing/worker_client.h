@@ -138,6 +138,14 @@ Output Combine(const Output& prefill, const Output& decode);
 Split RunDisaggregated(v1::Worker::Stub& prefill, v1::Worker::Stub& decode,
                        const std::string& decode_address, const v1::GenerateRequest& req,
                        uint32_t timeout_ms = 0);
+// RunDisaggregated for every request at once (as GenerateConcurrently).
+std::vector<Split> RunDisaggregatedConcurrently(v1::Worker::Stub& prefill,
+                                                v1::Worker::Stub& decode,
+                                                const std::string& decode_address,
+                                                const std::vector<v1::GenerateRequest>& requests);
+// Waits until the decode worker has a KV pull submitted to its transport;
+// false if none starts within kIdleTimeout.
+bool WaitForPullInFlight(v1::Worker::Stub& decode);
 
 }  // namespace tandem::testing
 
