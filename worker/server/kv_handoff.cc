@@ -32,7 +32,7 @@ void ToProto(const SampledToken& s, tandem::v1::TokenOutput* out) {
 }
 
 uint64_t BlockChecksum(Engine& engine, int32_t block) {
-  const int64_t bytes = engine.pool_layout().block_bytes;
+  const int64_t bytes = KvStorage::BytesPerBlock(engine.kv_layout());
   const auto* base = reinterpret_cast<const unsigned char*>(engine.kv_data());
   return HashBytes(base + block * bytes, static_cast<size_t>(bytes));
 }
@@ -256,20 +256,19 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
       call_deadline = std::min(call_deadline, w.deadline);
     }
   }
-  if (incompatible) {
-    ++pull_failures_;
-    const std::string why = absl::StrCat("cannot take KV from the prefill worker's pool: ",
-                                         compatible.message());
-    LOG(WARNING) << "reservation " << req.reservation_id() << ": " << why;
-    engine_->Fallback(req.reservation_id(), FromProto(req.first_token()), why);
-    done(grpc::Status(StatusCode::FAILED_PRECONDITION, why));
-    return;
-  }
   pull->reservation_id = req.reservation_id();
   pull->agent_id = req.source().agent_id();
   pull->first = FromProto(req.first_token());
   pull->response = response;
   pull->done = std::move(done);
+  if (incompatible) {
+    Fail(pull,
+         grpc::Status(StatusCode::FAILED_PRECONDITION,
+                      absl::StrCat("cannot take KV from the prefill worker's pool: ",
+                                   compatible.message())),
+         /*fall_back=*/true);
+    return;
+  }
 
   // From here the reservation is this call's: every path ends in a commit or
   // a fallback.
