@@ -85,6 +85,15 @@ void FillPool(uint8_t* base, const PoolLayout& l) {
   for (int64_t b = 0; b < l.num_blocks; ++b) FillBlock(base + b * l.block_bytes, b, l.block_bytes);
 }
 
+// The peer's block ids, in transfer order: a fixed random permutation (as a
+// free list hands out blocks), or in order with --sequential.
+std::vector<int32_t> PeerBlockOrder(const PoolLayout& layout, const TransferBenchOptions& opt) {
+  std::vector<int32_t> perm(layout.num_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  if (!opt.sequential) std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
+  return perm;
+}
+
 // The block pairs of one transfer of n blocks: local block i and the peer's
 // block perm[i] (a scattered destination, as a real block table is).
 std::vector<BlockPair> PairsFor(int n, const std::vector<int32_t>& perm, bool pull) {
@@ -128,9 +137,7 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
   uint8_t* dst = static_cast<uint8_t*>(dst_mem);
   std::memset(dst, 1, static_cast<size_t>(layout.num_blocks * bb));
 
-  std::vector<int32_t> perm(layout.num_blocks);
-  std::iota(perm.begin(), perm.end(), 0);
-  if (!opt.sequential) std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
+  const std::vector<int32_t> perm = PeerBlockOrder(layout, opt);
 
   std::vector<Row> rows;
   absl::Status status;
@@ -172,9 +179,7 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
 absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool,
                            const PoolLayout& layout, const TransferBenchOptions& opt) {
   const bool pull = opt.op == "pull";
-  std::vector<int32_t> perm(layout.num_blocks);
-  std::iota(perm.begin(), perm.end(), 0);
-  if (!opt.sequential) std::shuffle(perm.begin(), perm.end(), std::mt19937(42));
+  const std::vector<int32_t> perm = PeerBlockOrder(layout, opt);
   const size_t bytes = static_cast<size_t>(layout.block_bytes);
   std::vector<uint8_t> want(bytes);
   FillBlock(want.data(), pull ? perm[0] : 0, layout.block_bytes);
