@@ -17,7 +17,7 @@ configure: deps $(BUILD_DIR)/build.ninja
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
-# Starts a local worker on the built-in model and generates from a prompt.
+# Starts a local cluster (router on 127.0.0.1:$(PORT), a prefill and a decode worker) on the built-in model.
 run: build
 	scripts/run_local.sh $(BUILD_DIR)/tandem $(PORT)
 

@@ -34,3 +34,6 @@ find_package(yaml-cpp CONFIG REQUIRED)
 # regexes, ICU for Unicode normalization.
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
 pkg_check_modules(ICU_UC REQUIRED IMPORTED_TARGET icu-uc)
+
+# Boost.Beast/Asio (header-only): the router's HTTP server and the tests' client.
+find_package(Boost 1.74 REQUIRED)

@@ -9,6 +9,7 @@ int main(int argc, char** argv) {
   CLI::App app{"tandem: disaggregated LLM serving (router, prefill and decode workers)"};
   app.require_subcommand(1);
   tandem::router::AddRouterCommand(app);
+  tandem::router::AddUpCommand(app);
   tandem::worker::AddWorkerCommand(app);
   tandem::worker::AddGenerateCommand(app);
   tandem::worker::AddLogitsCommand(app);

@@ -10,6 +10,7 @@ PACKAGES=(
   libsimdjson-dev rapidjson-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev
   python3 python3-numpy
+  python3-jinja2  # chat_template_test's reference renderer (transformers' Jinja2 setup)
 )
 # The tokenizer tests fetch reference data with npm: Debian's Node.js unless
 # one is installed already.

@@ -1,13 +1,20 @@
 #include "orchestrator/cli/router_command.h"
 
+#include <signal.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "common/logging.h"
+#include "common/signals.h"
 #include "orchestrator/config/router_config.h"
+#include "orchestrator/server/router.h"
 #include "worker/cli/commands.h"
 
 namespace tandem::router {
@@ -16,6 +23,7 @@ namespace {
 struct RouterOptions {
   std::string config;        // the YAML file to serve with
   std::string check_config;  // validate this file and exit
+  std::string ready_file;    // write host:port here once serving
 };
 
 std::string DescribePool(const char* role, const std::optional<PoolConfig>& pool) {
@@ -39,22 +47,57 @@ absl::Status CheckConfig(const std::string& path) {
   return absl::OkStatus();
 }
 
+// Serves until SIGINT/SIGTERM; SIGHUP reloads the file.
+absl::Status Serve(const std::string& path, const std::string& ready_file) {
+  absl::StatusOr<RouterConfig> config = LoadRouterConfig(path);
+  if (!config.ok()) return config.status();
+  const std::string config_host = config->listener.host;
+  RETURN_IF_ERROR(InstallSignalHandlers({SIGINT, SIGTERM, SIGHUP}));
+  absl::StatusOr<std::unique_ptr<Router>> router = Router::Create(*std::move(config), path);
+  if (!router.ok()) return router.status();
+  RETURN_IF_ERROR((*router)->Start());
+  if (!ready_file.empty()) {
+    // Written whole, then renamed: a reader never sees half an address.
+    const std::string tmp = ready_file + ".tmp";
+    std::FILE* f = std::fopen(tmp.c_str(), "w");
+    if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", ready_file));
+    std::fprintf(f, "%s:%d\n", config_host.c_str(), (*router)->port());
+    std::fclose(f);
+    std::rename(tmp.c_str(), ready_file.c_str());
+  }
+  while (true) {
+    const int sig = WaitForSignal();
+    if (sig != SIGHUP) {
+      LOG(INFO) << "router: signal " << sig << ", shutting down";
+      break;
+    }
+    LOG(INFO) << "router: SIGHUP, reloading " << path;
+    (void)(*router)->Reload();  // logs why on failure and keeps the running config
+  }
+  (*router)->Stop();
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void AddRouterCommand(CLI::App& app) {
   auto opt = std::make_shared<RouterOptions>();
-  CLI::App* cmd = app.add_subcommand("router", "The OpenAI-compatible router (config checks today)");
+  CLI::App* cmd = app.add_subcommand(
+      "router", "The OpenAI-compatible router in front of prefill and decode workers");
   cmd->add_option("--config", opt->config, "Router configuration (YAML)");
+  cmd->add_option("--ready-file", opt->ready_file, "Write host:port here once serving");
   cmd->add_option("--check-config", opt->check_config,
                   "Validate this router configuration and exit (0: valid)");
   cmd->callback([opt] {
     if (!opt->check_config.empty()) {
       worker::ExitWithStatus("router", CheckConfig(opt->check_config));
     }
-    worker::ExitWithStatus(
-        "router", absl::UnimplementedError(
-                      "the router's HTTP front is not built yet; `tandem router --check-config "
-                      "FILE` validates a configuration"));
+    if (opt->config.empty()) {
+      worker::ExitWithStatus("router", absl::InvalidArgumentError(
+                                           "give --config FILE (see "
+                                           "orchestrator/config/router.example.yaml)"));
+    }
+    worker::ExitWithStatus("router", Serve(opt->config, opt->ready_file));
   });
 }
 

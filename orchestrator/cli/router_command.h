@@ -1,10 +1,11 @@
 // The router-side subcommands of the `tandem` binary.
 //
+// `tandem router --config FILE` serves the OpenAI-compatible API
+// (orchestrator/server/router.h) until SIGINT/SIGTERM; SIGHUP reloads FILE.
 // `tandem router --check-config FILE` validates a router configuration
 // (orchestrator/config/router_config.h) and exits: 0 and a summary when it
-// is valid, 1 and "FILE:LINE:COL: key: why" when not. Serving (the
-// OpenAI-compatible HTTP front) arrives with the rest of the router; until
-// then `tandem router` without --check-config exits with an error saying so.
+// is valid, 1 and "FILE:LINE:COL: key: why" when not.
+// `tandem up` starts a local cluster (workers and a router as children).
 #ifndef TANDEM_ORCHESTRATOR_CLI_ROUTER_COMMAND_H_
 #define TANDEM_ORCHESTRATOR_CLI_ROUTER_COMMAND_H_
 
@@ -15,6 +16,7 @@ class App;
 namespace tandem::router {
 
 void AddRouterCommand(CLI::App& app);
+void AddUpCommand(CLI::App& app);
 
 }  // namespace tandem::router
 

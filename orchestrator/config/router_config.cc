@@ -149,7 +149,7 @@ class Validator {
       return Bad("listener.host", absl::StrCat("'", c.listener.host,
                                                "' is not a host name or IP address"));
     }
-    RETURN_IF_ERROR(Range("listener.port", c.listener.port, 1, 65535));
+    RETURN_IF_ERROR(Range("listener.port", c.listener.port, 0, 65535));
 
     if (c.model.served_name.empty()) return Bad("model.served_name", "must not be empty");
     if (c.model.tokenizer.empty()) {

@@ -36,7 +36,8 @@ struct ListenerConfig {
   // Address to bind: an IPv4/IPv6 literal or a host name. "0.0.0.0" (or
   // "::") listens on every interface, as in a container.
   std::string host = "127.0.0.1";
-  // TCP port, 1..65535.
+  // TCP port, 0..65535; 0: the OS picks a free one (`tandem router --ready-file`
+  // reports it).
   int port = 8000;
 };
 

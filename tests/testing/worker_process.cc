@@ -44,6 +44,31 @@ absl::StatusOr<std::string> MakeTempDir() {
   return tmpl;
 }
 
+// Waits until `child` has written `path` (processes write it under another
+// name and rename it, so once it exists it is complete); its first line.
+absl::StatusOr<std::string> WaitForReadyFile(ChildProcess& child, const std::string& path,
+                                             std::chrono::milliseconds timeout,
+                                             const std::string& what) {
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    std::ifstream in(path);
+    std::string line;
+    if (in && std::getline(in, line) && !absl::StripAsciiWhitespace(line).empty()) {
+      return std::string(absl::StripAsciiWhitespace(line));
+    }
+    if (!child.Running()) {
+      absl::StatusOr<int> status = child.Wait(std::chrono::milliseconds(0));
+      return absl::InternalError(absl::StrCat(
+          what, " ", status.ok() ? DescribeWaitStatus(*status) : "ended", " before serving"));
+    }
+    if (Clock::now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(what, " wrote no ready file within ", timeout.count(), " ms"));
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> TandemBinary() {
@@ -168,26 +193,11 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
     return status;
   };
 
-  // The worker writes the file under another name and renames it, so once it
-  // exists it is complete.
-  const auto deadline = Clock::now() + ready_timeout;
-  std::string address;
-  while (true) {
-    std::ifstream in(ready_file);
-    if (in && std::getline(in, address) && !absl::StripAsciiWhitespace(address).empty()) break;
-    if (!child->Running()) {
-      absl::StatusOr<int> status = child->Wait(std::chrono::milliseconds(0));
-      return fail(absl::InternalError(
-          absl::StrCat("tandem worker ", absl::StrJoin(flags, " "), " ",
-                       status.ok() ? DescribeWaitStatus(*status) : "ended", " before serving")));
-    }
-    if (Clock::now() >= deadline) {
-      return fail(absl::DeadlineExceededError(absl::StrCat(
-          "tandem worker wrote no ready file within ", ready_timeout.count(), " ms")));
-    }
-    std::this_thread::sleep_for(kPollInterval);
-  }
-  address = std::string(absl::StripAsciiWhitespace(address));
+  absl::StatusOr<std::string> ready =
+      WaitForReadyFile(*child, ready_file, ready_timeout,
+                       absl::StrCat("tandem worker ", absl::StrJoin(flags, " ")));
+  if (!ready.ok()) return fail(ready.status());
+  std::string address = *ready;
   if (!launch.connect_host.empty()) {
     address = absl::StrCat(launch.connect_host, address.substr(address.rfind(':')));
   }
@@ -223,6 +233,61 @@ int WorkerProcess::Stop(std::chrono::milliseconds grace) {
   // connections until its own deadline.
   stub_.reset();
   channel_.reset();
+  return process_.Stop(grace);
+}
+
+// ---------------------------------------------------------------------------
+// RouterProcess
+
+absl::StatusOr<std::unique_ptr<RouterProcess>> RouterProcess::Start(
+    const std::string& yaml, std::chrono::milliseconds ready_timeout) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  if (!bin.ok()) return bin.status();
+  absl::StatusOr<std::string> dir = MakeTempDir();
+  if (!dir.ok()) return dir.status();
+  const std::string config = *dir + "/router.yaml";
+  const std::string ready_file = *dir + "/ready";
+  {
+    std::ofstream out(config);
+    out << yaml;
+  }
+  absl::StatusOr<ChildProcess> child = ChildProcess::Spawn(
+      {*bin, "router", "--config", config, "--ready-file", ready_file});
+  if (!child.ok()) return child.status();
+  absl::StatusOr<std::string> address =
+      WaitForReadyFile(*child, ready_file, ready_timeout, "tandem router");
+  if (!address.ok()) {
+    child->Stop(std::chrono::seconds(5));
+    return address.status();
+  }
+  return std::unique_ptr<RouterProcess>(
+      new RouterProcess(std::move(*child), *dir, config, "http://" + *address));
+}
+
+RouterProcess::RouterProcess(ChildProcess process, std::string dir, std::string config,
+                             std::string url)
+    : process_(std::move(process)),
+      dir_(std::move(dir)),
+      config_(std::move(config)),
+      url_(std::move(url)) {}
+
+RouterProcess::~RouterProcess() {
+  if (!stopped_) Stop();
+  std::error_code ignored;
+  std::filesystem::remove_all(dir_, ignored);
+}
+
+void RouterProcess::Rewrite(const std::string& yaml) {
+  const std::string tmp = config_ + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << yaml;
+  }
+  std::filesystem::rename(tmp, config_);
+}
+
+int RouterProcess::Stop(std::chrono::milliseconds grace) {
+  stopped_ = true;
   return process_.Stop(grace);
 }
 

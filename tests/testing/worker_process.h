@@ -108,6 +108,32 @@ class WorkerProcess {
   std::unique_ptr<tandem::v1::Worker::Stub> stub_;
 };
 
+// `tandem router --config <temp dir>/router.yaml` with the given YAML, up
+// once it has written its ready file (its HTTP listener is bound).
+class RouterProcess {
+ public:
+  static absl::StatusOr<std::unique_ptr<RouterProcess>> Start(
+      const std::string& yaml, std::chrono::milliseconds ready_timeout = std::chrono::seconds(30));
+  ~RouterProcess();  // Stop() unless stopped already
+
+  // "http://host:port".
+  const std::string& url() const { return url_; }
+  pid_t pid() const { return process_.pid(); }
+  // Replaces the config file's contents (atomically); SIGHUP makes the
+  // router read it.
+  void Rewrite(const std::string& yaml);
+  void Signal(int signal) { process_.Signal(signal); }
+  int Stop(std::chrono::milliseconds grace = std::chrono::seconds(15));
+
+ private:
+  RouterProcess(ChildProcess process, std::string dir, std::string config, std::string url);
+  ChildProcess process_;
+  std::string dir_;
+  std::string config_;
+  std::string url_;
+  bool stopped_ = false;
+};
+
 }  // namespace tandem::testing
 
 #endif  // TANDEM_TESTS_TESTING_WORKER_PROCESS_H_

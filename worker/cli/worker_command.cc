@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "common/signals.h"
 #include "common/status_macros.h"
 #include "worker/cli/commands.h"
 #include "worker/engine/engine.h"
@@ -89,34 +90,6 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
 #endif
 }
 
-// The self-pipe the signal handler writes the signal number to.
-int g_signal_pipe[2] = {-1, -1};
-std::atomic<bool> g_signalled{false};
-
-void OnShutdownSignal(int sig) {
-  if (g_signalled.exchange(true)) _exit(128 + sig);  // second signal: no more waiting
-  const unsigned char byte = static_cast<unsigned char>(sig);
-  [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &byte, 1);
-}
-
-absl::Status InstallShutdownHandler() {
-  if (pipe(g_signal_pipe) != 0) return absl::InternalError("cannot create the signal pipe");
-  struct sigaction sa = {};
-  sa.sa_handler = OnShutdownSignal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
-  return absl::OkStatus();
-}
-
-int WaitForShutdownSignal() {
-  unsigned char byte = 0;
-  while (read(g_signal_pipe[0], &byte, 1) != 1) {
-    if (errno != EINTR) return SIGTERM;
-  }
-  return byte;
-}
-
 absl::Status RunWorker(WorkerOptions opt) {
   if (opt.role != "both" && opt.role != "prefill" && opt.role != "decode") {
     return absl::InvalidArgumentError(
@@ -138,7 +111,7 @@ absl::Status RunWorker(WorkerOptions opt) {
 
   // SIGTERM/SIGINT start a graceful shutdown whichever thread receives them
   // (OpenBLAS starts threads before main); a second one exits at once.
-  RETURN_IF_ERROR(InstallShutdownHandler());
+  RETURN_IF_ERROR(InstallSignalHandlers({SIGINT, SIGTERM}));
 
   LOG(INFO) << "loading model " << opt.model;
   ASSIGN_OR_RETURN(LoadedModel model, LoadModel(opt.model));
@@ -183,7 +156,7 @@ absl::Status RunWorker(WorkerOptions opt) {
     std::rename(tmp.c_str(), opt.ready_file.c_str());
   }
 
-  const int sig = WaitForShutdownSignal();
+  const int sig = WaitForSignal();
   LOG(INFO) << "signal " << sig << ": shutting down";
   engine->Stop();  // aborts in-flight requests, so their streams finish at once
   // gRPC waits out the whole deadline while any client keeps a connection

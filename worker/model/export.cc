@@ -61,7 +61,9 @@ ordered_json AddedToken(int id, bool with_id) {
   return token;
 }
 
-std::string TokenizerJson() {
+}  // namespace
+
+std::string BuiltinTokenizerJson() {
   ordered_json byte_level = {
       {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}};
   ordered_json vocab = ordered_json::object();
@@ -95,7 +97,7 @@ std::string TokenizerJson() {
   return model_internal::DumpJson(tokenizer, 2) + "\n";
 }
 
-std::string TokenizerConfigJson(const ModelConfig& config) {
+std::string BuiltinTokenizerConfigJson(const ModelConfig& config) {
   ordered_json decoder = ordered_json::object();
   for (int id = kBuiltinBeginOfTextId; id < kBuiltinVocabSize; ++id) {
     decoder[std::to_string(id)] = AddedToken(id, /*with_id=*/false);
@@ -111,6 +113,8 @@ std::string TokenizerConfigJson(const ModelConfig& config) {
   tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast";
   return model_internal::DumpJson(tokenizer_config, 2) + "\n";
 }
+
+namespace {
 
 std::string GenerationConfigJson(const ModelConfig& config) {
   ordered_json generation;
@@ -204,8 +208,8 @@ absl::Status ExportModel(const std::string& preset, const std::string& dir,
   using model_internal::WriteFile;
   RETURN_IF_ERROR(WriteFile(JoinPath(dir, "config.json"), ModelConfigToJson(config)));
   RETURN_IF_ERROR(WriteFile(JoinPath(dir, "generation_config.json"), GenerationConfigJson(config)));
-  RETURN_IF_ERROR(WriteFile(JoinPath(dir, "tokenizer.json"), TokenizerJson()));
-  RETURN_IF_ERROR(WriteFile(JoinPath(dir, "tokenizer_config.json"), TokenizerConfigJson(config)));
+  RETURN_IF_ERROR(WriteFile(JoinPath(dir, "tokenizer.json"), BuiltinTokenizerJson()));
+  RETURN_IF_ERROR(WriteFile(JoinPath(dir, "tokenizer_config.json"), BuiltinTokenizerConfigJson(config)));
   LOG(INFO) << "exported builtin:" << preset << " (" << options.dtype << ") to " << dir;
   return absl::OkStatus();
 }

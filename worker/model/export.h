@@ -16,6 +16,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "worker/model/model_config.h"
 
 namespace tandem::worker {
 
@@ -33,6 +34,15 @@ struct ExportOptions {
 // Exports preset `preset` ("tiny" or "small") into `dir`, creating it.
 absl::Status ExportModel(const std::string& preset, const std::string& dir,
                          const ExportOptions& options = {});
+
+// The built-in presets' tokenizer.json: byte-level BPE over the 256 bytes plus
+// the special tokens as added tokens (what ExportModel writes; the router
+// loads it for `tokenizer: builtin`).
+std::string BuiltinTokenizerJson();
+
+// The built-in presets' tokenizer_config.json for `config` (bos/eos tokens and
+// BuiltinChatTemplate()).
+std::string BuiltinTokenizerConfigJson(const ModelConfig& config);
 
 }  // namespace tandem::worker
 

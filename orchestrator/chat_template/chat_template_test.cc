@@ -1,0 +1,426 @@
+#include "orchestrator/chat_template/chat_template.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "worker/model/builtin_models.h"
+
+namespace tandem::router {
+namespace {
+
+using nlohmann::ordered_json;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// absl::Status::message() is Debian Abseil's own string_view; matchers want std::string.
+std::string Msg(const absl::Status& s) { return std::string(s.message()); }
+
+std::string TestData(const std::string& name) { return std::string(TANDEM_CHAT_TEMPLATE_TESTDATA) + "/" + name; }
+
+std::string Today() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local;
+  localtime_r(&now, &local);
+  char buf[16];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d", &local);
+  return buf;
+}
+
+// ---------------------------------------------------------------------------
+// Cases rendered by Jinja2 (testdata/render_reference.py) and by us.
+
+struct Case {
+  std::string name;  // "snippet_name" or "template/conversation"
+  std::string source;
+  ordered_json context;
+};
+
+// The expansion of render_reference.py's load_snippets.
+std::vector<Case> LoadSnippets() {
+  std::vector<Case> cases;
+  std::vector<std::string> lines;
+  std::istringstream in(ReadFile(TestData("snippets.txt")));
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  size_t i = 0;
+  while (i < lines.size() && lines[i].rfind("=== ", 0) != 0) ++i;
+  while (i + 1 < lines.size()) {
+    Case c;
+    c.name = lines[i].substr(4);
+    c.context = ordered_json::parse(lines[i + 1]);
+    size_t j = i + 2;
+    while (j < lines.size() && lines[j].rfind("=== ", 0) != 0) {
+      if (j > i + 2) c.source += "\n";
+      c.source += lines[j++];
+    }
+    cases.push_back(std::move(c));
+    i = j;
+  }
+  return cases;
+}
+
+// The expansion of render_reference.py's load_conversations.
+std::vector<Case> LoadConversations() {
+  const ordered_json spec = ordered_json::parse(ReadFile(TestData("conversations.json")));
+  std::vector<Case> cases;
+  for (const ordered_json& conversation : spec["conversations"]) {
+    std::vector<std::string> names;
+    if (conversation["templates"] == "*") {
+      for (const auto& [name, defaults] : spec["templates"].items()) names.push_back(name);
+    } else {
+      names = conversation["templates"].get<std::vector<std::string>>();
+    }
+    for (const std::string& name : names) {
+      Case c;
+      c.name = name + "/" + conversation["name"].get<std::string>();
+      c.source = ReadFile(TestData("templates/" + name + ".jinja"));
+      c.context = spec["templates"][name];
+      for (const auto& [key, value] : conversation["context"].items()) c.context[key] = value;
+      cases.push_back(std::move(c));
+    }
+  }
+  return cases;
+}
+
+bool RunReferenceScript() {
+  const std::string command = std::string(TANDEM_PYTHON) + " " + TestData("render_reference.py") + " " +
+                              TANDEM_CHAT_TEMPLATE_TESTDATA + " " + TANDEM_CHAT_TEMPLATE_REFERENCE;
+  return std::system(command.c_str()) == 0;
+}
+
+// Jinja2's results, from the chat_template_reference fixture; regenerated
+// here when missing or stale (run outside ctest, cases edited, or a
+// reference from another day: strftime_now renders the date).
+const ordered_json& Reference() {
+  static const ordered_json* reference = [] {
+    auto load = []() -> ordered_json {
+      const std::string text = ReadFile(TANDEM_CHAT_TEMPLATE_REFERENCE);
+      return text.empty() ? ordered_json() : ordered_json::parse(text);
+    };
+    auto current = [](const ordered_json& ref) {
+      if (!ref.is_object() || ref.value("today", "") != Today()) return false;
+      std::vector<Case> all = LoadSnippets();
+      for (Case& c : LoadConversations()) all.push_back(std::move(c));
+      for (const Case& c : all) {
+        const auto it = ref["cases"].find(c.name);
+        if (it == ref["cases"].end() || (*it)["template"] != c.source || (*it)["context"] != c.context) return false;
+      }
+      return true;
+    };
+    ordered_json ref = load();
+    if (!current(ref)) {
+      if (!RunReferenceScript()) {
+        std::cerr << "could not run " << TestData("render_reference.py")
+                  << " with " TANDEM_PYTHON " (python3-jinja2: scripts/install_deps.sh)\n";
+      }
+      ref = load();
+    }
+    return new ordered_json(std::move(ref));
+  }();
+  return *reference;
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+std::string ParamName(const ::testing::TestParamInfo<Case>& info) {
+  std::string name = info.param.name;
+  for (char& c : name) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  return name;
+}
+
+class JinjaReferenceTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(JinjaReferenceTest, MatchesJinja2) {
+  const Case& c = GetParam();
+  const ordered_json& reference = Reference();
+  ASSERT_TRUE(reference.is_object() && reference["cases"].contains(c.name))
+      << "no Jinja2 reference for " << c.name << " (run the chat_template_reference test)";
+  const ordered_json& entry = reference["cases"][c.name];
+  ASSERT_EQ(entry["template"], c.source) << "stale reference";
+  const ordered_json& expected = entry["result"];
+
+  absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl = ChatTemplate::Create(c.source);
+  if (expected.contains("syntax_error")) {
+    ASSERT_FALSE(tmpl.ok()) << "Jinja2 rejects the template: " << expected["syntax_error"];
+    EXPECT_EQ(tmpl.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(Msg(tmpl.status()), StartsWith("chat template: line "));
+    return;
+  }
+  ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+  absl::StatusOr<std::string> out = (*tmpl)->Render(c.context);
+  if (expected.contains("output")) {
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(*out, expected["output"].get<std::string>());
+    return;
+  }
+  const std::string error = expected["error"].get<std::string>();
+  const std::string message = expected["message"].get<std::string>();
+  ASSERT_FALSE(out.ok()) << "Jinja2 raises " << error << ": " << message << "\nbut we rendered:\n" << *out;
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  if (error == "TemplateError") {
+    // raise_exception: the template's own message, unchanged.
+    EXPECT_EQ(Msg(out.status()), message);
+  } else {
+    EXPECT_THAT(Msg(out.status()), StartsWith("chat template: line "));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Snippets, JinjaReferenceTest, ::testing::ValuesIn(LoadSnippets()), ParamName);
+INSTANTIATE_TEST_SUITE_P(Conversations, JinjaReferenceTest, ::testing::ValuesIn(LoadConversations()), ParamName);
+
+// ---------------------------------------------------------------------------
+// Create: what Jinja2 accepts but we do not, and error positions.
+
+absl::Status CreateStatus(std::string_view source) { return ChatTemplate::Create(source).status(); }
+
+TEST(ChatTemplateCreateTest, UnknownFilterNamesLineAndColumn) {
+  const absl::Status s = CreateStatus("hello\n{{ x | nosuchfilter }}");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Msg(s), "chat template: line 2 col 8: no filter named 'nosuchfilter'");
+}
+
+TEST(ChatTemplateCreateTest, UnknownTestNamesLineAndColumn) {
+  EXPECT_EQ(Msg(CreateStatus("{% if x is nosuchtest %}{% endif %}")),
+            "chat template: line 1 col 12: no test named 'nosuchtest'");
+}
+
+TEST(ChatTemplateCreateTest, UnknownFunctionFailsAtCreate) {
+  // Jinja2 would fail only when the call runs; a chat template fails at startup.
+  EXPECT_THAT(Msg(CreateStatus("{% if false %}\n  {{ nosuchfunc() }}\n{% endif %}")),
+              StartsWith("chat template: line 2 col 6: unknown function 'nosuchfunc'"));
+}
+
+TEST(ChatTemplateCreateTest, UnsupportedTagsFail) {
+  EXPECT_EQ(Msg(CreateStatus("{% include 'x' %}")),
+            "chat template: line 1 col 4: the 'include' tag is not supported in chat templates");
+  for (const char* source : {"{% extends 'base' %}", "{% block b %}{% endblock %}", "{% import 'm' as m %}",
+                             "{% from 'm' import x %}", "{% macro m() %}{% endmacro %}{% call m() %}{% endcall %}",
+                             "{% autoescape true %}{% endautoescape %}", "{% do x %}"}) {
+    const absl::Status s = CreateStatus(source);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << source;
+    EXPECT_THAT(Msg(s), HasSubstr("not supported")) << source;
+  }
+}
+
+TEST(ChatTemplateCreateTest, UnsupportedMethodsFail) {
+  EXPECT_EQ(Msg(CreateStatus("{{ '{}'.format(1) }}")), "chat template: line 1 col 8: unsupported method 'format'");
+  EXPECT_THAT(Msg(CreateStatus("{{ xs.append(1) }}")), HasSubstr("the sandbox forbids mutating values"));
+  EXPECT_THAT(Msg(CreateStatus("{{ d.update({}) }}")), HasSubstr("the sandbox forbids mutating values"));
+}
+
+TEST(ChatTemplateCreateTest, UnsupportedConstructsFail) {
+  EXPECT_THAT(Msg(CreateStatus("{% for x in xs recursive %}{{ loop(x) }}{% endfor %}")),
+              HasSubstr("recursive loops are not supported"));
+  EXPECT_THAT(Msg(CreateStatus("{{ range(*xs) }}")), HasSubstr("*args and **kwargs"));
+  EXPECT_THAT(Msg(CreateStatus("{{ xs[0]() }}")), HasSubstr("only functions, macros and methods can be called"));
+  EXPECT_THAT(Msg(CreateStatus("{{ 99999999999999999999 }}")), HasSubstr("integer literal too large"));
+}
+
+TEST(ChatTemplateCreateTest, BuiltinArgumentsAreChecked) {
+  EXPECT_THAT(Msg(CreateStatus("{{ 'x'|trim('a', 'b') }}")), HasSubstr("takes at most 1 argument"));
+  EXPECT_THAT(Msg(CreateStatus("{{ x|tojson(indentation=2) }}")),
+              HasSubstr("unexpected keyword argument 'indentation'"));
+  EXPECT_THAT(Msg(CreateStatus("{{ raise_exception() }}")), HasSubstr("missing required argument 'message'"));
+  EXPECT_THAT(Msg(CreateStatus("{{ s.strip(chars='x') }}")), HasSubstr("takes no keyword arguments"));
+  EXPECT_THAT(Msg(CreateStatus("{{ xs|map('nosuch')|list }}")), HasSubstr("no filter named 'nosuch'"));
+  EXPECT_THAT(Msg(CreateStatus("{{ xs|selectattr('role', 'nosuch') }}")), HasSubstr("no test named 'nosuch'"));
+}
+
+TEST(ChatTemplateCreateTest, BreakOutsideLoopFails) {
+  EXPECT_THAT(Msg(CreateStatus("{% for x in xs %}{% macro m() %}{% break %}{% endmacro %}{% endfor %}")),
+              HasSubstr("'break' outside loop"));
+  EXPECT_THAT(Msg(CreateStatus("{% for x in xs %}{% else %}{% continue %}{% endfor %}")),
+              HasSubstr("'continue' outside loop"));
+}
+
+TEST(ChatTemplateCreateTest, DeepNestingFailsInsteadOfOverflowingTheStack) {
+  const std::string deep = "{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}";
+  EXPECT_THAT(Msg(CreateStatus(deep)), HasSubstr("nested too deeply"));
+}
+
+// ---------------------------------------------------------------------------
+// Render.
+
+std::string MustRender(std::string_view source, const ordered_json& context) {
+  absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl = ChatTemplate::Create(source);
+  EXPECT_TRUE(tmpl.ok()) << tmpl.status();
+  if (!tmpl.ok()) return "";
+  absl::StatusOr<std::string> out = (*tmpl)->Render(context);
+  EXPECT_TRUE(out.ok()) << out.status();
+  return out.ok() ? *out : "";
+}
+
+absl::Status RenderStatus(std::string_view source, const ordered_json& context) {
+  absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl = ChatTemplate::Create(source);
+  if (!tmpl.ok()) return tmpl.status();
+  return (*tmpl)->Render(context).status();
+}
+
+TEST(ChatTemplateRenderTest, RaiseExceptionMessageIsExact) {
+  const absl::Status s = RenderStatus(
+      "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}",
+      ordered_json::object());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Msg(s), "Conversation roles must alternate user/assistant/user/assistant/...");
+}
+
+TEST(ChatTemplateRenderTest, RuntimeErrorsNameTheLine) {
+  const absl::Status s = RenderStatus("a\n{% set x = 1 %}\n{{ 'n=' + x }}", ordered_json::object());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Msg(s), "chat template: line 3: can only concatenate str (not \"int\") to str");
+  EXPECT_EQ(Msg(RenderStatus("\n\n{{ m.foo.bar }}", {{"m", ordered_json::object()}})),
+            "chat template: line 3: 'dict object' has no attribute 'foo'");
+}
+
+TEST(ChatTemplateRenderTest, ContextMustBeAnObject) {
+  absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl = ChatTemplate::Create("x");
+  ASSERT_TRUE(tmpl.ok());
+  EXPECT_EQ((*tmpl)->Render(ordered_json::array()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ChatTemplateRenderTest, OrderedJsonKeepsKeyOrderAndJsonSortsIt) {
+  const char* source = "{{ tool|tojson }}|{% for k in tool %}{{ k }}{% endfor %}";
+  ordered_json ordered = {{"tool", {{"name", "f"}, {"description", "d"}}}};
+  EXPECT_EQ(MustRender(source, ordered), "{\"name\": \"f\", \"description\": \"d\"}|namedescription");
+  absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl = ChatTemplate::Create(source);
+  ASSERT_TRUE(tmpl.ok());
+  const nlohmann::json sorted = {{"tool", {{"name", "f"}, {"description", "d"}}}};
+  absl::StatusOr<std::string> out = (*tmpl)->Render(sorted);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(*out, "{\"description\": \"d\", \"name\": \"f\"}|descriptionname");
+}
+
+TEST(ChatTemplateRenderTest, StrftimeNowUsesLocalTime) {
+  char expected[32];
+  const std::time_t now = std::time(nullptr);
+  std::tm local;
+  localtime_r(&now, &local);
+  std::strftime(expected, sizeof(expected), "%d %b %Y", &local);
+  EXPECT_EQ(MustRender("{{ strftime_now('%d %b %Y') }}", ordered_json::object()), expected);
+}
+
+TEST(ChatTemplateRenderTest, OutputSizeIsCapped) {
+  const absl::Status s =
+      RenderStatus("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", ordered_json::object());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(s), HasSubstr("output exceeds the chat template limit"));
+}
+
+TEST(ChatTemplateRenderTest, StringGrowthIsCapped) {
+  const absl::Status s = RenderStatus(
+      "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+      ordered_json::object());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(s), HasSubstr("exceeds the chat template limit"));
+}
+
+TEST(ChatTemplateRenderTest, LoopIterationsAreCapped) {
+  const absl::Status s = RenderStatus(
+      "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", ordered_json::object());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(s), HasSubstr("loop iterations"));
+}
+
+TEST(ChatTemplateRenderTest, MacroRecursionIsCapped) {
+  const absl::Status s =
+      RenderStatus("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", ordered_json::object());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(s), HasSubstr("macro calls nested more than"));
+}
+
+TEST(ChatTemplateRenderTest, IntegerOverflowIsAnError) {
+  EXPECT_THAT(Msg(RenderStatus("{{ 2 ** 64 }}", ordered_json::object())), HasSubstr("integer overflow"));
+}
+
+ordered_json Conversation(int turns) {
+  ordered_json messages = ordered_json::array();
+  messages.push_back({{"role", "system"}, {"content", "You are a helpful assistant."}});
+  for (int i = 0; i < turns; ++i) {
+    messages.push_back({{"role", "user"}, {"content", "Question " + std::to_string(i) + ": how do llamas sleep?"}});
+    messages.push_back({{"role", "assistant"},
+                        {"content", "<think>\nRecall.\n</think>\n\nLlamas sleep lying down, answer " +
+                                        std::to_string(i) + "."}});
+  }
+  messages.push_back({{"role", "user"}, {"content", "Thanks!"}});
+  return {{"messages", messages}, {"add_generation_prompt", true}, {"tools", nullptr}, {"documents", nullptr}};
+}
+
+TEST(ChatTemplateRenderTest, ConcurrentRendersAgree) {
+  absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl =
+      ChatTemplate::Create(ReadFile(TestData("templates/qwen3.jinja")));
+  ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+  const ordered_json context = Conversation(5);
+  absl::StatusOr<std::string> expected = (*tmpl)->Render(context);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(8, 0);
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) {
+        absl::StatusOr<std::string> out = (*tmpl)->Render(context);
+        if (!out.ok() || *out != *expected) ++mismatches[t];
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(mismatches[t], 0) << "thread " << t;
+}
+
+// A typical request takes microseconds; the bound is loose enough for
+// sanitizer and debug builds.
+TEST(ChatTemplateRenderTest, RenderIsFast) {
+  for (const char* name : {"qwen3", "llama32", "mistral_v03"}) {
+    absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl =
+        ChatTemplate::Create(ReadFile(TestData(std::string("templates/") + name + ".jinja")));
+    ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+    ordered_json context = Conversation(5);
+    context["bos_token"] = "<s>";
+    context["eos_token"] = "</s>";
+    ASSERT_TRUE((*tmpl)->Render(context).ok()) << name << ": " << (*tmpl)->Render(context).status();
+    constexpr int kRenders = 2000;
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kRenders; ++i) ASSERT_TRUE((*tmpl)->Render(context).ok());
+    const double us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / kRenders;
+    std::cout << name << ": " << us << " us per render of 12 messages\n";
+    EXPECT_LT(us, 2000.0) << name;
+  }
+}
+
+TEST(ChatTemplateBuiltinModelTest, TestdataCopyMatchesBuiltinTemplate) {
+  EXPECT_EQ(ReadFile(TestData("templates/tandem_builtin.jinja")), worker::BuiltinChatTemplate());
+}
+
+TEST(ChatTemplateBuiltinModelTest, BuiltinTemplateRenders) {
+  const ordered_json context = {
+      {"bos_token", "<|begin_of_text|>"},
+      {"add_generation_prompt", true},
+      {"messages", {{{"role", "user"}, {"content", "  Hi  "}}}}};
+  EXPECT_EQ(MustRender(worker::BuiltinChatTemplate(), context),
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
+}
+
+}  // namespace
+}  // namespace tandem::router

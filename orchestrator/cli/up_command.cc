@@ -1,0 +1,457 @@
+// `tandem up`: a local cluster in one command. It starts N prefill and M
+// decode workers (or K aggregated ones) and a router as child processes of
+// this `tandem` binary, waits until the router's /health is ready, prefixes
+// every child's log lines with its name, and shuts everything down in order
+// (router first, then workers) on Ctrl-C or SIGTERM, or when any child dies.
+//
+// The router's config is the --config file (or the defaults) with its pools
+// replaced by the workers started here; flags override the file.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/signals.h"
+#include "common/status_macros.h"
+#include "orchestrator/cli/router_command.h"
+#include "orchestrator/config/router_config.h"
+#include "worker/cli/commands.h"
+
+namespace tandem::router {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct UpOptions {
+  std::string config;
+  std::string model = "builtin:tiny";
+  int prefill = 1;
+  int decode = 1;
+  int aggregated = 0;
+  std::string policy;
+  std::string disaggregation;
+  int port = 8000;
+  std::string host = "127.0.0.1";
+  std::string ready_file;
+  int worker_threads = 0;
+  std::string kv_cache_memory;
+  std::vector<std::string> worker_args;
+  std::string run_dir;
+};
+
+std::mutex g_log_mu;
+
+// A child process whose stdout and stderr come back through a pipe, copied
+// to our stdout line by line behind "[name] ".
+struct Child {
+  std::string name;
+  pid_t pid = -1;
+  int status = 0;
+  bool exited = false;
+  std::thread pump;
+};
+
+absl::StatusOr<std::unique_ptr<Child>> Spawn(const std::string& name,
+                                             const std::vector<std::string>& argv) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    // The child: its own process group (the terminal's Ctrl-C reaches only
+    // `up`, which stops the children in order), and SIGTERM if `up` dies.
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(1);
+    dup2(fds[1], STDOUT_FILENO);
+    dup2(fds[1], STDERR_FILENO);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv("/proc/self/exe", args.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  auto child = std::make_unique<Child>();
+  child->name = name;
+  child->pid = pid;
+  const int fd = fds[0];
+  child->pump = std::thread([fd, name] {
+    FILE* in = fdopen(fd, "r");
+    char* line = nullptr;
+    size_t cap = 0;
+    ssize_t n;
+    while ((n = getline(&line, &cap, in)) > 0) {
+      std::lock_guard<std::mutex> lock(g_log_mu);
+      std::fprintf(stdout, "[%s] %.*s", name.c_str(), static_cast<int>(n), line);
+      if (line[n - 1] != '\n') std::fputc('\n', stdout);
+      std::fflush(stdout);
+    }
+    free(line);
+    fclose(in);
+  });
+  return child;
+}
+
+void Say(const std::string& text) {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  std::fprintf(stdout, "[up] %s\n", text.c_str());
+  std::fflush(stdout);
+}
+
+// Reaps any exited children; returns the first that exited now.
+Child* Reap(std::vector<std::unique_ptr<Child>>& children) {
+  Child* first = nullptr;
+  for (auto& c : children) {
+    if (c->exited) continue;
+    int status = 0;
+    if (waitpid(c->pid, &status, WNOHANG) == c->pid) {
+      c->exited = true;
+      c->status = status;
+      if (first == nullptr) first = c.get();
+    }
+  }
+  return first;
+}
+
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status)) return absl::StrFormat("exited with status %d", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return absl::StrFormat("was killed by signal %d", WTERMSIG(status));
+  return "ended";
+}
+
+// SIGTERM to each running child of `group`, then SIGKILL after `grace`.
+void StopAll(std::vector<std::unique_ptr<Child>>& children, const std::vector<Child*>& group,
+             std::chrono::seconds grace) {
+  for (Child* c : group) {
+    if (!c->exited) kill(c->pid, SIGTERM);
+  }
+  const auto deadline = Clock::now() + grace;
+  while (Clock::now() < deadline) {
+    Reap(children);
+    bool all = true;
+    for (Child* c : group) all = all && c->exited;
+    if (all) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (Child* c : group) {
+    if (!c->exited) {
+      Say(absl::StrCat(c->name, " did not stop in time: killing it"));
+      kill(c->pid, SIGKILL);
+      waitpid(c->pid, &c->status, 0);
+      c->exited = true;
+    }
+  }
+}
+
+absl::StatusOr<std::string> ReadWhenPresent(const std::string& path, Child& child,
+                                            std::vector<std::unique_ptr<Child>>& children,
+                                            std::chrono::seconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    std::ifstream in(path);
+    std::string text;
+    if (in && std::getline(in, text) && !text.empty()) return text;
+    Reap(children);
+    if (child.exited) {
+      return absl::UnavailableError(
+          absl::StrCat(child.name, " ", DescribeExit(child.status), " before it was ready"));
+    }
+    if (WaitForSignalFor(50) != 0) return absl::CancelledError("interrupted");
+  }
+  return absl::DeadlineExceededError(
+      absl::StrFormat("%s was not ready within %d s", child.name, timeout.count()));
+}
+
+// One HTTP/1.1 GET on 127.0.0.1; the status code, or -1.
+int HttpGetStatus(const std::string& host, int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, host == "0.0.0.0" ? "127.0.0.1" : host.c_str(), &addr.sin_addr);
+  int code = -1;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+    const std::string req =
+        absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[64] = {};
+      const ssize_t n = read(fd, buf, sizeof buf - 1);
+      if (n > 12) code = std::atoi(buf + 9);  // "HTTP/1.1 200"
+    }
+  }
+  close(fd);
+  return code;
+}
+
+// The YAML text of a pool whose workers are `addresses`.
+std::string PoolYaml(const std::vector<std::string>& addresses, const PolicyConfig& policy) {
+  std::string out = "    workers: [";
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    absl::StrAppend(&out, i ? ", " : "", "\"", addresses[i], "\"");
+  }
+  absl::StrAppend(&out, "]\n    policy:\n      name: ", policy.name, "\n");
+  if (!policy.params.empty()) {
+    absl::StrAppend(&out, "      params:\n");
+    for (const auto& [k, v] : policy.params) absl::StrAppend(&out, "        ", k, ": \"", v, "\"\n");
+  }
+  return out;
+}
+
+// The router's config file: `base` with the started workers as its pools.
+std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& prefill,
+                       const std::vector<std::string>& decode) {
+  std::string y;
+  absl::StrAppend(&y, "listener:\n  host: \"", c.listener.host, "\"\n  port: ", c.listener.port, "\n");
+  absl::StrAppend(&y, "model:\n  served_name: \"", c.model.served_name, "\"\n  tokenizer: \"",
+                  c.model.tokenizer, "\"\n");
+  if (!c.model.chat_template.empty()) {
+    absl::StrAppend(&y, "  chat_template: \"", c.model.chat_template, "\"\n");
+  }
+  absl::StrAppend(&y, "pools:\n");
+  if (!prefill.empty()) absl::StrAppend(&y, "  prefill:\n", PoolYaml(prefill, c.prefill->policy));
+  absl::StrAppend(&y, "  decode:\n", PoolYaml(decode, c.decode->policy));
+  absl::StrAppend(&y, "disaggregation:\n  mode: ", std::string(DisaggregationModeName(c.disaggregation.mode)),
+                  "\n  auto_threshold_tokens: ", c.disaggregation.auto_threshold_tokens, "\n");
+  absl::StrAppend(&y, absl::StrFormat(
+                          "timeouts:\n  first_token_s: %g\n  idle_stream_s: %g\n  request_s: %g\n",
+                          c.timeouts.first_token_s, c.timeouts.idle_stream_s, c.timeouts.request_s));
+  absl::StrAppend(&y, absl::StrFormat("retries:\n  max_attempts: %d\n  budget_ratio: %g\n",
+                                      c.retries.max_attempts, c.retries.budget_ratio));
+  absl::StrAppend(&y, absl::StrFormat(
+                          "limits:\n  max_body_bytes: %d\n  max_queue: %d\n  max_in_flight: %d\n",
+                          c.limits.max_body_bytes, c.limits.max_queue, c.limits.max_in_flight));
+  absl::StrAppend(&y, absl::StrFormat("health:\n  interval_s: %g\n  timeout_s: %g\n  "
+                                      "unhealthy_after: %d\n  healthy_after: %d\n",
+                                      c.health.interval_s, c.health.timeout_s,
+                                      c.health.unhealthy_after, c.health.healthy_after));
+  absl::StrAppend(&y, "kv_events:\n  enabled: ", c.kv_events.enabled ? "true" : "false", "\n");
+  absl::StrAppend(&y, "sessions:\n  header: \"", c.sessions.header, "\"\n");
+  return y;
+}
+
+absl::Status WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
+absl::Status Up(UpOptions opt) {
+  // The router config: the file's, or defaults for a local cluster.
+  RouterConfig config;
+  if (!opt.config.empty()) {
+    ASSIGN_OR_RETURN(config, LoadRouterConfig(opt.config));
+  } else {
+    config.model.served_name = opt.model;
+    config.disaggregation.mode = DisaggregationMode::kAlways;
+    config.decode = PoolConfig{};
+    config.decode->policy.name = "kv_cache_aware";
+    config.prefill = PoolConfig{};
+    config.prefill->policy.name = "kv_cache_aware";
+    config.health.interval_s = 1;
+    config.health.timeout_s = 1;
+  }
+  config.listener.host = opt.host;
+  config.listener.port = opt.port;
+  if (opt.config.empty() || opt.model != "builtin:tiny") {
+    const bool builtin = opt.model.rfind("builtin:", 0) == 0;
+    config.model.tokenizer = builtin ? "builtin" : opt.model;
+  }
+  if (!opt.disaggregation.empty()) {
+    if (opt.disaggregation == "never") {
+      config.disaggregation.mode = DisaggregationMode::kNever;
+    } else if (opt.disaggregation == "always") {
+      config.disaggregation.mode = DisaggregationMode::kAlways;
+    } else if (opt.disaggregation == "auto") {
+      config.disaggregation.mode = DisaggregationMode::kAuto;
+    } else {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--disaggregation must be never, always or auto, got '%s'", opt.disaggregation));
+    }
+  }
+  if (opt.aggregated > 0) config.disaggregation.mode = DisaggregationMode::kNever;
+  if (!config.decode.has_value()) config.decode = PoolConfig{};
+  const bool split = config.disaggregation.mode != DisaggregationMode::kNever;
+  if (split && !config.prefill.has_value()) {
+    config.prefill = PoolConfig{};
+    config.prefill->policy = config.decode->policy;
+  }
+  if (!split) config.prefill.reset();
+  if (!opt.policy.empty()) {
+    for (std::optional<PoolConfig>* p : {&config.prefill, &config.decode}) {
+      if (p->has_value()) (*p)->policy = PolicyConfig{.name = opt.policy};
+    }
+  }
+  const int num_decode = split ? opt.decode : (opt.aggregated > 0 ? opt.aggregated : opt.decode);
+  const int num_prefill = split ? opt.prefill : 0;
+  if (num_decode < 1 || num_prefill < 0 || (split && num_prefill < 1)) {
+    return absl::InvalidArgumentError(
+        "a cluster needs at least one decode (or aggregated) worker, and one prefill worker when "
+        "disaggregated");
+  }
+
+  std::string dir = opt.run_dir;
+  if (dir.empty()) {
+    char tmpl[] = "/tmp/tandem-up.XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) return absl::InternalError("cannot create a run directory");
+    dir = tmpl;
+  }
+  RETURN_IF_ERROR(InstallSignalHandlers({SIGINT, SIGTERM}));
+
+  std::vector<std::unique_ptr<Child>> children;
+  std::vector<Child*> workers;
+  Child* router = nullptr;
+  absl::Status result = absl::OkStatus();
+  auto shutdown = [&](const absl::Status& why) {
+    if (!why.ok()) Say(std::string(why.message()));
+    Say("stopping");
+    if (router != nullptr) StopAll(children, {router}, std::chrono::seconds(15));
+    StopAll(children, workers, std::chrono::seconds(15));
+    for (auto& c : children) {
+      if (c->pump.joinable()) c->pump.join();
+    }
+    return why;
+  };
+
+  // Workers.
+  std::vector<std::string> prefill_addrs, decode_addrs;
+  auto start_worker = [&](const std::string& name, const std::string& role) -> absl::StatusOr<std::string> {
+    const std::string ready = absl::StrCat(dir, "/", name, ".addr");
+    unlink(ready.c_str());
+    std::vector<std::string> argv = {"tandem", "worker", "--model", opt.model, "--role", role,
+                                     "--host", "127.0.0.1", "--port", "0", "--ready-file", ready};
+    if (split) {
+      for (const char* a : {"--kv-transport", "ucx", "--kv-transport-tls", "shm"}) argv.push_back(a);
+    }
+    if (opt.worker_threads > 0) {
+      argv.push_back("--threads");
+      argv.push_back(std::to_string(opt.worker_threads));
+    }
+    if (!opt.kv_cache_memory.empty()) {
+      argv.push_back("--kv-cache-memory");
+      argv.push_back(opt.kv_cache_memory);
+    }
+    argv.insert(argv.end(), opt.worker_args.begin(), opt.worker_args.end());
+    ASSIGN_OR_RETURN(std::unique_ptr<Child> c, Spawn(name, argv));
+    children.push_back(std::move(c));
+    workers.push_back(children.back().get());
+    return ReadWhenPresent(ready, *children.back(), children, std::chrono::seconds(300));
+  };
+  for (int i = 0; i < num_prefill && result.ok(); ++i) {
+    absl::StatusOr<std::string> a = start_worker(absl::StrCat("prefill-", i), "prefill");
+    if (a.ok()) prefill_addrs.push_back(*a); else result = a.status();
+  }
+  for (int i = 0; i < num_decode && result.ok(); ++i) {
+    const std::string name = split ? absl::StrCat("decode-", i) : absl::StrCat("worker-", i);
+    absl::StatusOr<std::string> a = start_worker(name, split ? "decode" : "both");
+    if (a.ok()) decode_addrs.push_back(*a); else result = a.status();
+  }
+  if (!result.ok()) return shutdown(result);
+
+  // The router.
+  const std::string router_yaml = absl::StrCat(dir, "/router.yaml");
+  const std::string yaml = RouterYaml(config, prefill_addrs, decode_addrs);
+  if (absl::StatusOr<RouterConfig> check = ParseRouterConfig(yaml, router_yaml); !check.ok()) {
+    return shutdown(check.status());
+  }
+  RETURN_IF_ERROR(WriteText(router_yaml, yaml));
+  const std::string router_ready = absl::StrCat(dir, "/router.addr");
+  unlink(router_ready.c_str());
+  {
+    absl::StatusOr<std::unique_ptr<Child>> c =
+        Spawn("router", {"tandem", "router", "--config", router_yaml, "--ready-file", router_ready});
+    if (!c.ok()) return shutdown(c.status());
+    children.push_back(*std::move(c));
+    router = children.back().get();
+  }
+  absl::StatusOr<std::string> router_addr =
+      ReadWhenPresent(router_ready, *router, children, std::chrono::seconds(60));
+  if (!router_addr.ok()) return shutdown(router_addr.status());
+  const int port = std::atoi(router_addr->substr(router_addr->rfind(':') + 1).c_str());
+  // Ready once /health says a decode worker is healthy.
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (HttpGetStatus(config.listener.host, port, "/health") != 200) {
+    Reap(children);
+    if (router->exited) return shutdown(absl::UnavailableError("the router exited"));
+    if (Clock::now() > deadline) {
+      return shutdown(absl::DeadlineExceededError("the router was not healthy within 60 s"));
+    }
+    if (WaitForSignalFor(100) != 0) return shutdown(absl::OkStatus());
+  }
+  const std::string url = absl::StrFormat("http://%s:%d", config.listener.host, port);
+  Say(absl::StrFormat("ready: %s (%d prefill, %d %s workers, disaggregation %s); config %s", url,
+                      num_prefill, num_decode, split ? "decode" : "aggregated",
+                      DisaggregationModeName(config.disaggregation.mode), router_yaml));
+  Say(absl::StrFormat("try: curl -s %s/v1/chat/completions -H 'Content-Type: application/json' "
+                      "-d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": "
+                      "\"Hello!\"}], \"max_tokens\": 32}'",
+                      url, config.model.served_name));
+  Say("Ctrl-C stops the cluster");
+  if (!opt.ready_file.empty()) RETURN_IF_ERROR(WriteText(opt.ready_file, url + "\n"));
+
+  while (true) {
+    const int sig = WaitForSignalFor(200);
+    if (sig != 0) return shutdown(absl::OkStatus());
+    if (Child* dead = Reap(children)) {
+      return shutdown(absl::UnavailableError(
+          absl::StrCat(dead->name, " ", DescribeExit(dead->status), ": stopping the cluster")));
+    }
+  }
+}
+
+}  // namespace
+
+void AddUpCommand(CLI::App& app) {
+  auto opt = std::make_shared<UpOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "up", "Start a local cluster: prefill and decode workers plus the router, as children");
+  cmd->add_option("--config", opt->config, "Router configuration (YAML); its pools are replaced");
+  cmd->add_option("--model", opt->model, "builtin:tiny, builtin:small or a checkpoint directory")
+      ->capture_default_str();
+  cmd->add_option("--prefill", opt->prefill, "Prefill workers")->capture_default_str();
+  cmd->add_option("--decode", opt->decode, "Decode workers")->capture_default_str();
+  cmd->add_option("--aggregated", opt->aggregated,
+                  "K workers of role both and no disaggregation (instead of prefill/decode)");
+  cmd->add_option("--policy", opt->policy, "Routing policy of both pools");
+  cmd->add_option("--disaggregation", opt->disaggregation, "never, always or auto");
+  cmd->add_option("--host", opt->host, "Router address")->capture_default_str();
+  cmd->add_option("--port", opt->port, "Router port (0: pick a free one)")->capture_default_str();
+  cmd->add_option("--ready-file", opt->ready_file, "Write the router's URL here once ready");
+  cmd->add_option("--worker-threads", opt->worker_threads, "BLAS threads per worker (0: all)");
+  cmd->add_option("--kv-cache-memory", opt->kv_cache_memory, "Each worker's KV cache budget");
+  cmd->add_option("--worker-arg", opt->worker_args, "Extra flag for every worker (repeatable)");
+  cmd->add_option("--run-dir", opt->run_dir, "Where addresses and the router config go");
+  cmd->callback([opt] {
+    const absl::Status s = Up(*opt);
+    // Interrupted by the user: a clean stop.
+    worker::ExitWithStatus("up", s.code() == absl::StatusCode::kCancelled ? absl::OkStatus() : s);
+  });
+}
+
+}  // namespace tandem::router

@@ -1,0 +1,123 @@
+#include "orchestrator/cluster/worker_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <utility>
+
+namespace tandem::router {
+
+WorkerClient::WorkerClient(std::string address) : address_(std::move(address)) {
+  grpc::ChannelArguments args;
+  // gRPC's default reconnect backoff grows to 120 s: a worker restarted after
+  // a crash would stay unreachable for minutes. Health checks run every few
+  // seconds, so retrying the connection about as often is enough.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  // Token streams are many small messages; the router's own messages are
+  // prompts (a few MB at most for very long contexts).
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  stub_ = tandem::v1::Worker::NewStub(
+      grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args));
+}
+
+bool WorkerClient::RecordCheck(bool ok, const HealthConfig& config) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ok) {
+    streak_ = streak_ > 0 ? streak_ + 1 : 1;
+  } else {
+    streak_ = streak_ < 0 ? streak_ - 1 : -1;
+  }
+  const bool was = healthy_.load(std::memory_order_relaxed);
+  bool now = was;
+  if (!was && ok && streak_ >= (ever_healthy_ ? config.healthy_after : 1)) now = true;
+  if (was && !ok && -streak_ >= config.unhealthy_after) now = false;
+  if (now) ever_healthy_ = true;
+  healthy_.store(now, std::memory_order_release);
+  return now != was;
+}
+
+bool WorkerClient::Eject() {
+  std::lock_guard<std::mutex> lock(mu_);
+  streak_ = std::min(streak_, 0);
+  return healthy_.exchange(false, std::memory_order_acq_rel);
+}
+
+void WorkerClient::SetLoad(const tandem::v1::LoadReport& load) {
+  used_blocks_.store(load.used_blocks(), std::memory_order_relaxed);
+  total_blocks_.store(load.total_blocks(), std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(mu_);
+  load_ = load;
+}
+
+std::optional<tandem::v1::LoadReport> WorkerClient::load() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return load_;
+}
+
+void WorkerClient::SetModelInfo(const tandem::v1::ModelInfo& info) {
+  std::lock_guard<std::mutex> lock(mu_);
+  model_info_ = info;
+  instance_id_ = info.instance_id();
+}
+
+std::optional<tandem::v1::ModelInfo> WorkerClient::model_info() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return model_info_;
+}
+
+std::string WorkerClient::instance_id() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return instance_id_;
+}
+
+void WorkerClient::set_instance_id(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  instance_id_ = id;
+}
+
+WorkerView WorkerClient::View() const {
+  return WorkerView{.id = address_,
+                    .in_flight = in_flight(),
+                    .prefill_tokens_in_flight = prefill_tokens_in_flight(),
+                    .used_blocks = used_blocks_.load(std::memory_order_relaxed),
+                    .total_blocks = total_blocks_.load(std::memory_order_relaxed),
+                    .healthy = healthy()};
+}
+
+InFlight::InFlight(std::shared_ptr<WorkerClient> worker, int64_t prefill_tokens)
+    : worker_(std::move(worker)), prefill_tokens_(prefill_tokens) {
+  if (worker_ == nullptr) return;
+  worker_->in_flight_.fetch_add(1, std::memory_order_relaxed);
+  worker_->prefill_tokens_.fetch_add(prefill_tokens_, std::memory_order_relaxed);
+}
+
+InFlight::InFlight(InFlight&& other) noexcept
+    : worker_(std::move(other.worker_)), prefill_tokens_(std::exchange(other.prefill_tokens_, 0)) {}
+
+InFlight& InFlight::operator=(InFlight&& other) noexcept {
+  if (this != &other) {
+    Release();
+    worker_ = std::move(other.worker_);
+    prefill_tokens_ = std::exchange(other.prefill_tokens_, 0);
+  }
+  return *this;
+}
+
+InFlight::~InFlight() { Release(); }
+
+void InFlight::PrefillDone() {
+  if (worker_ == nullptr || prefill_tokens_ == 0) return;
+  worker_->prefill_tokens_.fetch_sub(prefill_tokens_, std::memory_order_relaxed);
+  prefill_tokens_ = 0;
+}
+
+void InFlight::Release() {
+  if (worker_ == nullptr) return;
+  PrefillDone();
+  worker_->in_flight_.fetch_sub(1, std::memory_order_relaxed);
+  worker_.reset();
+}
+
+}  // namespace tandem::router

@@ -1,0 +1,121 @@
+// WorkerClient: the router's handle on one worker process. It owns the gRPC
+// channel and stub, the worker's health state (active checks plus passive
+// ejection on transport failures), the last LoadReport and ModelInfo the
+// worker sent, and the router's own accounting of what it has in flight
+// there (requests and prompt tokens not yet prefilled), which the routing
+// policies read through View().
+//
+// Health state machine (Envoy's active health checking with outlier
+// ejection, in small):
+//   - a new worker starts unhealthy and is admitted after `healthy_after`
+//     consecutive successful checks (1 for the first admission, so a router
+//     that starts with its workers serves within one check);
+//   - a healthy worker is ejected after `unhealthy_after` consecutive failed
+//     checks, or at once by Eject() when a request meets a transport failure
+//     (connection refused or reset: the process is gone);
+//   - an ejected worker is readmitted after `healthy_after` consecutive
+//     successful checks.
+//
+// Thread safety: every method is thread-safe. Counters are atomics; the
+// model info and the health streak are guarded by a mutex.
+#ifndef TANDEM_ORCHESTRATOR_CLUSTER_WORKER_CLIENT_H_
+#define TANDEM_ORCHESTRATOR_CLUSTER_WORKER_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "orchestrator/config/router_config.h"
+#include "orchestrator/routing/routing_policy.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::router {
+
+class WorkerClient {
+ public:
+  // Creates the channel (insecure; connects lazily). Reconnection backoff is
+  // capped at a second or two so a restarted worker is back quickly.
+  explicit WorkerClient(std::string address);
+  WorkerClient(const WorkerClient&) = delete;
+  WorkerClient& operator=(const WorkerClient&) = delete;
+
+  const std::string& address() const { return address_; }
+  tandem::v1::Worker::Stub& stub() const { return *stub_; }
+
+  bool healthy() const { return healthy_.load(std::memory_order_acquire); }
+  // Records one active check; returns true when it changed healthy().
+  bool RecordCheck(bool ok, const HealthConfig& config);
+  // Ejects the worker now (a request saw it gone); true if it was healthy.
+  bool Eject();
+  // True once the worker has been admitted (healthy) at least once.
+  bool ever_healthy() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ever_healthy_;
+  }
+
+  // Router-side accounting; see InFlight below.
+  int in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
+  int64_t prefill_tokens_in_flight() const {
+    return prefill_tokens_.load(std::memory_order_relaxed);
+  }
+
+  void SetLoad(const tandem::v1::LoadReport& load);
+  // The last LoadReport; nullopt before the first.
+  std::optional<tandem::v1::LoadReport> load() const;
+  void SetModelInfo(const tandem::v1::ModelInfo& info);
+  std::optional<tandem::v1::ModelInfo> model_info() const;
+  // The instance id of the last check or model info ("" before any).
+  std::string instance_id() const;
+  void set_instance_id(const std::string& id);
+
+  // The worker as a routing policy sees it.
+  WorkerView View() const;
+
+ private:
+  friend class InFlight;
+
+  const std::string address_;
+  std::unique_ptr<tandem::v1::Worker::Stub> stub_;
+  std::atomic<bool> healthy_{false};
+  std::atomic<int> in_flight_{0};
+  std::atomic<int64_t> prefill_tokens_{0};
+  std::atomic<int64_t> used_blocks_{0};
+  std::atomic<int64_t> total_blocks_{0};
+
+  mutable std::mutex mu_;
+  bool ever_healthy_ ABSL_GUARDED_BY(mu_) = false;
+  int streak_ ABSL_GUARDED_BY(mu_) = 0;  // > 0: successes in a row; < 0: failures
+  std::optional<tandem::v1::LoadReport> load_ ABSL_GUARDED_BY(mu_);
+  std::optional<tandem::v1::ModelInfo> model_info_ ABSL_GUARDED_BY(mu_);
+  std::string instance_id_ ABSL_GUARDED_BY(mu_);
+};
+
+// One request's presence on a worker, for the router's accounting: counts a
+// request in flight and its prompt tokens as pending prefill from
+// construction; PrefillDone() when the first token arrives; everything is
+// given back at destruction (so an error path cannot leak a count).
+class InFlight {
+ public:
+  InFlight() = default;
+  InFlight(std::shared_ptr<WorkerClient> worker, int64_t prefill_tokens);
+  InFlight(InFlight&& other) noexcept;
+  InFlight& operator=(InFlight&& other) noexcept;
+  ~InFlight();
+
+  void PrefillDone();
+  const std::shared_ptr<WorkerClient>& worker() const { return worker_; }
+
+ private:
+  void Release();
+
+  std::shared_ptr<WorkerClient> worker_;
+  int64_t prefill_tokens_ = 0;
+};
+
+}  // namespace tandem::router
+
+#endif  // TANDEM_ORCHESTRATOR_CLUSTER_WORKER_CLIENT_H_

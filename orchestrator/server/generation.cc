@@ -1,0 +1,346 @@
+#include "orchestrator/server/generation.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+
+namespace tandem::router {
+namespace {
+
+using tandem::v1::GenerateRequest;
+using tandem::v1::GenerateResponse;
+using tandem::v1::KvTransferParams;
+using tandem::v1::TokenOutput;
+
+// Codes after which another worker may well succeed.
+bool Retryable(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kResourceExhausted:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+// One Generate call. Keeps the Generation alive until the call ends, then
+// deletes itself.
+struct Generation::Call : grpc::ClientReadReactor<GenerateResponse> {
+  Call(std::shared_ptr<Generation> g, CallKind k, int a, std::shared_ptr<WorkerClient> w,
+       GenerateRequest req, int64_t prefill_tokens)
+      : gen(std::move(g)),
+        kind(k),
+        attempt(a),
+        worker(std::move(w)),
+        request(std::move(req)),
+        in_flight(worker, prefill_tokens) {}
+
+  void Start() {
+    context.set_deadline(gen->options_.deadline);
+    worker->stub().async()->Generate(&context, &request, this);
+    StartRead(&msg);
+    StartCall();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // OnDone follows
+    gen->OnMessage(this, msg);
+    StartRead(&msg);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    gen->OnCallDone(this, status);
+    delete this;
+  }
+
+  std::shared_ptr<Generation> gen;
+  const CallKind kind;
+  const int attempt;
+  const std::shared_ptr<WorkerClient> worker;
+  GenerateRequest request;
+  InFlight in_flight;
+  grpc::ClientContext context;
+  GenerateResponse msg;
+  bool reserved = false;  // RECEIVE: the reservation came
+  bool finished = false;  // its final message (finish_reason set) came
+};
+
+Generation::Generation(Options options, GenerateRequest request, Planner* planner,
+                       GenerationSink* sink)
+    : options_(std::move(options)), request_(std::move(request)), planner_(planner), sink_(sink) {}
+
+Generation::~Generation() = default;
+
+void Generation::Start() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    AttemptLocked();
+  }
+  StartLaunched();
+}
+
+void Generation::Cancel(const absl::Status& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (done_) return;
+  GenerationResult r = result_;
+  r.status = why;
+  r.finish_reason = tandem::v1::FINISH_REASON_ABORT;
+  r.completion_tokens = emitted_;
+  FinishLocked(std::move(r), /*cancel_prefill=*/true);
+}
+
+void Generation::StartLaunched() {
+  std::vector<Call*> calls;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls.swap(launched_);
+  }
+  for (Call* c : calls) c->Start();
+}
+
+void Generation::AttemptLocked() {
+  ++attempt_;
+  result_.attempts = attempt_;
+  absl::StatusOr<Placement> placement = planner_->Place(
+      std::span<const int32_t>(request_.prompt_token_ids().data(),
+                               request_.prompt_token_ids_size()),
+      exclude_);
+  if (!placement.ok()) {
+    GenerationResult r = result_;
+    r.status = last_error_.ok()
+                   ? placement.status()
+                   : absl::Status(placement.status().code(),
+                                  absl::StrCat(placement.status().message(),
+                                               "; the last attempt failed: ", last_error_.message()));
+    FinishLocked(std::move(r), /*cancel_prefill=*/true);
+    return;
+  }
+  placement_ = *std::move(placement);
+  result_.decode_worker = placement_.decode->address();
+  result_.prefill_worker =
+      placement_.prefill != nullptr ? placement_.prefill->address() : placement_.decode->address();
+  if (placement_.prefill == nullptr) {
+    LaunchLocked(CallKind::kAggregated, placement_.decode, request_);
+    return;
+  }
+  GenerateRequest receive = request_;
+  KvTransferParams* kv = receive.mutable_kv_transfer();
+  kv->set_mode(KvTransferParams::RECEIVE);
+  kv->set_timeout_ms(options_.kv_receive_timeout_ms);
+  LaunchLocked(CallKind::kReceive, placement_.decode, std::move(receive));
+}
+
+Generation::Call* Generation::LaunchLocked(CallKind kind,
+                                           const std::shared_ptr<WorkerClient>& worker,
+                                           GenerateRequest request) {
+  request.set_request_id(absl::StrCat(options_.request_id, "-", options_.choice, "-", attempt_,
+                                      kind == CallKind::kSend ? "p" : "d"));
+  const int64_t prefill_tokens = kind == CallKind::kReceive ? 0 : request.prompt_token_ids_size();
+  auto* call =
+      new Call(shared_from_this(), kind, attempt_, worker, std::move(request), prefill_tokens);
+  calls_.push_back(call);
+  launched_.push_back(call);
+  return call;
+}
+
+void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_ || call->attempt != attempt_) return;
+    // (RepeatedPtrField holds pointers; messages carry a few tokens each.)
+    const std::vector<TokenOutput> token_list(msg.tokens().begin(), msg.tokens().end());
+    const std::span<const TokenOutput> tokens(token_list);
+    const bool final = msg.finish_reason() != tandem::v1::FINISH_REASON_UNSPECIFIED;
+    if (final) call->finished = true;
+    switch (call->kind) {
+      case CallKind::kAggregated:
+        if (!tokens.empty()) {
+          call->in_flight.PrefillDone();
+          first_emitted_ = true;
+          if (!EmitLocked(tokens)) return;
+        }
+        if (final) FinishDecodeLocked(msg);
+        break;
+
+      case CallKind::kReceive: {
+        if (msg.has_reservation() && !call->reserved) {
+          call->reserved = true;
+          GenerateRequest send = request_;
+          KvTransferParams* kv = send.mutable_kv_transfer();
+          kv->set_mode(KvTransferParams::SEND);
+          kv->set_decode_address(call->worker->address());
+          kv->set_reservation_id(msg.reservation().reservation_id());
+          kv->set_decode_cached_tokens(msg.reservation().cached_tokens());
+          kv->set_decode_instance_id(msg.reservation().instance_id());
+          LaunchLocked(CallKind::kSend, placement_.prefill, std::move(send));
+          break;
+        }
+        std::span<const TokenOutput> rest = tokens;
+        if (msg.includes_first_token() && !rest.empty()) {
+          // The decode worker prefilled locally: the KV never came.
+          result_.kv_fallback = true;
+          if (first_emitted_) {
+            rest = rest.subspan(1);  // the prefill worker's first token is out already
+          } else {
+            first_emitted_ = true;
+          }
+        }
+        if (!first_emitted_) {
+          held_.insert(held_.end(), rest.begin(), rest.end());
+          if (final) {
+            decode_finished_ = true;
+            decode_final_ = msg;
+          }
+          break;
+        }
+        if (!rest.empty() && !EmitLocked(rest)) return;
+        if (final) FinishDecodeLocked(msg);
+        break;
+      }
+
+      case CallKind::kSend:
+        if (!tokens.empty()) {
+          call->in_flight.PrefillDone();
+          if (!first_emitted_) {
+            first_emitted_ = true;
+            first_from_prefill_ = true;
+            if (!EmitLocked(tokens.subspan(0, 1))) return;
+            std::vector<TokenOutput> held;
+            held.swap(held_);
+            if (!held.empty() && !EmitLocked(held)) return;
+            if (decode_finished_) {
+              FinishDecodeLocked(decode_final_);
+              break;
+            }
+          }
+        }
+        if (final) {
+          result_.kv_bytes = msg.kv_transfer_bytes();
+          result_.kv_seconds = msg.kv_transfer_seconds();
+          result_.cached_tokens = msg.usage().cached_prompt_tokens();
+          if (!msg.kv_transfer_error().empty()) {
+            result_.kv_fallback = true;
+            LOG(WARNING) << "request " << options_.request_id << ": KV from "
+                         << call->worker->address() << " did not reach "
+                         << placement_.decode->address() << ": " << msg.kv_transfer_error();
+          }
+        }
+        break;
+    }
+  }
+  StartLaunched();
+}
+
+bool Generation::EmitLocked(std::span<const TokenOutput> tokens) {
+  if (!placed_) {
+    placed_ = true;
+    sink_->OnPlaced(options_.choice, placement_);
+  }
+  emitted_ += static_cast<int64_t>(tokens.size());
+  if (sink_->OnTokens(options_.choice, tokens)) return true;
+  // A stop string matched: the workers can stop.
+  GenerationResult r = result_;
+  r.finish_reason = tandem::v1::FINISH_REASON_STOP;
+  r.prompt_tokens = request_.prompt_token_ids_size();
+  r.completion_tokens = emitted_;
+  FinishLocked(std::move(r), /*cancel_prefill=*/true);
+  return false;
+}
+
+void Generation::FinishDecodeLocked(const GenerateResponse& msg) {
+  if (msg.finish_reason() == tandem::v1::FINISH_REASON_ERROR ||
+      msg.finish_reason() == tandem::v1::FINISH_REASON_ABORT) {
+    FailAttemptLocked(absl::InternalError(absl::StrCat("worker ", placement_.decode->address(),
+                                                       ": ", msg.error_message())),
+                      placement_.decode);
+    return;
+  }
+  GenerationResult r = result_;
+  r.finish_reason = msg.finish_reason();
+  r.prompt_tokens = msg.usage().prompt_tokens();
+  r.completion_tokens = emitted_;
+  if (placement_.prefill == nullptr || r.kv_fallback) {
+    r.cached_tokens = msg.usage().cached_prompt_tokens();
+  }
+  FinishLocked(std::move(r), /*cancel_prefill=*/false);
+}
+
+void Generation::OnCallDone(Call* call, const grpc::Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.erase(std::find(calls_.begin(), calls_.end(), call));
+    if (done_ || call->attempt != attempt_ || call->finished) return;
+    absl::Status s = status.ok() ? absl::InternalError(absl::StrCat(
+                                       "worker ", call->worker->address(),
+                                       " ended the stream without a finish reason"))
+                                 : FromGrpcStatus(status);
+    if (call->kind == CallKind::kSend && first_emitted_) {
+      // The prefill worker failed after its first token: the decode worker
+      // falls back to a local prefill; the stream goes on.
+      result_.kv_fallback = true;
+      LOG(WARNING) << "request " << options_.request_id << ": prefill worker "
+                   << call->worker->address() << " failed after the first token: " << s.ToString();
+      if (s.code() == absl::StatusCode::kUnavailable && call->worker->Eject()) {
+        LOG(WARNING) << "worker " << call->worker->address() << " ejected: " << s.message();
+      }
+      return;
+    }
+    if (!s.ok() && s.message().find(call->worker->address()) == std::string_view::npos) {
+      s = absl::Status(s.code(), absl::StrCat("worker ", call->worker->address(), ": ", s.message()));
+    }
+    FailAttemptLocked(s, call->worker);
+  }
+  StartLaunched();
+}
+
+void Generation::FailAttemptLocked(const absl::Status& status,
+                                   const std::shared_ptr<WorkerClient>& worker) {
+  if (status.code() == absl::StatusCode::kUnavailable && worker->Eject()) {
+    LOG(WARNING) << "worker " << worker->address() << " ejected: " << status.message();
+  }
+  last_error_ = status;
+  if (!first_emitted_ && Retryable(status.code()) && attempt_ < options_.max_attempts &&
+      planner_->TakeRetry()) {
+    LOG(INFO) << "request " << options_.request_id << ": retrying after " << status.ToString();
+    CancelCallsLocked(/*include_send=*/true);
+    exclude_.insert(worker->address());
+    held_.clear();
+    decode_finished_ = false;
+    result_.kv_fallback = false;
+    AttemptLocked();
+    return;
+  }
+  GenerationResult r = result_;
+  r.status = status;
+  r.completion_tokens = emitted_;
+  FinishLocked(std::move(r), /*cancel_prefill=*/true);
+}
+
+void Generation::FinishLocked(GenerationResult result, bool cancel_prefill) {
+  if (done_) return;
+  done_ = true;
+  CancelCallsLocked(cancel_prefill);
+  sink_->OnDone(options_.choice, result);
+}
+
+void Generation::CancelCallsLocked(bool include_send) {
+  for (Call* c : calls_) {
+    if (include_send || c->kind != CallKind::kSend) c->context.TryCancel();
+  }
+}
+
+}  // namespace tandem::router

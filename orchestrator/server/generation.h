@@ -1,0 +1,180 @@
+// Generation: one choice of one request, driven over the workers' gRPC API.
+// It asks a Planner where to run (aggregated on one worker, or prefill on
+// one and decode on another), runs the worker calls on gRPC's callback API,
+// merges their token streams into one ordered stream for a GenerationSink,
+// and retries elsewhere when an attempt fails before the first token.
+//
+// Disaggregated attempt (the protocol of proto/tandem/v1/worker.proto):
+//   1. Generate(mode RECEIVE) on the decode worker; its first message is
+//      the KvReservation.
+//   2. Generate(mode SEND) on the prefill worker naming the reservation; its
+//      first token is the request's first token.
+//   3. The decode stream carries the tokens after the first (or, when the
+//      decode worker prefilled locally because the KV never came, all of
+//      them: includes_first_token). Decode tokens that arrive before the
+//      prefill worker's first token (the two streams race to the router)
+//      wait for it; a first token already taken from the prefill stream is
+//      not repeated from a local-prefill decode stream (both sampled it with
+//      the same seed).
+// The request finishes with the decode stream; a prefill stream still
+// closing (the KvReady answer) is left to end on its own.
+//
+// Retries: an attempt that fails before any token reached the sink, with a
+// code that says "try elsewhere" (UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED,
+// FAILED_PRECONDITION, INTERNAL, UNKNOWN), is cancelled whole and placed
+// again without the worker that failed, up to `max_attempts` and while the
+// planner's retry budget allows. UNAVAILABLE also ejects the worker at once.
+// Never after the first token: a client cannot un-see tokens.
+//
+// Thread safety: Start and Cancel may be called from any thread; the sink is
+// called from gRPC threads, serially for one Generation, with the
+// Generation's mutex held: a sink must not call back into the Generation
+// (it returns false from OnTokens to stop it instead).
+#ifndef TANDEM_ORCHESTRATOR_SERVER_GENERATION_H_
+#define TANDEM_ORCHESTRATOR_SERVER_GENERATION_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "orchestrator/cluster/worker_client.h"
+#include "tandem/v1/worker.grpc.pb.h"
+
+namespace tandem::router {
+
+// Where one attempt runs.
+struct Placement {
+  std::shared_ptr<WorkerClient> prefill;  // null: aggregated on `decode`
+  std::shared_ptr<WorkerClient> decode;   // never null
+  // Disaggregation was wanted but the attempt runs aggregated (no healthy
+  // prefill worker, or mode auto chose a local prefill).
+  bool local_prefill = false;
+};
+
+class Planner {
+ public:
+  virtual ~Planner() = default;
+  // Chooses workers for `tokens`, never one whose address is in `exclude`.
+  // Unavailable when no healthy worker is left.
+  virtual absl::StatusOr<Placement> Place(std::span<const int32_t> tokens,
+                                          const std::set<std::string>& exclude) = 0;
+  // Takes one retry from the budget; false when it is spent.
+  virtual bool TakeRetry() = 0;
+};
+
+struct GenerationResult {
+  absl::Status status;  // OK, or why the generation failed / was cancelled
+  tandem::v1::FinishReason finish_reason = tandem::v1::FINISH_REASON_UNSPECIFIED;
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  int64_t cached_tokens = 0;  // served from a prefix cache (the prefill worker's when split)
+  std::string prefill_worker;  // where the last attempt ran (equal when aggregated)
+  std::string decode_worker;
+  int attempts = 0;
+  bool kv_fallback = false;  // the decode worker prefilled locally: the KV never came
+  int64_t kv_bytes = 0;      // pulled by the decode worker
+  double kv_seconds = 0;
+};
+
+class GenerationSink {
+ public:
+  virtual ~GenerationSink() = default;
+  // The first token is about to reach the sink: the attempt's workers are
+  // final. Called once, before the first OnTokens.
+  virtual void OnPlaced(int choice, const Placement& placement) = 0;
+  // New tokens, in order. Return false to stop the generation here (a stop
+  // string matched): the workers are cancelled and OnDone follows with
+  // finish reason STOP.
+  virtual bool OnTokens(int choice, std::span<const tandem::v1::TokenOutput> tokens) = 0;
+  // Exactly once, last.
+  virtual void OnDone(int choice, const GenerationResult& result) = 0;
+};
+
+class Generation : public std::enable_shared_from_this<Generation> {
+ public:
+  struct Options {
+    int choice = 0;
+    std::string request_id;
+    int max_attempts = 3;
+    // Deadline of every worker call (the request's whole deadline).
+    std::chrono::system_clock::time_point deadline;
+    // RECEIVE: how long the decode worker waits for the KV (0: its default).
+    uint32_t kv_receive_timeout_ms = 0;
+  };
+
+  // `request` holds the prompt ids and sampling (with a seed: a split
+  // request must sample the same first token on both workers).
+  // REQUIRES: planner and sink outlive the Generation's last callback.
+  Generation(Options options, tandem::v1::GenerateRequest request, Planner* planner,
+             GenerationSink* sink);
+  ~Generation();
+
+  // Places and starts the first attempt.
+  void Start();
+  // Ends the generation with `why` (if it has not ended): worker calls are
+  // cancelled, OnDone reports `why`.
+  void Cancel(const absl::Status& why);
+
+ private:
+  struct Call;
+  enum class CallKind { kAggregated, kReceive, kSend };
+
+  void AttemptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts the calls launched under the lock (gRPC may run a reaction
+  // inline, so calls start with mu_ released).
+  void StartLaunched() ABSL_LOCKS_EXCLUDED(mu_);
+  Call* LaunchLocked(CallKind kind, const std::shared_ptr<WorkerClient>& worker,
+                     tandem::v1::GenerateRequest request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnMessage(Call* call, const tandem::v1::GenerateResponse& msg);
+  void OnCallDone(Call* call, const grpc::Status& status);
+  // Sends tokens to the sink (flushing the decode tokens that waited for the
+  // first one). False if the sink stopped the generation.
+  bool EmitLocked(std::span<const tandem::v1::TokenOutput> tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishDecodeLocked(const tandem::v1::GenerateResponse& msg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the current attempt: retries when allowed, else finishes.
+  void FailAttemptLocked(const absl::Status& status, const std::shared_ptr<WorkerClient>& worker)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishLocked(GenerationResult result, bool cancel_prefill)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CancelCallsLocked(bool include_send) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Options options_;
+  const tandem::v1::GenerateRequest request_;
+  Planner* const planner_;
+  GenerationSink* const sink_;
+
+  std::mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  int attempt_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<std::string> exclude_ ABSL_GUARDED_BY(mu_);
+  Placement placement_ ABSL_GUARDED_BY(mu_);
+  std::vector<Call*> calls_ ABSL_GUARDED_BY(mu_);     // open calls (any attempt)
+  std::vector<Call*> launched_ ABSL_GUARDED_BY(mu_);  // not yet started
+  absl::Status last_error_ ABSL_GUARDED_BY(mu_);      // of the last failed attempt
+  bool placed_ ABSL_GUARDED_BY(mu_) = false;        // OnPlaced sent
+  bool first_emitted_ ABSL_GUARDED_BY(mu_) = false;  // a token reached the sink
+  bool first_from_prefill_ ABSL_GUARDED_BY(mu_) = false;
+  // Decode tokens that arrived before the prefill worker's first token.
+  std::vector<tandem::v1::TokenOutput> held_ ABSL_GUARDED_BY(mu_);
+  bool decode_finished_ ABSL_GUARDED_BY(mu_) = false;  // its final message is held
+  tandem::v1::GenerateResponse decode_final_ ABSL_GUARDED_BY(mu_);
+  GenerationResult result_ ABSL_GUARDED_BY(mu_);
+  int64_t emitted_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// gRPC status -> absl::Status with the same code and message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+}  // namespace tandem::router
+
+#endif  // TANDEM_ORCHESTRATOR_SERVER_GENERATION_H_

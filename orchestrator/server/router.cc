@@ -1,0 +1,1490 @@
+#include "orchestrator/server/router.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/block_hash.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "common/serial_executor.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "orchestrator/cluster/cluster.h"
+#include "orchestrator/http/http_server.h"
+#include "orchestrator/openai/openai_api.h"
+#include "orchestrator/routing/kv_cache_aware.h"
+#include "orchestrator/server/generation.h"
+#include "orchestrator/server/model_assets.h"
+#include "orchestrator/server/stop_strings.h"
+
+namespace tandem::router {
+
+using Clock = std::chrono::steady_clock;
+using tandem::v1::TokenOutput;
+
+namespace {
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+constexpr char kJson[] = "application/json";
+
+// Routing for one config and one model shape: the pools' policies (with the
+// model's block size and hash seed) and their KV indexes.
+struct RoutingState {
+  std::shared_ptr<const RouterConfig> config;
+  std::unique_ptr<RoutingPolicy> policy[kNumPoolRoles];
+  std::shared_ptr<KvIndex> index[kNumPoolRoles];
+  int block_size = 16;
+  uint64_t block_hash_seed = 0;
+  int64_t max_context = 0;
+  int64_t vocab_size = 0;
+};
+
+std::string RandomHex(std::mt19937_64& rng) {
+  return absl::StrFormat("%016x", rng());
+}
+
+std::string FinishReasonText(tandem::v1::FinishReason r) {
+  switch (r) {
+    case tandem::v1::FINISH_REASON_LENGTH:
+      return "length";
+    case tandem::v1::FINISH_REASON_ABORT:
+      return "abort";
+    default:
+      return "stop";
+  }
+}
+
+FinishReason ToApiFinish(tandem::v1::FinishReason r) {
+  switch (r) {
+    case tandem::v1::FINISH_REASON_LENGTH:
+      return FinishReason::kLength;
+    case tandem::v1::FINISH_REASON_ABORT:
+      return FinishReason::kAbort;
+    default:
+      return FinishReason::kStop;
+  }
+}
+
+// The outcome label of a finished request.
+std::string Outcome(const absl::Status& s) {
+  if (s.ok()) return "ok";
+  if (s.code() == absl::StatusCode::kCancelled) return "cancelled";
+  if (s.code() == absl::StatusCode::kDeadlineExceeded) return "timeout";
+  if (s.code() == absl::StatusCode::kInvalidArgument ||
+      s.code() == absl::StatusCode::kOutOfRange) {
+    return "invalid";
+  }
+  return "error";
+}
+
+}  // namespace
+
+class ApiCall;
+
+class Router::Impl {
+ public:
+  Impl(RouterConfig config, std::string config_path, std::shared_ptr<const ModelAssets> assets);
+  ~Impl();
+
+  absl::Status Start();
+  void Stop();
+  int port() const { return http_ ? http_->port() : 0; }
+  absl::Status Reload();
+
+  // Used by ApiCall.
+  absl::StatusOr<Placement> Place(const ApiCall& call, std::span<const int32_t> tokens,
+                                  const std::set<std::string>& exclude);
+  bool TakeRetry();
+  // Frees the call's admission slot and hands it to the next queued call
+  // (started on the executor). Idempotent.
+  void ReleaseSlot(const std::shared_ptr<ApiCall>& call);
+  // Accounts a call whose generations all ended and forgets it.
+  void CallFinished(const std::shared_ptr<ApiCall>& call);
+  void Dequeue(const std::shared_ptr<ApiCall>& call);
+  void Post(std::function<void()> task) { executor_.Post(std::move(task)); }
+  const ModelAssets& assets() const { return *assets_; }
+
+  struct Metrics {
+    explicit Metrics(MetricsRegistry& r);
+    CounterFamily& requests;
+    HistogramFamily& ttft;
+    HistogramFamily& itl;
+    HistogramFamily& e2e;
+    Histogram& queue_time;
+    HistogramFamily& decision;
+    CounterFamily& routed;
+    CounterFamily& outcomes;
+    CounterFamily& fallbacks;
+    Counter& retries;
+    Counter& prompt_tokens;
+    Counter& cached_tokens;
+    Counter& generation_tokens;
+    Counter& kv_bytes;
+    Gauge& queue_depth;
+    Gauge& in_flight;
+  };
+  Metrics& metrics() { return *metrics_; }
+
+ private:
+  friend class ApiCall;
+
+  // The routing state, built once a worker has told the model's shape.
+  std::shared_ptr<RoutingState> Routing();
+  std::shared_ptr<RoutingState> BuildRouting(std::shared_ptr<const RouterConfig> config,
+                                             const tandem::v1::ModelInfo& info);
+  std::shared_ptr<const RouterConfig> config() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return config_;
+  }
+  void ApplyClusterConfig(const RouterConfig& config);
+  void RegisterCallbacks();
+  void WatchdogLoop();
+
+  // HTTP handlers.
+  void HandleChat(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+  void HandleCompletion(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+  void HandleModels(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+  void HandleHealth(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+  void HandleMetrics(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+  void HandleTokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+  void HandleDetokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+
+  std::string RequestId(const http::Request& req);
+  // Sends an OpenAI error for `status` (counted under `endpoint`).
+  void SendError(const std::string& endpoint, const std::string& request_id,
+                 http::ResponseWriter& w, const absl::Status& status);
+  // Renders messages with the chat template.
+  absl::StatusOr<std::string> RenderChat(const nlohmann::json& messages,
+                                         bool add_generation_prompt,
+                                         const nlohmann::json& extra) const;
+  // Validates prompt length against the model; fills vocab-range errors.
+  absl::Status CheckPrompt(std::span<const int32_t> prompt, std::optional<int64_t> max_tokens,
+                           const std::string& param);
+  void Admit(const std::shared_ptr<ApiCall>& call, const std::string& endpoint);
+
+  const std::string config_path_;
+  const std::shared_ptr<const ModelAssets> assets_;
+  const int64_t created_ = std::chrono::duration_cast<std::chrono::seconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
+  MetricsRegistry registry_;
+  std::unique_ptr<Metrics> metrics_;
+  Cluster cluster_;
+  std::unique_ptr<http::HttpServer> http_;
+
+  std::mutex build_mu_;  // one BuildRouting at a time (it rewires the cluster's indexes)
+  mutable std::mutex mu_;
+  std::shared_ptr<const RouterConfig> config_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<RoutingState> routing_ ABSL_GUARDED_BY(mu_);
+  std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
+  double retry_tokens_ ABSL_GUARDED_BY(mu_) = 10;
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<std::shared_ptr<ApiCall>> queue_ ABSL_GUARDED_BY(mu_);
+  std::set<std::shared_ptr<ApiCall>> active_ ABSL_GUARDED_BY(mu_);
+  std::condition_variable idle_cv_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ = false;
+  std::thread watchdog_;
+  SerialExecutor executor_;
+};
+
+// ---------------------------------------------------------------------------
+// ApiCall: one chat or completion request, from admission to the last byte.
+
+class ApiCall : public GenerationSink, public Planner, public std::enable_shared_from_this<ApiCall> {
+ public:
+  enum class Kind { kChat, kCompletion };
+
+  ApiCall(Router::Impl* router, std::shared_ptr<http::ResponseWriter> writer, Kind kind,
+          std::string request_id, std::shared_ptr<const RouterConfig> config)
+      : router_(router),
+        writer_(std::move(writer)),
+        kind_(kind),
+        request_id_(std::move(request_id)),
+        config_(std::move(config)),
+        arrived_(Clock::now()) {}
+
+  const std::string& endpoint() const {
+    static const std::string chat = "chat", completions = "completions";
+    return kind_ == Kind::kChat ? chat : completions;
+  }
+  const std::string& request_id() const { return request_id_; }
+  const std::string& session_id() const { return session_id_; }
+  const RouterConfig& config() const { return *config_; }
+
+  // Everything the generations need, set once before Start.
+  struct Setup {
+    std::string session_id;
+    std::vector<int32_t> prompt;
+    tandem::v1::SamplingParams sampling;  // without the seed
+    std::optional<int64_t> seed;
+    int n = 1;
+    std::vector<std::string> stops;
+    bool stream = false;
+    bool include_usage = false;
+    bool logprobs = false;
+    std::string echo;  // completions: the prompt text to prepend
+    std::string model;
+  };
+  void Prepare(Setup setup, uint64_t random_seed) {
+    session_id_ = setup.session_id;
+    header_.id = absl::StrCat(kind_ == Kind::kChat ? "chatcmpl-" : "cmpl-", request_id_);
+    header_.created = std::chrono::duration_cast<std::chrono::seconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+    header_.model = setup.model;
+    header_.include_usage = setup.include_usage;
+    stream_ = setup.stream;
+    logprobs_ = setup.logprobs;
+    echo_ = setup.echo;
+    const uint64_t seed = setup.seed.has_value() ? static_cast<uint64_t>(*setup.seed) : random_seed;
+    for (int i = 0; i < setup.n; ++i) {
+      choices_.emplace_back(router_->assets().tokenizer.get(), setup.stops);
+      tandem::v1::GenerateRequest req;
+      req.mutable_prompt_token_ids()->Assign(setup.prompt.begin(), setup.prompt.end());
+      *req.mutable_sampling() = setup.sampling;
+      // Always a seed: a split request must sample the same first token on
+      // both workers; choices differ by their index.
+      req.mutable_sampling()->set_seed(seed + static_cast<uint64_t>(i));
+      requests_.push_back(std::move(req));
+    }
+    prompt_tokens_ = static_cast<int64_t>(setup.prompt.size());
+    remaining_ = setup.n;
+  }
+  void set_tokens_as_ids(bool v) { header_.tokens_as_ids = v; }
+
+  // Runs the generations (after admission).
+  void Start() {
+    started_at_ = Clock::now();
+    router_->metrics().queue_time.Observe(Seconds(started_at_ - arrived_));
+    std::vector<std::shared_ptr<Generation>> gens;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) {
+        // Cancelled while queued: nothing ran.
+        remaining_ = 0;
+      } else {
+        started_ = true;
+        const auto deadline = std::chrono::system_clock::now() +
+                              std::chrono::milliseconds(
+                                  static_cast<int64_t>(config_->timeouts.request_s * 1000));
+        for (size_t i = 0; i < requests_.size(); ++i) {
+          Generation::Options o{.choice = static_cast<int>(i),
+                                .request_id = request_id_,
+                                .max_attempts = config_->retries.max_attempts,
+                                .deadline = deadline};
+          gens_.push_back(std::make_shared<Generation>(o, std::move(requests_[i]), this, this));
+        }
+        gens = gens_;
+      }
+    }
+    if (gens.empty()) {
+      router_->CallFinished(shared_from_this());
+      return;
+    }
+    for (const std::shared_ptr<Generation>& g : gens) g->Start();
+  }
+
+  // Ends the request with `why`: queued, it is answered now; running, its
+  // generations are cancelled and report `why`. Call with no lock held.
+  void Cancel(const absl::Status& why) {
+    std::vector<std::shared_ptr<Generation>> gens;
+    bool answer_now = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      if (!started_) {
+        finished_ = true;
+        answer_now = true;
+        failure_ = why;
+      } else {
+        gens = gens_;
+      }
+    }
+    if (answer_now) {
+      router_->Dequeue(shared_from_this());
+      SendApiError(why);
+      router_->metrics().outcomes.WithLabels({"none", Outcome(why)}).Inc();
+      return;
+    }
+    for (const std::shared_ptr<Generation>& g : gens) g->Cancel(why);
+  }
+
+  // The watchdog's check of the request's timeouts.
+  void CheckDeadlines(Clock::time_point now) {
+    absl::Status why;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      const TimeoutsConfig& t = config_->timeouts;
+      if (now - arrived_ > std::chrono::duration<double>(t.request_s)) {
+        why = absl::DeadlineExceededError(
+            absl::StrFormat("the request did not finish within %g s (timeouts.request_s)",
+                            t.request_s));
+      } else if (!first_token_at_.has_value()) {
+        if (now - arrived_ > std::chrono::duration<double>(t.first_token_s)) {
+          why = absl::DeadlineExceededError(absl::StrFormat(
+              "no token within %g s (timeouts.first_token_s)", t.first_token_s));
+        }
+      } else if (now - last_token_at_ > std::chrono::duration<double>(t.idle_stream_s)) {
+        why = absl::DeadlineExceededError(absl::StrFormat(
+            "no token for %g s (timeouts.idle_stream_s)", t.idle_stream_s));
+      }
+    }
+    if (!why.ok()) Cancel(why);
+  }
+
+  // Planner.
+  absl::StatusOr<Placement> Place(std::span<const int32_t> tokens,
+                                  const std::set<std::string>& exclude) override {
+    return router_->Place(*this, tokens, exclude);
+  }
+  bool TakeRetry() override { return router_->TakeRetry(); }
+
+  // GenerationSink.
+  void OnPlaced(int choice, const Placement& placement) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (prefill_worker_.empty()) {
+      decode_worker_ = placement.decode->address();
+      prefill_worker_ =
+          placement.prefill != nullptr ? placement.prefill->address() : decode_worker_;
+      disaggregated_ = placement.prefill != nullptr;
+    }
+    if (placement.local_prefill) {
+      router_->metrics().fallbacks.WithLabels({"local_prefill"}).Inc();
+    }
+  }
+
+  bool OnTokens(int index, std::span<const TokenOutput> tokens) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return false;
+    Choice& c = choices_[index];
+    const Clock::time_point now = Clock::now();
+    const std::string mode = disaggregated_ ? "disaggregated" : "aggregated";
+    if (!first_token_at_.has_value()) {
+      first_token_at_ = now;
+      router_->metrics().ttft.WithLabels({mode}).Observe(Seconds(now - arrived_));
+    }
+    if (c.last_token_at.has_value()) {
+      Histogram& itl = router_->metrics().itl.WithLabels({mode});
+      const double gap = Seconds(now - *c.last_token_at) / static_cast<double>(tokens.size());
+      for (size_t i = 0; i < tokens.size(); ++i) itl.Observe(gap);
+    }
+    c.last_token_at = now;
+    last_token_at_ = now;
+
+    std::string text;
+    std::vector<TokenLogprob> logprobs;
+    for (const TokenOutput& t : tokens) {
+      ++c.tokens;
+      text += c.stops.Push(c.detok.Add(t.token_id()));
+      if (logprobs_) logprobs.push_back(MakeLogprob(t));
+      if (c.stops.stopped()) break;
+    }
+    if (stream_) {
+      if (!text.empty() || !logprobs.empty()) WriteDeltaLocked(index, text, std::move(logprobs), std::nullopt);
+    } else {
+      c.text += text;
+      if (logprobs_) c.logprobs.insert(c.logprobs.end(), logprobs.begin(), logprobs.end());
+    }
+    return !c.stops.stopped();
+  }
+
+  void OnDone(int index, const GenerationResult& result) override {
+    bool cancel_others = false;
+    bool all_done = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Choice& c = choices_[index];
+      c.result = result;
+      if (!finished_) {
+        if (!result.status.ok()) {
+          finished_ = true;
+          failure_ = result.status;
+          cancel_others = remaining_ > 1;
+          if (!stream_started_) {
+            SendApiError(result.status);
+          } else {
+            writer_->Write(ErrorChunk(ApiErrorFromStatus(result.status)));
+            writer_->Write(DoneChunk());
+            writer_->End();
+          }
+        } else {
+          std::string tail;
+          if (!c.stops.stopped()) tail = c.stops.Push(c.detok.Flush());
+          if (!c.stops.stopped()) tail += c.stops.Flush();
+          const FinishReason finish =
+              c.stops.stopped() ? FinishReason::kStop : ToApiFinish(result.finish_reason);
+          c.finish = finish;
+          if (stream_) {
+            WriteDeltaLocked(index, tail, std::nullopt, finish);
+          } else {
+            c.text += tail;
+          }
+        }
+      }
+      all_done = --remaining_ == 0;
+      // The admission slot is free before the client sees the end, so a
+      // client's next request never finds its own last one still counted.
+      if (all_done) {
+        router_->ReleaseSlot(shared_from_this());
+        AccountLocked();
+      }
+      if (all_done && !finished_) {
+        finished_ = true;
+        CompleteLocked();
+      }
+    }
+    if (cancel_others) {
+      // Not from here: this runs under the Generation's lock, and another
+      // generation's Cancel takes its own.
+      auto self = shared_from_this();
+      router_->Post([self] { self->Cancel(absl::CancelledError("another choice failed")); });
+    }
+    if (all_done) {
+      auto self = shared_from_this();
+      router_->Post([self] { self->router_->CallFinished(self); });
+    }
+  }
+
+  // Final accounting, once every generation is done (before the response's
+  // last bytes, so a client that reads /metrics next sees its request).
+  void AccountLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Router::Impl::Metrics& m = router_->metrics();
+    const absl::Status& s = failure_;
+    if (s.ok() || stream_started_) {
+      // (Errors before the response started were counted when sent.)
+      m.requests.WithLabels({endpoint(), "200"}).Inc();
+    }
+    m.e2e.WithLabels({endpoint()}).Observe(Seconds(Clock::now() - arrived_));
+    for (const Choice& c : choices_) {
+      const GenerationResult& r = c.result;
+      const std::string worker = r.decode_worker.empty() ? "none" : r.decode_worker;
+      m.outcomes.WithLabels({worker, Outcome(r.status.ok() ? s : r.status)}).Inc();
+      if (r.attempts > 1) m.retries.Inc(r.attempts - 1);
+      if (r.kv_fallback) m.fallbacks.WithLabels({"kv_transfer"}).Inc();
+      m.generation_tokens.Inc(static_cast<double>(c.tokens));
+      m.kv_bytes.Inc(static_cast<double>(r.kv_bytes));
+    }
+    m.prompt_tokens.Inc(static_cast<double>(prompt_tokens_));
+    if (!choices_.empty()) m.cached_tokens.Inc(static_cast<double>(choices_[0].result.cached_tokens));
+    LOG(DEBUG) << "request " << request_id_ << " " << endpoint() << " done: " << s.ToString();
+  }
+
+  std::shared_ptr<http::ResponseWriter> writer() const { return writer_; }
+
+  // Holds an admission slot (Router::Impl's in_flight_). Guarded by the
+  // Impl's mutex.
+  bool slot = false;
+
+ private:
+  struct Choice {
+    Choice(const Tokenizer* tokenizer, std::vector<std::string> stops)
+        : detok(*tokenizer, /*skip_special_tokens=*/true), stops(std::move(stops)) {}
+    IncrementalDetokenizer detok;
+    StopStrings stops;
+    std::string text;
+    std::vector<TokenLogprob> logprobs;
+    int64_t tokens = 0;
+    bool role_sent = false;
+    FinishReason finish = FinishReason::kStop;
+    GenerationResult result;
+    std::optional<Clock::time_point> last_token_at;
+  };
+
+  TokenLogprob MakeLogprob(const TokenOutput& t) const {
+    const Tokenizer& tok = *router_->assets().tokenizer;
+    TokenLogprob out;
+    out.token_id = t.token_id();
+    tok.AppendTokenBytes(t.token_id(), /*skip_special_tokens=*/false, &out.token);
+    out.logprob = t.logprob();
+    for (const tandem::v1::TopLogprob& top : t.top_logprobs()) {
+      TopLogprob tl;
+      tl.token_id = top.token_id();
+      tok.AppendTokenBytes(top.token_id(), false, &tl.token);
+      tl.logprob = top.logprob();
+      out.top_logprobs.push_back(std::move(tl));
+    }
+    return out;
+  }
+
+  http::HeaderList Headers() const {
+    http::HeaderList h = {{"x-request-id", request_id_}};
+    if (!prefill_worker_.empty()) {
+      h.emplace_back("x-tandem-prefill-worker", prefill_worker_);
+      h.emplace_back("x-tandem-decode-worker", decode_worker_);
+    }
+    return h;
+  }
+
+  void StartStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stream_started_) return;
+    stream_started_ = true;
+    http::HeaderList h = Headers();
+    h.emplace_back("Cache-Control", "no-cache");
+    writer_->StartStream(200, "text/event-stream", h);
+  }
+
+  void WriteDeltaLocked(int index, const std::string& text,
+                        std::optional<std::vector<TokenLogprob>> logprobs,
+                        std::optional<FinishReason> finish) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    StartStreamLocked();
+    Choice& c = choices_[index];
+    if (kind_ == Kind::kChat) {
+      ChatDelta d;
+      d.index = index;
+      d.first = !c.role_sent;
+      c.role_sent = true;
+      d.content = text;
+      if (logprobs_) d.logprobs = logprobs.value_or(std::vector<TokenLogprob>{});
+      d.finish_reason = finish;
+      writer_->Write(ChatChunk(header_, d));
+    } else {
+      CompletionDelta d;
+      d.index = index;
+      if (!c.role_sent && !echo_.empty()) {
+        d.text = echo_;
+      }
+      c.role_sent = true;
+      d.text += text;
+      if (logprobs_) d.logprobs = logprobs.value_or(std::vector<TokenLogprob>{});
+      d.finish_reason = finish;
+      writer_->Write(CompletionChunk(header_, d));
+    }
+  }
+
+  Usage UsageLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Usage u;
+    u.prompt_tokens = prompt_tokens_;
+    for (const Choice& c : choices_) {
+      u.completion_tokens += c.tokens;
+      u.cached_tokens = std::max(u.cached_tokens, c.result.cached_tokens);
+    }
+    return u;
+  }
+
+  // Every choice ended well: the response's end.
+  void CompleteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stream_) {
+      StartStreamLocked();
+      if (header_.include_usage) {
+        writer_->Write(UsageChunk(header_, UsageLocked(), kind_ == Kind::kChat));
+      }
+      writer_->Write(DoneChunk());
+      writer_->End();
+      return;
+    }
+    std::string body;
+    if (kind_ == Kind::kChat) {
+      std::vector<ChatChoice> out;
+      for (size_t i = 0; i < choices_.size(); ++i) {
+        ChatChoice c;
+        c.index = static_cast<int>(i);
+        c.content = choices_[i].text;
+        c.finish_reason = choices_[i].finish;
+        if (logprobs_) c.logprobs = choices_[i].logprobs;
+        out.push_back(std::move(c));
+      }
+      body = ChatCompletionJson(header_, out, UsageLocked());
+    } else {
+      std::vector<CompletionChoice> out;
+      for (size_t i = 0; i < choices_.size(); ++i) {
+        CompletionChoice c;
+        c.index = static_cast<int>(i);
+        c.text = echo_ + choices_[i].text;
+        c.finish_reason = choices_[i].finish;
+        c.text_offset_base = static_cast<int64_t>(echo_.size());
+        if (logprobs_) c.logprobs = choices_[i].logprobs;
+        out.push_back(std::move(c));
+      }
+      body = CompletionJson(header_, out, UsageLocked());
+    }
+    writer_->Send(200, kJson, std::move(body), Headers());
+  }
+
+  void SendApiError(const absl::Status& status) {
+    router_->metrics().requests.WithLabels({endpoint(), std::to_string(ApiErrorFromStatus(status).http_status)}).Inc();
+    const ApiError e = ApiErrorFromStatus(status);
+    http::HeaderList h = Headers();
+    if (e.http_status == 429 || e.http_status == 503) h.emplace_back("Retry-After", "1");
+    writer_->Send(e.http_status, kJson, ApiErrorJson(e), h);
+  }
+
+  Router::Impl* const router_;
+  const std::shared_ptr<http::ResponseWriter> writer_;
+  const Kind kind_;
+  const std::string request_id_;
+  const std::shared_ptr<const RouterConfig> config_;
+  const Clock::time_point arrived_;
+  Clock::time_point started_at_;
+  std::string session_id_;
+  ResponseHeader header_;
+  bool stream_ = false;
+  bool logprobs_ = false;
+  std::string echo_;
+  int64_t prompt_tokens_ = 0;
+  std::vector<tandem::v1::GenerateRequest> requests_;
+
+  std::mutex mu_;
+  std::vector<Choice> choices_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Generation>> gens_ ABSL_GUARDED_BY(mu_);
+  int remaining_ ABSL_GUARDED_BY(mu_) = 0;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // the response is complete or failed
+  bool stream_started_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  std::string prefill_worker_ ABSL_GUARDED_BY(mu_);
+  std::string decode_worker_ ABSL_GUARDED_BY(mu_);
+  bool disaggregated_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<Clock::time_point> first_token_at_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point last_token_at_ ABSL_GUARDED_BY(mu_);
+};
+
+// ---------------------------------------------------------------------------
+// Router::Impl
+
+Router::Impl::Metrics::Metrics(MetricsRegistry& r)
+    : requests(r.AddCounter("tandem_router_requests_total",
+                            "Requests answered, by endpoint and HTTP status.",
+                            {"endpoint", "code"})),
+      ttft(r.AddHistogram("tandem_router_time_to_first_token_seconds",
+                          "From arrival at the router to the first generated token.", {"mode"},
+                          ExponentialBuckets(0.001, 2, 17))),
+      itl(r.AddHistogram("tandem_router_inter_token_latency_seconds",
+                         "Time between consecutive tokens of one choice.", {"mode"},
+                         ExponentialBuckets(0.0005, 2, 15))),
+      e2e(r.AddHistogram("tandem_router_e2e_request_latency_seconds",
+                         "From arrival to the last byte of the response.", {"endpoint"},
+                         ExponentialBuckets(0.001, 2, 20))),
+      queue_time(r.AddHistogram("tandem_router_queue_time_seconds",
+                                "Time a request waited for an admission slot.", {},
+                                ExponentialBuckets(0.0001, 2, 20))
+                     .Get()),
+      decision(r.AddHistogram("tandem_router_routing_decision_seconds",
+                              "Time to choose a worker, by pool.", {"pool"},
+                              ExponentialBuckets(1e-6, 2, 20))),
+      routed(r.AddCounter("tandem_router_routed_total",
+                          "Routing decisions, by pool, policy and chosen worker.",
+                          {"pool", "policy", "worker"})),
+      outcomes(r.AddCounter("tandem_router_worker_outcomes_total",
+                            "Finished generations, by decode worker and outcome.",
+                            {"worker", "outcome"})),
+      fallbacks(r.AddCounter("tandem_router_fallbacks_total",
+                             "Disaggregation fallbacks: local_prefill (placed aggregated on the "
+                             "decode worker), kv_transfer (the KV never reached it).",
+                             {"kind"})),
+      retries(r.AddCounter("tandem_router_retries_total",
+                           "Attempts repeated on another worker before the first token.")
+                  .Get()),
+      prompt_tokens(r.AddCounter("tandem_router_prompt_tokens_total", "Prompt tokens served.")
+                        .Get()),
+      cached_tokens(r.AddCounter("tandem_router_cached_prompt_tokens_total",
+                                 "Prompt tokens served from a worker's prefix cache.")
+                        .Get()),
+      generation_tokens(
+          r.AddCounter("tandem_router_generation_tokens_total", "Tokens generated.").Get()),
+      kv_bytes(r.AddCounter("tandem_router_kv_transfer_bytes_total",
+                            "KV bytes pulled by decode workers for split requests.")
+                   .Get()),
+      queue_depth(r.AddGauge("tandem_router_queue_depth", "Requests waiting for a slot.").Get()),
+      in_flight(r.AddGauge("tandem_router_in_flight_requests",
+                           "Requests running on workers (router-wide).")
+                    .Get()) {}
+
+Router::Impl::Impl(RouterConfig config, std::string config_path,
+                   std::shared_ptr<const ModelAssets> assets)
+    : config_path_(std::move(config_path)),
+      assets_(std::move(assets)),
+      metrics_(std::make_unique<Metrics>(registry_)),
+      cluster_(config.health),
+      config_(std::make_shared<const RouterConfig>(std::move(config))) {
+  RegisterCallbacks();
+}
+
+Router::Impl::~Impl() { Stop(); }
+
+void Router::Impl::RegisterCallbacks() {
+  registry_.AddCallbackGauge(
+      "tandem_router_worker_in_flight", "Requests the router has in flight on each worker.",
+      {"pool", "worker"}, [this](MetricEmitter& e) {
+        for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+          for (const auto& w : cluster_.Workers(role)) {
+            e.Emit({PoolRoleName(role), w->address()}, w->in_flight());
+          }
+        }
+      });
+  registry_.AddCallbackGauge(
+      "tandem_router_worker_healthy", "1 when the worker is healthy (routable).",
+      {"pool", "worker"}, [this](MetricEmitter& e) {
+        for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+          for (const auto& w : cluster_.Workers(role)) {
+            e.Emit({PoolRoleName(role), w->address()}, w->healthy() ? 1 : 0);
+          }
+        }
+      });
+  registry_.AddCallbackGauge(
+      "tandem_router_kv_index_blocks", "Entries in a pool's KV index (kv_cache_aware).", {"pool"},
+      [this](MetricEmitter& e) {
+        std::shared_ptr<RoutingState> rs;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          rs = routing_;
+        }
+        if (rs == nullptr) return;
+        for (int r = 0; r < kNumPoolRoles; ++r) {
+          if (rs->index[r] != nullptr) {
+            e.Emit({PoolRoleName(static_cast<PoolRole>(r))}, static_cast<double>(rs->index[r]->size()));
+          }
+        }
+      });
+  registry_.AddCallbackGauge(
+      "tandem_router_kv_index_workers",
+      "Workers in a pool's KV index by mode: exact (fed by KV events), approximate (from the "
+      "router's own decisions, with a TTL) or stale (events lost, resyncing).",
+      {"pool", "mode"}, [this](MetricEmitter& e) {
+        std::shared_ptr<RoutingState> rs;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          rs = routing_;
+        }
+        if (rs == nullptr) return;
+        for (int r = 0; r < kNumPoolRoles; ++r) {
+          if (rs->index[r] == nullptr) continue;
+          int count[3] = {0, 0, 0};
+          for (const KvIndex::WorkerInfo& w : rs->index[r]->workers()) {
+            ++count[static_cast<int>(w.mode)];
+          }
+          // Workers with no entry yet are approximate.
+          const int known = count[0] + count[1] + count[2];
+          const int pool = static_cast<int>(cluster_.Workers(static_cast<PoolRole>(r)).size());
+          if (pool > known) count[static_cast<int>(WorkerMode::kApproximate)] += pool - known;
+          for (WorkerMode m : {WorkerMode::kApproximate, WorkerMode::kExact, WorkerMode::kStale}) {
+            e.Emit({PoolRoleName(static_cast<PoolRole>(r)), WorkerModeName(m)},
+                   count[static_cast<int>(m)]);
+          }
+        }
+      });
+  registry_.AddCallbackCounter(
+      "tandem_router_health_checks_total", "Active health checks, by result.", {"result"},
+      [this](MetricEmitter& e) {
+        const Cluster::Stats s = cluster_.stats();
+        e.Emit({"ok"}, static_cast<double>(s.health_checks - s.health_check_failures));
+        e.Emit({"failed"}, static_cast<double>(s.health_check_failures));
+      });
+  registry_.AddCallbackCounter(
+      "tandem_router_worker_ejections_total",
+      "Workers ejected by failed health checks (readmissions are counted apart).", {"kind"},
+      [this](MetricEmitter& e) {
+        const Cluster::Stats s = cluster_.stats();
+        e.Emit({"ejected"}, static_cast<double>(s.ejections));
+        e.Emit({"readmitted"}, static_cast<double>(s.readmissions));
+      });
+}
+
+absl::Status Router::Impl::Start() {
+  std::shared_ptr<const RouterConfig> cfg = config();
+  ApplyClusterConfig(*cfg);
+  cluster_.SetHealthListener([this](const std::string&, bool healthy) {
+    if (healthy) Routing();
+  });
+  cluster_.CheckNow();
+  Routing();
+  cluster_.Start();
+
+  http::HttpServer::Options o;
+  o.host = cfg->listener.host;
+  o.port = cfg->listener.port;
+  o.threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
+  o.max_body_bytes = static_cast<size_t>(cfg->limits.max_body_bytes);
+  o.idle_timeout = std::chrono::seconds(
+      static_cast<int64_t>(std::max(cfg->timeouts.idle_stream_s, 1.0)) + 30);
+  http_ = std::make_unique<http::HttpServer>(o);
+  auto bind = [this](void (Impl::*f)(const http::Request&, std::shared_ptr<http::ResponseWriter>)) {
+    return [this, f](const http::Request& r, std::shared_ptr<http::ResponseWriter> w) {
+      (this->*f)(r, std::move(w));
+    };
+  };
+  http_->Route("POST", "/v1/chat/completions", bind(&Impl::HandleChat));
+  http_->Route("POST", "/v1/completions", bind(&Impl::HandleCompletion));
+  http_->Route("GET", "/v1/models", bind(&Impl::HandleModels));
+  http_->Route("GET", "/health", bind(&Impl::HandleHealth));
+  http_->Route("GET", "/metrics", bind(&Impl::HandleMetrics));
+  http_->Route("POST", "/tokenize", bind(&Impl::HandleTokenize));
+  http_->Route("POST", "/detokenize", bind(&Impl::HandleDetokenize));
+  RETURN_IF_ERROR(http_->Start());
+  watchdog_ = std::thread([this] { WatchdogLoop(); });
+  LOG(INFO) << "router serving " << cfg->model.served_name << " on " << cfg->listener.host << ":"
+            << http_->port() << " (tokenizer " << assets_->source << ", disaggregation "
+            << DisaggregationModeName(cfg->disaggregation.mode) << ")";
+  return absl::OkStatus();
+}
+
+void Router::Impl::Stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  if (http_ != nullptr) http_->Stop();  // lets responses finish for its grace
+  std::vector<std::shared_ptr<ApiCall>> active;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    active.assign(active_.begin(), active_.end());
+  }
+  for (const auto& call : active) call->Cancel(absl::UnavailableError("the router is shutting down"));
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    idle_cv_.wait_for(lock, std::chrono::seconds(10), [&] { return active_.empty(); });
+    idle_cv_.notify_all();
+  }
+  if (watchdog_.joinable()) watchdog_.join();
+  cluster_.Stop();
+}
+
+void Router::Impl::WatchdogLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    idle_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; });
+    std::vector<std::shared_ptr<ApiCall>> active(active_.begin(), active_.end());
+    lock.unlock();
+    const Clock::time_point now = Clock::now();
+    for (const auto& call : active) call->CheckDeadlines(now);
+    active.clear();
+    lock.lock();
+  }
+}
+
+void Router::Impl::ApplyClusterConfig(const RouterConfig& config) {
+  cluster_.SetHealthConfig(config.health);
+  if (config.prefill.has_value()) {
+    cluster_.SetPool(PoolRole::kPrefill, *config.prefill);
+  } else {
+    cluster_.ClearPool(PoolRole::kPrefill);
+  }
+  if (config.decode.has_value()) cluster_.SetPool(PoolRole::kDecode, *config.decode);
+}
+
+std::shared_ptr<RoutingState> Router::Impl::Routing() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (routing_ != nullptr) return routing_;
+  }
+  std::optional<tandem::v1::ModelInfo> info = cluster_.AnyModelInfo();
+  if (!info.has_value()) return nullptr;
+  std::lock_guard<std::mutex> build(build_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (routing_ != nullptr) return routing_;  // built meanwhile
+  }
+  std::shared_ptr<RoutingState> rs = BuildRouting(config(), *info);
+  std::lock_guard<std::mutex> lock(mu_);
+  routing_ = rs;
+  return routing_;
+}
+
+std::shared_ptr<RoutingState> Router::Impl::BuildRouting(std::shared_ptr<const RouterConfig> config,
+                                                         const tandem::v1::ModelInfo& info) {
+  auto rs = std::make_shared<RoutingState>();
+  rs->config = config;
+  rs->block_size = std::max(1, info.block_size());
+  rs->block_hash_seed = info.block_hash_seed();
+  rs->max_context = info.max_context_length();
+  rs->vocab_size = info.vocab_size();
+  RoutingPolicyRegistry registry;
+  RegisterBuiltinRoutingPolicies(registry);
+  for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+    const std::optional<PoolConfig>& pool =
+        role == PoolRole::kPrefill ? config->prefill : config->decode;
+    if (!pool.has_value()) continue;
+    PolicyParams params = pool->policy.params;
+    if (pool->policy.name == "kv_cache_aware") {
+      // The index must hash prompts exactly as the workers hash their blocks.
+      params["block_hash_seed"] = std::to_string(info.block_hash_seed());
+      params["block_size"] = std::to_string(rs->block_size);
+    }
+    absl::StatusOr<std::unique_ptr<RoutingPolicy>> p = registry.Create(pool->policy.name, params);
+    if (!p.ok()) {
+      // Validated at load; only the injected model values could fail.
+      LOG(ERROR) << PoolRoleName(role) << " pool policy: " << p.status().ToString();
+      return nullptr;
+    }
+    const int r = static_cast<int>(role);
+    rs->policy[r] = *std::move(p);
+    if (auto* kv = dynamic_cast<KvCacheAwarePolicy*>(rs->policy[r].get())) {
+      rs->index[r] = kv->index();
+      if (config->kv_events.enabled) cluster_.SetKvIndex(role, rs->index[r]);
+    } else {
+      cluster_.SetKvIndex(role, nullptr);
+    }
+  }
+  return rs;
+}
+
+absl::Status Router::Impl::Reload() {
+  if (config_path_.empty()) {
+    return absl::FailedPreconditionError("the router was not started from a config file");
+  }
+  absl::StatusOr<RouterConfig> loaded = LoadRouterConfig(config_path_);
+  if (!loaded.ok()) {
+    LOG(ERROR) << "reload of " << config_path_ << " failed; keeping the running config: "
+               << loaded.status().message();
+    return loaded.status();
+  }
+  auto next = std::make_shared<const RouterConfig>(*std::move(loaded));
+  std::shared_ptr<const RouterConfig> prev = config();
+  if (next->listener.host != prev->listener.host || next->listener.port != prev->listener.port ||
+      next->model.tokenizer != prev->model.tokenizer ||
+      next->model.chat_template != prev->model.chat_template ||
+      next->limits.max_body_bytes != prev->limits.max_body_bytes) {
+    LOG(WARNING) << "reload: listener, model and limits.max_body_bytes changes take effect at the "
+                    "next restart; the rest applies now";
+  }
+  std::lock_guard<std::mutex> build(build_mu_);
+  ApplyClusterConfig(*next);
+  std::shared_ptr<RoutingState> rs;
+  if (std::optional<tandem::v1::ModelInfo> info = cluster_.AnyModelInfo(); info.has_value()) {
+    rs = BuildRouting(next, *info);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    config_ = next;
+    routing_ = rs;  // null: rebuilt when a worker reports the model
+  }
+  LOG(INFO) << "reloaded " << config_path_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<const int32_t> tokens,
+                                              const std::set<std::string>& exclude) {
+  const Clock::time_point t0 = Clock::now();
+  std::shared_ptr<RoutingState> rs = Routing();
+  if (rs == nullptr) {
+    return absl::UnavailableError("no healthy worker: none has reported the model yet");
+  }
+  const RouterConfig& cfg = *rs->config;
+  RouteRequest rr{.tokens = tokens, .session_id = call.session_id()};
+  auto pick = [&](PoolRole role) -> absl::StatusOr<std::shared_ptr<WorkerClient>> {
+    const Clock::time_point start = Clock::now();
+    std::vector<std::shared_ptr<WorkerClient>> workers = cluster_.Workers(role);
+    std::vector<WorkerView> views;
+    views.reserve(workers.size());
+    for (const auto& w : workers) {
+      views.push_back(w->View());
+      if (exclude.count(w->address()) != 0) views.back().healthy = false;
+    }
+    RoutingPolicy& policy = *rs->policy[static_cast<int>(role)];
+    absl::StatusOr<size_t> i = policy.Pick(rr, views);
+    metrics_->decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
+    if (!i.ok()) {
+      return absl::UnavailableError(absl::StrFormat(
+          "no healthy %s worker (%d in the pool%s)", PoolRoleName(role), workers.size(),
+          exclude.empty() ? "" : absl::StrFormat(", %d already tried", exclude.size())));
+    }
+    metrics_->routed.WithLabels({PoolRoleName(role), policy.name(), workers[*i]->address()}).Inc();
+    return workers[*i];
+  };
+  ASSIGN_OR_RETURN(std::shared_ptr<WorkerClient> decode, pick(PoolRole::kDecode));
+  Placement p{.decode = decode};
+  const DisaggregationMode mode = cfg.disaggregation.mode;
+  if (mode == DisaggregationMode::kNever || rs->policy[0] == nullptr) return p;
+  if (mode == DisaggregationMode::kAuto) {
+    // The uncached part of the prompt as the decode worker holds it.
+    int64_t matched = 0;
+    if (const std::shared_ptr<KvIndex>& index = rs->index[static_cast<int>(PoolRole::kDecode)];
+        index != nullptr) {
+      const std::vector<uint64_t> hashes = HashBlocks(rs->block_hash_seed, tokens, rs->block_size);
+      for (const KvIndex::Overlap& o : index->Match(hashes, t0)) {
+        if (o.worker_id == decode->address()) matched = o.matched_blocks * rs->block_size;
+      }
+    }
+    if (static_cast<int64_t>(tokens.size()) - matched < cfg.disaggregation.auto_threshold_tokens) {
+      p.local_prefill = true;
+      return p;
+    }
+  }
+  absl::StatusOr<std::shared_ptr<WorkerClient>> prefill = pick(PoolRole::kPrefill);
+  if (!prefill.ok()) {
+    // No prefill worker: the decode worker prefills itself (degraded, not down).
+    p.local_prefill = true;
+    return p;
+  }
+  if ((*prefill)->address() != decode->address()) p.prefill = *prefill;
+  return p;
+}
+
+bool Router::Impl::TakeRetry() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (retry_tokens_ < 1) return false;
+  retry_tokens_ -= 1;
+  return true;
+}
+
+void Router::Impl::Admit(const std::shared_ptr<ApiCall>& call, const std::string& endpoint) {
+  bool start_now = false;
+  absl::Status refused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const RouterConfig& cfg = *config_;
+    if (stopping_) {
+      refused = absl::UnavailableError("the router is shutting down");
+    } else {
+      // The retry budget: each request adds budget_ratio retries (capped).
+      retry_tokens_ = std::min(retry_tokens_ + cfg.retries.budget_ratio,
+                               std::max(10.0, 100 * cfg.retries.budget_ratio));
+      if (in_flight_ < cfg.limits.max_in_flight) {
+        ++in_flight_;
+        call->slot = true;
+        start_now = true;
+      } else if (static_cast<int64_t>(queue_.size()) < cfg.limits.max_queue) {
+        queue_.push_back(call);
+      } else {
+        refused = absl::ResourceExhaustedError(absl::StrFormat(
+            "the router is at its limits: %d requests in flight and %d queued; retry later",
+            in_flight_, queue_.size()));
+      }
+      if (refused.ok()) active_.insert(call);
+      metrics_->in_flight.Set(static_cast<double>(in_flight_));
+      metrics_->queue_depth.Set(static_cast<double>(queue_.size()));
+    }
+  }
+  if (!refused.ok()) {
+    SendError(endpoint, call->request_id(), *call->writer(), refused);
+    return;
+  }
+  // A client that goes away cancels its work (or its place in the queue).
+  std::weak_ptr<ApiCall> weak = call;
+  call->writer()->OnClose([weak] {
+    if (auto c = weak.lock()) c->Cancel(absl::CancelledError("the client disconnected"));
+  });
+  if (start_now) call->Start();
+}
+
+void Router::Impl::Dequeue(const std::shared_ptr<ApiCall>& call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = std::find(queue_.begin(), queue_.end(), call);
+  if (it != queue_.end()) queue_.erase(it);
+  // A call already given a slot still runs Start, which finds it finished
+  // and ends it through CallFinished.
+  if (!call->slot) active_.erase(call);
+  metrics_->queue_depth.Set(static_cast<double>(queue_.size()));
+  idle_cv_.notify_all();
+}
+
+void Router::Impl::ReleaseSlot(const std::shared_ptr<ApiCall>& call) {
+  std::vector<std::shared_ptr<ApiCall>> next;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!call->slot) return;
+    call->slot = false;
+    --in_flight_;
+    while (!queue_.empty() && in_flight_ < config_->limits.max_in_flight) {
+      next.push_back(queue_.front());
+      next.back()->slot = true;
+      queue_.pop_front();
+      ++in_flight_;
+    }
+    metrics_->in_flight.Set(static_cast<double>(in_flight_));
+    metrics_->queue_depth.Set(static_cast<double>(queue_.size()));
+  }
+  // Not inline: the caller may hold a Generation's lock.
+  for (auto& c : next) Post([c] { c->Start(); });
+}
+
+void Router::Impl::CallFinished(const std::shared_ptr<ApiCall>& call) {
+  ReleaseSlot(call);
+  std::lock_guard<std::mutex> lock(mu_);
+  active_.erase(call);
+  idle_cv_.notify_all();
+}
+
+std::string Router::Impl::RequestId(const http::Request& req) {
+  std::string id(req.Header("X-Request-Id"));
+  // Passed through when it is a sane token; generated otherwise.
+  const bool ok = !id.empty() && id.size() <= 128 &&
+                  std::all_of(id.begin(), id.end(), [](char c) {
+                    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' ||
+                           c == '_' || c == '.';
+                  });
+  if (ok) return id;
+  std::lock_guard<std::mutex> lock(mu_);
+  return RandomHex(rng_);
+}
+
+void Router::Impl::SendError(const std::string& endpoint, const std::string& request_id,
+                             http::ResponseWriter& w, const absl::Status& status) {
+  const ApiError e = ApiErrorFromStatus(status);
+  http::HeaderList h = {{"x-request-id", request_id}};
+  if (e.http_status == 429 || e.http_status == 503) h.emplace_back("Retry-After", "1");
+  metrics_->requests.WithLabels({endpoint, std::to_string(e.http_status)}).Inc();
+  if (e.http_status >= 500) {
+    LOG(WARNING) << "request " << request_id << " " << endpoint << ": " << status.ToString();
+  }
+  w.Send(e.http_status, kJson, ApiErrorJson(e), h);
+}
+
+absl::StatusOr<std::string> Router::Impl::RenderChat(const nlohmann::json& messages,
+                                                     bool add_generation_prompt,
+                                                     const nlohmann::json& extra) const {
+  if (assets_->chat_template == nullptr) {
+    return InvalidRequest("messages",
+                          "this model has no chat template: use /v1/completions, or give the "
+                          "router one (model.chat_template)");
+  }
+  nlohmann::json context = extra.is_object() ? extra : nlohmann::json::object();
+  context["messages"] = messages;
+  context["add_generation_prompt"] = add_generation_prompt;
+  context["bos_token"] = assets_->bos_token;
+  context["eos_token"] = assets_->eos_token;
+  absl::StatusOr<std::string> text = assets_->chat_template->Render(context);
+  if (!text.ok()) {
+    return InvalidRequest("messages", absl::StrCat("the chat template refused the conversation: ",
+                                                   text.status().message()));
+  }
+  return text;
+}
+
+absl::Status Router::Impl::CheckPrompt(std::span<const int32_t> prompt,
+                                       std::optional<int64_t> max_tokens,
+                                       const std::string& param) {
+  if (prompt.empty()) return InvalidRequest(param, "the prompt is empty after tokenization");
+  std::shared_ptr<RoutingState> rs = Routing();
+  if (rs == nullptr) return absl::OkStatus();  // no worker yet: placement says 503
+  for (int32_t id : prompt) {
+    if (id < 0 || id >= rs->vocab_size) {
+      return InvalidRequest(param, absl::StrFormat("token id %d is outside the vocabulary [0, %d)",
+                                                   id, rs->vocab_size));
+    }
+  }
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  if (rs->max_context > 0 && n >= rs->max_context) {
+    return InvalidRequest(param, absl::StrFormat(
+                                     "the prompt has %d tokens; this model's context is %d "
+                                     "tokens, which leaves no room to generate",
+                                     n, rs->max_context));
+  }
+  if (rs->max_context > 0 && max_tokens.has_value() && n + *max_tokens > rs->max_context) {
+    return InvalidRequest(
+        "max_tokens",
+        absl::StrFormat("the prompt (%d tokens) plus max_tokens (%d) exceeds this model's "
+                        "context of %d tokens",
+                        n, *max_tokens, rs->max_context));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The SamplingParams both chat and completions send to the workers.
+tandem::v1::SamplingParams ToSampling(const SamplingFields& s, std::optional<int64_t> logprobs) {
+  tandem::v1::SamplingParams p;
+  if (s.temperature) p.set_temperature(static_cast<float>(*s.temperature));
+  if (s.top_p) p.set_top_p(static_cast<float>(*s.top_p));
+  if (s.top_k) p.set_top_k(static_cast<int32_t>(*s.top_k));
+  if (s.min_p) p.set_min_p(static_cast<float>(*s.min_p));
+  if (s.presence_penalty) p.set_presence_penalty(static_cast<float>(*s.presence_penalty));
+  if (s.frequency_penalty) p.set_frequency_penalty(static_cast<float>(*s.frequency_penalty));
+  if (s.repetition_penalty) p.set_repetition_penalty(static_cast<float>(*s.repetition_penalty));
+  if (s.max_tokens) {
+    p.set_max_tokens(static_cast<int32_t>(std::min<int64_t>(*s.max_tokens, INT32_MAX)));
+  }
+  p.set_min_tokens(static_cast<int32_t>(std::min<int64_t>(s.min_tokens, INT32_MAX)));
+  for (int64_t id : s.stop_token_ids) {
+    p.add_stop_token_ids(static_cast<int32_t>(std::min<int64_t>(id, INT32_MAX)));
+  }
+  p.set_ignore_eos(s.ignore_eos);
+  if (logprobs.has_value()) p.set_logprobs(static_cast<int32_t>(*logprobs));
+  return p;
+}
+
+nlohmann::json MessagesJson(const std::vector<ChatMessage>& messages) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const ChatMessage& m : messages) {
+    nlohmann::json j = {{"role", std::string(RoleName(m.role))}, {"content", m.content}};
+    if (m.name) j["name"] = *m.name;
+    if (m.tool_call_id) j["tool_call_id"] = *m.tool_call_id;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+bool Contains(const std::vector<std::string>& v, std::string_view s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+}  // namespace
+
+void Router::Impl::HandleChat(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
+  const std::string id = RequestId(req);
+  std::shared_ptr<const RouterConfig> cfg = config();
+  auto fail = [&](const absl::Status& s) { SendError("chat", id, *w, s); };
+  absl::StatusOr<ChatCompletionRequest> parsed = ParseChatCompletionRequest(req.body);
+  if (!parsed.ok()) return fail(parsed.status());
+  if (parsed->model != cfg->model.served_name) return fail(UnknownModelError(parsed->model));
+  // vLLM's template controls, read only when present.
+  bool add_generation_prompt = true;
+  nlohmann::json extra = nlohmann::json::object();
+  if (Contains(parsed->ignored_fields, "chat_template_kwargs") ||
+      Contains(parsed->ignored_fields, "add_generation_prompt")) {
+    nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
+    if (body.contains("add_generation_prompt")) {
+      if (!body["add_generation_prompt"].is_boolean()) {
+        return fail(InvalidRequest("add_generation_prompt", "'add_generation_prompt' must be a boolean"));
+      }
+      add_generation_prompt = body["add_generation_prompt"].get<bool>();
+    }
+    if (body.contains("chat_template_kwargs") && !body["chat_template_kwargs"].is_null()) {
+      if (!body["chat_template_kwargs"].is_object()) {
+        return fail(InvalidRequest("chat_template_kwargs", "'chat_template_kwargs' must be an object"));
+      }
+      extra = body["chat_template_kwargs"];
+    }
+  }
+  absl::StatusOr<std::string> text =
+      RenderChat(MessagesJson(parsed->messages), add_generation_prompt, extra);
+  if (!text.ok()) return fail(text.status());
+  ApiCall::Setup s;
+  s.prompt = assets_->tokenizer->Encode(*text, /*add_special_tokens=*/false);
+  if (absl::Status st = CheckPrompt(s.prompt, parsed->sampling.max_tokens, "messages"); !st.ok()) {
+    return fail(st);
+  }
+  s.session_id = std::string(req.Header(cfg->sessions.header));
+  std::optional<int64_t> lp;
+  if (parsed->logprobs) lp = parsed->top_logprobs.value_or(0);
+  s.sampling = ToSampling(parsed->sampling, lp);
+  s.seed = parsed->sampling.seed;
+  s.n = static_cast<int>(parsed->sampling.n);
+  s.stops = parsed->sampling.stop;
+  s.stream = parsed->sampling.stream;
+  s.include_usage = parsed->sampling.include_usage;
+  s.logprobs = parsed->logprobs;
+  s.model = parsed->model;
+  auto call = std::make_shared<ApiCall>(this, w, ApiCall::Kind::kChat, id, cfg);
+  uint64_t seed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seed = rng_();
+  }
+  call->Prepare(std::move(s), seed);
+  call->set_tokens_as_ids(parsed->sampling.return_tokens_as_token_ids);
+  Admit(call, "chat");
+}
+
+void Router::Impl::HandleCompletion(const http::Request& req,
+                                    std::shared_ptr<http::ResponseWriter> w) {
+  const std::string id = RequestId(req);
+  std::shared_ptr<const RouterConfig> cfg = config();
+  auto fail = [&](const absl::Status& s) { SendError("completions", id, *w, s); };
+  absl::StatusOr<CompletionRequest> parsed = ParseCompletionRequest(req.body);
+  if (!parsed.ok()) return fail(parsed.status());
+  if (parsed->model != cfg->model.served_name) return fail(UnknownModelError(parsed->model));
+  ApiCall::Setup s;
+  if (const std::string* text = std::get_if<std::string>(&parsed->prompt)) {
+    s.prompt = assets_->tokenizer->Encode(*text, /*add_special_tokens=*/true);
+    if (parsed->echo) s.echo = *text;
+  } else {
+    s.prompt = std::get<std::vector<int32_t>>(parsed->prompt);
+  }
+  if (absl::Status st = CheckPrompt(s.prompt, parsed->sampling.max_tokens, "prompt"); !st.ok()) {
+    return fail(st);
+  }
+  if (parsed->echo && s.echo.empty()) {
+    s.echo = assets_->tokenizer->Decode(s.prompt, /*skip_special_tokens=*/false);
+  }
+  if (parsed->echo && parsed->logprobs.has_value()) {
+    return fail(InvalidRequest("echo", "echo with logprobs needs prompt logprobs, which this "
+                                       "server does not compute; drop one of them"));
+  }
+  s.session_id = std::string(req.Header(cfg->sessions.header));
+  s.sampling = ToSampling(parsed->sampling, parsed->logprobs);
+  s.seed = parsed->sampling.seed;
+  s.n = static_cast<int>(parsed->sampling.n);
+  s.stops = parsed->sampling.stop;
+  s.stream = parsed->sampling.stream;
+  s.include_usage = parsed->sampling.include_usage;
+  s.logprobs = parsed->logprobs.has_value();
+  s.model = parsed->model;
+  auto call = std::make_shared<ApiCall>(this, w, ApiCall::Kind::kCompletion, id, cfg);
+  uint64_t seed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seed = rng_();
+  }
+  call->Prepare(std::move(s), seed);
+  call->set_tokens_as_ids(parsed->sampling.return_tokens_as_token_ids);
+  Admit(call, "completions");
+}
+
+void Router::Impl::HandleModels(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
+  std::shared_ptr<const RouterConfig> cfg = config();
+  nlohmann::json model = {{"id", cfg->model.served_name},
+                          {"object", "model"},
+                          {"created", created_},
+                          {"owned_by", "tandem"}};
+  if (std::shared_ptr<RoutingState> rs = Routing(); rs != nullptr) {
+    model["max_model_len"] = rs->max_context;
+  }
+  nlohmann::json body = {{"object", "list"}, {"data", nlohmann::json::array({model})}};
+  w->Send(200, kJson, body.dump());
+}
+
+void Router::Impl::HandleHealth(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
+  int healthy[kNumPoolRoles] = {0, 0};
+  int total[kNumPoolRoles] = {0, 0};
+  for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+    for (const auto& worker : cluster_.Workers(role)) {
+      ++total[static_cast<int>(role)];
+      if (worker->healthy()) ++healthy[static_cast<int>(role)];
+    }
+  }
+  const int d = static_cast<int>(PoolRole::kDecode), p = static_cast<int>(PoolRole::kPrefill);
+  nlohmann::json pools = {{"decode", {{"healthy", healthy[d]}, {"workers", total[d]}}}};
+  if (cluster_.HasPool(PoolRole::kPrefill)) {
+    pools["prefill"] = {{"healthy", healthy[p]}, {"workers", total[p]}};
+  }
+  // Ready when a decode-capable worker can take requests: without prefill
+  // workers the decode workers prefill themselves (degraded, not down).
+  if (healthy[d] > 0) {
+    w->Send(200, kJson, nlohmann::json({{"status", "ok"}, {"pools", pools}}).dump());
+    return;
+  }
+  ApiError e = ApiErrorFromStatus(absl::UnavailableError(
+      absl::StrFormat("no healthy decode worker (%d in the pool)", total[d])));
+  nlohmann::json body = nlohmann::json::parse(ApiErrorJson(e));
+  body["status"] = "unavailable";
+  body["pools"] = pools;
+  w->Send(503, kJson, body.dump(), {{"Retry-After", "1"}});
+}
+
+void Router::Impl::HandleMetrics(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
+  w->Send(200, kPrometheusTextContentType, registry_.Render());
+}
+
+void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
+  const std::string id = RequestId(req);
+  auto fail = [&](const absl::Status& s) { SendError("tokenize", id, *w, s); };
+  nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
+  if (body.is_discarded() || !body.is_object()) {
+    return fail(InvalidRequest("", "the body is not a JSON object"));
+  }
+  std::shared_ptr<const RouterConfig> cfg = config();
+  if (body.contains("model") && !body["model"].is_null()) {
+    if (!body["model"].is_string()) return fail(InvalidRequest("model", "'model' must be a string"));
+    if (body["model"].get<std::string>() != cfg->model.served_name) {
+      return fail(UnknownModelError(body["model"].get<std::string>()));
+    }
+  }
+  auto flag = [&](const char* key, bool def) -> absl::StatusOr<bool> {
+    if (!body.contains(key) || body[key].is_null()) return def;
+    if (!body[key].is_boolean()) return InvalidRequest(key, absl::StrCat("'", key, "' must be a boolean"));
+    return body[key].get<bool>();
+  };
+  const bool has_prompt = body.contains("prompt") && !body["prompt"].is_null();
+  const bool has_messages = body.contains("messages") && !body["messages"].is_null();
+  if (has_prompt == has_messages) {
+    return fail(InvalidRequest(has_prompt ? "messages" : "prompt",
+                               "give exactly one of 'prompt' and 'messages'"));
+  }
+  std::string text;
+  bool add_special;
+  if (has_prompt) {
+    if (!body["prompt"].is_string()) return fail(InvalidRequest("prompt", "'prompt' must be a string"));
+    text = body["prompt"].get<std::string>();
+    absl::StatusOr<bool> a = flag("add_special_tokens", true);
+    if (!a.ok()) return fail(a.status());
+    add_special = *a;
+  } else {
+    // Messages go through the chat completions parser, so they get its checks.
+    nlohmann::json chat = {{"model", cfg->model.served_name}, {"messages", body["messages"]}};
+    absl::StatusOr<ChatCompletionRequest> parsed = ParseChatCompletionRequest(chat.dump());
+    if (!parsed.ok()) return fail(parsed.status());
+    absl::StatusOr<bool> gen = flag("add_generation_prompt", true);
+    if (!gen.ok()) return fail(gen.status());
+    nlohmann::json extra = body.value("chat_template_kwargs", nlohmann::json::object());
+    absl::StatusOr<std::string> rendered = RenderChat(MessagesJson(parsed->messages), *gen, extra);
+    if (!rendered.ok()) return fail(rendered.status());
+    text = *std::move(rendered);
+    absl::StatusOr<bool> a = flag("add_special_tokens", false);
+    if (!a.ok()) return fail(a.status());
+    add_special = *a;
+  }
+  absl::StatusOr<bool> strs = flag("return_token_strs", false);
+  if (!strs.ok()) return fail(strs.status());
+  const std::vector<int32_t> tokens = assets_->tokenizer->Encode(text, add_special);
+  nlohmann::json out = {{"tokens", tokens}, {"count", tokens.size()}};
+  if (std::shared_ptr<RoutingState> rs = Routing(); rs != nullptr) {
+    out["max_model_len"] = rs->max_context;
+  }
+  if (*strs) {
+    nlohmann::json t = nlohmann::json::array();
+    for (int32_t tok : tokens) t.push_back(assets_->tokenizer->IdToToken(tok).value_or(""));
+    out["token_strs"] = std::move(t);
+  }
+  w->Send(200, kJson, out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+          {{"x-request-id", id}});
+}
+
+void Router::Impl::HandleDetokenize(const http::Request& req,
+                                    std::shared_ptr<http::ResponseWriter> w) {
+  const std::string id = RequestId(req);
+  auto fail = [&](const absl::Status& s) { SendError("detokenize", id, *w, s); };
+  nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
+  if (body.is_discarded() || !body.is_object()) {
+    return fail(InvalidRequest("", "the body is not a JSON object"));
+  }
+  if (!body.contains("tokens") || !body["tokens"].is_array()) {
+    return fail(InvalidRequest("tokens", "'tokens' must be a list of token ids"));
+  }
+  std::vector<int32_t> tokens;
+  const int vocab = assets_->tokenizer->vocab_size();
+  for (size_t i = 0; i < body["tokens"].size(); ++i) {
+    const nlohmann::json& t = body["tokens"][i];
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab) {
+      return fail(InvalidRequest(absl::StrFormat("tokens[%d]", i),
+                                 absl::StrFormat("token ids must be integers in [0, %d)", vocab)));
+    }
+    tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  nlohmann::json out = {{"prompt", assets_->tokenizer->Decode(tokens, /*skip_special_tokens=*/false)}};
+  w->Send(200, kJson, out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+          {{"x-request-id", id}});
+}
+
+// ---------------------------------------------------------------------------
+// Router
+
+Router::Router(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Router::~Router() = default;
+
+absl::StatusOr<std::unique_ptr<Router>> Router::Create(RouterConfig config,
+                                                       std::string config_path) {
+  RETURN_IF_ERROR(ValidateRouterConfig(config));
+  ASSIGN_OR_RETURN(std::shared_ptr<const ModelAssets> assets, LoadModelAssets(config.model));
+  return std::unique_ptr<Router>(new Router(
+      std::make_unique<Impl>(std::move(config), std::move(config_path), std::move(assets))));
+}
+
+absl::Status Router::Start() { return impl_->Start(); }
+void Router::Stop() { impl_->Stop(); }
+int Router::port() const { return impl_->port(); }
+absl::Status Router::Reload() { return impl_->Reload(); }
+
+}  // namespace tandem::router

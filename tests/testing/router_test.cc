@@ -1,0 +1,106 @@
+#include "tests/testing/router_test.h"
+
+#include <sys/wait.h>
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace tandem::testing {
+namespace {
+
+std::string List(const std::vector<std::string>& addresses) {
+  std::vector<std::string> quoted;
+  for (const std::string& a : addresses) quoted.push_back(absl::StrCat("\"", a, "\""));
+  return absl::StrCat("[", absl::StrJoin(quoted, ", "), "]");
+}
+
+const std::vector<std::string> kSplitFlags = {"--kv-transport", "ucx", "--kv-transport-tls", "shm"};
+
+}  // namespace
+
+std::string RouterYaml::Text() const {
+  std::string policy_yaml = absl::StrCat("    policy:\n      name: ", policy, "\n");
+  if (!policy_params.empty()) absl::StrAppend(&policy_yaml, "      params:\n", policy_params);
+  std::string y = "listener:\n  host: 127.0.0.1\n  port: 0\nmodel:\n  served_name: tiny\n"
+                  "  tokenizer: builtin\npools:\n";
+  if (!prefill.empty()) absl::StrAppend(&y, "  prefill:\n    workers: ", List(prefill), "\n", policy_yaml);
+  absl::StrAppend(&y, "  decode:\n    workers: ", List(decode), "\n", policy_yaml);
+  absl::StrAppend(&y, "disaggregation:\n  mode: ", prefill.empty() ? "never" : mode, "\n");
+  absl::StrAppend(&y, "health:\n  interval_s: ", health_interval_s, "\n  timeout_s: ",
+                  health_interval_s, "\n");
+  absl::StrAppend(&y, extra);
+  return y;
+}
+
+bool WaitHealthy(const std::string& url, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (HttpGet(url, "/health").status == 200) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+RouterProcess* RouterTest::StartRouter(const RouterYaml& yaml, bool wait_healthy) {
+  absl::StatusOr<std::unique_ptr<RouterProcess>> r = RouterProcess::Start(yaml.Text());
+  if (!r.ok()) {
+    ADD_FAILURE() << "cannot start the router: " << r.status() << "\n" << yaml.Text();
+    return nullptr;
+  }
+  router_ = *std::move(r);
+  if (wait_healthy && !WaitHealthy(router_->url(), std::chrono::seconds(30))) {
+    ADD_FAILURE() << "the router at " << router_->url() << " never became healthy";
+  }
+  return router_.get();
+}
+
+void RouterTest::TearDown() {
+  if (router_ != nullptr) {
+    const int status = router_->Stop();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "the router did not exit cleanly (wait status " << status << "): see its log above";
+    router_.reset();
+  }
+  WorkerTest::TearDown();
+}
+
+WorkerProcess* RouterTest::StartPrefill(std::vector<std::string> extra) {
+  std::vector<std::string> flags = {"--role", "prefill"};
+  flags.insert(flags.end(), kSplitFlags.begin(), kSplitFlags.end());
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  return StartWorker(flags);
+}
+
+WorkerProcess* RouterTest::StartDecode(std::vector<std::string> extra) {
+  std::vector<std::string> flags = {"--role", "decode"};
+  flags.insert(flags.end(), kSplitFlags.begin(), kSplitFlags.end());
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  return StartWorker(flags);
+}
+
+WorkerProcess* RouterTest::StartBoth(std::vector<std::string> extra) {
+  std::vector<std::string> flags = {"--role", "both"};
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  return StartWorker(flags);
+}
+
+RouterTest::Reply RouterTest::Post(const std::string& target, const nlohmann::json& body,
+                                   const Headers& headers) {
+  Reply r;
+  r.http = HttpPost(router_->url(), target, body.dump(), headers);
+  r.json = nlohmann::json::parse(r.http.body, nullptr, false);
+  if (r.json.is_discarded()) r.json = nullptr;
+  return r;
+}
+
+RouterTest::Reply RouterTest::Get(const std::string& target) {
+  Reply r;
+  r.http = HttpGet(router_->url(), target);
+  r.json = nlohmann::json::parse(r.http.body, nullptr, false);
+  if (r.json.is_discarded()) r.json = nullptr;
+  return r;
+}
+
+}  // namespace tandem::testing

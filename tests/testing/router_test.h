@@ -1,0 +1,61 @@
+// RouterTest: a gtest fixture for end-to-end tests of the router: real worker
+// processes (WorkerTest) behind a real `tandem router` process, driven over
+// HTTP. At teardown the router stops first and must exit 0, then the workers.
+#ifndef TANDEM_TESTS_TESTING_ROUTER_TEST_H_
+#define TANDEM_TESTS_TESTING_ROUTER_TEST_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+#include "tests/testing/http_client.h"
+#include "tests/testing/worker_test.h"
+
+namespace tandem::testing {
+
+// The YAML of a router config. `prefill` empty: mode never (aggregated on the
+// decode pool); otherwise `mode` ("always" or "auto").
+struct RouterYaml {
+  std::vector<std::string> prefill;
+  std::vector<std::string> decode;
+  std::string mode = "never";
+  std::string policy = "round_robin";
+  std::string policy_params;   // YAML lines under params, e.g. "seed: \"1\""
+  std::string extra;           // appended top-level YAML (limits, timeouts...)
+  double health_interval_s = 0.5;
+  std::string Text() const;
+};
+
+class RouterTest : public WorkerTest {
+ protected:
+  // Starts a router; null and a failure if it does not come up. With
+  // `wait_healthy`, returns once /health answers 200.
+  RouterProcess* StartRouter(const RouterYaml& yaml, bool wait_healthy = true);
+  void TearDown() override;
+
+  // Workers with the disaggregation flags (UCX over shared memory).
+  WorkerProcess* StartPrefill(std::vector<std::string> extra = {});
+  WorkerProcess* StartDecode(std::vector<std::string> extra = {});
+  WorkerProcess* StartBoth(std::vector<std::string> extra = {});
+
+  // POSTs JSON to the router; parses the body when it is JSON.
+  struct Reply {
+    HttpResponse http;
+    nlohmann::json json;  // null unless the body parsed
+  };
+  Reply Post(const std::string& target, const nlohmann::json& body, const Headers& headers = {});
+  Reply Get(const std::string& target);
+
+  RouterProcess* router() { return router_.get(); }
+
+ private:
+  std::unique_ptr<RouterProcess> router_;
+};
+
+// Polls `url`/health until it answers 200 or `timeout` passes.
+bool WaitHealthy(const std::string& url, std::chrono::milliseconds timeout);
+
+}  // namespace tandem::testing
+
+#endif  // TANDEM_TESTS_TESTING_ROUTER_TEST_H_
