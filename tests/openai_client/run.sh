@@ -24,12 +24,14 @@ done
 url=$(cat "$run_dir/url")
 model=$(sed -n 's/^  served_name: "\(.*\)"$/\1/p' "$run_dir/router.yaml")
 echo "cluster at $url, model $model"
-NODE_PATH="$work/node_modules" node "$here/client_test.mjs" "$url" "$model"
+# ES modules resolve packages from the script's folder, not NODE_PATH.
+cp "$here/client_test.mjs" "$work/client_test.mjs"
+node "$work/client_test.mjs" "$url" "$model"
 # curl: a streamed chat ends with [DONE]; a bad request is a 400 with an error object.
 out=$(curl -sSN "$url/v1/chat/completions" -H 'Content-Type: application/json' \
   -d "{\"model\": \"$model\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 4, \"stream\": true}")
 grep -q '^data: {"id":"chatcmpl-' <<<"$out" || { echo "curl: no chunk: $out" >&2; exit 1; }
-[[ $(tail -n 2 <<<"$out" | head -n 1) == "data: [DONE]" ]] || { echo "curl: no [DONE]: $out" >&2; exit 1; }
+[[ $(tail -n 1 <<<"$out") == "data: [DONE]" ]] || { echo "curl: no [DONE]: $out" >&2; exit 1; }
 code=$(curl -s -o "$run_dir/err" -w '%{http_code}' "$url/v1/completions" -H 'Content-Type: application/json' -d '{"model": 1}')
 [[ $code == 400 ]] && grep -q '"error"' "$run_dir/err" || { echo "curl: bad request gave $code" >&2; exit 1; }
 echo "curl: ok"
