@@ -7,11 +7,11 @@
 #include <memory>
 #include <optional>
 
-#include "orchestrator/chat_template/str_cat.h"
 #include "absl/container/flat_hash_map.h"
 #include "common/status_macros.h"
 #include "orchestrator/chat_template/operations.h"
 #include "orchestrator/chat_template/py_text.h"
+#include "orchestrator/chat_template/str_cat.h"
 
 namespace tandem::router::jinja {
 namespace {

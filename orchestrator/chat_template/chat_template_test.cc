@@ -189,6 +189,12 @@ TEST_P(JinjaReferenceTest, MatchesJinja2) {
 INSTANTIATE_TEST_SUITE_P(Snippets, JinjaReferenceTest, ::testing::ValuesIn(LoadSnippets()), ParamName);
 INSTANTIATE_TEST_SUITE_P(Conversations, JinjaReferenceTest, ::testing::ValuesIn(LoadConversations()), ParamName);
 
+// transformers requires Jinja2 >= 3.1; Debian 12 ships 3.1.2.
+TEST(JinjaReferenceVersionTest, RenderedByJinja2_3_1) {
+  ASSERT_TRUE(Reference().is_object()) << "no Jinja2 reference";
+  EXPECT_THAT(Reference()["jinja2_version"].get<std::string>(), StartsWith("3.1."));
+}
+
 // ---------------------------------------------------------------------------
 // Create: what Jinja2 accepts but we do not, and error positions.
 

@@ -6,11 +6,11 @@
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
-#include "orchestrator/chat_template/str_cat.h"
 #include "common/status_macros.h"
 #include "orchestrator/chat_template/builtins.h"
 #include "orchestrator/chat_template/lexer.h"
 #include "orchestrator/chat_template/operations.h"
+#include "orchestrator/chat_template/str_cat.h"
 
 namespace tandem::router::jinja {
 namespace {
@@ -57,6 +57,23 @@ class Renderer {
  public:
   Renderer(const Template& tpl, ContextLookup context, const RenderLimits& limits)
       : tpl_(tpl), context_(context), limits_(limits), root_(nullptr) {}
+
+  // A template can make reference cycles (a namespace holding itself, a
+  // loop over a list holding its loop); Python's GC collects them, shared
+  // pointers would not. Every object a render makes dies with it.
+  ~Renderer() {
+    for (const std::shared_ptr<Object>& object : objects_) {
+      switch (object->kind) {
+        case Object::Kind::kNamespace: static_cast<Namespace&>(*object).attrs = Dict(); break;
+        case Object::Kind::kLoop:
+          static_cast<Loop&>(*object).items.clear();
+          static_cast<Loop&>(*object).last_changed.reset();
+          break;
+        case Object::Kind::kMacro: static_cast<Macro&>(*object).closure.clear(); break;
+        default: break;
+      }
+    }
+  }
 
   absl::StatusOr<std::string> Run() {
     std::string out;
@@ -134,6 +151,7 @@ class Renderer {
     }
     if (items.empty()) return ExecBody(node.else_body, frame);
     auto loop = std::make_shared<Loop>();
+    objects_.push_back(loop);
     loop->items = std::move(items);
     const Value loop_value = Value::FromObject(loop);
     const int loop_id = LoopNameId();
@@ -171,6 +189,7 @@ class Renderer {
 
   absl::Status Exec(const MacroStmt& node, Frame& frame) {
     auto macro = std::make_shared<Macro>();
+    objects_.push_back(macro);
     macro->definition = &node;
     macro->name = node.name;
     for (Frame* f = &frame; f != &root_; f = f->parent) {  // Innermost first: it shadows.
@@ -467,7 +486,10 @@ class Renderer {
         if (callable.id < 0) return PyError(Cat("'", callable.name, "' is not supported in chat templates"));
         const bool method = object.kind == Object::Kind::kMethod;
         const Builtin& builtin = method ? Method(callable.id) : GlobalFunction(callable.id);
-        return CallBuiltin(Callee{"", callable.name}, builtin, method ? callable.self : Value(), args);
+        ASSIGN_OR_RETURN(Value result,
+                         CallBuiltin(Callee{"", callable.name}, builtin, method ? callable.self : Value(), args));
+        if (result.is_object()) objects_.push_back(result.object_ptr());  // namespace()
+        return result;
       }
     }
     return PyError(Cat("'", TypeName(fn), "' object is not callable"));
@@ -527,6 +549,7 @@ class Renderer {
   int64_t iterations_ = 0;
   int call_depth_ = 0;
   int loop_name_id_ = -2;  // -2: not looked up yet; -1: the template never says `loop`.
+  std::vector<std::shared_ptr<Object>> objects_;  // Namespaces, loops and macros made by this render.
 };
 
 }  // namespace

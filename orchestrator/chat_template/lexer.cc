@@ -4,9 +4,9 @@
 #include <cstdlib>
 #include <optional>
 
-#include "orchestrator/chat_template/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "orchestrator/chat_template/py_text.h"
+#include "orchestrator/chat_template/str_cat.h"
 
 namespace tandem::router::jinja {
 namespace {

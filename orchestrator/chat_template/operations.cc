@@ -8,10 +8,10 @@
 #include <utility>
 #include <vector>
 
-#include "orchestrator/chat_template/str_cat.h"
 #include "common/status_macros.h"
 #include "orchestrator/chat_template/builtins.h"
 #include "orchestrator/chat_template/py_text.h"
+#include "orchestrator/chat_template/str_cat.h"
 
 namespace tandem::router::jinja {
 namespace {

@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "orchestrator/chat_template/str_cat.h"
 #include "common/status_macros.h"
 #include "orchestrator/chat_template/builtins.h"
 #include "orchestrator/chat_template/lexer.h"
+#include "orchestrator/chat_template/str_cat.h"
 
 namespace tandem::router::jinja {
 namespace {

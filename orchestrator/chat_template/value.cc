@@ -5,9 +5,9 @@
 #include <cstdio>
 #include <cstring>
 
-#include "orchestrator/chat_template/str_cat.h"
 #include "common/status_macros.h"
 #include "orchestrator/chat_template/py_text.h"
+#include "orchestrator/chat_template/str_cat.h"
 
 namespace tandem::router::jinja {
 namespace {

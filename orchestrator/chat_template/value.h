@@ -156,6 +156,7 @@ class Value {
   const List& list() const { return *static_cast<const List*>(ref_.get()); }
   const Dict& dict() const { return *static_cast<const Dict*>(ref_.get()); }
   Object& object() const { return *static_cast<Object*>(ref_.get()); }
+  std::shared_ptr<Object> object_ptr() const { return std::static_pointer_cast<Object>(ref_); }
   const void* identity() const { return ref_.get(); }  // The shared container or object, for `is`.
 
   // The message that using this Undefined fails with.

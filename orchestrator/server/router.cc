@@ -400,6 +400,10 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
       if (c.stops.stopped()) break;
     }
     if (stream_) {
+      // The stream starts with the first token even when its text is not
+      // complete yet (part of a UTF-8 character): from here on the client
+      // hears of failures as an error event, and there are no retries.
+      StartStreamLocked();
       if (!text.empty() || !logprobs.empty()) WriteDeltaLocked(index, text, std::move(logprobs), std::nullopt);
     } else {
       c.text += text;

@@ -106,9 +106,11 @@ def load_conversations(testdata):
             yield f"{template_name}/{conversation['name']}", template, context
 
 
-def render(env, template, context):
+def render(env, template, context, compiled_cache):
     try:
-        compiled = env.from_string(template)
+        if template not in compiled_cache:
+            compiled_cache[template] = env.from_string(template)
+        compiled = compiled_cache[template]
     except Exception as e:  # TemplateSyntaxError, or Python's SyntaxError for a misplaced {% break %}
         return {"syntax_error": f"{type(e).__name__}: {e}"}
     try:
@@ -121,13 +123,14 @@ def main():
     testdata, output = sys.argv[1], sys.argv[2]
     env = make_environment()
     cases = {}
+    compiled_cache = {}
     sources = [load_snippets(os.path.join(testdata, "snippets.txt")), load_conversations(testdata)]
     for source in sources:
         for name, template, context in source:
             if name in cases:
                 sys.exit(f"duplicate case name {name!r}")
             cases[name] = {"template": template, "context": context,
-                           "result": render(env, template, context)}
+                           "result": render(env, template, context, compiled_cache)}
     tmp = f"{output}.{os.getpid()}.tmp"  # concurrent writers each rename a whole file
     with open(tmp, "w", encoding="utf-8") as f:
         # strftime_now renders today's date: the test regenerates a reference from another day.
