@@ -848,6 +848,7 @@ absl::StatusOr<Dict> BuildDict(const CallArgs& call, std::string_view what) {
     }
   }
   for (const auto& [name, value] : call.keywords) dict.Set(Value::String(std::string(name)), value);
+  if (dict.depth > kMaxValueDepth) return PyError(Cat("values nested deeper than ", kMaxValueDepth, " levels"));
   return dict;
 }
 

@@ -1,6 +1,9 @@
 #include "orchestrator/chat_template/chat_template.h"
 
+#include <algorithm>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "common/status_macros.h"
 #include "orchestrator/chat_template/ast.h"
@@ -11,10 +14,30 @@
 namespace tandem::router {
 namespace {
 
+// The nesting depth of `json`, without recursion (a hostile request may nest deeply).
+template <typename Json>
+int JsonDepth(const Json& json) {
+  int max_depth = 0;
+  std::vector<std::pair<const Json*, int>> stack = {{&json, 1}};
+  while (!stack.empty()) {
+    const auto [node, depth] = stack.back();
+    stack.pop_back();
+    if (!node->is_structured()) continue;
+    max_depth = std::max(max_depth, depth);
+    for (const auto& child : *node) stack.emplace_back(&child, depth + 1);
+  }
+  return max_depth;
+}
+
 template <typename Json>
 absl::StatusOr<std::string> RenderJson(const jinja::Template& tpl, const Json& context) {
   if (!context.is_object()) {
     return absl::InvalidArgumentError("chat template: the render context must be a JSON object");
+  }
+  // The top-level object is not a template value: its members may nest kMaxValueDepth deep.
+  if (JsonDepth(context) > jinja::kMaxValueDepth + 1) {
+    return absl::InvalidArgumentError(
+        "chat template: the render context nests deeper than " + std::to_string(jinja::kMaxValueDepth) + " levels");
   }
   // Variables are converted on first use; their strings stay in `context`.
   auto lookup = [&context](std::string_view name, jinja::Value* value) {

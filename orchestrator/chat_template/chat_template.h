@@ -17,6 +17,13 @@
 // builtins.cc. Not supported (Create fails): include/extends/block/import,
 // {% call %}, recursive loops, *args/**kwargs in calls, str.format.
 // Integers are 64-bit (Python's are unbounded): overflow is an error.
+// Known differences, all in corners no chat template uses: printing a
+// function, method or generator (Python shows a memory address) is an
+// error; markupsafe.Markup is modelled only for escape/safe and `+`;
+// float round() to negative precision is approximate; `is sameas` on two
+// equal string literals is false; the filters batch, slice, groupby,
+// striptags, urlize, urlencode, wordwrap, xmlattr, pprint, filesizeformat
+// and random are unknown (Create fails); macros take no *varargs/**kwargs.
 //
 // Contract: Create parses and validates once. A syntax error, an unknown
 // filter, test or function, a call of a method the interpreter lacks, or an
@@ -25,9 +32,10 @@
 // are InvalidArgument (a client's conversation is at fault, HTTP 400):
 // raise_exception(msg) gives exactly msg; Python's runtime errors (a type
 // error, using an undefined value) give "chat template: line L: <Python's
-// message>"; so do the guards against runaway templates (output over
-// 16 MiB, more than a million loop iterations, macro calls nested over 50
-// deep).
+// message>"; so do the guards against runaway templates (output or any
+// string over 16 MiB, more than a million loop iterations, macro calls
+// nested over 50 deep, values nested over 512 deep). A context nested over
+// 512 deep is refused before rendering.
 //
 // The render context is a JSON object of the template's variables:
 // "messages", "add_generation_prompt", "bos_token", "eos_token", ... and any
@@ -39,7 +47,8 @@
 //
 // Thread safety: a ChatTemplate is immutable after Create; concurrent
 // Render calls are safe. Render is a tree walk over the parsed template
-// (no reparsing): a few microseconds for a typical conversation.
+// (no reparsing): tens of microseconds for a dozen messages through Qwen3's
+// 4 KB template, about a tenth of what Jinja2 itself takes.
 #ifndef TANDEM_ORCHESTRATOR_CHAT_TEMPLATE_CHAT_TEMPLATE_H_
 #define TANDEM_ORCHESTRATOR_CHAT_TEMPLATE_CHAT_TEMPLATE_H_
 

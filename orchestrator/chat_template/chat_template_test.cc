@@ -1,10 +1,16 @@
+// ChatTemplate against the reference, Jinja2 itself: every case of
+// testdata/snippets.txt (one feature each) and testdata/conversations.json
+// (real and model-style templates x conversations) is rendered by
+// testdata/render_reference.py with transformers' Jinja2 setup and must come
+// out byte-for-byte the same here, or fail the same way. The rest checks
+// what Jinja2 cannot tell us: Create-time rejection with positions, limits,
+// concurrency and speed.
 #include "orchestrator/chat_template/chat_template.h"
 
+#include <cctype>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <ctime>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -22,6 +28,7 @@ namespace tandem::router {
 namespace {
 
 using nlohmann::ordered_json;
+using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
@@ -182,7 +189,9 @@ TEST_P(JinjaReferenceTest, MatchesJinja2) {
     // raise_exception: the template's own message, unchanged.
     EXPECT_EQ(Msg(out.status()), message);
   } else {
+    // Python's error, with the template line: "chat template: line 3: <message>".
     EXPECT_THAT(Msg(out.status()), StartsWith("chat template: line "));
+    EXPECT_THAT(Msg(out.status()), EndsWith(": " + message));
   }
 }
 
@@ -355,6 +364,24 @@ TEST(ChatTemplateRenderTest, MacroRecursionIsCapped) {
   EXPECT_THAT(Msg(s), HasSubstr("macro calls nested more than"));
 }
 
+TEST(ChatTemplateRenderTest, NestingIsCapped) {
+  // Wrapping a list in a list in a loop would make printing or freeing it overflow the stack.
+  EXPECT_THAT(Msg(RenderStatus("{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}"
+                               "{% endfor %}{{ ns.x }}",
+                               ordered_json::object())),
+              HasSubstr("values nested deeper than"));
+  EXPECT_THAT(Msg(RenderStatus("{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = dict(a=ns.x) %}"
+                               "{% endfor %}{{ ns.x }}",
+                               ordered_json::object())),
+              HasSubstr("values nested deeper than"));
+  // A namespace holding itself: Python prints {...}; we refuse rather than recurse forever.
+  EXPECT_THAT(Msg(RenderStatus("{% set ns = namespace() %}{% set ns.me = ns %}{{ ns }}", ordered_json::object())),
+              HasSubstr("nested too deeply"));
+  ordered_json deep = "leaf";
+  for (int i = 0; i < 100000; ++i) deep = ordered_json::array({std::move(deep)});
+  EXPECT_THAT(Msg(RenderStatus("{{ x }}", {{"x", std::move(deep)}})), HasSubstr("nests deeper than"));
+}
+
 TEST(ChatTemplateRenderTest, IntegerOverflowIsAnError) {
   EXPECT_THAT(Msg(RenderStatus("{{ 2 ** 64 }}", ordered_json::object())), HasSubstr("integer overflow"));
 }
@@ -393,8 +420,15 @@ TEST(ChatTemplateRenderTest, ConcurrentRendersAgree) {
   for (int t = 0; t < 8; ++t) EXPECT_EQ(mismatches[t], 0) << "thread " << t;
 }
 
-// A typical request takes microseconds; the bound is loose enough for
-// sanitizer and debug builds.
+// A typical request renders in tens of microseconds in an optimized build
+// (the bound leaves an order of magnitude for slow machines); debug and
+// sanitizer builds only report their time.
+#if defined(NDEBUG) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+constexpr bool kOptimizedBuild = true;
+#else
+constexpr bool kOptimizedBuild = false;
+#endif
+
 TEST(ChatTemplateRenderTest, RenderIsFast) {
   for (const char* name : {"qwen3", "llama32", "mistral_v03"}) {
     absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl =
@@ -404,13 +438,15 @@ TEST(ChatTemplateRenderTest, RenderIsFast) {
     context["bos_token"] = "<s>";
     context["eos_token"] = "</s>";
     ASSERT_TRUE((*tmpl)->Render(context).ok()) << name << ": " << (*tmpl)->Render(context).status();
-    constexpr int kRenders = 2000;
+    const int renders = kOptimizedBuild ? 2000 : 100;
     const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < kRenders; ++i) ASSERT_TRUE((*tmpl)->Render(context).ok());
+    for (int i = 0; i < renders; ++i) ASSERT_TRUE((*tmpl)->Render(context).ok());
     const double us =
-        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / kRenders;
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / renders;
     std::cout << name << ": " << us << " us per render of 12 messages\n";
-    EXPECT_LT(us, 2000.0) << name;
+    if (kOptimizedBuild) {
+      EXPECT_LT(us, 500.0) << name;
+    }
   }
 }
 

@@ -239,6 +239,12 @@ class Renderer {
     return buffer;
   }
 
+  // Literals are where a loop could nest values without bound.
+  static absl::Status CheckDepth(const Value& v) {
+    if (Depth(v) > kMaxValueDepth) return PyError(Cat("values nested deeper than ", kMaxValueDepth, " levels"));
+    return absl::OkStatus();
+  }
+
   absl::Status CountIteration() {
     if (++iterations_ > limits_.max_loop_iterations) {
       return PyError(Cat("more than ", limits_.max_loop_iterations, " loop iterations"));
@@ -451,7 +457,9 @@ class Renderer {
           ASSIGN_OR_RETURN(Value v, Eval(*child, frame));
           items.push_back(std::move(v));
         }
-        return Value::MakeList(std::move(items), e.kind == ExprKind::kList ? ListKind::kList : ListKind::kTuple);
+        Value list = Value::MakeList(std::move(items), e.kind == ExprKind::kList ? ListKind::kList : ListKind::kTuple);
+        RETURN_IF_ERROR(CheckDepth(list));
+        return list;
       }
       case ExprKind::kDict: {
         auto dict = std::make_shared<Dict>();
@@ -461,7 +469,9 @@ class Renderer {
           if (!IsHashable(key)) return PyError(Cat("unhashable type: '", TypeName(key), "'"));
           dict->Set(std::move(key), std::move(value));
         }
-        return Value::FromDict(std::move(dict));
+        Value result = Value::FromDict(std::move(dict));
+        RETURN_IF_ERROR(CheckDepth(result));
+        return result;
       }
     }
     return Value();

@@ -1,5 +1,6 @@
 #include "orchestrator/chat_template/value.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -261,12 +262,14 @@ void Dict::Set(Value key, Value value) {
   if (key.is_string() && !string_index_.empty()) {
     const auto it = string_index_.find(key.str());
     if (it != string_index_.end()) {
+      depth = std::max(depth, Depth(value) + 1);
       entries[it->second].second = std::move(value);
       return;
     }
   } else {
     for (auto& [k, v] : entries) {
       if (Equals(k, key)) {
+        depth = std::max(depth, Depth(value) + 1);
         v = std::move(value);
         return;
       }
@@ -276,6 +279,7 @@ void Dict::Set(Value key, Value value) {
 }
 
 void Dict::Append(Value key, Value value) {
+  depth = std::max({depth, Depth(key) + 1, Depth(value) + 1});
   entries.emplace_back(std::move(key), std::move(value));
   if (entries.size() == kIndexedSize) {
     for (size_t i = 0; i < entries.size(); ++i) Index(i);
@@ -308,6 +312,7 @@ Value Value::Markup(std::string s) {
 Value Value::MakeList(std::vector<Value> items, ListKind kind) {
   auto list = std::make_shared<List>();
   list->kind = kind;
+  for (const Value& item : items) list->depth = std::max(list->depth, Depth(item) + 1);
   list->items = std::move(items);
   return FromList(std::move(list));
 }
@@ -335,6 +340,12 @@ Value Value::MissingItem(const Value& obj, const Value& key) {
 
 std::string Value::UndefinedMessage() const {
   return str_.empty() ? std::string("value is undefined") : std::string(str_);
+}
+
+int Depth(const Value& v) {
+  if (v.is_list()) return v.list().depth;
+  if (v.is_dict()) return v.dict().depth;
+  return 0;
 }
 
 std::string_view TypeName(const Value& v) {
@@ -439,23 +450,26 @@ void AppendFloatRepr(double d, std::string* out) {
 
 namespace {
 
-absl::Status AppendDictRepr(const Dict& dict, std::string* out) {
+absl::Status AppendStrAt(const Value& v, std::string* out, int depth);
+absl::Status AppendReprAt(const Value& v, std::string* out, int depth);
+
+absl::Status AppendDictRepr(const Dict& dict, std::string* out, int depth) {
   out->push_back('{');
   bool first = true;
   for (const auto& [key, value] : dict.entries) {
     if (!first) out->append(", ");
     first = false;
-    RETURN_IF_ERROR(AppendRepr(key, out));
+    RETURN_IF_ERROR(AppendReprAt(key, out, depth + 1));
     out->append(": ");
-    RETURN_IF_ERROR(AppendRepr(value, out));
+    RETURN_IF_ERROR(AppendReprAt(value, out, depth + 1));
   }
   out->push_back('}');
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status AppendStr(const Value& v, std::string* out) {
+absl::Status AppendStrAt(const Value& v, std::string* out, int depth) {
+  // Objects are not containers: a namespace holding itself only stops here.
+  if (depth > 2 * kMaxValueDepth) return TypeError("values nested too deeply (or circular) to print");
   switch (v.kind()) {
     case Value::Kind::kUndefined: return absl::OkStatus();
     case Value::Kind::kString: out->append(v.str()); return absl::OkStatus();
@@ -463,7 +477,7 @@ absl::Status AppendStr(const Value& v, std::string* out) {
       switch (v.object().kind) {
         case Object::Kind::kNamespace:
           out->append("<Namespace ");
-          RETURN_IF_ERROR(AppendDictRepr(static_cast<const Namespace&>(v.object()).attrs, out));
+          RETURN_IF_ERROR(AppendDictRepr(static_cast<const Namespace&>(v.object()).attrs, out, depth));
           out->push_back('>');
           return absl::OkStatus();
         case Object::Kind::kLoop: {
@@ -480,9 +494,13 @@ absl::Status AppendStr(const Value& v, std::string* out) {
           return TypeError(Cat("cannot print a ", TypeName(v),
                                         " (Python would print its memory address)"));
       }
-    default: return AppendRepr(v, out);
+    default: return AppendReprAt(v, out, depth);
   }
 }
+
+}  // namespace
+
+absl::Status AppendStr(const Value& v, std::string* out) { return AppendStrAt(v, out, 0); }
 
 absl::StatusOr<std::string> Str(const Value& v) {
   if (v.is_string()) return std::string(v.str());
@@ -491,7 +509,11 @@ absl::StatusOr<std::string> Str(const Value& v) {
   return out;
 }
 
-absl::Status AppendRepr(const Value& v, std::string* out) {
+absl::Status AppendRepr(const Value& v, std::string* out) { return AppendReprAt(v, out, 0); }
+
+namespace {
+
+absl::Status AppendReprAt(const Value& v, std::string* out, int depth) {
   switch (v.kind()) {
     case Value::Kind::kUndefined: out->append("Undefined"); return absl::OkStatus();
     case Value::Kind::kNone: out->append("None"); return absl::OkStatus();
@@ -503,7 +525,7 @@ absl::Status AppendRepr(const Value& v, std::string* out) {
       AppendPyStrRepr(v.str(), out);
       if (v.is_markup()) out->push_back(')');
       return absl::OkStatus();
-    case Value::Kind::kDict: return AppendDictRepr(v.dict(), out);
+    case Value::Kind::kDict: return AppendDictRepr(v.dict(), out, depth);
     case Value::Kind::kList: {
       const List& list = v.list();
       std::string_view open = "[", close = "]";
@@ -526,15 +548,17 @@ absl::Status AppendRepr(const Value& v, std::string* out) {
       for (const Value& item : list.items) {
         if (!first) out->append(", ");
         first = false;
-        RETURN_IF_ERROR(AppendRepr(item, out));
+        RETURN_IF_ERROR(AppendReprAt(item, out, depth + 1));
       }
       out->append(close);
       return absl::OkStatus();
     }
-    case Value::Kind::kObject: return AppendStr(v, out);
+    case Value::Kind::kObject: return AppendStrAt(v, out, depth + 1);
   }
   return absl::OkStatus();
 }
+
+}  // namespace
 
 bool Equals(const Value& a, const Value& b) {
   if (a.is_number() && b.is_number()) return CompareNumbers(a, b) == 0;

@@ -43,10 +43,16 @@ struct Object;
 // subscript, always truthy), a dict view (len, no subscript) or a range.
 enum class ListKind : uint8_t { kList, kTuple, kIterator, kDictKeys, kDictValues, kDictItems, kRange };
 
+// Values nest at most this deep: Python's own repr and json recurse, and a
+// template could otherwise wrap a list in a list in a loop until printing
+// (or freeing) it overflows the stack.
+inline constexpr int kMaxValueDepth = 512;
+
 struct List {
   ListKind kind = ListKind::kList;
   std::vector<Value> items;
   std::array<int64_t, 3> range_args{};  // kRange: start, stop, step (for repr).
+  int depth = 1;  // 1 + the deepest item's depth (Value::MakeList computes it).
 };
 
 // A Python dict: insertion-ordered entries with Python key equality
@@ -65,6 +71,8 @@ struct Dict {
   void Set(Value key, Value value);
   // Appends a key known to be new (a JSON object's).
   void Append(Value key, Value value);
+
+  int depth = 1;  // 1 + the deepest key's or value's depth; never decreases.
 
  private:
   void Index(size_t entry);
@@ -221,6 +229,9 @@ struct Callable : Object {
   int id = -1;
   Value self;
 };
+
+// How deep containers nest in `v`: 0 for scalars and objects.
+int Depth(const Value& v);
 
 // Python's name of the value's type ('str', 'dict', 'NoneType', ...).
 std::string_view TypeName(const Value& v);
