@@ -657,8 +657,9 @@ absl::StatusOr<Value> PercentFormat(std::string_view fmt, const Value& args) {
   return Value::String(std::move(out));
 }
 
-std::optional<int64_t> ParsePyInt(std::string_view s, int base) {
-  s = PyStrip(s, std::nullopt, true, true);
+std::optional<int64_t> ParsePyInt(std::string_view text, int base) {
+  const std::string ascii = PyDecimalsToAscii(text);
+  std::string_view s = PyStrip(ascii, std::nullopt, true, true);
   bool negative = false;
   if (!s.empty() && (s[0] == '+' || s[0] == '-')) {
     negative = s[0] == '-';
@@ -695,8 +696,9 @@ std::optional<int64_t> ParsePyInt(std::string_view s, int base) {
   return static_cast<int64_t>(magnitude);
 }
 
-std::optional<double> ParsePyFloat(std::string_view s) {
-  s = PyStrip(s, std::nullopt, true, true);
+std::optional<double> ParsePyFloat(std::string_view input) {
+  const std::string ascii = PyDecimalsToAscii(input);
+  std::string_view s = PyStrip(ascii, std::nullopt, true, true);
   std::string text;
   for (size_t i = 0; i < s.size(); ++i) {
     const char c = s[i];

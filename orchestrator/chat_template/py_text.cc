@@ -266,6 +266,26 @@ bool PyIsUpper(std::string_view s) {
   return cased;
 }
 
+std::string PyDecimalsToAscii(std::string_view s) {
+  if (IsAscii(s)) return std::string(s);
+  std::string out;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    const size_t start = pos;
+    const char32_t c = NextCodePoint(s, &pos);
+    if (c < 0x80) {
+      out.push_back(static_cast<char>(c));
+    } else if (IsPySpace(c)) {
+      out.push_back(' ');
+    } else if (u_charType(static_cast<UChar32>(c)) == U_DECIMAL_DIGIT_NUMBER) {
+      out.push_back(static_cast<char>('0' + u_charDigitValue(static_cast<UChar32>(c))));
+    } else {
+      out.append(s.substr(start, pos - start));  // Not a digit: the parse fails on it.
+    }
+  }
+  return out;
+}
+
 std::string_view PyStrip(std::string_view s, std::optional<std::string_view> chars, bool left, bool right) {
   std::vector<char32_t> set;
   if (chars) {

@@ -42,6 +42,11 @@ bool PyIsSpace(std::string_view s);
 bool PyIsLower(std::string_view s);
 bool PyIsUpper(std::string_view s);
 
+// What int() and float() parse: Unicode decimal digits become ASCII digits
+// and Unicode whitespace a space, as CPython's
+// _PyUnicode_TransformDecimalAndSpaceToASCII does ("٣" parses as 3).
+std::string PyDecimalsToAscii(std::string_view s);
+
 // str.strip/lstrip/rstrip: `chars` absent strips whitespace, otherwise the
 // code points in `chars`.
 std::string_view PyStrip(std::string_view s, std::optional<std::string_view> chars, bool left, bool right);

@@ -61,17 +61,6 @@ std::string RandomHex(std::mt19937_64& rng) {
   return absl::StrFormat("%016x", rng());
 }
 
-std::string FinishReasonText(tandem::v1::FinishReason r) {
-  switch (r) {
-    case tandem::v1::FINISH_REASON_LENGTH:
-      return "length";
-    case tandem::v1::FINISH_REASON_ABORT:
-      return "abort";
-    default:
-      return "stop";
-  }
-}
-
 FinishReason ToApiFinish(tandem::v1::FinishReason r) {
   switch (r) {
     case tandem::v1::FINISH_REASON_LENGTH:
@@ -172,7 +161,7 @@ class Router::Impl {
   void SendError(const std::string& endpoint, const std::string& request_id,
                  http::ResponseWriter& w, const absl::Status& status);
   // Renders messages with the chat template.
-  absl::StatusOr<std::string> RenderChat(const nlohmann::json& messages,
+  absl::StatusOr<std::string> RenderChat(const nlohmann::ordered_json& messages,
                                          bool add_generation_prompt,
                                          const nlohmann::json& extra) const;
   // Validates prompt length against the model; fills vocab-range errors.
@@ -1145,7 +1134,7 @@ void Router::Impl::SendError(const std::string& endpoint, const std::string& req
   w.Send(e.http_status, kJson, ApiErrorJson(e), h);
 }
 
-absl::StatusOr<std::string> Router::Impl::RenderChat(const nlohmann::json& messages,
+absl::StatusOr<std::string> Router::Impl::RenderChat(const nlohmann::ordered_json& messages,
                                                      bool add_generation_prompt,
                                                      const nlohmann::json& extra) const {
   if (assets_->chat_template == nullptr) {
@@ -1153,11 +1142,20 @@ absl::StatusOr<std::string> Router::Impl::RenderChat(const nlohmann::json& messa
                           "this model has no chat template: use /v1/completions, or give the "
                           "router one (model.chat_template)");
   }
-  nlohmann::json context = extra.is_object() ? extra : nlohmann::json::object();
+  // As transformers calls the template: insertion-ordered dicts (tojson and
+  // .items() show the order), tools and documents present (None) unless given.
+  nlohmann::ordered_json context = nlohmann::ordered_json::object();
   context["messages"] = messages;
+  context["tools"] = nullptr;
+  context["documents"] = nullptr;
   context["add_generation_prompt"] = add_generation_prompt;
   context["bos_token"] = assets_->bos_token;
   context["eos_token"] = assets_->eos_token;
+  if (extra.is_object()) {
+    for (auto it = extra.begin(); it != extra.end(); ++it) {
+      context[it.key()] = nlohmann::ordered_json::parse(it.value().dump());
+    }
+  }
   absl::StatusOr<std::string> text = assets_->chat_template->Render(context);
   if (!text.ok()) {
     return InvalidRequest("messages", absl::StrCat("the chat template refused the conversation: ",
@@ -1219,10 +1217,12 @@ tandem::v1::SamplingParams ToSampling(const SamplingFields& s, std::optional<int
   return p;
 }
 
-nlohmann::json MessagesJson(const std::vector<ChatMessage>& messages) {
-  nlohmann::json out = nlohmann::json::array();
+nlohmann::ordered_json MessagesJson(const std::vector<ChatMessage>& messages) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
   for (const ChatMessage& m : messages) {
-    nlohmann::json j = {{"role", std::string(RoleName(m.role))}, {"content", m.content}};
+    nlohmann::ordered_json j = nlohmann::ordered_json::object();
+    j["role"] = std::string(RoleName(m.role));
+    j["content"] = m.content;
     if (m.name) j["name"] = *m.name;
     if (m.tool_call_id) j["tool_call_id"] = *m.tool_call_id;
     out.push_back(std::move(j));
