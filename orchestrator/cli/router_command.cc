@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "common/file_util.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "orchestrator/config/router_config.h"
@@ -57,13 +58,8 @@ absl::Status Serve(const std::string& path, const std::string& ready_file) {
   if (!router.ok()) return router.status();
   RETURN_IF_ERROR((*router)->Start());
   if (!ready_file.empty()) {
-    // Written whole, then renamed: a reader never sees half an address.
-    const std::string tmp = ready_file + ".tmp";
-    std::FILE* f = std::fopen(tmp.c_str(), "w");
-    if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", ready_file));
-    std::fprintf(f, "%s:%d\n", config_host.c_str(), (*router)->port());
-    std::fclose(f);
-    std::rename(tmp.c_str(), ready_file.c_str());
+    RETURN_IF_ERROR(WriteFileAtomically(
+        ready_file, absl::StrFormat("%s:%d\n", config_host, (*router)->port())));
   }
   while (true) {
     const int sig = WaitForSignal();

@@ -32,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/file_util.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
@@ -254,14 +255,6 @@ std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& pr
   return y;
 }
 
-absl::Status WriteText(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::trunc);
-  out << text;
-  out.close();
-  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
-  return absl::OkStatus();
-}
-
 absl::Status Up(UpOptions opt) {
   // The router config: the file's, or defaults for a local cluster.
   RouterConfig config;
@@ -380,7 +373,7 @@ absl::Status Up(UpOptions opt) {
   if (absl::StatusOr<RouterConfig> check = ParseRouterConfig(yaml, router_yaml); !check.ok()) {
     return shutdown(check.status());
   }
-  RETURN_IF_ERROR(WriteText(router_yaml, yaml));
+  RETURN_IF_ERROR(WriteFile(router_yaml, yaml));
   const std::string router_ready = absl::StrCat(dir, "/router.addr");
   unlink(router_ready.c_str());
   {
@@ -413,7 +406,7 @@ absl::Status Up(UpOptions opt) {
                       "\"Hello!\"}], \"max_tokens\": 32}'",
                       url, config.model.served_name));
   Say("Ctrl-C stops the cluster");
-  if (!opt.ready_file.empty()) RETURN_IF_ERROR(WriteText(opt.ready_file, url + "\n"));
+  if (!opt.ready_file.empty()) RETURN_IF_ERROR(WriteFileAtomically(opt.ready_file, url + "\n"));
 
   while (true) {
     const int sig = WaitForSignalFor(200);

@@ -4,16 +4,11 @@
 #include <netinet/in.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
 #include <set>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -21,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "common/file_util.h"
 #include "common/status_macros.h"
 #include "yaml-cpp/yaml.h"
 
@@ -596,26 +592,15 @@ absl::StatusOr<RouterConfig> ParseRouterConfig(std::string_view yaml,
 }
 
 absl::StatusOr<RouterConfig> LoadRouterConfig(const std::string& path) {
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (status.type() == std::filesystem::file_type::not_found) {
-    return absl::NotFoundError(absl::StrCat("router config '", path, "' not found"));
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) {
+    // NotFound stays NotFound; any other failure to read is a bad config.
+    const absl::StatusCode code = text.status().code() == absl::StatusCode::kNotFound
+                                      ? absl::StatusCode::kNotFound
+                                      : absl::StatusCode::kInvalidArgument;
+    return absl::Status(code, absl::StrCat("router config: ", text.status().message()));
   }
-  if (ec || !std::filesystem::is_regular_file(status)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "router config '", path, "' is not a readable file", ec ? ": " + ec.message() : ""));
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot open router config '", path, "': ", std::strerror(errno)));
-  }
-  std::stringstream text;
-  text << in.rdbuf();
-  if (in.bad()) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot read router config '", path, "'"));
-  }
-  return ParseRouterConfig(text.str(), path);
+  return ParseRouterConfig(*text, path);
 }
 
 }  // namespace tandem::router

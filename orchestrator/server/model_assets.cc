@@ -1,11 +1,10 @@
 #include "orchestrator/server/model_assets.h"
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/model/builtin_models.h"
@@ -15,14 +14,6 @@ namespace tandem::router {
 namespace {
 
 namespace fs = std::filesystem;
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // tokenizer_config.json writes special tokens as a string or as an object
 // {"content": "..."}.

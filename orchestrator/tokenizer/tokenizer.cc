@@ -1,12 +1,11 @@
 #include "orchestrator/tokenizer/tokenizer.h"
 
 #include <algorithm>
-#include <fstream>
 #include <functional>
-#include <sstream>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/byte_level.h"
@@ -25,11 +24,11 @@ std::string TypeOf(const json& j) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::string& tokenizer_json_path) {
-  std::ifstream in(tokenizer_json_path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read tokenizer file ", tokenizer_json_path));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  auto tokenizer = FromJson(buffer.str());
+  absl::StatusOr<std::string> text = ReadFile(tokenizer_json_path);
+  if (!text.ok()) {
+    return absl::NotFoundError(absl::StrCat("cannot read the tokenizer file: ", text.status().message()));
+  }
+  auto tokenizer = FromJson(*text);
   if (!tokenizer.ok()) {
     return absl::Status(tokenizer.status().code(),
                         absl::StrCat(tokenizer_json_path, ": ", tokenizer.status().message()));

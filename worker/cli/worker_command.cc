@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "common/file_util.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
@@ -151,9 +152,8 @@ absl::Status RunWorker(WorkerOptions opt) {
             << load.total_blocks << " KV blocks of " << opt.engine.block_size
             << " tokens, context " << engine->max_model_len();
   if (!opt.ready_file.empty()) {
-    std::string tmp = opt.ready_file + ".tmp";
-    std::ofstream(tmp) << opt.host << ":" << bound_port << "\n";
-    std::rename(tmp.c_str(), opt.ready_file.c_str());
+    RETURN_IF_ERROR(
+        WriteFileAtomically(opt.ready_file, absl::StrFormat("%s:%d\n", opt.host, bound_port)));
   }
 
   const int sig = WaitForSignal();

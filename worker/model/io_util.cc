@@ -10,42 +10,6 @@
 
 namespace tandem::worker::model_internal {
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::error_code ec;
-  const auto status = std::filesystem::status(path, ec);
-  if (!std::filesystem::exists(status)) {
-    return absl::NotFoundError(absl::StrCat(path, " does not exist"));
-  }
-  if (!std::filesystem::is_regular_file(status)) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
-  }
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  if (in.bad()) {
-    return absl::DataLossError(absl::StrCat("error reading ", path));
-  }
-  return std::move(contents).str();
-}
-
-absl::Status WriteFile(const std::string& path, std::string_view contents) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
-  }
-  out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
-  out.close();
-  if (!out) {
-    return absl::DataLossError(absl::StrCat("error writing ", path));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<nlohmann::json> ParseJson(std::string_view text, const std::string& what) {
   try {
     return nlohmann::json::parse(text);

@@ -1,6 +1,5 @@
-// Internal helpers of the model I/O library: whole-file reads and writes that
-// report failures as absl::Status naming the path, and JSON parsing that turns
-// nlohmann_json's exceptions into Status at this edge. Not for use outside
+// Internal helpers of the model I/O library: JSON parsing that turns
+// nlohmann_json's exceptions into Status at this edge, and path joining. Not for use outside
 // worker/model/.
 //
 // Thread safety: all functions are thread-compatible (no shared state).
@@ -14,14 +13,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/file_util.h"
 
 namespace tandem::worker::model_internal {
 
-// The contents of the regular file `path`. NotFound when it does not exist.
-absl::StatusOr<std::string> ReadFile(const std::string& path);
-
-// Replaces `path` with `contents`.
-absl::Status WriteFile(const std::string& path, std::string_view contents);
+// Whole-file reads and writes (common/file_util.h), as this library spells them.
+using ::tandem::ReadFile;
+using ::tandem::WriteFile;
 
 // Parses `text` as JSON; `what` names the text (a file path) in the error,
 // which carries nlohmann's byte position.
