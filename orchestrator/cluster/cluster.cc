@@ -78,10 +78,6 @@ struct Cluster::Subscription : grpc::ClientReadReactor<tandem::v1::KvEventBatch>
         return;
       }
     }
-    {
-      std::lock_guard<std::mutex> lock(cluster->mu_);
-      ++cluster->stats_.kv_event_batches;
-    }
     StartRead(&batch);
   }
 
@@ -257,14 +253,12 @@ void Cluster::ResolvePools() {
   for (const auto& [r, dns] : todo) {
     absl::StatusOr<std::vector<std::string>> addresses = ResolveAll(dns.dns, dns.port);
     std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.dns_resolutions;
     std::optional<Pool>& p = pools_[r];
     if (!p.has_value() || !p->config.discovery.has_value() || p->config.discovery->dns != dns.dns) {
       continue;  // the pool changed meanwhile
     }
     if (!addresses.ok()) {
       // Keep the last known members: a DNS outage should not empty the pool.
-      ++stats_.dns_failures;
       LOG(WARNING) << PoolRoleName(static_cast<PoolRole>(r)) << " pool: "
                    << addresses.status().message() << "; keeping " << p->addresses.size()
                    << " known workers";
@@ -402,7 +396,6 @@ void Cluster::MaybeSubscribe(const std::shared_ptr<WorkerClient>& worker) {
   if (indexes.empty()) return;
   auto* sub = new Subscription(this, worker->address(), std::move(indexes));
   subscriptions_[worker->address()] = sub;
-  ++stats_.kv_event_resyncs;
   sub->Start(worker->stub());
 }
 
@@ -449,11 +442,6 @@ std::optional<tandem::v1::ModelInfo> Cluster::AnyModelInfo() const {
 Cluster::Stats Cluster::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
-}
-
-int Cluster::kv_subscriptions() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int>(subscriptions_.size());
 }
 
 }  // namespace tandem::router

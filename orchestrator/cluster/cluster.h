@@ -52,12 +52,8 @@ class Cluster {
   struct Stats {
     uint64_t health_checks = 0;
     uint64_t health_check_failures = 0;
-    uint64_t ejections = 0;        // healthy -> unhealthy, by checks or Eject
+    uint64_t ejections = 0;        // healthy -> unhealthy, by health checks
     uint64_t readmissions = 0;     // unhealthy -> healthy after an ejection
-    uint64_t dns_resolutions = 0;
-    uint64_t dns_failures = 0;
-    uint64_t kv_event_batches = 0;
-    uint64_t kv_event_resyncs = 0;  // subscriptions restarted with a snapshot
   };
 
   // Called on the health thread whenever a worker's health changes
@@ -93,8 +89,6 @@ class Cluster {
   // The ModelInfo of some healthy worker (decode pool first); nullopt if none.
   std::optional<tandem::v1::ModelInfo> AnyModelInfo() const;
   Stats stats() const;
-  // Subscriptions open now.
-  int kv_subscriptions() const;
 
  private:
   struct Pool {

@@ -47,34 +47,16 @@ bool WorkerClient::Eject() {
 void WorkerClient::SetLoad(const tandem::v1::LoadReport& load) {
   used_blocks_.store(load.used_blocks(), std::memory_order_relaxed);
   total_blocks_.store(load.total_blocks(), std::memory_order_relaxed);
-  std::lock_guard<std::mutex> lock(mu_);
-  load_ = load;
-}
-
-std::optional<tandem::v1::LoadReport> WorkerClient::load() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return load_;
 }
 
 void WorkerClient::SetModelInfo(const tandem::v1::ModelInfo& info) {
   std::lock_guard<std::mutex> lock(mu_);
   model_info_ = info;
-  instance_id_ = info.instance_id();
 }
 
 std::optional<tandem::v1::ModelInfo> WorkerClient::model_info() const {
   std::lock_guard<std::mutex> lock(mu_);
   return model_info_;
-}
-
-std::string WorkerClient::instance_id() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return instance_id_;
-}
-
-void WorkerClient::set_instance_id(const std::string& id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  instance_id_ = id;
 }
 
 WorkerView WorkerClient::View() const {

@@ -63,14 +63,10 @@ class WorkerClient {
     return prefill_tokens_.load(std::memory_order_relaxed);
   }
 
+  // The load figures routing reads (KV blocks used and total).
   void SetLoad(const tandem::v1::LoadReport& load);
-  // The last LoadReport; nullopt before the first.
-  std::optional<tandem::v1::LoadReport> load() const;
   void SetModelInfo(const tandem::v1::ModelInfo& info);
   std::optional<tandem::v1::ModelInfo> model_info() const;
-  // The instance id of the last check or model info ("" before any).
-  std::string instance_id() const;
-  void set_instance_id(const std::string& id);
 
   // The worker as a routing policy sees it.
   WorkerView View() const;
@@ -89,9 +85,7 @@ class WorkerClient {
   mutable std::mutex mu_;
   bool ever_healthy_ ABSL_GUARDED_BY(mu_) = false;
   int streak_ ABSL_GUARDED_BY(mu_) = 0;  // > 0: successes in a row; < 0: failures
-  std::optional<tandem::v1::LoadReport> load_ ABSL_GUARDED_BY(mu_);
   std::optional<tandem::v1::ModelInfo> model_info_ ABSL_GUARDED_BY(mu_);
-  std::string instance_id_ ABSL_GUARDED_BY(mu_);
 };
 
 // One request's presence on a worker, for the router's accounting: counts a

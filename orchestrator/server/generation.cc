@@ -31,6 +31,14 @@ bool Retryable(absl::StatusCode code) {
   }
 }
 
+// UNAVAILABLE from a call: the worker is gone (or not serving); eject it now
+// rather than at its next failed health checks.
+void EjectIfGone(const absl::Status& status, WorkerClient& worker) {
+  if (status.code() == absl::StatusCode::kUnavailable && worker.Eject()) {
+    LOG(WARNING) << "worker " << worker.address() << " ejected: " << status.message();
+  }
+}
+
 }  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -230,7 +238,6 @@ void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
         }
         if (final) {
           result_.kv_bytes = msg.kv_transfer_bytes();
-          result_.kv_seconds = msg.kv_transfer_seconds();
           result_.cached_tokens = msg.usage().cached_prompt_tokens();
           if (!msg.kv_transfer_error().empty()) {
             result_.kv_fallback = true;
@@ -294,9 +301,7 @@ void Generation::OnCallDone(Call* call, const grpc::Status& status) {
       result_.kv_fallback = true;
       LOG(WARNING) << "request " << options_.request_id << ": prefill worker "
                    << call->worker->address() << " failed after the first token: " << s.ToString();
-      if (s.code() == absl::StatusCode::kUnavailable && call->worker->Eject()) {
-        LOG(WARNING) << "worker " << call->worker->address() << " ejected: " << s.message();
-      }
+      EjectIfGone(s, *call->worker);
       return;
     }
     if (!s.ok() && s.message().find(call->worker->address()) == std::string_view::npos) {
@@ -309,9 +314,7 @@ void Generation::OnCallDone(Call* call, const grpc::Status& status) {
 
 void Generation::FailAttemptLocked(const absl::Status& status,
                                    const std::shared_ptr<WorkerClient>& worker) {
-  if (status.code() == absl::StatusCode::kUnavailable && worker->Eject()) {
-    LOG(WARNING) << "worker " << worker->address() << " ejected: " << status.message();
-  }
+  EjectIfGone(status, *worker);
   last_error_ = status;
   if (!first_emitted_ && Retryable(status.code()) && attempt_ < options_.max_attempts &&
       planner_->TakeRetry()) {

@@ -81,7 +81,6 @@ struct GenerationResult {
   int attempts = 0;
   bool kv_fallback = false;  // the decode worker prefilled locally: the KV never came
   int64_t kv_bytes = 0;      // pulled by the decode worker
-  double kv_seconds = 0;
 };
 
 class GenerationSink {

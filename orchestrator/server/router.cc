@@ -88,6 +88,24 @@ std::string Outcome(const absl::Status& s) {
 
 class ApiCall;
 
+enum class CallKind { kChat, kCompletion };
+
+// Everything the generations need, set once before Start.
+struct CallSetup {
+  std::string session_id;
+  std::vector<int32_t> prompt;
+  tandem::v1::SamplingParams sampling;  // without the seed
+  std::optional<int64_t> seed;
+  int n = 1;
+  std::vector<std::string> stops;
+  bool stream = false;
+  bool include_usage = false;
+  bool logprobs = false;
+  std::string echo;  // completions: the prompt text to prepend
+  bool tokens_as_ids = false;  // return_tokens_as_token_ids
+  std::string model;
+};
+
 class Router::Impl {
  public:
   Impl(RouterConfig config, std::string config_path, std::shared_ptr<const ModelAssets> assets);
@@ -137,6 +155,11 @@ class Router::Impl {
 
   // The routing state, built once a worker has told the model's shape.
   std::shared_ptr<RoutingState> Routing();
+  // The routing state as it is (null before it was built); never builds.
+  std::shared_ptr<RoutingState> CurrentRouting() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return routing_;
+  }
   std::shared_ptr<RoutingState> BuildRouting(std::shared_ptr<const RouterConfig> config,
                                              const tandem::v1::ModelInfo& info);
   std::shared_ptr<const RouterConfig> config() const {
@@ -158,8 +181,10 @@ class Router::Impl {
 
   std::string RequestId(const http::Request& req);
   // Sends an OpenAI error for `status` (counted under `endpoint`).
+  // (`headers`, when given, replace the x-request-id header: they carry it.)
   void SendError(const std::string& endpoint, const std::string& request_id,
-                 http::ResponseWriter& w, const absl::Status& status);
+                 http::ResponseWriter& w, const absl::Status& status,
+                 http::HeaderList headers = {});
   // Renders messages with the chat template.
   absl::StatusOr<std::string> RenderChat(const nlohmann::ordered_json& messages,
                                          bool add_generation_prompt,
@@ -167,7 +192,13 @@ class Router::Impl {
   // Validates prompt length against the model; fills vocab-range errors.
   absl::Status CheckPrompt(std::span<const int32_t> prompt, std::optional<int64_t> max_tokens,
                            const std::string& param);
-  void Admit(const std::shared_ptr<ApiCall>& call, const std::string& endpoint);
+  // Fills what chat and completions share, then admits the call.
+  void StartCall(CallKind kind, const http::Request& req,
+                 std::shared_ptr<http::ResponseWriter> w, const std::string& id,
+                 std::shared_ptr<const RouterConfig> cfg, CallSetup s,
+                 const std::string& model, const SamplingFields& sampling,
+                 std::optional<int64_t> logprobs);
+  void Admit(const std::shared_ptr<ApiCall>& call);
 
   const std::string config_path_;
   const std::shared_ptr<const ModelAssets> assets_;
@@ -200,9 +231,7 @@ class Router::Impl {
 
 class ApiCall : public GenerationSink, public Planner, public std::enable_shared_from_this<ApiCall> {
  public:
-  enum class Kind { kChat, kCompletion };
-
-  ApiCall(Router::Impl* router, std::shared_ptr<http::ResponseWriter> writer, Kind kind,
+  ApiCall(Router::Impl* router, std::shared_ptr<http::ResponseWriter> writer, CallKind kind,
           std::string request_id, std::shared_ptr<const RouterConfig> config)
       : router_(router),
         writer_(std::move(writer)),
@@ -213,34 +242,21 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
 
   const std::string& endpoint() const {
     static const std::string chat = "chat", completions = "completions";
-    return kind_ == Kind::kChat ? chat : completions;
+    return kind_ == CallKind::kChat ? chat : completions;
   }
   const std::string& request_id() const { return request_id_; }
   const std::string& session_id() const { return session_id_; }
   const RouterConfig& config() const { return *config_; }
 
-  // Everything the generations need, set once before Start.
-  struct Setup {
-    std::string session_id;
-    std::vector<int32_t> prompt;
-    tandem::v1::SamplingParams sampling;  // without the seed
-    std::optional<int64_t> seed;
-    int n = 1;
-    std::vector<std::string> stops;
-    bool stream = false;
-    bool include_usage = false;
-    bool logprobs = false;
-    std::string echo;  // completions: the prompt text to prepend
-    std::string model;
-  };
-  void Prepare(Setup setup, uint64_t random_seed) {
+  void Prepare(CallSetup setup, uint64_t random_seed) {
     session_id_ = setup.session_id;
-    header_.id = absl::StrCat(kind_ == Kind::kChat ? "chatcmpl-" : "cmpl-", request_id_);
+    header_.id = absl::StrCat(kind_ == CallKind::kChat ? "chatcmpl-" : "cmpl-", request_id_);
     header_.created = std::chrono::duration_cast<std::chrono::seconds>(
                           std::chrono::system_clock::now().time_since_epoch())
                           .count();
     header_.model = setup.model;
     header_.include_usage = setup.include_usage;
+    header_.tokens_as_ids = setup.tokens_as_ids;
     stream_ = setup.stream;
     logprobs_ = setup.logprobs;
     echo_ = setup.echo;
@@ -258,12 +274,10 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
     prompt_tokens_ = static_cast<int64_t>(setup.prompt.size());
     remaining_ = setup.n;
   }
-  void set_tokens_as_ids(bool v) { header_.tokens_as_ids = v; }
 
   // Runs the generations (after admission).
   void Start() {
-    started_at_ = Clock::now();
-    router_->metrics().queue_time.Observe(Seconds(started_at_ - arrived_));
+    router_->metrics().queue_time.Observe(Seconds(Clock::now() - arrived_));
     std::vector<std::shared_ptr<Generation>> gens;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -541,7 +555,7 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
                         std::optional<FinishReason> finish) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     StartStreamLocked();
     Choice& c = choices_[index];
-    if (kind_ == Kind::kChat) {
+    if (kind_ == CallKind::kChat) {
       ChatDelta d;
       d.index = index;
       d.first = !c.role_sent;
@@ -579,14 +593,14 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
     if (stream_) {
       StartStreamLocked();
       if (header_.include_usage) {
-        writer_->Write(UsageChunk(header_, UsageLocked(), kind_ == Kind::kChat));
+        writer_->Write(UsageChunk(header_, UsageLocked(), kind_ == CallKind::kChat));
       }
       writer_->Write(DoneChunk());
       writer_->End();
       return;
     }
     std::string body;
-    if (kind_ == Kind::kChat) {
+    if (kind_ == CallKind::kChat) {
       std::vector<ChatChoice> out;
       for (size_t i = 0; i < choices_.size(); ++i) {
         ChatChoice c;
@@ -614,20 +628,15 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
   }
 
   void SendApiError(const absl::Status& status) {
-    router_->metrics().requests.WithLabels({endpoint(), std::to_string(ApiErrorFromStatus(status).http_status)}).Inc();
-    const ApiError e = ApiErrorFromStatus(status);
-    http::HeaderList h = Headers();
-    if (e.http_status == 429 || e.http_status == 503) h.emplace_back("Retry-After", "1");
-    writer_->Send(e.http_status, kJson, ApiErrorJson(e), h);
+    router_->SendError(endpoint(), request_id_, *writer_, status, Headers());
   }
 
   Router::Impl* const router_;
   const std::shared_ptr<http::ResponseWriter> writer_;
-  const Kind kind_;
+  const CallKind kind_;
   const std::string request_id_;
   const std::shared_ptr<const RouterConfig> config_;
   const Clock::time_point arrived_;
-  Clock::time_point started_at_;
   std::string session_id_;
   ResponseHeader header_;
   bool stream_ = false;
@@ -736,11 +745,7 @@ void Router::Impl::RegisterCallbacks() {
   registry_.AddCallbackGauge(
       "tandem_router_kv_index_blocks", "Entries in a pool's KV index (kv_cache_aware).", {"pool"},
       [this](MetricEmitter& e) {
-        std::shared_ptr<RoutingState> rs;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          rs = routing_;
-        }
+        std::shared_ptr<RoutingState> rs = CurrentRouting();
         if (rs == nullptr) return;
         for (int r = 0; r < kNumPoolRoles; ++r) {
           if (rs->index[r] != nullptr) {
@@ -753,11 +758,7 @@ void Router::Impl::RegisterCallbacks() {
       "Workers in a pool's KV index by mode: exact (fed by KV events), approximate (from the "
       "router's own decisions, with a TTL) or stale (events lost, resyncing).",
       {"pool", "mode"}, [this](MetricEmitter& e) {
-        std::shared_ptr<RoutingState> rs;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          rs = routing_;
-        }
+        std::shared_ptr<RoutingState> rs = CurrentRouting();
         if (rs == nullptr) return;
         for (int r = 0; r < kNumPoolRoles; ++r) {
           if (rs->index[r] == nullptr) continue;
@@ -877,17 +878,11 @@ void Router::Impl::ApplyClusterConfig(const RouterConfig& config) {
 }
 
 std::shared_ptr<RoutingState> Router::Impl::Routing() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (routing_ != nullptr) return routing_;
-  }
+  if (std::shared_ptr<RoutingState> rs = CurrentRouting(); rs != nullptr) return rs;
   std::optional<tandem::v1::ModelInfo> info = cluster_.AnyModelInfo();
   if (!info.has_value()) return nullptr;
   std::lock_guard<std::mutex> build(build_mu_);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (routing_ != nullptr) return routing_;  // built meanwhile
-  }
+  if (std::shared_ptr<RoutingState> rs = CurrentRouting(); rs != nullptr) return rs;  // built meanwhile
   std::shared_ptr<RoutingState> rs = BuildRouting(config(), *info);
   std::lock_guard<std::mutex> lock(mu_);
   routing_ = rs;
@@ -1031,7 +1026,7 @@ bool Router::Impl::TakeRetry() {
   return true;
 }
 
-void Router::Impl::Admit(const std::shared_ptr<ApiCall>& call, const std::string& endpoint) {
+void Router::Impl::Admit(const std::shared_ptr<ApiCall>& call) {
   bool start_now = false;
   absl::Status refused;
   {
@@ -1060,7 +1055,7 @@ void Router::Impl::Admit(const std::shared_ptr<ApiCall>& call, const std::string
     }
   }
   if (!refused.ok()) {
-    SendError(endpoint, call->request_id(), *call->writer(), refused);
+    SendError(call->endpoint(), call->request_id(), *call->writer(), refused);
     return;
   }
   // A client that goes away cancels its work (or its place in the queue).
@@ -1123,9 +1118,11 @@ std::string Router::Impl::RequestId(const http::Request& req) {
 }
 
 void Router::Impl::SendError(const std::string& endpoint, const std::string& request_id,
-                             http::ResponseWriter& w, const absl::Status& status) {
+                             http::ResponseWriter& w, const absl::Status& status,
+                             http::HeaderList headers) {
   const ApiError e = ApiErrorFromStatus(status);
-  http::HeaderList h = {{"x-request-id", request_id}};
+  http::HeaderList h =
+      headers.empty() ? http::HeaderList{{"x-request-id", request_id}} : std::move(headers);
   if (e.http_status == 429 || e.http_status == 503) h.emplace_back("Retry-After", "1");
   metrics_->requests.WithLabels({endpoint, std::to_string(e.http_status)}).Inc();
   if (e.http_status >= 500) {
@@ -1265,31 +1262,15 @@ void Router::Impl::HandleChat(const http::Request& req, std::shared_ptr<http::Re
   absl::StatusOr<std::string> text =
       RenderChat(MessagesJson(parsed->messages), add_generation_prompt, extra);
   if (!text.ok()) return fail(text.status());
-  ApiCall::Setup s;
+  CallSetup s;
   s.prompt = assets_->tokenizer->Encode(*text, /*add_special_tokens=*/false);
   if (absl::Status st = CheckPrompt(s.prompt, parsed->sampling.max_tokens, "messages"); !st.ok()) {
     return fail(st);
   }
-  s.session_id = std::string(req.Header(cfg->sessions.header));
-  std::optional<int64_t> lp;
-  if (parsed->logprobs) lp = parsed->top_logprobs.value_or(0);
-  s.sampling = ToSampling(parsed->sampling, lp);
-  s.seed = parsed->sampling.seed;
-  s.n = static_cast<int>(parsed->sampling.n);
-  s.stops = parsed->sampling.stop;
-  s.stream = parsed->sampling.stream;
-  s.include_usage = parsed->sampling.include_usage;
-  s.logprobs = parsed->logprobs;
-  s.model = parsed->model;
-  auto call = std::make_shared<ApiCall>(this, w, ApiCall::Kind::kChat, id, cfg);
-  uint64_t seed;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    seed = rng_();
-  }
-  call->Prepare(std::move(s), seed);
-  call->set_tokens_as_ids(parsed->sampling.return_tokens_as_token_ids);
-  Admit(call, "chat");
+  std::optional<int64_t> top;
+  if (parsed->logprobs) top = parsed->top_logprobs.value_or(0);
+  StartCall(CallKind::kChat, req, std::move(w), id, cfg, std::move(s), parsed->model,
+            parsed->sampling, top);
 }
 
 void Router::Impl::HandleCompletion(const http::Request& req,
@@ -1300,7 +1281,7 @@ void Router::Impl::HandleCompletion(const http::Request& req,
   absl::StatusOr<CompletionRequest> parsed = ParseCompletionRequest(req.body);
   if (!parsed.ok()) return fail(parsed.status());
   if (parsed->model != cfg->model.served_name) return fail(UnknownModelError(parsed->model));
-  ApiCall::Setup s;
+  CallSetup s;
   if (const std::string* text = std::get_if<std::string>(&parsed->prompt)) {
     s.prompt = assets_->tokenizer->Encode(*text, /*add_special_tokens=*/true);
     if (parsed->echo) s.echo = *text;
@@ -1317,24 +1298,33 @@ void Router::Impl::HandleCompletion(const http::Request& req,
     return fail(InvalidRequest("echo", "echo with logprobs needs prompt logprobs, which this "
                                        "server does not compute; drop one of them"));
   }
+  StartCall(CallKind::kCompletion, req, std::move(w), id, cfg, std::move(s), parsed->model,
+            parsed->sampling, parsed->logprobs);
+}
+
+void Router::Impl::StartCall(CallKind kind, const http::Request& req,
+                             std::shared_ptr<http::ResponseWriter> w, const std::string& id,
+                             std::shared_ptr<const RouterConfig> cfg, CallSetup s,
+                             const std::string& model, const SamplingFields& sampling,
+                             std::optional<int64_t> logprobs) {
   s.session_id = std::string(req.Header(cfg->sessions.header));
-  s.sampling = ToSampling(parsed->sampling, parsed->logprobs);
-  s.seed = parsed->sampling.seed;
-  s.n = static_cast<int>(parsed->sampling.n);
-  s.stops = parsed->sampling.stop;
-  s.stream = parsed->sampling.stream;
-  s.include_usage = parsed->sampling.include_usage;
-  s.logprobs = parsed->logprobs.has_value();
-  s.model = parsed->model;
-  auto call = std::make_shared<ApiCall>(this, w, ApiCall::Kind::kCompletion, id, cfg);
+  s.sampling = ToSampling(sampling, logprobs);
+  s.seed = sampling.seed;
+  s.n = static_cast<int>(sampling.n);
+  s.stops = sampling.stop;
+  s.stream = sampling.stream;
+  s.include_usage = sampling.include_usage;
+  s.logprobs = logprobs.has_value();
+  s.tokens_as_ids = sampling.return_tokens_as_token_ids;
+  s.model = model;
+  auto call = std::make_shared<ApiCall>(this, std::move(w), kind, id, std::move(cfg));
   uint64_t seed;
   {
     std::lock_guard<std::mutex> lock(mu_);
     seed = rng_();
   }
   call->Prepare(std::move(s), seed);
-  call->set_tokens_as_ids(parsed->sampling.return_tokens_as_token_ids);
-  Admit(call, "completions");
+  Admit(call);
 }
 
 void Router::Impl::HandleModels(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
