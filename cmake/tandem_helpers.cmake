@@ -33,6 +33,11 @@ function(tandem_cc_test)
   endif()
   set(props TIMEOUT ${T_TIMEOUT})
   if(T_LABELS)
+    # One label: gtest_discover_tests flattens a list into property names.
+    list(LENGTH T_LABELS n_labels)
+    if(n_labels GREATER 1)
+      message(FATAL_ERROR "${T_NAME}: one label per test (got ${T_LABELS})")
+    endif()
     list(APPEND props LABELS "${T_LABELS}")
   endif()
   # A ctest fixture (e.g. test data fetched by a setup test) run first.

@@ -389,6 +389,106 @@ TEST_F(RouterE2eTest, KilledWorkerFailsItsStreamsCleanlyAndServiceContinues) {
   EXPECT_EQ(Get("/health").http.status, 200);
 }
 
+TEST_F(RouterE2eTest, FirstTokenTimeoutIs504AndCancelsTheWork) {
+  WorkerProcess* w = StartBoth();
+  ASSERT_NE(w, nullptr);
+  // Rare health checks: the hung worker stays routable.
+  ASSERT_NE(StartRouter({.decode = {w->address()},
+                         .extra = "timeouts:\n  first_token_s: 0.5\n",
+                         .health_interval_s = 30}),
+            nullptr);
+  {
+    PausedWorker paused(w);
+    for (bool stream : {false, true}) {
+      const auto start = std::chrono::steady_clock::now();
+      Reply r = Post("/v1/chat/completions", Chat("Anyone there?", 8, {{"stream", stream}}));
+      const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      // Nothing was streamed yet, so even a stream gets the status.
+      EXPECT_EQ(r.http.status, 504) << r.http.body;
+      EXPECT_THAT(r.json["error"]["message"].get<std::string>(), HasSubstr("first_token_s"));
+      EXPECT_EQ(r.http.Header("x-tandem-decode-worker"), w->address());
+      EXPECT_LT(took, 5.0);
+    }
+  }
+  // Resumed, the worker learns of the cancellations and frees everything;
+  // the next request is served.
+  ExpectIdle(w->stub(), "after the timeouts");
+  EXPECT_EQ(Post("/v1/chat/completions", Chat("Now?", 4)).http.status, 200);
+  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_outcomes_total{worker=\"", w->address(),
+                                "\",outcome=\"timeout\"}")),
+            2);
+}
+
+TEST_F(RouterE2eTest, IdleStreamTimeoutEndsTheStreamWithAnError) {
+  // The decode worker's KV pull is held back 3 s: the first token (from the
+  // prefill worker) is out, then the stream goes quiet.
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode({"--kv-fault", "delay_ms=3000"});
+  ASSERT_TRUE(prefill && decode);
+  ASSERT_NE(StartRouter({.prefill = {prefill->address()},
+                         .decode = {decode->address()},
+                         .mode = "always",
+                         .extra = "timeouts:\n  idle_stream_s: 0.5\n"}),
+            nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  Reply r = Post("/v1/completions",
+                 Completion(json(MakePrompt(7, 64)), 16, {{"stream", true}, {"ignore_eos", true}}));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(r.http.status, 200) << r.http.body;
+  const Stream s = ParseStream(r.http.body, /*chat=*/false);
+  EXPECT_TRUE(s.done);
+  ASSERT_FALSE(s.events.empty());
+  EXPECT_FALSE(s.text.empty()) << "the first token was streamed";
+  ASSERT_TRUE(s.events.back().contains("error")) << r.http.body;
+  EXPECT_THAT(s.events.back()["error"]["message"].get<std::string>(), HasSubstr("idle_stream_s"));
+  EXPECT_LT(took, 2.5) << "the stream waited for the delayed pull";
+  ExpectIdle(decode->stub(), "decode after the idle timeout", std::chrono::seconds(15));
+  ExpectIdle(prefill->stub(), "prefill after the idle timeout", std::chrono::seconds(15));
+}
+
+TEST_F(RouterE2eTest, RequestsToADeadWorkerAreRetriedOnAnother) {
+  WorkerProcess* a = StartBoth();
+  WorkerProcess* b = StartBoth();
+  ASSERT_TRUE(a && b);
+  // The router has not noticed the death (health checks are 30 s apart):
+  // the request sent there fails before its first token and is retried.
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .health_interval_s = 30}), nullptr);
+  Kill(a);
+  for (int i = 0; i < 6; ++i) {
+    Reply r = Post("/v1/chat/completions", Chat("Still there?", 4, {{"stream", i % 2 == 1}}));
+    EXPECT_EQ(r.http.status, 200) << r.http.body;
+    EXPECT_EQ(r.http.Header("x-tandem-decode-worker"), b->address());
+  }
+  // One retry: the failure ejected the worker at once.
+  EXPECT_EQ(Metric("tandem_router_retries_total"), 1);
+  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"",
+                                a->address(), "\"}")),
+            0);
+}
+
+TEST_F(RouterE2eTest, WithoutRetriesTheDeadWorkersRequestFails) {
+  WorkerProcess* a = StartBoth();
+  WorkerProcess* b = StartBoth();
+  ASSERT_TRUE(a && b);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()},
+                         .extra = "retries:\n  max_attempts: 1\n",
+                         .health_interval_s = 30}),
+            nullptr);
+  Kill(a);
+  std::map<int, int> statuses;
+  for (int i = 0; i < 6; ++i) {
+    Reply r = Post("/v1/chat/completions", Chat("Still there?", 4));
+    ++statuses[r.http.status];
+    if (r.http.status != 200) {
+      EXPECT_EQ(r.http.status, 503) << r.http.body;
+      EXPECT_EQ(r.http.Header("x-tandem-decode-worker"), a->address());
+    }
+  }
+  EXPECT_EQ(statuses[503], 1);
+  EXPECT_EQ(statuses[200], 5);
+  EXPECT_EQ(Metric("tandem_router_retries_total"), 0);
+}
+
 TEST_F(RouterE2eTest, SighupReloadsAGoodConfigAndKeepsTheOldOnABadOne) {
   WorkerProcess* a = StartBoth();
   WorkerProcess* b = StartBoth();

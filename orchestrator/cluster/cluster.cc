@@ -126,7 +126,7 @@ void Cluster::ClearPool(PoolRole role) {
 void Cluster::SetKvIndex(PoolRole role, std::shared_ptr<KvIndex> index) {
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<Pool>& p = pools_[static_cast<int>(role)];
-  if (!p.has_value()) return;
+  if (!p.has_value() || p->index == index) return;
   p->index = std::move(index);
   // Subscriptions opened before carry the old index list: restart them.
   for (const std::string& address : p->addresses) CancelSubscription(address);

@@ -99,6 +99,10 @@ class KvCacheAwarePolicy : public RoutingPolicy {
   // their ratio is the predicted prefix hit rate.
   uint64_t requested_blocks() const { return requested_blocks_.load(std::memory_order_relaxed); }
   uint64_t matched_blocks() const { return matched_blocks_.load(std::memory_order_relaxed); }
+  // "requested_blocks" and "matched_blocks".
+  std::vector<std::pair<std::string, uint64_t>> Counters() const override {
+    return {{"requested_blocks", requested_blocks()}, {"matched_blocks", matched_blocks()}};
+  }
 
  private:
   static std::chrono::steady_clock::time_point SteadyNow() {

@@ -29,15 +29,14 @@
 #ifndef TANDEM_ORCHESTRATOR_ROUTING_PREFIX_AWARE_H_
 #define TANDEM_ORCHESTRATOR_ROUTING_PREFIX_AWARE_H_
 
-#include <mutex>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/base/thread_annotations.h"
 #include "orchestrator/routing/routing_policy.h"
 
@@ -62,6 +61,10 @@ class PrefixAwarePolicy : public RoutingPolicy {
   uint64_t spillovers() const { return spillovers_.load(std::memory_order_relaxed); }
   // Times the ring was (re)built for a new list of ids.
   uint64_t ring_builds() const { return ring_builds_.load(std::memory_order_relaxed); }
+  // "spillovers" and "ring_builds".
+  std::vector<std::pair<std::string, uint64_t>> Counters() const override {
+    return {{"spillovers", spillovers()}, {"ring_builds", ring_builds()}};
+  }
 
  private:
   struct Ring {

@@ -18,6 +18,8 @@ namespace tandem::router {
 
 RoutingPolicy::~RoutingPolicy() = default;
 
+std::vector<std::pair<std::string, uint64_t>> RoutingPolicy::Counters() const { return {}; }
+
 void RoutingPolicyRegistry::Register(std::string name, Factory f) {
   const bool inserted = factories_.emplace(name, std::move(f)).second;
   CHECK(inserted) << "routing policy '" << name << "' registered twice";

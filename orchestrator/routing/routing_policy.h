@@ -29,6 +29,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -61,6 +62,11 @@ class RoutingPolicy {
   // worker. Thread-safe.
   virtual absl::StatusOr<size_t> Pick(const RouteRequest& req,
                                       std::span<const WorkerView> workers) = 0;
+
+  // Named event counts the policy keeps (sticky_session's "repins",
+  // prefix_aware's "spillovers", ...), monotonic over the policy's life, for
+  // the router's metrics. Default: none. Thread-safe.
+  virtual std::vector<std::pair<std::string, uint64_t>> Counters() const;
 };
 
 // Policy parameters by name, as strings (the YAML layer fills them). Each

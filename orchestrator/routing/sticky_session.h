@@ -19,18 +19,17 @@
 #ifndef TANDEM_ORCHESTRATOR_ROUTING_STICKY_SESSION_H_
 #define TANDEM_ORCHESTRATOR_ROUTING_STICKY_SESSION_H_
 
-#include <mutex>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/base/thread_annotations.h"
 #include "orchestrator/routing/round_robin.h"
 #include "orchestrator/routing/routing_policy.h"
 
@@ -59,6 +58,10 @@ class StickySessionPolicy : public RoutingPolicy {
   uint64_t evictions() const { return evictions_.load(std::memory_order_relaxed); }
   // Pins held now (expired ones are dropped lazily, on the next Pick).
   size_t sessions() const;
+  // "repins" and "evictions".
+  std::vector<std::pair<std::string, uint64_t>> Counters() const override {
+    return {{"repins", repins()}, {"evictions", evictions()}};
+  }
 
  private:
   struct Pin {

@@ -173,7 +173,12 @@ void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
     const std::vector<TokenOutput> token_list(msg.tokens().begin(), msg.tokens().end());
     const std::span<const TokenOutput> tokens(token_list);
     const bool final = msg.finish_reason() != tandem::v1::FINISH_REASON_UNSPECIFIED;
-    if (final) call->finished = true;
+    if (final) {
+      call->finished = true;
+      // The worker is done with it: load-aware policies see that before the
+      // client sees the end of its response.
+      call->in_flight = InFlight();
+    }
     switch (call->kind) {
       case CallKind::kAggregated:
         if (!tokens.empty()) {
@@ -337,6 +342,11 @@ void Generation::FinishLocked(GenerationResult result, bool cancel_prefill) {
   if (done_) return;
   done_ = true;
   CancelCallsLocked(cancel_prefill);
+  // A failure before any token still names the workers last tried.
+  if (!placed_ && placement_.decode != nullptr) {
+    placed_ = true;
+    sink_->OnPlaced(options_.choice, placement_);
+  }
   sink_->OnDone(options_.choice, result);
 }
 

@@ -87,7 +87,8 @@ class GenerationSink {
  public:
   virtual ~GenerationSink() = default;
   // The first token is about to reach the sink: the attempt's workers are
-  // final. Called once, before the first OnTokens.
+  // final. Called once, before the first OnTokens, or before an OnDone that
+  // ends the generation without tokens (the workers last tried).
   virtual void OnPlaced(int choice, const Placement& placement) = 0;
   // New tokens, in order. Return false to stop the generation here (a stop
   // string matched): the workers are cancelled and OnDone follows with

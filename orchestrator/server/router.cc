@@ -49,7 +49,11 @@ constexpr char kJson[] = "application/json";
 // model's block size and hash seed) and their KV indexes.
 struct RoutingState {
   std::shared_ptr<const RouterConfig> config;
-  std::unique_ptr<RoutingPolicy> policy[kNumPoolRoles];
+  // Shared with the next state when a reload leaves a pool's policy and its
+  // parameters as they were, so its state (cursor, ring, sessions, index,
+  // counters) carries on.
+  std::shared_ptr<RoutingPolicy> policy[kNumPoolRoles];
+  PolicyParams params[kNumPoolRoles];  // as created (model values injected)
   std::shared_ptr<KvIndex> index[kNumPoolRoles];
   int block_size = 16;
   uint64_t block_hash_seed = 0;
@@ -160,8 +164,11 @@ class Router::Impl {
     std::lock_guard<std::mutex> lock(mu_);
     return routing_;
   }
+  // `prev` (may be null): the running state, whose policies are kept where
+  // the config leaves them unchanged.
   std::shared_ptr<RoutingState> BuildRouting(std::shared_ptr<const RouterConfig> config,
-                                             const tandem::v1::ModelInfo& info);
+                                             const tandem::v1::ModelInfo& info,
+                                             const RoutingState* prev);
   std::shared_ptr<const RouterConfig> config() const {
     std::lock_guard<std::mutex> lock(mu_);
     return config_;
@@ -777,6 +784,22 @@ void Router::Impl::RegisterCallbacks() {
         }
       });
   registry_.AddCallbackCounter(
+      "tandem_router_policy_events_total",
+      "Events a pool's routing policy counts: sticky_session repins and evictions, prefix_aware "
+      "spillovers and ring_builds, kv_cache_aware requested_blocks and matched_blocks (their "
+      "ratio is the predicted prefix hit rate).",
+      {"pool", "policy", "event"}, [this](MetricEmitter& e) {
+        std::shared_ptr<RoutingState> rs = CurrentRouting();
+        if (rs == nullptr) return;
+        for (int r = 0; r < kNumPoolRoles; ++r) {
+          if (rs->policy[r] == nullptr) continue;
+          const std::string pool = PoolRoleName(static_cast<PoolRole>(r));
+          for (const auto& [event, value] : rs->policy[r]->Counters()) {
+            e.Emit({pool, rs->policy[r]->name(), event}, static_cast<double>(value));
+          }
+        }
+      });
+  registry_.AddCallbackCounter(
       "tandem_router_health_checks_total", "Active health checks, by result.", {"result"},
       [this](MetricEmitter& e) {
         const Cluster::Stats s = cluster_.stats();
@@ -883,14 +906,15 @@ std::shared_ptr<RoutingState> Router::Impl::Routing() {
   if (!info.has_value()) return nullptr;
   std::lock_guard<std::mutex> build(build_mu_);
   if (std::shared_ptr<RoutingState> rs = CurrentRouting(); rs != nullptr) return rs;  // built meanwhile
-  std::shared_ptr<RoutingState> rs = BuildRouting(config(), *info);
+  std::shared_ptr<RoutingState> rs = BuildRouting(config(), *info, nullptr);
   std::lock_guard<std::mutex> lock(mu_);
   routing_ = rs;
   return routing_;
 }
 
 std::shared_ptr<RoutingState> Router::Impl::BuildRouting(std::shared_ptr<const RouterConfig> config,
-                                                         const tandem::v1::ModelInfo& info) {
+                                                         const tandem::v1::ModelInfo& info,
+                                                         const RoutingState* prev) {
   auto rs = std::make_shared<RoutingState>();
   rs->config = config;
   rs->block_size = std::max(1, info.block_size());
@@ -909,14 +933,20 @@ std::shared_ptr<RoutingState> Router::Impl::BuildRouting(std::shared_ptr<const R
       params["block_hash_seed"] = std::to_string(info.block_hash_seed());
       params["block_size"] = std::to_string(rs->block_size);
     }
-    absl::StatusOr<std::unique_ptr<RoutingPolicy>> p = registry.Create(pool->policy.name, params);
-    if (!p.ok()) {
-      // Validated at load; only the injected model values could fail.
-      LOG(ERROR) << PoolRoleName(role) << " pool policy: " << p.status().ToString();
-      return nullptr;
-    }
     const int r = static_cast<int>(role);
-    rs->policy[r] = *std::move(p);
+    if (prev != nullptr && prev->policy[r] != nullptr &&
+        prev->policy[r]->name() == pool->policy.name && prev->params[r] == params) {
+      rs->policy[r] = prev->policy[r];
+    } else {
+      absl::StatusOr<std::unique_ptr<RoutingPolicy>> p = registry.Create(pool->policy.name, params);
+      if (!p.ok()) {
+        // Validated at load; only the injected model values could fail.
+        LOG(ERROR) << PoolRoleName(role) << " pool policy: " << p.status().ToString();
+        return nullptr;
+      }
+      rs->policy[r] = *std::move(p);
+    }
+    rs->params[r] = std::move(params);
     if (auto* kv = dynamic_cast<KvCacheAwarePolicy*>(rs->policy[r].get())) {
       rs->index[r] = kv->index();
       if (config->kv_events.enabled) cluster_.SetKvIndex(role, rs->index[r]);
@@ -950,7 +980,7 @@ absl::Status Router::Impl::Reload() {
   ApplyClusterConfig(*next);
   std::shared_ptr<RoutingState> rs;
   if (std::optional<tandem::v1::ModelInfo> info = cluster_.AnyModelInfo(); info.has_value()) {
-    rs = BuildRouting(next, *info);
+    rs = BuildRouting(next, *info, CurrentRouting().get());
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -1,7 +1,10 @@
 #include "tests/testing/router_test.h"
 
+#include <signal.h>
 #include <sys/wait.h>
 
+#include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -28,6 +31,9 @@ std::string RouterYaml::Text() const {
   if (!prefill.empty()) absl::StrAppend(&y, "  prefill:\n    workers: ", List(prefill), "\n", policy_yaml);
   absl::StrAppend(&y, "  decode:\n    workers: ", List(decode), "\n", policy_yaml);
   absl::StrAppend(&y, "disaggregation:\n  mode: ", prefill.empty() ? "never" : mode, "\n");
+  if (auto_threshold_tokens > 0) {
+    absl::StrAppend(&y, "  auto_threshold_tokens: ", auto_threshold_tokens, "\n");
+  }
   absl::StrAppend(&y, "health:\n  interval_s: ", health_interval_s, "\n  timeout_s: ",
                   health_interval_s, "\n");
   absl::StrAppend(&y, extra);
@@ -101,6 +107,64 @@ RouterTest::Reply RouterTest::Get(const std::string& target) {
   r.json = nlohmann::json::parse(r.http.body, nullptr, false);
   if (r.json.is_discarded()) r.json = nullptr;
   return r;
+}
+
+std::future<RouterTest::Reply> RouterTest::PostAsync(const std::string& target,
+                                                    const nlohmann::json& body,
+                                                    const Headers& headers) {
+  return std::async(std::launch::async, [this, target, body, headers] {
+    return Post(target, body, headers);
+  });
+}
+
+std::optional<double> RouterTest::Metric(const std::string& series) {
+  const HttpResponse r = HttpGet(router_->url(), "/metrics");
+  if (r.status != 200) return std::nullopt;
+  const std::string needle = "\n" + series + " ";
+  const size_t at = ("\n" + r.body).find(needle);
+  if (at == std::string::npos) return std::nullopt;
+  return std::strtod(r.body.c_str() + at + series.size() + 1, nullptr);
+}
+
+bool RouterTest::WaitForMetric(const std::string& series, const std::function<bool(double)>& pred,
+                               std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred(Metric(series).value_or(0))) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+PausedWorker::PausedWorker(WorkerProcess* w) : worker_(w) {
+  ::kill(w->pid(), SIGSTOP);
+  // The stop is asynchronous: wait until every thread of the worker is
+  // stopped, so no request sent from now on gets an answer.
+  const std::string tasks = absl::StrCat("/proc/", w->pid(), "/task");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    bool all_stopped = true;
+    std::error_code ec;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+      std::ifstream stat(task.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      // "pid (comm) S ...": the state follows the last ')'.
+      const size_t paren = line.rfind(')');
+      if (paren == std::string::npos || paren + 2 >= line.size() ||
+          (line[paren + 2] != 'T' && line[paren + 2] != 't')) {
+        all_stopped = false;
+      }
+    }
+    if (all_stopped && !ec) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ADD_FAILURE() << "worker " << w->pid() << " did not stop";
+}
+
+void PausedWorker::Resume() {
+  if (worker_ != nullptr) ::kill(worker_->pid(), SIGCONT);
+  worker_ = nullptr;
 }
 
 }  // namespace tandem::testing

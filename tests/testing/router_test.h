@@ -4,7 +4,10 @@
 #ifndef TANDEM_TESTS_TESTING_ROUTER_TEST_H_
 #define TANDEM_TESTS_TESTING_ROUTER_TEST_H_
 
+#include <functional>
+#include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +23,7 @@ struct RouterYaml {
   std::vector<std::string> prefill;
   std::vector<std::string> decode;
   std::string mode = "never";
+  int auto_threshold_tokens = 0;  // 0: the default
   std::string policy = "round_robin";
   std::string policy_params;   // YAML lines under params, e.g. "seed: \"1\""
   std::string extra;           // appended top-level YAML (limits, timeouts...)
@@ -47,10 +51,36 @@ class RouterTest : public WorkerTest {
   Reply Post(const std::string& target, const nlohmann::json& body, const Headers& headers = {});
   Reply Get(const std::string& target);
 
+  // Post on another thread (the reply's future).
+  std::future<Reply> PostAsync(const std::string& target, const nlohmann::json& body,
+                               const Headers& headers = {});
+  // The value of one series on the router's /metrics, e.g.
+  // `tandem_router_retries_total` or `tandem_router_worker_healthy{pool="decode",worker="h:p"}`
+  // (labels in the order the metric declares them); nullopt if absent.
+  std::optional<double> Metric(const std::string& series);
+  // Polls Metric(series) until `pred` holds for it (absent reads as 0);
+  // false after `timeout`.
+  bool WaitForMetric(const std::string& series, const std::function<bool(double)>& pred,
+                     std::chrono::milliseconds timeout = std::chrono::seconds(20));
+
   RouterProcess* router() { return router_.get(); }
 
  private:
   std::unique_ptr<RouterProcess> router_;
+};
+
+// SIGSTOPs a worker for its lifetime (SIGCONT at the end): a hung worker
+// whose connections stay open, so requests the router sends it wait.
+class PausedWorker {
+ public:
+  explicit PausedWorker(WorkerProcess* w);
+  ~PausedWorker() { Resume(); }
+  PausedWorker(const PausedWorker&) = delete;
+  PausedWorker& operator=(const PausedWorker&) = delete;
+  void Resume();
+
+ private:
+  WorkerProcess* worker_;
 };
 
 // Polls `url`/health until it answers 200 or `timeout` passes.
