@@ -8,6 +8,8 @@
 // load-aware policies must steer around it. No test depends on timing: a
 // request is known to hang when the router's in-flight gauge for the paused
 // worker counts it.
+#include <signal.h>
+
 #include <future>
 #include <map>
 #include <set>
@@ -63,7 +65,8 @@ class RouterPolicyTest : public RouterTest {
                                            const std::string& params = "",
                                            const std::string& extra = "") {
     std::vector<WorkerProcess*> workers;
-    RouterYaml y{.policy = policy, .policy_params = params, .extra = extra, .health_interval_s = 30};
+    RouterYaml& y = yaml_;
+    y = RouterYaml{.policy = policy, .policy_params = params, .extra = extra, .health_interval_s = 30};
     for (int i = 0; i < n; ++i) {
       workers.push_back(StartBoth());
       if (workers.back() == nullptr) return {};
@@ -104,6 +107,8 @@ class RouterPolicyTest : public RouterTest {
     hung.push_back(std::move(f));
     return "";
   }
+
+  RouterYaml yaml_;  // StartCluster's
 };
 
 TEST_F(RouterPolicyTest, RoundRobinSpreadsEvenly) {
@@ -238,6 +243,20 @@ TEST_F(RouterPolicyTest, StickySessionPinsSessionsAndRepinsWhenTheirWorkerDies) 
     }
   }
   EXPECT_EQ(moved, 2);
+  EXPECT_EQ(Metric(PolicyEvent("sticky_session", "repins")), 2);
+
+  // A reload that leaves the policy as it was keeps the pins (and counts).
+  RouterYaml changed = yaml_;
+  changed.extra += "timeouts:\n  first_token_s: 30\n";
+  router()->Rewrite(changed.Text());
+  router()->Signal(SIGHUP);
+  ASSERT_TRUE(WaitForMetric("tandem_router_config_reloads_total{result=\"ok\"}",
+                            [](double v) { return v == 1; }));
+  for (int s = 0; s < 6; ++s) {
+    Reply r = Post("/v1/completions", Completion("turn"), {{"X-Conversation", absl::StrCat("s", s)}});
+    ASSERT_EQ(r.http.status, 200) << r.http.body;
+    EXPECT_EQ(std::set<std::string>{DecodeWorker(r.http)}, after[absl::StrCat("s", s)]);
+  }
   EXPECT_EQ(Metric(PolicyEvent("sticky_session", "repins")), 2);
 }
 

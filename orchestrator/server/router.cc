@@ -144,6 +144,7 @@ class Router::Impl {
     CounterFamily& routed;
     CounterFamily& outcomes;
     CounterFamily& fallbacks;
+    CounterFamily& reloads;
     Counter& retries;
     Counter& prompt_tokens;
     Counter& cached_tokens;
@@ -700,6 +701,10 @@ Router::Impl::Metrics::Metrics(MetricsRegistry& r)
                              "Disaggregation fallbacks: local_prefill (placed aggregated on the "
                              "decode worker), kv_transfer (the KV never reached it).",
                              {"kind"})),
+      reloads(r.AddCounter("tandem_router_config_reloads_total",
+                           "Config reloads (SIGHUP), by result: ok, or error (the running "
+                           "config stays).",
+                           {"result"})),
       retries(r.AddCounter("tandem_router_retries_total",
                            "Attempts repeated on another worker before the first token.")
                   .Get()),
@@ -965,6 +970,7 @@ absl::Status Router::Impl::Reload() {
   if (!loaded.ok()) {
     LOG(ERROR) << "reload of " << config_path_ << " failed; keeping the running config: "
                << loaded.status().message();
+    metrics_->reloads.WithLabels({"error"}).Inc();
     return loaded.status();
   }
   auto next = std::make_shared<const RouterConfig>(*std::move(loaded));
@@ -988,6 +994,7 @@ absl::Status Router::Impl::Reload() {
     routing_ = rs;  // null: rebuilt when a worker reports the model
   }
   LOG(INFO) << "reloaded " << config_path_;
+  metrics_->reloads.WithLabels({"ok"}).Inc();
   return absl::OkStatus();
 }
 
