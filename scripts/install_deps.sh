@@ -11,6 +11,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev
   python3 python3-numpy
   python3-jinja2  # chat_template_test's reference renderer (transformers' Jinja2 setup)
+  dnsmasq-base  # router_dns_test's DNS server for discovery (A records added and removed)
 )
 # The tokenizer tests fetch reference data with npm: Debian's Node.js unless
 # one is installed already.

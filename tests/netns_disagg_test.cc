@@ -12,7 +12,6 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -33,18 +32,6 @@ using std::chrono::milliseconds;
 using std::chrono::seconds;
 
 constexpr const char* kIp = "/usr/sbin/ip";
-
-// Runs a command line; its output goes to `out` when given.
-int Run(const std::string& cmd, std::string* out = nullptr) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return -1;
-  std::string text;
-  char buf[512];
-  while (fgets(buf, sizeof(buf), p) != nullptr) text += buf;
-  const int rc = pclose(p);
-  if (out != nullptr) *out = text;
-  return rc;
-}
 
 // Two namespaces joined by a veth pair, each with a control veth to the root
 // namespace. Names and subnets carry the pid, so concurrent runs (other
@@ -97,7 +84,7 @@ class Topology {
     };
     for (const std::string& c : cmds) {
       std::string out;
-      if (Run(c, &out) != 0) {
+      if (RunCommand(c, &out) != 0) {
         *why = absl::StrCat("`", c, "` failed: ", out);
         return nullptr;
       }
@@ -108,10 +95,10 @@ class Topology {
   ~Topology() {
     // The root ends first: a namespace a process still holds outlives `netns
     // del`, and with it its veths' peers.
-    Run(absl::StrCat(kIp, " link del ", ctl_root_p_));
-    Run(absl::StrCat(kIp, " link del ", ctl_root_d_));
-    Run(absl::StrCat(kIp, " netns del ", prefill_ns_));
-    Run(absl::StrCat(kIp, " netns del ", decode_ns_));
+    RunCommand(absl::StrCat(kIp, " link del ", ctl_root_p_));
+    RunCommand(absl::StrCat(kIp, " link del ", ctl_root_d_));
+    RunCommand(absl::StrCat(kIp, " netns del ", prefill_ns_));
+    RunCommand(absl::StrCat(kIp, " netns del ", decode_ns_));
   }
 
   // Launch options for a worker in the prefill or decode namespace: UCX uses
@@ -127,9 +114,9 @@ class Topology {
   // Bytes the decode worker's end of the pair has received.
   int64_t DecodePairRxBytes() const {
     std::string out;
-    Run(absl::StrCat(kIp, " netns exec ", decode_ns_, " cat /sys/class/net/", decode_if_,
-                     "/statistics/rx_bytes"),
-        &out);
+    RunCommand(absl::StrCat(kIp, " netns exec ", decode_ns_, " cat /sys/class/net/", decode_if_,
+                            "/statistics/rx_bytes"),
+               &out);
     return std::atoll(out.c_str());
   }
 

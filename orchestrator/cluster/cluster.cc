@@ -33,6 +33,11 @@ absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name, int
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* result = nullptr;
   const int rc = getaddrinfo(name.c_str(), nullptr, &hints, &result);
+  if (rc == EAI_NONAME || rc == EAI_NODATA) {
+    // A definite answer: the name has no addresses (a headless Service with
+    // no ready pods). The pool is empty, unlike after a failed lookup.
+    return std::vector<std::string>{};
+  }
   if (rc != 0) {
     return absl::UnavailableError(
         absl::StrFormat("resolving %s: %s", name, gai_strerror(rc)));
@@ -50,7 +55,6 @@ absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name, int
     }
   }
   freeaddrinfo(result);
-  if (out.empty()) return absl::UnavailableError(absl::StrFormat("%s has no addresses", name));
   return std::vector<std::string>(out.begin(), out.end());
 }
 
@@ -254,10 +258,13 @@ void Cluster::ResolvePools() {
     absl::StatusOr<std::vector<std::string>> addresses = ResolveAll(dns.dns, dns.port);
     std::lock_guard<std::mutex> lock(mu_);
     std::optional<Pool>& p = pools_[r];
-    if (!p.has_value() || !p->config.discovery.has_value() || p->config.discovery->dns != dns.dns) {
+    if (!p.has_value() || !p->config.discovery.has_value() ||
+        p->config.discovery->dns != dns.dns || p->config.discovery->port != dns.port) {
       continue;  // the pool changed meanwhile
     }
+    ++stats_.dns_lookups;
     if (!addresses.ok()) {
+      ++stats_.dns_failures;
       // Keep the last known members: a DNS outage should not empty the pool.
       LOG(WARNING) << PoolRoleName(static_cast<PoolRole>(r)) << " pool: "
                    << addresses.status().message() << "; keeping " << p->addresses.size()

@@ -43,8 +43,9 @@ inline constexpr int kNumPoolRoles = 2;
 const char* PoolRoleName(PoolRole role);  // "prefill", "decode"
 
 // Resolves `name` to every address it has (A and AAAA records), as
-// "host:port" strings ("[v6]:port"), sorted, without duplicates.
-// Unavailable naming the name when resolution fails.
+// "host:port" strings ("[v6]:port"), sorted, without duplicates; empty when
+// the name definitely has none (no such name, or no address records).
+// Unavailable naming the name when resolution fails (e.g. no answer).
 absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name, int port);
 
 class Cluster {
@@ -54,6 +55,8 @@ class Cluster {
     uint64_t health_check_failures = 0;
     uint64_t ejections = 0;        // healthy -> unhealthy, by health checks
     uint64_t readmissions = 0;     // unhealthy -> healthy after an ejection
+    uint64_t dns_lookups = 0;      // discovery lookups of DNS pools
+    uint64_t dns_failures = 0;     // of which failed (the last members kept)
   };
 
   // Called on the health thread whenever a worker's health changes

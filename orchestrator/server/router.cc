@@ -812,6 +812,15 @@ void Router::Impl::RegisterCallbacks() {
         e.Emit({"failed"}, static_cast<double>(s.health_check_failures));
       });
   registry_.AddCallbackCounter(
+      "tandem_router_dns_lookups_total",
+      "Discovery lookups of DNS pools, by result (failed: the last members are kept; a name "
+      "with no addresses is a successful lookup that empties the pool).",
+      {"result"}, [this](MetricEmitter& e) {
+        const Cluster::Stats s = cluster_.stats();
+        e.Emit({"ok"}, static_cast<double>(s.dns_lookups - s.dns_failures));
+        e.Emit({"failed"}, static_cast<double>(s.dns_failures));
+      });
+  registry_.AddCallbackCounter(
       "tandem_router_worker_ejections_total",
       "Workers ejected by failed health checks (readmissions are counted apart).", {"kind"},
       [this](MetricEmitter& e) {

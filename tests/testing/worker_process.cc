@@ -7,7 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -78,6 +80,17 @@ absl::StatusOr<std::string> TandemBinary() {
         "TANDEM_BIN is not set (ctest sets it; by hand: TANDEM_BIN=build/tandem)");
   }
   return std::string(bin);
+}
+
+int RunCommand(const std::string& command_line, std::string* output) {
+  FILE* p = popen((command_line + " 2>&1").c_str(), "r");
+  if (p == nullptr) return -1;
+  std::string text;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), p) != nullptr) text += buf;
+  const int rc = pclose(p);
+  if (output != nullptr) *output = text;
+  return rc;
 }
 
 // ---------------------------------------------------------------------------
@@ -176,11 +189,11 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
   const std::string ready_file = *dir + "/ready";
 
   std::vector<std::string> argv = launch.wrapper;
-  for (const char* a : {"worker", "--port", "0", "--ready-file"}) {
-    if (argv.size() == launch.wrapper.size()) argv.push_back(*bin);
-    argv.push_back(a);
+  argv.insert(argv.end(), {*bin, "worker"});
+  if (std::find(flags.begin(), flags.end(), "--port") == flags.end()) {
+    argv.insert(argv.end(), {"--port", "0"});
   }
-  argv.insert(argv.end(), {ready_file, "--threads", "1"});
+  argv.insert(argv.end(), {"--ready-file", ready_file, "--threads", "1"});
   argv.insert(argv.end(), flags.begin(), flags.end());
   absl::StatusOr<ChildProcess> child = ChildProcess::Spawn(argv);
   if (!child.ok()) {
@@ -240,7 +253,8 @@ int WorkerProcess::Stop(std::chrono::milliseconds grace) {
 // RouterProcess
 
 absl::StatusOr<std::unique_ptr<RouterProcess>> RouterProcess::Start(
-    const std::string& yaml, std::chrono::milliseconds ready_timeout) {
+    const std::string& yaml, std::chrono::milliseconds ready_timeout,
+    const LaunchOptions& launch) {
   absl::StatusOr<std::string> bin = TandemBinary();
   if (!bin.ok()) return bin.status();
   absl::StatusOr<std::string> dir = MakeTempDir();
@@ -251,14 +265,18 @@ absl::StatusOr<std::unique_ptr<RouterProcess>> RouterProcess::Start(
     std::ofstream out(config);
     out << yaml;
   }
-  absl::StatusOr<ChildProcess> child = ChildProcess::Spawn(
-      {*bin, "router", "--config", config, "--ready-file", ready_file});
+  std::vector<std::string> argv = launch.wrapper;
+  argv.insert(argv.end(), {*bin, "router", "--config", config, "--ready-file", ready_file});
+  absl::StatusOr<ChildProcess> child = ChildProcess::Spawn(argv);
   if (!child.ok()) return child.status();
   absl::StatusOr<std::string> address =
       WaitForReadyFile(*child, ready_file, ready_timeout, "tandem router");
   if (!address.ok()) {
     child->Stop(std::chrono::seconds(5));
     return address.status();
+  }
+  if (!launch.connect_host.empty()) {
+    *address = absl::StrCat(launch.connect_host, address->substr(address->rfind(':')));
   }
   return std::unique_ptr<RouterProcess>(
       new RouterProcess(std::move(*child), *dir, config, "http://" + *address));

@@ -5,8 +5,9 @@
 //
 // WorkerProcess::Start spawns
 //   tandem worker --port 0 --ready-file <temp dir>/ready --threads 1 <flags>
-// and waits, bounded, until the worker has written its address to the ready
-// file and accepts connections. Destruction stops it: SIGTERM, then SIGKILL
+// (without the `--port 0` when `flags` give a port) and waits, bounded,
+// until the worker has written its address to the ready file and accepts
+// connections. Destruction stops it: SIGTERM, then SIGKILL
 // if it has not exited within the grace period. The helper's own connection
 // is closed first: gRPC's server shutdown (as of 1.51) waits out its whole
 // deadline while any client connection stays open, idle or not. Children
@@ -34,6 +35,11 @@ namespace tandem::testing {
 
 // $TANDEM_BIN, or an error saying it is unset.
 absl::StatusOr<std::string> TandemBinary();
+
+// Runs `command_line` with /bin/sh (popen) and returns its exit status as
+// pclose reports it (-1 if it could not start); its standard output and
+// error go to `output` when given. For set-up commands such as `ip netns`.
+int RunCommand(const std::string& command_line, std::string* output = nullptr);
 
 // A process started with posix_spawn. If it is still running when the object
 // is destroyed it is killed with SIGKILL and reaped.
@@ -78,7 +84,8 @@ struct LaunchOptions {
 
 class WorkerProcess {
  public:
-  // `flags` follow the fixed ones, e.g. {"--kv-cache-memory", "1MiB"}.
+  // `flags` follow the fixed ones, e.g. {"--kv-cache-memory", "1MiB"}; a
+  // "--port" among them replaces the fixed `--port 0`.
   static absl::StatusOr<std::unique_ptr<WorkerProcess>> Start(
       const std::vector<std::string>& flags,
       std::chrono::milliseconds ready_timeout = std::chrono::seconds(30),
@@ -109,11 +116,14 @@ class WorkerProcess {
 };
 
 // `tandem router --config <temp dir>/router.yaml` with the given YAML, up
-// once it has written its ready file (its HTTP listener is bound).
+// once it has written its ready file (its HTTP listener is bound). `launch`
+// as for a worker: a wrapper before the binary, and the host url() names
+// instead of the ready file's.
 class RouterProcess {
  public:
   static absl::StatusOr<std::unique_ptr<RouterProcess>> Start(
-      const std::string& yaml, std::chrono::milliseconds ready_timeout = std::chrono::seconds(30));
+      const std::string& yaml, std::chrono::milliseconds ready_timeout = std::chrono::seconds(30),
+      const LaunchOptions& launch = {});
   ~RouterProcess();  // Stop() unless stopped already
 
   // "http://host:port".

@@ -1,0 +1,177 @@
+// `tandem up` as a user runs it: a local cluster of real child processes
+// that serves OpenAI requests, stops cleanly on Ctrl-C, stops everything
+// when one of its processes dies, and rejects bad flags with a message.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/http_client.h"
+#include "tests/testing/worker_process.h"
+
+namespace tandem::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using std::chrono::seconds;
+
+// Processes whose parent is `parent`, with their command lines.
+std::vector<std::pair<pid_t, std::string>> ChildrenOf(pid_t parent) {
+  std::vector<std::pair<pid_t, std::string>> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren == std::string::npos) continue;
+    // After ") ": state, then ppid.
+    char state = 0;
+    int ppid = 0;
+    if (std::sscanf(line.c_str() + paren + 1, " %c %d", &state, &ppid) != 2 || ppid != parent) {
+      continue;
+    }
+    std::ifstream cmdline_file(entry.path() / "cmdline");
+    std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)), {});
+    for (char& c : cmdline) c = c == '\0' ? ' ' : c;
+    out.emplace_back(std::atoi(name.c_str()), cmdline);
+  }
+  return out;
+}
+
+bool Alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+class UpCommandTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/tandem-up-test.XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    up_.reset();  // SIGKILL if still running (its children die with it: PDEATHSIG)
+    std::filesystem::remove_all(dir_);
+  }
+
+  // Starts `tandem up` with `flags`; the router's URL once it is ready.
+  std::string Start(const std::vector<std::string>& flags) {
+    absl::StatusOr<std::string> bin = TandemBinary();
+    if (!bin.ok()) {
+      ADD_FAILURE() << bin.status();
+      return "";
+    }
+    std::vector<std::string> argv = {*bin, "up", "--port", "0", "--ready-file", dir_ + "/url",
+                                     "--run-dir", dir_, "--worker-threads", "1"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    absl::StatusOr<ChildProcess> up = ChildProcess::Spawn(argv);
+    if (!up.ok()) {
+      ADD_FAILURE() << up.status();
+      return "";
+    }
+    up_ = std::make_unique<ChildProcess>(*std::move(up));
+    const auto deadline = std::chrono::steady_clock::now() + seconds(60);
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::ifstream in(dir_ + "/url");
+      std::string url;
+      if (in && std::getline(in, url) && !url.empty()) return url;
+      if (!up_->Running()) {
+        ADD_FAILURE() << "tandem up exited before it was ready";
+        return "";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ADD_FAILURE() << "tandem up was not ready within 60 s";
+    return "";
+  }
+
+  std::string dir_;
+  std::unique_ptr<ChildProcess> up_;
+};
+
+TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
+  const std::string url = Start({"--aggregated", "2", "--policy", "round_robin"});
+  ASSERT_FALSE(url.empty());
+  const std::vector<std::pair<pid_t, std::string>> children = ChildrenOf(up_->pid());
+  ASSERT_EQ(children.size(), 3u) << "two workers and a router";
+  std::set<std::string> served;
+  for (int i = 0; i < 4; ++i) {
+    const HttpResponse r = HttpPost(
+        url, "/v1/chat/completions",
+        R"({"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})");
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(r.Header("x-tandem-prefill-worker"), r.Header("x-tandem-decode-worker"));
+    served.insert(r.Header("x-tandem-decode-worker"));
+  }
+  EXPECT_EQ(served.size(), 2u) << "round robin over both aggregated workers";
+
+  up_->Signal(SIGINT);
+  absl::StatusOr<int> status = up_->Wait(seconds(30));
+  ASSERT_TRUE(status.ok()) << "tandem up did not stop after SIGINT";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
+  for (const auto& [pid, cmdline] : children) EXPECT_FALSE(Alive(pid)) << cmdline;
+}
+
+TEST_F(UpCommandTest, AWorkerThatDiesStopsTheCluster) {
+  // The default cluster: one prefill and one decode worker, disaggregated.
+  const std::string url = Start({});
+  ASSERT_FALSE(url.empty());
+  const std::vector<std::pair<pid_t, std::string>> children = ChildrenOf(up_->pid());
+  ASSERT_EQ(children.size(), 3u);
+  pid_t decode = -1;
+  for (const auto& [pid, cmdline] : children) {
+    if (cmdline.find(" worker ") != std::string::npos &&
+        cmdline.find("--role decode") != std::string::npos) {
+      decode = pid;
+    }
+  }
+  ASSERT_GT(decode, 0);
+  const HttpResponse ok = HttpPost(
+      url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 3})");
+  ASSERT_EQ(ok.status, 200) << ok.body;
+  EXPECT_NE(ok.Header("x-tandem-prefill-worker"), ok.Header("x-tandem-decode-worker"));
+
+  ::kill(decode, SIGKILL);
+  absl::StatusOr<int> status = up_->Wait(seconds(30));
+  ASSERT_TRUE(status.ok()) << "tandem up kept running without its decode worker";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) != 0) << "wait status " << *status;
+  for (const auto& [pid, cmdline] : children) EXPECT_FALSE(Alive(pid)) << cmdline;
+}
+
+TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  struct Case {
+    std::string flags;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"--disaggregation sometimes", "--disaggregation must be never, always or auto"},
+      {"--decode 0", "at least one decode"},
+      {"--policy fastest", "fastest"},
+      {"--config /nonexistent/router.yaml", "/nonexistent/router.yaml"},
+  };
+  for (const Case& c : cases) {
+    std::string out;
+    const int rc = RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir ", dir_, " ", c.flags), &out);
+    EXPECT_NE(rc, 0) << c.flags;
+    EXPECT_THAT(out, HasSubstr(c.message)) << c.flags;
+  }
+}
+
+}  // namespace
+}  // namespace tandem::testing
