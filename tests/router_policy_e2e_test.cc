@@ -305,11 +305,18 @@ TEST_F(RouterPolicyTest, PrefixAwareGroupsSharedPrefixesAndSpillsOverWhenLoaded)
   EXPECT_EQ(DecodeWorker(r.http), owner->address());
 }
 
-TEST_F(RouterPolicyTest, KvCacheAwareSendsASharedPrefixToTheWorkerHoldingIt) {
-  std::vector<WorkerProcess*> w = StartCluster(3, "kv_cache_aware");
+// With the workers' KV event streams (exact index) and without them (an
+// approximate index of the router's own decisions).
+class KvCacheAwareTest : public RouterPolicyTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(KvCacheAwareTest, SendsASharedPrefixToTheWorkerHoldingIt) {
+  const bool events = GetParam();
+  std::vector<WorkerProcess*> w =
+      StartCluster(3, "kv_cache_aware", "",
+                   absl::StrCat("kv_events:\n  enabled: ", events ? "true" : "false", "\n"));
   ASSERT_EQ(w.size(), 3u);
-  // Every worker streams its KV events: the index is exact for all three.
-  ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_workers{pool=\"decode\",mode=\"exact\"}",
+  ASSERT_TRUE(WaitForMetric(absl::StrCat("tandem_router_kv_index_workers{pool=\"decode\",mode=\"",
+                                         events ? "exact" : "approximate", "\"}"),
                             [](double v) { return v == 3; }));
 
   // A 256-token document (16 blocks) is read once...
@@ -338,6 +345,11 @@ TEST_F(RouterPolicyTest, KvCacheAwareSendsASharedPrefixToTheWorkerHoldingIt) {
   EXPECT_GE(Metric(PolicyEvent("kv_cache_aware", "matched_blocks")), 6 * 16);
   EXPECT_GE(Metric("tandem_router_cached_prompt_tokens_total"), 6 * 256);
 }
+
+INSTANTIATE_TEST_SUITE_P(KvEvents, KvCacheAwareTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "Exact" : "Approximate";
+                         });
 
 TEST_F(RouterPolicyTest, KvCacheAwareWeighsTheCachedPrefixAgainstLoad) {
   // With the overlap weighted low, a holder with a prefill backlog loses the

@@ -266,9 +266,6 @@ class Validator {
       }
       return Bad(Join(ppath, "params"), msg);
     }
-    if (pool.policy.name == "kv_cache_aware" && !c.kv_events.enabled) {
-      return Bad(Join(ppath, "name"), "kv_cache_aware needs kv_events.enabled: true");
-    }
     return absl::OkStatus();
   }
 

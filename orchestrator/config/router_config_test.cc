@@ -158,10 +158,14 @@ TEST(RouterConfigTest, BadPolicyParam) {
               StartsWith("t.yaml:6:44: pools.decode.policy.params.bogus:"));
 }
 
-TEST(RouterConfigTest, KvCacheAwareNeedsKvEvents) {
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) +
-                      "    policy: {name: kv_cache_aware}\nkv_events: {enabled: false}\n"),
-              StartsWith("t.yaml:6:20: pools.decode.policy.name: kv_cache_aware needs"));
+TEST(RouterConfigTest, KvCacheAwareWithoutKvEventsIsApproximate) {
+  // Allowed: the policy's index then learns from its own decisions.
+  absl::StatusOr<RouterConfig> config = ParseRouterConfig(
+      std::string(kMinimal) + "    policy: {name: kv_cache_aware}\nkv_events: {enabled: false}\n",
+      "t.yaml");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->kv_events.enabled);
+  EXPECT_EQ(config->decode->policy.name, "kv_cache_aware");
 }
 
 TEST(RouterConfigTest, BothWorkersAndDiscovery) {
