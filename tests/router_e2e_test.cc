@@ -489,6 +489,36 @@ TEST_F(RouterE2eTest, WithoutRetriesTheDeadWorkersRequestFails) {
   EXPECT_EQ(Metric("tandem_router_retries_total"), 0);
 }
 
+TEST_F(RouterE2eTest, HungWorkerIsEjectedByHealthChecksAndReadmitted) {
+  WorkerProcess* a = StartBoth();
+  WorkerProcess* b = StartBoth();
+  ASSERT_TRUE(a && b);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .health_interval_s = 0.2}), nullptr);
+  const std::string a_healthy =
+      absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"", a->address(), "\"}");
+  ASSERT_TRUE(WaitForMetric(a_healthy, [](double v) { return v == 1; }));
+  auto served = [&](int n) {
+    std::set<std::string> used;
+    for (int i = 0; i < n; ++i) {
+      Reply r = Post("/v1/completions", Completion("who", 2));
+      EXPECT_EQ(r.http.status, 200) << r.http.body;
+      used.insert(r.http.Header("x-tandem-decode-worker"));
+    }
+    return used;
+  };
+  {
+    // Three failed checks in a row eject it; requests go to b only.
+    PausedWorker paused(a);
+    ASSERT_TRUE(WaitForMetric(a_healthy, [](double v) { return v == 0; }));
+    EXPECT_EQ(served(4), std::set<std::string>{b->address()});
+    EXPECT_EQ(Metric("tandem_router_worker_ejections_total{kind=\"ejected\"}"), 1);
+  }
+  // Two passed checks readmit it.
+  ASSERT_TRUE(WaitForMetric(a_healthy, [](double v) { return v == 1; }));
+  EXPECT_EQ(Metric("tandem_router_worker_ejections_total{kind=\"readmitted\"}"), 1);
+  EXPECT_EQ(served(4), (std::set<std::string>{a->address(), b->address()}));
+}
+
 TEST_F(RouterE2eTest, SighupReloadsAGoodConfigAndKeepsTheOldOnABadOne) {
   WorkerProcess* a = StartBoth();
   WorkerProcess* b = StartBoth();
