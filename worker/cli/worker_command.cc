@@ -50,6 +50,8 @@ struct WorkerOptions {
   bool no_kv_checksums = false;         // prefill: send no per-block checksums
   int kv_quarantine_ms = 2000;          // decode: a failed transfer's blocks stay unused this long
   std::string kv_fault;                 // testing: faults injected into the KV transport
+  std::string engine_kind = "real";     // real, or sim (simulated compute, for routing experiments)
+  SimTiming sim;                        // --engine sim's timing model
   EngineConfig engine;
 };
 
@@ -108,6 +110,12 @@ absl::Status RunWorker(WorkerOptions opt) {
   opt.engine.transfer_quarantine_s = opt.kv_quarantine_ms / 1000.0;
   ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(opt.kv_cache_memory));
   opt.engine.enable_prefix_caching = !opt.no_prefix_caching;
+  if (opt.engine_kind == "sim") {
+    opt.engine.sim = opt.sim;
+  } else if (opt.engine_kind != "real") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
+  }
   RETURN_IF_ERROR(opt.engine.Validate());
 
   // SIGTERM/SIGINT start a graceful shutdown whichever thread receives them
@@ -145,6 +153,14 @@ absl::Status RunWorker(WorkerOptions opt) {
   if (server == nullptr || bound_port == 0) {
     engine->Stop();
     return absl::UnavailableError(absl::StrFormat("cannot listen on %s:%d", opt.host, opt.port));
+  }
+  if (engine->simulated()) {
+    LOG(WARNING) << absl::StrFormat(
+        "SIMULATED engine (--engine sim): compute is a timing model (step %g ms + %g us per "
+        "prefill token + %g us per decoding sequence + %g ns per attended KV token); outputs are "
+        "not the model's",
+        opt.sim.step_ms, opt.sim.prefill_us_per_token, opt.sim.decode_us_per_seq,
+        opt.sim.context_ns_per_token);
   }
   const LoadSnapshot load = engine->GetLoad();
   LOG(INFO) << "worker " << service.instance_id() << " (" << opt.role << ") serving "
@@ -212,6 +228,21 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--ready-file", opt->ready_file, "Write host:port here once serving");
   cmd->add_option("--kv-cache-memory", opt->kv_cache_memory, "Memory budget of the KV cache")
       ->capture_default_str();
+  cmd->add_option("--engine", opt->engine_kind,
+                  "real, or sim: a simulator (real scheduler, KV pool, prefix cache and events; "
+                  "compute replaced by a timing model) for routing experiments at scale")
+      ->capture_default_str();
+  cmd->add_option("--sim-step-ms", opt->sim.step_ms, "sim: fixed cost of a step (ms)")
+      ->capture_default_str();
+  cmd->add_option("--sim-prefill-us-per-token", opt->sim.prefill_us_per_token,
+                  "sim: cost per prompt token computed (us)")
+      ->capture_default_str();
+  cmd->add_option("--sim-decode-us-per-seq", opt->sim.decode_us_per_seq,
+                  "sim: cost per sequence decoding in a step (us)")
+      ->capture_default_str();
+  cmd->add_option("--sim-context-ns-per-token", opt->sim.context_ns_per_token,
+                  "sim: cost per KV token attended in a step (ns)")
+      ->capture_default_str();
   cmd->add_option("--block-size", opt->engine.block_size, "Tokens per KV block")->capture_default_str();
   cmd->add_option("--max-batched-tokens", opt->engine.max_batched_tokens,
                   "Tokens per engine step (the prefill chunk budget)")
@@ -223,7 +254,7 @@ void AddWorkerCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--watermark", opt->engine.watermark, "Fraction of KV blocks admission keeps free")
       ->capture_default_str();
-  cmd->add_option("--max-model-len", opt->engine.max_model_len, "Context limit (0: the model's)")
+  cmd->add_option("--max-model-len", opt->engine.max_model_len, "Context limit (0: the model's; with --engine sim it may exceed it)")
       ->capture_default_str();
   cmd->add_flag("--no-prefix-caching", opt->no_prefix_caching, "Disable the prefix cache");
   cmd->add_option("--kv-transport", opt->kv_transport,

@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <limits>
 #include <random>
+#include <span>
+#include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -38,8 +41,51 @@ absl::Status EngineConfig::Validate() const {
   }
   if (max_model_len < 0) return absl::InvalidArgumentError("max_model_len must be >= 0");
   if (threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
+  if (sim.has_value()) RETURN_IF_ERROR(sim->Validate());
   return absl::OkStatus();
 }
+
+absl::Status SimTiming::Validate() const {
+  for (auto [name, v] : {std::pair<const char*, double>{"step_ms", step_ms},
+                         {"prefill_us_per_token", prefill_us_per_token},
+                         {"decode_us_per_seq", decode_us_per_seq},
+                         {"context_ns_per_token", context_ns_per_token}}) {
+    if (!(v >= 0 && v < 1e6)) {
+      return absl::InvalidArgumentError(absl::StrFormat("sim %s must be in [0, 1e6), got %g", name, v));
+    }
+  }
+  return absl::OkStatus();
+}
+
+double SimTiming::StepSeconds(int64_t prefill_tokens, int64_t decode_seqs,
+                              int64_t context_tokens) const {
+  return step_ms * 1e-3 + prefill_us_per_token * 1e-6 * static_cast<double>(prefill_tokens) +
+         decode_us_per_seq * 1e-6 * static_cast<double>(decode_seqs) +
+         context_ns_per_token * 1e-9 * static_cast<double>(context_tokens);
+}
+
+namespace {
+
+// The simulated engine's token at `position` of a sequence: a hash of the
+// request's seed and the position, never one of `eos` (so it runs to its
+// max_tokens). Its logprob is 0 (certain); top_logprobs list only it.
+SampledToken SimToken(uint64_t seed, int position, int vocab_size, std::span<const int> eos,
+                      const SamplingParams& params) {
+  uint64_t x = seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(position + 1));
+  int token = 0;
+  for (int tries = 0; tries < 64; ++tries) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    token = static_cast<int>(x % static_cast<uint64_t>(vocab_size));
+    if (std::find(eos.begin(), eos.end(), token) == eos.end()) break;
+  }
+  SampledToken t{.token_id = token};
+  if (params.logprobs > 0) t.top_logprobs.push_back(TokenLogprob{.token_id = token, .logprob = 0.0f});
+  return t;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, LoadedModel model,
                                                        const KvStorage::Allocator& pool_allocator) {
@@ -67,7 +113,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   }
   ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage, KvStorage::Create(layout, pool_allocator));
   int max_len = model.config.max_position_embeddings;
-  if (config.max_model_len > 0) max_len = std::min(max_len, config.max_model_len);
+  if (config.max_model_len > 0) {
+    max_len = config.sim.has_value() ? config.max_model_len : std::min(max_len, config.max_model_len);
+  }
   const int64_t cache_tokens = layout.num_blocks * config.block_size;
   const int max_len_before_cache = max_len;
   if (cache_tokens < max_len) {
@@ -454,6 +502,7 @@ void Engine::Loop() {
 }
 
 void Engine::Step() {
+  step_started_ = std::chrono::steady_clock::now();
   std::vector<ScheduledWork> work = scheduler_.Schedule();
   if (work.empty()) return;
 
@@ -481,7 +530,9 @@ void Engine::Step() {
     }
   }
 
-  absl::Status st = model_.Forward(batch_, storage_->data(), storage_->layout(), &logits_);
+  absl::Status st = config_.sim.has_value() ? SimulateStep(work)
+                                             : model_.Forward(batch_, storage_->data(),
+                                                              storage_->layout(), &logits_);
   if (!st.ok()) {
     LOG(ERROR) << "forward pass failed: " << st;
     std::vector<uint64_t> ids;
@@ -508,15 +559,20 @@ void Engine::Step() {
     scheduler_.Advance(w);
     Sequence& seq = *w.seq;
     if (seq.num_computed != static_cast<int>(seq.tokens.size())) continue;  // mid-prompt chunk
-    std::span<float> logits(&logits_[size_t(row++) * mc.vocab_size], size_t(mc.vocab_size));
+    const size_t logits_row = size_t(row++);
     if (seq.forced_first.has_value() && seq.output_len() == 0) {
       // A local prefill after a failed transfer: the caller already has the
       // prefill worker's first token; continue from it.
       seq.tokens.push_back(seq.forced_first->token_id);
       seq.forced_first.reset();
     } else {
-      SampledToken tok = SampleToken(logits, seq.params, seq.prompt(), seq.output(),
-                                     mc.eos_token_ids, seq.seed);
+      SampledToken tok =
+          config_.sim.has_value()
+              ? SimToken(seq.seed, static_cast<int>(seq.tokens.size()), mc.vocab_size,
+                         mc.eos_token_ids, seq.params)
+              : SampleToken(std::span<float>(&logits_[logits_row * mc.vocab_size],
+                                             size_t(mc.vocab_size)),
+                            seq.params, seq.prompt(), seq.output(), mc.eos_token_ids, seq.seed);
       seq.tokens.push_back(tok.token_id);
       if (seq.sink) seq.sink->OnToken(tok);
       if (seq.on_prefilled) {
@@ -535,6 +591,22 @@ void Engine::Step() {
     Finish(scheduler_.Remove(finished_ids[i]), finish_infos[i]);
   }
   for (uint64_t id : handoffs) HandOff(id);
+}
+
+absl::Status Engine::SimulateStep(const std::vector<ScheduledWork>& work) {
+  int64_t prefill_tokens = 0, decode_seqs = 0, context_tokens = 0;
+  for (const ScheduledWork& w : work) {
+    if (w.seq->num_computed < w.seq->prompt_len) {
+      prefill_tokens += w.num_tokens;
+    } else {
+      ++decode_seqs;
+    }
+    context_tokens += int64_t{w.seq->num_computed} + w.num_tokens;
+  }
+  const double seconds = config_.sim->StepSeconds(prefill_tokens, decode_seqs, context_tokens);
+  std::this_thread::sleep_until(step_started_ + std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                    std::chrono::duration<double>(seconds)));
+  return absl::OkStatus();
 }
 
 // A prefill-only sequence produced its first token: it leaves the batch with

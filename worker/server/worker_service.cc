@@ -574,6 +574,7 @@ grpc::ServerUnaryReactor* WorkerService::GetModelInfo(grpc::CallbackServerContex
   r->set_architecture(c.architecture);
   r->set_vocab_size(c.vocab_size);
   r->set_max_context_length(engine_->max_model_len());
+  r->set_engine(engine_->simulated() ? "sim" : "real");
   r->mutable_eos_token_ids()->Add(c.eos_token_ids.begin(), c.eos_token_ids.end());
   r->set_bos_token_id(c.bos_token_id);
   r->set_num_layers(c.num_layers);

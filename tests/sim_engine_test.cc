@@ -1,0 +1,101 @@
+// `tandem worker --engine sim`: the simulated engine keeps the worker's real
+// API, scheduler, KV pool, prefix cache and transfers, replaces compute by
+// its timing model, and says it is a simulator.
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/testing/worker_client.h"
+#include "tests/testing/worker_process.h"
+#include "tests/testing/worker_test.h"
+
+namespace tandem::testing {
+namespace {
+
+using std::chrono::duration;
+using std::chrono::milliseconds;
+
+class SimEngineTest : public WorkerTest {};
+
+TEST_F(SimEngineTest, ServesTheWorkerApiOnItsTimingModel) {
+  // 20 ms per step, 100 us per prompt token.
+  WorkerProcess* w = StartWorker({"--engine", "sim", "--sim-step-ms", "20",
+                                  "--sim-prefill-us-per-token", "100", "--sim-decode-us-per-seq",
+                                  "0", "--sim-context-ns-per-token", "0", "--max-model-len",
+                                  "12000", "--kv-cache-memory", "64MiB"});
+  ASSERT_NE(w, nullptr);
+  const v1::ModelInfo info = GetModelInfo(w->stub());
+  EXPECT_EQ(info.engine(), "sim");
+  // Nothing is computed, so the context may exceed the model's positions.
+  EXPECT_EQ(info.max_context_length(), 12000);
+
+  // A request runs to max_tokens (never EOS), one token per step, and its
+  // tokens follow from its seed.
+  const std::vector<int32_t> prompt = MakePrompt(1, 500);
+  const v1::GenerateRequest req = SampledRequest(prompt, 10, 42);
+  const Output a = Generate(w->stub(), req);
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  ExpectWellFormed(a, "sim");
+  EXPECT_EQ(a.tokens.size(), 10u);
+  EXPECT_EQ(a.finish, v1::FINISH_REASON_LENGTH);
+  for (int32_t t : a.tokens) {
+    EXPECT_GE(t, 0);
+    EXPECT_LT(t, info.vocab_size());
+  }
+  // The model's time is at least its sleeps: the prefill step (20 ms + 50 ms)
+  // and nine decode steps (20 ms each).
+  EXPECT_GE(duration<double>(a.ended - a.started).count(), 0.070 + 9 * 0.020);
+
+  // Same seed, same tokens; the prompt's blocks are now cached.
+  const Output b = Generate(w->stub(), req);
+  ASSERT_TRUE(b.status.ok());
+  EXPECT_EQ(b.tokens, a.tokens);
+  EXPECT_GE(b.usage.cached_prompt_tokens(), 496);
+  const Output c = Generate(w->stub(), SampledRequest(prompt, 10, 43));
+  EXPECT_NE(c.tokens, a.tokens);
+
+  // A prompt past the real model's 2048 positions.
+  const Output longer = Generate(w->stub(), GreedyRequest(MakePrompt(2, 10000), 2));
+  ASSERT_TRUE(longer.status.ok()) << longer.status.error_message();
+  EXPECT_EQ(longer.tokens.size(), 2u);
+  ExpectIdle(w->stub(), "sim worker");
+}
+
+TEST_F(SimEngineTest, DisaggregatesLikeTheRealEngine) {
+  const std::vector<std::string> common = {"--engine", "sim", "--sim-step-ms", "1",
+                                           "--kv-transport", "ucx", "--kv-transport-tls", "shm"};
+  std::vector<std::string> p = common, d = common;
+  p.insert(p.end(), {"--role", "prefill"});
+  d.insert(d.end(), {"--role", "decode"});
+  WorkerProcess* prefill = StartWorker(p);
+  WorkerProcess* decode = StartWorker(d);
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = SampledRequest(MakePrompt(3, 300), 8, 7);
+  const Split split = RunDisaggregated(prefill->stub(), decode->stub(), decode->address(), req);
+  EXPECT_EQ(split.prefill.kv_transfer_error, "");
+  const Output joined = Combine(split.prefill, split.decode);
+  EXPECT_EQ(joined.tokens.size(), 8u);
+  // The decode worker pulled the KV (no local prefill) and continues the
+  // same token sequence an aggregated sim worker produces.
+  const v1::LoadReport l = ExpectIdle(decode->stub(), "sim decode");
+  EXPECT_EQ(l.kv_pulls(), 1);
+  EXPECT_EQ(l.local_prefill_fallbacks(), 0);
+  WorkerProcess* both = StartWorker({"--engine", "sim", "--sim-step-ms", "1"});
+  ASSERT_NE(both, nullptr);
+  EXPECT_EQ(Generate(both->stub(), req).tokens, joined.tokens);
+}
+
+TEST_F(SimEngineTest, RejectsBadFlags) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  std::string out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --engine fast", &out), 0);
+  EXPECT_NE(out.find("--engine must be real or sim"), std::string::npos) << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --engine sim --sim-step-ms -1", &out), 0);
+  EXPECT_NE(out.find("sim step_ms must be in [0, 1e6)"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace tandem::testing
