@@ -2,6 +2,7 @@
 // subcommands each module registers. No other logic lives here.
 #include <CLI/CLI.hpp>
 
+#include "orchestrator/bench/bench_command.h"
 #include "orchestrator/cli/router_command.h"
 #include "worker/cli/commands.h"
 
@@ -14,8 +15,9 @@ int main(int argc, char** argv) {
   tandem::worker::AddGenerateCommand(app);
   tandem::worker::AddLogitsCommand(app);
   tandem::worker::AddExportModelCommand(app);
-  CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
-  bench->require_subcommand(1);
+  CLI::App* bench = app.add_subcommand(
+      "bench", "Benchmarks: a serving benchmark against --url, or a subcommand");
+  tandem::bench::AddServingBench(*bench);
   tandem::worker::AddBenchCommand(*bench);
   tandem::worker::AddTransferBenchCommand(*bench);
   CLI11_PARSE(app, argc, argv);

@@ -1,0 +1,236 @@
+#include "orchestrator/bench/bench_command.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "common/file_util.h"
+#include "common/status_macros.h"
+#include "orchestrator/bench/datasets.h"
+#include "orchestrator/bench/load_generator.h"
+#include "orchestrator/bench/report.h"
+#include "orchestrator/server/model_assets.h"
+#include "worker/cli/commands.h"
+
+namespace tandem::bench {
+namespace {
+
+struct ServingBenchOptions {
+  LoadOptions load;
+  DatasetOptions dataset;
+  std::string request_rate = "inf";
+  std::string tokenizer = "builtin";
+  std::vector<std::string> goodput;  // "ttft:500", "tpot:50", "e2e:2000"
+  std::string json_path;
+  std::string html_path;
+  std::string metrics_url;  // empty: --url
+  std::string title;
+};
+
+absl::StatusOr<Slo> ParseGoodput(const std::vector<std::string>& items) {
+  Slo slo;
+  for (const std::string& item : items) {
+    std::vector<std::string> kv = absl::StrSplit(item, ':');
+    double v = 0;
+    if (kv.size() != 2 || !absl::SimpleAtod(kv[1], &v) || !(v > 0)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--goodput takes METRIC:MS items (ttft, tpot, e2e), got '%s'", item));
+    }
+    if (kv[0] == "ttft") {
+      slo.ttft_ms = v;
+    } else if (kv[0] == "tpot") {
+      slo.tpot_ms = v;
+    } else if (kv[0] == "e2e") {
+      slo.e2e_ms = v;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--goodput: unknown metric '%s' (ttft, tpot or e2e)", kv[0]));
+    }
+  }
+  return slo;
+}
+
+// CPU time of the calling thread, which runs the client's event loop (the
+// process's others are libraries' idle pools, e.g. OpenBLAS's).
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_THREAD, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+// The router's prompt and cached-prompt token counters, when it is tandem's.
+std::optional<std::pair<double, double>> PrefixCounters(const std::string& url) {
+  absl::StatusOr<Endpoint> ep = ParseUrl(url);
+  if (!ep.ok()) return std::nullopt;
+  const SimpleResponse r = HttpGetOnce(*ep, "/metrics");
+  if (r.status != 200) return std::nullopt;
+  const std::map<std::string, double> c = ParseCounters(r.body);
+  auto prompt = c.find("tandem_router_prompt_tokens_total");
+  auto cached = c.find("tandem_router_cached_prompt_tokens_total");
+  if (prompt == c.end() || cached == c.end()) return std::nullopt;
+  return std::make_pair(prompt->second, cached->second);
+}
+
+// A progress bar on a terminal, a line per tenth otherwise.
+std::function<void(int, int)> Progress() {
+  const bool tty = isatty(STDERR_FILENO) != 0;
+  auto last_tenth = std::make_shared<int>(-1);
+  return [tty, last_tenth](int done, int total) {
+    if (tty) {
+      const int width = 40;
+      const int fill = total > 0 ? done * width / total : width;
+      std::fprintf(stderr, "\r[%s%s] %d/%d", std::string(fill, '=').c_str(),
+                   std::string(width - fill, ' ').c_str(), done, total);
+      if (done == total) std::fprintf(stderr, "\n");
+    } else {
+      const int tenth = total > 0 ? done * 10 / total : 10;
+      if (tenth != *last_tenth) {
+        *last_tenth = tenth;
+        std::fprintf(stderr, "bench: %d/%d requests done\n", done, total);
+      }
+    }
+  };
+}
+
+absl::Status RunServingBench(ServingBenchOptions opt) {
+  if (opt.request_rate == "inf") {
+    opt.load.request_rate = std::numeric_limits<double>::infinity();
+  } else if (!absl::SimpleAtod(opt.request_rate, &opt.load.request_rate) ||
+             !(opt.load.request_rate > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--request-rate must be a positive number or inf, got '%s'", opt.request_rate));
+  }
+  ASSIGN_OR_RETURN(const Slo slo, ParseGoodput(opt.goodput));
+  opt.dataset.seed = opt.load.seed;
+  router::ModelConfig model_config;
+  model_config.tokenizer = opt.tokenizer;
+  ASSIGN_OR_RETURN(std::shared_ptr<const router::ModelAssets> assets,
+                   router::LoadModelAssets(model_config));
+  ASSIGN_OR_RETURN(const std::vector<Session> sessions, BuildDataset(opt.dataset, *assets->tokenizer));
+  if (opt.dataset.name == "multi-turn" && opt.load.endpoint != "chat") {
+    std::fprintf(stderr, "bench: multi-turn over completions sends each history as one prompt\n");
+  }
+  const std::string metrics_url = opt.metrics_url.empty() ? opt.load.url : opt.metrics_url;
+  const std::optional<std::pair<double, double>> before = PrefixCounters(metrics_url);
+  opt.load.progress = Progress();
+
+  const double cpu0 = CpuSeconds();
+  ASSIGN_OR_RETURN(const std::vector<RequestRecord> records,
+                   RunLoad(opt.load, sessions, *assets->tokenizer));
+  const double cpu = CpuSeconds() - cpu0;
+
+  Summary summary = Summarize(records, slo);
+  const int64_t sent = static_cast<int64_t>(records.size()) + opt.load.num_warmups;
+  summary.client_overhead_us_per_request = sent > 0 ? cpu / static_cast<double>(sent) * 1e6 : 0;
+  if (const std::optional<std::pair<double, double>> after = PrefixCounters(metrics_url);
+      before.has_value() && after.has_value()) {
+    const double prompt = after->first - before->first;
+    if (prompt > 0) summary.router_prefix_hit_rate = (after->second - before->second) / prompt;
+  }
+  const std::string title =
+      opt.title.empty() ? absl::StrFormat("%s on %s (%s)", opt.dataset.name, opt.load.url,
+                                          opt.load.endpoint)
+                        : opt.title;
+  std::printf("%s", FormatText(summary, title).c_str());
+  std::fflush(stdout);
+  if (!opt.json_path.empty()) {
+    nlohmann::json j = ToJson(summary);
+    j["title"] = title;
+    j["dataset"] = opt.dataset.name;
+    j["endpoint"] = opt.load.endpoint;
+    j["request_rate"] = opt.request_rate;
+    j["max_concurrency"] = opt.load.max_concurrency;
+    RETURN_IF_ERROR(WriteFile(opt.json_path, j.dump(2) + "\n"));
+  }
+  if (!opt.html_path.empty()) {
+    RETURN_IF_ERROR(WriteFile(opt.html_path, RenderHtml(summary, records, title)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void AddServingBench(CLI::App& bench) {
+  auto opt = std::make_shared<ServingBenchOptions>();
+  LoadOptions& l = opt->load;
+  DatasetOptions& d = opt->dataset;
+  bench.add_option("--url", l.url, "Serving benchmark: the OpenAI-compatible server, http://host:port");
+  bench.add_option("--endpoint", l.endpoint, "chat or completions")->capture_default_str();
+  bench.add_option("--model", l.model, "Model name to send (default: the server's first)");
+  bench.add_option("--dataset,--dataset-name", d.name,
+                   "random, shared-prefix, multi-turn, sharegpt or trace")
+      ->capture_default_str();
+  bench.add_option("--dataset-path", d.path, "sharegpt: the JSON file; trace: the Mooncake jsonl");
+  bench.add_option("--num-prompts", d.num_prompts, "Requests to send")->capture_default_str();
+  bench.add_option("--request-rate", opt->request_rate, "Requests (sessions) per second, or inf")
+      ->capture_default_str();
+  bench.add_option("--burstiness", l.burstiness, "Gamma shape of arrivals (1: Poisson)")
+      ->capture_default_str();
+  bench.add_option("--max-concurrency", l.max_concurrency, "Requests in flight at most (0: no limit)")
+      ->capture_default_str();
+  bench.add_option("--num-warmups", l.num_warmups, "Unrecorded requests sent first")
+      ->capture_default_str();
+  bench.add_option("--seed", l.seed, "Seed of the dataset and the arrivals")->capture_default_str();
+  bench.add_option("--tokenizer", opt->tokenizer,
+                   "builtin, or a tokenizer.json / model directory (to build prompts)")
+      ->capture_default_str();
+  bench.add_option("--random-input-len,--input-len", d.input_len, "random: input tokens")
+      ->capture_default_str();
+  bench.add_option("--random-output-len,--output-len", d.output_len,
+                   "random, shared-prefix, multi-turn: output tokens")
+      ->capture_default_str();
+  bench.add_option("--random-range-ratio", d.range_ratio, "random: lengths vary by this fraction")
+      ->capture_default_str();
+  bench.add_option("--num-groups", d.num_groups, "shared-prefix: groups")->capture_default_str();
+  bench.add_option("--prefix-len", d.prefix_len, "shared-prefix: tokens of each group's prefix")
+      ->capture_default_str();
+  bench.add_option("--suffix-len", d.suffix_len, "shared-prefix: unique tokens per request")
+      ->capture_default_str();
+  bench.add_option("--turns", d.turns, "multi-turn: turns per session")->capture_default_str();
+  bench.add_option("--system-len", d.system_len, "multi-turn: system prompt tokens")
+      ->capture_default_str();
+  bench.add_option("--user-len", d.user_len, "multi-turn: tokens per user turn")
+      ->capture_default_str();
+  bench.add_option("--sharegpt-output-len", d.sharegpt_output_len,
+                   "sharegpt: output tokens (0: the reference answer's)")
+      ->capture_default_str();
+  bench.add_option("--trace-block-tokens", d.trace_block_tokens, "trace: tokens per hash id")
+      ->capture_default_str();
+  bench.add_option("--trace-speedup", d.trace_speedup, "trace: replay this many times faster")
+      ->capture_default_str();
+  bench.add_option("--session-header", l.session_header, "Header carrying a session's id")
+      ->capture_default_str();
+  bench.add_flag("--ignore-eos,!--no-ignore-eos", l.ignore_eos,
+                 "Ask the server to ignore EOS so outputs have the asked length")
+      ->capture_default_str();
+  bench.add_flag("--prompt-as-text", l.prompt_as_text, "completions: send text, not token ids");
+  bench.add_option("--goodput", opt->goodput, "SLOs for goodput, e.g. ttft:500 tpot:50 (ms)");
+  bench.add_option("--json", opt->json_path, "Write the results as JSON here");
+  bench.add_option("--html", opt->html_path, "Write a self-contained HTML report here");
+  bench.add_option("--metrics-url", opt->metrics_url,
+                   "Where tandem's /metrics is read for the prefix hit rate (default: --url)");
+  bench.add_option("--title", opt->title, "Title of the report");
+  bench.require_subcommand(0, 1);
+  bench.callback([opt, &bench] {
+    if (!bench.get_subcommands().empty()) return;
+    if (opt->load.url.empty()) {
+      worker::ExitWithStatus("bench", absl::InvalidArgumentError(
+                                          "give --url http://host:port (serving benchmark) or a "
+                                          "subcommand (engine, transfer)"));
+    }
+    worker::ExitWithStatus("bench", RunServingBench(*opt));
+  });
+}
+
+}  // namespace tandem::bench
