@@ -1,6 +1,8 @@
 // `tandem up` as a user runs it: a local cluster of real child processes
 // that serves OpenAI requests, stops cleanly on Ctrl-C, stops everything
 // when one of its processes dies, and rejects bad flags with a message.
+// And `tandem bench --url` against such a cluster (of simulated workers):
+// its JSON and HTML reports as a user reads them.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -171,6 +173,94 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
     EXPECT_NE(rc, 0) << c.flags;
     EXPECT_THAT(out, HasSubstr(c.message)) << c.flags;
   }
+}
+
+class BenchCommandTest : public UpCommandTest {
+ protected:
+  // Runs `tandem bench --url URL <flags> --json F --html H`; the JSON.
+  nlohmann::json Bench(const std::string& url, const std::string& flags, std::string* output) {
+    absl::StatusOr<std::string> bin = TandemBinary();
+    if (!bin.ok()) {
+      ADD_FAILURE() << bin.status();
+      return nullptr;
+    }
+    const std::string json_path = dir_ + "/bench.json";
+    const int rc = RunCommand(absl::StrCat(*bin, " bench --url ", url, " ", flags, " --json ",
+                                           json_path, " --html ", dir_, "/bench.html"),
+                              output);
+    EXPECT_EQ(rc, 0) << *output;
+    std::ifstream in(json_path);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    return nlohmann::json::parse(text, nullptr, false);
+  }
+};
+
+TEST_F(BenchCommandTest, SharedPrefixOnSimulatedWorkersReportsEverything) {
+  const std::string url = Start({"--engine", "sim", "--aggregated", "2", "--policy", "kv_cache_aware",
+                                 "--worker-arg=--sim-step-ms", "--worker-arg=1"});
+  ASSERT_FALSE(url.empty());
+  std::string out;
+  const nlohmann::json j = Bench(url,
+                                 "--dataset shared-prefix --num-prompts 40 --num-groups 2 "
+                                 "--prefix-len 256 --suffix-len 16 --output-len 8 "
+                                 "--request-rate 200 --seed 1 --goodput ttft:60000 tpot:60000",
+                                 &out);
+  ASSERT_TRUE(j.is_object()) << out;
+  EXPECT_EQ(j["completed"], 40);
+  EXPECT_EQ(j["failed"], 0);
+  EXPECT_GT(j["duration_s"].get<double>(), 0);
+  EXPECT_EQ(j["total_output_tokens"], 40 * 8) << "the simulator runs every request to max_tokens";
+  EXPECT_EQ(j["total_input_tokens"], 40 * (256 + 16));
+  EXPECT_GT(j["request_throughput"].get<double>(), 0);
+  EXPECT_GT(j["output_throughput"].get<double>(), 0);
+  EXPECT_NEAR(j["goodput"].get<double>(), j["request_throughput"].get<double>(), 1e-6);
+  for (const char* m : {"ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"}) {
+    for (const char* k : {"mean", "std", "median", "p90", "p95", "p99"}) {
+      EXPECT_TRUE(j[m].contains(k) && j[m][k].is_number()) << m << "." << k;
+    }
+    EXPECT_GT(j[m]["median"].get<double>(), 0) << m;
+  }
+  // Two groups of 16 blocks each: after each group's first request, the
+  // KV-aware router finds its prefix.
+  ASSERT_TRUE(j.contains("router_prefix_hit_rate")) << out;
+  EXPECT_GT(j["router_prefix_hit_rate"].get<double>(), 0.8);
+  EXPECT_THAT(out, HasSubstr("Serving Benchmark Result"));
+  EXPECT_THAT(out, HasSubstr("Router prefix cache hit rate:"));
+  std::ifstream html(dir_ + "/bench.html");
+  const std::string page((std::istreambuf_iterator<char>(html)), {});
+  EXPECT_THAT(page, HasSubstr("<svg"));
+}
+
+TEST_F(BenchCommandTest, MultiTurnChatSessionsReuseTheirHistory) {
+  const std::string url = Start({"--engine", "sim", "--aggregated", "2", "--policy", "sticky_session",
+                                 "--worker-arg=--sim-step-ms", "--worker-arg=1"});
+  ASSERT_FALSE(url.empty());
+  std::string out;
+  const nlohmann::json j = Bench(url,
+                                 "--endpoint chat --dataset multi-turn --num-prompts 12 --turns 4 "
+                                 "--system-len 64 --user-len 32 --output-len 8 --max-concurrency 2",
+                                 &out);
+  ASSERT_TRUE(j.is_object()) << out;
+  EXPECT_EQ(j["completed"], 12);
+  EXPECT_EQ(j["failed"], 0);
+  // Later turns resend the history their session's worker holds.
+  EXPECT_GT(j["router_prefix_hit_rate"].get<double>(), 0.3) << out;
+}
+
+TEST_F(BenchCommandTest, UnreachableServerAndBadFlagsAreClearErrors) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok());
+  std::string out;
+  EXPECT_NE(RunCommand(*bin + " bench --url http://127.0.0.1:1 --num-prompts 2", &out), 0);
+  EXPECT_THAT(out, HasSubstr("/v1/models"));
+  EXPECT_NE(RunCommand(*bin + " bench --url https://example.com:443", &out), 0);
+  EXPECT_THAT(out, HasSubstr("https is not supported"));
+  EXPECT_NE(RunCommand(*bin + " bench --url http://127.0.0.1:1 --request-rate fast", &out), 0);
+  EXPECT_THAT(out, HasSubstr("--request-rate"));
+  EXPECT_NE(RunCommand(*bin + " bench --url http://127.0.0.1:1 --goodput ttft=5", &out), 0);
+  EXPECT_THAT(out, HasSubstr("--goodput"));
+  EXPECT_NE(RunCommand(*bin + " bench", &out), 0);
+  EXPECT_THAT(out, HasSubstr("give --url"));
 }
 
 }  // namespace

@@ -60,6 +60,7 @@ struct UpOptions {
   std::string kv_cache_memory;
   std::vector<std::string> worker_args;
   std::string run_dir;
+  std::string engine;  // empty: the workers' default (real)
 };
 
 std::mutex g_log_mu;
@@ -350,6 +351,10 @@ absl::Status Up(UpOptions opt) {
       argv.push_back("--kv-cache-memory");
       argv.push_back(opt.kv_cache_memory);
     }
+    if (!opt.engine.empty()) {
+      argv.push_back("--engine");
+      argv.push_back(opt.engine);
+    }
     argv.insert(argv.end(), opt.worker_args.begin(), opt.worker_args.end());
     ASSIGN_OR_RETURN(std::unique_ptr<Child> c, Spawn(name, argv));
     children.push_back(std::move(c));
@@ -438,6 +443,9 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_option("--ready-file", opt->ready_file, "Write the router's URL here once ready");
   cmd->add_option("--worker-threads", opt->worker_threads, "BLAS threads per worker (0: all)");
   cmd->add_option("--kv-cache-memory", opt->kv_cache_memory, "Each worker's KV cache budget");
+  cmd->add_option("--engine", opt->engine,
+                  "Workers' engine: real, or sim (a simulator for routing experiments; "
+                  "see tandem worker --help)");
   cmd->add_option("--worker-arg", opt->worker_args, "Extra flag for every worker (repeatable)");
   cmd->add_option("--run-dir", opt->run_dir, "Where addresses and the router config go");
   cmd->callback([opt] {
