@@ -229,6 +229,14 @@ TEST_F(BenchCommandTest, SharedPrefixOnSimulatedWorkersReportsEverything) {
   std::ifstream html(dir_ + "/bench.html");
   const std::string page((std::istreambuf_iterator<char>(html)), {});
   EXPECT_THAT(page, HasSubstr("<svg"));
+
+  // Requests the server refuses are failures with the server's reason.
+  const nlohmann::json refused =
+      Bench(url, "--dataset random --num-prompts 2 --random-input-len 5000", &out);
+  ASSERT_TRUE(refused.is_object()) << out;
+  EXPECT_EQ(refused["completed"], 0);
+  EXPECT_EQ(refused["failed"], 2);
+  EXPECT_THAT(out, HasSubstr("HTTP 400: the prompt has 5000 tokens"));
 }
 
 TEST_F(BenchCommandTest, MultiTurnChatSessionsReuseTheirHistory) {

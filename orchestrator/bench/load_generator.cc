@@ -128,7 +128,9 @@ Task<Exchange> StreamPost(const tcp::resolver::results_type& endpoints, const st
   }
   beast::flat_buffer buffer;
   http::response_parser<http::buffer_body> parser;
-  parser.body_limit(boost::none);
+  // Not boost::none: Boost 1.74 compares a Content-Length against the empty
+  // optional as "over the limit".
+  parser.body_limit(std::numeric_limits<std::uint64_t>::max());
   co_await http::async_read_header(stream, buffer, parser,
                                    asio::redirect_error(asio::use_awaitable, ec));
   if (ec) {
