@@ -24,8 +24,10 @@ run: build
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
+# Quick benchmarks with ratio tables: routing policies on simulated workers, then the engine.
 bench: build
-	$(BUILD_DIR)/tandem bench engine --preset small
+	POLICIES="round_robin prefix_aware kv_cache_aware" scripts/bench_routing.sh $(BUILD_DIR)/tandem shared-prefix quick
+	$(BUILD_DIR)/tandem bench engine --model builtin:small
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -15,7 +15,7 @@ dataset=${2:-shared-prefix}
 quick=${3:-}
 workers=${WORKERS:-8}
 policies=${POLICIES:-"round_robin least_request power_of_two prefix_aware kv_cache_aware"}
-rate=${RATE:-16}
+rate=${RATE:-16}   # sessions per second
 prompts=${PROMPTS:-400}
 [[ $quick == quick ]] && prompts=${PROMPTS:-160}
 # A sim block (builtin:tiny's geometry, 16 tokens) takes 12 KiB: 2048 blocks = 24 MiB.
@@ -26,7 +26,10 @@ case $dataset in
     flags="--dataset shared-prefix --num-groups ${GROUPS_:-32} --prefix-len ${PREFIX:-4096} --suffix-len 128 --output-len 64"
     endpoint=completions ;;
   multi-turn)
-    flags="--dataset multi-turn --turns 5 --system-len 2048 --user-len 256 --output-len 64"
+    # ~16 live sessions of ~2k tokens: twice one worker's 1024 blocks, a quarter of the cluster's.
+    flags="--dataset multi-turn --turns 5 --system-len 1024 --user-len 128 --output-len 32"
+    cache=${CACHE:-12MiB}
+    rate=${RATE:-8}
     endpoint=chat ;;
   *) echo "unknown dataset $dataset" >&2; exit 2 ;;
 esac
