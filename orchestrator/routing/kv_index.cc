@@ -29,6 +29,7 @@ KvIndex::KvIndex(Options options) : options_(options) {
 
 void KvIndex::LinkFront(uint32_t n) {
   Node& node = nodes_[n];
+  node.stamp = ++clock_;
   node.prev = kNil;
   node.next = lru_head_;
   if (lru_head_ != kNil) nodes_[lru_head_].prev = n;
@@ -45,6 +46,8 @@ void KvIndex::Unlink(uint32_t n) {
 
 void KvIndex::Touch(uint32_t n) {
   if (lru_head_ == n) return;
+  // At most clock_ - stamp entries were linked in front of it since.
+  if (clock_ - nodes_[n].stamp < size_ / 4) return;
   Unlink(n);
   LinkFront(n);
 }

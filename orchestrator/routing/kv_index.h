@@ -41,7 +41,10 @@
 //
 // Memory: at most `max_blocks` (hash, worker) entries (Dynamo's default
 // 2^20). Beyond it the least recently used entry is evicted; "used" means
-// stored, recorded or matched. An evicted exact entry only makes the index
+// stored, recorded or matched. A use moves an entry to the front only if it
+// is not among the most recent quarter of entries already (its stamp tells:
+// the list is in stamp order), so a hot prefix matched again and again costs
+// a read per entry, not a relink of three random nodes. An evicted exact entry only makes the index
 // under-report that worker (a later BlockRemoved for it is a no-op). An
 // incomplete snapshot is staged outside the cap, truncated at max_blocks.
 // One entry costs about 40 bytes of node plus its share of the hash map.
@@ -150,6 +153,7 @@ class KvIndex {
     uint32_t worker = kNil;
     uint32_t prev = kNil, next = kNil;    // global LRU; `next` links the free list
     uint32_t wprev = kNil, wnext = kNil;  // the worker's list
+    uint32_t stamp = 0;  // clock_ when last linked at the LRU front (wraps)
   };
 
   struct Worker {
@@ -186,6 +190,7 @@ class KvIndex {
   uint32_t lru_head_ ABSL_GUARDED_BY(mu_) = kNil;
   uint32_t lru_tail_ ABSL_GUARDED_BY(mu_) = kNil;
   size_t size_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LinkFronts so far (the LRU is in stamp order)
   // Slots are reused after RemoveWorker; a free slot has an empty id.
   std::vector<Worker> workers_ ABSL_GUARDED_BY(mu_);
   std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
