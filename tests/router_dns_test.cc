@@ -57,6 +57,8 @@ constexpr int kWorkerHosts[] = {11, 12, 13};
 // Discovery resolves every second and a new worker is admitted at its first
 // health check (every 0.5 s); this leaves room for a loaded machine.
 constexpr seconds kFollowTimeout(10);
+// Each check may send requests: poll gently.
+constexpr milliseconds kPoll(100);
 
 // A network namespace with a veth to the root namespace and dnsmasq inside
 // answering for kName from a hosts file the test rewrites. Names and the
@@ -259,16 +261,6 @@ std::string Describe(const std::map<std::string, double>& workers) {
   return absl::StrCat("{", absl::StrJoin(parts, ", "), "}");
 }
 
-// Polls `done` until it holds or `timeout` passes.
-bool WaitUntil(const std::function<bool()>& done, milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(milliseconds(100));
-  }
-  return true;
-}
-
 int64_t FinishedRequests(WorkerProcess& w) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));
@@ -326,14 +318,14 @@ TEST(RouterDnsTest, DecodePoolFollowsTheNamesRecords) {
   };
 
   // Two records: both their workers serve, the third gets nothing.
-  ASSERT_TRUE(WaitUntil([&] { return healthy_on_metrics({w11, w12}); }, seconds(30)))
+  ASSERT_TRUE(WaitUntil([&] { return healthy_on_metrics({w11, w12}); }, seconds(30), kPoll))
       << "decode workers on /metrics: " << Describe(DecodeWorkersOnMetrics(url));
   EXPECT_EQ(AsSet(Round(url, 8)), std::set<std::string>({w11, w12}));
   EXPECT_EQ(FinishedRequests(*workers[w13]), 0);
 
   // A record is added: its worker joins within a few resolutions.
   ASSERT_TRUE(ns->SetRecords({11, 12, 13}));
-  EXPECT_TRUE(WaitUntil([&] { return Round(url, 1)[0] == w13; }, kFollowTimeout))
+  EXPECT_TRUE(WaitUntil([&] { return Round(url, 1)[0] == w13; }, kFollowTimeout, kPoll))
       << w13 << " got no request " << kFollowTimeout.count() << " s after its record was added";
   EXPECT_EQ(AsSet(Round(url, 9)), std::set<std::string>({w11, w12, w13}));
   EXPECT_TRUE(healthy_on_metrics({w11, w12, w13}))
@@ -344,28 +336,28 @@ TEST(RouterDnsTest, DecodePoolFollowsTheNamesRecords) {
   // Round robin over three healthy workers reaches each within 3 requests,
   // so a round of 4 without it means it has left the pool.
   ASSERT_TRUE(ns->SetRecords({12, 13}));
-  EXPECT_TRUE(WaitUntil([&] { return AsSet(Round(url, 4)).count(w11) == 0; }, kFollowTimeout))
+  EXPECT_TRUE(WaitUntil([&] { return AsSet(Round(url, 4)).count(w11) == 0; }, kFollowTimeout, kPoll))
       << w11 << " still gets requests " << kFollowTimeout.count()
       << " s after its record was removed";
   const int64_t w11_finished = FinishedRequests(*workers[w11]);
   EXPECT_EQ(AsSet(Round(url, 8)), std::set<std::string>({w12, w13}));
   EXPECT_EQ(FinishedRequests(*workers[w11]), w11_finished);
   EXPECT_FALSE(workers[w11]->Wait(milliseconds(0)).ok()) << w11 << " should still be running";
-  EXPECT_TRUE(WaitUntil([&] { return healthy_on_metrics({w12, w13}); }, kFollowTimeout))
+  EXPECT_TRUE(WaitUntil([&] { return healthy_on_metrics({w12, w13}); }, kFollowTimeout, kPoll))
       << "decode workers on /metrics: " << Describe(DecodeWorkersOnMetrics(url));
 
   // Every record is removed (no ready pods): the name no longer exists, the
   // pool empties and the router says so, rather than keep routing to the
   // last members. A record back, it serves again.
   ASSERT_TRUE(ns->SetRecords({}));
-  EXPECT_TRUE(WaitUntil([&] { return HttpGet(url, "/health").status == 503; }, kFollowTimeout))
+  EXPECT_TRUE(WaitUntil([&] { return HttpGet(url, "/health").status == 503; }, kFollowTimeout, kPoll))
       << "/health still ready " << kFollowTimeout.count() << " s after the name lost every record";
   const HttpResponse none = HttpPost(
       url, "/v1/chat/completions",
       R"({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})");
   EXPECT_EQ(none.status, 503) << none.body;
   ASSERT_TRUE(ns->SetRecords({13}));
-  EXPECT_TRUE(WaitUntil([&] { return HttpGet(url, "/health").status == 200; }, kFollowTimeout));
+  EXPECT_TRUE(WaitUntil([&] { return HttpGet(url, "/health").status == 200; }, kFollowTimeout, kPoll));
   EXPECT_EQ(AsSet(Round(url, 3)), std::set<std::string>({w13}));
   // Lookups are counted; none failed (a missing name is an answer).
   const std::string metrics = HttpGet(url, "/metrics").body;

@@ -432,7 +432,8 @@ TEST_F(RouterE2eTest, IdleStreamTimeoutEndsTheStreamWithAnError) {
             nullptr);
   const auto start = std::chrono::steady_clock::now();
   Reply r = Post("/v1/completions",
-                 Completion(json(MakePrompt(7, 64)), 16, {{"stream", true}, {"ignore_eos", true}}));
+                 Completion(json(MakePrompt(7, 64)), 16,
+                            {{"stream", true}, {"ignore_eos", true}, {"temperature", 0}}));
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_EQ(r.http.status, 200) << r.http.body;
   const Stream s = ParseStream(r.http.body, /*chat=*/false);

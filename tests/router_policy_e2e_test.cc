@@ -169,7 +169,9 @@ TEST_P(LoadAwarePolicyTest, AvoidsTheWorkerWithRequestsInFlight) {
     // Until w0 holds a request, ties may send one there.
     for (int i = 0; i < 40 && hung.empty(); ++i) {
       const std::string served = SendUnlessHung(Completion("load"), w[0], 0, hung);
-      if (!served.empty()) EXPECT_EQ(served, w[1]->address());
+      if (!served.empty()) {
+        EXPECT_EQ(served, w[1]->address());
+      }
     }
     ASSERT_EQ(hung.size(), 1u) << "no request ever reached the paused worker";
     // Now every request goes to the idle worker.
@@ -374,7 +376,9 @@ TEST_F(RouterPolicyTest, KvCacheAwareWeighsTheCachedPrefixAgainstLoad) {
     // tokens wait there, over the 64-token scale (load 0.5 x 1 > 0.1 x 1).
     for (int i = 0; i < 10 && hung.empty(); ++i) {
       const std::string served = SendUnlessHung(Completion(PromptIds(20 + i, 128, 0)), holder, 0, hung);
-      if (!served.empty()) EXPECT_EQ(served, other->address());
+      if (!served.empty()) {
+        EXPECT_EQ(served, other->address());
+      }
     }
     ASSERT_EQ(hung.size(), 1u);
     EXPECT_EQ(SendUnlessHung(Completion(PromptIds(3, 128, 2)), holder, 1, hung), other->address());

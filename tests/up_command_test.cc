@@ -13,7 +13,6 @@
 #include <fstream>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -37,17 +36,8 @@ std::vector<std::pair<pid_t, std::string>> ChildrenOf(pid_t parent) {
   for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
     const std::string name = entry.path().filename();
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t paren = line.rfind(')');
-    if (paren == std::string::npos) continue;
-    // After ") ": state, then ppid.
-    char state = 0;
-    int ppid = 0;
-    if (std::sscanf(line.c_str() + paren + 1, " %c %d", &state, &ppid) != 2 || ppid != parent) {
-      continue;
-    }
+    const std::optional<ProcStat> st = ReadProcStat(std::atoi(name.c_str()));
+    if (!st.has_value() || st->ppid != parent) continue;
     std::ifstream cmdline_file(entry.path() / "cmdline");
     std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)), {});
     for (char& c : cmdline) c = c == '\0' ? ' ' : c;
@@ -86,19 +76,13 @@ class UpCommandTest : public ::testing::Test {
       return "";
     }
     up_ = std::make_unique<ChildProcess>(*std::move(up));
-    const auto deadline = std::chrono::steady_clock::now() + seconds(60);
-    while (std::chrono::steady_clock::now() < deadline) {
-      std::ifstream in(dir_ + "/url");
-      std::string url;
-      if (in && std::getline(in, url) && !url.empty()) return url;
-      if (!up_->Running()) {
-        ADD_FAILURE() << "tandem up exited before it was ready";
-        return "";
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    absl::StatusOr<std::string> url =
+        WaitForReadyFile(*up_, dir_ + "/url", std::chrono::seconds(60), "tandem up");
+    if (!url.ok()) {
+      ADD_FAILURE() << url.status();
+      return "";
     }
-    ADD_FAILURE() << "tandem up was not ready within 60 s";
-    return "";
+    return *url;
   }
 
   std::string dir_;

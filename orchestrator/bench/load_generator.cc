@@ -232,7 +232,14 @@ struct Run {
     --in_flight;
   }
 
-  std::string Body(const Session& s, size_t turn, const std::vector<std::string>& answers) const {
+  // The server's answer to an earlier turn: its text (chat history) and its
+  // token ids (completions history, prompt length), encoded once.
+  struct Answer {
+    std::string text;
+    std::vector<int32_t> ids;
+  };
+
+  std::string Body(const Session& s, size_t turn, const std::vector<Answer>& answers) const {
     const Turn& t = s.turns[turn];
     json body = {{"model", model},
                  {"max_tokens", t.max_tokens},
@@ -247,7 +254,7 @@ struct Run {
       }
       for (size_t k = 0; k <= turn; ++k) {
         messages.push_back({{"role", "user"}, {"content", tokenizer.Decode(s.turns[k].tokens, true)}});
-        if (k < turn) messages.push_back({{"role", "assistant"}, {"content", answers[k]}});
+        if (k < turn) messages.push_back({{"role", "assistant"}, {"content", answers[k].text}});
       }
       body["messages"] = std::move(messages);
     } else {
@@ -256,10 +263,7 @@ struct Run {
       std::vector<int32_t> prompt = s.system;
       for (size_t k = 0; k <= turn; ++k) {
         prompt.insert(prompt.end(), s.turns[k].tokens.begin(), s.turns[k].tokens.end());
-        if (k < turn) {
-          const std::vector<int32_t> a = tokenizer.Encode(answers[k], false);
-          prompt.insert(prompt.end(), a.begin(), a.end());
-        }
+        if (k < turn) prompt.insert(prompt.end(), answers[k].ids.begin(), answers[k].ids.end());
       }
       if (options.prompt_as_text) {
         body["prompt"] = tokenizer.Decode(prompt, true);
@@ -270,10 +274,10 @@ struct Run {
     return body.dump();
   }
 
-  int64_t PromptTokens(const Session& s, size_t turn, const std::vector<std::string>& answers) const {
+  int64_t PromptTokens(const Session& s, size_t turn, const std::vector<Answer>& answers) const {
     int64_t n = static_cast<int64_t>(s.system.size());
     for (size_t k = 0; k <= turn; ++k) n += static_cast<int64_t>(s.turns[k].tokens.size());
-    for (size_t k = 0; k < turn; ++k) n += static_cast<int64_t>(tokenizer.Encode(answers[k], false).size());
+    for (size_t k = 0; k < turn; ++k) n += static_cast<int64_t>(answers[k].ids.size());
     return n;
   }
 
@@ -289,7 +293,7 @@ struct Run {
   // Runs one session's turns in order, recording each.
   Task<void> RunSession(size_t index) {
     const Session& s = sessions[index];
-    std::vector<std::string> answers;
+    std::vector<Answer> answers;
     bool failed = false;
     for (size_t turn = 0; turn < s.turns.size(); ++turn) {
       RequestRecord& rec = records[first_record[index] + turn];
@@ -327,7 +331,10 @@ struct Run {
           }
         }
         failed = !rec.ok;
-        answers.push_back(std::move(ex.content));
+        if (!failed && turn + 1 < s.turns.size()) {
+          std::vector<int32_t> ids = tokenizer.Encode(ex.content, false);
+          answers.push_back(Answer{std::move(ex.content), std::move(ids)});
+        }
       }
       ++done;
       if (options.progress) options.progress(done, total);

@@ -963,7 +963,9 @@ std::shared_ptr<RoutingState> Router::Impl::BuildRouting(std::shared_ptr<const R
     rs->params[r] = std::move(params);
     if (auto* kv = dynamic_cast<KvCacheAwarePolicy*>(rs->policy[r].get())) {
       rs->index[r] = kv->index();
-      if (config->kv_events.enabled) cluster_.SetKvIndex(role, rs->index[r]);
+      // Without events the index learns from routing decisions only (a kept
+      // policy's index must stop receiving the events it got before).
+      cluster_.SetKvIndex(role, config->kv_events.enabled ? rs->index[r] : nullptr);
     } else {
       cluster_.SetKvIndex(role, nullptr);
     }

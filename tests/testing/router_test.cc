@@ -3,9 +3,9 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <thread>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -41,12 +41,8 @@ std::string RouterYaml::Text() const {
 }
 
 bool WaitHealthy(const std::string& url, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (HttpGet(url, "/health").status == 200) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return false;
+  return WaitUntil([&] { return HttpGet(url, "/health").status == 200; }, timeout,
+                   std::chrono::milliseconds(50));
 }
 
 RouterProcess* RouterTest::StartRouter(const RouterYaml& yaml, bool wait_healthy) {
@@ -128,12 +124,7 @@ std::optional<double> RouterTest::Metric(const std::string& series) {
 
 bool RouterTest::WaitForMetric(const std::string& series, const std::function<bool(double)>& pred,
                                std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred(Metric(series).value_or(0))) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return false;
+  return WaitUntil([&] { return pred(Metric(series).value_or(0)); }, timeout);
 }
 
 PausedWorker::PausedWorker(WorkerProcess* w) : worker_(w) {
@@ -141,25 +132,18 @@ PausedWorker::PausedWorker(WorkerProcess* w) : worker_(w) {
   // The stop is asynchronous: wait until every thread of the worker is
   // stopped, so no request sent from now on gets an answer.
   const std::string tasks = absl::StrCat("/proc/", w->pid(), "/task");
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (std::chrono::steady_clock::now() < deadline) {
-    bool all_stopped = true;
-    std::error_code ec;
-    for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
-      std::ifstream stat(task.path() / "stat");
-      std::string line;
-      std::getline(stat, line);
-      // "pid (comm) S ...": the state follows the last ')'.
-      const size_t paren = line.rfind(')');
-      if (paren == std::string::npos || paren + 2 >= line.size() ||
-          (line[paren + 2] != 'T' && line[paren + 2] != 't')) {
-        all_stopped = false;
-      }
-    }
-    if (all_stopped && !ec) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  ADD_FAILURE() << "worker " << w->pid() << " did not stop";
+  const bool stopped = WaitUntil(
+      [&] {
+        std::error_code ec;
+        for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+          const std::optional<ProcStat> st =
+              ReadProcStat(w->pid(), std::atoi(task.path().filename().c_str()));
+          if (!st.has_value() || (st->state != 'T' && st->state != 't')) return false;
+        }
+        return !ec;
+      },
+      std::chrono::seconds(10), std::chrono::milliseconds(1));
+  if (!stopped) ADD_FAILURE() << "worker " << w->pid() << " did not stop";
 }
 
 void PausedWorker::Resume() {

@@ -46,31 +46,6 @@ absl::StatusOr<std::string> MakeTempDir() {
   return tmpl;
 }
 
-// Waits until `child` has written `path` (processes write it under another
-// name and rename it, so once it exists it is complete); its first line.
-absl::StatusOr<std::string> WaitForReadyFile(ChildProcess& child, const std::string& path,
-                                             std::chrono::milliseconds timeout,
-                                             const std::string& what) {
-  const auto deadline = Clock::now() + timeout;
-  while (true) {
-    std::ifstream in(path);
-    std::string line;
-    if (in && std::getline(in, line) && !absl::StripAsciiWhitespace(line).empty()) {
-      return std::string(absl::StripAsciiWhitespace(line));
-    }
-    if (!child.Running()) {
-      absl::StatusOr<int> status = child.Wait(std::chrono::milliseconds(0));
-      return absl::InternalError(absl::StrCat(
-          what, " ", status.ok() ? DescribeWaitStatus(*status) : "ended", " before serving"));
-    }
-    if (Clock::now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat(what, " wrote no ready file within ", timeout.count(), " ms"));
-    }
-    std::this_thread::sleep_for(kPollInterval);
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<std::string> TandemBinary() {
@@ -307,6 +282,54 @@ void RouterProcess::Rewrite(const std::string& yaml) {
 int RouterProcess::Stop(std::chrono::milliseconds grace) {
   stopped_ = true;
   return process_.Stop(grace);
+}
+
+absl::StatusOr<std::string> WaitForReadyFile(ChildProcess& child, const std::string& path,
+                                             std::chrono::milliseconds timeout,
+                                             const std::string& what) {
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    std::ifstream in(path);
+    std::string line;
+    if (in && std::getline(in, line) && !absl::StripAsciiWhitespace(line).empty()) {
+      return std::string(absl::StripAsciiWhitespace(line));
+    }
+    if (!child.Running()) {
+      absl::StatusOr<int> status = child.Wait(std::chrono::milliseconds(0));
+      return absl::InternalError(absl::StrCat(
+          what, " ", status.ok() ? DescribeWaitStatus(*status) : "ended", " before serving"));
+    }
+    if (Clock::now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(what, " wrote no ready file within ", timeout.count(), " ms"));
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+bool WaitUntil(const std::function<bool()>& done, std::chrono::milliseconds timeout,
+               std::chrono::milliseconds poll) {
+  const auto deadline = Clock::now() + timeout;
+  while (!done()) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(poll);
+  }
+  return true;
+}
+
+std::optional<ProcStat> ReadProcStat(pid_t pid, pid_t tid) {
+  std::ifstream in(tid > 0 ? absl::StrCat("/proc/", pid, "/task/", tid, "/stat")
+                           : absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(in, line)) return std::nullopt;
+  // "pid (comm) S ppid ...": the comm may hold spaces and parentheses.
+  const size_t paren = line.rfind(')');
+  ProcStat st;
+  if (paren == std::string::npos ||
+      std::sscanf(line.c_str() + paren + 1, " %c %d", &st.state, &st.ppid) != 2) {
+    return std::nullopt;
+  }
+  return st;
 }
 
 }  // namespace tandem::testing

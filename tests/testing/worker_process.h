@@ -23,6 +23,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -40,6 +41,19 @@ absl::StatusOr<std::string> TandemBinary();
 // pclose reports it (-1 if it could not start); its standard output and
 // error go to `output` when given. For set-up commands such as `ip netns`.
 int RunCommand(const std::string& command_line, std::string* output = nullptr);
+
+// Polls `done` every `poll` until it returns true (true) or `timeout` passes
+// (false).
+bool WaitUntil(const std::function<bool()>& done, std::chrono::milliseconds timeout,
+               std::chrono::milliseconds poll = std::chrono::milliseconds(20));
+
+// The state letter and parent pid of a process (or, with `tid`, one of its
+// threads) from /proc; nullopt if it is gone.
+struct ProcStat {
+  char state = 0;  // R, S, D, T (stopped), t, Z, ...
+  int ppid = 0;
+};
+std::optional<ProcStat> ReadProcStat(pid_t pid, pid_t tid = 0);
 
 // A process started with posix_spawn. If it is still running when the object
 // is destroyed it is killed with SIGKILL and reaped.
@@ -81,6 +95,13 @@ struct LaunchOptions {
   std::vector<std::string> wrapper;
   std::string connect_host;  // empty: the host from the ready file
 };
+
+// Waits until `child` has written `path` (processes write it under another
+// name and rename it, so once it exists it is complete); its first line.
+// An error naming `what` if the child ends first or `timeout` passes.
+absl::StatusOr<std::string> WaitForReadyFile(ChildProcess& child, const std::string& path,
+                                             std::chrono::milliseconds timeout,
+                                             const std::string& what);
 
 class WorkerProcess {
  public:

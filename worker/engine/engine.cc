@@ -502,7 +502,7 @@ void Engine::Loop() {
 }
 
 void Engine::Step() {
-  step_started_ = std::chrono::steady_clock::now();
+  const auto step_started = std::chrono::steady_clock::now();
   std::vector<ScheduledWork> work = scheduler_.Schedule();
   if (work.empty()) return;
 
@@ -530,7 +530,7 @@ void Engine::Step() {
     }
   }
 
-  absl::Status st = config_.sim.has_value() ? SimulateStep(work)
+  absl::Status st = config_.sim.has_value() ? SimulateStep(work, step_started)
                                              : model_.Forward(batch_, storage_->data(),
                                                               storage_->layout(), &logits_);
   if (!st.ok()) {
@@ -593,7 +593,8 @@ void Engine::Step() {
   for (uint64_t id : handoffs) HandOff(id);
 }
 
-absl::Status Engine::SimulateStep(const std::vector<ScheduledWork>& work) {
+absl::Status Engine::SimulateStep(const std::vector<ScheduledWork>& work,
+                                  std::chrono::steady_clock::time_point started) {
   int64_t prefill_tokens = 0, decode_seqs = 0, context_tokens = 0;
   for (const ScheduledWork& w : work) {
     if (w.seq->num_computed < w.seq->prompt_len) {
@@ -604,7 +605,7 @@ absl::Status Engine::SimulateStep(const std::vector<ScheduledWork>& work) {
     context_tokens += int64_t{w.seq->num_computed} + w.num_tokens;
   }
   const double seconds = config_.sim->StepSeconds(prefill_tokens, decode_seqs, context_tokens);
-  std::this_thread::sleep_until(step_started_ + std::chrono::duration_cast<std::chrono::nanoseconds>(
+  std::this_thread::sleep_until(started + std::chrono::duration_cast<std::chrono::nanoseconds>(
                                                     std::chrono::duration<double>(seconds)));
   return absl::OkStatus();
 }

@@ -220,9 +220,10 @@ class Engine {
   bool EnqueueIfRunning(const std::function<void()>& enqueue);
   void DrainCommands();
   void Step();
-  // The simulated engine's stand-in for the forward pass: sleeps the
-  // step's SimTiming duration (measured from the step's start).
-  absl::Status SimulateStep(const std::vector<ScheduledWork>& work);
+  // The simulated engine's stand-in for the forward pass: sleeps until the
+  // step's SimTiming duration has passed since `started`.
+  absl::Status SimulateStep(const std::vector<ScheduledWork>& work,
+                            std::chrono::steady_clock::time_point started);
   void Finish(std::unique_ptr<Sequence> seq, FinishInfo info);
   void PublishLoad();
   void MaybeLogStats();
@@ -297,7 +298,6 @@ class Engine {
   std::atomic<uint64_t> next_id_{1};
   std::atomic<int> waiting_{0};  // the scheduler's queue length, for the overload check
   bool cache_limited_ = false;   // the context was capped by the KV cache's size
-  std::chrono::steady_clock::time_point step_started_;  // engine thread only
   std::thread thread_;
 
   mutable std::mutex load_mu_;
