@@ -27,14 +27,15 @@ KvIndex::KvIndex(Options options) : options_(options) {
 
 // ---- lists ---------------------------------------------------------------
 
-void KvIndex::LinkFront(uint32_t n) {
+uint16_t KvIndex::LinkFront(uint32_t n) {
   Node& node = nodes_[n];
-  node.stamp = ++clock_;
+  ++clock_;
   node.prev = kNil;
   node.next = lru_head_;
   if (lru_head_ != kNil) nodes_[lru_head_].prev = n;
   lru_head_ = n;
   if (lru_tail_ == kNil) lru_tail_ = n;
+  return static_cast<uint16_t>(clock_ >> kStampShift);
 }
 
 void KvIndex::Unlink(uint32_t n) {
@@ -44,22 +45,28 @@ void KvIndex::Unlink(uint32_t n) {
   node.prev = node.next = kNil;
 }
 
-void KvIndex::Touch(uint32_t n) {
-  if (lru_head_ == n) return;
-  // At most clock_ - stamp entries were linked in front of it since.
-  if (clock_ - nodes_[n].stamp < size_ / 4) return;
-  Unlink(n);
-  LinkFront(n);
+void KvIndex::Relink(Holder& holder) {
+  Unlink(holder.node);
+  holder.stamp = LinkFront(holder.node);
+}
+
+inline void KvIndex::Touch(Holder& holder) {
+  if (lru_head_ == holder.node) return;
+  // Fewer than (age + 1) << kStampShift entries were linked in front of it
+  // since its stamp; skip it while that is within the most recent quarter.
+  const uint32_t age = static_cast<uint16_t>(static_cast<uint16_t>(clock_ >> kStampShift) - holder.stamp);
+  if (((age + 1) << kStampShift) > size_ / 4) Relink(holder);
 }
 
 // ---- entries -------------------------------------------------------------
 
-void KvIndex::Insert(uint64_t hash, uint32_t slot, TimePoint expires) {
+void KvIndex::Insert(uint64_t hash, uint16_t slot, TimePoint expires) {
   auto& holders = holders_[hash];
-  for (uint32_t n : holders) {
-    if (nodes_[n].worker != slot) continue;
-    nodes_[n].expires = std::max(nodes_[n].expires, expires);  // exact (max) wins over a TTL
-    Touch(n);
+  for (Holder& h : holders) {
+    if (h.worker != slot) continue;
+    TimePoint& e = nodes_[h.node].expires;
+    e = std::max(e, expires);  // exact (max) wins over a TTL
+    Touch(h);
     return;
   }
   uint32_t n;
@@ -80,8 +87,7 @@ void KvIndex::Insert(uint64_t hash, uint32_t slot, TimePoint expires) {
   if (w.head != kNil) nodes_[w.head].wprev = n;
   w.head = n;
   ++w.blocks;
-  LinkFront(n);
-  holders.push_back(n);
+  holders.push_back(Holder{n, slot, LinkFront(n)});
   ++size_;
   // The new node is at the head, so with max_blocks >= 1 the tail is another.
   while (size_ > static_cast<size_t>(options_.max_blocks)) {
@@ -95,7 +101,7 @@ void KvIndex::EraseNode(uint32_t n) {
   auto it = holders_.find(node.hash);
   CHECK(it != holders_.end()) << "KvIndex: node without holders";
   auto& holders = it->second;
-  auto pos = std::find(holders.begin(), holders.end(), n);
+  auto pos = std::find_if(holders.begin(), holders.end(), [n](const Holder& h) { return h.node == n; });
   CHECK(pos != holders.end()) << "KvIndex: node missing from its holders";
   *pos = holders.back();
   holders.pop_back();
@@ -114,35 +120,38 @@ void KvIndex::EraseNode(uint32_t n) {
   --size_;
 }
 
-void KvIndex::EraseBlock(uint64_t hash, uint32_t slot) {
+void KvIndex::EraseBlock(uint64_t hash, uint16_t slot) {
   auto it = holders_.find(hash);
   if (it == holders_.end()) return;
-  for (uint32_t n : it->second) {
-    if (nodes_[n].worker == slot) {
-      EraseNode(n);  // invalidates `it`; we are done with it
+  for (const Holder& h : it->second) {
+    if (h.worker == slot) {
+      EraseNode(h.node);  // invalidates `it`; we are done with it
       return;
     }
   }
 }
 
-void KvIndex::DropWorkerEntries(uint32_t slot) {
+void KvIndex::DropWorkerEntries(uint16_t slot) {
   while (workers_[slot].head != kNil) EraseNode(workers_[slot].head);
 }
 
 // ---- workers -------------------------------------------------------------
 
-uint32_t KvIndex::WorkerSlot(const std::string& worker_id) {
+uint16_t KvIndex::WorkerSlot(const std::string& worker_id) {
   auto it = slot_by_id_.find(worker_id);
   if (it != slot_by_id_.end()) return it->second;
-  uint32_t slot;
+  uint16_t slot;
   if (!free_slots_.empty()) {
     slot = free_slots_.back();
     free_slots_.pop_back();
   } else {
-    slot = static_cast<uint32_t>(workers_.size());
+    if (workers_.size() >= kMaxWorkers) return kNoSlot;
+    slot = static_cast<uint16_t>(workers_.size());
     workers_.emplace_back();
+    match_slots_.emplace_back();
   }
   workers_[slot] = Worker{};
+  match_slots_[slot] = MatchSlot{0, false};
   workers_[slot].id = worker_id;
   slot_by_id_.emplace(worker_id, slot);
   return slot;
@@ -152,7 +161,7 @@ void KvIndex::RemoveWorker(const std::string& worker_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = slot_by_id_.find(worker_id);
   if (it == slot_by_id_.end()) return;
-  const uint32_t slot = it->second;
+  const uint16_t slot = it->second;
   DropWorkerEntries(slot);
   workers_[slot] = Worker{};
   free_slots_.push_back(slot);
@@ -171,7 +180,12 @@ void KvIndex::MarkStale(Worker& w) {
 
 absl::Status KvIndex::Apply(const std::string& worker_id, const tandem::v1::KvEventBatch& batch) {
   std::lock_guard<std::mutex> lock(mu_);
-  const uint32_t slot = WorkerSlot(worker_id);
+  const uint16_t slot = WorkerSlot(worker_id);
+  if (slot == kNoSlot) {
+    ++stats_.bad_batches;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV index knows ", kMaxWorkers, " workers already; ", worker_id, " is not indexed"));
+  }
   absl::Status status = ApplyLocked(slot, batch);
   if (!status.ok()) {
     Worker& w = workers_[slot];
@@ -180,10 +194,12 @@ absl::Status KvIndex::Apply(const std::string& worker_id, const tandem::v1::KvEv
     LOG(WARNING) << "KV events from " << worker_id << " lost or malformed; index marks it stale "
                  << "until a snapshot: " << status.message();
   }
+  // Only Apply changes a known worker's mode.
+  match_slots_[slot].exact = workers_[slot].mode == WorkerMode::kExact;
   return status;
 }
 
-absl::Status KvIndex::ApplyLocked(uint32_t slot, const tandem::v1::KvEventBatch& batch) {
+absl::Status KvIndex::ApplyLocked(uint16_t slot, const tandem::v1::KvEventBatch& batch) {
   Worker& w = workers_[slot];
   if (batch.instance_id().empty()) {
     return absl::InvalidArgumentError("KV event batch without instance_id");
@@ -279,8 +295,8 @@ void KvIndex::RecordRouted(const std::string& worker_id, std::span<const uint64_
                            TimePoint now) {
   if (block_hashes.empty()) return;
   std::lock_guard<std::mutex> lock(mu_);
-  const uint32_t slot = WorkerSlot(worker_id);
-  if (workers_[slot].mode == WorkerMode::kExact) return;
+  const uint16_t slot = WorkerSlot(worker_id);
+  if (slot == kNoSlot || workers_[slot].mode == WorkerMode::kExact) return;
   const TimePoint expires = now + options_.ttl;
   // Insert in reverse so the request's first block ends up most recent: under
   // the cap, a prefix survives longer than its tail (a tail is useless alone).
@@ -291,49 +307,51 @@ void KvIndex::RecordRouted(const std::string& worker_id, std::span<const uint64_
 
 std::vector<KvIndex::Overlap> KvIndex::Match(std::span<const uint64_t> block_hashes,
                                              TimePoint now) {
-  struct Candidate {
-    uint32_t slot;
-    int64_t matched;
-  };
-  std::vector<Candidate> candidates;
+  std::vector<uint16_t> candidates;  // slots that matched block 0
   std::vector<uint32_t> expired;
   std::lock_guard<std::mutex> lock(mu_);
   // Block i extends only candidates that matched all of blocks 0..i-1.
-  for (size_t i = 0; i < block_hashes.size(); ++i) {
+  // The blocks are random reads in a large map: ask for the map entry of
+  // block i + kAhead while reading block i, and for its holder array once
+  // found, so their cache misses overlap (a cold request wastes a few).
+  constexpr size_t kAhead = 8;
+  const size_t n = block_hashes.size();
+  for (size_t i = 0; i < std::min(n, kAhead); ++i) holders_.prefetch(block_hashes[i]);
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) holders_.prefetch(block_hashes[i + kAhead]);
+    if (i + kAhead / 2 < n) {
+      auto next = holders_.find(block_hashes[i + kAhead / 2]);
+      if (next != holders_.end()) __builtin_prefetch(next->second.data());
+    }
     auto it = holders_.find(block_hashes[i]);
     if (it == holders_.end()) break;
     bool extended = false;
-    for (uint32_t n : it->second) {
-      const Node& node = nodes_[n];
-      if (node.expires <= now) {
-        expired.push_back(n);
+    for (Holder& h : it->second) {
+      MatchSlot& slot = match_slots_[h.worker];
+      if (!slot.exact && nodes_[h.node].expires <= now) {
+        expired.push_back(h.node);
         continue;
       }
-      if (i == 0) {
-        candidates.push_back({node.worker, 1});
-      } else {
-        auto c = std::find_if(candidates.begin(), candidates.end(),
-                              [&](const Candidate& x) { return x.slot == node.worker; });
-        if (c == candidates.end() || c->matched != static_cast<int64_t>(i)) continue;
-        ++c->matched;
-      }
-      Touch(n);
+      if (slot.matched != i) continue;
+      if (i == 0) candidates.push_back(h.worker);
+      ++slot.matched;
+      Touch(h);
       extended = true;
     }
     if (!extended) break;
+  }
+  std::vector<Overlap> out;
+  out.reserve(candidates.size());
+  for (uint16_t slot : candidates) {
+    const Worker& w = workers_[slot];
+    out.push_back(Overlap{w.id, match_slots_[slot].matched, w.mode});
+    match_slots_[slot].matched = 0;
   }
   // A request could repeat a hash; erase each expired node once.
   std::sort(expired.begin(), expired.end());
   expired.erase(std::unique(expired.begin(), expired.end()), expired.end());
   for (uint32_t n : expired) EraseNode(n);
   stats_.expirations += expired.size();
-
-  std::vector<Overlap> out;
-  out.reserve(candidates.size());
-  for (const Candidate& c : candidates) {
-    const Worker& w = workers_[c.slot];
-    out.push_back(Overlap{w.id, c.matched, w.mode});
-  }
   return out;
 }
 

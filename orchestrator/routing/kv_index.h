@@ -42,12 +42,21 @@
 // Memory: at most `max_blocks` (hash, worker) entries (Dynamo's default
 // 2^20). Beyond it the least recently used entry is evicted; "used" means
 // stored, recorded or matched. A use moves an entry to the front only if it
-// is not among the most recent quarter of entries already (its stamp tells:
-// the list is in stamp order), so a hot prefix matched again and again costs
-// a read per entry, not a relink of three random nodes. An evicted exact entry only makes the index
-// under-report that worker (a later BlockRemoved for it is a no-op). An
-// incomplete snapshot is staged outside the cap, truncated at max_blocks.
-// One entry costs about 40 bytes of node plus its share of the hash map.
+// is not among the most recent quarter of entries already (a 16-bit stamp of
+// the LRU clock, kept next to the block's holders, tells: the list is in
+// stamp order; an entry untouched for 2^28 relinks may look recent once,
+// which only delays its next move), so a hot prefix matched again and again
+// costs a read of the block's holders, not a relink of three random nodes.
+// An evicted exact entry only makes the index under-report that worker (a
+// later BlockRemoved for it is a no-op). An incomplete snapshot is staged
+// outside the cap, truncated at max_blocks. One entry costs about 40 bytes
+// of node plus 8 of holder plus its share of the hash map. At most 65,535
+// workers are known at once (Apply refuses more with ResourceExhausted).
+//
+// Match reads, per request block, one hash-map entry and its inline holders
+// (worker slot, node, stamp); it reads a node only to relink it or to check
+// the expiry of an entry that can expire (a worker not in kExact mode holds
+// TTL entries; an exact worker's entries never expire).
 //
 // Thread safety: every method is thread-safe; one std::mutex guards the
 // index (Match updates the LRU, so it cannot share a reader lock). Match is
@@ -113,6 +122,7 @@ class KvIndex {
   };
 
   // REQUIRES: 1 <= options.max_blocks < 2^32 - 1.
+  static constexpr size_t kMaxWorkers = 65535;
   explicit KvIndex(Options options);
   KvIndex(const KvIndex&) = delete;
   KvIndex& operator=(const KvIndex&) = delete;
@@ -144,6 +154,9 @@ class KvIndex {
 
  private:
   static constexpr uint32_t kNil = UINT32_MAX;
+  static constexpr uint16_t kNoSlot = UINT16_MAX;
+  // A stamp counts LRU relinks in units of 2^kStampShift (wraps at 2^28).
+  static constexpr int kStampShift = 12;
 
   // One (hash, worker) entry, in two intrusive lists: the global LRU (most
   // recent at lru_head_) and its worker's list (no order).
@@ -153,7 +166,14 @@ class KvIndex {
     uint32_t worker = kNil;
     uint32_t prev = kNil, next = kNil;    // global LRU; `next` links the free list
     uint32_t wprev = kNil, wnext = kNil;  // the worker's list
-    uint32_t stamp = 0;  // clock_ when last linked at the LRU front (wraps)
+  };
+
+  // A block's holder, inline in the hash map: what Match needs without
+  // reading the node.
+  struct Holder {
+    uint32_t node;
+    uint16_t worker;  // slot
+    uint16_t stamp;   // clock_ >> kStampShift when last linked at the LRU front
   };
 
   struct Worker {
@@ -169,32 +189,43 @@ class KvIndex {
     int64_t blocks = 0;
   };
 
-  uint32_t WorkerSlot(const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ApplyLocked(uint32_t slot, const tandem::v1::KvEventBatch& batch)
+  // kNoSlot when kMaxWorkers are known already.
+  uint16_t WorkerSlot(const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyLocked(uint16_t slot, const tandem::v1::KvEventBatch& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkStale(Worker& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Insert(uint64_t hash, uint32_t slot, TimePoint expires) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EraseBlock(uint64_t hash, uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Insert(uint64_t hash, uint16_t slot, TimePoint expires) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseBlock(uint64_t hash, uint16_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseNode(uint32_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DropWorkerEntries(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Touch(uint32_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void LinkFront(uint32_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropWorkerEntries(uint16_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the entry to the LRU front unless it is among the most recent quarter.
+  void Touch(Holder& holder) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ABSL_ATTRIBUTE_NOINLINE void Relink(Holder& holder) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Links node n at the LRU front; returns its stamp.
+  uint16_t LinkFront(uint32_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unlink(uint32_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   mutable std::mutex mu_;
   // Block hash -> nodes of the workers holding it (rarely more than a few).
-  absl::flat_hash_map<uint64_t, absl::InlinedVector<uint32_t, 2>> holders_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, absl::InlinedVector<Holder, 2>> holders_ ABSL_GUARDED_BY(mu_);
   std::vector<Node> nodes_ ABSL_GUARDED_BY(mu_);
   uint32_t free_nodes_ ABSL_GUARDED_BY(mu_) = kNil;
   uint32_t lru_head_ ABSL_GUARDED_BY(mu_) = kNil;
   uint32_t lru_tail_ ABSL_GUARDED_BY(mu_) = kNil;
   size_t size_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LinkFronts so far (the LRU is in stamp order)
+  // What Match reads per holder, by worker slot, in one small array (the
+  // holder scan touches nothing else unless an entry can expire or must move).
+  struct MatchSlot {
+    uint32_t matched = 0;  // leading blocks; zero between calls
+    bool exact = false;    // workers_[slot].mode == kExact: no entry can expire
+  };
+  std::vector<MatchSlot> match_slots_ ABSL_GUARDED_BY(mu_);
   // Slots are reused after RemoveWorker; a free slot has an empty id.
   std::vector<Worker> workers_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, uint32_t> slot_by_id_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint16_t> free_slots_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint16_t> slot_by_id_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -138,6 +138,40 @@ void BM_MatchColdRequest(benchmark::State& state) {
 }
 BENCHMARK(BM_MatchColdRequest);
 
+// A 1k-token system prompt (64 blocks) that every one of the 1,000 workers
+// holds, then 448 blocks of the request's own (cold): the worst case of a
+// per-block holder scan, 64,000 holders read.
+void BM_MatchPromptHeldByAllWorkers(benchmark::State& state) {
+  Fixture& f = Shared();
+  static const bool filled = [&f] {
+    for (int w = 0; w < kWorkers; ++w) {
+      const std::string id = absl::StrCat("10.0.", w / 250, ".", w % 250, ":50051");
+      tandem::v1::KvEventBatch batch;
+      batch.set_instance_id(id);
+      for (int k = 0; k < 64; ++k) {
+        auto* e = batch.add_events();
+        e->set_seq(f.seq[w]++);
+        e->mutable_stored()->set_block_hash(BlockHash(kDocs + 7, k));
+      }
+      CHECK(f.index->Apply(id, batch).ok());
+    }
+    return true;
+  }();
+  (void)filled;
+  std::vector<uint64_t> request = Doc(kDocs + 7);
+  for (int k = 64; k < kDocBlocks; ++k) request[k] = BlockHash(kDocs + 8, k);
+  int64_t holders = 0;
+  for (auto _ : state) {
+    std::vector<KvIndex::Overlap> o = f.index->Match(request, std::chrono::steady_clock::now());
+    holders += static_cast<int64_t>(o.size());
+    benchmark::DoNotOptimize(o);
+  }
+  state.counters["holders_per_match"] =
+      static_cast<double>(holders) / static_cast<double>(std::max<int64_t>(1, state.iterations()));
+  Report(state);
+}
+BENCHMARK(BM_MatchPromptHeldByAllWorkers);
+
 // 64 new blocks stored on one worker: at the cap, each evicts an entry.
 void BM_ApplyStoredBatchAtCap(benchmark::State& state) {
   Fixture& f = Shared();
