@@ -24,9 +24,11 @@ run: build
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
-# Quick benchmarks with ratio tables: routing policies on simulated workers, then the engine.
+# Quick benchmarks with ratio tables: routing policies on simulated workers, the router's
+# overhead against nginx, then the engine.
 bench: build
 	POLICIES="round_robin prefix_aware kv_cache_aware" scripts/bench_routing.sh $(BUILD_DIR)/tandem shared-prefix quick
+	scripts/bench_overhead.sh $(BUILD_DIR)/tandem quick
 	$(BUILD_DIR)/tandem bench engine --model builtin:small
 
 clean:

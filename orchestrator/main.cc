@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include "orchestrator/bench/bench_command.h"
+#include "orchestrator/bench/mock_server.h"
 #include "orchestrator/cli/router_command.h"
 #include "worker/cli/commands.h"
 
@@ -20,6 +21,7 @@ int main(int argc, char** argv) {
   tandem::bench::AddServingBench(*bench);
   tandem::worker::AddBenchCommand(*bench);
   tandem::worker::AddTransferBenchCommand(*bench);
+  tandem::bench::AddMockServerCommand(*bench);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -12,6 +12,7 @@ PACKAGES=(
   python3 python3-numpy
   python3-jinja2  # chat_template_test's reference renderer (transformers' Jinja2 setup)
   dnsmasq-base  # router_dns_test's DNS server for discovery (A records added and removed)
+  nginx  # bench_overhead.sh's reverse proxy, the baseline the router's overhead is compared with
 )
 # The tokenizer tests fetch reference data with npm: Debian's Node.js unless
 # one is installed already.
@@ -30,5 +31,13 @@ SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
 echo "install_deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
+# nginx's package would start a system web server on port 80; the benchmark
+# runs its own from a generated config, so the service is kept from starting
+# (policy-rc.d, as Debian's container images do) while installing.
+if [[ " ${missing[*]} " == *" nginx "* && ! -e /usr/sbin/policy-rc.d ]]; then
+  printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
+  $SUDO chmod +x /usr/sbin/policy-rc.d
+  trap '$SUDO rm -f /usr/sbin/policy-rc.d' EXIT
+fi
 $SUDO apt-get update -q >/dev/null
 $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null

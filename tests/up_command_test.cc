@@ -239,6 +239,32 @@ TEST_F(BenchCommandTest, MultiTurnChatSessionsReuseTheirHistory) {
   EXPECT_GT(j["router_prefix_hit_rate"].get<double>(), 0.3) << out;
 }
 
+TEST_F(BenchCommandTest, KeepAliveReusesConnectionsAcrossRequests) {
+  const std::string url = Start({"--engine", "sim", "--aggregated", "1",
+                                 "--worker-arg=--sim-step-ms", "--worker-arg=1"});
+  ASSERT_FALSE(url.empty());
+  const std::string series = "tandem_router_http_connections_total";
+  auto accepted = [&] { return ScrapeMetric(url, series).value_or(-1); };
+  std::string out;
+  // 30 requests, at most 2 at a time: 2 request connections (+ the client's
+  // GET /v1/models and two /metrics reads, + this test's scrape).
+  const double before = accepted();
+  ASSERT_GE(before, 0) << "no " << series;
+  nlohmann::json j = Bench(url, "--num-prompts 30 --random-input-len 32 --random-output-len 4 "
+                                "--max-concurrency 2", &out);
+  ASSERT_TRUE(j.is_object()) << out;
+  EXPECT_EQ(j["completed"], 30);
+  EXPECT_LE(accepted() - before, 2 + 3 + 1) << out;
+
+  // --no-keep-alive: a connection per request.
+  const double mid = accepted();
+  j = Bench(url, "--num-prompts 30 --random-input-len 32 --random-output-len 4 "
+                 "--max-concurrency 2 --no-keep-alive", &out);
+  ASSERT_TRUE(j.is_object()) << out;
+  EXPECT_EQ(j["completed"], 30);
+  EXPECT_GE(accepted() - mid, 30 + 1);
+}
+
 TEST_F(BenchCommandTest, UnreachableServerAndBadFlagsAreClearErrors) {
   absl::StatusOr<std::string> bin = TandemBinary();
   ASSERT_TRUE(bin.ok());

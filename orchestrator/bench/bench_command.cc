@@ -215,6 +215,9 @@ void AddServingBench(CLI::App& bench) {
                  "Ask the server to ignore EOS so outputs have the asked length")
       ->capture_default_str();
   bench.add_flag("--prompt-as-text", l.prompt_as_text, "completions: send text, not token ids");
+  bench.add_flag("--keep-alive,!--no-keep-alive", l.keep_alive,
+                 "Reuse connections between requests (--no-keep-alive: one per request)")
+      ->capture_default_str();
   bench.add_option("--goodput", opt->goodput, "SLOs for goodput, e.g. ttft:500 tpot:50 (ms)");
   bench.add_option("--json", opt->json_path, "Write the results as JSON here");
   bench.add_option("--html", opt->html_path, "Write a self-contained HTML report here");
@@ -227,7 +230,7 @@ void AddServingBench(CLI::App& bench) {
     if (opt->load.url.empty()) {
       worker::ExitWithStatus("bench", absl::InvalidArgumentError(
                                           "give --url http://host:port (serving benchmark) or a "
-                                          "subcommand (engine, transfer)"));
+                                          "subcommand (engine, transfer, mock-server)"));
     }
     worker::ExitWithStatus("bench", RunServingBench(*opt));
   });

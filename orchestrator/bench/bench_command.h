@@ -1,6 +1,7 @@
 // `tandem bench --url URL ...`: the serving benchmark (load generator and
 // report) on the `bench` command itself; its subcommands (`bench engine`,
-// `bench transfer`) are other benchmarks.
+// `bench transfer`) are other benchmarks, and `bench mock-server` a server
+// to measure against.
 #ifndef TANDEM_ORCHESTRATOR_BENCH_BENCH_COMMAND_H_
 #define TANDEM_ORCHESTRATOR_BENCH_BENCH_COMMAND_H_
 

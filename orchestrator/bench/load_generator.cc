@@ -98,21 +98,54 @@ std::string ErrorText(int status, const std::string& body) {
   return absl::StrCat("HTTP ", status, ": ", body.substr(0, 200));
 }
 
+// Idle keep-alive connections to the server, on the client thread only.
+class ConnectionPool {
+ public:
+  ConnectionPool(tcp::resolver::results_type endpoints, bool keep_alive)
+      : endpoints_(std::move(endpoints)), keep_alive_(keep_alive) {}
+
+  // An idle connection (*reused = true) or a new one; ec on connect failure.
+  Task<std::unique_ptr<beast::tcp_stream>> Get(std::chrono::seconds timeout, bool* reused,
+                                              beast::error_code& ec) {
+    *reused = !idle_.empty();
+    std::unique_ptr<beast::tcp_stream> stream;
+    if (*reused) {
+      stream = std::move(idle_.back());
+      idle_.pop_back();
+    } else {
+      stream = std::make_unique<beast::tcp_stream>(co_await asio::this_coro::executor);
+      stream->expires_after(timeout);
+      co_await stream->async_connect(endpoints_, asio::redirect_error(asio::use_awaitable, ec));
+      if (!ec) stream->socket().set_option(tcp::no_delay(true), ec);
+    }
+    stream->expires_after(timeout);
+    co_return stream;
+  }
+
+  // Keeps a connection whose response ended cleanly; closes it otherwise.
+  void Put(std::unique_ptr<beast::tcp_stream> stream, bool reusable) {
+    if (keep_alive_ && reusable) {
+      stream->expires_never();
+      idle_.push_back(std::move(stream));
+      return;
+    }
+    beast::error_code ignored;
+    stream->socket().shutdown(tcp::socket::shutdown_both, ignored);
+  }
+
+ private:
+  const tcp::resolver::results_type endpoints_;
+  const bool keep_alive_;
+  std::vector<std::unique_ptr<beast::tcp_stream>> idle_;
+};
+
 // POSTs `body` to `target` and reads the SSE stream.
-Task<Exchange> StreamPost(const tcp::resolver::results_type& endpoints, const std::string& host,
+Task<Exchange> StreamPost(ConnectionPool& pool, const std::string& host,
                           const std::string& target, std::string body,
                           std::vector<std::pair<std::string, std::string>> headers, bool chat,
                           std::chrono::seconds timeout) {
   Exchange ex;
   beast::error_code ec;
-  beast::tcp_stream stream(co_await asio::this_coro::executor);
-  stream.expires_after(timeout);
-  co_await stream.async_connect(endpoints, asio::redirect_error(asio::use_awaitable, ec));
-  if (ec) {
-    ex.error = absl::StrCat("connect: ", ec.message());
-    ex.done = Clock::now();
-    co_return ex;
-  }
   http::request<http::string_body> req{http::verb::post, target, 11};
   req.set(http::field::host, host);
   req.set(http::field::content_type, "application/json");
@@ -120,37 +153,63 @@ Task<Exchange> StreamPost(const tcp::resolver::results_type& endpoints, const st
   for (const auto& [k, v] : headers) req.set(k, v);
   req.body() = std::move(body);
   req.prepare_payload();
-  co_await http::async_write(stream, req, asio::redirect_error(asio::use_awaitable, ec));
-  if (ec) {
-    ex.error = absl::StrCat("write: ", ec.message());
-    ex.done = Clock::now();
-    co_return ex;
-  }
+  std::unique_ptr<beast::tcp_stream> stream;
   beast::flat_buffer buffer;
-  http::response_parser<http::buffer_body> parser;
-  // Not boost::none: Boost 1.74 compares a Content-Length against the empty
-  // optional as "over the limit".
-  parser.body_limit(std::numeric_limits<std::uint64_t>::max());
-  co_await http::async_read_header(stream, buffer, parser,
-                                   asio::redirect_error(asio::use_awaitable, ec));
+  std::optional<http::response_parser<http::buffer_body>> parser;
+  // A reused connection the server closed while idle fails before any
+  // response byte: that request goes again on a new connection, once.
+  for (bool retry = true;; retry = false) {
+    ec = {};
+    bool reused = false;
+    stream = co_await pool.Get(timeout, &reused, ec);
+    if (ec) {
+      ex.error = absl::StrCat("connect: ", ec.message());
+      ex.done = Clock::now();
+      co_return ex;
+    }
+    co_await http::async_write(*stream, req, asio::redirect_error(asio::use_awaitable, ec));
+    if (ec && reused && retry) {
+      pool.Put(std::move(stream), false);
+      continue;
+    }
+    if (ec) {
+      ex.error = absl::StrCat("write: ", ec.message());
+      ex.done = Clock::now();
+      pool.Put(std::move(stream), false);
+      co_return ex;
+    }
+    buffer.clear();
+    parser.emplace();
+    // Not boost::none: Boost 1.74 compares a Content-Length against the empty
+    // optional as "over the limit".
+    parser->body_limit(std::numeric_limits<std::uint64_t>::max());
+    co_await http::async_read_header(*stream, buffer, *parser,
+                                     asio::redirect_error(asio::use_awaitable, ec));
+    if (ec && reused && retry && !parser->got_some()) {
+      pool.Put(std::move(stream), false);
+      continue;
+    }
+    break;
+  }
   if (ec) {
     ex.error = absl::StrCat("read: ", ec.message());
     ex.done = Clock::now();
+    pool.Put(std::move(stream), false);
     co_return ex;
   }
-  ex.status = parser.get().result_int();
+  ex.status = parser->get().result_int();
   std::string error_body;
   SseReader sse;
   char chunk[16384];
-  while (!parser.is_done()) {
-    parser.get().body().data = chunk;
-    parser.get().body().size = sizeof chunk;
+  while (!parser->is_done()) {
+    parser->get().body().data = chunk;
+    parser->get().body().size = sizeof chunk;
     // read_some: hand each arrival over as it comes (async_read would wait
     // for the buffer to fill).
-    co_await http::async_read_some(stream, buffer, parser,
+    co_await http::async_read_some(*stream, buffer, *parser,
                                    asio::redirect_error(asio::use_awaitable, ec));
     if (ec == http::error::need_buffer) ec = {};
-    const size_t n = sizeof chunk - parser.get().body().size;
+    const size_t n = sizeof chunk - parser->get().body().size;
     const Clock::time_point now = Clock::now();
     if (ex.status != 200) {
       error_body.append(chunk, n);
@@ -188,8 +247,7 @@ Task<Exchange> StreamPost(const tcp::resolver::results_type& endpoints, const st
   }
   ex.done = Clock::now();
   if (ex.status != 200 && ex.error.empty()) ex.error = ErrorText(ex.status, error_body);
-  beast::error_code ignored;
-  stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
+  pool.Put(std::move(stream), !ec && parser->is_done() && parser->get().keep_alive());
   co_return ex;
 }
 
@@ -198,7 +256,7 @@ struct Run {
   const LoadOptions& options;
   const std::vector<Session>& sessions;
   const Tokenizer& tokenizer;
-  tcp::resolver::results_type endpoints;
+  ConnectionPool& pool;
   std::string host;
   std::string model;
   Clock::time_point t0;
@@ -306,7 +364,7 @@ struct Run {
         const std::string body = Body(s, turn, answers);
         rec.prompt_tokens = PromptTokens(s, turn, answers);
         const Clock::time_point sent = Clock::now();
-        Exchange ex = co_await StreamPost(endpoints, host, Target(), body, Headers(s),
+        Exchange ex = co_await StreamPost(pool, host, Target(), body, Headers(s),
                                           options.endpoint == "chat", options.request_timeout);
         ReleaseSlot();
         rec.sent_s = Since(sent);
@@ -458,8 +516,9 @@ absl::StatusOr<std::vector<RequestRecord>> RunLoad(const LoadOptions& options,
   tcp::resolver::results_type endpoints = resolver.resolve(ep.host, ep.port, ec);
   if (ec) return absl::UnavailableError(absl::StrCat("resolving ", ep.host, ": ", ec.message()));
 
+  ConnectionPool pool(endpoints, options.keep_alive);
   Run run{.options = options, .sessions = sessions, .tokenizer = tokenizer,
-          .endpoints = endpoints, .host = ep.host, .model = model};
+          .pool = pool, .host = ep.host, .model = model};
   for (const Session& s : sessions) {
     run.first_record.push_back(run.records.size());
     run.records.resize(run.records.size() + s.turns.size());

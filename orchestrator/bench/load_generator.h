@@ -4,8 +4,11 @@
 //
 // One thread runs every connection (Boost.Asio coroutines over Beast), so
 // thousands of concurrent streams cost one core at most; the caller reports
-// the client's own CPU time per request. Each request opens its own
-// connection (so a server's keep-alive handling is not measured).
+// the client's own CPU time per request. Connections are kept alive and
+// reused (as aiohttp's pool does for vLLM's benchmark): a request takes an
+// idle one or opens one, so there are at most as many as requests in flight;
+// a reused connection the server closed meanwhile is retried once on a new
+// one. With keep_alive = false every request opens its own.
 //
 // Sessions start by a Poisson process of `request_rate` per second (gamma
 // intervals with shape `burstiness`, as vLLM's benchmark: 1 is Poisson,
@@ -52,6 +55,7 @@ struct LoadOptions {
   std::string session_header = "X-Session-ID";
   bool ignore_eos = true;
   bool prompt_as_text = false;       // completions: send text instead of ids
+  bool keep_alive = true;            // reuse connections between requests
   std::chrono::seconds request_timeout{600};
   // Called on the client thread after each recorded request ends.
   std::function<void(int done, int total)> progress;

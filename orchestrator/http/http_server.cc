@@ -613,6 +613,12 @@ void HttpServer::StartAccept() {
           impl_->accept_backoff.async_wait([this](error_code) { StartAccept(); });
           return;
         } else {
+          // TCP_NODELAY: with Nagle's algorithm a chunk written while the
+          // previous one is unacknowledged waits for the peer's delayed ACK
+          // (40 ms on Linux once a keep-alive connection has left quick-ACK
+          // mode), which stalls every SSE stream after a connection's first.
+          error_code nodelay_ec;
+          socket.set_option(tcp::no_delay(true), nodelay_ec);
           std::shared_ptr<Session> session;
           {
             std::lock_guard<std::mutex> lock(impl_->mu);
@@ -624,6 +630,11 @@ void HttpServer::StartAccept() {
         }
         StartAccept();
       });
+}
+
+HttpServer::ConnectionStats HttpServer::connection_stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return ConnectionStats{impl_->next_id, impl_->sessions.size()};
 }
 
 void HttpServer::Stop() {

@@ -14,7 +14,8 @@
 //  - Keep-alive is HTTP/1.1's default; "Connection: close" (and HTTP/1.0
 //    without keep-alive) closes after the response. Requests on a connection
 //    are served one at a time, in order: a pipelined request is read only once
-//    the previous response has been fully written.
+//    the previous response has been fully written. Sockets are TCP_NODELAY, so
+//    each streamed chunk leaves at once (no Nagle wait for the peer's ACK).
 //  - Every handler gets a ResponseWriter and must eventually Send() once, or
 //    StartStream() / Write()... / End(). While a response is pending the
 //    server watches the socket: if the client goes away the writer becomes
@@ -157,6 +158,12 @@ class HttpServer {
   int port() const { return bound_port_; }
   // See the file comment. Idempotent.
   void Stop();
+
+  struct ConnectionStats {
+    uint64_t accepted = 0;  // since Start()
+    uint64_t open = 0;      // now
+  };
+  ConnectionStats connection_stats() const;
 
  private:
   friend class Session;

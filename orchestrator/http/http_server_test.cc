@@ -1,6 +1,7 @@
 // Tests for HttpServer, through a Beast synchronous client over loopback.
 #include "orchestrator/http/http_server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <string>
@@ -215,6 +216,11 @@ class StreamingTest : public HttpServerTest {
         w->End();
       });
     });
+    server_->Route("GET", "/burst", [](const Request&, std::shared_ptr<ResponseWriter> w) {
+      w->StartStream(200, "text/event-stream");
+      for (int i = 0; i < 4; ++i) w->Write("data: " + std::to_string(i) + "\n\n");
+      w->End();
+    });
     server_->Route("GET", "/forever", [this](const Request&, std::shared_ptr<ResponseWriter> w) {
       w->OnClose([this] { on_close_fired_.Notify(); });
       threads_.emplace_back([this, w] {
@@ -266,6 +272,24 @@ TEST_F(StreamingTest, ChunksArriveAsWritten) {
   std::this_thread::sleep_for(10ms);
   auto res = client.Do(bhttp::verb::get, "/hello");
   EXPECT_EQ(res.result_int(), 200);
+}
+
+// Chunks written back to back are not held by Nagle's algorithm until the
+// client's delayed ACK (40 ms on Linux once a keep-alive connection has left
+// quick-ACK mode, i.e. from about its second response on).
+TEST_F(StreamingTest, BackToBackChunksAreNotDelayedOnAKeepAliveConnection) {
+  StartServer();
+  Client client(server_->port());
+  std::vector<double> ms;
+  for (int i = 0; i < 7; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    auto res = client.Do(bhttp::verb::get, "/burst");
+    ASSERT_EQ(res.body(), "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\n");
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                     .count());
+  }
+  std::sort(ms.begin(), ms.end());
+  EXPECT_LT(ms[ms.size() / 2], 20.0) << "median response time (ms); ~40 with Nagle";
 }
 
 TEST_F(StreamingTest, ChunkedResponseParses) {

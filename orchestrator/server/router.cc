@@ -690,7 +690,9 @@ Router::Impl::Metrics::Metrics(MetricsRegistry& r)
                      .Get()),
       decision(r.AddHistogram("tandem_router_routing_decision_seconds",
                               "Time to choose a worker, by pool.", {"pool"},
-                              ExponentialBuckets(1e-6, 2, 20))),
+                              // Bounds at 50, 75, 100 and 150 us: the decision budget is 100 us.
+                              {1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4,
+                               5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 1})),
       routed(r.AddCounter("tandem_router_routed_total",
                           "Routing decisions, by pool, policy and chosen worker.",
                           {"pool", "policy", "worker"})),
@@ -804,6 +806,20 @@ void Router::Impl::RegisterCallbacks() {
           }
         }
       });
+  registry_.AddCallbackCounter("tandem_router_http_connections_total",
+                               "Client connections accepted (one serves many requests with "
+                               "keep-alive).",
+                               {}, [this](MetricEmitter& e) {
+                                 if (http_ != nullptr) {
+                                   e.Emit({}, static_cast<double>(http_->connection_stats().accepted));
+                                 }
+                               });
+  registry_.AddCallbackGauge("tandem_router_http_open_connections", "Client connections open.", {},
+                             [this](MetricEmitter& e) {
+                               if (http_ != nullptr) {
+                                 e.Emit({}, static_cast<double>(http_->connection_stats().open));
+                               }
+                             });
   registry_.AddCallbackCounter(
       "tandem_router_health_checks_total", "Active health checks, by result.", {"result"},
       [this](MetricEmitter& e) {

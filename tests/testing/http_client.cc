@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <thread>
 
 namespace tandem::testing {
@@ -106,6 +107,15 @@ void PostAndHangUp(const std::string& base, const std::string& target, const std
     socket.close(ec);
   } catch (const std::exception&) {
   }
+}
+
+std::optional<double> ScrapeMetric(const std::string& base, const std::string& series) {
+  const HttpResponse r = HttpGet(base, "/metrics");
+  if (r.status != 200) return std::nullopt;
+  const std::string needle = "\n" + series + " ";
+  const size_t at = ("\n" + r.body).find(needle);
+  if (at == std::string::npos) return std::nullopt;
+  return std::strtod(r.body.c_str() + at + series.size() + 1, nullptr);
 }
 
 }  // namespace tandem::testing

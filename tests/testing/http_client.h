@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +39,11 @@ inline HttpResponse HttpPost(const std::string& base, const std::string& target,
                              const std::string& json, const Headers& headers = {}) {
   return HttpCall(base, "POST", target, json, headers);
 }
+
+// The value of an unlabelled Prometheus series (e.g. "x_total" or
+// "h_count{pool=\"decode\"}") on base's /metrics; nullopt when absent or
+// the page cannot be read.
+std::optional<double> ScrapeMetric(const std::string& base, const std::string& series);
 
 // The "data:" payloads of an SSE body, in order ("[DONE]" included).
 std::vector<std::string> SseData(const std::string& body);

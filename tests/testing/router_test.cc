@@ -114,12 +114,7 @@ std::future<RouterTest::Reply> RouterTest::PostAsync(const std::string& target,
 }
 
 std::optional<double> RouterTest::Metric(const std::string& series) {
-  const HttpResponse r = HttpGet(router_->url(), "/metrics");
-  if (r.status != 200) return std::nullopt;
-  const std::string needle = "\n" + series + " ";
-  const size_t at = ("\n" + r.body).find(needle);
-  if (at == std::string::npos) return std::nullopt;
-  return std::strtod(r.body.c_str() + at + series.size() + 1, nullptr);
+  return ScrapeMetric(router_->url(), series);
 }
 
 bool RouterTest::WaitForMetric(const std::string& series, const std::function<bool(double)>& pred,
