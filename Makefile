@@ -24,11 +24,10 @@ run: build
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
-# Quick benchmarks with ratio tables: routing policies on simulated workers, the router's
-# overhead against nginx, then the engine.
+# Quick benchmarks (a few minutes): routing quality on simulated workers, the router's overhead
+# against nginx and the KV index at scale, with one ratio table; then the engine.
 bench: build
-	POLICIES="round_robin prefix_aware kv_cache_aware" scripts/bench_routing.sh $(BUILD_DIR)/tandem shared-prefix quick
-	scripts/bench_overhead.sh $(BUILD_DIR)/tandem quick
+	scripts/bench_quick.sh $(BUILD_DIR)
 	$(BUILD_DIR)/tandem bench engine --model builtin:small
 
 clean:

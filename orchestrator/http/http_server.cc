@@ -196,11 +196,15 @@ class Session : public std::enable_shared_from_this<Session> {
   enum class State { kReading, kResponding, kDraining };
 
   // --- Timeout: one wait loop; Touch() moves the deadline. ---
-  void Touch() { timer_.expires_after(opts_.idle_timeout); }
+  // Touch() only records the deadline (it runs per written chunk: re-arming
+  // the timer there would cancel and requeue a wait each time); the timer
+  // wakes at the deadline it was armed with and re-arms if it moved on.
+  void Touch() { deadline_ = net::steady_timer::clock_type::now() + opts_.idle_timeout; }
   void WaitTimer() {
+    timer_.expires_at(deadline_);
     timer_.async_wait([self = shared_from_this()](error_code) {
       if (self->closed_) return;
-      if (self->timer_.expiry() <= net::steady_timer::clock_type::now()) {
+      if (self->deadline_ <= net::steady_timer::clock_type::now()) {
         self->Close();
         return;
       }
@@ -391,7 +395,9 @@ class Session : public std::enable_shared_from_this<Session> {
     std::chrono::steady_clock::duration bound = impl_->stopping.load()
                                                     ? std::chrono::milliseconds(100)
                                                     : std::chrono::seconds(1);
-    timer_.expires_after(std::min<std::chrono::steady_clock::duration>(opts_.idle_timeout, bound));
+    deadline_ = net::steady_timer::clock_type::now() +
+                std::min<std::chrono::steady_clock::duration>(opts_.idle_timeout, bound);
+    timer_.expires_at(deadline_);  // the pending wait ends and re-arms at the earlier deadline
     if (probing_) return;  // the probe sees EOF or the timer closes
     DrainRead();
   }
@@ -423,6 +429,7 @@ class Session : public std::enable_shared_from_this<Session> {
   const HttpServer::Options& opts_;
   tcp::socket socket_;
   net::steady_timer timer_;
+  net::steady_timer::time_point deadline_;  // idle deadline; see Touch()
   const uint64_t id_;
 
   beast::flat_buffer buffer_;
