@@ -1,51 +1,96 @@
 #!/usr/bin/env bash
 # Routing quality: the same workload at the same request rate against a
-# local cluster of simulated workers (`tandem up --engine sim`), once per
-# routing policy; prints each policy's prefix-cache hit rate, TTFT, ITL and
-# throughput, and kv_cache_aware's ratios to round_robin and prefix_aware.
+# local cluster (`tandem up --aggregated N`), once per routing policy; prints
+# each policy's prefix-cache hit rate, TTFT, ITL and throughput, and
+# kv_cache_aware's ratios to round_robin and prefix_aware.
+#
+# ENGINE=sim (the default): 8 simulated workers (`--engine sim`). ENGINE=real:
+# 2 real CPU workers on builtin:small (`--engine real`), with smaller
+# workloads and rates that two workers sharing a 2-core machine sustain.
 #
 # The workload's working set exceeds one worker's KV cache but fits in the
-# cluster's: shared-prefix with GROUPS prefixes of PREFIX tokens (or
-# multi-turn sessions), each worker's cache holding CACHE_BLOCKS blocks.
+# cluster's: shared-prefix with GROUPS_ prefixes of PREFIX tokens (or
+# multi-turn sessions), each worker's cache holding CACHE bytes of blocks.
 #
-# Usage: scripts/bench_routing.sh TANDEM_BIN [shared-prefix|multi-turn] [quick]
+# Usage: [ENGINE=sim|real] scripts/bench_routing.sh TANDEM_BIN [shared-prefix|multi-turn] [quick]
 set -euo pipefail
 bin=${1:?usage: bench_routing.sh TANDEM_BIN [shared-prefix|multi-turn] [quick]}
 dataset=${2:-shared-prefix}
 quick=${3:-}
-workers=${WORKERS:-8}
+engine=${ENGINE:-sim}
 policies=${POLICIES:-"round_robin least_request power_of_two prefix_aware kv_cache_aware"}
-rate=${RATE:-16}   # sessions per second
-prompts=${PROMPTS:-400}
-[[ $quick == quick ]] && prompts=${PROMPTS:-160}
-# A sim block (builtin:tiny's geometry, 16 tokens) takes 12 KiB: 2048 blocks = 24 MiB.
-cache=${CACHE:-24MiB}
-case $dataset in
-  shared-prefix)
+case $engine/$dataset in
+  sim/*)
+    workers=${WORKERS:-8}
+    up_flags="--engine sim --worker-arg=--max-model-len=32768"
+    rate=${RATE:-16}   # sessions per second
+    prompts=${PROMPTS:-400}
+    [[ $quick == quick ]] && prompts=${PROMPTS:-160}
+    # A sim block (builtin:tiny's geometry, 16 tokens) takes 12 KiB: 2048 blocks = 24 MiB.
+    cache=${CACHE:-24MiB} ;;&
+  sim/shared-prefix)
     # 32 groups x 4096 tokens = 8192 blocks: 4x one worker's 2048, half the cluster's.
     flags="--dataset shared-prefix --num-groups ${GROUPS_:-32} --prefix-len ${PREFIX:-4096} --suffix-len 128 --output-len 64"
     endpoint=completions ;;
-  multi-turn)
+  sim/multi-turn)
     # ~16 live sessions of ~2k tokens: twice one worker's 1024 blocks, a quarter of the cluster's.
     flags="--dataset multi-turn --turns 5 --system-len 1024 --user-len 128 --output-len 32"
     cache=${CACHE:-12MiB}
     rate=${RATE:-8}
     endpoint=chat ;;
-  *) echo "unknown dataset $dataset" >&2; exit 2 ;;
+  real/*)
+    # builtin:small keeps f32 KV: 8 layers x 2 (K, V) x 4 KV heads x 64 dims x
+    # 16 tokens x 4 bytes = 256 KiB per block (16 KiB per token). Each worker
+    # gets one BLAS thread: the two share the machine's 2 cores, where one
+    # prefills ~1,100 tokens/s and decodes ~115 (alone) to ~220 (4 batched)
+    # tokens/s (`tandem bench engine --threads 1`, quiet machine).
+    workers=${WORKERS:-2}
+    up_flags="--engine real --model builtin:small" ;;&
+  real/shared-prefix)
+    # 12 groups x 512 tokens = 384 blocks: 1.7x one worker's 224 (56 MiB),
+    # 0.86 of the cluster's. A miss prefills 576 tokens (~0.5 s on one core),
+    # a hit 64; at 1 request/s round_robin (~36% hits) keeps each worker about
+    # a third busy. With 2 workers and a working set within the cluster's
+    # cache, round_robin still finds a group on its worker about half the
+    # time, so kv_cache_aware's hit rate can be about twice round_robin's, no more.
+    flags="--dataset shared-prefix --num-groups ${GROUPS_:-12} --prefix-len ${PREFIX:-512} --suffix-len 64 --output-len 32"
+    cache=${CACHE:-56MiB}
+    rate=${RATE:-1}
+    prompts=${PROMPTS:-100}
+    [[ $quick == quick ]] && prompts=${PROMPTS:-40}
+    endpoint=completions ;;
+  real/multi-turn)
+    # Chat text re-encodes to ~1.9 builtin tokens per drawn token, answers
+    # included: turns of ~580, 740, 890 and 1060 tokens (the last 68 blocks).
+    # Each worker's 128 blocks (32 MiB) hold the largest request and another.
+    # Here the working set cannot exceed a worker's cache at a rate two CPU
+    # workers sustain: at 0.2 sessions/s only 1-2 sessions are live (~55
+    # blocks each), about one worker's cache when round_robin sends every
+    # session to both. A smaller cache or a higher rate stalls admission and
+    # the misses feed on themselves (24 MiB at 0.25/s on a loaded machine:
+    # round_robin 9% hits, 10 s TTFT). What round_robin loses here is affinity:
+    # half of its turns land where the previous turn did not run.
+    flags="--dataset multi-turn --turns 4 --system-len 256 --user-len 32 --output-len 32"
+    cache=${CACHE:-32MiB}
+    rate=${RATE:-0.2}
+    prompts=${PROMPTS:-80}
+    [[ $quick == quick ]] && prompts=${PROMPTS:-24}
+    endpoint=chat ;;
+  sim/*|real/*) echo "unknown dataset $dataset" >&2; exit 2 ;;
+  *) echo "ENGINE must be sim or real, got $engine" >&2; exit 2 ;;
 esac
 out=$(mktemp -d /tmp/tandem-bench-routing.XXXXXX)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for policy in $policies; do
   run="$out/$policy"
   mkdir -p "$run"
-  "$bin" up --engine sim --aggregated "$workers" --policy "$policy" --kv-cache-memory "$cache" \
-    --worker-arg=--max-model-len=32768 \
+  "$bin" up $up_flags --aggregated "$workers" --policy "$policy" --kv-cache-memory "$cache" \
     --port 0 --ready-file "$run/url" --run-dir "$run" --worker-threads 1 > "$run/up.log" 2>&1 &
   up=$!
   for _ in $(seq 600); do [[ -s "$run/url" ]] && break; sleep 0.1; done
   [[ -s "$run/url" ]] || { echo "tandem up failed for $policy:" >&2; tail -20 "$run/up.log" >&2; exit 1; }
   "$bin" bench --url "$(cat "$run/url")" --endpoint "$endpoint" $flags --num-prompts "$prompts" \
-    --request-rate "$rate" --seed 7 --json "$out/$policy.json" --title "$policy" > "$run/bench.txt" 2>&1 \
+    --request-rate "$rate" --ignore-eos --seed 7 --json "$out/$policy.json" --title "$policy" > "$run/bench.txt" 2>&1 \
     || { cat "$run/bench.txt" >&2; exit 1; }
   kill -TERM "$up"; wait "$up" || true
   echo "$policy: done" >&2
