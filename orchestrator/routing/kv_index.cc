@@ -179,14 +179,14 @@ void KvIndex::MarkStale(Worker& w) {
 // ---- events --------------------------------------------------------------
 
 absl::Status KvIndex::Apply(const std::string& worker_id, const tandem::v1::KvEventBatch& batch) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   const uint16_t slot = WorkerSlot(worker_id);
   if (slot == kNoSlot) {
     ++stats_.bad_batches;
     return absl::ResourceExhaustedError(
         absl::StrCat("KV index knows ", kMaxWorkers, " workers already; ", worker_id, " is not indexed"));
   }
-  absl::Status status = ApplyLocked(slot, batch);
+  absl::Status status = ApplyLocked(lock, worker_id, slot, batch);
   if (!status.ok()) {
     Worker& w = workers_[slot];
     MarkStale(w);
@@ -199,7 +199,8 @@ absl::Status KvIndex::Apply(const std::string& worker_id, const tandem::v1::KvEv
   return status;
 }
 
-absl::Status KvIndex::ApplyLocked(uint16_t slot, const tandem::v1::KvEventBatch& batch) {
+absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std::string& worker_id,
+                                  uint16_t slot, const tandem::v1::KvEventBatch& batch) {
   Worker& w = workers_[slot];
   if (batch.instance_id().empty()) {
     return absl::InvalidArgumentError("KV event batch without instance_id");
@@ -261,14 +262,30 @@ absl::Status KvIndex::ApplyLocked(uint16_t slot, const tandem::v1::KvEventBatch&
     w.last_seq = 0;
     w.mode = WorkerMode::kExact;
   }
+  int since_unlock = 0;
   for (const tandem::v1::KvEvent& event : batch.events()) {
-    if (event.seq() <= w.last_seq) {
+    if (++since_unlock == kEventsPerLock) {
+      // A long batch (a prefill stores a block per 16 tokens) lets matches
+      // in between chunks instead of holding them up for all of it.
+      since_unlock = 0;
+      match_slots_[slot].exact = workers_[slot].mode == WorkerMode::kExact;
+      lock.unlock();
+      lock.lock();
+      // Removed, restarted or resynced meanwhile: the rest is moot.
+      auto it = slot_by_id_.find(worker_id);
+      if (it == slot_by_id_.end() || it->second != slot ||
+          workers_[slot].instance_id != batch.instance_id() || !workers_[slot].synced) {
+        return absl::OkStatus();
+      }
+    }
+    Worker& cur = workers_[slot];  // not `w`: workers_ may have grown while unlocked
+    if (event.seq() <= cur.last_seq) {
       ++stats_.events_replayed;
       continue;
     }
-    if (event.seq() != w.last_seq + 1) {
+    if (event.seq() != cur.last_seq + 1) {
       return absl::DataLossError(
-          absl::StrCat("KV event seq gap: expected ", w.last_seq + 1, ", got ", event.seq()));
+          absl::StrCat("KV event seq gap: expected ", cur.last_seq + 1, ", got ", event.seq()));
     }
     switch (event.event_case()) {
       case tandem::v1::KvEvent::kStored:
@@ -283,7 +300,7 @@ absl::Status KvIndex::ApplyLocked(uint16_t slot, const tandem::v1::KvEventBatch&
       case tandem::v1::KvEvent::EVENT_NOT_SET:
         break;  // a newer event kind: only its seq matters here
     }
-    w.last_seq = event.seq();
+    cur.last_seq = event.seq();
     ++stats_.events_applied;
   }
   return absl::OkStatus();

@@ -59,7 +59,10 @@
 // TTL entries; an exact worker's entries never expire).
 //
 // Thread safety: every method is thread-safe; one std::mutex guards the
-// index (Match updates the LRU, so it cannot share a reader lock). Match is
+// index (Match updates the LRU, so it cannot share a reader lock). Apply
+// releases it between chunks of 64 events, so a prefill's long BlockStored
+// batch does not hold routing decisions up (a Match may see part of a
+// batch; the events of one worker still apply in order). Match is
 // a hash lookup per request block plus a scan of that block's few holders.
 #ifndef TANDEM_ORCHESTRATOR_ROUTING_KV_INDEX_H_
 #define TANDEM_ORCHESTRATOR_ROUTING_KV_INDEX_H_
@@ -155,6 +158,7 @@ class KvIndex {
  private:
   static constexpr uint32_t kNil = UINT32_MAX;
   static constexpr uint16_t kNoSlot = UINT16_MAX;
+  static constexpr int kEventsPerLock = 64;
   // A stamp counts LRU relinks in units of 2^kStampShift (wraps at 2^28).
   static constexpr int kStampShift = 12;
 
@@ -191,7 +195,9 @@ class KvIndex {
 
   // kNoSlot when kMaxWorkers are known already.
   uint16_t WorkerSlot(const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ApplyLocked(uint16_t slot, const tandem::v1::KvEventBatch& batch)
+  // Unlocks and relocks every kEventsPerLock events (see Apply).
+  absl::Status ApplyLocked(std::unique_lock<std::mutex>& lock, const std::string& worker_id,
+                           uint16_t slot, const tandem::v1::KvEventBatch& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkStale(Worker& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Insert(uint64_t hash, uint16_t slot, TimePoint expires) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

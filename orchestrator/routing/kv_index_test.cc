@@ -338,5 +338,49 @@ TEST(KvIndexTest, ConcurrentApplyAndMatch) {
   }
 }
 
+// A batch longer than the index applies in one go (a prefill stores a block
+// per 16 tokens) releases the lock between chunks: matches run meanwhile and
+// see a growing prefix; a worker removed mid-batch stays removed.
+TEST(KvIndexTest, LongBatchesLetMatchesInAndStopWhenTheWorkerIsRemoved) {
+  KvIndex index({});
+  constexpr uint64_t kBlocks = 5000;
+  std::vector<uint64_t> hashes(kBlocks);
+  for (uint64_t i = 0; i < kBlocks; ++i) hashes[i] = 1000 + i;
+  Batch batch("a");
+  for (uint64_t i = 0; i < kBlocks; ++i) batch.Stored(i + 1, hashes[i]);
+
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> last_seen{0};
+  std::atomic<int> errors{0};
+  std::thread reader([&] {
+    while (!done.load()) {
+      for (const auto& o : index.Match(hashes, kT0)) {
+        // A prefix only ever grows while the batch applies.
+        if (o.matched_blocks < last_seen.load()) errors.fetch_add(1);
+        last_seen.store(o.matched_blocks);
+      }
+    }
+  });
+  ASSERT_TRUE(index.Apply("w1", batch).ok());
+  done.store(true);
+  reader.join();
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_EQ(MatchMap(index, hashes), (M{{"w1", static_cast<int64_t>(kBlocks)}}));
+  EXPECT_EQ(index.size(), kBlocks);
+
+  // Removed while a long batch applies: nothing of it is left afterwards.
+  Batch more("b");
+  for (uint64_t i = 0; i < kBlocks; ++i) more.Stored(i + 1, hashes[i] + kBlocks);
+  std::thread remover([&] {
+    while (index.size() == kBlocks) std::this_thread::yield();  // "b" started
+    index.RemoveWorker("w2");
+  });
+  ASSERT_TRUE(index.Apply("w2", more).ok());
+  remover.join();
+  EXPECT_EQ(index.mode("w2"), WorkerMode::kApproximate);  // unknown again
+  EXPECT_EQ(index.size(), kBlocks);                       // w1's only
+  EXPECT_EQ(MatchMap(index, hashes), (M{{"w1", static_cast<int64_t>(kBlocks)}}));
+}
+
 }  // namespace
 }  // namespace tandem::router
