@@ -212,11 +212,13 @@ void AddServingBench(CLI::App& bench) {
   bench.add_option("--session-header", l.session_header, "Header carrying a session's id")
       ->capture_default_str();
   bench.add_flag("--ignore-eos,!--no-ignore-eos", l.ignore_eos,
-                 "Ask the server to ignore EOS so outputs have the asked length")
+                 "Ask the server to ignore EOS so outputs have the asked length (default: on; {false} is "
+                 "what --no-ignore-eos sets)")
       ->capture_default_str();
   bench.add_flag("--prompt-as-text", l.prompt_as_text, "completions: send text, not token ids");
   bench.add_flag("--keep-alive,!--no-keep-alive", l.keep_alive,
-                 "Reuse connections between requests (--no-keep-alive: one per request)")
+                 "Reuse connections between requests (default: on; --no-keep-alive opens one per "
+                 "request)")
       ->capture_default_str();
   bench.add_option("--goodput", opt->goodput, "SLOs for goodput, e.g. ttft:500 tpot:50 (ms)");
   bench.add_option("--json", opt->json_path, "Write the results as JSON here");
