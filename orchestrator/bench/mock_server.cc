@@ -190,19 +190,13 @@ class MockServer {
   http::HttpServer http_;  // last: stopped (and its threads joined) before the rest goes
 };
 
-// "http://host:port", the host bracketed when it is an IPv6 address.
-std::string Url(const std::string& host, int port) {
-  return host.find(':') == std::string::npos ? absl::StrFormat("http://%s:%d", host, port)
-                                             : absl::StrFormat("http://[%s]:%d", host, port);
-}
-
 absl::Status RunMockServer(const MockServerOptions& opt) {
   if (opt.threads < 1) return absl::InvalidArgumentError("--threads must be at least 1");
   if (opt.model.empty()) return absl::InvalidArgumentError("--model must not be empty");
   RETURN_IF_ERROR(InstallSignalHandlers({SIGINT, SIGTERM}));
   MockServer server(opt);
   RETURN_IF_ERROR(server.Start());
-  const std::string url = Url(opt.host, server.port());
+  const std::string url = http::BaseUrl(opt.host, server.port());
   LOG(INFO) << "mock-server: serving model '" << opt.model << "' on " << url << " ("
             << opt.threads << " threads)";
   if (!opt.ready_file.empty()) RETURN_IF_ERROR(WriteFileAtomically(opt.ready_file, url + "\n"));

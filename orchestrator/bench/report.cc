@@ -215,6 +215,16 @@ double NiceStep(double span, int target) {
 
 struct Axis {
   double lo = 0, hi = 1, step = 1;
+
+  // Calls f(v) for each tick value lo, lo + step, ... up to hi.
+  template <typename F>
+  void ForEachTick(F&& f) const {
+    for (int i = 0;; ++i) {
+      const double v = lo + i * step;
+      if (v > hi + step * 1e-6) return;
+      f(v);
+    }
+  }
 };
 
 // [lo, hi] widened to whole ticks; a point range becomes a unit around it.
@@ -257,26 +267,22 @@ std::string OpenChart(const Frame& f, absl::string_view label, absl::string_view
       Frame::kWidth, Frame::kHeight, Frame::kWidth, Frame::kHeight, Escape(label));
   const double x0 = Frame::kLeft, x1 = Frame::kWidth - Frame::kRight;
   const double y0 = Frame::kHeight - Frame::kBottom, y1 = Frame::kTop;
-  for (int i = 0;; ++i) {
-    const double v = f.y.lo + i * f.y.step;
-    if (v > f.y.hi + f.y.step * 1e-6) break;
+  f.y.ForEachTick([&](double v) {
     const double py = f.Py(v);
     absl::StrAppendFormat(&svg,
                           "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>",
                           x0, py, x1, py);
     absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n",
                           x0 - 6, py + 4, Tick(v));
-  }
-  for (int i = 0;; ++i) {
-    const double v = f.x.lo + i * f.x.step;
-    if (v > f.x.hi + f.x.step * 1e-6) break;
+  });
+  f.x.ForEachTick([&](double v) {
     const double px = f.Px(v);
     absl::StrAppendFormat(&svg,
                           "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>",
                           px, y0, px, y0 + 5);
     absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n",
                           px, y0 + 18, Tick(v));
-  }
+  });
   absl::StrAppendFormat(&svg,
                         "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>"
                         "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>\n",

@@ -38,6 +38,7 @@
 #include "common/status_macros.h"
 #include "orchestrator/cli/router_command.h"
 #include "orchestrator/config/router_config.h"
+#include "orchestrator/http/http_server.h"
 #include "worker/cli/commands.h"
 
 namespace tandem::router {
@@ -402,7 +403,7 @@ absl::Status Up(UpOptions opt) {
     }
     if (WaitForSignalFor(100) != 0) return shutdown(absl::OkStatus());
   }
-  const std::string url = absl::StrFormat("http://%s:%d", config.listener.host, port);
+  const std::string url = http::BaseUrl(config.listener.host, port);
   Say(absl::StrFormat("ready: %s (%d prefill, %d %s workers, disaggregation %s); config %s", url,
                       num_prefill, num_decode, split ? "decode" : "aggregated",
                       DisaggregationModeName(config.disaggregation.mode), router_yaml));

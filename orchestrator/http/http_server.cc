@@ -65,6 +65,11 @@ bool Request::HasHeader(std::string_view name) const {
 // ---------------------------------------------------------------------------
 // Helpers
 
+std::string BaseUrl(std::string_view host, int port) {
+  return host.find(':') == std::string_view::npos ? absl::StrFormat("http://%s:%d", host, port)
+                                                  : absl::StrFormat("http://[%s]:%d", host, port);
+}
+
 std::string JsonErrorBody(std::string_view message, std::string_view type) {
   auto escape = [](std::string_view s) {
     std::string out;

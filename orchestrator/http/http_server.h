@@ -126,6 +126,9 @@ class ResponseWriter {
 using Handler = std::function<void(const Request&, std::shared_ptr<ResponseWriter>)>;
 
 // OpenAI's error JSON: {"error":{"message":...,"type":"invalid_request_error"}}.
+// "http://host:port", the host in brackets when it is an IPv6 address.
+std::string BaseUrl(std::string_view host, int port);
+
 std::string JsonErrorBody(std::string_view message,
                           std::string_view type = "invalid_request_error");
 

@@ -151,7 +151,7 @@ uint16_t KvIndex::WorkerSlot(const std::string& worker_id) {
     match_slots_.emplace_back();
   }
   workers_[slot] = Worker{};
-  match_slots_[slot] = MatchSlot{0, false};
+  SetMode(slot, WorkerMode::kApproximate);
   workers_[slot].id = worker_id;
   slot_by_id_.emplace(worker_id, slot);
   return slot;
@@ -164,12 +164,19 @@ void KvIndex::RemoveWorker(const std::string& worker_id) {
   const uint16_t slot = it->second;
   DropWorkerEntries(slot);
   workers_[slot] = Worker{};
+  SetMode(slot, WorkerMode::kApproximate);
   free_slots_.push_back(slot);
   slot_by_id_.erase(it);
 }
 
-void KvIndex::MarkStale(Worker& w) {
-  w.mode = WorkerMode::kStale;
+void KvIndex::SetMode(uint16_t slot, WorkerMode mode) {
+  workers_[slot].mode = mode;
+  match_slots_[slot].exact = mode == WorkerMode::kExact;
+}
+
+void KvIndex::MarkStale(uint16_t slot) {
+  SetMode(slot, WorkerMode::kStale);
+  Worker& w = workers_[slot];
   w.synced = false;
   w.snapshot_open = false;
   w.staged.clear();
@@ -188,14 +195,11 @@ absl::Status KvIndex::Apply(const std::string& worker_id, const tandem::v1::KvEv
   }
   absl::Status status = ApplyLocked(lock, worker_id, slot, batch);
   if (!status.ok()) {
-    Worker& w = workers_[slot];
-    MarkStale(w);
+    MarkStale(slot);
     ++(absl::IsDataLoss(status) ? stats_.seq_gaps : stats_.bad_batches);
     LOG(WARNING) << "KV events from " << worker_id << " lost or malformed; index marks it stale "
                  << "until a snapshot: " << status.message();
   }
-  // Only Apply changes a known worker's mode.
-  match_slots_[slot].exact = workers_[slot].mode == WorkerMode::kExact;
   return status;
 }
 
@@ -212,7 +216,7 @@ absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std:
       LOG(WARNING) << "worker " << w.id << " restarted (instance " << w.instance_id << " -> "
                    << batch.instance_id() << "); dropping its " << w.blocks << " KV index entries";
       DropWorkerEntries(slot);
-      MarkStale(w);
+      MarkStale(slot);
     }
     w.instance_id = batch.instance_id();
     w.synced = false;
@@ -241,7 +245,7 @@ absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std:
       for (uint64_t hash : staged) Insert(hash, slot, TimePoint::max());
       w.synced = true;
       w.last_seq = snapshot.seq();
-      w.mode = WorkerMode::kExact;
+      SetMode(slot, WorkerMode::kExact);
       ++stats_.snapshots_completed;
     }
   }
@@ -260,7 +264,7 @@ absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std:
     DropWorkerEntries(slot);
     w.synced = true;
     w.last_seq = 0;
-    w.mode = WorkerMode::kExact;
+    SetMode(slot, WorkerMode::kExact);
   }
   int since_unlock = 0;
   for (const tandem::v1::KvEvent& event : batch.events()) {
@@ -268,7 +272,6 @@ absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std:
       // A long batch (a prefill stores a block per 16 tokens) lets matches
       // in between chunks instead of holding them up for all of it.
       since_unlock = 0;
-      match_slots_[slot].exact = workers_[slot].mode == WorkerMode::kExact;
       lock.unlock();
       lock.lock();
       // Removed, restarted or resynced meanwhile: the rest is moot.

@@ -199,7 +199,9 @@ class KvIndex {
   absl::Status ApplyLocked(std::unique_lock<std::mutex>& lock, const std::string& worker_id,
                            uint16_t slot, const tandem::v1::KvEventBatch& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MarkStale(Worker& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The one place a worker's mode changes (match_slots_ mirrors it).
+  void SetMode(uint16_t slot, WorkerMode mode) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkStale(uint16_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Insert(uint64_t hash, uint16_t slot, TimePoint expires) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseBlock(uint64_t hash, uint16_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseNode(uint32_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -225,7 +227,7 @@ class KvIndex {
   // holder scan touches nothing else unless an entry can expire or must move).
   struct MatchSlot {
     uint32_t matched = 0;  // leading blocks; zero between calls
-    bool exact = false;    // workers_[slot].mode == kExact: no entry can expire
+    bool exact = false;    // workers_[slot].mode == kExact (SetMode): no entry can expire
   };
   std::vector<MatchSlot> match_slots_ ABSL_GUARDED_BY(mu_);
   // Slots are reused after RemoveWorker; a free slot has an empty id.

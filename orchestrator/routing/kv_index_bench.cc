@@ -13,6 +13,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -51,6 +52,21 @@ uint64_t BlockHash(int doc, int k) {
   return x;
 }
 
+// Worker w's id, as a router would know it.
+std::string WorkerId(int w) { return absl::StrCat("10.0.", w / 250, ".", w % 250, ":50051"); }
+
+// Worker w's next events (from *seq on): blocks 0..blocks-1 of `doc` stored.
+tandem::v1::KvEventBatch StoredBatch(int w, uint64_t* seq, int doc, int blocks) {
+  tandem::v1::KvEventBatch batch;
+  batch.set_instance_id(WorkerId(w));
+  for (int k = 0; k < blocks; ++k) {
+    auto* e = batch.add_events();
+    e->set_seq((*seq)++);
+    e->mutable_stored()->set_block_hash(BlockHash(doc, k));
+  }
+  return batch;
+}
+
 struct Fixture {
   std::unique_ptr<KvIndex> index;
   std::vector<uint64_t> seq;     // next event seq per worker
@@ -69,20 +85,12 @@ Fixture& Shared() {
     std::mt19937_64 rng(1);
     std::uniform_int_distribution<int> pick_doc(0, kDocs - 1);
     for (int w = 0; w < kWorkers; ++w) {
-      const std::string id = absl::StrCat("10.0.", w / 250, ".", w % 250, ":50051");
       // The worker's cache: ~20 documents of 512 blocks, fed as one event
       // batch per document (seq from 1: a fresh worker's whole log).
-      int held = 0;
-      while (held < kBlocksPerWorker) {
-        const int doc = pick_doc(rng);
-        tandem::v1::KvEventBatch batch;
-        batch.set_instance_id(id);
-        for (int k = 0; k < kDocBlocks && held < kBlocksPerWorker; ++k, ++held) {
-          auto* e = batch.add_events();
-          e->set_seq(fx->seq[w]++);
-          e->mutable_stored()->set_block_hash(BlockHash(doc, k));
-        }
-        CHECK(fx->index->Apply(id, batch).ok());
+      for (int held = 0; held < kBlocksPerWorker;) {
+        const int blocks = std::min(kDocBlocks, kBlocksPerWorker - held);
+        CHECK(fx->index->Apply(WorkerId(w), StoredBatch(w, &fx->seq[w], pick_doc(rng), blocks)).ok());
+        held += blocks;
       }
     }
     fx->fill_seconds =
@@ -110,21 +118,26 @@ void Report(benchmark::State& state) {
   state.counters["fill_s"] = f.fill_seconds;
 }
 
-void BM_MatchHeldDocument(benchmark::State& state) {
+// Matches the requests in turn; reports the holders found per match.
+void MatchInTurn(benchmark::State& state, const std::vector<std::vector<uint64_t>>& requests) {
   Fixture& f = Shared();
-  std::vector<std::vector<uint64_t>> docs;
-  for (int d = 0; d < 64; ++d) docs.push_back(Doc(d * 37 % kDocs));
   size_t i = 0;
   int64_t holders = 0;
   for (auto _ : state) {
     std::vector<KvIndex::Overlap> o =
-        f.index->Match(docs[i++ % docs.size()], std::chrono::steady_clock::now());
+        f.index->Match(requests[i++ % requests.size()], std::chrono::steady_clock::now());
     holders += static_cast<int64_t>(o.size());
     benchmark::DoNotOptimize(o);
   }
   state.counters["holders_per_match"] =
       static_cast<double>(holders) / static_cast<double>(std::max<int64_t>(1, state.iterations()));
   Report(state);
+}
+
+void BM_MatchHeldDocument(benchmark::State& state) {
+  std::vector<std::vector<uint64_t>> docs;
+  for (int d = 0; d < 64; ++d) docs.push_back(Doc(d * 37 % kDocs));
+  MatchInTurn(state, docs);
 }
 BENCHMARK(BM_MatchHeldDocument);
 
@@ -145,30 +158,14 @@ void BM_MatchPromptHeldByAllWorkers(benchmark::State& state) {
   Fixture& f = Shared();
   static const bool filled = [&f] {
     for (int w = 0; w < kWorkers; ++w) {
-      const std::string id = absl::StrCat("10.0.", w / 250, ".", w % 250, ":50051");
-      tandem::v1::KvEventBatch batch;
-      batch.set_instance_id(id);
-      for (int k = 0; k < 64; ++k) {
-        auto* e = batch.add_events();
-        e->set_seq(f.seq[w]++);
-        e->mutable_stored()->set_block_hash(BlockHash(kDocs + 7, k));
-      }
-      CHECK(f.index->Apply(id, batch).ok());
+      CHECK(f.index->Apply(WorkerId(w), StoredBatch(w, &f.seq[w], kDocs + 7, 64)).ok());
     }
     return true;
   }();
   (void)filled;
   std::vector<uint64_t> request = Doc(kDocs + 7);
   for (int k = 64; k < kDocBlocks; ++k) request[k] = BlockHash(kDocs + 8, k);
-  int64_t holders = 0;
-  for (auto _ : state) {
-    std::vector<KvIndex::Overlap> o = f.index->Match(request, std::chrono::steady_clock::now());
-    holders += static_cast<int64_t>(o.size());
-    benchmark::DoNotOptimize(o);
-  }
-  state.counters["holders_per_match"] =
-      static_cast<double>(holders) / static_cast<double>(std::max<int64_t>(1, state.iterations()));
-  Report(state);
+  MatchInTurn(state, {request});
 }
 BENCHMARK(BM_MatchPromptHeldByAllWorkers);
 
@@ -179,15 +176,8 @@ void BM_ApplyStoredBatchAtCap(benchmark::State& state) {
   int w = 0;
   for (auto _ : state) {
     state.PauseTiming();
-    const std::string id = absl::StrCat("10.0.", w / 250, ".", w % 250, ":50051");
-    tandem::v1::KvEventBatch batch;
-    batch.set_instance_id(id);
-    for (int k = 0; k < 64; ++k) {
-      auto* e = batch.add_events();
-      e->set_seq(f.seq[w]++);
-      e->mutable_stored()->set_block_hash(BlockHash(static_cast<int>(next_doc), k));
-    }
-    ++next_doc;
+    const std::string id = WorkerId(w);
+    const tandem::v1::KvEventBatch batch = StoredBatch(w, &f.seq[w], static_cast<int>(next_doc++), 64);
     state.ResumeTiming();
     CHECK(f.index->Apply(id, batch).ok());
     w = (w + 1) % kWorkers;
