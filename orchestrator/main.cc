@@ -2,12 +2,17 @@
 // subcommands each module registers. No other logic lives here.
 #include <CLI/CLI.hpp>
 
+#include "absl/synchronization/mutex.h"
 #include "orchestrator/bench/bench_command.h"
 #include "orchestrator/bench/mock_server.h"
 #include "orchestrator/cli/router_command.h"
 #include "worker/cli/commands.h"
 
 int main(int argc, char** argv) {
+  // Debian's Abseil is built with absl::Mutex's deadlock detection on, which
+  // records every lock order in a global graph: ~1-2% of the router's and
+  // workers' CPU, spent mostly under gRPC's locks. Tests keep it on.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   CLI::App app{"tandem: disaggregated LLM serving (router, prefill and decode workers)"};
   app.require_subcommand(1);
   tandem::router::AddRouterCommand(app);

@@ -67,8 +67,9 @@ class UpCommandTest : public ::testing::Test {
       ADD_FAILURE() << bin.status();
       return "";
     }
+    // The run directory does not exist yet: up creates it.
     std::vector<std::string> argv = {*bin, "up", "--port", "0", "--ready-file", dir_ + "/url",
-                                     "--run-dir", dir_, "--worker-threads", "1"};
+                                     "--run-dir", dir_ + "/run/nested", "--worker-threads", "1"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     absl::StatusOr<ChildProcess> up = ChildProcess::Spawn(argv);
     if (!up.ok()) {
@@ -157,6 +158,9 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
     EXPECT_NE(rc, 0) << c.flags;
     EXPECT_THAT(out, HasSubstr(c.message)) << c.flags;
   }
+  std::string out;
+  EXPECT_NE(RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir /proc/no/such/dir"), &out), 0);
+  EXPECT_THAT(out, HasSubstr("cannot create the run directory /proc/no/such/dir")) << out;
 }
 
 class BenchCommandTest : public UpCommandTest {

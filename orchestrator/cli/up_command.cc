@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -316,6 +317,13 @@ absl::Status Up(UpOptions opt) {
     char tmpl[] = "/tmp/tandem-up.XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return absl::InternalError("cannot create a run directory");
     dir = tmpl;
+  } else {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot create the run directory ", dir, ": ", ec.message()));
+    }
   }
   RETURN_IF_ERROR(InstallSignalHandlers({SIGINT, SIGTERM}));
 

@@ -1,12 +1,15 @@
 #include "orchestrator/http/http_server.h"
 
+#include <sys/socket.h>
+
 #include <algorithm>
-#include <condition_variable>
-#include <mutex>
 #include <array>
+#include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <deque>
 #include <exception>
+#include <mutex>
 #include <optional>
 #include <unordered_map>
 
@@ -129,10 +132,26 @@ std::string HeadBlock(int status, std::string_view content_type, const HeaderLis
 // ---------------------------------------------------------------------------
 // Server internals
 
-// Declaration order matters: the registry outlives the io_context, because
-// destroying the io_context destroys pending handlers, and the Sessions they
+// One io_context per I/O thread, each run by that thread alone: a connection
+// lives on one of them (its handlers run in order there: that is the
+// connection's strand), and an event is handled by the thread that waited
+// for it. A single context shared by all threads hands every event from the
+// thread in epoll_wait to another (a futex wake-up per read or write).
+//
+// Declaration order matters: the registry outlives the io_contexts, because
+// destroying an io_context destroys pending handlers, and the Sessions they
 // hold unregister themselves.
 struct HttpServer::Impl {
+  explicit Impl(int threads) : iocs(MakeContexts(threads)) {}
+  static std::vector<std::unique_ptr<net::io_context>> MakeContexts(int threads) {
+    std::vector<std::unique_ptr<net::io_context>> iocs;
+    for (int i = 0; i < std::max(1, threads); ++i) {
+      // Concurrency hint 1: one thread runs it (posts from others are fine).
+      iocs.push_back(std::make_unique<net::io_context>(1));
+    }
+    return iocs;
+  }
+
   // std::mutex rather than absl::Mutex: Debian's Abseil is not instrumented
   // for ThreadSanitizer.
   std::mutex mu;
@@ -140,15 +159,17 @@ struct HttpServer::Impl {
   uint64_t next_id ABSL_GUARDED_BY(mu) = 0;
   std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions ABSL_GUARDED_BY(mu);
 
-  net::io_context ioc;
-  std::optional<net::executor_work_guard<net::io_context::executor_type>> work;
-  net::strand<net::io_context::executor_type> accept_strand{net::make_strand(ioc)};
-  tcp::acceptor acceptor{accept_strand};
-  net::steady_timer accept_backoff{accept_strand};
+  std::vector<std::unique_ptr<net::io_context>> iocs;
+  std::vector<net::executor_work_guard<net::io_context::executor_type>> work;
+  // The acceptor and its back-off timer live on the first context.
+  tcp::acceptor acceptor{*iocs[0]};
+  net::steady_timer accept_backoff{*iocs[0]};
+  size_t next_ioc = 0;  // the context of the next connection; accept handler only
   std::atomic<bool> stopping{false};
 };
 
-// One connection. Every member is touched only on the socket's strand.
+// One connection. Every member is touched only on its context's thread (the
+// connection's strand), except the output side (see Submit()).
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(HttpServer* server, tcp::socket socket, uint64_t id)
@@ -177,24 +198,62 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // Stop(): idle connections close now; a pending response finishes first.
   void Shutdown() {
-    keep_alive_ = false;
+    keep_alive_.store(false, std::memory_order_relaxed);
     if (state_ == State::kReading) Close();
   }
 
   // Stop()'s deadline passed.
   void ForceClose() { Close(); }
 
-  // --- Called (posted) by ResponseWriter; all on the strand. ---
-  void Enqueue(std::string bytes, bool last) {
-    if (closed_ || state_ != State::kResponding) return;
-    if (!bytes.empty()) out_.push_back(std::move(bytes));
-    if (last) response_done_ = true;
-    // No Touch() here: only bytes actually written move the deadline, so a
-    // client that stops reading is closed after idle_timeout.
-    WriteNext();
+  // --- Called by ResponseWriter, from any thread. ---
+  // Output for the pending response. Where no write is in flight and nothing
+  // is queued the bytes go straight to the socket from the caller's thread
+  // (a non-blocking send under out_mu_), so a token streamed from a gRPC
+  // thread costs no hand-off to an I/O thread; what the socket does not take
+  // at once is queued for the strand, which writes it asynchronously (and
+  // every later chunk behind it, in order). `last` ends the response: the
+  // strand finishes it once everything is written.
+  void Submit(std::string bytes, bool last) {
+    bool wake_strand = false;
+    {
+      std::lock_guard<std::mutex> lock(out_mu_);
+      if (closed_) return;
+      std::string_view rest = bytes;
+      bool idle = !writing_ && out_.empty();
+      if (idle && !send_failed_) {
+        while (!rest.empty()) {
+          ssize_t n = ::send(socket_.native_handle(), rest.data(), rest.size(),
+                             MSG_DONTWAIT | MSG_NOSIGNAL);
+          if (n > 0) {
+            rest.remove_prefix(static_cast<size_t>(n));
+            Touch();
+          } else if (n < 0 && errno == EINTR) {
+            continue;
+          } else {
+            // EAGAIN: the strand waits for room. An error: the strand closes.
+            if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) send_failed_ = true;
+            break;
+          }
+        }
+      }
+      if (!rest.empty()) {
+        out_.push_back(rest.size() == bytes.size() ? std::move(bytes) : std::string(rest));
+        // Queued bytes with no write in flight and none queued before: no
+        // strand task is on its way to them yet.
+        wake_strand = idle;
+      }
+      if (last) {
+        response_done_ = true;
+        wake_strand = true;
+      }
+    }
+    // No Touch() for queued bytes: only bytes actually written move the
+    // deadline, so a client that stops reading is closed after idle_timeout.
+    if (wake_strand) net::post(socket_.get_executor(), [self = shared_from_this()] { self->WriteNext(); });
   }
 
-  bool keep_alive() const { return keep_alive_; }
+  bool keep_alive() const { return keep_alive_.load(std::memory_order_relaxed); }
+  // Set on the strand before the handler runs; fixed while it answers.
   int request_version() const { return version_; }
 
  private:
@@ -204,12 +263,21 @@ class Session : public std::enable_shared_from_this<Session> {
   // Touch() only records the deadline (it runs per written chunk: re-arming
   // the timer there would cancel and requeue a wait each time); the timer
   // wakes at the deadline it was armed with and re-arms if it moved on.
-  void Touch() { deadline_ = net::steady_timer::clock_type::now() + opts_.idle_timeout; }
+  // Submit() touches from other threads, so the deadline is an atomic count
+  // of the steady clock's ticks.
+  using Clock = net::steady_timer::clock_type;
+  void Touch() { SetDeadline(Clock::now() + opts_.idle_timeout); }
+  void SetDeadline(Clock::time_point t) {
+    deadline_.store(t.time_since_epoch().count(), std::memory_order_relaxed);
+  }
+  Clock::time_point deadline() const {
+    return Clock::time_point(Clock::duration(deadline_.load(std::memory_order_relaxed)));
+  }
   void WaitTimer() {
-    timer_.expires_at(deadline_);
+    timer_.expires_at(deadline());
     timer_.async_wait([self = shared_from_this()](error_code) {
       if (self->closed_) return;
-      if (self->deadline_ <= net::steady_timer::clock_type::now()) {
+      if (self->deadline() <= Clock::now()) {
         self->Close();
         return;
       }
@@ -280,13 +348,16 @@ class Session : public std::enable_shared_from_this<Session> {
   // An error response, then close (the rest of the request is not read).
   void Reject(int status, std::string message) {
     state_ = State::kResponding;
-    keep_alive_ = false;
+    keep_alive_.store(false, std::memory_order_relaxed);
     std::string body = JsonErrorBody(message);
     std::string bytes = HeadBlock(status, "application/json", {},
                                   absl::StrCat("Content-Length: ", body.size(), "\r\n"), false);
     bytes += body;
-    out_.push_back(std::move(bytes));
-    response_done_ = true;
+    {
+      std::lock_guard<std::mutex> lock(out_mu_);
+      out_.push_back(std::move(bytes));
+      response_done_ = true;
+    }
     Touch();
     WriteNext();
   }
@@ -307,10 +378,13 @@ class Session : public std::enable_shared_from_this<Session> {
     req.version = msg.version();
     Touch();
     version_ = msg.version();
-    keep_alive_ = msg.keep_alive() && !impl_->stopping.load();
+    keep_alive_.store(msg.keep_alive() && !impl_->stopping.load(), std::memory_order_relaxed);
 
     state_ = State::kResponding;
-    response_done_ = false;
+    {
+      std::lock_guard<std::mutex> lock(out_mu_);
+      response_done_ = false;
+    }
     writer_ = std::make_shared<ResponseWriter>(weak_from_this());
     Probe();
 
@@ -360,21 +434,34 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // --- Writing: one async_write at a time, in queue order. ---
   void WriteNext() {
+    std::unique_lock<std::mutex> lock(out_mu_);
     if (writing_ || closed_) return;
+    if (send_failed_) {
+      lock.unlock();
+      return Close();
+    }
     if (out_.empty()) {
-      if (response_done_ && state_ == State::kResponding) FinishResponse();
+      bool finish = response_done_ && state_ == State::kResponding;
+      lock.unlock();
+      if (finish) FinishResponse();
       return;
     }
     writing_ = true;
-    net::async_write(socket_, net::buffer(out_.front()),
-                     [self = shared_from_this()](error_code ec, size_t) {
-                       self->writing_ = false;
-                       if (self->closed_) return;
-                       if (ec) return self->Close();
-                       self->out_.pop_front();
-                       self->Touch();
-                       self->WriteNext();
-                     });
+    // deque::push_back keeps references to elements valid, so Submit may
+    // queue behind this buffer while it is being written.
+    net::const_buffer front = net::buffer(out_.front());
+    lock.unlock();
+    net::async_write(socket_, front, [self = shared_from_this()](error_code ec, size_t) {
+      {
+        std::lock_guard<std::mutex> lock(self->out_mu_);
+        self->writing_ = false;
+        if (self->closed_) return;
+        if (!ec) self->out_.pop_front();
+      }
+      if (ec) return self->Close();
+      self->Touch();
+      self->WriteNext();
+    });
   }
 
   void FinishResponse() {
@@ -400,9 +487,8 @@ class Session : public std::enable_shared_from_this<Session> {
     std::chrono::steady_clock::duration bound = impl_->stopping.load()
                                                     ? std::chrono::milliseconds(100)
                                                     : std::chrono::seconds(1);
-    deadline_ = net::steady_timer::clock_type::now() +
-                std::min<std::chrono::steady_clock::duration>(opts_.idle_timeout, bound);
-    timer_.expires_at(deadline_);  // the pending wait ends and re-arms at the earlier deadline
+    SetDeadline(Clock::now() + std::min<std::chrono::steady_clock::duration>(opts_.idle_timeout, bound));
+    timer_.expires_at(deadline());  // the pending wait ends and re-arms at the earlier deadline
     if (probing_) return;  // the probe sees EOF or the timer closes
     DrainRead();
   }
@@ -416,13 +502,18 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Close() {
-    if (closed_) return;
-    closed_ = true;
-    error_code ignored;
-    socket_.shutdown(tcp::socket::shutdown_both, ignored);
-    socket_.close(ignored);
+    {
+      // Under out_mu_ so that no Submit() is sending on the descriptor while
+      // it closes (and could be reused).
+      std::lock_guard<std::mutex> lock(out_mu_);
+      if (closed_) return;
+      closed_ = true;
+      error_code ignored;
+      socket_.shutdown(tcp::socket::shutdown_both, ignored);
+      socket_.close(ignored);
+      out_.clear();
+    }
     timer_.cancel();
-    out_.clear();
     if (writer_) {
       std::shared_ptr<ResponseWriter> writer = std::move(writer_);
       writer->MarkClosed();
@@ -434,21 +525,27 @@ class Session : public std::enable_shared_from_this<Session> {
   const HttpServer::Options& opts_;
   tcp::socket socket_;
   net::steady_timer timer_;
-  net::steady_timer::time_point deadline_;  // idle deadline; see Touch()
+  std::atomic<Clock::rep> deadline_{0};  // idle deadline; see Touch()
   const uint64_t id_;
 
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   State state_ = State::kReading;
-  bool keep_alive_ = true;
+  std::atomic<bool> keep_alive_{true};
   int version_ = 11;
-  bool closed_ = false;
   bool probing_ = false;
   bool read_wanted_ = false;
-  bool writing_ = false;
-  bool response_done_ = false;
-  std::deque<std::string> out_;
   std::shared_ptr<ResponseWriter> writer_;
+
+  // The output side, shared with Submit() on other threads. Written under
+  // out_mu_; closed_ is also written only on the strand, so the strand may
+  // read it without the lock.
+  std::mutex out_mu_;
+  bool closed_ = false;
+  bool writing_ = false;        // an async_write is in flight
+  bool send_failed_ = false;    // a direct send hit an error; the strand closes
+  bool response_done_ = false;  // the response's last bytes were submitted
+  std::deque<std::string> out_;
 };
 
 // ---------------------------------------------------------------------------
@@ -456,12 +553,13 @@ class Session : public std::enable_shared_from_this<Session> {
 
 namespace {
 
-// Runs `fn(session)` on the session's strand, if the session still exists.
+// Runs `fn(session)` now, on the caller's thread, if the session still
+// exists (Session::Submit is thread-safe).
 template <typename Fn>
-bool PostToSession(const std::weak_ptr<Session>& weak, Fn fn) {
+bool WithSession(const std::weak_ptr<Session>& weak, Fn fn) {
   std::shared_ptr<Session> session = weak.lock();
   if (!session) return false;
-  net::post(session->executor(), [session, fn = std::move(fn)]() mutable { fn(*session); });
+  fn(*session);
   return true;
 }
 
@@ -480,13 +578,13 @@ bool ResponseWriter::Send(int status, std::string_view content_type, std::string
   }
   std::string type(content_type);
   HeaderList extra = extra_headers;
-  return PostToSession(session_, [type = std::move(type), extra = std::move(extra),
+  return WithSession(session_, [type = std::move(type), extra = std::move(extra),
                                   body = std::move(body), status](Session& s) mutable {
     std::string bytes = HeadBlock(status, type, extra,
                                   absl::StrCat("Content-Length: ", body.size(), "\r\n"),
                                   s.keep_alive());
     bytes += body;
-    s.Enqueue(std::move(bytes), /*last=*/true);
+    s.Submit(std::move(bytes), /*last=*/true);
   });
 }
 
@@ -500,14 +598,14 @@ bool ResponseWriter::StartStream(int status, std::string_view content_type,
   std::string type(content_type);
   HeaderList extra = extra_headers;
   extra.emplace_back("Cache-Control", "no-cache");
-  return PostToSession(session_, [type = std::move(type), extra = std::move(extra),
+  return WithSession(session_, [type = std::move(type), extra = std::move(extra),
                                   status](Session& s) mutable {
     // HTTP/1.0 has no chunked encoding: the body ends when the connection does.
     bool chunked = s.request_version() >= 11;
     std::string bytes = HeadBlock(status, type, extra,
                                   chunked ? "Transfer-Encoding: chunked\r\n" : "",
                                   chunked && s.keep_alive());
-    s.Enqueue(std::move(bytes), /*last=*/false);
+    s.Submit(std::move(bytes), /*last=*/false);
   });
 }
 
@@ -517,8 +615,8 @@ bool ResponseWriter::Write(std::string chunk) {
     if (closed() || state_ != State::kStreaming) return false;
   }
   if (chunk.empty()) return true;
-  return PostToSession(session_, [chunk = std::move(chunk)](Session& s) mutable {
-    s.Enqueue(s.request_version() >= 11 ? ChunkFrame(chunk) : std::move(chunk), /*last=*/false);
+  return WithSession(session_, [chunk = std::move(chunk)](Session& s) mutable {
+    s.Submit(s.request_version() >= 11 ? ChunkFrame(chunk) : std::move(chunk), /*last=*/false);
   });
 }
 
@@ -528,8 +626,8 @@ bool ResponseWriter::End() {
     if (closed() || state_ != State::kStreaming) return false;
     state_ = State::kEnded;
   }
-  return PostToSession(session_, [](Session& s) {
-    s.Enqueue(s.request_version() >= 11 ? "0\r\n\r\n" : "", /*last=*/true);
+  return WithSession(session_, [](Session& s) {
+    s.Submit(s.request_version() >= 11 ? "0\r\n\r\n" : "", /*last=*/true);
   });
 }
 
@@ -557,7 +655,8 @@ void ResponseWriter::MarkClosed() {
 // ---------------------------------------------------------------------------
 // HttpServer
 
-HttpServer::HttpServer(Options options) : options_(std::move(options)), impl_(new Impl) {}
+HttpServer::HttpServer(Options options)
+    : options_(std::move(options)), impl_(new Impl(options_.threads)) {}
 
 HttpServer::~HttpServer() { Stop(); }
 
@@ -606,17 +705,18 @@ absl::Status HttpServer::Start() {
   bound_port_ = acceptor.local_endpoint(ec).port();
   started_ = true;
 
-  impl_->work.emplace(impl_->ioc.get_executor());
+  for (auto& ioc : impl_->iocs) impl_->work.push_back(net::make_work_guard(*ioc));
   StartAccept();
-  for (int i = 0; i < options_.threads; ++i) {
-    threads_.emplace_back([this] { impl_->ioc.run(); });
+  for (auto& ioc : impl_->iocs) {
+    threads_.emplace_back([ioc = ioc.get()] { ioc->run(); });
   }
   return absl::OkStatus();
 }
 
 void HttpServer::StartAccept() {
+  net::io_context& ioc = *impl_->iocs[impl_->next_ioc++ % impl_->iocs.size()];
   impl_->acceptor.async_accept(
-      net::make_strand(impl_->ioc), [this](error_code ec, tcp::socket socket) {
+      ioc, [this](error_code ec, tcp::socket socket) {
         if (!impl_->acceptor.is_open() || impl_->stopping.load()) return;
         if (ec) {
           // Typically EMFILE: back off instead of spinning on the error.
@@ -653,7 +753,7 @@ void HttpServer::Stop() {
   if (!started_ || stopped_) return;
   stopped_ = true;
   impl_->stopping.store(true);
-  net::post(impl_->accept_strand, [impl = impl_.get()] {
+  net::post(impl_->acceptor.get_executor(), [impl = impl_.get()] {
     error_code ignored;
     impl->acceptor.close(ignored);
     impl->accept_backoff.cancel();
@@ -680,7 +780,7 @@ void HttpServer::Stop() {
                                    });
   }
   for_each_session(&Session::ForceClose);
-  impl_->work.reset();
+  impl_->work.clear();
   for (auto& thread : threads_) thread.join();
   threads_.clear();
 }

@@ -30,8 +30,11 @@
 // Thread safety: Route() before Start() only. Start(), Stop() and port() from
 // one controlling thread. Handlers run on the server's I/O threads and must
 // not block (hand long work to another thread and answer through the writer).
-// ResponseWriter is thread-safe: calls from any thread are queued and executed
-// in order on the connection's strand. Writes are not flow-controlled: a client
+// ResponseWriter is thread-safe and its calls take effect in call order: when
+// the connection has nothing queued, the bytes go to the socket at once from
+// the caller's thread (a non-blocking send, so a token streamed from another
+// thread costs no hand-off to an I/O thread); what the socket does not take
+// is queued and written by the connection's strand. Writes are not flow-controlled: a client
 // that reads slower than the handler writes makes the queue grow; one that
 // stops reading is closed after idle_timeout. A writer may outlive its connection
 // (calls then return false / do nothing) and even Stop(); do not call it

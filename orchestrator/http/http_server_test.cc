@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -334,6 +335,90 @@ TEST_F(StreamingTest, SilentHandlerClosedByIdleTimeout) {
   EXPECT_TRUE(closed.WaitForNotificationWithTimeout(absl::Seconds(1)));
   EXPECT_TRUE(kept->closed());
   EXPECT_FALSE(kept->Send(200, "text/plain", "late"));
+}
+
+// A stream far larger than the socket buffers, written from a non-I/O
+// thread to a client that reads slowly: chunks go straight to the socket
+// while it has room, queue behind a full one, and go straight again once the
+// queue drains. Every byte arrives, in order, and the connection is reusable.
+TEST_F(HttpServerTest, LargeStreamFromAnotherThreadToASlowReaderArrivesInOrder) {
+  constexpr int kChunks = 3000;
+  std::thread writer_thread;
+  server_ = std::make_unique<HttpServer>(TestOptions());
+  server_->Route("GET", "/big", [&](const Request&, std::shared_ptr<ResponseWriter> w) {
+    writer_thread = std::thread([w] {
+      w->StartStream(200, "text/plain");
+      for (int i = 0; i < kChunks; ++i) {
+        ASSERT_TRUE(w->Write(std::to_string(i) + ":" + std::string(2000, 'a' + i % 26) + "\n"));
+        if (i % 500 == 0) std::this_thread::sleep_for(30ms);  // let the queue drain
+      }
+      ASSERT_TRUE(w->End());
+    });
+  });
+  server_->Route("GET", "/hello", [](const Request&, std::shared_ptr<ResponseWriter> w) {
+    w->Send(200, "text/plain", "hi");
+  });
+  ASSERT_TRUE(server_->Start().ok());
+  Client client(server_->port());
+  client.Send(bhttp::verb::get, "/big");
+  std::this_thread::sleep_for(200ms);  // the socket's buffers fill up
+  bhttp::response<bhttp::string_body> res;
+  std::string read_error;
+  try {
+    res = client.Read();
+  } catch (const std::exception& e) {
+    read_error = e.what();
+  }
+  writer_thread.join();
+  ASSERT_EQ(read_error, "");
+  ASSERT_EQ(res.result_int(), 200);
+  std::string expected;
+  for (int i = 0; i < kChunks; ++i) {
+    expected += std::to_string(i) + ":" + std::string(2000, 'a' + i % 26) + "\n";
+  }
+  EXPECT_EQ(res.body().size(), expected.size());
+  EXPECT_TRUE(res.body() == expected) << "bytes lost or reordered";
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/hello").body(), "hi");
+}
+
+// Many streams at once, each written from its own thread while the I/O
+// threads serve the other connections: no stream gets another's bytes.
+TEST_F(HttpServerTest, ConcurrentStreamsFromManyThreadsStayIntact) {
+  constexpr int kStreams = 16;
+  constexpr int kChunks = 200;
+  std::mutex mu;
+  std::vector<std::thread> writers;
+  server_ = std::make_unique<HttpServer>(TestOptions());
+  server_->Route("GET", "/s", [&](const Request& req, std::shared_ptr<ResponseWriter> w) {
+    std::string id = req.query;
+    std::lock_guard<std::mutex> lock(mu);
+    writers.emplace_back([w, id] {
+      w->StartStream(200, "text/event-stream");
+      for (int i = 0; i < kChunks; ++i) w->Write("data: " + id + "." + std::to_string(i) + "\n\n");
+      w->End();
+    });
+  });
+  ASSERT_TRUE(server_->Start().ok());
+  std::vector<std::thread> clients;
+  std::atomic<int> intact{0};
+  for (int c = 0; c < kStreams; ++c) {
+    clients.emplace_back([&, c] {
+      Client client(server_->port());
+      for (int round = 0; round < 2; ++round) {  // the second on a kept-alive connection
+        std::string id = std::to_string(c) + "-" + std::to_string(round);
+        auto res = client.Do(bhttp::verb::get, "/s?" + id);
+        std::string expected;
+        for (int i = 0; i < kChunks; ++i) expected += "data: " + id + "." + std::to_string(i) + "\n\n";
+        if (res.result_int() == 200 && res.body() == expected) intact.fetch_add(1);
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& t : writers) t.join();
+  }
+  EXPECT_EQ(intact.load(), 2 * kStreams);
 }
 
 TEST_F(HttpServerTest, StopWithIdleConnectionIsPrompt) {
