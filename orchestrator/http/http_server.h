@@ -140,7 +140,9 @@ class HttpServer {
   struct Options {
     std::string host = "127.0.0.1";  // numeric IPv4/IPv6 address to bind
     int port = 8000;                 // 0: the OS picks; see port()
-    int threads = 2;                 // I/O threads running handlers
+    // I/O threads running handlers. Each owns the connections it accepted
+    // (round-robin), so a handler that hogs its thread delays those only.
+    int threads = 2;
     size_t max_body_bytes = 8 << 20;   // larger bodies get 413
     std::chrono::seconds idle_timeout{60};  // no traffic this long: close
     size_t max_header_bytes = 64 << 10;     // larger header blocks get 431
