@@ -42,22 +42,11 @@ class MockServerTest : public ::testing::Test {
   // Starts `tandem bench mock-server --port 0 --ready-file F <flags>`; its
   // URL once it listens.
   std::string Start(const std::vector<std::string>& flags = {}) {
-    absl::StatusOr<std::string> bin = TandemBinary();
-    if (!bin.ok()) {
-      ADD_FAILURE() << bin.status();
-      return "";
-    }
-    std::vector<std::string> argv = {*bin, "bench", "mock-server", "--port", "0",
-                                     "--ready-file", dir_ + "/url"};
-    argv.insert(argv.end(), flags.begin(), flags.end());
-    absl::StatusOr<ChildProcess> server = ChildProcess::Spawn(argv);
-    if (!server.ok()) {
-      ADD_FAILURE() << server.status();
-      return "";
-    }
-    server_ = std::make_unique<ChildProcess>(*std::move(server));
+    std::vector<std::string> args = {"bench", "mock-server", "--port", "0", "--ready-file",
+                                     dir_ + "/url"};
+    args.insert(args.end(), flags.begin(), flags.end());
     absl::StatusOr<std::string> url =
-        WaitForReadyFile(*server_, dir_ + "/url", std::chrono::seconds(30), "mock-server");
+        StartTandem(args, dir_ + "/url", std::chrono::seconds(30), "mock-server", &server_);
     if (!url.ok()) {
       ADD_FAILURE() << url.status();
       return "";
@@ -67,19 +56,7 @@ class MockServerTest : public ::testing::Test {
 
   // Runs `tandem bench --url URL <flags> --json F`; the JSON.
   json Bench(const std::string& url, const std::string& flags, std::string* output) {
-    absl::StatusOr<std::string> bin = TandemBinary();
-    if (!bin.ok()) {
-      ADD_FAILURE() << bin.status();
-      return nullptr;
-    }
-    const std::string json_path = dir_ + "/bench.json";
-    std::filesystem::remove(json_path);
-    const int rc = RunCommand(
-        absl::StrCat(*bin, " bench --url ", url, " ", flags, " --json ", json_path), output);
-    EXPECT_EQ(rc, 0) << *output;
-    std::ifstream in(json_path);
-    std::string text((std::istreambuf_iterator<char>(in)), {});
-    return json::parse(text, nullptr, false);
+    return RunBench(url, flags, dir_ + "/bench.json", output);
   }
 
   std::string dir_;

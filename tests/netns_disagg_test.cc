@@ -82,13 +82,7 @@ class Topology {
         ip + " -n " + t->decode_ns_ + " addr add " + ctl_d + "2/24 dev cd" + tag,
         ip + " -n " + t->decode_ns_ + " link set cd" + tag + " up",
     };
-    for (const std::string& c : cmds) {
-      std::string out;
-      if (RunCommand(c, &out) != 0) {
-        *why = absl::StrCat("`", c, "` failed: ", out);
-        return nullptr;
-      }
-    }
+    if (!RunCommands(cmds, why)) return nullptr;
     return t;
   }
 

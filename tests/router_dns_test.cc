@@ -88,13 +88,7 @@ class DnsNamespace {
       cmds.push_back(
           absl::StrCat(kIp, " -n ", n->ns_, " addr add ", n->Address(host), "/24 dev ", ns_if));
     }
-    for (const std::string& c : cmds) {
-      std::string out;
-      if (RunCommand(c, &out) != 0) {
-        *why = absl::StrCat("`", c, "` failed: ", out);
-        return nullptr;
-      }
-    }
+    if (!RunCommands(cmds, why)) return nullptr;
     // The namespace's resolver asks the dnsmasq below, and only it.
     std::error_code ec;
     std::filesystem::create_directories(n->etc_dir_, ec);

@@ -62,23 +62,12 @@ class UpCommandTest : public ::testing::Test {
 
   // Starts `tandem up` with `flags`; the router's URL once it is ready.
   std::string Start(const std::vector<std::string>& flags) {
-    absl::StatusOr<std::string> bin = TandemBinary();
-    if (!bin.ok()) {
-      ADD_FAILURE() << bin.status();
-      return "";
-    }
     // The run directory does not exist yet: up creates it.
-    std::vector<std::string> argv = {*bin, "up", "--port", "0", "--ready-file", dir_ + "/url",
-                                     "--run-dir", dir_ + "/run/nested", "--worker-threads", "1"};
-    argv.insert(argv.end(), flags.begin(), flags.end());
-    absl::StatusOr<ChildProcess> up = ChildProcess::Spawn(argv);
-    if (!up.ok()) {
-      ADD_FAILURE() << up.status();
-      return "";
-    }
-    up_ = std::make_unique<ChildProcess>(*std::move(up));
+    std::vector<std::string> args = {"up", "--port", "0", "--ready-file", dir_ + "/url",
+                                      "--run-dir", dir_ + "/run/nested", "--worker-threads", "1"};
+    args.insert(args.end(), flags.begin(), flags.end());
     absl::StatusOr<std::string> url =
-        WaitForReadyFile(*up_, dir_ + "/url", std::chrono::seconds(60), "tandem up");
+        StartTandem(args, dir_ + "/url", std::chrono::seconds(60), "tandem up", &up_);
     if (!url.ok()) {
       ADD_FAILURE() << url.status();
       return "";
@@ -167,19 +156,8 @@ class BenchCommandTest : public UpCommandTest {
  protected:
   // Runs `tandem bench --url URL <flags> --json F --html H`; the JSON.
   nlohmann::json Bench(const std::string& url, const std::string& flags, std::string* output) {
-    absl::StatusOr<std::string> bin = TandemBinary();
-    if (!bin.ok()) {
-      ADD_FAILURE() << bin.status();
-      return nullptr;
-    }
-    const std::string json_path = dir_ + "/bench.json";
-    const int rc = RunCommand(absl::StrCat(*bin, " bench --url ", url, " ", flags, " --json ",
-                                           json_path, " --html ", dir_, "/bench.html"),
-                              output);
-    EXPECT_EQ(rc, 0) << *output;
-    std::ifstream in(json_path);
-    std::string text((std::istreambuf_iterator<char>(in)), {});
-    return nlohmann::json::parse(text, nullptr, false);
+    return RunBench(url, absl::StrCat(flags, " --html ", dir_, "/bench.html"),
+                    dir_ + "/bench.json", output);
   }
 };
 

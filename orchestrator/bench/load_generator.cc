@@ -156,28 +156,26 @@ Task<Exchange> StreamPost(ConnectionPool& pool, const std::string& host,
   std::unique_ptr<beast::tcp_stream> stream;
   beast::flat_buffer buffer;
   std::optional<http::response_parser<http::buffer_body>> parser;
+  // A failure before the response's body: the connection is not kept.
+  auto failed = [&](const char* what) {
+    ex.error = absl::StrCat(what, ": ", ec.message());
+    ex.done = Clock::now();
+    if (stream) pool.Put(std::move(stream), false);
+    return std::move(ex);
+  };
   // A reused connection the server closed while idle fails before any
   // response byte: that request goes again on a new connection, once.
   for (bool retry = true;; retry = false) {
     ec = {};
     bool reused = false;
     stream = co_await pool.Get(timeout, &reused, ec);
-    if (ec) {
-      ex.error = absl::StrCat("connect: ", ec.message());
-      ex.done = Clock::now();
-      co_return ex;
-    }
+    if (ec) co_return failed("connect");
     co_await http::async_write(*stream, req, asio::redirect_error(asio::use_awaitable, ec));
     if (ec && reused && retry) {
       pool.Put(std::move(stream), false);
       continue;
     }
-    if (ec) {
-      ex.error = absl::StrCat("write: ", ec.message());
-      ex.done = Clock::now();
-      pool.Put(std::move(stream), false);
-      co_return ex;
-    }
+    if (ec) co_return failed("write");
     buffer.clear();
     parser.emplace();
     // Not boost::none: Boost 1.74 compares a Content-Length against the empty
@@ -191,12 +189,7 @@ Task<Exchange> StreamPost(ConnectionPool& pool, const std::string& host,
     }
     break;
   }
-  if (ec) {
-    ex.error = absl::StrCat("read: ", ec.message());
-    ex.done = Clock::now();
-    pool.Put(std::move(stream), false);
-    co_return ex;
-  }
+  if (ec) co_return failed("read");
   ex.status = parser->get().result_int();
   std::string error_body;
   SseReader sse;

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <thread>
 #include <utility>
 
@@ -66,6 +68,17 @@ int RunCommand(const std::string& command_line, std::string* output) {
   const int rc = pclose(p);
   if (output != nullptr) *output = text;
   return rc;
+}
+
+bool RunCommands(const std::vector<std::string>& commands, std::string* why) {
+  for (const std::string& c : commands) {
+    std::string out;
+    if (RunCommand(c, &out) != 0) {
+      *why = absl::StrCat("`", c, "` failed: ", out);
+      return false;
+    }
+  }
+  return true;
 }
 
 // ---------------------------------------------------------------------------
@@ -305,6 +318,36 @@ absl::StatusOr<std::string> WaitForReadyFile(ChildProcess& child, const std::str
     }
     std::this_thread::sleep_for(kPollInterval);
   }
+}
+
+absl::StatusOr<std::string> StartTandem(const std::vector<std::string>& args,
+                                        const std::string& ready_file,
+                                        std::chrono::milliseconds timeout, const std::string& what,
+                                        std::unique_ptr<ChildProcess>* child) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  if (!bin.ok()) return bin.status();
+  std::vector<std::string> argv = {*bin};
+  argv.insert(argv.end(), args.begin(), args.end());
+  absl::StatusOr<ChildProcess> spawned = ChildProcess::Spawn(argv);
+  if (!spawned.ok()) return spawned.status();
+  *child = std::make_unique<ChildProcess>(*std::move(spawned));
+  return WaitForReadyFile(**child, ready_file, timeout, what);
+}
+
+nlohmann::json RunBench(const std::string& url, const std::string& flags,
+                        const std::string& json_path, std::string* output) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  if (!bin.ok()) {
+    ADD_FAILURE() << bin.status();
+    return nullptr;
+  }
+  std::filesystem::remove(json_path);
+  const int rc = RunCommand(
+      absl::StrCat(*bin, " bench --url ", url, " ", flags, " --json ", json_path), output);
+  EXPECT_EQ(rc, 0) << *output;
+  std::ifstream in(json_path);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  return nlohmann::json::parse(text, nullptr, false);
 }
 
 bool WaitUntil(const std::function<bool()>& done, std::chrono::milliseconds timeout,

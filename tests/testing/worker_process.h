@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::testing {
@@ -41,6 +42,10 @@ absl::StatusOr<std::string> TandemBinary();
 // pclose reports it (-1 if it could not start); its standard output and
 // error go to `output` when given. For set-up commands such as `ip netns`.
 int RunCommand(const std::string& command_line, std::string* output = nullptr);
+
+// Runs `commands` in order with RunCommand, stopping at the first that fails;
+// false then, with `*why` naming it and its output.
+bool RunCommands(const std::vector<std::string>& commands, std::string* why);
 
 // Polls `done` every `poll` until it returns true (true) or `timeout` passes
 // (false).
@@ -102,6 +107,21 @@ struct LaunchOptions {
 absl::StatusOr<std::string> WaitForReadyFile(ChildProcess& child, const std::string& path,
                                              std::chrono::milliseconds timeout,
                                              const std::string& what);
+
+// Spawns `$TANDEM_BIN <args>` (args include the --ready-file `ready_file`)
+// into `*child` and waits for the ready file's first line (WaitForReadyFile).
+// `*child` holds the process as soon as it runs, so a failed wait still ends
+// it with the caller's fixture.
+absl::StatusOr<std::string> StartTandem(const std::vector<std::string>& args,
+                                        const std::string& ready_file,
+                                        std::chrono::milliseconds timeout, const std::string& what,
+                                        std::unique_ptr<ChildProcess>* child);
+
+// Runs `$TANDEM_BIN bench --url URL <flags> --json JSON_PATH` to the end; its
+// JSON report (discarded if it wrote none), its output in `*output`. A
+// non-zero exit is a test failure.
+nlohmann::json RunBench(const std::string& url, const std::string& flags,
+                        const std::string& json_path, std::string* output);
 
 class WorkerProcess {
  public:
