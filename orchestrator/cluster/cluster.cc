@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "common/grpc_poller.h"
 #include "common/logging.h"
 
 namespace tandem::router {
@@ -58,36 +59,48 @@ absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name, int
   return std::vector<std::string>(out.begin(), out.end());
 }
 
-// One worker's KV event stream, applied to the indexes of its pools. Deletes
-// itself when the call ends, after telling the cluster.
-struct Cluster::Subscription : grpc::ClientReadReactor<tandem::v1::KvEventBatch> {
+// One worker's KV event stream, applied to the indexes of its pools, on the
+// process's GrpcPoller (one operation outstanding at a time: the
+// subscription is its own tag). Deletes itself when the call ends, after
+// telling the cluster.
+struct Cluster::Subscription final : GrpcTag {
   Subscription(Cluster* c, std::string addr, std::vector<std::shared_ptr<KvIndex>> idx)
       : cluster(c), address(std::move(addr)), indexes(std::move(idx)) {}
 
   void Start(tandem::v1::Worker::Stub& stub) {
     request.set_snapshot(true);
-    stub.async()->StreamKvEvents(&context, &request, this);
-    StartRead(&batch);
-    StartCall();
+    reader = stub.PrepareAsyncStreamKvEvents(&context, request, GrpcPoller::Shared().cq());
+    reader->StartCall(this);  // Done may run on the poller before this returns
   }
 
-  void OnReadDone(bool ok) override {
-    if (!ok) return;  // the stream ended; OnDone follows
+  void Done(bool ok) override {
+    if (finishing) {
+      cluster->SubscriptionDone(address, this);
+      delete this;
+      return;
+    }
+    if (ok && started) ok = Apply();
+    started = true;
+    if (ok) {
+      reader->Read(&batch, this);
+      return;
+    }
+    finishing = true;
+    reader->Finish(&status, this);
+  }
+
+  // False (and the call cancelled) when an index refused the batch.
+  bool Apply() {
     for (const std::shared_ptr<KvIndex>& index : indexes) {
       const absl::Status s = index->Apply(address, batch);
       if (!s.ok()) {
         LOG(WARNING) << "KV events from " << address << ": " << s.ToString()
                      << "; resubscribing with a snapshot";
         context.TryCancel();
-        return;
+        return false;
       }
     }
-    StartRead(&batch);
-  }
-
-  void OnDone(const grpc::Status& status) override {
-    cluster->SubscriptionDone(address, this);
-    delete this;
+    return true;
   }
 
   Cluster* const cluster;
@@ -95,7 +108,11 @@ struct Cluster::Subscription : grpc::ClientReadReactor<tandem::v1::KvEventBatch>
   const std::vector<std::shared_ptr<KvIndex>> indexes;
   grpc::ClientContext context;
   tandem::v1::KvEventsRequest request;
+  std::unique_ptr<grpc::ClientAsyncReader<tandem::v1::KvEventBatch>> reader;
   tandem::v1::KvEventBatch batch;
+  grpc::Status status;
+  bool started = false;    // StartCall completed: later completions are reads
+  bool finishing = false;  // Finish was called: the next completion is the last
 };
 
 Cluster::Cluster(HealthConfig health) : health_(health) {}
@@ -319,12 +336,15 @@ void Cluster::HealthRound() {
     c->health_ctx.set_deadline(deadline);
     c->load_ctx.set_deadline(deadline);
     c->info_ctx.set_deadline(deadline);
-    w->stub().async()->Health(&c->health_ctx, &c->health_req, &c->health, [c, &finish](grpc::Status s) {
+    grpc::CompletionQueue* cq = GrpcPoller::Shared().cq();
+    GrpcPoller::Unary(w->stub().PrepareAsyncHealth(&c->health_ctx, c->health_req, cq), &c->health,
+                      [c, cq, &finish](const grpc::Status& s) {
       if (!s.ok() || c->health.status() != tandem::v1::HealthResponse::SERVING) {
         finish();
         return;
       }
-      c->worker->stub().async()->GetLoad(&c->load_ctx, &c->load_req, &c->load, [c, &finish](grpc::Status s) {
+      GrpcPoller::Unary(c->worker->stub().PrepareAsyncGetLoad(&c->load_ctx, c->load_req, cq),
+                        &c->load, [c, cq, &finish](const grpc::Status& s) {
         if (!s.ok()) {
           finish();
           return;
@@ -337,14 +357,15 @@ void Cluster::HealthRound() {
           return;
         }
         // New or restarted: its model info (block size, hash seed) may differ.
-        c->worker->stub().async()->GetModelInfo(&c->info_ctx, &c->info_req, &c->info,
-                                                [c, &finish](grpc::Status s) {
-                                                  if (s.ok()) {
-                                                    c->worker->SetModelInfo(c->info);
-                                                    c->ok = true;
-                                                  }
-                                                  finish();
-                                                });
+        GrpcPoller::Unary(
+            c->worker->stub().PrepareAsyncGetModelInfo(&c->info_ctx, c->info_req, cq), &c->info,
+            [c, &finish](const grpc::Status& s) {
+              if (s.ok()) {
+                c->worker->SetModelInfo(c->info);
+                c->ok = true;
+              }
+              finish();
+            });
       });
     });
   }

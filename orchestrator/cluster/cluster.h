@@ -15,7 +15,7 @@
 //
 // Thread safety: every public method is thread-safe. The background work
 // runs on one health thread, one discovery thread (only when a pool uses
-// DNS) and gRPC's callback threads.
+// DNS) and the GrpcPoller thread (KV event streams, health checks).
 #ifndef TANDEM_ORCHESTRATOR_CLUSTER_CLUSTER_H_
 #define TANDEM_ORCHESTRATOR_CLUSTER_CLUSTER_H_
 

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_poller.h"
 #include "common/logging.h"
 
 namespace tandem::router {
@@ -45,9 +46,11 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-// One Generate call. Keeps the Generation alive until the call ends, then
-// deletes itself.
-struct Generation::Call : grpc::ClientReadReactor<GenerateResponse> {
+// One Generate call, on the process's GrpcPoller: started, then read
+// message by message, then finished. One operation is outstanding at a
+// time, so the call is its own tag. Keeps the Generation alive until the
+// call ends, then deletes itself.
+struct Generation::Call final : GrpcTag {
   Call(std::shared_ptr<Generation> g, CallKind k, int a, std::shared_ptr<WorkerClient> w,
        GenerateRequest req, int64_t prefill_tokens)
       : gen(std::move(g)),
@@ -59,21 +62,33 @@ struct Generation::Call : grpc::ClientReadReactor<GenerateResponse> {
 
   void Start() {
     context.set_deadline(gen->options_.deadline);
-    worker->stub().async()->Generate(&context, &request, this);
-    StartRead(&msg);
-    StartCall();
+    reader = worker->stub().PrepareAsyncGenerate(&context, request, GrpcPoller::Shared().cq());
+    state = State::kStarting;
+    reader->StartCall(this);  // Done may run on the poller before this returns
   }
 
-  void OnReadDone(bool ok) override {
-    if (!ok) return;  // OnDone follows
-    gen->OnMessage(this, msg);
-    StartRead(&msg);
+  void Done(bool ok) override {
+    switch (state) {
+      case State::kStarting:
+      case State::kReading:
+        if (state == State::kReading && ok) gen->OnMessage(this, msg);
+        if (ok) {
+          state = State::kReading;
+          reader->Read(&msg, this);
+          return;
+        }
+        // The stream ended (or never started): its status says why.
+        state = State::kFinishing;
+        reader->Finish(&status, this);
+        return;
+      case State::kFinishing:
+        gen->OnCallDone(this, status);
+        delete this;
+        return;
+    }
   }
 
-  void OnDone(const grpc::Status& status) override {
-    gen->OnCallDone(this, status);
-    delete this;
-  }
+  enum class State { kStarting, kReading, kFinishing };
 
   std::shared_ptr<Generation> gen;
   const CallKind kind;
@@ -82,7 +97,10 @@ struct Generation::Call : grpc::ClientReadReactor<GenerateResponse> {
   GenerateRequest request;
   InFlight in_flight;
   grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientAsyncReader<GenerateResponse>> reader;
+  State state = State::kStarting;
   GenerateResponse msg;
+  grpc::Status status;
   bool reserved = false;  // RECEIVE: the reservation came
   bool finished = false;  // its final message (finish_reason set) came
 };

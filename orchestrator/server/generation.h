@@ -1,6 +1,6 @@
 // Generation: one choice of one request, driven over the workers' gRPC API.
 // It asks a Planner where to run (aggregated on one worker, or prefill on
-// one and decode on another), runs the worker calls on gRPC's callback API,
+// one and decode on another), runs the worker calls on gRPC's asynchronous API (GrpcPoller),
 // merges their token streams into one ordered stream for a GenerationSink,
 // and retries elsewhere when an attempt fails before the first token.
 //
@@ -27,7 +27,7 @@
 // Never after the first token: a client cannot un-see tokens.
 //
 // Thread safety: Start and Cancel may be called from any thread; the sink is
-// called from gRPC threads, serially for one Generation, with the
+// called from the GrpcPoller's thread, serially for one Generation, with the
 // Generation's mutex held: a sink must not call back into the Generation
 // (it returns false from OnTokens to stop it instead).
 #ifndef TANDEM_ORCHESTRATOR_SERVER_GENERATION_H_

@@ -15,7 +15,7 @@
 // that changes them says so in the log.
 //
 // Thread safety: Start/Stop/Reload from one controlling thread; handlers run
-// on the HTTP server's I/O threads and gRPC's callback threads.
+// on the HTTP server's I/O threads and the GrpcPoller thread (worker streams).
 #ifndef TANDEM_ORCHESTRATOR_SERVER_ROUTER_H_
 #define TANDEM_ORCHESTRATOR_SERVER_ROUTER_H_
 

@@ -1,0 +1,26 @@
+#include "common/grpc_poller.h"
+
+#include <pthread.h>
+
+namespace tandem {
+
+GrpcPoller::GrpcPoller() : thread_([this] { Run(); }) {}
+
+GrpcPoller::~GrpcPoller() {
+  cq_.Shutdown();
+  thread_.join();
+}
+
+GrpcPoller& GrpcPoller::Shared() {
+  static GrpcPoller* const poller = new GrpcPoller();
+  return *poller;
+}
+
+void GrpcPoller::Run() {
+  pthread_setname_np(pthread_self(), "grpc_poller");
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq_.Next(&tag, &ok)) static_cast<GrpcTag*>(tag)->Done(ok);
+}
+
+}  // namespace tandem

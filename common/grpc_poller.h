@@ -1,0 +1,91 @@
+// GrpcPoller: one gRPC completion queue and the thread that drains it, for
+// the asynchronous (completion-queue) API on the token path.
+//
+// Why not gRPC's callback API: with the Linux epoll1 engine of gRPC 1.51 the
+// callback API runs on a hidden completion queue drained by at least two
+// "nexting" threads, and whichever thread polls hands the poller role to
+// another before running a completion -- a futex wake-up per message, on
+// each side of every stream. A process whose calls all go through one
+// GrpcPoller has one thread in epoll: the thread that reads a message runs
+// its completion, with no hand-off. (Any other thread blocked in a gRPC
+// wait -- a synchronous call, a callback-API call -- joins the polling and
+// brings the hand-offs back: keep a process on one API.)
+//
+// Tags: every operation started on cq() takes a GrpcTag* as its tag; the
+// poller thread calls tag->Done(ok) when the operation completes (ok as
+// CompletionQueue::Next reports it). Done runs on the poller thread: it
+// must not block. GrpcPoller::Unary runs a unary call to its end and hands
+// the status to a function.
+//
+// Lifetime: Shared() is created on first use and never destroyed (calls end
+// on their own or are cancelled by their owners; the process exit stops the
+// thread). A GrpcPoller made for a test is shut down by its destructor,
+// which waits for every operation already started to complete: cancel long
+// calls first.
+#ifndef TANDEM_COMMON_GRPC_POLLER_H_
+#define TANDEM_COMMON_GRPC_POLLER_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <functional>
+#include <memory>
+#include <thread>
+#include <utility>
+
+namespace tandem {
+
+class GrpcTag {
+ public:
+  virtual void Done(bool ok) = 0;
+
+ protected:
+  ~GrpcTag() = default;
+};
+
+class GrpcPoller {
+ public:
+  GrpcPoller();
+  ~GrpcPoller();
+  GrpcPoller(const GrpcPoller&) = delete;
+  GrpcPoller& operator=(const GrpcPoller&) = delete;
+
+  // The process's poller (created on first use, never destroyed).
+  static GrpcPoller& Shared();
+
+  grpc::CompletionQueue* cq() { return &cq_; }
+
+  // Starts a unary call made with the stub's PrepareAsync<Method>(ctx, request,
+  // cq()) and runs done(status) on the poller thread when it ends; *response
+  // is filled by then. The context, request and response must outlive it.
+  template <class Response>
+  static void Unary(std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> rpc,
+                    Response* response, std::function<void(const grpc::Status&)> done) {
+    auto* tag = new UnaryTag<Response>(std::move(rpc), std::move(done));
+    tag->rpc->StartCall();
+    tag->rpc->Finish(response, &tag->status, tag);
+  }
+
+ private:
+  template <class Response>
+  struct UnaryTag final : GrpcTag {
+    UnaryTag(std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> r,
+             std::function<void(const grpc::Status&)> d)
+        : rpc(std::move(r)), done(std::move(d)) {}
+    void Done(bool /*ok: always true for Finish*/) override {
+      done(status);
+      delete this;
+    }
+    std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> rpc;
+    std::function<void(const grpc::Status&)> done;
+    grpc::Status status;
+  };
+
+  void Run();
+
+  grpc::CompletionQueue cq_;
+  std::thread thread_;  // last: starts after cq_ exists
+};
+
+}  // namespace tandem
+
+#endif  // TANDEM_COMMON_GRPC_POLLER_H_
