@@ -4,10 +4,15 @@
 
 namespace tandem {
 
-GrpcPoller::GrpcPoller() : thread_([this] { Run(); }) {}
+GrpcPoller::GrpcPoller()
+    : owned_(std::make_unique<grpc::CompletionQueue>()),
+      cq_(owned_.get()),
+      thread_([this] { Run(); }) {}
+
+GrpcPoller::GrpcPoller(grpc::CompletionQueue* cq) : cq_(cq), thread_([this] { Run(); }) {}
 
 GrpcPoller::~GrpcPoller() {
-  cq_.Shutdown();
+  cq_->Shutdown();
   thread_.join();
 }
 
@@ -20,7 +25,7 @@ void GrpcPoller::Run() {
   pthread_setname_np(pthread_self(), "grpc_poller");
   void* tag = nullptr;
   bool ok = false;
-  while (cq_.Next(&tag, &ok)) static_cast<GrpcTag*>(tag)->Done(ok);
+  while (cq_->Next(&tag, &ok)) static_cast<GrpcTag*>(tag)->Done(ok);
 }
 
 }  // namespace tandem

@@ -42,9 +42,28 @@ class GrpcTag {
   ~GrpcTag() = default;
 };
 
+// A tag that calls obj->fn(ok): for objects with several operations in
+// flight at once (a server stream's writes and its done notification).
+template <class T>
+class MemberTag final : public GrpcTag {
+ public:
+  MemberTag(T* obj, void (T::*fn)(bool)) : obj_(obj), fn_(fn) {}
+  void Done(bool ok) override { (obj_->*fn_)(ok); }
+
+ private:
+  T* const obj_;
+  void (T::*const fn_)(bool);
+};
+
 class GrpcPoller {
  public:
+  // Drains a completion queue of its own.
   GrpcPoller();
+  // Drains `cq` (a server's, from ServerBuilder::AddCompletionQueue), which
+  // must outlive the poller.
+  explicit GrpcPoller(grpc::CompletionQueue* cq);
+  // Shuts the queue down and drains it: waits for every operation already
+  // started to complete.
   ~GrpcPoller();
   GrpcPoller(const GrpcPoller&) = delete;
   GrpcPoller& operator=(const GrpcPoller&) = delete;
@@ -52,7 +71,7 @@ class GrpcPoller {
   // The process's poller (created on first use, never destroyed).
   static GrpcPoller& Shared();
 
-  grpc::CompletionQueue* cq() { return &cq_; }
+  grpc::CompletionQueue* cq() { return cq_; }
 
   // Starts a unary call made with the stub's PrepareAsync<Method>(ctx, request,
   // cq()) and runs done(status) on the poller thread when it ends; *response
@@ -82,7 +101,8 @@ class GrpcPoller {
 
   void Run();
 
-  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::CompletionQueue> owned_;
+  grpc::CompletionQueue* const cq_;
   std::thread thread_;  // last: starts after cq_ exists
 };
 

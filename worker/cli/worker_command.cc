@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "common/file_util.h"
+#include "common/grpc_poller.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
@@ -138,22 +139,25 @@ absl::Status RunWorker(WorkerOptions opt) {
   const KvHandoffConfig kv{.receive_timeout = std::chrono::milliseconds(opt.kv_receive_timeout_ms),
                            .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
                            .checksums = !opt.no_kv_checksums};
-  // Declared after the transport: destroyed first, so no transfer callback
-  // outlives it.
-  WorkerService service(engine.get(), opt.role, transport, kv);
-
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound_port = 0;
   builder.AddListeningPort(absl::StrFormat("%s:%d", opt.host, opt.port),
                            grpc::InsecureServerCredentials(), &bound_port);
-  builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(64 << 20);
+  std::unique_ptr<grpc::ServerCompletionQueue> cq = builder.AddCompletionQueue();
+  // Declared after the transport: destroyed first, so no transfer callback
+  // outlives it.
+  WorkerService service(engine.get(), opt.role, cq.get(), transport, kv);
+  builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  // Every call of this process runs on this one thread (grpc_poller.h);
+  // destroyed first, after the server's shutdown: it drains the queue.
+  GrpcPoller poller(cq.get());
   if (server == nullptr || bound_port == 0) {
     engine->Stop();
     return absl::UnavailableError(absl::StrFormat("cannot listen on %s:%d", opt.host, opt.port));
   }
+  service.Serve();
   if (engine->simulated()) {
     LOG(WARNING) << absl::StrFormat(
         "SIMULATED engine (--engine sim): compute is a timing model (step %g ms + %g us per "
@@ -179,6 +183,7 @@ absl::Status RunWorker(WorkerOptions opt) {
   // open, even an idle one; every generation has ended already, so the
   // deadline only bounds the KV event streams, which are cancelled.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  service.Shutdown();
   return absl::OkStatus();
 }
 

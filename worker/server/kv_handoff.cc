@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
+#include "common/grpc_poller.h"
 #include "common/logging.h"
 
 namespace tandem::worker {
@@ -400,10 +401,13 @@ void KvReceiver::AddStats(KvHandoffStats* stats) {
 // ---------------------------------------------------------------------------
 // KvSender
 
-KvSender::KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config)
-    : engine_(engine), transport_(transport), config_(config) {}
+KvSender::KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config,
+                   grpc::CompletionQueue* cq)
+    : engine_(engine), transport_(transport), config_(config), cq_(cq) {}
 
-KvSender::~KvSender() {
+KvSender::~KvSender() { Stop(); }
+
+void KvSender::Stop() {
   executor_.reset();  // runs what was posted: no call starts after this
   std::unique_lock<std::mutex> lock(calls_mu_);
   for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
@@ -411,6 +415,10 @@ KvSender::~KvSender() {
 }
 
 void KvSender::Send(Job job, SendDone done) {
+  if (executor_ == nullptr) {  // stopped
+    done("the worker is shutting down", tandem::v1::KvReadyResponse());
+    return;
+  }
   executor_->Post([this, job = std::move(job), done = std::move(done)]() mutable {
     Start(std::move(job), std::move(done));
   });
@@ -475,9 +483,9 @@ void KvSender::Start(Job job, SendDone done) {
     std::lock_guard<std::mutex> lock(calls_mu_);
     calls_.insert(&call->ctx);
   }
-  stub->async()->KvReady(
-      &call->ctx, &call->request, &call->response,
-      [this, call, stub, id, done = std::move(done)](grpc::Status s) {
+  GrpcPoller::Unary(
+      stub->PrepareAsyncKvReady(&call->ctx, call->request, cq_), &call->response,
+      [this, call, stub, id, done = std::move(done)](const grpc::Status& s) {
         // Ends the call's registration last, after every use of `this`.
         struct Unregister {
           KvSender* sender;

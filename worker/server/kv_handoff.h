@@ -138,9 +138,14 @@ class KvReceiver {
 // Prefill side.
 class KvSender {
  public:
-  KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config);
-  // Cancels the calls in flight and waits for their callbacks.
+  // KvReady calls run on `cq` (the worker's GrpcPoller drains it).
+  KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config,
+           grpc::CompletionQueue* cq);
+  // Stop()s.
   ~KvSender();
+  // Starts no more calls, cancels those in flight and waits for their
+  // answers (the poller must still run). Idempotent.
+  void Stop();
 
   struct Job {
     tandem::v1::KvTransferParams target;  // decode worker and reservation
@@ -170,6 +175,7 @@ class KvSender {
   Engine* const engine_;
   kvtransfer::Transport* const transport_;
   const KvHandoffConfig config_;
+  grpc::CompletionQueue* const cq_;
   std::mutex stubs_mu_;
   std::map<std::string, std::shared_ptr<tandem::v1::Worker::Stub>> stubs_;  // guarded by stubs_mu_
   std::atomic<int64_t> handoffs_{0}, handoff_failures_{0};

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
+#include "common/grpc_poller.h"
 #include "common/logging.h"
 
 namespace tandem::worker {
@@ -33,6 +34,8 @@ tandem::v1::FinishReason ToProto(FinishReason r) {
 
 // How a Generate call takes part in disaggregation (KvTransferParams.mode).
 struct GenerateContext {
+  WorkerService* service;
+  grpc::ServerCompletionQueue* cq;
   Engine* engine;
   const std::string& role;
   KvReceiver* receiver;        // null without a KV transport
@@ -41,9 +44,12 @@ struct GenerateContext {
 };
 
 // One Generate stream. The engine thread pushes tokens through the Sink; the
-// reactor writes whatever accumulated since the last write as one message.
-// Lifetime: gRPC owns the reactor until OnDone; the Sink (shared with the
-// engine) outlives it and drops output once the reactor is gone.
+// call writes whatever accumulated since the last write as one message.
+// Lifetime: a call object waits for its call (RequestGenerate), then serves
+// it; it deletes itself once its last operation (Finish, or the last write
+// with the status) completed and gRPC said the call is done
+// (AsyncNotifyWhenDone). The Sink (shared with the engine) outlives it and
+// drops output once the call is gone.
 //
 // How a stream ends: a normal finish sends the pending tokens with the finish
 // reason and usage, status OK. An abort sends what is pending, then ends with
@@ -54,11 +60,11 @@ struct GenerateContext {
 // Disaggregation: a RECEIVE stream reserves instead of submitting and opens
 // with the reservation; a SEND stream holds its last message until the KV
 // hand-off has an answer (kv_transfer_error).
-class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> {
+class GenerateCall final {
  public:
   class Sink final : public OutputSink {
    public:
-    Sink(GenerateReactor* r, KvReceiver* receiver) : reactor_(r), receiver_(receiver) {}
+    Sink(GenerateCall* r, KvReceiver* receiver) : reactor_(r), receiver_(receiver) {}
     void OnToken(const SampledToken& t) override {
       std::lock_guard<std::mutex> lock(mu_);
       if (reactor_ != nullptr) reactor_->AddTokenLocked(t);
@@ -101,7 +107,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
       reactor_->final_.set_kv_transfer_seconds(answer.pull_seconds());
       reactor_->MaybeWriteLocked();
     }
-    // Called from OnDone: no more output reaches the reactor.
+    // Called when the call ends: no more output reaches it.
     void Detach() {
       ForgetReservation();
       std::lock_guard<std::mutex> lock(mu_);
@@ -117,13 +123,32 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
     }
 
     std::mutex mu_;
-    GenerateReactor* reactor_;
+    GenerateCall* reactor_;
     KvReceiver* const receiver_;
     std::atomic<uint64_t> reservation_id_{0};
   };
 
-  GenerateReactor(const GenerateContext& c, const tandem::v1::GenerateRequest& req)
-      : engine_(c.engine), sink_(std::make_shared<Sink>(this, c.receiver)) {
+  // Waits for the next Generate call.
+  explicit GenerateCall(const GenerateContext& c) : c_(c), engine_(c.engine), writer_(&ctx_) {
+    ctx_.AsyncNotifyWhenDone(&done_tag_);
+    c.service->RequestGenerate(&ctx_, &req_, &writer_, c.cq, c.cq, &accept_tag_);
+  }
+
+ private:
+  // The call came (ok), or the server is shutting down (a call that never
+  // started gets no done notification).
+  void OnAccepted(bool ok) {
+    if (!ok) {
+      delete this;
+      return;
+    }
+    new GenerateCall(c_);  // the next one
+    sink_ = std::make_shared<Sink>(this, c_.receiver);
+    Begin(c_, req_);
+    if (notified_done_ && ctx_.IsCancelled()) OnCancel();
+  }
+
+  void Begin(const GenerateContext& c, const tandem::v1::GenerateRequest& req) {
     GenerateSpec spec;
     spec.request_id = req.request_id();
     spec.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
@@ -172,33 +197,51 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
     id_ = *id;
   }
 
-  void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(sink_->mu());
-    writing_ = false;
-    if (!ok) {
-      // The client is gone: stop generating.
+  // A write completed, or the last operation did.
+  void OnOpDone(bool ok) {
+    {
+      std::lock_guard<std::mutex> lock(sink_->mu());
       if (!done_called_) {
-        done_called_ = true;
-        if (id_ != 0) engine_->Cancel(id_);
-        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client stream closed"));
+        writing_ = false;
+        if (!ok) {
+          // The client is gone: stop generating.
+          done_called_ = true;
+          if (id_ != 0) engine_->Cancel(id_);
+          Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client stream closed"));
+        } else {
+          MaybeWriteLocked();
+        }
+        return;
       }
-      return;
+      last_op_done_ = true;
     }
-    MaybeWriteLocked();
+    if (notified_done_) End();
   }
 
-  void OnCancel() override {
+  // gRPC's word that the call is over (finished, or cancelled: the client
+  // went away or its deadline passed).
+  void OnCallDone(bool /*ok*/) {
+    notified_done_ = true;
+    if (sink_ == nullptr) return;  // not accepted yet: OnAccepted looks
+    if (ctx_.IsCancelled()) OnCancel();
+    {
+      std::lock_guard<std::mutex> lock(sink_->mu());
+      if (!last_op_done_) return;
+    }
+    End();
+  }
+
+  void OnCancel() {
     std::lock_guard<std::mutex> lock(sink_->mu());
     cancelled_ = true;
     if (id_ != 0) engine_->Cancel(id_);  // else: when the reservation is made
   }
 
-  void OnDone() override {
+  void End() {
     sink_->Detach();
     delete this;
   }
 
- private:
   // What a KvTransferParams asks of this worker, checked before anything runs.
   static absl::Status CheckKvTransfer(const GenerateContext& c,
                                       const tandem::v1::KvTransferParams& kv, int prompt_len) {
@@ -247,6 +290,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
     std::lock_guard<std::mutex> lock(sink_->mu());
     done_called_ = true;
     Finish(ToGrpcStatus(status));
+  }
+
+  // The stream's operations, one at a time. REQUIRES: sink_->mu() held.
+  void Finish(const grpc::Status& status) { writer_.Finish(status, &op_tag_); }
+  void StartWrite(const GenerateResponse* msg) { writer_.Write(*msg, &op_tag_); }
+  void StartWriteAndFinish(const GenerateResponse* msg, grpc::WriteOptions options,
+                           const grpc::Status& status) {
+    writer_.WriteAndFinish(*msg, options, status, &op_tag_);
   }
 
   // REQUIRES: sink_->mu() held (all below).
@@ -321,8 +372,16 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
     }
   }
 
+  const GenerateContext c_;
   Engine* const engine_;
-  std::shared_ptr<Sink> sink_;
+  grpc::ServerContext ctx_;
+  tandem::v1::GenerateRequest req_;
+  grpc::ServerAsyncWriter<GenerateResponse> writer_;
+  MemberTag<GenerateCall> accept_tag_{this, &GenerateCall::OnAccepted};
+  MemberTag<GenerateCall> op_tag_{this, &GenerateCall::OnOpDone};
+  MemberTag<GenerateCall> done_tag_{this, &GenerateCall::OnCallDone};
+  bool notified_done_ = false;  // the poller thread's
+  std::shared_ptr<Sink> sink_;  // from acceptance
   bool want_logprobs_ = false;
   std::string instance_id_;          // RECEIVE: this worker's, for the reservation
   uint32_t reserve_timeout_ms_ = 0;  // RECEIVE
@@ -338,18 +397,41 @@ class GenerateReactor final : public grpc::ServerWriteReactor<GenerateResponse> 
   bool awaiting_kv_ = false;   // SEND: handed off, the answer not yet in
   bool kv_done_ = false;
   bool done_called_ = false;   // Finish (or StartWriteAndFinish) was called
+  bool last_op_done_ = false;  // ... and completed
 };
 
 // One KV event stream: a snapshot when needed (in chunks), then events as
 // they come, each batch bounded in size so default gRPC clients (4 MiB
 // messages) can read it.
-class KvEventsReactor final : public grpc::ServerWriteReactor<KvEventBatch> {
+// Lifetime as GenerateCall's: it waits for its call, serves it, and deletes
+// itself when its Finish completed and gRPC said the call is done.
+class KvEventsCall final {
  public:
-  KvEventsReactor(Engine* engine, const std::string& instance_id,
-                  const tandem::v1::KvEventsRequest& req)
-      : log_(engine->events()), instance_id_(instance_id), cursor_(req.start_after_seq()) {
+  // Waits for the next StreamKvEvents call.
+  KvEventsCall(WorkerService* service, grpc::ServerCompletionQueue* cq, Engine* engine,
+               const std::string& instance_id)
+      : service_(service),
+        cq_(cq),
+        engine_(engine),
+        log_(engine->events()),
+        instance_id_(instance_id),
+        writer_(&ctx_) {
+    ctx_.AsyncNotifyWhenDone(&done_tag_);
+    service->RequestStreamKvEvents(&ctx_, &req_, &writer_, cq, cq, &accept_tag_);
+  }
+
+ private:
+  void OnAccepted(bool ok) {
+    if (!ok) {
+      delete this;  // shutting down
+      return;
+    }
+    new KvEventsCall(service_, cq_, engine_, instance_id_);  // the next one
+    accepted_ = true;
+    const tandem::v1::KvEventsRequest& req = req_;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      cursor_ = req.start_after_seq();
       need_snapshot_ = req.snapshot() || cursor_ > log_.last_seq();
     }
     // The listener may run as soon as it is added; it takes mu_ itself.
@@ -358,24 +440,49 @@ class KvEventsReactor final : public grpc::ServerWriteReactor<KvEventBatch> {
       MaybeWriteLocked();
     });
     std::lock_guard<std::mutex> lock(mu_);
-    MaybeWriteLocked();
-  }
-
-  void OnWriteDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    writing_ = false;
-    if (!ok) {
-      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "subscriber gone"));
+    if (notified_done_) {
+      cancelled_ = true;  // gone before it was served
+      if (!writing_) FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
       return;
     }
     MaybeWriteLocked();
   }
-  void OnCancel() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+
+  // A write completed, or the Finish did.
+  void OnOpDone(bool ok) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!finished_) {
+        writing_ = false;
+        if (!ok || cancelled_) {
+          FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "subscriber gone"));
+        } else {
+          MaybeWriteLocked();
+        }
+        return;
+      }
+      finish_done_ = true;
+    }
+    if (notified_done_) End();
   }
-  void OnDone() override {
-    log_.RemoveListener(listener_);
+
+  // The call is over: the subscriber cancelled (the stream never ends by
+  // itself), or it finished after a failed write.
+  void OnCallDone(bool /*ok*/) {
+    notified_done_ = true;
+    if (!accepted_) return;  // OnAccepted finishes it
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      // With a write in flight, its completion finishes the stream.
+      if (!writing_) FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      if (!finish_done_) return;
+    }
+    End();
+  }
+
+  void End() {
+    if (listener_ >= 0) log_.RemoveListener(listener_);
     delete this;
   }
 
@@ -389,7 +496,7 @@ class KvEventsReactor final : public grpc::ServerWriteReactor<KvEventBatch> {
   void FinishLocked(const grpc::Status& s) {
     if (finished_) return;
     finished_ = true;
-    Finish(s);
+    writer_.Finish(s, &op_tag_);
   }
 
   // REQUIRES: mu_ held.
@@ -420,7 +527,7 @@ class KvEventsReactor final : public grpc::ServerWriteReactor<KvEventBatch> {
       }
       if (snapshot_sent_ < snapshot_.blocks.size()) {
         writing_ = true;
-        StartWrite(&batch_);
+        writer_.Write(batch_, &op_tag_);
         return;
       }
       s->set_complete(true);
@@ -455,22 +562,76 @@ class KvEventsReactor final : public grpc::ServerWriteReactor<KvEventBatch> {
       cursor_ = e.seq;
     }
     writing_ = true;
-    StartWrite(&batch_);
+    writer_.Write(batch_, &op_tag_);
   }
 
+  WorkerService* const service_;
+  grpc::ServerCompletionQueue* const cq_;
+  Engine* const engine_;
   KvEventLog& log_;
   const std::string instance_id_;
+  grpc::ServerContext ctx_;
+  tandem::v1::KvEventsRequest req_;
+  grpc::ServerAsyncWriter<KvEventBatch> writer_;
+  MemberTag<KvEventsCall> accept_tag_{this, &KvEventsCall::OnAccepted};
+  MemberTag<KvEventsCall> op_tag_{this, &KvEventsCall::OnOpDone};
+  MemberTag<KvEventsCall> done_tag_{this, &KvEventsCall::OnCallDone};
+  bool accepted_ = false;       // the poller thread's
+  bool notified_done_ = false;  // the poller thread's
   std::mutex mu_;
   // Guarded by mu_.
-  uint64_t cursor_;              // the last seq sent (or covered by the snapshot)
+  uint64_t cursor_ = 0;          // the last seq sent (or covered by the snapshot)
   bool need_snapshot_ = false;
   bool sending_snapshot_ = false;
   KvSnapshot snapshot_;          // being sent, in chunks
   size_t snapshot_sent_ = 0;
   bool writing_ = false;
-  bool finished_ = false;
+  bool finished_ = false;     // Finish was called
+  bool finish_done_ = false;  // ... and completed
+  bool cancelled_ = false;    // the call is over
   int listener_ = -1;
   KvEventBatch batch_;
+};
+
+// One unary call of a method: waits for it (the service's Request<Method>),
+// then runs the handler, whose `finish` sends the answer; deletes itself when
+// the answer went out (or at once when the server shuts down first).
+template <class Req, class Resp>
+class UnaryCall final : public GrpcTag {
+ public:
+  using RequestFn = void (tandem::v1::Worker::AsyncService::*)(
+      grpc::ServerContext*, Req*, grpc::ServerAsyncResponseWriter<Resp>*, grpc::CompletionQueue*,
+      grpc::ServerCompletionQueue*, void*);
+  using HandleFn = void (WorkerService::*)(const grpc::ServerContext&, const Req&, Resp*,
+                                           WorkerService::Finish);
+
+  UnaryCall(WorkerService* service, grpc::ServerCompletionQueue* cq, RequestFn request,
+            HandleFn handle)
+      : service_(service), cq_(cq), request_(request), handle_(handle), writer_(&ctx_) {
+    (service_->*request_)(&ctx_, &req_, &writer_, cq_, cq_, this);
+  }
+
+  void Done(bool ok) override {
+    if (accepted_ || !ok) {
+      delete this;  // answered, or the server is shutting down
+      return;
+    }
+    accepted_ = true;
+    new UnaryCall(service_, cq_, request_, handle_);  // the next one
+    (service_->*handle_)(ctx_, req_, &resp_,
+                         [this](const grpc::Status& status) { writer_.Finish(resp_, status, this); });
+  }
+
+ private:
+  WorkerService* const service_;
+  grpc::ServerCompletionQueue* const cq_;
+  const RequestFn request_;
+  const HandleFn handle_;
+  grpc::ServerContext ctx_;
+  Req req_;
+  Resp resp_;
+  grpc::ServerAsyncResponseWriter<Resp> writer_;
+  bool accepted_ = false;
 };
 
 }  // namespace
@@ -493,82 +654,89 @@ SamplingParams FromProto(const tandem::v1::SamplingParams& p) {
   return s;
 }
 
-WorkerService::WorkerService(Engine* engine, std::string role, kvtransfer::Transport* transport,
-                             KvHandoffConfig kv)
+WorkerService::WorkerService(Engine* engine, std::string role, grpc::ServerCompletionQueue* cq,
+                             kvtransfer::Transport* transport, KvHandoffConfig kv)
     : engine_(engine),
+      cq_(cq),
       transport_(transport),
       role_(std::move(role)),
       instance_id_(NewInstanceId()),
       kv_(kv) {
   if (transport_ != nullptr) {
     receiver_ = std::make_unique<KvReceiver>(engine_, transport_, instance_id_);
-    sender_ = std::make_unique<KvSender>(engine_, transport_, kv_);
+    sender_ = std::make_unique<KvSender>(engine_, transport_, kv_, cq_);
   }
 }
 
 WorkerService::~WorkerService() = default;
 
-grpc::ServerUnaryReactor* WorkerService::KvReady(grpc::CallbackServerContext* ctx,
-                                                 const tandem::v1::KvReadyRequest* request,
-                                                 tandem::v1::KvReadyResponse* response) {
-  auto* reactor = ctx->DefaultReactor();
+void WorkerService::Serve() {
+  new GenerateCall(GenerateContext{.service = this, .cq = cq_, .engine = engine_, .role = role_,
+                                   .receiver = receiver_.get(), .sender = sender_.get(),
+                                   .kv = kv_});
+  new KvEventsCall(this, cq_, engine_, instance_id_);
+  using namespace tandem::v1;  // NOLINT(build/namespaces): the message types below
+  new UnaryCall<HealthRequest, HealthResponse>(this, cq_, &WorkerService::RequestHealth,
+                                               &WorkerService::HandleHealth);
+  new UnaryCall<ModelInfoRequest, ModelInfo>(this, cq_, &WorkerService::RequestGetModelInfo,
+                                             &WorkerService::HandleGetModelInfo);
+  new UnaryCall<LoadRequest, LoadReport>(this, cq_, &WorkerService::RequestGetLoad,
+                                         &WorkerService::HandleGetLoad);
+  new UnaryCall<ClearKvCacheRequest, ClearKvCacheResponse>(
+      this, cq_, &WorkerService::RequestClearKvCache, &WorkerService::HandleClearKvCache);
+  new UnaryCall<KvTransferInfoRequest, KvTransferInfo>(
+      this, cq_, &WorkerService::RequestGetKvTransferInfo, &WorkerService::HandleGetKvTransferInfo);
+  new UnaryCall<KvReadyRequest, KvReadyResponse>(this, cq_, &WorkerService::RequestKvReady,
+                                                 &WorkerService::HandleKvReady);
+}
+
+void WorkerService::Shutdown() {
+  if (sender_ != nullptr) sender_->Stop();
+}
+
+void WorkerService::HandleKvReady(const grpc::ServerContext& ctx, const tandem::v1::KvReadyRequest& request,
+    tandem::v1::KvReadyResponse* response, Finish finish) {
   if (receiver_ == nullptr || role_ == "prefill") {
-    reactor->Finish(grpc::Status(
+    finish(grpc::Status(
         grpc::StatusCode::FAILED_PRECONDITION,
         receiver_ == nullptr ? "this worker runs without a KV transport (--kv-transport)"
                              : "this worker's role is prefill: it does not receive KV"));
-    return reactor;
+    return;
   }
   // The caller's deadline, on this machine's steady clock (none: an hour).
   const auto now_sys = std::chrono::system_clock::now();
-  const auto left = ctx->deadline() > now_sys + std::chrono::hours(1)
+  const auto left = ctx.deadline() > now_sys + std::chrono::hours(1)
                         ? std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                               std::chrono::hours(1))
                         : std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              ctx->deadline() - now_sys);
-  receiver_->KvReady(*request, std::chrono::steady_clock::now() + left, response,
-                     [reactor](grpc::Status s) { reactor->Finish(s); });
-  return reactor;
+                              ctx.deadline() - now_sys);
+  receiver_->KvReady(request, std::chrono::steady_clock::now() + left, response,
+                     [finish = std::move(finish)](grpc::Status s) { finish(s); });
 }
 
-grpc::ServerUnaryReactor* WorkerService::GetKvTransferInfo(grpc::CallbackServerContext* ctx,
-                                                           const tandem::v1::KvTransferInfoRequest*,
-                                                           tandem::v1::KvTransferInfo* response) {
-  auto* reactor = ctx->DefaultReactor();
+void WorkerService::HandleGetKvTransferInfo(const grpc::ServerContext& ctx, const tandem::v1::KvTransferInfoRequest& /*request*/,
+    tandem::v1::KvTransferInfo* response, Finish finish) {
   if (transport_ == nullptr) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                 "this worker runs without a KV transport (--kv-transport)"));
-    return reactor;
+    finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this worker runs without a KV transport (--kv-transport)"));
+    return;
   }
   absl::StatusOr<kvtransfer::PeerInfo> info = transport_->LocalInfo();
   if (info.ok()) ToProto(*info, response);
-  reactor->Finish(info.ok() ? grpc::Status::OK : ToGrpcStatus(info.status()));
-  return reactor;
+  finish(info.ok() ? grpc::Status::OK : ToGrpcStatus(info.status()));
 }
 
-grpc::ServerWriteReactor<GenerateResponse>* WorkerService::Generate(
-    grpc::CallbackServerContext* ctx, const tandem::v1::GenerateRequest* request) {
-  return new GenerateReactor(GenerateContext{.engine = engine_, .role = role_,
-                                             .receiver = receiver_.get(), .sender = sender_.get(),
-                                             .kv = kv_},
-                             *request);
-}
-
-grpc::ServerUnaryReactor* WorkerService::Health(grpc::CallbackServerContext* ctx,
-                                                const tandem::v1::HealthRequest*,
-                                                tandem::v1::HealthResponse* response) {
+void WorkerService::HandleHealth(const grpc::ServerContext& ctx, const tandem::v1::HealthRequest& /*request*/,
+    tandem::v1::HealthResponse* response, Finish finish) {
   response->set_status(engine_->running() ? tandem::v1::HealthResponse::SERVING
                                           : tandem::v1::HealthResponse::NOT_SERVING);
   response->set_role(role_);
   response->set_instance_id(instance_id_);
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  finish(grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor* WorkerService::GetModelInfo(grpc::CallbackServerContext* ctx,
-                                                      const tandem::v1::ModelInfoRequest*,
-                                                      tandem::v1::ModelInfo* r) {
+void WorkerService::HandleGetModelInfo(const grpc::ServerContext& ctx, const tandem::v1::ModelInfoRequest& /*request*/,
+    tandem::v1::ModelInfo* r, Finish finish) {
   const ModelConfig& c = engine_->model_config();
   r->set_model(engine_->model_name());
   r->set_architecture(c.architecture);
@@ -586,14 +754,11 @@ grpc::ServerUnaryReactor* WorkerService::GetModelInfo(grpc::CallbackServerContex
   r->set_role(role_);
   r->set_instance_id(instance_id_);
   r->set_block_hash_seed(engine_->config().block_hash_seed);
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  finish(grpc::Status::OK);
 }
 
-grpc::ServerUnaryReactor* WorkerService::GetLoad(grpc::CallbackServerContext* ctx,
-                                                 const tandem::v1::LoadRequest*,
-                                                 tandem::v1::LoadReport* r) {
+void WorkerService::HandleGetLoad(const grpc::ServerContext& ctx, const tandem::v1::LoadRequest& /*request*/,
+    tandem::v1::LoadReport* r, Finish finish) {
   LoadSnapshot s = engine_->GetLoad();
   r->set_running_sequences(s.running);
   r->set_waiting_sequences(s.waiting);
@@ -626,26 +791,16 @@ grpc::ServerUnaryReactor* WorkerService::GetLoad(grpc::CallbackServerContext* ct
   r->set_kv_handoff_failures(kv.handoff_failures);
   r->set_kv_pulls_in_flight(kv.pulls_in_flight);
   r->set_kv_pull_seconds(kv.pull_seconds);
-  auto* reactor = ctx->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  finish(grpc::Status::OK);
 }
 
-grpc::ServerWriteReactor<KvEventBatch>* WorkerService::StreamKvEvents(
-    grpc::CallbackServerContext* ctx, const tandem::v1::KvEventsRequest* request) {
-  return new KvEventsReactor(engine_, instance_id_, *request);
-}
-
-grpc::ServerUnaryReactor* WorkerService::ClearKvCache(grpc::CallbackServerContext* ctx,
-                                                      const tandem::v1::ClearKvCacheRequest*,
-                                                      tandem::v1::ClearKvCacheResponse* r) {
+void WorkerService::HandleClearKvCache(const grpc::ServerContext& ctx, const tandem::v1::ClearKvCacheRequest& /*request*/,
+    tandem::v1::ClearKvCacheResponse* r, Finish finish) {
   // Completed on the engine thread at its next step; no gRPC thread waits.
-  auto* reactor = ctx->DefaultReactor();
-  engine_->ClearPrefixCache([reactor, r](absl::StatusOr<int64_t> cleared) {
+  engine_->ClearPrefixCache([finish = std::move(finish), r](absl::StatusOr<int64_t> cleared) {
     if (cleared.ok()) r->set_blocks_cleared(*cleared);
-    reactor->Finish(cleared.ok() ? grpc::Status::OK : ToGrpcStatus(cleared.status()));
+    finish(cleared.ok() ? grpc::Status::OK : ToGrpcStatus(cleared.status()));
   });
-  return reactor;
 }
 
 }  // namespace tandem::worker

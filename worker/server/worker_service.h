@@ -1,14 +1,24 @@
 // WorkerService: the tandem.v1.Worker gRPC service over an Engine, on gRPC's
-// callback API. The service only converts between protobuf and engine types
-// and moves results between threads: each Generate stream is a write reactor
-// fed by the engine thread through an OutputSink that coalesces tokens while
-// a write is in flight; cancelling the call (client gone, deadline passed)
+// asynchronous (completion-queue) API: the worker process drains the
+// server's completion queue with one GrpcPoller thread, which also carries
+// the KvReady calls this worker makes (see common/grpc_poller.h for why not
+// the callback API). The service only converts between protobuf and engine
+// types and moves results between threads: each Generate stream is fed by
+// the engine thread through an OutputSink that coalesces tokens while a
+// write is in flight; cancelling the call (client gone, deadline passed)
 // cancels the request in the engine, which frees its blocks.
 //
-// Thread-safe; gRPC calls it from its own threads.
+// Use: construct with the server's completion queue, register with the
+// ServerBuilder, start the server and a GrpcPoller on the queue, then
+// Serve(). To stop: stop the engine, shut the server down, Shutdown() this
+// service, then destroy the poller (which drains the queue) before the
+// service.
+//
+// Thread-safe; handlers run on the poller thread.
 #ifndef TANDEM_WORKER_SERVER_WORKER_SERVICE_H_
 #define TANDEM_WORKER_SERVER_WORKER_SERVICE_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,44 +29,44 @@
 
 namespace tandem::worker {
 
-class WorkerService final : public tandem::v1::Worker::CallbackService {
+class WorkerService final : public tandem::v1::Worker::AsyncService {
  public:
   // `role` is reported by Health and GetModelInfo ("prefill", "decode", "both")
   // and decides which disaggregation calls are served. `transport` (may be
   // null) is the worker's KV transport, its pool registered; it must outlive
-  // the service.
-  WorkerService(Engine* engine, std::string role, kvtransfer::Transport* transport = nullptr,
-                KvHandoffConfig kv = {});
+  // the service. `cq` is the server's completion queue.
+  WorkerService(Engine* engine, std::string role, grpc::ServerCompletionQueue* cq,
+                kvtransfer::Transport* transport = nullptr, KvHandoffConfig kv = {});
   ~WorkerService() override;
 
-  grpc::ServerWriteReactor<tandem::v1::GenerateResponse>* Generate(
-      grpc::CallbackServerContext* ctx, const tandem::v1::GenerateRequest* request) override;
-  grpc::ServerUnaryReactor* Health(grpc::CallbackServerContext* ctx,
-                                   const tandem::v1::HealthRequest* request,
-                                   tandem::v1::HealthResponse* response) override;
-  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* ctx,
-                                         const tandem::v1::ModelInfoRequest* request,
-                                         tandem::v1::ModelInfo* response) override;
-  grpc::ServerUnaryReactor* GetLoad(grpc::CallbackServerContext* ctx,
-                                    const tandem::v1::LoadRequest* request,
-                                    tandem::v1::LoadReport* response) override;
-  grpc::ServerWriteReactor<tandem::v1::KvEventBatch>* StreamKvEvents(
-      grpc::CallbackServerContext* ctx, const tandem::v1::KvEventsRequest* request) override;
-  grpc::ServerUnaryReactor* ClearKvCache(grpc::CallbackServerContext* ctx,
-                                         const tandem::v1::ClearKvCacheRequest* request,
-                                         tandem::v1::ClearKvCacheResponse* response) override;
+  // Starts accepting calls (once the server has started).
+  void Serve();
+  // Stops the KvReady calls this worker makes (cancels those in flight and
+  // waits for their answers, which need the poller running).
+  void Shutdown();
 
-  grpc::ServerUnaryReactor* GetKvTransferInfo(grpc::CallbackServerContext* ctx,
-                                              const tandem::v1::KvTransferInfoRequest* request,
-                                              tandem::v1::KvTransferInfo* response) override;
-  grpc::ServerUnaryReactor* KvReady(grpc::CallbackServerContext* ctx,
-                                    const tandem::v1::KvReadyRequest* request,
-                                    tandem::v1::KvReadyResponse* response) override;
+  // The handlers of the unary methods: fill the response, then call
+  // `finish` exactly once (from any thread).
+  using Finish = std::function<void(const grpc::Status&)>;
+  void HandleHealth(const grpc::ServerContext& ctx, const tandem::v1::HealthRequest& request,
+              tandem::v1::HealthResponse* response, Finish finish);
+  void HandleGetModelInfo(const grpc::ServerContext& ctx, const tandem::v1::ModelInfoRequest& request,
+                    tandem::v1::ModelInfo* response, Finish finish);
+  void HandleGetLoad(const grpc::ServerContext& ctx, const tandem::v1::LoadRequest& request,
+               tandem::v1::LoadReport* response, Finish finish);
+  void HandleClearKvCache(const grpc::ServerContext& ctx, const tandem::v1::ClearKvCacheRequest& request,
+                    tandem::v1::ClearKvCacheResponse* response, Finish finish);
+  void HandleGetKvTransferInfo(const grpc::ServerContext& ctx,
+                         const tandem::v1::KvTransferInfoRequest& request,
+                         tandem::v1::KvTransferInfo* response, Finish finish);
+  void HandleKvReady(const grpc::ServerContext& ctx, const tandem::v1::KvReadyRequest& request,
+               tandem::v1::KvReadyResponse* response, Finish finish);
 
   const std::string& instance_id() const { return instance_id_; }
 
  private:
   Engine* const engine_;
+  grpc::ServerCompletionQueue* const cq_;
   kvtransfer::Transport* const transport_;
   const std::string role_;
   const std::string instance_id_;
