@@ -15,7 +15,7 @@
 // poller thread calls tag->Done(ok) when the operation completes (ok as
 // CompletionQueue::Next reports it). Done runs on the poller thread: it
 // must not block. GrpcPoller::Unary runs a unary call to its end and hands
-// the status to a function.
+// the status to a function; GrpcReader reads a server stream to its end.
 //
 // Lifetime: Shared() is created on first use and never destroyed (calls end
 // on their own or are cancelled by their owners; the process exit stops the
@@ -53,6 +53,53 @@ class MemberTag final : public GrpcTag {
  private:
   T* const obj_;
   void (T::*const fn_)(bool);
+};
+
+// A server-streaming call read to its end, one operation at a time (the
+// object is its own tag): OnMessage for each message -- false stops reading
+// (cancel the call first, or its status may read OK) -- then OnEnd with the
+// call's status, once and last; a derived object may delete itself there.
+template <class Response>
+class GrpcReader : public GrpcTag {
+ public:
+  void Done(bool ok) final {
+    switch (state_) {
+      case State::kStarting:
+      case State::kReading:
+        if (state_ == State::kReading && ok) ok = OnMessage(message_);
+        if (ok) {
+          state_ = State::kReading;
+          reader_->Read(&message_, this);
+          return;
+        }
+        // The stream ended (or never started): its status says why.
+        state_ = State::kFinishing;
+        reader_->Finish(&status_, this);
+        return;
+      case State::kFinishing:
+        OnEnd(status_);  // may delete this
+        return;
+    }
+  }
+
+ protected:
+  ~GrpcReader() = default;
+
+  // Starts a call made with the stub's PrepareAsync<Method>(ctx, request, cq)
+  // on a poller's cq(). OnMessage and OnEnd may run before this returns.
+  void StartReading(std::unique_ptr<grpc::ClientAsyncReader<Response>> reader) {
+    reader_ = std::move(reader);
+    reader_->StartCall(this);
+  }
+  virtual bool OnMessage(const Response& message) = 0;
+  virtual void OnEnd(const grpc::Status& status) = 0;
+
+ private:
+  enum class State { kStarting, kReading, kFinishing };
+  std::unique_ptr<grpc::ClientAsyncReader<Response>> reader_;
+  State state_ = State::kStarting;
+  Response message_;
+  grpc::Status status_;
 };
 
 class GrpcPoller {

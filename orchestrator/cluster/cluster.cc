@@ -59,38 +59,20 @@ absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name, int
   return std::vector<std::string>(out.begin(), out.end());
 }
 
-// One worker's KV event stream, applied to the indexes of its pools, on the
-// process's GrpcPoller (one operation outstanding at a time: the
-// subscription is its own tag). Deletes itself when the call ends, after
+// One worker's KV event stream, read on the process's GrpcPoller and applied
+// to the indexes of its pools. Deletes itself when the call ends, after
 // telling the cluster.
-struct Cluster::Subscription final : GrpcTag {
+struct Cluster::Subscription final : GrpcReader<tandem::v1::KvEventBatch> {
   Subscription(Cluster* c, std::string addr, std::vector<std::shared_ptr<KvIndex>> idx)
       : cluster(c), address(std::move(addr)), indexes(std::move(idx)) {}
 
   void Start(tandem::v1::Worker::Stub& stub) {
     request.set_snapshot(true);
-    reader = stub.PrepareAsyncStreamKvEvents(&context, request, GrpcPoller::Shared().cq());
-    reader->StartCall(this);  // Done may run on the poller before this returns
-  }
-
-  void Done(bool ok) override {
-    if (finishing) {
-      cluster->SubscriptionDone(address, this);
-      delete this;
-      return;
-    }
-    if (ok && started) ok = Apply();
-    started = true;
-    if (ok) {
-      reader->Read(&batch, this);
-      return;
-    }
-    finishing = true;
-    reader->Finish(&status, this);
+    StartReading(stub.PrepareAsyncStreamKvEvents(&context, request, GrpcPoller::Shared().cq()));
   }
 
   // False (and the call cancelled) when an index refused the batch.
-  bool Apply() {
+  bool OnMessage(const tandem::v1::KvEventBatch& batch) override {
     for (const std::shared_ptr<KvIndex>& index : indexes) {
       const absl::Status s = index->Apply(address, batch);
       if (!s.ok()) {
@@ -103,16 +85,16 @@ struct Cluster::Subscription final : GrpcTag {
     return true;
   }
 
+  void OnEnd(const grpc::Status& /*status*/) override {
+    cluster->SubscriptionDone(address, this);
+    delete this;
+  }
+
   Cluster* const cluster;
   const std::string address;
   const std::vector<std::shared_ptr<KvIndex>> indexes;
   grpc::ClientContext context;
   tandem::v1::KvEventsRequest request;
-  std::unique_ptr<grpc::ClientAsyncReader<tandem::v1::KvEventBatch>> reader;
-  tandem::v1::KvEventBatch batch;
-  grpc::Status status;
-  bool started = false;    // StartCall completed: later completions are reads
-  bool finishing = false;  // Finish was called: the next completion is the last
 };
 
 Cluster::Cluster(HealthConfig health) : health_(health) {}

@@ -46,11 +46,9 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-// One Generate call, on the process's GrpcPoller: started, then read
-// message by message, then finished. One operation is outstanding at a
-// time, so the call is its own tag. Keeps the Generation alive until the
-// call ends, then deletes itself.
-struct Generation::Call final : GrpcTag {
+// One Generate call, read on the process's GrpcPoller. Keeps the Generation
+// alive until the call ends, then deletes itself.
+struct Generation::Call final : GrpcReader<GenerateResponse> {
   Call(std::shared_ptr<Generation> g, CallKind k, int a, std::shared_ptr<WorkerClient> w,
        GenerateRequest req, int64_t prefill_tokens)
       : gen(std::move(g)),
@@ -62,33 +60,19 @@ struct Generation::Call final : GrpcTag {
 
   void Start() {
     context.set_deadline(gen->options_.deadline);
-    reader = worker->stub().PrepareAsyncGenerate(&context, request, GrpcPoller::Shared().cq());
-    state = State::kStarting;
-    reader->StartCall(this);  // Done may run on the poller before this returns
+    StartReading(
+        worker->stub().PrepareAsyncGenerate(&context, request, GrpcPoller::Shared().cq()));
   }
 
-  void Done(bool ok) override {
-    switch (state) {
-      case State::kStarting:
-      case State::kReading:
-        if (state == State::kReading && ok) gen->OnMessage(this, msg);
-        if (ok) {
-          state = State::kReading;
-          reader->Read(&msg, this);
-          return;
-        }
-        // The stream ended (or never started): its status says why.
-        state = State::kFinishing;
-        reader->Finish(&status, this);
-        return;
-      case State::kFinishing:
-        gen->OnCallDone(this, status);
-        delete this;
-        return;
-    }
+  bool OnMessage(const GenerateResponse& msg) override {
+    gen->OnMessage(this, msg);
+    return true;
   }
 
-  enum class State { kStarting, kReading, kFinishing };
+  void OnEnd(const grpc::Status& status) override {
+    gen->OnCallDone(this, status);
+    delete this;
+  }
 
   std::shared_ptr<Generation> gen;
   const CallKind kind;
@@ -97,10 +81,6 @@ struct Generation::Call final : GrpcTag {
   GenerateRequest request;
   InFlight in_flight;
   grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientAsyncReader<GenerateResponse>> reader;
-  State state = State::kStarting;
-  GenerateResponse msg;
-  grpc::Status status;
   bool reserved = false;  // RECEIVE: the reservation came
   bool finished = false;  // its final message (finish_reason set) came
 };
