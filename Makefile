@@ -22,7 +22,8 @@ run: build
 	scripts/run_local.sh $(BUILD_DIR)/tandem $(PORT)
 
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600 || \
+	  { cd $(CURDIR) && scripts/show_failed_tests.sh $(BUILD_DIR); exit 1; }
 
 # Quick benchmarks (a few minutes): routing quality on simulated workers, the router's overhead
 # against nginx and the KV index at scale, with one ratio table; then the engine.
