@@ -1,6 +1,6 @@
 #include "common/grpc_poller.h"
 
-#include <pthread.h>
+#include "common/thread_name.h"
 
 namespace tandem {
 
@@ -22,7 +22,7 @@ GrpcPoller& GrpcPoller::Shared() {
 }
 
 void GrpcPoller::Run() {
-  pthread_setname_np(pthread_self(), "grpc_poller");
+  SetThreadName("grpc_poller");
   void* tag = nullptr;
   bool ok = false;
   while (cq_->Next(&tag, &ok)) static_cast<GrpcTag*>(tag)->Done(ok);

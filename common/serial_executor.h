@@ -11,14 +11,22 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
+
+#include "common/thread_name.h"
 
 namespace tandem {
 
 class SerialExecutor {
  public:
-  SerialExecutor() : thread_([this] { Run(); }) {}
+  // `name` names its thread (thread_name.h).
+  explicit SerialExecutor(std::string name = "executor")
+      : thread_([this, name = std::move(name)] {
+          SetThreadName(name);
+          Run();
+        }) {}
   ~SerialExecutor() {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -585,6 +585,7 @@ TEST_F(RouterE2eTest, ModelsHealthTokenizeAndMetrics) {
         "tandem_router_time_to_first_token_seconds_count{mode=\"aggregated\"} 1",
         "tandem_router_inter_token_latency_seconds_bucket", "tandem_router_e2e_request_latency_seconds",
         "tandem_router_queue_time_seconds", "tandem_router_routing_decision_seconds",
+        "tandem_router_routing_decision_cpu_seconds_count{pool=\"decode\"} 1",
         "tandem_router_routed_total{pool=\"decode\",policy=\"round_robin\"",
         "tandem_router_worker_healthy{pool=\"decode\"", "tandem_router_worker_in_flight"}) {
     EXPECT_THAT(metrics.http.body, HasSubstr(name));

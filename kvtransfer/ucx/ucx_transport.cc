@@ -22,6 +22,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "common/thread_name.h"
 
 namespace tandem::kvtransfer {
 namespace {
@@ -187,6 +188,7 @@ class UcxTransport::Impl {
     std::promise<absl::Status> ready;
     std::future<absl::Status> result = ready.get_future();
     thread_ = std::thread([this, &ready] {
+      SetThreadName("ucx_progress");
       absl::Status st = InitUcx();
       const bool ok = st.ok();
       ready.set_value(std::move(st));

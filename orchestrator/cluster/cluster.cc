@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "common/grpc_poller.h"
 #include "common/logging.h"
+#include "common/thread_name.h"
 
 namespace tandem::router {
 namespace {
@@ -179,8 +180,14 @@ void Cluster::Start() {
   std::lock_guard<std::mutex> lock(mu_);
   if (started_) return;
   started_ = true;
-  health_thread_ = std::thread([this] { HealthLoop(); });
-  discovery_thread_ = std::thread([this] { DiscoveryLoop(); });
+  health_thread_ = std::thread([this] {
+    SetThreadName("health_checks");
+    HealthLoop();
+  });
+  discovery_thread_ = std::thread([this] {
+    SetThreadName("discovery");
+    DiscoveryLoop();
+  });
 }
 
 void Cluster::Stop() {

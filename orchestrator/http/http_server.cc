@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
+#include "common/thread_name.h"
 
 namespace tandem::http {
 
@@ -708,7 +709,10 @@ absl::Status HttpServer::Start() {
   for (auto& ioc : impl_->iocs) impl_->work.push_back(net::make_work_guard(*ioc));
   StartAccept();
   for (auto& ioc : impl_->iocs) {
-    threads_.emplace_back([ioc = ioc.get()] { ioc->run(); });
+    threads_.emplace_back([ioc = ioc.get()] {
+      SetThreadName("http_io");
+      ioc->run();
+    });
   }
   return absl::OkStatus();
 }

@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/thread_name.h"
 
 namespace tandem::worker {
 namespace {
@@ -163,7 +164,10 @@ kvtransfer::PoolLayout Engine::pool_layout() const {
 void Engine::Start() {
   if (config_.threads > 0) openblas_set_num_threads(config_.threads);
   running_ = true;
-  thread_ = std::thread([this] { Loop(); });
+  thread_ = std::thread([this] {
+    SetThreadName("engine");
+    Loop();
+  });
 }
 
 void Engine::Stop() {
@@ -337,9 +341,7 @@ bool Engine::EnqueueIfRunning(const std::function<void()>& enqueue) {
 
 LoadSnapshot Engine::GetLoad() const {
   std::lock_guard<std::mutex> lock(load_mu_);
-  LoadSnapshot s = load_;
-  s.kv_event_seq = events_.last_seq();
-  return s;
+  return load_;
 }
 
 void Engine::Finish(std::unique_ptr<Sequence> seq, FinishInfo info) {
@@ -716,6 +718,9 @@ void Engine::PublishLoad() {
   s.expired_reservations = expired_reservations_;
   s.local_prefill_fallbacks = local_prefill_fallbacks_;
   s.expired_handoffs = expired_handoffs_;
+  // The engine thread alone changes the cache: this seq matches the blocks
+  // counted above.
+  s.kv_event_seq = events_.last_seq();
   std::lock_guard<std::mutex> lock(load_mu_);
   load_ = s;
 }

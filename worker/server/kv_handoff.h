@@ -116,7 +116,7 @@ class KvReceiver {
   Engine* const engine_;
   kvtransfer::Transport* const transport_;
   const std::string instance_id_;
-  SerialExecutor verifier_;  // checksums and commits, off the transport's thread
+  SerialExecutor verifier_{"kv_verifier"};  // checksums and commits, off the transport's thread
 
   std::mutex mu_;
   std::map<uint64_t, Entry> entries_;  // guarded by mu_
@@ -182,7 +182,7 @@ class KvSender {
   std::mutex calls_mu_;
   std::condition_variable calls_cv_;
   std::set<grpc::ClientContext*> calls_;  // guarded by calls_mu_: KvReady calls in flight
-  std::unique_ptr<SerialExecutor> executor_ = std::make_unique<SerialExecutor>();
+  std::unique_ptr<SerialExecutor> executor_ = std::make_unique<SerialExecutor>("kv_sender");
 };
 
 // PeerInfo <-> its wire form, for the KV transfer metadata exchange.
