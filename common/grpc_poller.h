@@ -77,6 +77,10 @@ class GrpcReader : public GrpcTag {
         reader_->Finish(&status_, this);
         return;
       case State::kFinishing:
+        // The reader lives in the call's arena, which goes with the call's
+        // ClientContext: a derived object's member, destroyed before this
+        // base's. So the reader goes first, now that the call is over.
+        reader_.reset();
         OnEnd(status_);  // may delete this
         return;
     }
@@ -138,6 +142,9 @@ class GrpcPoller {
              std::function<void(const grpc::Status&)> d)
         : rpc(std::move(r)), done(std::move(d)) {}
     void Done(bool /*ok: always true for Finish*/) override {
+      // The reader lives in the call's arena, which goes with the caller's
+      // ClientContext: `done` may destroy that, so the reader goes first.
+      rpc.reset();
       done(status);
       delete this;
     }

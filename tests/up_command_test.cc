@@ -247,6 +247,31 @@ TEST_F(BenchCommandTest, KeepAliveReusesConnectionsAcrossRequests) {
   EXPECT_GE(accepted() - mid, 30 + 1);
 }
 
+// Saturation on instant workers: 32 streams at once, tokens as fast as the
+// worker makes them, so that every stage of the router (its HTTP threads, its
+// gRPC poller, a connection's next request behind the previous response)
+// races every other. Every request completes and the router stays up.
+TEST_F(BenchCommandTest, SaturationOnInstantWorkersLosesNothing) {
+  const std::string url = Start({"--engine", "sim", "--aggregated", "1",
+                                 "--worker-arg=--sim-step-ms=0",
+                                 "--worker-arg=--sim-prefill-us-per-token=0",
+                                 "--worker-arg=--sim-decode-us-per-seq=0",
+                                 "--worker-arg=--sim-context-ns-per-token=0"});
+  ASSERT_FALSE(url.empty());
+  for (int round = 0; round < 3; ++round) {
+    std::string out;
+    const nlohmann::json j =
+        Bench(url,
+              absl::StrCat("--num-prompts 1000 --random-input-len 128 --random-output-len 16 "
+                           "--prompt-as-text --request-rate inf --max-concurrency 32 --seed ",
+                           round),
+              &out);
+    ASSERT_TRUE(j.is_object()) << "round " << round << ": " << out;
+    EXPECT_EQ(j["completed"], 1000) << "round " << round << ": " << out;
+    EXPECT_EQ(j["failed"], 0) << "round " << round << ": " << out;
+  }
+}
+
 TEST_F(BenchCommandTest, UnreachableServerAndBadFlagsAreClearErrors) {
   absl::StatusOr<std::string> bin = TandemBinary();
   ASSERT_TRUE(bin.ok());

@@ -357,7 +357,9 @@ class Parser {
     if (node.IsNull()) return f;
     if (!node.IsMap()) return Bad(node.Mark(), path, absl::StrCat("expected a mapping, got ", Describe(node)));
     for (auto it = node.begin(); it != node.end(); ++it) {
-      const YAML::Node& k = it->first;
+      // A copy: the iterator's -> yields a temporary proxy, which a reference
+      // into it would outlive.
+      const YAML::Node k = it->first;
       if (!k.IsScalar()) return Bad(k.Mark(), path, "keys must be plain names");
       const std::string key = k.Scalar();
       const std::string kpath = Join(path, key);
@@ -548,7 +550,9 @@ class Parser {
         return Bad(p->Mark(), ppath, absl::StrCat("expected a mapping, got ", Describe(*p)));
       }
       for (auto it = p->begin(); p->IsMap() && it != p->end(); ++it) {
-        const YAML::Node& k = it->first;
+        // A copy: the iterator's -> yields a temporary proxy, which a
+        // reference into it would outlive.
+        const YAML::Node k = it->first;
         if (!k.IsScalar()) return Bad(k.Mark(), ppath, "keys must be plain names");
         const std::string kpath = Join(ppath, k.Scalar());
         RETURN_IF_ERROR(Scalar(it->second, kpath, "a scalar value"));
