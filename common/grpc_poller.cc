@@ -1,6 +1,6 @@
 #include "common/grpc_poller.h"
 
-#include "common/thread_name.h"
+#include "common/thread_util.h"
 
 namespace tandem {
 

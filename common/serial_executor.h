@@ -15,13 +15,13 @@
 #include <thread>
 #include <utility>
 
-#include "common/thread_name.h"
+#include "common/thread_util.h"
 
 namespace tandem {
 
 class SerialExecutor {
  public:
-  // `name` names its thread (thread_name.h).
+  // `name` names its thread (thread_util.h).
   explicit SerialExecutor(std::string name = "executor")
       : thread_([this, name = std::move(name)] {
           SetThreadName(name);

@@ -22,7 +22,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
-#include "common/thread_name.h"
+#include "common/thread_util.h"
 
 namespace tandem::kvtransfer {
 namespace {

@@ -1,6 +1,5 @@
 #include "orchestrator/bench/bench_command.h"
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -16,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
+#include "common/thread_util.h"
 #include "orchestrator/bench/datasets.h"
 #include "orchestrator/bench/load_generator.h"
 #include "orchestrator/bench/report.h"
@@ -58,15 +58,6 @@ absl::StatusOr<Slo> ParseGoodput(const std::vector<std::string>& items) {
     }
   }
   return slo;
-}
-
-// CPU time of the calling thread, which runs the client's event loop (the
-// process's others are libraries' idle pools, e.g. OpenBLAS's).
-double CpuSeconds() {
-  rusage u{};
-  getrusage(RUSAGE_THREAD, &u);
-  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
-         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
 }
 
 // The router's prompt and cached-prompt token counters, when it is tandem's.
@@ -125,10 +116,12 @@ absl::Status RunServingBench(ServingBenchOptions opt) {
   const std::optional<std::pair<double, double>> before = PrefixCounters(metrics_url);
   opt.load.progress = Progress();
 
-  const double cpu0 = CpuSeconds();
+  // The calling thread runs the client's event loop (the process's other threads
+  // are libraries' idle pools, e.g. OpenBLAS's).
+  const double cpu0 = ThreadCpuSeconds();
   ASSIGN_OR_RETURN(const std::vector<RequestRecord> records,
                    RunLoad(opt.load, sessions, *assets->tokenizer));
-  const double cpu = CpuSeconds() - cpu0;
+  const double cpu = ThreadCpuSeconds() - cpu0;
 
   Summary summary = Summarize(records, slo);
   const int64_t sent = static_cast<int64_t>(records.size()) + opt.load.num_warmups;

@@ -12,7 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "common/grpc_poller.h"
 #include "common/logging.h"
-#include "common/thread_name.h"
+#include "common/thread_util.h"
 
 namespace tandem::router {
 namespace {

@@ -22,7 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "common/logging.h"
-#include "common/thread_name.h"
+#include "common/thread_util.h"
 
 namespace tandem::http {
 

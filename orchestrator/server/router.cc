@@ -1,7 +1,5 @@
 #include "orchestrator/server/router.h"
 
-#include <time.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -27,7 +25,7 @@
 #include "common/metrics.h"
 #include "common/serial_executor.h"
 #include "common/status_macros.h"
-#include "common/thread_name.h"
+#include "common/thread_util.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/cluster/cluster.h"
 #include "orchestrator/http/http_server.h"
@@ -69,13 +67,6 @@ struct RoutingState {
 std::vector<double> DecisionBuckets() {
   return {1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2e-4,
           5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 1};
-}
-
-// The calling thread's CPU time so far.
-double ThreadCpuSeconds() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 std::string RandomHex(std::mt19937_64& rng) {

@@ -15,7 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "common/thread_name.h"
+#include "common/thread_util.h"
 
 namespace tandem::worker {
 namespace {
