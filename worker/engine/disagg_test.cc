@@ -317,8 +317,9 @@ TEST_F(DisaggTest, CancelledReservationAndUnreleasedHandOffFreeEverything) {
                    [&](absl::StatusOr<Reservation> r) { reserved.set_value(std::move(r)); });
   absl::StatusOr<Reservation> res = reserved.get_future().get();
   ASSERT_TRUE(res.ok());
-  // The load report shows the parked reservation (published after the step).
-  for (int i = 0; i < 500 && decode_->GetLoad().reserved != 1; ++i) {
+  // The load report counts the reservation at once and shows its blocks
+  // once the step that parked it is published.
+  for (int i = 0; i < 500 && decode_->GetLoad().used_blocks != 3; ++i) {
     std::this_thread::sleep_for(milliseconds(10));
   }
   EXPECT_EQ(decode_->GetLoad().reserved, 1);
@@ -343,6 +344,55 @@ TEST_F(DisaggTest, CancelledReservationAndUnreleasedHandOffFreeEverything) {
   }
   EXPECT_EQ(prefill_->GetLoad().expired_handoffs, 1);
   ExpectIdle(*prefill_);
+}
+
+// A report read after a request was answered counts that request (or what it
+// left): the engine republishes only at the end of the step that answered,
+// so Submit and Reserve count themselves into the report at once. Otherwise
+// a client that polls for "idle" after a response can read the report from
+// before its request and see an idle worker without the request's blocks.
+class LoadProbeSink final : public OutputSink {
+ public:
+  explicit LoadProbeSink(Engine* engine) : engine_(engine) {}
+  void OnToken(const SampledToken&) override {}
+  void OnFinish(const FinishInfo&) override {
+    seen_ = engine_->GetLoad();  // on the engine thread, before its republish
+    done_.set_value();
+  }
+  LoadSnapshot Wait() {
+    done_.get_future().wait();
+    return seen_;
+  }
+
+ private:
+  Engine* engine_;
+  LoadSnapshot seen_;
+  std::promise<void> done_;
+};
+
+TEST_F(DisaggTest, TheLoadReportNeverPrecedesAnAnsweredRequest) {
+  for (int i = 0; i < 10; ++i) {
+    auto sink = std::make_shared<LoadProbeSink>(aggregated_.get());
+    ASSERT_TRUE(aggregated_->Submit(Spec(Prompt(20, 40 + i), 1, std::nullopt), sink).ok());
+    const LoadSnapshot seen = sink->Wait();
+    EXPECT_GE(seen.running + seen.waiting, 1) << "request " << i;
+    EXPECT_GT(seen.tokens_in_flight, 0) << "request " << i;
+  }
+  ExpectIdle(*aggregated_);
+  // Idle, the report matches the cache's own event stream.
+  const LoadSnapshot idle = aggregated_->GetLoad();
+  EXPECT_EQ(idle.cached_blocks, 10);  // one full 16-token block per prompt
+  EXPECT_EQ(idle.kv_event_seq, 10u);
+
+  std::promise<LoadSnapshot> at_reply;
+  decode_->Reserve(Spec(Prompt(40, 60), 2, std::nullopt), std::make_shared<CollectSink>(),
+                   std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                   [&](absl::StatusOr<Reservation> r) {
+                     EXPECT_TRUE(r.ok()) << r.status();
+                     at_reply.set_value(decode_->GetLoad());
+                   });
+  EXPECT_EQ(at_reply.get_future().get().reserved, 1);
+  EXPECT_EQ(decode_->GetLoad().reserved, 1);
 }
 
 TEST_F(DisaggTest, ReservationLargerThanTheFreeCacheIsRefused) {

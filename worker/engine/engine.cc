@@ -238,6 +238,12 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateSpec spec, std::shared_ptr<Outpu
       return absl::ResourceExhaustedError(absl::StrFormat(
           "worker overloaded: %d requests are already waiting", config_.max_waiting));
     }
+    // The published report counts the request from now on: a client that
+    // saw its response never reads a report from before it (the engine
+    // republishes only at the end of the step that answered it).
+    std::lock_guard<std::mutex> load_lock(load_mu_);
+    ++load_.waiting;
+    load_.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
     submitted_.push_back(std::move(seq));
   }
   cv_.notify_one();
@@ -251,7 +257,11 @@ void Engine::Reserve(GenerateSpec spec, std::shared_ptr<OutputSink> sink, Deadli
     done(seq.status());
     return;
   }
-  if (!EnqueueIfRunning([&] { reserves_.push_back({std::move(*seq), deadline, std::move(done)}); })) {
+  if (!EnqueueIfRunning([&] {
+        std::lock_guard<std::mutex> load_lock(load_mu_);  // counted at once, as in Submit
+        ++load_.reserved;
+        reserves_.push_back({std::move(*seq), deadline, std::move(done)});
+      })) {
     done(absl::UnavailableError("the engine is not running"));
   }
 }
@@ -700,10 +710,6 @@ void Engine::PublishLoad() {
   s.running = static_cast<int>(scheduler_.running().size());
   s.waiting = static_cast<int>(scheduler_.waiting().size());
   waiting_.store(s.waiting);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    s.waiting += static_cast<int>(submitted_.size());
-  }
   s.total_blocks = blocks_.total_blocks();
   s.free_blocks = blocks_.num_free();
   s.used_blocks = blocks_.num_used();
@@ -721,7 +727,14 @@ void Engine::PublishLoad() {
   // The engine thread alone changes the cache: this seq matches the blocks
   // counted above.
   s.kv_event_seq = events_.last_seq();
-  std::lock_guard<std::mutex> lock(load_mu_);
+  // Submit and Reserve count their request into load_ under mu_: the queues
+  // are read and the report replaced under both locks, so no request is
+  // counted twice or dropped between the two.
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& seq : submitted_) s.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
+  s.waiting += static_cast<int>(submitted_.size());
+  s.reserved += static_cast<int>(reserves_.size());
+  std::lock_guard<std::mutex> load_lock(load_mu_);
   load_ = s;
 }
 

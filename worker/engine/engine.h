@@ -300,7 +300,7 @@ class Engine {
   bool cache_limited_ = false;   // the context was capped by the KV cache's size
   std::thread thread_;
 
-  mutable std::mutex load_mu_;
+  mutable std::mutex load_mu_;  // taken after mu_ where both are held
   LoadSnapshot load_;  // guarded by load_mu_
   int64_t finished_ = 0;
   // Engine thread only: throughput since the last stats line.
