@@ -12,6 +12,9 @@
 # cluster's: shared-prefix with GROUPS_ prefixes of PREFIX tokens (or
 # multi-turn sessions), each worker's cache holding CACHE bytes of blocks.
 #
+# WORKER_ARGS: more worker flags for every policy's cluster (e.g.
+# "--max-batched-tokens=256"), passed as --worker-arg=FLAG each.
+#
 # Usage: [ENGINE=sim|real] scripts/bench_routing.sh TANDEM_BIN [shared-prefix|multi-turn] [quick]
 set -euo pipefail
 bin=${1:?usage: bench_routing.sh TANDEM_BIN [shared-prefix|multi-turn] [quick]}
@@ -83,6 +86,7 @@ case $engine/$dataset in
   sim/*|real/*) echo "unknown dataset $dataset" >&2; exit 2 ;;
   *) echo "ENGINE must be sim or real, got $engine" >&2; exit 2 ;;
 esac
+for arg in ${WORKER_ARGS:-}; do up_flags+=" --worker-arg=$arg"; done
 out=$(mktemp -d /tmp/tandem-bench-routing.XXXXXX)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for policy in $policies; do
@@ -94,7 +98,7 @@ for policy in $policies; do
   for _ in $(seq 600); do [[ -s "$run/url" ]] && break; sleep 0.1; done
   [[ -s "$run/url" ]] || { echo "tandem up failed for $policy:" >&2; tail -20 "$run/up.log" >&2; exit 1; }
   "$bin" bench --url "$(cat "$run/url")" --endpoint "$endpoint" $flags --num-prompts "$prompts" \
-    --request-rate "$rate" --ignore-eos --seed 7 --json "$out/$policy.json" --title "$policy" > "$run/bench.txt" 2>&1 \
+    --request-rate "$rate" --ignore-eos --seed 7 --save-detailed --json "$out/$policy.json" --title "$policy" > "$run/bench.txt" 2>&1 \
     || { cat "$run/bench.txt" >&2; exit 1; }
   kill -TERM "$up"; wait "$up" || true
   echo "$policy: done" >&2

@@ -169,7 +169,8 @@ TEST_F(BenchCommandTest, SharedPrefixOnSimulatedWorkersReportsEverything) {
   const nlohmann::json j = Bench(url,
                                  "--dataset shared-prefix --num-prompts 40 --num-groups 2 "
                                  "--prefix-len 256 --suffix-len 16 --output-len 8 "
-                                 "--request-rate 200 --seed 1 --goodput ttft:60000 tpot:60000",
+                                 "--request-rate 200 --seed 1 --goodput ttft:60000 tpot:60000 "
+                                 "--save-detailed",
                                  &out);
   ASSERT_TRUE(j.is_object()) << out;
   EXPECT_EQ(j["completed"], 40);
@@ -192,6 +193,26 @@ TEST_F(BenchCommandTest, SharedPrefixOnSimulatedWorkersReportsEverything) {
   EXPECT_GT(j["router_prefix_hit_rate"].get<double>(), 0.8);
   EXPECT_THAT(out, HasSubstr("Serving Benchmark Result"));
   EXPECT_THAT(out, HasSubstr("Router prefix cache hit rate:"));
+  // --save-detailed: every request, in send order, adding up to the totals.
+  ASSERT_TRUE(j.contains("requests") && j["requests"].is_array()) << out;
+  ASSERT_EQ(j["requests"].size(), 40u);
+  int64_t cached = 0, gaps = 0;
+  double last_sent = 0;
+  for (const nlohmann::json& r : j["requests"]) {
+    EXPECT_TRUE(r["ok"].get<bool>());
+    EXPECT_EQ(r["prompt_tokens"], 256 + 16);
+    EXPECT_EQ(r["output_tokens"], 8);
+    EXPECT_GE(r["sent_s"].get<double>(), last_sent);
+    last_sent = r["sent_s"].get<double>();
+    EXPECT_GT(r["ttft_ms"].get<double>(), 0);
+    EXPECT_GE(r["e2e_ms"].get<double>(), r["ttft_ms"].get<double>());
+    EXPECT_LE(r["itl_ms"].size(), 7u);  // chunks may carry several tokens
+    gaps += static_cast<int64_t>(r["itl_ms"].size());
+    cached += r["cached_tokens"].get<int64_t>();
+  }
+  EXPECT_EQ(gaps, j["itl_ms"]["count"].get<int64_t>());
+  EXPECT_EQ(cached, j["total_cached_tokens"].get<int64_t>());
+  EXPECT_GT(cached, 0);
   std::ifstream html(dir_ + "/bench.html");
   const std::string page((std::istreambuf_iterator<char>(html)), {});
   EXPECT_THAT(page, HasSubstr("<svg"));
@@ -284,6 +305,8 @@ TEST_F(BenchCommandTest, UnreachableServerAndBadFlagsAreClearErrors) {
   EXPECT_THAT(out, HasSubstr("--request-rate"));
   EXPECT_NE(RunCommand(*bin + " bench --url http://127.0.0.1:1 --goodput ttft=5", &out), 0);
   EXPECT_THAT(out, HasSubstr("--goodput"));
+  EXPECT_NE(RunCommand(*bin + " bench --url http://127.0.0.1:1 --save-detailed", &out), 0);
+  EXPECT_THAT(out, HasSubstr("--json"));
   EXPECT_NE(RunCommand(*bin + " bench", &out), 0);
   EXPECT_THAT(out, HasSubstr("give --url"));
 }

@@ -33,6 +33,7 @@ struct ServingBenchOptions {
   std::vector<std::string> goodput;  // "ttft:500", "tpot:50", "e2e:2000"
   std::string json_path;
   std::string html_path;
+  bool save_detailed = false;  // --json also lists every request
   std::string metrics_url;  // empty: --url
   std::string title;
 };
@@ -144,6 +145,7 @@ absl::Status RunServingBench(ServingBenchOptions opt) {
     j["endpoint"] = opt.load.endpoint;
     j["request_rate"] = opt.request_rate;
     j["max_concurrency"] = opt.load.max_concurrency;
+    if (opt.save_detailed) j["requests"] = RequestsJson(records);
     RETURN_IF_ERROR(WriteFile(opt.json_path, j.dump(2) + "\n"));
   }
   if (!opt.html_path.empty()) {
@@ -214,8 +216,12 @@ void AddServingBench(CLI::App& bench) {
                  "request)")
       ->capture_default_str();
   bench.add_option("--goodput", opt->goodput, "SLOs for goodput, e.g. ttft:500 tpot:50 (ms)");
-  bench.add_option("--json", opt->json_path, "Write the results as JSON here");
+  CLI::Option* json = bench.add_option("--json", opt->json_path, "Write the results as JSON here");
   bench.add_option("--html", opt->html_path, "Write a self-contained HTML report here");
+  bench.add_flag("--save-detailed", opt->save_detailed,
+                 "--json also lists every request (send time, TTFT, ITL gaps, tokens, cached "
+                 "tokens, error)")
+      ->needs(json);
   bench.add_option("--metrics-url", opt->metrics_url,
                    "Where tandem's /metrics is read for the prefix hit rate (default: --url)");
   bench.add_option("--title", opt->title, "Title of the report");

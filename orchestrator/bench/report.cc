@@ -575,6 +575,35 @@ nlohmann::json ToJson(const Summary& s) {
   return j;
 }
 
+nlohmann::json RequestsJson(const std::vector<RequestRecord>& records) {
+  std::vector<const RequestRecord*> order;
+  for (const RequestRecord& r : records) order.push_back(&r);
+  std::stable_sort(order.begin(), order.end(),
+                   [](const RequestRecord* a, const RequestRecord* b) { return a->sent_s < b->sent_s; });
+  nlohmann::json out = nlohmann::json::array();
+  for (const RequestRecord* r : order) {
+    const Latencies l = LatenciesOf(*r);
+    nlohmann::json itl = nlohmann::json::array();
+    for (size_t i = 1; i < r->token_times_s.size(); ++i) {
+      itl.push_back((r->token_times_s[i] - r->token_times_s[i - 1]) * 1e3);
+    }
+    nlohmann::json j = {
+        {"ok", r->ok},
+        {"sent_s", r->sent_s},
+        {"ttft_ms", l.ttft_ms ? nlohmann::json(*l.ttft_ms) : nlohmann::json(nullptr)},
+        {"e2e_ms", l.e2e_ms},
+        {"tpot_ms", l.tpot_ms ? nlohmann::json(*l.tpot_ms) : nlohmann::json(nullptr)},
+        {"prompt_tokens", r->prompt_tokens},
+        {"output_tokens", r->output_tokens},
+        {"cached_tokens", r->cached_tokens},
+        {"itl_ms", std::move(itl)},
+    };
+    if (!r->ok) j["error"] = r->error;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
 std::string RenderHtml(const Summary& s, const std::vector<RequestRecord>& records,
                        const std::string& title) {
   const std::string heading = title.empty() ? "Serving Benchmark Result" : title;

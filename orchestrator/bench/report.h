@@ -99,6 +99,12 @@ std::string FormatText(const Summary& s, const std::string& title);
 // router_prefix_hit_rate when known; slo (its set fields) when any is given.
 nlohmann::json ToJson(const Summary& s);
 
+// Per request, in send order, for `--save-detailed` (vLLM's flag): an array
+// of objects with ok, sent_s, ttft_ms (null without a first token), e2e_ms,
+// tpot_ms (null under 2 tokens), prompt_tokens, output_tokens, cached_tokens,
+// itl_ms (the gaps between its token-bearing chunks) and error (when !ok).
+nlohmann::json RequestsJson(const std::vector<RequestRecord>& records);
+
 // A self-contained HTML page (no external assets, no scripts required):
 // the summary table, and inline SVG charts: TTFT histogram, ITL histogram,
 // output-token throughput over time (1 s bins, or coarser for long runs),

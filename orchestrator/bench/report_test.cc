@@ -203,6 +203,34 @@ TEST(ToJsonTest, KeysAndValues) {
   EXPECT_FALSE(plain.contains("router_prefix_hit_rate"));
 }
 
+TEST(RequestsJsonTest, EveryRequestInSendOrder) {
+  std::vector<RequestRecord> records = Records();
+  std::swap(records[0], records[4]);  // completion order is not send order
+  const nlohmann::json j = RequestsJson(records);
+  ASSERT_TRUE(j.is_array());
+  ASSERT_EQ(j.size(), 6u);
+  for (size_t i = 1; i < j.size(); ++i) {
+    EXPECT_LE(j[i - 1]["sent_s"].get<double>(), j[i]["sent_s"].get<double>());
+  }
+  const nlohmann::json& r0 = j[0];
+  EXPECT_TRUE(r0["ok"].get<bool>());
+  EXPECT_NEAR(r0["ttft_ms"].get<double>(), 100, kEps);
+  EXPECT_NEAR(r0["e2e_ms"].get<double>(), 300, kEps);
+  EXPECT_NEAR(r0["tpot_ms"].get<double>(), 200.0 / 3, kEps);
+  EXPECT_EQ(r0["prompt_tokens"], 10);
+  EXPECT_EQ(r0["output_tokens"], 4);
+  EXPECT_EQ(r0["cached_tokens"], 5);
+  ASSERT_EQ(r0["itl_ms"].size(), 3u);
+  EXPECT_NEAR(r0["itl_ms"][1].get<double>(), 100, kEps);
+  EXPECT_FALSE(r0.contains("error"));
+  EXPECT_TRUE(j[2]["tpot_ms"].is_null());  // one token
+  EXPECT_TRUE(j[2]["itl_ms"].empty());
+  EXPECT_FALSE(j[3]["ok"].get<bool>());
+  EXPECT_TRUE(j[3]["ttft_ms"].is_null());
+  EXPECT_EQ(j[3]["error"], "HTTP 503: no healthy worker");
+  EXPECT_TRUE(RequestsJson({}).empty());
+}
+
 TEST(FormatTextTest, LinesAndSections) {
   Summary s = Summarize(Records(), Slo{});
   const std::string text = FormatText(s, "");
