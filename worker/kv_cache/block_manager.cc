@@ -12,7 +12,8 @@ BlockManager::BlockManager(int64_t num_blocks, int block_size, bool enable_prefi
       prefix_caching_(enable_prefix_caching),
       events_(events),
       blocks_(num_blocks),
-      tokens_(enable_prefix_caching ? num_blocks * block_size : 0) {
+      tokens_(enable_prefix_caching ? num_blocks * block_size : 0),
+      protected_cap_(static_cast<size_t>(static_cast<double>(num_blocks) * kProtectedFraction)) {
   free_.reserve(num_blocks);
   // Hand out low ids first (pop from the back).
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
@@ -22,6 +23,7 @@ void BlockManager::Uncache(int32_t block) {
   Block& b = blocks_[block];
   by_hash_.erase(b.hash);
   b.cached = false;
+  b.reused = false;
   if (events_ != nullptr) events_->Removed(b.hash);
 }
 
@@ -33,8 +35,9 @@ bool BlockManager::Allocate(int n, std::vector<int32_t>* out) {
       id = free_.back();
       free_.pop_back();
     } else {
-      id = evictable_.front();
-      evictable_.pop_front();
+      std::list<int32_t>& from = probation_.empty() ? protected_ : probation_;
+      id = from.front();
+      from.pop_front();
       Uncache(id);
     }
     CHECK(blocks_[id].ref_count == 0) << "allocating block " << id << " in use";
@@ -57,7 +60,8 @@ int BlockManager::AcquireCachedPrefix(std::span<const uint64_t> hashes,
       break;  // a hash collision: compute instead
     }
     Block& b = blocks_[id];
-    if (b.ref_count++ == 0) evictable_.erase(b.lru);
+    if (b.ref_count++ == 0) ListOf(b).erase(b.lru);
+    b.reused = true;
     out->push_back(id);
     ++hits;
   }
@@ -82,10 +86,19 @@ void BlockManager::Release(std::span<const int32_t> blocks) {
     Block& b = blocks_[id];
     CHECK(b.ref_count > 0) << "double release of block " << id;
     if (--b.ref_count > 0) continue;
-    if (b.cached) {
-      b.lru = evictable_.insert(evictable_.end(), id);
-    } else {
+    if (!b.cached) {
       free_.push_back(id);
+      continue;
+    }
+    std::list<int32_t>& list = ListOf(b);
+    b.lru = list.insert(list.end(), id);
+    if (protected_.size() > protected_cap_) {
+      // Demote protected's least recent block: it must be found again to
+      // return.
+      const int32_t cold = protected_.front();
+      protected_.pop_front();
+      blocks_[cold].reused = false;
+      blocks_[cold].lru = probation_.insert(probation_.end(), cold);
     }
   }
 }
@@ -96,13 +109,15 @@ void BlockManager::ReleaseTable(std::span<const int32_t> table) {
 }
 
 int64_t BlockManager::Clear() {
-  int64_t freed = static_cast<int64_t>(evictable_.size());
-  for (int32_t id : evictable_) {
-    blocks_[id].cached = false;
-    free_.push_back(id);
+  int64_t freed = num_cached();
+  for (std::list<int32_t>* list : {&probation_, &protected_}) {
+    for (int32_t id : *list) free_.push_back(id);
+    list->clear();
   }
-  evictable_.clear();
-  for (Block& b : blocks_) b.cached = false;
+  for (Block& b : blocks_) {
+    b.cached = false;
+    b.reused = false;
+  }
   by_hash_.clear();
   if (events_ != nullptr) events_->Cleared();
   return freed;

@@ -95,6 +95,71 @@ TEST(BlockManagerTest, EvictsLeastRecentlyReleasedAndPublishesRemoval) {
   ExpectAccounting(m);
 }
 
+// Commits `n` fresh one-token-per-slot blocks (block size 2) whose tokens
+// start at `start`, releases them, and returns their hashes.
+std::vector<uint64_t> CacheBlocks(BlockManager& m, int n, int start, std::vector<int32_t>* ids) {
+  std::vector<uint64_t> hashes;
+  ids->clear();
+  EXPECT_TRUE(m.Allocate(n, ids));
+  for (int i = 0; i < n; ++i) {
+    auto t = Tokens(2, start + 2 * i);
+    hashes.push_back(HashBlock(0, t));
+    m.Commit((*ids)[i], hashes.back(), 0, t);
+  }
+  m.Release(*ids);
+  return hashes;
+}
+
+bool Holds(BlockManager& m, uint64_t hash, int start) {
+  std::vector<int32_t> got;
+  const int hit = m.AcquireCachedPrefix(std::vector<uint64_t>{hash}, Tokens(2, start), &got);
+  m.Release(got);
+  return hit == 1;
+}
+
+// A block found again (a shared prefix) outlives blocks cached later that
+// nobody asked for again (unique suffixes): probation is evicted first.
+TEST(BlockManagerTest, ReusedBlocksOutliveOneOffBlocks) {
+  KvEventLog log;
+  BlockManager m(10, 2, true, &log);
+  std::vector<int32_t> prefix_ids, ids;
+  const std::vector<uint64_t> prefix = CacheBlocks(m, 2, 1000, &prefix_ids);
+  ASSERT_TRUE(Holds(m, prefix[0], 1000));  // found again: protected
+  EXPECT_EQ(m.num_protected(), 1);
+  // Eight one-off blocks fill the rest; then eight more must evict.
+  CacheBlocks(m, 8, 0, &ids);
+  CacheBlocks(m, 8, 100, &ids);
+  EXPECT_TRUE(Holds(m, prefix[0], 1000)) << "the reused block was evicted";
+  EXPECT_FALSE(Holds(m, prefix[1], 1002)) << "the block never reused outlived newer ones";
+  EXPECT_EQ(m.num_cached(), 10);
+  ExpectAccounting(m);
+  // Without probation blocks, protected ones are evicted (least recent first).
+  std::vector<int32_t> all;
+  ASSERT_TRUE(m.Allocate(10, &all));
+  EXPECT_EQ(m.num_cached(), 0);
+  m.Release(all);
+  ExpectAccounting(m);
+}
+
+// Protected holds at most kProtectedFraction of the blocks; past it, its
+// least recent block goes back to probation and is evicted like a new one.
+TEST(BlockManagerTest, ProtectedIsCappedAndColdPrefixesAgeOut) {
+  BlockManager m(10, 2, true, nullptr);  // cap: 8 protected
+  std::vector<int32_t> ids;
+  const std::vector<uint64_t> hashes = CacheBlocks(m, 10, 0, &ids);
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(Holds(m, hashes[i], 2 * i));
+  EXPECT_EQ(m.num_protected(), 8);
+  EXPECT_EQ(m.num_cached(), 10);
+  // Blocks 0 and 1, the least recently found, were demoted: they go first.
+  std::vector<int32_t> got;
+  ASSERT_TRUE(m.Allocate(2, &got));
+  EXPECT_FALSE(Holds(m, hashes[0], 0));
+  EXPECT_FALSE(Holds(m, hashes[1], 2));
+  for (int i = 2; i < 10; ++i) EXPECT_TRUE(Holds(m, hashes[i], 2 * i)) << i;
+  m.Release(got);
+  ExpectAccounting(m);
+}
+
 TEST(BlockManagerTest, HashCollisionWithOtherTokensIsAMiss) {
   BlockManager m(4, 2, true, nullptr);
   std::vector<int32_t> ids;
