@@ -119,6 +119,24 @@ print("| policy | " + " | ".join(c[0] for c in cols) + " |")
 print("|---" * (len(cols) + 1) + "|")
 for p in policies:
     print(f"| {p} | " + " | ".join(c[2] % c[1](r[p]) for c in cols) + " |")
+# Multi-turn: a session's first turn is a prompt no worker has seen, a miss
+# under every policy; the later turns are what routing can serve from cache.
+def pct(v, q):
+    v = sorted(v)
+    if not v: return 0.0
+    k = (len(v) - 1) * q / 100
+    f = int(k)
+    c = min(f + 1, len(v) - 1)
+    return v[f] + (v[c] - v[f]) * (k - f)
+if any(x.get("turn", 0) > 0 for p in policies for x in r[p].get("requests", [])):
+    print("\n| policy | first turns | TTFT p50 ms | later turns | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |")
+    print("|---" * 7 + "|")
+    for p in policies:
+        reqs = [x for x in r[p]["requests"] if x["ok"] and x["ttft_ms"] is not None]
+        first = [x["ttft_ms"] for x in reqs if x["turn"] == 0]
+        later = [x["ttft_ms"] for x in reqs if x["turn"] > 0]
+        print(f"| {p} | {len(first)} | {pct(first, 50):.1f} | {len(later)} | {pct(later, 50):.1f} "
+              f"| {pct(later, 90):.1f} | {pct(later, 99):.1f} |")
 if "kv_cache_aware" in r:
     k = r["kv_cache_aware"]
     for base in ("round_robin", "prefix_aware"):

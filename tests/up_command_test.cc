@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -233,13 +234,31 @@ TEST_F(BenchCommandTest, MultiTurnChatSessionsReuseTheirHistory) {
   std::string out;
   const nlohmann::json j = Bench(url,
                                  "--endpoint chat --dataset multi-turn --num-prompts 12 --turns 4 "
-                                 "--system-len 64 --user-len 32 --output-len 8 --max-concurrency 2",
+                                 "--system-len 64 --user-len 32 --output-len 8 --max-concurrency 2 "
+                                 "--save-detailed",
                                  &out);
   ASSERT_TRUE(j.is_object()) << out;
   EXPECT_EQ(j["completed"], 12);
   EXPECT_EQ(j["failed"], 0);
   // Later turns resend the history their session's worker holds.
   EXPECT_GT(j["router_prefix_hit_rate"].get<double>(), 0.3) << out;
+  // --save-detailed names each request's session and turn: 3 sessions of 4
+  // turns, each turn's prompt longer than the one before, and (sticky
+  // sessions) every later turn finds the history cached.
+  ASSERT_EQ(j["requests"].size(), 12u) << out;
+  std::map<int64_t, std::vector<nlohmann::json>> sessions;
+  for (const nlohmann::json& r : j["requests"]) sessions[r["session"].get<int64_t>()].push_back(r);
+  ASSERT_EQ(sessions.size(), 3u);
+  for (auto& [id, turns] : sessions) {
+    ASSERT_EQ(turns.size(), 4u) << "session " << id;
+    for (int t = 0; t < 4; ++t) {
+      EXPECT_EQ(turns[t]["turn"], t) << "session " << id;
+      if (t == 0) continue;
+      EXPECT_GT(turns[t]["prompt_tokens"].get<int64_t>(), turns[t - 1]["prompt_tokens"].get<int64_t>());
+      EXPECT_GT(turns[t]["sent_s"].get<double>(), turns[t - 1]["sent_s"].get<double>());
+      EXPECT_GT(turns[t]["cached_tokens"].get<int64_t>(), 0) << "session " << id << " turn " << t;
+    }
+  }
 }
 
 TEST_F(BenchCommandTest, KeepAliveReusesConnectionsAcrossRequests) {

@@ -219,8 +219,8 @@ void AddServingBench(CLI::App& bench) {
   CLI::Option* json = bench.add_option("--json", opt->json_path, "Write the results as JSON here");
   bench.add_option("--html", opt->html_path, "Write a self-contained HTML report here");
   bench.add_flag("--save-detailed", opt->save_detailed,
-                 "--json also lists every request (send time, TTFT, ITL gaps, tokens, cached "
-                 "tokens, error)")
+                 "--json also lists every request (session and turn, send time, TTFT, ITL gaps, "
+                 "tokens, cached tokens, error)")
       ->needs(json);
   bench.add_option("--metrics-url", opt->metrics_url,
                    "Where tandem's /metrics is read for the prefix hit rate (default: --url)");

@@ -348,6 +348,8 @@ struct Run {
     bool failed = false;
     for (size_t turn = 0; turn < s.turns.size(); ++turn) {
       RequestRecord& rec = records[first_record[index] + turn];
+      rec.session = static_cast<int64_t>(index);
+      rec.turn = static_cast<int>(turn);
       if (failed) {
         rec.ok = false;
         rec.error = "an earlier turn of the session failed";

@@ -590,6 +590,8 @@ nlohmann::json RequestsJson(const std::vector<RequestRecord>& records) {
     nlohmann::json j = {
         {"ok", r->ok},
         {"sent_s", r->sent_s},
+        {"session", r->session},
+        {"turn", r->turn},
         {"ttft_ms", l.ttft_ms ? nlohmann::json(*l.ttft_ms) : nlohmann::json(nullptr)},
         {"e2e_ms", l.e2e_ms},
         {"tpot_ms", l.tpot_ms ? nlohmann::json(*l.tpot_ms) : nlohmann::json(nullptr)},

@@ -42,6 +42,8 @@ struct RequestRecord {
   int64_t prompt_tokens = 0;          // from the response's usage (or the dataset when absent)
   int64_t output_tokens = 0;          // from usage (or counted chunks when absent)
   int64_t cached_tokens = 0;          // usage.prompt_tokens_details.cached_tokens, when reported
+  int64_t session = 0;                // the dataset's session index (one per request but multi-turn)
+  int turn = 0;                       // the turn within its session, from 0
 };
 
 // Service-level objectives for goodput, in milliseconds; unset: not checked.
@@ -100,9 +102,10 @@ std::string FormatText(const Summary& s, const std::string& title);
 nlohmann::json ToJson(const Summary& s);
 
 // Per request, in send order, for `--save-detailed` (vLLM's flag): an array
-// of objects with ok, sent_s, ttft_ms (null without a first token), e2e_ms,
-// tpot_ms (null under 2 tokens), prompt_tokens, output_tokens, cached_tokens,
-// itl_ms (the gaps between its token-bearing chunks) and error (when !ok).
+// of objects with ok, sent_s, session, turn, ttft_ms (null without a first
+// token), e2e_ms, tpot_ms (null under 2 tokens), prompt_tokens,
+// output_tokens, cached_tokens, itl_ms (the gaps between its token-bearing
+// chunks) and error (when !ok).
 nlohmann::json RequestsJson(const std::vector<RequestRecord>& records);
 
 // A self-contained HTML page (no external assets, no scripts required):

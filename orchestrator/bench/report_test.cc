@@ -213,6 +213,8 @@ TEST(RequestsJsonTest, EveryRequestInSendOrder) {
     EXPECT_LE(j[i - 1]["sent_s"].get<double>(), j[i]["sent_s"].get<double>());
   }
   const nlohmann::json& r0 = j[0];
+  EXPECT_EQ(r0["session"], 0);
+  EXPECT_EQ(r0["turn"], 0);
   EXPECT_TRUE(r0["ok"].get<bool>());
   EXPECT_NEAR(r0["ttft_ms"].get<double>(), 100, kEps);
   EXPECT_NEAR(r0["e2e_ms"].get<double>(), 300, kEps);
