@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PORT ?= 8000
 
-.PHONY: deps configure build run test bench clean
+.PHONY: deps configure build run test asan bench clean
 
 deps:
 	@scripts/install_deps.sh
@@ -24,6 +24,13 @@ run: build
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600 || \
 	  { cd $(CURDIR) && scripts/show_failed_tests.sh $(BUILD_DIR); exit 1; }
+
+# The whole suite again under AddressSanitizer and UBSan, in its own build directory (UCX,
+# NCCL and CUDA off: their libraries are not instrumented). Not part of `make test`: the
+# instrumented build takes several times as long on a small machine.
+asan:
+	$(MAKE) test BUILD_DIR=build-asan CMAKE_FLAGS="-DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DTANDEM_SANITIZE=address,undefined -DTANDEM_WITH_UCX=OFF -DTANDEM_WITH_NCCL=OFF -DTANDEM_CUDA=OFF"
 
 # Quick benchmarks (a few minutes): routing quality on simulated workers, the router's overhead
 # against nginx and the KV index at scale, with one ratio table; then the engine.
