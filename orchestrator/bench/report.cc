@@ -64,6 +64,15 @@ Latencies LatenciesOf(const RequestRecord& r) {
   return l;
 }
 
+// The gaps between a request's consecutive token-bearing chunks, in ms.
+std::vector<double> ItlGapsMs(const RequestRecord& r) {
+  std::vector<double> gaps;
+  for (size_t i = 1; i < r.token_times_s.size(); ++i) {
+    gaps.push_back((r.token_times_s[i] - r.token_times_s[i - 1]) * 1e3);
+  }
+  return gaps;
+}
+
 bool HasSlo(const Slo& slo) { return slo.ttft_ms || slo.tpot_ms || slo.e2e_ms; }
 
 // A request without a token is held to the TTFT SLO by its e2e latency (the
@@ -89,9 +98,8 @@ Samples CollectSamples(const std::vector<RequestRecord>& records) {
     if (l.ttft_ms) s.ttft_ms.push_back(*l.ttft_ms);
     if (l.tpot_ms) s.tpot_ms.push_back(*l.tpot_ms);
     s.e2e_ms.push_back(l.e2e_ms);
-    for (size_t i = 1; i < r.token_times_s.size(); ++i) {
-      s.itl_ms.push_back((r.token_times_s[i] - r.token_times_s[i - 1]) * 1e3);
-    }
+    const std::vector<double> gaps = ItlGapsMs(r);
+    s.itl_ms.insert(s.itl_ms.end(), gaps.begin(), gaps.end());
   }
   return s;
 }
@@ -583,10 +591,6 @@ nlohmann::json RequestsJson(const std::vector<RequestRecord>& records) {
   nlohmann::json out = nlohmann::json::array();
   for (const RequestRecord* r : order) {
     const Latencies l = LatenciesOf(*r);
-    nlohmann::json itl = nlohmann::json::array();
-    for (size_t i = 1; i < r->token_times_s.size(); ++i) {
-      itl.push_back((r->token_times_s[i] - r->token_times_s[i - 1]) * 1e3);
-    }
     nlohmann::json j = {
         {"ok", r->ok},
         {"sent_s", r->sent_s},
@@ -598,7 +602,7 @@ nlohmann::json RequestsJson(const std::vector<RequestRecord>& records) {
         {"prompt_tokens", r->prompt_tokens},
         {"output_tokens", r->output_tokens},
         {"cached_tokens", r->cached_tokens},
-        {"itl_ms", std::move(itl)},
+        {"itl_ms", ItlGapsMs(*r)},
     };
     if (!r->ok) j["error"] = r->error;
     out.push_back(std::move(j));
