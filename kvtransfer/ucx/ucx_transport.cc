@@ -849,6 +849,17 @@ class UcxTransport::Impl {
         ucp_worker_progress(worker_);
         ReapClosedEndpoints();
       }
+      // Endpoints UCX opened by itself (to answer a peer's connection) may
+      // still hold a wireup reply; UCX 1.13 aborts on an assertion when a
+      // worker is destroyed with one pending. Flush them out first.
+      ucp_request_param_t flush_param{};
+      ucs_status_ptr_t flush = ucp_worker_flush_nbx(worker_, &flush_param);
+      if (UCS_PTR_IS_PTR(flush)) {
+        while (ucp_request_check_status(flush) == UCS_INPROGRESS && Clock::now() < give_up) {
+          ucp_worker_progress(worker_);
+        }
+        ucp_request_free(flush);
+      }
       DeliverCompletions();
     }
     if (ctx_ != nullptr) {
