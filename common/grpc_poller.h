@@ -124,6 +124,14 @@ class GrpcPoller {
 
   grpc::CompletionQueue* cq() { return cq_; }
 
+  // On a poller's thread, inside a tag's Done: queues `task` to run on this
+  // thread right after that Done returns (in order, with none of Done's
+  // callers' locks held) and returns true. Work that must not run under the
+  // caller's locks -- releasing the object whose callback holds them -- then
+  // costs no other thread's wake-up. Anywhere else: returns false and leaves
+  // `task` alone (post it elsewhere).
+  static bool RunAfterThisCompletion(std::function<void()>& task);
+
   // Starts a unary call made with the stub's PrepareAsync<Method>(ctx, request,
   // cq()) and runs done(status) on the poller thread when it ends; *response
   // is filled by then. The context, request and response must outlive it.

@@ -200,7 +200,11 @@ class Session : public std::enable_shared_from_this<Session> {
   // Stop(): idle connections close now; a pending response finishes first.
   void Shutdown() {
     keep_alive_.store(false, std::memory_order_relaxed);
-    if (state_ == State::kReading) Close();
+    if (state_ == State::kReading) return Close();
+    if (state_ == State::kResponding && ResponseSent()) {
+      writer_.reset();  // over, left for the probe (see Submit)
+      Close();
+    }
   }
 
   // Stop()'s deadline passed.
@@ -245,7 +249,12 @@ class Session : public std::enable_shared_from_this<Session> {
       }
       if (last) {
         response_done_ = true;
-        wake_strand = true;
+        // Every byte is out and the probe's read is waiting on the socket:
+        // the strand finishes the response when that read completes (the
+        // client's next request, or its close), so no I/O thread is woken
+        // for it now. Otherwise (bytes queued, no probe, closing) it is.
+        wake_strand = !(idle && rest.empty() && probe_waiting_ && keep_alive() &&
+                        !impl_->stopping.load());
       }
     }
     // No Touch() for queued bytes: only bytes actually written move the
@@ -417,20 +426,51 @@ class Session : public std::enable_shared_from_this<Session> {
   // EOF counts as leaving: a client that half-closes after its request loses
   // the response, as with most servers. Past max_header_bytes of buffered
   // input the watch stops (the pipeline is full enough).
+  // Submit() may leave a finished response for the probe's completion (see
+  // there): the probe then finishes it and reads the next request from what
+  // it buffered.
   void Probe() {
     if (probing_ || closed_ || buffer_.size() >= opts_.max_header_bytes) return;
     probing_ = true;
+    {
+      // Not with a pipelined request already buffered: nothing more may
+      // arrive to complete this read.
+      std::lock_guard<std::mutex> lock(out_mu_);
+      probe_waiting_ = buffer_.size() == 0;
+    }
     socket_.async_read_some(buffer_.prepare(4096), [self = shared_from_this()](error_code ec, size_t n) {
       self->probing_ = false;
       self->buffer_.commit(n);
+      bool sent = false;
+      {
+        std::lock_guard<std::mutex> lock(self->out_mu_);
+        self->probe_waiting_ = false;
+        sent = self->ResponseSentLocked();
+      }
       if (self->closed_) return;
       if (self->read_wanted_) {
         self->read_wanted_ = false;
         return self->ReadHeader();
       }
+      if (sent && self->state_ == State::kResponding) {
+        // Left to this read by Submit(): the response is over. With bytes
+        // in, the next request starts with them; the client gone, close.
+        if (!ec) return self->FinishResponse();
+        self->writer_.reset();
+        return self->Close();
+      }
       if (ec) return self->Close();  // client gone
       self->Probe();
     });
+  }
+
+  // The response's last bytes were submitted and all of them written.
+  bool ResponseSentLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(out_mu_) {
+    return response_done_ && !writing_ && out_.empty();
+  }
+  bool ResponseSent() {
+    std::lock_guard<std::mutex> lock(out_mu_);
+    return ResponseSentLocked();
   }
 
   // --- Writing: one async_write at a time, in queue order. ---
@@ -546,6 +586,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool writing_ = false;        // an async_write is in flight
   bool send_failed_ = false;    // a direct send hit an error; the strand closes
   bool response_done_ = false;  // the response's last bytes were submitted
+  bool probe_waiting_ = false;  // a probe's read is pending (see Submit)
   std::deque<std::string> out_;
 };
 

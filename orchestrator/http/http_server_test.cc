@@ -301,6 +301,33 @@ TEST_F(StreamingTest, ChunkedResponseParses) {
   EXPECT_EQ(res.body(), "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n");
 }
 
+// A response ended from another thread, with every byte sent there, is
+// finished by the connection's next read (no I/O thread is woken for it):
+// the next request on the connection, a pipelined one already buffered, or
+// the client's close, which frees the connection.
+TEST_F(StreamingTest, AResponseEndedElsewhereLeavesTheConnectionToWhatComesNext) {
+  StartServer();
+  {
+    Client client(server_->port());
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(client.Do(bhttp::verb::get, "/stream").body().size(), 5u * 9);
+      EXPECT_EQ(client.Do(bhttp::verb::get, "/hello").result_int(), 200);
+    }
+    // Pipelined behind a response that ends on another thread.
+    client.Send(bhttp::verb::get, "/stream");
+    client.Send(bhttp::verb::get, "/hello");
+    EXPECT_EQ(client.Read().body().size(), 5u * 9);
+    EXPECT_EQ(client.Read().result_int(), 200);
+    EXPECT_EQ(client.Do(bhttp::verb::get, "/stream").body().size(), 5u * 9);
+    EXPECT_EQ(server_->connection_stats().open, 1u);
+  }  // closes after a finished response
+  const auto deadline = std::chrono::steady_clock::now() + 3s;
+  while (server_->connection_stats().open != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(server_->connection_stats().open, 0u);
+}
+
 TEST_F(StreamingTest, ClientDisconnectFiresOnClose) {
   StartServer();
   {

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
+#include "common/grpc_poller.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/serial_executor.h"
@@ -138,7 +139,12 @@ class Router::Impl {
   // Accounts a call whose generations all ended and forgets it.
   void CallFinished(const std::shared_ptr<ApiCall>& call);
   void Dequeue(const std::shared_ptr<ApiCall>& call);
-  void Post(std::function<void()> task) { executor_.Post(std::move(task)); }
+  // Runs `task` later, not under the caller's locks: on the gRPC poller's
+  // thread after its current completion when called there (no thread to
+  // wake), on the router's task thread otherwise.
+  void Post(std::function<void()> task) {
+    if (!GrpcPoller::RunAfterThisCompletion(task)) executor_.Post(std::move(task));
+  }
   const ModelAssets& assets() const { return *assets_; }
 
   struct Metrics {
@@ -236,7 +242,9 @@ class Router::Impl {
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::shared_ptr<ApiCall>> queue_ ABSL_GUARDED_BY(mu_);
   std::set<std::shared_ptr<ApiCall>> active_ ABSL_GUARDED_BY(mu_);
-  std::condition_variable idle_cv_;
+  std::condition_variable idle_cv_;  // active_ emptied: Stop waits for it
+  std::condition_variable stop_cv_;  // stopping_ set: wakes the watchdog (apart,
+                                     // so finishing calls do not wake it)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ = false;
   std::thread watchdog_;
@@ -905,6 +913,7 @@ void Router::Impl::Stop() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  stop_cv_.notify_all();
   if (http_ != nullptr) http_->Stop();  // lets responses finish for its grace
   std::vector<std::shared_ptr<ApiCall>> active;
   {
@@ -915,7 +924,6 @@ void Router::Impl::Stop() {
   {
     std::unique_lock<std::mutex> lock(mu_);
     idle_cv_.wait_for(lock, std::chrono::seconds(10), [&] { return active_.empty(); });
-    idle_cv_.notify_all();
   }
   if (watchdog_.joinable()) watchdog_.join();
   cluster_.Stop();
@@ -924,7 +932,7 @@ void Router::Impl::Stop() {
 void Router::Impl::WatchdogLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
-    idle_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; });
+    stop_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; });
     std::vector<std::shared_ptr<ApiCall>> active(active_.begin(), active_.end());
     lock.unlock();
     const Clock::time_point now = Clock::now();
