@@ -12,6 +12,8 @@
 # cluster's: shared-prefix with GROUPS_ prefixes of PREFIX tokens (or
 # multi-turn sessions), each worker's cache holding CACHE bytes of blocks.
 #
+# COMMON (multi-turn on real workers): system-prompt tokens every session
+# shares, out of its 256 (default 0: each session's own).
 # WORKER_ARGS: more worker flags for every policy's cluster (e.g.
 # "--max-batched-tokens=256"), passed as --worker-arg=FLAG each.
 #
@@ -77,7 +79,9 @@ case $engine/$dataset in
     # the misses feed on themselves (24 MiB at 0.25/s on a loaded machine:
     # round_robin 9% hits, 10 s TTFT). What round_robin loses here is affinity:
     # half of its turns land where the previous turn did not run.
-    flags="--dataset multi-turn --turns 4 --system-len 256 --user-len 32 --output-len 32"
+    # COMMON: tokens of the system prompt shared by every session (one
+    # application's prompt, --common-prefix-len), taken out of its 256.
+    flags="--dataset multi-turn --turns 4 --common-prefix-len ${COMMON:-0} --system-len $((256 - ${COMMON:-0})) --user-len 32 --output-len 32"
     cache=${CACHE:-32MiB}
     rate=${RATE:-0.2}
     prompts=${PROMPTS:-80}

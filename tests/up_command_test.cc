@@ -261,6 +261,35 @@ TEST_F(BenchCommandTest, MultiTurnChatSessionsReuseTheirHistory) {
   }
 }
 
+// --common-prefix-len: every session's system prompt starts with the same
+// tokens, so on one worker a new session's first turn finds them cached.
+TEST_F(BenchCommandTest, MultiTurnCommonPrefixIsCachedAcrossSessions) {
+  const std::string url = Start({"--engine", "sim", "--aggregated", "1",
+                                 "--worker-arg=--sim-step-ms", "--worker-arg=1"});
+  ASSERT_FALSE(url.empty());
+  std::string out;
+  const nlohmann::json j = Bench(url,
+                                 "--endpoint chat --dataset multi-turn --num-prompts 6 --turns 2 "
+                                 "--common-prefix-len 128 --system-len 16 --user-len 16 "
+                                 "--output-len 4 --max-concurrency 1 --save-detailed",
+                                 &out);
+  ASSERT_TRUE(j.is_object()) << out;
+  EXPECT_EQ(j["completed"], 6);
+  ASSERT_EQ(j["requests"].size(), 6u) << out;
+  int first_turns = 0;
+  for (const nlohmann::json& r : j["requests"]) {
+    if (r["turn"] != 0) continue;
+    const int64_t cached = r["cached_tokens"].get<int64_t>();
+    if (first_turns++ == 0) {
+      EXPECT_EQ(cached, 0) << "the first session is cold";
+    } else {
+      // 128 drawn tokens re-encode to ~240 as chat text: at least 4 blocks.
+      EXPECT_GE(cached, 64) << "session " << r["session"] << out;
+    }
+  }
+  EXPECT_EQ(first_turns, 3);
+}
+
 TEST_F(BenchCommandTest, KeepAliveReusesConnectionsAcrossRequests) {
   const std::string url = Start({"--engine", "sim", "--aggregated", "1",
                                  "--worker-arg=--sim-step-ms", "--worker-arg=1"});

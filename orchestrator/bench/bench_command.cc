@@ -197,6 +197,10 @@ void AddServingBench(CLI::App& bench) {
       ->capture_default_str();
   bench.add_option("--user-len", d.user_len, "multi-turn: tokens per user turn")
       ->capture_default_str();
+  bench.add_option("--common-prefix-len", d.common_prefix_len,
+                   "multi-turn: tokens every session's system prompt starts with, before its own "
+                   "--system-len (one application's prompt, shared across sessions)")
+      ->capture_default_str();
   bench.add_option("--sharegpt-output-len", d.sharegpt_output_len,
                    "sharegpt: output tokens (0: the reference answer's)")
       ->capture_default_str();

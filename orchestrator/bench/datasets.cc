@@ -123,12 +123,18 @@ absl::StatusOr<std::vector<Session>> MultiTurn(const DatasetOptions& o, TokenSou
   RETURN_IF_ERROR(CheckPositive("--user-len", o.user_len));
   RETURN_IF_ERROR(CheckPositive("--output-len", o.output_len));
   if (o.system_len < 0) return absl::InvalidArgumentError("--system-len must be >= 0");
+  if (o.common_prefix_len < 0) {
+    return absl::InvalidArgumentError("--common-prefix-len must be >= 0");
+  }
   const int sessions = (o.num_prompts + o.turns - 1) / o.turns;
+  const std::vector<int32_t> common = src.Draw(o.common_prefix_len);
   std::uniform_int_distribution<uint64_t> id_bits;
   std::vector<Session> out;
   for (int s = 0; s < sessions; ++s) {
     Session session{.id = absl::StrFormat("bench-%d-%016x", s, id_bits(src.rng())),
-                    .system = src.Draw(o.system_len)};
+                    .system = common};
+    const std::vector<int32_t> own = src.Draw(o.system_len);
+    session.system.insert(session.system.end(), own.begin(), own.end());
     for (int t = 0; t < o.turns; ++t) {
       session.turns.push_back(Turn{.tokens = src.Draw(o.user_len), .max_tokens = o.output_len});
     }

@@ -74,6 +74,9 @@ struct DatasetOptions {
   int turns = 5;
   int system_len = 512;
   int user_len = 128;
+  // Tokens every session's system prompt starts with (one application's
+  // system prompt), ahead of its own system_len tokens.
+  int common_prefix_len = 0;
   // sharegpt: 0 keeps the reference answer's length
   int sharegpt_output_len = 0;
   // trace

@@ -106,6 +106,25 @@ TEST(DatasetsTest, MultiTurnSessionsHaveIdsSystemPromptsAndTurns) {
   EXPECT_EQ(ids.size(), 4u);
 }
 
+TEST(DatasetsTest, MultiTurnCommonPrefixStartsEverySystemPrompt) {
+  DatasetOptions o{.name = "multi-turn", .num_prompts = 8, .output_len = 4, .turns = 2,
+                   .system_len = 16, .user_len = 8, .common_prefix_len = 48};
+  absl::StatusOr<std::vector<Session>> d = BuildDataset(o, Builtin());
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_EQ(d->size(), 4u);
+  std::set<std::vector<int32_t>> common, own;
+  for (const Session& s : *d) {
+    ASSERT_EQ(s.system.size(), 64u);
+    common.emplace(s.system.begin(), s.system.begin() + 48);
+    own.emplace(s.system.begin() + 48, s.system.end());
+  }
+  EXPECT_EQ(common.size(), 1u) << "one prefix shared by every session";
+  EXPECT_EQ(own.size(), 4u) << "then each session's own";
+
+  o.common_prefix_len = -1;
+  EXPECT_EQ(BuildDataset(o, Builtin()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(DatasetsTest, TraceSharesBlocksByHashIdAndKeepsTimestamps) {
   const std::string path = TempFile(
       R"({"timestamp": 1000, "input_length": 20, "output_length": 3, "hash_ids": [7, 8]})" "\n"
