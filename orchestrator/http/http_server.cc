@@ -201,10 +201,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void Shutdown() {
     keep_alive_.store(false, std::memory_order_relaxed);
     if (state_ == State::kReading) return Close();
-    if (state_ == State::kResponding && ResponseSent()) {
-      writer_.reset();  // over, left for the probe (see Submit)
-      Close();
-    }
+    if (state_ == State::kResponding && ResponseSent()) Close();  // left for the probe (see Submit)
   }
 
   // Stop()'s deadline passed.
@@ -456,7 +453,6 @@ class Session : public std::enable_shared_from_this<Session> {
         // Left to this read by Submit(): the response is over. With bytes
         // in, the next request starts with them; the client gone, close.
         if (!ec) return self->FinishResponse();
-        self->writer_.reset();
         return self->Close();
       }
       if (ec) return self->Close();  // client gone
@@ -543,21 +539,25 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Close() {
+    bool sent = false;
     {
       // Under out_mu_ so that no Submit() is sending on the descriptor while
       // it closes (and could be reused).
       std::lock_guard<std::mutex> lock(out_mu_);
       if (closed_) return;
       closed_ = true;
+      sent = ResponseSentLocked();
       error_code ignored;
       socket_.shutdown(tcp::socket::shutdown_both, ignored);
       socket_.close(ignored);
       out_.clear();
     }
     timer_.cancel();
+    // A response sent in full (one left for the probe, see Submit) is over:
+    // its writer is not told of a close.
     if (writer_) {
       std::shared_ptr<ResponseWriter> writer = std::move(writer_);
-      writer->MarkClosed();
+      if (!sent) writer->MarkClosed();
     }
   }
 

@@ -364,6 +364,26 @@ TEST_F(StreamingTest, SilentHandlerClosedByIdleTimeout) {
   EXPECT_FALSE(kept->Send(200, "text/plain", "late"));
 }
 
+// A connection idle after a finished response closes at the idle timeout;
+// that response's writer hears of no close (it was answered in full).
+TEST_F(StreamingTest, IdleTimeoutAfterAFinishedResponseIsNotAClientClose) {
+  HttpServer::Options options = TestOptions();
+  options.idle_timeout = std::chrono::seconds(1);
+  std::atomic<bool> closed{false};
+  server_ = std::make_unique<HttpServer>(options);
+  server_->Route("GET", "/answered", [&](const Request&, std::shared_ptr<ResponseWriter> w) {
+    w->OnClose([&] { closed.store(true); });
+    w->Send(200, "text/plain", "ok");
+  });
+  ASSERT_TRUE(server_->Start().ok());
+  Client client(server_->port());
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/answered").body(), "ok");
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_TRUE(client.SeesEof());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  EXPECT_FALSE(closed.load());
+}
+
 // A stream far larger than the socket buffers, written from a non-I/O
 // thread to a client that reads slowly: chunks go straight to the socket
 // while it has room, queue behind a full one, and go straight again once the
