@@ -31,6 +31,7 @@ GrpcPoller& GrpcPoller::Shared() {
 bool GrpcPoller::RunAfterThisCompletion(std::function<void()>& task) {
   if (t_after_completion == nullptr) return false;
   t_after_completion->push_back(std::move(task));
+  task = nullptr;
   return true;
 }
 

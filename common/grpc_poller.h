@@ -128,8 +128,8 @@ class GrpcPoller {
   // thread right after that Done returns (in order, with none of Done's
   // callers' locks held) and returns true. Work that must not run under the
   // caller's locks -- releasing the object whose callback holds them -- then
-  // costs no other thread's wake-up. Anywhere else: returns false and leaves
-  // `task` alone (post it elsewhere).
+  // costs no other thread's wake-up; `task` is left empty. Anywhere else:
+  // returns false and leaves `task` alone (post it elsewhere).
   static bool RunAfterThisCompletion(std::function<void()>& task);
 
   // Starts a unary call made with the stub's PrepareAsync<Method>(ctx, request,

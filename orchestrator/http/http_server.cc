@@ -201,7 +201,8 @@ class Session : public std::enable_shared_from_this<Session> {
   void Shutdown() {
     keep_alive_.store(false, std::memory_order_relaxed);
     if (state_ == State::kReading) return Close();
-    if (state_ == State::kResponding && ResponseSent()) Close();  // left for the probe (see Submit)
+    // Left for the probe (see Submit): finished now, so it drains and closes.
+    if (state_ == State::kResponding && ResponseSent()) FinishResponse();
   }
 
   // Stop()'s deadline passed.
@@ -260,6 +261,8 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   bool keep_alive() const { return keep_alive_.load(std::memory_order_relaxed); }
+  // The response ends with the connection (an HTTP/1.0 stream: no chunks).
+  void CloseAfterResponse() { keep_alive_.store(false, std::memory_order_relaxed); }
   // Set on the strand before the handler runs; fixed while it answers.
   int request_version() const { return version_; }
 
@@ -644,6 +647,7 @@ bool ResponseWriter::StartStream(int status, std::string_view content_type,
                                   status](Session& s) mutable {
     // HTTP/1.0 has no chunked encoding: the body ends when the connection does.
     bool chunked = s.request_version() >= 11;
+    if (!chunked) s.CloseAfterResponse();
     std::string bytes = HeadBlock(status, type, extra,
                                   chunked ? "Transfer-Encoding: chunked\r\n" : "",
                                   chunked && s.keep_alive());

@@ -364,6 +364,28 @@ TEST_F(StreamingTest, SilentHandlerClosedByIdleTimeout) {
   EXPECT_FALSE(kept->Send(200, "text/plain", "late"));
 }
 
+// HTTP/1.0 has no chunks: a stream ends when the connection does, even where
+// the client asked to keep it alive.
+TEST_F(StreamingTest, AnHttp10StreamEndsWithTheConnection) {
+  StartServer();
+  Client client(server_->port());
+  const std::string request =
+      "GET /burst HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\n\r\n";
+  net::write(client.socket(), net::buffer(request));
+  const auto start = std::chrono::steady_clock::now();
+  std::string seen;
+  char buf[1024];
+  boost::system::error_code ec;
+  while (!ec) {
+    size_t n = client.socket().read_some(net::buffer(buf), ec);
+    seen.append(buf, n);
+  }
+  EXPECT_TRUE(ec == net::error::eof || ec == net::error::connection_reset) << ec.message();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s) << "not the 5 s idle timeout";
+  EXPECT_NE(seen.find("Connection: close"), std::string::npos) << seen;
+  EXPECT_NE(seen.find("data: 3\n\n"), std::string::npos) << seen;
+}
+
 // A connection idle after a finished response closes at the idle timeout;
 // that response's writer hears of no close (it was answered in full).
 TEST_F(StreamingTest, IdleTimeoutAfterAFinishedResponseIsNotAClientClose) {

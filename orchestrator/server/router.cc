@@ -1181,8 +1181,10 @@ void Router::Impl::ReleaseSlot(const std::shared_ptr<ApiCall>& call) {
     metrics_->in_flight.Set(static_cast<double>(in_flight_));
     metrics_->queue_depth.Set(static_cast<double>(queue_.size()));
   }
-  // Not inline: the caller may hold a Generation's lock.
-  for (auto& c : next) Post([c] { c->Start(); });
+  // Not inline: the caller may hold a Generation's lock. On the task
+  // thread, even from the gRPC poller: a start routes (hashing, index
+  // lookups), which would hold up every stream's tokens there.
+  for (auto& c : next) executor_.Post([c] { c->Start(); });
 }
 
 void Router::Impl::CallFinished(const std::shared_ptr<ApiCall>& call) {
