@@ -13,7 +13,8 @@
 # multi-turn sessions), each worker's cache holding CACHE bytes of blocks.
 #
 # COMMON (multi-turn on real workers): system-prompt tokens every session
-# shares, out of its 256 (default 0: each session's own).
+# shares, out of its 256 (default 0: each session's own); TURNS: turns per
+# session (default 4).
 # WORKER_ARGS: more worker flags for every policy's cluster (e.g.
 # "--max-batched-tokens=256"), passed as --worker-arg=FLAG each.
 #
@@ -81,7 +82,7 @@ case $engine/$dataset in
     # half of its turns land where the previous turn did not run.
     # COMMON: tokens of the system prompt shared by every session (one
     # application's prompt, --common-prefix-len), taken out of its 256.
-    flags="--dataset multi-turn --turns 4 --common-prefix-len ${COMMON:-0} --system-len $((256 - ${COMMON:-0})) --user-len 32 --output-len 32"
+    flags="--dataset multi-turn --turns ${TURNS:-4} --common-prefix-len ${COMMON:-0} --system-len $((256 - ${COMMON:-0})) --user-len 32 --output-len 32"
     cache=${CACHE:-32MiB}
     rate=${RATE:-0.2}
     prompts=${PROMPTS:-80}
