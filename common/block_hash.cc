@@ -15,15 +15,11 @@ uint64_t HashBlock(uint64_t parent_hash, std::span<const int32_t> tokens) {
   return XXH3_64bits_withSeed(tokens.data(), tokens.size_bytes(), parent_hash);
 }
 
-uint64_t HashBytes(const void *data, size_t size) {
-  return XXH3_64bits(data, size);
-}
+uint64_t HashBytes(const void* data, size_t size) { return XXH3_64bits(data, size); }
 
-std::vector<uint64_t> HashBlocks(uint64_t seed, std::span<const int32_t> tokens,
-                                 int block_size) {
+std::vector<uint64_t> HashBlocks(uint64_t seed, std::span<const int32_t> tokens, int block_size) {
   std::vector<uint64_t> hashes;
-  if (block_size > 0)
-    hashes.reserve(tokens.size() / static_cast<size_t>(block_size));
+  if (block_size > 0) hashes.reserve(tokens.size() / static_cast<size_t>(block_size));
   uint64_t parent = seed;
   for (size_t i = 0; i + block_size <= tokens.size(); i += block_size) {
     parent = HashBlock(parent, tokens.subspan(i, block_size));
@@ -32,4 +28,4 @@ std::vector<uint64_t> HashBlocks(uint64_t seed, std::span<const int32_t> tokens,
   return hashes;
 }
 
-} // namespace tandem
+}  // namespace tandem

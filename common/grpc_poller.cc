@@ -1,8 +1,8 @@
 #include "common/grpc_poller.h"
 
-#include "common/thread_util.h"
-
 #include <vector>
+
+#include "common/thread_util.h"
 
 namespace tandem {
 

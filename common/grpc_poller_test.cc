@@ -19,11 +19,11 @@ namespace {
 
 // A tag that runs a function when its alarm fires.
 class FnTag final : public GrpcTag {
-public:
+ public:
   explicit FnTag(std::function<void()> fn) : fn_(std::move(fn)) {}
   void Done(bool /*ok*/) override { fn_(); }
 
-private:
+ private:
   std::function<void()> fn_;
 };
 
@@ -34,7 +34,7 @@ void FireNow(grpc::Alarm &alarm, GrpcPoller &poller, GrpcTag *tag) {
 TEST(GrpcPollerTest, TasksRunOnThePollerAfterTheCompletionInOrder) {
   GrpcPoller poller;
   std::mutex held_by_done;
-  std::vector<std::string> log; // written on the poller thread only
+  std::vector<std::string> log;  // written on the poller thread only
   std::thread::id poller_thread;
   absl::Notification finished;
   FnTag tag([&] {
@@ -43,31 +43,27 @@ TEST(GrpcPollerTest, TasksRunOnThePollerAfterTheCompletionInOrder) {
     std::function<void()> first = [&] {
       // Done has returned: its lock is free.
       const bool unlocked = held_by_done.try_lock();
-      if (unlocked)
-        held_by_done.unlock();
+      if (unlocked) held_by_done.unlock();
       log.push_back(unlocked ? "first, unlocked" : "first, under Done's lock");
       std::function<void()> third = [&] {
         log.push_back("third");
         finished.Notify();
       };
-      EXPECT_TRUE(
-          GrpcPoller::RunAfterThisCompletion(third)); // queued by a task
+      EXPECT_TRUE(GrpcPoller::RunAfterThisCompletion(third));  // queued by a task
     };
     std::function<void()> second = [&] {
-      log.push_back(std::this_thread::get_id() == poller_thread
-                        ? "second, poller"
-                        : "second, elsewhere");
+      log.push_back(std::this_thread::get_id() == poller_thread ? "second, poller"
+                                                                : "second, elsewhere");
     };
     EXPECT_TRUE(GrpcPoller::RunAfterThisCompletion(first));
     EXPECT_TRUE(GrpcPoller::RunAfterThisCompletion(second));
-    EXPECT_FALSE(first); // taken
+    EXPECT_FALSE(first);  // taken
     log.push_back("done");
   });
   grpc::Alarm alarm;
   FireNow(alarm, poller, &tag);
   ASSERT_TRUE(finished.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  EXPECT_EQ(log, (std::vector<std::string>{"done", "first, unlocked",
-                                           "second, poller", "third"}));
+  EXPECT_EQ(log, (std::vector<std::string>{"done", "first, unlocked", "second, poller", "third"}));
 }
 
 TEST(GrpcPollerTest, OffThePollerThreadTheTaskIsLeftToTheCaller) {
@@ -80,5 +76,5 @@ TEST(GrpcPollerTest, OffThePollerThreadTheTaskIsLeftToTheCaller) {
   EXPECT_TRUE(ran);
 }
 
-} // namespace
-} // namespace tandem
+}  // namespace
+}  // namespace tandem
