@@ -452,13 +452,10 @@ class Session : public std::enable_shared_from_this<Session> {
         self->read_wanted_ = false;
         return self->ReadHeader();
       }
-      if (sent && self->state_ == State::kResponding) {
-        // Left to this read by Submit(): the response is over. With bytes
-        // in, the next request starts with them; the client gone, close.
-        if (!ec) return self->FinishResponse();
-        return self->Close();
-      }
       if (ec) return self->Close();  // client gone
+      // A response Submit() left to this read is over: the next request
+      // starts with the bytes that came.
+      if (sent && self->state_ == State::kResponding) return self->FinishResponse();
       self->Probe();
     });
   }
@@ -650,7 +647,7 @@ bool ResponseWriter::StartStream(int status, std::string_view content_type,
     if (!chunked) s.CloseAfterResponse();
     std::string bytes = HeadBlock(status, type, extra,
                                   chunked ? "Transfer-Encoding: chunked\r\n" : "",
-                                  chunked && s.keep_alive());
+                                  s.keep_alive());  // false without chunks (above)
     s.Submit(std::move(bytes), /*last=*/false);
   });
 }
