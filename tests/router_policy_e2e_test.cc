@@ -63,12 +63,13 @@ class RouterPolicyTest : public RouterTest {
   // Health checks are rare (30 s) so a paused worker stays routable.
   std::vector<WorkerProcess*> StartCluster(int n, const std::string& policy,
                                            const std::string& params = "",
-                                           const std::string& extra = "") {
+                                           const std::string& extra = "",
+                                           const std::vector<std::string>& worker_args = {}) {
     std::vector<WorkerProcess*> workers;
     RouterYaml& y = yaml_;
     y = RouterYaml{.policy = policy, .policy_params = params, .extra = extra, .health_interval_s = 30};
     for (int i = 0; i < n; ++i) {
-      workers.push_back(StartBoth());
+      workers.push_back(StartBoth(worker_args));
       if (workers.back() == nullptr) return {};
       y.decode.push_back(workers.back()->address());
     }
@@ -107,6 +108,9 @@ class RouterPolicyTest : public RouterTest {
     hung.push_back(std::move(f));
     return "";
   }
+
+  void ExpectABackloggedHolderLosesToAnIdleWorker(const std::string& params,
+                                                   const std::vector<std::string>& worker_args);
 
   RouterYaml yaml_;  // StartCluster's
 };
@@ -353,12 +357,13 @@ INSTANTIATE_TEST_SUITE_P(KvEvents, KvCacheAwareTest, ::testing::Bool(),
                            return p.param ? "Exact" : "Approximate";
                          });
 
-TEST_F(RouterPolicyTest, KvCacheAwareWeighsTheCachedPrefixAgainstLoad) {
-  // With the overlap weighted low, a holder with a prefill backlog loses the
-  // request to an idle worker.
-  std::vector<WorkerProcess*> w = StartCluster(2, "kv_cache_aware",
-                                               "        overlap_weight: 0.1\n"
-                                               "        prefill_tokens_scale: 64\n");
+// With the overlap weighted low, a holder with a prefill backlog of 64 tokens
+// (the load's scale: the router's prefill_tokens_scale, or else each worker's
+// step budget) loses the request to an idle worker.
+void RouterPolicyTest::ExpectABackloggedHolderLosesToAnIdleWorker(
+    const std::string& params, const std::vector<std::string>& worker_args) {
+  std::vector<WorkerProcess*> w = StartCluster(
+      2, "kv_cache_aware", absl::StrCat("        overlap_weight: 0.1\n", params), "", worker_args);
   ASSERT_EQ(w.size(), 2u);
   Reply first = Post("/v1/completions", Completion(PromptIds(3, 128, 0)));
   ASSERT_EQ(first.http.status, 200) << first.http.body;
@@ -384,6 +389,14 @@ TEST_F(RouterPolicyTest, KvCacheAwareWeighsTheCachedPrefixAgainstLoad) {
     EXPECT_EQ(SendUnlessHung(Completion(PromptIds(3, 128, 2)), holder, 1, hung), other->address());
   }
   for (auto& f : hung) EXPECT_EQ(f.get().http.status, 200);
+}
+
+TEST_F(RouterPolicyTest, KvCacheAwareWeighsTheCachedPrefixAgainstLoad) {
+  ExpectABackloggedHolderLosesToAnIdleWorker("        prefill_tokens_scale: 64\n", {});
+}
+
+TEST_F(RouterPolicyTest, KvCacheAwareScalesLoadByEachWorkersStepBudget) {
+  ExpectABackloggedHolderLosesToAnIdleWorker("", {"--max-batched-tokens", "64"});
 }
 
 TEST_F(RouterPolicyTest, AutoDisaggregationPrefillsLocallyWhatIsShortOrCached) {

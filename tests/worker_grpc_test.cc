@@ -76,12 +76,15 @@ TEST_F(WorkerGrpcTest, HealthAndModelInfo) {
   EXPECT_EQ(info.role(), "both");
   EXPECT_EQ(info.instance_id(), health.instance_id());
   EXPECT_EQ(info.kv_dtype(), "float32");
+  EXPECT_EQ(info.max_batched_tokens(), 2048);  // the engine's default step budget
 
-  // The block geometry follows the flags.
-  WorkerProcess* w8 = StartWorker({"--block-size", "8", "--kv-cache-memory", "1MiB"});
+  // The block geometry and the step budget follow the flags.
+  WorkerProcess* w8 = StartWorker(
+      {"--block-size", "8", "--kv-cache-memory", "1MiB", "--max-batched-tokens", "256"});
   ASSERT_NE(w8, nullptr);
   v1::ModelInfo info8 = GetModelInfo(w8->stub());
   EXPECT_EQ(info8.block_size(), 8);
+  EXPECT_EQ(info8.max_batched_tokens(), 256);
   EXPECT_EQ(info8.total_blocks(), (int64_t{1} << 20) / (kBytesPerBlock / 2));
   EXPECT_NE(info8.instance_id(), info.instance_id());
 }

@@ -55,6 +55,7 @@ void WorkerClient::SetLoad(const tandem::v1::LoadReport& load) {
 }
 
 void WorkerClient::SetModelInfo(const tandem::v1::ModelInfo& info) {
+  prefill_tokens_per_step_.store(info.max_batched_tokens(), std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(mu_);
   model_info_ = info;
 }
@@ -70,6 +71,8 @@ WorkerView WorkerClient::View() const {
                     .prefill_tokens_in_flight = prefill_tokens_in_flight(),
                     .used_blocks = used_blocks_.load(std::memory_order_relaxed),
                     .total_blocks = total_blocks_.load(std::memory_order_relaxed),
+                    .prefill_tokens_per_step =
+                        prefill_tokens_per_step_.load(std::memory_order_relaxed),
                     .healthy = healthy()};
 }
 

@@ -81,6 +81,7 @@ class WorkerClient {
   std::atomic<int64_t> prefill_tokens_{0};
   std::atomic<int64_t> used_blocks_{0};
   std::atomic<int64_t> total_blocks_{0};
+  std::atomic<int64_t> prefill_tokens_per_step_{0};  // ModelInfo.max_batched_tokens
 
   mutable std::mutex mu_;
   bool ever_healthy_ ABSL_GUARDED_BY(mu_) = false;

@@ -46,7 +46,7 @@ KvCacheAwarePolicy::KvCacheAwarePolicy(Options options, std::shared_ptr<KvIndex>
     : options_(options), index_(std::move(index)), now_(std::move(now)), rng_(options.seed) {
   CHECK(index_ != nullptr) << "kv_cache_aware: null KvIndex";
   CHECK(options_.block_size >= 1) << "kv_cache_aware: block_size " << options_.block_size;
-  CHECK(options_.prefill_tokens_scale >= 1) << "kv_cache_aware: prefill_tokens_scale";
+  CHECK(options_.prefill_tokens_scale >= 0) << "kv_cache_aware: prefill_tokens_scale";
 }
 
 KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req,
@@ -73,9 +73,11 @@ KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req,
     if (!w.healthy) continue;
     const double overlap =
         request_blocks > 0 ? static_cast<double>(out.matched[i]) / request_blocks : 0.0;
-    const double prefill = std::clamp(static_cast<double>(w.prefill_tokens_in_flight) /
-                                          static_cast<double>(options_.prefill_tokens_scale),
-                                      0.0, 1.0);
+    const int64_t scale = options_.prefill_tokens_scale > 0 ? options_.prefill_tokens_scale
+                          : w.prefill_tokens_per_step > 0 ? w.prefill_tokens_per_step
+                                                          : kDefaultPrefillScale;
+    const double prefill = std::clamp(
+        static_cast<double>(w.prefill_tokens_in_flight) / static_cast<double>(scale), 0.0, 1.0);
     const double usage =
         w.total_blocks > 0
             ? std::clamp(static_cast<double>(w.used_blocks) / static_cast<double>(w.total_blocks),

@@ -7,18 +7,25 @@
 // healthy worker i:
 //
 //   overlap_i = matched_blocks_i / request_blocks       (0 if the prompt has no full block)
-//   prefill_i = min(1, prefill_tokens_in_flight_i / prefill_tokens_scale)
+//   prefill_i = min(1, prefill_tokens_in_flight_i / scale_i)
 //   usage_i   = clamp(used_blocks_i / total_blocks_i, 0, 1)  (0 if total_blocks_i <= 0)
 //   load_i    = (prefill_i + usage_i) / 2                 (in [0, 1])
 //   score_i   = overlap_weight * overlap_i - load_weight * load_i
 //
-// Defaults: overlap_weight 1, load_weight 1, prefill_tokens_scale 8192 (about
-// one step's prefill budget, vLLM's max_num_batched_tokens: a worker that far
-// behind adds about one step of queueing). With equal weights a worker
+// scale_i is the worker's own step budget, the prompt tokens one engine step
+// computes (ModelInfo.max_batched_tokens, vLLM's max_num_batched_tokens): a
+// worker that far behind adds about one step of queueing, whatever its
+// speed. `prefill_tokens_scale` sets one scale for every worker instead; a
+// worker that reports no budget gets 8192 (a GPU engine's usual one). One
+// constant does not fit every worker: a CPU worker's 2048-token step takes
+// ~2 s, and at 8192 a backlog of 2048 tokens counted as a quarter of a load
+// that an overlap outweighed, so sessions piled onto one worker.
+//
+// Defaults: overlap_weight 1, load_weight 1. With equal weights a worker
 // holding the whole prompt (+1) beats an idle worker unless it is fully
 // loaded on both terms; one holding half of it ties with an idle worker at
-// load 0.5; a 1-in-32 block hit (+0.031) loses to a worker with more than 512
-// fewer prefill tokens in flight (512 / 8192 / 2 = 0.031). llm-d's scorers
+// load 0.5; a 1-in-32 block hit (+0.031) loses to a worker with more than
+// scale / 16 fewer prefill tokens in flight (128 of 2048). llm-d's scorers
 // have the same shape (prefix-cache-scorer = matched/total plus weighted load
 // scorers); Dynamo's cost instead credits matched blocks against prefill.
 //
@@ -38,9 +45,10 @@
 //
 // Parameters: `block_hash_seed` (uint64, default 0), `block_size` (default
 // 16), `overlap_weight` (>= 0, default 1), `load_weight` (>= 0, default 1),
-// `prefill_tokens_scale` (default 8192), `temperature` (>= 0, default 0),
-// `seed` (uint64, the sampling generator's; random if absent), `max_blocks`
-// (default 2^20) and `ttl_s` (integer seconds, default 120) for the index.
+// `prefill_tokens_scale` (>= 1; default: each worker's step budget),
+// `temperature` (>= 0, default 0), `seed` (uint64, the sampling generator's;
+// random if absent), `max_blocks` (default 2^20) and `ttl_s` (integer
+// seconds, default 120) for the index.
 //
 // Thread safety: Pick hashes the prompt and scores without a lock; it takes
 // the index's mutex for Match and RecordRouted, and a mutex around the
@@ -73,15 +81,20 @@ class KvCacheAwarePolicy : public RoutingPolicy {
     int block_size = 16;                  // ModelInfo.block_size
     double overlap_weight = 1.0;          // weight of the cached fraction of the prompt
     double load_weight = 1.0;             // weight of the normalized load
-    int64_t prefill_tokens_scale = 8192;  // prefill backlog that counts as fully loaded
+    // Prefill backlog that counts as fully loaded; 0: each worker's step
+    // budget (WorkerView::prefill_tokens_per_step), else kDefaultPrefillScale.
+    int64_t prefill_tokens_scale = 0;
     double temperature = 0.0;             // 0: argmax; > 0: softmax sampling
     uint64_t seed = 0;                    // sampling generator's seed
   };
 
+  // The scale for a worker that reports no step budget.
+  static constexpr int64_t kDefaultPrefillScale = 8192;
+
   static absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const PolicyParams& params);
   // `now` is the time source for the index's TTLs (tests inject a fake one).
   // REQUIRES: index != nullptr, options.block_size >= 1,
-  // options.prefill_tokens_scale >= 1.
+  // options.prefill_tokens_scale >= 0.
   KvCacheAwarePolicy(Options options, std::shared_ptr<KvIndex> index, Clock now = SteadyNow);
 
   std::string name() const override { return "kv_cache_aware"; }

@@ -96,6 +96,26 @@ TEST(KvCacheAwareTest, ScoresFollowTheDocumentedFormula) {
   EXPECT_EQ(scores[2], -std::numeric_limits<double>::infinity());
 }
 
+TEST(KvCacheAwareTest, EachWorkersStepBudgetScalesItsPrefillBacklog) {
+  Fixture f;
+  const auto prompt = Prompt(2, 10 * kBlock);
+  auto workers = Workers(3);
+  for (WorkerView& w : workers) w.prefill_tokens_in_flight = 1024;
+  workers[0].prefill_tokens_per_step = 2048;  // a CPU worker: half a step behind
+  workers[1].prefill_tokens_per_step = 0;     // reports none: 8192
+  workers[2].prefill_tokens_per_step = 512;   // two steps behind: saturates at 1
+  const auto scores = f.policy->Scores(RouteRequest{.tokens = prompt}, workers);
+  EXPECT_NEAR(scores[0], -0.5 / 2, 1e-12);
+  EXPECT_NEAR(scores[1], -(1024.0 / KvCacheAwarePolicy::kDefaultPrefillScale) / 2, 1e-12);
+  EXPECT_NEAR(scores[2], -1.0 / 2, 1e-12);
+
+  // An explicit prefill_tokens_scale overrides what the workers report.
+  Fixture fixed({.prefill_tokens_scale = 4096});
+  for (double s : fixed.policy->Scores(RouteRequest{.tokens = prompt}, workers)) {
+    EXPECT_NEAR(s, -0.25 / 2, 1e-12);
+  }
+}
+
 TEST(KvCacheAwareTest, LoadOutweighsATinyOverlap) {
   Fixture f;
   const auto prompt = Prompt(3, 32 * kBlock);

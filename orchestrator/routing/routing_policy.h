@@ -43,6 +43,7 @@ struct WorkerView {
   int64_t prefill_tokens_in_flight = 0;  // prompt tokens not yet prefilled there
   int64_t used_blocks = 0;               // KV blocks in use, as last reported
   int64_t total_blocks = 0;              // KV pool size in blocks
+  int64_t prefill_tokens_per_step = 0;   // the worker's step budget (ModelInfo); 0 if unknown
   bool healthy = true;                   // false: never picked
 };
 

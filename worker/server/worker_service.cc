@@ -754,6 +754,7 @@ void WorkerService::HandleGetModelInfo(const grpc::ServerContext& ctx, const tan
   r->set_role(role_);
   r->set_instance_id(instance_id_);
   r->set_block_hash_seed(engine_->config().block_hash_seed);
+  r->set_max_batched_tokens(engine_->config().max_batched_tokens);
   finish(grpc::Status::OK);
 }
 
