@@ -242,13 +242,18 @@ TEST_F(BenchCommandTest, MultiTurnChatSessionsReuseTheirHistory) {
   EXPECT_EQ(j["failed"], 0);
   // Later turns resend the history their session's worker holds.
   EXPECT_GT(j["router_prefix_hit_rate"].get<double>(), 0.3) << out;
-  // --save-detailed names each request's session and turn: 3 sessions of 4
-  // turns, each turn's prompt longer than the one before, and (sticky
-  // sessions) every later turn finds the history cached.
+  // --save-detailed names each request's session, turn and worker: 3
+  // sessions of 4 turns, each turn's prompt longer than the one before, and
+  // (sticky sessions) every later turn on its session's worker, finding the
+  // history cached.
   ASSERT_EQ(j["requests"].size(), 12u) << out;
   std::map<int64_t, std::vector<nlohmann::json>> sessions;
   for (const nlohmann::json& r : j["requests"]) sessions[r["session"].get<int64_t>()].push_back(r);
   ASSERT_EQ(sessions.size(), 3u);
+  std::set<std::string> workers;
+  for (const nlohmann::json& r : j["requests"]) workers.insert(r.value("worker", ""));
+  EXPECT_EQ(workers.size(), 2u) << "3 sessions on 2 workers";
+  EXPECT_EQ(workers.count(""), 0u);
   for (auto& [id, turns] : sessions) {
     ASSERT_EQ(turns.size(), 4u) << "session " << id;
     for (int t = 0; t < 4; ++t) {
@@ -257,6 +262,7 @@ TEST_F(BenchCommandTest, MultiTurnChatSessionsReuseTheirHistory) {
       EXPECT_GT(turns[t]["prompt_tokens"].get<int64_t>(), turns[t - 1]["prompt_tokens"].get<int64_t>());
       EXPECT_GT(turns[t]["sent_s"].get<double>(), turns[t - 1]["sent_s"].get<double>());
       EXPECT_GT(turns[t]["cached_tokens"].get<int64_t>(), 0) << "session " << id << " turn " << t;
+      EXPECT_EQ(turns[t]["worker"], turns[0]["worker"]) << "session " << id << " turn " << t;
     }
   }
 }

@@ -44,6 +44,7 @@ using Task = asio::awaitable<T>;
 // What one streamed request produced.
 struct Exchange {
   int status = 0;
+  std::string worker;      // the x-tandem-decode-worker header (tandem's router), if any
   std::string error;       // transport or server error
   std::string content;     // the streamed text (chat: the answer, kept for the history)
   std::vector<Clock::time_point> token_times;
@@ -191,6 +192,9 @@ Task<Exchange> StreamPost(ConnectionPool& pool, const std::string& host,
   }
   if (ec) co_return failed("read");
   ex.status = parser->get().result_int();
+  if (auto it = parser->get().find("x-tandem-decode-worker"); it != parser->get().end()) {
+    ex.worker = std::string(it->value());
+  }
   std::string error_body;
   SseReader sse;
   char chunk[16384];
@@ -366,6 +370,7 @@ struct Run {
         rec.done_s = Since(ex.done);
         rec.ok = ex.status == 200 && ex.error.empty();
         rec.error = ex.error;
+        rec.worker = std::move(ex.worker);
         for (const Clock::time_point& t : ex.token_times) rec.token_times_s.push_back(Since(t));
         if (!rec.token_times_s.empty()) rec.first_token_s = rec.token_times_s.front();
         rec.output_tokens = static_cast<int64_t>(ex.token_times.size());

@@ -604,6 +604,7 @@ nlohmann::json RequestsJson(const std::vector<RequestRecord>& records) {
         {"cached_tokens", r->cached_tokens},
         {"itl_ms", ItlGapsMs(*r)},
     };
+    if (!r->worker.empty()) j["worker"] = r->worker;
     if (!r->ok) j["error"] = r->error;
     out.push_back(std::move(j));
   }

@@ -44,6 +44,7 @@ struct RequestRecord {
   int64_t cached_tokens = 0;          // usage.prompt_tokens_details.cached_tokens, when reported
   int64_t session = 0;                // the dataset's session index (one per request but multi-turn)
   int turn = 0;                       // the turn within its session, from 0
+  std::string worker;                 // the worker that decoded it, when the server says (tandem)
 };
 
 // Service-level objectives for goodput, in milliseconds; unset: not checked.
@@ -105,7 +106,8 @@ nlohmann::json ToJson(const Summary& s);
 // of objects with ok, sent_s, session, turn, ttft_ms (null without a first
 // token), e2e_ms, tpot_ms (null under 2 tokens), prompt_tokens,
 // output_tokens, cached_tokens, itl_ms (the gaps between its token-bearing
-// chunks) and error (when !ok).
+// chunks), worker (when the server named it: tandem's x-tandem-decode-worker)
+// and error (when !ok).
 nlohmann::json RequestsJson(const std::vector<RequestRecord>& records);
 
 // A self-contained HTML page (no external assets, no scripts required):

@@ -205,6 +205,7 @@ TEST(ToJsonTest, KeysAndValues) {
 
 TEST(RequestsJsonTest, EveryRequestInSendOrder) {
   std::vector<RequestRecord> records = Records();
+  records[0].worker = "10.0.0.1:50051";
   std::swap(records[0], records[4]);  // completion order is not send order
   const nlohmann::json j = RequestsJson(records);
   ASSERT_TRUE(j.is_array());
@@ -225,6 +226,8 @@ TEST(RequestsJsonTest, EveryRequestInSendOrder) {
   ASSERT_EQ(r0["itl_ms"].size(), 3u);
   EXPECT_NEAR(r0["itl_ms"][1].get<double>(), 100, kEps);
   EXPECT_FALSE(r0.contains("error"));
+  EXPECT_EQ(r0["worker"], "10.0.0.1:50051");
+  EXPECT_FALSE(j[1].contains("worker"));  // the server did not say
   EXPECT_TRUE(j[2]["tpot_ms"].is_null());  // one token
   EXPECT_TRUE(j[2]["itl_ms"].empty());
   EXPECT_FALSE(j[3]["ok"].get<bool>());
