@@ -32,6 +32,7 @@ absl::StatusOr<std::unique_ptr<RoutingPolicy>> KvCacheAwarePolicy::Create(
   RETURN_IF_ERROR(reader.Double("load_weight", 0.0, &options.load_weight));
   RETURN_IF_ERROR(
       reader.Int64("prefill_tokens_scale", 1, int64_t{1} << 40, &options.prefill_tokens_scale));
+  RETURN_IF_ERROR(reader.Double("load_factor", 1.0, &options.load_factor));
   RETURN_IF_ERROR(reader.Double("temperature", 0.0, &options.temperature));
   RETURN_IF_ERROR(reader.Uint64("seed", &options.seed));
   RETURN_IF_ERROR(reader.Int64("max_blocks", 1, int64_t{1} << 31, &index_options.max_blocks));
@@ -47,6 +48,7 @@ KvCacheAwarePolicy::KvCacheAwarePolicy(Options options, std::shared_ptr<KvIndex>
   CHECK(index_ != nullptr) << "kv_cache_aware: null KvIndex";
   CHECK(options_.block_size >= 1) << "kv_cache_aware: block_size " << options_.block_size;
   CHECK(options_.prefill_tokens_scale >= 0) << "kv_cache_aware: prefill_tokens_scale";
+  CHECK(options_.load_factor >= 1.0) << "kv_cache_aware: load_factor " << options_.load_factor;
 }
 
 KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req,
@@ -101,26 +103,38 @@ absl::StatusOr<size_t> KvCacheAwarePolicy::Pick(const RouteRequest& req,
   const auto now = now_();
   const Scored scored = Score(req, workers, now);
 
-  double best = -std::numeric_limits<double>::infinity();
-  for (size_t i = 0; i < workers.size(); ++i) {
-    if (workers[i].healthy) best = std::max(best, scored.scores[i]);
+  // Candidates: healthy workers within the load bound. The least loaded
+  // healthy worker is at or under the average, so there is always one.
+  int64_t total = 0;
+  for (const WorkerView& w : workers) {
+    if (w.healthy) total += w.in_flight;
   }
+  const double bound =
+      options_.load_factor * static_cast<double>(total + 1) / static_cast<double>(healthy);
+  std::vector<bool> candidate(workers.size());
+  double best = -std::numeric_limits<double>::infinity();
+  double best_healthy = best;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    if (!workers[i].healthy) continue;
+    best_healthy = std::max(best_healthy, scored.scores[i]);
+    candidate[i] = workers[i].in_flight <= bound;
+    if (candidate[i]) best = std::max(best, scored.scores[i]);
+  }
+  if (best < best_healthy - kTieEpsilon) spillovers_.fetch_add(1, std::memory_order_relaxed);
 
   size_t chosen = workers.size();
   if (options_.temperature > 0) {
-    // Softmax over healthy workers, shifted by the best score for stability.
+    // Softmax over the candidates, shifted by the best score for stability.
     std::vector<double> weights(workers.size(), 0.0);
     for (size_t i = 0; i < workers.size(); ++i) {
-      if (workers[i].healthy) {
-        weights[i] = std::exp((scored.scores[i] - best) / options_.temperature);
-      }
+      if (candidate[i]) weights[i] = std::exp((scored.scores[i] - best) / options_.temperature);
     }
     std::lock_guard<std::mutex> lock(mu_);
     chosen = std::discrete_distribution<size_t>(weights.begin(), weights.end())(rng_);
   } else {
     std::vector<size_t> tied;
     for (size_t i = 0; i < workers.size(); ++i) {
-      if (workers[i].healthy && scored.scores[i] >= best - kTieEpsilon) tied.push_back(i);
+      if (candidate[i] && scored.scores[i] >= best - kTieEpsilon) tied.push_back(i);
     }
     chosen = tied[cursor_.fetch_add(1, std::memory_order_relaxed) % tied.size()];
   }

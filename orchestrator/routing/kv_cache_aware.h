@@ -29,6 +29,17 @@
 // have the same shape (prefix-cache-scorer = matched/total plus weighted load
 // scorers); Dynamo's cost instead credits matched blocks against prefill.
 //
+// Bounded load, as in prefix_aware: a worker is a candidate only if its
+// in_flight <= load_factor * (T + 1) / h, with T the requests in flight on
+// the h healthy workers (the least loaded worker always is). Scores weigh a
+// cached prefix against load, but a prefix every request shares (one
+// application's system prompt) scores on the one worker that holds it
+// against an idle worker that does not, and outweighs any load short of
+// saturation: the first worker to cache it would take every new session
+// until it saturated, and the sessions' later turns would then stay for
+// their histories. The bound spreads them first; past it a worker's own
+// cached prefix cannot hold a request.
+//
 // temperature 0 (default): the highest score wins, ties (within 1e-9) taken
 // in turn, so cold requests to an idle cluster spread round robin.
 // temperature T > 0: worker i is drawn with probability proportional to
@@ -46,7 +57,8 @@
 // Parameters: `block_hash_seed` (uint64, default 0), `block_size` (default
 // 16), `overlap_weight` (>= 0, default 1), `load_weight` (>= 0, default 1),
 // `prefill_tokens_scale` (>= 1; default: each worker's step budget),
-// `temperature` (>= 0, default 0), `seed` (uint64, the sampling generator's;
+// `load_factor` (>= 1, default 1.25), `temperature` (>= 0, default 0),
+// `seed` (uint64, the sampling generator's;
 // random if absent), `max_blocks` (default 2^20) and `ttl_s` (integer
 // seconds, default 120) for the index.
 //
@@ -84,6 +96,7 @@ class KvCacheAwarePolicy : public RoutingPolicy {
     // Prefill backlog that counts as fully loaded; 0: each worker's step
     // budget (WorkerView::prefill_tokens_per_step), else kDefaultPrefillScale.
     int64_t prefill_tokens_scale = 0;
+    double load_factor = 1.25;            // bound on a worker's in_flight over the average
     double temperature = 0.0;             // 0: argmax; > 0: softmax sampling
     uint64_t seed = 0;                    // sampling generator's seed
   };
@@ -94,7 +107,7 @@ class KvCacheAwarePolicy : public RoutingPolicy {
   static absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const PolicyParams& params);
   // `now` is the time source for the index's TTLs (tests inject a fake one).
   // REQUIRES: index != nullptr, options.block_size >= 1,
-  // options.prefill_tokens_scale >= 0.
+  // options.prefill_tokens_scale >= 0, options.load_factor >= 1.
   KvCacheAwarePolicy(Options options, std::shared_ptr<KvIndex> index, Clock now = SteadyNow);
 
   std::string name() const override { return "kv_cache_aware"; }
@@ -112,9 +125,14 @@ class KvCacheAwarePolicy : public RoutingPolicy {
   // their ratio is the predicted prefix hit rate.
   uint64_t requested_blocks() const { return requested_blocks_.load(std::memory_order_relaxed); }
   uint64_t matched_blocks() const { return matched_blocks_.load(std::memory_order_relaxed); }
-  // "requested_blocks" and "matched_blocks".
+  // Picks that passed over the best-scoring worker because it was over the
+  // load bound.
+  uint64_t spillovers() const { return spillovers_.load(std::memory_order_relaxed); }
+  // "requested_blocks", "matched_blocks" and "spillovers".
   std::vector<std::pair<std::string, uint64_t>> Counters() const override {
-    return {{"requested_blocks", requested_blocks()}, {"matched_blocks", matched_blocks()}};
+    return {{"requested_blocks", requested_blocks()},
+            {"matched_blocks", matched_blocks()},
+            {"spillovers", spillovers()}};
   }
 
  private:
@@ -138,6 +156,7 @@ class KvCacheAwarePolicy : public RoutingPolicy {
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> requested_blocks_{0};
   std::atomic<uint64_t> matched_blocks_{0};
+  std::atomic<uint64_t> spillovers_{0};
 };
 
 }  // namespace tandem::router

@@ -133,6 +133,39 @@ TEST(KvCacheAwareTest, LoadOutweighsATinyOverlap) {
   EXPECT_EQ(MustPick(*f.policy, workers, prompt), 1u);
 }
 
+// Every new session's first turn shares a system prompt that only w0 holds.
+// w0 takes sessions while within the bound; past it they spill to w1.
+TEST(KvCacheAwareTest, AWorkerOverTheLoadBoundLosesEvenItsCachedPrefix) {
+  Fixture f;
+  const auto prompt = Prompt(4, 16 * kBlock);
+  HoldPrefix(*f.index, "w0", prompt, 16);
+  HoldPrefix(*f.index, "w1", prompt, 0);
+  auto workers = Workers(2);
+  // 1 in flight on w0, none on w1: 1 <= 1.25 * (1 + 1) / 2.
+  workers[0].in_flight = 1;
+  EXPECT_EQ(MustPick(*f.policy, workers, prompt), 0u);
+  EXPECT_EQ(f.policy->spillovers(), 0u);
+  // 2 in flight: over 1.25 * 3 / 2 = 1.875.
+  workers[0].in_flight = 2;
+  EXPECT_EQ(MustPick(*f.policy, workers, prompt), 1u);
+  EXPECT_EQ(f.policy->spillovers(), 1u);
+  // With w1 busy too, the bound (1.25 * 4 / 2 = 2.5) admits w0 again.
+  workers[1].in_flight = 1;
+  EXPECT_EQ(MustPick(*f.policy, workers, prompt), 0u);
+  EXPECT_EQ(f.policy->spillovers(), 1u);
+  // Sampling draws from the candidates only.
+  Fixture hot({.temperature = 0.01, .seed = 1});
+  HoldPrefix(*hot.index, "w0", prompt, 16);
+  HoldPrefix(*hot.index, "w1", prompt, 0);
+  workers[1].in_flight = 0;
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(MustPick(*hot.policy, workers, prompt), 1u);
+  // A large load_factor lets the holder keep it.
+  Fixture loose({.load_factor = 10});
+  HoldPrefix(*loose.index, "w0", prompt, 16);
+  EXPECT_EQ(MustPick(*loose.policy, workers, prompt), 0u);
+  EXPECT_EQ(loose.policy->spillovers(), 0u);
+}
+
 TEST(KvCacheAwareTest, ColdRequestsOnAnIdleClusterTakeTurns) {
   Fixture f;
   auto workers = Workers(3);

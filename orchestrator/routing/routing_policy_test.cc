@@ -153,6 +153,8 @@ TEST(RoutingPolicyRegistryTest, BadParametersNameTheParameterAndThePolicy) {
       {"kv_cache_aware", "max_blocks", "0"},
       {"kv_cache_aware", "ttl_s", "1.5"},
       {"kv_cache_aware", "overlap_weigth", "1"},  // typo
+      {"kv_cache_aware", "load_factor", "0.9"},     // below 1
+      {"kv_cache_aware", "prefill_tokens_scale", "0"},
   };
   for (const Case& c : cases) {
     auto policy = registry.Create(c.policy, {{c.key, c.value}});
@@ -176,7 +178,8 @@ TEST(RoutingPolicyRegistryTest, GoodParametersAreAccepted) {
                   .Create("kv_cache_aware",
                           {{"block_hash_seed", "12345"}, {"block_size", "64"},
                            {"overlap_weight", "2"}, {"load_weight", "0.5"},
-                           {"prefill_tokens_scale", "4096"}, {"temperature", "0.1"},
+                           {"prefill_tokens_scale", "4096"}, {"load_factor", "1.5"},
+                           {"temperature", "0.1"},
                            {"seed", "3"}, {"max_blocks", "1000"}, {"ttl_s", "30"}})
                   .ok());
 }
