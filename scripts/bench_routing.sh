@@ -15,6 +15,8 @@
 # COMMON (multi-turn on real workers): system-prompt tokens every session
 # shares, out of its 256 (default 0: each session's own); TURNS: turns per
 # session (default 4).
+# CONFIG: a router config file for `tandem up --config` (its decode pool's
+# policy and params); then POLICIES only names the runs.
 # WORKER_ARGS: more worker flags for every policy's cluster (e.g.
 # "--max-batched-tokens=256"), passed as --worker-arg=FLAG each.
 #
@@ -97,7 +99,9 @@ trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for policy in $policies; do
   run="$out/$policy"
   mkdir -p "$run"
-  "$bin" up $up_flags --aggregated "$workers" --policy "$policy" --kv-cache-memory "$cache" \
+  policy_flags=(--policy "$policy")
+  [[ -n ${CONFIG:-} ]] && policy_flags=(--config "$CONFIG")
+  "$bin" up $up_flags --aggregated "$workers" "${policy_flags[@]}" --kv-cache-memory "$cache" \
     --port 0 --ready-file "$run/url" --run-dir "$run" --worker-threads 1 > "$run/up.log" 2>&1 &
   up=$!
   for _ in $(seq 600); do [[ -s "$run/url" ]] && break; sleep 0.1; done

@@ -2,7 +2,8 @@
 // channel and stub, the worker's health state (active checks plus passive
 // ejection on transport failures), the last LoadReport and ModelInfo the
 // worker sent, and the router's own accounting of what it has in flight
-// there (requests and prompt tokens not yet prefilled), which the routing
+// there (requests, and prompt tokens not yet prefilled that the policy did
+// not expect the worker to hold in its cache), which the routing
 // policies read through View().
 //
 // Health state machine (Envoy's active health checking with outlier
@@ -90,8 +91,8 @@ class WorkerClient {
 };
 
 // One request's presence on a worker, for the router's accounting: counts a
-// request in flight and its prompt tokens as pending prefill from
-// construction; PrefillDone() when the first token arrives; everything is
+// request in flight and its prompt tokens to compute (those the policy did
+// not expect cached) as pending prefill from construction; PrefillDone() when the first token arrives; everything is
 // given back at destruction (so an error path cannot leak a count).
 class InFlight {
  public:

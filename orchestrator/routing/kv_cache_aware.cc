@@ -73,11 +73,11 @@ KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req,
   for (size_t i = 0; i < workers.size(); ++i) {
     const WorkerView& w = workers[i];
     if (!w.healthy) continue;
-    const double overlap =
-        request_blocks > 0 ? static_cast<double>(out.matched[i]) / request_blocks : 0.0;
     const int64_t scale = options_.prefill_tokens_scale > 0 ? options_.prefill_tokens_scale
                           : w.prefill_tokens_per_step > 0 ? w.prefill_tokens_per_step
                                                           : kDefaultPrefillScale;
+    const double overlap =
+        request_blocks > 0 ? static_cast<double>(out.matched[i]) / request_blocks : 0.0;
     const double prefill = std::clamp(
         static_cast<double>(w.prefill_tokens_in_flight) / static_cast<double>(scale), 0.0, 1.0);
     const double usage =
@@ -143,6 +143,10 @@ absl::StatusOr<size_t> KvCacheAwarePolicy::Pick(const RouteRequest& req,
   matched_blocks_.fetch_add(static_cast<uint64_t>(scored.matched[chosen]),
                             std::memory_order_relaxed);
   index_->RecordRouted(workers[chosen].id, scored.hashes, now);
+  if (req.cached_tokens != nullptr) {
+    *req.cached_tokens = std::min<int64_t>(scored.matched[chosen] * options_.block_size,
+                                           static_cast<int64_t>(req.tokens.size()));
+  }
   return chosen;
 }
 

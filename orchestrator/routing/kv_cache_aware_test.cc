@@ -79,6 +79,23 @@ TEST(KvCacheAwareTest, PrefersTheWorkerWithTheLongestCachedPrefix) {
   EXPECT_EQ(f.index->size(), 36u);
 }
 
+TEST(KvCacheAwareTest, TellsTheCallerWhatTheChosenWorkerHolds) {
+  Fixture f;
+  const auto prompt = Prompt(1, 10 * kBlock + 5);
+  HoldPrefix(*f.index, "w0", prompt, 7);
+  HoldPrefix(*f.index, "w1", prompt, 0);
+  auto workers = Workers(2);
+  int64_t cached = -1;
+  RouteRequest req{.tokens = prompt, .cached_tokens = &cached};
+  ASSERT_EQ(*f.policy->Pick(req, workers), 0u);
+  EXPECT_EQ(cached, 7 * kBlock);
+  // The holder busy enough to lose: the idle worker holds nothing.
+  workers[0].prefill_tokens_in_flight = 1 << 20;
+  workers[0].used_blocks = workers[0].total_blocks = 10;
+  ASSERT_EQ(*f.policy->Pick(req, workers), 1u);
+  EXPECT_EQ(cached, 0);
+}
+
 TEST(KvCacheAwareTest, ScoresFollowTheDocumentedFormula) {
   Fixture f({.overlap_weight = 2.0, .load_weight = 0.5, .prefill_tokens_scale = 1000});
   const auto prompt = Prompt(2, 10 * kBlock);
@@ -136,7 +153,7 @@ TEST(KvCacheAwareTest, LoadOutweighsATinyOverlap) {
 // Every new session's first turn shares a system prompt that only w0 holds.
 // w0 takes sessions while within the bound; past it they spill to w1.
 TEST(KvCacheAwareTest, AWorkerOverTheLoadBoundLosesEvenItsCachedPrefix) {
-  Fixture f;
+  Fixture f({.load_factor = 1.25});
   const auto prompt = Prompt(4, 16 * kBlock);
   HoldPrefix(*f.index, "w0", prompt, 16);
   HoldPrefix(*f.index, "w1", prompt, 0);
@@ -154,13 +171,13 @@ TEST(KvCacheAwareTest, AWorkerOverTheLoadBoundLosesEvenItsCachedPrefix) {
   EXPECT_EQ(MustPick(*f.policy, workers, prompt), 0u);
   EXPECT_EQ(f.policy->spillovers(), 1u);
   // Sampling draws from the candidates only.
-  Fixture hot({.temperature = 0.01, .seed = 1});
+  Fixture hot({.load_factor = 1.25, .temperature = 0.01, .seed = 1});
   HoldPrefix(*hot.index, "w0", prompt, 16);
   HoldPrefix(*hot.index, "w1", prompt, 0);
   workers[1].in_flight = 0;
   for (int i = 0; i < 20; ++i) EXPECT_EQ(MustPick(*hot.policy, workers, prompt), 1u);
-  // A large load_factor lets the holder keep it.
-  Fixture loose({.load_factor = 10});
+  // Without a bound (the default) the holder keeps it.
+  Fixture loose;
   HoldPrefix(*loose.index, "w0", prompt, 16);
   EXPECT_EQ(MustPick(*loose.policy, workers, prompt), 0u);
   EXPECT_EQ(loose.policy->spillovers(), 0u);

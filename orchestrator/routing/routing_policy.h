@@ -40,7 +40,7 @@ namespace tandem::router {
 struct WorkerView {
   std::string id;                        // the worker's address; unique in a snapshot
   int in_flight = 0;                     // requests the router has in flight there
-  int64_t prefill_tokens_in_flight = 0;  // prompt tokens not yet prefilled there
+  int64_t prefill_tokens_in_flight = 0;  // prompt tokens to compute there (not expected cached)
   int64_t used_blocks = 0;               // KV blocks in use, as last reported
   int64_t total_blocks = 0;              // KV pool size in blocks
   int64_t prefill_tokens_per_step = 0;   // the worker's step budget (ModelInfo); 0 if unknown
@@ -50,6 +50,10 @@ struct WorkerView {
 struct RouteRequest {
   std::span<const int32_t> tokens;  // prompt token ids; the caller keeps them alive
   std::string session_id;           // empty if the client sent none
+  // Out, when set: a policy that knows how many leading prompt tokens the
+  // chosen worker holds in its cache writes them here (kv_cache_aware);
+  // others leave it alone.
+  int64_t* cached_tokens = nullptr;
 };
 
 class RoutingPolicy {

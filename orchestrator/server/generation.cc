@@ -140,7 +140,8 @@ void Generation::AttemptLocked() {
   result_.prefill_worker =
       placement_.prefill != nullptr ? placement_.prefill->address() : placement_.decode->address();
   if (placement_.prefill == nullptr) {
-    LaunchLocked(CallKind::kAggregated, placement_.decode, request_);
+    LaunchLocked(CallKind::kAggregated, placement_.decode, request_,
+                 placement_.decode_cached_tokens);
     return;
   }
   GenerateRequest receive = request_;
@@ -152,10 +153,13 @@ void Generation::AttemptLocked() {
 
 Generation::Call* Generation::LaunchLocked(CallKind kind,
                                            const std::shared_ptr<WorkerClient>& worker,
-                                           GenerateRequest request) {
+                                           GenerateRequest request, int64_t cached_tokens) {
   request.set_request_id(absl::StrCat(options_.request_id, "-", options_.choice, "-", attempt_,
                                       kind == CallKind::kSend ? "p" : "d"));
-  const int64_t prefill_tokens = kind == CallKind::kReceive ? 0 : request.prompt_token_ids_size();
+  const int64_t prefill_tokens =
+      kind == CallKind::kReceive
+          ? 0
+          : std::max<int64_t>(0, request.prompt_token_ids_size() - cached_tokens);
   auto* call =
       new Call(shared_from_this(), kind, attempt_, worker, std::move(request), prefill_tokens);
   calls_.push_back(call);
@@ -197,7 +201,8 @@ void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
           kv->set_reservation_id(msg.reservation().reservation_id());
           kv->set_decode_cached_tokens(msg.reservation().cached_tokens());
           kv->set_decode_instance_id(msg.reservation().instance_id());
-          LaunchLocked(CallKind::kSend, placement_.prefill, std::move(send));
+          LaunchLocked(CallKind::kSend, placement_.prefill, std::move(send),
+                       placement_.prefill_cached_tokens);
           break;
         }
         std::span<const TokenOutput> rest = tokens;

@@ -54,6 +54,10 @@ namespace tandem::router {
 struct Placement {
   std::shared_ptr<WorkerClient> prefill;  // null: aggregated on `decode`
   std::shared_ptr<WorkerClient> decode;   // never null
+  // Prompt tokens the policy expects each worker to find cached (0 when it
+  // cannot tell): the rest count as that worker's pending prefill.
+  int64_t prefill_cached_tokens = 0;
+  int64_t decode_cached_tokens = 0;
   // Disaggregation was wanted but the attempt runs aggregated (no healthy
   // prefill worker, or mode auto chose a local prefill).
   bool local_prefill = false;
@@ -131,8 +135,11 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // Starts the calls launched under the lock (gRPC may run a reaction
   // inline, so calls start with mu_ released).
   void StartLaunched() ABSL_LOCKS_EXCLUDED(mu_);
+  // `cached_tokens`: of the prompt, expected cached on `worker` (not counted
+  // as its pending prefill).
   Call* LaunchLocked(CallKind kind, const std::shared_ptr<WorkerClient>& worker,
-                     tandem::v1::GenerateRequest request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                     tandem::v1::GenerateRequest request, int64_t cached_tokens = 0)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnMessage(Call* call, const tandem::v1::GenerateResponse& msg);
   void OnCallDone(Call* call, const grpc::Status& status);
   // Sends tokens to the sink (flushing the decode tokens that waited for the

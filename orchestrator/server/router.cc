@@ -1056,7 +1056,9 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
   }
   const RouterConfig& cfg = *rs->config;
   RouteRequest rr{.tokens = tokens, .session_id = call.session_id()};
-  auto pick = [&](PoolRole role) -> absl::StatusOr<std::shared_ptr<WorkerClient>> {
+  // The chosen worker, and the prompt tokens the policy expects it to hold.
+  auto pick = [&](PoolRole role, int64_t* cached_tokens)
+      -> absl::StatusOr<std::shared_ptr<WorkerClient>> {
     const Clock::time_point start = Clock::now();
     const double cpu_start = ThreadCpuSeconds();
     std::vector<std::shared_ptr<WorkerClient>> workers = cluster_.Workers(role);
@@ -1067,6 +1069,7 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
       if (exclude.count(w->address()) != 0) views.back().healthy = false;
     }
     RoutingPolicy& policy = *rs->policy[static_cast<int>(role)];
+    rr.cached_tokens = cached_tokens;
     absl::StatusOr<size_t> i = policy.Pick(rr, views);
     metrics_->decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
     metrics_->decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
@@ -1078,8 +1081,9 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
     metrics_->routed.WithLabels({PoolRoleName(role), policy.name(), workers[*i]->address()}).Inc();
     return workers[*i];
   };
-  ASSIGN_OR_RETURN(std::shared_ptr<WorkerClient> decode, pick(PoolRole::kDecode));
-  Placement p{.decode = decode};
+  int64_t decode_cached = 0;
+  ASSIGN_OR_RETURN(std::shared_ptr<WorkerClient> decode, pick(PoolRole::kDecode, &decode_cached));
+  Placement p{.decode = decode, .decode_cached_tokens = decode_cached};
   const DisaggregationMode mode = cfg.disaggregation.mode;
   if (mode == DisaggregationMode::kNever || rs->policy[0] == nullptr) return p;
   if (mode == DisaggregationMode::kAuto) {
@@ -1097,7 +1101,8 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
       return p;
     }
   }
-  absl::StatusOr<std::shared_ptr<WorkerClient>> prefill = pick(PoolRole::kPrefill);
+  absl::StatusOr<std::shared_ptr<WorkerClient>> prefill =
+      pick(PoolRole::kPrefill, &p.prefill_cached_tokens);
   if (!prefill.ok()) {
     // No prefill worker: the decode worker prefills itself (degraded, not down).
     p.local_prefill = true;
