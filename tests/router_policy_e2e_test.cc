@@ -430,5 +430,30 @@ TEST_F(RouterPolicyTest, AutoDisaggregationPrefillsLocallyWhatIsShortOrCached) {
   EXPECT_GE(r.json["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 192);
 }
 
+// Without KV events the decode pool's index learns from routing alone: what
+// auto weighs is the prefix the policy expected the worker to hold before
+// this request, not the request it has just recorded there.
+TEST_F(RouterPolicyTest, AutoDisaggregationWithoutKvEventsWeighsWhatWasRoutedBefore) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  ASSERT_NE(StartRouter({.prefill = {prefill->address()},
+                         .decode = {decode->address()},
+                         .mode = "auto",
+                         .auto_threshold_tokens = 64,
+                         .policy = "kv_cache_aware",
+                         .extra = "kv_events:\n  enabled: false\n"}),
+            nullptr);
+  // Long and new: prefilled on the prefill worker.
+  Reply r = Post("/v1/completions", Completion(PromptIds(7, 200, 0)));
+  ASSERT_EQ(r.http.status, 200) << r.http.body;
+  EXPECT_EQ(r.http.Header("x-tandem-prefill-worker"), prefill->address());
+  EXPECT_EQ(r.http.Header("x-tandem-decode-worker"), decode->address());
+  // The same document again: routed there before, so expected cached: local.
+  r = Post("/v1/completions", Completion(PromptIds(7, 200, 1)));
+  ASSERT_EQ(r.http.status, 200) << r.http.body;
+  EXPECT_EQ(r.http.Header("x-tandem-prefill-worker"), decode->address());
+}
+
 }  // namespace
 }  // namespace tandem::testing

@@ -92,8 +92,9 @@ class WorkerClient {
 
 // One request's presence on a worker, for the router's accounting: counts a
 // request in flight and its prompt tokens to compute (those the policy did
-// not expect cached) as pending prefill from construction; PrefillDone() when the first token arrives; everything is
-// given back at destruction (so an error path cannot leak a count).
+// not expect cached) as pending prefill from construction; PrefillDone()
+// when the first token arrives; everything is given back at destruction (so
+// an error path cannot leak a count).
 class InFlight {
  public:
   InFlight() = default;

@@ -20,7 +20,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/block_hash.h"
 #include "common/grpc_poller.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -57,8 +56,6 @@ struct RoutingState {
   std::shared_ptr<RoutingPolicy> policy[kNumPoolRoles];
   PolicyParams params[kNumPoolRoles];  // as created (model values injected)
   std::shared_ptr<KvIndex> index[kNumPoolRoles];
-  int block_size = 16;
-  uint64_t block_hash_seed = 0;
   int64_t max_context = 0;
   int64_t vocab_size = 0;
 };
@@ -969,8 +966,6 @@ std::shared_ptr<RoutingState> Router::Impl::BuildRouting(std::shared_ptr<const R
                                                          const RoutingState* prev) {
   auto rs = std::make_shared<RoutingState>();
   rs->config = config;
-  rs->block_size = std::max(1, info.block_size());
-  rs->block_hash_seed = info.block_hash_seed();
   rs->max_context = info.max_context_length();
   rs->vocab_size = info.vocab_size();
   RoutingPolicyRegistry registry;
@@ -983,7 +978,7 @@ std::shared_ptr<RoutingState> Router::Impl::BuildRouting(std::shared_ptr<const R
     if (pool->policy.name == "kv_cache_aware") {
       // The index must hash prompts exactly as the workers hash their blocks.
       params["block_hash_seed"] = std::to_string(info.block_hash_seed());
-      params["block_size"] = std::to_string(rs->block_size);
+      params["block_size"] = std::to_string(std::max(1, info.block_size()));
     }
     const int r = static_cast<int>(role);
     if (prev != nullptr && prev->policy[r] != nullptr &&
@@ -1049,7 +1044,6 @@ absl::Status Router::Impl::Reload() {
 
 absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<const int32_t> tokens,
                                               const std::set<std::string>& exclude) {
-  const Clock::time_point t0 = Clock::now();
   std::shared_ptr<RoutingState> rs = Routing();
   if (rs == nullptr) {
     return absl::UnavailableError("no healthy worker: none has reported the model yet");
@@ -1087,16 +1081,10 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
   const DisaggregationMode mode = cfg.disaggregation.mode;
   if (mode == DisaggregationMode::kNever || rs->policy[0] == nullptr) return p;
   if (mode == DisaggregationMode::kAuto) {
-    // The uncached part of the prompt as the decode worker holds it.
-    int64_t matched = 0;
-    if (const std::shared_ptr<KvIndex>& index = rs->index[static_cast<int>(PoolRole::kDecode)];
-        index != nullptr) {
-      const std::vector<uint64_t> hashes = HashBlocks(rs->block_hash_seed, tokens, rs->block_size);
-      for (const KvIndex::Overlap& o : index->Match(hashes, t0)) {
-        if (o.worker_id == decode->address()) matched = o.matched_blocks * rs->block_size;
-      }
-    }
-    if (static_cast<int64_t>(tokens.size()) - matched < cfg.disaggregation.auto_threshold_tokens) {
+    // The uncached part of the prompt as the decode worker holds it (the
+    // decode pool's policy says, when it knows: kv_cache_aware).
+    if (static_cast<int64_t>(tokens.size()) - decode_cached <
+        cfg.disaggregation.auto_threshold_tokens) {
       p.local_prefill = true;
       return p;
     }
