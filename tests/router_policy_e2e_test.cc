@@ -399,6 +399,44 @@ TEST_F(RouterPolicyTest, KvCacheAwareScalesLoadByEachWorkersStepBudget) {
   ExpectABackloggedHolderLosesToAnIdleWorker("", {"--max-batched-tokens", "64"});
 }
 
+// kv_cache_aware's load bound (load_factor 1.25 by default): a holder with
+// two requests in flight while the other worker has none is passed over for
+// a prompt sharing only a short prefix with it (2 blocks, under the workers'
+// 64-token step), and keeps one whose cached prefix is a step or longer.
+TEST_F(RouterPolicyTest, KvCacheAwareBoundsLoadUnlessThePrefixIsLongerThanAStep) {
+  std::vector<WorkerProcess*> w =
+      StartCluster(2, "kv_cache_aware", "", "", {"--max-batched-tokens", "64"});
+  ASSERT_EQ(w.size(), 2u);
+  // A 128-token document (8 blocks); its first 32 tokens start other prompts.
+  Reply first = Post("/v1/completions", Completion(PromptIds(6, 128, 0)));
+  ASSERT_EQ(first.http.status, 200) << first.http.body;
+  WorkerProcess* holder = DecodeWorker(first.http) == w[0]->address() ? w[0] : w[1];
+  WorkerProcess* other = holder == w[0] ? w[1] : w[0];
+  ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}",
+                            [](double v) { return v >= 8; }));
+  std::vector<std::future<Reply>> hung;
+  {
+    PausedWorker paused(holder);
+    // Two questions about the document hang on the holder: 0 <= 1.25 x 1 / 2,
+    // then 1 <= 1.25 x 2 / 2.
+    EXPECT_EQ(SendUnlessHung(Completion(PromptIds(6, 128, 1)), holder, 0, hung), "");
+    EXPECT_EQ(SendUnlessHung(Completion(PromptIds(6, 128, 2)), holder, 1, hung), "");
+    ASSERT_EQ(hung.size(), 2u);
+    // 2 > 1.25 x 3 / 2: a prompt sharing 32 tokens with the holder spills...
+    EXPECT_EQ(SendUnlessHung(Completion(PromptIds(6, 32, 3)), holder, 2, hung), other->address());
+    EXPECT_EQ(Metric(PolicyEvent("kv_cache_aware", "spillovers")), 1);
+    // ...one that finds the whole document there (128 tokens >= a step) stays.
+    EXPECT_EQ(SendUnlessHung(Completion(PromptIds(6, 128, 4)), holder, 2, hung), "");
+    EXPECT_EQ(hung.size(), 3u);
+  }
+  for (auto& f : hung) {
+    Reply r = f.get();
+    EXPECT_EQ(r.http.status, 200) << r.http.body;
+    EXPECT_EQ(DecodeWorker(r.http), holder->address());
+  }
+  EXPECT_EQ(Metric(PolicyEvent("kv_cache_aware", "spillovers")), 1);
+}
+
 TEST_F(RouterPolicyTest, AutoDisaggregationPrefillsLocallyWhatIsShortOrCached) {
   WorkerProcess* prefill = StartPrefill();
   WorkerProcess* decode = StartDecode();

@@ -33,6 +33,8 @@ absl::StatusOr<std::unique_ptr<RoutingPolicy>> KvCacheAwarePolicy::Create(
   RETURN_IF_ERROR(
       reader.Int64("prefill_tokens_scale", 1, int64_t{1} << 40, &options.prefill_tokens_scale));
   RETURN_IF_ERROR(reader.Double("load_factor", 1.0, &options.load_factor));
+  RETURN_IF_ERROR(
+      reader.Int64("keep_prefix_tokens", 1, int64_t{1} << 40, &options.keep_prefix_tokens));
   RETURN_IF_ERROR(reader.Double("temperature", 0.0, &options.temperature));
   RETURN_IF_ERROR(reader.Uint64("seed", &options.seed));
   RETURN_IF_ERROR(reader.Int64("max_blocks", 1, int64_t{1} << 31, &index_options.max_blocks));
@@ -49,6 +51,13 @@ KvCacheAwarePolicy::KvCacheAwarePolicy(Options options, std::shared_ptr<KvIndex>
   CHECK(options_.block_size >= 1) << "kv_cache_aware: block_size " << options_.block_size;
   CHECK(options_.prefill_tokens_scale >= 0) << "kv_cache_aware: prefill_tokens_scale";
   CHECK(options_.load_factor >= 1.0) << "kv_cache_aware: load_factor " << options_.load_factor;
+  CHECK(options_.keep_prefix_tokens >= 0) << "kv_cache_aware: keep_prefix_tokens";
+}
+
+int64_t KvCacheAwarePolicy::StepBudget(const WorkerView& w) const {
+  return options_.prefill_tokens_scale > 0 ? options_.prefill_tokens_scale
+         : w.prefill_tokens_per_step > 0   ? w.prefill_tokens_per_step
+                                           : kDefaultPrefillScale;
 }
 
 KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req,
@@ -73,9 +82,7 @@ KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req,
   for (size_t i = 0; i < workers.size(); ++i) {
     const WorkerView& w = workers[i];
     if (!w.healthy) continue;
-    const int64_t scale = options_.prefill_tokens_scale > 0 ? options_.prefill_tokens_scale
-                          : w.prefill_tokens_per_step > 0 ? w.prefill_tokens_per_step
-                                                          : kDefaultPrefillScale;
+    const int64_t scale = StepBudget(w);
     const double overlap =
         request_blocks > 0 ? static_cast<double>(out.matched[i]) / request_blocks : 0.0;
     const double prefill = std::clamp(
@@ -112,12 +119,26 @@ absl::StatusOr<size_t> KvCacheAwarePolicy::Pick(const RouteRequest& req,
   const double bound =
       options_.load_factor * static_cast<double>(total + 1) / static_cast<double>(healthy);
   std::vector<bool> candidate(workers.size());
+  int64_t within_matched = 0;  // the longest prefix a worker within the bound holds
+  for (size_t i = 0; i < workers.size(); ++i) {
+    if (!workers[i].healthy) continue;
+    candidate[i] = workers[i].in_flight <= bound;
+    if (candidate[i]) within_matched = std::max(within_matched, scored.matched[i]);
+  }
+  // An over-bound worker stays a candidate when the prefix it caches beyond
+  // every worker within the bound would take a step or more to recompute
+  // there: more than the queueing the bound avoids.
+  for (size_t i = 0; i < workers.size(); ++i) {
+    if (!workers[i].healthy || candidate[i]) continue;
+    const int64_t keep = options_.keep_prefix_tokens > 0 ? options_.keep_prefix_tokens
+                                                         : StepBudget(workers[i]);
+    candidate[i] = (scored.matched[i] - within_matched) * options_.block_size >= keep;
+  }
   double best = -std::numeric_limits<double>::infinity();
   double best_healthy = best;
   for (size_t i = 0; i < workers.size(); ++i) {
     if (!workers[i].healthy) continue;
     best_healthy = std::max(best_healthy, scored.scores[i]);
-    candidate[i] = workers[i].in_flight <= bound;
     if (candidate[i]) best = std::max(best, scored.scores[i]);
   }
   if (best < best_healthy - kTieEpsilon) spillovers_.fetch_add(1, std::memory_order_relaxed);

@@ -34,18 +34,25 @@
 // the worker to hold (RouteRequest::cached_tokens), until their first
 // token. A fully cached history does not count as a backlog.
 //
-// Bounded load (opt-in, `load_factor`), as in prefix_aware: a worker is a
-// candidate only if its in_flight <= load_factor * (T + 1) / h, with T the
-// requests in flight on the h healthy workers (the least loaded worker
-// always is). A prefix every session shares (one application's system
-// prompt) that only one worker holds scores there as a large overlap
-// against an idle worker: that worker takes new sessions until its load
-// term outweighs the overlap, and their later turns stay for their
-// histories. On two workers a bound of 1.25 lets one take a second request
-// while the other has none, not a third. Off by default: with ~1 request in flight per worker (8 simulated
-// workers, 4k-token shared prefixes) a bound of 1.25 makes a holder with 2
-// spill, and the misses cost more than the queueing (hit rate 88% -> 71%,
-// TTFT p90 103 -> 285 ms).
+// Bounded load (`load_factor`, default 1.25, as in prefix_aware): a worker
+// is a candidate only if its in_flight <= load_factor * (T + 1) / h, with T
+// the requests in flight on the h healthy workers (the least loaded worker
+// always is), or if it caches at least `keep_prefix_tokens` more of the
+// prompt than every worker within the bound (default: its step budget).
+// Without a bound, a prefix every session shares (one application's system
+// prompt) that only one worker holds scores there as a large overlap against
+// an idle worker: that worker takes new sessions until its load term
+// outweighs the overlap, their later turns stay for their histories, and on
+// two CPU workers four sessions piled onto one while the other idled (TTFT
+// p90 1.1 s). On two workers the bound lets one take a second request while
+// the other has none, not a third. The exemption keeps what the bound would
+// waste: recomputing a prefix shorter than one step elsewhere costs at most
+// about one engine step, about what waiting behind one more request costs;
+// a longer one costs more than the queueing the bound avoids. With ~1
+// request in flight per worker (8 simulated workers, 4k-token shared
+// prefixes), the bound alone sent a holder's second concurrent request
+// elsewhere (hit rate 88% -> 71%); with the exemption it keeps it. A large
+// load_factor (1e9) turns the bound off.
 //
 // temperature 0 (default): the highest score wins, ties (within 1e-9) taken
 // in turn, so cold requests to an idle cluster spread round robin.
@@ -64,7 +71,8 @@
 // Parameters: `block_hash_seed` (uint64, default 0), `block_size` (default
 // 16), `overlap_weight` (>= 0, default 1), `load_weight` (>= 0, default 1),
 // `prefill_tokens_scale` (>= 1; default: each worker's step budget),
-// `load_factor` (>= 1; default: no bound), `temperature` (>= 0, default 0),
+// `load_factor` (>= 1, default 1.25), `keep_prefix_tokens` (>= 1; default:
+// each worker's step budget), `temperature` (>= 0, default 0),
 // `seed` (uint64, the sampling generator's;
 // random if absent), `max_blocks` (default 2^20) and `ttl_s` (integer
 // seconds, default 120) for the index.
@@ -104,7 +112,11 @@ class KvCacheAwarePolicy : public RoutingPolicy {
     // Prefill backlog that counts as fully loaded; 0: each worker's step
     // budget (WorkerView::prefill_tokens_per_step), else kDefaultPrefillScale.
     int64_t prefill_tokens_scale = 0;
-    double load_factor = std::numeric_limits<double>::infinity();  // in_flight bound; inf: none
+    double load_factor = 1.25;  // in_flight bound (inf: none)
+    // A worker over the bound still takes a request whose prompt it caches
+    // this many tokens beyond every worker within the bound; 0: its step
+    // budget (as prefill_tokens_scale).
+    int64_t keep_prefix_tokens = 0;
     double temperature = 0.0;             // 0: argmax; > 0: softmax sampling
     uint64_t seed = 0;                    // sampling generator's seed
   };
@@ -153,6 +165,9 @@ class KvCacheAwarePolicy : public RoutingPolicy {
     std::vector<int64_t> matched;   // per worker
     std::vector<uint64_t> hashes;   // the request's block hashes
   };
+  // The prompt tokens one engine step of `w` computes (prefill_tokens_scale
+  // overrides; kDefaultPrefillScale when it reports none).
+  int64_t StepBudget(const WorkerView& w) const;
   Scored Score(const RouteRequest& req, std::span<const WorkerView> workers,
                std::chrono::steady_clock::time_point now);
 

@@ -153,7 +153,7 @@ TEST(KvCacheAwareTest, LoadOutweighsATinyOverlap) {
 // Every new session's first turn shares a system prompt that only w0 holds.
 // w0 takes sessions while within the bound; past it they spill to w1.
 TEST(KvCacheAwareTest, AWorkerOverTheLoadBoundLosesEvenItsCachedPrefix) {
-  Fixture f({.load_factor = 1.25});
+  Fixture f;  // load_factor 1.25 by default
   const auto prompt = Prompt(4, 16 * kBlock);
   HoldPrefix(*f.index, "w0", prompt, 16);
   HoldPrefix(*f.index, "w1", prompt, 0);
@@ -176,11 +176,55 @@ TEST(KvCacheAwareTest, AWorkerOverTheLoadBoundLosesEvenItsCachedPrefix) {
   HoldPrefix(*hot.index, "w1", prompt, 0);
   workers[1].in_flight = 0;
   for (int i = 0; i < 20; ++i) EXPECT_EQ(MustPick(*hot.policy, workers, prompt), 1u);
-  // Without a bound (the default) the holder keeps it.
-  Fixture loose;
+  // Without a bound the holder keeps it.
+  Fixture loose({.load_factor = 1e9});
   HoldPrefix(*loose.index, "w0", prompt, 16);
   EXPECT_EQ(MustPick(*loose.policy, workers, prompt), 0u);
   EXPECT_EQ(loose.policy->spillovers(), 0u);
+}
+
+// A worker over the bound keeps a request whose cached prefix, beyond what
+// any worker within the bound holds, is at least one step of its prefill.
+TEST(KvCacheAwareTest, APrefixLongerThanAStepOutweighsTheLoadBound) {
+  const auto prompt = Prompt(5, 40 * kBlock);
+  auto workers = Workers(2);
+  for (WorkerView& w : workers) w.prefill_tokens_per_step = 16 * kBlock;
+  workers[0].in_flight = 2;  // over 1.25 * 3 / 2
+  {
+    Fixture f;
+    HoldPrefix(*f.index, "w0", prompt, 16);  // a step's worth: kept
+    HoldPrefix(*f.index, "w1", prompt, 0);
+    EXPECT_EQ(MustPick(*f.policy, workers, prompt), 0u);
+    EXPECT_EQ(f.policy->spillovers(), 0u);
+  }
+  {
+    Fixture f;
+    HoldPrefix(*f.index, "w0", prompt, 15);  // a block short of it: spills
+    HoldPrefix(*f.index, "w1", prompt, 0);
+    EXPECT_EQ(MustPick(*f.policy, workers, prompt), 1u);
+    EXPECT_EQ(f.policy->spillovers(), 1u);
+  }
+  {
+    Fixture f;
+    // What counts is the lead over the workers within the bound: 20 - 8.
+    HoldPrefix(*f.index, "w0", prompt, 20);
+    HoldPrefix(*f.index, "w1", prompt, 8);
+    EXPECT_EQ(MustPick(*f.policy, workers, prompt), 1u);
+  }
+  {
+    // keep_prefix_tokens sets the length for every worker.
+    Fixture f({.keep_prefix_tokens = 12 * kBlock});
+    HoldPrefix(*f.index, "w0", prompt, 20);
+    HoldPrefix(*f.index, "w1", prompt, 8);
+    EXPECT_EQ(MustPick(*f.policy, workers, prompt), 0u);
+  }
+  {
+    // prefill_tokens_scale stands in for every worker's step budget.
+    Fixture f({.prefill_tokens_scale = 8 * kBlock});
+    HoldPrefix(*f.index, "w0", prompt, 10);
+    HoldPrefix(*f.index, "w1", prompt, 0);
+    EXPECT_EQ(MustPick(*f.policy, workers, prompt), 0u);
+  }
 }
 
 TEST(KvCacheAwareTest, ColdRequestsOnAnIdleClusterTakeTurns) {

@@ -155,6 +155,7 @@ TEST(RoutingPolicyRegistryTest, BadParametersNameTheParameterAndThePolicy) {
       {"kv_cache_aware", "overlap_weigth", "1"},  // typo
       {"kv_cache_aware", "load_factor", "0.9"},     // below 1
       {"kv_cache_aware", "prefill_tokens_scale", "0"},
+      {"kv_cache_aware", "keep_prefix_tokens", "0"},
   };
   for (const Case& c : cases) {
     auto policy = registry.Create(c.policy, {{c.key, c.value}});
@@ -179,7 +180,7 @@ TEST(RoutingPolicyRegistryTest, GoodParametersAreAccepted) {
                           {{"block_hash_seed", "12345"}, {"block_size", "64"},
                            {"overlap_weight", "2"}, {"load_weight", "0.5"},
                            {"prefill_tokens_scale", "4096"}, {"load_factor", "1.5"},
-                           {"temperature", "0.1"},
+                           {"keep_prefix_tokens", "512"}, {"temperature", "0.1"},
                            {"seed", "3"}, {"max_blocks", "1000"}, {"ttl_s", "30"}})
                   .ok());
 }
