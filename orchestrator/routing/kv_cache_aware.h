@@ -115,7 +115,7 @@ class KvCacheAwarePolicy : public RoutingPolicy {
     double load_factor = 1.25;  // in_flight bound (inf: none)
     // A worker over the bound still takes a request whose prompt it caches
     // this many tokens beyond every worker within the bound; 0: its step
-    // budget (as prefill_tokens_scale).
+    // budget (StepBudget: prefill_tokens_scale when set).
     int64_t keep_prefix_tokens = 0;
     double temperature = 0.0;             // 0: argmax; > 0: softmax sampling
     uint64_t seed = 0;                    // sampling generator's seed
