@@ -105,19 +105,14 @@ std::vector<double> KvCacheAwarePolicy::Scores(const RouteRequest& req,
 
 absl::StatusOr<size_t> KvCacheAwarePolicy::Pick(const RouteRequest& req,
                                                 std::span<const WorkerView> workers) {
-  const size_t healthy = routing_internal::CountHealthy(workers);
-  if (healthy == 0) return routing_internal::NoHealthyWorker(name(), workers.size());
+  if (routing_internal::CountHealthy(workers) == 0) {
+    return routing_internal::NoHealthyWorker(name(), workers.size());
+  }
   const auto now = now_();
   const Scored scored = Score(req, workers, now);
 
-  // Candidates: healthy workers within the load bound. The least loaded
-  // healthy worker is at or under the average, so there is always one.
-  int64_t total = 0;
-  for (const WorkerView& w : workers) {
-    if (w.healthy) total += w.in_flight;
-  }
-  const double bound =
-      options_.load_factor * static_cast<double>(total + 1) / static_cast<double>(healthy);
+  // Candidates: healthy workers within the load bound (there is always one).
+  const double bound = routing_internal::LoadBound(workers, options_.load_factor);
   std::vector<bool> candidate(workers.size());
   int64_t within_matched = 0;  // the longest prefix a worker within the bound holds
   for (size_t i = 0; i < workers.size(); ++i) {

@@ -24,6 +24,18 @@ size_t NthHealthy(std::span<const WorkerView> workers, size_t k) {
   return 0;
 }
 
+double LoadBound(std::span<const WorkerView> workers, double load_factor) {
+  size_t healthy = 0;
+  int64_t total = 0;
+  for (const WorkerView& w : workers) {
+    if (!w.healthy) continue;
+    ++healthy;
+    total += w.in_flight;
+  }
+  CHECK(healthy > 0) << "LoadBound: no healthy worker";
+  return load_factor * static_cast<double>(total + 1) / static_cast<double>(healthy);
+}
+
 absl::Status NoHealthyWorker(absl::string_view policy, size_t num_workers) {
   return absl::UnavailableError(absl::StrCat(policy, ": no healthy worker among ", num_workers));
 }

@@ -1,6 +1,6 @@
 // Helpers shared by the routing policies' implementations: the health
-// filter, the "no healthy worker" error and a checked reader of
-// PolicyParams. Internal to orchestrator/routing; not for other modules.
+// filter, the load bound, the "no healthy worker" error and a checked reader
+// of PolicyParams. Internal to orchestrator/routing; not for other modules.
 //
 // Thread safety: the free functions are pure. A ParamReader belongs to one
 // thread (it is used once, while a policy is created).
@@ -24,6 +24,13 @@ size_t CountHealthy(std::span<const WorkerView> workers);
 // Index into `workers` of the k-th healthy worker (0-based).
 // REQUIRES: k < CountHealthy(workers).
 size_t NthHealthy(std::span<const WorkerView> workers, size_t k);
+
+// Bounded load (consistent hashing with bounded loads): the most requests in
+// flight a worker may have and still be a candidate, load_factor x (T + 1) /
+// h with T the requests in flight on the h healthy workers. The least loaded
+// healthy worker is at or under the average, so always within it.
+// REQUIRES: CountHealthy(workers) > 0.
+double LoadBound(std::span<const WorkerView> workers, double load_factor);
 
 // Unavailable, naming the policy and how many workers there were.
 absl::Status NoHealthyWorker(absl::string_view policy, size_t num_workers);

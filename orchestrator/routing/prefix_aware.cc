@@ -57,15 +57,10 @@ std::shared_ptr<const PrefixAwarePolicy::Ring> PrefixAwarePolicy::RingFor(
 
 absl::StatusOr<size_t> PrefixAwarePolicy::Pick(const RouteRequest& req,
                                                std::span<const WorkerView> workers) {
-  size_t healthy = 0;
-  int64_t total = 0;
-  for (const WorkerView& w : workers) {
-    if (!w.healthy) continue;
-    ++healthy;
-    total += w.in_flight;
+  if (routing_internal::CountHealthy(workers) == 0) {
+    return routing_internal::NoHealthyWorker(name(), workers.size());
   }
-  if (healthy == 0) return routing_internal::NoHealthyWorker(name(), workers.size());
-  const double bound = options_.load_factor * static_cast<double>(total + 1) / healthy;
+  const double bound = routing_internal::LoadBound(workers, options_.load_factor);
 
   const std::shared_ptr<const Ring> ring = RingFor(workers);
   const size_t prefix = std::min(req.tokens.size(), static_cast<size_t>(options_.prefix_tokens));
