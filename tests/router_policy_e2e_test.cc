@@ -112,6 +112,28 @@ class RouterPolicyTest : public RouterTest {
   void ExpectABackloggedHolderLosesToAnIdleWorker(const std::string& params,
                                                    const std::vector<std::string>& worker_args);
 
+  // The two workers of `w` after a 128-token document of `group` was read
+  // once: the one that holds it (in the router's KV index) and the other.
+  // Both null on failure (reported).
+  struct Holder {
+    WorkerProcess* holder = nullptr;
+    WorkerProcess* other = nullptr;
+  };
+  Holder CacheDocument(const std::vector<WorkerProcess*>& w, uint32_t group) {
+    Reply first = Post("/v1/completions", Completion(PromptIds(group, 128, 0)));
+    if (first.http.status != 200) {
+      ADD_FAILURE() << first.http.body;
+      return {};
+    }
+    WorkerProcess* holder = DecodeWorker(first.http) == w[0]->address() ? w[0] : w[1];
+    if (!WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}",
+                       [](double v) { return v >= 8; })) {
+      ADD_FAILURE() << "the document's 8 blocks never reached the router's index";
+      return {};
+    }
+    return {holder, holder == w[0] ? w[1] : w[0]};
+  }
+
   RouterYaml yaml_;  // StartCluster's
 };
 
@@ -365,12 +387,8 @@ void RouterPolicyTest::ExpectABackloggedHolderLosesToAnIdleWorker(
   std::vector<WorkerProcess*> w = StartCluster(
       2, "kv_cache_aware", absl::StrCat("        overlap_weight: 0.1\n", params), "", worker_args);
   ASSERT_EQ(w.size(), 2u);
-  Reply first = Post("/v1/completions", Completion(PromptIds(3, 128, 0)));
-  ASSERT_EQ(first.http.status, 200) << first.http.body;
-  WorkerProcess* holder = DecodeWorker(first.http) == w[0]->address() ? w[0] : w[1];
-  WorkerProcess* other = holder == w[0] ? w[1] : w[0];
-  ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}",
-                            [](double v) { return v >= 8; }));
+  const auto [holder, other] = CacheDocument(w, 3);
+  ASSERT_NE(holder, nullptr);
   // Without load, the holder wins the document's questions.
   Reply warm = Post("/v1/completions", Completion(PromptIds(3, 128, 1)));
   EXPECT_EQ(DecodeWorker(warm.http), holder->address());
@@ -408,12 +426,8 @@ TEST_F(RouterPolicyTest, KvCacheAwareBoundsLoadUnlessThePrefixIsLongerThanAStep)
       StartCluster(2, "kv_cache_aware", "", "", {"--max-batched-tokens", "64"});
   ASSERT_EQ(w.size(), 2u);
   // A 128-token document (8 blocks); its first 32 tokens start other prompts.
-  Reply first = Post("/v1/completions", Completion(PromptIds(6, 128, 0)));
-  ASSERT_EQ(first.http.status, 200) << first.http.body;
-  WorkerProcess* holder = DecodeWorker(first.http) == w[0]->address() ? w[0] : w[1];
-  WorkerProcess* other = holder == w[0] ? w[1] : w[0];
-  ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}",
-                            [](double v) { return v >= 8; }));
+  const auto [holder, other] = CacheDocument(w, 6);
+  ASSERT_NE(holder, nullptr);
   std::vector<std::future<Reply>> hung;
   {
     PausedWorker paused(holder);
