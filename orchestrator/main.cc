@@ -4,6 +4,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "orchestrator/bench/bench_command.h"
+#include "orchestrator/bench/grpc_floor.h"
 #include "orchestrator/bench/mock_server.h"
 #include "orchestrator/cli/router_command.h"
 #include "worker/cli/commands.h"
@@ -27,6 +28,7 @@ int main(int argc, char** argv) {
   tandem::worker::AddBenchCommand(*bench);
   tandem::worker::AddTransferBenchCommand(*bench);
   tandem::bench::AddMockServerCommand(*bench);
+  tandem::bench::AddGrpcFloorCommand(*bench);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -15,7 +15,10 @@
 # at a fixed concurrency). Then tandem alone over prompt sizes, with the
 # router's routing decision time from its /metrics histogram (deltas over the
 # run: mean from _sum/_count, p99 as the bucket bound the 99th percentile
-# falls under). Prints markdown tables and the ratios issue 5 asks for.
+# falls under). Then the floor: one bare streamed gRPC call per request
+# (`tandem bench grpc-floor`) at the latency runs' rate, what any router that
+# drives its workers over gRPC pays. Prints markdown tables and the ratios
+# issue 5 asks for.
 #
 # The proxy comparison sends its prompts as text (completions), so the router
 # tokenizes them as a client's text makes it (IDS=1: token ids, no tokenizer).
@@ -219,6 +222,31 @@ for prompt in ids text; do
 done
 kill -TERM "$up"; wait "$up" || true
 
+# e. the floor: one bare streamed gRPC call per request, at the latency runs'
+# rate, from the router's channel and poller to a server that answers on its
+# poller thread ("poller") or hands each call to a second thread that writes
+# ("handoff", a worker's poller and engine threads), and on the poller with
+# gRPC's minimal stack on both ends ("minimal", the leanest gRPC there is).
+# No HTTP, tokenizer, routing or engine: what any router that drives its
+# workers over gRPC pays on top of an HTTP proxy's client side.
+for mode in poller handoff minimal; do
+  flags=()
+  [[ $mode == handoff ]] && flags=(--handoff)
+  [[ $mode == minimal ]] && flags=(--minimal-stack)
+  "$bin" bench grpc-floor --serve "${flags[@]}" \
+    --ready-file "$out/floor-$mode.addr" > "$out/floor-$mode.log" 2>&1 &
+  floor=$!
+  wait_file "$out/floor-$mode.addr" "$out/floor-$mode.log" "$floor"
+  flags=()
+  [[ $mode == minimal ]] && flags=(--minimal-stack)
+  "$bin" bench grpc-floor "${flags[@]}" --target "$(cat "$out/floor-$mode.addr")" --request-rate "$rate" \
+    --num-prompts "$lat_prompts" --warmups "$warmups" --input-len "$input" --max-tokens "$output" \
+    --seed 7 --json "$out/floor-$mode.json" > "$out/floor-$mode.txt" 2>&1 \
+    || { cat "$out/floor-$mode.txt" >&2; exit 1; }
+  kill -TERM "$floor"; wait "$floor" || true
+  echo "floor-$mode: $(sed -n 2p "$out/floor-$mode.txt")" >&2
+done
+
 python3 - "$out" "$(getconf CLK_TCK)" "$input" "$output" "$rate" "$concurrency" $sizes <<'EOF'
 import json, sys
 out, hz, input_len, output_len, rate, conc = sys.argv[1], int(sys.argv[2]), *sys.argv[3:7]
@@ -300,6 +328,14 @@ for s in setups:
           f"| {'-' if s == 'direct' else '%.1f' % j['proxy_cs']} | {j['backend_ms']:.3f} | {j['backend_ticks'] / hz / dur:.2f} "
           f"| {j['client_us']:.0f} | {j['client_us'] * sent / 1e6 / dur:.2f} | {j['failed']} |")
 
+print(f"\n### The floor: one bare streamed gRPC call per request (`tandem bench grpc-floor`), {rate} req/s\n")
+print("| server | first message p50 ms | first message p90 ms | first message p99 ms | end p50 ms | end p99 ms | failed |")
+print("|---" * 7 + "|")
+for m in ("poller", "handoff", "minimal"):
+    j = json.load(open(f"{out}/floor-{m}.json"))
+    print(f"| {m} | {j['first_ms']['median']:.3f} | {j['first_ms']['p90']:.3f} | {j['first_ms']['p99']:.3f} "
+          f"| {j['end_ms']['median']:.3f} | {j['end_ms']['p99']:.3f} | {j['failed']} |")
+
 print("\n### tandem alone over prompt sizes: token ids (exact sizes), then the same prompts as text\n")
 print(f"| prompt | tokens asked | tokens routed | req/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms "
       "| router CPU ms/req | router ctx sw/req | worker CPU ms/req | client CPU us/req | decision mean us "
@@ -333,6 +369,14 @@ for m, label in (("e2e_ms", "e2e"), ("ttft_ms", "TTFT")):
     print(f"- added {label} p50, tandem / nginx: {ta:.3f} / {na:.3f} ms = {ratio(ta, na)}")
 print(f"- proxy CPU per request, tandem router / nginx: {t['proxy_ms']:.3f} / {n['proxy_ms']:.3f} ms = "
       f"{ratio(t['proxy_ms'], n['proxy_ms'])} (sim worker apart: {t['backend_ms']:.3f} ms/req)")
+fl = {m: json.load(open(f"{out}/floor-{m}.json")) for m in ("poller", "handoff", "minimal")}
+for q, name in (("p99", "p99"), ("median", "p50")):
+    ta, na = t["ttft_ms"][q] - d["ttft_ms"][q], n["ttft_ms"][q] - d["ttft_ms"][q]
+    f = fl["poller"]["first_ms"][q]
+    print(f"- the floor: a bare gRPC call's first message at {name} {f:.3f} ms = {ratio(f, na)}x nginx's "
+          f"added TTFT {name} ({na:.3f} ms); tandem's added TTFT {name} {ta:.3f} ms = {ratio(ta, f)}x the floor "
+          f"(with a writer thread's hand-off: {fl['handoff']['first_ms'][q]:.3f} ms; gRPC's minimal stack: "
+          f"{fl['minimal']['first_ms'][q]:.3f} ms = {ratio(fl['minimal']['first_ms'][q], na)}x nginx's)")
 st, sn = sat["tandem"]["request_throughput"], sat["nginx"]["request_throughput"]
 print(f"- saturation throughput, tandem / nginx: {st:.0f} / {sn:.0f} req/s = {ratio(st, sn)} "
       f"(direct: {sat['direct']['request_throughput']:.0f} req/s)")

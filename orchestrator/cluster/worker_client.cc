@@ -6,7 +6,7 @@
 
 namespace tandem::router {
 
-WorkerClient::WorkerClient(std::string address) : address_(std::move(address)) {
+grpc::ChannelArguments WorkerClient::ChannelArgs() {
   grpc::ChannelArguments args;
   // gRPC's default reconnect backoff grows to 120 s: a worker restarted after
   // a crash would stay unreachable for minutes. Health checks run every few
@@ -23,8 +23,12 @@ WorkerClient::WorkerClient(std::string address) : address_(std::move(address)) {
   // probe, to grow a flow-control window that small token messages never
   // fill.
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  return args;
+}
+
+WorkerClient::WorkerClient(std::string address) : address_(std::move(address)) {
   stub_ = tandem::v1::Worker::NewStub(
-      grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args));
+      grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), ChannelArgs()));
 }
 
 bool WorkerClient::RecordCheck(bool ok, const HealthConfig& config) {

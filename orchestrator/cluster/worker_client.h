@@ -22,6 +22,8 @@
 #ifndef TANDEM_ORCHESTRATOR_CLUSTER_WORKER_CLIENT_H_
 #define TANDEM_ORCHESTRATOR_CLUSTER_WORKER_CLIENT_H_
 
+#include <grpcpp/support/channel_arguments.h>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -41,6 +43,9 @@ class WorkerClient {
   // Creates the channel (insecure; connects lazily). Reconnection backoff is
   // capped at a second or two so a restarted worker is back quickly.
   explicit WorkerClient(std::string address);
+
+  // The arguments of every channel to a worker.
+  static grpc::ChannelArguments ChannelArgs();
   WorkerClient(const WorkerClient&) = delete;
   WorkerClient& operator=(const WorkerClient&) = delete;
 
