@@ -62,17 +62,20 @@ class FloorCall;
 class Writer {
  public:
   Writer() : thread_([this] { Run(); }) {}
-  ~Writer() {
+  ~Writer() { Stop(); }
+  // Ends the thread; calls posted after it are dropped.
+  void Stop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
     }
     cv_.notify_one();
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
   void Post(FloorCall* call) {
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
       calls_.push_back(call);
     }
     cv_.notify_one();
@@ -181,18 +184,21 @@ absl::Status Serve(const FloorOptions& opt) {
     return absl::UnavailableError(absl::StrFormat("cannot listen on %s:%d", opt.host, opt.port));
   }
   std::unique_ptr<Writer> writer = opt.handoff ? std::make_unique<Writer>() : nullptr;
+  absl::Status status;
   {
     GrpcPoller poller(cq.get());
     new FloorCall(&service, cq.get(), writer.get());
     const std::string address = absl::StrFormat("%s:%d", opt.host, port);
     LOG(INFO) << "grpc-floor: serving Generate on " << address
               << (opt.handoff ? " (handing each call to a writer thread)" : " (on the poller)");
-    if (!opt.ready_file.empty())
-      RETURN_IF_ERROR(WriteFileAtomically(opt.ready_file, address + "\n"));
-    WaitForSignal();
+    if (!opt.ready_file.empty()) status = WriteFileAtomically(opt.ready_file, address + "\n");
+    if (status.ok()) WaitForSignal();
+    // The writer stops first: no write starts on a queue being shut down (a
+    // call handed to it from now on is dropped with the process).
+    if (writer != nullptr) writer->Stop();
     server->Shutdown();
-  }  // the poller drains the queue: every call is deleted
-  return absl::OkStatus();
+  }  // the poller drains the queue: every call in it is deleted
+  return status;
 }
 
 // ---- The client ----------------------------------------------------------
