@@ -40,6 +40,9 @@ overhead = open(f"{out}/overhead.txt").read()
 for pattern, name, target in (
         (r"added e2e p99, tandem / nginx: .*? ms = (\S+)", "added e2e p99, tandem / nginx", "<= 1.5"),
         (r"added TTFT p99, tandem / nginx: .*? ms = (\S+)", "added TTFT p99, tandem / nginx", "<= 1.5"),
+        (r"the floor: a bare gRPC call's first message at p99 \S+ ms = (\S+)x nginx's",
+         "floor: one bare gRPC call's p99 / nginx's added TTFT p99", "(any gRPC router pays it)"),
+        (r"tandem's added TTFT p99 \S+ ms = (\S+)x the floor", "tandem's added TTFT p99 / the floor", "-"),
         (r"proxy CPU per request, tandem router / nginx: .*? ms = (\S+)", "CPU per request, tandem / nginx", "-"),
         (r"saturation throughput, tandem / nginx: .*? req/s = (\S+)", "saturation throughput, tandem / nginx", "-"),
         (r"routing decision p99 at 8k tokens: (in \([^)]*\] us)", "routing decision p99 at 8k tokens", "< 100 us"),
