@@ -360,6 +360,10 @@ def ratio(a, b):
     # An added latency at or below zero is within this run's noise: no ratio.
     return f"{a / b:.2f}" if a > 0 and b > 0 else "n/a (an added latency <= 0: below this run's noise)"
 
+def times(a, b):
+    r = ratio(a, b)
+    return r + "x" if not r.startswith("n/a") else r
+
 t, n = lat["tandem"], lat["nginx"]
 print("\n### Ratios\n")
 for m, label in (("e2e_ms", "e2e"), ("ttft_ms", "TTFT")):
@@ -373,10 +377,10 @@ fl = {m: json.load(open(f"{out}/floor-{m}.json")) for m in ("poller", "handoff",
 for q, name in (("p99", "p99"), ("median", "p50")):
     ta, na = t["ttft_ms"][q] - d["ttft_ms"][q], n["ttft_ms"][q] - d["ttft_ms"][q]
     f = fl["poller"]["first_ms"][q]
-    print(f"- the floor: a bare gRPC call's first message at {name} {f:.3f} ms = {ratio(f, na)}x nginx's "
-          f"added TTFT {name} ({na:.3f} ms); tandem's added TTFT {name} {ta:.3f} ms = {ratio(ta, f)}x the floor "
+    print(f"- the floor: a bare gRPC call's first message at {name} {f:.3f} ms = {times(f, na)} nginx's "
+          f"added TTFT {name} ({na:.3f} ms); tandem's added TTFT {name} {ta:.3f} ms = {times(ta, f)} the floor "
           f"(with a writer thread's hand-off: {fl['handoff']['first_ms'][q]:.3f} ms; gRPC's minimal stack: "
-          f"{fl['minimal']['first_ms'][q]:.3f} ms = {ratio(fl['minimal']['first_ms'][q], na)}x nginx's)")
+          f"{fl['minimal']['first_ms'][q]:.3f} ms = {times(fl['minimal']['first_ms'][q], na)} nginx's)")
 st, sn = sat["tandem"]["request_throughput"], sat["nginx"]["request_throughput"]
 print(f"- saturation throughput, tandem / nginx: {st:.0f} / {sn:.0f} req/s = {ratio(st, sn)} "
       f"(direct: {sat['direct']['request_throughput']:.0f} req/s)")

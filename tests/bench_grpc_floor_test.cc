@@ -155,6 +155,30 @@ TEST_F(GrpcFloorTest, StopsWithStatusZeroOnSigterm) {
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
 }
 
+TEST_F(GrpcFloorTest, StopsOnSigtermWhileAClientKeepsItsConnection) {
+  const std::string addr = Serve({"--handoff"});
+  ASSERT_FALSE(addr.empty());
+  auto stub =
+      tandem::v1::Worker::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 3; ++i) {
+    tandem::v1::GenerateRequest req;
+    req.add_prompt_token_ids(1);
+    req.mutable_sampling()->set_max_tokens(2);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    auto reader = stub->Generate(&ctx, req);
+    tandem::v1::GenerateResponse m;
+    while (reader->Read(&m)) {
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  // The channel stays open.
+  server_->Signal(SIGTERM);
+  absl::StatusOr<int> status = server_->Wait(std::chrono::seconds(15));
+  ASSERT_TRUE(status.ok()) << "grpc-floor did not stop after SIGTERM";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
+}
+
 TEST_F(GrpcFloorTest, BadFlagsAreClearErrors) {
   std::string out;
   json j;
@@ -164,6 +188,10 @@ TEST_F(GrpcFloorTest, BadFlagsAreClearErrors) {
   EXPECT_THAT(out, HasSubstr("--max-tokens"));
   EXPECT_NE(Measure("127.0.0.1:1", "--request-rate 0", &out, &j), 0);
   EXPECT_THAT(out, HasSubstr("--request-rate"));
+  EXPECT_NE(RunCommand(bin_ + " bench grpc-floor --handoff --target 127.0.0.1:1", &out), 0);
+  EXPECT_THAT(out, HasSubstr("--handoff requires --serve"));
+  EXPECT_NE(RunCommand(bin_ + " bench grpc-floor --serve --target 127.0.0.1:1", &out), 0);
+  EXPECT_THAT(out, HasSubstr("excludes"));
   EXPECT_NE(RunCommand(bin_ + " bench grpc-floor --serve --host 999.1.1.1", &out), 0);
   EXPECT_THAT(out, HasSubstr("999.1.1.1"));
 }

@@ -37,20 +37,20 @@ using tandem::v1::GenerateRequest;
 using tandem::v1::GenerateResponse;
 
 struct FloorOptions {
-  bool serve = false;
-  std::string host = "127.0.0.1";
-  int port = 0;
-  std::string ready_file;
-  bool handoff = false;
-  bool minimal_stack = false;
-  std::string target;
-  double request_rate = 50;
-  int num_prompts = 400;
-  int warmups = 20;
-  int input_len = 128;
-  int max_tokens = 16;
-  uint64_t seed = 0;
-  std::string json;
+  bool serve = false;              // run the server, not the client
+  std::string host = "127.0.0.1";  // server: the address to listen on
+  int port = 0;                    // server: 0 picks a free port
+  std::string ready_file;          // server: host:port is written here once listening
+  bool handoff = false;            // server: first writes come from a second thread
+  bool minimal_stack = false;      // both: gRPC's minimal stack, latency target
+  std::string target;              // client: the server's host:port
+  double request_rate = 50;        // client: calls per second (Poisson), or inf
+  int num_prompts = 400;           // client: calls measured
+  int warmups = 20;                // client: calls before the measured ones
+  int input_len = 128;             // client: prompt token ids per call
+  int max_tokens = 16;             // client: tokens each call streams back
+  uint64_t seed = 0;               // client: arrivals and prompt
+  std::string json;                // client: results file (ms), if set
 };
 
 // ---- The server ----------------------------------------------------------
@@ -63,7 +63,8 @@ class Writer {
  public:
   Writer() : thread_([this] { Run(); }) {}
   ~Writer() { Stop(); }
-  // Ends the thread; calls posted after it are dropped.
+  // Writes what was posted, then ends the thread. Post refuses calls from
+  // then on.
   void Stop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -72,13 +73,15 @@ class Writer {
     cv_.notify_one();
     if (thread_.joinable()) thread_.join();
   }
-  void Post(FloorCall* call) {
+  // Queues `call` for the thread; false once stopping (the caller writes).
+  bool Post(FloorCall* call) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stop_) return;
+      if (stop_) return false;
       calls_.push_back(call);
     }
     cv_.notify_one();
+    return true;
   }
 
  private:
@@ -114,11 +117,7 @@ class FloorCall {
       return;
     }
     new FloorCall(service_, cq_, writer_);  // the next one
-    if (writer_ != nullptr) {
-      writer_->Post(this);
-    } else {
-      WriteFirst();
-    }
+    if (writer_ == nullptr || !writer_->Post(this)) WriteFirst();
   }
 
   void OnOpDone(bool ok) {
@@ -157,7 +156,7 @@ void Writer::Run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     cv_.wait(lock, [&] { return stop_ || !calls_.empty(); });
-    if (stop_) return;
+    if (calls_.empty()) return;  // stopping, and nothing left to write
     FloorCall* call = calls_.front();
     calls_.pop_front();
     lock.unlock();
@@ -193,11 +192,13 @@ absl::Status Serve(const FloorOptions& opt) {
               << (opt.handoff ? " (handing each call to a writer thread)" : " (on the poller)");
     if (!opt.ready_file.empty()) status = WriteFileAtomically(opt.ready_file, address + "\n");
     if (status.ok()) WaitForSignal();
-    // The writer stops first: no write starts on a queue being shut down (a
-    // call handed to it from now on is dropped with the process).
+    // The writer writes what it holds and stops: calls accepted from now on
+    // are written on the poller. Calls still running get half a second, then
+    // are cancelled (as a client that keeps its connection would otherwise
+    // hold Shutdown for ever); the queue shuts down only after that.
     if (writer != nullptr) writer->Stop();
-    server->Shutdown();
-  }  // the poller drains the queue: every call in it is deleted
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  }  // the poller drains the queue: every call ends and is deleted
   return status;
 }
 
@@ -208,13 +209,21 @@ struct Timing {
   bool ok = false;
 };
 
+// The calls of one RunCalls not yet ended.
+struct Pending {
+  std::mutex mu;
+  std::condition_variable cv;
+  int left = 0;  // guarded by mu
+};
+
 class FloorReader final : public GrpcReader<GenerateResponse> {
  public:
-  FloorReader(Timing* timing, int max_tokens, std::atomic<int>* left, std::mutex* mu,
-              std::condition_variable* cv)
-      : timing_(timing), max_tokens_(max_tokens), left_(left), mu_(mu), cv_(cv) {}
+  FloorReader(Timing* timing, int max_tokens, Pending* pending)
+      : timing_(timing), max_tokens_(max_tokens), pending_(pending) {}
 
   void Start(tandem::v1::Worker::Stub& stub, const GenerateRequest& request) {
+    // A server that never answers fails the call instead of hanging the run.
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     timing_->start = Clock::now();
     StartReading(stub.PrepareAsyncGenerate(&ctx_, request, GrpcPoller::Shared().cq()));
   }
@@ -233,18 +242,17 @@ class FloorReader final : public GrpcReader<GenerateResponse> {
     timing_->end = Clock::now();
     // A call counts when it streamed every token it asked for and ended.
     timing_->ok = status.ok() && finished_ && tokens_ == max_tokens_;
-    if (left_->fetch_sub(1) == 1) {
-      std::lock_guard<std::mutex> lock(*mu_);
-      cv_->notify_all();
+    {
+      // Under the lock: RunCalls (and *pending_) may end once it is released.
+      std::lock_guard<std::mutex> lock(pending_->mu);
+      if (--pending_->left == 0) pending_->cv.notify_all();
     }
     delete this;
   }
 
   Timing* const timing_;
   const int max_tokens_;
-  std::atomic<int>* const left_;
-  std::mutex* const mu_;
-  std::condition_variable* const cv_;
+  Pending* const pending_;
   grpc::ClientContext ctx_;
   bool seen_first_ = false;
   bool finished_ = false;
@@ -254,21 +262,20 @@ class FloorReader final : public GrpcReader<GenerateResponse> {
 // Runs `timings.size()` calls at the options' rate and waits for them all.
 void RunCalls(tandem::v1::Worker::Stub& stub, const GenerateRequest& request, double rate,
               uint64_t seed, std::vector<Timing>& timings) {
-  std::atomic<int> left{static_cast<int>(timings.size())};
-  std::mutex mu;
-  std::condition_variable cv;
+  Pending pending;
+  pending.left = static_cast<int>(timings.size());
   std::mt19937_64 rng(seed);
   std::exponential_distribution<double> gap(std::isfinite(rate) ? rate : 1.0);
   Clock::time_point at = Clock::now();
   for (Timing& t : timings) {
     std::this_thread::sleep_until(at);
-    (new FloorReader(&t, request.sampling().max_tokens(), &left, &mu, &cv))->Start(stub, request);
+    (new FloorReader(&t, request.sampling().max_tokens(), &pending))->Start(stub, request);
     if (std::isfinite(rate)) {
       at += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(rng)));
     }
   }
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return left.load() == 0; });
+  std::unique_lock<std::mutex> lock(pending.mu);
+  pending.cv.wait(lock, [&] { return pending.left == 0; });
 }
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
@@ -338,29 +345,37 @@ void AddGrpcFloorCommand(CLI::App& bench) {
   CLI::App* cmd = bench.add_subcommand(
       "grpc-floor",
       "The cost of one bare streamed gRPC call (no model, no router): --serve, then a client");
-  cmd->add_flag("--serve", opt->serve, "Serve Generate (instant answers) instead of calling");
-  cmd->add_option("--host", opt->host, "--serve: address to listen on")->capture_default_str();
-  cmd->add_option("--port", opt->port, "--serve: port (0: pick a free one)")
-      ->check(CLI::Range(0, 65535))
-      ->capture_default_str();
-  cmd->add_option("--ready-file", opt->ready_file, "--serve: write host:port here once listening");
-  cmd->add_flag("--handoff", opt->handoff,
-                "--serve: write from a second thread, as a worker's engine thread does");
+  CLI::Option* serve =
+      cmd->add_flag("--serve", opt->serve, "Serve Generate (instant answers) instead of calling");
+  // The server's options need --serve; the client's exclude it.
+  const std::vector<CLI::Option*> server_options = {
+      cmd->add_option("--host", opt->host, "--serve: address to listen on")->capture_default_str(),
+      cmd->add_option("--port", opt->port, "--serve: port (0: pick a free one)")
+          ->check(CLI::Range(0, 65535))
+          ->capture_default_str(),
+      cmd->add_option("--ready-file", opt->ready_file,
+                      "--serve: write host:port here once listening"),
+      cmd->add_flag("--handoff", opt->handoff,
+                    "--serve: write from a second thread, as a worker's engine thread does")};
   cmd->add_flag("--minimal-stack", opt->minimal_stack,
                 "gRPC's minimal stack and latency optimization target (give it to both sides)");
-  cmd->add_option("--target", opt->target, "The server's host:port");
-  cmd->add_option("--request-rate", opt->request_rate, "Calls per second (Poisson)")
-      ->capture_default_str();
-  cmd->add_option("--num-prompts", opt->num_prompts, "Calls measured")->capture_default_str();
-  cmd->add_option("--warmups", opt->warmups, "Calls before the measured ones")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  cmd->add_option("--input-len", opt->input_len, "Prompt token ids per call")
-      ->capture_default_str();
-  cmd->add_option("--max-tokens", opt->max_tokens, "Tokens streamed back (in two messages)")
-      ->capture_default_str();
-  cmd->add_option("--seed", opt->seed, "Seed of the arrivals and prompt")->capture_default_str();
-  cmd->add_option("--json", opt->json, "Write the results (ms) here as JSON");
+  const std::vector<CLI::Option*> client_options = {
+      cmd->add_option("--target", opt->target, "The server's host:port"),
+      cmd->add_option("--request-rate", opt->request_rate, "Calls per second (Poisson), or inf")
+          ->capture_default_str(),
+      cmd->add_option("--num-prompts", opt->num_prompts, "Calls measured")->capture_default_str(),
+      cmd->add_option("--warmups", opt->warmups, "Calls before the measured ones")
+          ->check(CLI::NonNegativeNumber)
+          ->capture_default_str(),
+      cmd->add_option("--input-len", opt->input_len, "Prompt token ids per call")
+          ->capture_default_str(),
+      cmd->add_option("--max-tokens", opt->max_tokens, "Tokens streamed back (in two messages)")
+          ->capture_default_str(),
+      cmd->add_option("--seed", opt->seed, "Seed of the arrivals and prompt")
+          ->capture_default_str(),
+      cmd->add_option("--json", opt->json, "Write the results (ms) here as JSON")};
+  for (CLI::Option* o : server_options) o->needs(serve);
+  for (CLI::Option* o : client_options) o->excludes(serve);
   cmd->callback([opt] {
     worker::ExitWithStatus("bench grpc-floor", opt->serve ? Serve(*opt) : RunClient(*opt));
   });
