@@ -134,6 +134,32 @@ class RouterPolicyTest : public RouterTest {
     return {holder, holder == w[0] ? w[1] : w[0]};
   }
 
+  // A prefill and a decode worker behind a router in auto disaggregation
+  // (threshold 64 tokens, kv_cache_aware, `extra` router config). Both
+  // null on failure (reported).
+  struct AutoPair {
+    WorkerProcess* prefill = nullptr;
+    WorkerProcess* decode = nullptr;
+  };
+  AutoPair StartAutoDisaggregation(const std::string& extra = "") {
+    WorkerProcess* prefill = StartPrefill();
+    WorkerProcess* decode = StartDecode();
+    if (prefill == nullptr || decode == nullptr) {
+      ADD_FAILURE() << "a worker did not start";
+      return {};
+    }
+    if (StartRouter({.prefill = {prefill->address()},
+                     .decode = {decode->address()},
+                     .mode = "auto",
+                     .auto_threshold_tokens = 64,
+                     .policy = "kv_cache_aware",
+                     .extra = extra}) == nullptr) {
+      ADD_FAILURE() << "the router did not start";
+      return {};
+    }
+    return {prefill, decode};
+  }
+
   RouterYaml yaml_;  // StartCluster's
 };
 
@@ -454,15 +480,8 @@ TEST_F(RouterPolicyTest, KvCacheAwareBoundsLoadUnlessThePrefixIsLongerThanAStep)
 }
 
 TEST_F(RouterPolicyTest, AutoDisaggregationPrefillsLocallyWhatIsShortOrCached) {
-  WorkerProcess* prefill = StartPrefill();
-  WorkerProcess* decode = StartDecode();
+  const auto [prefill, decode] = StartAutoDisaggregation();
   ASSERT_TRUE(prefill && decode);
-  ASSERT_NE(StartRouter({.prefill = {prefill->address()},
-                         .decode = {decode->address()},
-                         .mode = "auto",
-                         .auto_threshold_tokens = 64,
-                         .policy = "kv_cache_aware"}),
-            nullptr);
   ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_workers{pool=\"decode\",mode=\"exact\"}",
                             [](double v) { return v == 1; }));
   // Short: prefilled on the decode worker.
@@ -488,16 +507,8 @@ TEST_F(RouterPolicyTest, AutoDisaggregationPrefillsLocallyWhatIsShortOrCached) {
 // auto weighs is the prefix the policy expected the worker to hold before
 // this request, not the request it has just recorded there.
 TEST_F(RouterPolicyTest, AutoDisaggregationWithoutKvEventsWeighsWhatWasRoutedBefore) {
-  WorkerProcess* prefill = StartPrefill();
-  WorkerProcess* decode = StartDecode();
+  const auto [prefill, decode] = StartAutoDisaggregation("kv_events:\n  enabled: false\n");
   ASSERT_TRUE(prefill && decode);
-  ASSERT_NE(StartRouter({.prefill = {prefill->address()},
-                         .decode = {decode->address()},
-                         .mode = "auto",
-                         .auto_threshold_tokens = 64,
-                         .policy = "kv_cache_aware",
-                         .extra = "kv_events:\n  enabled: false\n"}),
-            nullptr);
   // Long and new: prefilled on the prefill worker.
   Reply r = Post("/v1/completions", Completion(PromptIds(7, 200, 0)));
   ASSERT_EQ(r.http.status, 200) << r.http.body;

@@ -4,7 +4,6 @@
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -24,6 +23,7 @@
 #include "common/signals.h"
 #include "common/status_macros.h"
 #include "common/thread_util.h"
+#include "nlohmann/json.hpp"
 #include "orchestrator/bench/report.h"
 #include "orchestrator/cluster/worker_client.h"
 #include "tandem/v1/worker.grpc.pb.h"
@@ -120,17 +120,17 @@ class FloorCall {
     if (writer_ == nullptr || !writer_->Post(this)) WriteFirst();
   }
 
+  // The first write completed (or failed), or the stream's last operation did.
   void OnOpDone(bool ok) {
-    if (finishing_ || !ok) {
-      if (!finishing_) {  // the client went away
-        finishing_ = true;
-        stream_.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client gone"), &op_tag_);
-        return;
-      }
+    if (finishing_) {
       delete this;
       return;
     }
     finishing_ = true;
+    if (!ok) {  // the client went away
+      stream_.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client gone"), &op_tag_);
+      return;
+    }
     const int n = request_.sampling().max_tokens();
     for (int i = 1; i < n; ++i) last_.add_tokens()->set_token_id(1);
     last_.set_finish_reason(tandem::v1::FINISH_REASON_LENGTH);
@@ -326,13 +326,12 @@ absl::Status RunClient(const FloorOptions& opt) {
   std::printf("  stream end ms:    mean %.3f  p50 %.3f  p90 %.3f  p99 %.3f\n", e.mean, e.median,
               e.p90, e.p99);
   if (!opt.json.empty()) {
-    const std::string body = absl::StrFormat(
-        "{\"completed\": %d, \"failed\": %d, \"duration_s\": %.3f, "
-        "\"first_ms\": {\"mean\": %.4f, \"median\": %.4f, \"p90\": %.4f, \"p99\": %.4f}, "
-        "\"end_ms\": {\"mean\": %.4f, \"median\": %.4f, \"p90\": %.4f, \"p99\": %.4f}}\n",
-        static_cast<int>(first.size()), failed, duration_s, f.mean, f.median, f.p90, f.p99, e.mean,
-        e.median, e.p90, e.p99);
-    RETURN_IF_ERROR(WriteFileAtomically(opt.json, body));
+    const nlohmann::json j = {{"completed", static_cast<int>(first.size())},
+                              {"failed", failed},
+                              {"duration_s", duration_s},
+                              {"first_ms", DistributionJson(f)},
+                              {"end_ms", DistributionJson(e)}};
+    RETURN_IF_ERROR(WriteFileAtomically(opt.json, j.dump() + "\n"));
   }
   if (failed > 0) return absl::UnavailableError(absl::StrFormat("%d calls failed", failed));
   return absl::OkStatus();

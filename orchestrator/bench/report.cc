@@ -177,11 +177,6 @@ std::string OneLine(absl::string_view text) {
   return out;
 }
 
-nlohmann::json DistributionJson(const Distribution& d) {
-  return {{"mean", d.mean}, {"std", d.std}, {"median", d.median}, {"p90", d.p90},
-          {"p95", d.p95},   {"p99", d.p99}, {"count", d.count}};
-}
-
 // ---------------------------------------------------------------------------
 // HTML and SVG.
 
@@ -469,6 +464,11 @@ pre { background: #f6f6f6; padding: 8px; white-space: pre-wrap; }
 )";
 
 }  // namespace
+
+nlohmann::json DistributionJson(const Distribution& d) {
+  return {{"mean", d.mean}, {"std", d.std}, {"median", d.median}, {"p90", d.p90},
+          {"p95", d.p95},   {"p99", d.p99}, {"count", d.count}};
+}
 
 Distribution Distribute(std::vector<double> samples) {
   Distribution d;

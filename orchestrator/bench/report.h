@@ -62,6 +62,10 @@ struct Distribution {
 // Distribution of `samples` (any order).
 Distribution Distribute(std::vector<double> samples);
 
+// {mean, std, median, p90, p95, p99, count}: a distribution as the JSON
+// report writes it.
+nlohmann::json DistributionJson(const Distribution& d);
+
 struct Summary {
   int64_t completed = 0;
   int64_t failed = 0;

@@ -43,11 +43,11 @@ class WorkerClient {
   // Creates the channel (insecure; connects lazily). Reconnection backoff is
   // capped at a second or two so a restarted worker is back quickly.
   explicit WorkerClient(std::string address);
+  WorkerClient(const WorkerClient&) = delete;
+  WorkerClient& operator=(const WorkerClient&) = delete;
 
   // The arguments of every channel to a worker.
   static grpc::ChannelArguments ChannelArgs();
-  WorkerClient(const WorkerClient&) = delete;
-  WorkerClient& operator=(const WorkerClient&) = delete;
 
   const std::string& address() const { return address_; }
   tandem::v1::Worker::Stub& stub() const { return *stub_; }
