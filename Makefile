@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PORT ?= 8000
 
-.PHONY: deps configure build run test asan bench clean
+.PHONY: deps configure build run test asan bench soak clean
 
 deps:
 	@scripts/install_deps.sh
@@ -37,6 +37,11 @@ asan:
 bench: build
 	scripts/bench_quick.sh $(BUILD_DIR)
 	$(BUILD_DIR)/tandem bench engine --model builtin:small
+
+# A long run under steady streaming load on a 2P2D cluster (SOAK_SECONDS, default 1800): fails
+# on a failed request, or when RSS, open fds or KV blocks do not stay flat (scripts/soak.sh).
+soak: build
+	scripts/soak.sh $(BUILD_DIR)/tandem $(SOAK_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -266,6 +266,53 @@ TEST_F(DisaggGrpcTest, CancelledReservationRefusesTheLateKv) {
   EXPECT_EQ(pl.expired_handoffs(), 0);
 }
 
+// A decode worker counts its reservations against --max-running (issue 18,
+// finding 6: ten n=128 requests put 1,280 sequences on a worker capped at
+// 256). A hand-off past the cap is refused with RESOURCE_EXHAUSTED, which the
+// router retries elsewhere; aggregated work waits for a place in the batch
+// rather than overfill it; committed hand-offs still run.
+TEST_F(DisaggGrpcTest, ReservationsCountAgainstMaxRunning) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode({"--max-running", "2"});
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest a = GreedyRequest(MakePrompt(31, 40), 6);
+  const v1::GenerateRequest b = GreedyRequest(MakePrompt(32, 40), 6);
+  const v1::GenerateRequest c = GreedyRequest(MakePrompt(33, 40), 6);
+  ReceiveStream ra(decode->stub(), a);
+  ReceiveStream rb(decode->stub(), b);
+  ASSERT_TRUE(ra.reserved() && rb.reserved());
+  {
+    ReceiveStream rc(decode->stub(), c);
+    EXPECT_FALSE(rc.reserved());
+    const Output out = rc.Finish();
+    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << out.status.error_message();
+    EXPECT_THAT(out.status.error_message(), HasSubstr("--max-running"));
+  }
+  // An aggregated request queues behind the two held places.
+  Output aggregated;
+  std::thread agg([&] { aggregated = Generate(decode->stub(), c); });
+  bool ok = false;
+  WaitForLoad(decode->stub(), [](const v1::LoadReport& l) {
+    return l.waiting_sequences() == 1 && l.reserved_requests() == 2;
+  }, &ok);
+  EXPECT_TRUE(ok) << "the aggregated request should wait while both places are reserved";
+  std::this_thread::sleep_for(milliseconds(200));
+  v1::LoadReport l = WaitForLoad(decode->stub(), [](const v1::LoadReport&) { return true; }, &ok);
+  EXPECT_EQ(l.running_sequences(), 0);
+  EXPECT_EQ(l.waiting_sequences(), 1);
+  EXPECT_EQ(l.reservations_refused(), 1);
+  // Both hand-offs commit and run; then the aggregated request gets a place.
+  Output pa = Generate(prefill->stub(), SendRequest(a, decode->address(), ra.reservation()));
+  Output pb = Generate(prefill->stub(), SendRequest(b, decode->address(), rb.reservation()));
+  EXPECT_TRUE(pa.status.ok() && pb.status.ok());
+  ExpectSameOutput(Combine(pa, ra.Finish()), Aggregated(a), "a");
+  ExpectSameOutput(Combine(pb, rb.Finish()), Aggregated(b), "b");
+  agg.join();
+  ExpectSameOutput(aggregated, Aggregated(c), "aggregated behind the reservations");
+  ExpectIdle(decode->stub(), "decode");
+  ExpectIdle(prefill->stub(), "prefill");
+}
+
 // Requests that cannot be served say why, and leave nothing behind.
 TEST_F(DisaggGrpcTest, InvalidDisaggregatedRequestsAreRejected) {
   WorkerProcess* prefill = StartPrefill();

@@ -56,6 +56,13 @@ bool WorkerClient::Eject() {
 void WorkerClient::SetLoad(const tandem::v1::LoadReport& load) {
   used_blocks_.store(load.used_blocks(), std::memory_order_relaxed);
   total_blocks_.store(load.total_blocks(), std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(mu_);
+  last_load_ = load;
+}
+
+std::optional<tandem::v1::LoadReport> WorkerClient::last_load() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_load_;
 }
 
 void WorkerClient::SetModelInfo(const tandem::v1::ModelInfo& info) {

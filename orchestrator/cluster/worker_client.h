@@ -73,6 +73,8 @@ class WorkerClient {
   void SetLoad(const tandem::v1::LoadReport& load);
   void SetModelInfo(const tandem::v1::ModelInfo& info);
   std::optional<tandem::v1::ModelInfo> model_info() const;
+  // The last LoadReport of a health check; nullopt before the first.
+  std::optional<tandem::v1::LoadReport> last_load() const;
 
   // The worker as a routing policy sees it.
   WorkerView View() const;
@@ -93,6 +95,7 @@ class WorkerClient {
   bool ever_healthy_ ABSL_GUARDED_BY(mu_) = false;
   int streak_ ABSL_GUARDED_BY(mu_) = 0;  // > 0: successes in a row; < 0: failures
   std::optional<tandem::v1::ModelInfo> model_info_ ABSL_GUARDED_BY(mu_);
+  std::optional<tandem::v1::LoadReport> last_load_ ABSL_GUARDED_BY(mu_);
 };
 
 // One request's presence on a worker, for the router's accounting: counts a

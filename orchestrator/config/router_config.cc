@@ -455,10 +455,13 @@ class Parser {
     RETURN_IF_ERROR(String(listener, "host", &c->listener.host));
     RETURN_IF_ERROR(Int(listener, "port", &c->listener.port));
 
-    ASSIGN_OR_RETURN(Fields model, SubMap(top, "model", {"served_name", "tokenizer", "chat_template"}));
+    ASSIGN_OR_RETURN(Fields model, SubMap(top, "model", {"served_name", "tokenizer", "chat_template",
+                                                         "parse_special_tokens_in_messages"}));
     RETURN_IF_ERROR(String(model, "served_name", &c->model.served_name));
     RETURN_IF_ERROR(String(model, "tokenizer", &c->model.tokenizer));
     RETURN_IF_ERROR(String(model, "chat_template", &c->model.chat_template));
+    RETURN_IF_ERROR(Bool(model, "parse_special_tokens_in_messages",
+                         &c->model.parse_special_tokens_in_messages));
 
     ASSIGN_OR_RETURN(Fields pools, SubMap(top, "pools", {"prefill", "decode"}));
     for (absl::string_view role : {"prefill", "decode"}) {

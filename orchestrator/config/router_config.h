@@ -52,6 +52,13 @@ struct ModelConfig {
   // Path to a chat template that overrides the model's own; empty: use the
   // model's.
   std::string chat_template;
+  // false (default): text in a chat message (content, name, tool_call_id)
+  // or a chat_template_kwargs string that spells a special token, such as
+  // "<|eot_id|>", is tokenized as plain text (OpenAI's semantics), so a user
+  // cannot forge roles or end a turn; the template's own special tokens
+  // still count. true: such text becomes the control token, as Hugging
+  // Face's apply_chat_template + encode does.
+  bool parse_special_tokens_in_messages = false;
 };
 
 // A pool's workers found through DNS: `dns` is resolved every `interval_s`

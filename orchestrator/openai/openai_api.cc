@@ -3,6 +3,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <span>
 #include <utility>
 
 #include "absl/strings/cord.h"
@@ -61,16 +62,28 @@ const Value* Find(const Value& obj, const char* key) {
   return &it->value;
 }
 
-// Appends to `ignored` the path of every member of `obj` not in `known`.
-void RecordUnknown(const Value& obj, std::string_view prefix,
-                   std::initializer_list<std::string_view> known,
-                   std::vector<std::string>* ignored) {
+// True for a value that means the same as an absent field: null, [] or {}.
+// Clients send unset fields that way ("tools": [], "logit_bias": {}).
+bool IsAbsentLike(const Value& v) {
+  return v.IsNull() || (v.IsArray() && v.Empty()) || (v.IsObject() && v.ObjectEmpty());
+}
+
+// A 400 naming the first member of `obj` that is not in `known` and carries
+// a value: a field this server does not implement is refused, never ignored.
+// `also`: more known names (the fields every endpoint shares).
+absl::Status RejectUnknown(const Value& obj, std::string_view prefix,
+                           std::initializer_list<std::string_view> known,
+                           std::span<const std::string_view> also = {}) {
   for (auto it = obj.MemberBegin(); it != obj.MemberEnd(); ++it) {
     std::string_view name = StringOf(it->name);
     bool found = false;
     for (std::string_view k : known) found = found || k == name;
-    if (!found) ignored->push_back(Path(prefix, name));
+    for (std::string_view k : also) found = found || k == name;
+    if (found || IsAbsentLike(it->value)) continue;
+    const std::string path = Path(prefix, name);
+    return InvalidRequest(path, absl::StrCat("'", Av(path), "' is not supported by this server"));
   }
+  return absl::OkStatus();
 }
 
 // Typed readers: leave `out` untouched when the field is absent or null.
@@ -148,6 +161,7 @@ absl::Status CheckIntRange(const char* key, const std::optional<int64_t>& v, int
 constexpr int64_t kIntMax = std::numeric_limits<int64_t>::max();
 
 absl::StatusOr<rapidjson::Document> ParseObject(std::string_view body) {
+  RETURN_IF_ERROR(CheckJsonDepth(body));
   rapidjson::Document doc;
   // Iterative: deeply nested input cannot overflow the stack. Validate
   // encoding: every string we keep is valid UTF-8.
@@ -178,7 +192,7 @@ constexpr std::string_view kSamplingKeys[] = {
     "repetition_penalty", "seed", "stop", "stop_token_ids", "n", "user", "stream",
     "stream_options", "ignore_eos", "min_tokens", "return_tokens_as_token_ids", "max_tokens"};
 
-absl::Status ReadSampling(const Value& obj, SamplingFields* s, std::vector<std::string>* ignored) {
+absl::Status ReadSampling(const Value& obj, SamplingFields* s) {
   RETURN_IF_ERROR(ReadDouble(obj, "temperature", &s->temperature));
   RETURN_IF_ERROR(CheckRange("temperature", s->temperature, 0, false, 2, false));
   RETURN_IF_ERROR(ReadDouble(obj, "top_p", &s->top_p));
@@ -247,7 +261,7 @@ absl::Status ReadSampling(const Value& obj, SamplingFields* s, std::vector<std::
                             "'stream_options' may only be set when 'stream' is true");
     }
     RETURN_IF_ERROR(ReadBool(*v, "include_usage", "stream_options", &s->include_usage));
-    RecordUnknown(*v, "stream_options", {"include_usage"}, ignored);
+    RETURN_IF_ERROR(RejectUnknown(*v, "stream_options", {"include_usage"}));
   }
   RETURN_IF_ERROR(ReadBool(obj, "ignore_eos", "", &s->ignore_eos));
   std::optional<int64_t> min_tokens;
@@ -276,8 +290,7 @@ absl::StatusOr<Role> ParseRole(const Value& msg, const std::string& prefix) {
                                            "tool, developer; got '", Av(r), "'"));
 }
 
-absl::StatusOr<ChatMessage> ParseMessage(const Value& msg, const std::string& prefix,
-                                         std::vector<std::string>* ignored) {
+absl::StatusOr<ChatMessage> ParseMessage(const Value& msg, const std::string& prefix) {
   if (!msg.IsObject()) return WrongType(prefix, "an object", msg);
   ChatMessage out;
   ASSIGN_OR_RETURN(out.role, ParseRole(msg, prefix));
@@ -315,14 +328,14 @@ absl::StatusOr<ChatMessage> ParseMessage(const Value& msg, const std::string& pr
       if (!text->IsString()) return WrongType(text_path, "a string", *text);
       if (j > 0) out.content += "\n";
       out.content.append(StringOf(*text));
-      RecordUnknown(part, part_path, {"type", "text"}, ignored);
+      RETURN_IF_ERROR(RejectUnknown(part, part_path, {"type", "text"}));
     }
   } else {
     return WrongType(content_path, "a string or an array of content parts", *content);
   }
   RETURN_IF_ERROR(ReadString(msg, "name", prefix, &out.name));
   RETURN_IF_ERROR(ReadString(msg, "tool_call_id", prefix, &out.tool_call_id));
-  RecordUnknown(msg, prefix, {"role", "content", "name", "tool_call_id"}, ignored);
+  RETURN_IF_ERROR(RejectUnknown(msg, prefix, {"role", "content", "name", "tool_call_id"}));
   return out;
 }
 
@@ -540,6 +553,40 @@ absl::Status UnknownModelError(std::string_view model) {
   return status;
 }
 
+absl::Status CheckJsonDepth(std::string_view json, int max_depth) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < json.size(); ++i) {
+    const char c = json[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;  // the escaped character cannot end the string
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_depth) {
+        return InvalidRequest("", absl::StrCat("The JSON body is nested more than ", max_depth,
+                                               " levels deep (at offset ", i, ")"));
+      }
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool IsServerTemplateVariable(std::string_view name) {
+  for (std::string_view owned : kServerTemplateVariables) {
+    if (owned == name) return true;
+  }
+  return false;
+}
+
 ApiError ApiErrorFromStatus(const absl::Status& status) {
   ApiError e;
   e.message = std::string(status.message());
@@ -629,12 +676,11 @@ absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_vie
   if (!messages->IsArray()) return WrongType("messages", "an array", *messages);
   if (messages->Empty()) return InvalidRequest("messages", "'messages' must not be empty");
   for (unsigned i = 0; i < messages->Size(); ++i) {
-    ASSIGN_OR_RETURN(ChatMessage m,
-                     ParseMessage((*messages)[i], Index("messages", i), &req.ignored_fields));
+    ASSIGN_OR_RETURN(ChatMessage m, ParseMessage((*messages)[i], Index("messages", i)));
     req.messages.push_back(std::move(m));
   }
 
-  RETURN_IF_ERROR(ReadSampling(doc, &req.sampling, &req.ignored_fields));
+  RETURN_IF_ERROR(ReadSampling(doc, &req.sampling));
   std::optional<int64_t> max_completion_tokens;
   RETURN_IF_ERROR(ReadInt(doc, "max_completion_tokens", &max_completion_tokens));
   RETURN_IF_ERROR(CheckIntRange("max_completion_tokens", max_completion_tokens, 1, kIntMax));
@@ -647,13 +693,29 @@ absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_vie
     return InvalidRequest("top_logprobs", "'top_logprobs' requires 'logprobs' to be true");
   }
 
-  for (auto it = doc.MemberBegin(); it != doc.MemberEnd(); ++it) {
-    std::string_view name = StringOf(it->name);
-    bool known = name == "messages" || name == "max_completion_tokens" || name == "logprobs" ||
-                 name == "top_logprobs";
-    for (std::string_view k : kSamplingKeys) known = known || k == name;
-    if (!known) req.ignored_fields.emplace_back(name);
+  RETURN_IF_ERROR(ReadBool(doc, "add_generation_prompt", "", &req.add_generation_prompt));
+  if (const Value* v = Find(doc, "chat_template_kwargs")) {
+    if (!v->IsObject()) return WrongType("chat_template_kwargs", "an object", *v);
+    for (auto it = v->MemberBegin(); it != v->MemberEnd(); ++it) {
+      std::string_view name = StringOf(it->name);
+      if (!IsServerTemplateVariable(name)) continue;
+      const std::string path = Path("chat_template_kwargs", name);
+      return InvalidRequest(
+          path, absl::StrCat("'", Av(path), "' sets a template variable the server owns; ",
+                             name == "add_generation_prompt"
+                                 ? "use the request's 'add_generation_prompt' field"
+                                 : "it cannot be overridden"));
+    }
+    rapidjson::StringBuffer buf;
+    JsonWriter w(buf);
+    v->Accept(w);
+    req.chat_template_kwargs.assign(buf.GetString(), buf.GetSize());
   }
+
+  RETURN_IF_ERROR(RejectUnknown(doc, "",
+                                {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                 "add_generation_prompt", "chat_template_kwargs"},
+                                kSamplingKeys));
   return req;
 }
 
@@ -665,7 +727,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body) 
   if (Find(doc, "suffix") != nullptr) {
     return InvalidRequest("suffix", "'suffix' is not supported");
   }
-  RETURN_IF_ERROR(ReadSampling(doc, &req.sampling, &req.ignored_fields));
+  RETURN_IF_ERROR(ReadSampling(doc, &req.sampling));
   if (!req.sampling.max_tokens.has_value()) req.sampling.max_tokens = kDefaultCompletionMaxTokens;
   RETURN_IF_ERROR(ReadBool(doc, "echo", "", &req.echo));
   if (const Value* v = Find(doc, "logprobs")) {
@@ -675,12 +737,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body) 
   RETURN_IF_ERROR(ReadInt(doc, "logprobs", &req.logprobs));
   RETURN_IF_ERROR(CheckIntRange("logprobs", req.logprobs, 0, kMaxCompletionLogprobs));
 
-  for (auto it = doc.MemberBegin(); it != doc.MemberEnd(); ++it) {
-    std::string_view name = StringOf(it->name);
-    bool known = name == "prompt" || name == "suffix" || name == "echo" || name == "logprobs";
-    for (std::string_view k : kSamplingKeys) known = known || k == name;
-    if (!known) req.ignored_fields.emplace_back(name);
-  }
+  RETURN_IF_ERROR(RejectUnknown(doc, "", {"prompt", "suffix", "echo", "logprobs"}, kSamplingKeys));
   return req;
 }
 

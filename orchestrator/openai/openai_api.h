@@ -13,8 +13,16 @@
 // an ApiError with its HTTP status, OpenAI error type, param and code.
 //   - Malformed JSON: the message names the byte offset and RapidJSON's reason.
 //   - `null` for any optional field means "absent" (OpenAI SDKs send nulls).
-//   - Unknown fields are accepted (clients send extras) and listed, by path, in
-//     `ignored_fields` so the caller can log them.
+//   - A field this server does not implement ("tools", "logit_bias",
+//     "response_format", "messages[1].tool_calls", ...) is a 400 naming it,
+//     never silently ignored; only a value that means the same as absent
+//     (null, [] or {}) is let through.
+//   - The body may nest at most kMaxJsonDepth levels (checked on the bytes,
+//     before any parsing): nothing downstream recurses deeper than that.
+//   - Chat: `add_generation_prompt` (default true) and `chat_template_kwargs`
+//     (an object of extra template variables, vLLM's extensions). A kwarg
+//     that names a variable the server owns (kServerTemplateVariables) is a
+//     400 naming it.
 //   - Integer fields accept integral JSON numbers (16, 16.0, 1.6e1) and reject
 //     fractional ones (1.5) with "'max_tokens' must be an integer".
 //   - Ranges follow OpenAI and vLLM: temperature [0,2], top_p (0,1], top_k -1
@@ -102,6 +110,22 @@ std::string ApiErrorJson(const ApiError& error);
 // Requests.
 
 inline constexpr int kMaxStopSequences = 64;
+// Deepest nesting of objects and arrays a request body may have. OpenAI's
+// own requests nest under 10 levels (a JSON schema in a tool a few more).
+inline constexpr int kMaxJsonDepth = 64;
+// Chat template variables the router sets itself (or the template's globals):
+// chat_template_kwargs may not replace them.
+inline constexpr std::string_view kServerTemplateVariables[] = {
+    "messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+    "raise_exception", "strftime_now", "range", "namespace", "dict"};
+
+// InvalidArgument when `json` nests objects/arrays more than `max_depth`
+// deep. Works on the raw bytes (strings and escapes skipped), so it can run
+// before a parser that would recurse.
+absl::Status CheckJsonDepth(std::string_view json, int max_depth = kMaxJsonDepth);
+
+// True for a name in kServerTemplateVariables.
+bool IsServerTemplateVariable(std::string_view name);
 inline constexpr int kMaxN = 128;
 inline constexpr int kMaxTopLogprobs = 20;
 inline constexpr int kMaxCompletionLogprobs = 5;
@@ -152,8 +176,9 @@ struct ChatCompletionRequest {
   SamplingFields sampling;
   bool logprobs = false;
   std::optional<int64_t> top_logprobs;  // [0, 20]
-  // Paths of fields this parser does not know ("tools", "messages[1].foo").
-  std::vector<std::string> ignored_fields;
+  bool add_generation_prompt = true;
+  // The chat_template_kwargs object as compact JSON; empty when absent.
+  std::string chat_template_kwargs;
 };
 
 // A completion prompt: text, or token ids (for "prompt": [1, 2] and
@@ -166,7 +191,6 @@ struct CompletionRequest {
   SamplingFields sampling;  // max_tokens defaults to 16
   bool echo = false;
   std::optional<int64_t> logprobs;  // [0, 5]: top-N per token
-  std::vector<std::string> ignored_fields;
 };
 
 absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_view body);

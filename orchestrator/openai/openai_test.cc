@@ -2,8 +2,10 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "rapidjson/document.h"
@@ -56,7 +58,8 @@ TEST(ChatRequestTest, Minimal) {
   EXPECT_EQ(r->sampling.n, 1);
   EXPECT_FALSE(r->sampling.stream);
   EXPECT_FALSE(r->logprobs);
-  EXPECT_TRUE(r->ignored_fields.empty());
+  EXPECT_TRUE(r->add_generation_prompt);
+  EXPECT_TRUE(r->chat_template_kwargs.empty());
 }
 
 TEST(ChatRequestTest, Full) {
@@ -107,9 +110,76 @@ TEST(ChatRequestTest, Full) {
   EXPECT_EQ(s.min_tokens, 3);
   EXPECT_TRUE(s.return_tokens_as_token_ids);
   EXPECT_THAT(s.stop_token_ids, ElementsAre(2, 7));
-  // "response_format": null is still an unknown field the client sent.
-  EXPECT_THAT(r->ignored_fields,
-              ElementsAre("messages[3].tool_calls", "tools", "response_format"));
+}
+
+// A field the server does not implement is a 400 naming it, never ignored;
+// null, [] and {} mean absent, as an unset field.
+TEST(ChatRequestTest, UnsupportedFieldsAreRefusedByName) {
+  for (const auto& [extra, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"("tools": [{"type": "function", "function": {"name": "f"}}])", "tools"},
+           {R"("functions": [{"name": "f"}])", "functions"},
+           {R"("response_format": {"type": "json_object"})", "response_format"},
+           {R"("logit_bias": {"50256": -100})", "logit_bias"},
+           {R"("tool_choice": "auto")", "tool_choice"},
+           {R"("best_of": 2)", "best_of"},
+           {R"("stream": true, "stream_options": {"include_usage": true, "x": 1})",
+            "stream_options.x"}}) {
+    const ApiError e = ChatError(ChatBody(extra));
+    EXPECT_EQ(e.http_status, 400) << extra;
+    EXPECT_EQ(e.param, param) << extra;
+    EXPECT_THAT(e.message, HasSubstr("not supported")) << extra;
+  }
+  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "assistant", "content": "a",
+      "tool_calls": [{"id": "c", "type": "function"}]}]})")
+                .param,
+            "messages[0].tool_calls");
+  auto r = ParseChatCompletionRequest(
+      ChatBody(R"("tools": [], "logit_bias": {}, "response_format": null)"));
+  EXPECT_TRUE(r.ok()) << r.status();
+}
+
+TEST(ChatRequestTest, TemplateControlsAndServerOwnedVariables) {
+  auto r = ParseChatCompletionRequest(ChatBody(
+      R"("add_generation_prompt": false, "chat_template_kwargs": {"enable_thinking": false, "x": {"y": [1, "<|eot_id|>"]}})"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->add_generation_prompt);
+  EXPECT_EQ(r->chat_template_kwargs, R"({"enable_thinking":false,"x":{"y":[1,"<|eot_id|>"]}})");
+  for (std::string_view owned : kServerTemplateVariables) {
+    const ApiError e = ChatError(ChatBody(absl::StrCat(R"("chat_template_kwargs": {")", std::string(owned), R"(": 1})")));
+    EXPECT_EQ(e.http_status, 400) << owned;
+    EXPECT_EQ(e.param, "chat_template_kwargs." + std::string(owned));
+  }
+  EXPECT_EQ(ChatError(ChatBody(R"("chat_template_kwargs": [1])")).param, "chat_template_kwargs");
+  EXPECT_EQ(ChatError(ChatBody(R"("add_generation_prompt": 1)")).param, "add_generation_prompt");
+}
+
+// Nesting past kMaxJsonDepth is refused before parsing, on any field, so no
+// recursive walk downstream (template kwargs serialization) sees it.
+TEST(ChatRequestTest, DeepNestingIsRefusedBeforeParsing) {
+  auto nested = [](int depth) {
+    return absl::StrCat(std::string(depth, '['), std::string(depth, ']'));
+  };
+  // The body and the kwargs object are two levels.
+  EXPECT_TRUE(ParseChatCompletionRequest(ChatBody(absl::StrCat(
+                  R"("chat_template_kwargs": {"a": )", nested(kMaxJsonDepth - 2), "}")))
+                  .ok());
+  for (int depth : {kMaxJsonDepth - 1, 60000, 1000000}) {
+    const ApiError e =
+        ChatError(ChatBody(absl::StrCat(R"("chat_template_kwargs": {"a": )", nested(depth), "}")));
+    EXPECT_EQ(e.http_status, 400) << depth;
+    EXPECT_THAT(e.message, HasSubstr("nested more than 64 levels")) << depth;
+  }
+  // Brackets inside strings (escaped quotes too) do not count.
+  const std::string brackets(100000, '[');
+  auto user = ParseChatCompletionRequest(
+      ChatBody(absl::StrCat(R"("user": "\")", brackets, R"(")")));
+  EXPECT_TRUE(user.ok()) << user.status();
+  EXPECT_TRUE(CheckJsonDepth(R"({"a": "\\", "b": [[1]]})", 3).ok());
+  EXPECT_FALSE(CheckJsonDepth(R"({"a": "\\", "b": [[1]]})", 2).ok());
+  EXPECT_EQ(ErrorOf(ParseCompletionRequest(
+                        absl::StrCat(R"({"model": "m", "prompt": )", nested(100000), "}")))
+                .http_status,
+            400);
 }
 
 TEST(ChatRequestTest, NullMeansAbsentAndStopString) {
@@ -130,7 +200,8 @@ TEST(ChatRequestTest, MalformedJsonNamesOffset) {
   EXPECT_EQ(e.param, "");
   EXPECT_THAT(ChatError("").message, HasSubstr("Malformed JSON"));
   EXPECT_THAT(ChatError(ChatBody("") + "x").message, HasSubstr("Malformed JSON"));
-  EXPECT_THAT(ChatError(std::string(100000, '[')).message, HasSubstr("Malformed JSON"));
+  // Deep nesting is refused before parsing (ChatRequestTest.DeepNesting...).
+  EXPECT_THAT(ChatError(std::string(100000, '[')).message, HasSubstr("nested more than"));
 }
 
 TEST(ChatRequestTest, TopLevelNotObject) {
@@ -254,7 +325,9 @@ TEST(ChatRequestTest, ContentParts) {
       R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}]})");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->messages[0].content, "x");
-  EXPECT_THAT(r->ignored_fields, ElementsAre("messages[0].content[0].cache_control"));
+  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]})")
+                .param,
+            "messages[0].content[0].cache_control");
 }
 
 // ---------------------------------------------------------------------------
@@ -273,8 +346,8 @@ TEST(CompletionRequestTest, Full) {
   auto r = ParseCompletionRequest(R"({"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 5,
       "temperature": 0, "top_p": 1, "top_k": 40, "min_p": 0.1, "stop": "\n", "seed": 1,
       "presence_penalty": 0.5, "frequency_penalty": 0.5, "logprobs": 5, "echo": true, "n": 2,
-      "user": "u", "stream": true, "stream_options": {"include_usage": false, "x": 1},
-      "ignore_eos": false, "return_tokens_as_token_ids": true, "best_of": 2, "suffix": null})");
+      "user": "u", "stream": true, "stream_options": {"include_usage": false},
+      "ignore_eos": false, "return_tokens_as_token_ids": true, "suffix": null})");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_THAT(std::get<std::vector<int32_t>>(r->prompt), ElementsAre(1, 2, 3));
   EXPECT_EQ(r->sampling.max_tokens, 5);
@@ -287,7 +360,10 @@ TEST(CompletionRequestTest, Full) {
   EXPECT_TRUE(r->sampling.stream);
   EXPECT_FALSE(r->sampling.include_usage);
   EXPECT_TRUE(r->sampling.return_tokens_as_token_ids);
-  EXPECT_THAT(r->ignored_fields, ElementsAre("stream_options.x", "best_of"));
+  EXPECT_EQ(ErrorOf(ParseCompletionRequest(R"({"model": "m", "prompt": "a", "best_of": 2})")).param,
+            "best_of");
+  EXPECT_EQ(ErrorOf(ParseCompletionRequest(R"({"model": "m", "prompt": "a", "logit_bias": {"1": 5}})")).param,
+            "logit_bias");
 }
 
 TEST(CompletionRequestTest, PromptForms) {

@@ -20,6 +20,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/grpc_poller.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -205,10 +206,11 @@ class Router::Impl {
   void SendError(const std::string& endpoint, const std::string& request_id,
                  http::ResponseWriter& w, const absl::Status& status,
                  http::HeaderList headers = {});
-  // Renders messages with the chat template.
-  absl::StatusOr<std::string> RenderChat(const nlohmann::ordered_json& messages,
-                                         bool add_generation_prompt,
-                                         const nlohmann::json& extra) const;
+  // Renders a parsed chat request with the chat template and tokenizes it
+  // (special-token text in the user's strings stays text unless
+  // model.parse_special_tokens_in_messages).
+  absl::StatusOr<std::vector<int32_t>> ChatPrompt(const ChatCompletionRequest& chat,
+                                                  bool add_special_tokens) const;
   // Validates prompt length against the model; fills vocab-range errors.
   absl::Status CheckPrompt(std::span<const int32_t> prompt, std::optional<int64_t> max_tokens,
                            const std::string& param);
@@ -720,8 +722,9 @@ Router::Impl::Metrics::Metrics(MetricsRegistry& r)
                              "decode worker), kv_transfer (the KV never reached it).",
                              {"kind"})),
       reloads(r.AddCounter("tandem_router_config_reloads_total",
-                           "Config reloads (SIGHUP), by result: ok, or error (the running "
-                           "config stays).",
+                           "Config reloads (SIGHUP), by result: ok, error (the running "
+                           "config stays), or deferred (also counted ok: it changed keys that "
+                           "apply at the next restart, which were kept as they run).",
                            {"result"})),
       retries(r.AddCounter("tandem_router_retries_total",
                            "Attempts repeated on another worker before the first token.")
@@ -769,6 +772,43 @@ void Router::Impl::RegisterCallbacks() {
         for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
           for (const auto& w : cluster_.Workers(role)) {
             e.Emit({PoolRoleName(role), w->address()}, w->healthy() ? 1 : 0);
+          }
+        }
+      });
+  registry_.AddCallbackGauge(
+      "tandem_router_worker_kv_blocks",
+      "Each worker's KV blocks by state, as its last health check's load report said: free, "
+      "used (referenced by requests), cached (evictable prefix cache), quarantined (a failed "
+      "transfer's destination, briefly out of use).",
+      {"pool", "worker", "state"}, [this](MetricEmitter& e) {
+        for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+          for (const auto& w : cluster_.Workers(role)) {
+            std::optional<tandem::v1::LoadReport> l = w->last_load();
+            if (!l.has_value()) continue;
+            const std::string pool = PoolRoleName(role);
+            e.Emit({pool, w->address(), "free"}, static_cast<double>(l->free_blocks()));
+            e.Emit({pool, w->address(), "used"}, static_cast<double>(l->used_blocks()));
+            e.Emit({pool, w->address(), "cached"}, static_cast<double>(l->cached_blocks()));
+            e.Emit({pool, w->address(), "quarantined"},
+                   static_cast<double>(l->quarantined_blocks()));
+          }
+        }
+      });
+  registry_.AddCallbackGauge(
+      "tandem_router_worker_sequences",
+      "Each worker's sequences by state, as its last health check's load report said: running, "
+      "waiting, reserved (decode: waiting for their KV), prefilled (prefill: holding KV until "
+      "it is sent).",
+      {"pool", "worker", "state"}, [this](MetricEmitter& e) {
+        for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+          for (const auto& w : cluster_.Workers(role)) {
+            std::optional<tandem::v1::LoadReport> l = w->last_load();
+            if (!l.has_value()) continue;
+            const std::string pool = PoolRoleName(role);
+            e.Emit({pool, w->address(), "running"}, l->running_sequences());
+            e.Emit({pool, w->address(), "waiting"}, l->waiting_sequences());
+            e.Emit({pool, w->address(), "reserved"}, l->reserved_requests());
+            e.Emit({pool, w->address(), "prefilled"}, l->prefilled_requests());
           }
         }
       });
@@ -1017,15 +1057,35 @@ absl::Status Router::Impl::Reload() {
     metrics_->reloads.WithLabels({"error"}).Inc();
     return loaded.status();
   }
-  auto next = std::make_shared<const RouterConfig>(*std::move(loaded));
   std::shared_ptr<const RouterConfig> prev = config();
-  if (next->listener.host != prev->listener.host || next->listener.port != prev->listener.port ||
-      next->model.tokenizer != prev->model.tokenizer ||
-      next->model.chat_template != prev->model.chat_template ||
-      next->limits.max_body_bytes != prev->limits.max_body_bytes) {
-    LOG(WARNING) << "reload: listener, model and limits.max_body_bytes changes take effect at the "
-                    "next restart; the rest applies now";
+  // What is fixed at startup stays as it runs, so the running config says
+  // what is in effect: the listener, the model section (served name,
+  // tokenizer, template, special-token parsing) and the body limit.
+  std::vector<std::string> deferred;
+  if (loaded->listener.host != prev->listener.host || loaded->listener.port != prev->listener.port) {
+    deferred.push_back("listener");
   }
+  if (loaded->model.served_name != prev->model.served_name) deferred.push_back("model.served_name");
+  if (loaded->model.tokenizer != prev->model.tokenizer) deferred.push_back("model.tokenizer");
+  if (loaded->model.chat_template != prev->model.chat_template) {
+    deferred.push_back("model.chat_template");
+  }
+  if (loaded->model.parse_special_tokens_in_messages !=
+      prev->model.parse_special_tokens_in_messages) {
+    deferred.push_back("model.parse_special_tokens_in_messages");
+  }
+  if (loaded->limits.max_body_bytes != prev->limits.max_body_bytes) {
+    deferred.push_back("limits.max_body_bytes");
+  }
+  loaded->listener = prev->listener;
+  loaded->model = prev->model;
+  loaded->limits.max_body_bytes = prev->limits.max_body_bytes;
+  if (!deferred.empty()) {
+    LOG(WARNING) << "reload: changes to " << absl::StrJoin(deferred, ", ")
+                 << " take effect at the next restart; the rest applies now";
+    metrics_->reloads.WithLabels({"deferred"}).Inc();
+  }
+  auto next = std::make_shared<const RouterConfig>(*std::move(loaded));
   std::lock_guard<std::mutex> build(build_mu_);
   ApplyClusterConfig(*next);
   std::shared_ptr<RoutingState> rs;
@@ -1214,34 +1274,62 @@ void Router::Impl::SendError(const std::string& endpoint, const std::string& req
   w.Send(e.http_status, kJson, ApiErrorJson(e), h);
 }
 
-absl::StatusOr<std::string> Router::Impl::RenderChat(const nlohmann::ordered_json& messages,
-                                                     bool add_generation_prompt,
-                                                     const nlohmann::json& extra) const {
+absl::StatusOr<std::vector<int32_t>> Router::Impl::ChatPrompt(const ChatCompletionRequest& chat,
+                                                              bool add_special_tokens) const {
   if (assets_->chat_template == nullptr) {
     return InvalidRequest("messages",
                           "this model has no chat template: use /v1/completions, or give the "
                           "router one (model.chat_template)");
   }
+  const Tokenizer& tokenizer = *assets_->tokenizer;
+  // The model section is fixed at startup (Reload keeps it).
+  const bool escape = !config()->model.parse_special_tokens_in_messages;
+  auto user_text = [&](const std::string& s) {
+    return escape ? tokenizer.EscapeSpecialTokens(s) : s;
+  };
   // As transformers calls the template: insertion-ordered dicts (tojson and
   // .items() show the order), tools and documents present (None) unless given.
   nlohmann::ordered_json context = nlohmann::ordered_json::object();
-  context["messages"] = messages;
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  for (const ChatMessage& m : chat.messages) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::object();
+    j["role"] = std::string(RoleName(m.role));
+    j["content"] = user_text(m.content);
+    if (m.name) j["name"] = user_text(*m.name);
+    if (m.tool_call_id) j["tool_call_id"] = user_text(*m.tool_call_id);
+    messages.push_back(std::move(j));
+  }
+  context["messages"] = std::move(messages);
   context["tools"] = nullptr;
   context["documents"] = nullptr;
-  context["add_generation_prompt"] = add_generation_prompt;
+  context["add_generation_prompt"] = chat.add_generation_prompt;
   context["bos_token"] = assets_->bos_token;
   context["eos_token"] = assets_->eos_token;
-  if (extra.is_object()) {
-    for (auto it = extra.begin(); it != extra.end(); ++it) {
-      context[it.key()] = nlohmann::ordered_json::parse(it.value().dump());
+  if (!chat.chat_template_kwargs.empty()) {
+    // Parsed and checked by ParseChatCompletionRequest: an object, nested at
+    // most kMaxJsonDepth deep, no server-owned names.
+    nlohmann::ordered_json extra = nlohmann::ordered_json::parse(chat.chat_template_kwargs);
+    if (escape) {
+      std::vector<nlohmann::ordered_json*> todo = {&extra};
+      while (!todo.empty()) {
+        nlohmann::ordered_json* v = todo.back();
+        todo.pop_back();
+        if (v->is_string()) {
+          *v = tokenizer.EscapeSpecialTokens(v->get_ref<const std::string&>());
+        } else if (v->is_structured()) {
+          for (auto& child : *v) todo.push_back(&child);
+        }
+      }
     }
+    for (auto it = extra.begin(); it != extra.end(); ++it) context[it.key()] = std::move(it.value());
   }
   absl::StatusOr<std::string> text = assets_->chat_template->Render(context);
   if (!text.ok()) {
     return InvalidRequest("messages", absl::StrCat("the chat template refused the conversation: ",
                                                    text.status().message()));
   }
-  return text;
+  return escape ? tokenizer.EncodeEscaped(*text, add_special_tokens)
+                : tokenizer.Encode(*text, add_special_tokens);
 }
 
 absl::Status Router::Impl::CheckPrompt(std::span<const int32_t> prompt,
@@ -1275,6 +1363,18 @@ absl::Status Router::Impl::CheckPrompt(std::span<const int32_t> prompt,
 
 namespace {
 
+// A 400 naming the first member of `body` not in `known` that carries a
+// value (null, [] and {} mean absent), as the OpenAI parser does.
+absl::Status RejectUnknownFields(const nlohmann::json& body,
+                                 std::initializer_list<std::string_view> known) {
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
+    if (it.value().is_null() || (it.value().is_structured() && it.value().empty())) continue;
+    return InvalidRequest(it.key(), absl::StrCat("'", it.key(), "' is not supported by this server"));
+  }
+  return absl::OkStatus();
+}
+
 // The SamplingParams both chat and completions send to the workers.
 tandem::v1::SamplingParams ToSampling(const SamplingFields& s, std::optional<int64_t> logprobs) {
   tandem::v1::SamplingParams p;
@@ -1297,23 +1397,6 @@ tandem::v1::SamplingParams ToSampling(const SamplingFields& s, std::optional<int
   return p;
 }
 
-nlohmann::ordered_json MessagesJson(const std::vector<ChatMessage>& messages) {
-  nlohmann::ordered_json out = nlohmann::ordered_json::array();
-  for (const ChatMessage& m : messages) {
-    nlohmann::ordered_json j = nlohmann::ordered_json::object();
-    j["role"] = std::string(RoleName(m.role));
-    j["content"] = m.content;
-    if (m.name) j["name"] = *m.name;
-    if (m.tool_call_id) j["tool_call_id"] = *m.tool_call_id;
-    out.push_back(std::move(j));
-  }
-  return out;
-}
-
-bool Contains(const std::vector<std::string>& v, std::string_view s) {
-  return std::find(v.begin(), v.end(), s) != v.end();
-}
-
 }  // namespace
 
 void Router::Impl::HandleChat(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
@@ -1323,30 +1406,10 @@ void Router::Impl::HandleChat(const http::Request& req, std::shared_ptr<http::Re
   absl::StatusOr<ChatCompletionRequest> parsed = ParseChatCompletionRequest(req.body);
   if (!parsed.ok()) return fail(parsed.status());
   if (parsed->model != cfg->model.served_name) return fail(UnknownModelError(parsed->model));
-  // vLLM's template controls, read only when present.
-  bool add_generation_prompt = true;
-  nlohmann::json extra = nlohmann::json::object();
-  if (Contains(parsed->ignored_fields, "chat_template_kwargs") ||
-      Contains(parsed->ignored_fields, "add_generation_prompt")) {
-    nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
-    if (body.contains("add_generation_prompt")) {
-      if (!body["add_generation_prompt"].is_boolean()) {
-        return fail(InvalidRequest("add_generation_prompt", "'add_generation_prompt' must be a boolean"));
-      }
-      add_generation_prompt = body["add_generation_prompt"].get<bool>();
-    }
-    if (body.contains("chat_template_kwargs") && !body["chat_template_kwargs"].is_null()) {
-      if (!body["chat_template_kwargs"].is_object()) {
-        return fail(InvalidRequest("chat_template_kwargs", "'chat_template_kwargs' must be an object"));
-      }
-      extra = body["chat_template_kwargs"];
-    }
-  }
-  absl::StatusOr<std::string> text =
-      RenderChat(MessagesJson(parsed->messages), add_generation_prompt, extra);
-  if (!text.ok()) return fail(text.status());
   CallSetup s;
-  s.prompt = assets_->tokenizer->Encode(*text, /*add_special_tokens=*/false);
+  absl::StatusOr<std::vector<int32_t>> prompt = ChatPrompt(*parsed, /*add_special_tokens=*/false);
+  if (!prompt.ok()) return fail(prompt.status());
+  s.prompt = *std::move(prompt);
   if (absl::Status st = CheckPrompt(s.prompt, parsed->sampling.max_tokens, "messages"); !st.ok()) {
     return fail(st);
   }
@@ -1458,9 +1521,16 @@ void Router::Impl::HandleMetrics(const http::Request& req, std::shared_ptr<http:
 void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
   const std::string id = RequestId(req);
   auto fail = [&](const absl::Status& s) { SendError("tokenize", id, *w, s); };
+  if (absl::Status depth = CheckJsonDepth(req.body); !depth.ok()) return fail(depth);
   nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
   if (body.is_discarded() || !body.is_object()) {
     return fail(InvalidRequest("", "the body is not a JSON object"));
+  }
+  if (absl::Status s = RejectUnknownFields(body, {"model", "prompt", "messages",
+                                                  "add_special_tokens", "add_generation_prompt",
+                                                  "chat_template_kwargs", "return_token_strs"});
+      !s.ok()) {
+    return fail(s);
   }
   std::shared_ptr<const RouterConfig> cfg = config();
   if (body.contains("model") && !body["model"].is_null()) {
@@ -1480,32 +1550,28 @@ void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http
     return fail(InvalidRequest(has_prompt ? "messages" : "prompt",
                                "give exactly one of 'prompt' and 'messages'"));
   }
-  std::string text;
-  bool add_special;
+  std::vector<int32_t> tokens;
   if (has_prompt) {
     if (!body["prompt"].is_string()) return fail(InvalidRequest("prompt", "'prompt' must be a string"));
-    text = body["prompt"].get<std::string>();
     absl::StatusOr<bool> a = flag("add_special_tokens", true);
     if (!a.ok()) return fail(a.status());
-    add_special = *a;
+    tokens = assets_->tokenizer->Encode(body["prompt"].get_ref<const std::string&>(), *a);
   } else {
     // Messages go through the chat completions parser, so they get its checks.
     nlohmann::json chat = {{"model", cfg->model.served_name}, {"messages", body["messages"]}};
+    for (const char* key : {"add_generation_prompt", "chat_template_kwargs"}) {
+      if (body.contains(key)) chat[key] = body[key];
+    }
     absl::StatusOr<ChatCompletionRequest> parsed = ParseChatCompletionRequest(chat.dump());
     if (!parsed.ok()) return fail(parsed.status());
-    absl::StatusOr<bool> gen = flag("add_generation_prompt", true);
-    if (!gen.ok()) return fail(gen.status());
-    nlohmann::json extra = body.value("chat_template_kwargs", nlohmann::json::object());
-    absl::StatusOr<std::string> rendered = RenderChat(MessagesJson(parsed->messages), *gen, extra);
-    if (!rendered.ok()) return fail(rendered.status());
-    text = *std::move(rendered);
     absl::StatusOr<bool> a = flag("add_special_tokens", false);
     if (!a.ok()) return fail(a.status());
-    add_special = *a;
+    absl::StatusOr<std::vector<int32_t>> prompt = ChatPrompt(*parsed, *a);
+    if (!prompt.ok()) return fail(prompt.status());
+    tokens = *std::move(prompt);
   }
   absl::StatusOr<bool> strs = flag("return_token_strs", false);
   if (!strs.ok()) return fail(strs.status());
-  const std::vector<int32_t> tokens = assets_->tokenizer->Encode(text, add_special);
   nlohmann::json out = {{"tokens", tokens}, {"count", tokens.size()}};
   if (std::shared_ptr<RoutingState> rs = Routing(); rs != nullptr) {
     out["max_model_len"] = rs->max_context;
@@ -1523,10 +1589,12 @@ void Router::Impl::HandleDetokenize(const http::Request& req,
                                     std::shared_ptr<http::ResponseWriter> w) {
   const std::string id = RequestId(req);
   auto fail = [&](const absl::Status& s) { SendError("detokenize", id, *w, s); };
+  if (absl::Status depth = CheckJsonDepth(req.body); !depth.ok()) return fail(depth);
   nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
   if (body.is_discarded() || !body.is_object()) {
     return fail(InvalidRequest("", "the body is not a JSON object"));
   }
+  if (absl::Status s = RejectUnknownFields(body, {"model", "tokens"}); !s.ok()) return fail(s);
   if (!body.contains("tokens") || !body["tokens"].is_array()) {
     return fail(InvalidRequest("tokens", "'tokens' must be a list of token ids"));
   }

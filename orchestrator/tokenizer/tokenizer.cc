@@ -209,7 +209,75 @@ void Tokenizer::EncodeSegment(std::string_view segment, bool at_text_start, std:
   for (const std::string& word : words) model_->Tokenize(word, ids);
 }
 
+namespace {
+
+// `segment` without single escape marks; a doubled mark becomes one.
+std::string Unescape(std::string_view segment) {
+  constexpr std::string_view kMark = Tokenizer::kEscapeMark;
+  std::string out;
+  out.reserve(segment.size());
+  size_t pos = 0;
+  while (pos < segment.size()) {
+    const size_t mark = segment.find(kMark, pos);
+    if (mark == std::string_view::npos) {
+      out.append(segment.substr(pos));
+      break;
+    }
+    out.append(segment.substr(pos, mark - pos));
+    pos = mark + kMark.size();
+    if (segment.substr(pos, kMark.size()) == kMark) {
+      out.append(kMark);
+      pos += kMark.size();
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_special_tokens) const {
+  return EncodeImpl(text, add_special_tokens, /*escaped=*/false);
+}
+
+std::vector<int32_t> Tokenizer::EncodeEscaped(std::string_view text, bool add_special_tokens) const {
+  return EncodeImpl(text, add_special_tokens, /*escaped=*/true);
+}
+
+std::string Tokenizer::EscapeSpecialTokens(std::string_view text) const {
+  std::string out;
+  out.reserve(text.size() + 16);
+  size_t pos = 0;
+  while (pos < text.size()) {
+    if (text.substr(pos, kEscapeMark.size()) == kEscapeMark) {
+      out.append(kEscapeMark);
+      out.append(kEscapeMark);
+      pos += kEscapeMark.size();
+      continue;
+    }
+    int32_t id = -1;
+    const size_t len = trie_[0].children.empty() ? 0 : MatchAddedToken(text, pos, &id);
+    if (len == 0) {
+      out.push_back(text[pos++]);
+      continue;
+    }
+    const std::string_view token = text.substr(pos, len);
+    pos += len;
+    if (!special_[id]) {
+      out.append(token);  // a non-special added token keeps its meaning, as in HF
+      continue;
+    }
+    for (size_t i = 0; i < token.size(); ++i) {
+      out.push_back(token[i]);
+      const bool next_starts_char =
+          i + 1 < token.size() && (static_cast<unsigned char>(token[i + 1]) & 0xC0) != 0x80;
+      if (next_starts_char) out.append(kEscapeMark);
+    }
+  }
+  return out;
+}
+
+std::vector<int32_t> Tokenizer::EncodeImpl(std::string_view text, bool add_special_tokens,
+                                           bool escaped) const {
   std::string repaired;
   if (!IsValidUtf8(text)) {
     AppendValidUtf8(text, /*final=*/true, &repaired);
@@ -218,6 +286,14 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_special_t
   std::vector<int32_t> ids;
   ids.reserve(text.size() / 3 + prefix_ids_.size() + suffix_ids_.size() + 1);
   if (add_special_tokens) ids.insert(ids.end(), prefix_ids_.begin(), prefix_ids_.end());
+  auto segment = [&](size_t start, size_t end) {
+    std::string_view seg = text.substr(start, end - start);
+    if (!escaped || seg.find(kEscapeMark) == std::string_view::npos) {
+      EncodeSegment(seg, start == 0, &ids);
+    } else {
+      EncodeSegment(Unescape(seg), start == 0, &ids);
+    }
+  };
   size_t segment_start = 0;
   size_t pos = 0;
   while (pos < text.size()) {
@@ -227,12 +303,12 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_special_t
       ++pos;
       continue;
     }
-    EncodeSegment(text.substr(segment_start, pos - segment_start), segment_start == 0, &ids);
+    segment(segment_start, pos);
     ids.push_back(id);
     pos += len;
     segment_start = pos;
   }
-  EncodeSegment(text.substr(segment_start), segment_start == 0, &ids);
+  segment(segment_start, text.size());
   if (add_special_tokens) ids.insert(ids.end(), suffix_ids_.begin(), suffix_ids_.end());
   return ids;
 }

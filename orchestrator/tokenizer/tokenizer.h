@@ -59,6 +59,24 @@ class Tokenizer {
   Tokenizer& operator=(const Tokenizer&) = delete;
 
   std::vector<int32_t> Encode(std::string_view text, bool add_special_tokens) const;
+
+  // Plain-text spans inside text that also holds control tokens (a chat
+  // template rendered over a user's messages). EscapeSpecialTokens marks
+  // every special token that `text` spells (as Encode would match it) with
+  // kEscapeMark after each of its characters but the last, so no added token
+  // matches there, and doubles any kEscapeMark already in `text`.
+  // EncodeEscaped is Encode for text holding such spans: added tokens are
+  // matched first, as always, and the escaped spans are not matched; then
+  // every text segment loses its single marks (a doubled one becomes one)
+  // before it is normalized and tokenized. So an escaped "<|eot_id|>" is
+  // tokenized as the seven characters it is, while the template's own
+  // unescaped special tokens stay control tokens. A template that cuts
+  // through an escaped span (slicing content by characters) can leave a
+  // mark split from its pair; it is dropped, never a control token.
+  static constexpr std::string_view kEscapeMark = "\xEF\xB7\x90";  // U+FDD0, a noncharacter
+  std::string EscapeSpecialTokens(std::string_view text) const;
+  std::vector<int32_t> EncodeEscaped(std::string_view text, bool add_special_tokens) const;
+
   std::string Decode(std::span<const int32_t> ids, bool skip_special_tokens) const;
 
   // Appends the raw bytes that `id` contributes to decoded text (possibly a
@@ -99,6 +117,9 @@ class Tokenizer {
   // Normalizes, pre-tokenizes and tokenizes text that holds no added token;
   // `at_text_start`: the segment begins the input.
   void EncodeSegment(std::string_view segment, bool at_text_start, std::vector<int32_t>* ids) const;
+  // Encode, or EncodeEscaped when `escaped`.
+  std::vector<int32_t> EncodeImpl(std::string_view text, bool add_special_tokens,
+                                  bool escaped) const;
   // True when `id` has a token that Decode passes to the decoder.
   bool Decodes(int32_t id, bool skip_special_tokens) const;
 

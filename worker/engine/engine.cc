@@ -409,7 +409,22 @@ void Engine::DrainCommands() {
     FallBackLocally(std::move(seq), std::move(f.first), f.why);
   }
   for (ReserveCommand& r : reserves) {
+    // A reservation holds a place in the batch (it runs on commit): running
+    // plus reserved stays within max_running, so a burst of hand-offs (n=128
+    // choices) is refused here and placed elsewhere by the caller, never
+    // committed past the cap.
+    const int running = static_cast<int>(scheduler_.running().size());
+    const int held = static_cast<int>(reserved_.size());
+    if (running + held >= config_.max_running) {
+      ++reservations_refused_;
+      r.done(absl::ResourceExhaustedError(absl::StrFormat(
+          "the worker runs its maximum of %d sequences (--max-running): %d running and %d "
+          "reserved",
+          config_.max_running, running, held)));
+      continue;
+    }
     if (!scheduler_.Reserve(*r.seq)) {
+      ++reservations_refused_;
       r.done(absl::ResourceExhaustedError(absl::StrFormat(
           "no room in the KV cache for %d prompt tokens (%d blocks free)", r.seq->prompt_len,
           blocks_.num_allocatable())));
@@ -515,7 +530,7 @@ void Engine::Loop() {
 
 void Engine::Step() {
   const auto step_started = std::chrono::steady_clock::now();
-  std::vector<ScheduledWork> work = scheduler_.Schedule();
+  std::vector<ScheduledWork> work = scheduler_.Schedule(static_cast<int>(reserved_.size()));
   if (work.empty()) return;
 
   const int bs = config_.block_size;
@@ -723,6 +738,7 @@ void Engine::PublishLoad() {
   s.prefilled = static_cast<int>(prefilled_.size());
   s.expired_reservations = expired_reservations_;
   s.local_prefill_fallbacks = local_prefill_fallbacks_;
+  s.reservations_refused = reservations_refused_;
   s.expired_handoffs = expired_handoffs_;
   // The engine thread alone changes the cache: this seq matches the blocks
   // counted above.

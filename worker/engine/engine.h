@@ -140,6 +140,7 @@ struct LoadSnapshot {
   int64_t quarantined_blocks = 0;   // decode side: failed transfers' blocks, briefly out of use
   int64_t expired_reservations = 0; // reservations whose KV never came (degraded path)
   int64_t local_prefill_fallbacks = 0;  // reservations prefilled here instead (degraded path)
+  int64_t reservations_refused = 0; // decode side: no batch place (max_running) or KV room
   int64_t expired_handoffs = 0;     // prefilled blocks never released (degraded path)
   uint64_t kv_event_seq = 0;
   double hit_rate() const {
@@ -292,6 +293,7 @@ class Engine {
   std::vector<Quarantined> quarantine_;
   int64_t expired_reservations_ = 0;
   int64_t local_prefill_fallbacks_ = 0;
+  int64_t reservations_refused_ = 0;
   int64_t expired_handoffs_ = 0;
   bool stop_ = false;                                // guarded by mu_
   std::atomic<bool> running_{false};

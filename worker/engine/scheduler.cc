@@ -102,7 +102,7 @@ std::unique_ptr<Sequence> Scheduler::Take(uint64_t id) {
   return seq;
 }
 
-std::vector<ScheduledWork> Scheduler::Schedule() {
+std::vector<ScheduledWork> Scheduler::Schedule(int reserved_slots) {
   std::vector<ScheduledWork> work;
   int budget = config_.max_batched_tokens;
   const int bs = blocks_->block_size();
@@ -128,7 +128,7 @@ std::vector<ScheduledWork> Scheduler::Schedule() {
   }
 
   while (budget > 0 && !waiting_.empty() &&
-         static_cast<int>(running_.size()) < config_.max_running) {
+         static_cast<int>(running_.size()) + reserved_slots < config_.max_running) {
     if (!AdmitHead(&budget, &work)) break;
   }
   return work;

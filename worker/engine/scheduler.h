@@ -51,7 +51,10 @@ class Scheduler {
 
   void Add(std::unique_ptr<Sequence> seq);
   // Picks the work of the next step. Preempted sequences move to waiting.
-  std::vector<ScheduledWork> Schedule();
+  // `reserved_slots`: batch places held for reservations (hand-offs that
+  // will join the running batch on commit), which admission leaves free so
+  // running + reserved never exceeds max_running.
+  std::vector<ScheduledWork> Schedule(int reserved_slots = 0);
   // Records that `work` ran: advances num_computed and registers the blocks
   // that became full in the prefix cache.
   void Advance(const ScheduledWork& work);

@@ -159,5 +159,18 @@ TEST(SchedulerTest, MaxRunningLimitsTheBatch) {
   EXPECT_EQ(sched.waiting().size(), 2u);
 }
 
+// Places held for reservations count against max_running: admission leaves
+// them free, so running + reserved never passes the cap.
+TEST(SchedulerTest, ReservedSlotsCountAgainstMaxRunning) {
+  BlockManager blocks(64, 4, true, nullptr);
+  Scheduler sched({.max_batched_tokens = 100, .max_running = 3, .watermark = 0.0}, &blocks);
+  for (int i = 1; i <= 3; ++i) sched.Add(MakeSeq(i, 3, 10 * i));
+  EXPECT_EQ(sched.Schedule(/*reserved_slots=*/2).size(), 1u);
+  EXPECT_EQ(sched.Schedule(/*reserved_slots=*/3).size(), 1u);  // the running one only
+  EXPECT_EQ(sched.waiting().size(), 2u);
+  EXPECT_EQ(sched.Schedule(/*reserved_slots=*/0).size(), 3u);
+  ExpectAccounting(blocks);
+}
+
 }  // namespace
 }  // namespace tandem::worker

@@ -780,6 +780,7 @@ void WorkerService::HandleGetLoad(const grpc::ServerContext& ctx, const tandem::
   r->set_quarantined_blocks(s.quarantined_blocks);
   r->set_expired_reservations(s.expired_reservations);
   r->set_local_prefill_fallbacks(s.local_prefill_fallbacks);
+  r->set_reservations_refused(s.reservations_refused);
   r->set_expired_handoffs(s.expired_handoffs);
   KvHandoffStats kv;
   if (receiver_ != nullptr) receiver_->AddStats(&kv);
