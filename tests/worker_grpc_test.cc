@@ -676,9 +676,10 @@ TEST_F(WorkerGrpcTest, ResumedGenerationContinuesExactly) {
       want.tokens.erase(want.tokens.begin(), want.tokens.begin() + k);
       want.logprobs.erase(want.logprobs.begin(), want.logprobs.begin() + k);
       want.top.erase(want.top.begin(), want.top.begin() + k);
+      want.usage.set_completion_tokens(kMax - k);
       ExpectSameOutput(rest, want, what);
+      // Usage: the true prompt, and the tokens this call made.
       EXPECT_EQ(rest.usage.prompt_tokens(), static_cast<int>(prompt.size())) << what;
-      EXPECT_EQ(rest.usage.completion_tokens(), kMax) << what;
     }
   }
 

@@ -231,6 +231,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::MakeSequence(GenerateSpec spec
   seq->id = next_id_.fetch_add(1);
   seq->request_id = std::move(spec.request_id);
   seq->prompt_len = prompt_len;
+  seq->resumed_output = resumed;
   seq->tokens = std::move(spec.prompt);
   seq->seed = spec.params.seed.has_value() ? *spec.params.seed : RandomSeed();
   seq->params = std::move(spec.params);
@@ -371,7 +372,7 @@ LoadSnapshot Engine::GetLoad() const {
 
 void Engine::Finish(std::unique_ptr<Sequence> seq, FinishInfo info) {
   info.prompt_tokens = seq->prompt_len;
-  info.completion_tokens = seq->output_len();
+  info.completion_tokens = seq->output_len() - seq->resumed_output;
   info.cached_prompt_tokens = seq->cached_prompt_tokens;
   ++finished_;
   if (seq->sink) seq->sink->OnFinish(info);
@@ -650,7 +651,7 @@ void Engine::HandOff(uint64_t id) {
   // decode worker.
   seq->num_computed = seq->prompt_len;
   info.prompt_tokens = seq->prompt_len;
-  info.completion_tokens = seq->output_len();
+  info.completion_tokens = seq->output_len() - seq->resumed_output;
   info.cached_prompt_tokens = seq->cached_prompt_tokens;
   ++finished_;
   if (seq->sink) seq->sink->OnFinish(info);
