@@ -486,7 +486,7 @@ absl::Status Up(UpOptions opt) {
         if (now - slot.started >= kStableRun) slot.restarts = 0;
         if (slot.restarts >= opt.max_restarts) {
           slot.given_up = true;
-          Say(absl::StrFormat("%s %s again after %d restarts: giving up on it (port %d); the "
+          Say(absl::StrFormat("%s %s again after %d restart(s): giving up on it (port %d); the "
                               "cluster serves with the other workers",
                               slot.name, DescribeExit(child->status), slot.restarts, slot.port));
           continue;
