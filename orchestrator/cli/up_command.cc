@@ -260,6 +260,15 @@ std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& pr
                           c.timeouts.first_token_s, c.timeouts.idle_stream_s, c.timeouts.request_s));
   absl::StrAppend(&y, absl::StrFormat("retries:\n  max_attempts: %d\n  budget_ratio: %g\n",
                                       c.retries.max_attempts, c.retries.budget_ratio));
+  auto deadline = [](const AttemptDeadlineConfig& d) {
+    return d.automatic ? std::string("auto") : absl::StrFormat("%g", d.seconds);
+  };
+  absl::StrAppend(&y, absl::StrFormat("  attempt_first_token_s: %s\n  attempt_idle_s: %s\n"
+                                      "  auto_multiplier: %g\n  auto_floor_s: %g\n"
+                                      "  max_failovers: %d\n",
+                                      deadline(c.retries.attempt_first_token),
+                                      deadline(c.retries.attempt_idle), c.retries.auto_multiplier,
+                                      c.retries.auto_floor_s, c.retries.max_failovers));
   absl::StrAppend(&y, absl::StrFormat(
                           "limits:\n  max_body_bytes: %d\n  max_queue: %d\n  max_in_flight: %d\n",
                           c.limits.max_body_bytes, c.limits.max_queue, c.limits.max_in_flight));
