@@ -202,7 +202,10 @@ TEST_F(RouterFailoverTest, FrozenWorkersRequestsMoveToTheHealthyOneWithinTheAtte
   bool ok = false;
   WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 3; }, &ok,
               seconds(10));
-  ASSERT_TRUE(ok);
+  if (!ok) {
+    for (std::thread& t : threads) t.join();
+    FAIL() << "the streams did not start on " << a->address();
+  }
   std::this_thread::sleep_for(milliseconds(300));
   std::vector<StreamResult> fresh;
   {
@@ -234,6 +237,52 @@ TEST_F(RouterFailoverTest, FrozenWorkersRequestsMoveToTheHealthyOneWithinTheAtte
   // Thawed, `a` learns of the cancellations and frees everything.
   ExpectIdle(a->stub(), "the frozen worker, thawed", seconds(15));
   ExpectIdle(b->stub(), "the healthy worker", seconds(15));
+}
+
+TEST_F(RouterFailoverTest, KeepaliveEjectsAFrozenWorkerWithoutHealthChecksOrDeadlines) {
+  // Attempt deadlines off, health checks 30 s apart: only the channel's
+  // keepalive pings (4 s, 3 s to answer) notice that `a` froze; its calls
+  // fail with UNAVAILABLE, which ejects it and fails its streams over.
+  const std::vector<std::string> flags = {"--engine", "sim", "--sim-step-ms", "7"};
+  WorkerProcess* a = StartBoth(flags);
+  WorkerProcess* b = StartBoth(flags);
+  ASSERT_TRUE(a && b);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()},
+                         .extra = "timeouts:\n  first_token_s: 60\n  idle_stream_s: 60\n"
+                                  "retries:\n  attempt_first_token_s: 0\n  attempt_idle_s: 0\n",
+                         .health_interval_s = 30}),
+            nullptr);
+  constexpr int kTokens = 1800;  // ~13 s at 7 ms a step
+  std::vector<json> bodies;
+  for (int i = 0; i < 4; ++i) bodies.push_back(StreamBody(MakePrompt(300 + i, 24), kTokens, 40 + i));
+  std::vector<StreamResult> streamed(bodies.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    threads.emplace_back([&, i] { streamed[i] = RunStream(router()->url(), bodies[i]); });
+  }
+  bool ok = false;
+  WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 2; }, &ok,
+              seconds(10));
+  if (!ok) {
+    for (std::thread& t : threads) t.join();
+    FAIL() << "the streams did not start on " << a->address() << ": " << streamed[0].body;
+  }
+  double ejected_after = 0;
+  {
+    PausedWorker paused(a);
+    const Clock::time_point frozen = Clock::now();
+    EXPECT_TRUE(WaitForMetric(Healthy("decode", a->address()), [](double v) { return v == 0; },
+                              seconds(20)));
+    ejected_after = SecondsSince(frozen);
+    for (std::thread& t : threads) t.join();
+  }
+  EXPECT_LT(ejected_after, 12) << "keepalive: 4 s between pings, 3 s to answer";
+  for (size_t i = 0; i < streamed.size(); ++i) {
+    ExpectComplete(streamed[i], kTokens, absl::StrCat("stream ", i));
+  }
+  EXPECT_GE(Metric("tandem_router_failovers_total{reason=\"error\"}").value_or(0), 1);
+  EXPECT_EQ(Metric("tandem_router_attempt_timeouts_total{phase=\"idle\"}").value_or(0), 0);
+  ExpectIdle(a->stub(), "the frozen worker, thawed", seconds(15));
 }
 
 // ---------------------------------------------------------------------------
@@ -271,7 +320,10 @@ TEST_P(KilledMidStreamTest, StreamsContinueOnTheOtherWorkerWithTheSameTokens) {
   bool ok = false;
   WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 2; }, &ok,
               seconds(20));
-  ASSERT_TRUE(ok);
+  if (!ok) {
+    for (std::thread& t : threads) t.join();
+    FAIL() << "the streams did not start on " << a->address();
+  }
   std::this_thread::sleep_for(milliseconds(100));
   Kill(a);
   for (std::thread& t : threads) t.join();
