@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -430,7 +431,10 @@ TEST_F(RouterFailoverTest, FaultRunUnderSteadyStreamingLoadLosesNothing) {
     EXPECT_LT(r.seconds, kRequestS);
   }
   EXPECT_EQ(failed, 0) << "of " << results.size();
-  EXPECT_GE(Failovers() + Metric("tandem_router_retries_total").value_or(0), 1);
+  const double retries = Metric("tandem_router_retries_total").value_or(0);
+  std::printf("fault run: %zu requests, %d failed, %g failovers, %g retries (pauses of %g s)\n",
+              results.size(), failed, Failovers(), retries, pause_s);
+  EXPECT_GE(Failovers() + retries, 1);
   // The simulated tokens follow from the seed: every stream, moved or not,
   // carries exactly those of an undisturbed run.
   for (size_t i = 0; i < results.size(); i += std::max<size_t>(1, results.size() / 12)) {
