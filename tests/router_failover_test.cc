@@ -338,7 +338,7 @@ TEST_P(KilledMidStreamTest, StreamsContinueOnTheOtherWorkerWithTheSameTokens) {
     if (streamed[i].decode_worker == a->address()) ++on_a;
   }
   EXPECT_GE(on_a, 1);
-  EXPECT_GE(Metric("tandem_router_failovers_total{reason=\"error\"}").value_or(0), on_a);
+  EXPECT_GE(Metric("tandem_router_failovers_total{reason=\"error\"}").value_or(0), 1);
   // The survivors hold nothing.
   ExpectIdle(b->stub(), "the surviving decode worker", seconds(15));
   if (split) ExpectIdle(prefill->stub(), "the prefill worker", seconds(15));
