@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -103,9 +105,9 @@ TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
   for (const auto& [pid, cmdline] : children) EXPECT_FALSE(Alive(pid)) << cmdline;
 }
 
-TEST_F(UpCommandTest, AWorkerThatDiesStopsTheCluster) {
+TEST_F(UpCommandTest, WithoutRestartsAWorkerThatDiesStopsTheCluster) {
   // The default cluster: one prefill and one decode worker, disaggregated.
-  const std::string url = Start({});
+  const std::string url = Start({"--max-restarts", "0"});
   ASSERT_FALSE(url.empty());
   const std::vector<std::pair<pid_t, std::string>> children = ChildrenOf(up_->pid());
   ASSERT_EQ(children.size(), 3u);
@@ -129,6 +131,108 @@ TEST_F(UpCommandTest, AWorkerThatDiesStopsTheCluster) {
   for (const auto& [pid, cmdline] : children) EXPECT_FALSE(Alive(pid)) << cmdline;
 }
 
+// The worker of `up_pid` started with `ready_file` (its --ready-file), or -1.
+pid_t WorkerWithReadyFile(pid_t up_pid, const std::string& ready_file) {
+  for (const auto& [pid, cmdline] : ChildrenOf(up_pid)) {
+    if (cmdline.find(" worker ") != std::string::npos &&
+        cmdline.find(ready_file + " ") != std::string::npos) {
+      return pid;
+    }
+  }
+  return -1;
+}
+
+std::string ReadFirstLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+TEST_F(UpCommandTest, AWorkerThatDiesIsRestartedOnItsPortWhileTheOthersServe) {
+  const std::string url = Start({"--aggregated", "2", "--engine", "sim", "--policy",
+                                 "round_robin", "--worker-arg=--sim-step-ms", "--worker-arg=1"});
+  ASSERT_FALSE(url.empty());
+  const std::string ready = dir_ + "/run/nested/worker-0.addr";
+  const std::string address = ReadFirstLine(ready);
+  ASSERT_FALSE(address.empty());
+  const pid_t victim = WorkerWithReadyFile(up_->pid(), ready);
+  ASSERT_GT(victim, 0);
+  const std::string healthy =
+      absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"", address, "\"}");
+  ASSERT_TRUE(WaitUntil([&] { return ScrapeMetric(url, healthy) == 1; }, seconds(20)));
+
+  // Requests keep coming while the worker dies and comes back.
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, failed{0};
+  std::thread client([&] {
+    for (int i = 0; !stop.load(); ++i) {
+      const HttpResponse r = HttpPost(
+          url, "/v1/completions",
+          absl::StrCat(R"({"model": "builtin:tiny", "prompt": "keep going )", i,
+                       R"(", "max_tokens": 40, "stream": true, "ignore_eos": true})"));
+      const bool good = r.status == 200 && r.body.find("\"error\"") == std::string::npos &&
+                        r.body.find("[DONE]") != std::string::npos;
+      (good ? ok : failed)++;
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ::kill(victim, SIGKILL);
+  // A new process on the same port, admitted again by the router.
+  pid_t restarted = -1;
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        restarted = WorkerWithReadyFile(up_->pid(), ready);
+        return restarted > 0 && restarted != victim;
+      },
+      seconds(20)));
+  EXPECT_TRUE(WaitUntil([&] { return ReadFirstLine(ready) == address; }, seconds(30)))
+      << "the restarted worker is not on " << address;
+  EXPECT_TRUE(WaitUntil([&] { return ScrapeMetric(url, healthy) == 1; }, seconds(30)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  stop = true;
+  client.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_GE(ok.load(), 5);
+  EXPECT_TRUE(up_->Running());
+  // It serves again (round robin reaches it).
+  std::set<std::string> served;
+  for (int i = 0; i < 4; ++i) {
+    const HttpResponse r = HttpPost(
+        url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "back?", "max_tokens": 2})");
+    EXPECT_EQ(r.status, 200) << r.body;
+    served.insert(r.Header("x-tandem-decode-worker"));
+  }
+  EXPECT_TRUE(served.count(address)) << "the restarted worker serves no request";
+}
+
+TEST_F(UpCommandTest, AWorkerThatKeepsDyingIsGivenUpOnAndTheRestServe) {
+  const std::string url = Start({"--aggregated", "2", "--engine", "sim", "--max-restarts", "1"});
+  ASSERT_FALSE(url.empty());
+  const std::string ready = dir_ + "/run/nested/worker-0.addr";
+  const pid_t first = WorkerWithReadyFile(up_->pid(), ready);
+  ASSERT_GT(first, 0);
+  ::kill(first, SIGKILL);
+  pid_t second = -1;
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        second = WorkerWithReadyFile(up_->pid(), ready);
+        return second > 0 && second != first;
+      },
+      seconds(20)));
+  ::kill(second, SIGKILL);
+  // Not restarted again; the cluster serves with the other worker.
+  std::this_thread::sleep_for(seconds(3));
+  const pid_t third = WorkerWithReadyFile(up_->pid(), ready);
+  EXPECT_TRUE(third < 0 || third == second) << "restarted past --max-restarts";
+  EXPECT_TRUE(up_->Running());
+  for (int i = 0; i < 4; ++i) {
+    const HttpResponse r = HttpPost(
+        url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "still", "max_tokens": 2})");
+    EXPECT_EQ(r.status, 200) << r.body;
+  }
+}
+
 TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
   absl::StatusOr<std::string> bin = TandemBinary();
   ASSERT_TRUE(bin.ok()) << bin.status();
@@ -141,6 +245,7 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
       {"--decode 0", "at least one decode"},
       {"--policy fastest", "fastest"},
       {"--config /nonexistent/router.yaml", "/nonexistent/router.yaml"},
+      {"--max-restarts -1", "--max-restarts"},
   };
   for (const Case& c : cases) {
     std::string out;

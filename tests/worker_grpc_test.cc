@@ -625,6 +625,105 @@ TEST_F(WorkerGrpcTest, StopTokensMinTokensAndIgnoreEos) {
 }
 
 // ---------------------------------------------------------------------------
+// 12b. A generation resumed elsewhere (the router's mid-stream failover):
+// the prompt plus the first k tokens, with resume_output_tokens = k, gives
+// exactly the rest of the one-go run: tokens, logprobs within 1e-5, finish
+// and usage. Penalties count the resumed tokens as output, min_tokens and
+// max_tokens count them, and seeded sampling keeps its positions.
+
+TEST_F(WorkerGrpcTest, ResumedGenerationContinuesExactly) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  const std::vector<int32_t> prompt = MakePrompt(31, 21);
+  constexpr int kMax = 24;
+  struct Case {
+    std::string name;
+    v1::GenerateRequest request;
+  };
+  std::vector<Case> cases;
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, kMax);
+    r.mutable_sampling()->set_ignore_eos(true);
+    cases.push_back({"greedy", r});
+  }
+  {
+    // Penalties apply to output tokens only (repetition to prompt + output).
+    v1::GenerateRequest r = GreedyRequest(prompt, kMax);
+    r.mutable_sampling()->set_ignore_eos(true);
+    r.mutable_sampling()->set_frequency_penalty(2.0f);
+    r.mutable_sampling()->set_presence_penalty(1.5f);
+    cases.push_back({"greedy with penalties", r});
+  }
+  {
+    v1::GenerateRequest r = SampledRequest(prompt, kMax, 4242);
+    r.mutable_sampling()->set_repetition_penalty(1.3f);
+    r.mutable_sampling()->set_frequency_penalty(0.5f);
+    r.mutable_sampling()->set_min_tokens(kMax);  // EOS masked to the end
+    cases.push_back({"seeded with penalties and min_tokens", r});
+  }
+  for (const Case& c : cases) {
+    const Output full = Generate(w->stub(), c.request);
+    ExpectWellFormed(full, c.name);
+    ASSERT_EQ(full.tokens.size(), size_t{kMax}) << c.name;
+    for (int k : {1, 7, 16, kMax - 1}) {
+      const std::string what = absl::StrCat(c.name, ", resumed after ", k);
+      v1::GenerateRequest resume = c.request;
+      for (int i = 0; i < k; ++i) resume.add_prompt_token_ids(full.tokens[i]);
+      resume.set_resume_output_tokens(k);
+      const Output rest = Generate(w->stub(), resume);
+      ExpectWellFormed(rest, what);
+      Output want = full;
+      want.tokens.erase(want.tokens.begin(), want.tokens.begin() + k);
+      want.logprobs.erase(want.logprobs.begin(), want.logprobs.begin() + k);
+      want.top.erase(want.top.begin(), want.top.begin() + k);
+      want.usage.set_completion_tokens(kMax - k);
+      ExpectSameOutput(rest, want, what);
+      // Usage: the true prompt, and the tokens this call made.
+      EXPECT_EQ(rest.usage.prompt_tokens(), static_cast<int>(prompt.size())) << what;
+    }
+  }
+
+  // The field matters: the same tokens sent as plain prompt are penalized
+  // differently (and max_tokens counts from them).
+  {
+    const Case& c = cases[1];
+    const Output full = Generate(w->stub(), c.request);
+    v1::GenerateRequest plain = c.request;
+    for (int i = 0; i < 7; ++i) plain.add_prompt_token_ids(full.tokens[i]);
+    plain.mutable_sampling()->set_max_tokens(kMax - 7);
+    const Output as_prompt = Generate(w->stub(), plain);
+    ExpectWellFormed(as_prompt, "resumed tokens as prompt");
+    EXPECT_NE(as_prompt.tokens, std::vector<int32_t>(full.tokens.begin() + 7, full.tokens.end()))
+        << "penalties did not see the difference between prompt and output";
+  }
+
+  // Bad resumptions are refused with a reason.
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, kMax);
+    r.set_resume_output_tokens(static_cast<int>(prompt.size()));
+    const Output out = Generate(w->stub(), r, seconds(10));
+    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(out.status.error_message(), HasSubstr("resume_output_tokens"));
+  }
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, 4);
+    r.set_resume_output_tokens(4);
+    const Output out = Generate(w->stub(), r, seconds(10));
+    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(out.status.error_message(), HasSubstr("max_tokens"));
+  }
+  {
+    v1::GenerateRequest r = GreedyRequest(prompt, kMax);
+    r.set_resume_output_tokens(3);
+    r.mutable_kv_transfer()->set_mode(v1::KvTransferParams::RECEIVE);
+    const Output out = Generate(w->stub(), r, seconds(10));
+    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(out.status.error_message(), HasSubstr("resume_output_tokens"));
+  }
+  ExpectIdle(w->stub(), "after resumed generations");
+}
+
+// ---------------------------------------------------------------------------
 // 13. The KV event stream mirrors the prefix cache exactly.
 
 // Reads one StreamKvEvents call on a thread of its own.

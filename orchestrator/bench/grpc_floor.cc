@@ -173,6 +173,10 @@ absl::Status Serve(const FloorOptions& opt) {
   builder.AddListeningPort(absl::StrFormat("%s:%d", opt.host, opt.port),
                            grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
+  // As a worker does (worker_command.cc): the router's channel arguments
+  // send keepalive pings every few seconds.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   if (opt.minimal_stack) {
     builder.AddChannelArgument(GRPC_ARG_MINIMAL_STACK, 1);
     builder.AddChannelArgument(GRPC_ARG_OPTIMIZATION_TARGET, std::string("latency"));

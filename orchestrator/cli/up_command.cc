@@ -2,7 +2,14 @@
 // decode workers (or K aggregated ones) and a router as child processes of
 // this `tandem` binary, waits until the router's /health is ready, prefixes
 // every child's log lines with its name, and shuts everything down in order
-// (router first, then workers) on Ctrl-C or SIGTERM, or when any child dies.
+// (router first, then workers) on Ctrl-C or SIGTERM, or when the router dies.
+//
+// A worker that dies is restarted on its port after a backoff (0.5 s,
+// doubling up to 30 s; logged), so the router readmits it at its next health
+// checks; the others serve meanwhile. One that dies --max-restarts times in
+// a row, each within a minute of starting, is given up on (logged), and the
+// cluster serves with the rest; with no decode worker left it stops.
+// --max-restarts 0 restores stopping the whole cluster when any child dies.
 //
 // The router's config is the --config file (or the defaults) with its pools
 // replaced by the workers started here; flags override the file.
@@ -16,6 +23,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -63,7 +71,13 @@ struct UpOptions {
   std::vector<std::string> worker_args;
   std::string run_dir;
   std::string engine;  // empty: the workers' default (real)
+  int max_restarts = 5;  // per worker, in a row; 0: a dead worker stops the cluster
 };
+
+// A worker restarted after a run this long starts its restart count afresh.
+constexpr std::chrono::seconds kStableRun(60);
+constexpr std::chrono::milliseconds kFirstBackoff(500);
+constexpr std::chrono::milliseconds kMaxBackoff(30000);
 
 std::mutex g_log_mu;
 
@@ -246,6 +260,15 @@ std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& pr
                           c.timeouts.first_token_s, c.timeouts.idle_stream_s, c.timeouts.request_s));
   absl::StrAppend(&y, absl::StrFormat("retries:\n  max_attempts: %d\n  budget_ratio: %g\n",
                                       c.retries.max_attempts, c.retries.budget_ratio));
+  auto deadline = [](const AttemptDeadlineConfig& d) {
+    return d.automatic ? std::string("auto") : absl::StrFormat("%g", d.seconds);
+  };
+  absl::StrAppend(&y, absl::StrFormat("  attempt_first_token_s: %s\n  attempt_idle_s: %s\n"
+                                      "  auto_multiplier: %g\n  auto_floor_s: %g\n"
+                                      "  max_failovers: %d\n",
+                                      deadline(c.retries.attempt_first_token),
+                                      deadline(c.retries.attempt_idle), c.retries.auto_multiplier,
+                                      c.retries.auto_floor_s, c.retries.max_failovers));
   absl::StrAppend(&y, absl::StrFormat(
                           "limits:\n  max_body_bytes: %d\n  max_queue: %d\n  max_in_flight: %d\n",
                           c.limits.max_body_bytes, c.limits.max_queue, c.limits.max_in_flight));
@@ -328,7 +351,7 @@ absl::Status Up(UpOptions opt) {
   RETURN_IF_ERROR(InstallSignalHandlers({SIGINT, SIGTERM}));
 
   std::vector<std::unique_ptr<Child>> children;
-  std::vector<Child*> workers;
+  std::vector<Child*> workers;  // the live process of each worker (shutdown stops them)
   Child* router = nullptr;
   absl::Status result = absl::OkStatus();
   auto shutdown = [&](const absl::Status& why) {
@@ -344,11 +367,23 @@ absl::Status Up(UpOptions opt) {
 
   // Workers.
   std::vector<std::string> prefill_addrs, decode_addrs;
-  auto start_worker = [&](const std::string& name, const std::string& role) -> absl::StatusOr<std::string> {
-    const std::string ready = absl::StrCat(dir, "/", name, ".addr");
-    unlink(ready.c_str());
-    std::vector<std::string> argv = {"tandem", "worker", "--model", opt.model, "--role", role,
-                                     "--host", "127.0.0.1", "--port", "0", "--ready-file", ready};
+  // One worker across its restarts.
+  struct Slot {
+    std::string name, role, ready_file;
+    int port = 0;                   // 0 until it first bound one
+    size_t index = 0;               // in `workers`
+    Clock::time_point started;      // of its current process
+    int restarts = 0;               // in a row (reset after kStableRun)
+    std::optional<Clock::time_point> restart_at;  // dead, waiting for its backoff
+    bool back = true;               // its current process wrote its address
+    bool given_up = false;
+  };
+  std::vector<Slot> slots;
+  auto spawn_worker = [&](Slot& slot) -> absl::Status {
+    unlink(slot.ready_file.c_str());
+    std::vector<std::string> argv = {"tandem", "worker", "--model", opt.model, "--role", slot.role,
+                                     "--host", "127.0.0.1", "--port", std::to_string(slot.port),
+                                     "--ready-file", slot.ready_file};
     if (split) {
       for (const char* a : {"--kv-transport", "ucx", "--kv-transport-tls", "shm"}) argv.push_back(a);
     }
@@ -365,10 +400,28 @@ absl::Status Up(UpOptions opt) {
       argv.push_back(opt.engine);
     }
     argv.insert(argv.end(), opt.worker_args.begin(), opt.worker_args.end());
-    ASSIGN_OR_RETURN(std::unique_ptr<Child> c, Spawn(name, argv));
+    ASSIGN_OR_RETURN(std::unique_ptr<Child> c, Spawn(slot.name, argv));
     children.push_back(std::move(c));
-    workers.push_back(children.back().get());
-    return ReadWhenPresent(ready, *children.back(), children, std::chrono::seconds(300));
+    workers[slot.index] = children.back().get();
+    slot.started = Clock::now();
+    return absl::OkStatus();
+  };
+  auto start_worker = [&](const std::string& name, const std::string& role) -> absl::StatusOr<std::string> {
+    slots.push_back(Slot{.name = name, .role = role,
+                         .ready_file = absl::StrCat(dir, "/", name, ".addr"),
+                         .index = workers.size()});
+    workers.push_back(nullptr);
+    Slot& slot = slots.back();
+    if (absl::Status st = spawn_worker(slot); !st.ok()) {
+      workers.pop_back();
+      slots.pop_back();
+      return st;
+    }
+    ASSIGN_OR_RETURN(std::string addr, ReadWhenPresent(slot.ready_file, *workers[slot.index],
+                                                      children, std::chrono::seconds(300)));
+    // Restarts bind the same port, so the router's address for it holds.
+    slot.port = std::atoi(addr.substr(addr.rfind(':') + 1).c_str());
+    return addr;
   };
   for (int i = 0; i < num_prefill && result.ok(); ++i) {
     absl::StatusOr<std::string> a = start_worker(absl::StrCat("prefill-", i), "prefill");
@@ -425,9 +478,60 @@ absl::Status Up(UpOptions opt) {
   while (true) {
     const int sig = WaitForSignalFor(200);
     if (sig != 0) return shutdown(absl::OkStatus());
-    if (Child* dead = Reap(children)) {
+    Child* dead = Reap(children);
+    if (router->exited) {
+      return shutdown(absl::UnavailableError(
+          absl::StrCat("router ", DescribeExit(router->status), ": stopping the cluster")));
+    }
+    if (dead != nullptr && opt.max_restarts == 0) {
       return shutdown(absl::UnavailableError(
           absl::StrCat(dead->name, " ", DescribeExit(dead->status), ": stopping the cluster")));
+    }
+    const Clock::time_point now = Clock::now();
+    for (Slot& slot : slots) {
+      Child* child = workers[slot.index];
+      if (slot.given_up) continue;
+      if (!slot.restart_at.has_value() && child->exited) {
+        if (now - slot.started >= kStableRun) slot.restarts = 0;
+        if (slot.restarts >= opt.max_restarts) {
+          slot.given_up = true;
+          Say(absl::StrFormat("%s %s again after %d restart(s): giving up on it (port %d); the "
+                              "cluster serves with the other workers",
+                              slot.name, DescribeExit(child->status), slot.restarts, slot.port));
+          continue;
+        }
+        const auto backoff = std::min<std::chrono::milliseconds>(
+            kMaxBackoff, kFirstBackoff * (1 << std::min(slot.restarts, 10)));
+        ++slot.restarts;
+        slot.restart_at = now + backoff;
+        Say(absl::StrFormat("%s %s: restarting it on port %d in %.1f s (restart %d of at most %d "
+                            "in a row)",
+                            slot.name, DescribeExit(child->status), slot.port,
+                            std::chrono::duration<double>(backoff).count(), slot.restarts,
+                            opt.max_restarts));
+      }
+      if (slot.restart_at.has_value() && now >= *slot.restart_at) {
+        slot.restart_at.reset();
+        slot.back = false;
+        if (absl::Status st = spawn_worker(slot); !st.ok()) {
+          Say(absl::StrCat("cannot restart ", slot.name, ": ", st.message()));
+          slot.given_up = true;
+        }
+        continue;
+      }
+      if (!slot.back && !child->exited) {
+        std::ifstream in(slot.ready_file);
+        std::string addr;
+        if (in && std::getline(in, addr) && !addr.empty()) {
+          slot.back = true;
+          Say(absl::StrCat(slot.name, " is back on ", addr));
+        }
+      }
+    }
+    bool decode_left = false;
+    for (const Slot& slot : slots) decode_left |= slot.role != "prefill" && !slot.given_up;
+    if (!decode_left) {
+      return shutdown(absl::UnavailableError("no decode worker left: stopping the cluster"));
     }
   }
 }
@@ -457,6 +561,11 @@ void AddUpCommand(CLI::App& app) {
                   "see tandem worker --help)");
   cmd->add_option("--worker-arg", opt->worker_args, "Extra flag for every worker (repeatable)");
   cmd->add_option("--run-dir", opt->run_dir, "Where addresses and the router config go");
+  cmd->add_option("--max-restarts", opt->max_restarts,
+                  "Restarts of a worker that dies, in a row, before it is given up on (0: a "
+                  "worker that dies stops the cluster)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000));
   cmd->callback([opt] {
     const absl::Status s = Up(*opt);
     // Interrupted by the user: a clean stop.

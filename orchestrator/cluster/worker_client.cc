@@ -23,6 +23,17 @@ grpc::ChannelArguments WorkerClient::ChannelArgs() {
   // probe, to grow a flow-control window that small token messages never
   // fill.
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  // Keepalive: a worker that stops answering HTTP/2 pings (a frozen process,
+  // a dead host whose connection never reset) fails every call on the
+  // channel with UNAVAILABLE within kKeepaliveTimeMs + kKeepaliveTimeoutMs,
+  // which ejects it and moves its requests elsewhere (generation.h), instead
+  // of after unhealthy_after health checks. A worker's gRPC thread answers
+  // pings apart from its engine, so a busy worker is not mistaken for a
+  // frozen one. Workers accept pings this often (worker_command.cc).
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   return args;
 }
 

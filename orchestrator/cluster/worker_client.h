@@ -48,6 +48,9 @@ class WorkerClient {
 
   // The arguments of every channel to a worker.
   static grpc::ChannelArguments ChannelArgs();
+  // Keepalive pings on every channel to a worker (see ChannelArgs).
+  static constexpr int kKeepaliveTimeMs = 4000;
+  static constexpr int kKeepaliveTimeoutMs = 3000;
 
   const std::string& address() const { return address_; }
   tandem::v1::Worker::Stub& stub() const { return *stub_; }

@@ -183,6 +183,13 @@ class Validator {
 
     RETURN_IF_ERROR(Range("retries.max_attempts", c.retries.max_attempts, 1, 10));
     RETURN_IF_ERROR(Seconds("retries.budget_ratio", c.retries.budget_ratio, 0, true, 1));
+    for (const auto& [path, d] : {std::pair{"retries.attempt_first_token_s", c.retries.attempt_first_token},
+                                  std::pair{"retries.attempt_idle_s", c.retries.attempt_idle}}) {
+      if (!d.automatic) RETURN_IF_ERROR(Seconds(path, d.seconds, 0, true, 86400));
+    }
+    RETURN_IF_ERROR(Seconds("retries.auto_multiplier", c.retries.auto_multiplier, 1, true, 1000));
+    RETURN_IF_ERROR(Seconds("retries.auto_floor_s", c.retries.auto_floor_s, 0, false, 3600));
+    RETURN_IF_ERROR(Range("retries.max_failovers", c.retries.max_failovers, 0, 10));
 
     RETURN_IF_ERROR(Range("limits.max_body_bytes", c.limits.max_body_bytes, 1024, int64_t{1} << 30));
     RETURN_IF_ERROR(Range("limits.max_queue", c.limits.max_queue, 0, int64_t{1} << 20));
@@ -433,6 +440,26 @@ class Parser {
     return absl::OkStatus();
   }
 
+  // `auto` or a number of seconds.
+  absl::Status AttemptDeadline(const Fields& f, absl::string_view key,
+                               AttemptDeadlineConfig* out) const {
+    const YAML::Node* n = f.Find(key);
+    if (n == nullptr) return absl::OkStatus();
+    const std::string path = Join(f.path, key);
+    RETURN_IF_ERROR(Scalar(*n, path, "auto or a number of seconds"));
+    if (n->Scalar() == "auto") {
+      *out = AttemptDeadlineConfig{.automatic = true};
+      return absl::OkStatus();
+    }
+    double v = 0;
+    if (!absl::SimpleAtod(n->Scalar(), &v) || !std::isfinite(v)) {
+      return Bad(n->Mark(), path,
+                 absl::StrCat("expected auto or a number of seconds, got ", Describe(*n)));
+    }
+    *out = AttemptDeadlineConfig{.automatic = false, .seconds = v};
+    return absl::OkStatus();
+  }
+
   absl::Status Bool(const Fields& f, absl::string_view key, bool* out) const {
     const YAML::Node* n = f.Find(key);
     if (n == nullptr) return absl::OkStatus();
@@ -495,9 +522,17 @@ class Parser {
     RETURN_IF_ERROR(Double(timeouts, "idle_stream_s", &c->timeouts.idle_stream_s));
     RETURN_IF_ERROR(Double(timeouts, "request_s", &c->timeouts.request_s));
 
-    ASSIGN_OR_RETURN(Fields retries, SubMap(top, "retries", {"max_attempts", "budget_ratio"}));
+    ASSIGN_OR_RETURN(Fields retries,
+                     SubMap(top, "retries", {"max_attempts", "budget_ratio", "attempt_first_token_s",
+                                             "attempt_idle_s", "auto_multiplier", "auto_floor_s",
+                                             "max_failovers"}));
     RETURN_IF_ERROR(Int(retries, "max_attempts", &c->retries.max_attempts));
     RETURN_IF_ERROR(Double(retries, "budget_ratio", &c->retries.budget_ratio));
+    RETURN_IF_ERROR(AttemptDeadline(retries, "attempt_first_token_s", &c->retries.attempt_first_token));
+    RETURN_IF_ERROR(AttemptDeadline(retries, "attempt_idle_s", &c->retries.attempt_idle));
+    RETURN_IF_ERROR(Double(retries, "auto_multiplier", &c->retries.auto_multiplier));
+    RETURN_IF_ERROR(Double(retries, "auto_floor_s", &c->retries.auto_floor_s));
+    RETURN_IF_ERROR(Int(retries, "max_failovers", &c->retries.max_failovers));
 
     ASSIGN_OR_RETURN(Fields limits,
                      SubMap(top, "limits", {"max_body_bytes", "max_queue", "max_in_flight"}));

@@ -129,16 +129,41 @@ struct TimeoutsConfig {
   double request_s = 600.0;
 };
 
+// A per-attempt deadline: fixed seconds, or `auto` (the multiplier times the
+// observed p99, at least the floor). 0 seconds turns it off.
+struct AttemptDeadlineConfig {
+  bool automatic = true;  // YAML `auto`
+  double seconds = 0;     // when not automatic, in [0, 86400]
+};
+
 // Retries of a request that failed before its first token was sent (a
-// worker that is unreachable, overloaded or dies mid-prefill). Never after:
-// a client cannot un-see tokens.
+// worker that is unreachable, overloaded, frozen or dies mid-prefill), and
+// failover of one that fails after it (the generation resumes on another
+// decode worker from the prompt plus the tokens already sent).
 struct RetriesConfig {
   // Attempts per request including the first, in [1, 10]; 1 disables retry.
   int max_attempts = 3;
   // Retries across all requests may be at most this fraction of requests
   // (a retry budget, so a sick cluster is not hit with max_attempts times
-  // its load). In [0, 1]; 0 disables retry.
+  // its load). In [0, 1]; 0 disables retry. Failovers do not draw on it.
   double budget_ratio = 0.2;
+  // An attempt with no token this long after it started is cancelled and
+  // placed on another worker (its worker is ejected as suspect), when
+  // another healthy one exists. `auto`: auto_multiplier times the p99 of
+  // recent attempts' first-token latency, at least auto_floor_s; until 20
+  // attempts were seen, off.
+  AttemptDeadlineConfig attempt_first_token;
+  // Mid-stream: no token from the attempt for this long fails it over as
+  // if its worker had died. `auto`: auto_multiplier times the p99 of recent
+  // gaps between token messages, at least auto_floor_s; off until 20 gaps.
+  AttemptDeadlineConfig attempt_idle;
+  // `auto` deadlines: the multiple of the observed p99, in [1, 1000].
+  double auto_multiplier = 5.0;
+  // `auto` deadlines are never shorter than this, in (0, 3600] seconds.
+  double auto_floor_s = 2.0;
+  // Mid-stream failovers per choice, in [0, 10]; 0: a worker that fails
+  // after the first token fails the stream (an error event).
+  int max_failovers = 3;
 };
 
 // Admission limits; beyond them requests are refused, never stalled.

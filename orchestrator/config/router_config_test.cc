@@ -140,6 +140,37 @@ TEST(RouterConfigTest, OutOfRangeValue) {
               StartsWith("t.yaml:1:24: disaggregation.mode: expected never, always or auto"));
 }
 
+TEST(RouterConfigTest, AttemptDeadlinesAndFailovers) {
+  auto defaults = Parse(kMinimal);
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_TRUE(defaults->retries.attempt_first_token.automatic);
+  EXPECT_TRUE(defaults->retries.attempt_idle.automatic);
+  EXPECT_EQ(defaults->retries.max_failovers, 3);
+
+  auto config = Parse(std::string(kMinimal) +
+                      "retries: {attempt_first_token_s: 1.5, attempt_idle_s: auto, "
+                      "auto_multiplier: 8, auto_floor_s: 0.5, max_failovers: 0}\n");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->retries.attempt_first_token.automatic);
+  EXPECT_EQ(config->retries.attempt_first_token.seconds, 1.5);
+  EXPECT_TRUE(config->retries.attempt_idle.automatic);
+  EXPECT_EQ(config->retries.auto_multiplier, 8);
+  EXPECT_EQ(config->retries.auto_floor_s, 0.5);
+  EXPECT_EQ(config->retries.max_failovers, 0);
+
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {attempt_idle_s: soon}\n"),
+              StartsWith("t.yaml:6:27: retries.attempt_idle_s: expected auto or a number of "
+                         "seconds, got 'soon'"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {attempt_first_token_s: -2}\n"),
+              StartsWith("t.yaml:6:34: retries.attempt_first_token_s: -2 is not in [0, 86400]"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {max_failovers: 11}\n"),
+              StartsWith("t.yaml:6:26: retries.max_failovers: 11 is not in [0, 10]"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {auto_floor_s: 0}\n"),
+              StartsWith("t.yaml:6:25: retries.auto_floor_s: 0 is not in (0, 3600]"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {auto_multiplier: 0.5}\n"),
+              StartsWith("t.yaml:6:28: retries.auto_multiplier: 0.5 is not in [1, 1000]"));
+}
+
 TEST(RouterConfigTest, BadPolicyName) {
   EXPECT_THAT(ErrorOf(std::string(kMinimal) + "    policy: {name: fastest}\n"),
               StartsWith("t.yaml:6:20: pools.decode.policy.name: unknown routing policy "

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/grpc_poller.h"
 #include "common/logging.h"
 
@@ -119,12 +120,7 @@ void Generation::StartLaunched() {
 }
 
 void Generation::AttemptLocked() {
-  ++attempt_;
-  result_.attempts = attempt_;
-  absl::StatusOr<Placement> placement = planner_->Place(
-      std::span<const int32_t>(request_.prompt_token_ids().data(),
-                               request_.prompt_token_ids_size()),
-      exclude_);
+  absl::StatusOr<Placement> placement = PlaceLocked(exclude_);
   if (!placement.ok()) {
     GenerationResult r = result_;
     r.status = last_error_.ok()
@@ -132,10 +128,41 @@ void Generation::AttemptLocked() {
                    : absl::Status(placement.status().code(),
                                   absl::StrCat(placement.status().message(),
                                                "; the last attempt failed: ", last_error_.message()));
+    r.completion_tokens = emitted_;
     FinishLocked(std::move(r), /*cancel_prefill=*/true);
     return;
   }
-  placement_ = *std::move(placement);
+  LaunchAttemptLocked(*std::move(placement));
+}
+
+absl::StatusOr<Placement> Generation::PlaceLocked(const std::set<std::string>& exclude) {
+  const auto& prompt = request_.prompt_token_ids();
+  if (sent_ids_.empty()) {
+    return planner_->Place(std::span<const int32_t>(prompt.data(), prompt.size()), exclude);
+  }
+  std::vector<int32_t> tokens(prompt.begin(), prompt.end());
+  tokens.insert(tokens.end(), sent_ids_.begin(), sent_ids_.end());
+  return planner_->Place(tokens, exclude);
+}
+
+void Generation::LaunchAttemptLocked(Placement placement) {
+  ++attempt_;
+  result_.attempts = attempt_;
+  attempt_started_ = last_token_at_ = std::chrono::steady_clock::now();
+  attempt_has_token_ = decode_has_token_ = attempt_expired_ = false;
+  placement_ = std::move(placement);
+  if (!sent_ids_.empty()) {
+    // A resumption: aggregated on the decode worker (the worker API resumes
+    // aggregated requests only), the tokens sent as output already made.
+    placement_.prefill = nullptr;
+    result_.decode_worker = result_.prefill_worker = placement_.decode->address();
+    GenerateRequest resume = request_;
+    for (int32_t id : sent_ids_) resume.add_prompt_token_ids(id);
+    resume.set_resume_output_tokens(static_cast<int32_t>(sent_ids_.size()));
+    LaunchLocked(CallKind::kAggregated, placement_.decode, std::move(resume),
+                 placement_.decode_cached_tokens);
+    return;
+  }
   result_.decode_worker = placement_.decode->address();
   result_.prefill_worker =
       placement_.prefill != nullptr ? placement_.prefill->address() : placement_.decode->address();
@@ -185,6 +212,7 @@ void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
       case CallKind::kAggregated:
         if (!tokens.empty()) {
           call->in_flight.PrefillDone();
+          decode_has_token_ = true;
           first_emitted_ = true;
           if (!EmitLocked(tokens)) return;
         }
@@ -206,6 +234,7 @@ void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
           break;
         }
         std::span<const TokenOutput> rest = tokens;
+        if (!tokens.empty()) decode_has_token_ = true;
         if (msg.includes_first_token() && !rest.empty()) {
           // The decode worker prefilled locally: the KV never came.
           result_.kv_fallback = true;
@@ -265,7 +294,14 @@ bool Generation::EmitLocked(std::span<const TokenOutput> tokens) {
     placed_ = true;
     sink_->OnPlaced(options_.choice, placement_);
   }
+  const auto now = std::chrono::steady_clock::now();
+  const double waited = std::chrono::duration<double>(now - last_token_at_).count();
+  LatencyWindow* window = attempt_has_token_ ? options_.token_gaps : options_.first_token_latency;
+  if (window != nullptr) window->Record(waited);
+  attempt_has_token_ = true;
+  last_token_at_ = now;
   emitted_ += static_cast<int64_t>(tokens.size());
+  for (const TokenOutput& t : tokens) sent_ids_.push_back(t.token_id());
   if (sink_->OnTokens(options_.choice, tokens)) return true;
   // A stop string matched: the workers can stop.
   GenerationResult r = result_;
@@ -327,18 +363,148 @@ void Generation::FailAttemptLocked(const absl::Status& status,
   if (!first_emitted_ && Retryable(status.code()) && attempt_ < options_.max_attempts &&
       planner_->TakeRetry()) {
     LOG(INFO) << "request " << options_.request_id << ": retrying after " << status.ToString();
-    CancelCallsLocked(/*include_send=*/true);
+    AbandonAttemptLocked();
     exclude_.insert(worker->address());
-    held_.clear();
-    decode_finished_ = false;
     result_.kv_fallback = false;
     AttemptLocked();
     return;
   }
+  if (first_emitted_ && Retryable(status.code()) && FailoverLocked(status, worker)) return;
   GenerationResult r = result_;
   r.status = status;
   r.completion_tokens = emitted_;
   FinishLocked(std::move(r), /*cancel_prefill=*/true);
+}
+
+std::optional<tandem::v1::FinishReason> Generation::EndedBySentLocked() const {
+  if (sent_ids_.empty()) return std::nullopt;
+  const tandem::v1::SamplingParams& p = request_.sampling();
+  const int32_t last = sent_ids_.back();
+  const auto& stops = p.stop_token_ids();
+  if (std::find(stops.begin(), stops.end(), last) != stops.end()) {
+    return tandem::v1::FINISH_REASON_STOP;
+  }
+  const std::optional<tandem::v1::ModelInfo> info = placement_.decode->model_info();
+  if (info.has_value()) {
+    const auto& eos = info->eos_token_ids();
+    if (!p.ignore_eos() && std::find(eos.begin(), eos.end(), last) != eos.end()) {
+      return tandem::v1::FINISH_REASON_STOP;
+    }
+    if (request_.prompt_token_ids_size() + static_cast<int64_t>(sent_ids_.size()) >=
+        info->max_context_length()) {
+      return tandem::v1::FINISH_REASON_LENGTH;
+    }
+  }
+  if (p.has_max_tokens() && static_cast<int64_t>(sent_ids_.size()) >= p.max_tokens()) {
+    return tandem::v1::FINISH_REASON_LENGTH;
+  }
+  return std::nullopt;
+}
+
+bool Generation::FailoverLocked(const absl::Status& why,
+                                const std::shared_ptr<WorkerClient>& worker) {
+  if (failovers_ >= options_.max_failovers) return false;
+  if (std::optional<tandem::v1::FinishReason> end = EndedBySentLocked()) {
+    FinishSentLocked(*end);
+    return true;
+  }
+  ++failovers_;
+  ++result_.error_failovers;
+  LOG(WARNING) << "request " << options_.request_id << " choice " << options_.choice
+               << ": failing over after " << sent_ids_.size() << " tokens (failover "
+               << failovers_ << " of " << options_.max_failovers << "): " << why.ToString();
+  AbandonAttemptLocked();
+  exclude_.insert(worker->address());
+  AttemptLocked();
+  return true;
+}
+
+void Generation::FinishSentLocked(tandem::v1::FinishReason reason) {
+  // Only the final message was lost: the generation is complete.
+  GenerationResult r = result_;
+  r.finish_reason = reason;
+  r.prompt_tokens = request_.prompt_token_ids_size();
+  r.completion_tokens = emitted_;
+  FinishLocked(std::move(r), /*cancel_prefill=*/true);
+}
+
+void Generation::AbandonAttemptLocked() {
+  CancelCallsLocked(/*include_send=*/true);
+  held_.clear();
+  decode_finished_ = false;
+}
+
+void Generation::CheckProgress(std::chrono::steady_clock::time_point now, double first_token_s,
+                               double idle_s) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_ || attempt_expired_ || placement_.decode == nullptr) return;
+    const double deadline = attempt_has_token_ ? idle_s : first_token_s;
+    const auto since = attempt_has_token_ ? last_token_at_ : attempt_started_;
+    if (deadline <= 0 || now - since < std::chrono::duration<double>(deadline)) return;
+    attempt_expired_ = true;
+    if (attempt_has_token_) {
+      ++result_.idle_timeouts;
+    } else {
+      ++result_.first_token_timeouts;
+    }
+    // The worker to suspect: the decode worker, unless this is a split
+    // attempt whose decode side is waiting on the prefill worker (the
+    // reservation is made, or the first token came, and the hand-off has not
+    // ended).
+    std::shared_ptr<WorkerClient> suspect = placement_.decode;
+    if (placement_.prefill != nullptr && !decode_has_token_) {
+      bool reserved = false, send_open = false;
+      for (const Call* c : calls_) {
+        if (c->attempt != attempt_) continue;
+        if (c->kind == CallKind::kReceive && c->reserved) reserved = true;
+        if (c->kind == CallKind::kSend && !c->finished) send_open = true;
+      }
+      if (attempt_has_token_ ? send_open : reserved) suspect = placement_.prefill;
+    }
+    const absl::Status why = absl::DeadlineExceededError(absl::StrFormat(
+        "worker %s sent no token for %.3g s (retries.%s)", suspect->address(), deadline,
+        attempt_has_token_ ? "attempt_idle_s" : "attempt_first_token_s"));
+    last_error_ = why;
+    const bool failover = first_emitted_;
+    if (failover ? failovers_ >= options_.max_failovers
+                 : attempt_ >= options_.max_attempts || !planner_->TakeRetry()) {
+      LOG(WARNING) << "request " << options_.request_id << ": " << why.message()
+                   << "; no " << (failover ? "failover" : "retry") << " left, waiting on it";
+      return;
+    }
+    if (std::optional<tandem::v1::FinishReason> end = EndedBySentLocked(); failover && end) {
+      FinishSentLocked(*end);
+      return;
+    }
+    std::set<std::string> exclude = exclude_;
+    exclude.insert(suspect->address());
+    absl::StatusOr<Placement> placement = PlaceLocked(exclude);
+    if (!placement.ok()) {
+      LOG(WARNING) << "request " << options_.request_id << ": " << why.message()
+                   << "; no other worker to move to (" << placement.status().message()
+                   << "), waiting on it";
+      return;
+    }
+    if (suspect->Eject()) {
+      LOG(WARNING) << "worker " << suspect->address() << " ejected: " << why.message();
+    }
+    if (failover) {
+      ++failovers_;
+      ++result_.stall_failovers;
+      LOG(WARNING) << "request " << options_.request_id << " choice " << options_.choice
+                   << ": failing over after " << sent_ids_.size() << " tokens (failover "
+                   << failovers_ << " of " << options_.max_failovers << "): " << why.message();
+    } else {
+      LOG(WARNING) << "request " << options_.request_id << ": retrying elsewhere: "
+                   << why.message();
+    }
+    AbandonAttemptLocked();
+    exclude_ = std::move(exclude);
+    result_.kv_fallback = false;
+    LaunchAttemptLocked(*std::move(placement));
+  }
+  StartLaunched();
 }
 
 void Generation::FinishLocked(GenerationResult result, bool cancel_prefill) {

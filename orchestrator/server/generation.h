@@ -24,7 +24,25 @@
 // FAILED_PRECONDITION, INTERNAL, UNKNOWN), is cancelled whole and placed
 // again without the worker that failed, up to `max_attempts` and while the
 // planner's retry budget allows. UNAVAILABLE also ejects the worker at once.
-// Never after the first token: a client cannot un-see tokens.
+//
+// Attempt deadlines (CheckProgress, from the router's watchdog): an attempt
+// that sent no token `first_token_s` after it started, or none for `idle_s`
+// after its last, is stuck on an unresponsive worker (frozen, or its peer
+// is). When the planner finds another healthy worker, the attempt is
+// cancelled, the suspect worker ejected (it is readmitted by its health
+// checks), and the generation moves: a retry before the first token, a
+// failover after it. When none is left, the attempt keeps its chance.
+//
+// Failover (after tokens reached the sink): a decode or aggregated call that
+// fails with a retryable code, or misses its deadline, is resumed on another
+// decode worker, aggregated, from the prompt plus every token already sent
+// (GenerateRequest.resume_output_tokens tells the worker which are output,
+// so penalties, min/max_tokens and the seeded sampling position continue
+// exactly). The sink sees one stream with no token lost or repeated; the
+// first token's KV is recomputed there (the prefix cache may hold part).
+// Up to `max_failovers` per generation; they do not draw on the retry
+// budget. A generation whose last token already ended it (a stop token,
+// max_tokens, the context) finishes instead.
 //
 // Thread safety: Start and Cancel may be called from any thread; the sink is
 // called from the GrpcPoller's thread, serially for one Generation, with the
@@ -37,6 +55,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -46,6 +65,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "orchestrator/cluster/worker_client.h"
+#include "orchestrator/server/latency_window.h"
 #include "tandem/v1/worker.grpc.pb.h"
 
 namespace tandem::router {
@@ -83,6 +103,10 @@ struct GenerationResult {
   std::string prefill_worker;  // where the last attempt ran (equal when aggregated)
   std::string decode_worker;
   int attempts = 0;
+  int error_failovers = 0;       // resumed elsewhere after the stream failed mid-way
+  int stall_failovers = 0;       // resumed elsewhere after the idle deadline
+  int first_token_timeouts = 0;  // attempts past their first-token deadline
+  int idle_timeouts = 0;         // attempts past their idle deadline (mid-stream)
   bool kv_fallback = false;  // the decode worker prefilled locally: the KV never came
   int64_t kv_bytes = 0;      // pulled by the decode worker
 };
@@ -112,6 +136,12 @@ class Generation : public std::enable_shared_from_this<Generation> {
     std::chrono::system_clock::time_point deadline;
     // RECEIVE: how long the decode worker waits for the KV (0: its default).
     uint32_t kv_receive_timeout_ms = 0;
+    // Mid-stream failovers allowed (see the top of this file).
+    int max_failovers = 0;
+    // Where attempts record the time from their start to their first token,
+    // and the gaps between token messages, for `auto` deadlines (may be null).
+    LatencyWindow* first_token_latency = nullptr;
+    LatencyWindow* token_gaps = nullptr;
   };
 
   // `request` holds the prompt ids and sampling (with a seed: a split
@@ -126,12 +156,38 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // Ends the generation with `why` (if it has not ended): worker calls are
   // cancelled, OnDone reports `why`.
   void Cancel(const absl::Status& why);
+  // Checks the current attempt against its deadlines, in seconds from its
+  // start (first_token_s) or its last token (idle_s), 0 = off; moves it when
+  // past one (see the top of this file).
+  void CheckProgress(std::chrono::steady_clock::time_point now, double first_token_s,
+                     double idle_s);
 
  private:
   struct Call;
   enum class CallKind { kAggregated, kReceive, kSend };
 
+  // Places and launches the next attempt; finishes the generation when no
+  // worker is left.
   void AttemptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places on a worker not in `exclude`: the prompt, plus the tokens sent
+  // when resuming.
+  absl::StatusOr<Placement> PlaceLocked(const std::set<std::string>& exclude)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Launches an attempt at `placement`: aggregated with the tokens sent as
+  // resumed output when some were, else as placed.
+  void LaunchAttemptLocked(Placement placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Resumes on another worker after tokens were sent; false when no
+  // failover is left. `worker` is excluded from then on.
+  bool FailoverLocked(const absl::Status& why, const std::shared_ptr<WorkerClient>& worker)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Set when the tokens already sent ended the generation (the stream broke
+  // before its final message): what it finished with.
+  std::optional<tandem::v1::FinishReason> EndedBySentLocked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Finishes with `reason`: the tokens sent ended the generation.
+  void FinishSentLocked(tandem::v1::FinishReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Cancels the current attempt's calls and forgets what they held back.
+  void AbandonAttemptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts the calls launched under the lock (gRPC may run a reaction
   // inline, so calls start with mu_ released).
   void StartLaunched() ABSL_LOCKS_EXCLUDED(mu_);
@@ -177,6 +233,15 @@ class Generation : public std::enable_shared_from_this<Generation> {
   tandem::v1::GenerateResponse decode_final_ ABSL_GUARDED_BY(mu_);
   GenerationResult result_ ABSL_GUARDED_BY(mu_);
   int64_t emitted_ ABSL_GUARDED_BY(mu_) = 0;
+  // Token ids the sink accepted, in order (a failover resumes after them).
+  std::vector<int32_t> sent_ids_ ABSL_GUARDED_BY(mu_);
+  int failovers_ ABSL_GUARDED_BY(mu_) = 0;
+  // The current attempt's progress, for its deadlines.
+  std::chrono::steady_clock::time_point attempt_started_ ABSL_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point last_token_at_ ABSL_GUARDED_BY(mu_);
+  bool attempt_has_token_ ABSL_GUARDED_BY(mu_) = false;  // it sent a token to the sink
+  bool decode_has_token_ ABSL_GUARDED_BY(mu_) = false;   // its decode stream delivered one
+  bool attempt_expired_ ABSL_GUARDED_BY(mu_) = false;    // past a deadline, nowhere to go
 };
 
 // gRPC status -> absl::Status with the same code and message.

@@ -33,6 +33,7 @@
 #include "orchestrator/openai/openai_api.h"
 #include "orchestrator/routing/kv_cache_aware.h"
 #include "orchestrator/server/generation.h"
+#include "orchestrator/server/latency_window.h"
 #include "orchestrator/server/model_assets.h"
 #include "orchestrator/server/stop_strings.h"
 
@@ -159,6 +160,8 @@ class Router::Impl {
     CounterFamily& fallbacks;
     CounterFamily& reloads;
     Counter& retries;
+    CounterFamily& failovers;
+    CounterFamily& attempt_timeouts;
     Counter& prompt_tokens;
     Counter& cached_tokens;
     Counter& generation_tokens;
@@ -167,6 +170,10 @@ class Router::Impl {
     Gauge& in_flight;
   };
   Metrics& metrics() { return *metrics_; }
+  // Attempts' first-token latency and the gaps between token messages: the
+  // basis of `auto` attempt deadlines.
+  LatencyWindow& first_token_latency() { return first_token_latency_; }
+  LatencyWindow& token_gaps() { return token_gaps_; }
 
  private:
   friend class ApiCall;
@@ -247,6 +254,8 @@ class Router::Impl {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ = false;
   std::thread watchdog_;
+  LatencyWindow first_token_latency_;
+  LatencyWindow token_gaps_;
   SerialExecutor executor_{"router_tasks"};
 };
 
@@ -317,7 +326,10 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
           Generation::Options o{.choice = static_cast<int>(i),
                                 .request_id = request_id_,
                                 .max_attempts = config_->retries.max_attempts,
-                                .deadline = deadline};
+                                .deadline = deadline,
+                                .max_failovers = config_->retries.max_failovers,
+                                .first_token_latency = &router_->first_token_latency(),
+                                .token_gaps = &router_->token_gaps()};
           gens_.push_back(std::make_shared<Generation>(o, std::move(requests_[i]), this, this));
         }
         gens = gens_;
@@ -355,12 +367,15 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
     for (const std::shared_ptr<Generation>& g : gens) g->Cancel(why);
   }
 
-  // The watchdog's check of the request's timeouts.
-  void CheckDeadlines(Clock::time_point now) {
+  // The watchdog's check of the request's timeouts, and of its generations'
+  // attempt deadlines (seconds, 0 = off).
+  void CheckDeadlines(Clock::time_point now, double attempt_first_token_s, double attempt_idle_s) {
     absl::Status why;
+    std::vector<std::shared_ptr<Generation>> gens;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
+      gens = gens_;
       const TimeoutsConfig& t = config_->timeouts;
       if (now - arrived_ > std::chrono::duration<double>(t.request_s)) {
         why = absl::DeadlineExceededError(
@@ -376,7 +391,14 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
             "no token for %g s (timeouts.idle_stream_s)", t.idle_stream_s));
       }
     }
-    if (!why.ok()) Cancel(why);
+    if (!why.ok()) {
+      Cancel(why);
+      return;
+    }
+    // (Not under mu_: a generation calls this sink under its own lock.)
+    for (const std::shared_ptr<Generation>& g : gens) {
+      g->CheckProgress(now, attempt_first_token_s, attempt_idle_s);
+    }
   }
 
   // Planner.
@@ -510,7 +532,14 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
       const GenerationResult& r = c.result;
       const std::string worker = r.decode_worker.empty() ? "none" : r.decode_worker;
       m.outcomes.WithLabels({worker, Outcome(r.status.ok() ? s : r.status)}).Inc();
-      if (r.attempts > 1) m.retries.Inc(r.attempts - 1);
+      const int failovers = r.error_failovers + r.stall_failovers;
+      if (r.attempts - 1 - failovers > 0) m.retries.Inc(r.attempts - 1 - failovers);
+      if (r.error_failovers > 0) m.failovers.WithLabels({"error"}).Inc(r.error_failovers);
+      if (r.stall_failovers > 0) m.failovers.WithLabels({"stall"}).Inc(r.stall_failovers);
+      if (r.first_token_timeouts > 0) {
+        m.attempt_timeouts.WithLabels({"first_token"}).Inc(r.first_token_timeouts);
+      }
+      if (r.idle_timeouts > 0) m.attempt_timeouts.WithLabels({"idle"}).Inc(r.idle_timeouts);
       if (r.kv_fallback) m.fallbacks.WithLabels({"kv_transfer"}).Inc();
       m.generation_tokens.Inc(static_cast<double>(c.tokens));
       m.kv_bytes.Inc(static_cast<double>(r.kv_bytes));
@@ -729,6 +758,17 @@ Router::Impl::Metrics::Metrics(MetricsRegistry& r)
       retries(r.AddCounter("tandem_router_retries_total",
                            "Attempts repeated on another worker before the first token.")
                   .Get()),
+      failovers(r.AddCounter("tandem_router_failovers_total",
+                             "Generations resumed on another decode worker after tokens were "
+                             "sent, by reason: error (the worker's stream failed) or stall (no "
+                             "token within retries.attempt_idle_s / attempt_first_token_s).",
+                             {"reason"})),
+      attempt_timeouts(r.AddCounter(
+          "tandem_router_attempt_timeouts_total",
+          "Attempts past their deadline, by phase: first_token (retries.attempt_first_token_s) "
+          "or idle (retries.attempt_idle_s, mid-stream); moved to another worker when one was "
+          "healthy.",
+          {"phase"})),
       prompt_tokens(r.AddCounter("tandem_router_prompt_tokens_total", "Prompt tokens served.")
                         .Get()),
       cached_tokens(r.AddCounter("tandem_router_cached_prompt_tokens_total",
@@ -971,9 +1011,14 @@ void Router::Impl::WatchdogLoop() {
   while (!stopping_) {
     stop_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; });
     std::vector<std::shared_ptr<ApiCall>> active(active_.begin(), active_.end());
+    const RetriesConfig retries = config_->retries;
     lock.unlock();
+    // Once per tick: the deadlines follow the latency observed lately.
+    const double first_token_s =
+        AttemptDeadlineSeconds(retries.attempt_first_token, retries, first_token_latency_);
+    const double idle_s = AttemptDeadlineSeconds(retries.attempt_idle, retries, token_gaps_);
     const Clock::time_point now = Clock::now();
-    for (const auto& call : active) call->CheckDeadlines(now);
+    for (const auto& call : active) call->CheckDeadlines(now, first_token_s, idle_s);
     active.clear();
     lock.lock();
   }

@@ -144,6 +144,11 @@ absl::Status RunWorker(WorkerOptions opt) {
   builder.AddListeningPort(absl::StrFormat("%s:%d", opt.host, opt.port),
                            grpc::InsecureServerCredentials(), &bound_port);
   builder.SetMaxReceiveMessageSize(64 << 20);
+  // Routers ping every few seconds (keepalive) to notice a frozen worker
+  // fast; gRPC's server default would answer pings that often, after two, by
+  // closing the connection (too_many_pings).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   std::unique_ptr<grpc::ServerCompletionQueue> cq = builder.AddCompletionQueue();
   // Declared after the transport: destroyed first, so no transfer callback
   // outlives it.

@@ -194,6 +194,21 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::MakeSequence(GenerateSpec spec
     }
   }
   RETURN_IF_ERROR(ValidateSamplingParams(spec.params, mc.vocab_size));
+  // A resumed generation: its last `resumed` prompt tokens are output it
+  // produced elsewhere; limits count from the true prompt, as they did there.
+  const int resumed = spec.resume_output_tokens;
+  if (resumed < 0 || resumed >= len) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "resume_output_tokens = %d must be in [0, %d) (the prompt has %d tokens, at least one of "
+        "them prompt)",
+        resumed, len, len));
+  }
+  if (spec.params.max_tokens >= 0 && resumed >= spec.params.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "resume_output_tokens = %d leaves nothing to generate: max_tokens is %d", resumed,
+        spec.params.max_tokens));
+  }
+  const int prompt_len = len - resumed;
   const std::string limit =
       cache_limited_ ? absl::StrFormat("the whole KV cache (%d blocks of %d tokens)", total_blocks_,
                                     config_.block_size)
@@ -203,19 +218,20 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::MakeSequence(GenerateSpec spec
         "the prompt has %d tokens but %s holds %d, leaving no room to generate", len, limit,
         max_model_len_));
   }
-  int max_tokens = max_model_len_ - len;
+  int max_tokens = max_model_len_ - prompt_len;
   if (spec.params.max_tokens >= 0) {
-    if (len + int64_t{spec.params.max_tokens} > max_model_len_) {
+    if (prompt_len + int64_t{spec.params.max_tokens} > max_model_len_) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "max_tokens = %d is too large: the prompt has %d tokens and %s holds %d",
-          spec.params.max_tokens, len, limit, max_model_len_));
+          spec.params.max_tokens, prompt_len, limit, max_model_len_));
     }
     max_tokens = spec.params.max_tokens;
   }
   auto seq = std::make_unique<Sequence>();
   seq->id = next_id_.fetch_add(1);
   seq->request_id = std::move(spec.request_id);
-  seq->prompt_len = len;
+  seq->prompt_len = prompt_len;
+  seq->resumed_output = resumed;
   seq->tokens = std::move(spec.prompt);
   seq->seed = spec.params.seed.has_value() ? *spec.params.seed : RandomSeed();
   seq->params = std::move(spec.params);
@@ -356,7 +372,7 @@ LoadSnapshot Engine::GetLoad() const {
 
 void Engine::Finish(std::unique_ptr<Sequence> seq, FinishInfo info) {
   info.prompt_tokens = seq->prompt_len;
-  info.completion_tokens = seq->output_len();
+  info.completion_tokens = seq->output_len() - seq->resumed_output;
   info.cached_prompt_tokens = seq->cached_prompt_tokens;
   ++finished_;
   if (seq->sink) seq->sink->OnFinish(info);
@@ -650,7 +666,7 @@ void Engine::HandOff(uint64_t id) {
   // decode worker.
   seq->num_computed = seq->prompt_len;
   info.prompt_tokens = seq->prompt_len;
-  info.completion_tokens = seq->output_len();
+  info.completion_tokens = seq->output_len() - seq->resumed_output;
   info.cached_prompt_tokens = seq->cached_prompt_tokens;
   ++finished_;
   if (seq->sink) seq->sink->OnFinish(info);

@@ -110,6 +110,9 @@ struct GenerateSpec {
   // gets the first token and a finish (LENGTH, or STOP if it is a stop token).
   std::function<void(const Prefilled&)> on_prefilled;
   std::chrono::milliseconds hold_timeout{30000};
+  // The last this many `prompt` tokens are output generated before (a
+  // resumed generation): see GenerateRequest.resume_output_tokens.
+  int resume_output_tokens = 0;
 };
 
 // A decode worker's reservation: the blocks it set aside for a prompt it will

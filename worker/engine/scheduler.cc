@@ -55,9 +55,10 @@ bool Scheduler::AllocateFor(Sequence& seq, std::span<const int32_t> hashable, in
   seq.last_hash = hits > 0 ? hashes[hits - 1] : config_.block_hash_seed;
   if (!seq.admitted_before) {
     seq.admitted_before = true;
-    seq.cached_prompt_tokens = hits * bs;
+    // (A resumed sequence's hits may reach into its earlier output.)
+    seq.cached_prompt_tokens = std::min(hits * bs, seq.prompt_len);
     stats_.prefix_query_tokens += seq.prompt_len;
-    stats_.prefix_hit_tokens += int64_t{hits} * bs;
+    stats_.prefix_hit_tokens += seq.cached_prompt_tokens;
   }
   return true;
 }

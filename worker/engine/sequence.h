@@ -24,6 +24,7 @@ struct Sequence {
   std::string request_id;           // the caller's id
   std::vector<int32_t> tokens;      // prompt, then every sampled token
   int prompt_len = 0;
+  int resumed_output = 0;           // leading output tokens made elsewhere (a resumption)
   SamplingParams params;
   uint64_t seed = 0;                // params.seed or one drawn at submission
   int max_tokens = 0;               // resolved: never past the context

@@ -153,8 +153,15 @@ class GenerateCall final {
     spec.request_id = req.request_id();
     spec.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
     spec.params = FromProto(req.sampling());
+    spec.resume_output_tokens = req.resume_output_tokens();
     want_logprobs_ = spec.params.logprobs >= 0;
     const tandem::v1::KvTransferParams& kv = req.kv_transfer();
+    if (spec.resume_output_tokens != 0 &&
+        kv.mode() != tandem::v1::KvTransferParams::MODE_UNSPECIFIED) {
+      FinishEarly(absl::InvalidArgumentError(
+          "resume_output_tokens is for aggregated requests only (kv_transfer must be unset)"));
+      return;
+    }
     absl::Status bad = CheckKvTransfer(c, kv, static_cast<int>(spec.prompt.size()));
     if (!bad.ok()) {
       FinishEarly(bad);

@@ -1,0 +1,451 @@
+// The router keeps serving through worker faults, end to end: real worker
+// processes behind a real `tandem router`, driven over HTTP.
+//  - A frozen (SIGSTOPped) worker: requests placed on it move to the healthy
+//    one within the attempt deadline (retries.attempt_first_token_s /
+//    attempt_idle_s), far before the request's own timeouts.
+//  - A decode worker killed mid-stream: every stream continues on another
+//    decode worker with exactly the tokens (and logprobs) of an undisturbed
+//    run with the same seed, greedy and seeded, aggregated and split.
+//  - The fault run: steady streaming load on a 2P2D cluster while each
+//    worker is killed and restarted and each is frozen for a while
+//    ($TANDEM_FAULT_PAUSE_S seconds, 5 by default; the issue's full run is
+//    30): no request fails or overruns, and afterwards no worker holds a
+//    KV block.
+// Checked through HTTP responses, /metrics and the workers' GetLoad.
+#include <signal.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/router_test.h"
+#include "tests/testing/worker_client.h"
+
+namespace tandem::testing {
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+double SecondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// One streamed completion as the client saw it.
+struct StreamResult {
+  int status = 0;
+  bool done = false;        // [DONE] came
+  bool error = false;       // an error event came
+  std::vector<int32_t> ids;
+  std::vector<double> logprobs;
+  std::string finish;
+  int64_t completion_tokens = -1;  // from the usage chunk
+  std::string decode_worker;       // x-tandem-decode-worker (the first placement)
+  double seconds = 0;
+  std::string body;  // for failure messages
+};
+
+// A streamed completion of `prompt` (token ids) with logprobs of the sampled
+// tokens (as ids) and usage; greedy unless `seed` > 0 (then sampled).
+json StreamBody(const std::vector<int32_t>& prompt, int max_tokens, int seed) {
+  json body = {{"model", "tiny"},
+               {"prompt", prompt},
+               {"max_tokens", max_tokens},
+               {"ignore_eos", true},
+               {"stream", true},
+               {"stream_options", {{"include_usage", true}}},
+               {"logprobs", 1},
+               {"return_tokens_as_token_ids", true}};
+  if (seed > 0) {
+    body["seed"] = seed;
+    body["temperature"] = 0.8;
+    body["top_p"] = 0.95;
+  } else {
+    body["temperature"] = 0;
+  }
+  return body;
+}
+
+StreamResult RunStream(const std::string& url, const json& body) {
+  StreamResult r;
+  const Clock::time_point start = Clock::now();
+  const HttpResponse http =
+      HttpCall(url, "POST", "/v1/completions", body.dump(), {}, std::chrono::seconds(120));
+  r.seconds = SecondsSince(start);
+  r.status = http.status;
+  r.body = http.body.substr(0, 2000);
+  r.decode_worker = http.Header("x-tandem-decode-worker");
+  for (const std::string& data : SseData(http.body)) {
+    if (data == "[DONE]") {
+      r.done = true;
+      continue;
+    }
+    const json e = json::parse(data, nullptr, false);
+    if (e.is_discarded()) {
+      r.error = true;
+      continue;
+    }
+    if (e.contains("error")) r.error = true;
+    if (e.contains("usage") && e["usage"].is_object()) {
+      r.completion_tokens = e["usage"]["completion_tokens"].get<int64_t>();
+    }
+    if (!e.contains("choices") || e["choices"].empty()) continue;
+    const json& c = e["choices"][0];
+    if (c.contains("finish_reason") && c["finish_reason"].is_string()) {
+      r.finish = c["finish_reason"].get<std::string>();
+    }
+    if (!c.contains("logprobs") || !c["logprobs"].is_object()) continue;
+    const json& lp = c["logprobs"];
+    for (const json& t : lp["tokens"]) {
+      const std::string s = t.get<std::string>();  // "token_id:N"
+      r.ids.push_back(std::atoi(s.substr(s.find(':') + 1).c_str()));
+    }
+    for (const json& l : lp["token_logprobs"]) r.logprobs.push_back(l.get<double>());
+  }
+  return r;
+}
+
+// A complete, error-free stream of `max_tokens` tokens.
+void ExpectComplete(const StreamResult& r, int max_tokens, const std::string& what) {
+  EXPECT_EQ(r.status, 200) << what << ": " << r.body;
+  EXPECT_TRUE(r.done) << what << ": " << r.body;
+  EXPECT_FALSE(r.error) << what << ": " << r.body;
+  EXPECT_EQ(r.finish, "length") << what;
+  EXPECT_EQ(r.completion_tokens, max_tokens) << what;
+  EXPECT_EQ(r.ids.size(), static_cast<size_t>(max_tokens)) << what;
+}
+
+// Same tokens, logprobs within the project's tolerance.
+void ExpectSameTokens(const StreamResult& got, const StreamResult& want, const std::string& what) {
+  ASSERT_EQ(got.ids.size(), want.ids.size()) << what;
+  for (size_t i = 0; i < want.ids.size(); ++i) {
+    ASSERT_EQ(got.ids[i], want.ids[i]) << what << ": token " << i;
+  }
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
+  for (size_t i = 0; i < want.logprobs.size(); ++i) {
+    ASSERT_NEAR(got.logprobs[i], want.logprobs[i], kLogprobTolerance) << what << ": token " << i;
+  }
+}
+
+// Runs every body at once, one thread each.
+std::vector<StreamResult> RunStreams(const std::string& url, const std::vector<json>& bodies) {
+  std::vector<StreamResult> out(bodies.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    threads.emplace_back([&, i] { out[i] = RunStream(url, bodies[i]); });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
+class RouterFailoverTest : public RouterTest {
+ protected:
+  std::string Healthy(const std::string& pool, const std::string& address) {
+    return absl::StrCat("tandem_router_worker_healthy{pool=\"", pool, "\",worker=\"", address,
+                        "\"}");
+  }
+  double Failovers() {
+    return Metric("tandem_router_failovers_total{reason=\"error\"}").value_or(0) +
+           Metric("tandem_router_failovers_total{reason=\"stall\"}").value_or(0);
+  }
+};
+
+const std::vector<std::string> kSimFlags = {"--engine", "sim", "--sim-step-ms", "2"};
+
+// ---------------------------------------------------------------------------
+// (a) A frozen worker.
+
+TEST_F(RouterFailoverTest, FrozenWorkersRequestsMoveToTheHealthyOneWithinTheAttemptDeadline) {
+  WorkerProcess* a = StartBoth(kSimFlags);
+  WorkerProcess* b = StartBoth(kSimFlags);
+  ASSERT_TRUE(a && b);
+  // Health checks 30 s apart: only the attempt deadlines can notice the
+  // frozen worker in time. First token: auto (5 x the p99 seen, at least
+  // 1 s); mid-stream: a fixed 3 s, so that requests sent just after the
+  // freeze meet `a` still admitted and time out there first.
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()},
+                         .extra = "timeouts:\n  first_token_s: 30\n  idle_stream_s: 30\n"
+                                  "retries:\n  auto_floor_s: 1\n  attempt_idle_s: 3\n",
+                         .health_interval_s = 30}),
+            nullptr);
+  // Warm-up (auto deadlines need 20 samples) and the reference outputs:
+  // the simulated engine's tokens follow from the seed alone.
+  constexpr int kLong = 1500;  // ~3 s of tokens at 2 ms a step
+  std::vector<json> bodies;
+  for (int i = 0; i < 6; ++i) bodies.push_back(StreamBody(MakePrompt(50 + i, 40), kLong, 100 + i));
+  for (int i = 0; i < 24; ++i) {
+    ExpectComplete(RunStream(router()->url(), StreamBody(MakePrompt(i, 20), 4, 1 + i)), 4,
+                   "warm-up");
+  }
+  const std::vector<StreamResult> reference = RunStreams(router()->url(), bodies);
+  for (const StreamResult& r : reference) ExpectComplete(r, kLong, "reference");
+
+  // Streams in flight on both workers; then `a` freezes.
+  std::vector<StreamResult> streamed(bodies.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    threads.emplace_back([&, i] { streamed[i] = RunStream(router()->url(), bodies[i]); });
+  }
+  bool ok = false;
+  WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 3; }, &ok,
+              seconds(10));
+  if (!ok) {
+    for (std::thread& t : threads) t.join();
+    FAIL() << "the streams did not start on " << a->address();
+  }
+  std::this_thread::sleep_for(milliseconds(300));
+  std::vector<StreamResult> fresh;
+  {
+    PausedWorker paused(a);
+    // New requests: round robin still sends every other one to `a`, which
+    // the router still believes healthy.
+    for (int i = 0; i < 4; ++i) {
+      fresh.push_back(RunStream(router()->url(), StreamBody(MakePrompt(70 + i, 30), 8, 7 + i)));
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(Metric(Healthy("decode", a->address())), 0) << "the suspect was not ejected";
+  }
+  for (size_t i = 0; i < streamed.size(); ++i) {
+    const std::string what = absl::StrCat("stream ", i, " (first on ", streamed[i].decode_worker, ")");
+    ExpectComplete(streamed[i], kLong, what);
+    ExpectSameTokens(streamed[i], reference[i], what);
+    EXPECT_LT(streamed[i].seconds, 15) << what;
+  }
+  for (const StreamResult& r : fresh) {
+    ExpectComplete(r, 8, "request sent after the freeze");
+    EXPECT_LT(r.seconds, 5) << "far before timeouts.first_token_s (30 s)";
+  }
+  // Both paths ran: a fresh request timed out on `a` before its first token
+  // and was retried; the streams on `a` stalled and failed over.
+  EXPECT_GE(Metric("tandem_router_attempt_timeouts_total{phase=\"first_token\"}").value_or(0), 1);
+  EXPECT_GE(Metric("tandem_router_attempt_timeouts_total{phase=\"idle\"}").value_or(0), 1);
+  EXPECT_GE(Failovers(), 1);
+  EXPECT_EQ(Metric("tandem_router_requests_total{endpoint=\"completions\",code=\"504\"}").value_or(0), 0);
+  // Thawed, `a` learns of the cancellations and frees everything.
+  ExpectIdle(a->stub(), "the frozen worker, thawed", seconds(15));
+  ExpectIdle(b->stub(), "the healthy worker", seconds(15));
+}
+
+TEST_F(RouterFailoverTest, KeepaliveEjectsAFrozenWorkerWithoutHealthChecksOrDeadlines) {
+  // Attempt deadlines off, health checks 30 s apart: only the channel's
+  // keepalive pings (4 s, 3 s to answer) notice that `a` froze; its calls
+  // fail with UNAVAILABLE, which ejects it and fails its streams over.
+  const std::vector<std::string> flags = {"--engine", "sim", "--sim-step-ms", "7"};
+  WorkerProcess* a = StartBoth(flags);
+  WorkerProcess* b = StartBoth(flags);
+  ASSERT_TRUE(a && b);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()},
+                         .extra = "timeouts:\n  first_token_s: 60\n  idle_stream_s: 60\n"
+                                  "retries:\n  attempt_first_token_s: 0\n  attempt_idle_s: 0\n",
+                         .health_interval_s = 30}),
+            nullptr);
+  constexpr int kTokens = 1800;  // ~13 s at 7 ms a step
+  std::vector<json> bodies;
+  for (int i = 0; i < 4; ++i) bodies.push_back(StreamBody(MakePrompt(300 + i, 24), kTokens, 40 + i));
+  std::vector<StreamResult> streamed(bodies.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    threads.emplace_back([&, i] { streamed[i] = RunStream(router()->url(), bodies[i]); });
+  }
+  bool ok = false;
+  WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 2; }, &ok,
+              seconds(10));
+  if (!ok) {
+    for (std::thread& t : threads) t.join();
+    FAIL() << "the streams did not start on " << a->address() << ": " << streamed[0].body;
+  }
+  double ejected_after = 0;
+  {
+    PausedWorker paused(a);
+    const Clock::time_point frozen = Clock::now();
+    EXPECT_TRUE(WaitForMetric(Healthy("decode", a->address()), [](double v) { return v == 0; },
+                              seconds(20)));
+    ejected_after = SecondsSince(frozen);
+    for (std::thread& t : threads) t.join();
+  }
+  EXPECT_LT(ejected_after, 12) << "keepalive: 4 s between pings, 3 s to answer";
+  for (size_t i = 0; i < streamed.size(); ++i) {
+    ExpectComplete(streamed[i], kTokens, absl::StrCat("stream ", i));
+  }
+  EXPECT_GE(Metric("tandem_router_failovers_total{reason=\"error\"}").value_or(0), 1);
+  EXPECT_EQ(Metric("tandem_router_attempt_timeouts_total{phase=\"idle\"}").value_or(0), 0);
+  ExpectIdle(a->stub(), "the frozen worker, thawed", seconds(15));
+}
+
+// ---------------------------------------------------------------------------
+// (b) A decode worker killed mid-stream, on the real engine.
+
+class KilledMidStreamTest : public RouterFailoverTest,
+                            public ::testing::WithParamInterface<bool> {};
+
+TEST_P(KilledMidStreamTest, StreamsContinueOnTheOtherWorkerWithTheSameTokens) {
+  const bool split = GetParam();
+  WorkerProcess* prefill = split ? StartPrefill() : nullptr;
+  WorkerProcess* a = split ? StartDecode() : StartBoth();
+  WorkerProcess* b = split ? StartDecode() : StartBoth();
+  ASSERT_TRUE(a && b && (!split || prefill));
+  RouterYaml yaml{.decode = {a->address(), b->address()}};
+  if (split) {
+    yaml.prefill = {prefill->address()};
+    yaml.mode = "always";
+  }
+  ASSERT_NE(StartRouter(yaml), nullptr);
+  // Three greedy and three seeded streams, long enough to be cut.
+  constexpr int kTokens = 1200;
+  std::vector<json> bodies;
+  for (int i = 0; i < 6; ++i) {
+    bodies.push_back(StreamBody(MakePrompt(200 + i, 48), kTokens, i % 2 == 0 ? 0 : 1000 + i));
+  }
+  const std::vector<StreamResult> reference = RunStreams(router()->url(), bodies);
+  for (const StreamResult& r : reference) ExpectComplete(r, kTokens, "reference");
+
+  std::vector<StreamResult> streamed(bodies.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < bodies.size(); ++i) {
+    threads.emplace_back([&, i] { streamed[i] = RunStream(router()->url(), bodies[i]); });
+  }
+  bool ok = false;
+  WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 2; }, &ok,
+              seconds(20));
+  if (!ok) {
+    for (std::thread& t : threads) t.join();
+    FAIL() << "the streams did not start on " << a->address();
+  }
+  std::this_thread::sleep_for(milliseconds(100));
+  Kill(a);
+  for (std::thread& t : threads) t.join();
+  int on_a = 0;
+  for (size_t i = 0; i < streamed.size(); ++i) {
+    const std::string what = absl::StrCat(split ? "split" : "aggregated", " stream ", i,
+                                          i % 2 == 0 ? " (greedy)" : " (seeded)", ", first on ",
+                                          streamed[i].decode_worker);
+    ExpectComplete(streamed[i], kTokens, what);
+    ExpectSameTokens(streamed[i], reference[i], what);
+    if (streamed[i].decode_worker == a->address()) ++on_a;
+  }
+  EXPECT_GE(on_a, 1);
+  EXPECT_GE(Metric("tandem_router_failovers_total{reason=\"error\"}").value_or(0), 1);
+  // The survivors hold nothing.
+  ExpectIdle(b->stub(), "the surviving decode worker", seconds(15));
+  if (split) ExpectIdle(prefill->stub(), "the prefill worker", seconds(15));
+}
+
+INSTANTIATE_TEST_SUITE_P(AggregatedAndSplit, KilledMidStreamTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? std::string("Split") : std::string("Aggregated");
+                         });
+
+// ---------------------------------------------------------------------------
+// (d) The fault run.
+
+TEST_F(RouterFailoverTest, FaultRunUnderSteadyStreamingLoadLosesNothing) {
+  const char* pause_env = std::getenv("TANDEM_FAULT_PAUSE_S");
+  const double pause_s = pause_env != nullptr ? std::atof(pause_env) : 5.0;
+  std::vector<WorkerProcess*> prefill = {StartPrefill(kSimFlags), StartPrefill(kSimFlags)};
+  std::vector<WorkerProcess*> decode = {StartDecode(kSimFlags), StartDecode(kSimFlags)};
+  for (WorkerProcess* w : prefill) ASSERT_NE(w, nullptr);
+  for (WorkerProcess* w : decode) ASSERT_NE(w, nullptr);
+  constexpr double kRequestS = 60;
+  ASSERT_NE(StartRouter({.prefill = {prefill[0]->address(), prefill[1]->address()},
+                         .decode = {decode[0]->address(), decode[1]->address()},
+                         .mode = "always",
+                         .policy = "least_request",
+                         .extra = absl::StrCat("timeouts:\n  first_token_s: 30\n  idle_stream_s: 30\n"
+                                               "  request_s: ", kRequestS, "\n"
+                                               "retries:\n  auto_floor_s: 1\n  max_failovers: 5\n"
+                                               "  max_attempts: 5\n")}),
+            nullptr);
+
+  // Steady load: client threads streaming one request after another.
+  constexpr int kClients = 6;
+  constexpr int kTokens = 120;
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  std::vector<std::pair<json, StreamResult>> results;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; !stop.load(); ++i) {
+        const json body = StreamBody(MakePrompt(1000 * c + i, 40 + i % 50), kTokens, 1 + 97 * c + i);
+        StreamResult r = RunStream(router()->url(), body);
+        std::lock_guard<std::mutex> lock(mu);
+        results.emplace_back(body, std::move(r));
+      }
+    });
+  }
+  auto wait_healthy = [&](const std::string& pool, WorkerProcess* w) {
+    EXPECT_TRUE(WaitForMetric(Healthy(pool, w->address()), [](double v) { return v == 1; },
+                              seconds(30)))
+        << pool << " worker " << w->address() << " was not readmitted";
+  };
+  std::this_thread::sleep_for(seconds(2));
+  // Kill each worker and restart it on its port.
+  for (auto* pool : {&prefill, &decode}) {
+    const bool is_prefill = pool == &prefill;
+    for (WorkerProcess*& w : *pool) {
+      const int port = w->port();
+      Kill(w);
+      std::this_thread::sleep_for(seconds(1));
+      std::vector<std::string> flags = kSimFlags;
+      flags.insert(flags.end(), {"--port", std::to_string(port)});
+      w = is_prefill ? StartPrefill(flags) : StartDecode(flags);
+      ASSERT_NE(w, nullptr);
+      wait_healthy(is_prefill ? "prefill" : "decode", w);
+      std::this_thread::sleep_for(seconds(1));
+    }
+  }
+  // Freeze each worker for a while.
+  for (auto* pool : {&prefill, &decode}) {
+    for (WorkerProcess* w : *pool) {
+      {
+        PausedWorker paused(w);
+        std::this_thread::sleep_for(std::chrono::duration<double>(pause_s));
+      }
+      wait_healthy(pool == &prefill ? "prefill" : "decode", w);
+      std::this_thread::sleep_for(seconds(1));
+    }
+  }
+  stop = true;
+  for (std::thread& t : clients) t.join();
+
+  ASSERT_GT(results.size(), 50u);
+  int failed = 0;
+  for (const auto& [body, r] : results) {
+    const bool good = r.status == 200 && r.done && !r.error && r.completion_tokens == kTokens &&
+                      r.ids.size() == static_cast<size_t>(kTokens);
+    if (!good && ++failed <= 5) ADD_FAILURE() << "failed request: " << r.status << " " << r.body;
+    EXPECT_LT(r.seconds, kRequestS);
+  }
+  EXPECT_EQ(failed, 0) << "of " << results.size();
+  const double retries = Metric("tandem_router_retries_total").value_or(0);
+  std::printf("fault run: %zu requests, %d failed, %g failovers, %g retries (pauses of %g s)\n",
+              results.size(), failed, Failovers(), retries, pause_s);
+  EXPECT_GE(Failovers() + retries, 1);
+  // The simulated tokens follow from the seed: every stream, moved or not,
+  // carries exactly those of an undisturbed run.
+  for (size_t i = 0; i < results.size(); i += std::max<size_t>(1, results.size() / 12)) {
+    const StreamResult again = RunStream(router()->url(), results[i].first);
+    ExpectSameTokens(results[i].second, again, absl::StrCat("request ", i));
+  }
+  // Nothing used, reserved, held or quarantined anywhere.
+  for (auto* pool : {&prefill, &decode}) {
+    for (WorkerProcess* w : *pool) ExpectIdle(w->stub(), w->address(), seconds(20));
+  }
+}
+
+}  // namespace
+}  // namespace tandem::testing
