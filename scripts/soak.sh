@@ -21,7 +21,7 @@
 # Otherwise it prints what grew and exits 1.
 #
 # Usage: scripts/soak.sh TANDEM_BIN [OUT_DIR]
-# Environment: SOAK_SECONDS, SAMPLE_SECONDS (10), ENGINE (sim | real),
+# Environment: SOAK_SECONDS, SAMPLE_SECONDS (10), ENGINE (sim | real), KV_CACHE,
 # RATE (requests/s, default 8 sim / 1 real), UP_ARGS (more `tandem up` flags).
 set -euo pipefail
 bin=${1:?usage: soak.sh TANDEM_BIN [OUT_DIR]}
@@ -34,10 +34,12 @@ mkdir -p "$out"
 echo "soak: ${seconds}s of streaming load at ${rate} req/s on a 2P2D $engine cluster; results in $out"
 
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true' EXIT
-# The cluster's own limits must not refuse the load: a soak looks for leaks,
-# not for overload behaviour.
+# A small KV cache (KV_CACHE, default 64MiB) fills in the first minutes, so
+# its lazily mapped pages are all resident before the second quarter and
+# eviction runs for most of the soak.
 "$bin" up --engine "$engine" --prefill 1 --decode 1 --disaggregation always \
-  --policy kv_cache_aware --worker-threads 1 --port 0 --ready-file "$out/url" \
+  --policy kv_cache_aware --worker-threads 1 --kv-cache-memory "${KV_CACHE:-64MiB}" \
+  --port 0 --ready-file "$out/url" \
   --run-dir "$out/run" ${UP_ARGS:-} > "$out/up.log" 2>&1 &
 up=$!
 for _ in $(seq 900); do [[ -s "$out/url" ]] && break; sleep 0.1; done
