@@ -103,6 +103,56 @@ TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
   for (const auto& [pid, cmdline] : children) EXPECT_FALSE(Alive(pid)) << cmdline;
 }
 
+TEST_F(UpCommandTest, DefaultClusterRunsOverMutualTlsWithAThrowawayCa) {
+  const std::string url = Start({});
+  ASSERT_FALSE(url.empty());
+  const std::vector<std::pair<pid_t, std::string>> children = ChildrenOf(up_->pid());
+  ASSERT_EQ(children.size(), 3u);
+  std::string ca;
+  for (const auto& [pid, cmdline] : children) {
+    if (cmdline.find(" worker ") == std::string::npos) continue;
+    EXPECT_EQ(cmdline.find("--insecure"), std::string::npos) << cmdline;
+    const size_t at = cmdline.find("--tls-ca ");
+    ASSERT_NE(at, std::string::npos) << cmdline;
+    ca = cmdline.substr(at + 9, cmdline.find(' ', at + 9) - at - 9);
+  }
+  ASSERT_TRUE(std::filesystem::exists(ca)) << ca;
+  // A split request: router -> both workers, prefill -> decode (KvReady), all mTLS.
+  const HttpResponse ok = HttpPost(
+      url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 3})");
+  ASSERT_EQ(ok.status, 200) << ok.body;
+  EXPECT_NE(ok.Header("x-tandem-prefill-worker"), ok.Header("x-tandem-decode-worker"));
+  EXPECT_GT(ScrapeMetric(url, "tandem_router_kv_transfer_bytes_total").value_or(0), 0)
+      << "the KV did not move between the workers";
+  // An insecure client cannot reach the workers.
+  const std::string decode = ok.Header("x-tandem-decode-worker");
+  auto stub = tandem::v1::Worker::NewStub(
+      grpc::CreateChannel(decode, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+  tandem::v1::ClearKvCacheResponse cleared;
+  EXPECT_FALSE(stub->ClearKvCache(&ctx, tandem::v1::ClearKvCacheRequest(), &cleared).ok());
+
+  up_->Signal(SIGINT);
+  absl::StatusOr<int> status = up_->Wait(seconds(30));
+  ASSERT_TRUE(status.ok());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
+  EXPECT_FALSE(std::filesystem::exists(ca)) << "the throwaway CA outlived the cluster";
+}
+
+TEST_F(UpCommandTest, InsecureIsOnlyByName) {
+  const std::string url = Start({"--insecure", "--aggregated", "1"});
+  ASSERT_FALSE(url.empty());
+  for (const auto& [pid, cmdline] : ChildrenOf(up_->pid())) {
+    if (cmdline.find(" worker ") == std::string::npos) continue;
+    EXPECT_NE(cmdline.find("--insecure"), std::string::npos) << cmdline;
+    EXPECT_EQ(cmdline.find("--tls-"), std::string::npos) << cmdline;
+  }
+  const HttpResponse ok = HttpPost(
+      url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 2})");
+  EXPECT_EQ(ok.status, 200) << ok.body;
+}
+
 TEST_F(UpCommandTest, AWorkerThatDiesStopsTheCluster) {
   // The default cluster: one prefill and one decode worker, disaggregated.
   const std::string url = Start({});

@@ -118,7 +118,8 @@ struct CallSetup {
 
 class Router::Impl {
  public:
-  Impl(RouterConfig config, std::string config_path, std::shared_ptr<const ModelAssets> assets);
+  Impl(RouterConfig config, std::string config_path, std::shared_ptr<const ModelAssets> assets,
+       std::shared_ptr<const tls::ChannelFactory> channels);
   ~Impl();
 
   absl::Status Start();
@@ -742,11 +743,12 @@ Router::Impl::Metrics::Metrics(MetricsRegistry& r)
                     .Get()) {}
 
 Router::Impl::Impl(RouterConfig config, std::string config_path,
-                   std::shared_ptr<const ModelAssets> assets)
+                   std::shared_ptr<const ModelAssets> assets,
+                   std::shared_ptr<const tls::ChannelFactory> channels)
     : config_path_(std::move(config_path)),
       assets_(std::move(assets)),
       metrics_(std::make_unique<Metrics>(registry_)),
-      cluster_(config.health),
+      cluster_(config.health, std::move(channels)),
       config_(std::make_shared<const RouterConfig>(std::move(config))) {
   RegisterCallbacks();
 }
@@ -1022,9 +1024,10 @@ absl::Status Router::Impl::Reload() {
   if (next->listener.host != prev->listener.host || next->listener.port != prev->listener.port ||
       next->model.tokenizer != prev->model.tokenizer ||
       next->model.chat_template != prev->model.chat_template ||
-      next->limits.max_body_bytes != prev->limits.max_body_bytes) {
-    LOG(WARNING) << "reload: listener, model and limits.max_body_bytes changes take effect at the "
-                    "next restart; the rest applies now";
+      next->limits.max_body_bytes != prev->limits.max_body_bytes || next->tls.mode != prev->tls.mode ||
+      next->tls.ca != prev->tls.ca || next->tls.cert != prev->tls.cert || next->tls.key != prev->tls.key) {
+    LOG(WARNING) << "reload: listener, model, limits.max_body_bytes and tls changes take effect at "
+                    "the next restart; the rest applies now";
   }
   std::lock_guard<std::mutex> build(build_mu_);
   ApplyClusterConfig(*next);
@@ -1555,8 +1558,13 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Create(RouterConfig config,
                                                        std::string config_path) {
   RETURN_IF_ERROR(ValidateRouterConfig(config));
   ASSIGN_OR_RETURN(std::shared_ptr<const ModelAssets> assets, LoadModelAssets(config.model));
-  return std::unique_ptr<Router>(new Router(
-      std::make_unique<Impl>(std::move(config), std::move(config_path), std::move(assets))));
+  absl::StatusOr<std::shared_ptr<const tls::ChannelFactory>> channels = WorkerChannelsFor(config.tls);
+  if (!channels.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(config_path.empty() ? "" : config_path + ": ",
+                                                   channels.status().message()));
+  }
+  return std::unique_ptr<Router>(new Router(std::make_unique<Impl>(
+      std::move(config), std::move(config_path), std::move(assets), *std::move(channels))));
 }
 
 absl::Status Router::Start() { return impl_->Start(); }

@@ -28,6 +28,9 @@ struct RouterYaml {
   std::string policy_params;   // YAML lines under params, e.g. "seed: \"1\""
   std::string extra;           // appended top-level YAML (limits, timeouts...)
   double health_interval_s = 0.5;
+  // The router's identity for mutual TLS with its workers; unset: `tls:
+  // {mode: insecure}`.
+  std::optional<tls::TlsFiles> tls;
   std::string Text() const;
 };
 
