@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/tls.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/http_client.h"
 #include "tests/testing/worker_process.h"
@@ -108,22 +109,42 @@ TEST_F(UpCommandTest, DefaultClusterRunsOverMutualTlsWithAThrowawayCa) {
   ASSERT_FALSE(url.empty());
   const std::vector<std::pair<pid_t, std::string>> children = ChildrenOf(up_->pid());
   ASSERT_EQ(children.size(), 3u);
-  std::string ca;
+  // The value after `flag` on a command line.
+  auto flag = [](const std::string& cmdline, const std::string& name) {
+    const size_t at = cmdline.find(name + " ");
+    if (at == std::string::npos) return std::string();
+    const size_t from = at + name.size() + 1;
+    return cmdline.substr(from, cmdline.find(' ', from) - from);
+  };
+  tandem::tls::TlsFiles worker_files;
   for (const auto& [pid, cmdline] : children) {
     if (cmdline.find(" worker ") == std::string::npos) continue;
     EXPECT_EQ(cmdline.find("--insecure"), std::string::npos) << cmdline;
-    const size_t at = cmdline.find("--tls-ca ");
-    ASSERT_NE(at, std::string::npos) << cmdline;
-    ca = cmdline.substr(at + 9, cmdline.find(' ', at + 9) - at - 9);
+    worker_files = {.ca = flag(cmdline, "--tls-ca"), .cert = flag(cmdline, "--tls-cert"),
+                    .key = flag(cmdline, "--tls-key")};
+    ASSERT_FALSE(worker_files.ca.empty()) << cmdline;
   }
+  const std::string ca = worker_files.ca;
   ASSERT_TRUE(std::filesystem::exists(ca)) << ca;
   // A split request: router -> both workers, prefill -> decode (KvReady), all mTLS.
   const HttpResponse ok = HttpPost(
       url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 3})");
   ASSERT_EQ(ok.status, 200) << ok.body;
   EXPECT_NE(ok.Header("x-tandem-prefill-worker"), ok.Header("x-tandem-decode-worker"));
-  EXPECT_GT(ScrapeMetric(url, "tandem_router_kv_transfer_bytes_total").value_or(0), 0)
-      << "the KV did not move between the workers";
+  // The decode worker pulled the KV (asked with the cluster's worker identity).
+  absl::StatusOr<tandem::tls::TlsMaterial> material =
+      tandem::tls::LoadTlsMaterial(worker_files, {.ca = "ca", .cert = "cert", .key = "key"});
+  ASSERT_TRUE(material.ok()) << material.status();
+  auto peer = tandem::v1::Worker::NewStub(
+      tandem::tls::ChannelFactory::Mutual(*material)->Create(ok.Header("x-tandem-decode-worker")));
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    tandem::v1::LoadReport load;
+    ASSERT_TRUE(peer->GetLoad(&ctx, tandem::v1::LoadRequest(), &load).ok());
+    EXPECT_EQ(load.kv_pulls(), 1) << "the KV did not move between the workers";
+    EXPECT_EQ(load.local_prefill_fallbacks(), 0);
+  }
   // An insecure client cannot reach the workers.
   const std::string decode = ok.Header("x-tandem-decode-worker");
   auto stub = tandem::v1::Worker::NewStub(
