@@ -561,6 +561,7 @@ TEST_F(DisaggGrpcTest, MalformedKvReadyCallsAreRefused) {
   v1::KvReadyRequest good;
   good.set_reservation_id(receive.reservation().reservation_id());
   good.set_decode_instance_id(receive.reservation().instance_id());
+  good.set_reservation_token(receive.reservation().reservation_token());
   *good.mutable_source() = source;
   for (int b : {0, 1, 2}) good.add_block_ids(b);
   good.set_prompt_tokens(40);
@@ -574,6 +575,9 @@ TEST_F(DisaggGrpcTest, MalformedKvReadyCallsAreRefused) {
   };
   v1::KvReadyRequest r = good;
   r.set_decode_instance_id("another");
+  EXPECT_EQ(call(r).error_code(), grpc::StatusCode::NOT_FOUND);
+  r = good;  // the reservation's id without its token names nothing
+  r.clear_reservation_token();
   EXPECT_EQ(call(r).error_code(), grpc::StatusCode::NOT_FOUND);
   r = good;
   r.mutable_first_token()->set_token_id(kVocabSize);
