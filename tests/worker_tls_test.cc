@@ -463,5 +463,36 @@ TEST_F(WorkerTlsTest, WorkerNeedsTlsOrInsecureByName) {
   EXPECT_THAT(out, HasSubstr("was not issued by the CA"));
 }
 
+// 9. `tandem certs` gives operators a working set: a worker started with its
+//    worker certificate serves a client holding its router certificate, and
+//    --issue adds certificates from the same CA; an existing CA is kept.
+TEST_F(WorkerTlsTest, CertsCommandMakesAWorkingSet) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok());
+  const std::string out_dir = dir_ + "/ops";
+  std::string out;
+  ASSERT_EQ(RunCommand(absl::StrCat(*bin, " certs --out ", out_dir), &out), 0) << out;
+  EXPECT_NE(RunCommand(absl::StrCat(*bin, " certs --out ", out_dir), &out), 0);
+  EXPECT_THAT(out, HasSubstr("already holds a CA"));
+  ASSERT_EQ(RunCommand(absl::StrCat(*bin, " certs --out ", out_dir, " --issue router:admin-1"), &out), 0)
+      << out;
+  EXPECT_NE(RunCommand(absl::StrCat(*bin, " certs --out ", out_dir, " --issue king:x"), &out), 0);
+  EXPECT_THAT(out, HasSubstr("router:NAME or worker:NAME"));
+
+  const tls::ClusterFiles ops = tls::ClusterFilesIn(out_dir);
+  WorkerProcess* w = StartWorker({"--tls-ca", ops.worker.ca, "--tls-cert", ops.worker.cert,
+                                  "--tls-key", ops.worker.key},
+                                 LaunchOptions{.client_tls = tls::TlsFiles{
+                                                   .ca = ops.router.ca,
+                                                   .cert = out_dir + "/admin-1.crt",
+                                                   .key = out_dir + "/admin-1.key"}});
+  ASSERT_NE(w, nullptr);
+  ExpectWellFormed(Generate(w->stub(), GreedyRequest(MakePrompt(2, 20), 3)), "admin-1's request");
+  // This cluster's CA does not vouch for the other one's router.
+  EXPECT_FALSE(Generate(*StubAs(w, cluster_.router), GreedyRequest(MakePrompt(2, 20), 3),
+                        std::chrono::seconds(10))
+                   .status.ok());
+}
+
 }  // namespace
 }  // namespace tandem::testing

@@ -134,8 +134,6 @@ absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt,
 }
 
 absl::Status RunWorker(WorkerOptions opt) {
-  std::optional<tls::TlsMaterial> tls_material;
-  ASSIGN_OR_RETURN(WorkerSecurity security, MakeSecurity(opt, &tls_material));
   if (opt.role != "both" && opt.role != "prefill" && opt.role != "decode") {
     return absl::InvalidArgumentError(
         absl::StrFormat("--role must be prefill, decode or both, got '%s'", opt.role));
@@ -168,6 +166,8 @@ absl::Status RunWorker(WorkerOptions opt) {
         absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
   }
   RETURN_IF_ERROR(opt.engine.Validate());
+  std::optional<tls::TlsMaterial> tls_material;
+  ASSIGN_OR_RETURN(WorkerSecurity security, MakeSecurity(opt, &tls_material));
 
   // SIGTERM/SIGINT start a graceful shutdown whichever thread receives them
   // (OpenBLAS starts threads before main); a second one exits at once.
