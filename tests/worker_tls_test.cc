@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -492,6 +493,31 @@ TEST_F(WorkerTlsTest, CertsCommandMakesAWorkingSet) {
   EXPECT_FALSE(Generate(*StubAs(w, cluster_.router), GreedyRequest(MakePrompt(2, 20), 3),
                         std::chrono::seconds(10))
                    .status.ok());
+}
+
+// 10. The router checks its tls section at start: a missing section, or a
+//     certificate the CA did not issue, stops it with the file, key and why.
+TEST_F(WorkerTlsTest, RouterRefusesAMissingOrForeignIdentityAtStart) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok());
+  const std::string base =
+      "listener: {host: 127.0.0.1, port: 0}\ndisaggregation: {mode: never}\n"
+      "pools:\n  decode:\n    workers: [\"127.0.0.1:1\"]\n";
+  const std::string none = dir_ + "/none.yaml", foreign = dir_ + "/foreign.yaml";
+  {
+    std::ofstream(none) << base;
+    std::ofstream(foreign) << base << "tls:\n  ca: " << cluster_.router.ca
+                           << "\n  cert: " << other_.router.cert << "\n  key: " << other_.router.key
+                           << "\n";
+  }
+  std::string out;
+  EXPECT_NE(RunCommand(absl::StrCat(*bin, " router --config ", none), &out), 0);
+  EXPECT_THAT(out, HasSubstr(none));
+  EXPECT_THAT(out, HasSubstr("tls: required"));
+  EXPECT_NE(RunCommand(absl::StrCat(*bin, " router --config ", foreign), &out), 0);
+  EXPECT_THAT(out, HasSubstr(foreign));
+  EXPECT_THAT(out, HasSubstr("tls.cert"));
+  EXPECT_THAT(out, HasSubstr("was not issued by the CA"));
 }
 
 }  // namespace
