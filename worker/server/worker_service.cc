@@ -723,9 +723,10 @@ grpc::Status WorkerService::Authorize(const grpc::ServerContext& ctx, const char
     return grpc::Status::OK;
   }
   const int64_t n = ++calls_denied_;
-  const char* wanted = admits == Admits::kRouter   ? "the router role (" "tandem-router" ")"
-                       : admits == Admits::kWorker ? "the worker role (" "tandem-worker" ")"
-                                                   : "the router or worker role";
+  const std::string wanted =
+      admits == Admits::kRouter   ? absl::StrCat("the router role (", tls::kRouterIdentity, ")")
+      : admits == Admits::kWorker ? absl::StrCat("the worker role (", tls::kWorkerIdentity, ")")
+                                  : std::string("the router or worker role");
   const std::string why =
       peer.authenticated
           ? absl::StrFormat("%s needs a certificate with %s; the caller's (CN '%s') has role %s",
