@@ -3,6 +3,7 @@ find_package(Threads REQUIRED)
 find_package(absl CONFIG REQUIRED)
 find_package(Protobuf REQUIRED)          # module mode, as measured on Debian 12
 find_package(gRPC CONFIG REQUIRED)
+find_package(OpenSSL REQUIRED)         # mutual TLS certificates (common/certificates.h)
 find_package(nlohmann_json CONFIG REQUIRED)
 find_package(CLI11 CONFIG REQUIRED)
 find_package(PkgConfig REQUIRED)

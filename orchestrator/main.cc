@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   tandem::router::AddRouterCommand(app);
   tandem::router::AddUpCommand(app);
+  tandem::router::AddCertsCommand(app);
   tandem::worker::AddWorkerCommand(app);
   tandem::worker::AddGenerateCommand(app);
   tandem::worker::AddLogitsCommand(app);

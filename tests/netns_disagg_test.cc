@@ -135,7 +135,10 @@ TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
     return f;
   };
   absl::StatusOr<std::unique_ptr<WorkerProcess>> prefill = WorkerProcess::Start(
-      flags({"--role", "prefill", "--kv-hold-timeout-ms", "3000"}), seconds(30),
+      // Insecure: the decode worker's address is in another namespace, off
+      // loopback, so the prefill worker must be allowed to dial it.
+      flags({"--role", "prefill", "--kv-hold-timeout-ms", "3000", "--kv-peer-allow", "any"}),
+      seconds(30),
       topo->Launch(true));
   ASSERT_TRUE(prefill.ok()) << prefill.status();
   absl::StatusOr<std::unique_ptr<WorkerProcess>> decode = WorkerProcess::Start(

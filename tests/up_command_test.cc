@@ -22,6 +22,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/tls.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/http_client.h"
 #include "tests/testing/worker_process.h"
@@ -103,6 +104,76 @@ TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
   ASSERT_TRUE(status.ok()) << "tandem up did not stop after SIGINT";
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
   for (const auto& [pid, cmdline] : children) EXPECT_FALSE(Alive(pid)) << cmdline;
+}
+
+TEST_F(UpCommandTest, DefaultClusterRunsOverMutualTlsWithAThrowawayCa) {
+  const std::string url = Start({});
+  ASSERT_FALSE(url.empty());
+  const std::vector<std::pair<pid_t, std::string>> children = ChildrenOf(up_->pid());
+  ASSERT_EQ(children.size(), 3u);
+  // The value after `flag` on a command line.
+  auto flag = [](const std::string& cmdline, const std::string& name) {
+    const size_t at = cmdline.find(name + " ");
+    if (at == std::string::npos) return std::string();
+    const size_t from = at + name.size() + 1;
+    return cmdline.substr(from, cmdline.find(' ', from) - from);
+  };
+  tandem::tls::TlsFiles worker_files;
+  for (const auto& [pid, cmdline] : children) {
+    if (cmdline.find(" worker ") == std::string::npos) continue;
+    EXPECT_EQ(cmdline.find("--insecure"), std::string::npos) << cmdline;
+    worker_files = {.ca = flag(cmdline, "--tls-ca"), .cert = flag(cmdline, "--tls-cert"),
+                    .key = flag(cmdline, "--tls-key")};
+    ASSERT_FALSE(worker_files.ca.empty()) << cmdline;
+  }
+  const std::string ca = worker_files.ca;
+  ASSERT_TRUE(std::filesystem::exists(ca)) << ca;
+  // A split request: router -> both workers, prefill -> decode (KvReady), all mTLS.
+  const HttpResponse ok = HttpPost(
+      url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 3})");
+  ASSERT_EQ(ok.status, 200) << ok.body;
+  EXPECT_NE(ok.Header("x-tandem-prefill-worker"), ok.Header("x-tandem-decode-worker"));
+  // The decode worker pulled the KV (asked with the cluster's worker identity).
+  absl::StatusOr<tandem::tls::TlsMaterial> material =
+      tandem::tls::LoadTlsMaterial(worker_files, {.ca = "ca", .cert = "cert", .key = "key"});
+  ASSERT_TRUE(material.ok()) << material.status();
+  auto peer = tandem::v1::Worker::NewStub(
+      tandem::tls::ChannelFactory::Mutual(*material)->Create(ok.Header("x-tandem-decode-worker")));
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    tandem::v1::LoadReport load;
+    ASSERT_TRUE(peer->GetLoad(&ctx, tandem::v1::LoadRequest(), &load).ok());
+    EXPECT_EQ(load.kv_pulls(), 1) << "the KV did not move between the workers";
+    EXPECT_EQ(load.local_prefill_fallbacks(), 0);
+  }
+  // An insecure client cannot reach the workers.
+  const std::string decode = ok.Header("x-tandem-decode-worker");
+  auto stub = tandem::v1::Worker::NewStub(
+      grpc::CreateChannel(decode, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+  tandem::v1::ClearKvCacheResponse cleared;
+  EXPECT_FALSE(stub->ClearKvCache(&ctx, tandem::v1::ClearKvCacheRequest(), &cleared).ok());
+
+  up_->Signal(SIGINT);
+  absl::StatusOr<int> status = up_->Wait(seconds(30));
+  ASSERT_TRUE(status.ok());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
+  EXPECT_FALSE(std::filesystem::exists(ca)) << "the throwaway CA outlived the cluster";
+}
+
+TEST_F(UpCommandTest, InsecureIsOnlyByName) {
+  const std::string url = Start({"--insecure", "--aggregated", "1"});
+  ASSERT_FALSE(url.empty());
+  for (const auto& [pid, cmdline] : ChildrenOf(up_->pid())) {
+    if (cmdline.find(" worker ") == std::string::npos) continue;
+    EXPECT_NE(cmdline.find("--insecure"), std::string::npos) << cmdline;
+    EXPECT_EQ(cmdline.find("--tls-"), std::string::npos) << cmdline;
+  }
+  const HttpResponse ok = HttpPost(
+      url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 2})");
+  EXPECT_EQ(ok.status, 200) << ok.body;
 }
 
 TEST_F(UpCommandTest, WithoutRestartsAWorkerThatDiesStopsTheCluster) {

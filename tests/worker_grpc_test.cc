@@ -1229,7 +1229,8 @@ TEST_F(WorkerGrpcTest, KvBudgetBeyondMemoryIsRefusedAtStart) {
   absl::StatusOr<std::string> bin = tandem::testing::TandemBinary();
   ASSERT_TRUE(bin.ok()) << bin.status();
   absl::StatusOr<tandem::testing::ChildProcess> child = tandem::testing::ChildProcess::Spawn(
-      {*bin, "worker", "--port", "0", "--kv-cache-memory", "1000000GiB"}, "/dev/null");
+      {*bin, "worker", "--insecure", "--port", "0", "--kv-cache-memory", "1000000GiB"},
+      "/dev/null");
   ASSERT_TRUE(child.ok()) << child.status();
   absl::StatusOr<int> status = child->Wait(std::chrono::seconds(30));
   ASSERT_TRUE(status.ok()) << "the worker started with a budget it cannot have";

@@ -6,6 +6,7 @@
 // (orchestrator/config/router_config.h) and exits: 0 and a summary when it
 // is valid, 1 and "FILE:LINE:COL: key: why" when not.
 // `tandem up` starts a local cluster (workers and a router as children).
+// `tandem certs` makes a cluster CA and certificates for mutual TLS.
 #ifndef TANDEM_ORCHESTRATOR_CLI_ROUTER_COMMAND_H_
 #define TANDEM_ORCHESTRATOR_CLI_ROUTER_COMMAND_H_
 
@@ -17,6 +18,7 @@ namespace tandem::router {
 
 void AddRouterCommand(CLI::App& app);
 void AddUpCommand(CLI::App& app);
+void AddCertsCommand(CLI::App& app);
 
 }  // namespace tandem::router
 

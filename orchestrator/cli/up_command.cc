@@ -13,6 +13,10 @@
 //
 // The router's config is the --config file (or the defaults) with its pools
 // replaced by the workers started here; flags override the file.
+//
+// Trust: the cluster runs over mutual TLS with a throwaway CA made at start
+// (a temporary directory removed when `up` exits), unless --insecure; the
+// file's own tls section is replaced either way.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -38,6 +42,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -45,6 +50,7 @@
 #include "common/logging.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
+#include "common/certificates.h"
 #include "orchestrator/cli/router_command.h"
 #include "orchestrator/config/router_config.h"
 #include "orchestrator/http/http_server.h"
@@ -72,6 +78,16 @@ struct UpOptions {
   std::string run_dir;
   std::string engine;  // empty: the workers' default (real)
   int max_restarts = 5;  // per worker, in a row; 0: a dead worker stops the cluster
+  bool insecure = false;  // plain TCP between router and workers
+};
+
+// A directory removed (with its contents) when this goes out of scope.
+struct TempDir {
+  std::string path;
+  ~TempDir() {
+    std::error_code ignored;
+    if (!path.empty()) std::filesystem::remove_all(path, ignored);
+  }
 };
 
 // A worker restarted after a run this long starts its restart count afresh.
@@ -278,6 +294,12 @@ std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& pr
                                       c.health.unhealthy_after, c.health.healthy_after));
   absl::StrAppend(&y, "kv_events:\n  enabled: ", c.kv_events.enabled ? "true" : "false", "\n");
   absl::StrAppend(&y, "sessions:\n  header: \"", c.sessions.header, "\"\n");
+  if (c.tls.mode == TlsMode::kMutual) {
+    absl::StrAppend(&y, "tls:\n  mode: mutual\n  ca: \"", c.tls.ca, "\"\n  cert: \"", c.tls.cert,
+                    "\"\n  key: \"", c.tls.key, "\"\n");
+  } else {
+    absl::StrAppend(&y, "tls:\n  mode: insecure\n");
+  }
   return y;
 }
 
@@ -285,7 +307,13 @@ absl::Status Up(UpOptions opt) {
   // The router config: the file's, or defaults for a local cluster.
   RouterConfig config;
   if (!opt.config.empty()) {
-    ASSIGN_OR_RETURN(config, LoadRouterConfig(opt.config));
+    absl::StatusOr<RouterConfig> loaded = LoadRouterConfig(opt.config);
+    // The file's tls section is replaced below, so a file may leave it out.
+    if (!loaded.ok() && absl::StrContains(loaded.status().message(), "tls: required")) {
+      ASSIGN_OR_RETURN(std::string text, ReadFile(opt.config));
+      loaded = ParseRouterConfig(text + "\ntls: {mode: insecure}\n", opt.config);
+    }
+    ASSIGN_OR_RETURN(config, std::move(loaded));
   } else {
     config.model.served_name = opt.model;
     config.disaggregation.mode = DisaggregationMode::kAlways;
@@ -350,6 +378,24 @@ absl::Status Up(UpOptions opt) {
   }
   RETURN_IF_ERROR(InstallSignalHandlers({SIGINT, SIGTERM}));
 
+  // A throwaway CA and certificates for this cluster only.
+  TempDir certs;
+  std::vector<std::string> worker_trust = {"--insecure"};
+  if (opt.insecure) {
+    config.tls = TlsConfig{.mode = TlsMode::kInsecure};
+    Say("WARNING: --insecure: the router and workers talk plain TCP; any local process can call "
+        "the workers");
+  } else {
+    char tmpl[] = "/tmp/tandem-certs.XXXXXX";
+    if (mkdtemp(tmpl) == nullptr) return absl::InternalError("cannot create a certificate directory");
+    certs.path = tmpl;
+    ASSIGN_OR_RETURN(tls::ClusterFiles files, tls::WriteClusterCertificates(certs.path, 2));
+    config.tls = TlsConfig{.mode = TlsMode::kMutual, .ca = files.router.ca,
+                           .cert = files.router.cert, .key = files.router.key};
+    worker_trust = {"--tls-ca", files.worker.ca, "--tls-cert", files.worker.cert,
+                    "--tls-key", files.worker.key};
+  }
+
   std::vector<std::unique_ptr<Child>> children;
   std::vector<Child*> workers;  // the live process of each worker (shutdown stops them)
   Child* router = nullptr;
@@ -384,6 +430,7 @@ absl::Status Up(UpOptions opt) {
     std::vector<std::string> argv = {"tandem", "worker", "--model", opt.model, "--role", slot.role,
                                      "--host", "127.0.0.1", "--port", std::to_string(slot.port),
                                      "--ready-file", slot.ready_file};
+    argv.insert(argv.end(), worker_trust.begin(), worker_trust.end());
     if (split) {
       for (const char* a : {"--kv-transport", "ucx", "--kv-transport-tls", "shm"}) argv.push_back(a);
     }
@@ -465,9 +512,11 @@ absl::Status Up(UpOptions opt) {
     if (WaitForSignalFor(100) != 0) return shutdown(absl::OkStatus());
   }
   const std::string url = http::BaseUrl(config.listener.host, port);
-  Say(absl::StrFormat("ready: %s (%d prefill, %d %s workers, disaggregation %s); config %s", url,
-                      num_prefill, num_decode, split ? "decode" : "aggregated",
-                      DisaggregationModeName(config.disaggregation.mode), router_yaml));
+  Say(absl::StrFormat("ready: %s (%d prefill, %d %s workers, disaggregation %s, %s); config %s",
+                      url, num_prefill, num_decode, split ? "decode" : "aggregated",
+                      DisaggregationModeName(config.disaggregation.mode),
+                      opt.insecure ? "INSECURE plain TCP" : "mutual TLS (throwaway CA)",
+                      router_yaml));
   Say(absl::StrFormat("try: curl -s %s/v1/chat/completions -H 'Content-Type: application/json' "
                       "-d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": "
                       "\"Hello!\"}], \"max_tokens\": 32}'",
@@ -566,6 +615,9 @@ void AddUpCommand(CLI::App& app) {
                   "worker that dies stops the cluster)")
       ->capture_default_str()
       ->check(CLI::Range(0, 1000));
+  cmd->add_flag("--insecure", opt->insecure,
+                "Plain TCP between router and workers (default: mutual TLS with a throwaway CA "
+                "made for this cluster and removed at exit)");
   cmd->callback([opt] {
     const absl::Status s = Up(*opt);
     // Interrupted by the user: a clean stop.

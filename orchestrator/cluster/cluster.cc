@@ -98,7 +98,8 @@ struct Cluster::Subscription final : GrpcReader<tandem::v1::KvEventBatch> {
   tandem::v1::KvEventsRequest request;
 };
 
-Cluster::Cluster(HealthConfig health) : health_(health) {}
+Cluster::Cluster(HealthConfig health, std::shared_ptr<const tls::ChannelFactory> channels)
+    : channels_(std::move(channels)), health_(health) {}
 
 Cluster::~Cluster() { Stop(); }
 
@@ -162,7 +163,7 @@ void Cluster::SyncWorkersLocked() {
   }
   for (const std::string& address : wanted) {
     if (workers_.count(address) == 0) {
-      workers_.emplace(address, std::make_shared<WorkerClient>(address));
+      workers_.emplace(address, std::make_shared<WorkerClient>(address, *channels_));
     }
   }
   // Indexes forget the workers that left their pool.

@@ -63,7 +63,9 @@ class Cluster {
   // (address, healthy), e.g. for logs.
   using HealthListener = std::function<void(const std::string&, bool)>;
 
-  explicit Cluster(HealthConfig health);
+  // Workers are called over channels from `channels` (default: insecure).
+  explicit Cluster(HealthConfig health, std::shared_ptr<const tls::ChannelFactory> channels =
+                                            tls::ChannelFactory::Insecure());
   ~Cluster();  // Stop()
   Cluster(const Cluster&) = delete;
   Cluster& operator=(const Cluster&) = delete;
@@ -113,6 +115,7 @@ class Cluster {
   void CancelSubscription(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SubscriptionDone(const std::string& address, Subscription* sub);
 
+  const std::shared_ptr<const tls::ChannelFactory> channels_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   HealthConfig health_ ABSL_GUARDED_BY(mu_);

@@ -4,6 +4,8 @@
 
 #include <utility>
 
+#include "common/logging.h"
+
 namespace tandem::router {
 
 grpc::ChannelArguments WorkerClient::ChannelArgs() {
@@ -37,9 +39,23 @@ grpc::ChannelArguments WorkerClient::ChannelArgs() {
   return args;
 }
 
-WorkerClient::WorkerClient(std::string address) : address_(std::move(address)) {
-  stub_ = tandem::v1::Worker::NewStub(
-      grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), ChannelArgs()));
+absl::StatusOr<std::shared_ptr<const tls::ChannelFactory>> WorkerChannelsFor(const TlsConfig& tls) {
+  if (tls.mode != TlsMode::kMutual) {
+    LOG(WARNING) << "INSECURE (tls.mode: insecure): the router calls its workers over plain TCP; "
+                    "nothing proves a worker is one, and the workers cannot tell the router from "
+                    "any other caller";
+    return tls::ChannelFactory::Insecure();
+  }
+  absl::StatusOr<tls::TlsMaterial> material = tls::LoadTlsMaterial(
+      {.ca = tls.ca, .cert = tls.cert, .key = tls.key},
+      {.ca = "tls.ca", .cert = "tls.cert", .key = "tls.key"});
+  if (!material.ok()) return material.status();
+  return tls::ChannelFactory::Mutual(*material);
+}
+
+WorkerClient::WorkerClient(std::string address, const tls::ChannelFactory& channels)
+    : address_(std::move(address)) {
+  stub_ = tandem::v1::Worker::NewStub(channels.Create(address_, ChannelArgs()));
 }
 
 bool WorkerClient::RecordCheck(bool ok, const HealthConfig& config) {

@@ -32,6 +32,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "common/tls.h"
 #include "orchestrator/config/router_config.h"
 #include "orchestrator/routing/routing_policy.h"
 #include "tandem/v1/worker.grpc.pb.h"
@@ -40,9 +41,12 @@ namespace tandem::router {
 
 class WorkerClient {
  public:
-  // Creates the channel (insecure; connects lazily). Reconnection backoff is
+  // Creates the channel from `channels` (mutual TLS or insecure, as the
+  // router's tls config says; connects lazily). Reconnection backoff is
   // capped at a second or two so a restarted worker is back quickly.
-  explicit WorkerClient(std::string address);
+  WorkerClient(std::string address, const tls::ChannelFactory& channels);
+  explicit WorkerClient(std::string address)
+      : WorkerClient(std::move(address), *tls::ChannelFactory::Insecure()) {}
   WorkerClient(const WorkerClient&) = delete;
   WorkerClient& operator=(const WorkerClient&) = delete;
 
@@ -100,6 +104,11 @@ class WorkerClient {
   std::optional<tandem::v1::ModelInfo> model_info_ ABSL_GUARDED_BY(mu_);
   std::optional<tandem::v1::LoadReport> last_load_ ABSL_GUARDED_BY(mu_);
 };
+
+// The channels to workers that the router's tls config asks for: mutual TLS
+// with the files read and checked now (InvalidArgument "tls.cert (PATH):
+// why"), or insecure (with a WARNING in the log).
+absl::StatusOr<std::shared_ptr<const tls::ChannelFactory>> WorkerChannelsFor(const TlsConfig& tls);
 
 // One request's presence on a worker, for the router's accounting: counts a
 // request in flight and its prompt tokens to compute (those the policy did

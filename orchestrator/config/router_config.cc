@@ -205,6 +205,27 @@ class Validator {
       return Bad("sessions.header",
                  absl::StrCat("'", c.sessions.header, "' is not a valid HTTP header name"));
     }
+
+    // Last, so that a config's other mistakes are reported as before.
+    const TlsConfig& tls = c.tls;
+    switch (tls.mode) {
+      case TlsMode::kUnset:
+        return Bad("tls", "required: tls.ca, tls.cert and tls.key for mutual TLS with the "
+                          "workers (`tandem certs --out DIR` makes them), or tls.mode: insecure");
+      case TlsMode::kInsecure:
+        if (!tls.ca.empty() || !tls.cert.empty() || !tls.key.empty()) {
+          return Bad("tls.mode", "is insecure, but tls.ca/cert/key are given: remove them, or "
+                                 "set mode: mutual");
+        }
+        break;
+      case TlsMode::kMutual:
+        for (const auto& [key, value] : {std::pair<const char*, const std::string*>{"tls.ca", &tls.ca},
+                                         std::pair<const char*, const std::string*>{"tls.cert", &tls.cert},
+                                         std::pair<const char*, const std::string*>{"tls.key", &tls.key}}) {
+          if (value->empty()) return Bad(key, "required when tls.mode is mutual (a PEM file path)");
+        }
+        break;
+    }
     return absl::OkStatus();
   }
 
@@ -476,7 +497,8 @@ class Parser {
   absl::Status Root(const YAML::Node& root, RouterConfig* c) {
     ASSIGN_OR_RETURN(Fields top, Map(root, "",
                                      {"listener", "model", "pools", "disaggregation", "timeouts",
-                                      "retries", "limits", "health", "kv_events", "sessions"}));
+                                      "retries", "limits", "health", "kv_events", "sessions",
+                                      "tls"}));
 
     ASSIGN_OR_RETURN(Fields listener, SubMap(top, "listener", {"host", "port"}));
     RETURN_IF_ERROR(String(listener, "host", &c->listener.host));
@@ -552,6 +574,24 @@ class Parser {
 
     ASSIGN_OR_RETURN(Fields sessions, SubMap(top, "sessions", {"header"}));
     RETURN_IF_ERROR(String(sessions, "header", &c->sessions.header));
+
+    ASSIGN_OR_RETURN(Fields tls, SubMap(top, "tls", {"mode", "ca", "cert", "key"}));
+    RETURN_IF_ERROR(String(tls, "ca", &c->tls.ca));
+    RETURN_IF_ERROR(String(tls, "cert", &c->tls.cert));
+    RETURN_IF_ERROR(String(tls, "key", &c->tls.key));
+    if (const YAML::Node* n = tls.Find("mode")) {
+      const std::string path = Join(tls.path, "mode");
+      RETURN_IF_ERROR(Scalar(*n, path, "mutual or insecure"));
+      if (n->Scalar() == "mutual") {
+        c->tls.mode = TlsMode::kMutual;
+      } else if (n->Scalar() == "insecure") {
+        c->tls.mode = TlsMode::kInsecure;
+      } else {
+        return Bad(n->Mark(), path, absl::StrCat("expected mutual or insecure, got ", Describe(*n)));
+      }
+    } else if (!c->tls.ca.empty() || !c->tls.cert.empty() || !c->tls.key.empty()) {
+      c->tls.mode = TlsMode::kMutual;
+    }
     return absl::OkStatus();
   }
 

@@ -203,6 +203,27 @@ struct SessionsConfig {
   std::string header = "X-Session-ID";
 };
 
+// How the router and its workers authenticate each other
+// (docs/architecture.md, "Security"). Required, so that plain TCP is only
+// ever chosen by name.
+enum class TlsMode {
+  kUnset,     // no tls section: refused at load
+  kMutual,    // "mutual": mTLS under the cluster CA (ca, cert, key required)
+  kInsecure,  // "insecure": plain TCP, no authentication either way; a
+              // WARNING at start (tests, a single trusted host)
+};
+struct TlsConfig {
+  // "mutual" or "insecure"; omitted with ca/cert/key given: mutual.
+  TlsMode mode = TlsMode::kUnset;
+  // Mutual: PEM paths of the cluster CA's certificate, the router's
+  // certificate (router role: DNS SAN tandem-router; `tandem certs` makes
+  // one) and its key. Read at start (a bad file fails it, naming the key);
+  // fixed until restart, like the listener.
+  std::string ca;
+  std::string cert;
+  std::string key;
+};
+
 struct RouterConfig {
   ListenerConfig listener;
   ModelConfig model;
@@ -217,6 +238,7 @@ struct RouterConfig {
   HealthConfig health;
   KvEventsConfig kv_events;
   SessionsConfig sessions;
+  TlsConfig tls;
 };
 
 // Checks every field's range and the rules between fields (see each field's

@@ -21,8 +21,11 @@ pools:
     workers: [decode-0:50051]
 )";
 
+// The tests below are about other sections: a config without a tls section
+// gets `tls: {mode: insecure}` (a file must choose; see the Tls tests).
 absl::StatusOr<RouterConfig> Parse(const std::string& yaml) {
-  return ParseRouterConfig(yaml, "t.yaml");
+  if (yaml.find("tls:") != std::string::npos) return ParseRouterConfig(yaml, "t.yaml");
+  return ParseRouterConfig(yaml + "\ntls: {mode: insecure}\n", "t.yaml");
 }
 
 // The error message of parsing `yaml`, which must fail with InvalidArgument.
@@ -191,9 +194,8 @@ TEST(RouterConfigTest, BadPolicyParam) {
 
 TEST(RouterConfigTest, KvCacheAwareWithoutKvEventsIsApproximate) {
   // Allowed: the policy's index then learns from its own decisions.
-  absl::StatusOr<RouterConfig> config = ParseRouterConfig(
-      std::string(kMinimal) + "    policy: {name: kv_cache_aware}\nkv_events: {enabled: false}\n",
-      "t.yaml");
+  absl::StatusOr<RouterConfig> config =
+      Parse(std::string(kMinimal) + "    policy: {name: kv_cache_aware}\nkv_events: {enabled: false}\n");
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_FALSE(config->kv_events.enabled);
   EXPECT_EQ(config->decode->policy.name, "kv_cache_aware");
@@ -276,10 +278,42 @@ TEST(RouterConfigTest, ValidateConfigBuiltInCode) {
               StartsWith("pools.decode: required"));
   config.decode.emplace();
   config.decode->workers = {"localhost:50051"};
+  EXPECT_THAT(std::string(ValidateRouterConfig(config).message()), StartsWith("tls: required"));
+  config.tls.mode = TlsMode::kInsecure;
   EXPECT_TRUE(ValidateRouterConfig(config).ok());
   config.retries.max_attempts = 0;
   EXPECT_THAT(std::string(ValidateRouterConfig(config).message()),
               StartsWith("retries.max_attempts: 0 is not in [1, 10]"));
+}
+
+TEST(RouterConfigTest, TlsIsChosenByNameNeverByOmission) {
+  // No tls section: refused, saying what to write.
+  absl::StatusOr<RouterConfig> none = ParseRouterConfig(kMinimal, "t.yaml");
+  ASSERT_FALSE(none.ok());
+  EXPECT_THAT(none.status().message(), HasSubstr("tls: required"));
+  EXPECT_THAT(none.status().message(), HasSubstr("tls.mode: insecure"));
+
+  auto insecure = Parse(std::string(kMinimal) + "tls: {mode: insecure}\n");
+  ASSERT_TRUE(insecure.ok()) << insecure.status();
+  EXPECT_EQ(insecure->tls.mode, TlsMode::kInsecure);
+
+  // Files without a mode mean mutual.
+  auto mutual = Parse(std::string(kMinimal) +
+                      "tls:\n  ca: /etc/tandem/ca.crt\n  cert: /etc/tandem/router.crt\n"
+                      "  key: /etc/tandem/router.key\n");
+  ASSERT_TRUE(mutual.ok()) << mutual.status();
+  EXPECT_EQ(mutual->tls.mode, TlsMode::kMutual);
+  EXPECT_EQ(mutual->tls.cert, "/etc/tandem/router.crt");
+
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "tls:\n  mode: mutual\n  ca: /a\n  cert: /b\n"),
+              HasSubstr("tls.key: required when tls.mode is mutual"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "tls:\n  mode: insecure\n  ca: /a\n"),
+              HasSubstr("tls.mode: is insecure, but tls.ca/cert/key are given"));
+  const std::string bad_mode = ErrorOf(std::string(kMinimal) + "tls:\n  mode: plaintext\n");
+  EXPECT_THAT(bad_mode, StartsWith("t.yaml:"));
+  EXPECT_THAT(bad_mode, HasSubstr("tls.mode: expected mutual or insecure"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "tls:\n  mode: insecure\n  cafile: /a\n"),
+              HasSubstr("tls.cafile"));
 }
 
 }  // namespace

@@ -120,7 +120,8 @@ struct CallSetup {
 
 class Router::Impl {
  public:
-  Impl(RouterConfig config, std::string config_path, std::shared_ptr<const ModelAssets> assets);
+  Impl(RouterConfig config, std::string config_path, std::shared_ptr<const ModelAssets> assets,
+       std::shared_ptr<const tls::ChannelFactory> channels);
   ~Impl();
 
   absl::Status Start();
@@ -785,11 +786,12 @@ Router::Impl::Metrics::Metrics(MetricsRegistry& r)
                     .Get()) {}
 
 Router::Impl::Impl(RouterConfig config, std::string config_path,
-                   std::shared_ptr<const ModelAssets> assets)
+                   std::shared_ptr<const ModelAssets> assets,
+                   std::shared_ptr<const tls::ChannelFactory> channels)
     : config_path_(std::move(config_path)),
       assets_(std::move(assets)),
       metrics_(std::make_unique<Metrics>(registry_)),
-      cluster_(config.health),
+      cluster_(config.health, std::move(channels)),
       config_(std::make_shared<const RouterConfig>(std::move(config))) {
   RegisterCallbacks();
 }
@@ -1105,7 +1107,7 @@ absl::Status Router::Impl::Reload() {
   std::shared_ptr<const RouterConfig> prev = config();
   // What is fixed at startup stays as it runs, so the running config says
   // what is in effect: the listener, the model section (served name,
-  // tokenizer, template, special-token parsing) and the body limit.
+  // tokenizer, template, special-token parsing), the body limit and tls.
   std::vector<std::string> deferred;
   if (loaded->listener.host != prev->listener.host || loaded->listener.port != prev->listener.port) {
     deferred.push_back("listener");
@@ -1122,6 +1124,11 @@ absl::Status Router::Impl::Reload() {
   if (loaded->limits.max_body_bytes != prev->limits.max_body_bytes) {
     deferred.push_back("limits.max_body_bytes");
   }
+  if (loaded->tls.mode != prev->tls.mode || loaded->tls.ca != prev->tls.ca ||
+      loaded->tls.cert != prev->tls.cert || loaded->tls.key != prev->tls.key) {
+    deferred.push_back("tls");
+  }
+  loaded->tls = prev->tls;
   loaded->listener = prev->listener;
   loaded->model = prev->model;
   loaded->limits.max_body_bytes = prev->limits.max_body_bytes;
@@ -1668,8 +1675,13 @@ absl::StatusOr<std::unique_ptr<Router>> Router::Create(RouterConfig config,
                                                        std::string config_path) {
   RETURN_IF_ERROR(ValidateRouterConfig(config));
   ASSIGN_OR_RETURN(std::shared_ptr<const ModelAssets> assets, LoadModelAssets(config.model));
-  return std::unique_ptr<Router>(new Router(
-      std::make_unique<Impl>(std::move(config), std::move(config_path), std::move(assets))));
+  absl::StatusOr<std::shared_ptr<const tls::ChannelFactory>> channels = WorkerChannelsFor(config.tls);
+  if (!channels.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(config_path.empty() ? "" : config_path + ": ",
+                                                   channels.status().message()));
+  }
+  return std::unique_ptr<Router>(new Router(std::make_unique<Impl>(
+      std::move(config), std::move(config_path), std::move(assets), *std::move(channels))));
 }
 
 absl::Status Router::Start() { return impl_->Start(); }

@@ -36,6 +36,12 @@ std::string RouterYaml::Text() const {
   }
   absl::StrAppend(&y, "health:\n  interval_s: ", health_interval_s, "\n  timeout_s: ",
                   health_interval_s, "\n");
+  if (tls.has_value()) {
+    absl::StrAppend(&y, "tls:\n  ca: \"", tls->ca, "\"\n  cert: \"", tls->cert, "\"\n  key: \"",
+                    tls->key, "\"\n");
+  } else {
+    absl::StrAppend(&y, "tls:\n  mode: insecure\n");
+  }
   absl::StrAppend(&y, extra);
   return y;
 }

@@ -29,6 +29,9 @@ struct RouterYaml {
   std::string extra;           // appended top-level YAML (limits, timeouts...)
   std::string model_extra;     // YAML lines appended under model:, e.g. "  key: value\n"
   double health_interval_s = 0.5;
+  // The router's identity for mutual TLS with its workers; unset: `tls:
+  // {mode: insecure}`.
+  std::optional<tls::TlsFiles> tls;
   std::string Text() const;
 };
 

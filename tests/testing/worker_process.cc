@@ -182,7 +182,23 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
     argv.insert(argv.end(), {"--port", "0"});
   }
   argv.insert(argv.end(), {"--ready-file", ready_file, "--threads", "1"});
+  // A worker serves mutual TLS or --insecure, never by default: tests that
+  // are not about trust ask for insecure.
+  const bool trust_given = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
+    return f == "--insecure" || f == "--tls-ca" || f == "--tls-cert" || f == "--tls-key";
+  });
+  if (!trust_given) argv.push_back("--insecure");
   argv.insert(argv.end(), flags.begin(), flags.end());
+  std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure();
+  if (launch.client_tls.has_value()) {
+    absl::StatusOr<tls::TlsMaterial> m = tls::LoadTlsMaterial(
+        *launch.client_tls, {.ca = "client ca", .cert = "client cert", .key = "client key"});
+    if (!m.ok()) {
+      std::filesystem::remove_all(*dir);
+      return m.status();
+    }
+    channels = tls::ChannelFactory::Mutual(*m);
+  }
   absl::StatusOr<ChildProcess> child = ChildProcess::Spawn(argv);
   if (!child.ok()) {
     std::filesystem::remove_all(*dir);
@@ -204,7 +220,7 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
   }
 
   auto worker = std::unique_ptr<WorkerProcess>(
-      new WorkerProcess(std::move(*child), *dir, address));
+      new WorkerProcess(std::move(*child), *dir, address, channels->Create(address)));
   const auto connect_deadline =
       std::chrono::system_clock::now() + std::max(ready_timeout, std::chrono::milliseconds(1000));
   if (!worker->channel_->WaitForConnected(connect_deadline)) {
@@ -213,11 +229,12 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
   return worker;
 }
 
-WorkerProcess::WorkerProcess(ChildProcess process, std::string dir, std::string address)
+WorkerProcess::WorkerProcess(ChildProcess process, std::string dir, std::string address,
+                             std::shared_ptr<grpc::Channel> channel)
     : process_(std::move(process)),
       dir_(std::move(dir)),
       address_(std::move(address)),
-      channel_(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials())),
+      channel_(std::move(channel)),
       stub_(tandem::v1::Worker::NewStub(channel_)) {}
 
 int WorkerProcess::port() const { return std::stoi(address_.substr(address_.rfind(':') + 1)); }

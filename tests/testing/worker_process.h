@@ -5,7 +5,9 @@
 //
 // WorkerProcess::Start spawns
 //   tandem worker --port 0 --ready-file <temp dir>/ready --threads 1 <flags>
-// (without the `--port 0` when `flags` give a port) and waits, bounded,
+// (without the `--port 0` when `flags` give a port; with `--insecure` unless
+// `flags` give --insecure or TLS files, then LaunchOptions::client_tls is
+// the helper's own identity) and waits, bounded,
 // until the worker has written its address to the ready file and accepts
 // connections. Destruction stops it: SIGTERM, then SIGKILL
 // if it has not exited within the grace period. The helper's own connection
@@ -30,6 +32,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/tls.h"
 #include "nlohmann/json.hpp"
 #include "tandem/v1/worker.grpc.pb.h"
 
@@ -99,6 +102,9 @@ class ChildProcess {
 struct LaunchOptions {
   std::vector<std::string> wrapper;
   std::string connect_host;  // empty: the host from the ready file
+  // A worker started with --tls-*: the identity of the helper's own channel
+  // (stub()), usually a router certificate of the worker's CA.
+  std::optional<tls::TlsFiles> client_tls;
 };
 
 // Waits until `child` has written `path` (processes write it under another
@@ -146,7 +152,8 @@ class WorkerProcess {
   int Stop(std::chrono::milliseconds grace = std::chrono::seconds(10));
 
  private:
-  WorkerProcess(ChildProcess process, std::string dir, std::string address);
+  WorkerProcess(ChildProcess process, std::string dir, std::string address,
+                std::shared_ptr<grpc::Channel> channel);
 
   ChildProcess process_;
   bool stopped_ = false;

@@ -6,6 +6,9 @@
 // on the decode worker (which answers with a reservation), then a SEND
 // stream on --target (the prefill worker), which prints the first token;
 // the rest comes from the decode worker.
+//
+// Workers serving mutual TLS need --tls-ca/--tls-cert/--tls-key (a router
+// certificate: Generate is the router's; `tandem certs`).
 #include <grpcpp/grpcpp.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/tls.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/cli/commands.h"
 #include "worker/model/builtin_models.h"
@@ -31,10 +35,22 @@ struct GenerateOptions {
   float temperature = 0.0f;
   int64_t seed = -1;
   bool show_ids = false;
+  std::string tls_ca, tls_cert, tls_key;  // mutual TLS (a router certificate)
 };
 
 int RunGenerate(const GenerateOptions& opt) {
-  auto channel = grpc::CreateChannel(opt.target, grpc::InsecureChannelCredentials());
+  std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure();
+  if (!opt.tls_ca.empty() || !opt.tls_cert.empty() || !opt.tls_key.empty()) {
+    absl::StatusOr<tls::TlsMaterial> m = tls::LoadTlsMaterial(
+        {.ca = opt.tls_ca, .cert = opt.tls_cert, .key = opt.tls_key},
+        {.ca = "--tls-ca", .cert = "--tls-cert", .key = "--tls-key"});
+    if (!m.ok()) {
+      std::fprintf(stderr, "tandem generate: %s\n", std::string(m.status().message()).c_str());
+      return 1;
+    }
+    channels = tls::ChannelFactory::Mutual(*m);
+  }
+  auto channel = channels->Create(opt.target);
   auto stub = tandem::v1::Worker::NewStub(channel);
   tandem::v1::GenerateRequest req;
   req.set_request_id("cli");
@@ -87,8 +103,7 @@ int RunGenerate(const GenerateOptions& opt) {
   tandem::v1::GenerateResponse resp;
   std::string kv_error;
   if (!opt.decode.empty()) {
-    decode_stub = tandem::v1::Worker::NewStub(
-        grpc::CreateChannel(opt.decode, grpc::InsecureChannelCredentials()));
+    decode_stub = tandem::v1::Worker::NewStub(channels->Create(opt.decode));
     tandem::v1::GenerateRequest receive = req;
     receive.mutable_kv_transfer()->set_mode(tandem::v1::KvTransferParams::RECEIVE);
     decode_ctx.set_deadline(deadline);
@@ -102,6 +117,7 @@ int RunGenerate(const GenerateOptions& opt) {
     kv->set_reservation_id(resp.reservation().reservation_id());
     kv->set_decode_cached_tokens(resp.reservation().cached_tokens());
     kv->set_decode_instance_id(resp.reservation().instance_id());
+    kv->set_reservation_token(resp.reservation().reservation_token());
   }
 
   grpc::ClientContext ctx;
@@ -167,6 +183,10 @@ void AddGenerateCommand(CLI::App& app) {
   cmd->add_option("--temperature", opt->temperature, "0: greedy")->capture_default_str();
   cmd->add_option("--seed", opt->seed, "Sampling seed (-1: random)")->capture_default_str();
   cmd->add_flag("--show-ids", opt->show_ids, "Print token ids instead of text");
+  cmd->add_option("--tls-ca", opt->tls_ca, "Mutual TLS: the cluster CA certificate (PEM)");
+  cmd->add_option("--tls-cert", opt->tls_cert,
+                  "Mutual TLS: a router-role certificate (PEM; `tandem certs`)");
+  cmd->add_option("--tls-key", opt->tls_key, "Mutual TLS: its private key (PEM)");
   cmd->callback([opt] { std::exit(RunGenerate(*opt)); });
 }
 

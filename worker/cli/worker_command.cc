@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -20,6 +21,7 @@
 #include "common/logging.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "worker/cli/commands.h"
 #include "worker/engine/engine.h"
 #include "kvtransfer/loopback/fault_injecting_transport.h"
@@ -46,6 +48,11 @@ struct WorkerOptions {
   std::string kv_transport_tls = "auto";  // ucx: auto, shm (one host) or tcp
   std::string kv_net_devices;           // ucx tcp: devices, e.g. eth0 (empty: $UCX_NET_DEVICES or lo)
   int kv_receive_timeout_ms = 30000;    // decode: a reservation's wait for its KV (default)
+  int kv_receive_timeout_max_ms = 60000;  // decode: the longest wait a request may ask for
+  int64_t kv_reserve_max_blocks_per_caller = 0;  // decode: 0 = half the KV pool
+  std::string kv_peer_allow;            // prefill: CIDR blocks SEND may dial (empty: mode's default)
+  std::string tls_ca, tls_cert, tls_key;  // mutual TLS identity (common/tls.h)
+  bool insecure = false;                // no TLS: trust every caller
   int kv_hold_timeout_ms = 10000;       // prefill: blocks held for a decode worker at most
   std::string kv_fallback = "local";    // decode, KV never came: local (prefill here) or error
   bool no_kv_checksums = false;         // prefill: send no per-block checksums
@@ -94,6 +101,38 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
 #endif
 }
 
+// Who may call this worker and whom it dials: mutual TLS from --tls-*, or
+// --insecure by name (never by omission).
+absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt,
+                                            std::optional<tls::TlsMaterial>* material) {
+  const bool tls_given = !opt.tls_ca.empty() || !opt.tls_cert.empty() || !opt.tls_key.empty();
+  if (opt.insecure && tls_given) {
+    return absl::InvalidArgumentError(
+        "--insecure and --tls-ca/--tls-cert/--tls-key exclude each other");
+  }
+  if (!opt.insecure && !tls_given) {
+    return absl::InvalidArgumentError(
+        "no TLS identity: give --tls-ca, --tls-cert and --tls-key (mutual TLS with the router "
+        "and the other workers; `tandem certs --out DIR` makes a CA and certificates), or "
+        "--insecure to accept calls from anyone who can reach the port");
+  }
+  WorkerSecurity security;
+  if (tls_given) {
+    ASSIGN_OR_RETURN(tls::TlsMaterial m,
+                     tls::LoadTlsMaterial({.ca = opt.tls_ca, .cert = opt.tls_cert, .key = opt.tls_key},
+                                          {.ca = "--tls-ca", .cert = "--tls-cert", .key = "--tls-key"}));
+    security.mutual_tls = true;
+    security.channels = tls::ChannelFactory::Mutual(m);
+    security.kv_peer_allow = PeerAllowList::Any();
+    *material = std::move(m);
+  }
+  if (!opt.kv_peer_allow.empty()) {
+    ASSIGN_OR_RETURN(security.kv_peer_allow,
+                     PeerAllowList::Parse(opt.kv_peer_allow, "--kv-peer-allow"));
+  }
+  return security;
+}
+
 absl::Status RunWorker(WorkerOptions opt) {
   if (opt.role != "both" && opt.role != "prefill" && opt.role != "decode") {
     return absl::InvalidArgumentError(
@@ -105,6 +144,15 @@ absl::Status RunWorker(WorkerOptions opt) {
   }
   if (opt.kv_receive_timeout_ms < 1 || opt.kv_hold_timeout_ms < 1) {
     return absl::InvalidArgumentError("--kv-receive-timeout-ms and --kv-hold-timeout-ms must be >= 1");
+  }
+  if (opt.kv_receive_timeout_max_ms < opt.kv_receive_timeout_ms) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--kv-receive-timeout-max-ms (%d) must be at least --kv-receive-timeout-ms (%d)",
+        opt.kv_receive_timeout_max_ms, opt.kv_receive_timeout_ms));
+  }
+  if (opt.kv_reserve_max_blocks_per_caller < 0) {
+    return absl::InvalidArgumentError(
+        "--kv-reserve-max-blocks-per-caller must be >= 0 (0: half the KV pool)");
   }
   opt.engine.local_prefill_fallback = opt.kv_fallback == "local";
   if (opt.kv_quarantine_ms < 0) return absl::InvalidArgumentError("--kv-quarantine-ms must be >= 0");
@@ -118,6 +166,8 @@ absl::Status RunWorker(WorkerOptions opt) {
         absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
   }
   RETURN_IF_ERROR(opt.engine.Validate());
+  std::optional<tls::TlsMaterial> tls_material;
+  ASSIGN_OR_RETURN(WorkerSecurity security, MakeSecurity(opt, &tls_material));
 
   // SIGTERM/SIGINT start a graceful shutdown whichever thread receives them
   // (OpenBLAS starts threads before main); a second one exits at once.
@@ -136,13 +186,21 @@ absl::Status RunWorker(WorkerOptions opt) {
     RETURN_IF_ERROR(transport->RegisterPool(engine->pool_layout(), engine->kv_data()));
   }
   engine->Start();
-  const KvHandoffConfig kv{.receive_timeout = std::chrono::milliseconds(opt.kv_receive_timeout_ms),
-                           .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
-                           .checksums = !opt.no_kv_checksums};
+  const int64_t caller_cap = opt.kv_reserve_max_blocks_per_caller > 0
+                                 ? opt.kv_reserve_max_blocks_per_caller
+                                 : std::max<int64_t>(1, engine->total_blocks() / 2);
+  const KvHandoffConfig kv{
+      .receive_timeout = std::chrono::milliseconds(opt.kv_receive_timeout_ms),
+      .receive_timeout_max = std::chrono::milliseconds(opt.kv_receive_timeout_max_ms),
+      .max_reserved_blocks_per_caller = caller_cap,
+      .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
+      .checksums = !opt.no_kv_checksums};
   grpc::ServerBuilder builder;
   int bound_port = 0;
   builder.AddListeningPort(absl::StrFormat("%s:%d", opt.host, opt.port),
-                           grpc::InsecureServerCredentials(), &bound_port);
+                           tls_material.has_value() ? tls::ServerCredentials(*tls_material)
+                                                    : grpc::InsecureServerCredentials(),
+                           &bound_port);
   builder.SetMaxReceiveMessageSize(64 << 20);
   // Routers ping every few seconds (keepalive) to notice a frozen worker
   // fast; gRPC's server default would answer pings that often, after two, by
@@ -152,7 +210,8 @@ absl::Status RunWorker(WorkerOptions opt) {
   std::unique_ptr<grpc::ServerCompletionQueue> cq = builder.AddCompletionQueue();
   // Declared after the transport: destroyed first, so no transfer callback
   // outlives it.
-  WorkerService service(engine.get(), opt.role, cq.get(), transport, kv);
+  const std::string kv_peers = security.kv_peer_allow.ToString();
+  WorkerService service(engine.get(), opt.role, cq.get(), transport, kv, std::move(security));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   // Every call of this process runs on this one thread (grpc_poller.h);
@@ -170,6 +229,17 @@ absl::Status RunWorker(WorkerOptions opt) {
         "not the model's",
         opt.sim.step_ms, opt.sim.prefill_us_per_token, opt.sim.decode_us_per_seq,
         opt.sim.context_ns_per_token);
+  }
+  if (opt.insecure) {
+    LOG(WARNING) << absl::StrFormat(
+        "INSECURE (--insecure): no TLS; any process that can reach %s:%d may call this worker "
+        "(generate, read other users' prompt tokens from its KV events, clear its cache, hold "
+        "its KV blocks); its KV hand-offs dial only %s (--kv-peer-allow)",
+        opt.host, bound_port, kv_peers);
+  } else {
+    LOG(INFO) << "mutual TLS: callers need a certificate of the CA in " << opt.tls_ca
+              << "; KV hand-offs dial workers of that CA" << (kv_peers == "any" ? "" : " in ")
+              << (kv_peers == "any" ? "" : kv_peers);
   }
   const LoadSnapshot load = engine->GetLoad();
   LOG(INFO) << "worker " << service.instance_id() << " (" << opt.role << ") serving "
@@ -278,6 +348,31 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--kv-receive-timeout-ms", opt->kv_receive_timeout_ms,
                   "Decode: how long a reservation waits for its KV (unless the request says)")
       ->capture_default_str();
+  cmd->add_option("--kv-receive-timeout-max-ms", opt->kv_receive_timeout_max_ms,
+                  "Decode: the longest a reservation may wait; a request asking more is capped")
+      ->capture_default_str();
+  cmd->add_option("--kv-reserve-max-blocks-per-caller", opt->kv_reserve_max_blocks_per_caller,
+                  "Decode: KV blocks one caller's waiting reservations may hold (the certificate's "
+                  "name with TLS, the IP address without); beyond: RESOURCE_EXHAUSTED. 0: half "
+                  "the KV pool")
+      ->capture_default_str();
+  cmd->add_option("--kv-peer-allow", opt->kv_peer_allow,
+                  "Prefill: CIDR blocks a SEND request's decode_address may be in, comma-separated, "
+                  "or 'any' (default: any with TLS, where the peer must prove a worker "
+                  "certificate; 127.0.0.0/8,::1 with --insecure)");
+  cmd->add_option("--tls-ca", opt->tls_ca,
+                  "Mutual TLS: the cluster CA's certificate (PEM); callers and called workers "
+                  "must hold certificates it issued")
+      ->group("Security");
+  cmd->add_option("--tls-cert", opt->tls_cert,
+                  "Mutual TLS: this worker's certificate (PEM, worker role; `tandem certs`)")
+      ->group("Security");
+  cmd->add_option("--tls-key", opt->tls_key, "Mutual TLS: this worker's private key (PEM)")
+      ->group("Security");
+  cmd->add_flag("--insecure", opt->insecure,
+                "No TLS: accept calls from anyone who can reach the port (tests, a trusted "
+                "host); required when no --tls-* is given")
+      ->group("Security");
   cmd->add_option("--kv-hold-timeout-ms", opt->kv_hold_timeout_ms,
                   "Prefill: how long prefilled blocks wait for the decode worker to take them")
       ->capture_default_str();

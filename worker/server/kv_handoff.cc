@@ -1,7 +1,12 @@
 #include "worker/server/kv_handoff.h"
 
-#include <algorithm>
+#include <sys/random.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
@@ -58,6 +63,34 @@ bool IsDefiniteAnswer(grpc::StatusCode code) {
   }
 }
 
+// `n` bytes from the kernel's CSPRNG (getrandom blocks only before the pool
+// is first seeded, at boot).
+std::string RandomBytes(size_t n) {
+  std::string out(n, '\0');
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = getrandom(out.data() + got, n - got, 0);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+    } else {
+      CHECK(errno == EINTR) << "getrandom failed: " << std::strerror(errno);
+    }
+  }
+  return out;
+}
+
+// Compares secrets in time independent of where they differ.
+bool SameToken(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+// Logs the first few of a kind, then one in a thousand: a caller must not
+// be able to flood the log.
+bool ShouldLog(int64_t count) { return count <= 10 || count % 1000 == 0; }
+
 }  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
@@ -100,7 +133,8 @@ kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info) {
 
 // One KvReady being served.
 struct KvReceiver::Pull {
-  uint64_t reservation_id = 0;
+  uint64_t reservation_id = 0;  // on the wire (entries_' key)
+  uint64_t engine_id = 0;
   std::string agent_id;
   std::vector<kvtransfer::BlockPair> pairs;
   std::vector<uint64_t> checksums;  // per pair, or empty
@@ -112,13 +146,85 @@ struct KvReceiver::Pull {
   std::function<void(grpc::Status)> done;
 };
 
-KvReceiver::KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id)
-    : engine_(engine), transport_(transport), instance_id_(std::move(instance_id)) {}
+KvReceiver::KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id,
+                       KvHandoffConfig config)
+    : engine_(engine),
+      transport_(transport),
+      instance_id_(std::move(instance_id)),
+      config_(config) {}
 
-void KvReceiver::Add(Waiting waiting) {
+std::chrono::milliseconds KvReceiver::ReservationTimeout(uint32_t requested_ms) {
+  const std::chrono::milliseconds asked =
+      requested_ms > 0 ? std::chrono::milliseconds(requested_ms) : config_.receive_timeout;
+  if (asked <= config_.receive_timeout_max) return asked;
+  const int64_t n = ++timeouts_capped_;
+  if (ShouldLog(n)) {
+    LOG(WARNING) << "a RECEIVE request asked for a " << asked.count()
+                 << " ms reservation; capped to --kv-receive-timeout-max-ms "
+                 << config_.receive_timeout_max.count() << " (" << n << " so far)";
+  }
+  return config_.receive_timeout_max;
+}
+
+absl::Status KvReceiver::Charge(const std::string& caller, int64_t blocks) {
   std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t id = waiting.reservation_id;
-  entries_[id] = Entry{.waiting = std::move(waiting)};
+  int64_t& held = charged_[caller];
+  const int64_t cap = config_.max_reserved_blocks_per_caller;
+  if (cap > 0 && held > 0 && held + blocks > cap) {
+    const int64_t n = ++over_caller_cap_;
+    if (ShouldLog(n)) {
+      LOG(WARNING) << "caller " << caller << " holds " << held
+                   << " reserved KV blocks; a reservation of " << blocks
+                   << " more is over --kv-reserve-max-blocks-per-caller " << cap << " (" << n
+                   << " refused so far)";
+    }
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "this caller's reservations already hold %d KV blocks; %d more would pass the worker's "
+        "per-caller cap of %d (--kv-reserve-max-blocks-per-caller)",
+        held, blocks, cap));
+  }
+  held += blocks;
+  charged_total_ += blocks;
+  return absl::OkStatus();
+}
+
+void KvReceiver::Refund(const std::string& caller, int64_t blocks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = charged_.find(caller);
+  if (it == charged_.end()) return;
+  it->second -= blocks;
+  charged_total_ -= blocks;
+  if (it->second <= 0) charged_.erase(it);
+}
+
+KvReceiver::Handle KvReceiver::Add(Waiting waiting) {
+  Handle h;
+  h.token = RandomBytes(16);
+  std::lock_guard<std::mutex> lock(mu_);
+  do {
+    const std::string id = RandomBytes(8);
+    std::memcpy(&h.reservation_id, id.data(), 8);
+  } while (h.reservation_id == 0 || entries_.count(h.reservation_id) != 0);
+  entries_[h.reservation_id] = Entry{.waiting = std::move(waiting), .token = h.token};
+  return h;
+}
+
+void KvReceiver::EraseLocked(std::map<uint64_t, Entry>::iterator it) {
+  const Waiting& w = it->second.waiting;
+  if (w.charged_blocks > 0) {
+    auto c = charged_.find(w.caller);
+    if (c != charged_.end()) {
+      c->second -= w.charged_blocks;
+      charged_total_ -= w.charged_blocks;
+      if (c->second <= 0) charged_.erase(c);
+    }
+  }
+  entries_.erase(it);
+}
+
+void KvReceiver::EraseLocked(uint64_t reservation_id) {
+  auto it = entries_.find(reservation_id);
+  if (it != entries_.end()) EraseLocked(it);
 }
 
 void KvReceiver::Forget(uint64_t reservation_id) {
@@ -128,7 +234,7 @@ void KvReceiver::Forget(uint64_t reservation_id) {
     auto it = entries_.find(reservation_id);
     if (it == entries_.end()) return;
     transfer = it->second.transfer_id;
-    entries_.erase(it);
+    EraseLocked(it);
   }
   if (transfer != 0) transport_->Cancel(transfer);
 }
@@ -205,7 +311,8 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(req.reservation_id());
-    if (it == entries_.end()) {
+    // A wrong token reads as no reservation: the answer tells nothing.
+    if (it == entries_.end() || !SameToken(req.reservation_token(), it->second.token)) {
       done(grpc::Status(StatusCode::NOT_FOUND,
                         absl::StrFormat("no reservation %d is waiting for KV (expired, cancelled or "
                                         "already filled)", req.reservation_id())));
@@ -215,14 +322,15 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
     const Waiting& w = e.waiting;
     if (e.state != State::kWaiting) {
       done(grpc::Status(StatusCode::ALREADY_EXISTS,
-                        absl::StrFormat("reservation %d is already receiving its KV", w.reservation_id)));
+                        absl::StrFormat("reservation %d is already receiving its KV",
+                                        req.reservation_id())));
       return;
     }
     if (req.prompt_tokens() != w.prompt_len || req.prompt_hash() != w.prompt_hash) {
       done(grpc::Status(StatusCode::INVALID_ARGUMENT,
                         absl::StrFormat("KvReady describes another prompt (%d tokens, hash %016x) than "
                                         "reservation %d (%d tokens, hash %016x)",
-                                        req.prompt_tokens(), req.prompt_hash(), w.reservation_id,
+                                        req.prompt_tokens(), req.prompt_hash(), req.reservation_id(),
                                         w.prompt_len, w.prompt_hash)));
       return;
     }
@@ -234,8 +342,9 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
     }
     const int skip = w.cached_tokens / bs;
     const int sent = static_cast<int>(w.blocks.size()) - skip;
+    pull->engine_id = w.engine_id;
     if (!compatible.ok()) {
-      entries_.erase(it);
+      EraseLocked(it);
       incompatible = true;
     } else if (req.block_ids_size() != static_cast<int>(w.blocks.size())) {
       done(grpc::Status(StatusCode::INVALID_ARGUMENT,
@@ -349,10 +458,10 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
     }
     const int64_t bytes =
         static_cast<int64_t>(pull->pairs.size()) * engine_->pool_layout().block_bytes;
-    engine_->Commit(pull->reservation_id, pull->first, [this, pull, bytes](absl::Status s) {
+    engine_->Commit(pull->engine_id, pull->first, [this, pull, bytes](absl::Status s) {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        entries_.erase(pull->reservation_id);
+        EraseLocked(pull->reservation_id);
       }
       if (!s.ok()) {
         ++pull_failures_;
@@ -378,11 +487,11 @@ void KvReceiver::Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bo
   pull->peer_held = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    entries_.erase(pull->reservation_id);
+    EraseLocked(pull->reservation_id);
   }
   LOG(WARNING) << "KV for reservation " << pull->reservation_id
                << " not received: " << status.error_message();
-  if (fall_back) engine_->Fallback(pull->reservation_id, pull->first, status.error_message());
+  if (fall_back) engine_->Fallback(pull->engine_id, pull->first, status.error_message());
   pull->done(std::move(status));
 }
 
@@ -390,7 +499,10 @@ void KvReceiver::AddStats(KvHandoffStats* stats) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [id, e] : entries_) stats->pulls_in_flight += e.transfer_id != 0 ? 1 : 0;
+    stats->reserved_blocks += charged_total_;
   }
+  stats->timeouts_capped += timeouts_capped_.load();
+  stats->over_caller_cap += over_caller_cap_.load();
   stats->pulls += pulls_.load();
   stats->pull_failures += pull_failures_.load();
   stats->checksum_failures += checksum_failures_.load();
@@ -402,8 +514,28 @@ void KvReceiver::AddStats(KvHandoffStats* stats) {
 // KvSender
 
 KvSender::KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config,
-                   grpc::CompletionQueue* cq)
-    : engine_(engine), transport_(transport), config_(config), cq_(cq) {}
+                   grpc::CompletionQueue* cq, std::shared_ptr<const tls::ChannelFactory> channels,
+                   PeerAllowList allow)
+    : engine_(engine),
+      transport_(transport),
+      config_(config),
+      cq_(cq),
+      channels_(std::move(channels)),
+      allow_(std::move(allow)) {}
+
+absl::Status KvSender::CheckDecodeAddress(const std::string& address) {
+  absl::StatusOr<PeerAddress> parsed = ParsePeerAddress(address, "kv_transfer.decode_address");
+  absl::Status refused = parsed.status();
+  if (parsed.ok() && parsed->literal && !allow_.Allows(parsed->ip)) {
+    refused = absl::PermissionDeniedError(absl::StrCat(
+        "kv_transfer.decode_address ", address, " is outside this worker's --kv-peer-allow (",
+        allow_.ToString(), ")"));
+  }
+  if (refused.ok()) return refused;
+  const int64_t n = ++peers_refused_;
+  if (ShouldLog(n)) LOG(WARNING) << "SEND refused: " << refused.message() << " (" << n << " so far)";
+  return refused;
+}
 
 KvSender::~KvSender() { Stop(); }
 
@@ -424,15 +556,15 @@ void KvSender::Send(Job job, SendDone done) {
   });
 }
 
-std::shared_ptr<tandem::v1::Worker::Stub> KvSender::StubFor(const std::string& address) {
+std::shared_ptr<tandem::v1::Worker::Stub> KvSender::StubFor(const std::string& target) {
   std::lock_guard<std::mutex> lock(stubs_mu_);
-  auto it = stubs_.find(address);
+  auto it = stubs_.find(target);
   if (it != stubs_.end()) return it->second;
   // Decode workers come and go (autoscaling): keep the map bounded.
   if (stubs_.size() >= 1024) stubs_.clear();
-  auto stub = std::shared_ptr<tandem::v1::Worker::Stub>(tandem::v1::Worker::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials())));
-  stubs_[address] = stub;
+  auto stub = std::shared_ptr<tandem::v1::Worker::Stub>(
+      tandem::v1::Worker::NewStub(channels_->Create(target)));
+  stubs_[target] = stub;
   return stub;
 }
 
@@ -456,6 +588,18 @@ void KvSender::Start(Job job, SendDone done) {
     fail_unsent(std::string(local.status().message()));
     return;
   }
+  // Where to dial: the address as checked (a name resolved here, off the
+  // poller thread, when an allow list applies).
+  absl::StatusOr<PeerAddress> address =
+      ParsePeerAddress(job.target.decode_address(), "kv_transfer.decode_address");
+  absl::StatusOr<std::string> target =
+      address.ok() ? allow_.CheckedTarget(*address) : absl::StatusOr<std::string>(address.status());
+  if (!target.ok()) {
+    const int64_t n = ++peers_refused_;
+    if (ShouldLog(n)) LOG(WARNING) << "KvReady not sent: " << target.status().message();
+    fail_unsent(std::string(target.status().message()));
+    return;
+  }
   struct Call {
     grpc::ClientContext ctx;
     tandem::v1::KvReadyRequest request;
@@ -464,6 +608,7 @@ void KvSender::Start(Job job, SendDone done) {
   auto call = std::make_shared<Call>();
   tandem::v1::KvReadyRequest& r = call->request;
   r.set_reservation_id(job.target.reservation_id());
+  r.set_reservation_token(job.target.reservation_token());
   r.set_decode_instance_id(job.target.decode_instance_id());
   ToProto(*local, r.mutable_source());
   r.mutable_block_ids()->Add(job.prefilled.blocks.begin(), job.prefilled.blocks.end());
@@ -478,7 +623,7 @@ void KvSender::Start(Job job, SendDone done) {
     }
   }
   call->ctx.set_deadline(system_clock::now() + (deadline - steady_clock::now()));
-  std::shared_ptr<tandem::v1::Worker::Stub> stub = StubFor(job.target.decode_address());
+  std::shared_ptr<tandem::v1::Worker::Stub> stub = StubFor(*target);
   {
     std::lock_guard<std::mutex> lock(calls_mu_);
     calls_.insert(&call->ctx);
@@ -507,6 +652,13 @@ void KvSender::Start(Job job, SendDone done) {
           done("", call->response);
         } else {
           ++handoff_failures_;
+          // With TLS, a peer that is not a worker of the cluster CA fails
+          // the handshake: the call never started. gRPC says so only in
+          // the message ("Ssl handshake failed" / "Handshake failed").
+          if (channels_->secure() && s.error_code() == grpc::StatusCode::UNAVAILABLE &&
+              absl::StrContains(s.error_message(), "andshake")) {
+            ++peers_refused_;
+          }
           done(absl::StrFormat("KvReady on %s failed: %s", call->request.decode_instance_id(),
                                s.error_message()),
                call->response);
@@ -515,6 +667,7 @@ void KvSender::Start(Job job, SendDone done) {
 }
 
 void KvSender::AddStats(KvHandoffStats* stats) const {
+  stats->peers_refused += peers_refused_.load();
   stats->handoffs += handoffs_.load();
   stats->handoff_failures += handoff_failures_.load();
 }

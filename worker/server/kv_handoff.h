@@ -13,6 +13,17 @@
 //     verifies them, and commits (the engine decodes from the first token)
 //     or falls back (local prefill, or an error as configured).
 //
+// Trust: a reservation is named on the wire by a random id and filled only
+// by a KvReady that carries its 128-bit random token (from the OS's CSPRNG),
+// so no one fills or steals a reservation by guessing. The worker bounds
+// what a caller can hold: a reservation's lifetime is capped
+// (receive_timeout_max) and each caller (its certificate's name with TLS,
+// its IP address without) holds at most max_reserved_blocks_per_caller
+// blocks in reservations waiting for KV. The sender dials a decode worker
+// only through `channels` (mTLS: the peer must prove a worker certificate of
+// the cluster CA before anything is sent) and only at addresses its
+// PeerAllowList admits (peer_policy.h).
+//
 // Safety argument: a decode worker's memory is written only by its own
 // pulls, into blocks of a reservation it still holds; a pull that fails is
 // never committed and its blocks are quarantined by the engine. A prefill
@@ -37,9 +48,11 @@
 #include <vector>
 
 #include "common/serial_executor.h"
+#include "common/tls.h"
 #include "kvtransfer/transport.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
+#include "worker/server/peer_policy.h"
 
 namespace tandem::worker {
 
@@ -47,6 +60,16 @@ struct KvHandoffConfig {
   // Decode: how long a reservation waits for its KV when the request does
   // not say (KvTransferParams.timeout_ms).
   std::chrono::milliseconds receive_timeout{30000};
+  // Decode: the longest a reservation may wait, whatever the request asks
+  // (a longer timeout_ms is capped to it and counted). A minute: a prefill
+  // worker's hold timeout (10 s) plus a long queue, while a reservation
+  // nobody fills gives its blocks back within that.
+  std::chrono::milliseconds receive_timeout_max{60000};
+  // Decode: blocks one caller's reservations waiting for KV may reference
+  // at once; beyond it RESOURCE_EXHAUSTED (a caller holding none may
+  // always make one reservation, so a large prompt is never refused for
+  // good). 0: no cap.
+  int64_t max_reserved_blocks_per_caller = 0;
   // Prefill: the KvReady deadline, counted from the first token; the blocks
   // are held this long at most (plus a second, so the engine never frees
   // them before the call's deadline).
@@ -67,24 +90,46 @@ struct KvHandoffStats {
   int64_t handoff_failures = 0;   // prefill: KvReady that failed
   int pulls_in_flight = 0;        // decode: submitted to the transport, not yet ended
   double pull_seconds = 0;        // decode: time the committed pulls took
+  int64_t timeouts_capped = 0;    // decode: timeout_ms over receive_timeout_max
+  int64_t over_caller_cap = 0;    // decode: reservations refused by the per-caller cap
+  int64_t reserved_blocks = 0;    // decode: blocks charged to waiting reservations
+  int64_t peers_refused = 0;      // prefill: decode addresses refused or unauthenticated
 };
 
 // Decode side.
 class KvReceiver {
  public:
   // `transport` may be null (then every KvReady is refused).
-  KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id);
+  KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id,
+             KvHandoffConfig config = {});
+
+  // Charges `blocks` to `caller` before a reservation is asked of the
+  // engine: ResourceExhausted when the caller would hold more than
+  // max_reserved_blocks_per_caller (and already holds some). The charge
+  // passes to the reservation (Add) or is given back (Refund).
+  absl::Status Charge(const std::string& caller, int64_t blocks);
+  void Refund(const std::string& caller, int64_t blocks);
+  // The timeout a RECEIVE request gets: its own (0: the default), capped.
+  std::chrono::milliseconds ReservationTimeout(uint32_t requested_ms);
 
   // A reservation the engine granted; KvReady may fill it until Forget.
   struct Waiting {
-    uint64_t reservation_id = 0;
+    uint64_t engine_id = 0;       // the engine's request id
+    std::string caller;           // charged `charged_blocks` (Charge)
+    int64_t charged_blocks = 0;
     std::vector<int32_t> blocks;
     int cached_tokens = 0;
     int prompt_len = 0;
     uint64_t prompt_hash = 0;
     Deadline deadline{};
   };
-  void Add(Waiting waiting);
+  // How the reservation is named on the wire: a random nonzero id and a
+  // 16-byte random token that KvReady must repeat.
+  struct Handle {
+    uint64_t reservation_id = 0;
+    std::string token;
+  };
+  Handle Add(Waiting waiting);
   // The reservation no longer takes KV (it committed, fell back, finished or
   // its stream closed): a pull in flight is cancelled and never committed.
   void Forget(uint64_t reservation_id);
@@ -102,6 +147,7 @@ class KvReceiver {
   enum class State { kWaiting, kPulling };
   struct Entry {
     Waiting waiting;
+    std::string token;
     State state = State::kWaiting;
     uint64_t transfer_id = 0;  // kPulling, once started
   };
@@ -112,14 +158,20 @@ class KvReceiver {
   void ReleasePeer(const std::string& agent_id, bool lost);
   void OnPulled(std::shared_ptr<Pull> pull, absl::Status status);
   void Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back);
+  // Erases an entry and gives its caller's charge back. REQUIRES: mu_ held.
+  void EraseLocked(std::map<uint64_t, Entry>::iterator it);
+  void EraseLocked(uint64_t reservation_id);
 
   Engine* const engine_;
   kvtransfer::Transport* const transport_;
   const std::string instance_id_;
+  const KvHandoffConfig config_;
   SerialExecutor verifier_{"kv_verifier"};  // checksums and commits, off the transport's thread
 
   std::mutex mu_;
-  std::map<uint64_t, Entry> entries_;  // guarded by mu_
+  std::map<uint64_t, Entry> entries_;  // guarded by mu_: by wire reservation id
+  std::map<std::string, int64_t> charged_;  // guarded by mu_: blocks per caller
+  int64_t charged_total_ = 0;               // guarded by mu_
   // Agents added to the transport. Prefill workers come and go (each restart
   // is a new agent id): beyond kMaxIdlePeers, those idle for a minute are
   // removed.
@@ -133,14 +185,18 @@ class KvReceiver {
 
   std::atomic<int64_t> pulls_{0}, pull_failures_{0}, checksum_failures_{0}, bytes_pulled_{0};
   std::atomic<int64_t> pull_nanos_{0};
+  std::atomic<int64_t> timeouts_capped_{0}, over_caller_cap_{0};
 };
 
 // Prefill side.
 class KvSender {
  public:
-  // KvReady calls run on `cq` (the worker's GrpcPoller drains it).
+  // KvReady calls run on `cq` (the worker's GrpcPoller drains it), over
+  // channels from `channels`, to addresses `allow` admits.
   KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config,
-           grpc::CompletionQueue* cq);
+           grpc::CompletionQueue* cq,
+           std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure(),
+           PeerAllowList allow = PeerAllowList::Loopback());
   // Stop()s.
   ~KvSender();
   // Starts no more calls, cancels those in flight and waits for their
@@ -168,14 +224,22 @@ class KvSender {
 
   void AddStats(KvHandoffStats* stats) const;
 
+  // Checks a SEND request's decode_address before anything runs:
+  // InvalidArgument unless a plain host:port; PermissionDenied for an IP
+  // address outside the allow list (a name is checked when dialled).
+  absl::Status CheckDecodeAddress(const std::string& address);
+
  private:
   void Start(Job job, SendDone done);
-  std::shared_ptr<tandem::v1::Worker::Stub> StubFor(const std::string& address);
+  std::shared_ptr<tandem::v1::Worker::Stub> StubFor(const std::string& target);
 
   Engine* const engine_;
   kvtransfer::Transport* const transport_;
   const KvHandoffConfig config_;
   grpc::CompletionQueue* const cq_;
+  const std::shared_ptr<const tls::ChannelFactory> channels_;
+  const PeerAllowList allow_;
+  std::atomic<int64_t> peers_refused_{0};
   std::mutex stubs_mu_;
   std::map<std::string, std::shared_ptr<tandem::v1::Worker::Stub>> stubs_;  // guarded by stubs_mu_
   std::atomic<int64_t> handoffs_{0}, handoff_failures_{0};

@@ -6,10 +6,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
 #include "common/grpc_poller.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 
 namespace tandem::worker {
 namespace {
@@ -79,18 +81,24 @@ class GenerateCall final {
       std::lock_guard<std::mutex> lock(mu_);
       if (reactor_ != nullptr && !first_token_known) reactor_->pending_.set_includes_first_token(true);
     }
-    // RECEIVE: the engine's answer to Reserve.
+    // RECEIVE: the engine's answer to Reserve. The caller's charge passes
+    // to the reservation, or back to the caller when there is none.
     void OnReserved(absl::StatusOr<Reservation> r, const KvReceiver::Waiting& waiting) {
-      if (r.ok() && receiver_ != nullptr) {
-        KvReceiver::Waiting w = waiting;
-        w.reservation_id = r->id;
-        w.blocks = r->blocks;
-        w.cached_tokens = r->cached_tokens;
-        reservation_id_ = r->id;
-        receiver_->Add(std::move(w));
+      KvReceiver::Handle handle;
+      if (receiver_ != nullptr) {
+        if (r.ok()) {
+          KvReceiver::Waiting w = waiting;
+          w.engine_id = r->id;
+          w.blocks = r->blocks;
+          w.cached_tokens = r->cached_tokens;
+          handle = receiver_->Add(std::move(w));
+          reservation_id_ = handle.reservation_id;
+        } else {
+          receiver_->Refund(waiting.caller, waiting.charged_blocks);
+        }
       }
       std::lock_guard<std::mutex> lock(mu_);
-      if (reactor_ != nullptr) reactor_->ReservedLocked(r);
+      if (reactor_ != nullptr) reactor_->ReservedLocked(r, handle);
     }
     // SEND: the engine handed the prefilled blocks over (before OnFinish).
     void OnHandedOff() {
@@ -149,6 +157,12 @@ class GenerateCall final {
   }
 
   void Begin(const GenerateContext& c, const tandem::v1::GenerateRequest& req) {
+    if (grpc::Status auth = c.service->Authorize(ctx_, "Generate", Admits::kRouter); !auth.ok()) {
+      std::lock_guard<std::mutex> lock(sink_->mu());
+      done_called_ = true;
+      Finish(auth);
+      return;
+    }
     GenerateSpec spec;
     spec.request_id = req.request_id();
     spec.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
@@ -168,9 +182,19 @@ class GenerateCall final {
       return;
     }
     if (kv.mode() == tandem::v1::KvTransferParams::RECEIVE) {
-      const auto timeout = kv.timeout_ms() > 0 ? std::chrono::milliseconds(kv.timeout_ms())
-                                               : c.kv.receive_timeout;
-      KvReceiver::Waiting waiting{.prompt_len = static_cast<int>(spec.prompt.size()),
+      // The worker, not the caller, bounds what a reservation holds: its
+      // lifetime (capped) and the caller's blocks in waiting reservations.
+      const std::chrono::milliseconds timeout = c.receiver->ReservationTimeout(kv.timeout_ms());
+      const int bs = c.engine->config().block_size;
+      const int64_t blocks = (static_cast<int64_t>(spec.prompt.size()) + bs - 1) / bs;
+      std::string caller = c.service->CallerKey(ctx_);
+      if (absl::Status charged = c.receiver->Charge(caller, blocks); !charged.ok()) {
+        FinishEarly(charged);
+        return;
+      }
+      KvReceiver::Waiting waiting{.caller = std::move(caller),
+                                  .charged_blocks = blocks,
+                                  .prompt_len = static_cast<int>(spec.prompt.size()),
                                   .prompt_hash = HashTokens(spec.prompt),
                                   .deadline = std::chrono::steady_clock::now() + timeout};
       reserve_timeout_ms_ = static_cast<uint32_t>(timeout.count());
@@ -269,19 +293,15 @@ class GenerateCall final {
           "this worker's role is %s: it does not %s", c.role,
           receive ? "receive KV (mode RECEIVE)" : "prefill for other workers (mode SEND)"));
     }
-    if (receive) {
-      // A reservation holds KV blocks while it waits: an hour at most.
-      if (kv.timeout_ms() > 3600 * 1000) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "kv_transfer.timeout_ms = %d is over an hour (3600000)", kv.timeout_ms()));
-      }
-      return absl::OkStatus();
-    }
+    // RECEIVE: the timeout is capped, not refused (KvReceiver::ReservationTimeout).
+    if (receive) return absl::OkStatus();
     if (kv.decode_address().empty() || kv.decode_instance_id().empty() || kv.reservation_id() == 0) {
       return absl::InvalidArgumentError(
           "kv_transfer mode SEND needs decode_address, decode_instance_id and reservation_id from "
           "the decode worker's KvReservation");
     }
+    // Where this worker would connect, checked before anything runs (SSRF).
+    RETURN_IF_ERROR(c.sender->CheckDecodeAddress(kv.decode_address()));
     const int bs = c.engine->config().block_size;
     if (kv.decode_cached_tokens() < 0 || kv.decode_cached_tokens() % bs != 0 ||
         (prompt_len > 0 && kv.decode_cached_tokens() >= prompt_len)) {
@@ -308,7 +328,7 @@ class GenerateCall final {
   }
 
   // REQUIRES: sink_->mu() held (all below).
-  void ReservedLocked(const absl::StatusOr<Reservation>& r) {
+  void ReservedLocked(const absl::StatusOr<Reservation>& r, const KvReceiver::Handle& handle) {
     if (done_called_) return;
     if (!r.ok()) {
       done_called_ = true;
@@ -318,7 +338,8 @@ class GenerateCall final {
     id_ = r->id;
     if (cancelled_) engine_->Cancel(id_);
     tandem::v1::KvReservation* out = pending_.mutable_reservation();
-    out->set_reservation_id(r->id);
+    out->set_reservation_id(handle.reservation_id);
+    out->set_reservation_token(handle.token);
     out->set_cached_tokens(r->cached_tokens);
     out->set_instance_id(instance_id_);
     out->set_timeout_ms(reserve_timeout_ms_);
@@ -435,6 +456,14 @@ class KvEventsCall final {
     }
     new KvEventsCall(service_, cq_, engine_, instance_id_);  // the next one
     accepted_ = true;
+    // Other users' prompts (token ids) flow here: the router's only.
+    if (grpc::Status auth = service_->Authorize(ctx_, "StreamKvEvents", Admits::kRouter);
+        !auth.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      FinishLocked(auth);
+      return;
+    }
     const tandem::v1::KvEventsRequest& req = req_;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -613,8 +642,14 @@ class UnaryCall final : public GrpcTag {
                                            WorkerService::Finish);
 
   UnaryCall(WorkerService* service, grpc::ServerCompletionQueue* cq, RequestFn request,
-            HandleFn handle)
-      : service_(service), cq_(cq), request_(request), handle_(handle), writer_(&ctx_) {
+            HandleFn handle, const char* method, Admits admits)
+      : service_(service),
+        cq_(cq),
+        request_(request),
+        handle_(handle),
+        method_(method),
+        admits_(admits),
+        writer_(&ctx_) {
     (service_->*request_)(&ctx_, &req_, &writer_, cq_, cq_, this);
   }
 
@@ -624,7 +659,11 @@ class UnaryCall final : public GrpcTag {
       return;
     }
     accepted_ = true;
-    new UnaryCall(service_, cq_, request_, handle_);  // the next one
+    new UnaryCall(service_, cq_, request_, handle_, method_, admits_);  // the next one
+    if (grpc::Status auth = service_->Authorize(ctx_, method_, admits_); !auth.ok()) {
+      writer_.FinishWithError(auth, this);
+      return;
+    }
     (service_->*handle_)(ctx_, req_, &resp_,
                          [this](const grpc::Status& status) { writer_.Finish(resp_, status, this); });
   }
@@ -634,6 +673,8 @@ class UnaryCall final : public GrpcTag {
   grpc::ServerCompletionQueue* const cq_;
   const RequestFn request_;
   const HandleFn handle_;
+  const char* const method_;
+  const Admits admits_;
   grpc::ServerContext ctx_;
   Req req_;
   Resp resp_;
@@ -662,17 +703,61 @@ SamplingParams FromProto(const tandem::v1::SamplingParams& p) {
 }
 
 WorkerService::WorkerService(Engine* engine, std::string role, grpc::ServerCompletionQueue* cq,
-                             kvtransfer::Transport* transport, KvHandoffConfig kv)
+                             kvtransfer::Transport* transport, KvHandoffConfig kv,
+                             WorkerSecurity security)
     : engine_(engine),
       cq_(cq),
       transport_(transport),
       role_(std::move(role)),
       instance_id_(NewInstanceId()),
-      kv_(kv) {
+      kv_(kv),
+      security_(std::move(security)) {
   if (transport_ != nullptr) {
-    receiver_ = std::make_unique<KvReceiver>(engine_, transport_, instance_id_);
-    sender_ = std::make_unique<KvSender>(engine_, transport_, kv_, cq_);
+    receiver_ = std::make_unique<KvReceiver>(engine_, transport_, instance_id_, kv_);
+    sender_ = std::make_unique<KvSender>(engine_, transport_, kv_, cq_, security_.channels,
+                                         security_.kv_peer_allow);
   }
+}
+
+grpc::Status WorkerService::Authorize(const grpc::ServerContext& ctx, const char* method,
+                                      Admits admits) {
+  if (!security_.mutual_tls) return grpc::Status::OK;
+  const tls::Peer peer = tls::PeerOf(ctx);
+  const bool router = peer.role == tls::PeerRole::kRouter;
+  const bool worker = peer.role == tls::PeerRole::kWorker;
+  if (peer.authenticated && ((admits != Admits::kWorker && router) ||
+                             (admits != Admits::kRouter && worker))) {
+    return grpc::Status::OK;
+  }
+  const int64_t n = ++calls_denied_;
+  const std::string wanted =
+      admits == Admits::kRouter   ? absl::StrCat("the router role (", tls::kRouterIdentity, ")")
+      : admits == Admits::kWorker ? absl::StrCat("the worker role (", tls::kWorkerIdentity, ")")
+                                  : std::string("the router or worker role");
+  const std::string why =
+      peer.authenticated
+          ? absl::StrFormat("%s needs a certificate with %s; the caller's (CN '%s') has role %s",
+                            method, wanted, peer.name, tls::PeerRoleName(peer.role))
+          : absl::StrFormat("%s needs a client certificate of the cluster CA", method);
+  if (n <= 10 || n % 1000 == 0) {
+    LOG(WARNING) << "refused a call from " << ctx.peer() << ": " << why << " (" << n
+                 << " refused so far)";
+  }
+  return grpc::Status(peer.authenticated ? grpc::StatusCode::PERMISSION_DENIED
+                                         : grpc::StatusCode::UNAUTHENTICATED,
+                      why);
+}
+
+std::string WorkerService::CallerKey(const grpc::ServerContext& ctx) const {
+  if (security_.mutual_tls) {
+    const tls::Peer peer = tls::PeerOf(ctx);
+    if (peer.authenticated) return absl::StrCat("cert:", peer.name);
+  }
+  // "ipv4:127.0.0.1:54321", "ipv6:[::1]:54321": the address without the port.
+  std::string peer = ctx.peer();
+  const size_t colon = peer.rfind(':');
+  if (colon != std::string::npos && colon > 5) peer.resize(colon);
+  return peer;
 }
 
 WorkerService::~WorkerService() = default;
@@ -683,18 +768,25 @@ void WorkerService::Serve() {
                                    .kv = kv_});
   new KvEventsCall(this, cq_, engine_, instance_id_);
   using namespace tandem::v1;  // NOLINT(build/namespaces): the message types below
+  // Who may call what, with mutual TLS (the header says why).
   new UnaryCall<HealthRequest, HealthResponse>(this, cq_, &WorkerService::RequestHealth,
-                                               &WorkerService::HandleHealth);
+                                               &WorkerService::HandleHealth, "Health",
+                                               Admits::kRouterOrWorker);
   new UnaryCall<ModelInfoRequest, ModelInfo>(this, cq_, &WorkerService::RequestGetModelInfo,
-                                             &WorkerService::HandleGetModelInfo);
+                                             &WorkerService::HandleGetModelInfo, "GetModelInfo",
+                                             Admits::kRouterOrWorker);
   new UnaryCall<LoadRequest, LoadReport>(this, cq_, &WorkerService::RequestGetLoad,
-                                         &WorkerService::HandleGetLoad);
+                                         &WorkerService::HandleGetLoad, "GetLoad",
+                                         Admits::kRouterOrWorker);
   new UnaryCall<ClearKvCacheRequest, ClearKvCacheResponse>(
-      this, cq_, &WorkerService::RequestClearKvCache, &WorkerService::HandleClearKvCache);
+      this, cq_, &WorkerService::RequestClearKvCache, &WorkerService::HandleClearKvCache,
+      "ClearKvCache", Admits::kRouter);
   new UnaryCall<KvTransferInfoRequest, KvTransferInfo>(
-      this, cq_, &WorkerService::RequestGetKvTransferInfo, &WorkerService::HandleGetKvTransferInfo);
+      this, cq_, &WorkerService::RequestGetKvTransferInfo, &WorkerService::HandleGetKvTransferInfo,
+      "GetKvTransferInfo", Admits::kRouter);
   new UnaryCall<KvReadyRequest, KvReadyResponse>(this, cq_, &WorkerService::RequestKvReady,
-                                                 &WorkerService::HandleKvReady);
+                                                 &WorkerService::HandleKvReady, "KvReady",
+                                                 Admits::kWorker);
 }
 
 void WorkerService::Shutdown() {
@@ -800,6 +892,11 @@ void WorkerService::HandleGetLoad(const grpc::ServerContext& ctx, const tandem::
   r->set_kv_handoff_failures(kv.handoff_failures);
   r->set_kv_pulls_in_flight(kv.pulls_in_flight);
   r->set_kv_pull_seconds(kv.pull_seconds);
+  r->set_calls_denied(calls_denied_.load());
+  r->set_reservation_timeouts_capped(kv.timeouts_capped);
+  r->set_reservations_over_caller_cap(kv.over_caller_cap);
+  r->set_kv_peers_refused(kv.peers_refused);
+  r->set_reserved_blocks(kv.reserved_blocks);
   finish(grpc::Status::OK);
 }
 

@@ -14,20 +14,45 @@
 // service, then destroy the poller (which drains the queue) before the
 // service.
 //
+// Trust (docs/architecture.md, "Security"): with mutual TLS every caller
+// holds a certificate of the cluster CA, and each method admits only the
+// roles that need it (kMethodRoles in the .cc): Generate, StreamKvEvents,
+// ClearKvCache and GetKvTransferInfo the router; KvReady a worker; Health,
+// GetModelInfo and GetLoad either. Others get PERMISSION_DENIED, counted
+// (LoadReport.calls_denied) and logged. Insecure (--insecure) trusts every
+// caller.
+//
 // Thread-safe; handlers run on the poller thread.
 #ifndef TANDEM_WORKER_SERVER_WORKER_SERVICE_H_
 #define TANDEM_WORKER_SERVER_WORKER_SERVICE_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
 
+#include "common/tls.h"
 #include "kvtransfer/transport.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
 #include "worker/server/kv_handoff.h"
 
 namespace tandem::worker {
+
+// Who may call this worker and whom it calls.
+struct WorkerSecurity {
+  // Callers are authenticated by mutual TLS (the server's credentials
+  // require a client certificate of the cluster CA) and methods check their
+  // role. false: --insecure, every caller is trusted.
+  bool mutual_tls = false;
+  // The channels of this worker's KvReady calls to decode workers.
+  std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure();
+  // Where a SEND request may make this worker connect (peer_policy.h).
+  PeerAllowList kv_peer_allow = PeerAllowList::Loopback();
+};
+
+// Which certificate roles a method admits (with mutual TLS).
+enum class Admits { kRouter, kWorker, kRouterOrWorker };
 
 class WorkerService final : public tandem::v1::Worker::AsyncService {
  public:
@@ -36,7 +61,8 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   // null) is the worker's KV transport, its pool registered; it must outlive
   // the service. `cq` is the server's completion queue.
   WorkerService(Engine* engine, std::string role, grpc::ServerCompletionQueue* cq,
-                kvtransfer::Transport* transport = nullptr, KvHandoffConfig kv = {});
+                kvtransfer::Transport* transport = nullptr, KvHandoffConfig kv = {},
+                WorkerSecurity security = {});
   ~WorkerService() override;
 
   // Starts accepting calls (once the server has started).
@@ -64,6 +90,13 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
 
   const std::string& instance_id() const { return instance_id_; }
 
+  // OK when the call's caller may call `method` (always without TLS);
+  // otherwise the status to end the call with, counted and logged.
+  grpc::Status Authorize(const grpc::ServerContext& ctx, const char* method, Admits admits);
+  // Whom per-caller limits count: the certificate's common name with TLS,
+  // the peer's IP address without.
+  std::string CallerKey(const grpc::ServerContext& ctx) const;
+
  private:
   Engine* const engine_;
   grpc::ServerCompletionQueue* const cq_;
@@ -71,6 +104,8 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   const std::string role_;
   const std::string instance_id_;
   const KvHandoffConfig kv_;
+  const WorkerSecurity security_;
+  std::atomic<int64_t> calls_denied_{0};
   std::unique_ptr<KvReceiver> receiver_;  // with a transport
   std::unique_ptr<KvSender> sender_;      // with a transport
 };
