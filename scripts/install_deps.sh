@@ -7,6 +7,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libucx-dev libyaml-cpp-dev libboost-dev libopenblas-dev libxxhash-dev
+  libssl-dev  # SHA-256 of the router's API keys (common/sha256.h)
   libsimdjson-dev rapidjson-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev
   python3 python3-numpy
