@@ -28,6 +28,9 @@ struct RouterYaml {
   std::string policy_params;   // YAML lines under params, e.g. "seed: \"1\""
   std::string extra;           // appended top-level YAML (limits, timeouts...)
   double health_interval_s = 0.5;
+  // debug.worker_details: the x-tandem-*-worker headers that many tests
+  // read (off by default in a router).
+  bool worker_details = true;
   std::string Text() const;
 };
 
@@ -49,7 +52,7 @@ class RouterTest : public WorkerTest {
     nlohmann::json json;  // null unless the body parsed
   };
   Reply Post(const std::string& target, const nlohmann::json& body, const Headers& headers = {});
-  Reply Get(const std::string& target);
+  Reply Get(const std::string& target, const Headers& headers = {});
 
   // Post on another thread (the reply's future).
   std::future<Reply> PostAsync(const std::string& target, const nlohmann::json& body,
@@ -64,6 +67,10 @@ class RouterTest : public WorkerTest {
                      std::chrono::milliseconds timeout = std::chrono::seconds(20));
 
   RouterProcess* router() { return router_.get(); }
+
+  // Sent with Metric's /metrics requests (an admin key, when the router
+  // has keys).
+  Headers metrics_headers_;
 
  private:
   std::unique_ptr<RouterProcess> router_;
