@@ -305,7 +305,8 @@ TEST_F(RouterAdmissionTest, MaxInFlightCountsEveryChoice) {
   WorkerProcess* w = StartSim(20);
   ASSERT_NE(w, nullptr);
   ASSERT_NE(StartRouter({.decode = {w->address()},
-                         .extra = "limits:\n  max_in_flight: 200\n  max_queue: 10\n"}),
+                         .extra = "limits:\n  max_in_flight: 200\n  max_queue: 10\n",
+                         .worker_details = false}),
             nullptr);
   Reply fits = Post("/v1/completions", Completion("x", 2, {{"n", 128}}));
   EXPECT_EQ(fits.http.status, 200) << fits.http.body;
@@ -397,7 +398,7 @@ TEST_F(RouterAdmissionTest, WorkerAddressesOnlyForAdminKeysOrDebug) {
 TEST_F(RouterAdmissionTest, TokenizeOfAHugePromptIsRefusedAndTheRouterStaysSmall) {
   WorkerProcess* w = StartBoth();
   ASSERT_NE(w, nullptr);
-  ASSERT_NE(StartRouter({.decode = {w->address()}}), nullptr);
+  ASSERT_NE(StartRouter({.decode = {w->address()}, .worker_details = false}), nullptr);
   const int64_t context = Get("/v1/models").json["data"][0]["max_model_len"].get<int64_t>();
   ASSERT_GT(context, 0);
   const int64_t rss_before = RssBytes(router()->pid());
