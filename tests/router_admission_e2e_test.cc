@@ -339,6 +339,47 @@ TEST_F(RouterAdmissionTest, MaxInFlightCountsEveryChoice) {
   EXPECT_EQ(Metric("tandem_router_admission_refusals_total{reason=\"n_over_max_in_flight\"}"), 1);
 }
 
+TEST_F(RouterAdmissionTest, AWorkerWithNoFreeKvBlockIsRoutedAround) {
+  // 96 KiB: 8 blocks of 16 tokens of builtin:tiny (768 bytes per token).
+  WorkerProcess* small = StartWorker({"--engine", "sim", "--sim-step-ms", "200",
+                                      "--kv-cache-memory", "96KiB", "--watermark", "0"});
+  WorkerProcess* big = StartSim(1);
+  ASSERT_TRUE(small && big);
+  const v1::LoadReport empty = GetLoad(small->stub());
+  const int64_t total = empty.total_blocks();
+  const int block = GetModelInfo(small->stub()).block_size();
+  ASSERT_GE(total, 2);
+  ASSERT_GT(block, 0);
+  ASSERT_NE(StartRouter({.decode = {small->address(), big->address()},
+                         .health_interval_s = 0.1}),
+            nullptr);
+  // A request straight to the small worker fills all its blocks: the prompt
+  // all but one, its first tokens the last.
+  v1::GenerateRequest fill;
+  for (int64_t i = 0; i < (total - 1) * block; ++i) fill.add_prompt_token_ids(65 + i % 26);
+  fill.mutable_sampling()->set_max_tokens(block);
+  fill.mutable_sampling()->set_ignore_eos(true);
+  // Joined on every way out (an ASSERT returns early).
+  std::jthread filler([&] { Generate(small->stub(), fill); });
+  bool full = false;
+  const v1::LoadReport last = WaitForLoad(
+      small->stub(), [&](const v1::LoadReport& l) { return l.used_blocks() == total; }, &full,
+      std::chrono::seconds(10));
+  ASSERT_TRUE(full) << "the small worker never reported every block in use: "
+                    << last.ShortDebugString();
+  // The router hears of it at its next health check (every 0.1 s); round
+  // robin would otherwise send every other request to the full worker,
+  // where it would wait for blocks.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  for (int i = 0; i < 4; ++i) {
+    Reply r = Post("/v1/completions", Completion("x", 1));
+    EXPECT_EQ(r.http.status, 200) << r.http.body;
+    EXPECT_EQ(r.http.Header("x-tandem-decode-worker"), big->address());
+  }
+  EXPECT_GE(Metric("tandem_router_kv_full_skips_total{pool=\"decode\"}").value_or(0), 4);
+  filler.join();
+}
+
 TEST_F(RouterAdmissionTest, ConnectionsBeyondTheCapAre503AndCounted) {
   WorkerProcess* w = StartSim(1);
   ASSERT_NE(w, nullptr);

@@ -230,6 +230,7 @@ class Router::Impl {
     CounterFamily& auth_failures;
     CounterFamily& rate_limited;
     CounterFamily& refusals;
+    CounterFamily& kv_full_skips;
   };
   Metrics& metrics() { return *metrics_; }
   // Worker addresses to redact from client-visible texts.
@@ -881,7 +882,11 @@ Router::Impl::Metrics::Metrics(MetricsRegistry& r)
       refusals(r.AddCounter("tandem_router_admission_refusals_total",
                             "Requests refused before running, by reason: queue_full (429), "
                             "n_over_max_in_flight (400), tokenize_too_large (400).",
-                            {"reason"})) {}
+                            {"reason"})),
+      kv_full_skips(r.AddCounter("tandem_router_kv_full_skips_total",
+                                 "Routing decisions that passed over a worker whose last load "
+                                 "report had every KV block in use, by pool.",
+                                 {"pool"})) {}
 
 Router::Impl::Impl(RouterConfig config, std::string config_path,
                    std::shared_ptr<const ModelAssets> assets)
@@ -1229,6 +1234,23 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
     for (const auto& w : workers) {
       views.push_back(w->View());
       if (exclude.count(w->address()) != 0) views.back().healthy = false;
+    }
+    // KV awareness: a worker whose last load report had every KV block in
+    // use (none free, none cached to evict) could only queue the request or
+    // preempt another; it is passed over while a healthy peer has room.
+    auto full = [](const WorkerView& v) {
+      return v.healthy && v.total_blocks > 0 && v.used_blocks >= v.total_blocks;
+    };
+    const bool any_room = std::any_of(views.begin(), views.end(), [&](const WorkerView& v) {
+      return v.healthy && !full(v);
+    });
+    for (WorkerView& v : views) {
+      if (any_room && full(v)) {
+        v.healthy = false;
+        metrics_->kv_full_skips.WithLabels({PoolRoleName(role)}).Inc();
+        warnings_.Warn("kv_full", absl::StrCat("worker ", v.id, " reports no free KV block: "
+                                               "routing around it"));
+      }
     }
     RoutingPolicy& policy = *rs->policy[static_cast<int>(role)];
     rr.cached_tokens = cached_tokens;
