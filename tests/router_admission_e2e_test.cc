@@ -273,7 +273,7 @@ TEST_F(RouterAdmissionTest, AKeyFloodingTheQueueDoesNotDelayAnotherKeyBehindItsR
                                   "limits:\n  max_in_flight: 1\n  max_queue: 100\n"}),
             nullptr);
   metrics_headers_ = Bearer(kOps);
-  constexpr int kFlood = 12;
+  constexpr int kFlood = 16;
   std::mutex mu;
   std::vector<std::string> finished;  // in completion order
   std::vector<std::thread> threads;
@@ -285,7 +285,7 @@ TEST_F(RouterAdmissionTest, AKeyFloodingTheQueueDoesNotDelayAnotherKeyBehindItsR
       finished.push_back(absl::StrCat("flood-", i));
     });
   }
-  ASSERT_TRUE(WaitForMetric("tandem_router_queue_depth", [](double v) { return v >= kFlood - 2; }));
+  ASSERT_TRUE(WaitForMetric("tandem_router_queue_depth", [](double v) { return v >= kFlood / 2; }));
   Reply other = Post("/v1/completions", Completion("other", 20), Bearer(kAlice));
   EXPECT_EQ(other.http.status, 200) << other.http.body;
   {
@@ -297,7 +297,8 @@ TEST_F(RouterAdmissionTest, AKeyFloodingTheQueueDoesNotDelayAnotherKeyBehindItsR
   for (size_t i = 0; i < finished.size(); ++i) {
     if (finished[i] == "alice") alice_at = i;
   }
-  // FIFO would put alice last (13th); fair sharing serves her next but one.
+  // FIFO would put alice behind at least 8 of the flood; fair sharing serves
+  // her next but one.
   EXPECT_LE(alice_at, 4u) << "alice finished after " << alice_at << " of the flood's requests";
 }
 
@@ -310,7 +311,7 @@ TEST_F(RouterAdmissionTest, MaxInFlightCountsEveryChoice) {
             nullptr);
   Reply fits = Post("/v1/completions", Completion("x", 2, {{"n", 128}}));
   EXPECT_EQ(fits.http.status, 200) << fits.http.body;
-  std::future<Reply> first = PostAsync("/v1/completions", Completion("first", 40, {{"n", 128}}));
+  std::future<Reply> first = PostAsync("/v1/completions", Completion("first", 100, {{"n", 128}}));
   ASSERT_TRUE(
       WaitForMetric("tandem_router_in_flight_sequences", [](double v) { return v == 128; }));
   // 128 + 128 > 200: the second waits, although only one request runs.
