@@ -493,5 +493,27 @@ TEST_F(RouterAdmissionTest, TandemUpApiKeyGuardsTheCluster) {
   std::filesystem::remove_all(dir);
 }
 
+TEST_F(RouterAdmissionTest, TandemUpTakesTheKeyFromTandemApiKey) {
+  char tmpl[] = "/tmp/tandem-up-api-key-env.XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  // As VLLM_API_KEY for vLLM: the child inherits it.
+  setenv("TANDEM_API_KEY", "env-secret-7", 1);
+  std::unique_ptr<ChildProcess> up;
+  absl::StatusOr<std::string> url =
+      StartTandem({"up", "--engine", "sim", "--aggregated", "1", "--port", "0", "--ready-file",
+                   dir + "/url", "--run-dir", dir + "/run", "--worker-threads", "1"},
+                  dir + "/url", std::chrono::seconds(90), "tandem up", &up);
+  unsetenv("TANDEM_API_KEY");
+  ASSERT_TRUE(url.ok()) << url.status();
+  json request = Completion("hi", 2);
+  request["model"] = "builtin:tiny";
+  EXPECT_EQ(HttpPost(*url, "/v1/completions", request.dump()).status, 401);
+  EXPECT_EQ(HttpPost(*url, "/v1/completions", request.dump(), Bearer("env-secret-7")).status, 200);
+  up->Signal(SIGINT);
+  EXPECT_TRUE(up->Wait(std::chrono::seconds(30)).ok());
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace tandem::testing
