@@ -6,6 +6,8 @@ find_package(gRPC CONFIG REQUIRED)
 find_package(OpenSSL REQUIRED)         # mutual TLS certificates (common/certificates.h)
 find_package(nlohmann_json CONFIG REQUIRED)
 find_package(CLI11 CONFIG REQUIRED)
+# SHA-256 of API keys (common/sha256.h).
+find_package(OpenSSL REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)

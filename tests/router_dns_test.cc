@@ -297,7 +297,9 @@ TEST(RouterDnsTest, DecodePoolFollowsTheNamesRecords) {
       "pools:\n  decode:\n    discovery: {dns: ", kName, ", port: ", kWorkerPort,
       ", interval_s: 1}\n    policy:\n      name: round_robin\n",
       "disaggregation:\n  mode: never\n",
-      "health:\n  interval_s: 0.5\n  timeout_s: 0.5\n", "tls:\n  mode: insecure\n");
+      "health:\n  interval_s: 0.5\n  timeout_s: 0.5\n", "tls:\n  mode: insecure\n",
+      // The x-tandem-decode-worker header says where each request went.
+      "debug:\n  worker_details: true\n");
   absl::StatusOr<std::unique_ptr<RouterProcess>> router =
       RouterProcess::Start(yaml, seconds(30), ns->Launch());
   ASSERT_TRUE(router.ok()) << router.status() << "\n" << yaml;

@@ -12,7 +12,12 @@
 // --max-restarts 0 restores stopping the whole cluster when any child dies.
 //
 // The router's config is the --config file (or the defaults) with its pools
-// replaced by the workers started here; flags override the file.
+// replaced by the workers started here; flags override the file. --api-key
+// (or $TANDEM_API_KEY, as vLLM's --api-key / VLLM_API_KEY) adds an admin API
+// key: the router then wants `Authorization: Bearer KEY`; its digest, never
+// the key, goes into the router's config file. Without --config the
+// cluster is a development one: its router shows worker addresses
+// (debug.worker_details).
 //
 // Trust: the cluster runs over mutual TLS with a throwaway CA made at start
 // (a temporary directory removed when `up` exits), unless --insecure; the
@@ -47,6 +52,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/file_util.h"
+#include "common/sha256.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
@@ -79,6 +85,7 @@ struct UpOptions {
   std::string engine;  // empty: the workers' default (real)
   int max_restarts = 5;  // per worker, in a row; 0: a dead worker stops the cluster
   bool insecure = false;  // plain TCP between router and workers
+  std::string api_key;  // empty: $TANDEM_API_KEY, if set
 };
 
 // A directory removed (with its contents) when this goes out of scope.
@@ -286,8 +293,10 @@ std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& pr
                                       deadline(c.retries.attempt_idle), c.retries.auto_multiplier,
                                       c.retries.auto_floor_s, c.retries.max_failovers));
   absl::StrAppend(&y, absl::StrFormat(
-                          "limits:\n  max_body_bytes: %d\n  max_queue: %d\n  max_in_flight: %d\n",
-                          c.limits.max_body_bytes, c.limits.max_queue, c.limits.max_in_flight));
+                          "limits:\n  max_body_bytes: %d\n  max_queue: %d\n  max_in_flight: %d\n"
+                          "  max_connections: %d\n",
+                          c.limits.max_body_bytes, c.limits.max_queue, c.limits.max_in_flight,
+                          c.limits.max_connections));
   absl::StrAppend(&y, absl::StrFormat("health:\n  interval_s: %g\n  timeout_s: %g\n  "
                                       "unhealthy_after: %d\n  healthy_after: %d\n",
                                       c.health.interval_s, c.health.timeout_s,
@@ -300,6 +309,21 @@ std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& pr
   } else {
     absl::StrAppend(&y, "tls:\n  mode: insecure\n");
   }
+  // Keys as digests (those of a keys file too: the file is not re-read).
+  const KeyLimitsConfig& l = c.auth.limits_per_key;
+  absl::StrAppend(&y, absl::StrFormat("auth:\n  limits_per_key:\n    requests_per_s: %g\n"
+                                      "    tokens_per_min: %d\n    max_concurrent: %d\n",
+                                      l.requests_per_s, l.tokens_per_min, l.max_concurrent));
+  if (!c.auth.keys.empty()) absl::StrAppend(&y, "  keys:\n");
+  for (const ApiKeyConfig& k : c.auth.keys) {
+    absl::StrAppend(&y, "    - name: \"", k.name, "\"\n      sha256: \"sha256:", k.sha256,
+                    "\"\n      admin: ", k.admin ? "true" : "false", "\n      priority: ",
+                    k.priority, "\n");
+    if (k.requests_per_s) absl::StrAppend(&y, absl::StrFormat("      requests_per_s: %g\n", *k.requests_per_s));
+    if (k.tokens_per_min) absl::StrAppend(&y, "      tokens_per_min: ", *k.tokens_per_min, "\n");
+    if (k.max_concurrent) absl::StrAppend(&y, "      max_concurrent: ", *k.max_concurrent, "\n");
+  }
+  absl::StrAppend(&y, "debug:\n  worker_details: ", c.debug.worker_details ? "true" : "false", "\n");
   return y;
 }
 
@@ -323,6 +347,23 @@ absl::Status Up(UpOptions opt) {
     config.prefill->policy.name = "kv_cache_aware";
     config.health.interval_s = 1;
     config.health.timeout_s = 1;
+    config.debug.worker_details = true;  // a development cluster
+  }
+  if (opt.api_key.empty()) {
+    if (const char* env = std::getenv("TANDEM_API_KEY"); env != nullptr) opt.api_key = env;
+  }
+  if (!opt.api_key.empty()) {
+    for (char ch : opt.api_key) {
+      if (ch < 0x21 || ch > 0x7e) {
+        return absl::InvalidArgumentError(
+            "--api-key (or TANDEM_API_KEY) must be visible ASCII characters without spaces");
+      }
+    }
+    ApiKeyConfig key{.name = "api-key", .sha256 = Sha256Hex(opt.api_key), .admin = true};
+    for (const ApiKeyConfig& k : config.auth.keys) {
+      if (k.name == key.name) key.name = "tandem-up-api-key";
+    }
+    config.auth.keys.push_back(std::move(key));
   }
   config.listener.host = opt.host;
   config.listener.port = opt.port;
@@ -519,8 +560,9 @@ absl::Status Up(UpOptions opt) {
                       router_yaml));
   Say(absl::StrFormat("try: curl -s %s/v1/chat/completions -H 'Content-Type: application/json' "
                       "-d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": "
-                      "\"Hello!\"}], \"max_tokens\": 32}'",
-                      url, config.model.served_name));
+                      "\"Hello!\"}], \"max_tokens\": 32}'%s",
+                      url, config.model.served_name,
+                      config.auth.enabled() ? " -H 'Authorization: Bearer <your key>'" : ""));
   Say("Ctrl-C stops the cluster");
   if (!opt.ready_file.empty()) RETURN_IF_ERROR(WriteFileAtomically(opt.ready_file, url + "\n"));
 
@@ -618,6 +660,9 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_flag("--insecure", opt->insecure,
                 "Plain TCP between router and workers (default: mutual TLS with a throwaway CA "
                 "made for this cluster and removed at exit)");
+  cmd->add_option("--api-key", opt->api_key,
+                  "Require this API key (Authorization: Bearer KEY) on the router; an admin key "
+                  "(also /metrics, /tokenize). Default: $TANDEM_API_KEY; neither: open");
   cmd->callback([opt] {
     const absl::Status s = Up(*opt);
     // Interrupted by the user: a clean stop.

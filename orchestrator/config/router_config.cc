@@ -14,9 +14,13 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
 #include "common/file_util.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "yaml-cpp/yaml.h"
 
@@ -93,6 +97,26 @@ std::string HostPortError(const std::string& addr) {
   int p = 0;
   if (!ParsePort(port, &p)) return absl::StrCat("port '", port, "' is not in 1..65535");
   return "";
+}
+
+// An API key's name: it labels metrics, so a short plain token.
+bool IsKeyName(const std::string& s) {
+  if (s.empty() || s.size() > 64) return false;
+  for (char c : s) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '.' && c != '-') {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A plain API key as it appears after "Bearer ": visible ASCII, no spaces.
+bool IsPlainKey(std::string_view s) {
+  if (s.empty() || s.size() > 256) return false;
+  for (char c : s) {
+    if (c < 0x21 || c > 0x7e) return false;
+  }
+  return true;
 }
 
 // RFC 9110 field-name: one or more tchar.
@@ -194,6 +218,9 @@ class Validator {
     RETURN_IF_ERROR(Range("limits.max_body_bytes", c.limits.max_body_bytes, 1024, int64_t{1} << 30));
     RETURN_IF_ERROR(Range("limits.max_queue", c.limits.max_queue, 0, int64_t{1} << 20));
     RETURN_IF_ERROR(Range("limits.max_in_flight", c.limits.max_in_flight, 1, int64_t{1} << 20));
+    RETURN_IF_ERROR(
+        Range("limits.max_connections", c.limits.max_connections, 1, int64_t{1} << 20));
+    RETURN_IF_ERROR(Auth(c.auth));
 
     const HealthConfig& h = c.health;
     RETURN_IF_ERROR(Seconds("health.interval_s", h.interval_s, 0.1, true, 3600));
@@ -245,6 +272,44 @@ class Validator {
     const bool ok = std::isfinite(v) && (lo_inclusive ? v >= lo : v > lo) && v <= hi;
     if (!ok) {
       return Bad(path, absl::StrCat(v, " is not in ", lo_inclusive ? "[" : "(", lo, ", ", hi, "]"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status KeyLimits(const std::string& path, const KeyLimitsConfig& l) const {
+    RETURN_IF_ERROR(Seconds(Join(path, "requests_per_s"), l.requests_per_s, 0, true, 1e6));
+    RETURN_IF_ERROR(Range(Join(path, "tokens_per_min"), l.tokens_per_min, 0, int64_t{1000000000000}));
+    return Range(Join(path, "max_concurrent"), l.max_concurrent, 0, int64_t{1} << 20);
+  }
+
+  absl::Status Auth(const AuthConfig& a) const {
+    RETURN_IF_ERROR(KeyLimits("auth.limits_per_key", a.limits_per_key));
+    std::map<std::string, size_t> names, digests;
+    for (size_t i = 0; i < a.keys.size(); ++i) {
+      const ApiKeyConfig& k = a.keys[i];
+      const std::string path = absl::StrCat("auth.keys[", i, "]");
+      if (!IsKeyName(k.name)) {
+        return Bad(Join(path, "name"), absl::StrCat("'", k.name, "' is not 1 to 64 characters of "
+                                                    "[A-Za-z0-9_.-]"));
+      }
+      if (!names.emplace(k.name, i).second) {
+        return Bad(Join(path, "name"), absl::StrCat("'", k.name, "' names two keys"));
+      }
+      if (k.sha256.empty()) {
+        return Bad(Join(path, "sha256"),
+                   absl::StrCat("required: the key's digest, sha256:<64 hex digits> (or a key "
+                                "named '", k.name, "' in auth.keys_file)"));
+      }
+      if (!ParseDigestHex(k.sha256).has_value()) {
+        return Bad(Join(path, "sha256"), "is not a SHA-256 digest: expected sha256:<64 hex digits>");
+      }
+      if (auto [it, added] = digests.emplace(k.sha256, i); !added) {
+        return Bad(Join(path, "sha256"),
+                   absl::StrCat("the same key as auth.keys[", it->second, "] ('",
+                                a.keys[it->second].name, "')"));
+      }
+      RETURN_IF_ERROR(Range(Join(path, "priority"), k.priority, 1, 100));
+      RETURN_IF_ERROR(KeyLimits(path, k.Limits(a.limits_per_key)));
     }
     return absl::OkStatus();
   }
@@ -498,7 +563,7 @@ class Parser {
     ASSIGN_OR_RETURN(Fields top, Map(root, "",
                                      {"listener", "model", "pools", "disaggregation", "timeouts",
                                       "retries", "limits", "health", "kv_events", "sessions",
-                                      "tls"}));
+                                      "tls", "auth", "debug"}));
 
     ASSIGN_OR_RETURN(Fields listener, SubMap(top, "listener", {"host", "port"}));
     RETURN_IF_ERROR(String(listener, "host", &c->listener.host));
@@ -556,11 +621,12 @@ class Parser {
     RETURN_IF_ERROR(Double(retries, "auto_floor_s", &c->retries.auto_floor_s));
     RETURN_IF_ERROR(Int(retries, "max_failovers", &c->retries.max_failovers));
 
-    ASSIGN_OR_RETURN(Fields limits,
-                     SubMap(top, "limits", {"max_body_bytes", "max_queue", "max_in_flight"}));
+    ASSIGN_OR_RETURN(Fields limits, SubMap(top, "limits", {"max_body_bytes", "max_queue",
+                                                           "max_in_flight", "max_connections"}));
     RETURN_IF_ERROR(Int(limits, "max_body_bytes", &c->limits.max_body_bytes));
     RETURN_IF_ERROR(Int(limits, "max_queue", &c->limits.max_queue));
     RETURN_IF_ERROR(Int(limits, "max_in_flight", &c->limits.max_in_flight));
+    RETURN_IF_ERROR(Int(limits, "max_connections", &c->limits.max_connections));
 
     ASSIGN_OR_RETURN(Fields health, SubMap(top, "health", {"interval_s", "timeout_s",
                                                            "unhealthy_after", "healthy_after"}));
@@ -591,6 +657,100 @@ class Parser {
       }
     } else if (!c->tls.ca.empty() || !c->tls.cert.empty() || !c->tls.key.empty()) {
       c->tls.mode = TlsMode::kMutual;
+    }
+    RETURN_IF_ERROR(Auth(top, &c->auth));
+    ASSIGN_OR_RETURN(Fields debug, SubMap(top, "debug", {"worker_details"}));
+    RETURN_IF_ERROR(Bool(debug, "worker_details", &c->debug.worker_details));
+    return absl::OkStatus();
+  }
+
+  absl::Status KeyLimits(const Fields& f, KeyLimitsConfig* l) const {
+    RETURN_IF_ERROR(Double(f, "requests_per_s", &l->requests_per_s));
+    RETURN_IF_ERROR(Int(f, "tokens_per_min", &l->tokens_per_min));
+    return Int(f, "max_concurrent", &l->max_concurrent);
+  }
+
+  absl::Status Auth(const Fields& top, AuthConfig* auth) {
+    ASSIGN_OR_RETURN(Fields f, SubMap(top, "auth", {"keys", "keys_file", "limits_per_key"}));
+    ASSIGN_OR_RETURN(Fields limits, SubMap(f, "limits_per_key",
+                                           {"requests_per_s", "tokens_per_min", "max_concurrent"}));
+    RETURN_IF_ERROR(KeyLimits(limits, &auth->limits_per_key));
+    if (const YAML::Node* keys = f.Find("keys")) {
+      const std::string kpath = Join(f.path, "keys");
+      if (!keys->IsNull() && !keys->IsSequence()) {
+        return Bad(keys->Mark(), kpath, absl::StrCat("expected a list of keys, got ", Describe(*keys)));
+      }
+      for (size_t i = 0; keys->IsSequence() && i < keys->size(); ++i) {
+        const std::string ipath = absl::StrCat(kpath, "[", i, "]");
+        const YAML::Node item = (*keys)[i];
+        marks_[ipath] = item.Mark();
+        ASSIGN_OR_RETURN(Fields k, Map(item, ipath, {"name", "sha256", "admin", "priority",
+                                                     "requests_per_s", "tokens_per_min",
+                                                     "max_concurrent"}));
+        ApiKeyConfig key;
+        RETURN_IF_ERROR(String(k, "name", &key.name));
+        RETURN_IF_ERROR(String(k, "sha256", &key.sha256));
+        if (absl::StartsWith(key.sha256, "sha256:")) key.sha256 = key.sha256.substr(7);
+        key.sha256 = absl::AsciiStrToLower(key.sha256);
+        RETURN_IF_ERROR(Bool(k, "admin", &key.admin));
+        RETURN_IF_ERROR(Int(k, "priority", &key.priority));
+        if (k.Find("requests_per_s") != nullptr) {
+          RETURN_IF_ERROR(Double(k, "requests_per_s", &key.requests_per_s.emplace()));
+        }
+        if (k.Find("tokens_per_min") != nullptr) {
+          RETURN_IF_ERROR(Int(k, "tokens_per_min", &key.tokens_per_min.emplace()));
+        }
+        if (k.Find("max_concurrent") != nullptr) {
+          RETURN_IF_ERROR(Int(k, "max_concurrent", &key.max_concurrent.emplace()));
+        }
+        auth->keys.push_back(std::move(key));
+      }
+    }
+    RETURN_IF_ERROR(String(f, "keys_file", &auth->keys_file));
+    if (!auth->keys_file.empty()) RETURN_IF_ERROR(KeysFile(Join(f.path, "keys_file"), auth));
+    return absl::OkStatus();
+  }
+
+  // Reads auth.keys_file into `auth->keys`. Errors name the file's line,
+  // never the key on it.
+  absl::Status KeysFile(const std::string& path, AuthConfig* auth) {
+    const YAML::Mark mark = marks_[path];
+    absl::StatusOr<std::string> text = ReadFile(auth->keys_file);
+    if (!text.ok()) return Bad(mark, path, text.status().message());
+    int line_no = 0, added = 0;
+    for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+      ++line_no;
+      line = absl::StripAsciiWhitespace(line);
+      if (line.empty() || line.front() == '#') continue;
+      std::vector<absl::string_view> fields = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+      auto bad = [&](absl::string_view why) {
+        return Bad(mark, path, absl::StrCat(auth->keys_file, " line ", line_no, ": ", why));
+      };
+      if (fields.size() < 2 || fields.size() > 3 || (fields.size() == 3 && fields[2] != "admin")) {
+        return bad("expected NAME KEY or NAME KEY admin");
+      }
+      const std::string name(fields[0]);
+      const std::string_view plain(fields[1].data(), fields[1].size());
+      if (!IsPlainKey(plain)) return bad("the key must be 1 to 256 visible ASCII characters");
+      ApiKeyConfig key;
+      key.name = name;
+      key.sha256 = Sha256Hex(plain);
+      key.admin = fields.size() == 3;
+      // A keys entry of this name without a digest holds its settings.
+      auto it = std::find_if(auth->keys.begin(), auth->keys.end(), [&](const ApiKeyConfig& k) {
+        return k.name == name && k.sha256.empty();
+      });
+      if (it != auth->keys.end()) {
+        it->sha256 = key.sha256;
+        it->admin = it->admin || key.admin;
+      } else {
+        auth->keys.push_back(std::move(key));
+      }
+      ++added;
+    }
+    if (added == 0) {
+      // An empty file must not open the router to everyone.
+      return Bad(mark, path, absl::StrCat(auth->keys_file, " holds no key"));
     }
     return absl::OkStatus();
   }
@@ -659,6 +819,14 @@ std::string_view DisaggregationModeName(DisaggregationMode mode) {
       return "auto";
   }
   return "unknown";
+}
+
+KeyLimitsConfig ApiKeyConfig::Limits(const KeyLimitsConfig& defaults) const {
+  KeyLimitsConfig l = defaults;
+  if (requests_per_s.has_value()) l.requests_per_s = *requests_per_s;
+  if (tokens_per_min.has_value()) l.tokens_per_min = *tokens_per_min;
+  if (max_concurrent.has_value()) l.max_concurrent = *max_concurrent;
+  return l;
 }
 
 absl::Status ValidateRouterConfig(const RouterConfig& config) {

@@ -172,8 +172,79 @@ struct LimitsConfig {
   int64_t max_body_bytes = int64_t{8} << 20;
   // Requests waiting for a worker slot, in [0, 1048576]; beyond: 429.
   int64_t max_queue = 1024;
-  // Requests the router has on workers at once, in [1, 1048576].
+  // Sequences the router has on workers at once, in [1, 1048576]: each
+  // choice of a request's `n` is one sequence, so a request with n = 8
+  // takes 8. A request whose n exceeds it is refused (400, param "n").
   int64_t max_in_flight = 256;
+  // Client connections open at once, in [1, 1048576]; a connection beyond
+  // it is answered 503 (Retry-After: 1) and closed.
+  int64_t max_connections = 4096;
+};
+
+// Limits of one API key; 0 means no limit.
+struct KeyLimitsConfig {
+  // Requests per second, in [0, 1000000]: a token bucket refilled at this
+  // rate that holds one second's worth (at least one request).
+  double requests_per_s = 0;
+  // Tokens per minute, in [0, 10^12]: a bucket of this many tokens refilled
+  // over a minute. A request is charged its prompt tokens plus n x max_tokens
+  // (max_tokens absent: the context left after the prompt), at most a full
+  // bucket, when admitted; when it ends the charge is settled to what it
+  // used (prompt + generated tokens): the unused part returns, an excess is
+  // taken (the bucket may go below zero and refuse until it refills).
+  int64_t tokens_per_min = 0;
+  // Requests of the key admitted at once (queued or running), in
+  // [0, 1048576].
+  int64_t max_concurrent = 0;
+};
+
+// One API key. The key itself is never kept: only its SHA-256 digest.
+struct ApiKeyConfig {
+  // Names the key in metrics and logs (never the key): 1 to 64 characters
+  // of [A-Za-z0-9_.-], unique.
+  std::string name;
+  // The key's SHA-256 digest, 64 lowercase hex digits (the YAML may write
+  // "sha256:<hex>"). Keys read from auth.keys_file are hashed at load.
+  std::string sha256;
+  // Admin keys also reach /metrics, /tokenize and /detokenize, and see
+  // worker details (addresses in headers and error messages).
+  bool admin = false;
+  // The key's weight in the admission queue, in [1, 100]: queued keys are
+  // served in proportion to it (weighted fair queueing).
+  int priority = 1;
+  // Overrides of auth.limits_per_key for this key; unset: the default.
+  std::optional<double> requests_per_s;
+  std::optional<int64_t> tokens_per_min;
+  std::optional<int64_t> max_concurrent;
+
+  // The default limits with this key's overrides applied.
+  KeyLimitsConfig Limits(const KeyLimitsConfig& defaults) const;
+};
+
+// API keys on the HTTP front: with at least one key, every endpoint but
+// /health needs `Authorization: Bearer KEY` (401 otherwise), and the admin
+// endpoints an admin key (403 otherwise). With none the router is open.
+struct AuthConfig {
+  // Keys given by digest in the YAML, then those read from keys_file.
+  std::vector<ApiKeyConfig> keys;
+  // A file of plain keys, read at load and at each reload: one per line,
+  // "NAME KEY" or "NAME KEY admin" ('#' starts a comment line). A keys entry
+  // with that name and no sha256 sets the key's priority and limits. The
+  // file must hold at least one key. Empty: none.
+  std::string keys_file;
+  // Limits of every key unless its entry overrides them.
+  KeyLimitsConfig limits_per_key;
+
+  bool enabled() const { return !keys.empty(); }
+};
+
+// What the router reveals about its workers.
+struct DebugConfig {
+  // Show worker addresses to every client: the x-tandem-prefill-worker and
+  // x-tandem-decode-worker response headers and addresses in error
+  // messages. Off: only admin keys see them; other clients get neutral
+  // texts. For test and benchmark clusters.
+  bool worker_details = false;
 };
 
 // Active health checks of every worker in every pool.
@@ -239,6 +310,8 @@ struct RouterConfig {
   KvEventsConfig kv_events;
   SessionsConfig sessions;
   TlsConfig tls;
+  AuthConfig auth;
+  DebugConfig debug;
 };
 
 // Checks every field's range and the rules between fields (see each field's

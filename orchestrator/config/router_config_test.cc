@@ -3,6 +3,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/sha256.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -269,6 +270,92 @@ TEST(RouterConfigTest, LoadNamesTheFile) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.status().message()),
               StartsWith(path + ":2:3: listener.prot: unknown key; did you mean 'port'"));
+}
+
+constexpr char kDigest[] = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+
+TEST(RouterConfigTest, AuthKeysByDigestWithLimitsAndPriority) {
+  auto config = Parse(std::string(kMinimal) + R"(
+auth:
+  limits_per_key: {requests_per_s: 2.5, tokens_per_min: 1000}
+  keys:
+    - name: alice
+      sha256: "sha256:9F86D081884C7D659A2FEAA0C55AD015A3BF4F1B2B0B822CD15D6C15B0F00A08"
+      priority: 3
+      max_concurrent: 4
+limits: {max_connections: 10}
+debug: {worker_details: true}
+)");
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->auth.keys.size(), 1u);
+  const ApiKeyConfig& k = config->auth.keys[0];
+  EXPECT_EQ(k.sha256, kDigest);  // prefix dropped, lowercased
+  EXPECT_EQ(k.priority, 3);
+  EXPECT_FALSE(k.admin);
+  const KeyLimitsConfig l = k.Limits(config->auth.limits_per_key);
+  EXPECT_EQ(l.requests_per_s, 2.5);
+  EXPECT_EQ(l.tokens_per_min, 1000);
+  EXPECT_EQ(l.max_concurrent, 4);
+  EXPECT_TRUE(config->auth.enabled());
+  EXPECT_EQ(config->limits.max_connections, 10);
+  EXPECT_TRUE(config->debug.worker_details);
+  // Without an auth section the router is open, and hides worker details.
+  auto open = Parse(kMinimal);
+  ASSERT_TRUE(open.ok());
+  EXPECT_FALSE(open->auth.enabled());
+  EXPECT_FALSE(open->debug.worker_details);
+}
+
+TEST(RouterConfigTest, BadAuthEntriesNameTheKey) {
+  const std::string base = std::string(kMinimal) + "auth:\n  keys:\n";
+  EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: \"sha256:abc\"}\n"),
+              HasSubstr("auth.keys[0].sha256: is not a SHA-256 digest"));
+  EXPECT_THAT(ErrorOf(base + "    - {name: a}\n"), HasSubstr("auth.keys[0].sha256: required"));
+  EXPECT_THAT(ErrorOf(base + "    - {name: \"a b\", sha256: " + kDigest + "}\n"),
+              HasSubstr("auth.keys[0].name"));
+  EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + "}\n    - {name: b, sha256: " +
+                      kDigest + "}\n"),
+              HasSubstr("auth.keys[1].sha256: the same key as auth.keys[0] ('a')"));
+  EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + ", priority: 0}\n"),
+              HasSubstr("auth.keys[0].priority: 0 is not in [1, 100]"));
+  EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + ", requests_per_s: -1}\n"),
+              HasSubstr("auth.keys[0].requests_per_s"));
+  EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + ", colour: red}\n"),
+              HasSubstr("unknown key"));
+}
+
+TEST(RouterConfigTest, KeysFileIsHashedAndNeverQuoted) {
+  const std::string path = ::testing::TempDir() + "/router_config_test_keys";
+  {
+    std::ofstream out(path);
+    out << "# comment\n\nops  ops-secret admin\nalice alice-secret\n";
+  }
+  auto config = Parse(std::string(kMinimal) + "auth:\n  keys_file: " + path +
+                      "\n  keys:\n    - {name: alice, priority: 5}\n");
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->auth.keys.size(), 2u);
+  EXPECT_EQ(config->auth.keys[0].name, "alice");  // the YAML entry, completed by the file
+  EXPECT_EQ(config->auth.keys[0].priority, 5);
+  EXPECT_EQ(config->auth.keys[0].sha256, Sha256Hex("alice-secret"));
+  EXPECT_EQ(config->auth.keys[1].name, "ops");
+  EXPECT_TRUE(config->auth.keys[1].admin);
+  EXPECT_EQ(config->auth.keys[1].sha256, Sha256Hex("ops-secret"));
+  {
+    std::ofstream out(path);
+    out << "alice alice-secret extra\n";
+  }
+  std::string err = ErrorOf(std::string(kMinimal) + "auth:\n  keys_file: " + path + "\n");
+  EXPECT_THAT(err, HasSubstr("auth.keys_file: " + path + " line 1: expected NAME KEY"));
+  EXPECT_THAT(err, Not(HasSubstr("alice-secret")));
+  {
+    std::ofstream out(path);
+    out << "# no keys\n";
+  }
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "auth:\n  keys_file: " + path + "\n"),
+              HasSubstr("holds no key"));
+  std::remove(path.c_str());
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "auth:\n  keys_file: " + path + "\n"),
+              HasSubstr("auth.keys_file"));
 }
 
 TEST(RouterConfigTest, ValidateConfigBuiltInCode) {

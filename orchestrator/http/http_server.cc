@@ -159,6 +159,12 @@ struct HttpServer::Impl {
   std::condition_variable sessions_empty;  // notified when the last session ends
   uint64_t next_id ABSL_GUARDED_BY(mu) = 0;
   std::unordered_map<uint64_t, std::weak_ptr<Session>> sessions ABSL_GUARDED_BY(mu);
+  size_t counted ABSL_GUARDED_BY(mu) = 0;    // sessions under max_connections
+  size_t rejecting ABSL_GUARDED_BY(mu) = 0;  // sessions answering 503
+  uint64_t refused ABSL_GUARDED_BY(mu) = 0;
+  // The last refusal WARNING (at most one per 10 s); accept handler only.
+  std::chrono::steady_clock::time_point last_refusal_log;
+  uint64_t refusals_logged = 0;  // accept handler only
 
   std::vector<std::unique_ptr<net::io_context>> iocs;
   std::vector<net::executor_work_guard<net::io_context::executor_type>> work;
@@ -173,19 +179,22 @@ struct HttpServer::Impl {
 // connection's strand), except the output side (see Submit()).
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(HttpServer* server, tcp::socket socket, uint64_t id)
+  // `refuse`: over max_connections; the session only answers 503.
+  Session(HttpServer* server, tcp::socket socket, uint64_t id, bool refuse)
       : server_(server),
         impl_(server->impl_.get()),
         opts_(server->options_),
         socket_(std::move(socket)),
         timer_(socket_.get_executor()),
-        id_(id) {}
+        id_(id),
+        refuse_(refuse) {}
 
   // May run inside ~Impl (the io_context destroying pending handlers), so it
   // touches only Impl members declared before the io_context.
   ~Session() {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->sessions.erase(id_);
+    --(refuse_ ? impl_->rejecting : impl_->counted);
     if (impl_->sessions.empty()) impl_->sessions_empty.notify_all();
   }
 
@@ -194,6 +203,12 @@ class Session : public std::enable_shared_from_this<Session> {
   void Start() {
     Touch();
     WaitTimer();
+    if (refuse_) {
+      return Reject(503,
+                    absl::StrCat("the server is at its limit of ", opts_.max_connections,
+                                 " open connections; retry later"),
+                    {{"Retry-After", "1"}}, "server_error");
+    }
     ReadHeader();
   }
 
@@ -356,11 +371,12 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   // An error response, then close (the rest of the request is not read).
-  void Reject(int status, std::string message) {
+  void Reject(int status, std::string message, const HeaderList& extra = {},
+              std::string_view type = "invalid_request_error") {
     state_ = State::kResponding;
     keep_alive_.store(false, std::memory_order_relaxed);
-    std::string body = JsonErrorBody(message);
-    std::string bytes = HeadBlock(status, "application/json", {},
+    std::string body = JsonErrorBody(message, type);
+    std::string bytes = HeadBlock(status, "application/json", extra,
                                   absl::StrCat("Content-Length: ", body.size(), "\r\n"), false);
     bytes += body;
     {
@@ -568,6 +584,7 @@ class Session : public std::enable_shared_from_this<Session> {
   net::steady_timer timer_;
   std::atomic<Clock::rep> deadline_{0};  // idle deadline; see Touch()
   const uint64_t id_;
+  const bool refuse_;
 
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
@@ -777,14 +794,39 @@ void HttpServer::StartAccept() {
           // mode), which stalls every SSE stream after a connection's first.
           error_code nodelay_ec;
           socket.set_option(tcp::no_delay(true), nodelay_ec);
+          // At most this many 503 answers pending; connections beyond are
+          // closed at once (a flood must not buy memory with refusals).
+          constexpr size_t kMaxRejecting = 64;
           std::shared_ptr<Session> session;
+          bool refused = false;
+          uint64_t refused_total = 0;
           {
             std::lock_guard<std::mutex> lock(impl_->mu);
             uint64_t id = impl_->next_id++;
-            session = std::make_shared<Session>(this, std::move(socket), id);
-            impl_->sessions.emplace(id, session);
+            refused = options_.max_connections > 0 && impl_->counted >= options_.max_connections;
+            if (refused) refused_total = ++impl_->refused;
+            if (!refused || impl_->rejecting < kMaxRejecting) {
+              ++(refused ? impl_->rejecting : impl_->counted);
+              session = std::make_shared<Session>(this, std::move(socket), id, refused);
+              impl_->sessions.emplace(id, session);
+            }
           }
-          net::post(session->executor(), [session] { session->Start(); });
+          if (refused) {
+            const auto now = std::chrono::steady_clock::now();
+            if (now - impl_->last_refusal_log > std::chrono::seconds(10)) {
+              LOG(WARNING) << "http: at the limit of " << options_.max_connections
+                           << " open connections: refused " << refused_total - impl_->refusals_logged
+                           << " connection(s) since the last report";
+              impl_->last_refusal_log = now;
+              impl_->refusals_logged = refused_total;
+            }
+          }
+          if (session != nullptr) {
+            net::post(session->executor(), [session] { session->Start(); });
+          } else {
+            error_code ignored;
+            socket.close(ignored);
+          }
         }
         StartAccept();
       });
@@ -792,7 +834,7 @@ void HttpServer::StartAccept() {
 
 HttpServer::ConnectionStats HttpServer::connection_stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return ConnectionStats{impl_->next_id, impl_->sessions.size()};
+  return ConnectionStats{impl_->next_id, impl_->counted, impl_->refused};
 }
 
 void HttpServer::Stop() {

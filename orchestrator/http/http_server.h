@@ -148,6 +148,11 @@ class HttpServer {
     size_t max_header_bytes = 64 << 10;     // larger header blocks get 431
     // Stop() waits this long for in-flight responses before closing them.
     std::chrono::milliseconds stop_grace{5000};
+    // Connections open at once; 0: no cap. A connection accepted beyond it
+    // is answered 503 with Retry-After: 1 (without reading its request) and
+    // closed; at most 64 such answers are pending at once, connections
+    // beyond those are closed at accept. Each counts as refused.
+    size_t max_connections = 0;
   };
 
   explicit HttpServer(Options options);
@@ -168,8 +173,9 @@ class HttpServer {
   void Stop();
 
   struct ConnectionStats {
-    uint64_t accepted = 0;  // since Start()
-    uint64_t open = 0;      // now
+    uint64_t accepted = 0;  // since Start(), refused ones included
+    uint64_t open = 0;      // now, refused ones excluded
+    uint64_t refused = 0;   // since Start(): over max_connections
   };
   ConnectionStats connection_stats() const;
 

@@ -113,6 +113,41 @@ TEST_F(HttpServerTest, GetAndPostRoundTrip) {
   EXPECT_TRUE(res.keep_alive());
 }
 
+TEST_F(HttpServerTest, ConnectionsBeyondTheCapGet503AndAreCounted) {
+  HttpServer::Options options = TestOptions();
+  options.max_connections = 2;
+  StartServer(options);
+  Client a(server_->port()), b(server_->port());
+  EXPECT_EQ(a.Do(bhttp::verb::get, "/hello").result_int(), 200);
+  EXPECT_EQ(b.Do(bhttp::verb::get, "/hello").result_int(), 200);
+  {
+    // The third is answered 503 and closed, its request unread.
+    Client c(server_->port());
+    c.Send(bhttp::verb::get, "/hello");
+    auto res = c.Read();
+    EXPECT_EQ(res.result_int(), 503);
+    EXPECT_EQ(res["Retry-After"], "1");
+    EXPECT_NE(res.body().find("limit of 2 open connections"), std::string::npos) << res.body();
+    EXPECT_TRUE(c.SeesEof());
+  }
+  HttpServer::ConnectionStats stats = server_->connection_stats();
+  EXPECT_EQ(stats.refused, 1u);
+  EXPECT_EQ(stats.open, 2u);
+  // The open ones still serve; once one closes, a new one is accepted.
+  EXPECT_EQ(a.Do(bhttp::verb::get, "/hello").result_int(), 200);
+  b.socket().close();
+  ASSERT_TRUE([&] {
+    for (int i = 0; i < 200; ++i) {
+      if (server_->connection_stats().open == 1) return true;
+      std::this_thread::sleep_for(10ms);
+    }
+    return false;
+  }());
+  Client d(server_->port());
+  EXPECT_EQ(d.Do(bhttp::verb::get, "/hello").result_int(), 200);
+  EXPECT_EQ(server_->connection_stats().refused, 1u);
+}
+
 TEST_F(HttpServerTest, KeepAliveServesManyRequestsOnOneConnection) {
   StartServer();
   Client client(server_->port());

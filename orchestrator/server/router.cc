@@ -5,7 +5,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cmath>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -28,6 +30,9 @@
 #include "common/status_macros.h"
 #include "common/thread_util.h"
 #include "nlohmann/json.hpp"
+#include "orchestrator/admission/api_keys.h"
+#include "orchestrator/admission/fair_queue.h"
+#include "orchestrator/admission/key_limiter.h"
 #include "orchestrator/cluster/cluster.h"
 #include "orchestrator/http/http_server.h"
 #include "orchestrator/openai/openai_api.h"
@@ -35,6 +40,7 @@
 #include "orchestrator/server/generation.h"
 #include "orchestrator/server/latency_window.h"
 #include "orchestrator/server/model_assets.h"
+#include "orchestrator/server/redact.h"
 #include "orchestrator/server/stop_strings.h"
 
 namespace tandem::router {
@@ -96,6 +102,58 @@ std::string Outcome(const absl::Status& s) {
   return "error";
 }
 
+// One WARNING per kind per 10 s, saying how many were not logged: a flood
+// of bad keys or refused requests must not flood the log.
+class ThrottledWarnings {
+ public:
+  void Warn(const std::string& kind, const std::string& text) {
+    const Clock::time_point now = Clock::now();
+    int64_t suppressed = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Entry& e = entries_[kind];
+      if (e.logged && now - e.last < std::chrono::seconds(10)) {
+        ++e.suppressed;
+        return;
+      }
+      suppressed = e.suppressed;
+      e = Entry{true, now, 0};
+    }
+    LOG(WARNING) << text
+                 << (suppressed > 0 ? absl::StrFormat(" (and %d more like it not logged)", suppressed)
+                                    : std::string());
+  }
+
+ private:
+  struct Entry {
+    bool logged = false;
+    Clock::time_point last;
+    int64_t suppressed = 0;
+  };
+  std::mutex mu_;
+  std::map<std::string, Entry> entries_;
+};
+
+// Who sent a request: its API key (null when the router has no keys), and
+// the store that key lives in.
+struct Caller {
+  std::shared_ptr<const ApiKeyStore> store;
+  const ApiKeyIdentity* key = nullptr;
+  // Key name for the limiter and the fair queue; "" without keys.
+  std::string name() const { return key != nullptr ? key->name : std::string(); }
+  bool admin() const { return key != nullptr && key->admin; }
+};
+
+// Which callers an endpoint admits when keys are configured.
+enum class Access { kOpen, kClient, kAdmin };
+
+// Bound on a /tokenize text, in bytes per token of the model's context. A
+// byte-level BPE token covers a few bytes of English (about 4) and rarely
+// more than 16, so a text past 16 x the context could not be a prompt of
+// this model; refusing it before tokenizing bounds the work and the answer
+// (token_strs) by the model, not by the body limit.
+constexpr int64_t kTokenizeBytesPerContextToken = 16;
+
 }  // namespace
 
 class ApiCall;
@@ -116,6 +174,10 @@ struct CallSetup {
   std::string echo;  // completions: the prompt text to prepend
   bool tokens_as_ids = false;  // return_tokens_as_token_ids
   std::string model;
+  Caller caller;
+  // Tokens the call may use: prompt + n x max_tokens (the per-key
+  // tokens_per_min charge; see KeyLimitsConfig).
+  int64_t token_estimate = 0;
 };
 
 class Router::Impl {
@@ -169,12 +231,24 @@ class Router::Impl {
     Counter& kv_bytes;
     Gauge& queue_depth;
     Gauge& in_flight;
+    Gauge& in_flight_sequences;
+    CounterFamily& auth_failures;
+    CounterFamily& rate_limited;
+    CounterFamily& refusals;
+    CounterFamily& kv_full_skips;
   };
   Metrics& metrics() { return *metrics_; }
   // Attempts' first-token latency and the gaps between token messages: the
   // basis of `auto` attempt deadlines.
   LatencyWindow& first_token_latency() { return first_token_latency_; }
   LatencyWindow& token_gaps() { return token_gaps_; }
+  // Worker addresses to redact from client-visible texts.
+  std::vector<std::string> WorkerAddresses();
+  // Whether `caller` may see worker addresses (debug.worker_details, or an
+  // admin key).
+  bool ShowWorkers(const Caller& caller) const {
+    return caller.admin() || config()->debug.worker_details;
+  }
 
  private:
   friend class ApiCall;
@@ -208,12 +282,30 @@ class Router::Impl {
   void HandleTokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
   void HandleDetokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
 
+  // The request's API key; an empty Caller when the router has no keys.
+  Caller Identify(const http::Request& req) const;
+  // Checks the request's key for an endpoint of `access`; false when it
+  // answered the request (401, or 403 for a non-admin key on an admin
+  // endpoint).
+  bool Authorize(Access access, const std::string& endpoint, const http::Request& req,
+                 http::ResponseWriter& w);
+  // Returns what an admitted call took from its key's limits. Idempotent.
+  void ReleaseKey(const std::shared_ptr<ApiCall>& call);
+  // Pops queued calls while the next one's sequences fit max_in_flight.
+  void DrainQueueLocked(std::vector<std::shared_ptr<ApiCall>>* next)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   std::string RequestId(const http::Request& req);
   // Sends an OpenAI error for `status` (counted under `endpoint`).
-  // (`headers`, when given, replace the x-request-id header: they carry it.)
+  // (`headers`, when given, replace the x-request-id header: they carry it;
+  // a Retry-After among them replaces the default one.) Worker addresses in
+  // the message are redacted unless `show_workers`.
   void SendError(const std::string& endpoint, const std::string& request_id,
                  http::ResponseWriter& w, const absl::Status& status,
-                 http::HeaderList headers = {});
+                 http::HeaderList headers = {}, bool show_workers = false);
+  // The error a client reads for `status`, its worker addresses redacted
+  // unless `show_workers`.
+  ApiError ClientError(const absl::Status& status, bool show_workers);
   // Renders a parsed chat request with the chat template and tokenizes it
   // (special-token text in the user's strings stays text unless
   // model.parse_special_tokens_in_messages).
@@ -246,8 +338,15 @@ class Router::Impl {
   std::shared_ptr<RoutingState> routing_ ABSL_GUARDED_BY(mu_);
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
   double retry_tokens_ ABSL_GUARDED_BY(mu_) = 10;
+  // Sequences (choices) on workers, against limits.max_in_flight, and the
+  // requests they belong to.
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<std::shared_ptr<ApiCall>> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t running_requests_ ABSL_GUARDED_BY(mu_) = 0;
+  // Shared fairly between keys; FIFO without keys.
+  FairQueue<std::shared_ptr<ApiCall>> queue_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const ApiKeyStore> keys_ ABSL_GUARDED_BY(mu_);
+  KeyLimiter limiter_;
+  ThrottledWarnings warnings_;
   std::set<std::shared_ptr<ApiCall>> active_ ABSL_GUARDED_BY(mu_);
   std::condition_variable idle_cv_;  // active_ emptied: Stop waits for it
   std::condition_variable stop_cv_;  // stopping_ set: wakes the watchdog (apart,
@@ -307,6 +406,23 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
     }
     prompt_tokens_ = static_cast<int64_t>(setup.prompt.size());
     remaining_ = setup.n;
+    n_ = setup.n;
+    caller_ = std::move(setup.caller);
+    token_estimate_ = setup.token_estimate;
+    show_workers_ = router_->ShowWorkers(caller_);
+  }
+
+  // Sequences the call runs (its n): its share of limits.max_in_flight.
+  int n() const { return n_; }
+  const Caller& caller() const { return caller_; }
+  int64_t token_estimate() const { return token_estimate_; }
+  // Prompt and generated tokens so far: what the call used of its key's
+  // tokens_per_min.
+  int64_t TokensUsed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t used = prompt_tokens_;
+    for (const Choice& c : choices_) used += c.tokens;
+    return used;
   }
 
   // Runs the generations (after admission).
@@ -477,7 +593,7 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
           if (!stream_started_) {
             SendApiError(result.status);
           } else {
-            writer_->Write(ErrorChunk(ApiErrorFromStatus(result.status)));
+            writer_->Write(ErrorChunk(router_->ClientError(result.status, show_workers_)));
             writer_->Write(DoneChunk());
             writer_->End();
           }
@@ -555,6 +671,10 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
   // Holds an admission slot (Router::Impl's in_flight_). Guarded by the
   // Impl's mutex.
   bool slot = false;
+  // Holds a place in its key's limits (KeyLimiter), with this charge.
+  // Guarded by the Impl's mutex.
+  bool key_held = false;
+  int64_t charged_tokens = 0;
 
  private:
   struct Choice {
@@ -589,7 +709,8 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
 
   http::HeaderList Headers() const {
     http::HeaderList h = {{"x-request-id", request_id_}};
-    if (!prefill_worker_.empty()) {
+    // Worker addresses are debug output (debug.worker_details, admin keys).
+    if (show_workers_ && !prefill_worker_.empty()) {
       h.emplace_back("x-tandem-prefill-worker", prefill_worker_);
       h.emplace_back("x-tandem-decode-worker", decode_worker_);
     }
@@ -682,7 +803,7 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
   }
 
   void SendApiError(const absl::Status& status) {
-    router_->SendError(endpoint(), request_id_, *writer_, status, Headers());
+    router_->SendError(endpoint(), request_id_, *writer_, status, Headers(), show_workers_);
   }
 
   Router::Impl* const router_;
@@ -698,6 +819,10 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
   std::string echo_;
   int64_t prompt_tokens_ = 0;
   std::vector<tandem::v1::GenerateRequest> requests_;
+  int n_ = 1;
+  Caller caller_;
+  int64_t token_estimate_ = 0;
+  bool show_workers_ = false;
 
   std::mutex mu_;
   std::vector<Choice> choices_ ABSL_GUARDED_BY(mu_);
@@ -783,7 +908,28 @@ Router::Impl::Metrics::Metrics(MetricsRegistry& r)
       queue_depth(r.AddGauge("tandem_router_queue_depth", "Requests waiting for a slot.").Get()),
       in_flight(r.AddGauge("tandem_router_in_flight_requests",
                            "Requests running on workers (router-wide).")
-                    .Get()) {}
+                    .Get()),
+      in_flight_sequences(r.AddGauge("tandem_router_in_flight_sequences",
+                                     "Sequences (choices: a request with n = 8 runs 8) running on "
+                                     "workers, against limits.max_in_flight.")
+                              .Get()),
+      auth_failures(r.AddCounter("tandem_router_auth_failures_total",
+                                 "Requests refused by API key checks, by reason: missing, "
+                                 "malformed, unknown (401) and forbidden (a non-admin key on an "
+                                 "admin endpoint, 403).",
+                                 {"reason"})),
+      rate_limited(r.AddCounter("tandem_router_rate_limited_total",
+                                "Requests refused (429) by a per-key limit, by key name and "
+                                "limit: requests_per_s, tokens_per_min, max_concurrent.",
+                                {"key", "limit"})),
+      refusals(r.AddCounter("tandem_router_admission_refusals_total",
+                            "Requests refused before running, by reason: queue_full (429), "
+                            "n_over_max_in_flight (400), tokenize_too_large (400).",
+                            {"reason"})),
+      kv_full_skips(r.AddCounter("tandem_router_kv_full_skips_total",
+                                 "Routing decisions that passed over a worker whose last load "
+                                 "report had every KV block in use, by pool.",
+                                 {"pool"})) {}
 
 Router::Impl::Impl(RouterConfig config, std::string config_path,
                    std::shared_ptr<const ModelAssets> assets,
@@ -792,7 +938,8 @@ Router::Impl::Impl(RouterConfig config, std::string config_path,
       assets_(std::move(assets)),
       metrics_(std::make_unique<Metrics>(registry_)),
       cluster_(config.health, std::move(channels)),
-      config_(std::make_shared<const RouterConfig>(std::move(config))) {
+      config_(std::make_shared<const RouterConfig>(std::move(config))),
+      keys_(std::make_shared<const ApiKeyStore>(config_->auth)) {
   RegisterCallbacks();
 }
 
@@ -912,6 +1059,14 @@ void Router::Impl::RegisterCallbacks() {
                                    e.Emit({}, static_cast<double>(http_->connection_stats().accepted));
                                  }
                                });
+  registry_.AddCallbackCounter("tandem_router_http_connections_refused_total",
+                               "Client connections refused (503 and closed) at "
+                               "limits.max_connections.",
+                               {}, [this](MetricEmitter& e) {
+                                 if (http_ != nullptr) {
+                                   e.Emit({}, static_cast<double>(http_->connection_stats().refused));
+                                 }
+                               });
   registry_.AddCallbackGauge("tandem_router_http_open_connections", "Client connections open.", {},
                              [this](MetricEmitter& e) {
                                if (http_ != nullptr) {
@@ -959,21 +1114,28 @@ absl::Status Router::Impl::Start() {
   o.port = cfg->listener.port;
   o.threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
   o.max_body_bytes = static_cast<size_t>(cfg->limits.max_body_bytes);
+  o.max_connections = static_cast<size_t>(cfg->limits.max_connections);
   o.idle_timeout = std::chrono::seconds(
       static_cast<int64_t>(std::max(cfg->timeouts.idle_stream_s, 1.0)) + 30);
   http_ = std::make_unique<http::HttpServer>(o);
-  auto bind = [this](void (Impl::*f)(const http::Request&, std::shared_ptr<http::ResponseWriter>)) {
-    return [this, f](const http::Request& r, std::shared_ptr<http::ResponseWriter> w) {
+  // Every route checks the caller's key first (when keys are configured).
+  auto bind = [this](Access access, std::string endpoint,
+                     void (Impl::*f)(const http::Request&, std::shared_ptr<http::ResponseWriter>)) {
+    return [this, access, endpoint, f](const http::Request& r,
+                                       std::shared_ptr<http::ResponseWriter> w) {
+      if (!Authorize(access, endpoint, r, *w)) return;
       (this->*f)(r, std::move(w));
     };
   };
-  http_->Route("POST", "/v1/chat/completions", bind(&Impl::HandleChat));
-  http_->Route("POST", "/v1/completions", bind(&Impl::HandleCompletion));
-  http_->Route("GET", "/v1/models", bind(&Impl::HandleModels));
-  http_->Route("GET", "/health", bind(&Impl::HandleHealth));
-  http_->Route("GET", "/metrics", bind(&Impl::HandleMetrics));
-  http_->Route("POST", "/tokenize", bind(&Impl::HandleTokenize));
-  http_->Route("POST", "/detokenize", bind(&Impl::HandleDetokenize));
+  http_->Route("POST", "/v1/chat/completions", bind(Access::kClient, "chat", &Impl::HandleChat));
+  http_->Route("POST", "/v1/completions",
+               bind(Access::kClient, "completions", &Impl::HandleCompletion));
+  http_->Route("GET", "/v1/models", bind(Access::kClient, "models", &Impl::HandleModels));
+  http_->Route("GET", "/health", bind(Access::kOpen, "health", &Impl::HandleHealth));
+  http_->Route("GET", "/metrics", bind(Access::kAdmin, "metrics", &Impl::HandleMetrics));
+  http_->Route("POST", "/tokenize", bind(Access::kAdmin, "tokenize", &Impl::HandleTokenize));
+  http_->Route("POST", "/detokenize",
+               bind(Access::kAdmin, "detokenize", &Impl::HandleDetokenize));
   RETURN_IF_ERROR(http_->Start());
   watchdog_ = std::thread([this] {
     SetThreadName("watchdog");
@@ -981,7 +1143,10 @@ absl::Status Router::Impl::Start() {
   });
   LOG(INFO) << "router serving " << cfg->model.served_name << " on " << cfg->listener.host << ":"
             << http_->port() << " (tokenizer " << assets_->source << ", disaggregation "
-            << DisaggregationModeName(cfg->disaggregation.mode) << ")";
+            << DisaggregationModeName(cfg->disaggregation.mode) << ", "
+            << (cfg->auth.enabled() ? absl::StrCat(cfg->auth.keys.size(), " API keys")
+                                    : std::string("no API keys: open to every client"))
+            << ")";
   return absl::OkStatus();
 }
 
@@ -1107,7 +1272,8 @@ absl::Status Router::Impl::Reload() {
   std::shared_ptr<const RouterConfig> prev = config();
   // What is fixed at startup stays as it runs, so the running config says
   // what is in effect: the listener, the model section (served name,
-  // tokenizer, template, special-token parsing), the body limit and tls.
+  // tokenizer, template, special-token parsing), the body and connection
+  // limits, and tls.
   std::vector<std::string> deferred;
   if (loaded->listener.host != prev->listener.host || loaded->listener.port != prev->listener.port) {
     deferred.push_back("listener");
@@ -1124,6 +1290,9 @@ absl::Status Router::Impl::Reload() {
   if (loaded->limits.max_body_bytes != prev->limits.max_body_bytes) {
     deferred.push_back("limits.max_body_bytes");
   }
+  if (loaded->limits.max_connections != prev->limits.max_connections) {
+    deferred.push_back("limits.max_connections");
+  }
   if (loaded->tls.mode != prev->tls.mode || loaded->tls.ca != prev->tls.ca ||
       loaded->tls.cert != prev->tls.cert || loaded->tls.key != prev->tls.key) {
     deferred.push_back("tls");
@@ -1132,12 +1301,18 @@ absl::Status Router::Impl::Reload() {
   loaded->listener = prev->listener;
   loaded->model = prev->model;
   loaded->limits.max_body_bytes = prev->limits.max_body_bytes;
+  loaded->limits.max_connections = prev->limits.max_connections;
   if (!deferred.empty()) {
     LOG(WARNING) << "reload: changes to " << absl::StrJoin(deferred, ", ")
                  << " take effect at the next restart; the rest applies now";
     metrics_->reloads.WithLabels({"deferred"}).Inc();
   }
   auto next = std::make_shared<const RouterConfig>(*std::move(loaded));
+  if (prev->auth.enabled() && !next->auth.enabled()) {
+    LOG(WARNING) << "reload: the config has no API keys any more: the router is open to every "
+                    "client";
+  }
+  auto keys = std::make_shared<const ApiKeyStore>(next->auth);
   std::lock_guard<std::mutex> build(build_mu_);
   ApplyClusterConfig(*next);
   std::shared_ptr<RoutingState> rs;
@@ -1147,9 +1322,10 @@ absl::Status Router::Impl::Reload() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     config_ = next;
+    keys_ = keys;
     routing_ = rs;  // null: rebuilt when a worker reports the model
   }
-  LOG(INFO) << "reloaded " << config_path_;
+  LOG(INFO) << "reloaded " << config_path_ << " (" << keys->size() << " API keys)";
   metrics_->reloads.WithLabels({"ok"}).Inc();
   return absl::OkStatus();
 }
@@ -1173,6 +1349,23 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
     for (const auto& w : workers) {
       views.push_back(w->View());
       if (exclude.count(w->address()) != 0) views.back().healthy = false;
+    }
+    // KV awareness: a worker whose last load report had every KV block in
+    // use (none free, none cached to evict) could only queue the request or
+    // preempt another; it is passed over while a healthy peer has room.
+    auto full = [](const WorkerView& v) {
+      return v.healthy && v.total_blocks > 0 && v.used_blocks >= v.total_blocks;
+    };
+    const bool any_room = std::any_of(views.begin(), views.end(), [&](const WorkerView& v) {
+      return v.healthy && !full(v);
+    });
+    for (WorkerView& v : views) {
+      if (any_room && full(v)) {
+        v.healthy = false;
+        metrics_->kv_full_skips.WithLabels({PoolRoleName(role)}).Inc();
+        warnings_.Warn("kv_full", absl::StrCat("worker ", v.id, " reports no free KV block: "
+                                               "routing around it"));
+      }
     }
     RoutingPolicy& policy = *rs->policy[static_cast<int>(role)];
     rr.cached_tokens = cached_tokens;
@@ -1222,33 +1415,71 @@ bool Router::Impl::TakeRetry() {
 void Router::Impl::Admit(const std::shared_ptr<ApiCall>& call) {
   bool start_now = false;
   absl::Status refused;
+  http::HeaderList refusal_headers;
+  std::vector<std::shared_ptr<ApiCall>> next;
+  const Caller& caller = call->caller();
   {
     std::lock_guard<std::mutex> lock(mu_);
     const RouterConfig& cfg = *config_;
+    const int64_t n = call->n();
     if (stopping_) {
       refused = absl::UnavailableError("the router is shutting down");
+    } else if (n > cfg.limits.max_in_flight) {
+      // It could never start: every choice is a sequence on the workers.
+      refused = InvalidRequest(
+          "n", absl::StrFormat("n = %d exceeds this server's limit of %d sequences in flight "
+                               "(limits.max_in_flight); ask for fewer choices",
+                               n, cfg.limits.max_in_flight));
+      metrics_->refusals.WithLabels({"n_over_max_in_flight"}).Inc();
     } else {
-      // The retry budget: each request adds budget_ratio retries (capped).
-      retry_tokens_ = std::min(retry_tokens_ + cfg.retries.budget_ratio,
-                               std::max(10.0, 100 * cfg.retries.budget_ratio));
-      if (in_flight_ < cfg.limits.max_in_flight) {
-        ++in_flight_;
-        call->slot = true;
-        start_now = true;
-      } else if (static_cast<int64_t>(queue_.size()) < cfg.limits.max_queue) {
-        queue_.push_back(call);
-      } else {
-        refused = absl::ResourceExhaustedError(absl::StrFormat(
-            "the router is at its limits: %d requests in flight and %d queued; retry later",
-            in_flight_, queue_.size()));
+      if (caller.key != nullptr) {
+        const KeyLimiter::Decision d = limiter_.TryAcquire(
+            caller.key->name, caller.key->limits, call->token_estimate(), Clock::now());
+        if (d.refused != KeyLimit::kNone) {
+          const std::string limit(KeyLimitName(d.refused));
+          const int64_t retry = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(d.retry_after_s)));
+          refused = absl::ResourceExhaustedError(absl::StrFormat(
+              "rate limit reached for this API key (%s); retry in %d s", limit, retry));
+          refusal_headers = {{"x-request-id", call->request_id()},
+                             {"Retry-After", std::to_string(retry)}};
+          metrics_->rate_limited.WithLabels({caller.key->name, limit}).Inc();
+          warnings_.Warn("rate_limited", absl::StrCat("API key '", caller.key->name,
+                                                      "' refused by its ", limit, " limit"));
+        } else {
+          call->key_held = true;
+          call->charged_tokens = d.charged_tokens;
+        }
+      }
+      if (refused.ok()) {
+        // The retry budget: each request adds budget_ratio retries (capped).
+        retry_tokens_ = std::min(retry_tokens_ + cfg.retries.budget_ratio,
+                                 std::max(10.0, 100 * cfg.retries.budget_ratio));
+        if (queue_.empty() && in_flight_ + n <= cfg.limits.max_in_flight) {
+          in_flight_ += n;
+          ++running_requests_;
+          call->slot = true;
+          start_now = true;
+        } else if (static_cast<int64_t>(queue_.size()) < cfg.limits.max_queue) {
+          queue_.Push(caller.name(), caller.key != nullptr ? caller.key->priority : 1, n, call);
+          DrainQueueLocked(&next);
+        } else {
+          refused = absl::ResourceExhaustedError(absl::StrFormat(
+              "the router is at its limits: %d sequences in flight and %d requests queued; "
+              "retry later",
+              in_flight_, queue_.size()));
+          metrics_->refusals.WithLabels({"queue_full"}).Inc();
+        }
       }
       if (refused.ok()) active_.insert(call);
-      metrics_->in_flight.Set(static_cast<double>(in_flight_));
+      metrics_->in_flight.Set(static_cast<double>(running_requests_));
+      metrics_->in_flight_sequences.Set(static_cast<double>(in_flight_));
       metrics_->queue_depth.Set(static_cast<double>(queue_.size()));
     }
   }
   if (!refused.ok()) {
-    SendError(call->endpoint(), call->request_id(), *call->writer(), refused);
+    ReleaseKey(call);
+    SendError(call->endpoint(), call->request_id(), *call->writer(), refused,
+              std::move(refusal_headers), ShowWorkers(caller));
     return;
   }
   // A client that goes away cancels its work (or its place in the queue).
@@ -1257,17 +1488,46 @@ void Router::Impl::Admit(const std::shared_ptr<ApiCall>& call) {
     if (auto c = weak.lock()) c->Cancel(absl::CancelledError("the client disconnected"));
   });
   if (start_now) call->Start();
+  for (auto& c : next) executor_.Post([c] { c->Start(); });
+}
+
+void Router::Impl::DrainQueueLocked(std::vector<std::shared_ptr<ApiCall>>* next) {
+  // The next call in fair order waits for room for all its sequences; those
+  // behind it wait too, so a large n is not starved by small ones.
+  while (!queue_.empty() && in_flight_ + queue_.FrontCost() <= config_->limits.max_in_flight) {
+    in_flight_ += queue_.FrontCost();
+    ++running_requests_;
+    next->push_back(queue_.Pop());
+    next->back()->slot = true;
+  }
+}
+
+void Router::Impl::ReleaseKey(const std::shared_ptr<ApiCall>& call) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!call->key_held) return;
+    call->key_held = false;
+  }
+  const ApiKeyIdentity* key = call->caller().key;
+  if (key == nullptr) return;
+  limiter_.Release(key->name, key->limits, call->charged_tokens, call->TokensUsed(), Clock::now());
 }
 
 void Router::Impl::Dequeue(const std::shared_ptr<ApiCall>& call) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = std::find(queue_.begin(), queue_.end(), call);
-  if (it != queue_.end()) queue_.erase(it);
-  // A call already given a slot still runs Start, which finds it finished
-  // and ends it through CallFinished.
-  if (!call->slot) active_.erase(call);
-  metrics_->queue_depth.Set(static_cast<double>(queue_.size()));
-  idle_cv_.notify_all();
+  bool release_key = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.Remove(call);
+    // A call already given a slot still runs Start, which finds it finished
+    // and ends it through CallFinished.
+    if (!call->slot) {
+      active_.erase(call);
+      release_key = true;
+    }
+    metrics_->queue_depth.Set(static_cast<double>(queue_.size()));
+    idle_cv_.notify_all();
+  }
+  if (release_key) ReleaseKey(call);
 }
 
 void Router::Impl::ReleaseSlot(const std::shared_ptr<ApiCall>& call) {
@@ -1276,14 +1536,11 @@ void Router::Impl::ReleaseSlot(const std::shared_ptr<ApiCall>& call) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!call->slot) return;
     call->slot = false;
-    --in_flight_;
-    while (!queue_.empty() && in_flight_ < config_->limits.max_in_flight) {
-      next.push_back(queue_.front());
-      next.back()->slot = true;
-      queue_.pop_front();
-      ++in_flight_;
-    }
-    metrics_->in_flight.Set(static_cast<double>(in_flight_));
+    in_flight_ -= call->n();
+    --running_requests_;
+    DrainQueueLocked(&next);
+    metrics_->in_flight.Set(static_cast<double>(running_requests_));
+    metrics_->in_flight_sequences.Set(static_cast<double>(in_flight_));
     metrics_->queue_depth.Set(static_cast<double>(queue_.size()));
   }
   // Not inline: the caller may hold a Generation's lock. On the task
@@ -1294,9 +1551,82 @@ void Router::Impl::ReleaseSlot(const std::shared_ptr<ApiCall>& call) {
 
 void Router::Impl::CallFinished(const std::shared_ptr<ApiCall>& call) {
   ReleaseSlot(call);
+  ReleaseKey(call);
   std::lock_guard<std::mutex> lock(mu_);
   active_.erase(call);
   idle_cv_.notify_all();
+}
+
+Caller Router::Impl::Identify(const http::Request& req) const {
+  Caller c;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    c.store = keys_;
+  }
+  if (!c.store->enabled()) return c;
+  ApiKeyStore::Match m = c.store->Authenticate(req.Header("Authorization"));
+  if (m.result == ApiKeyStore::Result::kOk) c.key = m.key;
+  return c;
+}
+
+bool Router::Impl::Authorize(Access access, const std::string& endpoint,
+                             const http::Request& req, http::ResponseWriter& w) {
+  std::shared_ptr<const ApiKeyStore> store;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    store = keys_;
+  }
+  if (!store->enabled() || access == Access::kOpen) return true;
+  const ApiKeyStore::Match m = store->Authenticate(req.Header("Authorization"));
+  const std::string id = RequestId(req);
+  if (m.result != ApiKeyStore::Result::kOk) {
+    const std::string reason(AuthFailureName(m.result));
+    metrics_->auth_failures.WithLabels({reason}).Inc();
+    metrics_->requests.WithLabels({endpoint, "401"}).Inc();
+    warnings_.Warn("auth", absl::StrCat("refused a request to ", req.path, ": API key ", reason));
+    // OpenAI's answers, word for word where it has one.
+    ApiError e{.http_status = 401,
+               .type = "invalid_request_error",
+               .message = m.result == ApiKeyStore::Result::kUnknown
+                              ? "Incorrect API key provided."
+                              : "You didn't provide an API key. You need to provide your API key "
+                                "in an Authorization header using Bearer auth (i.e. "
+                                "Authorization: Bearer YOUR_KEY).",
+               .code = "invalid_api_key"};
+    w.Send(401, kJson, ApiErrorJson(e), {{"x-request-id", id}, {"WWW-Authenticate", "Bearer"}});
+    return false;
+  }
+  if (access == Access::kAdmin && !m.key->admin) {
+    metrics_->auth_failures.WithLabels({"forbidden"}).Inc();
+    metrics_->requests.WithLabels({endpoint, "403"}).Inc();
+    warnings_.Warn("forbidden", absl::StrCat("API key '", m.key->name, "' is not an admin key: ",
+                                             req.path, " refused"));
+    ApiError e{.http_status = 403,
+               .type = "permission_error",
+               .message = absl::StrCat(req.path, " needs an admin API key"),
+               .code = "insufficient_permissions"};
+    w.Send(403, kJson, ApiErrorJson(e), {{"x-request-id", id}});
+    return false;
+  }
+  return true;
+}
+
+std::vector<std::string> Router::Impl::WorkerAddresses() {
+  std::vector<std::string> out;
+  for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+    for (const auto& w : cluster_.Workers(role)) out.push_back(w->address());
+  }
+  std::shared_ptr<const RouterConfig> cfg = config();
+  for (const std::optional<PoolConfig>* p : {&cfg->prefill, &cfg->decode}) {
+    if (p->has_value()) out.insert(out.end(), (*p)->workers.begin(), (*p)->workers.end());
+  }
+  return out;
+}
+
+ApiError Router::Impl::ClientError(const absl::Status& status, bool show_workers) {
+  ApiError e = ApiErrorFromStatus(status);
+  if (!show_workers) e.message = RedactWorkers(e.message, WorkerAddresses());
+  return e;
 }
 
 std::string Router::Impl::RequestId(const http::Request& req) {
@@ -1314,11 +1644,14 @@ std::string Router::Impl::RequestId(const http::Request& req) {
 
 void Router::Impl::SendError(const std::string& endpoint, const std::string& request_id,
                              http::ResponseWriter& w, const absl::Status& status,
-                             http::HeaderList headers) {
-  const ApiError e = ApiErrorFromStatus(status);
+                             http::HeaderList headers, bool show_workers) {
+  const ApiError e = ClientError(status, show_workers);
   http::HeaderList h =
       headers.empty() ? http::HeaderList{{"x-request-id", request_id}} : std::move(headers);
-  if (e.http_status == 429 || e.http_status == 503) h.emplace_back("Retry-After", "1");
+  const bool has_retry = std::any_of(h.begin(), h.end(), [](const auto& kv) {
+    return absl::AsciiStrToLower(kv.first) == "retry-after";
+  });
+  if ((e.http_status == 429 || e.http_status == 503) && !has_retry) h.emplace_back("Retry-After", "1");
   metrics_->requests.WithLabels({endpoint, std::to_string(e.http_status)}).Inc();
   if (e.http_status >= 500) {
     LOG(WARNING) << "request " << request_id << " " << endpoint << ": " << status.ToString();
@@ -1515,6 +1848,18 @@ void Router::Impl::StartCall(CallKind kind, const http::Request& req,
   s.logprobs = logprobs.has_value();
   s.tokens_as_ids = sampling.return_tokens_as_token_ids;
   s.model = model;
+  s.caller = Identify(req);
+  {
+    // What the key's tokens_per_min is charged at admission: the prompt and
+    // every choice's max_tokens (absent: the context the prompt leaves).
+    const int64_t prompt = static_cast<int64_t>(s.prompt.size());
+    int64_t per_choice = sampling.max_tokens.value_or(0);
+    if (!sampling.max_tokens.has_value()) {
+      std::shared_ptr<RoutingState> rs = CurrentRouting();
+      per_choice = rs != nullptr ? std::max<int64_t>(0, rs->max_context - prompt) : 0;
+    }
+    s.token_estimate = prompt + static_cast<int64_t>(s.n) * per_choice;
+  }
   auto call = std::make_shared<ApiCall>(this, std::move(w), kind, id, std::move(cfg));
   uint64_t seed;
   {
@@ -1554,8 +1899,21 @@ void Router::Impl::HandleHealth(const http::Request& req, std::shared_ptr<http::
   }
   // Ready when a decode-capable worker can take requests: without prefill
   // workers the decode workers prefill themselves (degraded, not down).
+  // With API keys, the pools' make-up is for admin keys only: a probe
+  // learns ready or not.
+  const Caller caller = Identify(req);
+  const bool details = !caller.store->enabled() || caller.admin();
   if (healthy[d] > 0) {
-    w->Send(200, kJson, nlohmann::json({{"status", "ok"}, {"pools", pools}}).dump());
+    nlohmann::json body = {{"status", "ok"}};
+    if (details) body["pools"] = pools;
+    w->Send(200, kJson, body.dump());
+    return;
+  }
+  if (!details) {
+    nlohmann::json body = nlohmann::json::parse(
+        ApiErrorJson(ApiErrorFromStatus(absl::UnavailableError("no healthy decode worker"))));
+    body["status"] = "unavailable";
+    w->Send(503, kJson, body.dump(), {{"Retry-After", "1"}});
     return;
   }
   ApiError e = ApiErrorFromStatus(absl::UnavailableError(
@@ -1602,6 +1960,22 @@ void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http
     return fail(InvalidRequest(has_prompt ? "messages" : "prompt",
                                "give exactly one of 'prompt' and 'messages'"));
   }
+  // Bounded before any work: the answer (ids, and token_strs) grows with the
+  // text, so the text (of which the body is an upper bound, up to its JSON
+  // escapes) is bounded by what the model could take.
+  if (std::shared_ptr<RoutingState> rs = Routing(); rs != nullptr && rs->max_context > 0) {
+    const std::string_view text = has_prompt && body["prompt"].is_string()
+                                      ? std::string_view(body["prompt"].get_ref<const std::string&>())
+                                      : std::string_view(req.body);
+    if (static_cast<int64_t>(text.size()) > rs->max_context * kTokenizeBytesPerContextToken) {
+      metrics_->refusals.WithLabels({"tokenize_too_large"}).Inc();
+      return fail(InvalidRequest(
+          has_prompt ? "prompt" : "messages",
+          absl::StrFormat("the text is %d bytes, more than %d x this model's context of %d "
+                          "tokens could hold",
+                          text.size(), kTokenizeBytesPerContextToken, rs->max_context)));
+    }
+  }
   std::vector<int32_t> tokens;
   if (has_prompt) {
     if (!body["prompt"].is_string()) return fail(InvalidRequest("prompt", "'prompt' must be a string"));
@@ -1624,17 +1998,28 @@ void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http
   }
   absl::StatusOr<bool> strs = flag("return_token_strs", false);
   if (!strs.ok()) return fail(strs.status());
-  nlohmann::json out = {{"tokens", tokens}, {"count", tokens.size()}};
-  if (std::shared_ptr<RoutingState> rs = Routing(); rs != nullptr) {
-    out["max_model_len"] = rs->max_context;
+  std::shared_ptr<RoutingState> rs = Routing();
+  // Written straight into one string: a JSON tree of the ids and strings
+  // costs tens of bytes per token more.
+  std::string out = "{\"tokens\":[";
+  out.reserve(tokens.size() * (*strs ? 16 : 7) + 64);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (i > 0) out.push_back(',');
+    absl::StrAppend(&out, tokens[i]);
   }
+  absl::StrAppend(&out, "],\"count\":", tokens.size());
+  if (rs != nullptr) absl::StrAppend(&out, ",\"max_model_len\":", rs->max_context);
   if (*strs) {
-    nlohmann::json t = nlohmann::json::array();
-    for (int32_t tok : tokens) t.push_back(assets_->tokenizer->IdToToken(tok).value_or(""));
-    out["token_strs"] = std::move(t);
+    out += ",\"token_strs\":[";
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (i > 0) out.push_back(',');
+      out += nlohmann::json(assets_->tokenizer->IdToToken(tokens[i]).value_or(""))
+                 .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    }
+    out.push_back(']');
   }
-  w->Send(200, kJson, out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
-          {{"x-request-id", id}});
+  out.push_back('}');
+  w->Send(200, kJson, std::move(out), {{"x-request-id", id}});
 }
 
 void Router::Impl::HandleDetokenize(const http::Request& req,

@@ -109,8 +109,9 @@ void PostAndHangUp(const std::string& base, const std::string& target, const std
   }
 }
 
-std::optional<double> ScrapeMetric(const std::string& base, const std::string& series) {
-  const HttpResponse r = HttpGet(base, "/metrics");
+std::optional<double> ScrapeMetric(const std::string& base, const std::string& series,
+                                   const Headers& headers) {
+  const HttpResponse r = HttpCall(base, "GET", "/metrics", "", headers);
   if (r.status != 200) return std::nullopt;
   const std::string needle = "\n" + series + " ";
   const size_t at = ("\n" + r.body).find(needle);

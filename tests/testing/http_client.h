@@ -43,7 +43,9 @@ inline HttpResponse HttpPost(const std::string& base, const std::string& target,
 // The value of an unlabelled Prometheus series (e.g. "x_total" or
 // "h_count{pool=\"decode\"}") on base's /metrics; nullopt when absent or
 // the page cannot be read.
-std::optional<double> ScrapeMetric(const std::string& base, const std::string& series);
+// `headers` go with the request (an admin key's Authorization).
+std::optional<double> ScrapeMetric(const std::string& base, const std::string& series,
+                                   const Headers& headers = {});
 
 // The "data:" payloads of an SSE body, in order ("[DONE]" included).
 std::vector<std::string> SseData(const std::string& body);

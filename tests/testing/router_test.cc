@@ -42,6 +42,7 @@ std::string RouterYaml::Text() const {
   } else {
     absl::StrAppend(&y, "tls:\n  mode: insecure\n");
   }
+  if (worker_details) absl::StrAppend(&y, "debug:\n  worker_details: true\n");
   absl::StrAppend(&y, extra);
   return y;
 }
@@ -103,9 +104,9 @@ RouterTest::Reply RouterTest::Post(const std::string& target, const nlohmann::js
   return r;
 }
 
-RouterTest::Reply RouterTest::Get(const std::string& target) {
+RouterTest::Reply RouterTest::Get(const std::string& target, const Headers& headers) {
   Reply r;
-  r.http = HttpGet(router_->url(), target);
+  r.http = HttpCall(router_->url(), "GET", target, "", headers);
   r.json = nlohmann::json::parse(r.http.body, nullptr, false);
   if (r.json.is_discarded()) r.json = nullptr;
   return r;
@@ -120,7 +121,7 @@ std::future<RouterTest::Reply> RouterTest::PostAsync(const std::string& target,
 }
 
 std::optional<double> RouterTest::Metric(const std::string& series) {
-  return ScrapeMetric(router_->url(), series);
+  return ScrapeMetric(router_->url(), series, metrics_headers_);
 }
 
 bool RouterTest::WaitForMetric(const std::string& series, const std::function<bool(double)>& pred,

@@ -32,6 +32,9 @@ struct RouterYaml {
   // The router's identity for mutual TLS with its workers; unset: `tls:
   // {mode: insecure}`.
   std::optional<tls::TlsFiles> tls;
+  // debug.worker_details: the x-tandem-*-worker headers that many tests
+  // read (off by default in a router).
+  bool worker_details = true;
   std::string Text() const;
 };
 
@@ -53,7 +56,7 @@ class RouterTest : public WorkerTest {
     nlohmann::json json;  // null unless the body parsed
   };
   Reply Post(const std::string& target, const nlohmann::json& body, const Headers& headers = {});
-  Reply Get(const std::string& target);
+  Reply Get(const std::string& target, const Headers& headers = {});
 
   // Post on another thread (the reply's future).
   std::future<Reply> PostAsync(const std::string& target, const nlohmann::json& body,
@@ -68,6 +71,10 @@ class RouterTest : public WorkerTest {
                      std::chrono::milliseconds timeout = std::chrono::seconds(20));
 
   RouterProcess* router() { return router_.get(); }
+
+  // Sent with Metric's /metrics requests (an admin key, when the router
+  // has keys).
+  Headers metrics_headers_;
 
  private:
   std::unique_ptr<RouterProcess> router_;
