@@ -106,9 +106,10 @@ class ConnectionPool {
       : endpoints_(std::move(endpoints)), keep_alive_(keep_alive) {}
 
   // An idle connection (*reused = true) or a new one; ec on connect failure.
+  // `fresh`: a new one whatever is idle.
   Task<std::unique_ptr<beast::tcp_stream>> Get(std::chrono::seconds timeout, bool* reused,
-                                              beast::error_code& ec) {
-    *reused = !idle_.empty();
+                                              beast::error_code& ec, bool fresh = false) {
+    *reused = !fresh && !idle_.empty();
     std::unique_ptr<beast::tcp_stream> stream;
     if (*reused) {
       stream = std::move(idle_.back());
@@ -165,11 +166,13 @@ Task<Exchange> StreamPost(ConnectionPool& pool, const std::string& host,
     return std::move(ex);
   };
   // A reused connection the server closed while idle fails before any
-  // response byte: that request goes again on a new connection, once.
+  // response byte: that request goes again, once, on a new connection (not
+  // another idle one: after a lull the server may have closed them all, and
+  // the pool, last in first out, keeps its least used at the bottom).
   for (bool retry = true;; retry = false) {
     ec = {};
     bool reused = false;
-    stream = co_await pool.Get(timeout, &reused, ec);
+    stream = co_await pool.Get(timeout, &reused, ec, /*fresh=*/!retry);
     if (ec) co_return failed("connect");
     co_await http::async_write(*stream, req, asio::redirect_error(asio::use_awaitable, ec));
     if (ec && reused && retry) {
