@@ -964,43 +964,43 @@ void Router::Impl::RegisterCallbacks() {
           }
         }
       });
+  // Series of each worker's last load report, one per state.
+  using LoadStates = std::vector<std::pair<const char*, double>>;
+  auto per_worker_load = [this](LoadStates (*states)(const tandem::v1::LoadReport&)) {
+    return [this, states](MetricEmitter& e) {
+      for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+        for (const auto& w : cluster_.Workers(role)) {
+          std::optional<tandem::v1::LoadReport> l = w->last_load();
+          if (!l.has_value()) continue;
+          for (const auto& [state, value] : states(*l)) {
+            e.Emit({PoolRoleName(role), w->address(), state}, value);
+          }
+        }
+      }
+    };
+  };
   registry_.AddCallbackGauge(
       "tandem_router_worker_kv_blocks",
       "Each worker's KV blocks by state, as its last health check's load report said: free, "
       "used (referenced by requests), cached (evictable prefix cache), quarantined (a failed "
       "transfer's destination, briefly out of use).",
-      {"pool", "worker", "state"}, [this](MetricEmitter& e) {
-        for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
-          for (const auto& w : cluster_.Workers(role)) {
-            std::optional<tandem::v1::LoadReport> l = w->last_load();
-            if (!l.has_value()) continue;
-            const std::string pool = PoolRoleName(role);
-            e.Emit({pool, w->address(), "free"}, static_cast<double>(l->free_blocks()));
-            e.Emit({pool, w->address(), "used"}, static_cast<double>(l->used_blocks()));
-            e.Emit({pool, w->address(), "cached"}, static_cast<double>(l->cached_blocks()));
-            e.Emit({pool, w->address(), "quarantined"},
-                   static_cast<double>(l->quarantined_blocks()));
-          }
-        }
-      });
+      {"pool", "worker", "state"}, per_worker_load([](const tandem::v1::LoadReport& l) {
+        return LoadStates{{"free", static_cast<double>(l.free_blocks())},
+                          {"used", static_cast<double>(l.used_blocks())},
+                          {"cached", static_cast<double>(l.cached_blocks())},
+                          {"quarantined", static_cast<double>(l.quarantined_blocks())}};
+      }));
   registry_.AddCallbackGauge(
       "tandem_router_worker_sequences",
       "Each worker's sequences by state, as its last health check's load report said: running, "
       "waiting, reserved (decode: waiting for their KV), prefilled (prefill: holding KV until "
       "it is sent).",
-      {"pool", "worker", "state"}, [this](MetricEmitter& e) {
-        for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
-          for (const auto& w : cluster_.Workers(role)) {
-            std::optional<tandem::v1::LoadReport> l = w->last_load();
-            if (!l.has_value()) continue;
-            const std::string pool = PoolRoleName(role);
-            e.Emit({pool, w->address(), "running"}, l->running_sequences());
-            e.Emit({pool, w->address(), "waiting"}, l->waiting_sequences());
-            e.Emit({pool, w->address(), "reserved"}, l->reserved_requests());
-            e.Emit({pool, w->address(), "prefilled"}, l->prefilled_requests());
-          }
-        }
-      });
+      {"pool", "worker", "state"}, per_worker_load([](const tandem::v1::LoadReport& l) {
+        return LoadStates{{"running", static_cast<double>(l.running_sequences())},
+                          {"waiting", static_cast<double>(l.waiting_sequences())},
+                          {"reserved", static_cast<double>(l.reserved_requests())},
+                          {"prefilled", static_cast<double>(l.prefilled_requests())}};
+      }));
   registry_.AddCallbackGauge(
       "tandem_router_kv_index_blocks", "Entries in a pool's KV index (kv_cache_aware).", {"pool"},
       [this](MetricEmitter& e) {
