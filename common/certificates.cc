@@ -149,6 +149,15 @@ absl::Status WritePair(const std::string& dir, const std::string& name, const Ke
   return WriteNew(absl::StrCat(dir, "/", name, ".crt"), pair.cert_pem, false);
 }
 
+// A signed certificate and its key as PEM.
+absl::StatusOr<KeyPair> ToKeyPair(X509* cert, EVP_PKEY* key) {
+  absl::StatusOr<std::string> cert_pem = ToPem(cert);
+  if (!cert_pem.ok()) return cert_pem.status();
+  absl::StatusOr<std::string> key_pem = ToPem(key);
+  if (!key_pem.ok()) return key_pem.status();
+  return KeyPair{.cert_pem = *std::move(cert_pem), .key_pem = *std::move(key_pem)};
+}
+
 }  // namespace
 
 absl::StatusOr<KeyPair> MakeCa(absl::string_view common_name, int days) {
@@ -166,14 +175,7 @@ absl::StatusOr<KeyPair> MakeCa(absl::string_view common_name, int days) {
     if (absl::Status s = AddExtension(c, c, nid, value); !s.ok()) return s;
   }
   if (X509_sign(c, key->get(), EVP_sha256()) == 0) return OpenSslFailure("signing the CA");
-  KeyPair out;
-  absl::StatusOr<std::string> cert_pem = ToPem(c);
-  absl::StatusOr<std::string> key_pem = ToPem(key->get());
-  if (!cert_pem.ok()) return cert_pem.status();
-  if (!key_pem.ok()) return key_pem.status();
-  out.cert_pem = *std::move(cert_pem);
-  out.key_pem = *std::move(key_pem);
-  return out;
+  return ToKeyPair(c, key->get());
 }
 
 absl::StatusOr<KeyPair> IssueCertificate(const KeyPair& ca, absl::string_view identity,
@@ -208,14 +210,7 @@ absl::StatusOr<KeyPair> IssueCertificate(const KeyPair& ca, absl::string_view id
     if (absl::Status s = AddExtension(c, ca_cert->get(), nid, value); !s.ok()) return s;
   }
   if (X509_sign(c, ca_key->get(), EVP_sha256()) == 0) return OpenSslFailure("signing a certificate");
-  KeyPair out;
-  absl::StatusOr<std::string> cert_pem = ToPem(c);
-  absl::StatusOr<std::string> key_pem = ToPem(key->get());
-  if (!cert_pem.ok()) return cert_pem.status();
-  if (!key_pem.ok()) return key_pem.status();
-  out.cert_pem = *std::move(cert_pem);
-  out.key_pem = *std::move(key_pem);
-  return out;
+  return ToKeyPair(c, key->get());
 }
 
 ClusterFiles ClusterFilesIn(const std::string& dir) {
