@@ -42,7 +42,7 @@ HttpServer* StartServer() {
   // Echoes what was parsed, so that every field of Request is read.
   server->Route("POST", "/v1/chat/completions", [](const Request& req, std::shared_ptr<ResponseWriter> w) {
     std::string out = absl::StrCat(req.method, " ", req.path, "?", req.query, " v", req.version, " ",
-                                   req.Header("content-type"), req.HasHeader("x-a") ? "1" : "0", "\n");
+                                   std::string(req.Header("content-type")), req.HasHeader("x-a") ? "1" : "0", "\n");
     for (const auto& [name, value] : req.headers) absl::StrAppend(&out, name, "=", value, "\n");
     out += req.body;
     w->Send(200, "text/plain", std::move(out), {{"X-Echo", std::string(req.Header("x-echo"))}});
