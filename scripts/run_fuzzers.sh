@@ -5,8 +5,9 @@
 # are kept for the next run. A crash, leak, timeout or out-of-memory fails the
 # run; the reproducer is left in BUILD_DIR/fuzz/artifacts (copy it into the
 # seed folder once fixed, as a regression input). Prints one line per target:
-# executions, executions per second, coverage (libFuzzer's cov: edges and
-# ft: features) and the corpus size.
+# executions, executions per second, coverage (libFuzzer's cov: edges
+# reached, of all the binary's instrumented edges, and ft: features) and the
+# corpus size.
 #
 # Usage: scripts/run_fuzzers.sh BUILD_DIR SECONDS [NAME...]   (all targets by default)
 # Extra libFuzzer flags: FUZZ_FLAGS="-jobs=2 -workers=2" scripts/run_fuzzers.sh ...
@@ -23,7 +24,7 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_stack_use_after_retu
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 
 failed=()
-printf '%-26s %12s %9s %8s %8s %8s  %s\n' target executions exec/s cov ft corpus result
+printf '%-26s %12s %9s %14s %8s %8s  %s\n' target executions exec/s cov/edges ft corpus result
 while read -r name bin corpus dict max_len timeout; do
   if (($# > 0)) && [[ " $* " != *" $name "* ]]; then continue; fi
   [[ -x $bin ]] || { echo "run_fuzzers: $bin is not built" >&2; failed+=("$name"); continue; }
@@ -41,13 +42,14 @@ while read -r name bin corpus dict max_len timeout; do
   last=$(grep -E '^#[0-9]+' "$log" | tail -n 1)
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
+  edges=$(sed -n 's/^INFO: Loaded 1 modules *(\([0-9]*\) inline 8-bit counters.*/\1/p' "$log" | head -n 1)
   size=$(find "$work" -type f | wc -l)
   result=ok
   if ((rc != 0)); then
     result="FAILED (exit $rc, log $log)"
     failed+=("$name")
   fi
-  printf '%-26s %12s %9s %8s %8s %8s  %s\n' "$name" "${execs:-?}" "${rate:-?}" "${cov:-?}" "${ft:-?}" "$size" "$result"
+  printf '%-26s %12s %9s %14s %8s %8s  %s\n' "$name" "${execs:-?}" "${rate:-?}" "${cov:-?}/${edges:-?}" "${ft:-?}" "$size" "$result"
   if ((rc != 0)); then
     grep -E 'ERROR|SUMMARY|==[0-9]+==|Test unit written' "$log" | head -n 20 >&2
   fi

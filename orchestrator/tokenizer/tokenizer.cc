@@ -168,8 +168,17 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
       if (!specials.contains(name) || !specials[name].contains("ids") || !specials[name]["ids"].is_array()) {
         return InvalidTokenizerJson(absl::StrCat(path, ".special_tokens[\"", name, "\"]"), "missing or without ids");
       }
-      for (const json& id : specials[name]["ids"]) {
-        (seen_sequence ? suffix_ids_ : prefix_ids_).push_back(id.get<int32_t>());
+      const json& ids = specials[name]["ids"];
+      for (size_t k = 0; k < ids.size(); ++k) {
+        // The template's ids go to the workers as they are: each must be a
+        // token of this vocabulary (a stray id once reached Encode's output).
+        if (!ids[k].is_number_integer() || ids[k].get<int64_t>() < 0 ||
+            ids[k].get<int64_t>() >= static_cast<int64_t>(id_to_token_.size())) {
+          return InvalidTokenizerJson(absl::StrCat(path, ".special_tokens[\"", name, "\"].ids[", k, "]"),
+                                      absl::StrCat("expected an id in the vocabulary [0, ", id_to_token_.size(),
+                                                   "), got ", ids[k].dump()));
+        }
+        (seen_sequence ? suffix_ids_ : prefix_ids_).push_back(ids[k].get<int32_t>());
       }
     }
     return absl::OkStatus();

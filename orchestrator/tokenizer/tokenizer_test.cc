@@ -405,6 +405,26 @@ TEST(TokenizerTest, HugeTokenIdsAreRefusedBeforeAllocating) {
   EXPECT_THAT((*tok)->Encode("a<far>", false), ElementsAre(0, 300000));
 }
 
+// Found by tokenizer_json_fuzzer: a post-processor template naming an id
+// outside the vocabulary (here the added token it meant was gone) made Encode
+// return that id, which the router would send to the workers.
+TEST(TokenizerTest, PostProcessorIdsMustBeInTheVocabulary) {
+  for (const json& bad : {json(8), json(-1), json("7"), json(1e12)}) {
+    json j = TinyByteLevelBpe();
+    j["post_processor"]["special_tokens"]["<s>"]["ids"] = json::array({bad});
+    auto tok = Tokenizer::FromJson(j.dump());
+    ASSERT_FALSE(tok.ok()) << bad;
+    EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(tok.status().message()),
+                HasSubstr("post_processor.special_tokens[\"<s>\"].ids[0]: expected an id in the vocabulary [0, 8)"));
+  }
+  json j = TinyByteLevelBpe();
+  j["added_tokens"] = json::array();  // the template's <s> (id 7) is now not a token
+  auto tok = Tokenizer::FromJson(j.dump());
+  ASSERT_FALSE(tok.ok());
+  EXPECT_THAT(std::string(tok.status().message()), HasSubstr("expected an id in the vocabulary [0, 7), got 7"));
+}
+
 TEST(TokenizerTest, DeepNestingIsRefusedInsteadOfOverflowingTheStack) {
   const int depth = 100000;
   std::string normalizer;

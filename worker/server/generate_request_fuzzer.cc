@@ -113,11 +113,13 @@ void Call(tandem::v1::GenerateRequest& req) {
   std::unique_ptr<grpc::ClientReader<tandem::v1::GenerateResponse>> reader = TheWorker().stub->Generate(&ctx, req);
   tandem::v1::GenerateResponse response;
   const bool got = reader->Read(&response);
-  ctx.TryCancel();
-  while (reader->Read(&response)) {
+  if (got) {
+    ctx.TryCancel();  // accepted: enough; a cancel racing the error status would hide it
+    while (reader->Read(&response)) {
+    }
   }
   const grpc::Status status = reader->Finish();
-  if (got) return;  // accepted (then cancelled by us)
+  if (got) return;  // accepted, then cancelled by us
   switch (status.error_code()) {
     case grpc::StatusCode::INVALID_ARGUMENT:
     case grpc::StatusCode::FAILED_PRECONDITION:
