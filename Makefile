@@ -53,7 +53,7 @@ fuzz: fuzz-build
 
 # CI's sanitizer stage: the whole suite under ASan+UBSan with UCX on (gcc: clang-14 cannot
 # compile the load generator's coroutines against Debian's libstdc++/Boost), at -O1 in
-# build-asan-ucx, then `make fuzz`. See scripts/run_sanitized_tests.sh for the UCX settings.
+# build-asan-ucx, then `make fuzz`. UCX needs no suppression under ASan (scripts/run_sanitized_tests.sh).
 SANITIZE_DIR ?= build-asan-ucx
 sanitize:
 	$(MAKE) build BUILD_DIR=$(SANITIZE_DIR) CMAKE_FLAGS="-DCMAKE_BUILD_TYPE=RelWithDebInfo \
