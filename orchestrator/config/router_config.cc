@@ -334,24 +334,24 @@ class Parser {
     // its parser reports empty documents forever, allocating each: found by
     // router_config_fuzzer), so documents are counted by a bounded loop over
     // the parser's events and only the first one is built.
-    std::vector<YAML::Node> docs;
+    int count = 0;
+    YAML::Node doc;
     try {
-      const int count = CountDocuments(yaml, /*at_most=*/2);
-      if (count > 0) docs.push_back(YAML::Load(std::string(yaml)));
-      if (count > 1) docs.push_back(YAML::Node());
+      count = CountDocuments(yaml, /*at_most=*/2);
+      if (count == 1) doc = YAML::Load(std::string(yaml));
     } catch (const YAML::ParserException& e) {
       return absl::InvalidArgumentError(
           absl::StrCat(At(e.mark), "YAML syntax error: ", e.msg));
     } catch (const YAML::Exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(At(e.mark), "YAML error: ", e.msg));
     }
-    if (docs.size() > 1) {
+    if (count > 1) {
       return absl::InvalidArgumentError(
           absl::StrCat(name_, ": holds more than one YAML document; expected one"));
     }
     marks_[""] = YAML::Mark();  // line 0, column 0: the top of the file
     RouterConfig config;
-    if (!docs.empty()) RETURN_IF_ERROR(Root(docs[0], &config));
+    if (count == 1) RETURN_IF_ERROR(Root(doc, &config));
     RETURN_IF_ERROR(Validator([this](const std::string& path) { return Where(path); })
                         .Validate(config));
     return config;
