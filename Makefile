@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PORT ?= 8000
 
-.PHONY: deps configure build run test asan bench soak clean
+.PHONY: deps configure build run test asan fuzz fuzz-build sanitize bench soak clean
 
 deps:
 	@scripts/install_deps.sh
@@ -31,6 +31,36 @@ test: build
 asan:
 	$(MAKE) test BUILD_DIR=build-asan CMAKE_FLAGS="-DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DTANDEM_SANITIZE=address,undefined -DTANDEM_WITH_UCX=OFF -DTANDEM_WITH_NCCL=OFF -DTANDEM_CUDA=OFF"
+
+# libFuzzer targets (clang-14, ASan+UBSan, in $(FUZZ_DIR)): `make fuzz` builds only the fuzzers and
+# the libraries they need, then runs each for FUZZ_SECONDS on its seed corpus (the new inputs it
+# finds stay in $(FUZZ_DIR)/fuzz/corpus); a crash fails it and leaves the reproducer in
+# $(FUZZ_DIR)/fuzz/artifacts.
+FUZZ_DIR ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_CMAKE_FLAGS = -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" -DTANDEM_FUZZ=ON -DTANDEM_BUILD_TESTS=OFF \
+  -DTANDEM_SANITIZE=address,undefined -DTANDEM_WITH_NCCL=OFF -DTANDEM_CUDA=OFF
+
+$(FUZZ_DIR)/build.ninja:
+	CC=clang-14 CXX=clang++-14 cmake -S . -B $(FUZZ_DIR) -G Ninja $(FUZZ_CMAKE_FLAGS)
+
+fuzz-build: deps $(FUZZ_DIR)/build.ninja
+	cmake --build $(FUZZ_DIR) -j $(JOBS) --target fuzzers
+
+fuzz: fuzz-build
+	scripts/run_fuzzers.sh $(FUZZ_DIR) $(FUZZ_SECONDS)
+
+# CI's sanitizer stage: the whole suite under ASan+UBSan with UCX on (gcc: clang-14 cannot
+# compile the load generator's coroutines against Debian's libstdc++/Boost), at -O1 in
+# build-asan-ucx, then `make fuzz`. UCX needs no suppression under ASan (scripts/run_sanitized_tests.sh).
+SANITIZE_DIR ?= build-asan-ucx
+sanitize:
+	$(MAKE) build BUILD_DIR=$(SANITIZE_DIR) CMAKE_FLAGS="-DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 \
+	  -DTANDEM_SANITIZE=address,undefined -DTANDEM_WITH_UCX=ON -DTANDEM_WITH_NCCL=OFF -DTANDEM_CUDA=OFF"
+	scripts/run_sanitized_tests.sh $(SANITIZE_DIR) $(JOBS)
+	$(MAKE) fuzz
 
 # Quick benchmarks (a few minutes): routing quality on simulated workers, the router's overhead
 # against nginx and the KV index at scale, with one ratio table; then the engine.

@@ -48,3 +48,35 @@ function(tandem_cc_test)
   gtest_discover_tests(${T_NAME} DISCOVERY_TIMEOUT 60
     PROPERTIES ${props} ENVIRONMENT "TANDEM_BIN=$<TARGET_FILE:tandem>")
 endfunction()
+
+# A libFuzzer target beside the code it fuzzes (`foo_fuzzer.cc`), built only
+# with TANDEM_FUZZ. CORPUS is its seed folder in the source tree, DICT an
+# optional libFuzzer dictionary, MAX_LEN the largest input in bytes and
+# TIMEOUT the seconds one input may take. scripts/run_fuzzers.sh reads them
+# from the build tree's fuzzers.txt.
+function(tandem_cc_fuzzer)
+  cmake_parse_arguments(T "" "NAME;CORPUS;DICT;MAX_LEN;TIMEOUT" "SRCS;DEPS" ${ARGN})
+  if(NOT TANDEM_FUZZ)
+    return()
+  endif()
+  add_executable(${T_NAME} ${T_SRCS})
+  target_compile_options(${T_NAME} PRIVATE ${TANDEM_WARNINGS})
+  target_link_libraries(${T_NAME} PRIVATE ${T_DEPS})
+  target_link_options(${T_NAME} PRIVATE -fsanitize=fuzzer)
+  set_target_properties(${T_NAME} PROPERTIES RUNTIME_OUTPUT_DIRECTORY "${PROJECT_BINARY_DIR}/fuzz")
+  add_dependencies(fuzzers ${T_NAME})
+  if(NOT T_MAX_LEN)
+    set(T_MAX_LEN 4096)
+  endif()
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 10)
+  endif()
+  if(T_DICT)
+    set(T_DICT "${CMAKE_CURRENT_SOURCE_DIR}/${T_DICT}")
+  else()
+    set(T_DICT "-")
+  endif()
+  # name binary corpus dict max_len timeout
+  file(APPEND "${PROJECT_BINARY_DIR}/fuzzers.txt"
+       "${T_NAME} ${PROJECT_BINARY_DIR}/fuzz/${T_NAME} ${CMAKE_CURRENT_SOURCE_DIR}/${T_CORPUS} ${T_DICT} ${T_MAX_LEN} ${T_TIMEOUT}\n")
+endfunction()

@@ -13,6 +13,7 @@ PACKAGES=(
   python3-jinja2  # chat_template_test's reference renderer (transformers' Jinja2 setup)
   dnsmasq-base  # router_dns_test's DNS server for discovery (A records added and removed)
   nginx  # bench_overhead.sh's reverse proxy, the baseline the router's overhead is compared with
+  clang-14 libclang-rt-14-dev llvm-14  # make fuzz / make sanitize: libFuzzer, ASan+UBSan, llvm-cov
 )
 # The tokenizer tests fetch reference data with npm: Debian's Node.js unless
 # one is installed already.

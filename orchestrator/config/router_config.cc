@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -22,6 +23,7 @@
 #include "common/file_util.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "yaml-cpp/eventhandler.h"
 #include "yaml-cpp/yaml.h"
 
 namespace tandem::router {
@@ -395,27 +397,54 @@ struct Fields {
   }
 };
 
+// The number of YAML documents in `yaml`, counting up to `at_most`. Throws
+// what yaml-cpp's parser throws on a syntax error.
+int CountDocuments(std::string_view yaml, int at_most) {
+  struct Ignore final : YAML::EventHandler {
+    void OnDocumentStart(const YAML::Mark&) override {}
+    void OnDocumentEnd() override {}
+    void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+    void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+    void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+    void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+    void OnSequenceEnd() override {}
+    void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+    void OnMapEnd() override {}
+  } ignore;
+  std::istringstream in{std::string(yaml)};
+  YAML::Parser parser(in);
+  int count = 0;
+  while (count < at_most && parser.HandleNextDocument(ignore)) ++count;
+  return count;
+}
+
 class Parser {
  public:
   explicit Parser(std::string name) : name_(std::move(name)) {}
 
   absl::StatusOr<RouterConfig> Parse(std::string_view yaml) {
-    std::vector<YAML::Node> docs;
+    // yaml-cpp 0.7's LoadAll never returns on some inputs (after a stray ','
+    // its parser reports empty documents forever, allocating each: found by
+    // router_config_fuzzer), so documents are counted by a bounded loop over
+    // the parser's events and only the first one is built.
+    int count = 0;
+    YAML::Node doc;
     try {
-      docs = YAML::LoadAll(std::string(yaml));
+      count = CountDocuments(yaml, /*at_most=*/2);
+      if (count == 1) doc = YAML::Load(std::string(yaml));
     } catch (const YAML::ParserException& e) {
       return absl::InvalidArgumentError(
           absl::StrCat(At(e.mark), "YAML syntax error: ", e.msg));
     } catch (const YAML::Exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(At(e.mark), "YAML error: ", e.msg));
     }
-    if (docs.size() > 1) {
+    if (count > 1) {
       return absl::InvalidArgumentError(
-          absl::StrCat(name_, ": holds ", docs.size(), " YAML documents; expected one"));
+          absl::StrCat(name_, ": holds more than one YAML document; expected one"));
     }
     marks_[""] = YAML::Mark();  // line 0, column 0: the top of the file
     RouterConfig config;
-    if (!docs.empty()) RETURN_IF_ERROR(Root(docs[0], &config));
+    if (count == 1) RETURN_IF_ERROR(Root(doc, &config));
     RETURN_IF_ERROR(Validator([this](const std::string& path) { return Where(path); })
                         .Validate(config));
     return config;

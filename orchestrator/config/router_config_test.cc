@@ -253,7 +253,20 @@ TEST(RouterConfigTest, YamlSyntaxError) {
   const std::string msg = ErrorOf("listener:\n  port: 1\n  host: [a, b\n");
   EXPECT_THAT(msg, StartsWith("t.yaml:"));
   EXPECT_THAT(msg, HasSubstr("YAML syntax error"));
-  EXPECT_THAT(ErrorOf("a: 1\n---\nb: 2\n"), HasSubstr("2 YAML documents"));
+  EXPECT_THAT(ErrorOf("a: 1\n---\nb: 2\n"), HasSubstr("more than one YAML document"));
+}
+
+// Found by router_config_fuzzer: yaml-cpp's LoadAll never returned on a stray
+// ',' (empty documents forever, the heap growing), so a reload hung. Each
+// input must now give an answer; the fuzzer's timeout input is the last one.
+TEST(RouterConfigTest, StrayCommaIsAnErrorNotAHang) {
+  for (const std::string yaml : {",", "{a: 1}\n,", "[a]\n,\n",
+                                 "{listener: {host: '::', port: 8080}, disaggregation: {mode: never}}\n,"}) {
+    EXPECT_THAT(ErrorOf(yaml), HasSubstr("more than one YAML document")) << yaml;
+  }
+  // A file of comments only is the empty config, as before.
+  auto empty = Parse("# nothing\n");
+  EXPECT_EQ(empty.status().code(), Parse("").status().code());
 }
 
 TEST(RouterConfigTest, LoadNamesTheFile) {

@@ -81,8 +81,9 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(const json& model) {
   m->vocab_.reserve(vocab->size());
   int32_t max_id = -1;
   for (const auto& [token, id] : vocab->items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > (1 << 30)) {
-      return InvalidTokenizerJson(absl::StrCat("model.vocab[\"", token, "\"]"), "expected an id >= 0");
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > kMaxTokenId) {
+      return InvalidTokenizerJson(absl::StrCat("model.vocab[\"", token, "\"]"),
+                                  absl::StrCat("expected an id in [0, ", kMaxTokenId, "]"));
     }
     const auto i = id.get<int32_t>();
     m->vocab_.emplace(token, i);

@@ -5,6 +5,7 @@
 #ifndef TANDEM_ORCHESTRATOR_TOKENIZER_JSON_STEPS_H_
 #define TANDEM_ORCHESTRATOR_TOKENIZER_JSON_STEPS_H_
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -14,6 +15,17 @@
 #include "nlohmann/json_fwd.hpp"
 
 namespace tandem::router {
+
+// The largest token id a tokenizer.json may use. Ids index dense tables
+// (about 100 bytes per id across them), so one stray huge id would allocate
+// gigabytes at load; real vocabularies stay under 300k ids (Gemma 3's is
+// 262,144), far below this 2^21.
+inline constexpr int64_t kMaxTokenId = (1 << 21) - 1;
+
+// How deep a tokenizer.json may nest. Real files nest 8 levels at most; the
+// steps' readers recurse into Sequence steps and copy subtrees recursively,
+// so a hostile file nested 100k deep would overflow the stack.
+inline constexpr int kMaxTokenizerJsonDepth = 64;
 
 // InvalidArgument "tokenizer.json <path>: <why>".
 absl::Status InvalidTokenizerJson(absl::string_view path, absl::string_view why);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <functional>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +18,21 @@ namespace tandem::router {
 namespace {
 
 using nlohmann::json;
+
+// The nesting depth of `j` (a scalar is 0), without recursion.
+int JsonDepth(const json& j) {
+  int max_depth = 0;
+  std::vector<std::pair<const json*, int>> stack = {{&j, 0}};
+  while (!stack.empty()) {
+    const auto [node, depth] = stack.back();
+    stack.pop_back();
+    max_depth = std::max(max_depth, depth);
+    if (node->is_structured()) {
+      for (const json& child : *node) stack.emplace_back(&child, depth + 1);
+    }
+  }
+  return max_depth;
+}
 
 std::string TypeOf(const json& j) {
   return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "";
@@ -50,6 +67,9 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
   const json root = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) return absl::InvalidArgumentError("tokenizer.json: not valid JSON");
   if (!root.is_object()) return InvalidTokenizerJson("(root)", "expected an object");
+  if (JsonDepth(root) > kMaxTokenizerJsonDepth) {
+    return InvalidTokenizerJson("(root)", absl::StrCat("nested deeper than ", kMaxTokenizerJsonDepth, " levels"));
+  }
   for (const char* key : {"truncation", "padding"}) {
     if (root.contains(key) && !root[key].is_null()) {
       return InvalidTokenizerJson(key, "must be null: the router encodes whole texts without padding");
@@ -77,8 +97,9 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
     const json& t = added[i];
     const std::string path = absl::StrCat("added_tokens[", i, "]");
     if (!t.is_object() || !t.contains("id") || !t["id"].is_number_integer() || t["id"].get<int64_t>() < 0 ||
-        t["id"].get<int64_t>() > (1 << 30) || !t.contains("content") || !t["content"].is_string()) {
-      return InvalidTokenizerJson(path, "expected {\"id\": int, \"content\": string, ...}");
+        t["id"].get<int64_t>() > kMaxTokenId || !t.contains("content") || !t["content"].is_string()) {
+      return InvalidTokenizerJson(path, absl::StrCat("expected {\"id\": int in [0, ", kMaxTokenId,
+                                                     "], \"content\": string, ...}"));
     }
     for (const char* flag : {"single_word", "lstrip", "rstrip"}) {
       if (t.value(flag, false)) return InvalidTokenizerJson(absl::StrCat(path, ".", flag), "is not supported yet");
@@ -147,8 +168,17 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
       if (!specials.contains(name) || !specials[name].contains("ids") || !specials[name]["ids"].is_array()) {
         return InvalidTokenizerJson(absl::StrCat(path, ".special_tokens[\"", name, "\"]"), "missing or without ids");
       }
-      for (const json& id : specials[name]["ids"]) {
-        (seen_sequence ? suffix_ids_ : prefix_ids_).push_back(id.get<int32_t>());
+      const json& ids = specials[name]["ids"];
+      for (size_t k = 0; k < ids.size(); ++k) {
+        // The template's ids go to the workers as they are: each must be a
+        // token of this vocabulary (a stray id once reached Encode's output).
+        if (!ids[k].is_number_integer() || ids[k].get<int64_t>() < 0 ||
+            ids[k].get<int64_t>() >= static_cast<int64_t>(id_to_token_.size())) {
+          return InvalidTokenizerJson(absl::StrCat(path, ".special_tokens[\"", name, "\"].ids[", k, "]"),
+                                      absl::StrCat("expected an id in the vocabulary [0, ", id_to_token_.size(),
+                                                   "), got ", ids[k].dump()));
+        }
+        (seen_sequence ? suffix_ids_ : prefix_ids_).push_back(ids[k].get<int32_t>());
       }
     }
     return absl::OkStatus();

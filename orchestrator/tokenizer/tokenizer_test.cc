@@ -425,6 +425,75 @@ TEST(TokenizerTest, InvalidUtf8InputIsRepairedNotFatal) {
   EXPECT_THAT((*tok)->Encode("a\xFF" "b", false), ElementsAre(0, 1));
 }
 
+// Found by tokenizer_json_fuzzer: an id near 2^30 made the loader size its
+// id tables to 32 GiB (the process died of out-of-memory), and a file that
+// nests Sequence steps 100k deep overflowed the stack. Both are refused.
+TEST(TokenizerTest, HugeTokenIdsAreRefusedBeforeAllocating) {
+  json j = TinyByteLevelBpe();
+  j["model"]["vocab"]["zz"] = (1 << 30) - 1;
+  auto tok = Tokenizer::FromJson(j.dump());
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(tok.status().message()), HasSubstr("model.vocab[\"zz\"]: expected an id in [0, 2097151]"));
+
+  j = TinyByteLevelBpe();
+  j["added_tokens"].push_back({{"id", 1 << 30}, {"content", "<big>"}, {"special", true}});
+  tok = Tokenizer::FromJson(j.dump());
+  ASSERT_FALSE(tok.ok());
+  EXPECT_THAT(std::string(tok.status().message()), HasSubstr("added_tokens[1]"));
+
+  // Sparse ids under the limit still load (vocab_size is one past the largest).
+  j = TinyByteLevelBpe();
+  j["added_tokens"].push_back({{"id", 300000}, {"content", "<far>"}, {"special", true}});
+  tok = Tokenizer::FromJson(j.dump());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ((*tok)->vocab_size(), 300001);
+  EXPECT_THAT((*tok)->Encode("a<far>", false), ElementsAre(0, 300000));
+}
+
+// Found by tokenizer_json_fuzzer: a post-processor template naming an id
+// outside the vocabulary (here the added token it meant was gone) made Encode
+// return that id, which the router would send to the workers.
+TEST(TokenizerTest, PostProcessorIdsMustBeInTheVocabulary) {
+  for (const json& bad : {json(8), json(-1), json("7"), json(1e12)}) {
+    json j = TinyByteLevelBpe();
+    j["post_processor"]["special_tokens"]["<s>"]["ids"] = json::array({bad});
+    auto tok = Tokenizer::FromJson(j.dump());
+    ASSERT_FALSE(tok.ok()) << bad;
+    EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(tok.status().message()),
+                HasSubstr("post_processor.special_tokens[\"<s>\"].ids[0]: expected an id in the vocabulary [0, 8)"));
+  }
+  json j = TinyByteLevelBpe();
+  j["added_tokens"] = json::array();  // the template's <s> (id 7) is now not a token
+  auto tok = Tokenizer::FromJson(j.dump());
+  ASSERT_FALSE(tok.ok());
+  EXPECT_THAT(std::string(tok.status().message()), HasSubstr("expected an id in the vocabulary [0, 7), got 7"));
+}
+
+TEST(TokenizerTest, DeepNestingIsRefusedInsteadOfOverflowingTheStack) {
+  const int depth = 100000;
+  std::string normalizer;
+  for (int i = 0; i < depth; ++i) normalizer += R"({"type": "Sequence", "normalizers": [)";
+  normalizer += R"({"type": "NFC"})";
+  for (int i = 0; i < depth; ++i) normalizer += "]}";
+  std::string text = TinyByteLevelBpe().dump();
+  text.insert(1, R"("normalizer": )" + normalizer + ",");
+  text.erase(text.find(R"("normalizer":null,)"), std::string(R"("normalizer":null,)").size());
+  auto tok = Tokenizer::FromJson(text);
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(tok.status().message()), HasSubstr("nested deeper than 64 levels"));
+
+  // Real files nest a few levels; a Sequence in a Sequence is fine.
+  json j = TinyByteLevelBpe();
+  j["normalizer"] = {{"type", "Sequence"},
+                     {"normalizers", json::array({{{"type", "Sequence"}, {"normalizers", json::array({{{"type", "NFC"}}})}}})}};
+  j["added_tokens"][0]["normalized"] = false;
+  tok = Tokenizer::FromJson(j.dump());
+  EXPECT_TRUE(tok.ok()) << tok.status();
+}
+
 TEST(TokenizerTest, ErrorsNameTheJsonPath) {
   EXPECT_EQ(Tokenizer::FromJson("{not json").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Tokenizer::FromFile("/nonexistent/tokenizer.json").status().code(), absl::StatusCode::kNotFound);
