@@ -16,7 +16,9 @@
 # shares, out of its 256 (default 0: each session's own); TURNS: turns per
 # session (default 4).
 # CONFIG: a router config file for `tandem up --config` (its decode pool's
-# policy and params); then POLICIES only names the runs.
+# policy and params); then POLICIES only names the runs. Give it
+# `debug: {worker_details: true}` for the per-worker spread (the router
+# shows worker addresses only as debug output).
 # WORKER_ARGS: more worker flags for every policy's cluster (e.g.
 # "--max-batched-tokens=256"), passed as --worker-arg=FLAG each.
 #
