@@ -35,13 +35,7 @@ template <class T>
 using Ptr = std::unique_ptr<T, Free>;
 
 absl::Status OpenSslFailure(absl::string_view what) {
-  std::string why;
-  unsigned long e;
-  while ((e = ERR_get_error()) != 0) {
-    char buf[256];
-    ERR_error_string_n(e, buf, sizeof buf);
-    why = buf;
-  }
+  const std::string why = OpenSslError();
   return absl::InternalError(absl::StrCat(what, " failed", why.empty() ? "" : ": ", why));
 }
 

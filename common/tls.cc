@@ -14,9 +14,7 @@
 #include "common/file_util.h"
 
 namespace tandem::tls {
-namespace {
 
-// The last OpenSSL error as text ("" if none), clearing the queue.
 std::string OpenSslError() {
   std::string out;
   unsigned long e;
@@ -27,6 +25,8 @@ std::string OpenSslError() {
   }
   return out;
 }
+
+namespace {
 
 struct BioDeleter {
   void operator()(BIO* b) const { BIO_free(b); }

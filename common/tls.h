@@ -33,6 +33,10 @@ namespace tandem::tls {
 inline constexpr char kRouterIdentity[] = "tandem-router";
 inline constexpr char kWorkerIdentity[] = "tandem-worker";
 
+// The last OpenSSL error of this thread as text ("" if none), clearing the
+// thread's error queue (for the messages of tls.cc and certificates.cc).
+std::string OpenSslError();
+
 // Paths of the PEM files of one process's TLS identity.
 struct TlsFiles {
   std::string ca;    // the cluster CA's certificate
