@@ -142,14 +142,41 @@ void ExpectSameTokens(const StreamResult& got, const StreamResult& want, const s
 }
 
 // Runs every body at once, one thread each.
-std::vector<StreamResult> RunStreams(const std::string& url, const std::vector<json>& bodies) {
-  std::vector<StreamResult> out(bodies.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < bodies.size(); ++i) {
-    threads.emplace_back([&, i] { out[i] = RunStream(url, bodies[i]); });
+// Every body streamed at once, each on its own thread, from construction.
+// Join() waits for them all; so does the destructor, so a test that fails
+// early still joins. REQUIRES: `bodies` outlives the object.
+class StreamsInFlight {
+ public:
+  StreamsInFlight(const std::string& url, const std::vector<json>& bodies)
+      : results_(bodies.size()) {
+    for (size_t i = 0; i < bodies.size(); ++i) {
+      threads_.emplace_back([this, url, &bodies, i] { results_[i] = RunStream(url, bodies[i]); });
+    }
   }
-  for (std::thread& t : threads) t.join();
-  return out;
+  ~StreamsInFlight() { Join(); }
+  const std::vector<StreamResult>& Join() {
+    for (std::thread& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+    return results_;
+  }
+
+ private:
+  std::vector<StreamResult> results_;
+  std::vector<std::thread> threads_;
+};
+
+std::vector<StreamResult> RunStreams(const std::string& url, const std::vector<json>& bodies) {
+  StreamsInFlight streams(url, bodies);
+  return streams.Join();
+}
+
+// True once `worker` runs at least `n` sequences, false after `timeout`.
+bool RunsAtLeast(WorkerProcess& worker, int n, std::chrono::seconds timeout) {
+  bool ok = false;
+  WaitForLoad(worker.stub(), [n](const v1::LoadReport& l) { return l.running_sequences() >= n; },
+              &ok, timeout);
+  return ok;
 }
 
 class RouterFailoverTest : public RouterTest {
@@ -195,18 +222,8 @@ TEST_F(RouterFailoverTest, FrozenWorkersRequestsMoveToTheHealthyOneWithinTheAtte
   for (const StreamResult& r : reference) ExpectComplete(r, kLong, "reference");
 
   // Streams in flight on both workers; then `a` freezes.
-  std::vector<StreamResult> streamed(bodies.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < bodies.size(); ++i) {
-    threads.emplace_back([&, i] { streamed[i] = RunStream(router()->url(), bodies[i]); });
-  }
-  bool ok = false;
-  WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 3; }, &ok,
-              seconds(10));
-  if (!ok) {
-    for (std::thread& t : threads) t.join();
-    FAIL() << "the streams did not start on " << a->address();
-  }
+  StreamsInFlight streams(router()->url(), bodies);
+  if (!RunsAtLeast(*a, 3, seconds(10))) FAIL() << "the streams did not start on " << a->address();
   std::this_thread::sleep_for(milliseconds(300));
   std::vector<StreamResult> fresh;
   {
@@ -216,9 +233,10 @@ TEST_F(RouterFailoverTest, FrozenWorkersRequestsMoveToTheHealthyOneWithinTheAtte
     for (int i = 0; i < 4; ++i) {
       fresh.push_back(RunStream(router()->url(), StreamBody(MakePrompt(70 + i, 30), 8, 7 + i)));
     }
-    for (std::thread& t : threads) t.join();
+    streams.Join();
     EXPECT_EQ(Metric(Healthy("decode", a->address())), 0) << "the suspect was not ejected";
   }
+  const std::vector<StreamResult>& streamed = streams.Join();
   for (size_t i = 0; i < streamed.size(); ++i) {
     const std::string what = absl::StrCat("stream ", i, " (first on ", streamed[i].decode_worker, ")");
     ExpectComplete(streamed[i], kLong, what);
@@ -256,17 +274,9 @@ TEST_F(RouterFailoverTest, KeepaliveEjectsAFrozenWorkerWithoutHealthChecksOrDead
   constexpr int kTokens = 1800;  // ~13 s at 7 ms a step
   std::vector<json> bodies;
   for (int i = 0; i < 4; ++i) bodies.push_back(StreamBody(MakePrompt(300 + i, 24), kTokens, 40 + i));
-  std::vector<StreamResult> streamed(bodies.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < bodies.size(); ++i) {
-    threads.emplace_back([&, i] { streamed[i] = RunStream(router()->url(), bodies[i]); });
-  }
-  bool ok = false;
-  WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 2; }, &ok,
-              seconds(10));
-  if (!ok) {
-    for (std::thread& t : threads) t.join();
-    FAIL() << "the streams did not start on " << a->address() << ": " << streamed[0].body;
+  StreamsInFlight streams(router()->url(), bodies);
+  if (!RunsAtLeast(*a, 2, seconds(10))) {
+    FAIL() << "the streams did not start on " << a->address() << ": " << streams.Join()[0].body;
   }
   double ejected_after = 0;
   {
@@ -275,9 +285,10 @@ TEST_F(RouterFailoverTest, KeepaliveEjectsAFrozenWorkerWithoutHealthChecksOrDead
     EXPECT_TRUE(WaitForMetric(Healthy("decode", a->address()), [](double v) { return v == 0; },
                               seconds(20)));
     ejected_after = SecondsSince(frozen);
-    for (std::thread& t : threads) t.join();
+    streams.Join();
   }
   EXPECT_LT(ejected_after, 12) << "keepalive: 4 s between pings, 3 s to answer";
+  const std::vector<StreamResult>& streamed = streams.Join();
   for (size_t i = 0; i < streamed.size(); ++i) {
     ExpectComplete(streamed[i], kTokens, absl::StrCat("stream ", i));
   }
@@ -313,21 +324,11 @@ TEST_P(KilledMidStreamTest, StreamsContinueOnTheOtherWorkerWithTheSameTokens) {
   const std::vector<StreamResult> reference = RunStreams(router()->url(), bodies);
   for (const StreamResult& r : reference) ExpectComplete(r, kTokens, "reference");
 
-  std::vector<StreamResult> streamed(bodies.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < bodies.size(); ++i) {
-    threads.emplace_back([&, i] { streamed[i] = RunStream(router()->url(), bodies[i]); });
-  }
-  bool ok = false;
-  WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 2; }, &ok,
-              seconds(20));
-  if (!ok) {
-    for (std::thread& t : threads) t.join();
-    FAIL() << "the streams did not start on " << a->address();
-  }
+  StreamsInFlight streams(router()->url(), bodies);
+  if (!RunsAtLeast(*a, 2, seconds(20))) FAIL() << "the streams did not start on " << a->address();
   std::this_thread::sleep_for(milliseconds(100));
   Kill(a);
-  for (std::thread& t : threads) t.join();
+  const std::vector<StreamResult>& streamed = streams.Join();
   int on_a = 0;
   for (size_t i = 0; i < streamed.size(); ++i) {
     const std::string what = absl::StrCat(split ? "split" : "aggregated", " stream ", i,
