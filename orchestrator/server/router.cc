@@ -1963,7 +1963,8 @@ void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http
   // Bounded before any work: the answer (ids, and token_strs) grows with the
   // text, so the text (of which the body is an upper bound, up to its JSON
   // escapes) is bounded by what the model could take.
-  if (std::shared_ptr<RoutingState> rs = Routing(); rs != nullptr && rs->max_context > 0) {
+  const std::shared_ptr<RoutingState> rs = Routing();
+  if (rs != nullptr && rs->max_context > 0) {
     const std::string_view text = has_prompt && body["prompt"].is_string()
                                       ? std::string_view(body["prompt"].get_ref<const std::string&>())
                                       : std::string_view(req.body);
@@ -1998,7 +1999,6 @@ void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http
   }
   absl::StatusOr<bool> strs = flag("return_token_strs", false);
   if (!strs.ok()) return fail(strs.status());
-  std::shared_ptr<RoutingState> rs = Routing();
   // Written straight into one string: a JSON tree of the ids and strings
   // costs tens of bytes per token more.
   std::string out = "{\"tokens\":[";
