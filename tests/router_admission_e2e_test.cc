@@ -453,7 +453,14 @@ TEST_F(RouterAdmissionTest, TokenizeOfAHugePromptIsRefusedAndTheRouterStaysSmall
     EXPECT_LT(r.http.body.size(), 1024u);
   }
   const int64_t rss_after = RssBytes(router()->pid());
-  EXPECT_LT(rss_after - rss_before, int64_t{100} << 20)
+  // Under AddressSanitizer freed memory waits in its quarantine (256 MiB by default) before it
+  // is reused, so the router's RSS keeps the refused bodies' copies for a while.
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr int64_t kAllowedGrowth = int64_t{356} << 20;
+#else
+  constexpr int64_t kAllowedGrowth = int64_t{100} << 20;
+#endif
+  EXPECT_LT(rss_after - rss_before, kAllowedGrowth)
       << "the router grew from " << rss_before << " to " << rss_after << " bytes";
   EXPECT_EQ(Metric("tandem_router_admission_refusals_total{reason=\"tokenize_too_large\"}"), 3);
 
