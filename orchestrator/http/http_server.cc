@@ -466,6 +466,12 @@ class Session : public std::enable_shared_from_this<Session> {
       if (self->closed_) return;
       if (self->read_wanted_) {
         self->read_wanted_ = false;
+        // The client's EOF (or an error) came with the read FinishResponse
+        // cancelled: it has left. No read may follow an EOF: asio (1.74)
+        // counts that read as having drained the socket and waits for the
+        // next epoll edge, which never comes, so the connection would wait
+        // for its idle timeout.
+        if (ec && ec != net::error::operation_aborted) return self->Close();
         return self->ReadHeader();
       }
       if (ec) return self->Close();  // client gone
