@@ -71,7 +71,7 @@ void RunCase(const Case& c, uint32_t seed) {
   for (int s = 0; s < num_seqs; ++s)
     for (int b = 0; b < (c.ctx_lens[s] + c.block_size - 1) / c.block_size; ++b)
       tables[size_t(s) * max_blocks + b] = perm[next++];
-  std::vector<float> cache(layout.total_floats(), std::nanf(""));
+  std::vector<float> cache(layout.total_elems(), std::nanf(""));
 
   std::vector<std::vector<float>> k(num_seqs), v(num_seqs);
   std::vector<int> qs(num_seqs + 1, 0);
@@ -89,13 +89,13 @@ void RunCase(const Case& c, uint32_t seed) {
     for (int t = 0; t < ctx; ++t)
       slots[t] = int64_t{tables[size_t(s) * max_blocks + t / c.block_size]} * c.block_size +
                  t % c.block_size;
-    WriteKvParams w{.k = k[s].data(), .v = v[s].data(), .src_stride = c.num_kv_heads * hd,
+    WriteKvParams w{.k = k[s].data(), .v = v[s].data(), .src_stride_bytes = int64_t{c.num_kv_heads} * hd * 4,
                     .slot_mapping = slots.data(), .num_tokens = ctx, .layer = layer,
                     .layout = layout, .kv_cache = cache.data()};
     ASSERT_TRUE(WriteKvCache(w).ok());
   }
   std::vector<float> out(q.size(), -1.0f);
-  PagedAttentionParams p{.q = q.data(), .q_stride = c.num_heads * hd, .out = out.data(),
+  PagedAttentionParams p{.q = q.data(), .q_stride_bytes = int64_t{c.num_heads} * hd * 4, .out = out.data(),
                          .kv_cache = cache.data(), .layout = layout, .layer = layer,
                          .num_heads = c.num_heads, .scale = 1.0f / std::sqrt(float(hd)),
                          .num_seqs = num_seqs, .query_start = qs.data(),
@@ -131,10 +131,10 @@ TEST(PagedAttentionTest, OddBlockSizes) {
 TEST(PagedAttentionTest, RejectsBadBlockTable) {
   KvLayout layout{.num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .block_size = 4,
                   .num_blocks = 2};
-  std::vector<float> cache(layout.total_floats()), q(4), out(4);
+  std::vector<float> cache(layout.total_elems()), q(4), out(4);
   int qs[] = {0, 1}, ctx[] = {3};
   int32_t table[] = {5};
-  PagedAttentionParams p{.q = q.data(), .q_stride = 4, .out = out.data(), .kv_cache = cache.data(),
+  PagedAttentionParams p{.q = q.data(), .q_stride_bytes = 16, .out = out.data(), .kv_cache = cache.data(),
                          .layout = layout, .layer = 0, .num_heads = 1, .scale = 1,
                          .num_seqs = 1, .query_start = qs, .context_lens = ctx,
                          .block_tables = table, .max_blocks_per_seq = 1};
@@ -143,6 +143,33 @@ TEST(PagedAttentionTest, RejectsBadBlockTable) {
   ctx[0] = 0;  // fewer keys than queries
   table[0] = 0;
   EXPECT_EQ(PagedAttention(p).code(), absl::StatusCode::kInvalidArgument);
+  // The CPU kernels take float32 only; a bf16 pool is refused, not misread.
+  ctx[0] = 3;
+  ASSERT_TRUE(PagedAttention(p).ok());
+  p.layout.dtype = DType::kBF16;
+  absl::Status bf16 = PagedAttention(p);
+  EXPECT_EQ(bf16.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bf16.message().find("bfloat16"), std::string::npos) << bf16;
+}
+
+// The run-time dispatch: a CUDA call where no CUDA device (or no CUDA build)
+// exists is a clear FailedPrecondition, never a fault.
+TEST(PagedAttentionTest, CudaBackendWithoutADeviceIsAClearError) {
+  const char* why = nullptr;
+  if (cuda::Available(&why)) GTEST_SKIP() << "a CUDA device is present (kernels/cuda tests cover it)";
+  ASSERT_NE(why, nullptr);
+  KvLayout layout{.num_layers = 1, .num_kv_heads = 1, .head_dim = 64, .block_size = 16,
+                  .num_blocks = 2, .dtype = DType::kBF16};
+  int qs[] = {0, 1}, ctx[] = {1};
+  int32_t table[] = {0};
+  PagedAttentionParams p{.backend = Backend::kCuda, .layout = layout, .num_heads = 1,
+                         .num_seqs = 1, .query_start = qs, .context_lens = ctx,
+                         .block_tables = table, .max_blocks_per_seq = 1};
+  absl::Status st = PagedAttention(p);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ(st.message(), why);
+  WriteKvParams w{.backend = Backend::kCuda, .layout = layout};
+  EXPECT_EQ(WriteKvCache(w).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

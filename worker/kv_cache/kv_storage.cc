@@ -16,7 +16,7 @@ int64_t KvStorage::BlocksForBudget(const kernels::KvLayout& block_layout, int64_
 
 absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLayout& layout,
                                                              const Allocator& allocator) {
-  int64_t bytes = layout.total_floats() * static_cast<int64_t>(sizeof(float));
+  int64_t bytes = layout.total_bytes();
   if (bytes <= 0) {
     return absl::InvalidArgumentError("KV cache: the memory budget holds no block");
   }

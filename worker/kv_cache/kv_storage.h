@@ -22,7 +22,7 @@ class KvStorage {
   // `budget_bytes`.
   static int64_t BlocksForBudget(const kernels::KvLayout& block_layout, int64_t budget_bytes);
   static int64_t BytesPerBlock(const kernels::KvLayout& layout) {
-    return layout.block_stride() * static_cast<int64_t>(sizeof(float));
+    return layout.block_bytes();
   }
 
   // Memory for a pool of `bytes`, owned by whoever provides it and valid

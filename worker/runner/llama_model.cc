@@ -157,14 +157,16 @@ absl::Status LlamaModel::Forward(const BatchInput& in, float* kv_cache,
   ComputeRope(in);
 
   kernels::PagedAttentionParams attn{
-      .q = qkv_.data(), .q_stride = qkv_size, .out = attn_.data(), .kv_cache = kv_cache,
+      .q = qkv_.data(), .q_stride_bytes = int64_t{qkv_size} * int64_t{sizeof(float)},
+      .out = attn_.data(), .kv_cache = kv_cache,
       .layout = layout, .layer = 0, .num_heads = c.num_heads,
       .scale = static_cast<float>(1.0 / std::sqrt(double(c.head_dim))),
       .num_seqs = in.num_seqs(), .query_start = in.query_start.data(),
       .context_lens = in.context_lens.data(), .block_tables = in.block_tables.data(),
       .max_blocks_per_seq = in.max_blocks_per_seq};
   kernels::WriteKvParams write{.k = qkv_.data() + q_size, .v = qkv_.data() + q_size + kv_size,
-                               .src_stride = qkv_size, .slot_mapping = in.slot_mapping.data(),
+                               .src_stride_bytes = int64_t{qkv_size} * int64_t{sizeof(float)},
+                               .slot_mapping = in.slot_mapping.data(),
                                .num_tokens = T, .layer = 0, .layout = layout,
                                .kv_cache = kv_cache};
 
