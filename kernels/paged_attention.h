@@ -114,6 +114,9 @@ struct PagedAttentionParams {
   int layer = 0;
   int num_heads = 0;            // query heads; a multiple of layout.num_kv_heads (GQA)
   float scale = 1.0f;           // usually 1/sqrt(head_dim)
+  // false: every query attends to all context_lens[s] keys (encoders, and the
+  // non-causal benchmark shapes); true: causally, as described above.
+  bool causal = true;
   int num_seqs = 0;
   // In the backend's memory (device memory for CUDA).
   const int* query_start = nullptr;     // [num_seqs + 1], prefix sums of q_len

@@ -14,6 +14,7 @@ namespace {
 struct Case {
   int num_heads, num_kv_heads, head_dim, block_size;
   std::vector<int> q_lens, ctx_lens;
+  bool causal = true;
 };
 
 // Straightforward float64 attention over dense K/V, the independent reference.
@@ -28,9 +29,10 @@ void ReferenceAttention(const Case& c, const std::vector<std::vector<float>>& k,
       int tok = qs[s] + i;
       for (int h = 0; h < c.num_heads; ++h) {
         int kvh = h / group;
-        std::vector<double> sc(pos + 1);
+        const int last = c.causal ? pos : c.ctx_lens[s] - 1;
+        std::vector<double> sc(last + 1);
         double mx = -1e300;
-        for (int t = 0; t <= pos; ++t) {
+        for (int t = 0; t <= last; ++t) {
           double d = 0;
           for (int e = 0; e < hd; ++e)
             d += double(q[(size_t(tok) * c.num_heads + h) * hd + e]) *
@@ -40,7 +42,7 @@ void ReferenceAttention(const Case& c, const std::vector<std::vector<float>>& k,
         }
         double sum = 0;
         for (double& x : sc) sum += (x = std::exp(x - mx));
-        for (int t = 0; t <= pos; ++t)
+        for (int t = 0; t <= last; ++t)
           for (int e = 0; e < hd; ++e)
             out[(size_t(tok) * c.num_heads + h) * hd + e] +=
                 sc[t] / sum * v[s][(size_t(t) * c.num_kv_heads + kvh) * hd + e];
@@ -98,7 +100,7 @@ void RunCase(const Case& c, uint32_t seed) {
   PagedAttentionParams p{.q = q.data(), .q_stride_bytes = int64_t{c.num_heads} * hd * 4, .out = out.data(),
                          .kv_cache = cache.data(), .layout = layout, .layer = layer,
                          .num_heads = c.num_heads, .scale = 1.0f / std::sqrt(float(hd)),
-                         .num_seqs = num_seqs, .query_start = qs.data(),
+                         .causal = c.causal, .num_seqs = num_seqs, .query_start = qs.data(),
                          .context_lens = c.ctx_lens.data(), .block_tables = tables.data(),
                          .max_blocks_per_seq = max_blocks};
   ASSERT_TRUE(PagedAttention(p).ok());
@@ -121,6 +123,12 @@ TEST(PagedAttentionTest, ChunkedPrefillOverCachedPrefixAndMixedBatch) {
   // Ragged: a chunk over a 200-token prefix, a decode, a fresh prompt spanning
   // several query tiles, all in one call.
   RunCase({6, 2, 64, 16, {57, 1, 300}, {257, 40, 300}}, 3);
+}
+
+TEST(PagedAttentionTest, NonCausalSeesTheWholeContext) {
+  Case c{4, 2, 32, 16, {40, 1, 130}, {40, 9, 200}};
+  c.causal = false;
+  RunCase(c, 6);
 }
 
 TEST(PagedAttentionTest, OddBlockSizes) {

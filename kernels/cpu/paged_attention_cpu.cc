@@ -113,7 +113,8 @@ void PrefillGroup(const PagedAttentionParams& p, const View& a, int s, int kv_he
 
   for (int i0 = 0; i0 < q_len; i0 += kQueryTile) {
     const int tq = std::min(kQueryTile, q_len - i0);
-    const int keys = first_pos + i0 + tq;  // the tile's last query sees keys [0, keys)
+    // The tile's last query sees keys [0, keys) (all of them when not causal).
+    const int keys = p.causal ? first_pos + i0 + tq : ctx;
     const int rows = group * tq;           // row r: head (r / tq), query i0 + (r % tq)
     w.q.resize(size_t(rows) * hd);
     for (int g = 0; g < group; ++g) {
@@ -128,7 +129,7 @@ void PrefillGroup(const PagedAttentionParams& p, const View& a, int s, int kv_he
                 w.k.data(), hd, 0.0f, w.s.data(), keys);
     for (int r = 0; r < rows; ++r) {
       float* row = &w.s[size_t(r) * keys];
-      const int valid = first_pos + i0 + (r % tq) + 1;
+      const int valid = p.causal ? first_pos + i0 + (r % tq) + 1 : ctx;
       float mx = cpu::MaxOf(row, valid);
       double sum = cpu::ExpShiftSum(row, mx, valid);
       cpu::Scale(row, static_cast<float>(1.0 / sum), valid);

@@ -195,6 +195,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   a.num_heads = p.num_heads;
   a.group = p.num_heads / L.num_kv_heads;
   a.scale = p.scale;
+  a.causal = p.causal;
   a.num_seqs = p.num_seqs;
   a.query_start = p.query_start;
   a.context_lens = p.context_lens;

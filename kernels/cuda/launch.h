@@ -54,6 +54,7 @@ struct AttnArgs {
   int num_heads = 0;
   int group = 0;           // num_heads / num_kv_heads
   float scale = 1.0f;
+  bool causal = true;
   int num_seqs = 0;
   const int* query_start = nullptr;   // device
   const int* context_lens = nullptr;  // device

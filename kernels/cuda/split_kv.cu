@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(kThreads) SplitKvKernel(AttnArgs a, int num_sp
   const int q_begin = __ldg(&a.query_start[s]);
   const int q_len = __ldg(&a.query_start[s + 1]) - q_begin;
   const int ctx = __ldg(&a.context_lens[s]);
-  const int n_keys = ctx - q_len + (token - q_begin) + 1;  // causal: keys [0, position]
+  // Causal: keys [0, position]; otherwise the whole context.
+  const int n_keys = a.causal ? ctx - q_len + (token - q_begin) + 1 : ctx;
   const int k_begin = split * keys_per_split;
   const int k_end = min(n_keys, k_begin + keys_per_split);
   const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
