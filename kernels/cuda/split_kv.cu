@@ -42,7 +42,7 @@ struct Partials {
 
 template <typename T, int kLanes, int kHeads>
 __global__ void __launch_bounds__(kThreads) SplitKvKernel(AttnArgs a, int num_splits, int keys_per_split,
-                                                          int head_chunks, Partials part) {
+                                                          int head_chunks, int token_base, Partials part) {
   constexpr int kGroups = 32 / kLanes;           // keys per warp step
   constexpr int kAllGroups = kWarps * kGroups;
   __shared__ float sm_o[kAllGroups][kHeads][kLanes * 8];
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) SplitKvKernel(AttnArgs a, int num_sp
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y / head_chunks;
   const int g0 = (blockIdx.y % head_chunks) * kHeads;
-  const int token = blockIdx.z;
+  const int token = token_base + blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / kLanes, chunk = lane % kLanes;
   const int head_dim = a.pool.head_dim;
@@ -211,7 +211,10 @@ __global__ void __launch_bounds__(kThreads) SplitKvKernel(AttnArgs a, int num_sp
       part.o[row * head_dim + d] = acc;
       if (d == 0) {
         part.ml[row * 2] = sum > 0.0f ? mx : -FLT_MAX;
-        part.ml[row * 2 + 1] = sum;
+        // A negative sum marks a split that met a bad block id: the combine
+        // then writes the row as zeros (as one split does), not the other
+        // splits' partial answer.
+        part.ml[row * 2 + 1] = bad ? -1.0f : sum;
       }
     }
   }
@@ -227,14 +230,17 @@ __global__ void CombineKernel(AttnArgs a, int num_splits, Partials part) {
   for (int j = 0; j < num_splits; ++j) mx = fmaxf(mx, part.ml[(row0 + j) * 2]);
   float w[32];
   float sum = 0.0f;
+  bool bad = false;
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
     if (j < num_splits) {
       const float lj = part.ml[(row0 + j) * 2 + 1];
+      bad |= lj < 0.0f;
       w[j] = lj > 0.0f ? exp2f(part.ml[(row0 + j) * 2] - mx) : 0.0f;
       sum += w[j] * lj;
     }
   }
+  if (bad) sum = 0.0f;  // the row is written as zeros
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float acc = 0.0f;
 #pragma unroll
@@ -257,24 +263,29 @@ template <typename T, int kLanes>
 int LaunchTyped(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaStream_t stream) {
   const int heads = a.group <= 1 ? 1 : a.group <= 2 ? 2 : a.group <= 4 ? 4 : kMaxHeads;
   const int head_chunks = (a.group + heads - 1) / heads;
-  const dim3 grid(plan.num_splits, a.pool.num_kv_heads * head_chunks, a.num_tokens);
-  switch (heads) {
-    case 1:
-      SplitKvKernel<T, kLanes, 1><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
-                                                                 head_chunks, part);
-      break;
-    case 2:
-      SplitKvKernel<T, kLanes, 2><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
-                                                                 head_chunks, part);
-      break;
-    case 4:
-      SplitKvKernel<T, kLanes, 4><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
-                                                                 head_chunks, part);
-      break;
-    default:
-      SplitKvKernel<T, kLanes, kMaxHeads><<<grid, kThreads, 0, stream>>>(a, plan.num_splits,
-                                                                         plan.keys_per_split, head_chunks, part);
-      break;
+  // The grid's z dimension holds at most 65535 tokens: larger batches take
+  // several launches.
+  constexpr int kMaxGridZ = 65535;
+  for (int base = 0; base < a.num_tokens; base += kMaxGridZ) {
+    const dim3 grid(plan.num_splits, a.pool.num_kv_heads * head_chunks, std::min(kMaxGridZ, a.num_tokens - base));
+    switch (heads) {
+      case 1:
+        SplitKvKernel<T, kLanes, 1><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
+                                                                   head_chunks, base, part);
+        break;
+      case 2:
+        SplitKvKernel<T, kLanes, 2><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
+                                                                   head_chunks, base, part);
+        break;
+      case 4:
+        SplitKvKernel<T, kLanes, 4><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
+                                                                   head_chunks, base, part);
+        break;
+      default:
+        SplitKvKernel<T, kLanes, kMaxHeads><<<grid, kThreads, 0, stream>>>(
+            a, plan.num_splits, plan.keys_per_split, head_chunks, base, part);
+        break;
+    }
   }
   if (plan.num_splits > 1) {
     const int threads = a.pool.head_dim >= 128 ? 128 : 64;
