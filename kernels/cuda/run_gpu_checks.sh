@@ -8,6 +8,13 @@
 # Usage: run_gpu_checks.sh BIN_DIR [LOG_DIR]
 #   BIN_DIR holds kernels_cuda_test and libtandem_kernels_capi.so (and lib/
 #   with their shared libraries, as scripts/device_bundle.sh packs them).
+# From a build here to the lent GPU machine (whose call sees /work/main):
+#   cmake --build build --target kernels_cuda_test tandem_kernels_capi
+#   scripts/device_bundle.sh /tmp/gpuchk build/kernels/kernels_cuda_test build/kernels/libtandem_kernels_capi.so
+#   cp /tmp/gpuchk.tar.xz kernels/cuda/{run_gpu_checks.sh,check_attention.py} /work/main/.dev-NAME/
+#   run (carry .dev-NAME): mkdir -p /tmp/b && tar xJf .dev-NAME/gpuchk.tar.xz -C /tmp/b &&
+#                          bash .dev-NAME/run_gpu_checks.sh /tmp/b
+# On the H100 the whole script takes about 45 s.
 set -uo pipefail
 bin=${1:?usage: run_gpu_checks.sh BIN_DIR [LOG_DIR]}
 logs=${2:-/tmp/tandem_gpu_checks}
