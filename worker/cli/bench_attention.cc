@@ -234,6 +234,12 @@ std::string Cell(std::optional<double> v, int precision) {
   return v ? absl::StrFormat("%.*f", precision, *v) : std::string("-");
 }
 
+struct Timing {
+  double median_ms = 0;
+  double min_ms = 0;
+  int reps = 0;
+};
+
 #if TANDEM_HAVE_CUDA
 
 absl::Status Cuda(cudaError_t e, const char* what) {
@@ -298,12 +304,6 @@ absl::Status FillRandomBf16(void* dst, int64_t bytes, uint64_t seed, cudaStream_
   }
   return Cuda(cudaStreamSynchronize(stream), "fill: synchronize");
 }
-
-struct Timing {
-  double median_ms = 0;
-  double min_ms = 0;
-  int reps = 0;
-};
 
 // Warms up, then times `call(set)` for each repetition with its own pair of
 // events, rotating the input sets; the median of the per-call times.
