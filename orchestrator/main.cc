@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   tandem::bench::AddServingBench(*bench);
   tandem::worker::AddBenchCommand(*bench);
   tandem::worker::AddTransferBenchCommand(*bench);
+  tandem::worker::AddAttentionBenchCommand(*bench);
   tandem::bench::AddMockServerCommand(*bench);
   tandem::bench::AddGrpcFloorCommand(*bench);
   CLI11_PARSE(app, argc, argv);

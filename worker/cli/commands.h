@@ -30,6 +30,11 @@ void AddBenchCommand(CLI::App& bench);
 // `tandem bench transfer`: KV-block Push between two processes (UCX shm/tcp,
 // or the loopback backend) against memcpy. Registers under `bench`.
 void AddTransferBenchCommand(CLI::App& bench);
+// `tandem bench attention`: the CUDA paged-attention kernels (prefill TFLOP/s,
+// decode GB/s of KV read) against torch SDPA (scripts/bench_attention_torch.py)
+// and a device-to-device copy, measured in the same run. Exits 2 without a
+// usable GPU. Registers under `bench`.
+void AddAttentionBenchCommand(CLI::App& bench);
 
 // Ends a subcommand: exit 0 if `status` is OK, else prints
 // "tandem <command>: <message>" to stderr and exits 1.
