@@ -25,7 +25,13 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;        // keys per lane group per softmax update
-constexpr int kMaxHeads = 8;      // query heads per CTA
+// Query heads per CTA: at most 4. Eight (a 64:8 model) took 255 registers a
+// thread, two CTAs an SM, and read the KV at half the copy's bandwidth on an
+// H100; two CTAs of 4 heads each read the same pages, the second mostly from L2.
+constexpr int kMaxHeads = 4;
+__host__ __device__ constexpr int HeadsPerCta(int group) {
+  return group <= 1 ? 1 : group <= 2 ? 2 : kMaxHeads;
+}
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kLanes>  // lanes per key: a power of two, 16 bytes each
@@ -261,7 +267,7 @@ constexpr int kMaxSplits = 32;
 
 template <typename T, int kLanes>
 int LaunchTyped(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaStream_t stream) {
-  const int heads = a.group <= 1 ? 1 : a.group <= 2 ? 2 : a.group <= 4 ? 4 : kMaxHeads;
+  const int heads = HeadsPerCta(a.group);
   const int head_chunks = (a.group + heads - 1) / heads;
   // The grid's z dimension holds at most 65535 tokens: larger batches take
   // several launches.
@@ -275,10 +281,6 @@ int LaunchTyped(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaStr
         break;
       case 2:
         SplitKvKernel<T, kLanes, 2><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
-                                                                   head_chunks, base, part);
-        break;
-      case 4:
-        SplitKvKernel<T, kLanes, 4><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
                                                                    head_chunks, base, part);
         break;
       default:
@@ -311,7 +313,7 @@ SplitPlan PlanSplits(const AttnArgs& a, int num_sms) {
   // Enough CTAs for about four per SM; at least 256 keys per split so the
   // combine stays a small share; at most kMaxSplits (one register per split
   // in the combine).
-  const int heads = a.group <= 1 ? 1 : a.group <= 2 ? 2 : a.group <= 4 ? 4 : kMaxHeads;
+  const int heads = HeadsPerCta(a.group);
   const int64_t units = int64_t{a.num_tokens} * a.pool.num_kv_heads * ((a.group + heads - 1) / heads);
   const int64_t target = 4LL * (num_sms > 0 ? num_sms : 132);
   int splits = static_cast<int>(std::min<int64_t>(kMaxSplits, (target + units - 1) / units));
