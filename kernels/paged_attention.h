@@ -152,10 +152,12 @@ namespace cuda {
 // True when this binary has the CUDA kernels and a device of compute
 // capability 9.0 is present; otherwise `why` (if given) says what is missing.
 bool Available(const char** why = nullptr);
-// Bytes of device workspace a PagedAttention call needs (split-KV partial
-// outputs and their softmax statistics, plus the error word); always at
-// least kErrorWordBytes.
-int64_t WorkspaceBytes(int num_tokens, int num_heads, int head_dim, int max_splits = 32);
+// Bytes of device workspace for a PagedAttention call of up to `num_tokens`
+// query tokens to split each row's keys up to `max_splits` ways (split-KV
+// partial outputs and their softmax statistics, plus the error word). A call
+// needs at least kErrorWordBytes; with less than this it splits fewer ways
+// (same results, less of the GPU busy on long contexts with few sequences).
+int64_t WorkspaceBytes(int num_tokens, int num_heads, int head_dim, int max_splits = 128);
 inline constexpr int64_t kErrorWordBytes = 256;
 absl::Status WriteKvCache(const WriteKvParams& params);
 absl::Status PagedAttention(const PagedAttentionParams& params);

@@ -115,8 +115,9 @@ bool Available(const char** why) {
 }
 
 int64_t WorkspaceBytes(int num_tokens, int num_heads, int head_dim, int max_splits) {
-  return kErrorWordBytes +
-         internal::SplitKvWorkspaceBytes(num_tokens, num_heads, head_dim, std::max(1, max_splits));
+  const int useful = internal::MaxUsefulSplits(num_tokens, Device().ok ? Device().num_sms : 0);
+  return kErrorWordBytes + internal::SplitKvWorkspaceBytes(num_tokens, num_heads, head_dim,
+                                                           std::max(1, std::min(max_splits, useful)));
 }
 
 absl::Status WriteKvCache(const WriteKvParams& p) {
@@ -176,6 +177,12 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         "paged attention: q, out, kv_cache, query_start, context_lens, block_tables and workspace "
         "are required");
   }
+  if (p.workspace_bytes < kErrorWordBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "paged attention: the workspace holds %d bytes; at least %d are needed (cuda::WorkspaceBytes "
+        "says how many let long contexts split across the GPU)",
+        p.workspace_bytes, kErrorWordBytes));
+  }
   const int64_t eb = L.elem_bytes();
   if (p.q_stride_bytes % eb != 0 || p.q_stride_bytes < p.num_heads * L.row_bytes()) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -227,7 +234,8 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   if (a.max_q_len > 1 && internal::PrefillSupports(a)) {
     return CudaStatus(internal::LaunchPrefill(a, p.stream), "paged attention (prefill) launch");
   }
-  const internal::SplitPlan plan = internal::PlanSplits(a, Device().num_sms);
+  const internal::SplitPlan plan =
+      internal::PlanSplits(a, Device().num_sms, std::max<int64_t>(0, p.workspace_bytes - kErrorWordBytes));
   const int64_t need =
       kErrorWordBytes +
       internal::SplitKvWorkspaceBytes(a.num_tokens, p.num_heads, L.head_dim, plan.num_splits);

@@ -74,9 +74,13 @@ struct SplitPlan {
   int num_splits = 1;       // KV partitions per (token, kv head)
   int keys_per_split = 0;   // multiple of the kernel's key tile
 };
-SplitPlan PlanSplits(const AttnArgs& a, int num_sms);
+// At most as many splits as `workspace_bytes` (beyond the error word) holds.
+SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes);
 int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes,
                   void* stream);
+// The most splits a call of `num_tokens` query tokens can be given (every
+// token is at least one unit of work), for sizing workspaces.
+int MaxUsefulSplits(int num_tokens, int num_sms);
 // Bytes of partials a split plan needs (beyond the error word).
 int64_t SplitKvWorkspaceBytes(int num_tokens, int num_heads, int head_dim, int num_splits);
 

@@ -778,11 +778,15 @@ TEST_F(CudaBadParams, Float32) {
 }
 
 TEST_F(CudaBadParams, WorkspaceTooSmall) {
-  // The 3000-token sequence is split over several CTAs, whose partials need
-  // more than the error word.
+  // Less than the error word is refused.
   PagedAttentionParams p = p_;
+  p.workspace_bytes = cuda::kErrorWordBytes - 16;
+  ExpectInvalid(p, "workspace holds 240 bytes");
+  // The error word alone: the 3000-token row is not split (no room for
+  // partials), and the call still succeeds.
   p.workspace_bytes = cuda::kErrorWordBytes;
-  ExpectInvalid(p, "workspace holds 256 bytes");
+  EXPECT_TRUE(PagedAttention(p).ok());
+  EXPECT_TRUE(cuda::TakeError(call_.workspace.get(), nullptr).ok());
 }
 
 TEST_F(CudaBadParams, MisalignedPointers) {

@@ -234,24 +234,21 @@ __global__ void CombineKernel(AttnArgs a, int num_splits, Partials part) {
   const int64_t row0 = (int64_t{token} * a.num_heads + h) * num_splits;
   float mx = -FLT_MAX;
   for (int j = 0; j < num_splits; ++j) mx = fmaxf(mx, part.ml[(row0 + j) * 2]);
-  float w[32];
   float sum = 0.0f;
   bool bad = false;
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    if (j < num_splits) {
-      const float lj = part.ml[(row0 + j) * 2 + 1];
-      bad |= lj < 0.0f;
-      w[j] = lj > 0.0f ? exp2f(part.ml[(row0 + j) * 2] - mx) : 0.0f;
-      sum += w[j] * lj;
-    }
+  for (int j = 0; j < num_splits; ++j) {
+    const float lj = part.ml[(row0 + j) * 2 + 1];
+    bad |= lj < 0.0f;
+    if (lj > 0.0f) sum += exp2f(part.ml[(row0 + j) * 2] - mx) * lj;
   }
   if (bad) sum = 0.0f;  // the row is written as zeros
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      if (j < num_splits && w[j] > 0.0f) acc += w[j] * part.o[(row0 + j) * head_dim + d];
+    if (sum > 0.0f) {
+      for (int j = 0; j < num_splits; ++j) {
+        const float lj = part.ml[(row0 + j) * 2 + 1];
+        if (lj > 0.0f) acc += exp2f(part.ml[(row0 + j) * 2] - mx) * part.o[(row0 + j) * head_dim + d];
+      }
     }
     const float r = sum > 0.0f ? acc / sum : 0.0f;
     T* out = static_cast<T*>(a.out) + (int64_t{token} * a.num_heads + h) * head_dim + d;
@@ -263,7 +260,9 @@ __global__ void CombineKernel(AttnArgs a, int num_splits, Partials part) {
   }
 }
 
-constexpr int kMaxSplits = 32;
+constexpr int kMaxSplits = 128;
+// CTAs a split-KV launch aims at: eight per SM.
+int64_t TargetCtas(int num_sms) { return 8LL * (num_sms > 0 ? num_sms : 132); }
 
 template <typename T, int kLanes>
 int LaunchTyped(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaStream_t stream) {
@@ -309,15 +308,26 @@ int LaunchForDim(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaSt
 
 }  // namespace
 
-SplitPlan PlanSplits(const AttnArgs& a, int num_sms) {
-  // Enough CTAs for about four per SM; at least 256 keys per split so the
-  // combine stays a small share; at most kMaxSplits (one register per split
-  // in the combine).
+int MaxUsefulSplits(int num_tokens, int num_sms) {
+  const int64_t target = TargetCtas(num_sms);
+  const int64_t tokens = std::max(1, num_tokens);
+  return static_cast<int>(std::min<int64_t>(kMaxSplits, (target + tokens - 1) / tokens));
+}
+
+SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes) {
+  // Enough CTAs for about eight per SM (four are resident at a time: with
+  // 32 KV rows of 16 bytes in flight per lane group that keeps the HBM busy;
+  // at four per SM, batch 1 at 128k read at 0.57x of the copy on an H100);
+  // at least 256 keys per split so the combine stays a small share; at most
+  // kMaxSplits, and no more than the workspace holds.
   const int heads = HeadsPerCta(a.group);
   const int64_t units = int64_t{a.num_tokens} * a.pool.num_kv_heads * ((a.group + heads - 1) / heads);
-  const int64_t target = 4LL * (num_sms > 0 ? num_sms : 132);
+  const int64_t target = TargetCtas(num_sms);
   int splits = static_cast<int>(std::min<int64_t>(kMaxSplits, (target + units - 1) / units));
   splits = std::max(1, std::min(splits, (a.max_context + 255) / 256));
+  while (splits > 1 && SplitKvWorkspaceBytes(a.num_tokens, a.num_heads, a.pool.head_dim, splits) > workspace_bytes) {
+    --splits;
+  }
   constexpr int kAlign = 64;
   int per = (a.max_context + splits - 1) / splits;
   per = std::max(kAlign, (per + kAlign - 1) / kAlign * kAlign);
