@@ -26,6 +26,10 @@
 #include "kernels/cuda/launch.h"
 
 using namespace tandem::kernels::cuda::internal;
+namespace tandem::kernels::cuda::internal {
+int LaunchPrefillVariant(const AttnArgs& a, void* stream, int variant);  // prefill.cu: 0 wgmma, 1 mma.sync
+}
+static const char* kVariantName[] = {"wgmma", "mma.sync"};
 
 #define CK(x)                                                                          \
   do {                                                                                 \
@@ -61,7 +65,7 @@ struct Case {
 static std::mt19937_64 rng(12345);
 
 // Returns true if the case passes.
-static bool RunCase(const Case& c) {
+static bool RunCase(const Case& c, int variant) {
   const int D = c.head_dim, bs = c.block_size, Hkv = c.num_kv_heads, H = Hkv * c.group;
   const int S = static_cast<int>(c.q_lens.size());
   std::vector<int> qs(S + 1, 0);
@@ -181,7 +185,7 @@ static bool RunCase(const Case& c) {
     std::printf("FAIL %-28s PrefillSupports false\n", c.name);
     return false;
   }
-  CK(static_cast<cudaError_t>(LaunchPrefill(a, nullptr)));
+  CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
   CK(cudaDeviceSynchronize());
   std::vector<uint16_t> out(int64_t{T} * H * D);
   int err = 0;
@@ -212,8 +216,8 @@ static bool RunCase(const Case& c) {
   const double tol = c.elem == Elem::kBF16 ? 1e-2 : 2e-3;
   const int want_err = c.bad_seq >= 0 ? ((kErrBlockId << 28) | c.bad_seq) : 0;
   const bool ok = unwritten == 0 && bad_nonzero == 0 && rel < tol && err == want_err;
-  std::printf("%s %-30s T=%5d rel=%.2e maxabs=%.2e unwritten=%lld badrows_nonzero=%lld err=%#x (want %#x)\n",
-              ok ? "PASS" : "FAIL", c.name, T, rel, maxabs, (long long)unwritten, (long long)bad_nonzero, err,
+  std::printf("%s %-8s %-30s T=%5d rel=%.2e maxabs=%.2e unwritten=%lld badrows_nonzero=%lld err=%#x (want %#x)\n",
+              ok ? "PASS" : "FAIL", kVariantName[variant], c.name, T, rel, maxabs, (long long)unwritten, (long long)bad_nonzero, err,
               want_err);
   cudaFree(d_pool);
   cudaFree(d_q);
@@ -227,7 +231,7 @@ static bool RunCase(const Case& c) {
 
 // Causal (or full) prefill of `batch` sequences of `seqlen` tokens, H heads,
 // head_dim 128, bf16; returns the median ms of `iters` launches.
-static double Bench(int batch, int seqlen, int H, int Hkv, int D, int bs, bool causal, double* tflops) {
+static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, int bs, bool causal, double* tflops) {
   const int blocks_per_seq = (seqlen + bs - 1) / bs;
   const int num_blocks = batch * blocks_per_seq;
   const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride, block_stride = 2 * kv_stride;
@@ -289,11 +293,11 @@ static double Bench(int batch, int seqlen, int H, int Hkv, int D, int bs, bool c
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(static_cast<cudaError_t>(LaunchPrefill(a, nullptr)));
+  for (int i = 0; i < 3; ++i) CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
   std::vector<float> ms;
   for (int i = 0; i < 20; ++i) {
     CK(cudaEventRecord(e0));
-    CK(static_cast<cudaError_t>(LaunchPrefill(a, nullptr)));
+    CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float t;
@@ -341,24 +345,28 @@ int main(int argc, char** argv) {
         {"d128 bad block id seq1", B, 128, 16, 2, 2, true, {90, 150, 40}, {120, 150, 40}, 1},
         {"d64 bad block id seq0 (W=4)", B, 64, 64, 1, 1, false, {30, 50}, {30, 80}, 0},
     };
-    for (const Case& c : cases) failures += RunCase(c) ? 0 : 1;
+    for (int v = 0; v < 2; ++v) {
+      for (const Case& c : cases) failures += RunCase(c, v) ? 0 : 1;
+    }
     std::printf("%d case(s) failed\n", failures);
   }
-  std::printf("\n%-8s %-6s %-5s %-8s %10s %10s\n", "seqlen", "batch", "bs", "causal", "ms", "TFLOP/s");
-  for (int seqlen : {1024, 2048, 4096, 8192, 16384}) {
-    for (bool causal : {true, false}) {
-      double tf;
-      const int batch = 16384 / seqlen;
-      const double ms = Bench(batch, seqlen, 16, 16, 128, 64, causal, &tf);
-      std::printf("%-8d %-6d %-5d %-8d %10.3f %10.1f\n", seqlen, batch, 64, causal, ms, tf);
+  std::printf("\n%-9s %-8s %-6s %-5s %-8s %10s %10s\n", "variant", "seqlen", "batch", "bs", "causal", "ms", "TFLOP/s");
+  for (int v = 0; v < 2; ++v) {
+    for (int seqlen : {1024, 2048, 4096, 8192, 16384}) {
+      for (bool causal : {true, false}) {
+        double tf;
+        const int batch = 16384 / seqlen;
+        const double ms = Bench(v, batch, seqlen, 16, 16, 128, 64, causal, &tf);
+        std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f\n", kVariantName[v], seqlen, batch, 64, causal, ms, tf);
+      }
     }
-  }
-  {
     double tf;
-    const double ms = Bench(4, 4096, 16, 16, 128, 16, true, &tf);
-    std::printf("%-8d %-6d %-5d %-8d %10.3f %10.1f\n", 4096, 4, 16, 1, ms, tf);
-    const double ms2 = Bench(4, 4096, 16, 16, 64, 64, true, &tf);
-    std::printf("%-8d %-6d %-5s %-8d %10.3f %10.1f  (head_dim 64)\n", 4096, 4, "64", 1, ms2, tf);
+    double ms = Bench(v, 4, 4096, 16, 16, 128, 16, true, &tf);
+    std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f\n", kVariantName[v], 4096, 4, 16, 1, ms, tf);
+    ms = Bench(v, 4, 4096, 16, 16, 64, 64, true, &tf);
+    std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f  (head_dim 64)\n", kVariantName[v], 4096, 4, 64, 1, ms, tf);
+    ms = Bench(v, 4, 4096, 32, 8, 128, 16, true, &tf);
+    std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f  (32 heads, gqa 4)\n", kVariantName[v], 4096, 4, 16, 1, ms, tf);
   }
   return failures == 0 ? 0 : 1;
 }
