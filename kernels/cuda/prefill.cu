@@ -1,29 +1,38 @@
-// Tensor-core prefill over the paged cache (FlashAttention-2 style, sm_90a,
-// mma.sync m16n8k16 on bf16/f16 with f32 accumulation).
+// Tensor-core prefill over the paged cache, for Hopper (sm_90a): bf16/f16
+// in, f32 accumulation, head_dim 64 or 128, block_size 16, 32 or 64.
 //
-// Grid: (query head, sequence, query tile), the tile index reversed so that
-// the tiles with the most keys (the last query rows of the longest
-// sequences under a causal mask) start first; tiles past a sequence's query
-// count exit at once (the host knows only max_q_len, not each q_len).
-// A CTA of kWarps warps serves kM = 16 * kWarps query rows of one head;
-// each warp owns 16 rows. Key/value tiles of kN = 64 keys are gathered page
-// by page (block_size 16, 32 or 64: a tile covers whole pages) into shared
-// memory with 16-byte cp.async, double-buffered (K and V each in their own
-// commit group, so the QK^T of tile j overlaps the V load of tile j and the
-// PV of tile j overlaps the K load of tile j-1). Shared rows are swizzled
-// (16-byte chunk c of row r sits at chunk c ^ (r & 7)) so that ldmatrix
-// reads 8 rows of one chunk column without bank conflicts.
+// The kernel LaunchPrefill runs (PrefillWsKernel, warp-specialized wgmma):
+// - Grid (query head, sequence, query tile), the tile index reversed so that
+//   the tiles with the most keys (the last query rows under a causal mask)
+//   start first; tiles past a sequence's query count exit at once (the host
+//   knows only max_q_len, not each q_len).
+// - A CTA serves kM = 64 * kWG query rows of one head (kWG = 3 consumer
+//   warpgroups, or 1 when max_q_len <= 64) plus one producer warpgroup.
+// - The producer gathers Q once and then K/V tiles of 64 keys, page by page
+//   through the block table, with 16-byte cp.async into a ring of stages
+//   (two), and signals each stage's "full" mbarrier with
+//   cp.async.mbarrier.arrive; it refills a stage after the consumers arrive
+//   on its "empty" mbarrier. No CTA-wide barrier sits in the loop, so the
+//   consumer warpgroups drift apart and one's softmax overlaps another's
+//   matrix products.
+// - Each consumer warpgroup computes S = Q K^T (wgmma m64n64k16, Q and K
+//   from shared memory, both K-major), the online softmax in registers
+//   (exp2 domain: scale * log2(e) folds into one multiply), and O += P V
+//   (wgmma m64nDk16, P from registers in the accumulator layout, V from
+//   shared memory transposed). Shared tiles use the 128-byte-swizzle layout
+//   (64-column panels of 128-byte rows, chunk c of row r at c ^ (r & 7)).
+// - Key tiles run from the last to the first: only the first few (causal
+//   diagonal, ragged context end) need the mask; a warpgroup whose rows all
+//   precede a key tile skips its math.
+// - Block ids: before any load, the CTA checks every table entry it will
+//   use; one outside [0, num_blocks) records kErrBlockId for the sequence,
+//   and the CTA writes zeros for its rows and reads nothing through it.
 //
-// Key tiles run from the last to the first: only the first few (the causal
-// diagonal, the ragged end of the context) need the mask; a warp whose rows
-// all lie before a key tile skips its math. The online softmax keeps, per
-// row, the running max (log2 domain: scale * log2(e) folds into one FMA
-// before exp2) and this thread's partial sum; the quad reduces the sums at
-// the end.
-//
-// Block ids: before any load, the CTA checks every table entry it will use;
-// one outside [0, num_blocks) records kErrBlockId for the sequence, and the
-// CTA writes zeros for its rows and reads nothing through the table.
+// Two earlier kernels stay for comparison (LaunchPrefillVariant, timed side
+// by side by kernels/cuda/bench/prefill_check.cu; numbers in NOTES.md):
+// PrefillKernel (FlashAttention-2 style, mma.sync m16n8k16, 16 rows per
+// warp, ldmatrix) and PrefillWgmmaKernel (wgmma, but every thread loads and
+// two CTA-wide barriers per tile).
 #include <cfloat>
 
 #include "kernels/cuda/common.cuh"
@@ -344,8 +353,9 @@ __device__ __forceinline__ uint32_t PanelOffset(int rows_per_tile, int r, int ch
 // from shared memory (both K-major); O += P V takes P from registers (the
 // S accumulator layout is the A-fragment layout) and V from shared memory
 // transposed (MN-major). Loads stay on cp.async by every thread.
-template <typename T, int kD, int kWG>
-__global__ void __launch_bounds__(kWG * 128, 1) PrefillWgmmaKernel(AttnArgs a) {
+template <typename T, int kD, int kWG, int kN, int kMinBlocks>
+__global__ void __launch_bounds__(kWG * 128, kMinBlocks) PrefillWgmmaKernel(AttnArgs a) {
+  static_assert(kN == 64, "the QK^T descriptors step over 64-row K panels");
   constexpr int kM = 64 * kWG;
   constexpr int kThreads = kWG * 128;
   constexpr int kChunks = kD / 8;
@@ -449,8 +459,290 @@ __global__ void __launch_bounds__(kWG * 128, 1) PrefillWgmmaKernel(AttnArgs a) {
 
     const int k0 = tile * kN;
     const bool compute = wg_live && (!a.causal || k0 <= wg_last_pos);
-    float p[32];
+    float p[kN / 2];
     if (compute) {
+      wgmma::Fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t off = (kk / 4) * kPanel + (kk % 4) * 32;
+        if constexpr (kN == 64) {
+          wgmma::SS64<T>(p, Desc(sQwg + off, 16, 1024), Desc(cK + off, 16, 1024), kk > 0);
+        } else {
+          wgmma::SS128<T>(p, Desc(sQwg + off, 16, 1024), Desc(cK + off, 16, 1024), kk > 0);
+        }
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceRegs(p);
+      const bool need_mask = k0 + kN > n_keys || (a.causal && k0 + kN - 1 > pos0 + wrow0);
+      float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kN / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = p[4 * i + e] * qk_scale;
+          if (need_mask) {
+            const int key = k0 + i * 8 + 2 * t + (e & 1);
+            const int pos = e < 2 ? pos_a : pos_b;
+            if (key >= n_keys || (a.causal && key > pos)) x = -INFINITY;
+          }
+          p[4 * i + e] = x;
+        }
+        mx_a = fmaxf(mx_a, fmaxf(p[4 * i], p[4 * i + 1]));
+        mx_b = fmaxf(mx_b, fmaxf(p[4 * i + 2], p[4 * i + 3]));
+      }
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+      const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
+      const float base_a = new_a == -INFINITY ? 0.0f : new_a;
+      const float base_b = new_b == -INFINITY ? 0.0f : new_b;
+      const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
+      m_a = new_a;
+      m_b = new_b;
+      float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kN / 8; ++i) {
+        p[4 * i] = exp2f(p[4 * i] - base_a);
+        p[4 * i + 1] = exp2f(p[4 * i + 1] - base_a);
+        p[4 * i + 2] = exp2f(p[4 * i + 2] - base_b);
+        p[4 * i + 3] = exp2f(p[4 * i + 3] - base_b);
+        sum_a += p[4 * i] + p[4 * i + 1];
+        sum_b += p[4 * i + 2] + p[4 * i + 3];
+      }
+      l_a = l_a * corr_a + sum_a;
+      l_b = l_b * corr_b + sum_b;
+#pragma unroll
+      for (int i = 0; i < kD / 8; ++i) {
+        o[4 * i] *= corr_a;
+        o[4 * i + 1] *= corr_a;
+        o[4 * i + 2] *= corr_b;
+        o[4 * i + 3] *= corr_b;
+      }
+    }
+
+    CpAsyncWait<1>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    if (tile > 0) load_kv(tile - 1, 1, nV);
+    CpAsyncCommit();
+
+    if (compute) {
+      uint32_t pa[kN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        pa[kk][0] = Pack2<T>(p[8 * kk], p[8 * kk + 1]);
+        pa[kk][1] = Pack2<T>(p[8 * kk + 2], p[8 * kk + 3]);
+        pa[kk][2] = Pack2<T>(p[8 * kk + 4], p[8 * kk + 5]);
+        pa[kk][3] = Pack2<T>(p[8 * kk + 6], p[8 * kk + 7]);
+      }
+      wgmma::FenceRegs(o);
+      wgmma::Fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        // 16 keys = two 8-row groups (SBO 1024); head dims in 64-wide panels (LBO).
+        const uint64_t dv = Desc(cV + kk * 16 * 128, kN * 128, 1024);
+        if constexpr (kD == 128) {
+          wgmma::RS128<T>(o, pa[kk], dv, 1);
+        } else {
+          wgmma::RS64<T>(o, pa[kk], dv, 1);
+        }
+      }
+      wgmma::Commit();
+      wgmma::Wait<0>();
+      wgmma::FenceRegs(o);
+    }
+    buf ^= 1;
+  }
+  CpAsyncWait<0>();
+
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
+  const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i) {
+    const int col = i * 8 + 2 * t;
+    if (row_a < rows) {
+      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
+          Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
+    }
+    if (row_b < rows) {
+      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
+          Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
+    }
+  }
+}
+
+template <typename T, int kD, int kWG, int kN = 64, int kMinBlocks = 1>
+int LaunchWgmma(const AttnArgs& a, cudaStream_t stream) {
+  constexpr int kM = 64 * kWG;
+  constexpr int kSmem = (kM + 4 * kN) * kD * 2 + 1024;  // + alignment slack
+  auto* kernel = PrefillWgmmaKernel<T, kD, kWG, kN, kMinBlocks>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attr != cudaSuccess) return static_cast<int>(attr);
+  const dim3 grid(a.num_heads, a.num_seqs, (a.max_q_len + kM - 1) / kM);
+  kernel<<<grid, kWG * 128, kSmem, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// mbarrier helpers (shared::cta, 64-bit barrier words).
+__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued so far has landed.
+__device__ __forceinline__ void MbarArriveOnCpAsync(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// Warp-specialized wgmma prefill: one producer warpgroup gathers Q and the
+// K/V pages with cp.async into a ring of kStages stages and signals each
+// stage's mbarrier when its copies land (cp.async.mbarrier.arrive); kWG
+// consumer warpgroups (64 query rows each) wait on the stage, run
+// S = Q K^T, the online softmax and O += P V on wgmma, and release the stage
+// on its "empty" mbarrier. No CTA-wide barrier inside the loop: the
+// consumer warpgroups drift apart, so one's softmax overlaps another's
+// matrix products. Same contract as PrefillKernel.
+template <typename T, int kD, int kWG, int kStages>
+__global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a) {
+  constexpr int kN = 64;
+  constexpr int kM = 64 * kWG;
+  constexpr int kThreads = (kWG + 1) * 128;
+  constexpr int kChunks = kD / 8;
+  constexpr int kRowBytes = kD * 2;
+  constexpr int kTileBytes = kN * kRowBytes;
+  constexpr int kPanel = 64 * 128;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int sm_bad;
+  __shared__ __align__(8) uint64_t bars[2 * kStages + 1];  // full[kStages], empty[kStages], q
+  const uint32_t sQ = (SmemAddr(smem) + 1023) & ~1023u;
+  const uint32_t sKV = sQ + kM * kRowBytes;  // stage i: K at sKV + 2i*tile, V after it
+  const uint32_t full0 = SmemAddr(&bars[0]), empty0 = SmemAddr(&bars[kStages]), qbar = SmemAddr(&bars[2 * kStages]);
+
+  const int h = blockIdx.x;
+  const int s = blockIdx.y;
+  const int m0 = (gridDim.z - 1 - blockIdx.z) * kM;
+  const int q_begin = __ldg(&a.query_start[s]);
+  const int q_len = __ldg(&a.query_start[s + 1]) - q_begin;
+  if (m0 >= q_len) return;
+  const int ctx = __ldg(&a.context_lens[s]);
+  const int pos0 = ctx - q_len + m0;
+  const int rows = min(kM, q_len - m0);
+  const int n_keys = a.causal ? min(ctx, pos0 + rows) : ctx;
+  const int kv_head = h / a.group;
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int wg = tid / 128, warp = (tid / 32) % 4;
+  const int64_t out_stride = int64_t{a.num_heads} * kD;
+  T* out = static_cast<T*>(a.out) + int64_t{q_begin + m0} * out_stride + int64_t{h} * kD;
+
+  const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
+  const int bs_shift = __ffs(a.pool.block_size) - 1;
+  const int bs_mask = a.pool.block_size - 1;
+  if (tid == 0) {
+    sm_bad = 0;
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(full0 + 8 * i, 128);          // one cp.async arrival per producer thread
+      MbarInit(empty0 + 8 * i, kWG * 128);   // every consumer thread releases
+    }
+    MbarInit(qbar, 128);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  for (int b = tid; b <= (n_keys - 1) >> bs_shift; b += kThreads) {
+    const int32_t id = __ldg(&table[b]);
+    if (id < 0 || id >= a.pool.num_blocks) sm_bad = 1;
+  }
+  __syncthreads();
+  if (sm_bad != 0) {
+    if (tid == 0) RecordError(a.error, kErrBlockId, s);
+    for (int c = tid; c < rows * kChunks; c += kThreads) {
+      *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const int n_tiles = (n_keys + kN - 1) / kN;
+
+  if (wg == kWG) {
+    // Producer.
+    const int ptid = tid - kWG * 128;
+    const T* pool = static_cast<const T*>(a.pool.kv);
+    {
+      const T* q = static_cast<const T*>(a.q) + int64_t{q_begin + m0} * a.q_stride + int64_t{h} * kD;
+      for (int c = ptid; c < kM * kChunks; c += 128) {
+        const int r = c / kChunks, ch = c % kChunks;
+        const bool ok = r < rows;
+        CpAsync16(sQ + (r / 64) * (64 * kRowBytes) + PanelOffset<kD>(64, r % 64, ch),
+                  ok ? q + int64_t{r} * a.q_stride + ch * 8 : q, ok ? 16 : 0);
+      }
+      MbarArriveOnCpAsync(qbar);
+    }
+    for (int it = 0; it < n_tiles; ++it) {
+      const int stage = it % kStages;
+      if (it >= kStages) MbarWait(empty0 + 8 * stage, ((it / kStages) - 1) & 1);
+      const int tile = n_tiles - 1 - it;
+      const uint32_t dK = sKV + 2 * stage * kTileBytes, dV = dK + kTileBytes;
+      for (int c = ptid; c < kN * kChunks; c += 128) {
+        const int r = c / kChunks, ch = c % kChunks;
+        const int key = tile * kN + r;
+        const T* srcK = pool;
+        const T* srcV = pool;
+        int bytes = 0;
+        if (key < n_keys) {
+          const int32_t block = __ldg(&table[key >> bs_shift]);
+          srcK = pool + PoolOffset(a.pool, block, 0, kv_head, key & bs_mask) + ch * 8;
+          srcV = srcK + a.pool.kv_stride;
+          bytes = 16;
+        }
+        CpAsync16(dK + PanelOffset<kD>(kN, r, ch), srcK, bytes);
+        CpAsync16(dV + PanelOffset<kD>(kN, r, ch), srcV, bytes);
+      }
+      MbarArriveOnCpAsync(full0 + 8 * stage);
+    }
+    CpAsyncWait<0>();
+    return;
+  }
+
+  // Consumers.
+  const int g = lane / 4, t = lane % 4;
+  const int wrow0 = wg * 64;
+  const int row_a = wrow0 + warp * 16 + g, row_b = row_a + 8;
+  const int pos_a = pos0 + row_a, pos_b = pos0 + row_b;
+  const int wg_last_pos = pos0 + wrow0 + 63;
+  const bool wg_live = wrow0 < rows;
+  const float qk_scale = a.scale * kLog2e;
+  const uint32_t sQwg = sQ + wg * (64 * kRowBytes);
+
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+  MbarWait(qbar, 0);
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it % kStages;
+    const int tile = n_tiles - 1 - it;
+    const uint32_t cK = sKV + 2 * stage * kTileBytes, cV = cK + kTileBytes;
+    MbarWait(full0 + 8 * stage, (it / kStages) & 1);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    const int k0 = tile * kN;
+    const bool compute = wg_live && (!a.causal || k0 <= wg_last_pos);
+    if (compute) {
+      float p[32];
       wgmma::Fence();
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
@@ -506,15 +798,6 @@ __global__ void __launch_bounds__(kWG * 128, 1) PrefillWgmmaKernel(AttnArgs a) {
         o[4 * i + 2] *= corr_b;
         o[4 * i + 3] *= corr_b;
       }
-    }
-
-    CpAsyncWait<1>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    if (tile > 0) load_kv(tile - 1, 1, nV);
-    CpAsyncCommit();
-
-    if (compute) {
       uint32_t pa[4][4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -527,7 +810,6 @@ __global__ void __launch_bounds__(kWG * 128, 1) PrefillWgmmaKernel(AttnArgs a) {
       wgmma::Fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        // 16 keys = two 8-row groups (SBO 1024); head dims in 64-wide panels (LBO).
         const uint64_t dv = Desc(cV + kk * 16 * 128, kN * 128, 1024);
         if constexpr (kD == 128) {
           wgmma::RS128<T>(o, pa[kk], dv, 1);
@@ -539,9 +821,8 @@ __global__ void __launch_bounds__(kWG * 128, 1) PrefillWgmmaKernel(AttnArgs a) {
       wgmma::Wait<0>();
       wgmma::FenceRegs(o);
     }
-    buf ^= 1;
+    MbarArrive(empty0 + 8 * stage);
   }
-  CpAsyncWait<0>();
 
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
@@ -563,15 +844,16 @@ __global__ void __launch_bounds__(kWG * 128, 1) PrefillWgmmaKernel(AttnArgs a) {
   }
 }
 
-template <typename T, int kD, int kWG>
-int LaunchWgmma(const AttnArgs& a, cudaStream_t stream) {
+template <typename T, int kD, int kWG, int kStages>
+int LaunchWs(const AttnArgs& a, cudaStream_t stream) {
   constexpr int kM = 64 * kWG;
-  constexpr int kSmem = (kM + 4 * kN) * kD * 2 + 1024;  // + alignment slack
-  static const cudaError_t attr = cudaFuncSetAttribute(PrefillWgmmaKernel<T, kD, kWG>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  constexpr int kSmem = (kM + 2 * kStages * 64) * kD * 2 + 1024;  // + alignment slack
+  auto* kernel = PrefillWsKernel<T, kD, kWG, kStages>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return static_cast<int>(attr);
   const dim3 grid(a.num_heads, a.num_seqs, (a.max_q_len + kM - 1) / kM);
-  PrefillWgmmaKernel<T, kD, kWG><<<grid, kWG * 128, kSmem, stream>>>(a);
+  kernel<<<grid, (kWG + 1) * 128, kSmem, stream>>>(a);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -587,17 +869,29 @@ int Launch(const AttnArgs& a, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T>
-int LaunchTyped(const AttnArgs& a, cudaStream_t stream, bool use_wgmma) {
-  // 128-row tiles halve the K/V traffic per query row; 64-row tiles when the
-  // queries are few (a short chunk fills only part of a 128-row tile).
+template <typename T, int kD>
+int LaunchTypedDim(const AttnArgs& a, cudaStream_t stream, int variant) {
+  // 192-row tiles (three consumer warpgroups) cut the K/V traffic per query
+  // row and give each SM three warpgroups to overlap; one warpgroup (64
+  // rows) when the queries are few (a short chunk, or the tail of a
+  // chunked prefill).
   const bool wide = a.max_q_len > 64;
-  if (use_wgmma) {
-    if (a.pool.head_dim == 64) return wide ? LaunchWgmma<T, 64, 2>(a, stream) : LaunchWgmma<T, 64, 1>(a, stream);
-    return wide ? LaunchWgmma<T, 128, 2>(a, stream) : LaunchWgmma<T, 128, 1>(a, stream);
+  switch (variant) {
+    case 1:  // mma.sync, 16 rows per warp
+      return wide ? Launch<T, kD, 8>(a, stream) : Launch<T, kD, 4>(a, stream);
+    case 2:  // wgmma with CTA-wide barriers (every thread loads)
+      return wide ? LaunchWgmma<T, kD, 2>(a, stream) : LaunchWgmma<T, kD, 1>(a, stream);
+    case 3:  // experiment: three stages
+      return wide ? LaunchWs<T, kD, 3, 3>(a, stream) : LaunchWs<T, kD, 1, 3>(a, stream);
+    default:  // warp-specialized wgmma
+      return wide ? LaunchWs<T, kD, 3, 2>(a, stream) : LaunchWs<T, kD, 1, 2>(a, stream);
   }
-  if (a.pool.head_dim == 64) return wide ? Launch<T, 64, 8>(a, stream) : Launch<T, 64, 4>(a, stream);
-  return wide ? Launch<T, 128, 8>(a, stream) : Launch<T, 128, 4>(a, stream);
+}
+
+template <typename T>
+int LaunchTyped(const AttnArgs& a, cudaStream_t stream, int variant) {
+  if (a.pool.head_dim == 64) return LaunchTypedDim<T, 64>(a, stream, variant);
+  return LaunchTypedDim<T, 128>(a, stream, variant);
 }
 
 }  // namespace
@@ -619,12 +913,14 @@ bool PrefillSupports(const AttnArgs& a) {
   return true;
 }
 
-// variant 0: wgmma (the default), 1: mma.sync (kept for comparison; the
-// stand-alone check in kernels/cuda/bench/ runs both).
+// Variant 0 is the kernel LaunchPrefill runs (warp-specialized wgmma); the
+// others stay for comparison (kernels/cuda/bench/prefill_check.cu times
+// them side by side): 1 mma.sync, 2 wgmma with CTA-wide barriers, 3 the
+// warp-specialized kernel with three stages instead of two.
 int LaunchPrefillVariant(const AttnArgs& a, void* stream, int variant) {
   const auto st = static_cast<cudaStream_t>(stream);
-  if (a.elem == Elem::kBF16) return LaunchTyped<__nv_bfloat16>(a, st, variant == 0);
-  return LaunchTyped<__half>(a, st, variant == 0);
+  if (a.elem == Elem::kBF16) return LaunchTyped<__nv_bfloat16>(a, st, variant);
+  return LaunchTyped<__half>(a, st, variant);
 }
 
 int LaunchPrefill(const AttnArgs& a, void* stream) { return LaunchPrefillVariant(a, stream, 0); }

@@ -29,7 +29,8 @@ using namespace tandem::kernels::cuda::internal;
 namespace tandem::kernels::cuda::internal {
 int LaunchPrefillVariant(const AttnArgs& a, void* stream, int variant);  // prefill.cu: 0 wgmma, 1 mma.sync
 }
-static const char* kVariantName[] = {"wgmma", "mma.sync"};
+static const char* kVariantName[] = {"ws", "mma.sync", "wg:bar", "ws:3st"};
+static const int kVariants = 4;
 
 #define CK(x)                                                                          \
   do {                                                                                 \
@@ -345,13 +346,13 @@ int main(int argc, char** argv) {
         {"d128 bad block id seq1", B, 128, 16, 2, 2, true, {90, 150, 40}, {120, 150, 40}, 1},
         {"d64 bad block id seq0 (W=4)", B, 64, 64, 1, 1, false, {30, 50}, {30, 80}, 0},
     };
-    for (int v = 0; v < 2; ++v) {
+    for (int v = 0; v < kVariants; ++v) {
       for (const Case& c : cases) failures += RunCase(c, v) ? 0 : 1;
     }
     std::printf("%d case(s) failed\n", failures);
   }
   std::printf("\n%-9s %-8s %-6s %-5s %-8s %10s %10s\n", "variant", "seqlen", "batch", "bs", "causal", "ms", "TFLOP/s");
-  for (int v = 0; v < 2; ++v) {
+  for (int v = 0; v < kVariants; ++v) {
     for (int seqlen : {1024, 2048, 4096, 8192, 16384}) {
       for (bool causal : {true, false}) {
         double tf;
