@@ -29,7 +29,7 @@ using namespace tandem::kernels::cuda::internal;
 namespace tandem::kernels::cuda::internal {
 int LaunchPrefillVariant(const AttnArgs& a, void* stream, int variant);  // prefill.cu: 0 wgmma, 1 mma.sync
 }
-static const char* kVariantName[] = {"ws", "mma.sync", "wg:bar", "ws:3st"};
+static const char* kVariantName[] = {"ws", "mma.sync", "wg:bar", "ws:2st"};
 static const int kVariants = 4;
 
 #define CK(x)                                                                          \
