@@ -588,8 +588,8 @@ int LaunchWgmma(const AttnArgs& a, cudaStream_t stream) {
   constexpr int kM = 64 * kWG;
   constexpr int kSmem = (kM + 4 * kN) * kD * 2 + 1024;  // + alignment slack
   auto* kernel = PrefillWgmmaKernel<T, kD, kWG, kN, kMinBlocks>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  // Per call, not once: the limit belongs to the current device's context.
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return static_cast<int>(attr);
   const dim3 grid(a.num_heads, a.num_seqs, (a.max_q_len + kM - 1) / kM);
   kernel<<<grid, kWG * 128, kSmem, stream>>>(a);
@@ -855,8 +855,8 @@ int LaunchWs(const AttnArgs& a, cudaStream_t stream) {
   constexpr int kM = 64 * kWG;
   constexpr int kSmem = (kM + 2 * kStages * 64) * kD * 2 + 1024;  // + alignment slack
   auto* kernel = PrefillWsKernel<T, kD, kWG, kStages>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  // Per call, not once: the limit belongs to the current device's context.
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return static_cast<int>(attr);
   const dim3 grid(a.num_heads, a.num_seqs, (a.max_q_len + kM - 1) / kM);
   kernel<<<grid, (kWG + 1) * 128, kSmem, stream>>>(a);
@@ -867,8 +867,8 @@ template <typename T, int kD, int kWarps>
 int Launch(const AttnArgs& a, cudaStream_t stream) {
   constexpr int kM = 16 * kWarps;
   constexpr int kSmem = (kM + 4 * kN) * kD * 2;
-  static const cudaError_t attr = cudaFuncSetAttribute(PrefillKernel<T, kD, kWarps>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const cudaError_t attr = cudaFuncSetAttribute(PrefillKernel<T, kD, kWarps>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return static_cast<int>(attr);
   const dim3 grid(a.num_heads, a.num_seqs, (a.max_q_len + kM - 1) / kM);
   PrefillKernel<T, kD, kWarps><<<grid, kWarps * 32, kSmem, stream>>>(a);
