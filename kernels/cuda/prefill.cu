@@ -27,7 +27,9 @@
 //   precede a key tile skips its math.
 // - Block ids: before any load, the CTA checks every table entry it will
 //   use; one outside [0, num_blocks) records kErrBlockId for the sequence,
-//   and the CTA writes zeros for its rows and reads nothing through it.
+//   nothing is read through it or past it, and the rows whose keys reach it
+//   come out zero (the rows before it are still computed). The two
+//   comparison kernels zero every row of such a CTA instead.
 //
 // Two earlier kernels stay for comparison (LaunchPrefillVariant, timed side
 // by side by kernels/cuda/bench/prefill_check.cu; numbers in NOTES.md):
@@ -35,6 +37,7 @@
 // warp, ldmatrix) and PrefillWgmmaKernel (wgmma, but every thread loads and
 // two CTA-wide barriers per tile).
 #include <cfloat>
+#include <climits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/prefill_wgmma.cuh"
@@ -634,7 +637,7 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
   constexpr int kTileBytes = kN * kRowBytes;
   constexpr int kPanel = 64 * 128;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int sm_bad;
+  __shared__ int sm_first_bad;  // the first block index outside the pool, or INT_MAX
   __shared__ __align__(8) uint64_t bars[2 * kStages + 1];  // full[kStages], empty[kStages], q
   const uint32_t sQ = (SmemAddr(smem) + 1023) & ~1023u;
   const uint32_t sKV = sQ + kM * kRowBytes;  // stage i: K at sKV + 2i*tile, V after it
@@ -649,7 +652,7 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
   const int ctx = __ldg(&a.context_lens[s]);
   const int pos0 = ctx - q_len + m0;
   const int rows = min(kM, q_len - m0);
-  const int n_keys = a.causal ? min(ctx, pos0 + rows) : ctx;
+  int n_keys = a.causal ? min(ctx, pos0 + rows) : ctx;
   const int kv_head = h / a.group;
   const int tid = threadIdx.x, lane = tid % 32;
   const int wg = tid / 128, warp = (tid / 32) % 4;
@@ -660,7 +663,7 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
   const int bs_shift = __ffs(a.pool.block_size) - 1;
   const int bs_mask = a.pool.block_size - 1;
   if (tid == 0) {
-    sm_bad = 0;
+    sm_first_bad = INT_MAX;
     for (int i = 0; i < kStages; ++i) {
       MbarInit(full0 + 8 * i, 128);          // one cp.async arrival per producer thread
       MbarInit(empty0 + 8 * i, kWG * 128);   // every consumer thread releases
@@ -671,15 +674,21 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
   __syncthreads();
   for (int b = tid; b <= (n_keys - 1) >> bs_shift; b += kThreads) {
     const int32_t id = __ldg(&table[b]);
-    if (id < 0 || id >= a.pool.num_blocks) sm_bad = 1;
+    if (id < 0 || id >= a.pool.num_blocks) atomicMin(&sm_first_bad, b);
   }
   __syncthreads();
-  if (sm_bad != 0) {
+  // A bad block id: the rows that reach it come out zero (epilogue); the
+  // rows before it are computed from the keys before it, all that is read.
+  if (sm_first_bad != INT_MAX) {
     if (tid == 0) RecordError(a.error, kErrBlockId, s);
-    for (int c = tid; c < rows * kChunks; c += kThreads) {
-      *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) = make_uint4(0, 0, 0, 0);
+    n_keys = min(n_keys, sm_first_bad << bs_shift);
+    if (n_keys == 0) {
+      for (int c = tid; c < rows * kChunks; c += kThreads) {
+        *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) =
+            make_uint4(0, 0, 0, 0);
+      }
+      return;
     }
-    return;
   }
   const int n_tiles = (n_keys + kN - 1) / kN;
 
@@ -836,16 +845,24 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
   const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
   const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+  // Rows whose last key lies at or past a bad block: zeros. (Re-read here,
+  // not kept in registers through the loop, which has none to spare.)
+  // Without the causal mask every row reaches every checked block.
+  const int bad_block = sm_first_bad;
+  const bool bad = bad_block != INT_MAX;
+  const int first_bad_key = bad ? bad_block * a.pool.block_size : 0;
+  const bool zero_a = bad && (!a.causal || pos_a >= first_bad_key);
+  const bool zero_b = bad && (!a.causal || pos_b >= first_bad_key);
 #pragma unroll
   for (int i = 0; i < kD / 8; ++i) {
     const int col = i * 8 + 2 * t;
     if (row_a < rows) {
       *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
-          Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
+          zero_a ? 0u : Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
     }
     if (row_b < rows) {
       *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
-          Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
+          zero_b ? 0u : Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
     }
   }
 }

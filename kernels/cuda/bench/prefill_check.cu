@@ -6,6 +6,7 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I. \
 //     kernels/cuda/prefill.cu kernels/cuda/bench/prefill_check.cu -o prefill_check
 //   ./prefill_check            # correctness cases, then the benchmark table
+//   ./prefill_check check      # correctness only; `bench`: the table only
 //
 // Correctness: fresh random inputs rounded to the element type, a paged pool
 // with shuffled block ids, two layers (the layer offset and block stride
@@ -61,12 +62,15 @@ struct Case {
   bool causal;
   std::vector<int> q_lens, ctx;
   int bad_seq = -1;  // a block id past the pool in this sequence's table
+  int bad_block = 0;  // at this block index; rows whose keys reach it must be zero
+  bool per_row = false;  // only the default kernels zero per row (the others zero whole CTAs)
 };
 
 static std::mt19937_64 rng(12345);
 
 // Returns true if the case passes.
 static bool RunCase(const Case& c, int variant) {
+  if (c.per_row && (variant == 1 || variant == 2)) return true;
   const int D = c.head_dim, bs = c.block_size, Hkv = c.num_kv_heads, H = Hkv * c.group;
   const int S = static_cast<int>(c.q_lens.size());
   std::vector<int> qs(S + 1, 0);
@@ -92,7 +96,7 @@ static bool RunCase(const Case& c, int variant) {
   for (int s = 0; s < S; ++s) {
     for (int b = 0; b < (c.ctx[s] + bs - 1) / bs; ++b) table[int64_t{s} * max_blocks + b] = perm[next++];
   }
-  if (c.bad_seq >= 0) table[int64_t{c.bad_seq} * max_blocks] = num_blocks + 5;
+  if (c.bad_seq >= 0) table[int64_t{c.bad_seq} * max_blocks + c.bad_block] = num_blocks + 5;
 
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<uint16_t> pool(num_blocks * block_stride);
@@ -111,10 +115,14 @@ static bool RunCase(const Case& c, int variant) {
                     c.elem);
   };
   std::vector<double> sc;
+  auto reaches_bad = [&](int s, int i) {
+    const int last_key = c.causal ? c.ctx[s] - c.q_lens[s] + i : c.ctx[s] - 1;
+    return s == c.bad_seq && last_key / bs >= c.bad_block;
+  };
   for (int s = 0; s < S; ++s) {
-    if (s == c.bad_seq) continue;
     const int ql = c.q_lens[s], ctx = c.ctx[s];
     for (int i = 0; i < ql; ++i) {
+      if (reaches_bad(s, i)) continue;
       const int n = c.causal ? ctx - ql + i + 1 : ctx;
       const int tok = qs[s] + i;
       for (int h = 0; h < H; ++h) {
@@ -202,7 +210,7 @@ static bool RunCase(const Case& c, int variant) {
           ++unwritten;
           continue;
         }
-        if (s == c.bad_seq) {
+        if (reaches_bad(s, tok - qs[s])) {
           if (x != 0.0f) ++bad_nonzero;
           continue;
         }
@@ -330,6 +338,8 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
   const bool bench_only = argc > 1 && std::string(argv[1]) == "bench";
+  const bool check_only = argc > 1 && std::string(argv[1]) == "check";
+  const bool quick = argc > 1 && std::string(argv[1]) == "quick";  // checks, then the default at 3 shapes
   int failures = 0;
   if (!bench_only) {
     const Elem B = Elem::kBF16, F = Elem::kF16;
@@ -345,11 +355,24 @@ int main(int argc, char** argv) {
         {"d64 short chunks (W=4)", B, 64, 32, 2, 2, true, {2, 64, 17}, {300, 64, 90}},
         {"d128 bad block id seq1", B, 128, 16, 2, 2, true, {90, 150, 40}, {120, 150, 40}, 1},
         {"d64 bad block id seq0 (W=4)", B, 64, 64, 1, 1, false, {30, 50}, {30, 80}, 0},
+        {"d128 bad block mid causal", B, 128, 16, 2, 2, true, {60, 300, 40}, {60, 330, 40}, 1, 7, true},
+        {"f16 d64 bad block mid causal", F, 64, 32, 1, 4, true, {250}, {250}, 0, 4, true},
     };
     for (int v = 0; v < kVariants; ++v) {
       for (const Case& c : cases) failures += RunCase(c, v) ? 0 : 1;
     }
     std::printf("%d case(s) failed\n", failures);
+  }
+  if (check_only) return failures == 0 ? 0 : 1;
+  if (quick) {
+    for (int seqlen : {4096, 16384}) {
+      for (bool causal : {true, false}) {
+        double tf;
+        const double ms = Bench(0, 16384 / seqlen, seqlen, 16, 16, 128, 64, causal, &tf);
+        std::printf("quick ws %-8d causal=%d %10.3f ms %10.1f TFLOP/s\n", seqlen, causal, ms, tf);
+      }
+    }
+    return failures == 0 ? 0 : 1;
   }
   std::printf("\n%-9s %-8s %-6s %-5s %-8s %10s %10s\n", "variant", "seqlen", "batch", "bs", "causal", "ms", "TFLOP/s");
   for (int v = 0; v < kVariants; ++v) {
