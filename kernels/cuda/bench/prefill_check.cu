@@ -1,0 +1,396 @@
+// Stand-alone GPU check and benchmark of the tensor-core prefill kernel
+// (kernels/cuda/prefill.cu), calling internal::LaunchPrefill directly (no
+// absl, so it builds with nvcc alone). Not part of the cmake build: the
+// library globs kernels/cuda/*.cu only. Build and run on an H100/H200:
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I. \
+//     kernels/cuda/prefill.cu kernels/cuda/bench/prefill_check.cu -o prefill_check
+//   ./prefill_check            # correctness cases, then the benchmark table
+//   ./prefill_check check      # correctness only; `bench`: the table only
+//
+// Correctness: fresh random inputs rounded to the element type, a paged pool
+// with shuffled block ids, two layers (the layer offset and block stride
+// are exercised), a padded q stride; the output is poisoned with NaN first,
+// and compared with a float64 reference by ||out - ref|| / ||ref||.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/launch.h"
+
+using namespace tandem::kernels::cuda::internal;
+namespace tandem::kernels::cuda::internal {
+int LaunchPrefillVariant(const AttnArgs& a, void* stream, int variant);  // prefill.cu: 0 wgmma, 1 mma.sync
+}
+static const char* kVariantName[] = {"ws", "mma.sync", "wg:bar", "ws:2st"};
+static const int kVariants = 4;
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+static uint16_t ToBits(float x, Elem e) {
+  if (e == Elem::kBF16) {
+    __nv_bfloat16 b = __float2bfloat16_rn(x);
+    return *reinterpret_cast<uint16_t*>(&b);
+  }
+  __half h = __float2half_rn(x);
+  return *reinterpret_cast<uint16_t*>(&h);
+}
+static float FromBits(uint16_t u, Elem e) {
+  if (e == Elem::kBF16) return __bfloat162float(*reinterpret_cast<__nv_bfloat16*>(&u));
+  return __half2float(*reinterpret_cast<__half*>(&u));
+}
+
+struct Case {
+  const char* name;
+  Elem elem;
+  int head_dim, block_size, num_kv_heads, group;
+  bool causal;
+  std::vector<int> q_lens, ctx;
+  int bad_seq = -1;  // a block id past the pool in this sequence's table
+  int bad_block = 0;  // at this block index; rows whose keys reach it must be zero
+  bool per_row = false;  // only the default kernels zero per row (the others zero whole CTAs)
+};
+
+static std::mt19937_64 rng(12345);
+
+// Returns true if the case passes.
+static bool RunCase(const Case& c, int variant) {
+  if (c.per_row && (variant == 1 || variant == 2)) return true;
+  const int D = c.head_dim, bs = c.block_size, Hkv = c.num_kv_heads, H = Hkv * c.group;
+  const int S = static_cast<int>(c.q_lens.size());
+  std::vector<int> qs(S + 1, 0);
+  for (int s = 0; s < S; ++s) qs[s + 1] = qs[s] + c.q_lens[s];
+  const int T = qs[S];
+  int max_blocks = 0, total_blocks = 0, max_q = 0, max_ctx = 0;
+  for (int s = 0; s < S; ++s) {
+    const int b = (c.ctx[s] + bs - 1) / bs;
+    max_blocks = std::max(max_blocks, b);
+    total_blocks += b;
+    max_q = std::max(max_q, c.q_lens[s]);
+    max_ctx = std::max(max_ctx, c.ctx[s]);
+  }
+  const int num_blocks = total_blocks + 3;
+  const int layers = 2, layer = 1;
+  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride, layer_stride = 2 * kv_stride,
+                block_stride = layers * layer_stride;
+  std::vector<int> perm(num_blocks);
+  for (int i = 0; i < num_blocks; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int32_t> table(int64_t{S} * max_blocks, -7);  // unused entries: garbage
+  int next = 0;
+  for (int s = 0; s < S; ++s) {
+    for (int b = 0; b < (c.ctx[s] + bs - 1) / bs; ++b) table[int64_t{s} * max_blocks + b] = perm[next++];
+  }
+  if (c.bad_seq >= 0) table[int64_t{c.bad_seq} * max_blocks + c.bad_block] = num_blocks + 5;
+
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<uint16_t> pool(num_blocks * block_stride);
+  for (auto& x : pool) x = ToBits(nd(rng), c.elem);
+  const int64_t q_stride = int64_t{H} * D + 8;
+  std::vector<uint16_t> q(int64_t{T} * q_stride);
+  for (auto& x : q) x = ToBits(nd(rng), c.elem);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+
+  // float64 reference.
+  std::vector<double> ref(int64_t{T} * H * D, 0.0);
+  auto kv_at = [&](int s, int key, int kv, int kvh, int d) {
+    const int32_t blk = table[int64_t{s} * max_blocks + key / bs];
+    return FromBits(pool[blk * block_stride + layer * layer_stride + kv * kv_stride + kvh * head_stride +
+                         int64_t{key % bs} * D + d],
+                    c.elem);
+  };
+  std::vector<double> sc;
+  auto reaches_bad = [&](int s, int i) {
+    const int last_key = c.causal ? c.ctx[s] - c.q_lens[s] + i : c.ctx[s] - 1;
+    return s == c.bad_seq && last_key / bs >= c.bad_block;
+  };
+  for (int s = 0; s < S; ++s) {
+    const int ql = c.q_lens[s], ctx = c.ctx[s];
+    for (int i = 0; i < ql; ++i) {
+      if (reaches_bad(s, i)) continue;
+      const int n = c.causal ? ctx - ql + i + 1 : ctx;
+      const int tok = qs[s] + i;
+      for (int h = 0; h < H; ++h) {
+        const int kvh = h / c.group;
+        sc.assign(n, 0.0);
+        double mx = -1e300;
+        for (int k = 0; k < n; ++k) {
+          double acc = 0;
+          for (int d = 0; d < D; ++d) acc += double(FromBits(q[tok * q_stride + h * D + d], c.elem)) * kv_at(s, k, 0, kvh, d);
+          sc[k] = acc * scale;
+          mx = std::max(mx, sc[k]);
+        }
+        double sum = 0;
+        for (int k = 0; k < n; ++k) sum += (sc[k] = std::exp(sc[k] - mx));
+        double* o = &ref[(int64_t{tok} * H + h) * D];
+        for (int k = 0; k < n; ++k) {
+          const double p = sc[k] / sum;
+          for (int d = 0; d < D; ++d) o[d] += p * kv_at(s, k, 1, kvh, d);
+        }
+      }
+    }
+  }
+
+  void *d_pool, *d_q, *d_out;
+  int *d_qs, *d_ctx, *d_err;
+  int32_t* d_table;
+  CK(cudaMalloc(&d_pool, pool.size() * 2));
+  CK(cudaMalloc(&d_q, q.size() * 2));
+  CK(cudaMalloc(&d_out, int64_t{T} * H * D * 2));
+  CK(cudaMalloc(&d_qs, (S + 1) * 4));
+  CK(cudaMalloc(&d_ctx, S * 4));
+  CK(cudaMalloc(&d_err, 4));
+  CK(cudaMalloc(&d_table, table.size() * 4));
+  CK(cudaMemcpy(d_pool, pool.data(), pool.size() * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_q, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_qs, qs.data(), (S + 1) * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_ctx, c.ctx.data(), S * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemset(d_err, 0, 4));
+  CK(cudaMemset(d_out, 0xff, int64_t{T} * H * D * 2));  // NaN in both types
+
+  AttnArgs a;
+  a.elem = c.elem;
+  a.q = d_q;
+  a.q_stride = q_stride;
+  a.out = d_out;
+  a.pool.kv = static_cast<uint16_t*>(d_pool) + layer * layer_stride;
+  a.pool.block_stride = block_stride;
+  a.pool.kv_stride = kv_stride;
+  a.pool.head_stride = head_stride;
+  a.pool.num_blocks = num_blocks;
+  a.pool.block_size = bs;
+  a.pool.head_dim = D;
+  a.pool.num_kv_heads = Hkv;
+  a.num_heads = H;
+  a.group = c.group;
+  a.scale = scale;
+  a.causal = c.causal;
+  a.num_seqs = S;
+  a.query_start = d_qs;
+  a.context_lens = d_ctx;
+  a.block_tables = d_table;
+  a.max_blocks_per_seq = max_blocks;
+  a.error = d_err;
+  a.num_tokens = T;
+  a.max_q_len = max_q;
+  a.max_context = max_ctx;
+  if (!PrefillSupports(a)) {
+    std::printf("FAIL %-28s PrefillSupports false\n", c.name);
+    return false;
+  }
+  CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
+  CK(cudaDeviceSynchronize());
+  std::vector<uint16_t> out(int64_t{T} * H * D);
+  int err = 0;
+  CK(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&err, d_err, 4, cudaMemcpyDeviceToHost));
+  double num = 0, den = 0, maxabs = 0;
+  int64_t unwritten = 0, bad_nonzero = 0;
+  for (int s = 0; s < S; ++s) {
+    for (int tok = qs[s]; tok < qs[s + 1]; ++tok) {
+      for (int j = 0; j < H * D; ++j) {
+        const float x = FromBits(out[int64_t{tok} * H * D + j], c.elem);
+        if (!std::isfinite(x)) {
+          ++unwritten;
+          continue;
+        }
+        if (reaches_bad(s, tok - qs[s])) {
+          if (x != 0.0f) ++bad_nonzero;
+          continue;
+        }
+        const double r = ref[int64_t{tok} * H * D + j];
+        num += (x - r) * (x - r);
+        den += r * r;
+        maxabs = std::max(maxabs, std::fabs(x - r));
+      }
+    }
+  }
+  const double rel = std::sqrt(num / std::max(den, 1e-300));
+  const double tol = c.elem == Elem::kBF16 ? 1e-2 : 2e-3;
+  const int want_err = c.bad_seq >= 0 ? ((kErrBlockId << 28) | c.bad_seq) : 0;
+  const bool ok = unwritten == 0 && bad_nonzero == 0 && rel < tol && err == want_err;
+  std::printf("%s %-8s %-30s T=%5d rel=%.2e maxabs=%.2e unwritten=%lld badrows_nonzero=%lld err=%#x (want %#x)\n",
+              ok ? "PASS" : "FAIL", kVariantName[variant], c.name, T, rel, maxabs, (long long)unwritten, (long long)bad_nonzero, err,
+              want_err);
+  cudaFree(d_pool);
+  cudaFree(d_q);
+  cudaFree(d_out);
+  cudaFree(d_qs);
+  cudaFree(d_ctx);
+  cudaFree(d_err);
+  cudaFree(d_table);
+  return ok;
+}
+
+// Causal (or full) prefill of `batch` sequences of `seqlen` tokens, H heads,
+// head_dim 128, bf16; returns the median ms of `iters` launches.
+static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, int bs, bool causal, double* tflops) {
+  const int blocks_per_seq = (seqlen + bs - 1) / bs;
+  const int num_blocks = batch * blocks_per_seq;
+  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride, block_stride = 2 * kv_stride;
+  const int64_t T = int64_t{batch} * seqlen;
+  void *d_pool, *d_q, *d_out;
+  int *d_qs, *d_ctx, *d_err;
+  int32_t* d_table;
+  CK(cudaMalloc(&d_pool, num_blocks * block_stride * 2));
+  CK(cudaMalloc(&d_q, T * H * D * 2));
+  CK(cudaMalloc(&d_out, T * H * D * 2));
+  CK(cudaMalloc(&d_qs, (batch + 1) * 4));
+  CK(cudaMalloc(&d_ctx, batch * 4));
+  CK(cudaMalloc(&d_err, 4));
+  CK(cudaMalloc(&d_table, int64_t{num_blocks} * 4));
+  {
+    std::vector<uint16_t> host(num_blocks * block_stride);
+    std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
+    for (auto& x : host) x = ToBits(ud(rng), Elem::kBF16);
+    CK(cudaMemcpy(d_pool, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+    host.assign(T * H * D, 0);
+    for (auto& x : host) x = ToBits(ud(rng), Elem::kBF16);
+    CK(cudaMemcpy(d_q, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  }
+  std::vector<int> qs(batch + 1), ctx(batch, seqlen);
+  for (int s = 0; s <= batch; ++s) qs[s] = s * seqlen;
+  std::vector<int32_t> table(num_blocks);
+  for (int i = 0; i < num_blocks; ++i) table[i] = i;
+  std::shuffle(table.begin(), table.end(), rng);
+  CK(cudaMemcpy(d_qs, qs.data(), qs.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_ctx, ctx.data(), ctx.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemset(d_err, 0, 4));
+  AttnArgs a;
+  a.elem = Elem::kBF16;
+  a.q = d_q;
+  a.q_stride = int64_t{H} * D;
+  a.out = d_out;
+  a.pool.kv = d_pool;
+  a.pool.block_stride = block_stride;
+  a.pool.kv_stride = kv_stride;
+  a.pool.head_stride = head_stride;
+  a.pool.num_blocks = num_blocks;
+  a.pool.block_size = bs;
+  a.pool.head_dim = D;
+  a.pool.num_kv_heads = Hkv;
+  a.num_heads = H;
+  a.group = H / Hkv;
+  a.scale = 1.0f / std::sqrt(float(D));
+  a.causal = causal;
+  a.num_seqs = batch;
+  a.query_start = d_qs;
+  a.context_lens = d_ctx;
+  a.block_tables = d_table;
+  a.max_blocks_per_seq = blocks_per_seq;
+  a.error = d_err;
+  a.num_tokens = static_cast<int>(T);
+  a.max_q_len = seqlen;
+  a.max_context = seqlen;
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
+  std::vector<float> ms;
+  for (int i = 0; i < 20; ++i) {
+    CK(cudaEventRecord(e0));
+    CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  int err = 0;
+  CK(cudaMemcpy(&err, d_err, 4, cudaMemcpyDeviceToHost));
+  if (err != 0) std::printf("bench: error word %#x\n", err);
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2];
+  const double flops = 4.0 * batch * H * double(seqlen) * seqlen * D / (causal ? 2.0 : 1.0);
+  *tflops = flops / (med * 1e-3) / 1e12;
+  cudaFree(d_pool);
+  cudaFree(d_q);
+  cudaFree(d_out);
+  cudaFree(d_qs);
+  cudaFree(d_ctx);
+  cudaFree(d_err);
+  cudaFree(d_table);
+  return med;
+}
+
+int main(int argc, char** argv) {
+  cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+    std::printf("SKIP: no CUDA device\n");
+    return 0;
+  }
+  std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+  const bool bench_only = argc > 1 && std::string(argv[1]) == "bench";
+  const bool check_only = argc > 1 && std::string(argv[1]) == "check";
+  const bool quick = argc > 1 && std::string(argv[1]) == "quick";  // checks, then the default at 3 shapes
+  int failures = 0;
+  if (!bench_only) {
+    const Elem B = Elem::kBF16, F = Elem::kF16;
+    std::vector<Case> cases = {
+        {"d128 bs16 mha causal", B, 128, 16, 2, 1, true, {200}, {200}},
+        {"d128 bs64 gqa4 causal ragged", B, 128, 64, 2, 4, true, {1, 77, 300, 64, 129}, {1, 77, 300, 64, 129}},
+        {"d128 bs32 prefix causal", B, 128, 32, 1, 8, true, {150, 3, 65, 256}, {400, 100, 65, 300}},
+        {"d64 bs16 prefix causal", B, 64, 16, 2, 2, true, {100, 33, 200}, {170, 33, 456}},
+        {"d64 bs64 noncausal", B, 64, 64, 2, 3, false, {100, 33, 200}, {170, 40, 456}},
+        {"d128 bs16 noncausal prefix", B, 128, 16, 1, 2, false, {70, 129}, {300, 129}},
+        {"f16 d128 bs32 causal prefix", F, 128, 32, 2, 2, true, {190, 20}, {250, 20}},
+        {"f16 d64 bs16 noncausal", F, 64, 16, 4, 1, false, {65, 128}, {100, 500}},
+        {"d64 short chunks (W=4)", B, 64, 32, 2, 2, true, {2, 64, 17}, {300, 64, 90}},
+        {"d128 bad block id seq1", B, 128, 16, 2, 2, true, {90, 150, 40}, {120, 150, 40}, 1},
+        {"d64 bad block id seq0 (W=4)", B, 64, 64, 1, 1, false, {30, 50}, {30, 80}, 0},
+        {"d128 bad block mid causal", B, 128, 16, 2, 2, true, {60, 300, 40}, {60, 330, 40}, 1, 7, true},
+        {"f16 d64 bad block mid causal", F, 64, 32, 1, 4, true, {250}, {250}, 0, 4, true},
+    };
+    for (int v = 0; v < kVariants; ++v) {
+      for (const Case& c : cases) failures += RunCase(c, v) ? 0 : 1;
+    }
+    std::printf("%d case(s) failed\n", failures);
+  }
+  if (check_only) return failures == 0 ? 0 : 1;
+  if (quick) {
+    for (int seqlen : {4096, 16384}) {
+      for (bool causal : {true, false}) {
+        double tf;
+        const double ms = Bench(0, 16384 / seqlen, seqlen, 16, 16, 128, 64, causal, &tf);
+        std::printf("quick ws %-8d causal=%d %10.3f ms %10.1f TFLOP/s\n", seqlen, causal, ms, tf);
+      }
+    }
+    return failures == 0 ? 0 : 1;
+  }
+  std::printf("\n%-9s %-8s %-6s %-5s %-8s %10s %10s\n", "variant", "seqlen", "batch", "bs", "causal", "ms", "TFLOP/s");
+  for (int v = 0; v < kVariants; ++v) {
+    for (int seqlen : {1024, 2048, 4096, 8192, 16384}) {
+      for (bool causal : {true, false}) {
+        double tf;
+        const int batch = 16384 / seqlen;
+        const double ms = Bench(v, batch, seqlen, 16, 16, 128, 64, causal, &tf);
+        std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f\n", kVariantName[v], seqlen, batch, 64, causal, ms, tf);
+      }
+    }
+    double tf;
+    double ms = Bench(v, 4, 4096, 16, 16, 128, 16, true, &tf);
+    std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f\n", kVariantName[v], 4096, 4, 16, 1, ms, tf);
+    ms = Bench(v, 4, 4096, 16, 16, 64, 64, true, &tf);
+    std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f  (head_dim 64)\n", kVariantName[v], 4096, 4, 64, 1, ms, tf);
+    ms = Bench(v, 4, 4096, 32, 8, 128, 16, true, &tf);
+    std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f  (32 heads, gqa 4)\n", kVariantName[v], 4096, 4, 16, 1, ms, tf);
+  }
+  return failures == 0 ? 0 : 1;
+}
