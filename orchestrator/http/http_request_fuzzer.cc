@@ -19,11 +19,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -77,14 +79,36 @@ HttpServer* StartServer() {
 
 HttpServer* server = StartServer();
 
-void OneConnection(const uint8_t* data, size_t size) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) std::abort();
+// A connected client socket. Many fuzzing processes at once (fork mode on
+// 13 cores: ~20,000 connections a second) can run the loopback out of
+// ephemeral ports, their last connections still in TIME_WAIT: connect()
+// then fails with EADDRNOTAVAIL for a moment, which is the harness's limit,
+// not the server's, so it waits and tries again (for up to 10 s). A signal
+// (libFuzzer's timers) may interrupt connect() too: it starts over then.
+int Connect() {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(server->port()));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) std::abort();
+  for (int attempt = 0;; ++attempt) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      std::fprintf(stderr, "socket: %s\n", std::strerror(errno));
+      std::abort();
+    }
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) return fd;
+    const int err = errno;
+    ::close(fd);
+    if ((err != EADDRNOTAVAIL && err != EAGAIN && err != EINTR) || attempt == 1000) {
+      std::fprintf(stderr, "connect to the server: %s\n", std::strerror(err));
+      std::abort();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+void OneConnection(const uint8_t* data, size_t size) {
+  const int fd = Connect();
   // The input is at most a few KiB: one send fits the socket buffer. A send
   // that fails (the server closed after a 413 already) is fine.
   size_t sent = 0;

@@ -1,5 +1,6 @@
 #include "orchestrator/http/http_server.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -441,12 +442,14 @@ class Session : public std::enable_shared_from_this<Session> {
   // Bytes that arrive (a pipelined request) are kept in buffer_ for later.
   // EOF counts as leaving: a client that half-closes after its request loses
   // the response, as with most servers. Past max_header_bytes of buffered
-  // input the watch stops (the pipeline is full enough).
+  // input the watch reads no more and only waits for the client to leave
+  // (WatchFull).
   // Submit() may leave a finished response for the probe's completion (see
   // there): the probe then finishes it and reads the next request from what
   // it buffered.
   void Probe() {
-    if (probing_ || closed_ || buffer_.size() >= opts_.max_header_bytes) return;
+    if (probing_ || closed_) return;
+    if (buffer_.size() >= opts_.max_header_bytes) return WatchFull();
     probing_ = true;
     {
       // Not with a pipelined request already buffered: nothing more may
@@ -477,6 +480,43 @@ class Session : public std::enable_shared_from_this<Session> {
       if (ec) return self->Close();  // client gone
       // A response Submit() left to this read is over: the next request
       // starts with the bytes that came.
+      if (sent && self->state_ == State::kResponding) return self->FinishResponse();
+      self->Probe();
+    });
+  }
+
+  // The pipeline is full (max_header_bytes buffered): nothing more is read
+  // until the response is done, but the client leaving must still end it
+  // (else a handler that never answers, or a long stream, holds the
+  // connection until the idle timeout). PeerGone() asks the kernel whether
+  // the peer shut down its side, even with unread bytes before its FIN; a
+  // wait for readability wakes on each new segment or the FIN (epoll is
+  // edge-triggered: no spinning on the unread bytes).
+  bool PeerGone() {
+    pollfd p{.fd = socket_.native_handle(), .events = POLLRDHUP, .revents = 0};
+    return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  }
+  void WatchFull() {
+    if (PeerGone()) return Close();
+    probing_ = true;
+    {
+      std::lock_guard<std::mutex> lock(out_mu_);
+      probe_waiting_ = false;
+    }
+    socket_.async_wait(tcp::socket::wait_read, [self = shared_from_this()](error_code ec) {
+      self->probing_ = false;
+      bool sent = false;
+      {
+        std::lock_guard<std::mutex> lock(self->out_mu_);
+        sent = self->ResponseSentLocked();
+      }
+      if (self->closed_) return;
+      if (self->read_wanted_) {
+        self->read_wanted_ = false;
+        if (self->PeerGone()) return self->Close();
+        return self->ReadHeader();
+      }
+      if ((ec && ec != net::error::operation_aborted) || self->PeerGone()) return self->Close();
       if (sent && self->state_ == State::kResponding) return self->FinishResponse();
       self->Probe();
     });

@@ -252,6 +252,10 @@ class StreamingTest : public HttpServerTest {
         w->End();
       });
     });
+    // Never answered: only the client leaving ends it.
+    server_->Route("GET", "/silent", [this](const Request&, std::shared_ptr<ResponseWriter> w) {
+      w->OnClose([this] { on_close_fired_.Notify(); });
+    });
     // Answered from another thread, at once (as the router answers /health).
     server_->Route("GET", "/later", [this](const Request&, std::shared_ptr<ResponseWriter> w) {
       std::lock_guard<std::mutex> lock(threads_mu_);
@@ -278,6 +282,7 @@ class StreamingTest : public HttpServerTest {
   void TearDown() override {
     for (auto& t : threads_) t.join();
   }
+  void LeaveAFullPipeline(bool eof_later);
 
   std::mutex threads_mu_;
   std::vector<std::thread> threads_;
@@ -396,6 +401,33 @@ TEST_F(StreamingTest, AnUnfinishedPipelinedRequestAndEofCloseAtOnce) {
     ASSERT_LT(took, 2s) << "connection " << i << " was closed only by the idle timeout";
   }
 }
+
+// A client that fills the pipeline (more than max_header_bytes buffered
+// behind a request whose handler never answers) and leaves is noticed at
+// once, whether its EOF came with the bytes or later: the server stops
+// reading at the cap but still watches for the client leaving (found by
+// http_request_fuzzer: such connections waited for the idle timeout).
+void StreamingTest::LeaveAFullPipeline(bool eof_later) {
+  HttpServer::Options options = TestOptions();
+  options.idle_timeout = 10s;
+  options.max_header_bytes = 2048;
+  StartServer(options);
+  const std::string bytes = "GET /silent HTTP/1.1\r\nHost: x\r\n\r\nGET /x" + std::string(3000, 'a');
+  const auto start = std::chrono::steady_clock::now();
+  Client client(server_->port());
+  net::write(client.socket(), net::buffer(bytes));
+  if (eof_later) std::this_thread::sleep_for(200ms);
+  client.socket().shutdown(tcp::socket::shutdown_send);
+  char buf[512];
+  boost::system::error_code ec;
+  while (!ec) client.socket().read_some(net::buffer(buf), ec);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s) << "closed only by the idle timeout";
+  EXPECT_TRUE(on_close_fired_.WaitForNotificationWithTimeout(absl::Seconds(3)));
+}
+
+TEST_F(StreamingTest, AClientThatLeavesAFullPipelineIsNoticedAtOnce) { LeaveAFullPipeline(false); }
+
+TEST_F(StreamingTest, AClientThatLeavesAFullPipelineLaterIsNoticedAtOnce) { LeaveAFullPipeline(true); }
 
 TEST_F(StreamingTest, ClientDisconnectFiresOnClose) {
   StartServer();
