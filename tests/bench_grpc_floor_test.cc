@@ -77,7 +77,7 @@ class GrpcFloorTest : public ::testing::Test {
 };
 
 TEST_F(GrpcFloorTest, TheServerAnswersInTwoMessagesAsAZeroTimingWorkerDoes) {
-  for (const std::vector<std::string> flags :
+  for (const std::vector<std::string>& flags :
        {std::vector<std::string>{}, {"--handoff"}, {"--minimal-stack"}}) {
     const std::string addr = Serve(flags);
     ASSERT_FALSE(addr.empty());
