@@ -364,6 +364,16 @@ TEST(ChatTemplateRenderTest, MacroRecursionIsCapped) {
   EXPECT_THAT(Msg(s), HasSubstr("macro calls nested more than"));
 }
 
+TEST(ChatTemplateRenderTest, MacroCallsAreCappedOverTheWholeRender) {
+  // Within the depth cap, but 2^40 calls (found by chat_template_fuzzer, whose
+  // template of this shape ran for minutes).
+  const absl::Status s = RenderStatus(
+      "{% macro f(n) %}{% if n < 40 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(0) }}",
+      ordered_json::object());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(s), HasSubstr("macro calls in one render"));
+}
+
 TEST(ChatTemplateRenderTest, NestingIsCapped) {
   // Wrapping a list in a list in a loop would make printing or freeing it overflow the stack.
   EXPECT_THAT(Msg(RenderStatus("{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}"

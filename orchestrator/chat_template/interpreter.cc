@@ -510,6 +510,9 @@ class Renderer {
     if (call_depth_ >= limits_.max_call_depth) {
       return PyError(Cat("macro calls nested more than ", limits_.max_call_depth, " deep"));
     }
+    if (++macro_calls_ > limits_.max_macro_calls) {
+      return PyError(Cat("more than ", limits_.max_macro_calls, " macro calls in one render"));
+    }
     const size_t n = def.param_ids.size();
     if (args.positional.size() > n) {
       return PyError(Cat("macro '", def.name, "' takes not more than ", n, " argument(s)"));
@@ -558,6 +561,7 @@ class Renderer {
   Flow flow_ = Flow::kNormal;
   int64_t iterations_ = 0;
   int call_depth_ = 0;
+  int64_t macro_calls_ = 0;
   int loop_name_id_ = -2;  // -2: not looked up yet; -1: the template never says `loop`.
   std::vector<std::shared_ptr<Object>> objects_;  // Namespaces, loops and macros made by this render.
 };

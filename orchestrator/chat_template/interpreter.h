@@ -34,6 +34,9 @@ struct RenderLimits {
   int64_t max_loop_iterations = 1'000'000;
   // Nested macro calls: recursion in a template is legal but must end.
   int max_call_depth = 50;
+  // Macro calls over the whole render: a macro that calls itself twice is
+  // 2^depth calls within max_call_depth (a fuzzer's template ran for minutes).
+  int64_t max_macro_calls = 100'000;
 };
 
 // Looks up a top-level render variable ("messages", "bos_token", ...) that
