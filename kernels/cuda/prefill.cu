@@ -28,14 +28,14 @@
 // - Block ids: before any load, the CTA checks every table entry it will
 //   use; one outside [0, num_blocks) records kErrBlockId for the sequence,
 //   nothing is read through it or past it, and the rows whose keys reach it
-//   come out zero (the rows before it are still computed). The two
-//   comparison kernels zero every row of such a CTA instead.
+//   come out zero (the rows before it are still computed). The comparison
+//   kernel zeroes every row of such a CTA instead.
 //
-// Two earlier kernels stay for comparison (LaunchPrefillVariant, timed side
+// An earlier kernel stays for comparison (LaunchPrefillVariant, timed side
 // by side by kernels/cuda/bench/prefill_check.cu; numbers in NOTES.md):
 // PrefillKernel (FlashAttention-2 style, mma.sync m16n8k16, 16 rows per
-// warp, ldmatrix) and PrefillWgmmaKernel (wgmma, but every thread loads and
-// two CTA-wide barriers per tile).
+// warp, ldmatrix). A wgmma kernel in which every thread loaded, with two
+// CTA-wide barriers per tile (158-212 TFLOP/s), is in git history (0071241).
 #include <cfloat>
 #include <climits>
 
@@ -357,248 +357,6 @@ __device__ __forceinline__ uint32_t PanelOffset(int rows_per_tile, int r, int ch
   return static_cast<uint32_t>((ch >> 3) * rows_per_tile * 128 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
 }
 
-// Same contract as PrefillKernel, with the products on wgmma: kWG consumer
-// warpgroups of 64 query rows each (kM = 64 * kWG). S = Q K^T reads Q and K
-// from shared memory (both K-major); O += P V takes P from registers (the
-// S accumulator layout is the A-fragment layout) and V from shared memory
-// transposed (MN-major). Loads stay on cp.async by every thread.
-template <typename T, int kD, int kWG, int kN, int kMinBlocks>
-__global__ void __launch_bounds__(kWG * 128, kMinBlocks) PrefillWgmmaKernel(AttnArgs a) {
-  static_assert(kN == 64, "the QK^T descriptors step over 64-row K panels");
-  constexpr int kM = 64 * kWG;
-  constexpr int kThreads = kWG * 128;
-  constexpr int kChunks = kD / 8;
-  constexpr int kRowBytes = kD * 2;
-  constexpr int kTileBytes = kN * kRowBytes;
-  constexpr int kPanel = 64 * 128;  // bytes of one 64-row panel
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int sm_bad;
-  const uint32_t sQ = (SmemAddr(smem) + 1023) & ~1023u;
-  const uint32_t sK = sQ + kM * kRowBytes;
-  const uint32_t sV = sK + 2 * kTileBytes;
-
-  const int h = blockIdx.x;
-  const int s = blockIdx.y;
-  const int m0 = (gridDim.z - 1 - blockIdx.z) * kM;
-  const int q_begin = __ldg(&a.query_start[s]);
-  const int q_len = __ldg(&a.query_start[s + 1]) - q_begin;
-  if (m0 >= q_len) return;
-  const int ctx = __ldg(&a.context_lens[s]);
-  const int pos0 = ctx - q_len + m0;
-  const int rows = min(kM, q_len - m0);
-  const int n_keys = a.causal ? min(ctx, pos0 + rows) : ctx;
-  const int kv_head = h / a.group;
-  const int tid = threadIdx.x, lane = tid % 32;
-  const int wg = tid / 128, warp = (tid / 32) % 4;
-  const int64_t out_stride = int64_t{a.num_heads} * kD;
-  T* out = static_cast<T*>(a.out) + int64_t{q_begin + m0} * out_stride + int64_t{h} * kD;
-
-  const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
-  const int bs_shift = __ffs(a.pool.block_size) - 1;
-  const int bs_mask = a.pool.block_size - 1;
-  if (tid == 0) sm_bad = 0;
-  __syncthreads();
-  for (int b = tid; b <= (n_keys - 1) >> bs_shift; b += kThreads) {
-    const int32_t id = __ldg(&table[b]);
-    if (id < 0 || id >= a.pool.num_blocks) sm_bad = 1;
-  }
-  __syncthreads();
-  if (sm_bad != 0) {
-    if (tid == 0) RecordError(a.error, kErrBlockId, s);
-    for (int c = tid; c < rows * kChunks; c += kThreads) {
-      *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) = make_uint4(0, 0, 0, 0);
-    }
-    return;
-  }
-
-  const T* pool = static_cast<const T*>(a.pool.kv);
-  {
-    const T* q = static_cast<const T*>(a.q) + int64_t{q_begin + m0} * a.q_stride + int64_t{h} * kD;
-    for (int c = tid; c < kM * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const bool ok = r < rows;
-      CpAsync16(sQ + (r / 64) * (64 * kRowBytes) + PanelOffset<kD>(64, r % 64, ch),
-                ok ? q + int64_t{r} * a.q_stride + ch * 8 : q, ok ? 16 : 0);
-    }
-  }
-  auto load_kv = [&](int tile, int kv, uint32_t dst) {
-    for (int c = tid; c < kN * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const int key = tile * kN + r;
-      const T* src = pool;
-      int bytes = 0;
-      if (key < n_keys) {
-        const int32_t block = __ldg(&table[key >> bs_shift]);
-        src = pool + PoolOffset(a.pool, block, kv, kv_head, key & bs_mask) + ch * 8;
-        bytes = 16;
-      }
-      CpAsync16(dst + PanelOffset<kD>(kN, r, ch), src, bytes);
-    }
-  };
-
-  const int n_tiles = (n_keys + kN - 1) / kN;
-  int buf = 0;
-  load_kv(n_tiles - 1, 0, sK);
-  CpAsyncCommit();
-  load_kv(n_tiles - 1, 1, sV);
-  CpAsyncCommit();
-
-  const int g = lane / 4, t = lane % 4;
-  const int wrow0 = wg * 64;                  // this warpgroup's first row in the tile
-  const int row_a = wrow0 + warp * 16 + g, row_b = row_a + 8;
-  const int pos_a = pos0 + row_a, pos_b = pos0 + row_b;
-  const int wg_last_pos = pos0 + wrow0 + 63;
-  const bool wg_live = wrow0 < rows;
-  const float qk_scale = a.scale * kLog2e;
-  const uint32_t sQwg = sQ + wg * (64 * kRowBytes);
-
-  float o[kD / 2];
-#pragma unroll
-  for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
-
-  for (int tile = n_tiles - 1; tile >= 0; --tile) {
-    const uint32_t cK = sK + buf * kTileBytes, cV = sV + buf * kTileBytes;
-    const uint32_t nK = sK + (buf ^ 1) * kTileBytes, nV = sV + (buf ^ 1) * kTileBytes;
-    CpAsyncWait<1>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    if (tile > 0) load_kv(tile - 1, 0, nK);
-    CpAsyncCommit();
-
-    const int k0 = tile * kN;
-    const bool compute = wg_live && (!a.causal || k0 <= wg_last_pos);
-    float p[kN / 2];
-    if (compute) {
-      wgmma::Fence();
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        const uint32_t off = (kk / 4) * kPanel + (kk % 4) * 32;
-        if constexpr (kN == 64) {
-          wgmma::SS64<T>(p, Desc(sQwg + off, 16, 1024), Desc(cK + off, 16, 1024), kk > 0);
-        } else {
-          wgmma::SS128<T>(p, Desc(sQwg + off, 16, 1024), Desc(cK + off, 16, 1024), kk > 0);
-        }
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
-      wgmma::FenceRegs(p);
-      const bool need_mask = k0 + kN > n_keys || (a.causal && k0 + kN - 1 > pos0 + wrow0);
-      float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kN / 8; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = p[4 * i + e] * qk_scale;
-          if (need_mask) {
-            const int key = k0 + i * 8 + 2 * t + (e & 1);
-            const int pos = e < 2 ? pos_a : pos_b;
-            if (key >= n_keys || (a.causal && key > pos)) x = -INFINITY;
-          }
-          p[4 * i + e] = x;
-        }
-        mx_a = fmaxf(mx_a, fmaxf(p[4 * i], p[4 * i + 1]));
-        mx_b = fmaxf(mx_b, fmaxf(p[4 * i + 2], p[4 * i + 3]));
-      }
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-      const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
-      const float base_a = new_a == -INFINITY ? 0.0f : new_a;
-      const float base_b = new_b == -INFINITY ? 0.0f : new_b;
-      const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
-      m_a = new_a;
-      m_b = new_b;
-      float sum_a = 0.0f, sum_b = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kN / 8; ++i) {
-        p[4 * i] = exp2f(p[4 * i] - base_a);
-        p[4 * i + 1] = exp2f(p[4 * i + 1] - base_a);
-        p[4 * i + 2] = exp2f(p[4 * i + 2] - base_b);
-        p[4 * i + 3] = exp2f(p[4 * i + 3] - base_b);
-        sum_a += p[4 * i] + p[4 * i + 1];
-        sum_b += p[4 * i + 2] + p[4 * i + 3];
-      }
-      l_a = l_a * corr_a + sum_a;
-      l_b = l_b * corr_b + sum_b;
-#pragma unroll
-      for (int i = 0; i < kD / 8; ++i) {
-        o[4 * i] *= corr_a;
-        o[4 * i + 1] *= corr_a;
-        o[4 * i + 2] *= corr_b;
-        o[4 * i + 3] *= corr_b;
-      }
-    }
-
-    CpAsyncWait<1>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    if (tile > 0) load_kv(tile - 1, 1, nV);
-    CpAsyncCommit();
-
-    if (compute) {
-      uint32_t pa[kN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        pa[kk][0] = Pack2<T>(p[8 * kk], p[8 * kk + 1]);
-        pa[kk][1] = Pack2<T>(p[8 * kk + 2], p[8 * kk + 3]);
-        pa[kk][2] = Pack2<T>(p[8 * kk + 4], p[8 * kk + 5]);
-        pa[kk][3] = Pack2<T>(p[8 * kk + 6], p[8 * kk + 7]);
-      }
-      wgmma::FenceRegs(o);
-      wgmma::Fence();
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        // 16 keys = two 8-row groups (SBO 1024); head dims in 64-wide panels (LBO).
-        const uint64_t dv = Desc(cV + kk * 16 * 128, kN * 128, 1024);
-        if constexpr (kD == 128) {
-          wgmma::RS128<T>(o, pa[kk], dv, 1);
-        } else {
-          wgmma::RS64<T>(o, pa[kk], dv, 1);
-        }
-      }
-      wgmma::Commit();
-      wgmma::Wait<0>();
-      wgmma::FenceRegs(o);
-    }
-    buf ^= 1;
-  }
-  CpAsyncWait<0>();
-
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
-  const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
-#pragma unroll
-  for (int i = 0; i < kD / 8; ++i) {
-    const int col = i * 8 + 2 * t;
-    if (row_a < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
-          Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
-    }
-    if (row_b < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
-          Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
-    }
-  }
-}
-
-template <typename T, int kD, int kWG, int kN = 64, int kMinBlocks = 1>
-int LaunchWgmma(const AttnArgs& a, cudaStream_t stream) {
-  constexpr int kM = 64 * kWG;
-  constexpr int kSmem = (kM + 4 * kN) * kD * 2 + 1024;  // + alignment slack
-  auto* kernel = PrefillWgmmaKernel<T, kD, kWG, kN, kMinBlocks>;
-  // Per call, not once: the limit belongs to the current device's context.
-  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (attr != cudaSuccess) return static_cast<int>(attr);
-  const dim3 grid(a.num_heads, a.num_seqs, (a.max_q_len + kM - 1) / kM);
-  kernel<<<grid, kWG * 128, kSmem, stream>>>(a);
-  return static_cast<int>(cudaGetLastError());
-}
-
 // mbarrier helpers (shared::cta, 64-bit barrier words).
 __device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -902,9 +660,7 @@ int LaunchTypedDim(const AttnArgs& a, cudaStream_t stream, int variant) {
   switch (variant) {
     case 1:  // mma.sync, 16 rows per warp
       return wide ? Launch<T, kD, 8>(a, stream) : Launch<T, kD, 4>(a, stream);
-    case 2:  // wgmma with CTA-wide barriers (every thread loads)
-      return wide ? LaunchWgmma<T, kD, 2>(a, stream) : LaunchWgmma<T, kD, 1>(a, stream);
-    case 3:  // warp-specialized with two stages (2-6% slower than three on an H100)
+    case 2:  // warp-specialized with two stages (2-6% slower than three on an H100)
       return wide ? LaunchWs<T, kD, 3, 2>(a, stream) : LaunchWs<T, kD, 1, 2>(a, stream);
     default:  // warp-specialized wgmma, three stages
       return wide ? LaunchWs<T, kD, 3, 3>(a, stream) : LaunchWs<T, kD, 1, 3>(a, stream);
@@ -938,8 +694,8 @@ bool PrefillSupports(const AttnArgs& a) {
 
 // Variant 0 is the kernel LaunchPrefill runs (warp-specialized wgmma); the
 // others stay for comparison (kernels/cuda/bench/prefill_check.cu times
-// them side by side): 1 mma.sync, 2 wgmma with CTA-wide barriers, 3 the
-// warp-specialized kernel with two stages instead of three.
+// them side by side): 1 mma.sync, 2 the warp-specialized kernel with two
+// stages instead of three.
 int LaunchPrefillVariant(const AttnArgs& a, void* stream, int variant) {
   const auto st = static_cast<cudaStream_t>(stream);
   if (a.elem == Elem::kBF16) return LaunchTyped<__nv_bfloat16>(a, st, variant);
