@@ -497,13 +497,12 @@ class Session : public std::enable_shared_from_this<Session> {
     return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
   }
   void WatchFull() {
-    if (PeerGone()) return Close();
     probing_ = true;
     {
       std::lock_guard<std::mutex> lock(out_mu_);
       probe_waiting_ = false;
     }
-    socket_.async_wait(tcp::socket::wait_read, [self = shared_from_this()](error_code ec) {
+    auto done = [self = shared_from_this()](error_code ec) {
       self->probing_ = false;
       bool sent = false;
       {
@@ -519,7 +518,15 @@ class Session : public std::enable_shared_from_this<Session> {
       if ((ec && ec != net::error::operation_aborted) || self->PeerGone()) return self->Close();
       if (sent && self->state_ == State::kResponding) return self->FinishResponse();
       self->Probe();
-    });
+    };
+    if (PeerGone()) {
+      // Already gone (its FIN's edge may be past): finish as a read that saw
+      // EOF would, from the connection's thread but not from here (Dispatch
+      // is still handing the request to its handler).
+      net::post(socket_.get_executor(), [done = std::move(done)]() mutable { done(net::error::eof); });
+      return;
+    }
+    socket_.async_wait(tcp::socket::wait_read, std::move(done));
   }
 
   // The response's last bytes were submitted and all of them written.
