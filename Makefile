@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PORT ?= 8000
 
-.PHONY: deps configure build run test asan fuzz fuzz-build sanitize bench soak clean
+.PHONY: deps configure build run test asan fuzz fuzz-build sanitize bench soak deploy-test deploy-base image-check clean
 
 deps:
 	@scripts/install_deps.sh
@@ -72,6 +72,20 @@ bench: build
 # on a failed request, or when RSS, open fds or KV blocks do not stay flat (scripts/soak.sh).
 soak: build
 	scripts/soak.sh $(BUILD_DIR)/tandem $(SOAK_DIR)
+
+# The Helm chart and kustomize manifests (also part of `make test`): rendered with each ci/ values
+# file, validated against the Kubernetes schemas, the router's YAML checked (tests/deploy/chart_test.sh).
+deploy-test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -R '^(helmrender_test|chart_test)$$'
+
+# Regenerates deploy/kustomize/base/tandem.yaml from the chart (chart_test fails when it differs).
+deploy-base: build
+	deploy/kustomize/render_base.sh $(BUILD_DIR)/tests/helmrender/helmrender > deploy/kustomize/base/tandem.yaml
+
+# The image's runtime package list is complete: a Debian 12 root with only those packages runs a
+# cluster and answers a request (scripts/image_check.sh; root and Debian's mirror; ~6 min cold).
+image-check: build
+	scripts/image_check.sh $(BUILD_DIR)/tandem
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -18,10 +18,16 @@ PACKAGES=(
   # GOPATH mode from Debian's Go sources (Sprig's -dev package pulls in its own).
   golang-go golang-github-masterminds-sprig-dev golang-github-xeipuuv-gojsonschema-dev
   golang-gopkg-yaml.v2-dev golang-gopkg-yaml.v3-dev
+  python3-yaml  # tests/deploy/check_render.py reads the rendered manifests
+  prometheus  # promtool checks the chart's alert rules (the server is not started)
+  debootstrap  # make image-check: a Debian root with only the image's runtime packages
 )
 # The tokenizer tests fetch reference data with npm: Debian's Node.js unless
 # one is installed already.
 command -v npm >/dev/null || PACKAGES+=(nodejs npm)
+# chart_test builds the kustomize overlays with kubectl's built-in kustomize:
+# Debian's kubectl unless one is installed already.
+command -v kubectl >/dev/null || PACKAGES+=(kubernetes-client)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
@@ -36,10 +42,11 @@ SUDO=""
 if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
 echo "install_deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
-# nginx's package would start a system web server on port 80; the benchmark
+# nginx's package would start a system web server on port 80 (prometheus's one
+# on 9090); the benchmark
 # runs its own from a generated config, so the service is kept from starting
 # (policy-rc.d, as Debian's container images do) while installing.
-if [[ " ${missing[*]} " == *" nginx "* && ! -e /usr/sbin/policy-rc.d ]]; then
+if [[ " ${missing[*]} " =~ " "(nginx|prometheus)" " && ! -e /usr/sbin/policy-rc.d ]]; then
   printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
   $SUDO chmod +x /usr/sbin/policy-rc.d
   trap '$SUDO rm -f /usr/sbin/policy-rc.d' EXIT
