@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# The chart's cluster, run for real without Kubernetes: every pod of the render
+# of netns-values.yaml (a router, 2 prefill and 2 decode workers) is a process
+# in its own network namespace with its own address on a bridge (its interface
+# named eth0, as in a pod), started with the container's command and arguments
+# read from the rendered manifests, its mounted files (the router ConfigMap, the
+# TLS Secret from `tandem certs`) under a folder that stands for /etc/tandem.
+# The router finds the workers through the chart's headless Service names, which
+# dnsmasq (Debian) answers with the pods' A records, as cluster DNS would. Checks:
+#   1. requests flow through the router (chat, streamed and not);
+#   2. a decode pod added to its Service's DNS records is discovered and used;
+#   3. a decode pod killed (SIGKILL) under load is ejected and no request fails;
+#   4. a rolling restart of the decode pool under steady load (each pod: SIGTERM,
+#      exit, start again at its address) fails no request.
+# Usage: netns_cluster_test.sh HELMRENDER TANDEM WORK_DIR
+# Exits 77 (skipped) without root, `ip netns`, dnsmasq or the renderer.
+set -euo pipefail
+render_bin=${1:?usage: netns_cluster_test.sh HELMRENDER TANDEM WORK_DIR}
+tandem=${2:?}
+work=${3:?}
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+(( $(id -u) == 0 )) || { echo "SKIP: needs root for network namespaces"; exit 77; }
+[[ -x $render_bin ]] || { echo "SKIP: no helmrender at $render_bin"; exit 77; }
+command -v dnsmasq >/dev/null || [[ -x /usr/sbin/dnsmasq ]] || { echo "SKIP: dnsmasq is not installed"; exit 77; }
+dnsmasq=$(command -v dnsmasq || echo /usr/sbin/dnsmasq)
+tag=$(( $$ % 10000 ))
+hub=tdhub$tag
+ip netns add "$hub" 2>/dev/null || { echo "SKIP: cannot create network namespaces here"; exit 77; }
+net=10.$(( 64 + $$ % 100 )).7
+rm -rf "$work" && mkdir -p "$work/etc/tandem/router" "$work/logs"
+namespaces=("$hub")
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  for n in "${namespaces[@]}"; do ip netns del "$n" 2>/dev/null || true; rm -rf "/etc/netns/$n"; done
+}
+trap cleanup EXIT
+
+# --- The render: what each pod runs.
+"$render_bin" --chart "$root/deploy/helm/tandem" -f "$here/netns-values.yaml" --release tandem --namespace llm \
+  >"$work/manifests.yaml"
+python3 "$here/check_render.py" "$work/manifests.yaml" "$here/netns-values.yaml" "$work" >/dev/null
+python3 - "$work" <<'PY'
+import json, shlex, sys
+work = sys.argv[1]
+objs = json.load(open(f"{work}/objects.json"))
+for d in objs:
+    if d["kind"] != "Deployment":
+        continue
+    c = d["spec"]["template"]["spec"]["containers"][0]
+    comp = d["metadata"]["labels"]["app.kubernetes.io/component"]
+    argv = c["command"] + c["args"]
+    open(f"{work}/{comp}.argv", "w").write(" ".join(shlex.quote(a) for a in argv) + "\n")
+    open(f"{work}/{comp}.replicas", "w").write(str(d["spec"]["replicas"]) + "\n")
+for s in objs:
+    if s["kind"] == "Service" and s["spec"].get("clusterIP") == "None":
+        comp = s["metadata"]["labels"]["app.kubernetes.io/component"]
+        open(f"{work}/{comp}.dns", "w").write(f"{s['metadata']['name']}.{s['metadata']['namespace']}.svc.cluster.local\n")
+PY
+cp "$work/router.yaml" "$work/etc/tandem/router/router.yaml"
+sed -i "s|/etc/tandem/|$work/etc/tandem/|g" "$work/etc/tandem/router/router.yaml"
+"$tandem" certs --out "$work/etc/tandem/tls" >/dev/null
+# The container's arguments, with the pod's mounts under $work/etc/tandem.
+argv() { sed "s|/etc/tandem/|$work/etc/tandem/|g; s|^tandem |$tandem |" "$work/$1.argv"; }
+
+# --- The network: a bridge in the hub namespace, dnsmasq there; a namespace per pod.
+ip -n "$hub" link add br0 type bridge
+ip -n "$hub" addr add "$net.1/24" dev br0
+ip -n "$hub" link set br0 up
+ip -n "$hub" link set lo up
+pod_ns() {  # NAME HOST: a namespace with eth0 at $net.HOST on the bridge
+  local ns=td$tag-$1 host=$2
+  ip netns add "$ns"
+  namespaces+=("$ns")
+  ip -n "$hub" link add "v$tag-$host" type veth peer name eth0 netns "$ns"
+  ip -n "$hub" link set "v$tag-$host" master br0 up
+  ip -n "$ns" addr add "$net.$host/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+  mkdir -p "/etc/netns/$ns" && echo "nameserver $net.1" >"/etc/netns/$ns/resolv.conf"
+}
+hosts=$work/hosts
+: >"$hosts"
+ip netns exec "$hub" "$dnsmasq" --keep-in-foreground --no-resolv --no-hosts --addn-hosts="$hosts" \
+  --listen-address="$net.1" --bind-interfaces --port=53 --user=root --local-ttl=0 \
+  --local=/cluster.local/ --pid-file="$work/dnsmasq.pid" --log-facility="$work/logs/dnsmasq.log" &
+pids+=($!)
+dns_pid=$!
+publish() {  # the Services' records: every running pod of each pool
+  : >"$hosts.new"
+  for comp in prefill decode; do
+    for f in "$work"/pods/"$comp"-*; do
+      [[ -e $f ]] && echo "$net.$(cat "$f") $(cat "$work/$comp.dns")" >>"$hosts.new"
+    done
+  done
+  mv "$hosts.new" "$hosts"
+  kill -HUP "$dns_pid"
+}
+mkdir -p "$work/pods"
+start_pod() {  # COMPONENT INDEX HOST
+  local comp=$1 i=$2 host=$3 name=$1-$2
+  [[ -e /var/run/netns/td$tag-$name ]] || pod_ns "$name" "$host"
+  # shellcheck disable=SC2046
+  eval "exec ip netns exec td$tag-$name $(argv "$comp")" >>"$work/logs/$name.log" 2>&1 &
+  echo $! >"$work/pods/$name.pid"
+  pids+=($!)
+  echo "$host" >"$work/pods/$name"
+}
+wait_port() {  # HOST PORT: until the pod's port accepts
+  for _ in $(seq 300); do
+    ip netns exec "$hub" bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "FAIL: nothing listens on $1:$2"; return 1
+}
+for comp in prefill decode; do
+  base=$([[ $comp == prefill ]] && echo 20 || echo 30)
+  for i in $(seq 0 $(( $(cat "$work/$comp.replicas") - 1 ))); do start_pod "$comp" "$i" $((base + i)); done
+done
+for f in "$work"/pods/*-[0-9]; do wait_port "$net.$(cat "$f")" 50051; done
+publish
+pod_ns router 10
+eval "exec ip netns exec td$tag-router $(argv router)" >"$work/logs/router.log" 2>&1 &
+pids+=($!)
+url=http://$net.10:8000
+hub_curl() { ip netns exec "$hub" curl "$@"; }
+for _ in $(seq 300); do
+  [[ $(hub_curl -s -o /dev/null -w '%{http_code}' "$url/health" || true) == 200 ]] && break
+  sleep 0.1
+done
+[[ $(hub_curl -s -o /dev/null -w '%{http_code}' "$url/health") == 200 ]] ||
+  { echo "FAIL: the router never became ready"; tail -20 "$work/logs/router.log"; exit 1; }
+model=$(sed -n 's/^  served_name: *//p' "$work/router.yaml" | tr -d '"')
+
+request() {  # N: one chat request; prints the HTTP status
+  local stream=$([[ $(( $1 % 2 )) == 0 ]] && echo true || echo false)
+  hub_curl -sS -o "$work/answers/$1" -w '%{http_code}' "$url/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"$model\", \"max_tokens\": 24, \"stream\": $stream, \"messages\": [{\"role\": \"user\", \"content\": \"Tell me about pod $1 of the network namespace cluster test\"}]}" || echo 000
+}
+mkdir -p "$work/answers"
+load() {  # FROM COUNT PARALLEL: requests FROM..FROM+COUNT-1, PARALLEL at a time; prints failures
+  local from=$1 count=$2 par=$3 j
+  for j in $(seq 0 $((par - 1))); do
+    (for n in $(seq $((from + j)) "$par" $((from + count - 1))); do
+       code=$(request "$n")
+       if [[ $code != 200 ]] || { [[ $((n % 2)) == 0 ]] && ! grep -q '\[DONE\]' "$work/answers/$n"; }; then
+         echo "request $n: HTTP $code: $(head -c 200 "$work/answers/$n")"
+       fi
+     done) &
+  done
+  wait
+}
+metric() { hub_curl -s "$url/metrics" | grep -E "^$1" || true; }
+
+echo "== 1. requests flow"
+failures=$(load 0 16 4)
+[[ -z $failures ]] || { echo "FAIL: $failures"; exit 1; }
+echo "ok: 16 requests through 2 prefill + 2 decode pods"
+metric 'tandem_router_worker_healthy' | sed 's/^/  /'
+
+echo "== 2. a decode pod added to DNS is discovered and used"
+start_pod decode 2 32
+wait_port "$net.32" 50051
+publish
+for _ in $(seq 100); do metric "tandem_router_worker_healthy.*$net.32:50051.* 1" | grep -q . && break; sleep 0.1; done
+metric "tandem_router_worker_healthy.*$net.32:50051.* 1" | grep -q . || { echo "FAIL: $net.32 not discovered"; exit 1; }
+failures=$(load 100 24 4)
+[[ -z $failures ]] || { echo "FAIL: $failures"; exit 1; }
+used=$(metric "tandem_router_worker_outcomes_total.*$net.32:50051" | awk '{s += $2} END {print s + 0}')
+(( used > 0 )) || { echo "FAIL: the new decode pod served no request"; metric tandem_router_worker_outcomes_total; exit 1; }
+echo "ok: $net.32 discovered and served $used generations"
+
+echo "== 3. a decode pod killed under load: ejected, no request fails"
+load 200 40 4 >"$work/load3" &
+loader=$!
+sleep 1
+kill -KILL "$(cat "$work/pods/decode-0.pid")"
+wait "$(cat "$work/pods/decode-0.pid")" 2>/dev/null || true
+rm "$work/pods/decode-0"
+wait "$loader"
+[[ ! -s $work/load3 ]] || { echo "FAIL: $(cat "$work/load3")"; exit 1; }
+gone() { ! metric "tandem_router_worker_healthy.*$net.30:50051.* 1" | grep -q .; }
+for _ in $(seq 100); do gone && break; sleep 0.1; done
+gone || { echo "FAIL: the killed pod $net.30 is still routable"; exit 1; }
+publish
+echo "ok: 40 requests, none failed, while $net.30 was killed (no longer routable); $(metric 'tandem_router_retries_total' | awk '{s += $2} END {print s + 0}') retries and $(metric 'tandem_router_failovers_total' | awk '{s += $2} END {print s + 0}') failovers so far"
+
+echo "== 4. a rolling restart of the decode pool under steady load fails no request"
+load 300 80 3 >"$work/load4" &
+loader=$!
+for i in 1 2; do
+  pid=$(cat "$work/pods/decode-$i.pid")
+  # As Kubernetes does: the terminating pod leaves its Service's endpoints, then gets SIGTERM.
+  mv "$work/pods/decode-$i" "$work/decode-$i.host"
+  publish
+  kill -TERM "$pid"
+  for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$pid" 2>/dev/null && { echo "FAIL: decode-$i did not exit within 30 s of SIGTERM"; exit 1; }
+  start_pod decode "$i" $((30 + i))
+  wait_port "$net.$((30 + i))" 50051
+  publish
+  sleep 1
+done
+wait "$loader"
+[[ ! -s $work/load4 ]] || { echo "FAIL: $(cat "$work/load4")"; exit 1; }
+echo "ok: 80 requests, none failed, while decode-1 and decode-2 restarted one after the other"
+echo "$(metric 'tandem_router_failovers_total' | awk '{s += $2} END {print s + 0}') failovers, $(metric 'tandem_router_retries_total' | awk '{s += $2} END {print s + 0}') retries"
