@@ -1153,10 +1153,63 @@ TEST_F(WorkerGrpcTest, RandomCancellationsDeadlinesAndClearsLeakNothing) {
 // 16. A worker that shuts down ends its open streams with UNAVAILABLE (so a
 // router retries elsewhere), after the tokens it had already produced.
 
-TEST_F(WorkerGrpcTest, ShutdownEndsStreamsWithUnavailable) {
+// SIGTERM drains: Health turns NOT_SERVING and new Generate calls get
+// UNAVAILABLE (a router retries them elsewhere), while the stream in flight
+// runs to its end; then the worker exits by itself, cleanly.
+TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   WorkerProcess* w = StartWorker();
   ASSERT_NE(w, nullptr);
   v1::GenerateRequest req = GreedyRequest(MakePrompt(16, 30), 1500);
+  req.mutable_sampling()->set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  auto reader = w->stub().Generate(&ctx, req);
+  v1::GenerateResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  int tokens = msg.tokens_size();
+  ASSERT_EQ(kill(w->pid(), SIGTERM), 0);
+
+  // The drain is visible to callers at once (within a health check or two).
+  v1::HealthResponse health;
+  for (int i = 0; i < 100; ++i) {
+    grpc::ClientContext hctx;
+    hctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    ASSERT_TRUE(w->stub().Health(&hctx, v1::HealthRequest(), &health).ok());
+    if (health.status() == v1::HealthResponse::NOT_SERVING) break;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(health.status(), v1::HealthResponse::NOT_SERVING);
+  {
+    grpc::ClientContext nctx;
+    nctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    auto refused = w->stub().Generate(&nctx, GreedyRequest(MakePrompt(8, 31), 4));
+    v1::GenerateResponse ignored;
+    EXPECT_FALSE(refused->Read(&ignored));
+    grpc::Status st = refused->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("draining"));
+  }
+
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  while (reader->Read(&msg)) {
+    tokens += msg.tokens_size();
+    if (msg.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) finish = msg.finish_reason();
+  }
+  grpc::Status st = reader->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(tokens, 1500);
+  EXPECT_EQ(finish, v1::FINISH_REASON_LENGTH);
+  absl::StatusOr<int> exited = w->Wait(seconds(10));
+  ASSERT_TRUE(exited.ok()) << exited.status();
+  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+}
+
+// A drain is bounded: past --drain-timeout the streams still running end
+// with UNAVAILABLE (a router fails them over) and the worker exits cleanly.
+TEST_F(WorkerGrpcTest, StreamsStillRunningAtTheDrainTimeoutEndWithUnavailable) {
+  WorkerProcess* w = StartWorker({"--drain-timeout", "0.2"});
+  ASSERT_NE(w, nullptr);
+  v1::GenerateRequest req = GreedyRequest(MakePrompt(16, 30), 2000);
   req.mutable_sampling()->set_ignore_eos(true);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
@@ -1173,8 +1226,7 @@ TEST_F(WorkerGrpcTest, ShutdownEndsStreamsWithUnavailable) {
   grpc::Status st = reader->Finish();
   EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
   EXPECT_GT(tokens, 0);
-  EXPECT_LT(tokens, 1500);
-  // It exits by itself, cleanly (a second signal would force it).
+  EXPECT_LT(tokens, 2000);
   absl::StatusOr<int> exited = w->Wait(seconds(10));
   ASSERT_TRUE(exited.ok()) << exited.status();
   EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;

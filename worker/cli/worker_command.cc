@@ -41,6 +41,7 @@ struct WorkerOptions {
   std::string role = "both";            // prefill, decode or both
   std::string host = "127.0.0.1";
   int port = 50051;                     // 0 picks a free port (see --ready-file)
+  double drain_timeout_s = 30;          // SIGTERM: finish in-flight requests for this long at most
   std::string ready_file;               // written with "host:port" once serving
   std::string kv_cache_memory = "256MiB";
   bool no_prefix_caching = false;
@@ -131,6 +132,36 @@ absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt,
                      PeerAllowList::Parse(opt.kv_peer_allow, "--kv-peer-allow"));
   }
   return security;
+}
+
+// A graceful stop (SIGTERM from Kubernetes, Ctrl-C): the worker refuses new
+// requests and reports NOT_SERVING, so routers move new work elsewhere, and
+// waits up to `timeout_s` for what it runs, waits for, or holds for a decode
+// worker to finish. A second signal ends the wait.
+void Drain(const Engine& engine, WorkerService& service, int sig, double timeout_s) {
+  service.StartDrain();
+  const auto busy = [&engine] {
+    const LoadSnapshot l = engine.GetLoad();
+    return l.running + l.waiting + l.reserved + l.prefilled;
+  };
+  LOG(INFO) << "signal " << sig << ": draining (" << busy() << " requests in flight, at most "
+            << timeout_s << " s; a second signal stops at once)";
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s));
+  int left = busy();
+  while (left > 0 && std::chrono::steady_clock::now() < deadline) {
+    if (const int again = WaitForSignalFor(50); again != 0) {
+      LOG(WARNING) << "signal " << again << " while draining: stopping now";
+      break;
+    }
+    left = busy();
+  }
+  if (left > 0) {
+    LOG(WARNING) << "stopping with " << left << " requests still in flight (aborted)";
+  } else {
+    LOG(INFO) << "drained: shutting down";
+  }
 }
 
 absl::Status RunWorker(WorkerOptions opt) {
@@ -252,8 +283,8 @@ absl::Status RunWorker(WorkerOptions opt) {
   }
 
   const int sig = WaitForSignal();
-  LOG(INFO) << "signal " << sig << ": shutting down";
-  engine->Stop();  // aborts in-flight requests, so their streams finish at once
+  Drain(*engine, service, sig, opt.drain_timeout_s);
+  engine->Stop();  // aborts what is still in flight, so those streams finish at once
   // gRPC waits out the whole deadline while any client keeps a connection
   // open, even an idle one; every generation has ended already, so the
   // deadline only bounds the KV event streams, which are cancelled.
@@ -392,6 +423,12 @@ void AddWorkerCommand(CLI::App& app) {
                   "Parent hash of a sequence's first KV block")
       ->capture_default_str();
   cmd->add_option("--threads", opt->engine.threads, "BLAS threads (0: all cores)")->capture_default_str();
+  cmd->add_option("--drain-timeout", opt->drain_timeout_s,
+                  "Seconds a SIGTERM waits for in-flight requests (new ones are refused with "
+                  "UNAVAILABLE, Health says NOT_SERVING) before stopping; a second signal stops "
+                  "at once; 0: stop at once")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
   cmd->add_option("--log-stats-interval", opt->engine.log_stats_interval_s,
                   "Seconds between engine stats lines while busy (0: none)")
       ->capture_default_str();

@@ -163,6 +163,13 @@ class GenerateCall final {
       Finish(auth);
       return;
     }
+    if (c.service->draining()) {
+      std::lock_guard<std::mutex> lock(sink_->mu());
+      done_called_ = true;
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "worker draining: shutting down, no new requests"));
+      return;
+    }
     GenerateSpec spec;
     spec.request_id = req.request_id();
     spec.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
@@ -827,8 +834,9 @@ void WorkerService::HandleGetKvTransferInfo(const grpc::ServerContext& ctx, cons
 
 void WorkerService::HandleHealth(const grpc::ServerContext& ctx, const tandem::v1::HealthRequest& /*request*/,
     tandem::v1::HealthResponse* response, Finish finish) {
-  response->set_status(engine_->running() ? tandem::v1::HealthResponse::SERVING
-                                          : tandem::v1::HealthResponse::NOT_SERVING);
+  response->set_status(engine_->running() && !draining()
+                           ? tandem::v1::HealthResponse::SERVING
+                           : tandem::v1::HealthResponse::NOT_SERVING);
   response->set_role(role_);
   response->set_instance_id(instance_id_);
   finish(grpc::Status::OK);

@@ -70,6 +70,11 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   // Stops the KvReady calls this worker makes (cancels those in flight and
   // waits for their answers, which need the poller running).
   void Shutdown();
+  // Starts draining (SIGTERM): Health answers NOT_SERVING and new Generate
+  // calls get UNAVAILABLE (the router retries them on another worker), while
+  // calls in flight, and the KV hand-offs they wait for, go on.
+  void StartDrain() { draining_.store(true); }
+  bool draining() const { return draining_.load(); }
 
   // The handlers of the unary methods: fill the response, then call
   // `finish` exactly once (from any thread).
@@ -102,6 +107,7 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   grpc::ServerCompletionQueue* const cq_;
   kvtransfer::Transport* const transport_;
   const std::string role_;
+  std::atomic<bool> draining_{false};
   const std::string instance_id_;
   const KvHandoffConfig kv_;
   const WorkerSecurity security_;
