@@ -540,9 +540,11 @@ TEST_F(DisaggGrpcTest, RandomCancellationsOnEitherSideLeakNothing) {
 // A decode worker shutting down ends its waiting reservations with
 // UNAVAILABLE (the caller retries elsewhere); the prefill worker's late
 // KvReady fails and it frees its blocks.
+// A decode worker stopped at once (--drain-timeout 0, or a drain that ran
+// out) ends the reservations waiting for their KV with UNAVAILABLE.
 TEST_F(DisaggGrpcTest, ShutdownEndsWaitingReservationsWithUnavailable) {
   WorkerProcess* prefill = StartPrefill();
-  WorkerProcess* decode = StartDecode();
+  WorkerProcess* decode = StartDecode({"--drain-timeout", "0"});
   ASSERT_TRUE(prefill && decode);
   const v1::GenerateRequest req = GreedyRequest(MakePrompt(21, 60), 8);
   ReceiveStream receive(decode->stub(), req);
@@ -560,6 +562,38 @@ TEST_F(DisaggGrpcTest, ShutdownEndsWaitingReservationsWithUnavailable) {
   ExpectIdle(prefill->stub(), "prefill", seconds(10));
 }
 
+
+// A draining decode worker (SIGTERM) refuses new requests but keeps the
+// hand-offs it committed to: the KV the prefill worker sends afterwards is
+// taken, the stream finishes with the aggregated tokens, then it exits.
+TEST_F(DisaggGrpcTest, DrainingDecodeWorkerFinishesItsCommittedHandOffs) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(22, 60), 8);
+  ReceiveStream receive(decode->stub(), req);
+  ASSERT_TRUE(receive.reserved());
+  const v1::KvReservation r = receive.reservation();
+  ::kill(decode->pid(), SIGTERM);
+  {
+    // New work is refused at once...
+    Output refused = Generate(decode->stub(), GreedyRequest(MakePrompt(23, 20), 4), seconds(10));
+    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << refused.status.error_message();
+  }
+  // ...but the committed hand-off completes.
+  Output p = Generate(prefill->stub(), SendRequest(req, decode->address(), r), seconds(20));
+  EXPECT_TRUE(p.status.ok()) << p.status.error_message();
+  EXPECT_EQ(p.kv_transfer_error, "");
+  Output d = receive.Finish();
+  ASSERT_TRUE(d.status.ok()) << d.status.error_message();
+  // The prefill worker streams the first token, the decode worker the rest.
+  EXPECT_EQ(Concat(p.tokens, d.tokens), Aggregated(req).tokens);
+  absl::StatusOr<int> exited = decode->Wait(seconds(10));
+  ASSERT_TRUE(exited.ok()) << exited.status();
+  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+  ExpectIdle(prefill->stub(), "prefill", seconds(10));
+}
 
 // The CLI splits a request the same way: `tandem generate --decode`.
 TEST_F(DisaggGrpcTest, GenerateCliSplitsARequest) {

@@ -10,7 +10,10 @@
 #include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -34,6 +37,7 @@
 #include "absl/strings/str_join.h"
 #include "common/block_hash.h"
 #include "tandem/v1/worker.grpc.pb.h"
+#include "tests/testing/http_client.h"
 #include "tests/testing/worker_client.h"
 #include "tests/testing/worker_process.h"
 #include "tests/testing/worker_test.h"
@@ -1199,6 +1203,76 @@ TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   EXPECT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(tokens, 1500);
   EXPECT_EQ(finish, v1::FINISH_REASON_LENGTH);
+  absl::StatusOr<int> exited = w->Wait(seconds(10));
+  ASSERT_TRUE(exited.ok()) << exited.status();
+  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+}
+
+// A port the OS has free now (bound and released: good enough for a test).
+int FreeTcpPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// --metrics-port: plain HTTP beside the gRPC port with the worker's own
+// Prometheus metrics and the probes Kubernetes uses (mutual TLS on the gRPC
+// port shuts its gRPC probes out): /healthz while alive, /readyz while it
+// takes requests (503 once draining).
+TEST_F(WorkerGrpcTest, MetricsPortServesMetricsAndProbesThatFollowTheDrain) {
+  const int port = FreeTcpPort();
+  ASSERT_GT(port, 0);
+  WorkerProcess* w = StartWorker({"--metrics-port", std::to_string(port)});
+  ASSERT_NE(w, nullptr);
+  const std::string base = absl::StrCat("127.0.0.1:", port);
+  EXPECT_EQ(HttpGet(base, "/healthz").status, 200);
+  EXPECT_EQ(HttpGet(base, "/readyz").status, 200);
+  EXPECT_EQ(HttpGet(base, "/nope").status, 404);
+  const v1::LoadReport idle = GetLoad(w->stub());
+  EXPECT_EQ(ScrapeMetric(base, "tandem_worker_kv_blocks{state=\"total\"}"), idle.total_blocks());
+  EXPECT_EQ(ScrapeMetric(base, "tandem_worker_serving"), 1);
+
+  // Two generations of the same prompt: both finish, the second hits the prefix cache.
+  for (int i = 0; i < 2; ++i) {
+    Output out = Generate(w->stub(), GreedyRequest(MakePrompt(7, 64), 8));
+    ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  }
+  EXPECT_EQ(ScrapeMetric(base, "tandem_worker_events_total{event=\"finished\"}"), 2);
+  EXPECT_GE(ScrapeMetric(base, "tandem_worker_prefix_tokens_total{kind=\"hit\"}").value_or(0), 48);
+  EXPECT_EQ(ScrapeMetric(base, "tandem_worker_sequences{state=\"running\"}"), 0);
+
+  // Draining: not ready, still alive, while a stream runs.
+  v1::GenerateRequest req = GreedyRequest(MakePrompt(16, 30), 1500);
+  req.mutable_sampling()->set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+  auto reader = w->stub().Generate(&ctx, req);
+  v1::GenerateResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));
+  ASSERT_EQ(kill(w->pid(), SIGTERM), 0);
+  HttpResponse ready;
+  for (int i = 0; i < 100; ++i) {
+    ready = HttpGet(base, "/readyz");
+    if (ready.status == 503) break;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(ready.status, 503);
+  EXPECT_THAT(ready.body, HasSubstr("draining"));
+  EXPECT_EQ(HttpGet(base, "/healthz").status, 200);
+  EXPECT_EQ(ScrapeMetric(base, "tandem_worker_serving"), 0);
+  EXPECT_EQ(ScrapeMetric(base, "tandem_worker_sequences{state=\"running\"}"), 1);
+  while (reader->Read(&msg)) {
+  }
+  EXPECT_TRUE(reader->Finish().ok());
   absl::StatusOr<int> exited = w->Wait(seconds(10));
   ASSERT_TRUE(exited.ok()) << exited.status();
   EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;

@@ -158,6 +158,12 @@ echo "== 1. requests flow"
 failures=$(load 0 16 4)
 [[ -z $failures ]] || { echo "FAIL: $failures"; exit 1; }
 echo "ok: 16 requests through 2 prefill + 2 decode pods"
+# The probes the chart declares answer on each worker's metrics port.
+mport=$(python3 -c "import json; print(next(p['containerPort'] for d in json.load(open('$work/objects.json')) if d['kind'] == 'Deployment' and d['metadata']['name'].endswith('-decode') for p in d['spec']['template']['spec']['containers'][0]['ports'] if p['name'] == 'metrics'))")
+for f in "$work"/pods/*-[0-9]; do
+  [[ $(hub_curl -s "http://$net.$(cat "$f"):$mport/readyz") == ready ]] || { echo "FAIL: $f not ready on :$mport/readyz"; exit 1; }
+done
+echo "ok: every worker's /readyz on :$mport answers ready; $(hub_curl -s "http://$net.30:$mport/metrics" | grep -c '^tandem_worker') worker series on /metrics"
 metric 'tandem_router_worker_healthy' | sed 's/^/  /'
 
 echo "== 2. a decode pod added to DNS is discovered and used"

@@ -46,7 +46,7 @@ objects, target, key, work = sys.argv[1:5]
 objs = json.load(open(objects))
 router = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-router"))
 ann = router["spec"]["template"]["metadata"]["annotations"]
-sm = next(o for o in objs if o["kind"] == "ServiceMonitor")
+sm = next(o for o in objs if o["kind"] == "ServiceMonitor" and o["metadata"]["name"].endswith("-router"))
 ep = sm["spec"]["endpoints"][0]
 container = router["spec"]["template"]["spec"]["containers"][0]
 port = next(p for p in container["ports"] if p["name"] == ep["port"])

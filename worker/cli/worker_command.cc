@@ -15,10 +15,12 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/file_util.h"
 #include "common/grpc_poller.h"
 #include "common/logging.h"
+#include "common/metrics.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
@@ -31,6 +33,7 @@
 #endif
 #include "worker/model/model_loader.h"
 #include "worker/server/worker_service.h"
+#include "orchestrator/http/http_server.h"
 
 namespace tandem::worker {
 namespace {
@@ -42,6 +45,7 @@ struct WorkerOptions {
   std::string host = "127.0.0.1";
   int port = 50051;                     // 0 picks a free port (see --ready-file)
   double drain_timeout_s = 30;          // SIGTERM: finish in-flight requests for this long at most
+  int metrics_port = -1;                // plain HTTP /metrics, /healthz, /readyz; -1: none, 0: any
   std::string ready_file;               // written with "host:port" once serving
   std::string kv_cache_memory = "256MiB";
   bool no_prefix_caching = false;
@@ -164,6 +168,87 @@ void Drain(const Engine& engine, WorkerService& service, int sig, double timeout
   }
 }
 
+// The worker's own metrics, read from the engine at each scrape (the
+// router's per-worker view is a sample of the same; these are exact).
+void AddWorkerMetrics(MetricsRegistry& r, const Engine& engine, const WorkerService& service) {
+  const auto load = [&engine] { return engine.GetLoad(); };
+  r.AddCallbackGauge("tandem_worker_sequences", "Sequences by state: running (in the batch), "
+                     "waiting (queued), reserved (decode: waiting for their KV), prefilled "
+                     "(prefill: holding KV for a decode worker).", {"state"},
+                     [load](MetricEmitter& e) {
+                       const LoadSnapshot l = load();
+                       e.Emit({"running"}, l.running);
+                       e.Emit({"waiting"}, l.waiting);
+                       e.Emit({"reserved"}, l.reserved);
+                       e.Emit({"prefilled"}, l.prefilled);
+                     });
+  r.AddCallbackGauge("tandem_worker_kv_blocks", "KV cache blocks by state (cached: free but "
+                     "holding a reusable prefix; quarantined: a failed transfer's, briefly unused).",
+                     {"state"}, [load](MetricEmitter& e) {
+                       const LoadSnapshot l = load();
+                       e.Emit({"used"}, static_cast<double>(l.used_blocks));
+                       e.Emit({"free"}, static_cast<double>(l.free_blocks));
+                       e.Emit({"cached"}, static_cast<double>(l.cached_blocks));
+                       e.Emit({"quarantined"}, static_cast<double>(l.quarantined_blocks));
+                       e.Emit({"total"}, static_cast<double>(l.total_blocks));
+                     });
+  r.AddCallbackGauge("tandem_worker_tokens_in_flight", "Prompt and generated tokens of the "
+                     "sequences in the engine.", {}, [load](MetricEmitter& e) {
+                       e.Emit({}, static_cast<double>(load().tokens_in_flight));
+                     });
+  r.AddCallbackCounter("tandem_worker_prefix_tokens_total", "Prompt tokens looked up in the "
+                       "prefix cache (queried) and found there (hit).", {"kind"},
+                       [load](MetricEmitter& e) {
+                         const LoadSnapshot l = load();
+                         e.Emit({"queried"}, static_cast<double>(l.prefix_query_tokens));
+                         e.Emit({"hit"}, static_cast<double>(l.prefix_hit_tokens));
+                       });
+  r.AddCallbackCounter("tandem_worker_events_total", "Engine events: finished requests, "
+                       "preemptions, and the degraded disaggregation paths (expired_reservation: "
+                       "the KV never came; local_prefill: prefilled here instead; "
+                       "reservation_refused; expired_handoff: prefilled KV never taken).",
+                       {"event"}, [load](MetricEmitter& e) {
+                         const LoadSnapshot l = load();
+                         e.Emit({"finished"}, static_cast<double>(l.finished));
+                         e.Emit({"preemption"}, static_cast<double>(l.preemptions));
+                         e.Emit({"expired_reservation"}, static_cast<double>(l.expired_reservations));
+                         e.Emit({"local_prefill"}, static_cast<double>(l.local_prefill_fallbacks));
+                         e.Emit({"reservation_refused"}, static_cast<double>(l.reservations_refused));
+                         e.Emit({"expired_handoff"}, static_cast<double>(l.expired_handoffs));
+                       });
+  r.AddCallbackGauge("tandem_worker_serving", "1 while the worker takes new requests (0 while "
+                     "loading or draining).", {}, [&engine, &service](MetricEmitter& e) {
+                       e.Emit({}, engine.running() && !service.draining() ? 1 : 0);
+                     });
+}
+
+// Plain HTTP beside the gRPC port, for Prometheus and Kubernetes probes
+// (which cannot present the client certificate mutual TLS asks of callers).
+absl::StatusOr<std::unique_ptr<http::HttpServer>> StartMetricsServer(
+    const std::string& host, int port, const MetricsRegistry& registry, const Engine& engine,
+    const WorkerService& service) {
+  auto server = std::make_unique<http::HttpServer>(http::HttpServer::Options{
+      .host = host, .port = port, .threads = 1, .max_body_bytes = 1024, .max_connections = 64});
+  server->Route("GET", "/metrics", [&registry](const http::Request&, std::shared_ptr<http::ResponseWriter> w) {
+    w->Send(200, kPrometheusTextContentType, registry.Render());
+  });
+  server->Route("GET", "/healthz", [](const http::Request&, std::shared_ptr<http::ResponseWriter> w) {
+    w->Send(200, "text/plain", "ok\n");
+  });
+  server->Route("GET", "/readyz", [&engine, &service](const http::Request&,
+                                                     std::shared_ptr<http::ResponseWriter> w) {
+    if (service.draining()) {
+      w->Send(503, "text/plain", "draining\n");
+    } else if (!engine.running()) {
+      w->Send(503, "text/plain", "not running\n");
+    } else {
+      w->Send(200, "text/plain", "ready\n");
+    }
+  });
+  RETURN_IF_ERROR(server->Start());
+  return server;
+}
+
 absl::Status RunWorker(WorkerOptions opt) {
   if (opt.role != "both" && opt.role != "prefill" && opt.role != "decode") {
     return absl::InvalidArgumentError(
@@ -253,6 +338,22 @@ absl::Status RunWorker(WorkerOptions opt) {
     return absl::UnavailableError(absl::StrFormat("cannot listen on %s:%d", opt.host, opt.port));
   }
   service.Serve();
+  MetricsRegistry metrics;
+  AddWorkerMetrics(metrics, *engine, service);
+  std::unique_ptr<http::HttpServer> metrics_server;
+  if (opt.metrics_port >= 0) {
+    absl::StatusOr<std::unique_ptr<http::HttpServer>> started =
+        StartMetricsServer(opt.host, opt.metrics_port, metrics, *engine, service);
+    if (!started.ok()) {
+      engine->Stop();
+      server->Shutdown(std::chrono::system_clock::now());
+      service.Shutdown();
+      return absl::UnavailableError(absl::StrCat("--metrics-port: ", started.status().message()));
+    }
+    metrics_server = *std::move(started);
+    LOG(INFO) << "metrics and probes on http://" << opt.host << ":" << metrics_server->port()
+              << " (/metrics, /healthz, /readyz)";
+  }
   if (engine->simulated()) {
     LOG(WARNING) << absl::StrFormat(
         "SIMULATED engine (--engine sim): compute is a timing model (step %g ms + %g us per "
@@ -290,6 +391,7 @@ absl::Status RunWorker(WorkerOptions opt) {
   // deadline only bounds the KV event streams, which are cancelled.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   service.Shutdown();
+  if (metrics_server != nullptr) metrics_server->Stop();
   return absl::OkStatus();
 }
 
@@ -423,6 +525,11 @@ void AddWorkerCommand(CLI::App& app) {
                   "Parent hash of a sequence's first KV block")
       ->capture_default_str();
   cmd->add_option("--threads", opt->engine.threads, "BLAS threads (0: all cores)")->capture_default_str();
+  cmd->add_option("--metrics-port", opt->metrics_port,
+                  "Plain HTTP port (on --host) for Prometheus /metrics and the probes /healthz "
+                  "(alive) and /readyz (serving: 503 while loading or draining); -1: none, 0: any")
+      ->check(CLI::Range(-1, 65535))
+      ->capture_default_str();
   cmd->add_option("--drain-timeout", opt->drain_timeout_s,
                   "Seconds a SIGTERM waits for in-flight requests (new ones are refused with "
                   "UNAVAILABLE, Health says NOT_SERVING) before stopping; a second signal stops "
