@@ -1157,21 +1157,56 @@ TEST_F(WorkerGrpcTest, RandomCancellationsDeadlinesAndClearsLeakNothing) {
 // 16. A worker that shuts down ends its open streams with UNAVAILABLE (so a
 // router retries elsewhere), after the tokens it had already produced.
 
+// A long greedy stream (EOS ignored) whose first message has arrived when
+// the worker gets SIGTERM; Rest() reads it to its end.
+class StreamCutBySigterm {
+ public:
+  StreamCutBySigterm(WorkerProcess* w, int max_tokens) {
+    v1::GenerateRequest req = GreedyRequest(MakePrompt(16, 30), max_tokens);
+    req.mutable_sampling()->set_ignore_eos(true);
+    ctx_.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+    reader_ = w->stub().Generate(&ctx_, req);
+    v1::GenerateResponse msg;
+    started_ = reader_->Read(&msg);
+    tokens_ = msg.tokens_size();
+    signalled_ = started_ && kill(w->pid(), SIGTERM) == 0;
+  }
+  bool ok() const { return started_ && signalled_; }
+  // The stream's status, its tokens and the finish reason of its last message.
+  grpc::Status Rest(int* tokens, v1::FinishReason* finish) {
+    v1::GenerateResponse msg;
+    *finish = v1::FINISH_REASON_UNSPECIFIED;
+    while (reader_->Read(&msg)) {
+      tokens_ += msg.tokens_size();
+      if (msg.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) *finish = msg.finish_reason();
+    }
+    *tokens = tokens_;
+    return reader_->Finish();
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader_;
+  bool started_ = false;
+  bool signalled_ = false;
+  int tokens_ = 0;
+};
+
+// The worker exits by itself within 10 s, with status 0.
+void ExpectCleanExit(WorkerProcess* w) {
+  absl::StatusOr<int> exited = w->Wait(seconds(10));
+  ASSERT_TRUE(exited.ok()) << exited.status();
+  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+}
+
 // SIGTERM drains: Health turns NOT_SERVING and new Generate calls get
 // UNAVAILABLE (a router retries them elsewhere), while the stream in flight
 // runs to its end; then the worker exits by itself, cleanly.
 TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   WorkerProcess* w = StartWorker();
   ASSERT_NE(w, nullptr);
-  v1::GenerateRequest req = GreedyRequest(MakePrompt(16, 30), 1500);
-  req.mutable_sampling()->set_ignore_eos(true);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
-  auto reader = w->stub().Generate(&ctx, req);
-  v1::GenerateResponse msg;
-  ASSERT_TRUE(reader->Read(&msg));
-  int tokens = msg.tokens_size();
-  ASSERT_EQ(kill(w->pid(), SIGTERM), 0);
+  StreamCutBySigterm stream(w, 1500);
+  ASSERT_TRUE(stream.ok());
 
   // The drain is visible to callers at once (within a health check or two).
   v1::HealthResponse health;
@@ -1194,18 +1229,13 @@ TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
     EXPECT_THAT(st.error_message(), HasSubstr("draining"));
   }
 
-  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
-  while (reader->Read(&msg)) {
-    tokens += msg.tokens_size();
-    if (msg.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) finish = msg.finish_reason();
-  }
-  grpc::Status st = reader->Finish();
+  int tokens = 0;
+  v1::FinishReason finish;
+  grpc::Status st = stream.Rest(&tokens, &finish);
   EXPECT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(tokens, 1500);
   EXPECT_EQ(finish, v1::FINISH_REASON_LENGTH);
-  absl::StatusOr<int> exited = w->Wait(seconds(10));
-  ASSERT_TRUE(exited.ok()) << exited.status();
-  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+  ExpectCleanExit(w);
 }
 
 // A port the OS has free now (bound and released: good enough for a test).
@@ -1251,14 +1281,8 @@ TEST_F(WorkerGrpcTest, MetricsPortServesMetricsAndProbesThatFollowTheDrain) {
   EXPECT_EQ(ScrapeMetric(base, "tandem_worker_sequences{state=\"running\"}"), 0);
 
   // Draining: not ready, still alive, while a stream runs.
-  v1::GenerateRequest req = GreedyRequest(MakePrompt(16, 30), 1500);
-  req.mutable_sampling()->set_ignore_eos(true);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
-  auto reader = w->stub().Generate(&ctx, req);
-  v1::GenerateResponse msg;
-  ASSERT_TRUE(reader->Read(&msg));
-  ASSERT_EQ(kill(w->pid(), SIGTERM), 0);
+  StreamCutBySigterm stream(w, 1500);
+  ASSERT_TRUE(stream.ok());
   HttpResponse ready;
   for (int i = 0; i < 100; ++i) {
     ready = HttpGet(base, "/readyz");
@@ -1270,12 +1294,10 @@ TEST_F(WorkerGrpcTest, MetricsPortServesMetricsAndProbesThatFollowTheDrain) {
   EXPECT_EQ(HttpGet(base, "/healthz").status, 200);
   EXPECT_EQ(ScrapeMetric(base, "tandem_worker_serving"), 0);
   EXPECT_EQ(ScrapeMetric(base, "tandem_worker_sequences{state=\"running\"}"), 1);
-  while (reader->Read(&msg)) {
-  }
-  EXPECT_TRUE(reader->Finish().ok());
-  absl::StatusOr<int> exited = w->Wait(seconds(10));
-  ASSERT_TRUE(exited.ok()) << exited.status();
-  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+  int tokens = 0;
+  v1::FinishReason finish;
+  EXPECT_TRUE(stream.Rest(&tokens, &finish).ok());
+  ExpectCleanExit(w);
 }
 
 // A drain is bounded: past --drain-timeout the streams still running end
@@ -1283,27 +1305,16 @@ TEST_F(WorkerGrpcTest, MetricsPortServesMetricsAndProbesThatFollowTheDrain) {
 TEST_F(WorkerGrpcTest, StreamsStillRunningAtTheDrainTimeoutEndWithUnavailable) {
   WorkerProcess* w = StartWorker({"--drain-timeout", "0.2"});
   ASSERT_NE(w, nullptr);
-  v1::GenerateRequest req = GreedyRequest(MakePrompt(16, 30), 2000);
-  req.mutable_sampling()->set_ignore_eos(true);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
-  auto reader = w->stub().Generate(&ctx, req);
-  v1::GenerateResponse msg;
+  StreamCutBySigterm stream(w, 2000);
+  ASSERT_TRUE(stream.ok());
   int tokens = 0;
-  ASSERT_TRUE(reader->Read(&msg));
-  tokens += msg.tokens_size();
-  ASSERT_EQ(kill(w->pid(), SIGTERM), 0);
-  while (reader->Read(&msg)) {
-    tokens += msg.tokens_size();
-    EXPECT_EQ(msg.finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
-  }
-  grpc::Status st = reader->Finish();
+  v1::FinishReason finish;
+  grpc::Status st = stream.Rest(&tokens, &finish);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  EXPECT_EQ(finish, v1::FINISH_REASON_UNSPECIFIED);
   EXPECT_GT(tokens, 0);
   EXPECT_LT(tokens, 2000);
-  absl::StatusOr<int> exited = w->Wait(seconds(10));
-  ASSERT_TRUE(exited.ok()) << exited.status();
-  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+  ExpectCleanExit(w);
 }
 
 // ---------------------------------------------------------------------------
