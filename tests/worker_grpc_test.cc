@@ -7,6 +7,7 @@
 //
 // Behaviour is checked through responses, status codes, GetLoad and the KV
 // event stream, never through the worker's log.
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -1294,6 +1295,62 @@ TEST_F(WorkerGrpcTest, MetricsPortServesMetricsAndProbesThatFollowTheDrain) {
   EXPECT_EQ(HttpGet(base, "/healthz").status, 200);
   EXPECT_EQ(ScrapeMetric(base, "tandem_worker_serving"), 0);
   EXPECT_EQ(ScrapeMetric(base, "tandem_worker_sequences{state=\"running\"}"), 1);
+  int tokens = 0;
+  v1::FinishReason finish;
+  EXPECT_TRUE(stream.Rest(&tokens, &finish).ok());
+  ExpectCleanExit(w);
+}
+
+// grpc.health.v1.Health/Check through the generic stub (the health proto is
+// not among Debian's headers), for the server as a whole; the answer is field 1, the status (1 SERVING, 2 NOT_SERVING).
+// Returns -1 when the call fails.
+int GrpcHealthStatus(const std::string& address) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+  // HealthCheckRequest{service: ""}, the field written out (gRPC's health
+  // service refuses an empty buffer).
+  const char encoded[] = {0x0a, 0x00};
+  grpc::Slice slice(encoded, sizeof(encoded));
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  grpc::CompletionQueue cq;
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+      stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
+  call->StartCall();
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  const bool answered = cq.Next(&tag, &ok) && ok;
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  if (!answered) return -1;
+  if (!status.ok()) ADD_FAILURE() << "grpc.health.v1 Check: " << status.error_code() << " " << status.error_message();
+  if (!status.ok()) return -1;
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return -1;
+  std::string bytes;
+  for (const grpc::Slice& slice : slices) bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  // Field 1, varint: tag 0x08, then the value (absent: 0, UNKNOWN).
+  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : (bytes.empty() ? 0 : -1);
+}
+
+// The standard gRPC health service answers SERVING, and NOT_SERVING once the
+// worker drains (where TLS is off, Kubernetes' gRPC probes read it).
+TEST_F(WorkerGrpcTest, StandardGrpcHealthFollowsTheDrain) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(GrpcHealthStatus(w->address()), 1);
+  StreamCutBySigterm stream(w, 1500);
+  ASSERT_TRUE(stream.ok());
+  int status = 0;
+  for (int i = 0; i < 100 && (status = GrpcHealthStatus(w->address())) == 1; ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(status, 2);
   int tokens = 0;
   v1::FinishReason finish;
   EXPECT_TRUE(stream.Rest(&tokens, &finish).ok());

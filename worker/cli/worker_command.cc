@@ -142,8 +142,12 @@ absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt,
 // requests and reports NOT_SERVING, so routers move new work elsewhere, and
 // waits up to `timeout_s` for what it runs, waits for, or holds for a decode
 // worker to finish. A second signal ends the wait.
-void Drain(const Engine& engine, WorkerService& service, int sig, double timeout_s) {
+void Drain(const Engine& engine, WorkerService& service, grpc::Server& server, int sig,
+           double timeout_s) {
   service.StartDrain();
+  if (grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService()) {
+    health->SetServingStatus(false);  // grpc.health.v1: NOT_SERVING
+  }
   const auto busy = [&engine] {
     const LoadSnapshot l = engine.GetLoad();
     return l.running + l.waiting + l.reserved + l.prefilled;
@@ -311,6 +315,9 @@ absl::Status RunWorker(WorkerOptions opt) {
       .max_reserved_blocks_per_caller = caller_cap,
       .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
       .checksums = !opt.no_kv_checksums};
+  // The standard grpc.health.v1 service (SERVING; NOT_SERVING once draining),
+  // for load balancers and Kubernetes' gRPC probes where TLS is off.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound_port = 0;
   builder.AddListeningPort(absl::StrFormat("%s:%d", opt.host, opt.port),
@@ -384,7 +391,7 @@ absl::Status RunWorker(WorkerOptions opt) {
   }
 
   const int sig = WaitForSignal();
-  Drain(*engine, service, sig, opt.drain_timeout_s);
+  Drain(*engine, service, *server, sig, opt.drain_timeout_s);
   engine->Stop();  // aborts what is still in flight, so those streams finish at once
   // gRPC waits out the whole deadline while any client keeps a connection
   // open, even an idle one; every generation has ended already, so the
