@@ -1302,7 +1302,8 @@ TEST_F(WorkerGrpcTest, MetricsPortServesMetricsAndProbesThatFollowTheDrain) {
 }
 
 // grpc.health.v1.Health/Check through the generic stub (the health proto is
-// not among Debian's headers), for the server as a whole; the answer is field 1, the status (1 SERVING, 2 NOT_SERVING).
+// not among Debian's headers), for the server as a whole; the answer is
+// field 1, the status (1 SERVING, 2 NOT_SERVING).
 // Returns -1 when the call fails.
 int GrpcHealthStatus(const std::string& address) {
   auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
@@ -1328,12 +1329,17 @@ int GrpcHealthStatus(const std::string& address) {
   while (cq.Next(&tag, &ok)) {
   }
   if (!answered) return -1;
-  if (!status.ok()) ADD_FAILURE() << "grpc.health.v1 Check: " << status.error_code() << " " << status.error_message();
+  if (!status.ok()) {
+    ADD_FAILURE() << "grpc.health.v1 Check: " << status.error_code() << " "
+                  << status.error_message();
+  }
   if (!status.ok()) return -1;
   std::vector<grpc::Slice> slices;
   if (!response.Dump(&slices).ok()) return -1;
   std::string bytes;
-  for (const grpc::Slice& slice : slices) bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  for (const grpc::Slice& slice : slices) {
+    bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
   // Field 1, varint: tag 0x08, then the value (absent: 0, UNKNOWN).
   return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : (bytes.empty() ? 0 : -1);
 }

@@ -186,8 +186,9 @@ void AddWorkerMetrics(MetricsRegistry& r, const Engine& engine, const WorkerServ
                        e.Emit({"reserved"}, l.reserved);
                        e.Emit({"prefilled"}, l.prefilled);
                      });
-  r.AddCallbackGauge("tandem_worker_kv_blocks", "KV cache blocks by state (cached: free but "
-                     "holding a reusable prefix; quarantined: a failed transfer's, briefly unused).",
+  r.AddCallbackGauge("tandem_worker_kv_blocks",
+                     "KV cache blocks by state (cached: free but holding a reusable prefix; "
+                     "quarantined: a failed transfer's, briefly unused).",
                      {"state"}, [load](MetricEmitter& e) {
                        const LoadSnapshot l = load();
                        e.Emit({"used"}, static_cast<double>(l.used_blocks));
@@ -215,9 +216,11 @@ void AddWorkerMetrics(MetricsRegistry& r, const Engine& engine, const WorkerServ
                          const LoadSnapshot l = load();
                          e.Emit({"finished"}, static_cast<double>(l.finished));
                          e.Emit({"preemption"}, static_cast<double>(l.preemptions));
-                         e.Emit({"expired_reservation"}, static_cast<double>(l.expired_reservations));
+                         e.Emit({"expired_reservation"},
+                                static_cast<double>(l.expired_reservations));
                          e.Emit({"local_prefill"}, static_cast<double>(l.local_prefill_fallbacks));
-                         e.Emit({"reservation_refused"}, static_cast<double>(l.reservations_refused));
+                         e.Emit({"reservation_refused"},
+                                static_cast<double>(l.reservations_refused));
                          e.Emit({"expired_handoff"}, static_cast<double>(l.expired_handoffs));
                        });
   r.AddCallbackGauge("tandem_worker_serving", "1 while the worker takes new requests (0 while "
@@ -233,14 +236,14 @@ absl::StatusOr<std::unique_ptr<http::HttpServer>> StartMetricsServer(
     const WorkerService& service) {
   auto server = std::make_unique<http::HttpServer>(http::HttpServer::Options{
       .host = host, .port = port, .threads = 1, .max_body_bytes = 1024, .max_connections = 64});
-  server->Route("GET", "/metrics", [&registry](const http::Request&, std::shared_ptr<http::ResponseWriter> w) {
+  using Writer = std::shared_ptr<http::ResponseWriter>;
+  server->Route("GET", "/metrics", [&registry](const http::Request&, Writer w) {
     w->Send(200, kPrometheusTextContentType, registry.Render());
   });
-  server->Route("GET", "/healthz", [](const http::Request&, std::shared_ptr<http::ResponseWriter> w) {
+  server->Route("GET", "/healthz", [](const http::Request&, Writer w) {
     w->Send(200, "text/plain", "ok\n");
   });
-  server->Route("GET", "/readyz", [&engine, &service](const http::Request&,
-                                                     std::shared_ptr<http::ResponseWriter> w) {
+  server->Route("GET", "/readyz", [&engine, &service](const http::Request&, Writer w) {
     if (service.draining()) {
       w->Send(503, "text/plain", "draining\n");
     } else if (!engine.running()) {
