@@ -575,8 +575,18 @@ TEST_F(DisaggGrpcTest, DrainingDecodeWorkerFinishesItsCommittedHandOffs) {
   ASSERT_TRUE(receive.reserved());
   const v1::KvReservation r = receive.reservation();
   ::kill(decode->pid(), SIGTERM);
+  // The signal is handled asynchronously: wait until the drain shows.
+  v1::HealthResponse health;
+  for (int i = 0; i < 500; ++i) {
+    grpc::ClientContext hctx;
+    hctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    ASSERT_TRUE(decode->stub().Health(&hctx, v1::HealthRequest(), &health).ok());
+    if (health.status() == v1::HealthResponse::NOT_SERVING) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(health.status(), v1::HealthResponse::NOT_SERVING);
   {
-    // New work is refused at once...
+    // New work is refused...
     Output refused = Generate(decode->stub(), GreedyRequest(MakePrompt(23, 20), 4), seconds(10));
     EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE)
         << refused.status.error_message();
