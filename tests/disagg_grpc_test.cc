@@ -576,15 +576,8 @@ TEST_F(DisaggGrpcTest, DrainingDecodeWorkerFinishesItsCommittedHandOffs) {
   const v1::KvReservation r = receive.reservation();
   ::kill(decode->pid(), SIGTERM);
   // The signal is handled asynchronously: wait until the drain shows.
-  v1::HealthResponse health;
-  for (int i = 0; i < 500; ++i) {
-    grpc::ClientContext hctx;
-    hctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
-    ASSERT_TRUE(decode->stub().Health(&hctx, v1::HealthRequest(), &health).ok());
-    if (health.status() == v1::HealthResponse::NOT_SERVING) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_EQ(health.status(), v1::HealthResponse::NOT_SERVING);
+  ASSERT_EQ(WaitForHealth(decode->stub(), v1::HealthResponse::NOT_SERVING, seconds(5)),
+            v1::HealthResponse::NOT_SERVING);
   {
     // New work is refused...
     Output refused = Generate(decode->stub(), GreedyRequest(MakePrompt(23, 20), 4), seconds(10));

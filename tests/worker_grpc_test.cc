@@ -1210,15 +1210,8 @@ TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   ASSERT_TRUE(stream.ok());
 
   // The drain is visible to callers at once (within a health check or two).
-  v1::HealthResponse health;
-  for (int i = 0; i < 100; ++i) {
-    grpc::ClientContext hctx;
-    hctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
-    ASSERT_TRUE(w->stub().Health(&hctx, v1::HealthRequest(), &health).ok());
-    if (health.status() == v1::HealthResponse::NOT_SERVING) break;
-    std::this_thread::sleep_for(milliseconds(10));
-  }
-  EXPECT_EQ(health.status(), v1::HealthResponse::NOT_SERVING);
+  EXPECT_EQ(WaitForHealth(w->stub(), v1::HealthResponse::NOT_SERVING, seconds(5)),
+            v1::HealthResponse::NOT_SERVING);
   {
     grpc::ClientContext nctx;
     nctx.set_deadline(std::chrono::system_clock::now() + seconds(5));

@@ -150,6 +150,24 @@ std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub,
                                  [&](size_t i) { return Generate(stub, requests[i]); });
 }
 
+v1::HealthResponse::ServingStatus WaitForHealth(v1::Worker::Stub& stub,
+                                                v1::HealthResponse::ServingStatus status,
+                                                std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  v1::HealthResponse::ServingStatus last = v1::HealthResponse::SERVING_STATUS_UNSPECIFIED;
+  do {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    v1::HealthResponse health;
+    last = stub.Health(&ctx, v1::HealthRequest(), &health).ok()
+               ? health.status()
+               : v1::HealthResponse::SERVING_STATUS_UNSPECIFIED;
+    if (last == status) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } while (std::chrono::steady_clock::now() < deadline);
+  return last;
+}
+
 v1::LoadReport GetLoad(v1::Worker::Stub& stub) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + seconds(10));

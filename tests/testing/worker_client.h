@@ -85,6 +85,11 @@ std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub,
 
 v1::LoadReport GetLoad(v1::Worker::Stub& stub);
 v1::ModelInfo GetModelInfo(v1::Worker::Stub& stub);
+// Polls Health (every 10 ms, for `timeout` at most) until it reports
+// `status`; returns the last status seen (UNSPECIFIED when a call failed).
+v1::HealthResponse::ServingStatus WaitForHealth(v1::Worker::Stub& stub,
+                                                v1::HealthResponse::ServingStatus status,
+                                                std::chrono::milliseconds timeout);
 
 // Polls GetLoad until `done` holds or `timeout` passes; returns the last
 // report, and whether `done` held, in *ok.
