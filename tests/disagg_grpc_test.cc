@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "common/block_hash.h"
 #include "tandem/v1/worker.grpc.pb.h"
+#include "tests/testing/http_client.h"
 #include "tests/testing/worker_client.h"
 #include "tests/testing/worker_process.h"
 #include "tests/testing/worker_test.h"
@@ -596,6 +597,32 @@ TEST_F(DisaggGrpcTest, DrainingDecodeWorkerFinishesItsCommittedHandOffs) {
   ASSERT_TRUE(exited.ok()) << exited.status();
   EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
   ExpectIdle(prefill->stub(), "prefill", seconds(10));
+}
+
+// The workers' metrics ports count the hand-off: bytes and pulls on the
+// decode side (as its LoadReport does), a KvReady sent on the prefill side.
+TEST_F(DisaggGrpcTest, MetricsPortsCountTheKvTransfer) {
+  const int prefill_port = FreeTcpPort();
+  const int decode_port = FreeTcpPort();
+  ASSERT_TRUE(prefill_port > 0 && decode_port > 0 && prefill_port != decode_port);
+  WorkerProcess* prefill = StartPrefill({"--metrics-port", std::to_string(prefill_port)});
+  WorkerProcess* decode = StartDecode({"--metrics-port", std::to_string(decode_port)});
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(24, 60), 8);
+  ReceiveStream receive(decode->stub(), req);
+  ASSERT_TRUE(receive.reserved());
+  Output p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()),
+                      seconds(20));
+  ASSERT_TRUE(p.status.ok()) << p.status.error_message();
+  ASSERT_TRUE(receive.Finish().status.ok());
+  const std::string d = absl::StrCat("127.0.0.1:", decode_port);
+  const std::string f = absl::StrCat("127.0.0.1:", prefill_port);
+  const v1::LoadReport load = GetLoad(decode->stub());
+  EXPECT_GT(load.kv_bytes_pulled(), 0);
+  EXPECT_EQ(ScrapeMetric(d, "tandem_worker_kv_transfer_bytes_total"), load.kv_bytes_pulled());
+  EXPECT_EQ(ScrapeMetric(d, "tandem_worker_kv_transfers_total{outcome=\"pulled\"}"), 1);
+  EXPECT_GT(ScrapeMetric(d, "tandem_worker_kv_transfer_seconds_total").value_or(0), 0);
+  EXPECT_EQ(ScrapeMetric(f, "tandem_worker_kv_transfers_total{outcome=\"sent\"}"), 1);
 }
 
 // The CLI splits a request the same way: `tandem generate --decode`.

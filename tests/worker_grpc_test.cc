@@ -1232,22 +1232,6 @@ TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   ExpectCleanExit(w);
 }
 
-// A port the OS has free now (bound and released: good enough for a test).
-int FreeTcpPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
 // --metrics-port: plain HTTP beside the gRPC port with the worker's own
 // Prometheus metrics and the probes Kubernetes uses (mutual TLS on the gRPC
 // port shuts its gRPC probes out): /healthz while alive, /readyz while it

@@ -1,5 +1,11 @@
 #include "tests/testing/http_client.h"
 
+#include <unistd.h>
+
+#include <sys/socket.h>
+
+#include <netinet/in.h>
+
 #include <boost/asio/connect.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/ip/tcp.hpp>
@@ -118,5 +124,21 @@ std::optional<double> ScrapeMetric(const std::string& base, const std::string& s
   if (at == std::string::npos) return std::nullopt;
   return std::strtod(r.body.c_str() + at + series.size() + 1, nullptr);
 }
+
+int FreeTcpPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
 
 }  // namespace tandem::testing

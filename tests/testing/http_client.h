@@ -47,6 +47,10 @@ inline HttpResponse HttpPost(const std::string& base, const std::string& target,
 std::optional<double> ScrapeMetric(const std::string& base, const std::string& series,
                                    const Headers& headers = {});
 
+// A loopback TCP port the OS has free now (bound and released: good enough
+// for a test); 0 when none could be had.
+int FreeTcpPort();
+
 // The "data:" payloads of an SSE body, in order ("[DONE]" included).
 std::vector<std::string> SseData(const std::string& body);
 

@@ -223,6 +223,27 @@ void AddWorkerMetrics(MetricsRegistry& r, const Engine& engine, const WorkerServ
                                 static_cast<double>(l.reservations_refused));
                          e.Emit({"expired_handoff"}, static_cast<double>(l.expired_handoffs));
                        });
+  const auto kv = [&service] { return service.kv_stats(); };
+  r.AddCallbackCounter("tandem_worker_kv_transfer_bytes_total",
+                       "KV bytes pulled from prefill workers, verified and committed (decode).",
+                       {}, [kv](MetricEmitter& e) {
+                         e.Emit({}, static_cast<double>(kv().bytes_pulled));
+                       });
+  r.AddCallbackCounter("tandem_worker_kv_transfer_seconds_total",
+                       "Time the committed KV pulls took (decode): over "
+                       "tandem_worker_kv_transfers_total{outcome=\"pulled\"}, the mean latency.",
+                       {}, [kv](MetricEmitter& e) { e.Emit({}, kv().pull_seconds); });
+  r.AddCallbackCounter("tandem_worker_kv_transfers_total",
+                       "KV hand-offs by outcome: pulled and pull_failed (decode; checksum_failed "
+                       "among the failures), sent and send_failed (prefill).",
+                       {"outcome"}, [kv](MetricEmitter& e) {
+                         const KvHandoffStats k = kv();
+                         e.Emit({"pulled"}, static_cast<double>(k.pulls));
+                         e.Emit({"pull_failed"}, static_cast<double>(k.pull_failures));
+                         e.Emit({"checksum_failed"}, static_cast<double>(k.checksum_failures));
+                         e.Emit({"sent"}, static_cast<double>(k.handoffs));
+                         e.Emit({"send_failed"}, static_cast<double>(k.handoff_failures));
+                       });
   r.AddCallbackGauge("tandem_worker_serving", "1 while the worker takes new requests (0 while "
                      "loading or draining).", {}, [&engine, &service](MetricEmitter& e) {
                        e.Emit({}, engine.running() && !service.draining() ? 1 : 0);

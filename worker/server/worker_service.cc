@@ -800,6 +800,13 @@ void WorkerService::Shutdown() {
   if (sender_ != nullptr) sender_->Stop();
 }
 
+KvHandoffStats WorkerService::kv_stats() const {
+  KvHandoffStats kv;
+  if (receiver_ != nullptr) receiver_->AddStats(&kv);
+  if (sender_ != nullptr) sender_->AddStats(&kv);
+  return kv;
+}
+
 void WorkerService::HandleKvReady(const grpc::ServerContext& ctx, const tandem::v1::KvReadyRequest& request,
     tandem::v1::KvReadyResponse* response, Finish finish) {
   if (receiver_ == nullptr || role_ == "prefill") {
@@ -889,9 +896,7 @@ void WorkerService::HandleGetLoad(const grpc::ServerContext& ctx, const tandem::
   r->set_local_prefill_fallbacks(s.local_prefill_fallbacks);
   r->set_reservations_refused(s.reservations_refused);
   r->set_expired_handoffs(s.expired_handoffs);
-  KvHandoffStats kv;
-  if (receiver_ != nullptr) receiver_->AddStats(&kv);
-  if (sender_ != nullptr) sender_->AddStats(&kv);
+  const KvHandoffStats kv = kv_stats();
   r->set_kv_pulls(kv.pulls);
   r->set_kv_pull_failures(kv.pull_failures);
   r->set_kv_checksum_failures(kv.checksum_failures);

@@ -75,6 +75,8 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   // calls in flight, and the KV hand-offs they wait for, go on.
   void StartDrain() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
+  // The KV hand-off counters of both sides (zero without a KV transport).
+  KvHandoffStats kv_stats() const;
 
   // The handlers of the unary methods: fill the response, then call
   // `finish` exactly once (from any thread).
