@@ -110,6 +110,14 @@ def query(expr):
     except urllib.error.HTTPError as e:
         return "error", json.load(e).get("error")
     return r["status"], r["data"]["result"]
+# Rates need two samples of the load in their window: on a busy machine some
+# scrapes time out, so wait (30 s at most) until the request rate has data.
+import time
+for _ in range(60):
+    status, result = query("sum(rate(tandem_router_requests_total[1m])) > 0")
+    if status == "success" and result:
+        break
+    time.sleep(0.5)
 failed = 0
 for p in json.load(open(dashboard))["panels"]:
     for t in p["targets"]:
