@@ -1,10 +1,8 @@
 #include "tests/testing/http_client.h"
 
-#include <unistd.h>
-
-#include <sys/socket.h>
-
 #include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/read.hpp>
@@ -139,6 +137,5 @@ int FreeTcpPort() {
   close(fd);
   return port;
 }
-
 
 }  // namespace tandem::testing

@@ -245,15 +245,15 @@ void AddWorkerMetrics(MetricsRegistry& r, const Engine& engine, const WorkerServ
                          e.Emit({"send_failed"}, static_cast<double>(k.handoff_failures));
                        });
   r.AddCallbackGauge("tandem_worker_serving", "1 while the worker takes new requests (0 while "
-                     "loading or draining).", {}, [&engine, &service](MetricEmitter& e) {
-                       e.Emit({}, engine.running() && !service.draining() ? 1 : 0);
+                     "loading or draining).", {}, [&service](MetricEmitter& e) {
+                       e.Emit({}, service.serving() ? 1 : 0);
                      });
 }
 
 // Plain HTTP beside the gRPC port, for Prometheus and Kubernetes probes
 // (which cannot present the client certificate mutual TLS asks of callers).
 absl::StatusOr<std::unique_ptr<http::HttpServer>> StartMetricsServer(
-    const std::string& host, int port, const MetricsRegistry& registry, const Engine& engine,
+    const std::string& host, int port, const MetricsRegistry& registry,
     const WorkerService& service) {
   auto server = std::make_unique<http::HttpServer>(http::HttpServer::Options{
       .host = host, .port = port, .threads = 1, .max_body_bytes = 1024, .max_connections = 64});
@@ -264,13 +264,11 @@ absl::StatusOr<std::unique_ptr<http::HttpServer>> StartMetricsServer(
   server->Route("GET", "/healthz", [](const http::Request&, Writer w) {
     w->Send(200, "text/plain", "ok\n");
   });
-  server->Route("GET", "/readyz", [&engine, &service](const http::Request&, Writer w) {
-    if (service.draining()) {
-      w->Send(503, "text/plain", "draining\n");
-    } else if (!engine.running()) {
-      w->Send(503, "text/plain", "not running\n");
-    } else {
+  server->Route("GET", "/readyz", [&service](const http::Request&, Writer w) {
+    if (service.serving()) {
       w->Send(200, "text/plain", "ready\n");
+    } else {
+      w->Send(503, "text/plain", service.draining() ? "draining\n" : "not running\n");
     }
   });
   RETURN_IF_ERROR(server->Start());
@@ -374,7 +372,7 @@ absl::Status RunWorker(WorkerOptions opt) {
   std::unique_ptr<http::HttpServer> metrics_server;
   if (opt.metrics_port >= 0) {
     absl::StatusOr<std::unique_ptr<http::HttpServer>> started =
-        StartMetricsServer(opt.host, opt.metrics_port, metrics, *engine, service);
+        StartMetricsServer(opt.host, opt.metrics_port, metrics, service);
     if (!started.ok()) {
       engine->Stop();
       server->Shutdown(std::chrono::system_clock::now());

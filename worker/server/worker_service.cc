@@ -800,6 +800,8 @@ void WorkerService::Shutdown() {
   if (sender_ != nullptr) sender_->Stop();
 }
 
+bool WorkerService::serving() const { return engine_->running() && !draining(); }
+
 KvHandoffStats WorkerService::kv_stats() const {
   KvHandoffStats kv;
   if (receiver_ != nullptr) receiver_->AddStats(&kv);
@@ -841,9 +843,8 @@ void WorkerService::HandleGetKvTransferInfo(const grpc::ServerContext& ctx, cons
 
 void WorkerService::HandleHealth(const grpc::ServerContext& ctx, const tandem::v1::HealthRequest& /*request*/,
     tandem::v1::HealthResponse* response, Finish finish) {
-  response->set_status(engine_->running() && !draining()
-                           ? tandem::v1::HealthResponse::SERVING
-                           : tandem::v1::HealthResponse::NOT_SERVING);
+  response->set_status(serving() ? tandem::v1::HealthResponse::SERVING
+                                 : tandem::v1::HealthResponse::NOT_SERVING);
   response->set_role(role_);
   response->set_instance_id(instance_id_);
   finish(grpc::Status::OK);

@@ -75,6 +75,9 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   // calls in flight, and the KV hand-offs they wait for, go on.
   void StartDrain() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
+  // Takes new requests: the engine runs and the worker is not draining
+  // (Health, grpc.health.v1, and the metrics port's /readyz say the same).
+  bool serving() const;
   // The KV hand-off counters of both sides (zero without a KV transport).
   KvHandoffStats kv_stats() const;
 
