@@ -126,15 +126,18 @@ if values_path != "-":
     chart_values = yaml.safe_load(open(__file__.rsplit("/tests/", 1)[0] + "/deploy/helm/tandem/values.yaml"))
     user = yaml.safe_load(open(values_path)) or {}
 
-    def get(path, default=None):
-        v = user
+    def merged(base, over):  # the values file over the chart's defaults, maps deeply
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+        return out
+
+    values = merged(chart_values, user)
+
+    def get(path):
+        v = values
         for k in path.split("."):
-            if not isinstance(v, dict) or k not in v:
-                v = chart_values
-                for k2 in path.split("."):
-                    v = v.get(k2, default) if isinstance(v, dict) else default
-                return v
-            v = v[k]
+            v = v.get(k) if isinstance(v, dict) else None
         return v
 
     mode = get("mode")
