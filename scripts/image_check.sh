@@ -23,6 +23,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$pkgs" ]]; then
 fi
 install -m 0755 "$bin" "$root/usr/local/bin/tandem"
 chroot "$root" /bin/sh -c 'getent passwd tandem >/dev/null || { groupadd -g 10001 tandem && useradd -u 10001 -g 10001 -M -s /usr/sbin/nologin tandem; }'
+rm -rf "$root/run/tandem"  # an earlier run's url must not be read as this one's
 mkdir -p "$root/proc" "$root/run/tandem" && chown 10001:10001 "$root/run/tandem"
 mkdir -p "$root/dev/shm"
 mount -t proc proc "$root/proc"
@@ -39,9 +40,10 @@ chroot --userspec=10001:10001 "$root" /usr/local/bin/tandem up --port 0 --run-di
   --ready-file /run/tandem/url --worker-threads 1 >"${root}.up.log" 2>&1 &
 for _ in $(seq 600); do [[ -s $root/run/tandem/url ]] && break; sleep 0.1; done
 [[ -s $root/run/tandem/url ]] || { echo "image_check: the cluster did not start"; tail -20 "${root}.up.log"; exit 1; }
+trap 'rc=$?; (( rc == 0 )) || { echo "image_check: tandem up printed:"; tail -20 "${root}.up.log"; }; cleanup' EXIT
 url=$(cat "$root/run/tandem/url")
 model=$(sed -n 's/^  served_name: "\(.*\)"$/\1/p' "$root/run/tandem/router.yaml")
-answer=$(curl -fsS "$url/v1/chat/completions" -H 'Content-Type: application/json' \
+answer=$(curl -fsS --retry 5 --retry-connrefused "$url/v1/chat/completions" -H 'Content-Type: application/json' \
   -d "{\"model\": \"$model\", \"max_tokens\": 8, \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}")
 grep -q '"finish_reason"' <<<"$answer" || { echo "image_check: unexpected answer: $answer"; exit 1; }
 echo "image_check: ok: a cluster in a Debian 12 root with only deploy/images/runtime-packages.txt answered: ${answer:0:160}"

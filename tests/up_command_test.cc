@@ -329,6 +329,30 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
   EXPECT_THAT(out, HasSubstr("cannot create the run directory /proc/no/such/dir")) << out;
 }
 
+// A ready file left by an earlier run (a reused run directory, a cached image
+// root) is removed as up starts, whether or not this start then succeeds, so
+// it never outlives the run it announced. (Who starts up and polls the file
+// still removes it first: up can only remove it once it runs.)
+TEST_F(UpCommandTest, AStaleReadyFileIsRemovedBeforeStarting) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  const std::string ready = dir_ + "/url";
+  std::ofstream(ready) << "http://127.0.0.1:1\n";
+  std::string out;
+  EXPECT_NE(RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir ", dir_, " --decode 0 --ready-file ",
+                                    ready),
+                       &out),
+            0);
+  EXPECT_FALSE(std::filesystem::exists(ready)) << out;
+
+
+  // A ready file that cannot be removed is an error naming the flag.
+  EXPECT_NE(RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir ", dir_, " --ready-file /proc/self"),
+                       &out),
+            0);
+  EXPECT_THAT(out, HasSubstr("--ready-file")) << out;
+}
+
 class BenchCommandTest : public UpCommandTest {
  protected:
   // Runs `tandem bench --url URL <flags> --json F --html H`; the JSON.

@@ -34,8 +34,10 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -328,6 +330,11 @@ std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& pr
 }
 
 absl::Status Up(UpOptions opt) {
+  // A ready file left by an earlier run must not announce this one before it serves.
+  if (!opt.ready_file.empty() && unlink(opt.ready_file.c_str()) != 0 && errno != ENOENT) {
+    return absl::InvalidArgumentError(absl::StrCat("--ready-file: cannot remove the old ",
+                                                   opt.ready_file, ": ", strerror(errno)));
+  }
   // The router config: the file's, or defaults for a local cluster.
   RouterConfig config;
   if (!opt.config.empty()) {
