@@ -11,9 +11,13 @@
 #   2. a decode pod added to its Service's DNS records is discovered and used;
 #   3. a decode pod killed (SIGKILL) under load is ejected and no request fails;
 #   4. a rolling restart of the decode pool under steady load (each pod: SIGTERM,
-#      exit, start again at its address) fails no request.
+#      exit, start again at its address) fails no request;
+#   5. a real Prometheus (Debian's), scraping the pods as the rendered
+#      ServiceMonitors declare (their Services' DNS names, ports and paths; the
+#      pods' prometheus.io/* annotations agree), has every target up, and every
+#      dashboard and alert expression evaluates, each dashboard query with data.
 # Usage: netns_cluster_test.sh HELMRENDER TANDEM WORK_DIR
-# Exits 77 (skipped) without root, `ip netns`, dnsmasq or the renderer.
+# Exits 77 (skipped) without root, `ip netns`, dnsmasq, prometheus or the renderer.
 set -euo pipefail
 render_bin=${1:?usage: netns_cluster_test.sh HELMRENDER TANDEM WORK_DIR}
 tandem=${2:?}
@@ -24,6 +28,7 @@ root=$(cd "$here/../.." && pwd)
 [[ -x $render_bin ]] || { echo "SKIP: no helmrender at $render_bin"; exit 77; }
 command -v dnsmasq >/dev/null || [[ -x /usr/sbin/dnsmasq ]] || { echo "SKIP: dnsmasq is not installed"; exit 77; }
 dnsmasq=$(command -v dnsmasq || echo /usr/sbin/dnsmasq)
+command -v prometheus >/dev/null || { echo "SKIP: prometheus is not installed"; exit 77; }
 tag=$(( $$ % 10000 ))
 hub=tdhub$tag
 ip netns add "$hub" 2>/dev/null || { echo "SKIP: cannot create network namespaces here"; exit 77; }
@@ -54,11 +59,58 @@ for d in objs:
     argv = c["command"] + c["args"]
     open(f"{work}/{comp}.argv", "w").write(" ".join(shlex.quote(a) for a in argv) + "\n")
     open(f"{work}/{comp}.replicas", "w").write(str(d["spec"]["replicas"]) + "\n")
+def dns(svc):
+    return f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local"
 for s in objs:
-    if s["kind"] == "Service" and s["spec"].get("clusterIP") == "None":
+    if s["kind"] == "Service":
         comp = s["metadata"]["labels"]["app.kubernetes.io/component"]
-        open(f"{work}/{comp}.dns", "w").write(f"{s['metadata']['name']}.{s['metadata']['namespace']}.svc.cluster.local\n")
+        open(f"{work}/{comp}.dns", "w").write(dns(s) + "\n")
+
+# Prometheus' scrape jobs, as the Prometheus Operator makes them from each
+# ServiceMonitor: the Services it selects, the endpoints' port (by name), path
+# and interval; the pods behind a Service are its DNS name's A records here
+# (Kubernetes' endpoints there), each labelled with its namespace and Service.
+def selects(sel, labels):
+    ok = all(labels.get(k) == v for k, v in sel.get("matchLabels", {}).items())
+    for e in sel.get("matchExpressions", []):
+        assert e["operator"] == "In", e
+        ok = ok and labels.get(e["key"]) in e["values"]
+    return ok
+def pods_of(svc):
+    return [d for d in objs if d["kind"] == "Deployment" and d["metadata"]["namespace"] == svc["metadata"]["namespace"]
+            and all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items())]
+jobs = []
+for sm in (o for o in objs if o["kind"] == "ServiceMonitor"):
+    for svc in (o for o in objs if o["kind"] == "Service" and selects(sm["spec"]["selector"], o["metadata"]["labels"])):
+        for i, ep in enumerate(sm["spec"]["endpoints"]):
+            assert "authorization" not in ep, "the netns cluster runs without API keys"
+            sport = next(p for p in svc["spec"]["ports"] if p["name"] == ep["port"])
+            deployments = pods_of(svc)
+            assert deployments, f"{svc['metadata']['name']} selects no pods"
+            for d in deployments:
+                c = d["spec"]["template"]["spec"]["containers"][0]
+                target = next(p["containerPort"] for p in c["ports"] if p["name"] == sport["targetPort"])
+                ann = d["spec"]["template"]["metadata"]["annotations"]
+                assert ann["prometheus.io/scrape"] == "true", ann
+                assert int(ann["prometheus.io/port"]) == target and ann["prometheus.io/path"] == ep["path"], (ann, ep)
+            jobs.append(f"""  - job_name: serviceMonitor/{sm['metadata']['namespace']}/{sm['metadata']['name']}/{svc['metadata']['name']}/{i}
+    metrics_path: {ep['path']}
+    scrape_interval: {ep['interval']}
+    dns_sd_configs: [{{names: ['{dns(svc)}'], type: A, port: {target}, refresh_interval: 1s}}]
+    relabel_configs:
+      - {{target_label: namespace, replacement: {svc['metadata']['namespace']}}}
+      - {{target_label: service, replacement: {svc['metadata']['name']}}}
+      - {{target_label: job, replacement: {svc['metadata']['name']}}}
+""")
+assert len(jobs) == 3, f"router, prefill and decode scrape jobs, not {len(jobs)}"
+open(f"{work}/prometheus.yml", "w").write("global: {scrape_timeout: 1s, evaluation_interval: 1s}\n"
+                                           "rule_files: [rules.yaml]\nscrape_configs:\n" + "".join(jobs))
+import yaml
+rule = next(o for o in objs if o["kind"] == "PrometheusRule")
+yaml.safe_dump({"groups": rule["spec"]["groups"]}, open(f"{work}/rules.yaml", "w"))
 PY
+promtool check config "$work/prometheus.yml" >/dev/null
+promtool check rules "$work/rules.yaml" >/dev/null
 cp "$work/router.yaml" "$work/etc/tandem/router/router.yaml"
 sed -i "s|/etc/tandem/|$work/etc/tandem/|g" "$work/etc/tandem/router/router.yaml"
 "$tandem" certs --out "$work/etc/tandem/tls" >/dev/null
@@ -90,7 +142,7 @@ pids+=($!)
 dns_pid=$!
 publish() {  # the Services' records: every running pod of each pool
   : >"$hosts.new"
-  for comp in prefill decode; do
+  for comp in prefill decode router; do
     for f in "$work"/pods/"$comp"-*; do
       [[ -e $f ]] && echo "$net.$(cat "$f") $(cat "$work/$comp.dns")" >>"$hosts.new"
     done
@@ -124,6 +176,8 @@ publish
 pod_ns router 10
 eval "exec ip netns exec td$tag-router $(argv router)" >"$work/logs/router.log" 2>&1 &
 pids+=($!)
+echo 10 >"$work/pods/router-0"
+publish
 url=http://$net.10:8000
 hub_curl() { ip netns exec "$hub" curl "$@"; }
 for _ in $(seq 300); do
@@ -133,6 +187,12 @@ done
 [[ $(hub_curl -s -o /dev/null -w '%{http_code}' "$url/health") == 200 ]] ||
   { echo "FAIL: the router never became ready"; tail -20 "$work/logs/router.log"; exit 1; }
 model=$(sed -n 's/^  served_name: *//p' "$work/router.yaml" | tr -d '"')
+# Prometheus in the hub namespace, resolving the Services through dnsmasq.
+mkdir -p "/etc/netns/$hub" && echo "nameserver $net.1" >"/etc/netns/$hub/resolv.conf"
+ip netns exec "$hub" prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/prometheus" \
+  --web.listen-address="$net.1:9090" >"$work/logs/prometheus.log" 2>&1 &
+pids+=($!)
+api=http://$net.1:9090/api/v1
 
 request() {  # N: one chat request; prints the HTTP status
   local stream=$([[ $(( $1 % 2 )) == 0 ]] && echo true || echo false)
@@ -160,7 +220,7 @@ failures=$(load 0 16 4)
 echo "ok: 16 requests through 2 prefill + 2 decode pods"
 # The probes the chart declares answer on each worker's metrics port.
 mport=$(python3 -c "import json; print(next(p['containerPort'] for d in json.load(open('$work/objects.json')) if d['kind'] == 'Deployment' and d['metadata']['name'].endswith('-decode') for p in d['spec']['template']['spec']['containers'][0]['ports'] if p['name'] == 'metrics'))")
-for f in "$work"/pods/*-[0-9]; do
+for f in "$work"/pods/{prefill,decode}-[0-9]; do
   [[ $(hub_curl -s "http://$net.$(cat "$f"):$mport/readyz") == ready ]] || { echo "FAIL: $f not ready on :$mport/readyz"; exit 1; }
 done
 echo "ok: every worker's /readyz on :$mport answers ready; $(hub_curl -s "http://$net.30:$mport/metrics" | grep -c '^tandem_worker') worker series on /metrics"
@@ -213,3 +273,19 @@ wait "$loader"
 [[ ! -s $work/load4 ]] || { echo "FAIL: $(cat "$work/load4")"; exit 1; }
 echo "ok: 80 requests, none failed, while decode-1 and decode-2 restarted one after the other"
 echo "$(metric 'tandem_router_failovers_total' | awk '{s += $2} END {print s + 0}') failovers, $(metric 'tandem_router_retries_total' | awk '{s += $2} END {print s + 0}') retries"
+
+echo "== 5. Prometheus scrapes the pods as the chart declares; the dashboard and alerts evaluate"
+promq() {  # EXPR: the query's result as JSON
+  ip netns exec "$hub" curl -sS -G "$api/query" --data-urlencode "query=$1"
+}
+promv() { promq "$1" | python3 -c 'import json, sys; r = json.load(sys.stdin)["data"]["result"]; print(r[0]["value"][1] if r else 0)'; }
+# The router and the four running workers (decode-0 was killed in 3 and left its Service).
+for _ in $(seq 100); do [[ $(promv 'count(up == 1)') == 5 ]] && break; sleep 0.2; done
+[[ $(promv 'count(up == 1)') == 5 ]] || { echo "FAIL: not every target is up"; ip netns exec "$hub" curl -s "$api/targets"; exit 1; }
+[[ $(promv 'count(tandem_worker_serving{namespace="llm"} == 1)') == 4 ]] ||
+  { echo "FAIL: the four workers' own metrics are not scraped"; promq 'tandem_worker_serving'; exit 1; }
+failures=$(load 500 16 4)  # (in a subshell: load's `wait` must not wait for the pods)
+[[ -z $failures ]] || { echo "FAIL: $failures"; exit 1; }
+ip netns exec "$hub" python3 "$here/eval_promql.py" "$api" "$root/deploy/helm/tandem/files/grafana-dashboard.json" \
+  "$work/rules.yaml"
+echo "ok: 5 targets up (router, 2 prefill, 2 decode); every dashboard query has data, every alert evaluates"
