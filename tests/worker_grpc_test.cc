@@ -1232,6 +1232,23 @@ TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   ExpectCleanExit(w);
 }
 
+// In a container image (TANDEM_HOST=0.0.0.0) the worker listens on every
+// interface without a --host flag; a --host flag still wins over it.
+TEST_F(WorkerGrpcTest, TandemHostSetsTheDefaultListenAddress) {
+  struct EnvGuard {
+    EnvGuard() { setenv("TANDEM_HOST", "0.0.0.0", 1); }
+    ~EnvGuard() { unsetenv("TANDEM_HOST"); }
+  } env;
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> any = WorkerProcess::Start({});
+  ASSERT_TRUE(any.ok()) << any.status();
+  EXPECT_TRUE((*any)->address().starts_with("0.0.0.0:")) << (*any)->address();
+  EXPECT_EQ(GetModelInfo((*any)->stub()).model(), "tiny");
+
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> flagged = WorkerProcess::Start({"--host", "127.0.0.1"});
+  ASSERT_TRUE(flagged.ok()) << flagged.status();
+  EXPECT_TRUE((*flagged)->address().starts_with("127.0.0.1:")) << (*flagged)->address();
+}
+
 // --metrics-port: plain HTTP beside the gRPC port with the worker's own
 // Prometheus metrics and the probes Kubernetes uses (mutual TLS on the gRPC
 // port shuts its gRPC probes out): /healthz while alive, /readyz while it

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <map>
@@ -21,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
 #include "common/file_util.h"
+#include "common/listen_host.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
 #include "yaml-cpp/eventhandler.h"
@@ -595,6 +597,10 @@ class Parser {
                                       "tls", "auth", "debug"}));
 
     ASSIGN_OR_RETURN(Fields listener, SubMap(top, "listener", {"host", "port"}));
+    // A container image sets TANDEM_HOST=0.0.0.0: the default where the file has no host.
+    if (const char* env = std::getenv(kListenHostEnv); env != nullptr && *env != '\0') {
+      c->listener.host = env;
+    }
     RETURN_IF_ERROR(String(listener, "host", &c->listener.host));
     RETURN_IF_ERROR(Int(listener, "port", &c->listener.port));
 

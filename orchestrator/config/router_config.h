@@ -34,7 +34,8 @@ namespace tandem::router {
 // Where the router accepts HTTP (OpenAI-compatible) requests.
 struct ListenerConfig {
   // Address to bind: an IPv4/IPv6 literal or a host name. "0.0.0.0" (or
-  // "::") listens on every interface, as in a container.
+  // "::") listens on every interface, as in a container. Default: 127.0.0.1,
+  // or $TANDEM_HOST where it is set.
   std::string host = "127.0.0.1";
   // TCP port, 0..65535; 0: the OS picks a free one (`tandem router --ready-file`
   // reports it).

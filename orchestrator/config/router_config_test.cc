@@ -53,6 +53,22 @@ TEST(RouterConfigTest, ExampleLoads) {
   EXPECT_EQ(config->sessions.header, "X-Session-ID");
 }
 
+// A container image sets TANDEM_HOST=0.0.0.0: the listener's default where
+// the file names no host; a host in the file still wins.
+TEST(RouterConfigTest, TandemHostSetsTheDefaultListenerHost) {
+  setenv("TANDEM_HOST", "0.0.0.0", 1);
+  auto from_env = Parse(kMinimal);
+  auto from_file = Parse(std::string(kMinimal) + "listener: {host: 127.0.0.2}\n");
+  unsetenv("TANDEM_HOST");
+  ASSERT_TRUE(from_env.ok()) << from_env.status();
+  EXPECT_EQ(from_env->listener.host, "0.0.0.0");
+  ASSERT_TRUE(from_file.ok()) << from_file.status();
+  EXPECT_EQ(from_file->listener.host, "127.0.0.2");
+  auto unset = Parse(kMinimal);
+  ASSERT_TRUE(unset.ok()) << unset.status();
+  EXPECT_EQ(unset->listener.host, "127.0.0.1");
+}
+
 TEST(RouterConfigTest, DefaultsFillWhatTheFileOmits) {
   auto config = Parse(kMinimal);
   ASSERT_TRUE(config.ok()) << config.status();

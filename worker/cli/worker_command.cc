@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "common/file_util.h"
 #include "common/grpc_poller.h"
+#include "common/listen_host.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "common/signals.h"
@@ -465,7 +466,10 @@ void AddWorkerCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--served-model-name", opt->served_model_name, "Model name reported to clients");
   cmd->add_option("--role", opt->role, "prefill, decode or both")->capture_default_str();
-  cmd->add_option("--host", opt->host, "Address to listen on")->capture_default_str();
+  cmd->add_option("--host", opt->host,
+                  absl::StrCat("Address to listen on (default: $", kListenHostEnv, ", else 127.0.0.1)"))
+      ->envname(kListenHostEnv)
+      ->capture_default_str();
   cmd->add_option("--port", opt->port, "gRPC port (0: pick a free one)")->capture_default_str();
   cmd->add_option("--ready-file", opt->ready_file, "Write host:port here once serving");
   cmd->add_option("--kv-cache-memory", opt->kv_cache_memory, "Memory budget of the KV cache")
