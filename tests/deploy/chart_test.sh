@@ -86,6 +86,26 @@ expect_failure "a drain longer than the grace period" "drainTimeoutS must be sho
   --set tls.secretName=t --set workerDefaults.drainTimeoutS=200
 expect_failure "API keys without a scrape key" "bearerTokenSecret" --set tls.secretName=t \
   --set router.apiKeysSecret=k --set monitoring.serviceMonitor.enabled=true
+# The schema check refuses what Kubernetes would drop: a misspelled field deep in a pod
+# template and one in a ServiceMonitor's endpoint (inherited fields are known).
+python3 - "$work/everything-on/objects.json" "$work/misspelled.json" <<'PY'
+import json, sys
+objs = json.load(open(sys.argv[1]))
+d = next(o for o in objs if o["kind"] == "Deployment")
+d["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = True
+sm = next(o for o in objs if o["kind"] == "ServiceMonitor")
+sm["spec"]["endpoints"][0]["scrapeIntervall"] = "5s"
+json.dump(objs, open(sys.argv[2], "w"))
+PY
+if node "$work/validate_k8s.mjs" "$work/misspelled.json" >"$work/misspelled.log" 2>&1; then
+  echo "FAIL: misspelled fields validated"; fail=1
+else
+  for field in containers\\[0\\].securityContext.readOnlyRootFileSystem endpoints\\[0\\].scrapeIntervall; do
+    grep -q "unknown field .*$field" "$work/misspelled.log" || { echo "FAIL: no error names $field"; cat "$work/misspelled.log"; fail=1; }
+  done
+  [[ $(grep -c '^FAIL' "$work/misspelled.log") == 2 ]] || { echo "FAIL: other errors:"; cat "$work/misspelled.log"; fail=1; }
+  echo "ok: misspelled fields refused: $(grep -c '^FAIL' "$work/misspelled.log") errors"
+fi
 
 echo "== kustomize"
 "$root/deploy/kustomize/render_base.sh" "$render_bin" >"$work/base.yaml"
