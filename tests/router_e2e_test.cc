@@ -6,6 +6,9 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <string>
@@ -564,6 +567,15 @@ TEST_F(RouterE2eTest, ModelsHealthTokenizeAndMetrics) {
   EXPECT_EQ(m.json["object"], "list");
   EXPECT_EQ(m.json["data"][0]["id"], "tiny");
   EXPECT_GT(m.json["data"][0]["max_model_len"].get<int>(), 0);
+  // One model by id (the OpenAI clients' models.retrieve); another is 404 model_not_found.
+  Reply one = Get("/v1/models/tiny");
+  ASSERT_EQ(one.http.status, 200) << one.http.body;
+  EXPECT_EQ(one.json, m.json["data"][0]);
+  Reply none = Get("/v1/models/org%2Fother");
+  EXPECT_EQ(none.http.status, 404);
+  EXPECT_EQ(none.json["error"]["code"], "model_not_found");
+  EXPECT_EQ(none.json["error"]["message"], "The model 'org/other' does not exist");
+  EXPECT_EQ(Get("/v1/models/").http.status, 404);
   Reply h = Get("/health");
   EXPECT_EQ(h.http.status, 200);
   EXPECT_EQ(h.json["status"], "ok");
@@ -594,6 +606,89 @@ TEST_F(RouterE2eTest, ModelsHealthTokenizeAndMetrics) {
         "tandem_router_worker_healthy{pool=\"decode\"", "tandem_router_worker_in_flight"}) {
     EXPECT_THAT(metrics.http.body, HasSubstr(name));
   }
+}
+
+}  // namespace
+}  // namespace tandem::testing
+
+namespace tandem::testing {
+namespace {
+
+// Router and workers must agree on what routing and KV hand-offs depend on.
+// A worker that does not fit (here: another block size, which would make
+// the KV-aware index's block hashes useless against it) is refused loudly:
+// never routed to, named in /health with the reason, counted by a metric;
+// the workers that agree serve. When none serves yet, the model most
+// workers share is the cluster's.
+TEST_F(RouterE2eTest, AWorkerThatDoesNotFitTheClusterIsRefusedLoudly) {
+  WorkerProcess* a = StartBoth();
+  WorkerProcess* b = StartBoth();
+  WorkerProcess* odd = StartBoth({"--block-size", "32"});
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  ASSERT_NE(odd, nullptr);
+  ASSERT_NE(StartRouter({.decode = {a->address(), odd->address(), b->address()}}), nullptr);
+
+  Reply health = Get("/health");
+  ASSERT_EQ(health.http.status, 200) << health.http.body;
+  const json& decode = health.json["pools"]["decode"];
+  EXPECT_EQ(decode["healthy"], 2) << decode;
+  ASSERT_EQ(decode["incompatible"].size(), 1u) << decode;
+  EXPECT_EQ(decode["incompatible"][0]["worker"], odd->address());
+  EXPECT_EQ(decode["incompatible"][0]["why"], "block_size 32, the cluster's 16");
+  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_incompatible{pool=\"decode\",worker=\"",
+                                odd->address(), "\"}")),
+            1);
+  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_incompatible{pool=\"decode\",worker=\"",
+                                a->address(), "\"}")),
+            0);
+  std::set<std::string> served;
+  for (int i = 0; i < 6; ++i) {
+    Reply r = Post("/v1/chat/completions", Chat(absl::StrCat("question ", i), 4));
+    ASSERT_EQ(r.http.status, 200) << r.http.body;
+    served.insert(r.http.Header("x-tandem-decode-worker"));
+  }
+  EXPECT_EQ(served, (std::set<std::string>{a->address(), b->address()}));
+}
+
+// The newcomer's mistake: a router on the built-in tokenizer in front of a
+// checkpoint with its own tokenizer.json. Requests are refused with the
+// reason and the fix (not answered with text from the wrong vocabulary);
+// pointing model.tokenizer at the checkpoint serves.
+TEST_F(RouterE2eTest, ARouterTokenizerThatIsNotTheCheckpointsIsRefusedWithTheFix) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  char tmpl[] = "/tmp/tandem-tokenizer-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = std::string(tmpl) + "/tiny";
+  ASSERT_EQ(RunCommand(absl::StrCat(*bin, " export-model --preset tiny ", dir)), 0);
+  {
+    // The same vocabulary written differently: another file, so another tokenizer as far as
+    // anyone can tell without comparing every entry.
+    std::ofstream(dir + "/tokenizer.json", std::ios::app) << "\n";
+  }
+  WorkerProcess* w = StartBoth({"--model", dir});
+  ASSERT_NE(w, nullptr);
+
+  ASSERT_NE(StartRouter({.decode = {w->address()}}, /*wait_healthy=*/false), nullptr);
+  Reply r;
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        r = Post("/v1/chat/completions", Chat("hello", 4));
+        return r.http.status == 503 && r.http.body.find("incompatible") != std::string::npos;
+      },
+      std::chrono::seconds(10), std::chrono::milliseconds(100)))
+      << r.http.status << " " << r.http.body;
+  EXPECT_THAT(r.json["error"]["message"].get<std::string>(),
+              ::testing::AllOf(HasSubstr("1 refused as incompatible: its model's tokenizer.json"),
+                               HasSubstr("is not the router's (builtin"), HasSubstr("model.tokenizer")));
+  EXPECT_EQ(Get("/health").http.status, 503);
+
+  RouterYaml fixed{.decode = {w->address()}, .tokenizer = dir + "/tokenizer.json"};
+  ASSERT_NE(StartRouter(fixed), nullptr);
+  r = Post("/v1/chat/completions", Chat("hello", 4));
+  EXPECT_EQ(r.http.status, 200) << r.http.body;
+  std::filesystem::remove_all(tmpl);
 }
 
 }  // namespace

@@ -148,6 +148,11 @@ void Cluster::SetHealthListener(HealthListener listener) {
   listener_ = std::move(listener);
 }
 
+void Cluster::SetRouterTokenizer(RouterTokenizer tokenizer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tokenizer_ = std::move(tokenizer);
+}
+
 void Cluster::SyncWorkersLocked() {
   std::set<std::string> wanted;
   for (const std::optional<Pool>& p : pools_) {
@@ -362,6 +367,49 @@ void Cluster::HealthRound() {
   {
     std::unique_lock<std::mutex> lock(done_mu);
     done_cv.wait(lock, [&] { return remaining == 0; });
+  }
+
+  // Each worker that answered must fit the router's tokenizer and a worker
+  // already serving; when none serves yet, the model most of this round's
+  // workers share. Checked every round, so one refused beside workers that
+  // have since left is admitted once they are gone.
+  RouterTokenizer tokenizer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tokenizer = tokenizer_;
+  }
+  std::vector<std::pair<Check*, tandem::v1::ModelInfo>> answered;
+  for (const std::unique_ptr<Check>& c : checks) {
+    if (!c->ok) continue;
+    std::optional<tandem::v1::ModelInfo> info = c->worker->model_info();
+    if (info.has_value()) answered.emplace_back(c.get(), *std::move(info));
+  }
+  std::optional<tandem::v1::ModelInfo> reference = AnyModelInfo();
+  if (!reference.has_value()) {
+    size_t most = 0;
+    for (const auto& [c, info] : answered) {
+      if (!Incompatibility(info, nullptr, tokenizer).empty()) continue;
+      const size_t fit = std::count_if(answered.begin(), answered.end(), [&](const auto& other) {
+        return Incompatibility(other.second, &info, tokenizer).empty();
+      });
+      if (fit > most) {
+        most = fit;
+        reference = info;
+      }
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> verdicts;  // (address, why) that changed
+  for (auto& [c, info] : answered) {
+    std::string why = Incompatibility(info, reference.has_value() ? &*reference : nullptr, tokenizer);
+    if (!why.empty()) c->ok = false;
+    if (c->worker->SetIncompatibility(why)) verdicts.emplace_back(c->worker->address(), std::move(why));
+  }
+  for (const auto& [address, why] : verdicts) {
+    if (why.empty()) {
+      LOG(INFO) << "worker " << address << " now fits the cluster";
+    } else {
+      LOG(ERROR) << "worker " << address << " cannot serve in this cluster, refused: " << why;
+    }
   }
 
   HealthListener listener;

@@ -5,7 +5,10 @@
 //     leaves every pool is dropped (and forgotten by the KV indexes);
 //   - health: every `health.interval_s` each worker gets Health, GetLoad
 //     and (when new or restarted) GetModelInfo, in parallel, each bounded by
-//     `health.timeout_s`; WorkerClient applies the eject/readmit rules;
+//     `health.timeout_s`; a worker that cannot serve beside the healthy ones
+//     or with the router's tokenizer (compatibility.h) fails its check, with
+//     an ERROR logged once per verdict; WorkerClient applies the
+//     eject/readmit rules;
 //   - KV events: for a pool with a KvIndex, each healthy worker's
 //     StreamKvEvents is subscribed (with a snapshot) and applied to the
 //     index; a stream that ends or sends a batch the index refuses is
@@ -32,6 +35,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "orchestrator/cluster/compatibility.h"
 #include "orchestrator/cluster/worker_client.h"
 #include "orchestrator/config/router_config.h"
 #include "orchestrator/routing/kv_index.h"
@@ -79,6 +83,8 @@ class Cluster {
   void SetKvIndex(PoolRole role, std::shared_ptr<KvIndex> index);
   void SetHealthConfig(const HealthConfig& health);
   void SetHealthListener(HealthListener listener);
+  // The router's tokenizer, which every worker's must be (compatibility.h).
+  void SetRouterTokenizer(RouterTokenizer tokenizer);
 
   // Starts the background threads; the first health round runs at once.
   void Start();
@@ -123,6 +129,7 @@ class Cluster {
   std::map<std::string, std::shared_ptr<WorkerClient>> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Subscription*> subscriptions_ ABSL_GUARDED_BY(mu_);
   HealthListener listener_ ABSL_GUARDED_BY(mu_);
+  RouterTokenizer tokenizer_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

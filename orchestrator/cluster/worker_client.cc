@@ -103,6 +103,18 @@ std::optional<tandem::v1::ModelInfo> WorkerClient::model_info() const {
   return model_info_;
 }
 
+std::string WorkerClient::incompatibility() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return incompatibility_;
+}
+
+bool WorkerClient::SetIncompatibility(std::string why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (why == incompatibility_) return false;
+  incompatibility_ = std::move(why);
+  return true;
+}
+
 WorkerView WorkerClient::View() const {
   return WorkerView{.id = address_,
                     .in_flight = in_flight(),

@@ -82,6 +82,11 @@ class WorkerClient {
   std::optional<tandem::v1::ModelInfo> model_info() const;
   // The last LoadReport of a health check; nullopt before the first.
   std::optional<tandem::v1::LoadReport> last_load() const;
+  // Why the worker cannot serve in this cluster (compatibility.h), as the
+  // last health check found; empty when it can.
+  std::string incompatibility() const;
+  // Records a health check's verdict; true when it changed.
+  bool SetIncompatibility(std::string why);
 
   // The worker as a routing policy sees it.
   WorkerView View() const;
@@ -103,6 +108,7 @@ class WorkerClient {
   int streak_ ABSL_GUARDED_BY(mu_) = 0;  // > 0: successes in a row; < 0: failures
   std::optional<tandem::v1::ModelInfo> model_info_ ABSL_GUARDED_BY(mu_);
   std::optional<tandem::v1::LoadReport> last_load_ ABSL_GUARDED_BY(mu_);
+  std::string incompatibility_ ABSL_GUARDED_BY(mu_);
 };
 
 // The channels to workers that the router's tls config asks for: mutual TLS

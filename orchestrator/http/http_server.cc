@@ -768,6 +768,26 @@ void ResponseWriter::MarkClosed() {
 // ---------------------------------------------------------------------------
 // HttpServer
 
+std::string PercentDecode(std::string_view text) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '%' && i + 2 < text.size() && hex(text[i + 1]) >= 0 && hex(text[i + 2]) >= 0) {
+      out.push_back(static_cast<char>(hex(text[i + 1]) * 16 + hex(text[i + 2])));
+      i += 2;
+    } else {
+      out.push_back(text[i]);
+    }
+  }
+  return out;
+}
+
 HttpServer::HttpServer(Options options)
     : options_(std::move(options)), impl_(new Impl(options_.threads)) {}
 
@@ -781,6 +801,19 @@ void HttpServer::Route(std::string method, std::string path, Handler handler) {
 const Handler* HttpServer::Find(std::string_view method, std::string_view path, int* status,
                                 std::string* allow) const {
   auto it = routes_.find(path);
+  if (it == routes_.end()) {
+    // The longest "PREFIX/*" route with more path after PREFIX/.
+    size_t best = 0;
+    for (auto r = routes_.begin(); r != routes_.end(); ++r) {
+      const std::string& route = r->first;
+      if (route.size() < 2 || !route.ends_with("/*")) continue;
+      const std::string_view prefix = std::string_view(route).substr(0, route.size() - 1);
+      if (path.size() > prefix.size() && path.starts_with(prefix) && prefix.size() > best) {
+        best = prefix.size();
+        it = r;
+      }
+    }
+  }
   if (it == routes_.end()) {
     *status = 404;
     return nullptr;

@@ -5,7 +5,9 @@
 //
 // Contract:
 //  - Routes are registered with Route() before Start(); lookups are exact on
-//    the path (the query string is split off). Unknown path: 404; known path,
+//    the path (the query string is split off), except that a route path
+//    ending in "/*" takes every longer path under it (the handler reads the
+//    rest from Request::path). Unknown path: 404; known path,
 //    other method: 405 with an Allow header. Both carry OpenAI's error JSON
 //    (JsonErrorBody). Body over max_body_bytes: 413, decided from the headers
 //    (Content-Length) or while reading a chunked body, without buffering it
@@ -78,6 +80,10 @@ struct Request {
   std::string_view Header(std::string_view name) const;
   bool HasHeader(std::string_view name) const;
 };
+
+// `text` with each %XX (hex) replaced by its byte; a '%' not followed by two
+// hex digits stays as it is. ('+' is not a space: this is for paths.)
+std::string PercentDecode(std::string_view text);
 
 class Session;  // one connection; defined in http_server.cc
 

@@ -189,6 +189,37 @@ TEST_F(HttpServerTest, NotFoundAndMethodNotAllowed) {
   EXPECT_EQ(client.Do(bhttp::verb::get, "/hello").result_int(), 200);
 }
 
+// A route ending in "/*" takes every longer path under it (the longest
+// such prefix wins); the prefix itself and other paths are still 404.
+TEST_F(HttpServerTest, PrefixRoutesTakeThePathsUnderThem) {
+  server_ = std::make_unique<HttpServer>(TestOptions());
+  for (std::string route : {"/items/*", "/items/special/*"}) {
+    server_->Route("GET", route, [route](const Request& req, std::shared_ptr<ResponseWriter> w) {
+      w->Send(200, "text/plain", route + " " + req.path);
+    });
+  }
+  server_->Route("GET", "/items", [](const Request&, std::shared_ptr<ResponseWriter> w) {
+    w->Send(200, "text/plain", "list");
+  });
+  ASSERT_TRUE(server_->Start().ok());
+  Client client(server_->port());
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/items").body(), "list");
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/items/a%2Fb?x=1").body(), "/items/* /items/a%2Fb");
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/items/org/name").body(), "/items/* /items/org/name");
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/items/special/x").body(), "/items/special/* /items/special/x");
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/items/").result_int(), 404);
+  EXPECT_EQ(client.Do(bhttp::verb::get, "/itemsx").result_int(), 404);
+  EXPECT_EQ(client.Do(bhttp::verb::post, "/items/a").result_int(), 405);
+}
+
+TEST(PercentDecodeTest, DecodesHexEscapesAndKeepsTheRest) {
+  EXPECT_EQ(PercentDecode("meta-llama%2FLlama-3%2f8B"), "meta-llama/Llama-3/8B");
+  EXPECT_EQ(PercentDecode("a%20b+c"), "a b+c");
+  EXPECT_EQ(PercentDecode("100%"), "100%");
+  EXPECT_EQ(PercentDecode("%zz%4"), "%zz%4");
+  EXPECT_EQ(PercentDecode("%00"), std::string(1, '\0'));
+}
+
 TEST_F(HttpServerTest, BodyTooLargeIs413WithoutReadingIt) {
   StartServer();
   Client client(server_->port());

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/model/builtin_models.h"
@@ -63,7 +64,9 @@ absl::StatusOr<std::shared_ptr<const ModelAssets>> LoadModelAssets(const ModelCo
   std::string template_source;
   std::string template_name;
   if (config.tokenizer == "builtin") {
-    ASSIGN_OR_RETURN(assets->tokenizer, Tokenizer::FromJson(worker::BuiltinTokenizerJson()));
+    const std::string json = worker::BuiltinTokenizerJson();
+    ASSIGN_OR_RETURN(assets->tokenizer, Tokenizer::FromJson(json));
+    assets->tokenizer_sha256 = Sha256Hex(json);
     assets->bos_token = worker::BuiltinTokenText(worker::kBuiltinBeginOfTextId);
     assets->eos_token = worker::BuiltinTokenText(worker::kBuiltinEotId);
     template_source = std::string(worker::BuiltinChatTemplate());
@@ -76,6 +79,8 @@ absl::StatusOr<std::shared_ptr<const ModelAssets>> LoadModelAssets(const ModelCo
     const std::string tokenizer_path =
         is_dir ? (dir / "tokenizer.json").string() : config.tokenizer;
     ASSIGN_OR_RETURN(assets->tokenizer, Tokenizer::FromFile(tokenizer_path));
+    ASSIGN_OR_RETURN(std::string json, ReadFile(tokenizer_path));
+    assets->tokenizer_sha256 = Sha256Hex(json);
     const std::string config_path = (dir / "tokenizer_config.json").string();
     if (fs::exists(config_path, ec)) {
       ASSIGN_OR_RETURN(std::string text, ReadFile(config_path));

@@ -30,6 +30,9 @@ struct ModelAssets {
   std::string bos_token;  // the template's bos_token / eos_token variables
   std::string eos_token;
   std::string source;     // where they came from, for logs
+  // Hex SHA-256 of the tokenizer.json text: the workers' models must report
+  // the same (orchestrator/cluster/compatibility.h).
+  std::string tokenizer_sha256;
 };
 
 absl::StatusOr<std::shared_ptr<const ModelAssets>> LoadModelAssets(const ModelConfig& config);

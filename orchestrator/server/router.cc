@@ -277,6 +277,8 @@ class Router::Impl {
   void HandleChat(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
   void HandleCompletion(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
   void HandleModels(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+  void HandleModel(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+  nlohmann::json ModelObject();  // the served model as /v1/models lists it
   void HandleHealth(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
   void HandleMetrics(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
   void HandleTokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
@@ -964,6 +966,18 @@ void Router::Impl::RegisterCallbacks() {
           }
         }
       });
+  registry_.AddCallbackGauge(
+      "tandem_router_worker_incompatible",
+      "1 when the worker is refused because it cannot serve in this cluster: its tokenizer is "
+      "not the router's, or its model, KV layout, block size or block hash seed differ from the "
+      "serving workers' (the router's log and /health say why).",
+      {"pool", "worker"}, [this](MetricEmitter& e) {
+        for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+          for (const auto& w : cluster_.Workers(role)) {
+            e.Emit({PoolRoleName(role), w->address()}, w->incompatibility().empty() ? 0 : 1);
+          }
+        }
+      });
   // Series of each worker's last load report, one per state.
   using LoadStates = std::vector<std::pair<const char*, double>>;
   auto per_worker_load = [this](LoadStates (*states)(const tandem::v1::LoadReport&)) {
@@ -1105,6 +1119,9 @@ absl::Status Router::Impl::Start() {
   cluster_.SetHealthListener([this](const std::string&, bool healthy) {
     if (healthy) Routing();
   });
+  cluster_.SetRouterTokenizer({.sha256 = assets_->tokenizer_sha256,
+                               .vocab_size = assets_->tokenizer->vocab_size(),
+                               .source = assets_->source});
   cluster_.CheckNow();
   Routing();
   cluster_.Start();
@@ -1131,6 +1148,7 @@ absl::Status Router::Impl::Start() {
   http_->Route("POST", "/v1/completions",
                bind(Access::kClient, "completions", &Impl::HandleCompletion));
   http_->Route("GET", "/v1/models", bind(Access::kClient, "models", &Impl::HandleModels));
+  http_->Route("GET", "/v1/models/*", bind(Access::kClient, "models", &Impl::HandleModel));
   http_->Route("GET", "/health", bind(Access::kOpen, "health", &Impl::HandleHealth));
   http_->Route("GET", "/metrics", bind(Access::kAdmin, "metrics", &Impl::HandleMetrics));
   http_->Route("POST", "/tokenize", bind(Access::kAdmin, "tokenize", &Impl::HandleTokenize));
@@ -1330,11 +1348,34 @@ absl::Status Router::Impl::Reload() {
   return absl::OkStatus();
 }
 
+namespace {
+
+// ", N refused as incompatible: WHY" (the first one's reason, without its
+// address) for the workers the cluster refuses; empty when it refuses none.
+std::string RefusedWorkers(const std::vector<std::shared_ptr<WorkerClient>>& workers) {
+  int refused = 0;
+  std::string why;
+  for (const auto& w : workers) {
+    std::string reason = w->incompatibility();
+    if (reason.empty()) continue;
+    ++refused;
+    if (why.empty()) why = std::move(reason);
+  }
+  return refused == 0 ? "" : absl::StrFormat(", %d refused as incompatible: %s", refused, why);
+}
+
+}  // namespace
+
 absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<const int32_t> tokens,
                                               const std::set<std::string>& exclude) {
   std::shared_ptr<RoutingState> rs = Routing();
   if (rs == nullptr) {
-    return absl::UnavailableError("no healthy worker: none has reported the model yet");
+    std::vector<std::shared_ptr<WorkerClient>> all = cluster_.Workers(PoolRole::kDecode);
+    for (auto& w : cluster_.Workers(PoolRole::kPrefill)) all.push_back(std::move(w));
+    const std::string refused = RefusedWorkers(all);
+    return absl::UnavailableError(absl::StrCat(
+        "no healthy worker: none has reported the model yet",
+        refused.empty() ? "" : absl::StrCat(" (", refused.substr(2), ")")));
   }
   const RouterConfig& cfg = *rs->config;
   RouteRequest rr{.tokens = tokens, .session_id = call.session_id()};
@@ -1374,8 +1415,9 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
     metrics_->decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
     if (!i.ok()) {
       return absl::UnavailableError(absl::StrFormat(
-          "no healthy %s worker (%d in the pool%s)", PoolRoleName(role), workers.size(),
-          exclude.empty() ? "" : absl::StrFormat(", %d already tried", exclude.size())));
+          "no healthy %s worker (%d in the pool%s%s)", PoolRoleName(role), workers.size(),
+          exclude.empty() ? "" : absl::StrFormat(", %d already tried", exclude.size()),
+          RefusedWorkers(workers)));
     }
     metrics_->routed.WithLabels({PoolRoleName(role), policy.name(), workers[*i]->address()}).Inc();
     return workers[*i];
@@ -1870,7 +1912,7 @@ void Router::Impl::StartCall(CallKind kind, const http::Request& req,
   Admit(call);
 }
 
-void Router::Impl::HandleModels(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
+nlohmann::json Router::Impl::ModelObject() {
   std::shared_ptr<const RouterConfig> cfg = config();
   nlohmann::json model = {{"id", cfg->model.served_name},
                           {"object", "model"},
@@ -1879,23 +1921,47 @@ void Router::Impl::HandleModels(const http::Request& req, std::shared_ptr<http::
   if (std::shared_ptr<RoutingState> rs = Routing(); rs != nullptr) {
     model["max_model_len"] = rs->max_context;
   }
-  nlohmann::json body = {{"object", "list"}, {"data", nlohmann::json::array({model})}};
+  return model;
+}
+
+void Router::Impl::HandleModels(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
+  nlohmann::json body = {{"object", "list"}, {"data", nlohmann::json::array({ModelObject()})}};
   w->Send(200, kJson, body.dump());
+}
+
+// GET /v1/models/{id}: the model object, or 404 model_not_found. An id with
+// a slash ("org/name") may come raw or percent-encoded.
+void Router::Impl::HandleModel(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
+  constexpr std::string_view kPrefix = "/v1/models/";
+  const std::string id = http::PercentDecode(std::string_view(req.path).substr(kPrefix.size()));
+  if (id != config()->model.served_name) {
+    w->Send(404, kJson, ApiErrorJson(ApiErrorFromStatus(UnknownModelError(id))));
+    return;
+  }
+  w->Send(200, kJson, ModelObject().dump());
 }
 
 void Router::Impl::HandleHealth(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
   int healthy[kNumPoolRoles] = {0, 0};
   int total[kNumPoolRoles] = {0, 0};
+  nlohmann::json incompatible[kNumPoolRoles] = {nlohmann::json::array(), nlohmann::json::array()};
   for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
     for (const auto& worker : cluster_.Workers(role)) {
       ++total[static_cast<int>(role)];
       if (worker->healthy()) ++healthy[static_cast<int>(role)];
+      if (std::string why = worker->incompatibility(); !why.empty()) {
+        incompatible[static_cast<int>(role)].push_back({{"worker", worker->address()}, {"why", why}});
+      }
     }
   }
   const int d = static_cast<int>(PoolRole::kDecode), p = static_cast<int>(PoolRole::kPrefill);
   nlohmann::json pools = {{"decode", {{"healthy", healthy[d]}, {"workers", total[d]}}}};
   if (cluster_.HasPool(PoolRole::kPrefill)) {
     pools["prefill"] = {{"healthy", healthy[p]}, {"workers", total[p]}};
+  }
+  for (const char* name : {"prefill", "decode"}) {
+    const int r = std::string_view(name) == "prefill" ? p : d;
+    if (pools.contains(name) && !incompatible[r].empty()) pools[name]["incompatible"] = incompatible[r];
   }
   // Ready when a decode-capable worker can take requests: without prefill
   // workers the decode workers prefill themselves (degraded, not down).

@@ -26,8 +26,8 @@ const std::vector<std::string> kSplitFlags = {"--kv-transport", "ucx", "--kv-tra
 std::string RouterYaml::Text() const {
   std::string policy_yaml = absl::StrCat("    policy:\n      name: ", policy, "\n");
   if (!policy_params.empty()) absl::StrAppend(&policy_yaml, "      params:\n", policy_params);
-  std::string y = "listener:\n  host: 127.0.0.1\n  port: 0\nmodel:\n  served_name: tiny\n"
-                  "  tokenizer: builtin\n" + model_extra + "pools:\n";
+  std::string y = absl::StrCat("listener:\n  host: 127.0.0.1\n  port: 0\nmodel:\n  served_name: tiny\n"
+                               "  tokenizer: \"", tokenizer, "\"\n", model_extra, "pools:\n");
   if (!prefill.empty()) absl::StrAppend(&y, "  prefill:\n    workers: ", List(prefill), "\n", policy_yaml);
   absl::StrAppend(&y, "  decode:\n    workers: ", List(decode), "\n", policy_yaml);
   absl::StrAppend(&y, "disaggregation:\n  mode: ", prefill.empty() ? "never" : mode, "\n");

@@ -27,6 +27,7 @@ struct RouterYaml {
   std::string policy = "round_robin";
   std::string policy_params;   // YAML lines under params, e.g. "seed: \"1\""
   std::string extra;           // appended top-level YAML (limits, timeouts...)
+  std::string tokenizer = "builtin";  // model.tokenizer
   std::string model_extra;     // YAML lines appended under model:, e.g. "  key: value\n"
   double health_interval_s = 0.5;
   // The router's identity for mutual TLS with its workers; unset: `tls:

@@ -135,6 +135,7 @@ Engine::Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<Kv
                int max_model_len)
     : config_(config),
       model_name_(model.name),
+      tokenizer_sha256_(model.tokenizer_sha256),
       model_(std::move(model.config), std::move(model.weights)),
       storage_(std::move(storage)),
       max_model_len_(max_model_len),

@@ -203,6 +203,7 @@ class Engine {
   KvEventLog& events() { return events_; }
   const ModelConfig& model_config() const { return model_.config(); }
   const std::string& model_name() const { return model_name_; }
+  const std::string& tokenizer_sha256() const { return tokenizer_sha256_; }  // LoadedModel's
   const EngineConfig& config() const { return config_; }
   int max_model_len() const { return max_model_len_; }
   // True for the simulated engine (EngineConfig::sim).
@@ -247,6 +248,7 @@ class Engine {
 
   const EngineConfig config_;
   const std::string model_name_;
+  const std::string tokenizer_sha256_;
   LlamaModel model_;
   std::unique_ptr<KvStorage> storage_;
   const int max_model_len_;

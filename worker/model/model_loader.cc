@@ -6,9 +6,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/logging.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "worker/model/builtin_models.h"
+#include "worker/model/export.h"
+#include "worker/model/io_util.h"
 #include "worker/model/safetensors.h"
 
 namespace tandem::worker {
@@ -46,6 +50,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
                      MakeBuiltinTensorSource(model.name));
     model.config = source->config();
     ASSIGN_OR_RETURN(model.weights, LoadWeights(model.config, *source));
+    model.tokenizer_sha256 = Sha256Hex(BuiltinTokenizerJson());
   } else {
     std::error_code ec;
     if (!std::filesystem::is_directory(spec, ec)) {
@@ -58,6 +63,11 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
     ASSIGN_OR_RETURN(std::unique_ptr<CheckpointTensorSource> source,
                      CheckpointTensorSource::Open(spec));
     ASSIGN_OR_RETURN(model.weights, LoadWeights(model.config, *source));
+    const std::string tokenizer_path = model_internal::JoinPath(spec, "tokenizer.json");
+    if (std::filesystem::exists(tokenizer_path, ec)) {
+      ASSIGN_OR_RETURN(std::string text, ReadFile(tokenizer_path));
+      model.tokenizer_sha256 = Sha256Hex(text);
+    }
   }
   LOG(INFO) << "loaded model " << model.name << " (" << model.config.architecture << ", "
             << model.config.num_layers << " layers, hidden " << model.config.hidden_size << ", "

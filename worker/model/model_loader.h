@@ -27,6 +27,9 @@ struct LoadedModel {
   ModelConfig config;
   ModelWeights weights;
   std::string source_dir;  // the checkpoint directory; empty for built-ins
+  // Hex SHA-256 of the tokenizer.json that goes with the weights (the
+  // checkpoint's, or BuiltinTokenizerJson()); empty if the checkpoint has none.
+  std::string tokenizer_sha256;
 };
 
 absl::StatusOr<LoadedModel> LoadModel(const std::string& spec);
