@@ -3,7 +3,10 @@
 // when one of its processes dies, and rejects bad flags with a message.
 // And `tandem bench --url` against such a cluster (of simulated workers):
 // its JSON and HTML reports as a user reads them.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,6 +34,7 @@ namespace tandem::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using std::chrono::seconds;
 
 // Processes whose parent is `parent`, with their command lines.
@@ -304,6 +308,22 @@ TEST_F(UpCommandTest, AWorkerThatKeepsDyingIsGivenUpOnAndTheRestServe) {
   }
 }
 
+// --served-model-name: the name clients use, on /v1/models and in requests.
+TEST_F(UpCommandTest, ServedModelNameIsTheNameClientsUse) {
+  const std::string url = Start({"--aggregated", "1", "--served-model-name", "acme/tiny-chat"});
+  ASSERT_FALSE(url.empty());
+  const HttpResponse models = HttpGet(url, "/v1/models");
+  ASSERT_EQ(models.status, 200) << models.body;
+  EXPECT_EQ(nlohmann::json::parse(models.body)["data"][0]["id"], "acme/tiny-chat");
+  EXPECT_EQ(HttpGet(url, "/v1/models/acme%2Ftiny-chat").status, 200);
+  HttpResponse r = HttpPost(url, "/v1/chat/completions",
+                            R"({"model": "acme/tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})");
+  EXPECT_EQ(r.status, 200) << r.body;
+  r = HttpPost(url, "/v1/chat/completions",
+               R"({"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})");
+  EXPECT_EQ(r.status, 404) << r.body;
+}
+
 TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
   absl::StatusOr<std::string> bin = TandemBinary();
   ASSERT_TRUE(bin.ok()) << bin.status();
@@ -317,12 +337,34 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
       {"--policy fastest", "fastest"},
       {"--config /nonexistent/router.yaml", "/nonexistent/router.yaml"},
       {"--max-restarts -1", "--max-restarts"},
+      // Refused before any process starts, naming the flag:
+      {"--policy fastest", "--policy fastest: "},
+      {"--model builtin:huge", "--model: no built-in model 'builtin:huge' (builtin:tiny, builtin:small)"},
+      {"--model /nonexistent", "--model: '/nonexistent' is neither a built-in model"},
+      {"--kv-cache-memory 5lots", "--kv-cache-memory: '5lots' is not a size"},
   };
   for (const Case& c : cases) {
     std::string out;
     const int rc = RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir ", dir_, " ", c.flags), &out);
     EXPECT_NE(rc, 0) << c.flags;
     EXPECT_THAT(out, HasSubstr(c.message)) << c.flags;
+    EXPECT_THAT(out, Not(HasSubstr("stopping"))) << c.flags << ": refused only after starting processes";
+  }
+  {
+    // A router port in use is refused before anything starts.
+    const int taken = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(bind(taken, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    ASSERT_EQ(listen(taken, 1), 0);
+    socklen_t len = sizeof(addr);
+    getsockname(taken, reinterpret_cast<sockaddr*>(&addr), &len);
+    const int port = ntohs(addr.sin_port);
+    std::string out;
+    EXPECT_NE(RunCommand(absl::StrCat(*bin, " up --port ", port, " --run-dir ", dir_), &out), 0);
+    EXPECT_THAT(out, HasSubstr(absl::StrCat("--port ", port, ": 127.0.0.1:", port, " is in use")));
+    close(taken);
   }
   std::string out;
   EXPECT_NE(RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir /proc/no/such/dir"), &out), 0);
@@ -420,7 +462,7 @@ TEST_F(BenchCommandTest, SharedPrefixOnSimulatedWorkersReportsEverything) {
 
   // Requests the server refuses are failures with the server's reason.
   const nlohmann::json refused =
-      Bench(url, "--dataset random --num-prompts 2 --random-input-len 5000", &out);
+      Bench(url, "--dataset random --num-prompts 2 --random-input-len 5000 --max-failure-rate 1", &out);
   ASSERT_TRUE(refused.is_object()) << out;
   EXPECT_EQ(refused["completed"], 0);
   EXPECT_EQ(refused["failed"], 2);

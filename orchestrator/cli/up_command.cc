@@ -63,6 +63,7 @@
 #include "orchestrator/config/router_config.h"
 #include "orchestrator/http/http_server.h"
 #include "worker/cli/commands.h"
+#include "worker/model/builtin_models.h"
 
 namespace tandem::router {
 namespace {
@@ -72,6 +73,7 @@ using Clock = std::chrono::steady_clock;
 struct UpOptions {
   std::string config;
   std::string model = "builtin:tiny";
+  std::string served_model_name;  // empty: the config file's, else --model
   int prefill = 1;
   int decode = 1;
   int aggregated = 0;
@@ -329,6 +331,65 @@ std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& pr
   return y;
 }
 
+// What the children would refuse after loading their models, refused before
+// any starts, naming the flag: the model, the KV cache size, the routing
+// policy (the router config as it will be, with placeholder workers), and a
+// router port that is taken.
+absl::Status CheckBeforeStarting(const UpOptions& opt, const RouterConfig& config) {
+  if (opt.model.rfind("builtin:", 0) == 0) {
+    const std::vector<std::string>& names = worker::BuiltinModelNames();
+    if (std::find(names.begin(), names.end(), opt.model.substr(8)) == names.end()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--model: no built-in model '%s' (builtin:%s)", opt.model, absl::StrJoin(names, ", builtin:")));
+    }
+  } else {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(std::filesystem::path(opt.model) / "config.json", ec)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--model: '%s' is neither a built-in model (builtin:tiny, builtin:small) nor a checkpoint "
+          "directory with a config.json",
+          opt.model));
+    }
+  }
+  if (!opt.kv_cache_memory.empty()) {
+    absl::StatusOr<int64_t> bytes = worker::ParseByteSize(opt.kv_cache_memory);
+    if (!bytes.ok()) return absl::InvalidArgumentError(absl::StrCat("--kv-cache-memory: ", bytes.status().message()));
+  }
+  RouterConfig check = config;
+  check.tls = TlsConfig{.mode = TlsMode::kInsecure};  // up makes the certificates later
+  for (std::optional<PoolConfig>* p : {&check.prefill, &check.decode}) {
+    if (p->has_value()) {
+      (*p)->workers = {"127.0.0.1:1"};
+      (*p)->discovery.reset();
+    }
+  }
+  if (absl::Status s = ValidateRouterConfig(check); !s.ok()) {
+    if (!opt.policy.empty() && absl::StrContains(s.message(), ".policy")) {
+      return absl::InvalidArgumentError(absl::StrCat("--policy ", opt.policy, ": ", s.message()));
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat(opt.config.empty() ? "" : absl::StrCat("--config ", opt.config, ": "), s.message()));
+  }
+  if (opt.port != 0) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(opt.port));
+    const bool numeric = inet_pton(AF_INET, opt.host.c_str(), &addr.sin_addr) == 1;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    const bool taken = fd >= 0 && numeric &&
+                       bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 &&
+                       errno == EADDRINUSE;
+    if (fd >= 0) close(fd);
+    if (taken) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--port %d: %s:%d is in use (--port 0 picks a free one)", opt.port, opt.host, opt.port));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Up(UpOptions opt) {
   // A ready file left by an earlier run must not announce this one before it serves.
   if (!opt.ready_file.empty() && unlink(opt.ready_file.c_str()) != 0 && errno != ENOENT) {
@@ -356,6 +417,7 @@ absl::Status Up(UpOptions opt) {
     config.health.timeout_s = 1;
     config.debug.worker_details = true;  // a development cluster
   }
+  if (!opt.served_model_name.empty()) config.model.served_name = opt.served_model_name;
   if (opt.api_key.empty()) {
     if (const char* env = std::getenv("TANDEM_API_KEY"); env != nullptr) opt.api_key = env;
   }
@@ -410,6 +472,7 @@ absl::Status Up(UpOptions opt) {
         "a cluster needs at least one decode (or aggregated) worker, and one prefill worker when "
         "disaggregated");
   }
+  RETURN_IF_ERROR(CheckBeforeStarting(opt, config));
 
   std::string dir = opt.run_dir;
   if (dir.empty()) {
@@ -479,6 +542,7 @@ absl::Status Up(UpOptions opt) {
                                      "--host", "127.0.0.1", "--port", std::to_string(slot.port),
                                      "--ready-file", slot.ready_file};
     argv.insert(argv.end(), worker_trust.begin(), worker_trust.end());
+    argv.insert(argv.end(), {"--served-model-name", config.model.served_name});
     if (split) {
       for (const char* a : {"--kv-transport", "ucx", "--kv-transport-tls", "shm"}) argv.push_back(a);
     }
@@ -643,6 +707,8 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_option("--config", opt->config, "Router configuration (YAML); its pools are replaced");
   cmd->add_option("--model", opt->model, "builtin:tiny, builtin:small or a checkpoint directory")
       ->capture_default_str();
+  cmd->add_option("--served-model-name", opt->served_model_name,
+                  "The model's name to clients (default: the --config file's, else --model)");
   cmd->add_option("--prefill", opt->prefill, "Prefill workers")->capture_default_str();
   cmd->add_option("--decode", opt->decode, "Decode workers")->capture_default_str();
   cmd->add_option("--aggregated", opt->aggregated,
