@@ -24,6 +24,7 @@
 namespace tandem::testing {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using nlohmann::json;
 
@@ -87,6 +88,48 @@ TEST_F(MockServerTest, BenchCompletesEveryRequestOnBothEndpoints) {
     EXPECT_EQ(j["itl_ms"]["count"], 20 * 7) << endpoint;
     EXPECT_GT(j["client_overhead_us_per_request"].get<double>(), 0);
   }
+}
+
+// The reports record what was run; requests that fail beyond
+// --max-failure-rate (default 0) make the command fail, after its reports.
+TEST_F(MockServerTest, BenchRecordsTheRunAndFailsOnFailedRequests) {
+  const std::string url = Start();
+  ASSERT_FALSE(url.empty());
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok());
+  std::string out;
+  const json ok = Bench(url, absl::StrCat("--num-prompts 4 --random-input-len 8 --random-output-len 2 "
+                                          "--seed 5 --html ", dir_, "/ok.html"),
+                        &out);
+  ASSERT_TRUE(ok.is_object()) << out;
+  EXPECT_EQ(ok["run"]["model"], "mock") << "the server's model, resolved";
+  EXPECT_EQ(ok["run"]["url"], url);
+  EXPECT_EQ(ok["run"]["dataset"], "random");
+  EXPECT_EQ(ok["run"]["dataset parameters"], "input-len 8, output-len 2, range-ratio 0");
+  EXPECT_EQ(ok["run"]["requests"], "4 (seed 5)");
+  EXPECT_EQ(ok["run"]["request rate"], "inf");
+  EXPECT_THAT(ok["run"]["command"].get<std::string>(),
+              AllOf(HasSubstr(" bench --url " + url), HasSubstr("--random-input-len 8")));
+  EXPECT_THAT(ok["run"]["date"].get<std::string>(), HasSubstr(" UTC"));
+  EXPECT_FALSE(ok.contains("goodput")) << "no --goodput, no goodput";
+  std::ifstream html_file(dir_ + "/ok.html");
+  const std::string html((std::istreambuf_iterator<char>(html_file)), {});
+  EXPECT_THAT(html, AllOf(HasSubstr("<h2>Run</h2>"), HasSubstr("<td>model</td><td><code>mock</code>")));
+
+  // Every request fails (an unknown model): the reports are written, the exit status is not 0.
+  const std::string bad = absl::StrCat(*bin, " bench --url ", url, " --model nope --num-prompts 4 "
+                                       "--random-input-len 8 --random-output-len 2 --json ", dir_,
+                                       "/bad.json");
+  EXPECT_NE(RunCommand(bad, &out), 0);
+  EXPECT_THAT(out, HasSubstr("4 of 4 requests failed (100.0%), more than --max-failure-rate 0 allows"));
+  std::ifstream bad_file(dir_ + "/bad.json");
+  const json failed = json::parse(std::string((std::istreambuf_iterator<char>(bad_file)), {}), nullptr, false);
+  EXPECT_EQ(failed["failed"], 4) << out;
+  EXPECT_TRUE(failed["ttft_ms"]["mean"].is_null()) << "no sample: null, not 0";
+  EXPECT_THAT(out, HasSubstr("Mean TTFT (ms):                          n/a"));
+  EXPECT_EQ(RunCommand(bad + " --max-failure-rate 1", &out), 0) << out;
+  EXPECT_NE(RunCommand(bad + " --max-failure-rate 2", &out), 0);
+  EXPECT_THAT(out, HasSubstr("--max-failure-rate must be in [0, 1]"));
 }
 
 TEST_F(MockServerTest, AnswersInOpenAIShapes) {

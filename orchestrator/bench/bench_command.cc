@@ -10,9 +10,13 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
 #include "common/thread_util.h"
@@ -36,7 +40,45 @@ struct ServingBenchOptions {
   bool save_detailed = false;  // --json also lists every request
   std::string metrics_url;  // empty: --url
   std::string title;
+  double max_failure_rate = 0;  // of the recorded requests; above it the command fails
 };
+
+// This process's command line as a shell would take it back (/proc/self/cmdline).
+std::string CommandLine() {
+  absl::StatusOr<std::string> raw = ReadFile("/proc/self/cmdline");
+  if (!raw.ok()) return "";
+  std::vector<std::string> args;
+  for (absl::string_view a : absl::StrSplit(*raw, '\0', absl::SkipEmpty())) {
+    const bool plain = !a.empty() && a.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                         "0123456789-_=./:,@%+") == absl::string_view::npos;
+    args.push_back(plain ? std::string(a) : absl::StrCat("'", absl::StrReplaceAll(a, {{"'", "'\\''"}}), "'"));
+  }
+  return absl::StrJoin(args, " ");
+}
+
+// The dataset's own parameters, as its flags name them.
+std::string DatasetParameters(const DatasetOptions& d) {
+  if (d.name == "random") {
+    return absl::StrFormat("input-len %d, output-len %d, range-ratio %g", d.input_len, d.output_len,
+                           d.range_ratio);
+  }
+  if (d.name == "shared-prefix") {
+    return absl::StrFormat("num-groups %d, prefix-len %d, suffix-len %d, output-len %d", d.num_groups,
+                           d.prefix_len, d.suffix_len, d.output_len);
+  }
+  if (d.name == "multi-turn") {
+    return absl::StrFormat("turns %d, system-len %d, user-len %d, common-prefix-len %d, output-len %d",
+                           d.turns, d.system_len, d.user_len, d.common_prefix_len, d.output_len);
+  }
+  if (d.name == "sharegpt") {
+    return absl::StrFormat("path %s, sharegpt-output-len %d", d.path, d.sharegpt_output_len);
+  }
+  if (d.name == "trace") {
+    return absl::StrFormat("path %s, trace-block-tokens %d, trace-speedup %g", d.path,
+                           d.trace_block_tokens, d.trace_speedup);
+  }
+  return "";
+}
 
 absl::StatusOr<Slo> ParseGoodput(const std::vector<std::string>& items) {
   Slo slo;
@@ -104,6 +146,10 @@ absl::Status RunServingBench(ServingBenchOptions opt) {
         absl::StrFormat("--request-rate must be a positive number or inf, got '%s'", opt.request_rate));
   }
   ASSIGN_OR_RETURN(const Slo slo, ParseGoodput(opt.goodput));
+  if (!(opt.max_failure_rate >= 0 && opt.max_failure_rate <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--max-failure-rate must be in [0, 1], got %g", opt.max_failure_rate));
+  }
   opt.dataset.seed = opt.load.seed;
   router::ModelConfig model_config;
   model_config.tokenizer = opt.tokenizer;
@@ -113,6 +159,8 @@ absl::Status RunServingBench(ServingBenchOptions opt) {
   if (opt.dataset.name == "multi-turn" && opt.load.endpoint != "chat") {
     std::fprintf(stderr, "bench: multi-turn over completions sends each history as one prompt\n");
   }
+  ASSIGN_OR_RETURN(opt.load.model, ResolveModel(opt.load));
+  const std::string date = absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", absl::Now(), absl::UTCTimeZone());
   const std::string metrics_url = opt.metrics_url.empty() ? opt.load.url : opt.metrics_url;
   const std::optional<std::pair<double, double>> before = PrefixCounters(metrics_url);
   opt.load.progress = Progress();
@@ -125,6 +173,18 @@ absl::Status RunServingBench(ServingBenchOptions opt) {
   const double cpu = ThreadCpuSeconds() - cpu0;
 
   Summary summary = Summarize(records, slo);
+  summary.run = {{"command", CommandLine()},
+                 {"url", opt.load.url},
+                 {"model", opt.load.model},
+                 {"endpoint", opt.load.endpoint},
+                 {"dataset", opt.dataset.name},
+                 {"dataset parameters", DatasetParameters(opt.dataset)},
+                 {"requests", absl::StrCat(opt.dataset.num_prompts, " (seed ", opt.load.seed, ")")},
+                 {"request rate", opt.request_rate},
+                 {"max concurrency", opt.load.max_concurrency == 0
+                                         ? std::string("no limit")
+                                         : absl::StrCat(opt.load.max_concurrency)},
+                 {"date", date}};
   const int64_t sent = static_cast<int64_t>(records.size()) + opt.load.num_warmups;
   summary.client_overhead_us_per_request = sent > 0 ? cpu / static_cast<double>(sent) * 1e6 : 0;
   if (const std::optional<std::pair<double, double>> after = PrefixCounters(metrics_url);
@@ -150,6 +210,12 @@ absl::Status RunServingBench(ServingBenchOptions opt) {
   }
   if (!opt.html_path.empty()) {
     RETURN_IF_ERROR(WriteFile(opt.html_path, RenderHtml(summary, records, title)));
+  }
+  const int64_t recorded = summary.completed + summary.failed;
+  if (recorded > 0 && static_cast<double>(summary.failed) > opt.max_failure_rate * recorded) {
+    return absl::UnavailableError(absl::StrFormat(
+        "%d of %d requests failed (%.1f%%), more than --max-failure-rate %g allows", summary.failed,
+        recorded, 100.0 * summary.failed / recorded, opt.max_failure_rate));
   }
   return absl::OkStatus();
 }
@@ -229,6 +295,10 @@ void AddServingBench(CLI::App& bench) {
   bench.add_option("--metrics-url", opt->metrics_url,
                    "Where tandem's /metrics is read for the prefix hit rate (default: --url)");
   bench.add_option("--title", opt->title, "Title of the report");
+  bench.add_option("--max-failure-rate", opt->max_failure_rate,
+                   "Fraction of requests that may fail before the command exits non-zero (after "
+                   "writing its reports)")
+      ->capture_default_str();
   bench.require_subcommand(0, 1);
   bench.callback([opt, &bench] {
     if (!bench.get_subcommands().empty()) return;

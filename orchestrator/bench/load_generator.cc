@@ -486,6 +486,22 @@ std::map<std::string, double> ParseCounters(const std::string& text) {
   return out;
 }
 
+absl::StatusOr<std::string> ResolveModel(const LoadOptions& options) {
+  if (!options.model.empty()) return options.model;
+  ASSIGN_OR_RETURN(const Endpoint ep, ParseUrl(options.url));
+  const SimpleResponse r = HttpGetOnce(ep, "/v1/models");
+  if (r.status != 200) {
+    return absl::UnavailableError(absl::StrFormat("GET %s/v1/models: %s", options.url,
+                                                  r.status == 0 ? r.body : ErrorText(r.status, r.body)));
+  }
+  const json j = json::parse(r.body, nullptr, false);
+  if (j.is_discarded() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
+      !j["data"][0].contains("id") || !j["data"][0]["id"].is_string()) {
+    return absl::UnavailableError(absl::StrCat("GET /v1/models listed no model: ", r.body));
+  }
+  return j["data"][0]["id"].get<std::string>();
+}
+
 absl::StatusOr<std::vector<RequestRecord>> RunLoad(const LoadOptions& options,
                                                    const std::vector<Session>& sessions,
                                                    const Tokenizer& tokenizer) {
@@ -497,21 +513,7 @@ absl::StatusOr<std::vector<RequestRecord>> RunLoad(const LoadOptions& options,
   if (!(options.burstiness > 0)) return absl::InvalidArgumentError("--burstiness must be > 0");
   if (options.max_concurrency < 0) return absl::InvalidArgumentError("--max-concurrency must be >= 0");
   ASSIGN_OR_RETURN(const Endpoint ep, ParseUrl(options.url));
-
-  std::string model = options.model;
-  if (model.empty()) {
-    const SimpleResponse r = HttpGetOnce(ep, "/v1/models");
-    if (r.status != 200) {
-      return absl::UnavailableError(absl::StrFormat("GET %s/v1/models: %s", options.url,
-                                                    r.status == 0 ? r.body : ErrorText(r.status, r.body)));
-    }
-    const json j = json::parse(r.body, nullptr, false);
-    if (j.is_discarded() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
-        !j["data"][0].contains("id")) {
-      return absl::UnavailableError(absl::StrCat("GET /v1/models listed no model: ", r.body));
-    }
-    model = j["data"][0]["id"].get<std::string>();
-  }
+  ASSIGN_OR_RETURN(const std::string model, ResolveModel(options));
 
   asio::io_context io(1);
   tcp::resolver resolver(io);

@@ -82,6 +82,10 @@ SimpleResponse HttpGetOnce(const Endpoint& ep, const std::string& target,
 // (the sum over label sets).
 std::map<std::string, double> ParseCounters(const std::string& metrics_text);
 
+// The model to send: options.model, or the first that GET /v1/models lists
+// (Unavailable naming the URL when the server does not answer with one).
+absl::StatusOr<std::string> ResolveModel(const LoadOptions& options);
+
 // Runs the workload; one record per turn, in session order. Fails only if
 // the server cannot be reached at all or `options` are invalid; failed
 // requests are records with ok = false.

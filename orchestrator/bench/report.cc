@@ -147,6 +147,12 @@ struct Section {
   const Distribution* d;
 };
 
+// One statistic of `d` as the reports print it: "n/a" when it has no sample
+// (e.g. TPOT when every output was one token), never a misleading 0.
+std::string Stat(const Distribution& d, double v) {
+  return d.count > 0 ? absl::StrFormat("%.2f", v) : "n/a";
+}
+
 std::vector<Section> Sections(const Summary& s) {
   return {{"Time to First Token", "TTFT", &s.ttft_ms},
           {"Time per Output Token (excl. 1st token)", "TPOT", &s.tpot_ms},
@@ -466,8 +472,9 @@ pre { background: #f6f6f6; padding: 8px; white-space: pre-wrap; }
 }  // namespace
 
 nlohmann::json DistributionJson(const Distribution& d) {
-  return {{"mean", d.mean}, {"std", d.std}, {"median", d.median}, {"p90", d.p90},
-          {"p95", d.p95},   {"p99", d.p99}, {"count", d.count}};
+  auto v = [&d](double x) { return d.count > 0 ? nlohmann::json(x) : nlohmann::json(nullptr); };
+  return {{"mean", v(d.mean)}, {"std", v(d.std)}, {"median", v(d.median)}, {"p90", v(d.p90)},
+          {"p95", v(d.p95)},   {"p99", v(d.p99)}, {"count", d.count}};
 }
 
 Distribution Distribute(std::vector<double> samples) {
@@ -542,7 +549,7 @@ std::string FormatText(const Summary& s, const std::string& title) {
                                   {"P90", d.p90},
                                   {"P95", d.p95},
                                   {"P99", d.p99}}) {
-      out += Line(absl::StrFormat("%s %s (ms):", stat, sec.name), absl::StrFormat("%.2f", v));
+      out += Line(absl::StrFormat("%s %s (ms):", stat, sec.name), Stat(d, v));
     }
   }
   if (s.failed > 0 && !s.first_errors.empty()) {
@@ -564,7 +571,6 @@ nlohmann::json ToJson(const Summary& s) {
       {"request_throughput", s.request_throughput},
       {"input_throughput", s.input_throughput},
       {"output_throughput", s.output_throughput},
-      {"goodput", s.goodput},
       {"client_overhead_us_per_request", s.client_overhead_us_per_request},
       {"ttft_ms", DistributionJson(s.ttft_ms)},
       {"tpot_ms", DistributionJson(s.tpot_ms)},
@@ -573,7 +579,13 @@ nlohmann::json ToJson(const Summary& s) {
       {"first_errors", s.first_errors},
   };
   if (s.router_prefix_hit_rate) j["router_prefix_hit_rate"] = *s.router_prefix_hit_rate;
+  if (!s.run.empty()) {
+    nlohmann::json run = nlohmann::json::object();
+    for (const auto& [label, value] : s.run) run[label] = value;
+    j["run"] = std::move(run);
+  }
   if (HasSlo(s.slo)) {
+    j["goodput"] = s.goodput;
     nlohmann::json slo = nlohmann::json::object();
     if (s.slo.ttft_ms) slo["ttft_ms"] = *s.slo.ttft_ms;
     if (s.slo.tpot_ms) slo["tpot_ms"] = *s.slo.tpot_ms;
@@ -620,6 +632,14 @@ std::string RenderHtml(const Summary& s, const std::vector<RequestRecord>& recor
       Escape(heading), "</title>\n<style>", kCss, "</style>\n</head>\n<body>\n<h1>",
       Escape(heading), "</h1>\n");
 
+  if (!s.run.empty()) {
+    html += "<h2>Run</h2>\n<table>\n";
+    for (const auto& [label, value] : s.run) {
+      absl::StrAppend(&html, "<tr><td>", Escape(label), "</td><td><code>", Escape(value),
+                      "</code></td></tr>\n");
+    }
+    html += "</table>\n";
+  }
   html += "<h2>Summary</h2>\n<table>\n";
   for (const auto& [label, value] : SummaryRows(s)) {
     absl::StrAppend(&html, "<tr><td>", Escape(label.substr(0, label.size() - 1)), "</td><td>",
@@ -631,9 +651,10 @@ std::string RenderHtml(const Summary& s, const std::vector<RequestRecord>& recor
   for (const Section& sec : Sections(s)) {
     const Distribution& d = *sec.d;
     absl::StrAppendFormat(&html,
-                          "<tr><td>%s</td><td>%.2f</td><td>%.2f</td><td>%.2f</td><td>%.2f</td>"
-                          "<td>%.2f</td><td>%.2f</td><td>%d</td></tr>\n",
-                          Escape(sec.title), d.mean, d.std, d.median, d.p90, d.p95, d.p99, d.count);
+                          "<tr><td>%s</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td>"
+                          "<td>%s</td><td>%s</td><td>%d</td></tr>\n",
+                          Escape(sec.title), Stat(d, d.mean), Stat(d, d.std), Stat(d, d.median),
+                          Stat(d, d.p90), Stat(d, d.p95), Stat(d, d.p99), d.count);
   }
   html += "</table>\n";
 

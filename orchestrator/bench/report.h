@@ -83,6 +83,9 @@ struct Summary {
   std::optional<double> router_prefix_hit_rate;  // from /metrics deltas, in [0, 1]
   double client_overhead_us_per_request = 0;     // the client's own CPU time per request
   std::vector<std::string> first_errors;         // up to a few distinct error texts
+  // What was run, for the reports (command, URL, model, dataset and its
+  // parameters, rate, date): label, value.
+  std::vector<std::pair<std::string, std::string>> run;
 };
 
 // The summary of `records`; duration from the earliest sent_s to the latest

@@ -200,7 +200,38 @@ TEST(ToJsonTest, KeysAndValues) {
 
   const nlohmann::json plain = ToJson(Summarize(Records(), Slo{}));
   EXPECT_FALSE(plain.contains("slo"));
+  EXPECT_FALSE(plain.contains("goodput")) << "no SLO, no goodput";
   EXPECT_FALSE(plain.contains("router_prefix_hit_rate"));
+  EXPECT_FALSE(plain.contains("run"));
+}
+
+// A statistic with no sample is n/a (text, HTML) and null (JSON), never 0:
+// here every request failed, so there is no latency at all.
+TEST(EmptyStatisticsTest, AreNotAvailableRatherThanZero) {
+  std::vector<RequestRecord> failed = Records();
+  for (RequestRecord& r : failed) r.ok = false;
+  Summary s = Summarize(failed, Slo{});
+  const std::string text = FormatText(s, "");
+  EXPECT_THAT(text, HasSubstr("\nMean TTFT (ms):                          n/a\n"));
+  EXPECT_THAT(text, HasSubstr("\nP99 E2EL (ms):                           n/a\n"));
+  EXPECT_THAT(text, Not(HasSubstr("0.00\n---")));
+  const nlohmann::json j = ToJson(s);
+  EXPECT_TRUE(j["ttft_ms"]["mean"].is_null());
+  EXPECT_EQ(j["ttft_ms"]["count"], 0);
+  const std::string html = RenderHtml(s, failed, "t");
+  EXPECT_THAT(html, HasSubstr("<tr><td>Time to First Token</td><td>n/a</td><td>n/a</td>"));
+}
+
+// The run's description goes into the JSON and HTML reports.
+TEST(RunDescriptionTest, IsInTheJsonAndHtmlReports) {
+  Summary s = Summarize(Records(), Slo{});
+  s.run = {{"command", "tandem bench --url http://h:1 --dataset random"}, {"model", "m<1>"}};
+  const nlohmann::json j = ToJson(s);
+  EXPECT_EQ(j["run"]["command"], "tandem bench --url http://h:1 --dataset random");
+  EXPECT_EQ(j["run"]["model"], "m<1>");
+  const std::string html = RenderHtml(s, Records(), "t");
+  EXPECT_THAT(html, HasSubstr("<h2>Run</h2>"));
+  EXPECT_THAT(html, HasSubstr("<tr><td>model</td><td><code>m&lt;1&gt;</code></td></tr>"));
 }
 
 TEST(RequestsJsonTest, EveryRequestInSendOrder) {
