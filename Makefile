@@ -25,12 +25,12 @@ test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600 || \
 	  { cd $(CURDIR) && scripts/show_failed_tests.sh $(BUILD_DIR); exit 1; }
 
-# The whole suite again under AddressSanitizer and UBSan, in its own build directory (UCX,
-# NCCL and CUDA off: their libraries are not instrumented). Not part of `make test`: the
+# The whole suite again under AddressSanitizer and UBSan, in its own build directory (UCX
+# and CUDA off: their libraries are not instrumented). Not part of `make test`: the
 # instrumented build takes several times as long on a small machine.
 asan:
 	$(MAKE) test BUILD_DIR=build-asan CMAKE_FLAGS="-DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DTANDEM_SANITIZE=address,undefined -DTANDEM_WITH_UCX=OFF -DTANDEM_WITH_NCCL=OFF -DTANDEM_CUDA=OFF"
+	  -DTANDEM_SANITIZE=address,undefined -DTANDEM_WITH_UCX=OFF -DTANDEM_CUDA=OFF"
 
 # libFuzzer targets (clang-14, ASan+UBSan, in $(FUZZ_DIR)): `make fuzz` builds only the fuzzers and
 # the libraries they need, then runs each for FUZZ_SECONDS on its seed corpus (the new inputs it
@@ -40,7 +40,7 @@ FUZZ_DIR ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_CMAKE_FLAGS = -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" \
   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" -DTANDEM_FUZZ=ON -DTANDEM_BUILD_TESTS=OFF \
-  -DTANDEM_SANITIZE=address,undefined -DTANDEM_WITH_NCCL=OFF -DTANDEM_CUDA=OFF
+  -DTANDEM_SANITIZE=address,undefined -DTANDEM_CUDA=OFF
 
 $(FUZZ_DIR)/build.ninja:
 	CC=clang-14 CXX=clang++-14 cmake -S . -B $(FUZZ_DIR) -G Ninja $(FUZZ_CMAKE_FLAGS)
@@ -58,7 +58,7 @@ SANITIZE_DIR ?= build-asan-ucx
 sanitize:
 	$(MAKE) build BUILD_DIR=$(SANITIZE_DIR) CMAKE_FLAGS="-DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 \
-	  -DTANDEM_SANITIZE=address,undefined -DTANDEM_WITH_UCX=ON -DTANDEM_WITH_NCCL=OFF -DTANDEM_CUDA=OFF"
+	  -DTANDEM_SANITIZE=address,undefined -DTANDEM_WITH_UCX=ON -DTANDEM_CUDA=OFF"
 	scripts/run_sanitized_tests.sh $(SANITIZE_DIR) $(JOBS)
 	$(MAKE) fuzz
 

@@ -870,6 +870,7 @@ void WorkerService::HandleGetModelInfo(const grpc::ServerContext& ctx, const tan
   r->set_instance_id(instance_id_);
   r->set_block_hash_seed(engine_->config().block_hash_seed);
   r->set_max_batched_tokens(engine_->config().max_batched_tokens);
+  r->set_tokenizer_sha256(engine_->tokenizer_sha256());
   finish(grpc::Status::OK);
 }
 
