@@ -19,6 +19,14 @@ await check('models.list', async () => {
   assert.ok(models.data.some((m) => m.id === model), JSON.stringify(models.data));
 });
 
+await check('models.retrieve', async () => {
+  const one = await client.models.retrieve(model);
+  assert.equal(one.id, model);
+  assert.equal(one.object, 'model');
+  await assert.rejects(client.models.retrieve('no-such-model'),
+    (e) => e instanceof OpenAI.NotFoundError && e.code === 'model_not_found');
+});
+
 let whole;
 await check('chat, whole', async () => {
   whole = await client.chat.completions.create({ model, messages, max_tokens: 16, seed: 3, temperature: 0.7 });
