@@ -691,5 +691,66 @@ TEST_F(RouterE2eTest, ARouterTokenizerThatIsNotTheCheckpointsIsRefusedWithTheFix
   std::filesystem::remove_all(tmpl);
 }
 
+// Routing you can see into: a request that sends x-tandem-explain gets
+// x-tandem-route, the decision as JSON (the policy, its rule, the winner,
+// and every worker with its load and, for kv_cache_aware, its matched prefix
+// blocks and score); the router logs the same line. Opt-in, and only for
+// callers who may see worker addresses.
+TEST_F(RouterE2eTest, XTandemExplainSaysWhyTheRequestWentWhereItDid) {
+  WorkerProcess* a = StartBoth();
+  WorkerProcess* b = StartBoth();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .policy = "kv_cache_aware"}), nullptr);
+  const std::string prompt(400, 'x');  // 25 blocks of the built-in tokenizer's one id per byte
+  const Headers explain = {{"x-tandem-explain", "1"}};
+  Reply first = Post("/v1/completions", Completion(prompt, 2), explain);
+  ASSERT_EQ(first.http.status, 200) << first.http.body;
+  const std::string winner = first.http.Header("x-tandem-decode-worker");
+  // The second time, the winner holds the prompt's blocks: the index says so.
+  Reply second;
+  json route;
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        second = Post("/v1/completions", Completion(prompt, 2), explain);
+        route = json::parse(second.http.Header("x-tandem-route"), nullptr, false);
+        return second.http.status == 200 && route.is_array() && !route.empty() &&
+               route[0]["chosen"] == winner;
+      },
+      std::chrono::seconds(10), std::chrono::milliseconds(100)))
+      << second.http.body << " " << second.http.Header("x-tandem-route");
+  const json& d = route[0];
+  EXPECT_EQ(d["pool"], "decode");
+  EXPECT_EQ(d["policy"], "kv_cache_aware");
+  EXPECT_THAT(d["why"].get<std::string>(), HasSubstr("score"));
+  ASSERT_EQ(d["candidates"].size(), 2u) << d;
+  for (const json& c : d["candidates"]) {
+    for (const char* key : {"worker", "healthy", "in_flight", "kv_used_blocks", "kv_total_blocks",
+                            "prefill_tokens_queued", "eligible", "matched_blocks", "score"}) {
+      EXPECT_TRUE(c.contains(key)) << key << " in " << c;
+    }
+    if (c["worker"] == winner) {
+      EXPECT_GE(c["matched_blocks"].get<int>(), 24) << c;
+    } else {
+      EXPECT_EQ(c["matched_blocks"], 0) << c;
+    }
+  }
+  EXPECT_GT(Metric("tandem_router_expected_cached_prompt_tokens_total").value_or(0), 0);
+
+  // Not asked: not answered.
+  Reply plain = Post("/v1/completions", Completion(prompt, 2));
+  EXPECT_TRUE(plain.http.Header("x-tandem-route").empty());
+  // A value that is not 1 or true is a 400 naming the header.
+  Reply bad = Post("/v1/completions", Completion(prompt, 2), {{"x-tandem-explain", "maybe"}});
+  EXPECT_EQ(bad.http.status, 400);
+  EXPECT_THAT(bad.json["error"]["message"].get<std::string>(), HasSubstr("x-tandem-explain must be 1 or true"));
+
+  // Without debug.worker_details (and no admin key), worker addresses are not for clients: 403.
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .worker_details = false}), nullptr);
+  Reply denied = Post("/v1/completions", Completion(prompt, 2), explain);
+  EXPECT_EQ(denied.http.status, 403) << denied.http.body;
+  EXPECT_EQ(denied.json["error"]["type"], "permission_error");
+}
+
 }  // namespace
 }  // namespace tandem::testing

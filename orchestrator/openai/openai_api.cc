@@ -601,6 +601,10 @@ ApiError ApiErrorFromStatus(const absl::Status& status) {
       e.http_status = 404;
       e.type = "invalid_request_error";
       break;
+    case absl::StatusCode::kPermissionDenied:
+      e.http_status = 403;
+      e.type = "permission_error";
+      break;
     case absl::StatusCode::kResourceExhausted:
       e.http_status = 429;
       e.type = "rate_limit_error";

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_format.h"
 #include "common/block_hash.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -155,6 +156,23 @@ absl::StatusOr<size_t> KvCacheAwarePolicy::Pick(const RouteRequest& req,
     chosen = tied[cursor_.fetch_add(1, std::memory_order_relaxed) % tied.size()];
   }
 
+  if (req.explain != nullptr) {
+    req.explain->candidates.resize(workers.size());
+    for (size_t i = 0; i < workers.size(); ++i) {
+      RouteExplanation::Candidate& c = req.explain->candidates[i];
+      c.eligible = candidate[i];
+      c.matched_blocks = scored.matched[i];
+      if (workers[i].healthy) c.score = scored.scores[i];
+    }
+    req.explain->why = absl::StrFormat(
+        "%s score (%g x matched/%d prompt blocks - %g x load) among the workers within the load "
+        "bound%s%s",
+        options_.temperature > 0 ? "sampled by" : "the best", options_.overlap_weight,
+        scored.hashes.size(), options_.load_weight,
+        options_.temperature > 0 ? absl::StrFormat(" (softmax, temperature %g)", options_.temperature) : "",
+        best < best_healthy - kTieEpsilon ? "; a better-scoring worker is over the bound (spillover)"
+                                          : "");
+  }
   requested_blocks_.fetch_add(scored.hashes.size(), std::memory_order_relaxed);
   matched_blocks_.fetch_add(static_cast<uint64_t>(scored.matched[chosen]),
                             std::memory_order_relaxed);

@@ -27,6 +27,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -47,6 +48,19 @@ struct WorkerView {
   bool healthy = true;                   // false: never picked
 };
 
+// Why a policy chose what it chose, for a request that asks (opt-in: it
+// costs a little). Per worker of the snapshot, in its order, what the policy
+// weighed; a policy fills what it uses and leaves the rest unset.
+struct RouteExplanation {
+  struct Candidate {
+    bool eligible = false;                  // the policy would have picked it
+    std::optional<int64_t> matched_blocks;  // prompt blocks it holds (cache-aware)
+    std::optional<double> score;            // the policy's score (higher wins)
+  };
+  std::vector<Candidate> candidates;  // empty: the policy explains nothing per worker
+  std::string why;                    // the rule that picked the winner, in a line
+};
+
 struct RouteRequest {
   std::span<const int32_t> tokens;  // prompt token ids; the caller keeps them alive
   std::string session_id;           // empty if the client sent none
@@ -54,6 +68,8 @@ struct RouteRequest {
   // chosen worker holds in its cache writes them here (kv_cache_aware);
   // others leave it alone.
   int64_t* cached_tokens = nullptr;
+  // Out, when set: the policy says why (RouteExplanation).
+  RouteExplanation* explain = nullptr;
 };
 
 class RoutingPolicy {

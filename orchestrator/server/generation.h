@@ -81,6 +81,9 @@ struct Placement {
   // Disaggregation was wanted but the attempt runs aggregated (no healthy
   // prefill worker, or mode auto chose a local prefill).
   bool local_prefill = false;
+  // For a request that asked why (x-tandem-explain): the routing decisions
+  // as compact JSON, one object per pool consulted; empty otherwise.
+  std::string explanation;
 };
 
 class Planner {

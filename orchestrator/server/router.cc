@@ -53,6 +53,8 @@ namespace {
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 constexpr char kJson[] = "application/json";
+// A request header asking why it was routed where it was (x-tandem-route).
+constexpr char kExplainHeader[] = "x-tandem-explain";
 
 // Routing for one config and one model shape: the pools' policies (with the
 // model's block size and hash seed) and their KV indexes.
@@ -163,6 +165,7 @@ enum class CallKind { kChat, kCompletion };
 // Everything the generations need, set once before Start.
 struct CallSetup {
   std::string session_id;
+  bool explain = false;  // x-tandem-explain: answer with x-tandem-route
   std::vector<int32_t> prompt;
   tandem::v1::SamplingParams sampling;  // without the seed
   std::optional<int64_t> seed;
@@ -227,6 +230,7 @@ class Router::Impl {
     CounterFamily& attempt_timeouts;
     Counter& prompt_tokens;
     Counter& cached_tokens;
+    Counter& expected_cached_tokens;
     Counter& generation_tokens;
     Counter& kv_bytes;
     Gauge& queue_depth;
@@ -381,10 +385,12 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
   }
   const std::string& request_id() const { return request_id_; }
   const std::string& session_id() const { return session_id_; }
+  bool explain() const { return explain_; }
   const RouterConfig& config() const { return *config_; }
 
   void Prepare(CallSetup setup, uint64_t random_seed) {
     session_id_ = setup.session_id;
+    explain_ = setup.explain;
     header_.id = absl::StrCat(kind_ == CallKind::kChat ? "chatcmpl-" : "cmpl-", request_id_);
     header_.created = std::chrono::duration_cast<std::chrono::seconds>(
                           std::chrono::system_clock::now().time_since_epoch())
@@ -530,6 +536,12 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
   // GenerationSink.
   void OnPlaced(int choice, const Placement& placement) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!placement.explanation.empty()) route_ = placement.explanation;  // the latest attempt's
+    if (choice == 0) {
+      // What the policy expected the worker that prefills to hold (the latest attempt's).
+      expected_cached_ = placement.prefill != nullptr ? placement.prefill_cached_tokens
+                                                      : placement.decode_cached_tokens;
+    }
     if (prefill_worker_.empty()) {
       decode_worker_ = placement.decode->address();
       prefill_worker_ =
@@ -665,6 +677,7 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
     }
     m.prompt_tokens.Inc(static_cast<double>(prompt_tokens_));
     if (!choices_.empty()) m.cached_tokens.Inc(static_cast<double>(choices_[0].result.cached_tokens));
+    m.expected_cached_tokens.Inc(static_cast<double>(expected_cached_));
     LOG(DEBUG) << "request " << request_id_ << " " << endpoint() << " done: " << s.ToString();
   }
 
@@ -716,6 +729,7 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
       h.emplace_back("x-tandem-prefill-worker", prefill_worker_);
       h.emplace_back("x-tandem-decode-worker", decode_worker_);
     }
+    if (explain_ && !route_.empty()) h.emplace_back("x-tandem-route", route_);
     return h;
   }
 
@@ -825,6 +839,9 @@ class ApiCall : public GenerationSink, public Planner, public std::enable_shared
   Caller caller_;
   int64_t token_estimate_ = 0;
   bool show_workers_ = false;
+  bool explain_ = false;
+  std::string route_ ABSL_GUARDED_BY(mu_);  // the placement's explanation (x-tandem-route)
+  int64_t expected_cached_ ABSL_GUARDED_BY(mu_) = 0;  // choice 0's placement's expectation
 
   std::mutex mu_;
   std::vector<Choice> choices_ ABSL_GUARDED_BY(mu_);
@@ -902,6 +919,13 @@ Router::Impl::Metrics::Metrics(MetricsRegistry& r)
       cached_tokens(r.AddCounter("tandem_router_cached_prompt_tokens_total",
                                  "Prompt tokens served from a worker's prefix cache.")
                         .Get()),
+      expected_cached_tokens(
+          r.AddCounter("tandem_router_expected_cached_prompt_tokens_total",
+                       "Prompt tokens the routing policy expected the chosen worker to hold in "
+                       "its prefix cache (kv_cache_aware; 0 where a policy cannot tell). Against "
+                       "tandem_router_cached_prompt_tokens_total: how well the router's KV index "
+                       "knows the workers' caches.")
+              .Get()),
       generation_tokens(
           r.AddCounter("tandem_router_generation_tokens_total", "Tokens generated.").Get()),
       kv_bytes(r.AddCounter("tandem_router_kv_transfer_bytes_total",
@@ -1364,6 +1388,45 @@ std::string RefusedWorkers(const std::vector<std::shared_ptr<WorkerClient>>& wor
   return refused == 0 ? "" : absl::StrFormat(", %d refused as incompatible: %s", refused, why);
 }
 
+// One pool's routing decision as x-tandem-route and the log show it: the
+// policy, its rule, the winner, and each worker with what the router knew
+// (health, requests in flight, KV use, prompt tokens queued for prefill) and
+// what the policy weighed (eligible, matched prefix blocks, score).
+nlohmann::json ExplainDecision(const char* pool, const std::string& policy,
+                               const std::vector<WorkerView>& views,
+                               const std::vector<std::shared_ptr<WorkerClient>>& workers,
+                               const std::set<std::string>& exclude, const RouteExplanation& why,
+                               std::optional<size_t> chosen) {
+  nlohmann::json candidates = nlohmann::json::array();
+  for (size_t i = 0; i < views.size(); ++i) {
+    const WorkerView& v = views[i];
+    nlohmann::json c = {{"worker", v.id},
+                        {"healthy", workers[i]->healthy()},
+                        {"in_flight", v.in_flight},
+                        {"kv_used_blocks", v.used_blocks},
+                        {"kv_total_blocks", v.total_blocks},
+                        {"prefill_tokens_queued", v.prefill_tokens_in_flight}};
+    if (exclude.count(v.id) != 0) {
+      c["skipped"] = "already tried by this request";
+    } else if (workers[i]->healthy() && !v.healthy) {
+      c["skipped"] = "no free KV block";
+    }
+    if (i < why.candidates.size()) {
+      const RouteExplanation::Candidate& e = why.candidates[i];
+      c["eligible"] = e.eligible;
+      if (e.matched_blocks.has_value()) c["matched_blocks"] = *e.matched_blocks;
+      if (e.score.has_value()) c["score"] = *e.score;
+    }
+    candidates.push_back(std::move(c));
+  }
+  nlohmann::json d = {{"pool", pool}, {"policy", policy}, {"candidates", std::move(candidates)}};
+  d["chosen"] = chosen.has_value() ? nlohmann::json(views[*chosen].id) : nlohmann::json(nullptr);
+  d["why"] = !why.why.empty() ? why.why
+             : chosen.has_value() ? absl::StrCat(policy, "'s pick among the healthy workers")
+                                  : "no healthy worker";
+  return d;
+}
+
 }  // namespace
 
 absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<const int32_t> tokens,
@@ -1379,6 +1442,7 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
   }
   const RouterConfig& cfg = *rs->config;
   RouteRequest rr{.tokens = tokens, .session_id = call.session_id()};
+  nlohmann::json explained = nlohmann::json::array();  // one decision per pool (x-tandem-explain)
   // The chosen worker, and the prompt tokens the policy expects it to hold.
   auto pick = [&](PoolRole role, int64_t* cached_tokens)
       -> absl::StatusOr<std::shared_ptr<WorkerClient>> {
@@ -1410,7 +1474,13 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
     }
     RoutingPolicy& policy = *rs->policy[static_cast<int>(role)];
     rr.cached_tokens = cached_tokens;
+    RouteExplanation why;
+    rr.explain = call.explain() ? &why : nullptr;
     absl::StatusOr<size_t> i = policy.Pick(rr, views);
+    if (call.explain()) {
+      explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, exclude,
+                                          why, i.ok() ? std::optional<size_t>(*i) : std::nullopt));
+    }
     metrics_->decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
     metrics_->decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
     if (!i.ok()) {
@@ -1425,14 +1495,29 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
   int64_t decode_cached = 0;
   ASSIGN_OR_RETURN(std::shared_ptr<WorkerClient> decode, pick(PoolRole::kDecode, &decode_cached));
   Placement p{.decode = decode, .decode_cached_tokens = decode_cached};
+  // The explanation goes with the placement, and into the log as one line.
+  auto explain = [&] {
+    if (!call.explain()) return;
+    p.explanation = explained.dump();
+    LOG(INFO) << "route " << call.request_id() << " " << p.explanation;
+  };
   const DisaggregationMode mode = cfg.disaggregation.mode;
-  if (mode == DisaggregationMode::kNever || rs->policy[0] == nullptr) return p;
+  if (mode == DisaggregationMode::kNever || rs->policy[0] == nullptr) {
+    explain();
+    return p;
+  }
   if (mode == DisaggregationMode::kAuto) {
     // The uncached part of the prompt as the decode worker holds it (the
     // decode pool's policy says, when it knows: kv_cache_aware).
     if (static_cast<int64_t>(tokens.size()) - decode_cached <
         cfg.disaggregation.auto_threshold_tokens) {
       p.local_prefill = true;
+      explained.push_back({{"pool", "prefill"},
+                           {"why", absl::StrFormat("disaggregation auto: %d uncached prompt tokens, under "
+                                                   "auto_threshold_tokens %d: the decode worker prefills",
+                                                   static_cast<int64_t>(tokens.size()) - decode_cached,
+                                                   cfg.disaggregation.auto_threshold_tokens)}});
+      explain();
       return p;
     }
   }
@@ -1441,9 +1526,11 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
   if (!prefill.ok()) {
     // No prefill worker: the decode worker prefills itself (degraded, not down).
     p.local_prefill = true;
+    explain();
     return p;
   }
   if ((*prefill)->address() != decode->address()) p.prefill = *prefill;
+  explain();
   return p;
 }
 
@@ -1881,6 +1968,23 @@ void Router::Impl::StartCall(CallKind kind, const http::Request& req,
                              const std::string& model, const SamplingFields& sampling,
                              std::optional<int64_t> logprobs) {
   s.session_id = std::string(req.Header(cfg->sessions.header));
+  s.caller = Identify(req);
+  if (req.HasHeader(kExplainHeader)) {
+    const std::string_view v = req.Header(kExplainHeader);
+    const char* endpoint = kind == CallKind::kChat ? "chat" : "completions";
+    if (v != "1" && v != "true") {
+      return SendError(endpoint, id, *w,
+                       InvalidRequest("", absl::StrCat(kExplainHeader, " must be 1 or true, got '",
+                                                       std::string(v.substr(0, 32)), "'")));
+    }
+    if (!ShowWorkers(s.caller)) {
+      return SendError(endpoint, id, *w,
+                       absl::PermissionDeniedError(absl::StrCat(
+                           kExplainHeader, " names workers: it needs an admin API key or "
+                                           "debug.worker_details")));
+    }
+    s.explain = true;
+  }
   s.sampling = ToSampling(sampling, logprobs);
   s.seed = sampling.seed;
   s.n = static_cast<int>(sampling.n);
@@ -1890,7 +1994,6 @@ void Router::Impl::StartCall(CallKind kind, const http::Request& req,
   s.logprobs = logprobs.has_value();
   s.tokens_as_ids = sampling.return_tokens_as_token_ids;
   s.model = model;
-  s.caller = Identify(req);
   {
     // What the key's tokens_per_min is charged at admission: the prompt and
     // every choice's max_tokens (absent: the context the prompt leaves).
