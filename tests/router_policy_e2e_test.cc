@@ -497,6 +497,20 @@ TEST_F(RouterPolicyTest, AutoDisaggregationPrefillsLocallyWhatIsShortOrCached) {
   // with a new question is mostly cached there, so it stays local.
   ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}",
                             [](double v) { return v >= 2 + 13; }));
+  // The index's bookkeeping is on /metrics: events applied, nothing dropped, and
+  // per worker its entries and how long ago its last events came.
+  EXPECT_GE(Metric("tandem_router_kv_events_total{pool=\"decode\",outcome=\"applied\"}").value_or(0), 2);
+  EXPECT_EQ(Metric("tandem_router_kv_event_batches_dropped_total{pool=\"decode\",reason=\"seq_gap\"}"), 0);
+  EXPECT_EQ(Metric("tandem_router_kv_index_entries_dropped_total{pool=\"decode\",reason=\"evicted\"}"), 0);
+  EXPECT_GE(Metric(absl::StrCat("tandem_router_kv_index_worker_blocks{pool=\"decode\",worker=\"",
+                                decode->address(), "\",mode=\"exact\"}"))
+                .value_or(0),
+            2 + 13);
+  const std::optional<double> age = Metric(absl::StrCat(
+      "tandem_router_kv_index_worker_age_seconds{pool=\"decode\",worker=\"", decode->address(), "\"}"));
+  ASSERT_TRUE(age.has_value());
+  EXPECT_GE(*age, 0);
+  EXPECT_LT(*age, 60);
   r = Post("/v1/completions", Completion(PromptIds(6, 200, 1)));
   ASSERT_EQ(r.http.status, 200) << r.http.body;
   EXPECT_EQ(r.http.Header("x-tandem-prefill-worker"), decode->address());

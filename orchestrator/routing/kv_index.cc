@@ -194,6 +194,7 @@ absl::Status KvIndex::Apply(const std::string& worker_id, const tandem::v1::KvEv
         absl::StrCat("KV index knows ", kMaxWorkers, " workers already; ", worker_id, " is not indexed"));
   }
   absl::Status status = ApplyLocked(lock, worker_id, slot, batch);
+  if (status.ok()) workers_[slot].last_batch = std::chrono::steady_clock::now();
   if (!status.ok()) {
     MarkStale(slot);
     ++(absl::IsDataLoss(status) ? stats_.seq_gaps : stats_.bad_batches);
@@ -393,7 +394,7 @@ std::vector<KvIndex::WorkerInfo> KvIndex::workers() const {
     out.reserve(slot_by_id_.size());
     for (const auto& [id, slot] : slot_by_id_) {
       const Worker& w = workers_[slot];
-      out.push_back(WorkerInfo{w.id, w.mode, w.blocks, w.instance_id, w.last_seq});
+      out.push_back(WorkerInfo{w.id, w.mode, w.blocks, w.instance_id, w.last_seq, w.last_batch});
     }
   }
   std::sort(out.begin(), out.end(),

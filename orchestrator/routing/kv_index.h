@@ -70,6 +70,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -109,6 +110,8 @@ class KvIndex {
     int64_t blocks = 0;       // entries held now (expired ones until dropped)
     std::string instance_id;  // last seen on its event stream; empty if none
     uint64_t last_seq = 0;    // last event applied (kExact)
+    // When its last event batch was applied (steady clock); nullopt if none was.
+    std::optional<std::chrono::steady_clock::time_point> last_batch;
   };
 
   // Counters since construction.
@@ -191,6 +194,7 @@ class KvIndex {
     std::vector<uint64_t> staged;
     uint32_t head = kNil;  // first node of its list
     int64_t blocks = 0;
+    std::optional<std::chrono::steady_clock::time_point> last_batch;  // last applied
   };
 
   // kNoSlot when kMaxWorkers are known already.

@@ -1073,6 +1073,74 @@ void Router::Impl::RegisterCallbacks() {
           }
         }
       });
+  // The KV index's bookkeeping: what its workers' event streams brought.
+  auto each_index = [this](const std::function<void(const char*, const KvIndex&)>& f) {
+    std::shared_ptr<RoutingState> rs = CurrentRouting();
+    if (rs == nullptr) return;
+    for (int r = 0; r < kNumPoolRoles; ++r) {
+      if (rs->index[r] != nullptr) f(PoolRoleName(static_cast<PoolRole>(r)), *rs->index[r]);
+    }
+  };
+  registry_.AddCallbackCounter(
+      "tandem_router_kv_events_total",
+      "KV events from the workers' streams by outcome: applied to the pool's KV index, or "
+      "skipped (already applied: a replay after a resubscription).",
+      {"pool", "outcome"}, [each_index](MetricEmitter& e) {
+        each_index([&e](const char* pool, const KvIndex& index) {
+          const KvIndex::Stats s = index.stats();
+          e.Emit({pool, "applied"}, static_cast<double>(s.events_applied));
+          e.Emit({pool, "skipped"}, static_cast<double>(s.events_replayed));
+        });
+      });
+  registry_.AddCallbackCounter(
+      "tandem_router_kv_event_batches_dropped_total",
+      "KV event batches the index refused, by reason: seq_gap (events were lost), malformed, "
+      "or worker_restart (a new instance: its entries dropped); the worker is stale until its "
+      "snapshot arrives.",
+      {"pool", "reason"}, [each_index](MetricEmitter& e) {
+        each_index([&e](const char* pool, const KvIndex& index) {
+          const KvIndex::Stats s = index.stats();
+          e.Emit({pool, "seq_gap"}, static_cast<double>(s.seq_gaps));
+          e.Emit({pool, "malformed"}, static_cast<double>(s.bad_batches));
+          e.Emit({pool, "worker_restart"}, static_cast<double>(s.restarts));
+        });
+      });
+  registry_.AddCallbackCounter(
+      "tandem_router_kv_index_entries_dropped_total",
+      "KV index entries dropped: evicted (the index's memory cap), expired (approximate "
+      "entries past their TTL), snapshot_truncated (a snapshot beyond the cap).",
+      {"pool", "reason"}, [each_index](MetricEmitter& e) {
+        each_index([&e](const char* pool, const KvIndex& index) {
+          const KvIndex::Stats s = index.stats();
+          e.Emit({pool, "evicted"}, static_cast<double>(s.evictions));
+          e.Emit({pool, "expired"}, static_cast<double>(s.expirations));
+          e.Emit({pool, "snapshot_truncated"}, static_cast<double>(s.snapshot_blocks_truncated));
+        });
+      });
+  registry_.AddCallbackGauge(
+      "tandem_router_kv_index_worker_blocks",
+      "Each worker's entries in its pool's KV index, with its mode (exact, approximate, stale).",
+      {"pool", "worker", "mode"}, [each_index](MetricEmitter& e) {
+        each_index([&e](const char* pool, const KvIndex& index) {
+          for (const KvIndex::WorkerInfo& w : index.workers()) {
+            e.Emit({pool, w.id, WorkerModeName(w.mode)}, static_cast<double>(w.blocks));
+          }
+        });
+      });
+  registry_.AddCallbackGauge(
+      "tandem_router_kv_index_worker_age_seconds",
+      "Seconds since the KV index applied a worker's last event batch (absent before the "
+      "first): an idle worker sends none, a growing age on a busy one means lost events.",
+      {"pool", "worker"}, [each_index](MetricEmitter& e) {
+        const auto now = std::chrono::steady_clock::now();
+        each_index([&e, now](const char* pool, const KvIndex& index) {
+          for (const KvIndex::WorkerInfo& w : index.workers()) {
+            if (w.last_batch.has_value()) {
+              e.Emit({pool, w.id}, std::chrono::duration<double>(now - *w.last_batch).count());
+            }
+          }
+        });
+      });
   registry_.AddCallbackCounter(
       "tandem_router_policy_events_total",
       "Events a pool's routing policy counts: sticky_session repins and evictions, prefix_aware "
