@@ -21,6 +21,7 @@ PACKAGES=(
   python3-yaml  # tests/deploy/check_render.py reads the rendered manifests
   prometheus  # promtool checks the chart's alert rules (the server is not started)
   debootstrap  # make image-check: a Debian root with only the image's runtime packages
+  chromium  # tests/dashboard: the router's /dashboard in a headless browser (playwright-core)
 )
 # The tokenizer tests fetch reference data with npm: Debian's Node.js unless
 # one is installed already.

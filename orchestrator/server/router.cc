@@ -23,6 +23,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/grpc_poller.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -40,6 +42,7 @@
 #include "orchestrator/server/generation.h"
 #include "orchestrator/server/latency_window.h"
 #include "orchestrator/server/model_assets.h"
+#include "orchestrator/server/status_page.h"
 #include "orchestrator/server/redact.h"
 #include "orchestrator/server/stop_strings.h"
 
@@ -281,6 +284,7 @@ class Router::Impl {
   void HandleChat(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
   void HandleCompletion(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
   void HandleModels(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
+  void HandleDashboard(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
   void HandleModel(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
   nlohmann::json ModelObject();  // the served model as /v1/models lists it
   void HandleHealth(const http::Request& req, std::shared_ptr<http::ResponseWriter> w);
@@ -347,6 +351,7 @@ class Router::Impl {
   // Sequences (choices) on workers, against limits.max_in_flight, and the
   // requests they belong to.
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  RecentDecisions recent_{32};  // for /dashboard
   int64_t running_requests_ ABSL_GUARDED_BY(mu_) = 0;
   // Shared fairly between keys; FIFO without keys.
   FairQueue<std::shared_ptr<ApiCall>> queue_ ABSL_GUARDED_BY(mu_);
@@ -1243,6 +1248,7 @@ absl::Status Router::Impl::Start() {
   http_->Route("GET", "/v1/models/*", bind(Access::kClient, "models", &Impl::HandleModel));
   http_->Route("GET", "/health", bind(Access::kOpen, "health", &Impl::HandleHealth));
   http_->Route("GET", "/metrics", bind(Access::kAdmin, "metrics", &Impl::HandleMetrics));
+  http_->Route("GET", "/dashboard", bind(Access::kAdmin, "dashboard", &Impl::HandleDashboard));
   http_->Route("POST", "/tokenize", bind(Access::kAdmin, "tokenize", &Impl::HandleTokenize));
   http_->Route("POST", "/detokenize",
                bind(Access::kAdmin, "detokenize", &Impl::HandleDetokenize));
@@ -1563,8 +1569,16 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
   int64_t decode_cached = 0;
   ASSIGN_OR_RETURN(std::shared_ptr<WorkerClient> decode, pick(PoolRole::kDecode, &decode_cached));
   Placement p{.decode = decode, .decode_cached_tokens = decode_cached};
-  // The explanation goes with the placement, and into the log as one line.
+  // The decision goes to /dashboard's recent list; the explanation with the
+  // placement, and into the log as one line.
   auto explain = [&] {
+    recent_.Add({.unix_ms = absl::ToUnixMillis(absl::Now()),
+                 .request_id = call.request_id(),
+                 .decode_worker = p.decode->address(),
+                 .prefill_worker = p.prefill != nullptr ? p.prefill->address() : "",
+                 .prompt_tokens = static_cast<int64_t>(tokens.size()),
+                 .expected_cached_tokens =
+                     p.prefill != nullptr ? p.prefill_cached_tokens : p.decode_cached_tokens});
     if (!call.explain()) return;
     p.explanation = explained.dump();
     LOG(INFO) << "route " << call.request_id() << " " << p.explanation;
@@ -2081,6 +2095,47 @@ void Router::Impl::StartCall(CallKind kind, const http::Request& req,
   }
   call->Prepare(std::move(s), seed);
   Admit(call);
+}
+
+void Router::Impl::HandleDashboard(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
+  std::shared_ptr<const RouterConfig> cfg = config();
+  StatusSnapshot s;
+  s.model = cfg->model.served_name;
+  s.tokenizer = assets_->source;
+  s.disaggregation = DisaggregationModeName(cfg->disaggregation.mode);
+  s.uptime_s = std::chrono::duration_cast<std::chrono::seconds>(
+                   std::chrono::system_clock::now().time_since_epoch()).count() - created_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.in_flight = in_flight_;
+    s.queued = static_cast<int64_t>(queue_.size());
+  }
+  std::shared_ptr<RoutingState> rs = CurrentRouting();
+  for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+    const std::optional<PoolConfig>& pool = role == PoolRole::kPrefill ? cfg->prefill : cfg->decode;
+    if (!pool.has_value()) continue;
+    StatusSnapshot::Pool p{.name = PoolRoleName(role), .policy = pool->policy.name,
+                           .params = pool->policy.params};
+    const int r = static_cast<int>(role);
+    if (rs != nullptr && rs->index[r] != nullptr) p.index_blocks = static_cast<int64_t>(rs->index[r]->size());
+    for (const auto& worker : cluster_.Workers(role)) {
+      StatusSnapshot::Worker sw{.address = worker->address(), .healthy = worker->healthy(),
+                                .incompatible = worker->incompatibility(),
+                                .in_flight = worker->in_flight()};
+      if (std::optional<tandem::v1::LoadReport> l = worker->last_load(); l.has_value()) {
+        sw.running = l->running_sequences();
+        sw.waiting = l->waiting_sequences();
+        sw.used_blocks = l->used_blocks();
+        sw.total_blocks = l->total_blocks();
+        sw.cached_blocks = l->cached_blocks();
+        if (l->prefix_query_tokens() > 0) sw.prefix_hit_rate = l->prefix_hit_rate();
+      }
+      p.workers.push_back(std::move(sw));
+    }
+    s.pools.push_back(std::move(p));
+  }
+  s.recent = recent_.Snapshot();
+  w->Send(200, "text/html; charset=utf-8", RenderStatusPage(s));
 }
 
 nlohmann::json Router::Impl::ModelObject() {
