@@ -15,6 +15,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "common/thread_util.h"
 
 namespace tandem {
@@ -62,8 +63,8 @@ class SerialExecutor {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;  // guarded by mu_
-  bool stop_ = false;                         // guarded by mu_
+  std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;                        // last: starts after the rest is built
 };
 

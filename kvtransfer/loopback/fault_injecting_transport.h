@@ -24,6 +24,7 @@
 #include <string_view>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/string_view.h"
 #include "kvtransfer/transport.h"
 
@@ -81,12 +82,12 @@ class FaultInjectingTransport final : public Transport {
   const std::unique_ptr<Transport> inner_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  Faults faults_;                              // guarded by mu_
-  int64_t num_blocks_ = 0;                     // guarded by mu_: the local pool's
-  uint64_t next_id_ = 1ull << 62;              // guarded by mu_: ids of held transfers
-  std::map<uint64_t, Held> held_;              // guarded by mu_
-  std::map<uint64_t, uint64_t> inner_ids_;     // guarded by mu_: our id -> inner id
-  bool stop_ = false;                          // guarded by mu_
+  Faults faults_ ABSL_GUARDED_BY(mu_);
+  int64_t num_blocks_ ABSL_GUARDED_BY(mu_) = 0;  // the local pool's
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1ull << 62;  // ids of held transfers
+  std::map<uint64_t, Held> held_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, uint64_t> inner_ids_ ABSL_GUARDED_BY(mu_);  // our id -> inner id
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread timer_;
 };
 

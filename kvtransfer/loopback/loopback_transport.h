@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "kvtransfer/transport.h"
 
@@ -70,13 +71,13 @@ class LoopbackTransport final : public Transport {
   const std::string agent_id_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  PoolLayout layout_;                                         // guarded by mu_
-  uint8_t* base_ = nullptr;                                   // guarded by mu_
-  absl::flat_hash_map<std::string, PoolLayout> peers_;        // guarded by mu_
-  std::deque<Transfer> queue_;                                // guarded by mu_
-  absl::flat_hash_map<uint64_t, bool> cancelled_;             // guarded by mu_
-  uint64_t next_id_ = 1;                                      // guarded by mu_
-  bool stop_ = false;                                         // guarded by mu_
+  PoolLayout layout_ ABSL_GUARDED_BY(mu_);
+  uint8_t* base_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::flat_hash_map<std::string, PoolLayout> peers_ ABSL_GUARDED_BY(mu_);
+  std::deque<Transfer> queue_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, bool> cancelled_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

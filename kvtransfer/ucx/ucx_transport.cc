@@ -18,6 +18,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
@@ -880,13 +881,13 @@ class UcxTransport::Impl {
   std::thread thread_;
 
   mutable std::mutex mu_;
-  std::deque<std::function<void()>> commands_;          // guarded by mu_
-  bool stop_ = false;                                   // guarded by mu_
-  bool registered_ = false;                             // guarded by mu_
-  PoolLayout layout_;                                   // guarded by mu_
-  PeerInfo info_;                                       // guarded by mu_
-  absl::flat_hash_map<std::string, PoolLayout> peers_;  // guarded by mu_
-  uint64_t next_id_ = 1;                                // guarded by mu_
+  std::deque<std::function<void()>> commands_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  PoolLayout layout_ ABSL_GUARDED_BY(mu_);
+  PeerInfo info_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, PoolLayout> peers_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 
   // Written by the progress thread before Start() returns, read-only after.
   std::string worker_address_;

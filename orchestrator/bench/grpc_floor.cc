@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "common/file_util.h"
@@ -217,7 +218,7 @@ struct Timing {
 struct Pending {
   std::mutex mu;
   std::condition_variable cv;
-  int left = 0;  // guarded by mu
+  int left ABSL_GUARDED_BY(mu) = 0;
 };
 
 class FloorReader final : public GrpcReader<GenerateResponse> {

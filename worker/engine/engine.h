@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "kvtransfer/transport.h"
 #include "worker/engine/output_sink.h"
@@ -261,9 +262,9 @@ class Engine {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::unique_ptr<Sequence>> submitted_;  // guarded by mu_
-  std::vector<uint64_t> cancelled_;                  // guarded by mu_
-  std::vector<std::function<void(absl::StatusOr<int64_t>)>> clears_;  // guarded by mu_
+  std::deque<std::unique_ptr<Sequence>> submitted_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::function<void(absl::StatusOr<int64_t>)>> clears_ ABSL_GUARDED_BY(mu_);
   struct ReserveCommand {
     std::unique_ptr<Sequence> seq;
     Deadline deadline;
@@ -274,15 +275,15 @@ class Engine {
     SampledToken first;
     std::function<void(absl::Status)> done;
   };
-  std::vector<ReserveCommand> reserves_;   // guarded by mu_
-  std::vector<CommitCommand> commits_;     // guarded by mu_
-  std::vector<uint64_t> releases_;         // guarded by mu_
+  std::vector<ReserveCommand> reserves_ ABSL_GUARDED_BY(mu_);
+  std::vector<CommitCommand> commits_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> releases_ ABSL_GUARDED_BY(mu_);
   struct FallbackCommand {
     uint64_t id;
     std::optional<SampledToken> first;
     std::string why;
   };
-  std::vector<FallbackCommand> fallbacks_;  // guarded by mu_
+  std::vector<FallbackCommand> fallbacks_ ABSL_GUARDED_BY(mu_);
   // Engine thread only: sequences parked with their blocks until a deadline:
   // reserved on a decode worker, or prefilled and awaiting transfer.
   struct Parked {
@@ -300,7 +301,7 @@ class Engine {
   int64_t local_prefill_fallbacks_ = 0;
   int64_t reservations_refused_ = 0;
   int64_t expired_handoffs_ = 0;
-  bool stop_ = false;                                // guarded by mu_
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> running_{false};
   std::atomic<uint64_t> next_id_{1};
   std::atomic<int> waiting_{0};  // the scheduler's queue length, for the overload check
@@ -308,7 +309,7 @@ class Engine {
   std::thread thread_;
 
   mutable std::mutex load_mu_;  // taken after mu_ where both are held
-  LoadSnapshot load_;  // guarded by load_mu_
+  LoadSnapshot load_ ABSL_GUARDED_BY(load_mu_);
   int64_t finished_ = 0;
   // Engine thread only: throughput since the last stats line.
   int64_t prompt_tokens_computed_ = 0;

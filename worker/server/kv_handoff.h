@@ -47,6 +47,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "common/serial_executor.h"
 #include "common/tls.h"
 #include "kvtransfer/transport.h"
@@ -169,9 +170,9 @@ class KvReceiver {
   SerialExecutor verifier_{"kv_verifier"};  // checksums and commits, off the transport's thread
 
   std::mutex mu_;
-  std::map<uint64_t, Entry> entries_;  // guarded by mu_: by wire reservation id
-  std::map<std::string, int64_t> charged_;  // guarded by mu_: blocks per caller
-  int64_t charged_total_ = 0;               // guarded by mu_
+  std::map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by wire reservation id
+  std::map<std::string, int64_t> charged_ ABSL_GUARDED_BY(mu_);  // blocks per caller
+  int64_t charged_total_ ABSL_GUARDED_BY(mu_) = 0;
   // Agents added to the transport. Prefill workers come and go (each restart
   // is a new agent id): beyond kMaxIdlePeers, those idle for a minute are
   // removed.
@@ -181,7 +182,7 @@ class KvReceiver {
     std::chrono::steady_clock::time_point last_used;
   };
   std::mutex peers_mu_;
-  std::map<std::string, PeerUse> peers_;  // guarded by peers_mu_
+  std::map<std::string, PeerUse> peers_ ABSL_GUARDED_BY(peers_mu_);
 
   std::atomic<int64_t> pulls_{0}, pull_failures_{0}, checksum_failures_{0}, bytes_pulled_{0};
   std::atomic<int64_t> pull_nanos_{0};
@@ -241,11 +242,11 @@ class KvSender {
   const PeerAllowList allow_;
   std::atomic<int64_t> peers_refused_{0};
   std::mutex stubs_mu_;
-  std::map<std::string, std::shared_ptr<tandem::v1::Worker::Stub>> stubs_;  // guarded by stubs_mu_
+  std::map<std::string, std::shared_ptr<tandem::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
   std::atomic<int64_t> handoffs_{0}, handoff_failures_{0};
   std::mutex calls_mu_;
   std::condition_variable calls_cv_;
-  std::set<grpc::ClientContext*> calls_;  // guarded by calls_mu_: KvReady calls in flight
+  std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(calls_mu_);  // KvReady calls in flight
   std::unique_ptr<SerialExecutor> executor_ = std::make_unique<SerialExecutor>("kv_sender");
 };
 
