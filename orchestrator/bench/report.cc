@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "common/html.h"
 
 // Debian's Abseil has its own absl::string_view (the one StrCat takes), so
 // this file uses it rather than std::string_view.
@@ -187,30 +188,7 @@ std::string OneLine(absl::string_view text) {
 // HTML and SVG.
 
 std::string Escape(absl::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (char c : text) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      case '\'':
-        out += "&#39;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
+  return HtmlEscape(std::string_view(text.data(), text.size()));
 }
 
 // A 1, 2 or 5 times a power of ten near span / target: about `target` ticks.

@@ -333,7 +333,7 @@ TEST(RenderHtmlTest, SelfContainedAndEscaped) {
   Summary s = Summarize(records, Slo{});
   const std::string html = RenderHtml(s, records, "run <a&b> \"x\"");
   ExpectSelfContained(html);
-  EXPECT_THAT(html, HasSubstr("<title>run &lt;a&amp;b&gt; &quot;x&quot;</title>"));
+  EXPECT_THAT(html, HasSubstr("<title>run &lt;a&amp;b&gt; &#34;x&#34;</title>"));
   EXPECT_THAT(html, Not(HasSubstr("<a&b>")));
   EXPECT_THAT(html, HasSubstr("Successful requests"));
   EXPECT_THAT(html, HasSubstr("HTTP 503: no healthy worker"));

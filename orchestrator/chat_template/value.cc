@@ -698,20 +698,5 @@ absl::Status DumpJson(const Value& v, const JsonDumpOptions& options, std::strin
 Value FromJson(const nlohmann::json& json) { return FromJsonImpl(json); }
 Value FromJson(const nlohmann::ordered_json& json) { return FromJsonImpl(json); }
 
-std::string HtmlEscape(std::string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    switch (c) {
-      case '&': out.append("&amp;"); break;
-      case '<': out.append("&lt;"); break;
-      case '>': out.append("&gt;"); break;
-      case '"': out.append("&#34;"); break;
-      case '\'': out.append("&#39;"); break;
-      default: out.push_back(c);
-    }
-  }
-  return out;
-}
 
 }  // namespace tandem::router::jinja

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/html.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -280,8 +281,8 @@ absl::Status DumpJson(const Value& v, const JsonDumpOptions& options, std::strin
 Value FromJson(const nlohmann::json& json);
 Value FromJson(const nlohmann::ordered_json& json);
 
-// markupsafe.escape of a string.
-std::string HtmlEscape(std::string_view s);
+// markupsafe.escape of a string: common/html.h's.
+using ::tandem::HtmlEscape;
 
 }  // namespace tandem::router::jinja
 

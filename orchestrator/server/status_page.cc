@@ -5,25 +5,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
+#include "common/html.h"
 
 namespace tandem::router {
 namespace {
-
-std::string Escape(const std::string& text) {
-  std::string out;
-  out.reserve(text.size());
-  for (char c : text) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
 
 template <typename T>
 std::string Or(const std::optional<T>& v, const char* none = "-") {
@@ -52,8 +37,8 @@ std::vector<RecentDecision> RecentDecisions::Snapshot() const {
 std::string RenderStatusPage(const StatusSnapshot& s) {
   std::string html = absl::StrCat(
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-      "<meta http-equiv=\"refresh\" content=\"5\">\n<title>tandem router: ", Escape(s.model),
-      "</title>\n<style>", kCss, "</style>\n</head>\n<body>\n<h1>tandem router: ", Escape(s.model),
+      "<meta http-equiv=\"refresh\" content=\"5\">\n<title>tandem router: ", HtmlEscape(s.model),
+      "</title>\n<style>", kCss, "</style>\n</head>\n<body>\n<h1>tandem router: ", HtmlEscape(s.model),
       "</h1>\n<table class=\"meta\">\n");
   struct Row {
     const char* id;
@@ -65,19 +50,19 @@ std::string RenderStatusPage(const StatusSnapshot& s) {
                        Row{"uptime", "uptime", absl::FormatDuration(absl::Seconds(s.uptime_s))},
                        Row{"in-flight", "requests in flight", absl::StrCat(s.in_flight)},
                        Row{"queued", "requests queued", absl::StrCat(s.queued)}}) {
-    absl::StrAppend(&html, "<tr><td>", r.label, "</td><td id=\"", r.id, "\">", Escape(r.value),
+    absl::StrAppend(&html, "<tr><td>", r.label, "</td><td id=\"", r.id, "\">", HtmlEscape(r.value),
                     "</td></tr>\n");
   }
   html += "</table>\n";
   for (const StatusSnapshot::Pool& p : s.pools) {
     int healthy = 0;
     for (const auto& w : p.workers) healthy += w.healthy ? 1 : 0;
-    absl::StrAppend(&html, "<h2>", Escape(p.name), " pool: ", healthy, " of ", p.workers.size(),
-                    " workers healthy</h2>\n<p>policy <code class=\"policy\">", Escape(p.policy),
+    absl::StrAppend(&html, "<h2>", HtmlEscape(p.name), " pool: ", healthy, " of ", p.workers.size(),
+                    " workers healthy</h2>\n<p>policy <code class=\"policy\">", HtmlEscape(p.policy),
                     "</code>");
-    for (const auto& [k, v] : p.params) absl::StrAppend(&html, " ", Escape(k), "=<code>", Escape(v), "</code>");
+    for (const auto& [k, v] : p.params) absl::StrAppend(&html, " ", HtmlEscape(k), "=<code>", HtmlEscape(v), "</code>");
     if (p.index_blocks.has_value()) absl::StrAppend(&html, "; KV index: ", *p.index_blocks, " entries");
-    absl::StrAppend(&html, "</p>\n<table class=\"workers\" data-pool=\"", Escape(p.name),
+    absl::StrAppend(&html, "</p>\n<table class=\"workers\" data-pool=\"", HtmlEscape(p.name),
                     "\">\n<tr><th>worker</th><th>state</th><th>in flight</th><th>running</th>"
                     "<th>waiting</th><th>KV used / total</th><th>KV cached</th>"
                     "<th>prefix hit rate</th></tr>\n");
@@ -86,8 +71,8 @@ std::string RenderStatusPage(const StatusSnapshot& s) {
                                 : w.healthy             ? "healthy"
                                                         : "unhealthy";
       absl::StrAppend(
-          &html, "<tr><td class=\"address\">", Escape(w.address), "</td><td class=\"state ",
-          w.healthy ? "ok" : "bad", "\">", Escape(state), "</td><td>", w.in_flight, "</td><td>",
+          &html, "<tr><td class=\"address\">", HtmlEscape(w.address), "</td><td class=\"state ",
+          w.healthy ? "ok" : "bad", "\">", HtmlEscape(state), "</td><td>", w.in_flight, "</td><td>",
           Or(w.running), "</td><td>", Or(w.waiting), "</td><td>", Or(w.used_blocks), " / ",
           Or(w.total_blocks), "</td><td>", Or(w.cached_blocks), "</td><td>",
           w.prefix_hit_rate.has_value() ? absl::StrFormat("%.1f%%", *w.prefix_hit_rate * 100) : "-",
@@ -101,10 +86,10 @@ std::string RenderStatusPage(const StatusSnapshot& s) {
   for (const RecentDecision& d : s.recent) {
     absl::StrAppend(&html, "<tr><td>",
                     absl::FormatTime("%H:%M:%E3S", absl::FromUnixMillis(d.unix_ms), absl::UTCTimeZone()),
-                    "</td><td>", Escape(d.request_id), "</td><td>", d.prompt_tokens, "</td><td>",
+                    "</td><td>", HtmlEscape(d.request_id), "</td><td>", d.prompt_tokens, "</td><td>",
                     d.expected_cached_tokens, "</td><td class=\"prefill\">",
-                    d.prefill_worker.empty() ? "(on decode)" : Escape(d.prefill_worker),
-                    "</td><td class=\"decode\">", Escape(d.decode_worker), "</td></tr>\n");
+                    d.prefill_worker.empty() ? "(on decode)" : HtmlEscape(d.prefill_worker),
+                    "</td><td class=\"decode\">", HtmlEscape(d.decode_worker), "</td></tr>\n");
   }
   if (s.recent.empty()) html += "<tr><td colspan=\"6\">none yet</td></tr>\n";
   html += "</table>\n<p>Per request, with <code>x-tandem-explain: 1</code>: why (the response's "
