@@ -1086,42 +1086,39 @@ void Router::Impl::RegisterCallbacks() {
       if (rs->index[r] != nullptr) f(PoolRoleName(static_cast<PoolRole>(r)), *rs->index[r]);
     }
   };
-  registry_.AddCallbackCounter(
-      "tandem_router_kv_events_total",
-      "KV events from the workers' streams by outcome: applied to the pool's KV index, or "
-      "skipped (already applied: a replay after a resubscription).",
-      {"pool", "outcome"}, [each_index](MetricEmitter& e) {
-        each_index([&e](const char* pool, const KvIndex& index) {
-          const KvIndex::Stats s = index.stats();
-          e.Emit({pool, "applied"}, static_cast<double>(s.events_applied));
-          e.Emit({pool, "skipped"}, static_cast<double>(s.events_replayed));
-        });
+  // Counters read from each index's Stats: (label value, the Stats field).
+  using StatField = std::pair<const char*, uint64_t KvIndex::Stats::*>;
+  auto index_counter = [this, each_index](const char* name, const char* help, const char* label,
+                                          std::vector<StatField> fields) {
+    registry_.AddCallbackCounter(name, help, {"pool", label},
+                                 [each_index, fields](MetricEmitter& e) {
+      each_index([&](const char* pool, const KvIndex& index) {
+        const KvIndex::Stats s = index.stats();
+        for (const auto& [value, field] : fields) e.Emit({pool, value}, static_cast<double>(s.*field));
       });
-  registry_.AddCallbackCounter(
-      "tandem_router_kv_event_batches_dropped_total",
-      "KV event batches the index refused, by reason: seq_gap (events were lost), malformed, "
-      "or worker_restart (a new instance: its entries dropped); the worker is stale until its "
-      "snapshot arrives.",
-      {"pool", "reason"}, [each_index](MetricEmitter& e) {
-        each_index([&e](const char* pool, const KvIndex& index) {
-          const KvIndex::Stats s = index.stats();
-          e.Emit({pool, "seq_gap"}, static_cast<double>(s.seq_gaps));
-          e.Emit({pool, "malformed"}, static_cast<double>(s.bad_batches));
-          e.Emit({pool, "worker_restart"}, static_cast<double>(s.restarts));
-        });
-      });
-  registry_.AddCallbackCounter(
-      "tandem_router_kv_index_entries_dropped_total",
-      "KV index entries dropped: evicted (the index's memory cap), expired (approximate "
-      "entries past their TTL), snapshot_truncated (a snapshot beyond the cap).",
-      {"pool", "reason"}, [each_index](MetricEmitter& e) {
-        each_index([&e](const char* pool, const KvIndex& index) {
-          const KvIndex::Stats s = index.stats();
-          e.Emit({pool, "evicted"}, static_cast<double>(s.evictions));
-          e.Emit({pool, "expired"}, static_cast<double>(s.expirations));
-          e.Emit({pool, "snapshot_truncated"}, static_cast<double>(s.snapshot_blocks_truncated));
-        });
-      });
+    });
+  };
+  index_counter("tandem_router_kv_events_total",
+                "KV events from the workers' streams by outcome: applied to the pool's KV index, or "
+                "skipped (already applied: a replay after a resubscription).",
+                "outcome",
+                {{"applied", &KvIndex::Stats::events_applied},
+                 {"skipped", &KvIndex::Stats::events_replayed}});
+  index_counter("tandem_router_kv_event_batches_dropped_total",
+                "KV event batches the index refused, by reason: seq_gap (events were lost), "
+                "malformed, or worker_restart (a new instance: its entries dropped); the worker is "
+                "stale until its snapshot arrives.",
+                "reason",
+                {{"seq_gap", &KvIndex::Stats::seq_gaps},
+                 {"malformed", &KvIndex::Stats::bad_batches},
+                 {"worker_restart", &KvIndex::Stats::restarts}});
+  index_counter("tandem_router_kv_index_entries_dropped_total",
+                "KV index entries dropped: evicted (the index's memory cap), expired (approximate "
+                "entries past their TTL), snapshot_truncated (a snapshot beyond the cap).",
+                "reason",
+                {{"evicted", &KvIndex::Stats::evictions},
+                 {"expired", &KvIndex::Stats::expirations},
+                 {"snapshot_truncated", &KvIndex::Stats::snapshot_blocks_truncated}});
   registry_.AddCallbackGauge(
       "tandem_router_kv_index_worker_blocks",
       "Each worker's entries in its pool's KV index, with its mode (exact, approximate, stale).",
