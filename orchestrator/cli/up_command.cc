@@ -253,82 +253,22 @@ int HttpGetStatus(const std::string& host, int port, const std::string& path) {
   return code;
 }
 
-// The YAML text of a pool whose workers are `addresses`.
-std::string PoolYaml(const std::vector<std::string>& addresses, const PolicyConfig& policy) {
-  std::string out = "    workers: [";
-  for (size_t i = 0; i < addresses.size(); ++i) {
-    absl::StrAppend(&out, i ? ", " : "", "\"", addresses[i], "\"");
-  }
-  absl::StrAppend(&out, "]\n    policy:\n      name: ", policy.name, "\n");
-  if (!policy.params.empty()) {
-    absl::StrAppend(&out, "      params:\n");
-    for (const auto& [k, v] : policy.params) absl::StrAppend(&out, "        ", k, ": \"", v, "\"\n");
-  }
-  return out;
-}
-
-// The router's config file: `base` with the started workers as its pools.
-std::string RouterYaml(const RouterConfig& c, const std::vector<std::string>& prefill,
+// The router's config file: `c` with the started workers as its pools (the
+// keys of a keys file are in it by digest: the file is not read again).
+std::string RouterYaml(RouterConfig c, const std::vector<std::string>& prefill,
                        const std::vector<std::string>& decode) {
-  std::string y;
-  absl::StrAppend(&y, "listener:\n  host: \"", c.listener.host, "\"\n  port: ", c.listener.port, "\n");
-  absl::StrAppend(&y, "model:\n  served_name: \"", c.model.served_name, "\"\n  tokenizer: \"",
-                  c.model.tokenizer, "\"\n");
-  if (!c.model.chat_template.empty()) {
-    absl::StrAppend(&y, "  chat_template: \"", c.model.chat_template, "\"\n");
+  if (c.prefill.has_value()) {
+    if (prefill.empty()) {
+      c.prefill.reset();
+    } else {
+      c.prefill->workers = prefill;
+      c.prefill->discovery.reset();
+    }
   }
-  absl::StrAppend(&y, "pools:\n");
-  if (!prefill.empty()) absl::StrAppend(&y, "  prefill:\n", PoolYaml(prefill, c.prefill->policy));
-  absl::StrAppend(&y, "  decode:\n", PoolYaml(decode, c.decode->policy));
-  absl::StrAppend(&y, "disaggregation:\n  mode: ", std::string(DisaggregationModeName(c.disaggregation.mode)),
-                  "\n  auto_threshold_tokens: ", c.disaggregation.auto_threshold_tokens, "\n");
-  absl::StrAppend(&y, absl::StrFormat(
-                          "timeouts:\n  first_token_s: %g\n  idle_stream_s: %g\n  request_s: %g\n",
-                          c.timeouts.first_token_s, c.timeouts.idle_stream_s, c.timeouts.request_s));
-  absl::StrAppend(&y, absl::StrFormat("retries:\n  max_attempts: %d\n  budget_ratio: %g\n",
-                                      c.retries.max_attempts, c.retries.budget_ratio));
-  auto deadline = [](const AttemptDeadlineConfig& d) {
-    return d.automatic ? std::string("auto") : absl::StrFormat("%g", d.seconds);
-  };
-  absl::StrAppend(&y, absl::StrFormat("  attempt_first_token_s: %s\n  attempt_idle_s: %s\n"
-                                      "  auto_multiplier: %g\n  auto_floor_s: %g\n"
-                                      "  max_failovers: %d\n",
-                                      deadline(c.retries.attempt_first_token),
-                                      deadline(c.retries.attempt_idle), c.retries.auto_multiplier,
-                                      c.retries.auto_floor_s, c.retries.max_failovers));
-  absl::StrAppend(&y, absl::StrFormat(
-                          "limits:\n  max_body_bytes: %d\n  max_queue: %d\n  max_in_flight: %d\n"
-                          "  max_connections: %d\n",
-                          c.limits.max_body_bytes, c.limits.max_queue, c.limits.max_in_flight,
-                          c.limits.max_connections));
-  absl::StrAppend(&y, absl::StrFormat("health:\n  interval_s: %g\n  timeout_s: %g\n  "
-                                      "unhealthy_after: %d\n  healthy_after: %d\n",
-                                      c.health.interval_s, c.health.timeout_s,
-                                      c.health.unhealthy_after, c.health.healthy_after));
-  absl::StrAppend(&y, "kv_events:\n  enabled: ", c.kv_events.enabled ? "true" : "false", "\n");
-  absl::StrAppend(&y, "sessions:\n  header: \"", c.sessions.header, "\"\n");
-  if (c.tls.mode == TlsMode::kMutual) {
-    absl::StrAppend(&y, "tls:\n  mode: mutual\n  ca: \"", c.tls.ca, "\"\n  cert: \"", c.tls.cert,
-                    "\"\n  key: \"", c.tls.key, "\"\n");
-  } else {
-    absl::StrAppend(&y, "tls:\n  mode: insecure\n");
-  }
-  // Keys as digests (those of a keys file too: the file is not re-read).
-  const KeyLimitsConfig& l = c.auth.limits_per_key;
-  absl::StrAppend(&y, absl::StrFormat("auth:\n  limits_per_key:\n    requests_per_s: %g\n"
-                                      "    tokens_per_min: %d\n    max_concurrent: %d\n",
-                                      l.requests_per_s, l.tokens_per_min, l.max_concurrent));
-  if (!c.auth.keys.empty()) absl::StrAppend(&y, "  keys:\n");
-  for (const ApiKeyConfig& k : c.auth.keys) {
-    absl::StrAppend(&y, "    - name: \"", k.name, "\"\n      sha256: \"sha256:", k.sha256,
-                    "\"\n      admin: ", k.admin ? "true" : "false", "\n      priority: ",
-                    k.priority, "\n");
-    if (k.requests_per_s) absl::StrAppend(&y, absl::StrFormat("      requests_per_s: %g\n", *k.requests_per_s));
-    if (k.tokens_per_min) absl::StrAppend(&y, "      tokens_per_min: ", *k.tokens_per_min, "\n");
-    if (k.max_concurrent) absl::StrAppend(&y, "      max_concurrent: ", *k.max_concurrent, "\n");
-  }
-  absl::StrAppend(&y, "debug:\n  worker_details: ", c.debug.worker_details ? "true" : "false", "\n");
-  return y;
+  c.decode->workers = decode;
+  c.decode->discovery.reset();
+  c.auth.keys_file.clear();
+  return SerializeRouterConfig(c);
 }
 
 // What the children would refuse after loading their models, refused before

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <limits>
@@ -883,6 +884,155 @@ absl::StatusOr<RouterConfig> LoadRouterConfig(const std::string& path) {
     return absl::Status(code, absl::StrCat("router config: ", text.status().message()));
   }
   return ParseRouterConfig(*text, path);
+}
+
+}  // namespace tandem::router
+
+namespace tandem::router {
+namespace {
+
+// The shortest text of `v` that reads back as `v` (yaml-cpp's emitter
+// always writes 17 digits: 0.2 as 0.20000000000000001).
+std::string ShortestDouble(double v) {
+  char buf[32];
+  for (int precision = 15; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
+void Pair(YAML::Emitter& out, const char* key, double value) {
+  out << YAML::Key << key << YAML::Value << ShortestDouble(value);
+}
+void Pair(YAML::Emitter& out, const char* key, const std::string& value) {
+  out << YAML::Key << key << YAML::Value << YAML::DoubleQuoted << value;
+}
+template <typename T>
+void Pair(YAML::Emitter& out, const char* key, const T& value) {
+  out << YAML::Key << key << YAML::Value << value;
+}
+
+void Pool(YAML::Emitter& out, const char* role, const PoolConfig& pool) {
+  out << YAML::Key << role << YAML::Value << YAML::BeginMap;
+  if (!pool.workers.empty() || !pool.discovery.has_value()) {
+    out << YAML::Key << "workers" << YAML::Value << YAML::Flow << YAML::BeginSeq;
+    for (const std::string& w : pool.workers) out << YAML::DoubleQuoted << w;
+    out << YAML::EndSeq;
+  }
+  if (pool.discovery.has_value()) {
+    out << YAML::Key << "discovery" << YAML::Value << YAML::BeginMap;
+    Pair(out, "dns", pool.discovery->dns);
+    Pair(out, "port", pool.discovery->port);
+    Pair(out, "interval_s", pool.discovery->interval_s);
+    out << YAML::EndMap;
+  }
+  out << YAML::Key << "policy" << YAML::Value << YAML::BeginMap;
+  Pair(out, "name", pool.policy.name);
+  if (!pool.policy.params.empty()) {
+    out << YAML::Key << "params" << YAML::Value << YAML::BeginMap;
+    for (const auto& [k, v] : pool.policy.params) Pair(out, k.c_str(), v);
+    out << YAML::EndMap;
+  }
+  out << YAML::EndMap << YAML::EndMap;
+}
+
+std::string Deadline(const AttemptDeadlineConfig& d) {
+  return d.automatic ? "auto" : ShortestDouble(d.seconds);
+}
+
+}  // namespace
+
+std::string SerializeRouterConfig(const RouterConfig& c) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  out << YAML::Key << "listener" << YAML::Value << YAML::BeginMap;
+  Pair(out, "host", c.listener.host);
+  Pair(out, "port", c.listener.port);
+  out << YAML::EndMap;
+  out << YAML::Key << "model" << YAML::Value << YAML::BeginMap;
+  Pair(out, "served_name", c.model.served_name);
+  Pair(out, "tokenizer", c.model.tokenizer);
+  if (!c.model.chat_template.empty()) Pair(out, "chat_template", c.model.chat_template);
+  Pair(out, "parse_special_tokens_in_messages", c.model.parse_special_tokens_in_messages);
+  out << YAML::EndMap;
+  out << YAML::Key << "pools" << YAML::Value << YAML::BeginMap;
+  if (c.prefill.has_value()) Pool(out, "prefill", *c.prefill);
+  if (c.decode.has_value()) Pool(out, "decode", *c.decode);
+  out << YAML::EndMap;
+  out << YAML::Key << "disaggregation" << YAML::Value << YAML::BeginMap;
+  Pair(out, "mode", std::string(DisaggregationModeName(c.disaggregation.mode)));
+  Pair(out, "auto_threshold_tokens", c.disaggregation.auto_threshold_tokens);
+  out << YAML::EndMap;
+  out << YAML::Key << "timeouts" << YAML::Value << YAML::BeginMap;
+  Pair(out, "first_token_s", c.timeouts.first_token_s);
+  Pair(out, "idle_stream_s", c.timeouts.idle_stream_s);
+  Pair(out, "request_s", c.timeouts.request_s);
+  out << YAML::EndMap;
+  out << YAML::Key << "retries" << YAML::Value << YAML::BeginMap;
+  Pair(out, "max_attempts", c.retries.max_attempts);
+  Pair(out, "budget_ratio", c.retries.budget_ratio);
+  out << YAML::Key << "attempt_first_token_s" << YAML::Value << Deadline(c.retries.attempt_first_token);
+  out << YAML::Key << "attempt_idle_s" << YAML::Value << Deadline(c.retries.attempt_idle);
+  Pair(out, "auto_multiplier", c.retries.auto_multiplier);
+  Pair(out, "auto_floor_s", c.retries.auto_floor_s);
+  Pair(out, "max_failovers", c.retries.max_failovers);
+  out << YAML::EndMap;
+  out << YAML::Key << "limits" << YAML::Value << YAML::BeginMap;
+  Pair(out, "max_body_bytes", c.limits.max_body_bytes);
+  Pair(out, "max_queue", c.limits.max_queue);
+  Pair(out, "max_in_flight", c.limits.max_in_flight);
+  Pair(out, "max_connections", c.limits.max_connections);
+  out << YAML::EndMap;
+  out << YAML::Key << "health" << YAML::Value << YAML::BeginMap;
+  Pair(out, "interval_s", c.health.interval_s);
+  Pair(out, "timeout_s", c.health.timeout_s);
+  Pair(out, "unhealthy_after", c.health.unhealthy_after);
+  Pair(out, "healthy_after", c.health.healthy_after);
+  out << YAML::EndMap;
+  out << YAML::Key << "kv_events" << YAML::Value << YAML::BeginMap;
+  Pair(out, "enabled", c.kv_events.enabled);
+  out << YAML::EndMap;
+  out << YAML::Key << "sessions" << YAML::Value << YAML::BeginMap;
+  Pair(out, "header", c.sessions.header);
+  out << YAML::EndMap;
+  if (c.tls.mode != TlsMode::kUnset) {
+    out << YAML::Key << "tls" << YAML::Value << YAML::BeginMap;
+    Pair(out, "mode", std::string(c.tls.mode == TlsMode::kMutual ? "mutual" : "insecure"));
+    if (c.tls.mode == TlsMode::kMutual) {
+      Pair(out, "ca", c.tls.ca);
+      Pair(out, "cert", c.tls.cert);
+      Pair(out, "key", c.tls.key);
+    }
+    out << YAML::EndMap;
+  }
+  out << YAML::Key << "auth" << YAML::Value << YAML::BeginMap;
+  out << YAML::Key << "limits_per_key" << YAML::Value << YAML::BeginMap;
+  Pair(out, "requests_per_s", c.auth.limits_per_key.requests_per_s);
+  Pair(out, "tokens_per_min", c.auth.limits_per_key.tokens_per_min);
+  Pair(out, "max_concurrent", c.auth.limits_per_key.max_concurrent);
+  out << YAML::EndMap;
+  if (!c.auth.keys.empty()) {
+    out << YAML::Key << "keys" << YAML::Value << YAML::BeginSeq;
+    for (const ApiKeyConfig& k : c.auth.keys) {
+      out << YAML::BeginMap;
+      Pair(out, "name", k.name);
+      Pair(out, "sha256", absl::StrCat("sha256:", k.sha256));
+      Pair(out, "admin", k.admin);
+      Pair(out, "priority", k.priority);
+      if (k.requests_per_s) Pair(out, "requests_per_s", *k.requests_per_s);
+      if (k.tokens_per_min) Pair(out, "tokens_per_min", *k.tokens_per_min);
+      if (k.max_concurrent) Pair(out, "max_concurrent", *k.max_concurrent);
+      out << YAML::EndMap;
+    }
+    out << YAML::EndSeq;
+  }
+  out << YAML::EndMap;
+  out << YAML::Key << "debug" << YAML::Value << YAML::BeginMap;
+  Pair(out, "worker_details", c.debug.worker_details);
+  out << YAML::EndMap;
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
 }
 
 }  // namespace tandem::router

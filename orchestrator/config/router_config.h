@@ -40,6 +40,8 @@ struct ListenerConfig {
   // TCP port, 0..65535; 0: the OS picks a free one (`tandem router --ready-file`
   // reports it).
   int port = 8000;
+
+  friend bool operator==(const ListenerConfig&, const ListenerConfig&) = default;
 };
 
 // The one model this router serves.
@@ -60,6 +62,8 @@ struct ModelConfig {
   // still count. true: such text becomes the control token, as Hugging
   // Face's apply_chat_template + encode does.
   bool parse_special_tokens_in_messages = false;
+
+  friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
 
 // A pool's workers found through DNS: `dns` is resolved every `interval_s`
@@ -73,6 +77,8 @@ struct DnsDiscoveryConfig {
   // Seconds between resolutions, in [1, 3600]. Pods that vanish from DNS
   // leave the pool within one interval.
   double interval_s = 10.0;
+
+  friend bool operator==(const DnsDiscoveryConfig&, const DnsDiscoveryConfig&) = default;
 };
 
 // Which routing policy picks a worker within a pool, by registry name.
@@ -83,6 +89,8 @@ struct PolicyConfig {
   // Policy-specific parameters as strings; each policy rejects names it does
   // not know and values it cannot parse (see orchestrator/routing/*.h).
   PolicyParams params;
+
+  friend bool operator==(const PolicyConfig&, const PolicyConfig&) = default;
 };
 
 // A set of workers of one role and the policy that chooses among them.
@@ -95,6 +103,8 @@ struct PoolConfig {
   std::optional<DnsDiscoveryConfig> discovery;
   // How a worker is picked among the pool's healthy ones.
   PolicyConfig policy;
+
+  friend bool operator==(const PoolConfig&, const PoolConfig&) = default;
 };
 
 // Whether prefill and decode run on different workers.
@@ -117,6 +127,8 @@ struct DisaggregationConfig {
   // the KV transfer, and it adds little to the decode batch's step time;
   // tune per model and network.
   int64_t auto_threshold_tokens = 512;
+
+  friend bool operator==(const DisaggregationConfig&, const DisaggregationConfig&) = default;
 };
 
 // Deadlines, in seconds, each in (0, 86400].
@@ -128,6 +140,8 @@ struct TimeoutsConfig {
   double idle_stream_s = 30.0;
   // Whole request, first byte in to last byte out. >= first_token_s.
   double request_s = 600.0;
+
+  friend bool operator==(const TimeoutsConfig&, const TimeoutsConfig&) = default;
 };
 
 // A per-attempt deadline: fixed seconds, or `auto` (the multiplier times the
@@ -135,6 +149,8 @@ struct TimeoutsConfig {
 struct AttemptDeadlineConfig {
   bool automatic = true;  // YAML `auto`
   double seconds = 0;     // when not automatic, in [0, 86400]
+
+  friend bool operator==(const AttemptDeadlineConfig&, const AttemptDeadlineConfig&) = default;
 };
 
 // Retries of a request that failed before its first token was sent (a
@@ -165,6 +181,8 @@ struct RetriesConfig {
   // Mid-stream failovers per choice, in [0, 10]; 0: a worker that fails
   // after the first token fails the stream (an error event).
   int max_failovers = 3;
+
+  friend bool operator==(const RetriesConfig&, const RetriesConfig&) = default;
 };
 
 // Admission limits; beyond them requests are refused, never stalled.
@@ -180,6 +198,8 @@ struct LimitsConfig {
   // Client connections open at once, in [1, 1048576]; a connection beyond
   // it is answered 503 (Retry-After: 1) and closed.
   int64_t max_connections = 4096;
+
+  friend bool operator==(const LimitsConfig&, const LimitsConfig&) = default;
 };
 
 // Limits of one API key; 0 means no limit.
@@ -197,6 +217,8 @@ struct KeyLimitsConfig {
   // Requests of the key admitted at once (queued or running), in
   // [0, 1048576].
   int64_t max_concurrent = 0;
+
+  friend bool operator==(const KeyLimitsConfig&, const KeyLimitsConfig&) = default;
 };
 
 // One API key. The key itself is never kept: only its SHA-256 digest.
@@ -220,6 +242,8 @@ struct ApiKeyConfig {
 
   // The default limits with this key's overrides applied.
   KeyLimitsConfig Limits(const KeyLimitsConfig& defaults) const;
+
+  friend bool operator==(const ApiKeyConfig&, const ApiKeyConfig&) = default;
 };
 
 // API keys on the HTTP front: with at least one key, every endpoint but
@@ -237,6 +261,8 @@ struct AuthConfig {
   KeyLimitsConfig limits_per_key;
 
   bool enabled() const { return !keys.empty(); }
+
+  friend bool operator==(const AuthConfig&, const AuthConfig&) = default;
 };
 
 // What the router reveals about its workers.
@@ -246,6 +272,8 @@ struct DebugConfig {
   // messages. Off: only admin keys see them; other clients get neutral
   // texts. For test and benchmark clusters.
   bool worker_details = false;
+
+  friend bool operator==(const DebugConfig&, const DebugConfig&) = default;
 };
 
 // Active health checks of every worker in every pool.
@@ -259,6 +287,8 @@ struct HealthConfig {
   int unhealthy_after = 3;
   // Consecutive successes that restore an ejected worker, in [1, 100].
   int healthy_after = 2;
+
+  friend bool operator==(const HealthConfig&, const HealthConfig&) = default;
 };
 
 // The workers' KV-cache event streams (blocks stored / evicted), which feed
@@ -266,6 +296,8 @@ struct HealthConfig {
 struct KvEventsConfig {
   // Subscribe to the events. Required by the kv_cache_aware policy.
   bool enabled = true;
+
+  friend bool operator==(const KvEventsConfig&, const KvEventsConfig&) = default;
 };
 
 // Session affinity for the sticky_session policy.
@@ -273,6 +305,8 @@ struct SessionsConfig {
   // HTTP request header whose value is the session id; an HTTP token
   // (RFC 9110 field-name characters), matched case-insensitively.
   std::string header = "X-Session-ID";
+
+  friend bool operator==(const SessionsConfig&, const SessionsConfig&) = default;
 };
 
 // How the router and its workers authenticate each other
@@ -294,6 +328,8 @@ struct TlsConfig {
   std::string ca;
   std::string cert;
   std::string key;
+
+  friend bool operator==(const TlsConfig&, const TlsConfig&) = default;
 };
 
 struct RouterConfig {
@@ -313,6 +349,8 @@ struct RouterConfig {
   TlsConfig tls;
   AuthConfig auth;
   DebugConfig debug;
+
+  friend bool operator==(const RouterConfig&, const RouterConfig&) = default;
 };
 
 // Checks every field's range and the rules between fields (see each field's
@@ -324,6 +362,13 @@ absl::Status ValidateRouterConfig(const RouterConfig& config);
 // starts every error message.
 absl::StatusOr<RouterConfig> ParseRouterConfig(std::string_view yaml,
                                                const std::string& name_for_errors);
+
+// YAML text that ParseRouterConfig reads back as `config` (every field
+// written, strings quoted and escaped by yaml-cpp's emitter; keys by their
+// digests). auth.keys_file is not written: the keys it gave are in
+// auth.keys already, so the text stands alone. `tandem up` writes its
+// router's file with it.
+std::string SerializeRouterConfig(const RouterConfig& config);
 
 // Reads `path` and parses it as above. NotFound naming the path when the file
 // does not exist; InvalidArgument when it cannot be read or is invalid.

@@ -434,3 +434,66 @@ TEST(RouterConfigTest, TlsIsChosenByNameNeverByOmission) {
 
 }  // namespace
 }  // namespace tandem::router
+
+namespace tandem::router {
+namespace {
+
+// SerializeRouterConfig's text parses back to the same config: every field
+// set away from its default, and strings YAML would misread unquoted.
+TEST(RouterConfigSerializeTest, RoundTripsEveryField) {
+  RouterConfig c;
+  c.listener = {.host = "0.0.0.0", .port = 9123};
+  c.model = {.served_name = "acme/\"chat\": v1 # not a comment",
+             .tokenizer = "/models/x/tokenizer.json",
+             .chat_template = "/models/x/template.jinja",
+             .parse_special_tokens_in_messages = true};
+  PoolConfig prefill;
+  prefill.workers = {"10.0.0.1:50051", "[::1]:50052"};
+  prefill.policy = {.name = "kv_cache_aware", .params = {{"overlap_weight", "2.5"}, {"load_weight", "0.5"}}};
+  PoolConfig decode;
+  decode.discovery = DnsDiscoveryConfig{.dns = "tandem-decode.llm.svc.cluster.local", .port = 50051,
+                                        .interval_s = 2.5};
+  decode.policy = {.name = "power_of_two", .params = {{"seed", "7"}}};
+  c.prefill = prefill;
+  c.decode = decode;
+  c.disaggregation = {.mode = DisaggregationMode::kAlways, .auto_threshold_tokens = 1024};
+  c.timeouts = {.first_token_s = 12.5, .idle_stream_s = 7.25, .request_s = 300.125};
+  c.retries.max_attempts = 4;
+  c.retries.budget_ratio = 0.3;
+  c.retries.attempt_first_token = {.automatic = false, .seconds = 1.75};
+  c.retries.attempt_idle = {.automatic = true};
+  c.retries.auto_multiplier = 3.5;
+  c.retries.auto_floor_s = 0.5;
+  c.retries.max_failovers = 2;
+  c.limits = {.max_body_bytes = 1 << 20, .max_queue = 17, .max_in_flight = 33, .max_connections = 99};
+  c.health = {.interval_s = 0.7, .timeout_s = 0.3, .unhealthy_after = 4, .healthy_after = 3};
+  c.kv_events.enabled = false;
+  c.sessions.header = "X-Conversation";
+  c.tls = {.mode = TlsMode::kInsecure};
+  c.auth.limits_per_key = {.requests_per_s = 2.5, .tokens_per_min = 100000, .max_concurrent = 8};
+  c.auth.keys = {
+      {.name = "ops", .sha256 = std::string(64, 'a'), .admin = true, .priority = 5},
+      {.name = "app.1", .sha256 = std::string(64, 'b'), .requests_per_s = 0.5, .tokens_per_min = 5000,
+       .max_concurrent = 2}};
+  c.debug.worker_details = true;
+  ASSERT_TRUE(ValidateRouterConfig(c).ok()) << ValidateRouterConfig(c);
+
+  const std::string text = SerializeRouterConfig(c);
+  absl::StatusOr<RouterConfig> back = ParseRouterConfig(text, "serialized");
+  ASSERT_TRUE(back.ok()) << back.status() << "\n" << text;
+  EXPECT_TRUE(*back == c) << text;
+  EXPECT_EQ(back->model.served_name, c.model.served_name);
+  EXPECT_EQ(SerializeRouterConfig(*back), text);
+
+  // The defaults (with the required pool and tls) round-trip too.
+  RouterConfig d;
+  d.decode = PoolConfig{.workers = {"127.0.0.1:50051"}};
+  d.disaggregation.mode = DisaggregationMode::kNever;
+  d.tls = {.mode = TlsMode::kInsecure};
+  absl::StatusOr<RouterConfig> d_back = ParseRouterConfig(SerializeRouterConfig(d), "defaults");
+  ASSERT_TRUE(d_back.ok()) << d_back.status() << "\n" << SerializeRouterConfig(d);
+  EXPECT_TRUE(*d_back == d) << SerializeRouterConfig(d);
+}
+
+}  // namespace
+}  // namespace tandem::router
