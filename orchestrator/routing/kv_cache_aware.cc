@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
 #include "common/logging.h"
@@ -20,15 +21,18 @@ constexpr double kTieEpsilon = 1e-9;
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<RoutingPolicy>> KvCacheAwarePolicy::Create(
-    const PolicyParams& params) {
+    const PolicyParams& params, const PolicyContext& context) {
   routing_internal::ParamReader reader("kv_cache_aware", params);
   Options options;
   options.seed = std::random_device{}();
-  int64_t block_size = options.block_size;
+  if (context.block_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_cache_aware: the workers' block size ", context.block_size, " is not >= 1"));
+  }
+  options.block_size = context.block_size;
+  options.block_hash_seed = context.block_hash_seed;
   KvIndex::Options index_options;
   int64_t ttl_s = std::chrono::duration_cast<std::chrono::seconds>(index_options.ttl).count();
-  RETURN_IF_ERROR(reader.Uint64("block_hash_seed", &options.block_hash_seed));
-  RETURN_IF_ERROR(reader.Int64("block_size", 1, 1 << 16, &block_size));
   RETURN_IF_ERROR(reader.Double("overlap_weight", 0.0, &options.overlap_weight));
   RETURN_IF_ERROR(reader.Double("load_weight", 0.0, &options.load_weight));
   RETURN_IF_ERROR(
@@ -41,7 +45,6 @@ absl::StatusOr<std::unique_ptr<RoutingPolicy>> KvCacheAwarePolicy::Create(
   RETURN_IF_ERROR(reader.Int64("max_blocks", 1, int64_t{1} << 31, &index_options.max_blocks));
   RETURN_IF_ERROR(reader.Int64("ttl_s", 1, int64_t{365} * 24 * 3600, &ttl_s));
   RETURN_IF_ERROR(reader.Finish());
-  options.block_size = static_cast<int>(block_size);
   index_options.ttl = std::chrono::seconds(ttl_s);
   return std::make_unique<KvCacheAwarePolicy>(options, std::make_shared<KvIndex>(index_options));
 }

@@ -124,7 +124,10 @@ class KvCacheAwarePolicy : public RoutingPolicy {
   // The scale for a worker that reports no step budget.
   static constexpr int64_t kDefaultPrefillScale = 8192;
 
-  static absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const PolicyParams& params);
+  // Block size and hash seed from `context` (the workers'); the rest from
+  // `params`.
+  static absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const PolicyParams& params,
+                                                               const PolicyContext& context);
   // `now` is the time source for the index's TTLs (tests inject a fake one).
   // REQUIRES: index != nullptr, options.block_size >= 1,
   // options.prefill_tokens_scale >= 0, options.load_factor >= 1.
@@ -140,6 +143,7 @@ class KvCacheAwarePolicy : public RoutingPolicy {
   std::vector<double> Scores(const RouteRequest& req, std::span<const WorkerView> workers);
 
   const std::shared_ptr<KvIndex>& index() const { return index_; }
+  std::shared_ptr<KvIndex> kv_index() const override { return index_; }
 
   // Full prompt blocks seen, and how many of them the chosen worker held:
   // their ratio is the predicted prefix hit rate.

@@ -324,6 +324,32 @@ TEST(KvCacheAwareTest, ShortPromptsRouteOnLoadAlone) {
   EXPECT_EQ(f.index->size(), 0u);
 }
 
+// Block size and hash seed come from the cluster (the workers' ModelInfo),
+// not from YAML: the policy hashes prompts as the context says, and exposes
+// its index through kv_index() (other policies have none).
+TEST(KvCacheAwareTest, BlockSizeAndSeedComeFromThePolicyContext) {
+  RoutingPolicyRegistry registry;
+  RegisterBuiltinRoutingPolicies(registry);
+  auto created = registry.Create("kv_cache_aware", {}, {.block_size = 4, .block_hash_seed = 7});
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::shared_ptr<KvIndex> index = (*created)->kv_index();
+  ASSERT_NE(index, nullptr);
+  auto workers = Workers(2);
+  const auto prompt = Prompt(11, 12);  // three blocks of 4
+  absl::StatusOr<size_t> chosen = (*created)->Pick(RouteRequest{.tokens = prompt}, workers);
+  ASSERT_TRUE(chosen.ok());
+  // The routed entries are the prompt's blocks as the workers hash them.
+  const std::vector<KvIndex::Overlap> overlaps =
+      index->Match(HashBlocks(7, prompt, 4), std::chrono::steady_clock::now());
+  ASSERT_EQ(overlaps.size(), 1u);
+  EXPECT_EQ(overlaps[0].worker_id, workers[*chosen].id);
+  EXPECT_EQ(overlaps[0].matched_blocks, 3);
+  EXPECT_TRUE(index->Match(HashBlocks(0, prompt, 4), std::chrono::steady_clock::now()).empty());
+  EXPECT_EQ((*registry.Create("round_robin", {}))->kv_index(), nullptr);
+  EXPECT_EQ(registry.Create("kv_cache_aware", {}, {.block_size = 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(KvCacheAwareTest, RegistryPolicyOwnsAnIndexBuiltFromItsParameters) {
   RoutingPolicyRegistry registry;
   RegisterBuiltinRoutingPolicies(registry);

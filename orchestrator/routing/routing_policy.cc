@@ -26,13 +26,13 @@ void RoutingPolicyRegistry::Register(std::string name, Factory f) {
 }
 
 absl::StatusOr<std::unique_ptr<RoutingPolicy>> RoutingPolicyRegistry::Create(
-    const std::string& name, const PolicyParams& params) const {
+    const std::string& name, const PolicyParams& params, const PolicyContext& context) const {
   auto it = factories_.find(name);
   if (it == factories_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("unknown routing policy '", name,
                                                    "'; known: ", absl::StrJoin(names(), ", ")));
   }
-  return it->second(params);
+  return it->second(params, context);
 }
 
 std::vector<std::string> RoutingPolicyRegistry::names() const {
@@ -43,13 +43,19 @@ std::vector<std::string> RoutingPolicyRegistry::names() const {
 }
 
 void RegisterBuiltinRoutingPolicies(RoutingPolicyRegistry& registry) {
-  registry.Register("round_robin", &RoundRobinPolicy::Create);
-  registry.Register("random", &RandomPolicy::Create);
-  registry.Register("least_request", &LeastRequestPolicy::Create);
-  registry.Register("power_of_two", &PowerOfTwoPolicy::Create);
-  registry.Register("prefix_aware", &PrefixAwarePolicy::Create);
-  registry.Register("sticky_session", &StickySessionPolicy::Create);
+  // Policies that need nothing from the cluster.
+  auto plain = [](auto create) {
+    return [create](const PolicyParams& params, const PolicyContext&) { return create(params); };
+  };
+  registry.Register("round_robin", plain(&RoundRobinPolicy::Create));
+  registry.Register("random", plain(&RandomPolicy::Create));
+  registry.Register("least_request", plain(&LeastRequestPolicy::Create));
+  registry.Register("power_of_two", plain(&PowerOfTwoPolicy::Create));
+  registry.Register("prefix_aware", plain(&PrefixAwarePolicy::Create));
+  registry.Register("sticky_session", plain(&StickySessionPolicy::Create));
   registry.Register("kv_cache_aware", &KvCacheAwarePolicy::Create);
 }
+
+std::shared_ptr<KvIndex> RoutingPolicy::kv_index() const { return nullptr; }
 
 }  // namespace tandem::router

@@ -37,6 +37,19 @@
 
 namespace tandem::router {
 
+class KvIndex;
+
+// What the cluster tells a policy at its creation: how the workers hash
+// their KV blocks (their ModelInfo's block size and hash seed), so that a
+// cache-aware policy hashes prompts the same way. Not a YAML parameter: a
+// value that disagreed with the workers would make the index useless.
+struct PolicyContext {
+  int block_size = 16;
+  uint64_t block_hash_seed = 0;
+
+  friend bool operator==(const PolicyContext&, const PolicyContext&) = default;
+};
+
 // One worker as the router sees it at the moment of the decision.
 struct WorkerView {
   std::string id;                        // the worker's address; unique in a snapshot
@@ -88,6 +101,10 @@ class RoutingPolicy {
   // prefix_aware's "spillovers", ...), monotonic over the policy's life, for
   // the router's metrics. Default: none. Thread-safe.
   virtual std::vector<std::pair<std::string, uint64_t>> Counters() const;
+
+  // The KV index the policy routes by, for the router to feed with the
+  // workers' KV events; null (the default) for a policy without one.
+  virtual std::shared_ptr<KvIndex> kv_index() const;
 };
 
 // Policy parameters by name, as strings (the YAML layer fills them). Each
@@ -96,8 +113,8 @@ using PolicyParams = std::map<std::string, std::string>;
 
 class RoutingPolicyRegistry {
  public:
-  using Factory =
-      std::function<absl::StatusOr<std::unique_ptr<RoutingPolicy>>(const PolicyParams&)>;
+  using Factory = std::function<absl::StatusOr<std::unique_ptr<RoutingPolicy>>(
+      const PolicyParams&, const PolicyContext&)>;
 
   // REQUIRES: `name` is not registered yet.
   void Register(std::string name, Factory f);
@@ -106,7 +123,8 @@ class RoutingPolicyRegistry {
   // or for a parameter the policy rejects (the message names the parameter
   // and the policy).
   absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const std::string& name,
-                                                        const PolicyParams& params) const;
+                                                        const PolicyParams& params,
+                                                        const PolicyContext& context = {}) const;
 
   // Registered names, sorted.
   std::vector<std::string> names() const;

@@ -148,7 +148,8 @@ TEST(RoutingPolicyRegistryTest, BadParametersNameTheParameterAndThePolicy) {
       {"prefix_aware", "load_factor", "nan"},
       {"sticky_session", "max_sessions", "0"},
       {"sticky_session", "ttl_s", "1.5"},
-      {"kv_cache_aware", "block_size", "0"},
+      {"kv_cache_aware", "block_size", "16"},  // the workers' to tell, not a parameter
+      {"kv_cache_aware", "block_hash_seed", "1"},
       {"kv_cache_aware", "temperature", "-1"},
       {"kv_cache_aware", "max_blocks", "0"},
       {"kv_cache_aware", "ttl_s", "1.5"},
@@ -177,8 +178,7 @@ TEST(RoutingPolicyRegistryTest, GoodParametersAreAccepted) {
   EXPECT_TRUE(registry.Create("sticky_session", {{"max_sessions", "5"}, {"ttl_s", "60"}}).ok());
   EXPECT_TRUE(registry
                   .Create("kv_cache_aware",
-                          {{"block_hash_seed", "12345"}, {"block_size", "64"},
-                           {"overlap_weight", "2"}, {"load_weight", "0.5"},
+                          {{"overlap_weight", "2"}, {"load_weight", "0.5"},
                            {"prefill_tokens_scale", "4096"}, {"load_factor", "1.5"},
                            {"keep_prefix_tokens", "512"}, {"temperature", "0.1"},
                            {"seed", "3"}, {"max_blocks", "1000"}, {"ttl_s", "30"}})

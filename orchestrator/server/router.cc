@@ -67,7 +67,8 @@ struct RoutingState {
   // parameters as they were, so its state (cursor, ring, sessions, index,
   // counters) carries on.
   std::shared_ptr<RoutingPolicy> policy[kNumPoolRoles];
-  PolicyParams params[kNumPoolRoles];  // as created (model values injected)
+  PolicyParams params[kNumPoolRoles];  // as created
+  PolicyContext context;                // the workers' block size and hash seed
   std::shared_ptr<KvIndex> index[kNumPoolRoles];
   int64_t max_context = 0;
   int64_t vocab_size = 0;
@@ -1333,34 +1334,33 @@ std::shared_ptr<RoutingState> Router::Impl::BuildRouting(std::shared_ptr<const R
   rs->config = config;
   rs->max_context = info.max_context_length();
   rs->vocab_size = info.vocab_size();
+  // A cache-aware index must hash prompts exactly as the workers hash their blocks.
+  rs->context = {.block_size = std::max(1, info.block_size()), .block_hash_seed = info.block_hash_seed()};
   RoutingPolicyRegistry registry;
   RegisterBuiltinRoutingPolicies(registry);
   for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
     const std::optional<PoolConfig>& pool =
         role == PoolRole::kPrefill ? config->prefill : config->decode;
     if (!pool.has_value()) continue;
-    PolicyParams params = pool->policy.params;
-    if (pool->policy.name == "kv_cache_aware") {
-      // The index must hash prompts exactly as the workers hash their blocks.
-      params["block_hash_seed"] = std::to_string(info.block_hash_seed());
-      params["block_size"] = std::to_string(std::max(1, info.block_size()));
-    }
+    const PolicyParams& params = pool->policy.params;
     const int r = static_cast<int>(role);
     if (prev != nullptr && prev->policy[r] != nullptr &&
-        prev->policy[r]->name() == pool->policy.name && prev->params[r] == params) {
+        prev->policy[r]->name() == pool->policy.name && prev->params[r] == params &&
+        prev->context == rs->context) {
       rs->policy[r] = prev->policy[r];
     } else {
-      absl::StatusOr<std::unique_ptr<RoutingPolicy>> p = registry.Create(pool->policy.name, params);
+      absl::StatusOr<std::unique_ptr<RoutingPolicy>> p =
+          registry.Create(pool->policy.name, params, rs->context);
       if (!p.ok()) {
-        // Validated at load; only the injected model values could fail.
+        // Validated at load; only the workers' context could fail.
         LOG(ERROR) << PoolRoleName(role) << " pool policy: " << p.status().ToString();
         return nullptr;
       }
       rs->policy[r] = *std::move(p);
     }
-    rs->params[r] = std::move(params);
-    if (auto* kv = dynamic_cast<KvCacheAwarePolicy*>(rs->policy[r].get())) {
-      rs->index[r] = kv->index();
+    rs->params[r] = params;
+    if (std::shared_ptr<KvIndex> index = rs->policy[r]->kv_index(); index != nullptr) {
+      rs->index[r] = std::move(index);
       // Without events the index learns from routing decisions only (a kept
       // policy's index must stop receiving the events it got before).
       cluster_.SetKvIndex(role, config->kv_events.enabled ? rs->index[r] : nullptr);
