@@ -277,10 +277,7 @@ absl::StatusOr<std::unique_ptr<http::HttpServer>> StartMetricsServer(
 }
 
 absl::Status RunWorker(WorkerOptions opt) {
-  if (opt.role != "both" && opt.role != "prefill" && opt.role != "decode") {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--role must be prefill, decode or both, got '%s'", opt.role));
-  }
+  ASSIGN_OR_RETURN(const WorkerRole role, ParseWorkerRole(opt.role));
   if (opt.kv_fallback != "local" && opt.kv_fallback != "error") {
     return absl::InvalidArgumentError(
         absl::StrFormat("--kv-fallback must be local or error, got '%s'", opt.kv_fallback));
@@ -357,7 +354,7 @@ absl::Status RunWorker(WorkerOptions opt) {
   // Declared after the transport: destroyed first, so no transfer callback
   // outlives it.
   const std::string kv_peers = security.kv_peer_allow.ToString();
-  WorkerService service(engine.get(), opt.role, cq.get(), transport, kv, std::move(security));
+  WorkerService service(engine.get(), role, cq.get(), transport, kv, std::move(security));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   // Every call of this process runs on this one thread (grpc_poller.h);

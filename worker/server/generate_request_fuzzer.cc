@@ -69,7 +69,7 @@ Worker* Start() {
   w->cq = builder.AddCompletionQueue();
   const KvHandoffConfig kv{.receive_timeout = std::chrono::milliseconds(200),
                            .hold_timeout = std::chrono::milliseconds(200)};
-  w->service = std::make_unique<WorkerService>(w->engine.get(), "both", w->cq.get(), w->transport.get(), kv);
+  w->service = std::make_unique<WorkerService>(w->engine.get(), WorkerRole::kBoth, w->cq.get(), w->transport.get(), kv);
   builder.RegisterService(w->service.get());
   w->server = builder.BuildAndStart();
   if (w->server == nullptr) std::abort();

@@ -39,7 +39,7 @@ struct GenerateContext {
   WorkerService* service;
   grpc::ServerCompletionQueue* cq;
   Engine* engine;
-  const std::string& role;
+  WorkerRole role;
   KvReceiver* receiver;        // null without a KV transport
   KvSender* sender;            // null without a KV transport
   const KvHandoffConfig& kv;
@@ -295,9 +295,9 @@ class GenerateCall final {
           "this worker runs without a KV transport (--kv-transport): it cannot take part in "
           "disaggregated serving");
     }
-    if (c.role == (receive ? "prefill" : "decode")) {
+    if (c.role == (receive ? WorkerRole::kPrefill : WorkerRole::kDecode)) {
       return absl::FailedPreconditionError(absl::StrFormat(
-          "this worker's role is %s: it does not %s", c.role,
+          "this worker's role is %s: it does not %s", WorkerRoleName(c.role),
           receive ? "receive KV (mode RECEIVE)" : "prefill for other workers (mode SEND)"));
     }
     // RECEIVE: the timeout is capped, not refused (KvReceiver::ReservationTimeout).
@@ -709,13 +709,30 @@ SamplingParams FromProto(const tandem::v1::SamplingParams& p) {
   return s;
 }
 
-WorkerService::WorkerService(Engine* engine, std::string role, grpc::ServerCompletionQueue* cq,
+const char* WorkerRoleName(WorkerRole role) {
+  switch (role) {
+    case WorkerRole::kPrefill: return "prefill";
+    case WorkerRole::kDecode: return "decode";
+    case WorkerRole::kBoth: return "both";
+  }
+  return "both";
+}
+
+absl::StatusOr<WorkerRole> ParseWorkerRole(std::string_view name) {
+  for (WorkerRole r : {WorkerRole::kPrefill, WorkerRole::kDecode, WorkerRole::kBoth}) {
+    if (name == WorkerRoleName(r)) return r;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--role must be prefill, decode or both, got '", std::string(name), "'"));
+}
+
+WorkerService::WorkerService(Engine* engine, WorkerRole role, grpc::ServerCompletionQueue* cq,
                              kvtransfer::Transport* transport, KvHandoffConfig kv,
                              WorkerSecurity security)
     : engine_(engine),
       cq_(cq),
       transport_(transport),
-      role_(std::move(role)),
+      role_(role),
       instance_id_(NewInstanceId()),
       kv_(kv),
       security_(std::move(security)) {
@@ -811,7 +828,7 @@ KvHandoffStats WorkerService::kv_stats() const {
 
 void WorkerService::HandleKvReady(const grpc::ServerContext& ctx, const tandem::v1::KvReadyRequest& request,
     tandem::v1::KvReadyResponse* response, Finish finish) {
-  if (receiver_ == nullptr || role_ == "prefill") {
+  if (receiver_ == nullptr || role_ == WorkerRole::kPrefill) {
     finish(grpc::Status(
         grpc::StatusCode::FAILED_PRECONDITION,
         receiver_ == nullptr ? "this worker runs without a KV transport (--kv-transport)"
@@ -845,7 +862,7 @@ void WorkerService::HandleHealth(const grpc::ServerContext& ctx, const tandem::v
     tandem::v1::HealthResponse* response, Finish finish) {
   response->set_status(serving() ? tandem::v1::HealthResponse::SERVING
                                  : tandem::v1::HealthResponse::NOT_SERVING);
-  response->set_role(role_);
+  response->set_role(WorkerRoleName(role_));
   response->set_instance_id(instance_id_);
   finish(grpc::Status::OK);
 }
@@ -866,7 +883,7 @@ void WorkerService::HandleGetModelInfo(const grpc::ServerContext& ctx, const tan
   r->set_block_size(engine_->config().block_size);
   r->set_total_blocks(engine_->total_blocks());
   r->set_kv_dtype("float32");
-  r->set_role(role_);
+  r->set_role(WorkerRoleName(role_));
   r->set_instance_id(instance_id_);
   r->set_block_hash_seed(engine_->config().block_hash_seed);
   r->set_max_batched_tokens(engine_->config().max_batched_tokens);

@@ -30,7 +30,9 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
+#include "absl/status/statusor.h"
 #include "common/tls.h"
 #include "kvtransfer/transport.h"
 #include "tandem/v1/worker.grpc.pb.h"
@@ -54,13 +56,21 @@ struct WorkerSecurity {
 // Which certificate roles a method admits (with mutual TLS).
 enum class Admits { kRouter, kWorker, kRouterOrWorker };
 
+// What a worker does in a disaggregated cluster: prefill for others (SEND),
+// decode what others prefilled (RECEIVE), or both (and whole requests).
+enum class WorkerRole { kPrefill, kDecode, kBoth };
+// "prefill", "decode", "both": the --role flag's values and ModelInfo.role.
+const char* WorkerRoleName(WorkerRole role);
+// InvalidArgument "--role must be prefill, decode or both, got 'x'" otherwise.
+absl::StatusOr<WorkerRole> ParseWorkerRole(std::string_view name);
+
 class WorkerService final : public tandem::v1::Worker::AsyncService {
  public:
-  // `role` is reported by Health and GetModelInfo ("prefill", "decode", "both")
-  // and decides which disaggregation calls are served. `transport` (may be
+  // `role` is reported by Health and GetModelInfo (WorkerRoleName) and
+  // decides which disaggregation calls are served. `transport` (may be
   // null) is the worker's KV transport, its pool registered; it must outlive
   // the service. `cq` is the server's completion queue.
-  WorkerService(Engine* engine, std::string role, grpc::ServerCompletionQueue* cq,
+  WorkerService(Engine* engine, WorkerRole role, grpc::ServerCompletionQueue* cq,
                 kvtransfer::Transport* transport = nullptr, KvHandoffConfig kv = {},
                 WorkerSecurity security = {});
   ~WorkerService() override;
@@ -111,7 +121,7 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   Engine* const engine_;
   grpc::ServerCompletionQueue* const cq_;
   kvtransfer::Transport* const transport_;
-  const std::string role_;
+  const WorkerRole role_;
   std::atomic<bool> draining_{false};
   const std::string instance_id_;
   const KvHandoffConfig kv_;
