@@ -1232,6 +1232,19 @@ TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   ExpectCleanExit(w);
 }
 
+// The role is one of three names; anything else is refused naming the flag,
+// and what a worker reports is the name it was given.
+TEST_F(WorkerGrpcTest, RoleIsPrefillDecodeOrBoth) {
+  absl::StatusOr<std::string> bin = tandem::testing::TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  std::string out;
+  EXPECT_NE(tandem::testing::RunCommand(*bin + " worker --insecure --port 0 --role encode", &out), 0);
+  EXPECT_THAT(out, HasSubstr("--role must be prefill, decode or both, got 'encode'"));
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> decode = WorkerProcess::Start({"--role", "decode"});
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  EXPECT_EQ(GetModelInfo((*decode)->stub()).role(), "decode");
+}
+
 // In a container image (TANDEM_HOST=0.0.0.0) the worker listens on every
 // interface without a --host flag; a --host flag still wins over it.
 TEST_F(WorkerGrpcTest, TandemHostSetsTheDefaultListenAddress) {
