@@ -281,6 +281,42 @@ void KvReceiver::ReleasePeer(const std::string& agent_id, bool lost) {
   }
 }
 
+absl::Status CheckKvReadyPrompt(const tandem::v1::KvReadyRequest& req, const KvReadyExpectation& expect,
+                                int vocab_size) {
+  if (req.prompt_tokens() != expect.prompt_len || req.prompt_hash() != expect.prompt_hash) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "KvReady describes another prompt (%d tokens, hash %016x) than reservation %d (%d tokens, "
+        "hash %016x)",
+        req.prompt_tokens(), req.prompt_hash(), req.reservation_id(), expect.prompt_len,
+        expect.prompt_hash));
+  }
+  const int32_t first = req.first_token().token_id();
+  if (first < 0 || first >= vocab_size) {
+    return absl::InvalidArgumentError(absl::StrFormat("first_token %d is outside the vocabulary", first));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(
+    const tandem::v1::KvReadyRequest& req, const KvReadyExpectation& expect, int block_size) {
+  const int blocks = static_cast<int>(expect.blocks.size());
+  const int skip = std::min(blocks, expect.cached_tokens / block_size);
+  const int sent = blocks - skip;
+  if (req.block_ids_size() != blocks) {
+    return absl::InvalidArgumentError(absl::StrFormat("KvReady names %d blocks; a %d-token prompt takes %d",
+                                                      req.block_ids_size(), expect.prompt_len, blocks));
+  }
+  if (req.block_checksums_size() != 0 && req.block_checksums_size() != sent) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "KvReady has %d block checksums; %d blocks are pulled (the first %d are cached here)",
+        req.block_checksums_size(), sent, skip));
+  }
+  std::vector<kvtransfer::BlockPair> pairs;
+  pairs.reserve(sent);
+  for (int i = skip; i < blocks; ++i) pairs.push_back({req.block_ids(i), expect.blocks[i]});
+  return pairs;
+}
+
 void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_deadline,
                          tandem::v1::KvReadyResponse* response,
                          std::function<void(grpc::Status)> done) {
@@ -326,41 +362,22 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
                                         req.reservation_id())));
       return;
     }
-    if (req.prompt_tokens() != w.prompt_len || req.prompt_hash() != w.prompt_hash) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrFormat("KvReady describes another prompt (%d tokens, hash %016x) than "
-                                        "reservation %d (%d tokens, hash %016x)",
-                                        req.prompt_tokens(), req.prompt_hash(), req.reservation_id(),
-                                        w.prompt_len, w.prompt_hash)));
+    if (absl::Status s = CheckKvReadyPrompt(req, w.expect, engine_->model_config().vocab_size);
+        !s.ok()) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(s.message())));
       return;
     }
-    const int32_t first = req.first_token().token_id();
-    if (first < 0 || first >= engine_->model_config().vocab_size) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrFormat("first_token %d is outside the vocabulary", first)));
-      return;
-    }
-    const int skip = w.cached_tokens / bs;
-    const int sent = static_cast<int>(w.blocks.size()) - skip;
     pull->engine_id = w.engine_id;
     if (!compatible.ok()) {
       EraseLocked(it);
       incompatible = true;
-    } else if (req.block_ids_size() != static_cast<int>(w.blocks.size())) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrFormat("KvReady names %d blocks; a %d-token prompt takes %d",
-                                        req.block_ids_size(), w.prompt_len, w.blocks.size())));
-      return;
-    } else if (req.block_checksums_size() != 0 && req.block_checksums_size() != sent) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        absl::StrFormat("KvReady has %d block checksums; %d blocks are pulled "
-                                        "(the first %d are cached here)",
-                                        req.block_checksums_size(), sent, skip)));
-      return;
     } else {
-      for (int i = skip; i < static_cast<int>(w.blocks.size()); ++i) {
-        pull->pairs.push_back({req.block_ids(i), w.blocks[i]});
+      absl::StatusOr<std::vector<kvtransfer::BlockPair>> pairs = PlanKvReadyPull(req, w.expect, bs);
+      if (!pairs.ok()) {
+        done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(pairs.status().message())));
+        return;
       }
+      pull->pairs = *std::move(pairs);
       pull->checksums.assign(req.block_checksums().begin(), req.block_checksums().end());
       e.state = State::kPulling;
       call_deadline = std::min(call_deadline, w.deadline);

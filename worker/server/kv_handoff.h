@@ -48,6 +48,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/serial_executor.h"
 #include "common/tls.h"
 #include "kvtransfer/transport.h"
@@ -97,6 +99,26 @@ struct KvHandoffStats {
   int64_t peers_refused = 0;      // prefill: decode addresses refused or unauthenticated
 };
 
+// What a reservation expects of the KvReady that fills it.
+struct KvReadyExpectation {
+  int prompt_len = 0;
+  uint64_t prompt_hash = 0;
+  int cached_tokens = 0;         // held here already: those blocks are not pulled
+  std::vector<int32_t> blocks;   // the reserved blocks, one per block of the prompt
+};
+
+// The checks KvReady's request must pass, as pure functions (the gRPC layer
+// converts and calls KvReceiver, which applies them under its lock):
+// the prompt it describes is the reservation's, and the first token is in
+// the vocabulary. InvalidArgument naming the difference otherwise.
+absl::Status CheckKvReadyPrompt(const tandem::v1::KvReadyRequest& req, const KvReadyExpectation& expect,
+                                int vocab_size);
+// The pull it asks for: (prefill block -> reserved block) for every block
+// past the cached prefix, with a checksum per pulled block or none.
+// InvalidArgument when the block or checksum counts do not add up.
+absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(
+    const tandem::v1::KvReadyRequest& req, const KvReadyExpectation& expect, int block_size);
+
 // Decode side.
 class KvReceiver {
  public:
@@ -118,10 +140,7 @@ class KvReceiver {
     uint64_t engine_id = 0;       // the engine's request id
     std::string caller;           // charged `charged_blocks` (Charge)
     int64_t charged_blocks = 0;
-    std::vector<int32_t> blocks;
-    int cached_tokens = 0;
-    int prompt_len = 0;
-    uint64_t prompt_hash = 0;
+    KvReadyExpectation expect;    // what KvReady must describe
     Deadline deadline{};
   };
   // How the reservation is named on the wire: a random nonzero id and a

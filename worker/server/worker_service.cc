@@ -89,8 +89,8 @@ class GenerateCall final {
         if (r.ok()) {
           KvReceiver::Waiting w = waiting;
           w.engine_id = r->id;
-          w.blocks = r->blocks;
-          w.cached_tokens = r->cached_tokens;
+          w.expect.blocks = r->blocks;
+          w.expect.cached_tokens = r->cached_tokens;
           handle = receiver_->Add(std::move(w));
           reservation_id_ = handle.reservation_id;
         } else {
@@ -201,8 +201,8 @@ class GenerateCall final {
       }
       KvReceiver::Waiting waiting{.caller = std::move(caller),
                                   .charged_blocks = blocks,
-                                  .prompt_len = static_cast<int>(spec.prompt.size()),
-                                  .prompt_hash = HashTokens(spec.prompt),
+                                  .expect = {.prompt_len = static_cast<int>(spec.prompt.size()),
+                                             .prompt_hash = HashTokens(spec.prompt)},
                                   .deadline = std::chrono::steady_clock::now() + timeout};
       reserve_timeout_ms_ = static_cast<uint32_t>(timeout.count());
       instance_id_ = c.receiver->instance_id();
