@@ -78,8 +78,8 @@ absl::StatusOr<std::shared_ptr<const ModelAssets>> LoadModelAssets(const ModelCo
     const fs::path dir = is_dir ? fs::path(config.tokenizer) : fs::path(config.tokenizer).parent_path();
     const std::string tokenizer_path =
         is_dir ? (dir / "tokenizer.json").string() : config.tokenizer;
-    ASSIGN_OR_RETURN(assets->tokenizer, Tokenizer::FromFile(tokenizer_path));
-    ASSIGN_OR_RETURN(std::string json, ReadFile(tokenizer_path));
+    std::string json;
+    ASSIGN_OR_RETURN(assets->tokenizer, Tokenizer::FromFile(tokenizer_path, &json));
     assets->tokenizer_sha256 = Sha256Hex(json);
     const std::string config_path = (dir / "tokenizer_config.json").string();
     if (fs::exists(config_path, ec)) {

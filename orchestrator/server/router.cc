@@ -1566,9 +1566,10 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
   int64_t decode_cached = 0;
   ASSIGN_OR_RETURN(std::shared_ptr<WorkerClient> decode, pick(PoolRole::kDecode, &decode_cached));
   Placement p{.decode = decode, .decode_cached_tokens = decode_cached};
-  // The decision goes to /dashboard's recent list; the explanation with the
-  // placement, and into the log as one line.
-  auto explain = [&] {
+  // Every return with a placement: the decision goes to /dashboard's recent
+  // list; when asked, the explanation goes with the placement and into the
+  // log as one line.
+  auto finish = [&] {
     recent_.Add({.unix_ms = absl::ToUnixMillis(absl::Now()),
                  .request_id = call.request_id(),
                  .decode_worker = p.decode->address(),
@@ -1582,7 +1583,7 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
   };
   const DisaggregationMode mode = cfg.disaggregation.mode;
   if (mode == DisaggregationMode::kNever || rs->policy[0] == nullptr) {
-    explain();
+    finish();
     return p;
   }
   if (mode == DisaggregationMode::kAuto) {
@@ -1596,7 +1597,7 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
                                                    "auto_threshold_tokens %d: the decode worker prefills",
                                                    static_cast<int64_t>(tokens.size()) - decode_cached,
                                                    cfg.disaggregation.auto_threshold_tokens)}});
-      explain();
+      finish();
       return p;
     }
   }
@@ -1605,11 +1606,11 @@ absl::StatusOr<Placement> Router::Impl::Place(const ApiCall& call, std::span<con
   if (!prefill.ok()) {
     // No prefill worker: the decode worker prefills itself (degraded, not down).
     p.local_prefill = true;
-    explain();
+    finish();
     return p;
   }
   if ((*prefill)->address() != decode->address()) p.prefill = *prefill;
-  explain();
+  finish();
   return p;
 }
 
@@ -2182,9 +2183,11 @@ void Router::Impl::HandleHealth(const http::Request& req, std::shared_ptr<http::
   if (cluster_.HasPool(PoolRole::kPrefill)) {
     pools["prefill"] = {{"healthy", healthy[p]}, {"workers", total[p]}};
   }
-  for (const char* name : {"prefill", "decode"}) {
-    const int r = std::string_view(name) == "prefill" ? p : d;
-    if (pools.contains(name) && !incompatible[r].empty()) pools[name]["incompatible"] = incompatible[r];
+  for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
+    const int r = static_cast<int>(role);
+    if (pools.contains(PoolRoleName(role)) && !incompatible[r].empty()) {
+      pools[PoolRoleName(role)]["incompatible"] = incompatible[r];
+    }
   }
   // Ready when a decode-capable worker can take requests: without prefill
   // workers the decode workers prefill themselves (degraded, not down).

@@ -40,7 +40,8 @@ std::string TypeOf(const json& j) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::string& tokenizer_json_path) {
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::string& tokenizer_json_path,
+                                                                std::string* json) {
   absl::StatusOr<std::string> text = ReadFile(tokenizer_json_path);
   if (!text.ok()) {
     return absl::NotFoundError(absl::StrCat("cannot read the tokenizer file: ", text.status().message()));
@@ -50,6 +51,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::string
     return absl::Status(tokenizer.status().code(),
                         absl::StrCat(tokenizer_json_path, ": ", tokenizer.status().message()));
   }
+  if (json != nullptr) *json = *std::move(text);
   return tokenizer;
 }
 

@@ -51,7 +51,10 @@ namespace tandem::router {
 class Tokenizer {
  public:
   // Reads and parses a tokenizer.json file. NotFound when it cannot be read.
-  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromFile(const std::string& tokenizer_json_path);
+  // With `json`, the file's text is left there too (e.g. to fingerprint it
+  // without reading the file again).
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromFile(const std::string& tokenizer_json_path,
+                                                             std::string* json = nullptr);
   // Parses the contents of a tokenizer.json file.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(std::string_view json);
 
