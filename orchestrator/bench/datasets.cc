@@ -193,13 +193,19 @@ absl::StatusOr<std::vector<Session>> Trace(const DatasetOptions& o,
       return absl::InvalidArgumentError(absl::StrFormat("%s:%d: %s", o.path, lineno, why));
     };
     if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
-    for (const char* key : {"timestamp", "input_length", "output_length"}) {
-      if (!j.contains(key) || !j[key].is_number()) return bad(absl::StrCat(key, " must be a number"));
+    if (!j.contains("timestamp") || !j["timestamp"].is_number()) return bad("timestamp must be a number");
+    // Lengths are whole token counts; a float such as 1e30 would not convert
+    // to int (undefined behaviour), and a huge one would allocate its prompt.
+    constexpr int64_t kMaxTraceTokens = 1 << 20;
+    for (const char* key : {"input_length", "output_length"}) {
+      if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() < 1 ||
+          j[key].get<int64_t>() > kMaxTraceTokens) {
+        return bad(absl::StrCat(key, " must be an integer from 1 to ", kMaxTraceTokens));
+      }
     }
     const double ts = j["timestamp"].get<double>();
-    const int input = j["input_length"].get<int>();
-    const int output = j["output_length"].get<int>();
-    if (input < 1 || output < 1) return bad("input_length and output_length must be >= 1");
+    const int input = static_cast<int>(j["input_length"].get<int64_t>());
+    const int output = static_cast<int>(j["output_length"].get<int64_t>());
     std::vector<uint64_t> hashes;
     if (j.contains("hash_ids")) {
       if (!j["hash_ids"].is_array()) return bad("hash_ids must be an array");

@@ -147,11 +147,23 @@ TEST(DatasetsTest, TraceSharesBlocksByHashIdAndKeepsTimestamps) {
   EXPECT_DOUBLE_EQ((*d)[2].arrival_s, 1.0);
   std::remove(path.c_str());
 
-  const std::string bad = TempFile(R"({"timestamp": 1, "input_length": "many", "output_length": 1})");
-  absl::StatusOr<std::vector<Session>> e =
-      BuildDataset(DatasetOptions{.name = "trace", .path = bad}, Builtin());
-  ASSERT_FALSE(e.ok());
-  EXPECT_THAT(std::string(e.status().message()), HasSubstr(":1: input_length must be a number"));
+  for (const char* line : {R"({"timestamp": 1, "input_length": "many", "output_length": 1})",
+                           R"({"timestamp": 1, "input_length": 1e30, "output_length": 1})",
+                           R"({"timestamp": 1, "input_length": 2.5, "output_length": 1})",
+                           R"({"timestamp": 1, "input_length": 0, "output_length": 1})",
+                           R"({"timestamp": 1, "input_length": 2000000, "output_length": 1})"}) {
+    const std::string bad = TempFile(line);
+    absl::StatusOr<std::vector<Session>> e =
+        BuildDataset(DatasetOptions{.name = "trace", .path = bad}, Builtin());
+    ASSERT_FALSE(e.ok()) << line;
+    EXPECT_THAT(std::string(e.status().message()),
+                HasSubstr(":1: input_length must be an integer from 1 to 1048576"))
+        << line;
+    std::remove(bad.c_str());
+  }
+  const std::string bad = TempFile(R"({"timestamp": 1, "input_length": 3, "output_length": -2})");
+  EXPECT_THAT(std::string(BuildDataset(DatasetOptions{.name = "trace", .path = bad}, Builtin()).status().message()),
+              HasSubstr(":1: output_length must be an integer from 1 to 1048576"));
   std::remove(bad.c_str());
 }
 

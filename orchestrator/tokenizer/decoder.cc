@@ -62,7 +62,12 @@ absl::Status Decoder::AddSteps(const json& config, const std::string& path, Deco
     return absl::OkStatus();
   }
   if (type == "Strip") {
-    Strip strip{config.value("content", " "), config.value("start", size_t{0}), config.value("stop", size_t{0})};
+    // Real files strip one character; the bound keeps a fused stream's
+    // accumulated count far from overflowing.
+    constexpr size_t kMaxStrip = 1 << 16;
+    ASSIGN_OR_RETURN(const size_t start, OptionalCount(config, "start", 0, kMaxStrip, path));
+    ASSIGN_OR_RETURN(const size_t stop, OptionalCount(config, "stop", 0, kMaxStrip, path));
+    Strip strip{config.value("content", " "), start, stop};
     if (!IsOneCharacter(strip.content)) return InvalidTokenizerJson(path + ".content", "expected one character");
     if (!out->fused_) {
       out->steps_.push_back(std::move(strip));

@@ -10,6 +10,16 @@ absl::Status InvalidTokenizerJson(absl::string_view path, absl::string_view why)
   return absl::InvalidArgumentError(absl::StrCat("tokenizer.json ", path, ": ", why));
 }
 
+absl::StatusOr<size_t> OptionalCount(const nlohmann::json& object, absl::string_view key, size_t fallback, size_t max,
+                                     absl::string_view path) {
+  const auto it = object.find(std::string(key));
+  if (it == object.end()) return fallback;
+  if (!it->is_number_unsigned() || it->get<uint64_t>() > max) {
+    return InvalidTokenizerJson(absl::StrCat(path, ".", key), absl::StrCat("expected an integer from 0 to ", max));
+  }
+  return static_cast<size_t>(it->get<uint64_t>());
+}
+
 bool IsOneCharacter(std::string_view s) {
   return !s.empty() && Utf8SequenceLength(s) == static_cast<int>(s.size());
 }

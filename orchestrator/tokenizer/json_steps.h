@@ -30,6 +30,13 @@ inline constexpr int kMaxTokenizerJsonDepth = 64;
 // InvalidArgument "tokenizer.json <path>: <why>".
 absl::Status InvalidTokenizerJson(absl::string_view path, absl::string_view why);
 
+// The optional count `key` of `object`: `fallback` when absent, else an
+// integer in [0, max]. A fraction, a float such as 1e30 (converting it to an
+// integer would be undefined behaviour), a negative number or a non-number
+// is refused, naming `path`.`key`.
+absl::StatusOr<size_t> OptionalCount(const nlohmann::json& object, absl::string_view key, size_t fallback,
+                                     size_t max, absl::string_view path);
+
 // True when `s` is exactly one UTF-8 character.
 bool IsOneCharacter(std::string_view s);
 

@@ -540,6 +540,14 @@ TEST(TokenizerTest, ErrorsNameTheJsonPath) {
                   {"decoders", json::array({{{"type", "Fuse"}}, {{"type", "Strip"}, {"content", " "},
                                                                  {"start", 0}, {"stop", 1}}})}};
   expect_error(j, "decoder.decoders[1].stop");
+  // Counts must be integers: converting 4.4e36 to size_t was undefined
+  // behaviour (found by tokenizer_json_fuzzer); negatives and fractions too.
+  for (const json& bad : {json(4.4e36), json(-1), json(1.5), json("1"), json(uint64_t{1} << 40)}) {
+    j["decoder"] = {{"type", "Strip"}, {"content", " "}, {"start", bad}, {"stop", 0}};
+    expect_error(j, "decoder.start");
+  }
+  j["decoder"] = {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 1e300}};
+  expect_error(j, "decoder.stop");
   j["decoder"] = {{"type", "Replace"}, {"pattern", {{"Regex", "x"}}}, {"content", "y"}};
   expect_error(j, "decoder.pattern");
   j = TinyMetaspaceBpe("always", true);
