@@ -1,6 +1,7 @@
 #include "orchestrator/chat_template/chat_template.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,19 +15,48 @@
 namespace tandem::router {
 namespace {
 
-// The nesting depth of `json`, without recursion (a hostile request may nest deeply).
+// The work a render may do (RenderLimits::max_work): a floor for the
+// template's own statements plus a multiple of the context's size, so that a
+// long conversation is never refused while a template that rescans it, or a
+// string of its own making, on every pass is (chat_template_test's
+// WorkAllowanceFitsRealTemplates measures the real templates against it).
+// The floor, in units of work: about 0.1 s of the interpreter's time at most.
+// Fuzzing builds (ASan, coverage) run each unit about 50 times slower, and
+// use less.
+#ifdef FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION
+constexpr int64_t kWorkFloor = int64_t{1} << 20;
+#else
+constexpr int64_t kWorkFloor = int64_t{16} << 20;
+#endif
+constexpr int64_t kWorkPerContextUnit = 64;
+
+struct JsonShape {
+  int depth = 0;
+  int64_t size = 0;  // Values plus string bytes (keys' and values').
+};
+
+// The nesting depth and size of `json`, without recursion (a hostile request may nest deeply).
 template <typename Json>
-int JsonDepth(const Json& json) {
-  int max_depth = 0;
+JsonShape MeasureJson(const Json& json) {
+  JsonShape shape;
   std::vector<std::pair<const Json*, int>> stack = {{&json, 1}};
   while (!stack.empty()) {
     const auto [node, depth] = stack.back();
     stack.pop_back();
+    ++shape.size;
+    if (node->is_string()) shape.size += static_cast<int64_t>(node->template get_ref<const std::string&>().size());
     if (!node->is_structured()) continue;
-    max_depth = std::max(max_depth, depth);
-    for (const auto& child : *node) stack.emplace_back(&child, depth + 1);
+    shape.depth = std::max(shape.depth, depth);
+    if (node->is_object()) {
+      for (auto it = node->begin(); it != node->end(); ++it) {
+        shape.size += static_cast<int64_t>(it.key().size());
+        stack.emplace_back(&*it, depth + 1);
+      }
+    } else {
+      for (const auto& child : *node) stack.emplace_back(&child, depth + 1);
+    }
   }
-  return max_depth;
+  return shape;
 }
 
 template <typename Json>
@@ -34,8 +64,9 @@ absl::StatusOr<std::string> RenderJson(const jinja::Template& tpl, const Json& c
   if (!context.is_object()) {
     return absl::InvalidArgumentError("chat template: the render context must be a JSON object");
   }
+  const JsonShape shape = MeasureJson(context);
   // The top-level object is not a template value: its members may nest kMaxValueDepth deep.
-  if (JsonDepth(context) > jinja::kMaxValueDepth + 1) {
+  if (shape.depth > jinja::kMaxValueDepth + 1) {
     return absl::InvalidArgumentError(
         "chat template: the render context nests deeper than " + std::to_string(jinja::kMaxValueDepth) + " levels");
   }
@@ -46,7 +77,9 @@ absl::StatusOr<std::string> RenderJson(const jinja::Template& tpl, const Json& c
     *value = jinja::FromJson(*it);
     return true;
   };
-  return jinja::Render(tpl, lookup, jinja::RenderLimits());
+  jinja::RenderLimits limits;
+  limits.max_work = kWorkFloor + kWorkPerContextUnit * shape.size;
+  return jinja::Render(tpl, lookup, limits);
 }
 
 }  // namespace

@@ -335,9 +335,12 @@ TEST(ChatTemplateRenderTest, StrftimeNowUsesLocalTime) {
   EXPECT_EQ(MustRender("{{ strftime_now('%d %b %Y') }}", ordered_json::object()), expected);
 }
 
+// A context whose size allows the work (chat_template.cc's allowance grows
+// with it) to reach the cap a test is about.
+ordered_json RoomForWork() { return {{"padding", std::string(size_t{4} << 20, ' ')}}; }
+
 TEST(ChatTemplateRenderTest, OutputSizeIsCapped) {
-  const absl::Status s =
-      RenderStatus("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", ordered_json::object());
+  const absl::Status s = RenderStatus("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", RoomForWork());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("output exceeds the chat template limit"));
 }
@@ -345,14 +348,14 @@ TEST(ChatTemplateRenderTest, OutputSizeIsCapped) {
 TEST(ChatTemplateRenderTest, StringGrowthIsCapped) {
   const absl::Status s = RenderStatus(
       "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-      ordered_json::object());
+      RoomForWork());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("exceeds the chat template limit"));
 }
 
 TEST(ChatTemplateRenderTest, LoopIterationsAreCapped) {
   const absl::Status s = RenderStatus(
-      "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", ordered_json::object());
+      "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", RoomForWork());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("loop iterations"));
 }
@@ -407,6 +410,49 @@ ordered_json Conversation(int turns) {
   }
   messages.push_back({{"role", "user"}, {"content", "Thanks!"}});
   return {{"messages", messages}, {"add_generation_prompt", true}, {"tools", nullptr}, {"documents", nullptr}};
+}
+
+TEST(ChatTemplateRenderTest, WorkIsCappedRelativeToTheContext) {
+  // Each pass hands a 10 kB string to |int: within the loop cap, a billion
+  // units of work; the allowance is about 17 million for this context.
+  const ordered_json context = {{"s", std::string(10000, 'x')}};
+  const absl::Status s = RenderStatus(
+      "{% for i in range(100000) %}{% if s|int %}{% endif %}{% endfor %}", context);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(s), HasSubstr("units of work"));
+  // The same string read a few times is well within it.
+  EXPECT_EQ(MustRender("{% for i in range(10) %}{{ s|int }}{% endfor %}", context), "0000000000");
+}
+
+// A long conversation (4,001 messages) and long messages (every content 64 kB)
+// render with every real template: the work allowance grows with the context.
+TEST(ChatTemplateRenderTest, WorkAllowanceFitsRealTemplates) {
+  const ordered_json spec = ordered_json::parse(ReadFile(TestData("conversations.json")));
+  for (const auto& [name, defaults] : spec["templates"].items()) {
+    absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl =
+        ChatTemplate::Create(ReadFile(TestData("templates/" + name + ".jinja")));
+    ASSERT_TRUE(tmpl.ok()) << name << ": " << tmpl.status();
+    ordered_json context = Conversation(1);
+    for (const auto& [key, value] : defaults.items()) context[key] = value;
+    if (!(*tmpl)->Render(context).ok()) continue;  // no system turn (mistral_v01)
+    context["messages"] = Conversation(2000)["messages"];
+    const absl::StatusOr<std::string> text = (*tmpl)->Render(context);
+    ASSERT_TRUE(text.ok()) << name << ": " << text.status();
+    EXPECT_THAT(*text, HasSubstr("Question 1999: how do llamas sleep?")) << name;
+  }
+  for (Case& c : LoadConversations()) {
+    absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl = ChatTemplate::Create(c.source);
+    ASSERT_TRUE(tmpl.ok()) << c.name << ": " << tmpl.status();
+    if (!(*tmpl)->Render(c.context).ok()) continue;  // A conversation the template refuses on purpose.
+    for (ordered_json& message : c.context["messages"]) {
+      if (!message.contains("content") || !message["content"].is_string()) continue;
+      std::string content = message["content"];
+      while (!content.empty() && content.size() < 65536) content += content;
+      message["content"] = content;
+    }
+    const absl::StatusOr<std::string> text = (*tmpl)->Render(c.context);
+    EXPECT_TRUE(text.ok()) << c.name << ": " << text.status();
+  }
 }
 
 TEST(ChatTemplateRenderTest, ConcurrentRendersAgree) {

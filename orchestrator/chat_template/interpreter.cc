@@ -315,7 +315,24 @@ class Renderer {
   absl::StatusOr<Value> Eval(const Expr& e, Frame& frame) {
     absl::StatusOr<Value> v = EvalNode(e, frame);
     if (!v.ok()) return Locate(v.status(), e.offset);
+    if (absl::Status s = Charge(*v); !s.ok()) return Locate(std::move(s), e.offset);
     return v;
+  }
+
+  // Counts a value an expression yielded against limits_.max_work.
+  absl::Status Charge(const Value& v) {
+    size_t size = 0;
+    if (v.is_string()) {
+      size = v.str().size();
+    } else if (v.is_list()) {
+      size = v.list().items.size();
+    } else if (v.is_dict()) {
+      size = v.dict().entries.size();
+    }
+    work_ += 1 + static_cast<int64_t>(size);
+    if (work_ <= limits_.max_work) return absl::OkStatus();
+    return PyError(Cat("the chat template did more than ", limits_.max_work,
+                       " units of work (one per expression, and per string byte or item it yields)"));
   }
 
   absl::StatusOr<CallArgs> EvalArgs(const Expr& e, Frame& frame) {
@@ -338,6 +355,7 @@ class Renderer {
     if (e.children[0]) {
       if (e.children[0]->kind == ExprKind::kFilter) {
         ASSIGN_OR_RETURN(input, EvalFilter(*e.children[0], frame, block_input));
+        RETURN_IF_ERROR(Charge(input));
       } else {
         ASSIGN_OR_RETURN(input, Eval(*e.children[0], frame));
       }
@@ -562,6 +580,7 @@ class Renderer {
   int64_t iterations_ = 0;
   int call_depth_ = 0;
   int64_t macro_calls_ = 0;
+  int64_t work_ = 0;  // Against limits_.max_work.
   int loop_name_id_ = -2;  // -2: not looked up yet; -1: the template never says `loop`.
   std::vector<std::shared_ptr<Object>> objects_;  // Namespaces, loops and macros made by this render.
 };

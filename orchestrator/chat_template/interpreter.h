@@ -37,6 +37,13 @@ struct RenderLimits {
   // Macro calls over the whole render: a macro that calls itself twice is
   // 2^depth calls within max_call_depth (a fuzzer's template ran for minutes).
   int64_t max_macro_calls = 100'000;
+  // Work over the whole render: one unit per expression evaluated plus one
+  // per string byte or container item it yields, so reading a 1 MB string
+  // costs a million. It bounds what the caps above leave open: a loop or a
+  // macro that hands a long string to a filter on every pass scans it each
+  // time (a fuzzer's template spent 10 s in |int within the macro cap).
+  // ChatTemplate scales it with the size of the context.
+  int64_t max_work = int64_t{1} << 20;
 };
 
 // Looks up a top-level render variable ("messages", "bos_token", ...) that
