@@ -96,8 +96,17 @@ model=$(sed -n 's/^  served_name: "\(.*\)"$/\1/p' "$work/run/router.yaml")
 pids=()
 for j in 1 2 3 4; do load $j & pids+=($!); done
 for p in "${pids[@]}"; do wait "$p" || { echo "FAIL: a load request failed"; exit 1; }; done
-sleep 3
-curl -fsS "$api/targets" | grep -q '"health":"up"' || { echo "FAIL: the router's target is not up"; curl -s "$api/targets"; exit 1; }
+# Prometheus applies new targets at most every 5 s after it starts, and the load may end sooner:
+# wait for the target to be up and scraped twice (rates need two samples).
+up_since=
+for _ in $(seq 300); do
+  if curl -fsS "$api/targets" | grep -q '"health":"up"'; then
+    up_since=${up_since:-$SECONDS}
+    ((SECONDS - up_since >= 3)) && break
+  fi
+  sleep 0.1
+done
+[[ -n $up_since ]] || { echo "FAIL: the router's target is not up"; curl -s "$api/targets"; exit 1; }
 
 # The workers' own metrics are netns_cluster_test's to check (here they share one host and
 # have no metrics ports).
