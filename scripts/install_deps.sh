@@ -20,6 +20,7 @@ PACKAGES=(
   golang-gopkg-yaml.v2-dev golang-gopkg-yaml.v3-dev
   python3-yaml  # tests/deploy/check_render.py reads the rendered manifests
   prometheus  # promtool checks the chart's alert rules (the server is not started)
+  prometheus-cpp-dev  # common/metrics_bench: our registry against prometheus-cpp's core
   debootstrap  # make image-check: a Debian root with only the image's runtime packages
   chromium  # tests/dashboard: the router's /dashboard in a headless browser (playwright-core)
 )
