@@ -670,19 +670,83 @@ std::string_view FinishReasonName(FinishReason reason) {
   return "stop";
 }
 
-absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_view body) {
-  ASSIGN_OR_RETURN(rapidjson::Document doc, ParseObject(body));
-  ChatCompletionRequest req;
-  ASSIGN_OR_RETURN(req.model, ReadModel(doc));
+namespace {
 
+// `v` as the chat template's JSON, without recursion (its depth was bounded
+// by ParseObject, but no recursion's depth is the client's to choose).
+nlohmann::ordered_json ToTemplateJson(const Value& v) {
+  nlohmann::ordered_json root;
+  std::vector<std::pair<const Value*, nlohmann::ordered_json*>> todo = {{&v, &root}};
+  while (!todo.empty()) {
+    auto [from, to] = todo.back();
+    todo.pop_back();
+    if (from->IsObject()) {
+      // Every key first: an insertion moves the members before it. Walked
+      // back to front, so a repeated key ends with its last value.
+      *to = nlohmann::ordered_json::object();
+      for (auto it = from->MemberBegin(); it != from->MemberEnd(); ++it) (*to)[std::string(StringOf(it->name))];
+      for (auto it = from->MemberEnd(); it != from->MemberBegin();) {
+        --it;
+        todo.emplace_back(&it->value, &(*to)[std::string(StringOf(it->name))]);
+      }
+    } else if (from->IsArray()) {
+      *to = nlohmann::ordered_json::array();
+      for (unsigned i = 0; i < from->Size(); ++i) to->push_back(nullptr);
+      for (unsigned i = 0; i < from->Size(); ++i) todo.emplace_back(&(*from)[i], &(*to)[i]);
+    } else if (from->IsString()) {
+      *to = std::string(StringOf(*from));
+    } else if (from->IsBool()) {
+      *to = from->GetBool();
+    } else if (from->IsInt64()) {
+      *to = from->GetInt64();
+    } else if (from->IsUint64()) {
+      *to = from->GetUint64();
+    } else if (from->IsNumber()) {
+      *to = from->GetDouble();
+    } else {
+      *to = nullptr;
+    }
+  }
+  return root;
+}
+
+// The conversation fields of a chat request (chat completions and
+// /tokenize's messages form): messages, add_generation_prompt and
+// chat_template_kwargs.
+absl::Status ReadConversation(const Value& doc, ChatCompletionRequest* req) {
   const Value* messages = Find(doc, "messages");
   if (messages == nullptr) return InvalidRequest("messages", "Missing required field 'messages'");
   if (!messages->IsArray()) return WrongType("messages", "an array", *messages);
   if (messages->Empty()) return InvalidRequest("messages", "'messages' must not be empty");
   for (unsigned i = 0; i < messages->Size(); ++i) {
     ASSIGN_OR_RETURN(ChatMessage m, ParseMessage((*messages)[i], Index("messages", i)));
-    req.messages.push_back(std::move(m));
+    req->messages.push_back(std::move(m));
   }
+  RETURN_IF_ERROR(ReadBool(doc, "add_generation_prompt", "", &req->add_generation_prompt));
+  if (const Value* v = Find(doc, "chat_template_kwargs")) {
+    if (!v->IsObject()) return WrongType("chat_template_kwargs", "an object", *v);
+    for (auto it = v->MemberBegin(); it != v->MemberEnd(); ++it) {
+      std::string_view name = StringOf(it->name);
+      if (!IsServerTemplateVariable(name)) continue;
+      const std::string path = Path("chat_template_kwargs", name);
+      return InvalidRequest(
+          path, absl::StrCat("'", Av(path), "' sets a template variable the server owns; ",
+                             name == "add_generation_prompt"
+                                 ? "use the request's 'add_generation_prompt' field"
+                                 : "it cannot be overridden"));
+    }
+    req->chat_template_kwargs = ToTemplateJson(*v);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_view body) {
+  ASSIGN_OR_RETURN(rapidjson::Document doc, ParseObject(body));
+  ChatCompletionRequest req;
+  ASSIGN_OR_RETURN(req.model, ReadModel(doc));
+  RETURN_IF_ERROR(ReadConversation(doc, &req));
 
   RETURN_IF_ERROR(ReadSampling(doc, &req.sampling));
   std::optional<int64_t> max_completion_tokens;
@@ -697,29 +761,42 @@ absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_vie
     return InvalidRequest("top_logprobs", "'top_logprobs' requires 'logprobs' to be true");
   }
 
-  RETURN_IF_ERROR(ReadBool(doc, "add_generation_prompt", "", &req.add_generation_prompt));
-  if (const Value* v = Find(doc, "chat_template_kwargs")) {
-    if (!v->IsObject()) return WrongType("chat_template_kwargs", "an object", *v);
-    for (auto it = v->MemberBegin(); it != v->MemberEnd(); ++it) {
-      std::string_view name = StringOf(it->name);
-      if (!IsServerTemplateVariable(name)) continue;
-      const std::string path = Path("chat_template_kwargs", name);
-      return InvalidRequest(
-          path, absl::StrCat("'", Av(path), "' sets a template variable the server owns; ",
-                             name == "add_generation_prompt"
-                                 ? "use the request's 'add_generation_prompt' field"
-                                 : "it cannot be overridden"));
-    }
-    rapidjson::StringBuffer buf;
-    JsonWriter w(buf);
-    v->Accept(w);
-    req.chat_template_kwargs.assign(buf.GetString(), buf.GetSize());
-  }
-
   RETURN_IF_ERROR(RejectUnknown(doc, "",
                                 {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                  "add_generation_prompt", "chat_template_kwargs"},
                                 kSamplingKeys));
+  return req;
+}
+
+absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(std::string_view body) {
+  ASSIGN_OR_RETURN(rapidjson::Document doc, ParseObject(body));
+  RETURN_IF_ERROR(RejectUnknown(doc, "",
+                                {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                                 "chat_template_kwargs", "return_token_strs"}));
+  TokenizeRequest req;
+  RETURN_IF_ERROR(ReadString(doc, "model", "", &req.model));
+  const bool has_prompt = Find(doc, "prompt") != nullptr;
+  const bool has_messages = Find(doc, "messages") != nullptr;
+  if (has_prompt == has_messages) {
+    return InvalidRequest(has_prompt ? "messages" : "prompt", "give exactly one of 'prompt' and 'messages'");
+  }
+  if (has_prompt) {
+    RETURN_IF_ERROR(ReadString(doc, "prompt", "", &req.prompt));
+    for (const char* key : {"add_generation_prompt", "chat_template_kwargs"}) {
+      if (Find(doc, key) != nullptr) {
+        return InvalidRequest(key, absl::StrCat("'", key, "' applies to 'messages', not to 'prompt'"));
+      }
+    }
+  } else {
+    req.chat.emplace();
+    RETURN_IF_ERROR(ReadConversation(doc, &*req.chat));
+  }
+  bool flag = false;
+  if (Find(doc, "add_special_tokens") != nullptr) {
+    RETURN_IF_ERROR(ReadBool(doc, "add_special_tokens", "", &flag));
+    req.add_special_tokens = flag;
+  }
+  RETURN_IF_ERROR(ReadBool(doc, "return_token_strs", "", &req.return_token_strs));
   return req;
 }
 

@@ -63,6 +63,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
 
 namespace tandem::router {
 
@@ -177,8 +178,9 @@ struct ChatCompletionRequest {
   bool logprobs = false;
   std::optional<int64_t> top_logprobs;  // [0, 20]
   bool add_generation_prompt = true;
-  // The chat_template_kwargs object as compact JSON; empty when absent.
-  std::string chat_template_kwargs;
+  // The chat_template_kwargs object, converted from the body once (for the
+  // template's context); an empty object when absent.
+  nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
 };
 
 // A completion prompt: text, or token ids (for "prompt": [1, 2] and
@@ -194,6 +196,20 @@ struct CompletionRequest {
 };
 
 absl::StatusOr<ChatCompletionRequest> ParseChatCompletionRequest(std::string_view body);
+
+// POST /tokenize (vLLM's): a text, or a conversation rendered as chat
+// completions would render it, tokenized as the model sees it.
+struct TokenizeRequest {
+  std::optional<std::string> model;  // absent: the served model
+  // Exactly one of the two. `chat` holds messages, add_generation_prompt and
+  // chat_template_kwargs, checked as chat completions checks them.
+  std::optional<std::string> prompt;
+  std::optional<ChatCompletionRequest> chat;
+  std::optional<bool> add_special_tokens;  // absent: true for a prompt, false for messages
+  bool return_token_strs = false;
+};
+
+absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(std::string_view body);
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body);
 
 // ---------------------------------------------------------------------------

@@ -143,7 +143,7 @@ TEST(ChatRequestTest, TemplateControlsAndServerOwnedVariables) {
       R"("add_generation_prompt": false, "chat_template_kwargs": {"enable_thinking": false, "x": {"y": [1, "<|eot_id|>"]}})"));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->add_generation_prompt);
-  EXPECT_EQ(r->chat_template_kwargs, R"({"enable_thinking":false,"x":{"y":[1,"<|eot_id|>"]}})");
+  EXPECT_EQ(r->chat_template_kwargs.dump(), R"({"enable_thinking":false,"x":{"y":[1,"<|eot_id|>"]}})");
   for (std::string_view owned : kServerTemplateVariables) {
     const ApiError e = ChatError(ChatBody(absl::StrCat(R"("chat_template_kwargs": {")", std::string(owned), R"(": 1})")));
     EXPECT_EQ(e.http_status, 400) << owned;
@@ -576,6 +576,57 @@ TEST(StreamTest, CompletionAndErrorChunks) {
       SseJson(ErrorChunk(ApiErrorFromStatus(absl::UnavailableError("no worker"))));
   EXPECT_EQ(Str(e["error"]["message"]), "no worker");
   EXPECT_EQ(Str(e["error"]["type"]), "server_error");
+}
+
+}  // namespace
+}  // namespace tandem::router
+
+namespace tandem::router {
+namespace {
+
+ApiError TokenizeError(std::string_view body) {
+  absl::StatusOr<TokenizeRequest> r = ParseTokenizeRequest(body);
+  EXPECT_FALSE(r.ok()) << body;
+  return r.ok() ? ApiError{} : ApiErrorFromStatus(r.status());
+}
+
+TEST(TokenizeRequestTest, APromptOrAConversation) {
+  absl::StatusOr<TokenizeRequest> p =
+      ParseTokenizeRequest(R"({"model": "m", "prompt": "Hi", "add_special_tokens": false, "return_token_strs": true})");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->model, "m");
+  EXPECT_EQ(p->prompt, "Hi");
+  EXPECT_FALSE(p->chat.has_value());
+  EXPECT_EQ(p->add_special_tokens, false);
+  EXPECT_TRUE(p->return_token_strs);
+
+  absl::StatusOr<TokenizeRequest> c = ParseTokenizeRequest(
+      R"({"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": false,)"
+      R"( "chat_template_kwargs": {"z": 1, "a": [2.5, -3, 18446744073709551615, null, true, {"k": "v"}]}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->model.has_value());
+  EXPECT_FALSE(c->add_special_tokens.has_value());
+  ASSERT_TRUE(c->chat.has_value());
+  ASSERT_EQ(c->chat->messages.size(), 1u);
+  EXPECT_FALSE(c->chat->add_generation_prompt);
+  // Converted once, in the body's order and with the body's number types.
+  EXPECT_EQ(c->chat->chat_template_kwargs.dump(), R"({"z":1,"a":[2.5,-3,18446744073709551615,null,true,{"k":"v"}]})");
+}
+
+TEST(TokenizeRequestTest, BadRequestsNameTheField) {
+  EXPECT_EQ(TokenizeError(R"({"prompt": "a", "messages": [{"role": "user", "content": "b"}]})").param, "messages");
+  EXPECT_EQ(TokenizeError(R"({"model": "m"})").param, "prompt");
+  EXPECT_EQ(TokenizeError(R"({"prompt": 5})").param, "prompt");
+  EXPECT_EQ(TokenizeError(R"({"prompt": "a", "add_special_tokens": "yes"})").param, "add_special_tokens");
+  EXPECT_EQ(TokenizeError(R"({"prompt": "a", "truncate": 5})").param, "truncate");
+  // The conversation's fields do not apply to a prompt: refused, not ignored.
+  EXPECT_EQ(TokenizeError(R"({"prompt": "a", "chat_template_kwargs": {"x": 1}})").param, "chat_template_kwargs");
+  // A conversation gets chat completions' checks.
+  EXPECT_EQ(TokenizeError(R"({"messages": [{"role": "wizard", "content": "b"}]})").param, "messages[0].role");
+  EXPECT_EQ(TokenizeError(R"({"messages": [{"role": "user", "content": "b"}], "chat_template_kwargs": {"messages": 1}})")
+                .param,
+            "chat_template_kwargs.messages");
+  EXPECT_EQ(TokenizeError("[1]").http_status, 400);
 }
 
 }  // namespace

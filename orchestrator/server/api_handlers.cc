@@ -133,9 +133,9 @@ absl::StatusOr<std::vector<int32_t>> Router::Impl::ChatPrompt(const ChatCompleti
   context["bos_token"] = assets_->bos_token;
   context["eos_token"] = assets_->eos_token;
   if (!chat.chat_template_kwargs.empty()) {
-    // Parsed and checked by ParseChatCompletionRequest: an object, nested at
-    // most kMaxJsonDepth deep, no server-owned names.
-    nlohmann::ordered_json extra = nlohmann::ordered_json::parse(chat.chat_template_kwargs);
+    // Checked by the request parser: an object, nested at most kMaxJsonDepth
+    // deep, no server-owned names.
+    nlohmann::ordered_json extra = chat.chat_template_kwargs;
     if (escape) {
       std::vector<nlohmann::ordered_json*> todo = {&extra};
       while (!todo.empty()) {
@@ -455,85 +455,48 @@ void Router::Impl::HandleMetrics(const http::Request& req, std::shared_ptr<http:
 void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
   const std::string id = RequestId(req);
   auto fail = [&](const absl::Status& s) { errors_.Send("tokenize", id, *w, s); };
-  if (absl::Status depth = CheckJsonDepth(req.body); !depth.ok()) return fail(depth);
-  nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object()) {
-    return fail(InvalidRequest("", "the body is not a JSON object"));
-  }
-  if (absl::Status s = RejectUnknownFields(body, {"model", "prompt", "messages",
-                                                  "add_special_tokens", "add_generation_prompt",
-                                                  "chat_template_kwargs", "return_token_strs"});
-      !s.ok()) {
-    return fail(s);
-  }
+  absl::StatusOr<TokenizeRequest> parsed = ParseTokenizeRequest(req.body);
+  if (!parsed.ok()) return fail(parsed.status());
   std::shared_ptr<const RouterConfig> cfg = config();
-  if (body.contains("model") && !body["model"].is_null()) {
-    if (!body["model"].is_string()) return fail(InvalidRequest("model", "'model' must be a string"));
-    if (body["model"].get<std::string>() != cfg->model.served_name) {
-      return fail(UnknownModelError(body["model"].get<std::string>()));
-    }
-  }
-  auto flag = [&](const char* key, bool def) -> absl::StatusOr<bool> {
-    if (!body.contains(key) || body[key].is_null()) return def;
-    if (!body[key].is_boolean()) return InvalidRequest(key, absl::StrCat("'", key, "' must be a boolean"));
-    return body[key].get<bool>();
-  };
-  const bool has_prompt = body.contains("prompt") && !body["prompt"].is_null();
-  const bool has_messages = body.contains("messages") && !body["messages"].is_null();
-  if (has_prompt == has_messages) {
-    return fail(InvalidRequest(has_prompt ? "messages" : "prompt",
-                               "give exactly one of 'prompt' and 'messages'"));
+  if (parsed->model.has_value() && *parsed->model != cfg->model.served_name) {
+    return fail(UnknownModelError(*parsed->model));
   }
   // Bounded before any work: the answer (ids, and token_strs) grows with the
   // text, so the text (of which the body is an upper bound, up to its JSON
   // escapes) is bounded by what the model could take.
   const std::shared_ptr<RoutingState> rs = placer_.Routing();
   if (rs != nullptr && rs->max_context > 0) {
-    const std::string_view text = has_prompt && body["prompt"].is_string()
-                                      ? std::string_view(body["prompt"].get_ref<const std::string&>())
-                                      : std::string_view(req.body);
+    const std::string_view text = parsed->prompt.has_value() ? std::string_view(*parsed->prompt)
+                                                             : std::string_view(req.body);
     if (static_cast<int64_t>(text.size()) > rs->max_context * kTokenizeBytesPerContextToken) {
       metrics_.refusals.WithLabels({"tokenize_too_large"}).Inc();
       return fail(InvalidRequest(
-          has_prompt ? "prompt" : "messages",
+          parsed->prompt.has_value() ? "prompt" : "messages",
           absl::StrFormat("the text is %d bytes, more than %d x this model's context of %d "
                           "tokens could hold",
                           text.size(), kTokenizeBytesPerContextToken, rs->max_context)));
     }
   }
   std::vector<int32_t> tokens;
-  if (has_prompt) {
-    if (!body["prompt"].is_string()) return fail(InvalidRequest("prompt", "'prompt' must be a string"));
-    absl::StatusOr<bool> a = flag("add_special_tokens", true);
-    if (!a.ok()) return fail(a.status());
-    tokens = assets_->tokenizer->Encode(body["prompt"].get_ref<const std::string&>(), *a);
+  if (parsed->prompt.has_value()) {
+    tokens = assets_->tokenizer->Encode(*parsed->prompt, parsed->add_special_tokens.value_or(true));
   } else {
-    // Messages go through the chat completions parser, so they get its checks.
-    nlohmann::json chat = {{"model", cfg->model.served_name}, {"messages", body["messages"]}};
-    for (const char* key : {"add_generation_prompt", "chat_template_kwargs"}) {
-      if (body.contains(key)) chat[key] = body[key];
-    }
-    absl::StatusOr<ChatCompletionRequest> parsed = ParseChatCompletionRequest(chat.dump());
-    if (!parsed.ok()) return fail(parsed.status());
-    absl::StatusOr<bool> a = flag("add_special_tokens", false);
-    if (!a.ok()) return fail(a.status());
-    absl::StatusOr<std::vector<int32_t>> prompt = ChatPrompt(*parsed, *a);
+    absl::StatusOr<std::vector<int32_t>> prompt = ChatPrompt(*parsed->chat, parsed->add_special_tokens.value_or(false));
     if (!prompt.ok()) return fail(prompt.status());
     tokens = *std::move(prompt);
   }
-  absl::StatusOr<bool> strs = flag("return_token_strs", false);
-  if (!strs.ok()) return fail(strs.status());
+  const bool strs = parsed->return_token_strs;
   // Written straight into one string: a JSON tree of the ids and strings
   // costs tens of bytes per token more.
   std::string out = "{\"tokens\":[";
-  out.reserve(tokens.size() * (*strs ? 16 : 7) + 64);
+  out.reserve(tokens.size() * (strs ? 16 : 7) + 64);
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (i > 0) out.push_back(',');
     absl::StrAppend(&out, tokens[i]);
   }
   absl::StrAppend(&out, "],\"count\":", tokens.size());
   if (rs != nullptr) absl::StrAppend(&out, ",\"max_model_len\":", rs->max_context);
-  if (*strs) {
+  if (strs) {
     out += ",\"token_strs\":[";
     for (size_t i = 0; i < tokens.size(); ++i) {
       if (i > 0) out.push_back(',');
