@@ -381,16 +381,12 @@ absl::Status Up(UpOptions opt) {
     config.model.tokenizer = builtin ? "builtin" : opt.model;
   }
   if (!opt.disaggregation.empty()) {
-    if (opt.disaggregation == "never") {
-      config.disaggregation.mode = DisaggregationMode::kNever;
-    } else if (opt.disaggregation == "always") {
-      config.disaggregation.mode = DisaggregationMode::kAlways;
-    } else if (opt.disaggregation == "auto") {
-      config.disaggregation.mode = DisaggregationMode::kAuto;
-    } else {
+    const std::optional<DisaggregationMode> mode = ParseDisaggregationMode(opt.disaggregation);
+    if (!mode.has_value()) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--disaggregation must be never, always or auto, got '%s'", opt.disaggregation));
     }
+    config.disaggregation.mode = *mode;
   }
   if (opt.aggregated > 0) config.disaggregation.mode = DisaggregationMode::kNever;
   if (!config.decode.has_value()) config.decode = PoolConfig{};

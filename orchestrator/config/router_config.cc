@@ -626,16 +626,11 @@ class Parser {
     if (const YAML::Node* n = disagg.Find("mode")) {
       const std::string path = Join(disagg.path, "mode");
       RETURN_IF_ERROR(Scalar(*n, path, "never, always or auto"));
-      const std::string& mode = n->Scalar();
-      if (mode == "never") {
-        c->disaggregation.mode = DisaggregationMode::kNever;
-      } else if (mode == "always") {
-        c->disaggregation.mode = DisaggregationMode::kAlways;
-      } else if (mode == "auto") {
-        c->disaggregation.mode = DisaggregationMode::kAuto;
-      } else {
+      const std::optional<DisaggregationMode> mode = ParseDisaggregationMode(n->Scalar());
+      if (!mode.has_value()) {
         return Bad(n->Mark(), path, absl::StrCat("expected never, always or auto, got ", Describe(*n)));
       }
+      c->disaggregation.mode = *mode;
     }
     RETURN_IF_ERROR(Int(disagg, "auto_threshold_tokens", &c->disaggregation.auto_threshold_tokens));
 
@@ -855,6 +850,13 @@ std::string_view DisaggregationModeName(DisaggregationMode mode) {
       return "auto";
   }
   return "unknown";
+}
+
+std::optional<DisaggregationMode> ParseDisaggregationMode(std::string_view name) {
+  for (DisaggregationMode mode : {DisaggregationMode::kNever, DisaggregationMode::kAlways, DisaggregationMode::kAuto}) {
+    if (DisaggregationModeName(mode) == name) return mode;
+  }
+  return std::nullopt;
 }
 
 KeyLimitsConfig ApiKeyConfig::Limits(const KeyLimitsConfig& defaults) const {

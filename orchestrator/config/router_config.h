@@ -118,6 +118,8 @@ enum class DisaggregationMode {
 
 // "never", "always" or "auto".
 std::string_view DisaggregationModeName(DisaggregationMode mode);
+// The mode DisaggregationModeName names; nullopt for any other text.
+std::optional<DisaggregationMode> ParseDisaggregationMode(std::string_view name);
 
 struct DisaggregationConfig {
   DisaggregationMode mode = DisaggregationMode::kAuto;

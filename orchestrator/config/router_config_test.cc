@@ -38,6 +38,15 @@ std::string ErrorOf(const std::string& yaml) {
   return std::string(config.status().message());
 }
 
+TEST(RouterConfigTest, DisaggregationModesParseByTheirNames) {
+  for (DisaggregationMode mode : {DisaggregationMode::kNever, DisaggregationMode::kAlways, DisaggregationMode::kAuto}) {
+    EXPECT_EQ(ParseDisaggregationMode(DisaggregationModeName(mode)), mode);
+  }
+  EXPECT_FALSE(ParseDisaggregationMode("sometimes").has_value());
+  EXPECT_FALSE(ParseDisaggregationMode("Auto").has_value());
+  EXPECT_FALSE(ParseDisaggregationMode("").has_value());
+}
+
 TEST(RouterConfigTest, ExampleLoads) {
   auto config = LoadRouterConfig(TANDEM_ROUTER_EXAMPLE_YAML);
   ASSERT_TRUE(config.ok()) << config.status();
