@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
 #include "common/grpc_poller.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
 
 namespace tandem::worker {
@@ -92,10 +93,6 @@ bool SameToken(const std::string& a, const std::string& b) {
 bool ShouldLog(int64_t count) { return count <= 10 || count % 1000 == 0; }
 
 }  // namespace
-
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
 
 void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out) {
   out->set_agent_id(info.agent_id);

@@ -272,8 +272,6 @@ class KvSender {
 // PeerInfo <-> its wire form, for the KV transfer metadata exchange.
 void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out);
 kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info);
-// The gRPC status for an absl::Status: same code, same message.
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 }  // namespace tandem::worker
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
 #include "common/grpc_poller.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 
