@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kvtransfer/ucx/ucx_transport.h"
 #include "tests/testing/worker_process.h"
+#include "worker/server/proto_convert.h"
 #include "worker/server/worker_service.h"
 
 namespace tandem {

@@ -13,30 +13,13 @@
 #include "common/grpc_poller.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "worker/server/proto_convert.h"
 
 namespace tandem::worker {
 namespace {
 
 using std::chrono::steady_clock;
 using std::chrono::system_clock;
-
-SampledToken FromProto(const tandem::v1::TokenOutput& t) {
-  SampledToken s{.token_id = t.token_id(), .logprob = t.logprob()};
-  for (const auto& alt : t.top_logprobs()) {
-    s.top_logprobs.push_back(TokenLogprob{.token_id = alt.token_id(), .logprob = alt.logprob()});
-  }
-  return s;
-}
-
-void ToProto(const SampledToken& s, tandem::v1::TokenOutput* out) {
-  out->set_token_id(s.token_id);
-  out->set_logprob(s.logprob);
-  for (const TokenLogprob& tl : s.top_logprobs) {
-    auto* alt = out->add_top_logprobs();
-    alt->set_token_id(tl.token_id);
-    alt->set_logprob(tl.logprob);
-  }
-}
 
 uint64_t BlockChecksum(Engine& engine, int32_t block) {
   const int64_t bytes = KvStorage::BytesPerBlock(engine.kv_layout());
@@ -93,37 +76,6 @@ bool SameToken(const std::string& a, const std::string& b) {
 bool ShouldLog(int64_t count) { return count <= 10 || count % 1000 == 0; }
 
 }  // namespace
-
-void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out) {
-  out->set_agent_id(info.agent_id);
-  out->set_backend(info.backend);
-  out->set_address(info.address);
-  tandem::v1::KvPoolLayout* l = out->mutable_layout();
-  l->set_model(info.layout.model);
-  l->set_dtype(info.layout.dtype);
-  l->set_num_layers(info.layout.num_layers);
-  l->set_num_kv_heads(info.layout.num_kv_heads);
-  l->set_head_dim(info.layout.head_dim);
-  l->set_block_size(info.layout.block_size);
-  l->set_num_blocks(info.layout.num_blocks);
-  l->set_block_bytes(info.layout.block_bytes);
-  l->set_cuda(info.layout.memory_type == kvtransfer::MemoryType::kCuda);
-  l->set_device_id(info.layout.device_id);
-}
-
-kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info) {
-  const tandem::v1::KvPoolLayout& l = info.layout();
-  return kvtransfer::PeerInfo{
-      .agent_id = info.agent_id(),
-      .backend = info.backend(),
-      .layout = {.model = l.model(), .dtype = l.dtype(), .num_layers = l.num_layers(),
-                 .num_kv_heads = l.num_kv_heads(), .head_dim = l.head_dim(),
-                 .block_size = l.block_size(), .num_blocks = l.num_blocks(),
-                 .block_bytes = l.block_bytes(),
-                 .memory_type = l.cuda() ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost,
-                 .device_id = l.device_id()},
-      .address = info.address()};
-}
 
 // ---------------------------------------------------------------------------
 // KvReceiver
@@ -628,7 +580,7 @@ void KvSender::Start(Job job, SendDone done) {
   r.mutable_block_ids()->Add(job.prefilled.blocks.begin(), job.prefilled.blocks.end());
   r.set_prompt_tokens(job.prefilled.prompt_len);
   r.set_prompt_hash(job.prompt_hash);
-  ToProto(job.prefilled.first, r.mutable_first_token());
+  ToProto(job.prefilled.first, /*logprobs=*/true, r.mutable_first_token());
   if (config_.checksums) {
     const size_t skip = static_cast<size_t>(job.target.decode_cached_tokens()) /
                         static_cast<size_t>(engine_->config().block_size);

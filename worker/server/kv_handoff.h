@@ -269,10 +269,6 @@ class KvSender {
   std::unique_ptr<SerialExecutor> executor_ = std::make_unique<SerialExecutor>("kv_sender");
 };
 
-// PeerInfo <-> its wire form, for the KV transfer metadata exchange.
-void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out);
-kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info);
-
 }  // namespace tandem::worker
 
 #endif  // TANDEM_WORKER_SERVER_KV_HANDOFF_H_

@@ -13,6 +13,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "worker/server/proto_convert.h"
 
 namespace tandem::worker {
 namespace {
@@ -23,16 +24,6 @@ using tandem::v1::KvEventBatch;
 std::string NewInstanceId() {
   std::random_device rd;
   return absl::StrFormat("%08x%08x", rd(), rd());
-}
-
-tandem::v1::FinishReason ToProto(FinishReason r) {
-  switch (r) {
-    case FinishReason::kStop: return tandem::v1::FINISH_REASON_STOP;
-    case FinishReason::kLength: return tandem::v1::FINISH_REASON_LENGTH;
-    case FinishReason::kAbort: return tandem::v1::FINISH_REASON_ABORT;
-    case FinishReason::kError: return tandem::v1::FINISH_REASON_ERROR;
-  }
-  return tandem::v1::FINISH_REASON_ERROR;
 }
 
 // How a Generate call takes part in disaggregation (KvTransferParams.mode).
@@ -171,11 +162,7 @@ class GenerateCall final {
                           "worker draining: shutting down, no new requests"));
       return;
     }
-    GenerateSpec spec;
-    spec.request_id = req.request_id();
-    spec.prompt.assign(req.prompt_token_ids().begin(), req.prompt_token_ids().end());
-    spec.params = FromProto(req.sampling());
-    spec.resume_output_tokens = req.resume_output_tokens();
+    GenerateSpec spec = FromProto(req);
     want_logprobs_ = spec.params.logprobs >= 0;
     const tandem::v1::KvTransferParams& kv = req.kv_transfer();
     if (spec.resume_output_tokens != 0 &&
@@ -355,16 +342,7 @@ class GenerateCall final {
   }
 
   void AddTokenLocked(const SampledToken& t) {
-    auto* out = pending_.add_tokens();
-    out->set_token_id(t.token_id);
-    if (want_logprobs_) {
-      out->set_logprob(t.logprob);
-      for (const TokenLogprob& tl : t.top_logprobs) {
-        auto* alt = out->add_top_logprobs();
-        alt->set_token_id(tl.token_id);
-        alt->set_logprob(tl.logprob);
-      }
-    }
+    ToProto(t, want_logprobs_, pending_.add_tokens());
     MaybeWriteLocked();
   }
 
@@ -375,12 +353,7 @@ class GenerateCall final {
                           ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down")
                           : grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled");
     }
-    final_.set_finish_reason(ToProto(info.reason));
-    if (info.stop_token_id >= 0) final_.set_stop_token_id(info.stop_token_id);
-    final_.mutable_usage()->set_prompt_tokens(info.prompt_tokens);
-    final_.mutable_usage()->set_completion_tokens(info.completion_tokens);
-    final_.mutable_usage()->set_cached_prompt_tokens(info.cached_prompt_tokens);
-    if (!info.error.empty()) final_.set_error_message(info.error);
+    ToProto(info, &final_);
     MaybeWriteLocked();
   }
 
@@ -564,11 +537,7 @@ class KvEventsCall final {
       auto* s = batch_.mutable_snapshot();
       s->set_seq(snapshot_.seq);
       const size_t end = std::min(snapshot_.blocks.size(), snapshot_sent_ + kSnapshotBlocksPerBatch);
-      for (; snapshot_sent_ < end; ++snapshot_sent_) {
-        auto* b = s->add_blocks();
-        b->set_block_hash(snapshot_.blocks[snapshot_sent_].hash);
-        b->set_parent_hash(snapshot_.blocks[snapshot_sent_].parent);
-      }
+      for (; snapshot_sent_ < end; ++snapshot_sent_) ToProto(snapshot_.blocks[snapshot_sent_], s->add_blocks());
       if (snapshot_sent_ < snapshot_.blocks.size()) {
         writing_ = true;
         writer_.Write(batch_, &op_tag_);
@@ -586,23 +555,7 @@ class KvEventsCall final {
     for (const KvEvent& e : events) {
       if (bytes > kMaxBatchBytes) break;  // the rest goes in the next batch
       bytes += 32 + 5 * e.token_ids.size();
-      auto* out = batch_.add_events();
-      out->set_seq(e.seq);
-      switch (e.kind) {
-        case KvEvent::Kind::kStored: {
-          auto* st = out->mutable_stored();
-          st->set_block_hash(e.block_hash);
-          st->set_parent_hash(e.parent_hash);
-          st->mutable_token_ids()->Add(e.token_ids.begin(), e.token_ids.end());
-          break;
-        }
-        case KvEvent::Kind::kRemoved:
-          out->mutable_removed()->set_block_hash(e.block_hash);
-          break;
-        case KvEvent::Kind::kCleared:
-          out->mutable_cleared();
-          break;
-      }
+      ToProto(e, batch_.add_events());
       cursor_ = e.seq;
     }
     writing_ = true;
@@ -691,24 +644,6 @@ class UnaryCall final : public GrpcTag {
 };
 
 }  // namespace
-
-SamplingParams FromProto(const tandem::v1::SamplingParams& p) {
-  SamplingParams s;
-  if (p.has_temperature()) s.temperature = p.temperature();
-  if (p.has_top_k()) s.top_k = p.top_k();
-  if (p.has_top_p()) s.top_p = p.top_p();
-  if (p.has_min_p()) s.min_p = p.min_p();
-  if (p.has_repetition_penalty()) s.repetition_penalty = p.repetition_penalty();
-  if (p.has_presence_penalty()) s.presence_penalty = p.presence_penalty();
-  if (p.has_frequency_penalty()) s.frequency_penalty = p.frequency_penalty();
-  if (p.has_max_tokens()) s.max_tokens = p.max_tokens();
-  s.min_tokens = p.min_tokens();
-  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
-  s.ignore_eos = p.ignore_eos();
-  if (p.has_logprobs()) s.logprobs = p.logprobs();
-  if (p.has_seed()) s.seed = p.seed();
-  return s;
-}
 
 const char* WorkerRoleName(WorkerRole role) {
   switch (role) {
@@ -894,42 +829,9 @@ void WorkerService::HandleGetModelInfo(const grpc::ServerContext& ctx, const tan
 
 void WorkerService::HandleGetLoad(const grpc::ServerContext& ctx, const tandem::v1::LoadRequest& /*request*/,
     tandem::v1::LoadReport* r, Finish finish) {
-  LoadSnapshot s = engine_->GetLoad();
-  r->set_running_sequences(s.running);
-  r->set_waiting_sequences(s.waiting);
-  r->set_tokens_in_flight(s.tokens_in_flight);
-  r->set_prefill_tokens_pending(s.prefill_tokens_pending);
-  r->set_total_blocks(s.total_blocks);
-  r->set_free_blocks(s.free_blocks);
-  r->set_used_blocks(s.used_blocks);
-  r->set_cached_blocks(s.cached_blocks);
-  r->set_prefix_hit_rate(s.hit_rate());
-  r->set_prefix_query_tokens(s.prefix_query_tokens);
-  r->set_prefix_hit_tokens(s.prefix_hit_tokens);
-  r->set_kv_event_seq(s.kv_event_seq);
-  r->set_preemptions(s.preemptions);
-  r->set_finished_requests(s.finished);
-  r->set_reserved_requests(s.reserved);
-  r->set_prefilled_requests(s.prefilled);
-  r->set_quarantined_blocks(s.quarantined_blocks);
-  r->set_expired_reservations(s.expired_reservations);
-  r->set_local_prefill_fallbacks(s.local_prefill_fallbacks);
-  r->set_reservations_refused(s.reservations_refused);
-  r->set_expired_handoffs(s.expired_handoffs);
-  const KvHandoffStats kv = kv_stats();
-  r->set_kv_pulls(kv.pulls);
-  r->set_kv_pull_failures(kv.pull_failures);
-  r->set_kv_checksum_failures(kv.checksum_failures);
-  r->set_kv_bytes_pulled(kv.bytes_pulled);
-  r->set_kv_handoffs(kv.handoffs);
-  r->set_kv_handoff_failures(kv.handoff_failures);
-  r->set_kv_pulls_in_flight(kv.pulls_in_flight);
-  r->set_kv_pull_seconds(kv.pull_seconds);
+  ToProto(engine_->GetLoad(), r);
+  ToProto(kv_stats(), r);
   r->set_calls_denied(calls_denied_.load());
-  r->set_reservation_timeouts_capped(kv.timeouts_capped);
-  r->set_reservations_over_caller_cap(kv.over_caller_cap);
-  r->set_kv_peers_refused(kv.peers_refused);
-  r->set_reserved_blocks(kv.reserved_blocks);
   finish(grpc::Status::OK);
 }
 

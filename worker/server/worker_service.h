@@ -131,9 +131,6 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   std::unique_ptr<KvSender> sender_;      // with a transport
 };
 
-// Converts the wire sampling parameters to the engine's (defaults applied).
-SamplingParams FromProto(const tandem::v1::SamplingParams& p);
-
 }  // namespace tandem::worker
 
 #endif  // TANDEM_WORKER_SERVER_WORKER_SERVICE_H_
