@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
@@ -113,7 +114,7 @@ class GenerateCall final {
       std::lock_guard<std::mutex> lock(mu_);
       reactor_ = nullptr;
     }
-    std::mutex& mu() { return mu_; }
+    std::mutex& mu() ABSL_LOCK_RETURNED(mu_) { return mu_; }
 
    private:
     // The reservation takes no more KV once it ended or fell back.
@@ -123,7 +124,7 @@ class GenerateCall final {
     }
 
     std::mutex mu_;
-    GenerateCall* reactor_;
+    GenerateCall* reactor_ ABSL_GUARDED_BY(mu_);  // null once detached
     KvReceiver* const receiver_;
     std::atomic<uint64_t> reservation_id_{0};
   };
@@ -394,19 +395,20 @@ class GenerateCall final {
   bool want_logprobs_ = false;
   std::string instance_id_;          // RECEIVE: this worker's, for the reservation
   uint32_t reserve_timeout_ms_ = 0;  // RECEIVE
-  // Guarded by sink_->mu().
-  uint64_t id_ = 0;            // the engine's id (0 until a reservation is made)
-  GenerateResponse pending_;   // not yet written
-  GenerateResponse current_;   // the message being written
-  GenerateResponse final_;     // finish reason and usage, once finished_
-  grpc::Status final_status_;  // OK, or why an aborted stream ends
-  bool writing_ = false;
-  bool finished_ = false;
-  bool cancelled_ = false;     // OnCancel came
-  bool awaiting_kv_ = false;   // SEND: handed off, the answer not yet in
-  bool kv_done_ = false;
-  bool done_called_ = false;   // Finish (or StartWriteAndFinish) was called
-  bool last_op_done_ = false;  // ... and completed
+  // The stream's state, shared with the engine thread through the Sink: its
+  // mutex guards it, since the Sink outlives the call.
+  uint64_t id_ ABSL_GUARDED_BY(sink_->mu()) = 0;            // the engine's id (0 until a reservation is made)
+  GenerateResponse pending_ ABSL_GUARDED_BY(sink_->mu());   // not yet written
+  GenerateResponse current_ ABSL_GUARDED_BY(sink_->mu());   // the message being written
+  GenerateResponse final_ ABSL_GUARDED_BY(sink_->mu());     // finish reason and usage, once finished_
+  grpc::Status final_status_ ABSL_GUARDED_BY(sink_->mu());  // OK, or why an aborted stream ends
+  bool writing_ ABSL_GUARDED_BY(sink_->mu()) = false;
+  bool finished_ ABSL_GUARDED_BY(sink_->mu()) = false;
+  bool cancelled_ ABSL_GUARDED_BY(sink_->mu()) = false;     // OnCancel came
+  bool awaiting_kv_ ABSL_GUARDED_BY(sink_->mu()) = false;   // SEND: handed off, the answer not yet in
+  bool kv_done_ ABSL_GUARDED_BY(sink_->mu()) = false;
+  bool done_called_ ABSL_GUARDED_BY(sink_->mu()) = false;   // Finish (or StartWriteAndFinish) was called
+  bool last_op_done_ ABSL_GUARDED_BY(sink_->mu()) = false;  // ... and completed
 };
 
 // One KV event stream: a snapshot when needed (in chunks), then events as
@@ -575,19 +577,19 @@ class KvEventsCall final {
   MemberTag<KvEventsCall> done_tag_{this, &KvEventsCall::OnCallDone};
   bool accepted_ = false;       // the poller thread's
   bool notified_done_ = false;  // the poller thread's
+  int listener_ = -1;           // the poller thread's
+  // The log's listener (the engine thread) and the poller thread share these.
   std::mutex mu_;
-  // Guarded by mu_.
-  uint64_t cursor_ = 0;          // the last seq sent (or covered by the snapshot)
-  bool need_snapshot_ = false;
-  bool sending_snapshot_ = false;
-  KvSnapshot snapshot_;          // being sent, in chunks
-  size_t snapshot_sent_ = 0;
-  bool writing_ = false;
-  bool finished_ = false;     // Finish was called
-  bool finish_done_ = false;  // ... and completed
-  bool cancelled_ = false;    // the call is over
-  int listener_ = -1;
-  KvEventBatch batch_;
+  uint64_t cursor_ ABSL_GUARDED_BY(mu_) = 0;  // the last seq sent (or covered by the snapshot)
+  bool need_snapshot_ ABSL_GUARDED_BY(mu_) = false;
+  bool sending_snapshot_ ABSL_GUARDED_BY(mu_) = false;
+  KvSnapshot snapshot_ ABSL_GUARDED_BY(mu_);  // being sent, in chunks
+  size_t snapshot_sent_ ABSL_GUARDED_BY(mu_) = 0;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;     // Finish was called
+  bool finish_done_ ABSL_GUARDED_BY(mu_) = false;  // ... and completed
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;    // the call is over
+  KvEventBatch batch_ ABSL_GUARDED_BY(mu_);        // the message being written
 };
 
 // One unary call of a method: waits for it (the service's Request<Method>),
