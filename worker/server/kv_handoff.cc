@@ -13,6 +13,7 @@
 #include "common/grpc_poller.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "worker/server/proto_convert.h"
 
 namespace tandem::worker {
@@ -636,6 +637,129 @@ void KvSender::AddStats(KvHandoffStats* stats) const {
   stats->peers_refused += peers_refused_.load();
   stats->handoffs += handoffs_.load();
   stats->handoff_failures += handoff_failures_.load();
+}
+
+// ---------------------------------------------------------------------------
+// KvHandoff
+
+KvHandoff::KvHandoff(Engine* engine, WorkerRole role, kvtransfer::Transport* transport,
+                     const std::string& instance_id, KvHandoffConfig config, grpc::CompletionQueue* cq,
+                     std::shared_ptr<const tls::ChannelFactory> channels, PeerAllowList allow)
+    : engine_(engine), role_(role), transport_(transport) {
+  if (transport_ != nullptr) {
+    receiver_ = std::make_unique<KvReceiver>(engine_, transport_, instance_id, config);
+    sender_ = std::make_unique<KvSender>(engine_, transport_, config, cq, std::move(channels), std::move(allow));
+  }
+}
+
+KvHandoff::~KvHandoff() = default;
+
+absl::Status KvHandoff::CheckTransfer(const tandem::v1::KvTransferParams& kv, int prompt_len) {
+  using tandem::v1::KvTransferParams;
+  if (kv.mode() == KvTransferParams::MODE_UNSPECIFIED) return absl::OkStatus();
+  if (kv.mode() != KvTransferParams::RECEIVE && kv.mode() != KvTransferParams::SEND) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("kv_transfer.mode %d is not RECEIVE (1) or SEND (2)", kv.mode()));
+  }
+  const bool receive = kv.mode() == KvTransferParams::RECEIVE;
+  if (receiver_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "this worker runs without a KV transport (--kv-transport): it cannot take part in "
+        "disaggregated serving");
+  }
+  if (role_ == (receive ? WorkerRole::kPrefill : WorkerRole::kDecode)) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "this worker's role is %s: it does not %s", WorkerRoleName(role_),
+        receive ? "receive KV (mode RECEIVE)" : "prefill for other workers (mode SEND)"));
+  }
+  // RECEIVE: the timeout is capped, not refused (KvReceiver::ReservationTimeout).
+  if (receive) return absl::OkStatus();
+  if (kv.decode_address().empty() || kv.decode_instance_id().empty() || kv.reservation_id() == 0) {
+    return absl::InvalidArgumentError(
+        "kv_transfer mode SEND needs decode_address, decode_instance_id and reservation_id from "
+        "the decode worker's KvReservation");
+  }
+  // Where this worker would connect, checked before anything runs (SSRF).
+  RETURN_IF_ERROR(sender_->CheckDecodeAddress(kv.decode_address()));
+  const int bs = engine_->config().block_size;
+  if (kv.decode_cached_tokens() < 0 || kv.decode_cached_tokens() % bs != 0 ||
+      (prompt_len > 0 && kv.decode_cached_tokens() >= prompt_len)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv_transfer.decode_cached_tokens = %d must be a multiple of the block size (%d) below "
+        "the prompt length (%d)",
+        kv.decode_cached_tokens(), bs, prompt_len));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<KvHandoff::Receiving> KvHandoff::StartReceive(std::string caller, const std::vector<int32_t>& prompt,
+                                                             uint32_t requested_timeout_ms) {
+  // The worker, not the caller, bounds what a reservation holds: its
+  // lifetime (capped) and the caller's blocks in waiting reservations.
+  const std::chrono::milliseconds timeout = receiver_->ReservationTimeout(requested_timeout_ms);
+  const int bs = engine_->config().block_size;
+  const int64_t blocks = (static_cast<int64_t>(prompt.size()) + bs - 1) / bs;
+  RETURN_IF_ERROR(receiver_->Charge(caller, blocks));
+  return Receiving{
+      .waiting = {.caller = std::move(caller),
+                  .charged_blocks = blocks,
+                  .expect = {.prompt_len = static_cast<int>(prompt.size()), .prompt_hash = HashTokens(prompt)},
+                  .deadline = steady_clock::now() + timeout},
+      .timeout_ms = static_cast<uint32_t>(timeout.count())};
+}
+
+KvReceiver::Handle KvHandoff::Reserved(const absl::StatusOr<Reservation>& reservation,
+                                       const KvReceiver::Waiting& waiting) {
+  if (receiver_ == nullptr) return {};
+  if (!reservation.ok()) {
+    receiver_->Refund(waiting.caller, waiting.charged_blocks);
+    return {};
+  }
+  KvReceiver::Waiting w = waiting;
+  w.engine_id = reservation->id;
+  w.expect.blocks = reservation->blocks;
+  w.expect.cached_tokens = reservation->cached_tokens;
+  return receiver_->Add(std::move(w));
+}
+
+void KvHandoff::Forget(uint64_t reservation_id) { receiver_->Forget(reservation_id); }
+
+std::chrono::milliseconds KvHandoff::engine_hold_timeout() const { return sender_->engine_hold_timeout(); }
+
+void KvHandoff::Send(const tandem::v1::KvTransferParams& target, uint64_t prompt_hash, const Prefilled& prefilled,
+                     KvSender::SendDone done) {
+  sender_->Send(KvSender::Job{.target = target, .prompt_hash = prompt_hash, .prefilled = prefilled,
+                              .handed_off = steady_clock::now()},
+                std::move(done));
+}
+
+void KvHandoff::KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline,
+                        tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done) {
+  if (receiver_ == nullptr || role_ == WorkerRole::kPrefill) {
+    done(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      receiver_ == nullptr ? "this worker runs without a KV transport (--kv-transport)"
+                                           : "this worker's role is prefill: it does not receive KV"));
+    return;
+  }
+  receiver_->KvReady(request, call_deadline, response, std::move(done));
+}
+
+absl::StatusOr<kvtransfer::PeerInfo> KvHandoff::LocalInfo() const {
+  if (transport_ == nullptr) {
+    return absl::FailedPreconditionError("this worker runs without a KV transport (--kv-transport)");
+  }
+  return transport_->LocalInfo();
+}
+
+void KvHandoff::Stop() {
+  if (sender_ != nullptr) sender_->Stop();
+}
+
+KvHandoffStats KvHandoff::stats() const {
+  KvHandoffStats kv;
+  if (receiver_ != nullptr) receiver_->AddStats(&kv);
+  if (sender_ != nullptr) sender_->AddStats(&kv);
+  return kv;
 }
 
 }  // namespace tandem::worker

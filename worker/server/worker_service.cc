@@ -32,10 +32,7 @@ struct GenerateContext {
   WorkerService* service;
   grpc::ServerCompletionQueue* cq;
   Engine* engine;
-  WorkerRole role;
-  KvReceiver* receiver;        // null without a KV transport
-  KvSender* sender;            // null without a KV transport
-  const KvHandoffConfig& kv;
+  KvHandoff* kv;
 };
 
 // One Generate stream. The engine thread pushes tokens through the Sink; the
@@ -59,7 +56,7 @@ class GenerateCall final {
  public:
   class Sink final : public OutputSink {
    public:
-    Sink(GenerateCall* r, KvReceiver* receiver) : reactor_(r), receiver_(receiver) {}
+    Sink(GenerateCall* r, KvHandoff* kv) : reactor_(r), kv_(kv) {}
     void OnToken(const SampledToken& t) override {
       std::lock_guard<std::mutex> lock(mu_);
       if (reactor_ != nullptr) reactor_->AddTokenLocked(t);
@@ -77,19 +74,8 @@ class GenerateCall final {
     // RECEIVE: the engine's answer to Reserve. The caller's charge passes
     // to the reservation, or back to the caller when there is none.
     void OnReserved(absl::StatusOr<Reservation> r, const KvReceiver::Waiting& waiting) {
-      KvReceiver::Handle handle;
-      if (receiver_ != nullptr) {
-        if (r.ok()) {
-          KvReceiver::Waiting w = waiting;
-          w.engine_id = r->id;
-          w.expect.blocks = r->blocks;
-          w.expect.cached_tokens = r->cached_tokens;
-          handle = receiver_->Add(std::move(w));
-          reservation_id_ = handle.reservation_id;
-        } else {
-          receiver_->Refund(waiting.caller, waiting.charged_blocks);
-        }
-      }
+      const KvReceiver::Handle handle = kv_->Reserved(r, waiting);
+      if (handle.reservation_id != 0) reservation_id_ = handle.reservation_id;
       std::lock_guard<std::mutex> lock(mu_);
       if (reactor_ != nullptr) reactor_->ReservedLocked(r, handle);
     }
@@ -120,12 +106,12 @@ class GenerateCall final {
     // The reservation takes no more KV once it ended or fell back.
     void ForgetReservation() {
       const uint64_t id = reservation_id_.exchange(0);
-      if (id != 0) receiver_->Forget(id);
+      if (id != 0) kv_->Forget(id);
     }
 
     std::mutex mu_;
     GenerateCall* reactor_ ABSL_GUARDED_BY(mu_);  // null once detached
-    KvReceiver* const receiver_;
+    KvHandoff* const kv_;
     std::atomic<uint64_t> reservation_id_{0};
   };
 
@@ -144,7 +130,7 @@ class GenerateCall final {
       return;
     }
     new GenerateCall(c_);  // the next one
-    sink_ = std::make_shared<Sink>(this, c_.receiver);
+    sink_ = std::make_shared<Sink>(this, c_.kv);
     Begin(c_, req_);
     if (notified_done_ && ctx_.IsCancelled()) OnCancel();
   }
@@ -172,47 +158,35 @@ class GenerateCall final {
           "resume_output_tokens is for aggregated requests only (kv_transfer must be unset)"));
       return;
     }
-    absl::Status bad = CheckKvTransfer(c, kv, static_cast<int>(spec.prompt.size()));
-    if (!bad.ok()) {
+    if (absl::Status bad = c.kv->CheckTransfer(kv, static_cast<int>(spec.prompt.size())); !bad.ok()) {
       FinishEarly(bad);
       return;
     }
     if (kv.mode() == tandem::v1::KvTransferParams::RECEIVE) {
-      // The worker, not the caller, bounds what a reservation holds: its
-      // lifetime (capped) and the caller's blocks in waiting reservations.
-      const std::chrono::milliseconds timeout = c.receiver->ReservationTimeout(kv.timeout_ms());
-      const int bs = c.engine->config().block_size;
-      const int64_t blocks = (static_cast<int64_t>(spec.prompt.size()) + bs - 1) / bs;
-      std::string caller = c.service->CallerKey(ctx_);
-      if (absl::Status charged = c.receiver->Charge(caller, blocks); !charged.ok()) {
-        FinishEarly(charged);
+      absl::StatusOr<KvHandoff::Receiving> receiving =
+          c.kv->StartReceive(c.service->CallerKey(ctx_), spec.prompt, kv.timeout_ms());
+      if (!receiving.ok()) {
+        FinishEarly(receiving.status());
         return;
       }
-      KvReceiver::Waiting waiting{.caller = std::move(caller),
-                                  .charged_blocks = blocks,
-                                  .expect = {.prompt_len = static_cast<int>(spec.prompt.size()),
-                                             .prompt_hash = HashTokens(spec.prompt)},
-                                  .deadline = std::chrono::steady_clock::now() + timeout};
-      reserve_timeout_ms_ = static_cast<uint32_t>(timeout.count());
-      instance_id_ = c.receiver->instance_id();
-      engine_->Reserve(std::move(spec), sink_, waiting.deadline,
-                       [sink = sink_, waiting](absl::StatusOr<Reservation> r) {
+      reserve_timeout_ms_ = receiving->timeout_ms;
+      const Deadline deadline = receiving->waiting.deadline;
+      engine_->Reserve(std::move(spec), sink_, deadline,
+                       [sink = sink_, waiting = std::move(receiving->waiting)](absl::StatusOr<Reservation> r) {
                          sink->OnReserved(std::move(r), waiting);
                        });
       return;
     }
     if (kv.mode() == tandem::v1::KvTransferParams::SEND) {
-      spec.hold_timeout = c.sender->engine_hold_timeout();
-      spec.on_prefilled = [sender = c.sender, sink = std::weak_ptr<Sink>(sink_), target = kv,
+      spec.hold_timeout = c.kv->engine_hold_timeout();
+      spec.on_prefilled = [handoff = c.kv, sink = std::weak_ptr<Sink>(sink_), target = kv,
                            hash = HashTokens(spec.prompt)](const Prefilled& p) {
         // The sequence owns the sink; a weak reference avoids a cycle.
         std::shared_ptr<Sink> s = sink.lock();
         if (s) s->OnHandedOff();
-        sender->Send(KvSender::Job{.target = target, .prompt_hash = hash, .prefilled = p,
-                                   .handed_off = std::chrono::steady_clock::now()},
-                     [s](const std::string& error, const tandem::v1::KvReadyResponse& answer) {
-                       if (s) s->OnKvSent(error, answer);
-                     });
+        handoff->Send(target, hash, p, [s](const std::string& error, const tandem::v1::KvReadyResponse& answer) {
+          if (s) s->OnKvSent(error, answer);
+        });
       };
     }
     absl::StatusOr<uint64_t> id = engine_->Submit(std::move(spec), sink_);
@@ -269,46 +243,6 @@ class GenerateCall final {
     delete this;
   }
 
-  // What a KvTransferParams asks of this worker, checked before anything runs.
-  static absl::Status CheckKvTransfer(const GenerateContext& c,
-                                      const tandem::v1::KvTransferParams& kv, int prompt_len) {
-    using tandem::v1::KvTransferParams;
-    if (kv.mode() == KvTransferParams::MODE_UNSPECIFIED) return absl::OkStatus();
-    if (kv.mode() != KvTransferParams::RECEIVE && kv.mode() != KvTransferParams::SEND) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("kv_transfer.mode %d is not RECEIVE (1) or SEND (2)", kv.mode()));
-    }
-    const bool receive = kv.mode() == KvTransferParams::RECEIVE;
-    if (c.receiver == nullptr) {
-      return absl::FailedPreconditionError(
-          "this worker runs without a KV transport (--kv-transport): it cannot take part in "
-          "disaggregated serving");
-    }
-    if (c.role == (receive ? WorkerRole::kPrefill : WorkerRole::kDecode)) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "this worker's role is %s: it does not %s", WorkerRoleName(c.role),
-          receive ? "receive KV (mode RECEIVE)" : "prefill for other workers (mode SEND)"));
-    }
-    // RECEIVE: the timeout is capped, not refused (KvReceiver::ReservationTimeout).
-    if (receive) return absl::OkStatus();
-    if (kv.decode_address().empty() || kv.decode_instance_id().empty() || kv.reservation_id() == 0) {
-      return absl::InvalidArgumentError(
-          "kv_transfer mode SEND needs decode_address, decode_instance_id and reservation_id from "
-          "the decode worker's KvReservation");
-    }
-    // Where this worker would connect, checked before anything runs (SSRF).
-    RETURN_IF_ERROR(c.sender->CheckDecodeAddress(kv.decode_address()));
-    const int bs = c.engine->config().block_size;
-    if (kv.decode_cached_tokens() < 0 || kv.decode_cached_tokens() % bs != 0 ||
-        (prompt_len > 0 && kv.decode_cached_tokens() >= prompt_len)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "kv_transfer.decode_cached_tokens = %d must be a multiple of the block size (%d) below "
-          "the prompt length (%d)",
-          kv.decode_cached_tokens(), bs, prompt_len));
-    }
-    return absl::OkStatus();
-  }
-
   void FinishEarly(const absl::Status& status) {
     std::lock_guard<std::mutex> lock(sink_->mu());
     done_called_ = true;
@@ -337,7 +271,7 @@ class GenerateCall final {
     out->set_reservation_id(handle.reservation_id);
     out->set_reservation_token(handle.token);
     out->set_cached_tokens(r->cached_tokens);
-    out->set_instance_id(instance_id_);
+    out->set_instance_id(c_.service->instance_id());
     out->set_timeout_ms(reserve_timeout_ms_);
     MaybeWriteLocked();
   }
@@ -393,8 +327,7 @@ class GenerateCall final {
   bool notified_done_ = false;  // the poller thread's
   std::shared_ptr<Sink> sink_;  // from acceptance
   bool want_logprobs_ = false;
-  std::string instance_id_;          // RECEIVE: this worker's, for the reservation
-  uint32_t reserve_timeout_ms_ = 0;  // RECEIVE
+  uint32_t reserve_timeout_ms_ = 0;  // RECEIVE: the reservation's lifetime
   // The stream's state, shared with the engine thread through the Sink: its
   // mutex guards it, since the Sink outlives the call.
   uint64_t id_ ABSL_GUARDED_BY(sink_->mu()) = 0;            // the engine's id (0 until a reservation is made)
@@ -647,39 +580,15 @@ class UnaryCall final : public GrpcTag {
 
 }  // namespace
 
-const char* WorkerRoleName(WorkerRole role) {
-  switch (role) {
-    case WorkerRole::kPrefill: return "prefill";
-    case WorkerRole::kDecode: return "decode";
-    case WorkerRole::kBoth: return "both";
-  }
-  return "both";
-}
-
-absl::StatusOr<WorkerRole> ParseWorkerRole(std::string_view name) {
-  for (WorkerRole r : {WorkerRole::kPrefill, WorkerRole::kDecode, WorkerRole::kBoth}) {
-    if (name == WorkerRoleName(r)) return r;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--role must be prefill, decode or both, got '", std::string(name), "'"));
-}
-
 WorkerService::WorkerService(Engine* engine, WorkerRole role, grpc::ServerCompletionQueue* cq,
                              kvtransfer::Transport* transport, KvHandoffConfig kv,
                              WorkerSecurity security)
     : engine_(engine),
       cq_(cq),
-      transport_(transport),
       role_(role),
       instance_id_(NewInstanceId()),
-      kv_(kv),
-      security_(std::move(security)) {
-  if (transport_ != nullptr) {
-    receiver_ = std::make_unique<KvReceiver>(engine_, transport_, instance_id_, kv_);
-    sender_ = std::make_unique<KvSender>(engine_, transport_, kv_, cq_, security_.channels,
-                                         security_.kv_peer_allow);
-  }
-}
+      security_(std::move(security)),
+      kv_handoff_(engine_, role_, transport, instance_id_, kv, cq_, security_.channels, security_.kv_peer_allow) {}
 
 grpc::Status WorkerService::Authorize(const grpc::ServerContext& ctx, const char* method,
                                       Admits admits) {
@@ -725,9 +634,7 @@ std::string WorkerService::CallerKey(const grpc::ServerContext& ctx) const {
 WorkerService::~WorkerService() = default;
 
 void WorkerService::Serve() {
-  new GenerateCall(GenerateContext{.service = this, .cq = cq_, .engine = engine_, .role = role_,
-                                   .receiver = receiver_.get(), .sender = sender_.get(),
-                                   .kv = kv_});
+  new GenerateCall(GenerateContext{.service = this, .cq = cq_, .engine = engine_, .kv = &kv_handoff_});
   new KvEventsCall(this, cq_, engine_, instance_id_);
   using namespace tandem::v1;  // NOLINT(build/namespaces): the message types below
   // Who may call what, with mutual TLS (the header says why).
@@ -751,28 +658,14 @@ void WorkerService::Serve() {
                                                  Admits::kWorker);
 }
 
-void WorkerService::Shutdown() {
-  if (sender_ != nullptr) sender_->Stop();
-}
+void WorkerService::Shutdown() { kv_handoff_.Stop(); }
 
 bool WorkerService::serving() const { return engine_->running() && !draining(); }
 
-KvHandoffStats WorkerService::kv_stats() const {
-  KvHandoffStats kv;
-  if (receiver_ != nullptr) receiver_->AddStats(&kv);
-  if (sender_ != nullptr) sender_->AddStats(&kv);
-  return kv;
-}
+KvHandoffStats WorkerService::kv_stats() const { return kv_handoff_.stats(); }
 
 void WorkerService::HandleKvReady(const grpc::ServerContext& ctx, const tandem::v1::KvReadyRequest& request,
     tandem::v1::KvReadyResponse* response, Finish finish) {
-  if (receiver_ == nullptr || role_ == WorkerRole::kPrefill) {
-    finish(grpc::Status(
-        grpc::StatusCode::FAILED_PRECONDITION,
-        receiver_ == nullptr ? "this worker runs without a KV transport (--kv-transport)"
-                             : "this worker's role is prefill: it does not receive KV"));
-    return;
-  }
   // The caller's deadline, on this machine's steady clock (none: an hour).
   const auto now_sys = std::chrono::system_clock::now();
   const auto left = ctx.deadline() > now_sys + std::chrono::hours(1)
@@ -780,20 +673,15 @@ void WorkerService::HandleKvReady(const grpc::ServerContext& ctx, const tandem::
                               std::chrono::hours(1))
                         : std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                               ctx.deadline() - now_sys);
-  receiver_->KvReady(request, std::chrono::steady_clock::now() + left, response,
-                     [finish = std::move(finish)](grpc::Status s) { finish(s); });
+  kv_handoff_.KvReady(request, std::chrono::steady_clock::now() + left, response,
+                      [finish = std::move(finish)](grpc::Status s) { finish(s); });
 }
 
 void WorkerService::HandleGetKvTransferInfo(const grpc::ServerContext& ctx, const tandem::v1::KvTransferInfoRequest& /*request*/,
     tandem::v1::KvTransferInfo* response, Finish finish) {
-  if (transport_ == nullptr) {
-    finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        "this worker runs without a KV transport (--kv-transport)"));
-    return;
-  }
-  absl::StatusOr<kvtransfer::PeerInfo> info = transport_->LocalInfo();
+  absl::StatusOr<kvtransfer::PeerInfo> info = kv_handoff_.LocalInfo();
   if (info.ok()) ToProto(*info, response);
-  finish(info.ok() ? grpc::Status::OK : ToGrpcStatus(info.status()));
+  finish(ToGrpcStatus(info.status()));
 }
 
 void WorkerService::HandleHealth(const grpc::ServerContext& ctx, const tandem::v1::HealthRequest& /*request*/,

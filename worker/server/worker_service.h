@@ -38,6 +38,7 @@
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
 #include "worker/server/kv_handoff.h"
+#include "worker/server/worker_role.h"
 
 namespace tandem::worker {
 
@@ -55,14 +56,6 @@ struct WorkerSecurity {
 
 // Which certificate roles a method admits (with mutual TLS).
 enum class Admits { kRouter, kWorker, kRouterOrWorker };
-
-// What a worker does in a disaggregated cluster: prefill for others (SEND),
-// decode what others prefilled (RECEIVE), or both (and whole requests).
-enum class WorkerRole { kPrefill, kDecode, kBoth };
-// "prefill", "decode", "both": the --role flag's values and ModelInfo.role.
-const char* WorkerRoleName(WorkerRole role);
-// InvalidArgument "--role must be prefill, decode or both, got 'x'" otherwise.
-absl::StatusOr<WorkerRole> ParseWorkerRole(std::string_view name);
 
 class WorkerService final : public tandem::v1::Worker::AsyncService {
  public:
@@ -120,15 +113,12 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
  private:
   Engine* const engine_;
   grpc::ServerCompletionQueue* const cq_;
-  kvtransfer::Transport* const transport_;
   const WorkerRole role_;
   std::atomic<bool> draining_{false};
   const std::string instance_id_;
-  const KvHandoffConfig kv_;
   const WorkerSecurity security_;
   std::atomic<int64_t> calls_denied_{0};
-  std::unique_ptr<KvReceiver> receiver_;  // with a transport
-  std::unique_ptr<KvSender> sender_;      // with a transport
+  KvHandoff kv_handoff_;
 };
 
 }  // namespace tandem::worker
