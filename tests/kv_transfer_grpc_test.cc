@@ -7,9 +7,11 @@
 #include <future>
 #include <vector>
 
+#include "common/grpc_status.h"
 #include "gtest/gtest.h"
 #include "kvtransfer/ucx/ucx_transport.h"
 #include "tests/testing/worker_process.h"
+#include "worker/server/proto_convert.h"
 #include "worker/server/worker_service.h"
 
 namespace tandem {
@@ -23,7 +25,7 @@ absl::StatusOr<v1::KvTransferInfo> GetInfo(v1::Worker::Stub& stub) {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::KvTransferInfo info;
   grpc::Status st = stub.GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), &info);
-  if (!st.ok()) return absl::Status(static_cast<absl::StatusCode>(st.error_code()), st.error_message());
+  if (!st.ok()) return FromGrpcStatus(st);
   return info;
 }
 

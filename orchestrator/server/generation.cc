@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/grpc_poller.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
 
 namespace tandem::router {
@@ -42,10 +43,6 @@ void EjectIfGone(const absl::Status& status, WorkerClient& worker) {
 }
 
 }  // namespace
-
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
 
 // One Generate call, read on the process's GrpcPoller. Keeps the Generation
 // alive until the call ends, then deletes itself.

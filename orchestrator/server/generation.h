@@ -247,9 +247,6 @@ class Generation : public std::enable_shared_from_this<Generation> {
   bool attempt_expired_ ABSL_GUARDED_BY(mu_) = false;    // past a deadline, nowhere to go
 };
 
-// gRPC status -> absl::Status with the same code and message.
-absl::Status FromGrpcStatus(const grpc::Status& status);
-
 }  // namespace tandem::router
 
 #endif  // TANDEM_ORCHESTRATOR_SERVER_GENERATION_H_

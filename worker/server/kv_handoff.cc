@@ -11,31 +11,16 @@
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
 #include "common/grpc_poller.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
+#include "worker/server/proto_convert.h"
 
 namespace tandem::worker {
 namespace {
 
 using std::chrono::steady_clock;
 using std::chrono::system_clock;
-
-SampledToken FromProto(const tandem::v1::TokenOutput& t) {
-  SampledToken s{.token_id = t.token_id(), .logprob = t.logprob()};
-  for (const auto& alt : t.top_logprobs()) {
-    s.top_logprobs.push_back(TokenLogprob{.token_id = alt.token_id(), .logprob = alt.logprob()});
-  }
-  return s;
-}
-
-void ToProto(const SampledToken& s, tandem::v1::TokenOutput* out) {
-  out->set_token_id(s.token_id);
-  out->set_logprob(s.logprob);
-  for (const TokenLogprob& tl : s.top_logprobs) {
-    auto* alt = out->add_top_logprobs();
-    alt->set_token_id(tl.token_id);
-    alt->set_logprob(tl.logprob);
-  }
-}
 
 uint64_t BlockChecksum(Engine& engine, int32_t block) {
   const int64_t bytes = KvStorage::BytesPerBlock(engine.kv_layout());
@@ -92,41 +77,6 @@ bool SameToken(const std::string& a, const std::string& b) {
 bool ShouldLog(int64_t count) { return count <= 10 || count % 1000 == 0; }
 
 }  // namespace
-
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
-void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out) {
-  out->set_agent_id(info.agent_id);
-  out->set_backend(info.backend);
-  out->set_address(info.address);
-  tandem::v1::KvPoolLayout* l = out->mutable_layout();
-  l->set_model(info.layout.model);
-  l->set_dtype(info.layout.dtype);
-  l->set_num_layers(info.layout.num_layers);
-  l->set_num_kv_heads(info.layout.num_kv_heads);
-  l->set_head_dim(info.layout.head_dim);
-  l->set_block_size(info.layout.block_size);
-  l->set_num_blocks(info.layout.num_blocks);
-  l->set_block_bytes(info.layout.block_bytes);
-  l->set_cuda(info.layout.memory_type == kvtransfer::MemoryType::kCuda);
-  l->set_device_id(info.layout.device_id);
-}
-
-kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info) {
-  const tandem::v1::KvPoolLayout& l = info.layout();
-  return kvtransfer::PeerInfo{
-      .agent_id = info.agent_id(),
-      .backend = info.backend(),
-      .layout = {.model = l.model(), .dtype = l.dtype(), .num_layers = l.num_layers(),
-                 .num_kv_heads = l.num_kv_heads(), .head_dim = l.head_dim(),
-                 .block_size = l.block_size(), .num_blocks = l.num_blocks(),
-                 .block_bytes = l.block_bytes(),
-                 .memory_type = l.cuda() ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost,
-                 .device_id = l.device_id()},
-      .address = info.address()};
-}
 
 // ---------------------------------------------------------------------------
 // KvReceiver
@@ -631,7 +581,7 @@ void KvSender::Start(Job job, SendDone done) {
   r.mutable_block_ids()->Add(job.prefilled.blocks.begin(), job.prefilled.blocks.end());
   r.set_prompt_tokens(job.prefilled.prompt_len);
   r.set_prompt_hash(job.prompt_hash);
-  ToProto(job.prefilled.first, r.mutable_first_token());
+  ToProto(job.prefilled.first, /*logprobs=*/true, r.mutable_first_token());
   if (config_.checksums) {
     const size_t skip = static_cast<size_t>(job.target.decode_cached_tokens()) /
                         static_cast<size_t>(engine_->config().block_size);
@@ -687,6 +637,129 @@ void KvSender::AddStats(KvHandoffStats* stats) const {
   stats->peers_refused += peers_refused_.load();
   stats->handoffs += handoffs_.load();
   stats->handoff_failures += handoff_failures_.load();
+}
+
+// ---------------------------------------------------------------------------
+// KvHandoff
+
+KvHandoff::KvHandoff(Engine* engine, WorkerRole role, kvtransfer::Transport* transport,
+                     const std::string& instance_id, KvHandoffConfig config, grpc::CompletionQueue* cq,
+                     std::shared_ptr<const tls::ChannelFactory> channels, PeerAllowList allow)
+    : engine_(engine), role_(role), transport_(transport) {
+  if (transport_ != nullptr) {
+    receiver_ = std::make_unique<KvReceiver>(engine_, transport_, instance_id, config);
+    sender_ = std::make_unique<KvSender>(engine_, transport_, config, cq, std::move(channels), std::move(allow));
+  }
+}
+
+KvHandoff::~KvHandoff() = default;
+
+absl::Status KvHandoff::CheckTransfer(const tandem::v1::KvTransferParams& kv, int prompt_len) {
+  using tandem::v1::KvTransferParams;
+  if (kv.mode() == KvTransferParams::MODE_UNSPECIFIED) return absl::OkStatus();
+  if (kv.mode() != KvTransferParams::RECEIVE && kv.mode() != KvTransferParams::SEND) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("kv_transfer.mode %d is not RECEIVE (1) or SEND (2)", kv.mode()));
+  }
+  const bool receive = kv.mode() == KvTransferParams::RECEIVE;
+  if (receiver_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "this worker runs without a KV transport (--kv-transport): it cannot take part in "
+        "disaggregated serving");
+  }
+  if (role_ == (receive ? WorkerRole::kPrefill : WorkerRole::kDecode)) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "this worker's role is %s: it does not %s", WorkerRoleName(role_),
+        receive ? "receive KV (mode RECEIVE)" : "prefill for other workers (mode SEND)"));
+  }
+  // RECEIVE: the timeout is capped, not refused (KvReceiver::ReservationTimeout).
+  if (receive) return absl::OkStatus();
+  if (kv.decode_address().empty() || kv.decode_instance_id().empty() || kv.reservation_id() == 0) {
+    return absl::InvalidArgumentError(
+        "kv_transfer mode SEND needs decode_address, decode_instance_id and reservation_id from "
+        "the decode worker's KvReservation");
+  }
+  // Where this worker would connect, checked before anything runs (SSRF).
+  RETURN_IF_ERROR(sender_->CheckDecodeAddress(kv.decode_address()));
+  const int bs = engine_->config().block_size;
+  if (kv.decode_cached_tokens() < 0 || kv.decode_cached_tokens() % bs != 0 ||
+      (prompt_len > 0 && kv.decode_cached_tokens() >= prompt_len)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "kv_transfer.decode_cached_tokens = %d must be a multiple of the block size (%d) below "
+        "the prompt length (%d)",
+        kv.decode_cached_tokens(), bs, prompt_len));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<KvHandoff::Receiving> KvHandoff::StartReceive(std::string caller, const std::vector<int32_t>& prompt,
+                                                             uint32_t requested_timeout_ms) {
+  // The worker, not the caller, bounds what a reservation holds: its
+  // lifetime (capped) and the caller's blocks in waiting reservations.
+  const std::chrono::milliseconds timeout = receiver_->ReservationTimeout(requested_timeout_ms);
+  const int bs = engine_->config().block_size;
+  const int64_t blocks = (static_cast<int64_t>(prompt.size()) + bs - 1) / bs;
+  RETURN_IF_ERROR(receiver_->Charge(caller, blocks));
+  return Receiving{
+      .waiting = {.caller = std::move(caller),
+                  .charged_blocks = blocks,
+                  .expect = {.prompt_len = static_cast<int>(prompt.size()), .prompt_hash = HashTokens(prompt)},
+                  .deadline = steady_clock::now() + timeout},
+      .timeout_ms = static_cast<uint32_t>(timeout.count())};
+}
+
+KvReceiver::Handle KvHandoff::Reserved(const absl::StatusOr<Reservation>& reservation,
+                                       const KvReceiver::Waiting& waiting) {
+  if (receiver_ == nullptr) return {};
+  if (!reservation.ok()) {
+    receiver_->Refund(waiting.caller, waiting.charged_blocks);
+    return {};
+  }
+  KvReceiver::Waiting w = waiting;
+  w.engine_id = reservation->id;
+  w.expect.blocks = reservation->blocks;
+  w.expect.cached_tokens = reservation->cached_tokens;
+  return receiver_->Add(std::move(w));
+}
+
+void KvHandoff::Forget(uint64_t reservation_id) { receiver_->Forget(reservation_id); }
+
+std::chrono::milliseconds KvHandoff::engine_hold_timeout() const { return sender_->engine_hold_timeout(); }
+
+void KvHandoff::Send(const tandem::v1::KvTransferParams& target, uint64_t prompt_hash, const Prefilled& prefilled,
+                     KvSender::SendDone done) {
+  sender_->Send(KvSender::Job{.target = target, .prompt_hash = prompt_hash, .prefilled = prefilled,
+                              .handed_off = steady_clock::now()},
+                std::move(done));
+}
+
+void KvHandoff::KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline,
+                        tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done) {
+  if (receiver_ == nullptr || role_ == WorkerRole::kPrefill) {
+    done(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      receiver_ == nullptr ? "this worker runs without a KV transport (--kv-transport)"
+                                           : "this worker's role is prefill: it does not receive KV"));
+    return;
+  }
+  receiver_->KvReady(request, call_deadline, response, std::move(done));
+}
+
+absl::StatusOr<kvtransfer::PeerInfo> KvHandoff::LocalInfo() const {
+  if (transport_ == nullptr) {
+    return absl::FailedPreconditionError("this worker runs without a KV transport (--kv-transport)");
+  }
+  return transport_->LocalInfo();
+}
+
+void KvHandoff::Stop() {
+  if (sender_ != nullptr) sender_->Stop();
+}
+
+KvHandoffStats KvHandoff::stats() const {
+  KvHandoffStats kv;
+  if (receiver_ != nullptr) receiver_->AddStats(&kv);
+  if (sender_ != nullptr) sender_->AddStats(&kv);
+  return kv;
 }
 
 }  // namespace tandem::worker

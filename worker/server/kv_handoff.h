@@ -2,6 +2,9 @@
 // from the prefill worker to the decode worker (proto/tandem/v1/worker.proto
 // has the protocol; docs/architecture.md the life of a request).
 //
+//   KvHandoff: the one object the gRPC calls talk to. It checks what a
+//     request's KvTransferParams ask against the worker's role and transport,
+//     and passes the work to the two sides below.
 //   KvSender (prefill worker): once the engine hands a prefilled prompt over,
 //     it calls KvReady on the decode worker, naming its own pool and the
 //     blocks, with the first token and per-block checksums. The answer
@@ -56,6 +59,7 @@
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
 #include "worker/server/peer_policy.h"
+#include "worker/server/worker_role.h"
 
 namespace tandem::worker {
 
@@ -108,7 +112,7 @@ struct KvReadyExpectation {
 };
 
 // The checks KvReady's request must pass, as pure functions (the gRPC layer
-// converts and calls KvReceiver, which applies them under its lock):
+// converts and calls KvHandoff, whose KvReceiver applies them under its lock):
 // the prompt it describes is the reservation's, and the first token is in
 // the vocabulary. InvalidArgument naming the difference otherwise.
 absl::Status CheckKvReadyPrompt(const tandem::v1::KvReadyRequest& req, const KvReadyExpectation& expect,
@@ -269,11 +273,68 @@ class KvSender {
   std::unique_ptr<SerialExecutor> executor_ = std::make_unique<SerialExecutor>("kv_sender");
 };
 
-// PeerInfo <-> its wire form, for the KV transfer metadata exchange.
-void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out);
-kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info);
-// The gRPC status for an absl::Status: same code, same message.
-grpc::Status ToGrpcStatus(const absl::Status& status);
+// Both sides behind one face, as the worker's role allows. Without a KV
+// transport every hand-off is refused (FailedPrecondition) and the counters
+// stay zero.
+class KvHandoff {
+ public:
+  // `transport` (may be null) has the engine's pool registered and outlives
+  // this; KvReady calls to decode workers run on `cq`, over channels from
+  // `channels`, to addresses `allow` admits.
+  KvHandoff(Engine* engine, WorkerRole role, kvtransfer::Transport* transport, const std::string& instance_id,
+            KvHandoffConfig config, grpc::CompletionQueue* cq, std::shared_ptr<const tls::ChannelFactory> channels,
+            PeerAllowList allow);
+  ~KvHandoff();
+
+  // Generate: what a request's KvTransferParams ask of this worker, checked
+  // before anything runs. OK when none; FailedPrecondition when this worker
+  // cannot (no transport, or its role); InvalidArgument or PermissionDenied
+  // for a SEND target it will not serve.
+  absl::Status CheckTransfer(const tandem::v1::KvTransferParams& kv, int prompt_len);
+
+  // RECEIVE, before the engine reserves: the reservation's lifetime (the
+  // request's, capped) and the blocks charged to `caller` for it.
+  // ResourceExhausted over the per-caller cap. REQUIRES: CheckTransfer OK for
+  // a RECEIVE request.
+  struct Receiving {
+    KvReceiver::Waiting waiting;
+    uint32_t timeout_ms = 0;  // the lifetime granted, for the reservation message
+  };
+  absl::StatusOr<Receiving> StartReceive(std::string caller, const std::vector<int32_t>& prompt,
+                                         uint32_t requested_timeout_ms);
+  // The engine's answer to the reservation: the caller's charge passes to the
+  // reservation, named by the handle it returns, or back to the caller when
+  // there is none (then the handle's id is 0).
+  KvReceiver::Handle Reserved(const absl::StatusOr<Reservation>& reservation,
+                              const KvReceiver::Waiting& waiting);
+  // The reservation no longer takes KV (KvReceiver::Forget).
+  void Forget(uint64_t reservation_id);
+
+  // SEND: how long the engine holds the prefilled blocks, and the hand-off
+  // once it has (KvSender::Send; `done` gets its outcome).
+  std::chrono::milliseconds engine_hold_timeout() const;
+  void Send(const tandem::v1::KvTransferParams& target, uint64_t prompt_hash, const Prefilled& prefilled,
+            KvSender::SendDone done);
+
+  // KvReady from a prefill worker: FailedPrecondition unless this worker
+  // receives KV, else KvReceiver::KvReady.
+  void KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline,
+               tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done);
+  // GetKvTransferInfo: this worker's transport and pool, for the router.
+  absl::StatusOr<kvtransfer::PeerInfo> LocalInfo() const;
+
+  // Stops the KvReady calls this worker makes (KvSender::Stop).
+  void Stop();
+  // Both sides' counters.
+  KvHandoffStats stats() const;
+
+ private:
+  Engine* const engine_;
+  const WorkerRole role_;
+  kvtransfer::Transport* const transport_;
+  std::unique_ptr<KvReceiver> receiver_;  // with a transport
+  std::unique_ptr<KvSender> sender_;      // with a transport
+};
 
 }  // namespace tandem::worker
 

@@ -8,6 +8,13 @@
 // write is in flight; cancelling the call (client gone, deadline passed)
 // cancels the request in the engine, which frees its blocks.
 //
+// This class is the wiring: construction, Serve/Shutdown, authorization, and
+// the list of calls it serves. Each call type lives in its own file:
+// generate_call.h (Generate), kv_events_call.h (StreamKvEvents), and the
+// unary methods' handlers (unary_handlers.h) served by one generic
+// UnaryCall (unary_call.h). They convert with proto_convert.h and reach the
+// disaggregation machinery only through KvHandoff (kv_handoff.h).
+//
 // Use: construct with the server's completion queue, register with the
 // ServerBuilder, start the server and a GrpcPoller on the queue, then
 // Serve(). To stop: stop the engine, shut the server down, Shutdown() this
@@ -16,7 +23,7 @@
 //
 // Trust (docs/architecture.md, "Security"): with mutual TLS every caller
 // holds a certificate of the cluster CA, and each method admits only the
-// roles that need it (kMethodRoles in the .cc): Generate, StreamKvEvents,
+// roles that need it (WorkerService::Serve lists them): Generate, StreamKvEvents,
 // ClearKvCache and GetKvTransferInfo the router; KvReady a worker; Health,
 // GetModelInfo and GetLoad either. Others get PERMISSION_DENIED, counted
 // (LoadReport.calls_denied) and logged. Insecure (--insecure) trusts every
@@ -27,17 +34,16 @@
 #define TANDEM_WORKER_SERVER_WORKER_SERVICE_H_
 
 #include <atomic>
-#include <functional>
+#include <cstdint>
 #include <memory>
 #include <string>
-#include <string_view>
 
-#include "absl/status/statusor.h"
 #include "common/tls.h"
 #include "kvtransfer/transport.h"
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
 #include "worker/server/kv_handoff.h"
+#include "worker/server/worker_role.h"
 
 namespace tandem::worker {
 
@@ -55,14 +61,6 @@ struct WorkerSecurity {
 
 // Which certificate roles a method admits (with mutual TLS).
 enum class Admits { kRouter, kWorker, kRouterOrWorker };
-
-// What a worker does in a disaggregated cluster: prefill for others (SEND),
-// decode what others prefilled (RECEIVE), or both (and whole requests).
-enum class WorkerRole { kPrefill, kDecode, kBoth };
-// "prefill", "decode", "both": the --role flag's values and ModelInfo.role.
-const char* WorkerRoleName(WorkerRole role);
-// InvalidArgument "--role must be prefill, decode or both, got 'x'" otherwise.
-absl::StatusOr<WorkerRole> ParseWorkerRole(std::string_view name);
 
 class WorkerService final : public tandem::v1::Worker::AsyncService {
  public:
@@ -91,24 +89,13 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   // The KV hand-off counters of both sides (zero without a KV transport).
   KvHandoffStats kv_stats() const;
 
-  // The handlers of the unary methods: fill the response, then call
-  // `finish` exactly once (from any thread).
-  using Finish = std::function<void(const grpc::Status&)>;
-  void HandleHealth(const grpc::ServerContext& ctx, const tandem::v1::HealthRequest& request,
-              tandem::v1::HealthResponse* response, Finish finish);
-  void HandleGetModelInfo(const grpc::ServerContext& ctx, const tandem::v1::ModelInfoRequest& request,
-                    tandem::v1::ModelInfo* response, Finish finish);
-  void HandleGetLoad(const grpc::ServerContext& ctx, const tandem::v1::LoadRequest& request,
-               tandem::v1::LoadReport* response, Finish finish);
-  void HandleClearKvCache(const grpc::ServerContext& ctx, const tandem::v1::ClearKvCacheRequest& request,
-                    tandem::v1::ClearKvCacheResponse* response, Finish finish);
-  void HandleGetKvTransferInfo(const grpc::ServerContext& ctx,
-                         const tandem::v1::KvTransferInfoRequest& request,
-                         tandem::v1::KvTransferInfo* response, Finish finish);
-  void HandleKvReady(const grpc::ServerContext& ctx, const tandem::v1::KvReadyRequest& request,
-               tandem::v1::KvReadyResponse* response, Finish finish);
-
+  // What the calls read and act on.
+  Engine* engine() const { return engine_; }
+  WorkerRole role() const { return role_; }
   const std::string& instance_id() const { return instance_id_; }
+  KvHandoff& kv_handoff() { return kv_handoff_; }
+  // Calls refused by Authorize so far (LoadReport.calls_denied).
+  int64_t calls_denied() const { return calls_denied_.load(); }
 
   // OK when the call's caller may call `method` (always without TLS);
   // otherwise the status to end the call with, counted and logged.
@@ -120,19 +107,13 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
  private:
   Engine* const engine_;
   grpc::ServerCompletionQueue* const cq_;
-  kvtransfer::Transport* const transport_;
   const WorkerRole role_;
   std::atomic<bool> draining_{false};
   const std::string instance_id_;
-  const KvHandoffConfig kv_;
   const WorkerSecurity security_;
   std::atomic<int64_t> calls_denied_{0};
-  std::unique_ptr<KvReceiver> receiver_;  // with a transport
-  std::unique_ptr<KvSender> sender_;      // with a transport
+  KvHandoff kv_handoff_;
 };
-
-// Converts the wire sampling parameters to the engine's (defaults applied).
-SamplingParams FromProto(const tandem::v1::SamplingParams& p);
 
 }  // namespace tandem::worker
 
