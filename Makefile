@@ -4,7 +4,8 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 PORT ?= 8000
 
-.PHONY: deps configure build run test asan fuzz fuzz-build sanitize bench soak deploy-test deploy-base image-check clean
+.PHONY: deps configure build run test asan fuzz fuzz-build sanitize bench soak deploy-test deploy-base image-check clean \
+  format format-check
 
 deps:
 	@scripts/install_deps.sh
@@ -24,6 +25,14 @@ run: build
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600 || \
 	  { cd $(CURDIR) && scripts/show_failed_tests.sh $(BUILD_DIR); exit 1; }
+
+# The house format (.clang-format, clang-format 14): `make format` rewrites the C++ and CUDA
+# sources, `make format-check` fails on one that differs (.ci/run runs it first).
+format:
+	scripts/format.sh
+
+format-check:
+	scripts/format.sh --check
 
 # The whole suite again under AddressSanitizer and UBSan, in its own build directory (UCX
 # and CUDA off: their libraries are not instrumented). Not part of `make test`: the

@@ -14,6 +14,7 @@ PACKAGES=(
   dnsmasq-base  # router_dns_test's DNS server for discovery (A records added and removed)
   nginx  # bench_overhead.sh's reverse proxy, the baseline the router's overhead is compared with
   clang-14 libclang-rt-14-dev llvm-14  # make fuzz / make sanitize: libFuzzer, ASan+UBSan, llvm-cov
+  clang-format-14  # make format / make format-check (.ci/run): the house format, .clang-format
   # tests/deploy/helmrender: `helm template` for the chart's tests, built in
   # GOPATH mode from Debian's Go sources (Sprig's -dev package pulls in its own).
   golang-go golang-github-masterminds-sprig-dev golang-github-xeipuuv-gojsonschema-dev

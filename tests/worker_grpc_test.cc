@@ -34,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/block_hash.h"
@@ -775,9 +776,9 @@ class KvEventReader {
   std::unique_ptr<grpc::ClientReader<v1::KvEventBatch>> reader_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<v1::KvEventBatch> batches_;  // guarded by mu_
-  uint64_t last_seq_ = 0;                  // guarded by mu_
-  bool ended_ = false;                     // guarded by mu_
+  std::vector<v1::KvEventBatch> batches_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
