@@ -25,47 +25,48 @@
 #include "common/signals.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
-#include "worker/cli/commands.h"
-#include "worker/engine/engine.h"
 #include "kvtransfer/loopback/fault_injecting_transport.h"
 #include "kvtransfer/transport.h"
+#include "worker/cli/commands.h"
+#include "worker/engine/engine.h"
 #ifdef TANDEM_HAVE_UCX
 #include "kvtransfer/ucx/ucx_transport.h"
 #endif
-#include "worker/model/model_loader.h"
-#include "worker/server/worker_service.h"
 #include "orchestrator/http/http_server.h"
+#include "worker/model/model_loader.h"
+#include "worker/server/worker_metrics.h"
+#include "worker/server/worker_service.h"
 
 namespace tandem::worker {
 namespace {
 
 struct WorkerOptions {
-  std::string model = "builtin:tiny";   // builtin:tiny, builtin:small or a checkpoint directory
-  std::string served_model_name;        // name reported to clients; default: the model's
-  std::string role = "both";            // prefill, decode or both
+  std::string model = "builtin:tiny";  // builtin:tiny, builtin:small or a checkpoint directory
+  std::string served_model_name;       // name reported to clients; default: the model's
+  std::string role = "both";           // prefill, decode or both
   std::string host = "127.0.0.1";
-  int port = 50051;                     // 0 picks a free port (see --ready-file)
-  double drain_timeout_s = 30;          // SIGTERM: finish in-flight requests for this long at most
-  int metrics_port = -1;                // plain HTTP /metrics, /healthz, /readyz; -1: none, 0: any
-  std::string ready_file;               // written with "host:port" once serving
+  int port = 50051;             // 0 picks a free port (see --ready-file)
+  double drain_timeout_s = 30;  // SIGTERM: finish in-flight requests for this long at most
+  int metrics_port = -1;        // plain HTTP /metrics, /healthz, /readyz; -1: none, 0: any
+  std::string ready_file;       // written with "host:port" once serving
   std::string kv_cache_memory = "256MiB";
   bool no_prefix_caching = false;
-  std::string kv_transport = "none";    // none or ucx: moves KV blocks between workers
-  std::string kv_transport_tls = "auto";  // ucx: auto, shm (one host) or tcp
-  std::string kv_net_devices;           // ucx tcp: devices, e.g. eth0 (empty: $UCX_NET_DEVICES or lo)
-  int kv_receive_timeout_ms = 30000;    // decode: a reservation's wait for its KV (default)
-  int kv_receive_timeout_max_ms = 60000;  // decode: the longest wait a request may ask for
+  std::string kv_transport = "none";             // none or ucx: moves KV blocks between workers
+  std::string kv_transport_tls = "auto";         // ucx: auto, shm (one host) or tcp
+  std::string kv_net_devices;                    // ucx tcp: devices, e.g. eth0 (empty: $UCX_NET_DEVICES or lo)
+  int kv_receive_timeout_ms = 30000;             // decode: a reservation's wait for its KV (default)
+  int kv_receive_timeout_max_ms = 60000;         // decode: the longest wait a request may ask for
   int64_t kv_reserve_max_blocks_per_caller = 0;  // decode: 0 = half the KV pool
-  std::string kv_peer_allow;            // prefill: CIDR blocks SEND may dial (empty: mode's default)
-  std::string tls_ca, tls_cert, tls_key;  // mutual TLS identity (common/tls.h)
-  bool insecure = false;                // no TLS: trust every caller
-  int kv_hold_timeout_ms = 10000;       // prefill: blocks held for a decode worker at most
-  std::string kv_fallback = "local";    // decode, KV never came: local (prefill here) or error
-  bool no_kv_checksums = false;         // prefill: send no per-block checksums
-  int kv_quarantine_ms = 2000;          // decode: a failed transfer's blocks stay unused this long
-  std::string kv_fault;                 // testing: faults injected into the KV transport
-  std::string engine_kind = "real";     // real, or sim (simulated compute, for routing experiments)
-  SimTiming sim;                        // --engine sim's timing model
+  std::string kv_peer_allow;                     // prefill: CIDR blocks SEND may dial (empty: mode's default)
+  std::string tls_ca, tls_cert, tls_key;         // mutual TLS identity (common/tls.h)
+  bool insecure = false;                         // no TLS: trust every caller
+  int kv_hold_timeout_ms = 10000;                // prefill: blocks held for a decode worker at most
+  std::string kv_fallback = "local";             // decode, KV never came: local (prefill here) or error
+  bool no_kv_checksums = false;                  // prefill: send no per-block checksums
+  int kv_quarantine_ms = 2000;                   // decode: a failed transfer's blocks stay unused this long
+  std::string kv_fault;                          // testing: faults injected into the KV transport
+  std::string engine_kind = "real";              // real, or sim (simulated compute, for routing experiments)
+  SimTiming sim;                                 // --engine sim's timing model
   EngineConfig engine;
 };
 
@@ -89,8 +90,7 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
   kvtransfer::UcxOptions ucx;
   ucx.transports = opt.kv_transport_tls;
   ucx.net_devices = opt.kv_net_devices;
-  ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> ucx_transport,
-                   kvtransfer::UcxTransport::Create(ucx));
+  ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> ucx_transport, kvtransfer::UcxTransport::Create(ucx));
   kvtransfer::UcxTransport* raw = ucx_transport.get();
   KvStorage::Allocator allocate = [raw](int64_t bytes) { return raw->AllocatePool(bytes); };
   std::unique_ptr<kvtransfer::Transport> t = std::move(ucx_transport);
@@ -109,12 +109,10 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
 
 // Who may call this worker and whom it dials: mutual TLS from --tls-*, or
 // --insecure by name (never by omission).
-absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt,
-                                            std::optional<tls::TlsMaterial>* material) {
+absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt, std::optional<tls::TlsMaterial>* material) {
   const bool tls_given = !opt.tls_ca.empty() || !opt.tls_cert.empty() || !opt.tls_key.empty();
   if (opt.insecure && tls_given) {
-    return absl::InvalidArgumentError(
-        "--insecure and --tls-ca/--tls-cert/--tls-key exclude each other");
+    return absl::InvalidArgumentError("--insecure and --tls-ca/--tls-cert/--tls-key exclude each other");
   }
   if (!opt.insecure && !tls_given) {
     return absl::InvalidArgumentError(
@@ -133,8 +131,7 @@ absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt,
     *material = std::move(m);
   }
   if (!opt.kv_peer_allow.empty()) {
-    ASSIGN_OR_RETURN(security.kv_peer_allow,
-                     PeerAllowList::Parse(opt.kv_peer_allow, "--kv-peer-allow"));
+    ASSIGN_OR_RETURN(security.kv_peer_allow, PeerAllowList::Parse(opt.kv_peer_allow, "--kv-peer-allow"));
   }
   return security;
 }
@@ -143,8 +140,7 @@ absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt,
 // requests and reports NOT_SERVING, so routers move new work elsewhere, and
 // waits up to `timeout_s` for what it runs, waits for, or holds for a decode
 // worker to finish. A second signal ends the wait.
-void Drain(const Engine& engine, WorkerService& service, grpc::Server& server, int sig,
-           double timeout_s) {
+void Drain(const Engine& engine, WorkerService& service, grpc::Server& server, int sig, double timeout_s) {
   service.StartDrain();
   if (grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService()) {
     health->SetServingStatus(false);  // grpc.health.v1: NOT_SERVING
@@ -153,11 +149,11 @@ void Drain(const Engine& engine, WorkerService& service, grpc::Server& server, i
     const LoadSnapshot l = engine.GetLoad();
     return l.running + l.waiting + l.reserved + l.prefilled;
   };
-  LOG(INFO) << "signal " << sig << ": draining (" << busy() << " requests in flight, at most "
-            << timeout_s << " s; a second signal stops at once)";
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s));
+  LOG(INFO) << "signal " << sig << ": draining (" << busy() << " requests in flight, at most " << timeout_s
+            << " s; a second signal stops at once)";
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
   int left = busy();
   while (left > 0 && std::chrono::steady_clock::now() < deadline) {
     if (const int again = WaitForSignalFor(50); again != 0) {
@@ -173,98 +169,18 @@ void Drain(const Engine& engine, WorkerService& service, grpc::Server& server, i
   }
 }
 
-// The worker's own metrics, read from the engine at each scrape (the
-// router's per-worker view is a sample of the same; these are exact).
-void AddWorkerMetrics(MetricsRegistry& r, const Engine& engine, const WorkerService& service) {
-  const auto load = [&engine] { return engine.GetLoad(); };
-  r.AddCallbackGauge("tandem_worker_sequences", "Sequences by state: running (in the batch), "
-                     "waiting (queued), reserved (decode: waiting for their KV), prefilled "
-                     "(prefill: holding KV for a decode worker).", {"state"},
-                     [load](MetricEmitter& e) {
-                       const LoadSnapshot l = load();
-                       e.Emit({"running"}, l.running);
-                       e.Emit({"waiting"}, l.waiting);
-                       e.Emit({"reserved"}, l.reserved);
-                       e.Emit({"prefilled"}, l.prefilled);
-                     });
-  r.AddCallbackGauge("tandem_worker_kv_blocks",
-                     "KV cache blocks by state (cached: free but holding a reusable prefix; "
-                     "quarantined: a failed transfer's, briefly unused).",
-                     {"state"}, [load](MetricEmitter& e) {
-                       const LoadSnapshot l = load();
-                       e.Emit({"used"}, static_cast<double>(l.used_blocks));
-                       e.Emit({"free"}, static_cast<double>(l.free_blocks));
-                       e.Emit({"cached"}, static_cast<double>(l.cached_blocks));
-                       e.Emit({"quarantined"}, static_cast<double>(l.quarantined_blocks));
-                       e.Emit({"total"}, static_cast<double>(l.total_blocks));
-                     });
-  r.AddCallbackGauge("tandem_worker_tokens_in_flight", "Prompt and generated tokens of the "
-                     "sequences in the engine.", {}, [load](MetricEmitter& e) {
-                       e.Emit({}, static_cast<double>(load().tokens_in_flight));
-                     });
-  r.AddCallbackCounter("tandem_worker_prefix_tokens_total", "Prompt tokens looked up in the "
-                       "prefix cache (queried) and found there (hit).", {"kind"},
-                       [load](MetricEmitter& e) {
-                         const LoadSnapshot l = load();
-                         e.Emit({"queried"}, static_cast<double>(l.prefix_query_tokens));
-                         e.Emit({"hit"}, static_cast<double>(l.prefix_hit_tokens));
-                       });
-  r.AddCallbackCounter("tandem_worker_events_total", "Engine events: finished requests, "
-                       "preemptions, and the degraded disaggregation paths (expired_reservation: "
-                       "the KV never came; local_prefill: prefilled here instead; "
-                       "reservation_refused; expired_handoff: prefilled KV never taken).",
-                       {"event"}, [load](MetricEmitter& e) {
-                         const LoadSnapshot l = load();
-                         e.Emit({"finished"}, static_cast<double>(l.finished));
-                         e.Emit({"preemption"}, static_cast<double>(l.preemptions));
-                         e.Emit({"expired_reservation"},
-                                static_cast<double>(l.expired_reservations));
-                         e.Emit({"local_prefill"}, static_cast<double>(l.local_prefill_fallbacks));
-                         e.Emit({"reservation_refused"},
-                                static_cast<double>(l.reservations_refused));
-                         e.Emit({"expired_handoff"}, static_cast<double>(l.expired_handoffs));
-                       });
-  const auto kv = [&service] { return service.kv_stats(); };
-  r.AddCallbackCounter("tandem_worker_kv_transfer_bytes_total",
-                       "KV bytes pulled from prefill workers, verified and committed (decode).",
-                       {}, [kv](MetricEmitter& e) {
-                         e.Emit({}, static_cast<double>(kv().bytes_pulled));
-                       });
-  r.AddCallbackCounter("tandem_worker_kv_transfer_seconds_total",
-                       "Time the committed KV pulls took (decode): over "
-                       "tandem_worker_kv_transfers_total{outcome=\"pulled\"}, the mean latency.",
-                       {}, [kv](MetricEmitter& e) { e.Emit({}, kv().pull_seconds); });
-  r.AddCallbackCounter("tandem_worker_kv_transfers_total",
-                       "KV hand-offs by outcome: pulled and pull_failed (decode; checksum_failed "
-                       "among the failures), sent and send_failed (prefill).",
-                       {"outcome"}, [kv](MetricEmitter& e) {
-                         const KvHandoffStats k = kv();
-                         e.Emit({"pulled"}, static_cast<double>(k.pulls));
-                         e.Emit({"pull_failed"}, static_cast<double>(k.pull_failures));
-                         e.Emit({"checksum_failed"}, static_cast<double>(k.checksum_failures));
-                         e.Emit({"sent"}, static_cast<double>(k.handoffs));
-                         e.Emit({"send_failed"}, static_cast<double>(k.handoff_failures));
-                       });
-  r.AddCallbackGauge("tandem_worker_serving", "1 while the worker takes new requests (0 while "
-                     "loading or draining).", {}, [&service](MetricEmitter& e) {
-                       e.Emit({}, service.serving() ? 1 : 0);
-                     });
-}
-
 // Plain HTTP beside the gRPC port, for Prometheus and Kubernetes probes
 // (which cannot present the client certificate mutual TLS asks of callers).
-absl::StatusOr<std::unique_ptr<http::HttpServer>> StartMetricsServer(
-    const std::string& host, int port, const MetricsRegistry& registry,
-    const WorkerService& service) {
+absl::StatusOr<std::unique_ptr<http::HttpServer>> StartMetricsServer(const std::string& host, int port,
+                                                                     const MetricsRegistry& registry,
+                                                                     const WorkerService& service) {
   auto server = std::make_unique<http::HttpServer>(http::HttpServer::Options{
       .host = host, .port = port, .threads = 1, .max_body_bytes = 1024, .max_connections = 64});
   using Writer = std::shared_ptr<http::ResponseWriter>;
   server->Route("GET", "/metrics", [&registry](const http::Request&, Writer w) {
     w->Send(200, kPrometheusTextContentType, registry.Render());
   });
-  server->Route("GET", "/healthz", [](const http::Request&, Writer w) {
-    w->Send(200, "text/plain", "ok\n");
-  });
+  server->Route("GET", "/healthz", [](const http::Request&, Writer w) { w->Send(200, "text/plain", "ok\n"); });
   server->Route("GET", "/readyz", [&service](const http::Request&, Writer w) {
     if (service.serving()) {
       w->Send(200, "text/plain", "ready\n");
@@ -286,13 +202,12 @@ absl::Status RunWorker(WorkerOptions opt) {
     return absl::InvalidArgumentError("--kv-receive-timeout-ms and --kv-hold-timeout-ms must be >= 1");
   }
   if (opt.kv_receive_timeout_max_ms < opt.kv_receive_timeout_ms) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "--kv-receive-timeout-max-ms (%d) must be at least --kv-receive-timeout-ms (%d)",
-        opt.kv_receive_timeout_max_ms, opt.kv_receive_timeout_ms));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--kv-receive-timeout-max-ms (%d) must be at least --kv-receive-timeout-ms (%d)",
+                        opt.kv_receive_timeout_max_ms, opt.kv_receive_timeout_ms));
   }
   if (opt.kv_reserve_max_blocks_per_caller < 0) {
-    return absl::InvalidArgumentError(
-        "--kv-reserve-max-blocks-per-caller must be >= 0 (0: half the KV pool)");
+    return absl::InvalidArgumentError("--kv-reserve-max-blocks-per-caller must be >= 0 (0: half the KV pool)");
   }
   opt.engine.local_prefill_fallback = opt.kv_fallback == "local";
   if (opt.kv_quarantine_ms < 0) return absl::InvalidArgumentError("--kv-quarantine-ms must be >= 0");
@@ -302,8 +217,7 @@ absl::Status RunWorker(WorkerOptions opt) {
   if (opt.engine_kind == "sim") {
     opt.engine.sim = opt.sim;
   } else if (opt.engine_kind != "real") {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
+    return absl::InvalidArgumentError(absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
   }
   RETURN_IF_ERROR(opt.engine.Validate());
   std::optional<tls::TlsMaterial> tls_material;
@@ -329,21 +243,20 @@ absl::Status RunWorker(WorkerOptions opt) {
   const int64_t caller_cap = opt.kv_reserve_max_blocks_per_caller > 0
                                  ? opt.kv_reserve_max_blocks_per_caller
                                  : std::max<int64_t>(1, engine->total_blocks() / 2);
-  const KvHandoffConfig kv{
-      .receive_timeout = std::chrono::milliseconds(opt.kv_receive_timeout_ms),
-      .receive_timeout_max = std::chrono::milliseconds(opt.kv_receive_timeout_max_ms),
-      .max_reserved_blocks_per_caller = caller_cap,
-      .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
-      .checksums = !opt.no_kv_checksums};
+  const KvHandoffConfig kv{.receive_timeout = std::chrono::milliseconds(opt.kv_receive_timeout_ms),
+                           .receive_timeout_max = std::chrono::milliseconds(opt.kv_receive_timeout_max_ms),
+                           .max_reserved_blocks_per_caller = caller_cap,
+                           .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
+                           .checksums = !opt.no_kv_checksums};
   // The standard grpc.health.v1 service (SERVING; NOT_SERVING once draining),
   // for load balancers and Kubernetes' gRPC probes where TLS is off.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound_port = 0;
-  builder.AddListeningPort(absl::StrFormat("%s:%d", opt.host, opt.port),
-                           tls_material.has_value() ? tls::ServerCredentials(*tls_material)
-                                                    : grpc::InsecureServerCredentials(),
-                           &bound_port);
+  builder.AddListeningPort(
+      absl::StrFormat("%s:%d", opt.host, opt.port),
+      tls_material.has_value() ? tls::ServerCredentials(*tls_material) : grpc::InsecureServerCredentials(),
+      &bound_port);
   builder.SetMaxReceiveMessageSize(64 << 20);
   // Routers ping every few seconds (keepalive) to notice a frozen worker
   // fast; gRPC's server default would answer pings that often, after two, by
@@ -366,7 +279,7 @@ absl::Status RunWorker(WorkerOptions opt) {
   }
   service.Serve();
   MetricsRegistry metrics;
-  AddWorkerMetrics(metrics, *engine, service);
+  RegisterWorkerMetrics(metrics, *engine, service);
   std::unique_ptr<http::HttpServer> metrics_server;
   if (opt.metrics_port >= 0) {
     absl::StatusOr<std::unique_ptr<http::HttpServer>> started =
@@ -386,8 +299,7 @@ absl::Status RunWorker(WorkerOptions opt) {
         "SIMULATED engine (--engine sim): compute is a timing model (step %g ms + %g us per "
         "prefill token + %g us per decoding sequence + %g ns per attended KV token); outputs are "
         "not the model's",
-        opt.sim.step_ms, opt.sim.prefill_us_per_token, opt.sim.decode_us_per_seq,
-        opt.sim.context_ns_per_token);
+        opt.sim.step_ms, opt.sim.prefill_us_per_token, opt.sim.decode_us_per_seq, opt.sim.context_ns_per_token);
   }
   if (opt.insecure) {
     LOG(WARNING) << absl::StrFormat(
@@ -401,13 +313,11 @@ absl::Status RunWorker(WorkerOptions opt) {
               << (kv_peers == "any" ? "" : kv_peers);
   }
   const LoadSnapshot load = engine->GetLoad();
-  LOG(INFO) << "worker " << service.instance_id() << " (" << opt.role << ") serving "
-            << engine->model_name() << " on " << opt.host << ":" << bound_port << ", "
-            << load.total_blocks << " KV blocks of " << opt.engine.block_size
+  LOG(INFO) << "worker " << service.instance_id() << " (" << opt.role << ") serving " << engine->model_name() << " on "
+            << opt.host << ":" << bound_port << ", " << load.total_blocks << " KV blocks of " << opt.engine.block_size
             << " tokens, context " << engine->max_model_len();
   if (!opt.ready_file.empty()) {
-    RETURN_IF_ERROR(
-        WriteFileAtomically(opt.ready_file, absl::StrFormat("%s:%d\n", opt.host, bound_port)));
+    RETURN_IF_ERROR(WriteFileAtomically(opt.ready_file, absl::StrFormat("%s:%d\n", opt.host, bound_port)));
   }
 
   const int sig = WaitForSignal();
@@ -436,10 +346,9 @@ absl::StatusOr<int64_t> ParseByteSize(const std::string& text) {
     const char* suffix;
     double scale;
   };
-  static const Unit kUnits[] = {{"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0},
-                                {"kb", 1e3},     {"mb", 1e6},        {"gb", 1e9},
-                                {"k", 1024.0},   {"m", 1048576.0},   {"g", 1073741824.0},
-                                {"b", 1.0}};
+  static const Unit kUnits[] = {{"kib", 1024.0},     {"mib", 1048576.0}, {"gib", 1073741824.0}, {"kb", 1e3},
+                                {"mb", 1e6},         {"gb", 1e9},        {"k", 1024.0},         {"m", 1048576.0},
+                                {"g", 1073741824.0}, {"b", 1.0}};
   double scale = 1.0;
   for (const Unit& u : kUnits) {
     if (absl::EndsWith(t, u.suffix)) {
@@ -450,8 +359,7 @@ absl::StatusOr<int64_t> ParseByteSize(const std::string& text) {
   }
   double v = 0;
   if (!absl::SimpleAtod(t, &v) || !(v > 0) || !std::isfinite(v * scale) || v * scale > 9e18) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("'%s' is not a size (e.g. 512MiB, 2GiB, 1000000)", text));
+    return absl::InvalidArgumentError(absl::StrFormat("'%s' is not a size (e.g. 512MiB, 2GiB, 1000000)", text));
   }
   return static_cast<int64_t>(v * scale);
 }
@@ -469,14 +377,12 @@ void AddWorkerCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--port", opt->port, "gRPC port (0: pick a free one)")->capture_default_str();
   cmd->add_option("--ready-file", opt->ready_file, "Write host:port here once serving");
-  cmd->add_option("--kv-cache-memory", opt->kv_cache_memory, "Memory budget of the KV cache")
-      ->capture_default_str();
+  cmd->add_option("--kv-cache-memory", opt->kv_cache_memory, "Memory budget of the KV cache")->capture_default_str();
   cmd->add_option("--engine", opt->engine_kind,
                   "real, or sim: a simulator (real scheduler, KV pool, prefix cache and events; "
                   "compute replaced by a timing model) for routing experiments at scale")
       ->capture_default_str();
-  cmd->add_option("--sim-step-ms", opt->sim.step_ms, "sim: fixed cost of a step (ms)")
-      ->capture_default_str();
+  cmd->add_option("--sim-step-ms", opt->sim.step_ms, "sim: fixed cost of a step (ms)")->capture_default_str();
   cmd->add_option("--sim-prefill-us-per-token", opt->sim.prefill_us_per_token,
                   "sim: cost per prompt token computed (us)")
       ->capture_default_str();
@@ -490,21 +396,18 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--max-batched-tokens", opt->engine.max_batched_tokens,
                   "Tokens per engine step (the prefill chunk budget)")
       ->capture_default_str();
-  cmd->add_option("--max-running", opt->engine.max_running, "Sequences decoding at once")
-      ->capture_default_str();
-  cmd->add_option("--max-waiting", opt->engine.max_waiting,
-                  "Queued requests before RESOURCE_EXHAUSTED")
+  cmd->add_option("--max-running", opt->engine.max_running, "Sequences decoding at once")->capture_default_str();
+  cmd->add_option("--max-waiting", opt->engine.max_waiting, "Queued requests before RESOURCE_EXHAUSTED")
       ->capture_default_str();
   cmd->add_option("--watermark", opt->engine.watermark, "Fraction of KV blocks admission keeps free")
       ->capture_default_str();
-  cmd->add_option("--max-model-len", opt->engine.max_model_len, "Context limit (0: the model's; with --engine sim it may exceed it)")
+  cmd->add_option("--max-model-len", opt->engine.max_model_len,
+                  "Context limit (0: the model's; with --engine sim it may exceed it)")
       ->capture_default_str();
   cmd->add_flag("--no-prefix-caching", opt->no_prefix_caching, "Disable the prefix cache");
-  cmd->add_option("--kv-transport", opt->kv_transport,
-                  "KV block transport between workers: none or ucx")
+  cmd->add_option("--kv-transport", opt->kv_transport, "KV block transport between workers: none or ucx")
       ->capture_default_str();
-  cmd->add_option("--kv-transport-tls", opt->kv_transport_tls,
-                  "UCX transports: auto, shm (one host) or tcp")
+  cmd->add_option("--kv-transport-tls", opt->kv_transport_tls, "UCX transports: auto, shm (one host) or tcp")
       ->capture_default_str();
   cmd->add_option("--kv-net-devices", opt->kv_net_devices,
                   "UCX tcp: network devices, e.g. eth0 (default: $UCX_NET_DEVICES, else lo)");
@@ -530,8 +433,7 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--tls-cert", opt->tls_cert,
                   "Mutual TLS: this worker's certificate (PEM, worker role; `tandem certs`)")
       ->group("Security");
-  cmd->add_option("--tls-key", opt->tls_key, "Mutual TLS: this worker's private key (PEM)")
-      ->group("Security");
+  cmd->add_option("--tls-key", opt->tls_key, "Mutual TLS: this worker's private key (PEM)")->group("Security");
   cmd->add_flag("--insecure", opt->insecure,
                 "No TLS: accept calls from anyone who can reach the port (tests, a trusted "
                 "host); required when no --tls-* is given")
@@ -539,20 +441,17 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--kv-hold-timeout-ms", opt->kv_hold_timeout_ms,
                   "Prefill: how long prefilled blocks wait for the decode worker to take them")
       ->capture_default_str();
-  cmd->add_option("--kv-fallback", opt->kv_fallback,
-                  "Decode, when the KV never comes: local (prefill here) or error")
+  cmd->add_option("--kv-fallback", opt->kv_fallback, "Decode, when the KV never comes: local (prefill here) or error")
       ->capture_default_str();
   cmd->add_option("--kv-quarantine-ms", opt->kv_quarantine_ms,
                   "Decode: blocks of a failed KV transfer stay out of use this long (late bytes)")
       ->capture_default_str();
-  cmd->add_flag("--no-kv-checksums", opt->no_kv_checksums,
-                "Prefill: send no per-block checksums with the KV");
+  cmd->add_flag("--no-kv-checksums", opt->no_kv_checksums, "Prefill: send no per-block checksums with the KV");
   cmd->add_option("--kv-fault", opt->kv_fault,
                   "Testing: inject KV transport faults (drop, corrupt, fail_submit, delay_ms=N, "
                   "fail_after_blocks=N; comma-separated)")
       ->group("Testing");
-  cmd->add_option("--block-hash-seed", opt->engine.block_hash_seed,
-                  "Parent hash of a sequence's first KV block")
+  cmd->add_option("--block-hash-seed", opt->engine.block_hash_seed, "Parent hash of a sequence's first KV block")
       ->capture_default_str();
   cmd->add_option("--threads", opt->engine.threads, "BLAS threads (0: all cores)")->capture_default_str();
   cmd->add_option("--metrics-port", opt->metrics_port,
@@ -569,9 +468,7 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--log-stats-interval", opt->engine.log_stats_interval_s,
                   "Seconds between engine stats lines while busy (0: none)")
       ->capture_default_str();
-  cmd->callback([opt] {
-    ExitWithStatus("worker", RunWorker(*opt));
-  });
+  cmd->callback([opt] { ExitWithStatus("worker", RunWorker(*opt)); });
 }
 
 }  // namespace tandem::worker
