@@ -21,9 +21,7 @@ uint64_t HashBlock(uint64_t parent_hash, std::span<const int32_t> tokens);
 // XXH3-64 (no seed) of arbitrary bytes: prompt fingerprints and KV block
 // checksums in the disaggregation protocol.
 uint64_t HashBytes(const void* data, size_t size);
-inline uint64_t HashTokens(std::span<const int32_t> tokens) {
-  return HashBytes(tokens.data(), tokens.size_bytes());
-}
+inline uint64_t HashTokens(std::span<const int32_t> tokens) { return HashBytes(tokens.data(), tokens.size_bytes()); }
 
 // Hashes of the first floor(tokens.size() / block_size) full blocks.
 std::vector<uint64_t> HashBlocks(uint64_t seed, std::span<const int32_t> tokens, int block_size);

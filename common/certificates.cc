@@ -51,8 +51,7 @@ absl::StatusOr<std::string> ToPem(X509* cert) {
 
 absl::StatusOr<std::string> ToPem(EVP_PKEY* key) {
   Ptr<BIO> bio(BIO_new(BIO_s_mem()));
-  if (bio == nullptr ||
-      PEM_write_bio_PrivateKey(bio.get(), key, nullptr, nullptr, 0, nullptr, nullptr) != 1) {
+  if (bio == nullptr || PEM_write_bio_PrivateKey(bio.get(), key, nullptr, nullptr, 0, nullptr, nullptr) != 1) {
     return OpenSslFailure("writing a private key");
   }
   char* data = nullptr;
@@ -87,10 +86,10 @@ absl::StatusOr<Ptr<X509>> NewCertificate(EVP_PKEY* key, absl::string_view common
   }
   X509_NAME* name = X509_get_subject_name(cert.get());
   const std::string cn(common_name);
-  if (X509_NAME_add_entry_by_txt(name, "O", MBSTRING_ASC,
-                                 reinterpret_cast<const unsigned char*>("tandem"), -1, -1, 0) != 1 ||
-      X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_UTF8,
-                                 reinterpret_cast<const unsigned char*>(cn.c_str()), -1, -1, 0) != 1) {
+  if (X509_NAME_add_entry_by_txt(name, "O", MBSTRING_ASC, reinterpret_cast<const unsigned char*>("tandem"), -1, -1,
+                                 0) != 1 ||
+      X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_UTF8, reinterpret_cast<const unsigned char*>(cn.c_str()), -1, -1,
+                                 0) != 1) {
     return OpenSslFailure("naming a certificate");
   }
   return cert;
@@ -119,8 +118,7 @@ absl::StatusOr<Ptr<EVP_PKEY>> ParseKey(const std::string& pem) {
 // Writes `contents` to a new file readable by the owner only (`private_file`)
 // or by everyone.
 absl::Status WriteNew(const std::string& path, absl::string_view contents, bool private_file) {
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC,
-                      private_file ? 0600 : 0644);
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, private_file ? 0600 : 0644);
   if (fd < 0) return absl::UnavailableError(absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
   if (private_file) fchmod(fd, 0600);  // an existing file keeps its mode otherwise
   size_t done = 0;
@@ -161,10 +159,9 @@ absl::StatusOr<KeyPair> MakeCa(absl::string_view common_name, int days) {
   if (!cert.ok()) return cert.status();
   X509* c = cert->get();
   if (X509_set_issuer_name(c, X509_get_subject_name(c)) != 1) return OpenSslFailure("naming the CA");
-  const std::pair<int, std::string> extensions[] = {
-      {NID_basic_constraints, "critical,CA:TRUE,pathlen:0"},
-      {NID_key_usage, "critical,keyCertSign,cRLSign"},
-      {NID_subject_key_identifier, "hash"}};
+  const std::pair<int, std::string> extensions[] = {{NID_basic_constraints, "critical,CA:TRUE,pathlen:0"},
+                                                    {NID_key_usage, "critical,keyCertSign,cRLSign"},
+                                                    {NID_subject_key_identifier, "hash"}};
   for (const auto& [nid, value] : extensions) {
     if (absl::Status s = AddExtension(c, c, nid, value); !s.ok()) return s;
   }
@@ -172,8 +169,8 @@ absl::StatusOr<KeyPair> MakeCa(absl::string_view common_name, int days) {
   return ToKeyPair(c, key->get());
 }
 
-absl::StatusOr<KeyPair> IssueCertificate(const KeyPair& ca, absl::string_view identity,
-                                         absl::string_view common_name, int days) {
+absl::StatusOr<KeyPair> IssueCertificate(const KeyPair& ca, absl::string_view identity, absl::string_view common_name,
+                                         int days) {
   if (identity != kRouterIdentity && identity != kWorkerIdentity) {
     return absl::InvalidArgumentError(absl::StrCat("unknown role identity '", identity, "'"));
   }
@@ -194,12 +191,9 @@ absl::StatusOr<KeyPair> IssueCertificate(const KeyPair& ca, absl::string_view id
     return OpenSslFailure("naming the issuer");
   }
   const std::pair<int, std::string> extensions[] = {
-      {NID_basic_constraints, "critical,CA:FALSE"},
-      {NID_key_usage, "critical,digitalSignature,keyEncipherment"},
-      {NID_ext_key_usage, "serverAuth,clientAuth"},
-      {NID_subject_alt_name, absl::StrCat("DNS:", identity)},
-      {NID_subject_key_identifier, "hash"},
-      {NID_authority_key_identifier, "keyid"}};
+      {NID_basic_constraints, "critical,CA:FALSE"}, {NID_key_usage, "critical,digitalSignature,keyEncipherment"},
+      {NID_ext_key_usage, "serverAuth,clientAuth"}, {NID_subject_alt_name, absl::StrCat("DNS:", identity)},
+      {NID_subject_key_identifier, "hash"},         {NID_authority_key_identifier, "keyid"}};
   for (const auto& [nid, value] : extensions) {
     if (absl::Status s = AddExtension(c, ca_cert->get(), nid, value); !s.ok()) return s;
   }
@@ -219,8 +213,7 @@ absl::StatusOr<ClusterFiles> WriteClusterCertificates(const std::string& dir, in
   const ClusterFiles files = ClusterFilesIn(dir);
   std::error_code ec;
   if (std::filesystem::exists(files.router.ca, ec) || std::filesystem::exists(files.ca_key, ec)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat(dir, " already holds a CA (ca.crt / ca.key): not overwriting it"));
+    return absl::AlreadyExistsError(absl::StrCat(dir, " already holds a CA (ca.crt / ca.key): not overwriting it"));
   }
   absl::StatusOr<KeyPair> ca = MakeCa("tandem cluster CA", days);
   if (!ca.ok()) return ca.status();
@@ -228,18 +221,16 @@ absl::StatusOr<ClusterFiles> WriteClusterCertificates(const std::string& dir, in
   if (!router.ok()) return router.status();
   absl::StatusOr<KeyPair> worker = IssueCertificate(*ca, kWorkerIdentity, kWorkerIdentity, days);
   if (!worker.ok()) return worker.status();
-  const std::pair<const char*, const KeyPair*> pairs[] = {
-      {"ca", &*ca}, {"router", &*router}, {"worker", &*worker}};
+  const std::pair<const char*, const KeyPair*> pairs[] = {{"ca", &*ca}, {"router", &*router}, {"worker", &*worker}};
   for (const auto& [name, pair] : pairs) {
     if (absl::Status s = WritePair(dir, name, *pair); !s.ok()) return s;
   }
   return files;
 }
 
-absl::StatusOr<TlsFiles> IssueFromCaDir(const std::string& dir, absl::string_view identity,
-                                        const std::string& name, int days) {
-  if (name.empty() || name.find_first_of("/\\") != std::string::npos || name[0] == '.' ||
-      name == "ca") {
+absl::StatusOr<TlsFiles> IssueFromCaDir(const std::string& dir, absl::string_view identity, const std::string& name,
+                                        int days) {
+  if (name.empty() || name.find_first_of("/\\") != std::string::npos || name[0] == '.' || name == "ca") {
     return absl::InvalidArgumentError(absl::StrCat("'", name, "' is not a certificate name"));
   }
   const ClusterFiles files = ClusterFilesIn(dir);
@@ -253,9 +244,8 @@ absl::StatusOr<TlsFiles> IssueFromCaDir(const std::string& dir, absl::string_vie
   absl::StatusOr<KeyPair> pair = IssueCertificate(ca, identity, name, days);
   if (!pair.ok()) return pair.status();
   if (absl::Status s = WritePair(dir, name, *pair); !s.ok()) return s;
-  return TlsFiles{.ca = files.router.ca,
-                  .cert = absl::StrCat(dir, "/", name, ".crt"),
-                  .key = absl::StrCat(dir, "/", name, ".key")};
+  return TlsFiles{
+      .ca = files.router.ca, .cert = absl::StrCat(dir, "/", name, ".crt"), .key = absl::StrCat(dir, "/", name, ".key")};
 }
 
 }  // namespace tandem::tls

@@ -29,8 +29,8 @@ absl::StatusOr<KeyPair> MakeCa(absl::string_view common_name, int days);
 
 // A certificate issued by `ca` for role `identity` (kRouterIdentity or
 // kWorkerIdentity, written as a DNS SAN), named `common_name`, valid `days`.
-absl::StatusOr<KeyPair> IssueCertificate(const KeyPair& ca, absl::string_view identity,
-                                         absl::string_view common_name, int days);
+absl::StatusOr<KeyPair> IssueCertificate(const KeyPair& ca, absl::string_view identity, absl::string_view common_name,
+                                         int days);
 
 // The files of a cluster's set in `dir`: ca.crt, ca.key, router.crt,
 // router.key, worker.crt, worker.key.
@@ -49,8 +49,8 @@ absl::StatusOr<ClusterFiles> WriteClusterCertificates(const std::string& dir, in
 // Issues another certificate from the CA in `dir` (ca.crt, ca.key) into
 // `dir`/NAME.crt and NAME.key: e.g. one per worker, so that each caller has
 // its own name (the per-caller limits of a worker count by name).
-absl::StatusOr<TlsFiles> IssueFromCaDir(const std::string& dir, absl::string_view identity,
-                                        const std::string& name, int days);
+absl::StatusOr<TlsFiles> IssueFromCaDir(const std::string& dir, absl::string_view identity, const std::string& name,
+                                        int days);
 
 }  // namespace tandem::tls
 

@@ -22,8 +22,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
   }
   std::ostringstream contents;
   contents << in.rdbuf();
@@ -36,8 +35,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 absl::Status WriteFile(const std::string& path, std::string_view contents) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
   }
   out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
   out.close();
@@ -51,8 +49,7 @@ absl::Status WriteFileAtomically(const std::string& path, std::string_view conte
   const std::string tmp = path + ".tmp";
   if (absl::Status s = WriteFile(tmp, contents); !s.ok()) return s;
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot rename ", tmp, " to ", path, ": ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ", std::strerror(errno)));
   }
   return absl::OkStatus();
 }

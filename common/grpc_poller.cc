@@ -12,9 +12,7 @@ thread_local std::vector<std::function<void()>>* t_after_completion = nullptr;
 }  // namespace
 
 GrpcPoller::GrpcPoller()
-    : owned_(std::make_unique<grpc::CompletionQueue>()),
-      cq_(owned_.get()),
-      thread_([this] { Run(); }) {}
+    : owned_(std::make_unique<grpc::CompletionQueue>()), cq_(owned_.get()), thread_([this] { Run(); }) {}
 
 GrpcPoller::GrpcPoller(grpc::CompletionQueue* cq) : cq_(cq), thread_([this] { Run(); }) {}
 

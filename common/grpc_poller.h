@@ -136,8 +136,8 @@ class GrpcPoller {
   // cq()) and runs done(status) on the poller thread when it ends; *response
   // is filled by then. The context, request and response must outlive it.
   template <class Response>
-  static void Unary(std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> rpc,
-                    Response* response, std::function<void(const grpc::Status&)> done) {
+  static void Unary(std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> rpc, Response* response,
+                    std::function<void(const grpc::Status&)> done) {
     auto* tag = new UnaryTag<Response>(std::move(rpc), std::move(done));
     tag->rpc->StartCall();
     tag->rpc->Finish(response, &tag->status, tag);
@@ -146,8 +146,7 @@ class GrpcPoller {
  private:
   template <class Response>
   struct UnaryTag final : GrpcTag {
-    UnaryTag(std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> r,
-             std::function<void(const grpc::Status&)> d)
+    UnaryTag(std::unique_ptr<grpc::ClientAsyncResponseReader<Response>> r, std::function<void(const grpc::Status&)> d)
         : rpc(std::move(r)), done(std::move(d)) {}
     void Done(bool /*ok: always true for Finish*/) override {
       // The reader lives in the call's arena, which goes with the caller's

@@ -27,7 +27,7 @@ class FnTag final : public GrpcTag {
   std::function<void()> fn_;
 };
 
-void FireNow(grpc::Alarm &alarm, GrpcPoller &poller, GrpcTag *tag) {
+void FireNow(grpc::Alarm& alarm, GrpcPoller& poller, GrpcTag* tag) {
   alarm.Set(poller.cq(), std::chrono::system_clock::now(), tag);
 }
 
@@ -52,8 +52,7 @@ TEST(GrpcPollerTest, TasksRunOnThePollerAfterTheCompletionInOrder) {
       EXPECT_TRUE(GrpcPoller::RunAfterThisCompletion(third));  // queued by a task
     };
     std::function<void()> second = [&] {
-      log.push_back(std::this_thread::get_id() == poller_thread ? "second, poller"
-                                                                : "second, elsewhere");
+      log.push_back(std::this_thread::get_id() == poller_thread ? "second, poller" : "second, elsewhere");
     };
     EXPECT_TRUE(GrpcPoller::RunAfterThisCompletion(first));
     EXPECT_TRUE(GrpcPoller::RunAfterThisCompletion(second));

@@ -37,8 +37,7 @@ LogMessage::LogMessage(const char* file, int line, LogSeverity severity) : sever
   static const char kLetters[] = "DIWEF";
   auto now = std::chrono::system_clock::now();
   std::time_t t = std::chrono::system_clock::to_time_t(now);
-  auto us = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count() %
-            1000000;
+  auto us = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count() % 1000000;
   std::tm tm;
   localtime_r(&t, &tm);
   char buf[32];
@@ -46,8 +45,8 @@ LogMessage::LogMessage(const char* file, int line, LogSeverity severity) : sever
   const char* base = std::strrchr(file, '/');
   char frac[16];
   std::snprintf(frac, sizeof(frac), ".%06d", static_cast<int>(us));
-  stream_ << kLetters[static_cast<int>(severity)] << buf << frac << ' '
-          << (base ? base + 1 : file) << ':' << line << "] ";
+  stream_ << kLetters[static_cast<int>(severity)] << buf << frac << ' ' << (base ? base + 1 : file) << ':' << line
+          << "] ";
 }
 
 LogMessage::~LogMessage() {

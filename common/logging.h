@@ -44,20 +44,16 @@ struct Voidify {
 #define TANDEM_LOG_SEVERITY_ERROR ::tandem::LogSeverity::kError
 #define TANDEM_LOG_SEVERITY_FATAL ::tandem::LogSeverity::kFatal
 
-#define LOG(severity)                                                         \
-  (TANDEM_LOG_SEVERITY_##severity < ::tandem::MinLogSeverity())               \
-      ? (void)0                                                               \
-      : ::tandem::logging_internal::Voidify() &                               \
-            ::tandem::logging_internal::LogMessage(__FILE__, __LINE__,        \
-                                                   TANDEM_LOG_SEVERITY_##severity) \
-                .stream()
+#define LOG(severity)                                           \
+  (TANDEM_LOG_SEVERITY_##severity < ::tandem::MinLogSeverity()) \
+      ? (void)0                                                 \
+      : ::tandem::logging_internal::Voidify() &                 \
+            ::tandem::logging_internal::LogMessage(__FILE__, __LINE__, TANDEM_LOG_SEVERITY_##severity).stream()
 
-#define CHECK(cond)                                                                   \
-  (cond) ? (void)0                                                                    \
-         : ::tandem::logging_internal::Voidify() &                                    \
-               ::tandem::logging_internal::LogMessage(__FILE__, __LINE__,             \
-                                                      ::tandem::LogSeverity::kFatal)  \
-                       .stream()                                                      \
+#define CHECK(cond)                                                                                               \
+  (cond) ? (void)0                                                                                                \
+         : ::tandem::logging_internal::Voidify() &                                                                \
+               ::tandem::logging_internal::LogMessage(__FILE__, __LINE__, ::tandem::LogSeverity::kFatal).stream() \
                    << "Check failed: " #cond " "
 
 #endif  // TANDEM_COMMON_LOGGING_H_

@@ -83,8 +83,8 @@ void AppendValue(double v, std::string* out) {
 
 // `{a="x",b="y"}`, with `le="<le>"` last when `le` is set; nothing when there
 // are no labels at all.
-void AppendLabels(const std::vector<std::string>& names, const std::vector<std::string>& values,
-                  const std::string* le, std::string* out) {
+void AppendLabels(const std::vector<std::string>& names, const std::vector<std::string>& values, const std::string* le,
+                  std::string* out) {
   if (names.empty() && le == nullptr) return;
   out->push_back('{');
   for (size_t i = 0; i < names.size(); ++i) {
@@ -104,10 +104,8 @@ void AppendLabels(const std::vector<std::string>& names, const std::vector<std::
 }
 
 // One sample line: name{labels} value.
-void AppendSample(std::string_view name, std::string_view suffix,
-                  const std::vector<std::string>& label_names,
-                  const std::vector<std::string>& label_values, const std::string* le, double value,
-                  std::string* out) {
+void AppendSample(std::string_view name, std::string_view suffix, const std::vector<std::string>& label_names,
+                  const std::vector<std::string>& label_values, const std::string* le, double value, std::string* out) {
   out->append(name);
   out->append(suffix);
   AppendLabels(label_names, label_values, le, out);
@@ -138,8 +136,7 @@ void Counter::Inc(double v) {
 }
 
 double Counter::Value() const {
-  return static_cast<double>(whole_.load(std::memory_order_relaxed)) +
-         fraction_.load(std::memory_order_relaxed);
+  return static_cast<double>(whole_.load(std::memory_order_relaxed)) + fraction_.load(std::memory_order_relaxed);
 }
 
 void Counter::Reset() {
@@ -190,14 +187,12 @@ absl::Status ValidateBucketBounds(absl::Span<const double> bounds) {
   if (bounds.empty()) return absl::InvalidArgumentError("histogram needs at least one finite bucket bound");
   for (size_t i = 0; i < bounds.size(); ++i) {
     if (!std::isfinite(bounds[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bucket bound ", i, " is ", FormatValue(bounds[i]),
-                       "; bounds must be finite (only a trailing +Inf is allowed)"));
+      return absl::InvalidArgumentError(absl::StrCat("bucket bound ", i, " is ", FormatValue(bounds[i]),
+                                                     "; bounds must be finite (only a trailing +Inf is allowed)"));
     }
     if (i > 0 && !(bounds[i - 1] < bounds[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bucket bounds must be strictly increasing: ", FormatValue(bounds[i - 1]),
-                       " then ", FormatValue(bounds[i])));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bucket bounds must be strictly increasing: ", FormatValue(bounds[i - 1]), " then ", FormatValue(bounds[i])));
     }
   }
   return absl::OkStatus();
@@ -237,8 +232,8 @@ bool IsValidMetricName(std::string_view name) {
   if (name.empty()) return false;
   for (size_t i = 0; i < name.size(); ++i) {
     const char c = name[i];
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || c == ':' ||
-                    (i > 0 && c >= '0' && c <= '9');
+    const bool ok =
+        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || c == ':' || (i > 0 && c >= '0' && c <= '9');
     if (!ok) return false;
   }
   return true;
@@ -248,8 +243,7 @@ bool IsValidLabelName(std::string_view name) {
   if (name.empty()) return false;
   for (size_t i = 0; i < name.size(); ++i) {
     const char c = name[i];
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' ||
-                    (i > 0 && c >= '0' && c <= '9');
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (i > 0 && c >= '0' && c <= '9');
     if (!ok) return false;
   }
   return true;
@@ -265,12 +259,8 @@ bool LabelValuesLess::operator()(LabelValues a, const std::vector<std::string>& 
                                       [](std::string_view x, std::string_view y) { return x < y; });
 }
 
-FamilyBase::FamilyBase(std::string name, std::string help, std::vector<std::string> label_names,
-                       MetricType type)
-    : name_(std::move(name)),
-      help_(std::move(help)),
-      label_names_(std::move(label_names)),
-      type_(type) {}
+FamilyBase::FamilyBase(std::string name, std::string help, std::vector<std::string> label_names, MetricType type)
+    : name_(std::move(name)), help_(std::move(help)), label_names_(std::move(label_names)), type_(type) {}
 
 void FamilyBase::AppendHeader(std::string* out) const {
   out->append("# HELP ");
@@ -290,8 +280,7 @@ void FamilyBase::AppendHeader(std::string* out) const {
 // Families.
 
 template <typename T>
-MetricFamily<T>::MetricFamily(std::string name, std::string help,
-                              std::vector<std::string> label_names, MetricType type,
+MetricFamily<T>::MetricFamily(std::string name, std::string help, std::vector<std::string> label_names, MetricType type,
                               std::vector<double> bucket_bounds)
     : FamilyBase(std::move(name), std::move(help), std::move(label_names), type),
       bucket_bounds_(std::move(bucket_bounds)) {
@@ -313,8 +302,7 @@ std::unique_ptr<T> MetricFamily<T>::NewChild() const {
 template <typename T>
 T& MetricFamily<T>::WithLabels(LabelValues values) {
   CHECK(values.size() == label_names().size())
-      << name() << ": " << values.size() << " label values for " << label_names().size()
-      << " label names";
+      << name() << ": " << values.size() << " label values for " << label_names().size() << " label names";
   std::lock_guard<std::mutex> lock(mu_);
   auto it = children_.find(values);
   if (it == children_.end()) {
@@ -354,23 +342,19 @@ void MetricFamily<T>::AppendTo(std::string* out) const {
 }
 
 template <typename T>
-void MetricFamily<T>::AppendChild(const std::vector<std::string>& values, const T& child,
-                                  std::string* out) const {
+void MetricFamily<T>::AppendChild(const std::vector<std::string>& values, const T& child, std::string* out) const {
   if constexpr (std::is_same_v<T, Histogram>) {
     // _count is the +Inf bucket of the same read, so the two always agree.
     const Histogram::Snapshot s = child.Read();
     std::string le;
     for (size_t i = 0; i < bucket_bounds_.size(); ++i) {
       le = FormatValue(bucket_bounds_[i]);
-      AppendSample(name(), "_bucket", label_names(), values, &le,
-                   static_cast<double>(s.cumulative[i]), out);
+      AppendSample(name(), "_bucket", label_names(), values, &le, static_cast<double>(s.cumulative[i]), out);
     }
     le = "+Inf";
-    AppendSample(name(), "_bucket", label_names(), values, &le, static_cast<double>(s.count()),
-                 out);
+    AppendSample(name(), "_bucket", label_names(), values, &le, static_cast<double>(s.count()), out);
     AppendSample(name(), "_sum", label_names(), values, nullptr, s.sum, out);
-    AppendSample(name(), "_count", label_names(), values, nullptr, static_cast<double>(s.count()),
-                 out);
+    AppendSample(name(), "_count", label_names(), values, nullptr, static_cast<double>(s.count()), out);
   } else {
     AppendSample(name(), "", label_names(), values, nullptr, child.Value(), out);
   }
@@ -386,19 +370,16 @@ void MetricEmitter::Emit(LabelValues label_values, double value) {
   samples_.emplace_back(ToStrings(label_values), value);
 }
 
-CallbackFamily::CallbackFamily(std::string name, std::string help,
-                               std::vector<std::string> label_names, MetricType type,
-                               MetricCallback callback)
-    : FamilyBase(std::move(name), std::move(help), std::move(label_names), type),
-      callback_(std::move(callback)) {}
+CallbackFamily::CallbackFamily(std::string name, std::string help, std::vector<std::string> label_names,
+                               MetricType type, MetricCallback callback)
+    : FamilyBase(std::move(name), std::move(help), std::move(label_names), type), callback_(std::move(callback)) {}
 
 void CallbackFamily::AppendTo(std::string* out) const {
   MetricEmitter emitter(label_names().size());
   callback_(emitter);
   auto& samples = emitter.samples_;
   if (samples.empty()) return;
-  std::stable_sort(samples.begin(), samples.end(),
-                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::stable_sort(samples.begin(), samples.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   AppendHeader(out);
   for (size_t i = 0; i < samples.size(); ++i) {
     if (i > 0 && samples[i].first == samples[i - 1].first) continue;  // keep the first emitted
@@ -410,8 +391,7 @@ void CallbackFamily::AppendTo(std::string* out) const {
 // Registry.
 
 void MetricsRegistry::CheckNewFamily(std::string_view name, std::string_view help,
-                                     const std::vector<std::string>& label_names,
-                                     MetricType type) {
+                                     const std::vector<std::string>& label_names, MetricType type) {
   CHECK(metrics_internal::IsValidMetricName(name)) << "invalid metric name \"" << name << "\"";
   CHECK(!help.empty()) << name << ": help text is empty";
   if (type == MetricType::kCounter) {
@@ -420,13 +400,10 @@ void MetricsRegistry::CheckNewFamily(std::string_view name, std::string_view hel
   }
   for (size_t i = 0; i < label_names.size(); ++i) {
     const std::string& label = label_names[i];
-    CHECK(metrics_internal::IsValidLabelName(label))
-        << name << ": invalid label name \"" << label << "\"";
+    CHECK(metrics_internal::IsValidLabelName(label)) << name << ": invalid label name \"" << label << "\"";
     CHECK(label.substr(0, 2) != "__") << name << ": label name " << label << " is reserved";
-    CHECK(type != MetricType::kHistogram || label != "le")
-        << name << ": label name le is reserved in histograms";
-    CHECK(std::find(label_names.begin(), label_names.begin() + i, label) ==
-          label_names.begin() + i)
+    CHECK(type != MetricType::kHistogram || label != "le") << name << ": label name le is reserved in histograms";
+    CHECK(std::find(label_names.begin(), label_names.begin() + i, label) == label_names.begin() + i)
         << name << ": label name " << label << " repeated";
   }
   std::vector<std::string> claimed = {std::string(name)};
@@ -445,8 +422,8 @@ CounterFamily& MetricsRegistry::AddCounter(std::string_view name, std::string_vi
                                            std::vector<std::string> label_names) {
   std::lock_guard<std::mutex> lock(mu_);
   CheckNewFamily(name, help, label_names, MetricType::kCounter);
-  auto* family = new CounterFamily(std::string(name), std::string(help), std::move(label_names),
-                                   MetricType::kCounter, {});
+  auto* family =
+      new CounterFamily(std::string(name), std::string(help), std::move(label_names), MetricType::kCounter, {});
   families_.emplace_back(family);
   return *family;
 }
@@ -455,8 +432,7 @@ GaugeFamily& MetricsRegistry::AddGauge(std::string_view name, std::string_view h
                                        std::vector<std::string> label_names) {
   std::lock_guard<std::mutex> lock(mu_);
   CheckNewFamily(name, help, label_names, MetricType::kGauge);
-  auto* family = new GaugeFamily(std::string(name), std::string(help), std::move(label_names),
-                                 MetricType::kGauge, {});
+  auto* family = new GaugeFamily(std::string(name), std::string(help), std::move(label_names), MetricType::kGauge, {});
   families_.emplace_back(family);
   return *family;
 }
@@ -476,25 +452,21 @@ HistogramFamily& MetricsRegistry::AddHistogram(std::string_view name, std::strin
 }
 
 void MetricsRegistry::AddCallbackCounter(std::string_view name, std::string_view help,
-                                         std::vector<std::string> label_names,
-                                         MetricCallback callback) {
+                                         std::vector<std::string> label_names, MetricCallback callback) {
   CHECK(callback != nullptr) << name << ": no callback";
   std::lock_guard<std::mutex> lock(mu_);
   CheckNewFamily(name, help, label_names, MetricType::kCounter);
-  families_.emplace_back(new CallbackFamily(std::string(name), std::string(help),
-                                            std::move(label_names), MetricType::kCounter,
-                                            std::move(callback)));
+  families_.emplace_back(new CallbackFamily(std::string(name), std::string(help), std::move(label_names),
+                                            MetricType::kCounter, std::move(callback)));
 }
 
 void MetricsRegistry::AddCallbackGauge(std::string_view name, std::string_view help,
-                                       std::vector<std::string> label_names,
-                                       MetricCallback callback) {
+                                       std::vector<std::string> label_names, MetricCallback callback) {
   CHECK(callback != nullptr) << name << ": no callback";
   std::lock_guard<std::mutex> lock(mu_);
   CheckNewFamily(name, help, label_names, MetricType::kGauge);
-  families_.emplace_back(new CallbackFamily(std::string(name), std::string(help),
-                                            std::move(label_names), MetricType::kGauge,
-                                            std::move(callback)));
+  families_.emplace_back(new CallbackFamily(std::string(name), std::string(help), std::move(label_names),
+                                            MetricType::kGauge, std::move(callback)));
 }
 
 std::string MetricsRegistry::Render() const {

@@ -50,8 +50,7 @@
 namespace tandem {
 
 // The Content-Type of MetricsRegistry::Render()'s output.
-inline constexpr std::string_view kPrometheusTextContentType =
-    "text/plain; version=0.0.4; charset=utf-8";
+inline constexpr std::string_view kPrometheusTextContentType = "text/plain; version=0.0.4; charset=utf-8";
 
 // Label values of one child, in the order of its family's label names:
 // `family.WithLabels({"chat", "200"})`, `WithLabels({worker_id})` (a braced
@@ -73,8 +72,8 @@ class Counter {
   Counter() = default;
   void Reset();
 
-  std::atomic<uint64_t> whole_{0};    // sum of the integral increments
-  std::atomic<double> fraction_{0};   // sum of the others
+  std::atomic<uint64_t> whole_{0};   // sum of the integral increments
+  std::atomic<double> fraction_{0};  // sum of the others
 };
 
 // A value that goes up and down (queue depth, in-flight requests).
@@ -139,8 +138,7 @@ enum class MetricType { kCounter, kGauge, kHistogram };
 // What the registry holds: a named, typed family that renders itself.
 class FamilyBase {
  public:
-  FamilyBase(std::string name, std::string help, std::vector<std::string> label_names,
-             MetricType type);
+  FamilyBase(std::string name, std::string help, std::vector<std::string> label_names, MetricType type);
   virtual ~FamilyBase() = default;
   FamilyBase(const FamilyBase&) = delete;
   FamilyBase& operator=(const FamilyBase&) = delete;
@@ -167,9 +165,7 @@ class FamilyBase {
 // Orders children by their label values, looked up without copying them.
 struct LabelValuesLess {
   using is_transparent = void;
-  bool operator()(const std::vector<std::string>& a, const std::vector<std::string>& b) const {
-    return a < b;
-  }
+  bool operator()(const std::vector<std::string>& a, const std::vector<std::string>& b) const { return a < b; }
   bool operator()(const std::vector<std::string>& a, LabelValues b) const;
   bool operator()(LabelValues a, const std::vector<std::string>& b) const;
 };
@@ -216,8 +212,7 @@ class MetricFamily final : public metrics_internal::FamilyBase {
   };
   const std::vector<double> bucket_bounds_;  // histograms only
   mutable std::mutex mu_;
-  std::map<std::vector<std::string>, Entry, metrics_internal::LabelValuesLess> children_
-      ABSL_GUARDED_BY(mu_);
+  std::map<std::vector<std::string>, Entry, metrics_internal::LabelValuesLess> children_ ABSL_GUARDED_BY(mu_);
 };
 
 using CounterFamily = MetricFamily<Counter>;
@@ -274,26 +269,22 @@ class MetricsRegistry {
   // counter names end in `_total`; `help` is not empty; label names are
   // valid, distinct, do not start with "__", and are not "le" in a histogram;
   // ValidateBucketBounds(bucket_bounds) is OK.
-  CounterFamily& AddCounter(std::string_view name, std::string_view help,
-                            std::vector<std::string> label_names = {});
-  GaugeFamily& AddGauge(std::string_view name, std::string_view help,
-                        std::vector<std::string> label_names = {});
-  HistogramFamily& AddHistogram(std::string_view name, std::string_view help,
-                                std::vector<std::string> label_names,
+  CounterFamily& AddCounter(std::string_view name, std::string_view help, std::vector<std::string> label_names = {});
+  GaugeFamily& AddGauge(std::string_view name, std::string_view help, std::vector<std::string> label_names = {});
+  HistogramFamily& AddHistogram(std::string_view name, std::string_view help, std::vector<std::string> label_names,
                                 std::vector<double> bucket_bounds);
   // Families whose samples `callback` emits at each Render().
-  void AddCallbackCounter(std::string_view name, std::string_view help,
-                          std::vector<std::string> label_names, MetricCallback callback);
-  void AddCallbackGauge(std::string_view name, std::string_view help,
-                        std::vector<std::string> label_names, MetricCallback callback);
+  void AddCallbackCounter(std::string_view name, std::string_view help, std::vector<std::string> label_names,
+                          MetricCallback callback);
+  void AddCallbackGauge(std::string_view name, std::string_view help, std::vector<std::string> label_names,
+                        MetricCallback callback);
 
   // The Prometheus text exposition (format 0.0.4) of every family.
   std::string Render() const;
 
  private:
   // CHECKs the name, help and label names, claims the sample names.
-  void CheckNewFamily(std::string_view name, std::string_view help,
-                      const std::vector<std::string>& label_names,
+  void CheckNewFamily(std::string_view name, std::string_view help, const std::vector<std::string>& label_names,
                       metrics_internal::MetricType type) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable std::mutex mu_;

@@ -88,18 +88,30 @@ int main() {
 
   // Per request: a labelled counter looked up and incremented (requests{endpoint, code}).
   Row("labelled counter: look up {endpoint, code} and increment",
-      NsPerOp([&] { our_requests.WithLabels({"chat", "200"}).Inc(); }, 1),
-      NsPerOp([&] { their_requests.Add({{"endpoint", "chat"}, {"code", "200"}}).Increment(); }, 1));
+      NsPerOp(
+          [&] {
+            our_requests.WithLabels({"chat", "200"}).Inc();
+          },
+          1),
+      NsPerOp(
+          [&] {
+            their_requests.Add({{"endpoint", "chat"}, {"code", "200"}}).Increment();
+          },
+          1));
   // Per request: a labelled histogram observation (ttft{mode}).
   double x = 0;
   Row("labelled histogram (17 buckets): look up {mode} and observe",
       NsPerOp([&] { our_ttft.WithLabels({"disaggregated"}).Observe(x += 1e-4); }, 1),
-      NsPerOp([&] { their_ttft.Add({{"mode", "disaggregated"}}, ttft_b).Observe(x += 1e-4); }, 1));
+      NsPerOp(
+          [&] {
+            their_ttft.Add({{"mode", "disaggregated"}}, ttft_b).Observe(x += 1e-4);
+          },
+          1));
   // Per token: the inter-token histogram, its child held (how a hot path should use either).
   tandem::Histogram& our_itl_child = our_itl.WithLabels({"disaggregated"});
   prometheus::Histogram& their_itl_child = their_itl.Add({{"mode", "disaggregated"}}, itl_b);
-  Row("held histogram child (15 buckets): observe",
-      NsPerOp([&] { our_itl_child.Observe(x += 1e-5); }, 1), NsPerOp([&] { their_itl_child.Observe(x += 1e-5); }, 1));
+  Row("held histogram child (15 buckets): observe", NsPerOp([&] { our_itl_child.Observe(x += 1e-5); }, 1),
+      NsPerOp([&] { their_itl_child.Observe(x += 1e-5); }, 1));
   tandem::Counter& our_child = our_requests.WithLabels({"chat", "200"});
   prometheus::Counter& their_child = their_requests.Add({{"endpoint", "chat"}, {"code", "200"}});
   Row("held counter child: increment", NsPerOp([&] { our_child.Inc(); }, 1),

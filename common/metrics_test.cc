@@ -71,8 +71,7 @@ absl::StatusOr<double> ParseValue(std::string_view s) {
   if (s == "-Inf") return -kInf;
   if (s == "NaN") return kNaN;
   const bool starts_ok =
-      !s.empty() && ((s[0] >= '0' && s[0] <= '9') ||
-                     (s[0] == '-' && s.size() > 1 && s[1] >= '0' && s[1] <= '9'));
+      !s.empty() && ((s[0] >= '0' && s[0] <= '9') || (s[0] == '-' && s.size() > 1 && s[1] >= '0' && s[1] <= '9'));
   double v = 0;
   auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (!starts_ok || ec != std::errc() || ptr != s.data() + s.size()) {
@@ -172,8 +171,7 @@ absl::Status CheckHistogram(const ParsedFamily& f) {
       auto le = ParseValue(s.labels.back().second);
       if (!le.ok()) return le.status();
       g.buckets.emplace_back(*le, s.value);
-    } else if (has_le || std::any_of(s.labels.begin(), s.labels.end(),
-                                     [](const auto& l) { return l.first == "le"; })) {
+    } else if (has_le || std::any_of(s.labels.begin(), s.labels.end(), [](const auto& l) { return l.first == "le"; })) {
       return absl::InvalidArgumentError("le outside a bucket");
     } else if (s.name == f.name + "_sum") {
       g.has_sum = true;
@@ -198,8 +196,8 @@ absl::Status CheckHistogram(const ParsedFamily& f) {
       return absl::InvalidArgumentError(absl::StrCat(key, ": no +Inf bucket"));
     }
     if (g.buckets.back().second != g.count) {
-      return absl::InvalidArgumentError(absl::StrCat(key, ": _count ", g.count, " != +Inf bucket ",
-                                                     g.buckets.back().second));
+      return absl::InvalidArgumentError(
+          absl::StrCat(key, ": _count ", g.count, " != +Inf bucket ", g.buckets.back().second));
     }
   }
   return absl::OkStatus();
@@ -253,8 +251,7 @@ absl::StatusOr<std::vector<ParsedFamily>> ParseExposition(std::string_view text)
       if (!sample.ok()) return fail(sample.status());
       ParsedFamily& f = families.back();
       const bool belongs = f.type == "histogram"
-                               ? (sample->name == f.name + "_bucket" ||
-                                  sample->name == f.name + "_sum" ||
+                               ? (sample->name == f.name + "_bucket" || sample->name == f.name + "_sum" ||
                                   sample->name == f.name + "_count")
                                : sample->name == f.name;
       if (!belongs) return fail(absl::InvalidArgumentError("sample of another family"));
@@ -297,8 +294,8 @@ TEST(ExpositionParserTest, RejectsMalformedText) {
   ASSERT_TRUE(ParseExposition(kGood).ok());
   for (std::string_view bad : {
            "# HELP a_total A.\n# TYPE a_total counter\na_total{x=\"1\"} 2",  // no newline
-           "# TYPE a_total counter\na_total 2\n",                          // no HELP
-           "# HELP a_total A.\n# TYPE a_total counter\n",                  // no samples
+           "# TYPE a_total counter\na_total 2\n",                            // no HELP
+           "# HELP a_total A.\n# TYPE a_total counter\n",                    // no samples
            "# HELP a_total A.\n# TYPE a_total counter\na_total 2x\n",
            "# HELP a_total A.\n# TYPE a_total counter\na_total{x=\"1} 2\n",
            "# HELP a_total A.\n# TYPE a_total counter\na_total{x=\"a\"b\"} 2\n",
@@ -323,27 +320,25 @@ TEST(ExpositionParserTest, RejectsMalformedText) {
 
 TEST(MetricsRegistryTest, RendersExactText) {
   MetricsRegistry registry;
-  CounterFamily& requests =
-      registry.AddCounter("tandem_requests_total", "Requests received.", {"route", "code"});
+  CounterFamily& requests = registry.AddCounter("tandem_requests_total", "Requests received.", {"route", "code"});
   requests.WithLabels({"chat", "200"}).Inc();
   requests.WithLabels({"chat", "200"}).Inc(2);
   requests.WithLabels({"completions", "429"}).Inc(0.5);
   requests.WithLabels({"a\"b\\c\nd", "500"}).Inc();
 
-  GaugeFamily& depth =
-      registry.AddGauge("tandem_queue_depth", "Requests waiting.\nPer router; a \\ in help.");
+  GaugeFamily& depth = registry.AddGauge("tandem_queue_depth", "Requests waiting.\nPer router; a \\ in help.");
   depth.Get().Set(7);
   depth.Get().Dec(2);
 
-  HistogramFamily& latency = registry.AddHistogram(
-      "tandem_request_latency_seconds", "Time to last token.", {"route"}, {0.005, 0.25, 1});
+  HistogramFamily& latency =
+      registry.AddHistogram("tandem_request_latency_seconds", "Time to last token.", {"route"}, {0.005, 0.25, 1});
   Histogram& chat = latency.WithLabels({"chat"});
   for (double v : {0.125, 0.25, 0.5, 3.0}) chat.Observe(v);  // 0.25 is in le="0.25"
   latency.WithLabels({"embeddings"}).Observe(1);
   latency.Remove({"embeddings"});
 
-  registry.AddCallbackGauge("tandem_worker_in_flight", "In-flight requests per worker.",
-                            {"worker"}, [](MetricEmitter& e) {
+  registry.AddCallbackGauge("tandem_worker_in_flight", "In-flight requests per worker.", {"worker"},
+                            [](MetricEmitter& e) {
                               e.Emit({"w2"}, 3);
                               e.Emit({"w1"}, 1.5);
                             });
@@ -556,11 +551,10 @@ TEST(CallbackFamilyTest, CallbackMayTakeLocksAndRenderAnotherRegistry) {
   inner.AddCounter("inner_total", "I.").Get().Inc(3);
   MetricsRegistry registry;
   std::mutex mu;
-  registry.AddCallbackGauge("inner_render_bytes", "Bytes of the inner registry's text.", {},
-                            [&](MetricEmitter& e) {
-                              std::lock_guard<std::mutex> lock(mu);
-                              e.Emit({}, static_cast<double>(inner.Render().size()));
-                            });
+  registry.AddCallbackGauge("inner_render_bytes", "Bytes of the inner registry's text.", {}, [&](MetricEmitter& e) {
+    std::lock_guard<std::mutex> lock(mu);
+    e.Emit({}, static_cast<double>(inner.Render().size()));
+  });
   EXPECT_EQ(RenderAndParse(registry)["inner_render_bytes{}"], inner.Render().size());
 }
 
@@ -613,14 +607,12 @@ TEST(MetricsConcurrencyTest, UpdatesWhileRendering) {
   MetricsRegistry registry;
   CounterFamily& per_thread = registry.AddCounter("per_thread_total", "P.", {"thread"});
   Counter& shared = registry.AddCounter("shared_total", "S.").Get();
-  Histogram& latency =
-      registry.AddHistogram("latency_seconds", "L.", {}, ExponentialBuckets(0.25, 2, 4)).Get();
+  Histogram& latency = registry.AddHistogram("latency_seconds", "L.", {}, ExponentialBuckets(0.25, 2, 4)).Get();
   GaugeFamily& churn = registry.AddGauge("churn", "C.", {"worker"});
   Gauge& balance = registry.AddGauge("balance", "B.").Get();
   std::atomic<int64_t> callback_value{0};
-  registry.AddCallbackGauge("callback", "Cb.", {}, [&](MetricEmitter& e) {
-    e.Emit({}, static_cast<double>(callback_value.load()));
-  });
+  registry.AddCallbackGauge("callback", "Cb.", {},
+                            [&](MetricEmitter& e) { e.Emit({}, static_cast<double>(callback_value.load())); });
 
   std::atomic<bool> done{false};
   std::atomic<int> renders{0};

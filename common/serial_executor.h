@@ -65,7 +65,7 @@ class SerialExecutor {
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;                        // last: starts after the rest is built
+  std::thread thread_;  // last: starts after the rest is built
 };
 
 }  // namespace tandem

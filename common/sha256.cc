@@ -12,8 +12,7 @@ Sha256Digest Sha256(std::string_view data) {
   unsigned int len = 0;
   // EVP_Digest fails only on allocation failure or a missing algorithm,
   // neither of which a caller could handle.
-  CHECK(EVP_Digest(data.data(), data.size(), out.data(), &len, EVP_sha256(), nullptr) == 1 &&
-        len == out.size())
+  CHECK(EVP_Digest(data.data(), data.size(), out.data(), &len, EVP_sha256(), nullptr) == 1 && len == out.size())
       << "SHA-256 failed";
   return out;
 }

@@ -13,10 +13,10 @@
 #define TANDEM_STATUS_CONCAT_(a, b) TANDEM_STATUS_CONCAT_INNER_(a, b)
 
 // Returns the status of `expr` from the enclosing function if it is not OK.
-#define RETURN_IF_ERROR(expr)                                  \
-  do {                                                         \
-    ::absl::Status tandem_status_ = (expr);                    \
-    if (!tandem_status_.ok()) return tandem_status_;           \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    ::absl::Status tandem_status_ = (expr);          \
+    if (!tandem_status_.ok()) return tandem_status_; \
   } while (0)
 
 // ASSIGN_OR_RETURN(lhs, expr): evaluates the StatusOr `expr`; on error returns

@@ -14,9 +14,7 @@
 
 namespace tandem {
 
-inline void SetThreadName(const std::string& name) {
-  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
-}
+inline void SetThreadName(const std::string& name) { pthread_setname_np(pthread_self(), name.substr(0, 15).c_str()); }
 
 inline double ThreadCpuSeconds() {
   timespec ts{};

@@ -94,8 +94,7 @@ absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files, const TlsFile
   EVP_PKEY* ca_key = X509_get0_pubkey(ca.get());
   if (ca_key == nullptr || X509_verify(cert.get(), ca_key) != 1) {
     OpenSslError();
-    return bad(names.cert, files.cert,
-               absl::StrCat("was not issued by the CA in ", files.ca, " (", names.ca, ")"));
+    return bad(names.cert, files.cert, absl::StrCat("was not issued by the CA in ", files.ca, " (", names.ca, ")"));
   }
   if (X509_cmp_current_time(X509_get0_notAfter(cert.get())) < 0) {
     return bad(names.cert, files.cert, "has expired");
@@ -104,8 +103,7 @@ absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files, const TlsFile
 }
 
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsMaterial& material) {
-  grpc::SslServerCredentialsOptions options(
-      GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  grpc::SslServerCredentialsOptions options(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   options.pem_root_certs = material.ca_pem;
   options.pem_key_cert_pairs.push_back({material.key_pem, material.cert_pem});
   return grpc::SslServerCredentials(options);
@@ -113,9 +111,12 @@ std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsMaterial& ma
 
 const char* PeerRoleName(PeerRole role) {
   switch (role) {
-    case PeerRole::kRouter: return "router";
-    case PeerRole::kWorker: return "worker";
-    case PeerRole::kNone: break;
+    case PeerRole::kRouter:
+      return "router";
+    case PeerRole::kWorker:
+      return "worker";
+    case PeerRole::kNone:
+      break;
   }
   return "none";
 }
@@ -124,10 +125,9 @@ Peer PeerOf(const grpc::ServerContext& ctx) {
   Peer peer;
   std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
   if (auth == nullptr) return peer;
-  const std::vector<grpc::string_ref> type =
-      auth->FindPropertyValues(GRPC_TRANSPORT_SECURITY_TYPE_PROPERTY_NAME);
-  const bool tls = !type.empty() && (type[0] == GRPC_SSL_TRANSPORT_SECURITY_TYPE ||
-                                     type[0] == GRPC_TLS_TRANSPORT_SECURITY_TYPE);
+  const std::vector<grpc::string_ref> type = auth->FindPropertyValues(GRPC_TRANSPORT_SECURITY_TYPE_PROPERTY_NAME);
+  const bool tls =
+      !type.empty() && (type[0] == GRPC_SSL_TRANSPORT_SECURITY_TYPE || type[0] == GRPC_TLS_TRANSPORT_SECURITY_TYPE);
   // A verified client certificate gives the connection a peer identity.
   if (!tls || !auth->IsPeerAuthenticated()) return peer;
   peer.authenticated = true;
@@ -149,8 +149,7 @@ Peer PeerOf(const grpc::ServerContext& ctx) {
 }
 
 std::shared_ptr<const ChannelFactory> ChannelFactory::Insecure() {
-  return std::shared_ptr<const ChannelFactory>(
-      new ChannelFactory(false, grpc::InsecureChannelCredentials()));
+  return std::shared_ptr<const ChannelFactory>(new ChannelFactory(false, grpc::InsecureChannelCredentials()));
 }
 
 std::shared_ptr<const ChannelFactory> ChannelFactory::Mutual(const TlsMaterial& material) {
@@ -158,12 +157,10 @@ std::shared_ptr<const ChannelFactory> ChannelFactory::Mutual(const TlsMaterial& 
   options.pem_root_certs = material.ca_pem;
   options.pem_private_key = material.key_pem;
   options.pem_cert_chain = material.cert_pem;
-  return std::shared_ptr<const ChannelFactory>(
-      new ChannelFactory(true, grpc::SslCredentials(options)));
+  return std::shared_ptr<const ChannelFactory>(new ChannelFactory(true, grpc::SslCredentials(options)));
 }
 
-std::shared_ptr<grpc::Channel> ChannelFactory::Create(const std::string& target,
-                                                      grpc::ChannelArguments args) const {
+std::shared_ptr<grpc::Channel> ChannelFactory::Create(const std::string& target, grpc::ChannelArguments args) const {
   // Identity, not address: whatever host the target names, the server must
   // prove the worker role (its certificate's DNS SAN) under the cluster CA.
   if (secure_) args.SetSslTargetNameOverride(kWorkerIdentity);

@@ -67,7 +67,7 @@ const char* PeerRoleName(PeerRole role);  // "none", "router", "worker"
 struct Peer {
   bool authenticated = false;  // the call came over TLS with a verified certificate
   PeerRole role = PeerRole::kNone;
-  std::string name;            // the certificate's common name ("" without one)
+  std::string name;  // the certificate's common name ("" without one)
 };
 // The caller of a server call, from its AuthContext: authenticated when the
 // transport is TLS and a peer certificate was verified; the role from its
@@ -86,8 +86,7 @@ class ChannelFactory {
   bool secure() const { return secure_; }
   // A channel to a worker at `target` ("host:port", or a gRPC target such as
   // "ipv4:10.0.0.1:50051") with `args`.
-  std::shared_ptr<grpc::Channel> Create(const std::string& target,
-                                        grpc::ChannelArguments args) const;
+  std::shared_ptr<grpc::Channel> Create(const std::string& target, grpc::ChannelArguments args) const;
   std::shared_ptr<grpc::Channel> Create(const std::string& target) const {
     return Create(target, grpc::ChannelArguments());
   }

@@ -41,8 +41,7 @@ size_t AppendValidUtf8(std::string_view in, bool final, std::string* out) {
       // Skip the maximal invalid subpart: the lead byte plus any continuation
       // bytes that were a valid prefix.
       size_t skip = 1;
-      while (i + skip < in.size() && skip < 4 &&
-             Utf8SequenceLength(in.substr(i, skip + 1)) < 0) {
+      while (i + skip < in.size() && skip < 4 && Utf8SequenceLength(in.substr(i, skip + 1)) < 0) {
         ++skip;
       }
       out->append(kUtf8Replacement);

@@ -20,8 +20,7 @@ absl::Status WriteKvCache(const WriteKvParams& params) {
 }
 
 absl::Status PagedAttention(const PagedAttentionParams& params) {
-  return params.backend == Backend::kCuda ? cuda::PagedAttention(params)
-                                          : cpu::PagedAttention(params);
+  return params.backend == Backend::kCuda ? cuda::PagedAttention(params) : cpu::PagedAttention(params);
 }
 
 }  // namespace tandem::kernels

@@ -106,21 +106,21 @@ absl::Status WriteKvCache(const WriteKvParams& params);
 
 struct PagedAttentionParams {
   Backend backend = Backend::kCpu;
-  const void* q = nullptr;      // [num_tokens, num_heads, head_dim] of layout.dtype
-  int64_t q_stride_bytes = 0;   // between consecutive tokens' q rows
-  void* out = nullptr;          // [num_tokens, num_heads * head_dim], dense, layout.dtype
+  const void* q = nullptr;     // [num_tokens, num_heads, head_dim] of layout.dtype
+  int64_t q_stride_bytes = 0;  // between consecutive tokens' q rows
+  void* out = nullptr;         // [num_tokens, num_heads * head_dim], dense, layout.dtype
   const void* kv_cache = nullptr;
   KvLayout layout;
   int layer = 0;
-  int num_heads = 0;            // query heads; a multiple of layout.num_kv_heads (GQA)
-  float scale = 1.0f;           // usually 1/sqrt(head_dim)
+  int num_heads = 0;   // query heads; a multiple of layout.num_kv_heads (GQA)
+  float scale = 1.0f;  // usually 1/sqrt(head_dim)
   // false: every query attends to all context_lens[s] keys (encoders, and the
   // non-causal benchmark shapes); true: causally, as described above.
   bool causal = true;
   int num_seqs = 0;
   // In the backend's memory (device memory for CUDA).
-  const int* query_start = nullptr;     // [num_seqs + 1], prefix sums of q_len
-  const int* context_lens = nullptr;    // [num_seqs], tokens in cache incl. the queries
+  const int* query_start = nullptr;       // [num_seqs + 1], prefix sums of q_len
+  const int* context_lens = nullptr;      // [num_seqs], tokens in cache incl. the queries
   const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
   int max_blocks_per_seq = 0;
 
@@ -132,8 +132,8 @@ struct PagedAttentionParams {
   // it serves and records the error for TakeError.
   const int* host_query_start = nullptr;
   const int* host_context_lens = nullptr;
-  void* stream = nullptr;       // a cudaStream_t; nullptr is the legacy default stream
-  void* workspace = nullptr;    // device memory of at least cuda::WorkspaceBytes(...)
+  void* stream = nullptr;     // a cudaStream_t; nullptr is the legacy default stream
+  void* workspace = nullptr;  // device memory of at least cuda::WorkspaceBytes(...)
   int64_t workspace_bytes = 0;
 };
 

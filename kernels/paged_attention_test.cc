@@ -35,8 +35,8 @@ void ReferenceAttention(const Case& c, const std::vector<std::vector<float>>& k,
         for (int t = 0; t <= last; ++t) {
           double d = 0;
           for (int e = 0; e < hd; ++e)
-            d += double(q[(size_t(tok) * c.num_heads + h) * hd + e]) *
-                 k[s][(size_t(t) * c.num_kv_heads + kvh) * hd + e];
+            d +=
+                double(q[(size_t(tok) * c.num_heads + h) * hd + e]) * k[s][(size_t(t) * c.num_kv_heads + kvh) * hd + e];
           sc[t] = d / std::sqrt(double(hd));
           mx = std::max(mx, sc[t]);
         }
@@ -55,8 +55,8 @@ void RunCase(const Case& c, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int hd = c.head_dim, num_seqs = static_cast<int>(c.q_lens.size());
-  KvLayout layout{.num_layers = 2, .num_kv_heads = c.num_kv_heads, .head_dim = hd,
-                  .block_size = c.block_size, .num_blocks = 0};
+  KvLayout layout{
+      .num_layers = 2, .num_kv_heads = c.num_kv_heads, .head_dim = hd, .block_size = c.block_size, .num_blocks = 0};
   int max_blocks = 0, total_blocks = 0;
   for (int ctx : c.ctx_lens) {
     int b = (ctx + c.block_size - 1) / c.block_size;
@@ -89,19 +89,31 @@ void RunCase(const Case& c, uint32_t seed) {
     for (float& x : v[s]) x = nd(rng);
     std::vector<int64_t> slots(ctx);
     for (int t = 0; t < ctx; ++t)
-      slots[t] = int64_t{tables[size_t(s) * max_blocks + t / c.block_size]} * c.block_size +
-                 t % c.block_size;
-    WriteKvParams w{.k = k[s].data(), .v = v[s].data(), .src_stride_bytes = int64_t{c.num_kv_heads} * hd * 4,
-                    .slot_mapping = slots.data(), .num_tokens = ctx, .layer = layer,
-                    .layout = layout, .kv_cache = cache.data()};
+      slots[t] = int64_t{tables[size_t(s) * max_blocks + t / c.block_size]} * c.block_size + t % c.block_size;
+    WriteKvParams w{.k = k[s].data(),
+                    .v = v[s].data(),
+                    .src_stride_bytes = int64_t{c.num_kv_heads} * hd * 4,
+                    .slot_mapping = slots.data(),
+                    .num_tokens = ctx,
+                    .layer = layer,
+                    .layout = layout,
+                    .kv_cache = cache.data()};
     ASSERT_TRUE(WriteKvCache(w).ok());
   }
   std::vector<float> out(q.size(), -1.0f);
-  PagedAttentionParams p{.q = q.data(), .q_stride_bytes = int64_t{c.num_heads} * hd * 4, .out = out.data(),
-                         .kv_cache = cache.data(), .layout = layout, .layer = layer,
-                         .num_heads = c.num_heads, .scale = 1.0f / std::sqrt(float(hd)),
-                         .causal = c.causal, .num_seqs = num_seqs, .query_start = qs.data(),
-                         .context_lens = c.ctx_lens.data(), .block_tables = tables.data(),
+  PagedAttentionParams p{.q = q.data(),
+                         .q_stride_bytes = int64_t{c.num_heads} * hd * 4,
+                         .out = out.data(),
+                         .kv_cache = cache.data(),
+                         .layout = layout,
+                         .layer = layer,
+                         .num_heads = c.num_heads,
+                         .scale = 1.0f / std::sqrt(float(hd)),
+                         .causal = c.causal,
+                         .num_seqs = num_seqs,
+                         .query_start = qs.data(),
+                         .context_lens = c.ctx_lens.data(),
+                         .block_tables = tables.data(),
                          .max_blocks_per_seq = max_blocks};
   ASSERT_TRUE(PagedAttention(p).ok());
   std::vector<double> ref;
@@ -111,13 +123,9 @@ void RunCase(const Case& c, uint32_t seed) {
   EXPECT_LT(max_err, 2e-5) << "seed " << seed;
 }
 
-TEST(PagedAttentionTest, DecodeBatchGqa) {
-  RunCase({8, 2, 16, 16, {1, 1, 1}, {1, 17, 300}}, 1);
-}
+TEST(PagedAttentionTest, DecodeBatchGqa) { RunCase({8, 2, 16, 16, {1, 1, 1}, {1, 17, 300}}, 1); }
 
-TEST(PagedAttentionTest, PrefillFromEmptyCache) {
-  RunCase({4, 4, 32, 16, {33, 5}, {33, 5}}, 2);
-}
+TEST(PagedAttentionTest, PrefillFromEmptyCache) { RunCase({4, 4, 32, 16, {33, 5}, {33, 5}}, 2); }
 
 TEST(PagedAttentionTest, ChunkedPrefillOverCachedPrefixAndMixedBatch) {
   // Ragged: a chunk over a 200-token prefix, a decode, a fresh prompt spanning
@@ -137,15 +145,23 @@ TEST(PagedAttentionTest, OddBlockSizes) {
 }
 
 TEST(PagedAttentionTest, RejectsBadBlockTable) {
-  KvLayout layout{.num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .block_size = 4,
-                  .num_blocks = 2};
+  KvLayout layout{.num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .block_size = 4, .num_blocks = 2};
   std::vector<float> cache(layout.total_elems()), q(4), out(4);
   int qs[] = {0, 1}, ctx[] = {3};
   int32_t table[] = {5};
-  PagedAttentionParams p{.q = q.data(), .q_stride_bytes = 16, .out = out.data(), .kv_cache = cache.data(),
-                         .layout = layout, .layer = 0, .num_heads = 1, .scale = 1,
-                         .num_seqs = 1, .query_start = qs, .context_lens = ctx,
-                         .block_tables = table, .max_blocks_per_seq = 1};
+  PagedAttentionParams p{.q = q.data(),
+                         .q_stride_bytes = 16,
+                         .out = out.data(),
+                         .kv_cache = cache.data(),
+                         .layout = layout,
+                         .layer = 0,
+                         .num_heads = 1,
+                         .scale = 1,
+                         .num_seqs = 1,
+                         .query_start = qs,
+                         .context_lens = ctx,
+                         .block_tables = table,
+                         .max_blocks_per_seq = 1};
   absl::Status st = PagedAttention(p);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   ctx[0] = 0;  // fewer keys than queries
@@ -166,13 +182,18 @@ TEST(PagedAttentionTest, CudaBackendWithoutADeviceIsAClearError) {
   const char* why = nullptr;
   if (cuda::Available(&why)) GTEST_SKIP() << "a CUDA device is present (kernels/cuda tests cover it)";
   ASSERT_NE(why, nullptr);
-  KvLayout layout{.num_layers = 1, .num_kv_heads = 1, .head_dim = 64, .block_size = 16,
-                  .num_blocks = 2, .dtype = DType::kBF16};
+  KvLayout layout{
+      .num_layers = 1, .num_kv_heads = 1, .head_dim = 64, .block_size = 16, .num_blocks = 2, .dtype = DType::kBF16};
   int qs[] = {0, 1}, ctx[] = {1};
   int32_t table[] = {0};
-  PagedAttentionParams p{.backend = Backend::kCuda, .layout = layout, .num_heads = 1,
-                         .num_seqs = 1, .query_start = qs, .context_lens = ctx,
-                         .block_tables = table, .max_blocks_per_seq = 1};
+  PagedAttentionParams p{.backend = Backend::kCuda,
+                         .layout = layout,
+                         .num_heads = 1,
+                         .num_seqs = 1,
+                         .query_start = qs,
+                         .context_lens = ctx,
+                         .block_tables = table,
+                         .max_blocks_per_seq = 1};
   absl::Status st = PagedAttention(p);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
   EXPECT_EQ(st.message(), why);

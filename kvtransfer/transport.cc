@@ -37,20 +37,19 @@ absl::Status CheckCompatible(const PoolLayout& local, const PoolLayout& remote) 
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<CopyRun>> PlanRuns(std::span<const BlockPair> blocks,
-                                              int64_t block_bytes, int64_t src_blocks,
-                                              int64_t dst_blocks) {
+absl::StatusOr<std::vector<CopyRun>> PlanRuns(std::span<const BlockPair> blocks, int64_t block_bytes,
+                                              int64_t src_blocks, int64_t dst_blocks) {
   std::vector<CopyRun> runs;
   absl::flat_hash_set<int32_t> seen_dst;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const BlockPair& b = blocks[i];
     if (b.src < 0 || b.src >= src_blocks) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "block pair %d: source block %d outside [0, %d)", i, b.src, src_blocks));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("block pair %d: source block %d outside [0, %d)", i, b.src, src_blocks));
     }
     if (b.dst < 0 || b.dst >= dst_blocks) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "block pair %d: destination block %d outside [0, %d)", i, b.dst, dst_blocks));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("block pair %d: destination block %d outside [0, %d)", i, b.dst, dst_blocks));
     }
     if (!seen_dst.insert(b.dst).second) {
       return absl::InvalidArgumentError(

@@ -42,16 +42,16 @@ enum class MemoryType { kHost, kCuda };
 // block is one contiguous run of block_bytes at base + id * block_bytes
 // (kernels::KvLayout's block-major layout).
 struct PoolLayout {
-  std::string model;          // served model name
-  std::string dtype;          // KV element type, e.g. "float32"
+  std::string model;  // served model name
+  std::string dtype;  // KV element type, e.g. "float32"
   int num_layers = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
-  int block_size = 0;         // tokens per block
-  int64_t num_blocks = 0;     // may differ between peers
+  int block_size = 0;      // tokens per block
+  int64_t num_blocks = 0;  // may differ between peers
   int64_t block_bytes = 0;
   MemoryType memory_type = MemoryType::kHost;
-  int device_id = -1;         // kCuda: the GPU; -1 on the host
+  int device_id = -1;  // kCuda: the GPU; -1 on the host
 };
 
 // OK if blocks of `remote` can be copied into blocks of `local` and back:
@@ -63,15 +63,15 @@ absl::Status CheckCompatible(const PoolLayout& local, const PoolLayout& remote);
 // What a peer needs to reach a pool: exchanged over gRPC, opaque to the
 // workers except for the layout.
 struct PeerInfo {
-  std::string agent_id;       // unique per transport instance (changes on restart)
-  std::string backend;        // "ucx", "loopback", ...
+  std::string agent_id;  // unique per transport instance (changes on restart)
+  std::string backend;   // "ucx", "loopback", ...
   PoolLayout layout;
-  std::string address;        // backend-specific: worker address, rkeys, base address
+  std::string address;  // backend-specific: worker address, rkeys, base address
 };
 
 struct BlockPair {
-  int32_t src;                // block id in the pool the bytes are read from
-  int32_t dst;                // block id in the pool they are written to
+  int32_t src;  // block id in the pool the bytes are read from
+  int32_t dst;  // block id in the pool they are written to
 };
 
 // One contiguous copy.
@@ -84,9 +84,8 @@ struct CopyRun {
 // Expands `blocks` (in order) to byte runs of block_bytes each and merges
 // neighbours that are contiguous on both sides. InvalidArgument for a block id
 // outside [0, src_blocks) or [0, dst_blocks), or a destination used twice.
-absl::StatusOr<std::vector<CopyRun>> PlanRuns(std::span<const BlockPair> blocks,
-                                              int64_t block_bytes, int64_t src_blocks,
-                                              int64_t dst_blocks);
+absl::StatusOr<std::vector<CopyRun>> PlanRuns(std::span<const BlockPair> blocks, int64_t block_bytes,
+                                              int64_t src_blocks, int64_t dst_blocks);
 
 using TransferDone = std::function<void(absl::Status)>;
 using Deadline = std::chrono::steady_clock::time_point;
@@ -115,11 +114,9 @@ class Transport {
   // the transfer's id; `done` follows, exactly once. Errors found before
   // anything starts (unknown peer, bad block ids) are returned and `done` is
   // not called.
-  virtual absl::StatusOr<uint64_t> Push(const std::string& agent_id,
-                                        std::vector<BlockPair> blocks, Deadline deadline,
+  virtual absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
                                         TransferDone done) = 0;
-  virtual absl::StatusOr<uint64_t> Pull(const std::string& agent_id,
-                                        std::vector<BlockPair> blocks, Deadline deadline,
+  virtual absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
                                         TransferDone done) = 0;
 
   // Cancels a transfer in flight: `done` gets Cancelled unless it already

@@ -9,8 +9,14 @@ namespace {
 using ::testing::HasSubstr;
 
 PoolLayout Layout() {
-  return PoolLayout{.model = "tiny", .dtype = "float32", .num_layers = 3, .num_kv_heads = 2,
-                    .head_dim = 16, .block_size = 16, .num_blocks = 100, .block_bytes = 6144};
+  return PoolLayout{.model = "tiny",
+                    .dtype = "float32",
+                    .num_layers = 3,
+                    .num_kv_heads = 2,
+                    .head_dim = 16,
+                    .block_size = 16,
+                    .num_blocks = 100,
+                    .block_bytes = 6144};
 }
 
 TEST(CheckCompatibleTest, SameGeometryWithDifferentPoolSizesIsCompatible) {

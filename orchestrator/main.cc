@@ -23,8 +23,7 @@ int main(int argc, char** argv) {
   tandem::worker::AddGenerateCommand(app);
   tandem::worker::AddLogitsCommand(app);
   tandem::worker::AddExportModelCommand(app);
-  CLI::App* bench = app.add_subcommand(
-      "bench", "Benchmarks: a serving benchmark against --url, or a subcommand");
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks: a serving benchmark against --url, or a subcommand");
   tandem::bench::AddServingBench(*bench);
   tandem::worker::AddBenchCommand(*bench);
   tandem::worker::AddTransferBenchCommand(*bench);

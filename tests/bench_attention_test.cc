@@ -48,17 +48,12 @@ class BenchAttentionTest : public ::testing::Test {
 
 TEST_F(BenchAttentionTest, BadFlagsNameTheFlag) {
   const std::pair<std::string, std::string> cases[] = {
-      {"--page-size 48", "--page-size"},
-      {"--decode-page-sizes 16,24", "--decode-page-sizes"},
+      {"--page-size 48", "--page-size"},      {"--decode-page-sizes 16,24", "--decode-page-sizes"},
       {"--seqlens 3000", "--seqlens"},  // does not divide --tokens 16384
-      {"--seqlens 0", "--seqlens"},
-      {"--head-dims 96", "--head-dims"},
-      {"--models 13b", "--models"},
-      {"--mode both", "--mode"},
-      {"--causal maybe", "--causal"},
-      {"--gqa 3", "--gqa"},  // does not divide 16 or 32 heads
-      {"--copy-bytes 12xyz", "--copy-bytes"},
-      {"--reps 0", "--reps"},
+      {"--seqlens 0", "--seqlens"},           {"--head-dims 96", "--head-dims"},
+      {"--models 13b", "--models"},           {"--mode both", "--mode"},
+      {"--causal maybe", "--causal"},         {"--gqa 3", "--gqa"},  // does not divide 16 or 32 heads
+      {"--copy-bytes 12xyz", "--copy-bytes"}, {"--reps 0", "--reps"},
       {"--batches 0", "--batches"},
   };
   for (const auto& [flags, name] : cases) {
@@ -113,8 +108,8 @@ TEST_F(BenchAttentionTest, ATinyGridWritesEveryField) {
   // 2 lengths x causal and not, at head dim 64 (32 heads).
   ASSERT_EQ(j["prefill"].size(), 4u) << j["prefill"].dump();
   for (const json& r : j["prefill"]) {
-    for (const char* key : {"causal", "head_dim", "heads", "kv_heads", "seqlen", "batch", "page_size", "flops",
-                            "input_sets", "reps"}) {
+    for (const char* key :
+         {"causal", "head_dim", "heads", "kv_heads", "seqlen", "batch", "page_size", "flops", "input_sets", "reps"}) {
       EXPECT_TRUE(r.contains(key)) << key;
     }
     EXPECT_EQ(r["heads"], 32);

@@ -47,8 +47,7 @@ class GrpcFloorTest : public ::testing::Test {
   // Starts `tandem bench grpc-floor --serve <flags>`; its host:port.
   std::string Serve(const std::vector<std::string>& flags = {}) {
     std::filesystem::remove(dir_ + "/addr");  // the previous server's
-    std::vector<std::string> args = {"bench", "grpc-floor", "--serve", "--ready-file",
-                                     dir_ + "/addr"};
+    std::vector<std::string> args = {"bench", "grpc-floor", "--serve", "--ready-file", dir_ + "/addr"};
     args.insert(args.end(), flags.begin(), flags.end());
     absl::StatusOr<std::string> addr =
         StartTandem(args, dir_ + "/addr", std::chrono::seconds(30), "grpc-floor", &server_);
@@ -63,9 +62,8 @@ class GrpcFloorTest : public ::testing::Test {
   int Measure(const std::string& target, const std::string& flags, std::string* out, json* j) {
     const std::string path = dir_ + "/floor.json";
     std::filesystem::remove(path);
-    const int rc = RunCommand(
-        absl::StrCat(bin_, " bench grpc-floor --target ", target, " ", flags, " --json ", path),
-        out);
+    const int rc =
+        RunCommand(absl::StrCat(bin_, " bench grpc-floor --target ", target, " ", flags, " --json ", path), out);
     std::ifstream in(path);
     *j = in ? json::parse(in, nullptr, false) : json();
     return rc;
@@ -77,12 +75,10 @@ class GrpcFloorTest : public ::testing::Test {
 };
 
 TEST_F(GrpcFloorTest, TheServerAnswersInTwoMessagesAsAZeroTimingWorkerDoes) {
-  for (const std::vector<std::string>& flags :
-       {std::vector<std::string>{}, {"--handoff"}, {"--minimal-stack"}}) {
+  for (const std::vector<std::string>& flags : {std::vector<std::string>{}, {"--handoff"}, {"--minimal-stack"}}) {
     const std::string addr = Serve(flags);
     ASSERT_FALSE(addr.empty());
-    auto stub =
-        tandem::v1::Worker::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+    auto stub = tandem::v1::Worker::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
     tandem::v1::GenerateRequest req;
     for (int i = 0; i < 7; ++i) req.add_prompt_token_ids(i + 1);
     req.mutable_sampling()->set_max_tokens(5);
@@ -107,8 +103,8 @@ TEST_F(GrpcFloorTest, TheServerAnswersInTwoMessagesAsAZeroTimingWorkerDoes) {
 
 TEST_F(GrpcFloorTest, TheClientMeasuresEveryCall) {
   for (const bool minimal : {false, true}) {
-    const std::string addr = Serve(minimal ? std::vector<std::string>{"--minimal-stack"}
-                                           : std::vector<std::string>{"--handoff"});
+    const std::string addr =
+        Serve(minimal ? std::vector<std::string>{"--minimal-stack"} : std::vector<std::string>{"--handoff"});
     ASSERT_FALSE(addr.empty());
     std::string out;
     json j;
@@ -158,8 +154,7 @@ TEST_F(GrpcFloorTest, StopsWithStatusZeroOnSigterm) {
 TEST_F(GrpcFloorTest, StopsOnSigtermWhileAClientKeepsItsConnection) {
   const std::string addr = Serve({"--handoff"});
   ASSERT_FALSE(addr.empty());
-  auto stub =
-      tandem::v1::Worker::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+  auto stub = tandem::v1::Worker::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
   for (int i = 0; i < 3; ++i) {
     tandem::v1::GenerateRequest req;
     req.add_prompt_token_ids(1);

@@ -24,9 +24,9 @@
 namespace tandem::testing {
 namespace {
 
+using nlohmann::json;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-using nlohmann::json;
 
 class MockServerTest : public ::testing::Test {
  protected:
@@ -43,8 +43,7 @@ class MockServerTest : public ::testing::Test {
   // Starts `tandem bench mock-server --port 0 --ready-file F <flags>`; its
   // URL once it listens.
   std::string Start(const std::vector<std::string>& flags = {}) {
-    std::vector<std::string> args = {"bench", "mock-server", "--port", "0", "--ready-file",
-                                     dir_ + "/url"};
+    std::vector<std::string> args = {"bench", "mock-server", "--port", "0", "--ready-file", dir_ + "/url"};
     args.insert(args.end(), flags.begin(), flags.end());
     absl::StatusOr<std::string> url =
         StartTandem(args, dir_ + "/url", std::chrono::seconds(30), "mock-server", &server_);
@@ -98,8 +97,10 @@ TEST_F(MockServerTest, BenchRecordsTheRunAndFailsOnFailedRequests) {
   absl::StatusOr<std::string> bin = TandemBinary();
   ASSERT_TRUE(bin.ok());
   std::string out;
-  const json ok = Bench(url, absl::StrCat("--num-prompts 4 --random-input-len 8 --random-output-len 2 "
-                                          "--seed 5 --html ", dir_, "/ok.html"),
+  const json ok = Bench(url,
+                        absl::StrCat("--num-prompts 4 --random-input-len 8 --random-output-len 2 "
+                                     "--seed 5 --html ",
+                                     dir_, "/ok.html"),
                         &out);
   ASSERT_TRUE(ok.is_object()) << out;
   EXPECT_EQ(ok["run"]["model"], "mock") << "the server's model, resolved";
@@ -117,9 +118,10 @@ TEST_F(MockServerTest, BenchRecordsTheRunAndFailsOnFailedRequests) {
   EXPECT_THAT(html, AllOf(HasSubstr("<h2>Run</h2>"), HasSubstr("<td>model</td><td><code>mock</code>")));
 
   // Every request fails (an unknown model): the reports are written, the exit status is not 0.
-  const std::string bad = absl::StrCat(*bin, " bench --url ", url, " --model nope --num-prompts 4 "
-                                       "--random-input-len 8 --random-output-len 2 --json ", dir_,
-                                       "/bad.json");
+  const std::string bad = absl::StrCat(*bin, " bench --url ", url,
+                                       " --model nope --num-prompts 4 "
+                                       "--random-input-len 8 --random-output-len 2 --json ",
+                                       dir_, "/bad.json");
   EXPECT_NE(RunCommand(bad, &out), 0);
   EXPECT_THAT(out, HasSubstr("4 of 4 requests failed (100.0%), more than --max-failure-rate 0 allows"));
   std::ifstream bad_file(dir_ + "/bad.json");
@@ -141,8 +143,8 @@ TEST_F(MockServerTest, AnswersInOpenAIShapes) {
   EXPECT_EQ(json::parse(models.body)["data"][0]["id"], "m1") << models.body;
 
   // Whole: the text, finish_reason and usage (a text prompt counts its words).
-  const HttpResponse whole = HttpPost(
-      url, "/v1/completions", R"({"model": "m1", "prompt": "one two  three", "max_tokens": 3})");
+  const HttpResponse whole =
+      HttpPost(url, "/v1/completions", R"({"model": "m1", "prompt": "one two  three", "max_tokens": 3})");
   ASSERT_EQ(whole.status, 200) << whole.body;
   const json w = json::parse(whole.body);
   EXPECT_EQ(w["object"], "text_completion");
@@ -150,16 +152,15 @@ TEST_F(MockServerTest, AnswersInOpenAIShapes) {
   EXPECT_EQ(w["choices"][0]["finish_reason"], "length");
   EXPECT_EQ(w["usage"]["prompt_tokens"], 3);
   EXPECT_EQ(w["usage"]["completion_tokens"], 3);
-  const HttpResponse chat_whole = HttpPost(
-      url, "/v1/chat/completions", R"({"model": "m1", "messages": [{"role": "user", "content": "hi"}]})");
+  const HttpResponse chat_whole =
+      HttpPost(url, "/v1/chat/completions", R"({"model": "m1", "messages": [{"role": "user", "content": "hi"}]})");
   ASSERT_EQ(chat_whole.status, 200) << chat_whole.body;
   EXPECT_EQ(json::parse(chat_whole.body)["usage"]["completion_tokens"], 16) << "the default";
 
   // Streamed chat: an event per token (the first with the role, the last
   // with finish_reason), then usage, then [DONE].
-  const HttpResponse stream = HttpPost(
-      url, "/v1/chat/completions",
-      R"({"model": "m1", "messages": [{"role": "user", "content": "a b"}],
+  const HttpResponse stream = HttpPost(url, "/v1/chat/completions",
+                                       R"({"model": "m1", "messages": [{"role": "user", "content": "a b"}],
           "max_completion_tokens": 3, "stream": true, "stream_options": {"include_usage": true}})");
   ASSERT_EQ(stream.status, 200) << stream.body;
   EXPECT_THAT(stream.Header("content-type"), HasSubstr("text/event-stream"));
@@ -179,8 +180,8 @@ TEST_F(MockServerTest, AnswersInOpenAIShapes) {
   EXPECT_EQ(events[4], "[DONE]");
 
   // Streamed completions without usage: the text events and [DONE].
-  const HttpResponse text_stream = HttpPost(
-      url, "/v1/completions", R"({"model": "m1", "prompt": [1, 2], "max_tokens": 2, "stream": true})");
+  const HttpResponse text_stream =
+      HttpPost(url, "/v1/completions", R"({"model": "m1", "prompt": [1, 2], "max_tokens": 2, "stream": true})");
   const std::vector<std::string> text_events = SseData(text_stream.body);
   ASSERT_EQ(text_events.size(), 3u) << text_stream.body;
   EXPECT_EQ(json::parse(text_events[0])["choices"][0]["text"], " tok");

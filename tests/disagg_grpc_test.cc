@@ -6,8 +6,8 @@
 // of the fault-injecting transport wrapper and a SIGKILL of either worker
 // mid-transfer are checked to leave no block behind on the survivor, which
 // keeps serving.
-#include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -33,23 +33,23 @@ namespace tandem {
 namespace {
 
 using namespace ::tandem::testing;  // NOLINT: the helpers of every test here
-using ::testing::HasSubstr;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
+using ::testing::HasSubstr;
 
 class DisaggGrpcTest : public WorkerTest {
  protected:
   WorkerProcess* StartPrefill(std::vector<std::string> extra = {}) {
-    std::vector<std::string> flags = {"--kv-cache-memory", "8MiB", "--role", "prefill",
-                                      "--kv-transport", "ucx",
-                                      "--kv-transport-tls", "shm", "--kv-hold-timeout-ms", "3000"};
+    std::vector<std::string> flags = {
+        "--kv-cache-memory",    "8MiB", "--role", "prefill", "--kv-transport", "ucx", "--kv-transport-tls", "shm",
+        "--kv-hold-timeout-ms", "3000"};
     flags.insert(flags.end(), extra.begin(), extra.end());
     return StartWorker(flags);
   }
   WorkerProcess* StartDecode(std::vector<std::string> extra = {}) {
-    std::vector<std::string> flags = {"--kv-cache-memory", "8MiB", "--role", "decode",
-                                      "--kv-transport", "ucx",
-                                      "--kv-transport-tls", "shm", "--kv-quarantine-ms", "300"};
+    std::vector<std::string> flags = {
+        "--kv-cache-memory",  "8MiB", "--role", "decode", "--kv-transport", "ucx", "--kv-transport-tls", "shm",
+        "--kv-quarantine-ms", "300"};
     flags.insert(flags.end(), extra.begin(), extra.end());
     return StartWorker(flags);
   }
@@ -86,8 +86,7 @@ TEST_F(DisaggGrpcTest, ConcurrentMixedRequestsMatchAggregatedServing) {
     reqs.push_back(i % 2 ? SampledRequest(prompt, 10 + i, 7 + i) : GreedyRequest(prompt, 10 + i));
     reqs.back().mutable_sampling()->set_ignore_eos(true);
   }
-  const std::vector<Split> got =
-      RunDisaggregatedConcurrently(prefill->stub(), decode->stub(), decode->address(), reqs);
+  const std::vector<Split> got = RunDisaggregatedConcurrently(prefill->stub(), decode->stub(), decode->address(), reqs);
   for (size_t i = 0; i < reqs.size(); ++i) {
     const std::string what = absl::StrCat("request ", i, " (", lengths[i], " prompt tokens)");
     EXPECT_TRUE(got[i].prefill.status.ok()) << what << ": " << got[i].prefill.status.error_message();
@@ -129,9 +128,8 @@ TEST_F(DisaggGrpcTest, PrefixHitsOnEitherSideSaveWorkAndChangeNothing) {
 
   // The decode worker's KV events name every full block it now holds.
   const v1::ModelInfo info = GetModelInfo(decode->stub());
-  std::vector<int32_t> computed = Concat(
-      std::vector<int32_t>(first.prompt_token_ids().begin(), first.prompt_token_ids().end()),
-      a.combined.tokens);
+  std::vector<int32_t> computed =
+      Concat(std::vector<int32_t>(first.prompt_token_ids().begin(), first.prompt_token_ids().end()), a.combined.tokens);
   computed.pop_back();  // the last token is never fed back
   {
     v1::KvEventsRequest er;
@@ -252,7 +250,8 @@ TEST_F(DisaggGrpcTest, CancelledReservationRefusesTheLateKv) {
   ASSERT_TRUE(receive->reserved());
   const v1::KvReservation r = receive->reservation();
   bool ok = false;
-  WaitForLoad(decode->stub(), [](const v1::LoadReport& l) { return l.reserved_requests() == 1; }, &ok);
+  WaitForLoad(
+      decode->stub(), [](const v1::LoadReport& l) { return l.reserved_requests() == 1; }, &ok);
   EXPECT_TRUE(ok);
   receive->Cancel();
   EXPECT_EQ(receive->Finish().status.error_code(), grpc::StatusCode::CANCELLED);
@@ -293,12 +292,13 @@ TEST_F(DisaggGrpcTest, ReservationsCountAgainstMaxRunning) {
   Output aggregated;
   std::thread agg([&] { aggregated = Generate(decode->stub(), c); });
   bool ok = false;
-  WaitForLoad(decode->stub(), [](const v1::LoadReport& l) {
-    return l.waiting_sequences() == 1 && l.reserved_requests() == 2;
-  }, &ok);
+  WaitForLoad(
+      decode->stub(), [](const v1::LoadReport& l) { return l.waiting_sequences() == 1 && l.reserved_requests() == 2; },
+      &ok);
   EXPECT_TRUE(ok) << "the aggregated request should wait while both places are reserved";
   std::this_thread::sleep_for(milliseconds(200));
-  v1::LoadReport l = WaitForLoad(decode->stub(), [](const v1::LoadReport&) { return true; }, &ok);
+  v1::LoadReport l = WaitForLoad(
+      decode->stub(), [](const v1::LoadReport&) { return true; }, &ok);
   EXPECT_EQ(l.running_sequences(), 0);
   EXPECT_EQ(l.waiting_sequences(), 1);
   EXPECT_EQ(l.reservations_refused(), 1);
@@ -334,8 +334,7 @@ TEST_F(DisaggGrpcTest, InvalidDisaggregatedRequestsAreRejected) {
   // SEND without a destination; cached tokens not on a block boundary.
   v1::GenerateRequest no_dest = req;
   no_dest.mutable_kv_transfer()->set_mode(v1::KvTransferParams::SEND);
-  EXPECT_EQ(Generate(prefill->stub(), no_dest).status.error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Generate(prefill->stub(), no_dest).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   v1::KvReservation odd = fake;
   odd.set_cached_tokens(5);
   Output odd_out = Generate(prefill->stub(), SendRequest(req, decode->address(), odd));
@@ -364,8 +363,7 @@ TEST_F(DisaggGrpcTest, InvalidDisaggregatedRequestsAreRejected) {
   ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/1000);
   ASSERT_TRUE(receive.reserved());
   Output mismatched = Generate(
-      prefill->stub(), SendRequest(GreedyRequest(MakePrompt(14, 40), 5), decode->address(),
-                                   receive.reservation()));
+      prefill->stub(), SendRequest(GreedyRequest(MakePrompt(14, 40), 5), decode->address(), receive.reservation()));
   EXPECT_THAT(mismatched.kv_transfer_error, HasSubstr("another prompt"));
   Output local = receive.Finish();
   EXPECT_TRUE(local.includes_first_token);
@@ -412,10 +410,8 @@ TEST_F(DisaggGrpcTest, KilledPrefillWorkerMidTransfer) {
   ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/10000);
   ASSERT_TRUE(receive.reserved());
   Output p;
-  std::jthread send([&] {
-    p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()),
-                 seconds(20));
-  });
+  std::jthread send(
+      [&] { p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()), seconds(20)); });
   // The first token is out and the decode worker's pull is under way (held
   // by the delay): kill the prefill worker.
   ExpectPullInFlight(*decode);
@@ -454,10 +450,8 @@ TEST_F(DisaggGrpcTest, KilledDecodeWorkerMidTransfer) {
   auto receive = std::make_unique<ReceiveStream>(decode->stub(), req);
   ASSERT_TRUE(receive->reserved());
   Output p;
-  std::jthread send([&] {
-    p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive->reservation()),
-                 seconds(20));
-  });
+  std::jthread send(
+      [&] { p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive->reservation()), seconds(20)); });
   ExpectPullInFlight(*decode);
   Kill(decode);
   send.join();
@@ -478,7 +472,6 @@ TEST_F(DisaggGrpcTest, KilledDecodeWorkerMidTransfer) {
   ExpectIdle(prefill->stub(), "prefill");
   ExpectIdle(decode2->stub(), "decode");
 }
-
 
 // Chaos: concurrent split requests whose streams are cancelled at random
 // moments on either side, or given short deadlines. Whatever happens, both
@@ -509,8 +502,8 @@ TEST_F(DisaggGrpcTest, RandomCancellationsOnEitherSideLeakNothing) {
         grpc::ClientContext pctx;
         pctx.set_deadline(std::chrono::system_clock::now() +
                           (action == 2 ? milliseconds(1 + rng() % 10) : kRpcTimeout));
-        std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = prefill->stub().Generate(
-            &pctx, SendRequest(req, decode->address(), receive.reservation()));
+        std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
+            prefill->stub().Generate(&pctx, SendRequest(req, decode->address(), receive.reservation()));
         std::jthread canceller([&] {
           std::this_thread::sleep_for(delay);
           if (action == 0) receive.Cancel();
@@ -537,7 +530,6 @@ TEST_F(DisaggGrpcTest, RandomCancellationsOnEitherSideLeakNothing) {
   ExpectSameOutput(s.combined, Aggregated(req), "after the chaos");
 }
 
-
 // A decode worker shutting down ends its waiting reservations with
 // UNAVAILABLE (the caller retries elsewhere); the prefill worker's late
 // KvReady fails and it frees its blocks.
@@ -563,7 +555,6 @@ TEST_F(DisaggGrpcTest, ShutdownEndsWaitingReservationsWithUnavailable) {
   ExpectIdle(prefill->stub(), "prefill", seconds(10));
 }
 
-
 // A draining decode worker (SIGTERM) refuses new requests but keeps the
 // hand-offs it committed to: the KV the prefill worker sends afterwards is
 // taken, the stream finishes with the aggregated tokens, then it exits.
@@ -582,8 +573,7 @@ TEST_F(DisaggGrpcTest, DrainingDecodeWorkerFinishesItsCommittedHandOffs) {
   {
     // New work is refused...
     Output refused = Generate(decode->stub(), GreedyRequest(MakePrompt(23, 20), 4), seconds(10));
-    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE)
-        << refused.status.error_message();
+    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.status.error_message();
   }
   // ...but the committed hand-off completes.
   Output p = Generate(prefill->stub(), SendRequest(req, decode->address(), r), seconds(20));
@@ -611,8 +601,7 @@ TEST_F(DisaggGrpcTest, MetricsPortsCountTheKvTransfer) {
   const v1::GenerateRequest req = GreedyRequest(MakePrompt(24, 60), 8);
   ReceiveStream receive(decode->stub(), req);
   ASSERT_TRUE(receive.reserved());
-  Output p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()),
-                      seconds(20));
+  Output p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()), seconds(20));
   ASSERT_TRUE(p.status.ok()) << p.status.error_message();
   ASSERT_TRUE(receive.Finish().status.ok());
   const std::string d = absl::StrCat("127.0.0.1:", decode_port);
@@ -635,9 +624,8 @@ TEST_F(DisaggGrpcTest, GenerateCliSplitsARequest) {
   const std::vector<int32_t> prompt = MakePrompt(31, 40);
   const std::string out_path = ::testing::TempDir() + "/generate_split.txt";
   absl::StatusOr<ChildProcess> cli = ChildProcess::Spawn(
-      {*bin, "generate", "--target", prefill->address(), "--decode", decode->address(),
-       "--prompt-ids", absl::StrJoin(prompt, ","), "--max-tokens", "12", "--temperature", "0",
-       "--show-ids"},
+      {*bin, "generate", "--target", prefill->address(), "--decode", decode->address(), "--prompt-ids",
+       absl::StrJoin(prompt, ","), "--max-tokens", "12", "--temperature", "0", "--show-ids"},
       out_path);
   ASSERT_TRUE(cli.ok()) << cli.status();
   absl::StatusOr<int> status = cli->Wait(seconds(30));
@@ -650,7 +638,6 @@ TEST_F(DisaggGrpcTest, GenerateCliSplitsARequest) {
   EXPECT_EQ(printed, Aggregated(GreedyRequest(prompt, 12)).tokens);
   EXPECT_EQ(GetLoad(decode->stub()).kv_pulls(), 1);
 }
-
 
 // KvReady called directly with malformed content: each is refused with the
 // right code; one the reservation cannot survive (block ids outside the

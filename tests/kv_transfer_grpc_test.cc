@@ -29,21 +29,20 @@ absl::StatusOr<v1::KvTransferInfo> GetInfo(v1::Worker::Stub& stub) {
   return info;
 }
 
-absl::Status Wait(kvtransfer::Transport& t, const std::string& peer,
-                  std::vector<kvtransfer::BlockPair> pairs, bool pull) {
+absl::Status Wait(kvtransfer::Transport& t, const std::string& peer, std::vector<kvtransfer::BlockPair> pairs,
+                  bool pull) {
   auto promise = std::make_shared<std::promise<absl::Status>>();
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   auto done = [promise](absl::Status s) { promise->set_value(s); };
-  absl::StatusOr<uint64_t> id = pull ? t.Pull(peer, std::move(pairs), deadline, done)
-                                     : t.Push(peer, std::move(pairs), deadline, done);
+  absl::StatusOr<uint64_t> id =
+      pull ? t.Pull(peer, std::move(pairs), deadline, done) : t.Push(peer, std::move(pairs), deadline, done);
   if (!id.ok()) return id.status();
   return promise->get_future().get();
 }
 
 TEST(KvTransferGrpcTest, PeerConnectsWithTheWorkersPublishedInfo) {
   absl::StatusOr<std::unique_ptr<WorkerProcess>> w = WorkerProcess::Start(
-      {"--model", "builtin:tiny", "--kv-cache-memory", "4MiB", "--kv-transport", "ucx",
-       "--kv-transport-tls", "shm"});
+      {"--model", "builtin:tiny", "--kv-cache-memory", "4MiB", "--kv-transport", "ucx", "--kv-transport-tls", "shm"});
   ASSERT_TRUE(w.ok()) << w.status();
   absl::StatusOr<v1::KvTransferInfo> info = GetInfo((*w)->stub());
   ASSERT_TRUE(info.ok()) << info.status();
@@ -90,9 +89,9 @@ TEST(KvTransferGrpcTest, PeerConnectsWithTheWorkersPublishedInfo) {
 }
 
 TEST(KvTransferGrpcTest, MismatchedLayoutIsRefusedAndAWorkerWithoutTransportSaysSo) {
-  absl::StatusOr<std::unique_ptr<WorkerProcess>> w = WorkerProcess::Start(
-      {"--model", "builtin:tiny", "--kv-cache-memory", "4MiB", "--kv-transport", "ucx",
-       "--kv-transport-tls", "shm", "--block-size", "8"});
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> w =
+      WorkerProcess::Start({"--model", "builtin:tiny", "--kv-cache-memory", "4MiB", "--kv-transport", "ucx",
+                            "--kv-transport-tls", "shm", "--block-size", "8"});
   ASSERT_TRUE(w.ok()) << w.status();
   absl::StatusOr<v1::KvTransferInfo> info = GetInfo((*w)->stub());
   ASSERT_TRUE(info.ok()) << info.status();

@@ -98,26 +98,25 @@ class Topology {
   // Launch options for a worker in the prefill or decode namespace: UCX uses
   // the pair's interface only.
   LaunchOptions Launch(bool prefill) const {
-    return LaunchOptions{
-        .wrapper = {kIp, "netns", "exec", prefill ? prefill_ns_ : decode_ns_, "/usr/bin/env",
-                    "UCX_NET_DEVICES=" + (prefill ? prefill_if_ : decode_if_)},
-        .connect_host = prefill ? prefill_ctl_ : decode_ctl_};
+    return LaunchOptions{.wrapper = {kIp, "netns", "exec", prefill ? prefill_ns_ : decode_ns_, "/usr/bin/env",
+                                     "UCX_NET_DEVICES=" + (prefill ? prefill_if_ : decode_if_)},
+                         .connect_host = prefill ? prefill_ctl_ : decode_ctl_};
   }
   // The decode worker's address on the pair, as the prefill worker reaches it.
   std::string DecodeOnPair(int port) const { return absl::StrCat(pair_prefix_, "2:", port); }
   // Bytes the decode worker's end of the pair has received.
   int64_t DecodePairRxBytes() const {
     std::string out;
-    RunCommand(absl::StrCat(kIp, " netns exec ", decode_ns_, " cat /sys/class/net/", decode_if_,
-                            "/statistics/rx_bytes"),
-               &out);
+    RunCommand(
+        absl::StrCat(kIp, " netns exec ", decode_ns_, " cat /sys/class/net/", decode_if_, "/statistics/rx_bytes"),
+        &out);
     return std::atoll(out.c_str());
   }
 
  private:
   Topology() = default;
-  std::string prefill_ns_, decode_ns_, prefill_if_, decode_if_, pair_prefix_, prefill_ctl_,
-      decode_ctl_, ctl_root_p_, ctl_root_d_;
+  std::string prefill_ns_, decode_ns_, prefill_if_, decode_if_, pair_prefix_, prefill_ctl_, decode_ctl_, ctl_root_p_,
+      ctl_root_d_;
 };
 
 TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
@@ -126,9 +125,9 @@ TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
   std::unique_ptr<Topology> topo = Topology::Create(&why);
   if (topo == nullptr) GTEST_SKIP() << "cannot build the two-namespace topology: " << why;
 
-  const std::vector<std::string> common = {"--model", "builtin:tiny", "--kv-cache-memory", "8MiB",
-                                           "--host", "0.0.0.0", "--kv-transport", "ucx",
-                                           "--kv-transport-tls", "tcp"};
+  const std::vector<std::string> common = {
+      "--model",        "builtin:tiny", "--kv-cache-memory",  "8MiB", "--host", "0.0.0.0",
+      "--kv-transport", "ucx",          "--kv-transport-tls", "tcp"};
   auto flags = [&](std::vector<std::string> extra) {
     std::vector<std::string> f = common;
     f.insert(f.end(), extra.begin(), extra.end());
@@ -137,12 +136,11 @@ TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
   absl::StatusOr<std::unique_ptr<WorkerProcess>> prefill = WorkerProcess::Start(
       // Insecure: the decode worker's address is in another namespace, off
       // loopback, so the prefill worker must be allowed to dial it.
-      flags({"--role", "prefill", "--kv-hold-timeout-ms", "3000", "--kv-peer-allow", "any"}),
-      seconds(30),
+      flags({"--role", "prefill", "--kv-hold-timeout-ms", "3000", "--kv-peer-allow", "any"}), seconds(30),
       topo->Launch(true));
   ASSERT_TRUE(prefill.ok()) << prefill.status();
-  absl::StatusOr<std::unique_ptr<WorkerProcess>> decode = WorkerProcess::Start(
-      flags({"--role", "decode", "--kv-quarantine-ms", "300"}), seconds(30), topo->Launch(false));
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> decode =
+      WorkerProcess::Start(flags({"--role", "decode", "--kv-quarantine-ms", "300"}), seconds(30), topo->Launch(false));
   ASSERT_TRUE(decode.ok()) << decode.status();
   absl::StatusOr<std::unique_ptr<WorkerProcess>> aggregated =
       WorkerProcess::Start({"--model", "builtin:tiny", "--kv-cache-memory", "8MiB"});
@@ -175,16 +173,15 @@ TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
   // The prefill worker dies while the decode worker's pull is held back (a
   // delay fault): over tcp the pull fails, the decode worker prefills locally
   // and frees everything.
-  absl::StatusOr<std::unique_ptr<WorkerProcess>> slow_decode = WorkerProcess::Start(
-      flags({"--role", "decode", "--kv-quarantine-ms", "300", "--kv-fault", "delay_ms=1000"}),
-      seconds(30), topo->Launch(false));
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> slow_decode =
+      WorkerProcess::Start(flags({"--role", "decode", "--kv-quarantine-ms", "300", "--kv-fault", "delay_ms=1000"}),
+                           seconds(30), topo->Launch(false));
   ASSERT_TRUE(slow_decode.ok()) << slow_decode.status();
   const v1::GenerateRequest req = GreedyRequest(MakePrompt(600, 90), 8);
   ReceiveStream receive((*slow_decode)->stub(), req, /*timeout_ms=*/10000);
   ASSERT_TRUE(receive.reserved());
   std::jthread send([&] {
-    Generate((*prefill)->stub(),
-             SendRequest(req, topo->DecodeOnPair((*slow_decode)->port()), receive.reservation()),
+    Generate((*prefill)->stub(), SendRequest(req, topo->DecodeOnPair((*slow_decode)->port()), receive.reservation()),
              seconds(20));
   });
   // The pull is under way (held by the delay): kill the prefill worker.

@@ -52,9 +52,8 @@ json Completion(const std::string& prompt, int max_tokens, json extra = json::ob
 // An auth section: alice by digest, ops (admin) by digest, plus `more`
 // YAML under auth.
 std::string AuthYaml(const std::string& more = "") {
-  return absl::StrCat("auth:\n  keys:\n    - name: alice\n      sha256: \"sha256:",
-                      Sha256Hex(kAlice), "\"\n    - name: ops\n      sha256: \"sha256:",
-                      Sha256Hex(kOps), "\"\n      admin: true\n", more);
+  return absl::StrCat("auth:\n  keys:\n    - name: alice\n      sha256: \"sha256:", Sha256Hex(kAlice),
+                      "\"\n    - name: ops\n      sha256: \"sha256:", Sha256Hex(kOps), "\"\n      admin: true\n", more);
 }
 
 // The router's resident set, in bytes (0 if unreadable).
@@ -96,16 +95,14 @@ class RouterAdmissionTest : public RouterTest {
   // A worker on the simulated engine: `step_ms` per step (one token per
   // running sequence each step).
   WorkerProcess* StartSim(int step_ms) {
-    return StartWorker({"--engine", "sim", "--sim-step-ms", std::to_string(step_ms),
-                        "--kv-cache-memory", "256MiB"});
+    return StartWorker({"--engine", "sim", "--sim-step-ms", std::to_string(step_ms), "--kv-cache-memory", "256MiB"});
   }
 };
 
 TEST_F(RouterAdmissionTest, KeysAreRequiredAndCheckedIn401sOfOpenAisShape) {
   WorkerProcess* w = StartSim(1);
   ASSERT_NE(w, nullptr);
-  ASSERT_NE(StartRouter({.decode = {w->address()}, .extra = AuthYaml(), .worker_details = false}),
-            nullptr);
+  ASSERT_NE(StartRouter({.decode = {w->address()}, .extra = AuthYaml(), .worker_details = false}), nullptr);
   metrics_headers_ = Bearer(kOps);
 
   Reply none = Post("/v1/completions", Completion("hi", 2));
@@ -119,20 +116,18 @@ TEST_F(RouterAdmissionTest, KeysAreRequiredAndCheckedIn401sOfOpenAisShape) {
   Reply wrong = Post("/v1/completions", Completion("hi", 2), Bearer("alice-secret-2"));
   EXPECT_EQ(wrong.http.status, 401);
   EXPECT_EQ(wrong.json["error"]["code"], "invalid_api_key");
-  EXPECT_EQ(Post("/v1/completions", Completion("hi", 2), {{"Authorization", kAlice}}).http.status,
-            401);
+  EXPECT_EQ(Post("/v1/completions", Completion("hi", 2), {{"Authorization", kAlice}}).http.status, 401);
   EXPECT_EQ(Get("/v1/models").http.status, 401);
 
   Reply ok = Post("/v1/completions", Completion("hi", 2), Bearer(kAlice));
   EXPECT_EQ(ok.http.status, 200) << ok.http.body;
   EXPECT_EQ(Get("/v1/models", Bearer(kAlice)).http.status, 200);
-  EXPECT_EQ(Post("/v1/chat/completions",
-                 {{"model", "tiny"},
-                  {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})},
-                  {"max_tokens", 2}},
-                 Bearer(kAlice))
-                .http.status,
-            200);
+  EXPECT_EQ(
+      Post("/v1/chat/completions",
+           {{"model", "tiny"}, {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}, {"max_tokens", 2}},
+           Bearer(kAlice))
+          .http.status,
+      200);
 
   // /health stays open for probes, its pools for admin keys only.
   Reply health = Get("/health");
@@ -175,36 +170,25 @@ TEST_F(RouterAdmissionTest, SighupReloadsTheKeysFromYamlAndKeysFile) {
   WorkerProcess* w = StartSim(1);
   ASSERT_NE(w, nullptr);
   const std::string keys_file = ::testing::TempDir() + "/tandem_admission_keys";
-  {
-    std::ofstream(keys_file) << "# name key [admin]\nbob " << kBob << "\n";
-  }
-  const RouterYaml first{.decode = {w->address()},
-                         .extra = AuthYaml(absl::StrCat("  keys_file: ", keys_file, "\n"))};
+  { std::ofstream(keys_file) << "# name key [admin]\nbob " << kBob << "\n"; }
+  const RouterYaml first{.decode = {w->address()}, .extra = AuthYaml(absl::StrCat("  keys_file: ", keys_file, "\n"))};
   ASSERT_NE(StartRouter(first), nullptr);
   EXPECT_EQ(Post("/v1/completions", Completion("a", 2), Bearer(kAlice)).http.status, 200);
   EXPECT_EQ(Post("/v1/completions", Completion("b", 2), Bearer(kBob)).http.status, 200);
 
   // alice goes from the YAML, bob from the file; carol arrives in the file.
-  {
-    std::ofstream(keys_file) << "carol carol-secret-4\n";
-  }
-  router()->Rewrite(RouterYaml{.decode = {w->address()},
-                               .extra = absl::StrCat("auth:\n  keys_file: ", keys_file, "\n")}
-                        .Text());
+  { std::ofstream(keys_file) << "carol carol-secret-4\n"; }
+  router()->Rewrite(
+      RouterYaml{.decode = {w->address()}, .extra = absl::StrCat("auth:\n  keys_file: ", keys_file, "\n")}.Text());
   router()->Signal(SIGHUP);
   ASSERT_TRUE(WaitUntil(
-      [&] {
-        return Post("/v1/completions", Completion("c", 2), Bearer("carol-secret-4")).http.status ==
-               200;
-      },
+      [&] { return Post("/v1/completions", Completion("c", 2), Bearer("carol-secret-4")).http.status == 200; },
       std::chrono::seconds(10)));
   EXPECT_EQ(Post("/v1/completions", Completion("a", 2), Bearer(kAlice)).http.status, 401);
   EXPECT_EQ(Post("/v1/completions", Completion("b", 2), Bearer(kBob)).http.status, 401);
 
   // An empty keys file is an invalid config, not an open router: the keys stay.
-  {
-    std::ofstream(keys_file) << "# nobody\n";
-  }
+  { std::ofstream(keys_file) << "# nobody\n"; }
   router()->Signal(SIGHUP);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   EXPECT_EQ(Post("/v1/completions", Completion("d", 2)).http.status, 401);
@@ -214,13 +198,13 @@ TEST_F(RouterAdmissionTest, SighupReloadsTheKeysFromYamlAndKeysFile) {
 TEST_F(RouterAdmissionTest, PerKeyLimitsGive429WithRetryAfterWhileOtherKeysPass) {
   WorkerProcess* w = StartSim(20);
   ASSERT_NE(w, nullptr);
-  const std::string limits = absl::StrCat(
-      "    - name: slow\n      sha256: \"sha256:", Sha256Hex("slow-key"),
-      "\"\n      requests_per_s: 0.2\n"
-      "    - name: single\n      sha256: \"sha256:", Sha256Hex("single-key"),
-      "\"\n      max_concurrent: 1\n"
-      "    - name: thrifty\n      sha256: \"sha256:", Sha256Hex("thrifty-key"),
-      "\"\n      tokens_per_min: 100\n");
+  const std::string limits = absl::StrCat("    - name: slow\n      sha256: \"sha256:", Sha256Hex("slow-key"),
+                                          "\"\n      requests_per_s: 0.2\n"
+                                          "    - name: single\n      sha256: \"sha256:",
+                                          Sha256Hex("single-key"),
+                                          "\"\n      max_concurrent: 1\n"
+                                          "    - name: thrifty\n      sha256: \"sha256:",
+                                          Sha256Hex("thrifty-key"), "\"\n      tokens_per_min: 100\n");
   ASSERT_NE(StartRouter({.decode = {w->address()}, .extra = AuthYaml(limits)}), nullptr);
   metrics_headers_ = Bearer(kOps);
 
@@ -249,9 +233,7 @@ TEST_F(RouterAdmissionTest, PerKeyLimitsGive429WithRetryAfterWhileOtherKeysPass)
   // Tokens per minute: 3 prompt + 90 generated of 100; the next 53 do not
   // fit until the bucket refills (100 a minute: about 28 s for the 46
   // missing), however long the first request took on a loaded machine.
-  EXPECT_EQ(Post("/v1/completions", Completion("abc", 90, {{"ignore_eos", true}}),
-                 Bearer("thrifty-key"))
-                .http.status,
+  EXPECT_EQ(Post("/v1/completions", Completion("abc", 90, {{"ignore_eos", true}}), Bearer("thrifty-key")).http.status,
             200);
   Reply tpm = Post("/v1/completions", Completion("abc", 50), Bearer("thrifty-key"));
   EXPECT_EQ(tpm.http.status, 429) << tpm.http.body;
@@ -268,11 +250,11 @@ TEST_F(RouterAdmissionTest, PerKeyLimitsGive429WithRetryAfterWhileOtherKeysPass)
 TEST_F(RouterAdmissionTest, AKeyFloodingTheQueueDoesNotDelayAnotherKeyBehindItsRequests) {
   WorkerProcess* w = StartSim(10);
   ASSERT_NE(w, nullptr);
-  ASSERT_NE(StartRouter({.decode = {w->address()},
-                         .extra = AuthYaml("    - name: flood\n      sha256: \"sha256:" +
-                                           Sha256Hex("flood-key") + "\"\n") +
-                                  "limits:\n  max_in_flight: 1\n  max_queue: 100\n"}),
-            nullptr);
+  ASSERT_NE(
+      StartRouter({.decode = {w->address()},
+                   .extra = AuthYaml("    - name: flood\n      sha256: \"sha256:" + Sha256Hex("flood-key") + "\"\n") +
+                            "limits:\n  max_in_flight: 1\n  max_queue: 100\n"}),
+      nullptr);
   metrics_headers_ = Bearer(kOps);
   constexpr int kFlood = 16;
   std::mutex mu;
@@ -313,8 +295,7 @@ TEST_F(RouterAdmissionTest, MaxInFlightCountsEveryChoice) {
   Reply fits = Post("/v1/completions", Completion("x", 2, {{"n", 128}}));
   EXPECT_EQ(fits.http.status, 200) << fits.http.body;
   std::future<Reply> first = PostAsync("/v1/completions", Completion("first", 100, {{"n", 128}}));
-  ASSERT_TRUE(
-      WaitForMetric("tandem_router_in_flight_sequences", [](double v) { return v == 128; }));
+  ASSERT_TRUE(WaitForMetric("tandem_router_in_flight_sequences", [](double v) { return v == 128; }));
   // 128 + 128 > 200: the second waits, although only one request runs.
   std::future<Reply> second = PostAsync("/v1/completions", Completion("second", 4, {{"n", 128}}));
   ASSERT_TRUE(WaitForMetric("tandem_router_queue_depth", [](double v) { return v == 1; }));
@@ -328,12 +309,10 @@ TEST_F(RouterAdmissionTest, MaxInFlightCountsEveryChoice) {
   EXPECT_EQ(Metric("tandem_router_in_flight_sequences"), 0);
 
   // A router whose cap is below n refuses the request outright.
-  router()->Rewrite(RouterYaml{.decode = {w->address()},
-                               .extra = "limits:\n  max_in_flight: 64\n  max_queue: 10\n"}
-                        .Text());
+  router()->Rewrite(
+      RouterYaml{.decode = {w->address()}, .extra = "limits:\n  max_in_flight: 64\n  max_queue: 10\n"}.Text());
   router()->Signal(SIGHUP);
-  ASSERT_TRUE(WaitForMetric("tandem_router_config_reloads_total{result=\"ok\"}",
-                            [](double v) { return v == 1; }));
+  ASSERT_TRUE(WaitForMetric("tandem_router_config_reloads_total{result=\"ok\"}", [](double v) { return v == 1; }));
   Reply refused = Post("/v1/completions", Completion("x", 2, {{"n", 65}}));
   EXPECT_EQ(refused.http.status, 400) << refused.http.body;
   EXPECT_EQ(refused.json["error"]["param"], "n");
@@ -343,8 +322,8 @@ TEST_F(RouterAdmissionTest, MaxInFlightCountsEveryChoice) {
 
 TEST_F(RouterAdmissionTest, AWorkerWithNoFreeKvBlockIsRoutedAround) {
   // 96 KiB: 8 blocks of 16 tokens of builtin:tiny (768 bytes per token).
-  WorkerProcess* small = StartWorker({"--engine", "sim", "--sim-step-ms", "200",
-                                      "--kv-cache-memory", "96KiB", "--watermark", "0"});
+  WorkerProcess* small =
+      StartWorker({"--engine", "sim", "--sim-step-ms", "200", "--kv-cache-memory", "96KiB", "--watermark", "0"});
   WorkerProcess* big = StartSim(1);
   ASSERT_TRUE(small && big);
   const v1::LoadReport empty = GetLoad(small->stub());
@@ -352,9 +331,7 @@ TEST_F(RouterAdmissionTest, AWorkerWithNoFreeKvBlockIsRoutedAround) {
   const int block = GetModelInfo(small->stub()).block_size();
   ASSERT_GE(total, 2);
   ASSERT_GT(block, 0);
-  ASSERT_NE(StartRouter({.decode = {small->address(), big->address()},
-                         .health_interval_s = 0.1}),
-            nullptr);
+  ASSERT_NE(StartRouter({.decode = {small->address(), big->address()}, .health_interval_s = 0.1}), nullptr);
   // A request straight to the small worker fills all its blocks: the prompt
   // all but one, its first tokens the last.
   v1::GenerateRequest fill;
@@ -367,8 +344,7 @@ TEST_F(RouterAdmissionTest, AWorkerWithNoFreeKvBlockIsRoutedAround) {
   const v1::LoadReport last = WaitForLoad(
       small->stub(), [&](const v1::LoadReport& l) { return l.used_blocks() == total; }, &full,
       std::chrono::seconds(10));
-  ASSERT_TRUE(full) << "the small worker never reported every block in use: "
-                    << last.ShortDebugString();
+  ASSERT_TRUE(full) << "the small worker never reported every block in use: " << last.ShortDebugString();
   // The router hears of it at its next health check (every 0.1 s); round
   // robin would otherwise send every other request to the full worker,
   // where it would wait for blocks.
@@ -385,22 +361,19 @@ TEST_F(RouterAdmissionTest, AWorkerWithNoFreeKvBlockIsRoutedAround) {
 TEST_F(RouterAdmissionTest, ConnectionsBeyondTheCapAre503AndCounted) {
   WorkerProcess* w = StartSim(1);
   ASSERT_NE(w, nullptr);
-  ASSERT_NE(StartRouter({.decode = {w->address()}, .extra = "limits:\n  max_connections: 3\n"}),
-            nullptr);
+  ASSERT_NE(StartRouter({.decode = {w->address()}, .extra = "limits:\n  max_connections: 3\n"}), nullptr);
   std::vector<std::unique_ptr<IdleConnection>> idle;
   for (int i = 0; i < 3; ++i) {
     idle.push_back(std::make_unique<IdleConnection>(router()->url()));
     ASSERT_TRUE(idle.back()->connected());
   }
-  ASSERT_TRUE(WaitUntil([&] { return Get("/health").http.status == 503; },
-                        std::chrono::seconds(5)));
+  ASSERT_TRUE(WaitUntil([&] { return Get("/health").http.status == 503; }, std::chrono::seconds(5)));
   Reply refused = Post("/v1/completions", Completion("x", 2));
   EXPECT_EQ(refused.http.status, 503);
   EXPECT_EQ(refused.http.Header("retry-after"), "1");
   EXPECT_THAT(refused.http.body, HasSubstr("open connections"));
   idle.clear();
-  ASSERT_TRUE(WaitUntil([&] { return Get("/health").http.status == 200; },
-                        std::chrono::seconds(5)));
+  ASSERT_TRUE(WaitUntil([&] { return Get("/health").http.status == 200; }, std::chrono::seconds(5)));
   EXPECT_EQ(Post("/v1/completions", Completion("x", 2)).http.status, 200);
   EXPECT_GE(Metric("tandem_router_http_connections_refused_total").value_or(0), 2);
 }
@@ -479,9 +452,8 @@ TEST_F(RouterAdmissionTest, TandemUpApiKeyGuardsTheCluster) {
   const std::string dir = tmpl;
   std::unique_ptr<ChildProcess> up;
   absl::StatusOr<std::string> url =
-      StartTandem({"up", "--engine", "sim", "--aggregated", "1", "--port", "0", "--ready-file",
-                   dir + "/url", "--run-dir", dir + "/run", "--worker-threads", "1", "--api-key",
-                   "up-secret-5"},
+      StartTandem({"up", "--engine", "sim", "--aggregated", "1", "--port", "0", "--ready-file", dir + "/url",
+                   "--run-dir", dir + "/run", "--worker-threads", "1", "--api-key", "up-secret-5"},
                   dir + "/url", std::chrono::seconds(90), "tandem up", &up);
   ASSERT_TRUE(url.ok()) << url.status();
   json request = Completion("hi", 2);
@@ -509,8 +481,8 @@ TEST_F(RouterAdmissionTest, TandemUpTakesTheKeyFromTandemApiKey) {
   setenv("TANDEM_API_KEY", "env-secret-7", 1);
   std::unique_ptr<ChildProcess> up;
   absl::StatusOr<std::string> url =
-      StartTandem({"up", "--engine", "sim", "--aggregated", "1", "--port", "0", "--ready-file",
-                   dir + "/url", "--run-dir", dir + "/run", "--worker-threads", "1"},
+      StartTandem({"up", "--engine", "sim", "--aggregated", "1", "--port", "0", "--ready-file", dir + "/url",
+                   "--run-dir", dir + "/run", "--worker-threads", "1"},
                   dir + "/url", std::chrono::seconds(90), "tandem up", &up);
   unsetenv("TANDEM_API_KEY");
   ASSERT_TRUE(url.ok()) << url.status();

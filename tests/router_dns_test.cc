@@ -85,8 +85,7 @@ class DnsNamespace {
         absl::StrCat(kIp, " -n ", n->ns_, " link set ", ns_if, " up"),
     };
     for (int host : {kRouterHost, kWorkerHosts[0], kWorkerHosts[1], kWorkerHosts[2]}) {
-      cmds.push_back(
-          absl::StrCat(kIp, " -n ", n->ns_, " addr add ", n->Address(host), "/24 dev ", ns_if));
+      cmds.push_back(absl::StrCat(kIp, " -n ", n->ns_, " addr add ", n->Address(host), "/24 dev ", ns_if));
     }
     if (!RunCommands(cmds, why)) return nullptr;
     // The namespace's resolver asks the dnsmasq below, and only it.
@@ -124,9 +123,7 @@ class DnsNamespace {
   // Runs a process inside the namespace.
   LaunchOptions Launch() const { return LaunchOptions{.wrapper = {kIp, "netns", "exec", ns_}}; }
   std::string Address(int host) const { return absl::StrCat(prefix_, host); }
-  std::string WorkerAddress(int host) const {
-    return absl::StrCat(prefix_, host, ":", kWorkerPort);
-  }
+  std::string WorkerAddress(int host) const { return absl::StrCat(prefix_, host, ":", kWorkerPort); }
 
   // Starts dnsmasq with kName resolving to `hosts`; returns once it answers.
   ::testing::AssertionResult StartDns(const std::vector<int>& hosts) {
@@ -134,11 +131,11 @@ class DnsNamespace {
     // In the foreground, authoritative for tandem.test (so an AAAA query gets
     // NODATA, not REFUSED for want of an upstream), nothing cached: hosts
     // entries have TTL 0 and SIGHUP re-reads the file.
-    absl::StatusOr<ChildProcess> dnsmasq = ChildProcess::Spawn(
-        {kIp, "netns", "exec", ns_, kDnsmasq, "--keep-in-foreground", "--conf-file=/dev/null",
-         "--no-resolv", "--no-hosts", "--addn-hosts=" + hosts_file_, "--local=/tandem.test/",
-         "--listen-address=127.0.0.1", "--bind-interfaces", "--port=53", "--user=root",
-         "--local-ttl=0", "--pid-file=" + tmp_dir_ + "/dnsmasq.pid", "--log-facility=-"});
+    absl::StatusOr<ChildProcess> dnsmasq =
+        ChildProcess::Spawn({kIp, "netns", "exec", ns_, kDnsmasq, "--keep-in-foreground", "--conf-file=/dev/null",
+                             "--no-resolv", "--no-hosts", "--addn-hosts=" + hosts_file_, "--local=/tandem.test/",
+                             "--listen-address=127.0.0.1", "--bind-interfaces", "--port=53", "--user=root",
+                             "--local-ttl=0", "--pid-file=" + tmp_dir_ + "/dnsmasq.pid", "--log-facility=-"});
     if (!dnsmasq.ok()) return ::testing::AssertionFailure() << dnsmasq.status();
     dnsmasq_.emplace(*std::move(dnsmasq));
     return WaitForRecords(hosts);
@@ -169,9 +166,8 @@ class DnsNamespace {
       if (got == want) return ::testing::AssertionSuccess();
       std::this_thread::sleep_for(milliseconds(50));
     }
-    return ::testing::AssertionFailure()
-           << kName << " resolves to {" << absl::StrJoin(got, ", ") << "}, not {"
-           << absl::StrJoin(want, ", ") << "}";
+    return ::testing::AssertionFailure() << kName << " resolves to {" << absl::StrJoin(got, ", ") << "}, not {"
+                                         << absl::StrJoin(want, ", ") << "}";
   }
 
   bool WriteHosts(const std::vector<int>& hosts) const {
@@ -209,8 +205,7 @@ class DnsNamespace {
 
 nlohmann::json Chat(int i) {
   return {{"model", "tiny"},
-          {"messages", nlohmann::json::array(
-                           {{{"role", "user"}, {"content", absl::StrCat("Hello number ", i)}}})},
+          {"messages", nlohmann::json::array({{{"role", "user"}, {"content", absl::StrCat("Hello number ", i)}}})},
           {"max_tokens", 4}};
 }
 
@@ -274,18 +269,17 @@ TEST(RouterDnsTest, DecodePoolFollowsTheNamesRecords) {
   std::string why;
   std::unique_ptr<DnsNamespace> ns = DnsNamespace::Create(&why);
   if (ns == nullptr) GTEST_SKIP() << "cannot set up the network namespace: " << why;
-  const std::string w11 = ns->WorkerAddress(11), w12 = ns->WorkerAddress(12),
-                    w13 = ns->WorkerAddress(13);
+  const std::string w11 = ns->WorkerAddress(11), w12 = ns->WorkerAddress(12), w13 = ns->WorkerAddress(13);
   ASSERT_TRUE(ns->StartDns({11, 12}));
 
   // Three workers on one port, each at its own address; the third has no
   // record yet.
   std::map<std::string, std::unique_ptr<WorkerProcess>> workers;
   for (int host : kWorkerHosts) {
-    absl::StatusOr<std::unique_ptr<WorkerProcess>> w = WorkerProcess::Start(
-        {"--model", "builtin:tiny", "--kv-cache-memory", "8MiB", "--role", "both", "--host",
-         ns->Address(host), "--port", absl::StrCat(kWorkerPort)},
-        seconds(30), ns->Launch());
+    absl::StatusOr<std::unique_ptr<WorkerProcess>> w =
+        WorkerProcess::Start({"--model", "builtin:tiny", "--kv-cache-memory", "8MiB", "--role", "both", "--host",
+                              ns->Address(host), "--port", absl::StrCat(kWorkerPort)},
+                             seconds(30), ns->Launch());
     ASSERT_TRUE(w.ok()) << w.status();
     workers[(*w)->address()] = *std::move(w);
   }
@@ -293,15 +287,12 @@ TEST(RouterDnsTest, DecodePoolFollowsTheNamesRecords) {
 
   const std::string yaml = absl::StrCat(
       "listener:\n  host: ", ns->Address(kRouterHost), "\n  port: 0\n",
-      "model:\n  served_name: tiny\n  tokenizer: builtin\n",
-      "pools:\n  decode:\n    discovery: {dns: ", kName, ", port: ", kWorkerPort,
-      ", interval_s: 1}\n    policy:\n      name: round_robin\n",
-      "disaggregation:\n  mode: never\n",
-      "health:\n  interval_s: 0.5\n  timeout_s: 0.5\n", "tls:\n  mode: insecure\n",
+      "model:\n  served_name: tiny\n  tokenizer: builtin\n", "pools:\n  decode:\n    discovery: {dns: ", kName,
+      ", port: ", kWorkerPort, ", interval_s: 1}\n    policy:\n      name: round_robin\n",
+      "disaggregation:\n  mode: never\n", "health:\n  interval_s: 0.5\n  timeout_s: 0.5\n", "tls:\n  mode: insecure\n",
       // The x-tandem-decode-worker header says where each request went.
       "debug:\n  worker_details: true\n");
-  absl::StatusOr<std::unique_ptr<RouterProcess>> router =
-      RouterProcess::Start(yaml, seconds(30), ns->Launch());
+  absl::StatusOr<std::unique_ptr<RouterProcess>> router = RouterProcess::Start(yaml, seconds(30), ns->Launch());
   ASSERT_TRUE(router.ok()) << router.status() << "\n" << yaml;
   const std::string url = (*router)->url();
   auto healthy_on_metrics = [&](const std::set<std::string>& want) {
@@ -314,7 +305,11 @@ TEST(RouterDnsTest, DecodePoolFollowsTheNamesRecords) {
   };
 
   // Two records: both their workers serve, the third gets nothing.
-  ASSERT_TRUE(WaitUntil([&] { return healthy_on_metrics({w11, w12}); }, seconds(30), kPoll))
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        return healthy_on_metrics({w11, w12});
+      },
+      seconds(30), kPoll))
       << "decode workers on /metrics: " << Describe(DecodeWorkersOnMetrics(url));
   EXPECT_EQ(AsSet(Round(url, 8)), std::set<std::string>({w11, w12}));
   EXPECT_EQ(FinishedRequests(*workers[w13]), 0);
@@ -333,13 +328,16 @@ TEST(RouterDnsTest, DecodePoolFollowsTheNamesRecords) {
   // so a round of 4 without it means it has left the pool.
   ASSERT_TRUE(ns->SetRecords({12, 13}));
   EXPECT_TRUE(WaitUntil([&] { return AsSet(Round(url, 4)).count(w11) == 0; }, kFollowTimeout, kPoll))
-      << w11 << " still gets requests " << kFollowTimeout.count()
-      << " s after its record was removed";
+      << w11 << " still gets requests " << kFollowTimeout.count() << " s after its record was removed";
   const int64_t w11_finished = FinishedRequests(*workers[w11]);
   EXPECT_EQ(AsSet(Round(url, 8)), std::set<std::string>({w12, w13}));
   EXPECT_EQ(FinishedRequests(*workers[w11]), w11_finished);
   EXPECT_FALSE(workers[w11]->Wait(milliseconds(0)).ok()) << w11 << " should still be running";
-  EXPECT_TRUE(WaitUntil([&] { return healthy_on_metrics({w12, w13}); }, kFollowTimeout, kPoll))
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        return healthy_on_metrics({w12, w13});
+      },
+      kFollowTimeout, kPoll))
       << "decode workers on /metrics: " << Describe(DecodeWorkersOnMetrics(url));
 
   // Every record is removed (no ready pods): the name no longer exists, the
@@ -348,17 +346,16 @@ TEST(RouterDnsTest, DecodePoolFollowsTheNamesRecords) {
   ASSERT_TRUE(ns->SetRecords({}));
   EXPECT_TRUE(WaitUntil([&] { return HttpGet(url, "/health").status == 503; }, kFollowTimeout, kPoll))
       << "/health still ready " << kFollowTimeout.count() << " s after the name lost every record";
-  const HttpResponse none = HttpPost(
-      url, "/v1/chat/completions",
-      R"({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})");
+  const HttpResponse none =
+      HttpPost(url, "/v1/chat/completions",
+               R"({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})");
   EXPECT_EQ(none.status, 503) << none.body;
   ASSERT_TRUE(ns->SetRecords({13}));
   EXPECT_TRUE(WaitUntil([&] { return HttpGet(url, "/health").status == 200; }, kFollowTimeout, kPoll));
   EXPECT_EQ(AsSet(Round(url, 3)), std::set<std::string>({w13}));
   // Lookups are counted; none failed (a missing name is an answer).
   const std::string metrics = HttpGet(url, "/metrics").body;
-  EXPECT_NE(metrics.find("tandem_router_dns_lookups_total{result=\"failed\"} 0\n"), std::string::npos)
-      << metrics;
+  EXPECT_NE(metrics.find("tandem_router_dns_lookups_total{result=\"failed\"} 0\n"), std::string::npos) << metrics;
 
   // The router stops first and cleanly, then the workers, then the namespace.
   const int status = (*router)->Stop();

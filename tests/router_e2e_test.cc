@@ -104,7 +104,8 @@ TEST_F(RouterE2eTest, ChatMatchesTheWorkersOwnGreedyOutput) {
   ASSERT_EQ(text.http.status, 200);
   // The chat text skips special tokens (an EOS at the end).
   std::vector<int> plain;
-  for (int t : direct.tokens) if (t < 256) plain.push_back(t);
+  for (int t : direct.tokens)
+    if (t < 256) plain.push_back(t);
   Reply plain_text = Post("/detokenize", {{"tokens", plain}});
   EXPECT_EQ(choice["message"]["content"], plain_text.json["prompt"]);
   EXPECT_EQ(r.json["usage"]["completion_tokens"], static_cast<int>(direct.tokens.size()));
@@ -121,18 +122,16 @@ TEST_F(RouterE2eTest, CompletionsTextIdsEchoAndLogprobs) {
   EXPECT_EQ(a.json["object"], "text_completion");
   EXPECT_EQ(a.json["usage"]["prompt_tokens"], 5);  // the built-in tokenizer: one id per byte
   // Token ids give the same output as the text they encode.
-  Reply b = Post("/v1/completions", Completion(json::array({72, 101, 108, 108, 111}), 8,
-                                               {{"temperature", 0}}));
+  Reply b = Post("/v1/completions", Completion(json::array({72, 101, 108, 108, 111}), 8, {{"temperature", 0}}));
   ASSERT_EQ(b.http.status, 200) << b.http.body;
   EXPECT_EQ(a.json["choices"][0]["text"], b.json["choices"][0]["text"]);
   // echo prepends the prompt.
   Reply e = Post("/v1/completions", Completion("Hello", 8, {{"temperature", 0}, {"echo", true}}));
   ASSERT_EQ(e.http.status, 200);
-  EXPECT_EQ(e.json["choices"][0]["text"].get<std::string>(),
-            "Hello" + a.json["choices"][0]["text"].get<std::string>());
+  EXPECT_EQ(e.json["choices"][0]["text"].get<std::string>(), "Hello" + a.json["choices"][0]["text"].get<std::string>());
   // logprobs: one entry per token, top alternatives, token_id:N when asked.
-  Reply l = Post("/v1/completions", Completion("Hello", 6, {{"temperature", 0}, {"logprobs", 3},
-                                                            {"return_tokens_as_token_ids", true}}));
+  Reply l = Post("/v1/completions",
+                 Completion("Hello", 6, {{"temperature", 0}, {"logprobs", 3}, {"return_tokens_as_token_ids", true}}));
   ASSERT_EQ(l.http.status, 200) << l.http.body;
   const json& lp = l.json["choices"][0]["logprobs"];
   ASSERT_EQ(lp["tokens"].size(), 6u);
@@ -164,8 +163,7 @@ TEST_F(RouterE2eTest, StreamingEqualsWholeResponses) {
   // (The second request may find the prompt cached: cached_tokens differ.)
   EXPECT_EQ(usage["usage"]["prompt_tokens"], whole.json["usage"]["prompt_tokens"]);
   EXPECT_EQ(usage["usage"]["completion_tokens"], whole.json["usage"]["completion_tokens"]);
-  EXPECT_EQ(s.events[s.events.size() - 2]["choices"][0]["finish_reason"],
-            whole.json["choices"][0]["finish_reason"]);
+  EXPECT_EQ(s.events[s.events.size() - 2]["choices"][0]["finish_reason"], whole.json["choices"][0]["finish_reason"]);
 
   // Completions stream the same way; n = 2 streams two choices.
   Reply c = Post("/v1/completions", Completion("abc", 10, {{"stream", true}, {"n", 2}, {"seed", 3}}));
@@ -183,10 +181,8 @@ TEST_F(RouterE2eTest, DisaggregatedMatchesAggregated) {
   auto aggregated = RouterProcess::Start(RouterYaml{.decode = {both->address()}}.Text());
   ASSERT_TRUE(aggregated.ok()) << aggregated.status();
   ASSERT_TRUE(WaitHealthy((*aggregated)->url(), std::chrono::seconds(30)));
-  ASSERT_NE(StartRouter({.prefill = {prefill->address()}, .decode = {decode->address()}, .mode = "always"}),
-            nullptr);
-  const std::vector<std::string> prompts = {"The quick brown fox", std::string(300, 'x') + " long one",
-                                            "Short"};
+  ASSERT_NE(StartRouter({.prefill = {prefill->address()}, .decode = {decode->address()}, .mode = "always"}), nullptr);
+  const std::vector<std::string> prompts = {"The quick brown fox", std::string(300, 'x') + " long one", "Short"};
   for (const std::string& p : prompts) {
     for (const json& opts : {json{{"temperature", 0}}, json{{"temperature", 0.8}, {"seed", 11}}}) {
       const json body = Chat(p, 20, opts);
@@ -208,7 +204,8 @@ TEST_F(RouterE2eTest, DisaggregatedMatchesAggregated) {
   EXPECT_EQ(ParseStream(streamed.http.body, true).text, whole.json["choices"][0]["message"]["content"]);
   // The decode worker pulled KV for the split requests.
   bool ok = false;
-  v1::LoadReport load = WaitForLoad(decode->stub(), [](const v1::LoadReport& l) { return l.kv_pulls() > 0; }, &ok);
+  v1::LoadReport load = WaitForLoad(
+      decode->stub(), [](const v1::LoadReport& l) { return l.kv_pulls() > 0; }, &ok);
   EXPECT_TRUE(ok) << load.DebugString();
   Reply metrics = Get("/metrics");
   EXPECT_THAT(metrics.http.body, HasSubstr("tandem_router_time_to_first_token_seconds_bucket{mode=\"disaggregated\""));
@@ -227,7 +224,8 @@ TEST_F(RouterE2eTest, StopStringsCutTheTextAndStopTheWorker) {
   size_t at = std::string::npos;
   for (size_t i = 8; i + 2 < text.size(); ++i) {
     bool ascii = true;
-    for (size_t k = 0; k < 2; ++k) ascii = ascii && static_cast<unsigned char>(text[i + k]) < 0x80 && text[i + k] >= 0x20;
+    for (size_t k = 0; k < 2; ++k)
+      ascii = ascii && static_cast<unsigned char>(text[i + k]) < 0x80 && text[i + k] >= 0x20;
     if (ascii && text.find(text.substr(i, 2)) == i) {
       at = i;
       break;
@@ -237,7 +235,8 @@ TEST_F(RouterE2eTest, StopStringsCutTheTextAndStopTheWorker) {
   const std::string stop = text.substr(at, 2);
   for (bool stream : {false, true}) {
     Reply r = Post("/v1/completions", Completion("Once upon a time", 64,
-                                                 {{"temperature", 0}, {"ignore_eos", true},
+                                                 {{"temperature", 0},
+                                                  {"ignore_eos", true},
                                                   {"stop", json::array({"@@never@@", stop})},
                                                   {"stream", stream}}));
     ASSERT_EQ(r.http.status, 200) << r.http.body;
@@ -259,8 +258,7 @@ TEST_F(RouterE2eTest, BadInputsGetOpenAiErrors) {
   WorkerProcess* w = StartBoth();
   ASSERT_NE(w, nullptr);
   ASSERT_NE(StartRouter({.decode = {w->address()}, .extra = "limits:\n  max_body_bytes: 65536\n"}), nullptr);
-  auto expect = [&](const std::string& target, const std::string& body, int status,
-                    const std::string& param) {
+  auto expect = [&](const std::string& target, const std::string& body, int status, const std::string& param) {
     HttpResponse r = HttpPost(router()->url(), target, body);
     EXPECT_EQ(r.status, status) << body.substr(0, 80) << " -> " << r.body;
     json e = json::parse(r.body, nullptr, false);
@@ -302,15 +300,14 @@ TEST_F(RouterE2eTest, NoHealthyWorkerIs503) {
 TEST_F(RouterE2eTest, OverloadIs429WithRetryAfter) {
   WorkerProcess* w = StartBoth();
   ASSERT_NE(w, nullptr);
-  ASSERT_NE(StartRouter({.decode = {w->address()},
-                         .extra = "limits:\n  max_in_flight: 1\n  max_queue: 0\n"}),
-            nullptr);
+  ASSERT_NE(StartRouter({.decode = {w->address()}, .extra = "limits:\n  max_in_flight: 1\n  max_queue: 0\n"}), nullptr);
   std::thread long_one([&] {
     HttpPost(router()->url(), "/v1/completions",
              Completion("long", 400, {{"ignore_eos", true}, {"stream", true}}).dump());
   });
   bool ok = false;
-  WaitForLoad(w->stub(), [](const v1::LoadReport& l) { return l.running_sequences() == 1; }, &ok);
+  WaitForLoad(
+      w->stub(), [](const v1::LoadReport& l) { return l.running_sequences() == 1; }, &ok);
   ASSERT_TRUE(ok);
   Reply r = Post("/v1/completions", Completion("second", 4));
   EXPECT_EQ(r.http.status, 429) << r.http.body;
@@ -330,13 +327,14 @@ TEST_F(RouterE2eTest, ClientThatHangsUpCancelsItsWork) {
     // Streaming: hang up after the first bytes; whole: while it runs.
     std::thread client([&] {
       PostAndHangUp(router()->url(), "/v1/completions",
-                    Completion("forever", 1500, {{"ignore_eos", true}, {"stream", stream}}).dump(),
-                    stream ? 200 : 0, std::chrono::milliseconds(stream ? 0 : 300));
+                    Completion("forever", 1500, {{"ignore_eos", true}, {"stream", stream}}).dump(), stream ? 200 : 0,
+                    std::chrono::milliseconds(stream ? 0 : 300));
     });
     if (!stream) {
       // (A streaming client that read its first bytes saw the request run.)
       bool ok = false;
-      WaitForLoad(w->stub(), [](const v1::LoadReport& l) { return l.running_sequences() == 1; }, &ok);
+      WaitForLoad(
+          w->stub(), [](const v1::LoadReport& l) { return l.running_sequences() == 1; }, &ok);
       EXPECT_TRUE(ok) << "the request never ran";
     }
     client.join();
@@ -344,9 +342,8 @@ TEST_F(RouterE2eTest, ClientThatHangsUpCancelsItsWork) {
                std::chrono::seconds(3));
   }
   Reply metrics = Get("/metrics");
-  EXPECT_THAT(metrics.http.body,
-              HasSubstr(absl::StrCat("tandem_router_worker_outcomes_total{worker=\"", w->address(),
-                                     "\",outcome=\"cancelled\"} 2")));
+  EXPECT_THAT(metrics.http.body, HasSubstr(absl::StrCat("tandem_router_worker_outcomes_total{worker=\"", w->address(),
+                                                        "\",outcome=\"cancelled\"} 2")));
 }
 
 TEST_F(RouterE2eTest, WithoutFailoverAKilledWorkerFailsItsStreamsCleanlyAndServiceContinues) {
@@ -355,19 +352,17 @@ TEST_F(RouterE2eTest, WithoutFailoverAKilledWorkerFailsItsStreamsCleanlyAndServi
   ASSERT_TRUE(a && b);
   // (With failovers, the default, its streams continue on b:
   // router_failover_test.)
-  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()},
-                         .extra = "retries:\n  max_failovers: 0\n"}),
-            nullptr);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .extra = "retries:\n  max_failovers: 0\n"}), nullptr);
   std::vector<std::thread> threads;
   std::vector<Reply> replies(4);
   for (int i = 0; i < 4; ++i) {
     threads.emplace_back([&, i] {
-      replies[i] = Post("/v1/completions",
-                        Completion("victim", 2000, {{"ignore_eos", true}, {"stream", true}}));
+      replies[i] = Post("/v1/completions", Completion("victim", 2000, {{"ignore_eos", true}, {"stream", true}}));
     });
   }
   bool ok = false;
-  WaitForLoad(a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 1; }, &ok);
+  WaitForLoad(
+      a->stub(), [](const v1::LoadReport& l) { return l.running_sequences() >= 1; }, &ok);
   ASSERT_TRUE(ok);
   Kill(a);
   for (auto& t : threads) t.join();
@@ -400,10 +395,9 @@ TEST_F(RouterE2eTest, FirstTokenTimeoutIs504AndCancelsTheWork) {
   WorkerProcess* w = StartBoth();
   ASSERT_NE(w, nullptr);
   // Rare health checks: the hung worker stays routable.
-  ASSERT_NE(StartRouter({.decode = {w->address()},
-                         .extra = "timeouts:\n  first_token_s: 0.5\n",
-                         .health_interval_s = 30}),
-            nullptr);
+  ASSERT_NE(
+      StartRouter({.decode = {w->address()}, .extra = "timeouts:\n  first_token_s: 0.5\n", .health_interval_s = 30}),
+      nullptr);
   {
     PausedWorker paused(w);
     for (bool stream : {false, true}) {
@@ -421,9 +415,9 @@ TEST_F(RouterE2eTest, FirstTokenTimeoutIs504AndCancelsTheWork) {
   // the next request is served.
   ExpectIdle(w->stub(), "after the timeouts");
   EXPECT_EQ(Post("/v1/chat/completions", Chat("Now?", 4)).http.status, 200);
-  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_outcomes_total{worker=\"", w->address(),
-                                "\",outcome=\"timeout\"}")),
-            2);
+  EXPECT_EQ(
+      Metric(absl::StrCat("tandem_router_worker_outcomes_total{worker=\"", w->address(), "\",outcome=\"timeout\"}")),
+      2);
 }
 
 TEST_F(RouterE2eTest, IdleStreamTimeoutEndsTheStreamWithAnError) {
@@ -439,8 +433,7 @@ TEST_F(RouterE2eTest, IdleStreamTimeoutEndsTheStreamWithAnError) {
             nullptr);
   const auto start = std::chrono::steady_clock::now();
   Reply r = Post("/v1/completions",
-                 Completion(json(MakePrompt(7, 64)), 16,
-                            {{"stream", true}, {"ignore_eos", true}, {"temperature", 0}}));
+                 Completion(json(MakePrompt(7, 64)), 16, {{"stream", true}, {"ignore_eos", true}, {"temperature", 0}}));
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_EQ(r.http.status, 200) << r.http.body;
   const Stream s = ParseStream(r.http.body, /*chat=*/false);
@@ -469,19 +462,17 @@ TEST_F(RouterE2eTest, RequestsToADeadWorkerAreRetriedOnAnother) {
   }
   // One retry: the failure ejected the worker at once.
   EXPECT_EQ(Metric("tandem_router_retries_total"), 1);
-  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"",
-                                a->address(), "\"}")),
-            0);
+  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"", a->address(), "\"}")), 0);
 }
 
 TEST_F(RouterE2eTest, WithoutRetriesTheDeadWorkersRequestFails) {
   WorkerProcess* a = StartBoth();
   WorkerProcess* b = StartBoth();
   ASSERT_TRUE(a && b);
-  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()},
-                         .extra = "retries:\n  max_attempts: 1\n",
-                         .health_interval_s = 30}),
-            nullptr);
+  ASSERT_NE(
+      StartRouter(
+          {.decode = {a->address(), b->address()}, .extra = "retries:\n  max_attempts: 1\n", .health_interval_s = 30}),
+      nullptr);
   Kill(a);
   std::map<int, int> statuses;
   for (int i = 0; i < 6; ++i) {
@@ -636,11 +627,9 @@ TEST_F(RouterE2eTest, AWorkerThatDoesNotFitTheClusterIsRefusedLoudly) {
   ASSERT_EQ(decode["incompatible"].size(), 1u) << decode;
   EXPECT_EQ(decode["incompatible"][0]["worker"], odd->address());
   EXPECT_EQ(decode["incompatible"][0]["why"], "block_size 32, the cluster's 16");
-  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_incompatible{pool=\"decode\",worker=\"",
-                                odd->address(), "\"}")),
+  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_incompatible{pool=\"decode\",worker=\"", odd->address(), "\"}")),
             1);
-  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_incompatible{pool=\"decode\",worker=\"",
-                                a->address(), "\"}")),
+  EXPECT_EQ(Metric(absl::StrCat("tandem_router_worker_incompatible{pool=\"decode\",worker=\"", a->address(), "\"}")),
             0);
   std::set<std::string> served;
   for (int i = 0; i < 6; ++i) {
@@ -714,8 +703,7 @@ TEST_F(RouterE2eTest, XTandemExplainSaysWhyTheRequestWentWhereItDid) {
       [&] {
         second = Post("/v1/completions", Completion(prompt, 2), explain);
         route = json::parse(second.http.Header("x-tandem-route"), nullptr, false);
-        return second.http.status == 200 && route.is_array() && !route.empty() &&
-               route[0]["chosen"] == winner;
+        return second.http.status == 200 && route.is_array() && !route.empty() && route[0]["chosen"] == winner;
       },
       std::chrono::seconds(10), std::chrono::milliseconds(100)))
       << second.http.body << " " << second.http.Header("x-tandem-route");

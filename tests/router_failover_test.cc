@@ -41,15 +41,13 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-double SecondsSince(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
+double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // One streamed completion as the client saw it.
 struct StreamResult {
   int status = 0;
-  bool done = false;        // [DONE] came
-  bool error = false;       // an error event came
+  bool done = false;   // [DONE] came
+  bool error = false;  // an error event came
   std::vector<int32_t> ids;
   std::vector<double> logprobs;
   std::string finish;
@@ -83,8 +81,7 @@ json StreamBody(const std::vector<int32_t>& prompt, int max_tokens, int seed) {
 StreamResult RunStream(const std::string& url, const json& body) {
   StreamResult r;
   const Clock::time_point start = Clock::now();
-  const HttpResponse http =
-      HttpCall(url, "POST", "/v1/completions", body.dump(), {}, std::chrono::seconds(120));
+  const HttpResponse http = HttpCall(url, "POST", "/v1/completions", body.dump(), {}, std::chrono::seconds(120));
   r.seconds = SecondsSince(start);
   r.status = http.status;
   r.body = http.body.substr(0, 2000);
@@ -147,8 +144,7 @@ void ExpectSameTokens(const StreamResult& got, const StreamResult& want, const s
 // early still joins. REQUIRES: `bodies` outlives the object.
 class StreamsInFlight {
  public:
-  StreamsInFlight(const std::string& url, const std::vector<json>& bodies)
-      : results_(bodies.size()) {
+  StreamsInFlight(const std::string& url, const std::vector<json>& bodies) : results_(bodies.size()) {
     for (size_t i = 0; i < bodies.size(); ++i) {
       threads_.emplace_back([this, url, &bodies, i] { results_[i] = RunStream(url, bodies[i]); });
     }
@@ -174,16 +170,15 @@ std::vector<StreamResult> RunStreams(const std::string& url, const std::vector<j
 // True once `worker` runs at least `n` sequences, false after `timeout`.
 bool RunsAtLeast(WorkerProcess& worker, int n, std::chrono::seconds timeout) {
   bool ok = false;
-  WaitForLoad(worker.stub(), [n](const v1::LoadReport& l) { return l.running_sequences() >= n; },
-              &ok, timeout);
+  WaitForLoad(
+      worker.stub(), [n](const v1::LoadReport& l) { return l.running_sequences() >= n; }, &ok, timeout);
   return ok;
 }
 
 class RouterFailoverTest : public RouterTest {
  protected:
   std::string Healthy(const std::string& pool, const std::string& address) {
-    return absl::StrCat("tandem_router_worker_healthy{pool=\"", pool, "\",worker=\"", address,
-                        "\"}");
+    return absl::StrCat("tandem_router_worker_healthy{pool=\"", pool, "\",worker=\"", address, "\"}");
   }
   double Failovers() {
     return Metric("tandem_router_failovers_total{reason=\"error\"}").value_or(0) +
@@ -215,8 +210,7 @@ TEST_F(RouterFailoverTest, FrozenWorkersRequestsMoveToTheHealthyOneWithinTheAtte
   std::vector<json> bodies;
   for (int i = 0; i < 6; ++i) bodies.push_back(StreamBody(MakePrompt(50 + i, 40), kLong, 100 + i));
   for (int i = 0; i < 24; ++i) {
-    ExpectComplete(RunStream(router()->url(), StreamBody(MakePrompt(i, 20), 4, 1 + i)), 4,
-                   "warm-up");
+    ExpectComplete(RunStream(router()->url(), StreamBody(MakePrompt(i, 20), 4, 1 + i)), 4, "warm-up");
   }
   const std::vector<StreamResult> reference = RunStreams(router()->url(), bodies);
   for (const StreamResult& r : reference) ExpectComplete(r, kLong, "reference");
@@ -282,8 +276,8 @@ TEST_F(RouterFailoverTest, KeepaliveEjectsAFrozenWorkerWithoutHealthChecksOrDead
   {
     PausedWorker paused(a);
     const Clock::time_point frozen = Clock::now();
-    EXPECT_TRUE(WaitForMetric(Healthy("decode", a->address()), [](double v) { return v == 0; },
-                              seconds(20)));
+    EXPECT_TRUE(WaitForMetric(
+        Healthy("decode", a->address()), [](double v) { return v == 0; }, seconds(20)));
     ejected_after = SecondsSince(frozen);
     streams.Join();
   }
@@ -300,8 +294,7 @@ TEST_F(RouterFailoverTest, KeepaliveEjectsAFrozenWorkerWithoutHealthChecksOrDead
 // ---------------------------------------------------------------------------
 // (b) A decode worker killed mid-stream, on the real engine.
 
-class KilledMidStreamTest : public RouterFailoverTest,
-                            public ::testing::WithParamInterface<bool> {};
+class KilledMidStreamTest : public RouterFailoverTest, public ::testing::WithParamInterface<bool> {};
 
 TEST_P(KilledMidStreamTest, StreamsContinueOnTheOtherWorkerWithTheSameTokens) {
   const bool split = GetParam();
@@ -331,9 +324,9 @@ TEST_P(KilledMidStreamTest, StreamsContinueOnTheOtherWorkerWithTheSameTokens) {
   const std::vector<StreamResult>& streamed = streams.Join();
   int on_a = 0;
   for (size_t i = 0; i < streamed.size(); ++i) {
-    const std::string what = absl::StrCat(split ? "split" : "aggregated", " stream ", i,
-                                          i % 2 == 0 ? " (greedy)" : " (seeded)", ", first on ",
-                                          streamed[i].decode_worker);
+    const std::string what =
+        absl::StrCat(split ? "split" : "aggregated", " stream ", i, i % 2 == 0 ? " (greedy)" : " (seeded)",
+                     ", first on ", streamed[i].decode_worker);
     ExpectComplete(streamed[i], kTokens, what);
     ExpectSameTokens(streamed[i], reference[i], what);
     if (streamed[i].decode_worker == a->address()) ++on_a;
@@ -366,7 +359,9 @@ TEST_F(RouterFailoverTest, FaultRunUnderSteadyStreamingLoadLosesNothing) {
                          .mode = "always",
                          .policy = "least_request",
                          .extra = absl::StrCat("timeouts:\n  first_token_s: 30\n  idle_stream_s: 30\n"
-                                               "  request_s: ", kRequestS, "\n"
+                                               "  request_s: ",
+                                               kRequestS,
+                                               "\n"
                                                "retries:\n  auto_floor_s: 1\n  max_failovers: 5\n"
                                                "  max_attempts: 5\n")}),
             nullptr);
@@ -389,8 +384,8 @@ TEST_F(RouterFailoverTest, FaultRunUnderSteadyStreamingLoadLosesNothing) {
     });
   }
   auto wait_healthy = [&](const std::string& pool, WorkerProcess* w) {
-    EXPECT_TRUE(WaitForMetric(Healthy(pool, w->address()), [](double v) { return v == 1; },
-                              seconds(30)))
+    EXPECT_TRUE(WaitForMetric(
+        Healthy(pool, w->address()), [](double v) { return v == 1; }, seconds(30)))
         << pool << " worker " << w->address() << " was not readmitted";
   };
   std::this_thread::sleep_for(seconds(2));
@@ -433,8 +428,8 @@ TEST_F(RouterFailoverTest, FaultRunUnderSteadyStreamingLoadLosesNothing) {
   }
   EXPECT_EQ(failed, 0) << "of " << results.size();
   const double retries = Metric("tandem_router_retries_total").value_or(0);
-  std::printf("fault run: %zu requests, %d failed, %g failovers, %g retries (pauses of %g s)\n",
-              results.size(), failed, Failovers(), retries, pause_s);
+  std::printf("fault run: %zu requests, %d failed, %g failovers, %g retries (pauses of %g s)\n", results.size(), failed,
+              Failovers(), retries, pause_s);
   EXPECT_GE(Failovers() + retries, 1);
   // The simulated tokens follow from the seed: every stream, moved or not,
   // carries exactly those of an undisturbed run.

@@ -49,20 +49,19 @@ std::string InFlight(const WorkerProcess* w) {
   return absl::StrCat("tandem_router_worker_in_flight{pool=\"decode\",worker=\"", w->address(), "\"}");
 }
 std::string Routed(const std::string& policy, const WorkerProcess* w) {
-  return absl::StrCat("tandem_router_routed_total{pool=\"decode\",policy=\"", policy, "\",worker=\"",
-                      w->address(), "\"}");
+  return absl::StrCat("tandem_router_routed_total{pool=\"decode\",policy=\"", policy, "\",worker=\"", w->address(),
+                      "\"}");
 }
 std::string PolicyEvent(const std::string& policy, const std::string& event) {
-  return absl::StrCat("tandem_router_policy_events_total{pool=\"decode\",policy=\"", policy,
-                      "\",event=\"", event, "\"}");
+  return absl::StrCat("tandem_router_policy_events_total{pool=\"decode\",policy=\"", policy, "\",event=\"", event,
+                      "\"}");
 }
 
 class RouterPolicyTest : public RouterTest {
  protected:
   // `n` aggregated workers behind a router with `policy` on the decode pool.
   // Health checks are rare (30 s) so a paused worker stays routable.
-  std::vector<WorkerProcess*> StartCluster(int n, const std::string& policy,
-                                           const std::string& params = "",
+  std::vector<WorkerProcess*> StartCluster(int n, const std::string& policy, const std::string& params = "",
                                            const std::string& extra = "",
                                            const std::vector<std::string>& worker_args = {}) {
     std::vector<WorkerProcess*> workers;
@@ -76,8 +75,8 @@ class RouterPolicyTest : public RouterTest {
     if (StartRouter(y) == nullptr) return {};
     for (WorkerProcess* w : workers) {
       // /health needs one healthy worker; every one must be before routing.
-      const std::string healthy = absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"",
-                                               w->address(), "\"}");
+      const std::string healthy =
+          absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"", w->address(), "\"}");
       if (!WaitForMetric(healthy, [](double v) { return v == 1; })) {
         ADD_FAILURE() << w->address() << " never became healthy";
         return {};
@@ -110,7 +109,7 @@ class RouterPolicyTest : public RouterTest {
   }
 
   void ExpectABackloggedHolderLosesToAnIdleWorker(const std::string& params,
-                                                   const std::vector<std::string>& worker_args);
+                                                  const std::vector<std::string>& worker_args);
 
   // The two workers of `w` after a 128-token document of `group` was read
   // once: the one that holds it (in the router's KV index) and the other.
@@ -126,8 +125,7 @@ class RouterPolicyTest : public RouterTest {
       return {};
     }
     WorkerProcess* holder = DecodeWorker(first.http) == w[0]->address() ? w[0] : w[1];
-    if (!WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}",
-                       [](double v) { return v >= 8; })) {
+    if (!WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}", [](double v) { return v >= 8; })) {
       ADD_FAILURE() << "the document's 8 blocks never reached the router's index";
       return {};
     }
@@ -200,17 +198,16 @@ TEST_F(RouterPolicyTest, RandomIsSeededAndCoversEveryWorker) {
   for (WorkerProcess* x : w) y.decode.push_back(x->address());
   ASSERT_NE(StartRouter(y), nullptr);
   for (WorkerProcess* x : w) {
-    ASSERT_TRUE(WaitForMetric(absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"",
-                                           x->address(), "\"}"),
-                              [](double v) { return v == 1; }));
+    ASSERT_TRUE(
+        WaitForMetric(absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"", x->address(), "\"}"),
+                      [](double v) { return v == 1; }));
   }
   EXPECT_EQ(sequence(), first);
 }
 
 // least_request and power_of_two (with two workers both candidates are
 // always compared) steer around a hung worker once it holds one request.
-class LoadAwarePolicyTest : public RouterPolicyTest,
-                            public ::testing::WithParamInterface<std::string> {};
+class LoadAwarePolicyTest : public RouterPolicyTest, public ::testing::WithParamInterface<std::string> {};
 
 TEST_P(LoadAwarePolicyTest, AvoidsTheWorkerWithRequestsInFlight) {
   std::vector<WorkerProcess*> w = StartCluster(2, GetParam());
@@ -240,13 +237,11 @@ TEST_P(LoadAwarePolicyTest, AvoidsTheWorkerWithRequestsInFlight) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, LoadAwarePolicyTest,
-                         ::testing::Values("least_request", "power_of_two"));
+INSTANTIATE_TEST_SUITE_P(Policies, LoadAwarePolicyTest, ::testing::Values("least_request", "power_of_two"));
 
 TEST_F(RouterPolicyTest, StickySessionPinsSessionsAndRepinsWhenTheirWorkerDies) {
   // The session header is configurable.
-  std::vector<WorkerProcess*> w =
-      StartCluster(3, "sticky_session", "", "sessions:\n  header: X-Conversation\n");
+  std::vector<WorkerProcess*> w = StartCluster(3, "sticky_session", "", "sessions:\n  header: X-Conversation\n");
   ASSERT_EQ(w.size(), 3u);
   std::map<std::string, std::set<std::string>> by_session;
   for (int round = 0; round < 3; ++round) {
@@ -304,8 +299,7 @@ TEST_F(RouterPolicyTest, StickySessionPinsSessionsAndRepinsWhenTheirWorkerDies) 
   changed.extra += "timeouts:\n  first_token_s: 30\n";
   router()->Rewrite(changed.Text());
   router()->Signal(SIGHUP);
-  ASSERT_TRUE(WaitForMetric("tandem_router_config_reloads_total{result=\"ok\"}",
-                            [](double v) { return v == 1; }));
+  ASSERT_TRUE(WaitForMetric("tandem_router_config_reloads_total{result=\"ok\"}", [](double v) { return v == 1; }));
   for (int s = 0; s < 6; ++s) {
     Reply r = Post("/v1/completions", Completion("turn"), {{"X-Conversation", absl::StrCat("s", s)}});
     ASSERT_EQ(r.http.status, 200) << r.http.body;
@@ -368,27 +362,24 @@ class KvCacheAwareTest : public RouterPolicyTest, public ::testing::WithParamInt
 TEST_P(KvCacheAwareTest, SendsASharedPrefixToTheWorkerHoldingIt) {
   const bool events = GetParam();
   std::vector<WorkerProcess*> w =
-      StartCluster(3, "kv_cache_aware", "",
-                   absl::StrCat("kv_events:\n  enabled: ", events ? "true" : "false", "\n"));
+      StartCluster(3, "kv_cache_aware", "", absl::StrCat("kv_events:\n  enabled: ", events ? "true" : "false", "\n"));
   ASSERT_EQ(w.size(), 3u);
-  ASSERT_TRUE(WaitForMetric(absl::StrCat("tandem_router_kv_index_workers{pool=\"decode\",mode=\"",
-                                         events ? "exact" : "approximate", "\"}"),
-                            [](double v) { return v == 3; }));
+  ASSERT_TRUE(WaitForMetric(
+      absl::StrCat("tandem_router_kv_index_workers{pool=\"decode\",mode=\"", events ? "exact" : "approximate", "\"}"),
+      [](double v) { return v == 3; }));
 
   // A 256-token document (16 blocks) is read once...
   Reply first = Post("/v1/completions", Completion(PromptIds(1, 256, 0)));
   ASSERT_EQ(first.http.status, 200) << first.http.body;
   const std::string holder = DecodeWorker(first.http);
-  ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}",
-                            [](double v) { return v >= 16; }));
+  ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}", [](double v) { return v >= 16; }));
   // ...then every question about it goes to the worker that holds it, and
   // is served from its prefix cache.
   for (int q = 1; q <= 6; ++q) {
     Reply r = Post("/v1/completions", Completion(PromptIds(1, 256, q)));
     ASSERT_EQ(r.http.status, 200) << r.http.body;
     EXPECT_EQ(DecodeWorker(r.http), holder) << "question " << q;
-    EXPECT_GE(r.json["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 256)
-        << r.http.body;
+    EXPECT_GE(r.json["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 256) << r.http.body;
   }
   // Unrelated prompts (no cached blocks anywhere) still spread over all.
   std::set<std::string> cold;
@@ -403,17 +394,15 @@ TEST_P(KvCacheAwareTest, SendsASharedPrefixToTheWorkerHoldingIt) {
 }
 
 INSTANTIATE_TEST_SUITE_P(KvEvents, KvCacheAwareTest, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& p) {
-                           return p.param ? "Exact" : "Approximate";
-                         });
+                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "Exact" : "Approximate"; });
 
 // With the overlap weighted low, a holder with a prefill backlog of 64 tokens
 // (the load's scale: the router's prefill_tokens_scale, or else each worker's
 // step budget) loses the request to an idle worker.
-void RouterPolicyTest::ExpectABackloggedHolderLosesToAnIdleWorker(
-    const std::string& params, const std::vector<std::string>& worker_args) {
-  std::vector<WorkerProcess*> w = StartCluster(
-      2, "kv_cache_aware", absl::StrCat("        overlap_weight: 0.1\n", params), "", worker_args);
+void RouterPolicyTest::ExpectABackloggedHolderLosesToAnIdleWorker(const std::string& params,
+                                                                  const std::vector<std::string>& worker_args) {
+  std::vector<WorkerProcess*> w =
+      StartCluster(2, "kv_cache_aware", absl::StrCat("        overlap_weight: 0.1\n", params), "", worker_args);
   ASSERT_EQ(w.size(), 2u);
   const auto [holder, other] = CacheDocument(w, 3);
   ASSERT_NE(holder, nullptr);
@@ -450,8 +439,7 @@ TEST_F(RouterPolicyTest, KvCacheAwareScalesLoadByEachWorkersStepBudget) {
 // a prompt sharing only a short prefix with it (2 blocks, under the workers'
 // 64-token step), and keeps one whose cached prefix is a step or longer.
 TEST_F(RouterPolicyTest, KvCacheAwareBoundsLoadUnlessThePrefixIsLongerThanAStep) {
-  std::vector<WorkerProcess*> w =
-      StartCluster(2, "kv_cache_aware", "", "", {"--max-batched-tokens", "64"});
+  std::vector<WorkerProcess*> w = StartCluster(2, "kv_cache_aware", "", "", {"--max-batched-tokens", "64"});
   ASSERT_EQ(w.size(), 2u);
   // A 128-token document (8 blocks); its first 32 tokens start other prompts.
   const auto [holder, other] = CacheDocument(w, 6);
@@ -482,8 +470,8 @@ TEST_F(RouterPolicyTest, KvCacheAwareBoundsLoadUnlessThePrefixIsLongerThanAStep)
 TEST_F(RouterPolicyTest, AutoDisaggregationPrefillsLocallyWhatIsShortOrCached) {
   const auto [prefill, decode] = StartAutoDisaggregation();
   ASSERT_TRUE(prefill && decode);
-  ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_workers{pool=\"decode\",mode=\"exact\"}",
-                            [](double v) { return v == 1; }));
+  ASSERT_TRUE(
+      WaitForMetric("tandem_router_kv_index_workers{pool=\"decode\",mode=\"exact\"}", [](double v) { return v == 1; }));
   // Short: prefilled on the decode worker.
   Reply r = Post("/v1/completions", Completion(PromptIds(5, 24, 0)));
   ASSERT_EQ(r.http.status, 200) << r.http.body;
@@ -495,19 +483,18 @@ TEST_F(RouterPolicyTest, AutoDisaggregationPrefillsLocallyWhatIsShortOrCached) {
   EXPECT_EQ(r.http.Header("x-tandem-decode-worker"), decode->address());
   // The decode worker now holds those blocks (pulled): the same document
   // with a new question is mostly cached there, so it stays local.
-  ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}",
-                            [](double v) { return v >= 2 + 13; }));
+  ASSERT_TRUE(WaitForMetric("tandem_router_kv_index_blocks{pool=\"decode\"}", [](double v) { return v >= 2 + 13; }));
   // The index's bookkeeping is on /metrics: events applied, nothing dropped, and
   // per worker its entries and how long ago its last events came.
   EXPECT_GE(Metric("tandem_router_kv_events_total{pool=\"decode\",outcome=\"applied\"}").value_or(0), 2);
   EXPECT_EQ(Metric("tandem_router_kv_event_batches_dropped_total{pool=\"decode\",reason=\"seq_gap\"}"), 0);
   EXPECT_EQ(Metric("tandem_router_kv_index_entries_dropped_total{pool=\"decode\",reason=\"evicted\"}"), 0);
-  EXPECT_GE(Metric(absl::StrCat("tandem_router_kv_index_worker_blocks{pool=\"decode\",worker=\"",
-                                decode->address(), "\",mode=\"exact\"}"))
+  EXPECT_GE(Metric(absl::StrCat("tandem_router_kv_index_worker_blocks{pool=\"decode\",worker=\"", decode->address(),
+                                "\",mode=\"exact\"}"))
                 .value_or(0),
             2 + 13);
-  const std::optional<double> age = Metric(absl::StrCat(
-      "tandem_router_kv_index_worker_age_seconds{pool=\"decode\",worker=\"", decode->address(), "\"}"));
+  const std::optional<double> age = Metric(
+      absl::StrCat("tandem_router_kv_index_worker_age_seconds{pool=\"decode\",worker=\"", decode->address(), "\"}"));
   ASSERT_TRUE(age.has_value());
   EXPECT_GE(*age, 0);
   EXPECT_LT(*age, 60);

@@ -21,9 +21,8 @@ class SimEngineTest : public WorkerTest {};
 
 TEST_F(SimEngineTest, ServesTheWorkerApiOnItsTimingModel) {
   // 20 ms per step, 100 us per prompt token.
-  WorkerProcess* w = StartWorker({"--engine", "sim", "--sim-step-ms", "20",
-                                  "--sim-prefill-us-per-token", "100", "--sim-decode-us-per-seq",
-                                  "0", "--sim-context-ns-per-token", "0", "--max-model-len",
+  WorkerProcess* w = StartWorker({"--engine", "sim", "--sim-step-ms", "20", "--sim-prefill-us-per-token", "100",
+                                  "--sim-decode-us-per-seq", "0", "--sim-context-ns-per-token", "0", "--max-model-len",
                                   "12000", "--kv-cache-memory", "64MiB"});
   ASSERT_NE(w, nullptr);
   const v1::ModelInfo info = GetModelInfo(w->stub());
@@ -64,7 +63,7 @@ TEST_F(SimEngineTest, ServesTheWorkerApiOnItsTimingModel) {
 }
 
 TEST_F(SimEngineTest, DisaggregatesLikeTheRealEngine) {
-  const std::vector<std::string> common = {"--engine", "sim", "--sim-step-ms", "1",
+  const std::vector<std::string> common = {"--engine",       "sim", "--sim-step-ms",      "1",
                                            "--kv-transport", "ucx", "--kv-transport-tls", "shm"};
   std::vector<std::string> p = common, d = common;
   p.insert(p.end(), {"--role", "prefill"});

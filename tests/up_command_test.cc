@@ -33,9 +33,9 @@
 namespace tandem::testing {
 namespace {
 
+using std::chrono::seconds;
 using ::testing::HasSubstr;
 using ::testing::Not;
-using std::chrono::seconds;
 
 // Processes whose parent is `parent`, with their command lines.
 std::vector<std::pair<pid_t, std::string>> ChildrenOf(pid_t parent) {
@@ -71,11 +71,10 @@ class UpCommandTest : public ::testing::Test {
   // Starts `tandem up` with `flags`; the router's URL once it is ready.
   std::string Start(const std::vector<std::string>& flags) {
     // The run directory does not exist yet: up creates it.
-    std::vector<std::string> args = {"up", "--port", "0", "--ready-file", dir_ + "/url",
-                                      "--run-dir", dir_ + "/run/nested", "--worker-threads", "1"};
+    std::vector<std::string> args = {
+        "up", "--port", "0", "--ready-file", dir_ + "/url", "--run-dir", dir_ + "/run/nested", "--worker-threads", "1"};
     args.insert(args.end(), flags.begin(), flags.end());
-    absl::StatusOr<std::string> url =
-        StartTandem(args, dir_ + "/url", std::chrono::seconds(60), "tandem up", &up_);
+    absl::StatusOr<std::string> url = StartTandem(args, dir_ + "/url", std::chrono::seconds(60), "tandem up", &up_);
     if (!url.ok()) {
       ADD_FAILURE() << url.status();
       return "";
@@ -94,9 +93,9 @@ TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
   ASSERT_EQ(children.size(), 3u) << "two workers and a router";
   std::set<std::string> served;
   for (int i = 0; i < 4; ++i) {
-    const HttpResponse r = HttpPost(
-        url, "/v1/chat/completions",
-        R"({"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})");
+    const HttpResponse r =
+        HttpPost(url, "/v1/chat/completions",
+                 R"({"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})");
     ASSERT_EQ(r.status, 200) << r.body;
     EXPECT_EQ(r.Header("x-tandem-prefill-worker"), r.Header("x-tandem-decode-worker"));
     served.insert(r.Header("x-tandem-decode-worker"));
@@ -126,15 +125,15 @@ TEST_F(UpCommandTest, DefaultClusterRunsOverMutualTlsWithAThrowawayCa) {
   for (const auto& [pid, cmdline] : children) {
     if (cmdline.find(" worker ") == std::string::npos) continue;
     EXPECT_EQ(cmdline.find("--insecure"), std::string::npos) << cmdline;
-    worker_files = {.ca = flag(cmdline, "--tls-ca"), .cert = flag(cmdline, "--tls-cert"),
-                    .key = flag(cmdline, "--tls-key")};
+    worker_files = {
+        .ca = flag(cmdline, "--tls-ca"), .cert = flag(cmdline, "--tls-cert"), .key = flag(cmdline, "--tls-key")};
     ASSERT_FALSE(worker_files.ca.empty()) << cmdline;
   }
   const std::string ca = worker_files.ca;
   ASSERT_TRUE(std::filesystem::exists(ca)) << ca;
   // A split request: router -> both workers, prefill -> decode (KvReady), all mTLS.
-  const HttpResponse ok = HttpPost(
-      url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 3})");
+  const HttpResponse ok =
+      HttpPost(url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 3})");
   ASSERT_EQ(ok.status, 200) << ok.body;
   EXPECT_NE(ok.Header("x-tandem-prefill-worker"), ok.Header("x-tandem-decode-worker"));
   // The decode worker pulled the KV (asked with the cluster's worker identity).
@@ -153,8 +152,7 @@ TEST_F(UpCommandTest, DefaultClusterRunsOverMutualTlsWithAThrowawayCa) {
   }
   // An insecure client cannot reach the workers.
   const std::string decode = ok.Header("x-tandem-decode-worker");
-  auto stub = tandem::v1::Worker::NewStub(
-      grpc::CreateChannel(decode, grpc::InsecureChannelCredentials()));
+  auto stub = tandem::v1::Worker::NewStub(grpc::CreateChannel(decode, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
   tandem::v1::ClearKvCacheResponse cleared;
@@ -175,8 +173,8 @@ TEST_F(UpCommandTest, InsecureIsOnlyByName) {
     EXPECT_NE(cmdline.find("--insecure"), std::string::npos) << cmdline;
     EXPECT_EQ(cmdline.find("--tls-"), std::string::npos) << cmdline;
   }
-  const HttpResponse ok = HttpPost(
-      url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 2})");
+  const HttpResponse ok =
+      HttpPost(url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 2})");
   EXPECT_EQ(ok.status, 200) << ok.body;
 }
 
@@ -188,14 +186,13 @@ TEST_F(UpCommandTest, WithoutRestartsAWorkerThatDiesStopsTheCluster) {
   ASSERT_EQ(children.size(), 3u);
   pid_t decode = -1;
   for (const auto& [pid, cmdline] : children) {
-    if (cmdline.find(" worker ") != std::string::npos &&
-        cmdline.find("--role decode") != std::string::npos) {
+    if (cmdline.find(" worker ") != std::string::npos && cmdline.find("--role decode") != std::string::npos) {
       decode = pid;
     }
   }
   ASSERT_GT(decode, 0);
-  const HttpResponse ok = HttpPost(
-      url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 3})");
+  const HttpResponse ok =
+      HttpPost(url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "hello", "max_tokens": 3})");
   ASSERT_EQ(ok.status, 200) << ok.body;
   EXPECT_NE(ok.Header("x-tandem-prefill-worker"), ok.Header("x-tandem-decode-worker"));
 
@@ -209,8 +206,7 @@ TEST_F(UpCommandTest, WithoutRestartsAWorkerThatDiesStopsTheCluster) {
 // The worker of `up_pid` started with `ready_file` (its --ready-file), or -1.
 pid_t WorkerWithReadyFile(pid_t up_pid, const std::string& ready_file) {
   for (const auto& [pid, cmdline] : ChildrenOf(up_pid)) {
-    if (cmdline.find(" worker ") != std::string::npos &&
-        cmdline.find(ready_file + " ") != std::string::npos) {
+    if (cmdline.find(" worker ") != std::string::npos && cmdline.find(ready_file + " ") != std::string::npos) {
       return pid;
     }
   }
@@ -225,16 +221,15 @@ std::string ReadFirstLine(const std::string& path) {
 }
 
 TEST_F(UpCommandTest, AWorkerThatDiesIsRestartedOnItsPortWhileTheOthersServe) {
-  const std::string url = Start({"--aggregated", "2", "--engine", "sim", "--policy",
-                                 "round_robin", "--worker-arg=--sim-step-ms", "--worker-arg=1"});
+  const std::string url = Start({"--aggregated", "2", "--engine", "sim", "--policy", "round_robin",
+                                 "--worker-arg=--sim-step-ms", "--worker-arg=1"});
   ASSERT_FALSE(url.empty());
   const std::string ready = dir_ + "/run/nested/worker-0.addr";
   const std::string address = ReadFirstLine(ready);
   ASSERT_FALSE(address.empty());
   const pid_t victim = WorkerWithReadyFile(up_->pid(), ready);
   ASSERT_GT(victim, 0);
-  const std::string healthy =
-      absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"", address, "\"}");
+  const std::string healthy = absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"", address, "\"}");
   ASSERT_TRUE(WaitUntil([&] { return ScrapeMetric(url, healthy) == 1; }, seconds(20)));
 
   // Requests keep coming while the worker dies and comes back.
@@ -242,10 +237,9 @@ TEST_F(UpCommandTest, AWorkerThatDiesIsRestartedOnItsPortWhileTheOthersServe) {
   std::atomic<int> ok{0}, failed{0};
   std::thread client([&] {
     for (int i = 0; !stop.load(); ++i) {
-      const HttpResponse r = HttpPost(
-          url, "/v1/completions",
-          absl::StrCat(R"({"model": "builtin:tiny", "prompt": "keep going )", i,
-                       R"(", "max_tokens": 40, "stream": true, "ignore_eos": true})"));
+      const HttpResponse r = HttpPost(url, "/v1/completions",
+                                      absl::StrCat(R"({"model": "builtin:tiny", "prompt": "keep going )", i,
+                                                   R"(", "max_tokens": 40, "stream": true, "ignore_eos": true})"));
       const bool good = r.status == 200 && r.body.find("\"error\"") == std::string::npos &&
                         r.body.find("[DONE]") != std::string::npos;
       (good ? ok : failed)++;
@@ -273,8 +267,8 @@ TEST_F(UpCommandTest, AWorkerThatDiesIsRestartedOnItsPortWhileTheOthersServe) {
   // It serves again (round robin reaches it).
   std::set<std::string> served;
   for (int i = 0; i < 4; ++i) {
-    const HttpResponse r = HttpPost(
-        url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "back?", "max_tokens": 2})");
+    const HttpResponse r =
+        HttpPost(url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "back?", "max_tokens": 2})");
     EXPECT_EQ(r.status, 200) << r.body;
     served.insert(r.Header("x-tandem-decode-worker"));
   }
@@ -302,8 +296,8 @@ TEST_F(UpCommandTest, AWorkerThatKeepsDyingIsGivenUpOnAndTheRestServe) {
   EXPECT_TRUE(third < 0 || third == second) << "restarted past --max-restarts";
   EXPECT_TRUE(up_->Running());
   for (int i = 0; i < 4; ++i) {
-    const HttpResponse r = HttpPost(
-        url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "still", "max_tokens": 2})");
+    const HttpResponse r =
+        HttpPost(url, "/v1/completions", R"({"model": "builtin:tiny", "prompt": "still", "max_tokens": 2})");
     EXPECT_EQ(r.status, 200) << r.body;
   }
 }
@@ -316,8 +310,9 @@ TEST_F(UpCommandTest, ServedModelNameIsTheNameClientsUse) {
   ASSERT_EQ(models.status, 200) << models.body;
   EXPECT_EQ(nlohmann::json::parse(models.body)["data"][0]["id"], "acme/tiny-chat");
   EXPECT_EQ(HttpGet(url, "/v1/models/acme%2Ftiny-chat").status, 200);
-  HttpResponse r = HttpPost(url, "/v1/chat/completions",
-                            R"({"model": "acme/tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})");
+  HttpResponse r =
+      HttpPost(url, "/v1/chat/completions",
+               R"({"model": "acme/tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})");
   EXPECT_EQ(r.status, 200) << r.body;
   r = HttpPost(url, "/v1/chat/completions",
                R"({"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})");
@@ -381,17 +376,12 @@ TEST_F(UpCommandTest, AStaleReadyFileIsRemovedBeforeStarting) {
   const std::string ready = dir_ + "/url";
   std::ofstream(ready) << "http://127.0.0.1:1\n";
   std::string out;
-  EXPECT_NE(RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir ", dir_, " --decode 0 --ready-file ",
-                                    ready),
-                       &out),
+  EXPECT_NE(RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir ", dir_, " --decode 0 --ready-file ", ready), &out),
             0);
   EXPECT_FALSE(std::filesystem::exists(ready)) << out;
 
-
   // A ready file that cannot be removed is an error naming the flag.
-  EXPECT_NE(RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir ", dir_, " --ready-file /proc/self"),
-                       &out),
-            0);
+  EXPECT_NE(RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir ", dir_, " --ready-file /proc/self"), &out), 0);
   EXPECT_THAT(out, HasSubstr("--ready-file")) << out;
 }
 
@@ -399,8 +389,7 @@ class BenchCommandTest : public UpCommandTest {
  protected:
   // Runs `tandem bench --url URL <flags> --json F --html H`; the JSON.
   nlohmann::json Bench(const std::string& url, const std::string& flags, std::string* output) {
-    return RunBench(url, absl::StrCat(flags, " --html ", dir_, "/bench.html"),
-                    dir_ + "/bench.json", output);
+    return RunBench(url, absl::StrCat(flags, " --html ", dir_, "/bench.html"), dir_ + "/bench.json", output);
   }
 };
 
@@ -512,8 +501,8 @@ TEST_F(BenchCommandTest, MultiTurnChatSessionsReuseTheirHistory) {
 // --common-prefix-len: every session's system prompt starts with the same
 // tokens, so on one worker a new session's first turn finds them cached.
 TEST_F(BenchCommandTest, MultiTurnCommonPrefixIsCachedAcrossSessions) {
-  const std::string url = Start({"--engine", "sim", "--aggregated", "1",
-                                 "--worker-arg=--sim-step-ms", "--worker-arg=1"});
+  const std::string url =
+      Start({"--engine", "sim", "--aggregated", "1", "--worker-arg=--sim-step-ms", "--worker-arg=1"});
   ASSERT_FALSE(url.empty());
   std::string out;
   const nlohmann::json j = Bench(url,
@@ -539,8 +528,8 @@ TEST_F(BenchCommandTest, MultiTurnCommonPrefixIsCachedAcrossSessions) {
 }
 
 TEST_F(BenchCommandTest, KeepAliveReusesConnectionsAcrossRequests) {
-  const std::string url = Start({"--engine", "sim", "--aggregated", "1",
-                                 "--worker-arg=--sim-step-ms", "--worker-arg=1"});
+  const std::string url =
+      Start({"--engine", "sim", "--aggregated", "1", "--worker-arg=--sim-step-ms", "--worker-arg=1"});
   ASSERT_FALSE(url.empty());
   const std::string series = "tandem_router_http_connections_total";
   auto accepted = [&] { return ScrapeMetric(url, series).value_or(-1); };
@@ -549,16 +538,20 @@ TEST_F(BenchCommandTest, KeepAliveReusesConnectionsAcrossRequests) {
   // GET /v1/models and two /metrics reads, + this test's scrape).
   const double before = accepted();
   ASSERT_GE(before, 0) << "no " << series;
-  nlohmann::json j = Bench(url, "--num-prompts 30 --random-input-len 32 --random-output-len 4 "
-                                "--max-concurrency 2", &out);
+  nlohmann::json j = Bench(url,
+                           "--num-prompts 30 --random-input-len 32 --random-output-len 4 "
+                           "--max-concurrency 2",
+                           &out);
   ASSERT_TRUE(j.is_object()) << out;
   EXPECT_EQ(j["completed"], 30);
   EXPECT_LE(accepted() - before, 2 + 3 + 1) << out;
 
   // --no-keep-alive: a connection per request.
   const double mid = accepted();
-  j = Bench(url, "--num-prompts 30 --random-input-len 32 --random-output-len 4 "
-                 "--max-concurrency 2 --no-keep-alive", &out);
+  j = Bench(url,
+            "--num-prompts 30 --random-input-len 32 --random-output-len 4 "
+            "--max-concurrency 2 --no-keep-alive",
+            &out);
   ASSERT_TRUE(j.is_object()) << out;
   EXPECT_EQ(j["completed"], 30);
   EXPECT_GE(accepted() - mid, 30 + 1);
@@ -569,20 +562,17 @@ TEST_F(BenchCommandTest, KeepAliveReusesConnectionsAcrossRequests) {
 // gRPC poller, a connection's next request behind the previous response)
 // races every other. Every request completes and the router stays up.
 TEST_F(BenchCommandTest, SaturationOnInstantWorkersLosesNothing) {
-  const std::string url = Start({"--engine", "sim", "--aggregated", "1",
-                                 "--worker-arg=--sim-step-ms=0",
-                                 "--worker-arg=--sim-prefill-us-per-token=0",
-                                 "--worker-arg=--sim-decode-us-per-seq=0",
+  const std::string url = Start({"--engine", "sim", "--aggregated", "1", "--worker-arg=--sim-step-ms=0",
+                                 "--worker-arg=--sim-prefill-us-per-token=0", "--worker-arg=--sim-decode-us-per-seq=0",
                                  "--worker-arg=--sim-context-ns-per-token=0"});
   ASSERT_FALSE(url.empty());
   for (int round = 0; round < 3; ++round) {
     std::string out;
-    const nlohmann::json j =
-        Bench(url,
-              absl::StrCat("--num-prompts 1000 --random-input-len 128 --random-output-len 16 "
-                           "--prompt-as-text --request-rate inf --max-concurrency 32 --seed ",
-                           round),
-              &out);
+    const nlohmann::json j = Bench(url,
+                                   absl::StrCat("--num-prompts 1000 --random-input-len 128 --random-output-len 16 "
+                                                "--prompt-as-text --request-rate inf --max-concurrency 32 --seed ",
+                                                round),
+                                   &out);
     ASSERT_TRUE(j.is_object()) << "round " << round << ": " << out;
     EXPECT_EQ(j["completed"], 1000) << "round " << round << ": " << out;
     EXPECT_EQ(j["failed"], 0) << "round " << round << ": " << out;

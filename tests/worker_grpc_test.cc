@@ -7,15 +7,15 @@
 //
 // Behaviour is checked through responses, status codes, GetLoad and the KV
 // event stream, never through the worker's log.
+#include <gmock/gmock.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
-#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <unistd.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -48,9 +48,9 @@ namespace tandem {
 namespace {
 
 using namespace ::tandem::testing;  // NOLINT: the helpers of every test here
-using ::testing::HasSubstr;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
+using ::testing::HasSubstr;
 
 // Each test owns the workers it starts; they must exit cleanly at the end.
 using WorkerGrpcTest = WorkerTest;
@@ -85,8 +85,7 @@ TEST_F(WorkerGrpcTest, HealthAndModelInfo) {
   EXPECT_EQ(info.max_batched_tokens(), 2048);  // the engine's default step budget
 
   // The block geometry and the step budget follow the flags.
-  WorkerProcess* w8 = StartWorker(
-      {"--block-size", "8", "--kv-cache-memory", "1MiB", "--max-batched-tokens", "256"});
+  WorkerProcess* w8 = StartWorker({"--block-size", "8", "--kv-cache-memory", "1MiB", "--max-batched-tokens", "256"});
   ASSERT_NE(w8, nullptr);
   v1::ModelInfo info8 = GetModelInfo(w8->stub());
   EXPECT_EQ(info8.block_size(), 8);
@@ -147,8 +146,7 @@ TEST_F(WorkerGrpcTest, ConcurrentStreamsMatchSequentialRuns) {
   for (int i = 0; i < kRequests; ++i) {
     const std::vector<int32_t> prompt = MakePrompt(100 + i, 5 + 7 * i);
     const int max_tokens = 12 + 2 * i;
-    requests.push_back(i % 2 == 0 ? GreedyRequest(prompt, max_tokens)
-                                  : SampledRequest(prompt, max_tokens, 1000 + i));
+    requests.push_back(i % 2 == 0 ? GreedyRequest(prompt, max_tokens) : SampledRequest(prompt, max_tokens, 1000 + i));
     requests.back().set_request_id(absl::StrCat("r", i));
   }
 
@@ -212,8 +210,7 @@ TEST_F(WorkerGrpcTest, ChunkedPrefillMatchesOneShotPrefill) {
   ASSERT_NE(chunked, nullptr);
   ASSERT_NE(whole, nullptr);
   const std::vector<int32_t> prompt = MakePrompt(5, 150);
-  for (const v1::GenerateRequest& req :
-       {GreedyRequest(prompt, 16), SampledRequest(prompt, 16, 77)}) {
+  for (const v1::GenerateRequest& req : {GreedyRequest(prompt, 16), SampledRequest(prompt, 16, 77)}) {
     Output want = Generate(whole->stub(), req);
     Output got = Generate(chunked->stub(), req);
     ExpectSameOutput(got, want, req.sampling().ShortDebugString());
@@ -284,16 +281,15 @@ TEST_F(WorkerGrpcTest, KilledClientProcessFreesEveryBlock) {
   const std::vector<int32_t> prompt = MakePrompt(9, 20);
   constexpr int kMaxTokens = 1500;
 
-  absl::StatusOr<ChildProcess> client = ChildProcess::Spawn(
-      {*bin, "generate", "--target", w->address(), "--prompt-ids", absl::StrJoin(prompt, ","),
-       "--max-tokens", absl::StrCat(kMaxTokens)},
-      "/dev/null");
+  absl::StatusOr<ChildProcess> client =
+      ChildProcess::Spawn({*bin, "generate", "--target", w->address(), "--prompt-ids", absl::StrJoin(prompt, ","),
+                           "--max-tokens", absl::StrCat(kMaxTokens)},
+                          "/dev/null");
   ASSERT_TRUE(client.ok()) << client.status();
   bool running = false;
   v1::LoadReport load = WaitForLoad(
-      w->stub(),
-      [](const v1::LoadReport& l) { return l.running_sequences() == 1 && l.used_blocks() > 0; },
-      &running, seconds(20));
+      w->stub(), [](const v1::LoadReport& l) { return l.running_sequences() == 1 && l.used_blocks() > 0; }, &running,
+      seconds(20));
   ASSERT_TRUE(running) << "the client's request never ran: " << load.ShortDebugString();
   client->Signal(SIGKILL);
   absl::StatusOr<int> status = client->Wait(seconds(10));
@@ -313,8 +309,7 @@ TEST_F(WorkerGrpcTest, KilledClientProcessFreesEveryBlock) {
   Output full = Generate(w->stub(), same);
   ExpectWellFormed(full, "the same request, run to its end");
   EXPECT_EQ(full.usage.completion_tokens(), kMaxTokens);
-  const int64_t full_blocks =
-      (static_cast<int64_t>(prompt.size()) + full.usage.completion_tokens() - 1) / kBlockSize;
+  const int64_t full_blocks = (static_cast<int64_t>(prompt.size()) + full.usage.completion_tokens() - 1) / kBlockSize;
   EXPECT_LT(blocks_when_killed, full_blocks)
       << "the killed client's request ran to completion instead of being aborted";
   ExpectIdle(w->stub(), "after the full run");
@@ -404,14 +399,12 @@ TEST_F(WorkerGrpcTest, RequestLargerThanTheCacheIsRejected) {
 
   const auto start = std::chrono::steady_clock::now();
   Output too_long = Generate(w->stub(), GreedyRequest(MakePrompt(10, 400), 4), seconds(5));
-  EXPECT_EQ(too_long.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
-      << too_long.status.error_message();
+  EXPECT_EQ(too_long.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << too_long.status.error_message();
   EXPECT_THAT(too_long.status.error_message(), HasSubstr("cache"));
 
   // The prompt fits but prompt + max_tokens does not.
   Output too_many = Generate(w->stub(), GreedyRequest(MakePrompt(10, 300), 100), seconds(5));
-  EXPECT_EQ(too_many.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
-      << too_many.status.error_message();
+  EXPECT_EQ(too_many.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << too_many.status.error_message();
   EXPECT_THAT(too_many.status.error_message(), HasSubstr("max_tokens"));
   EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(5));
 
@@ -430,8 +423,8 @@ TEST_F(WorkerGrpcTest, RequestLargerThanTheCacheIsRejected) {
 TEST_F(WorkerGrpcTest, OverloadIsRejectedWithResourceExhausted) {
   constexpr int kMaxRunning = 1;
   constexpr int kMaxWaiting = 2;
-  WorkerProcess* w = StartWorker(
-      {"--max-running", absl::StrCat(kMaxRunning), "--max-waiting", absl::StrCat(kMaxWaiting)});
+  WorkerProcess* w =
+      StartWorker({"--max-running", absl::StrCat(kMaxRunning), "--max-waiting", absl::StrCat(kMaxWaiting)});
   ASSERT_NE(w, nullptr);
 
   // Each request takes a few hundred milliseconds, far longer than the burst
@@ -462,8 +455,7 @@ TEST_F(WorkerGrpcTest, OverloadIsRejectedWithResourceExhausted) {
     std::this_thread::sleep_for(milliseconds(1));
   }
   for (std::thread& t : threads) t.join();
-  EXPECT_LE(max_waiting, kMaxWaiting)
-      << "GetLoad showed more requests waiting than --max-waiting allows";
+  EXPECT_LE(max_waiting, kMaxWaiting) << "GetLoad showed more requests waiting than --max-waiting allows";
 
   int rejected = 0;
   int completed = 0;
@@ -547,8 +539,8 @@ TEST_F(WorkerGrpcTest, StopTokensMinTokensAndIgnoreEos) {
   ExpectWellFormed(base, "base");
   ASSERT_EQ(base.tokens.size(), 8u);
   const int32_t stop = base.tokens[2];
-  const size_t first_stop = std::find(base.tokens.begin(), base.tokens.end(), stop) -
-                            base.tokens.begin();  // 2, or earlier if repeated
+  const size_t first_stop =
+      std::find(base.tokens.begin(), base.tokens.end(), stop) - base.tokens.begin();  // 2, or earlier if repeated
 
   // Stops on (and includes) the first occurrence of the stop id.
   v1::GenerateRequest stop_req = base_req;
@@ -557,8 +549,7 @@ TEST_F(WorkerGrpcTest, StopTokensMinTokensAndIgnoreEos) {
   ExpectWellFormed(stopped, "stop id");
   EXPECT_EQ(stopped.finish, v1::FINISH_REASON_STOP);
   EXPECT_EQ(stopped.stop_token_id, stop);
-  EXPECT_EQ(stopped.tokens,
-            std::vector<int32_t>(base.tokens.begin(), base.tokens.begin() + first_stop + 1));
+  EXPECT_EQ(stopped.tokens, std::vector<int32_t>(base.tokens.begin(), base.tokens.begin() + first_stop + 1));
 
   // min_tokens masks the stop id: greedy then takes the runner-up there.
   constexpr int kMinTokens = 5;
@@ -613,8 +604,7 @@ TEST_F(WorkerGrpcTest, StopTokensMinTokensAndIgnoreEos) {
   EXPECT_EQ(ignored.finish, v1::FINISH_REASON_LENGTH);
   ASSERT_EQ(ignored.tokens.size(), size_t{kLen});
   // Same samples up to and including the EOS, then it goes on.
-  EXPECT_EQ(std::vector<int32_t>(ignored.tokens.begin(),
-                                 ignored.tokens.begin() + eos_run.tokens.size()),
+  EXPECT_EQ(std::vector<int32_t>(ignored.tokens.begin(), ignored.tokens.begin() + eos_run.tokens.size()),
             eos_run.tokens);
 
   // (Masking changes the distribution every step, so the samples before the
@@ -803,11 +793,11 @@ void ExpectValidBlock(const v1::BlockStored& b, const std::string& what) {
 // the last marked complete) only first, no events inside an incomplete
 // snapshot, seqs without gaps, valid hashes, no block stored twice or
 // removed unstored.
-CacheView Replay(const std::vector<v1::KvEventBatch>& batches, const std::string& instance_id,
-                 bool expect_snapshot, uint64_t start_after_seq) {
+CacheView Replay(const std::vector<v1::KvEventBatch>& batches, const std::string& instance_id, bool expect_snapshot,
+                 uint64_t start_after_seq) {
   CacheView view;
   view.seq = start_after_seq;
-  bool snapshot_open = false;   // a snapshot has started and not completed
+  bool snapshot_open = false;  // a snapshot has started and not completed
   bool snapshot_done = false;
   for (size_t b = 0; b < batches.size(); ++b) {
     const v1::KvEventBatch& batch = batches[b];
@@ -843,12 +833,10 @@ CacheView Replay(const std::vector<v1::KvEventBatch>& batches, const std::string
       if (e.has_stored()) {
         ++view.stored;
         ExpectValidBlock(e.stored(), absl::StrCat("stored event ", e.seq()));
-        EXPECT_TRUE(view.blocks.insert(e.stored().block_hash()).second)
-            << "block stored twice, event " << e.seq();
+        EXPECT_TRUE(view.blocks.insert(e.stored().block_hash()).second) << "block stored twice, event " << e.seq();
       } else if (e.has_removed()) {
         ++view.removed;
-        EXPECT_EQ(view.blocks.erase(e.removed().block_hash()), 1u)
-            << "removed a block never stored, event " << e.seq();
+        EXPECT_EQ(view.blocks.erase(e.removed().block_hash()), 1u) << "removed a block never stored, event " << e.seq();
       } else if (e.has_cleared()) {
         ++view.cleared;
         view.blocks.clear();
@@ -872,8 +860,7 @@ CacheView Snapshot(v1::Worker::Stub& stub, const std::string& instance_id, uint6
 
 // The hashes of the full blocks that a finished request leaves computed: its
 // prompt and every output token but the last (never fed back).
-std::set<uint64_t> ExpectedBlocks(uint64_t seed, const std::vector<int32_t>& prompt,
-                                  const Output& out) {
+std::set<uint64_t> ExpectedBlocks(uint64_t seed, const std::vector<int32_t>& prompt, const Output& out) {
   std::vector<int32_t> all = prompt;
   all.insert(all.end(), out.tokens.begin(), out.tokens.end());
   if (!all.empty()) all.pop_back();
@@ -895,10 +882,8 @@ TEST_F(WorkerGrpcTest, KvEventsMirrorThePrefixCache) {
 
   // Requests sharing prefixes: b and c extend a's first 48 tokens.
   const std::vector<int32_t> a = MakePrompt(13, 50);
-  const std::vector<int32_t> b = Concat(std::vector<int32_t>(a.begin(), a.begin() + 48),
-                                        MakePrompt(14, 30));
-  const std::vector<int32_t> c = Concat(std::vector<int32_t>(a.begin(), a.begin() + 48),
-                                        MakePrompt(15, 21));
+  const std::vector<int32_t> b = Concat(std::vector<int32_t>(a.begin(), a.begin() + 48), MakePrompt(14, 30));
+  const std::vector<int32_t> c = Concat(std::vector<int32_t>(a.begin(), a.begin() + 48), MakePrompt(15, 21));
   const std::vector<int32_t> d = MakePrompt(16, 37);
   std::set<uint64_t> expected;
   for (const std::vector<int32_t>* p : {&a, &b, &c, &d, &a}) {
@@ -1029,8 +1014,7 @@ TEST_F(WorkerGrpcTest, LoadReportIsConsistentWhenIdle) {
   }
   bool ok = false;
   v1::LoadReport load = WaitForLoad(
-      w->stub(),
-      [](const v1::LoadReport& l) { return IsIdle(l) && l.finished_requests() == 3; }, &ok);
+      w->stub(), [](const v1::LoadReport& l) { return IsIdle(l) && l.finished_requests() == 3; }, &ok);
   ASSERT_TRUE(ok) << load.ShortDebugString();
   EXPECT_EQ(load.running_sequences(), 0);
   EXPECT_EQ(load.waiting_sequences(), 0);
@@ -1057,8 +1041,8 @@ TEST_F(WorkerGrpcTest, LoadReportIsConsistentWhenIdle) {
 // stay up, free every block, and keep its accounting exact.
 
 TEST_F(WorkerGrpcTest, RandomCancellationsDeadlinesAndClearsLeakNothing) {
-  WorkerProcess* w = StartWorker({"--kv-cache-memory", CacheBytesFlag(48), "--max-running", "6",
-                                  "--max-waiting", "200", "--max-batched-tokens", "64"});
+  WorkerProcess* w = StartWorker({"--kv-cache-memory", CacheBytesFlag(48), "--max-running", "6", "--max-waiting", "200",
+                                  "--max-batched-tokens", "64"});
   ASSERT_NE(w, nullptr);
   constexpr int kClients = 8;
   constexpr int kRequestsPerClient = 16;
@@ -1138,9 +1122,8 @@ TEST_F(WorkerGrpcTest, RandomCancellationsDeadlinesAndClearsLeakNothing) {
 
   EXPECT_EQ(unexpected.load(), 0);
   EXPECT_EQ(completed + cancelled + expired + rejected, kClients * kRequestsPerClient);
-  RecordProperty("outcomes", absl::StrCat(completed.load(), " completed, ", cancelled.load(),
-                                          " cancelled, ", expired.load(), " expired, ",
-                                          rejected.load(), " rejected"));
+  RecordProperty("outcomes", absl::StrCat(completed.load(), " completed, ", cancelled.load(), " cancelled, ",
+                                          expired.load(), " expired, ", rejected.load(), " rejected"));
   EXPECT_GT(completed.load(), 0);
   EXPECT_GT(rejected.load(), 0);
   v1::LoadReport load = ExpectIdle(w->stub(), "after the chaos");
@@ -1211,8 +1194,7 @@ TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   ASSERT_TRUE(stream.ok());
 
   // The drain is visible to callers at once (within a health check or two).
-  EXPECT_EQ(WaitForHealth(w->stub(), v1::HealthResponse::NOT_SERVING, seconds(5)),
-            v1::HealthResponse::NOT_SERVING);
+  EXPECT_EQ(WaitForHealth(w->stub(), v1::HealthResponse::NOT_SERVING, seconds(5)), v1::HealthResponse::NOT_SERVING);
   {
     grpc::ClientContext nctx;
     nctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
@@ -1338,8 +1320,7 @@ int GrpcHealthStatus(const std::string& address) {
   }
   if (!answered) return -1;
   if (!status.ok()) {
-    ADD_FAILURE() << "grpc.health.v1 Check: " << status.error_code() << " "
-                  << status.error_message();
+    ADD_FAILURE() << "grpc.health.v1 Check: " << status.error_code() << " " << status.error_message();
   }
   if (!status.ok()) return -1;
   std::vector<grpc::Slice> slices;
@@ -1437,8 +1418,7 @@ TEST_F(WorkerGrpcTest, KvBudgetBeyondMemoryIsRefusedAtStart) {
   absl::StatusOr<std::string> bin = tandem::testing::TandemBinary();
   ASSERT_TRUE(bin.ok()) << bin.status();
   absl::StatusOr<tandem::testing::ChildProcess> child = tandem::testing::ChildProcess::Spawn(
-      {*bin, "worker", "--insecure", "--port", "0", "--kv-cache-memory", "1000000GiB"},
-      "/dev/null");
+      {*bin, "worker", "--insecure", "--port", "0", "--kv-cache-memory", "1000000GiB"}, "/dev/null");
   ASSERT_TRUE(child.ok()) << child.status();
   absl::StatusOr<int> status = child->Wait(std::chrono::seconds(30));
   ASSERT_TRUE(status.ok()) << "the worker started with a budget it cannot have";
@@ -1470,8 +1450,8 @@ TEST_F(WorkerGrpcTest, ExportedCheckpointServesTheBuiltinOutputs) {
   ASSERT_TRUE(exported.ok()) << exported.status();
   EXPECT_EQ(GetModelInfo((*exported)->stub()).model(), "tiny");
   for (int i = 0; i < 3; ++i) {
-    v1::GenerateRequest req = i == 0 ? GreedyRequest(MakePrompt(900 + i, 50), 30)
-                                     : SampledRequest(MakePrompt(900 + i, 50), 30, 77 + i);
+    v1::GenerateRequest req =
+        i == 0 ? GreedyRequest(MakePrompt(900 + i, 50), 30) : SampledRequest(MakePrompt(900 + i, 50), 30, 77 + i);
     Output want = Generate(builtin->stub(), req);
     Output got = Generate((*exported)->stub(), req);
     ExpectWellFormed(got, "exported");

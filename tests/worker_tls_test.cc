@@ -111,8 +111,8 @@ class WorkerTlsTest : public RouterTest {
 
   // Flags of a TLS worker with the cluster's worker certificate.
   std::vector<std::string> TlsFlags(std::vector<std::string> extra = {}) const {
-    std::vector<std::string> f = {"--tls-ca", cluster_.worker.ca, "--tls-cert",
-                                  cluster_.worker.cert, "--tls-key", cluster_.worker.key};
+    std::vector<std::string> f = {"--tls-ca",           cluster_.worker.ca, "--tls-cert",
+                                  cluster_.worker.cert, "--tls-key",        cluster_.worker.key};
     f.insert(f.end(), extra.begin(), extra.end());
     return f;
   }
@@ -123,13 +123,11 @@ class WorkerTlsTest : public RouterTest {
     return StartWorker(flags, LaunchOptions{.client_tls = cluster_.router});
   }
   // A stub to `w` as the holder of `files` would reach it (nullopt: insecure).
-  std::unique_ptr<v1::Worker::Stub> StubAs(WorkerProcess* w,
-                                           const std::optional<tls::TlsFiles>& files) {
+  std::unique_ptr<v1::Worker::Stub> StubAs(WorkerProcess* w, const std::optional<tls::TlsFiles>& files) {
     if (!files.has_value()) {
       return v1::Worker::NewStub(tls::ChannelFactory::Insecure()->Create(w->address()));
     }
-    absl::StatusOr<tls::TlsMaterial> m =
-        tls::LoadTlsMaterial(*files, {.ca = "ca", .cert = "cert", .key = "key"});
+    absl::StatusOr<tls::TlsMaterial> m = tls::LoadTlsMaterial(*files, {.ca = "ca", .cert = "cert", .key = "key"});
     EXPECT_TRUE(m.ok()) << m.status();
     return v1::Worker::NewStub(tls::ChannelFactory::Mutual(*m)->Create(w->address()));
   }
@@ -139,9 +137,7 @@ class WorkerTlsTest : public RouterTest {
   tls::ClusterFiles other_;
 };
 
-std::chrono::system_clock::time_point Soon() {
-  return std::chrono::system_clock::now() + std::chrono::seconds(10);
-}
+std::chrono::system_clock::time_point Soon() { return std::chrono::system_clock::now() + std::chrono::seconds(10); }
 
 // Every method a caller tries on a worker it may not use; the status of each.
 struct Attempts {
@@ -182,8 +178,7 @@ Attempts TryRouterMethods(v1::Worker::Stub& stub) {
 // 1. A TLS worker refuses callers without a certificate of its CA: no
 //    handshake, so no method runs (its cache and blocks are untouched).
 TEST_F(WorkerTlsTest, UnauthenticatedCallersReachNoMethod) {
-  WorkerProcess* w = StartTlsWorker({"--role", "decode", "--kv-transport", "ucx",
-                                     "--kv-transport-tls", "shm"});
+  WorkerProcess* w = StartTlsWorker({"--role", "decode", "--kv-transport", "ucx", "--kv-transport-tls", "shm"});
   ASSERT_NE(w, nullptr);
   // The router (the helper's identity) fills the prefix cache.
   v1::GenerateRequest req = GreedyRequest(MakePrompt(1, 64), 4);
@@ -192,8 +187,7 @@ TEST_F(WorkerTlsTest, UnauthenticatedCallersReachNoMethod) {
   // next step, which may come a moment after the response under load.)
   bool cached = false;
   const v1::LoadReport before = WaitForLoad(
-      w->stub(), [](const v1::LoadReport& l) { return l.cached_blocks() > 0; }, &cached,
-      std::chrono::seconds(5));
+      w->stub(), [](const v1::LoadReport& l) { return l.cached_blocks() > 0; }, &cached, std::chrono::seconds(5));
   ASSERT_TRUE(cached) << "the prefix cache holds nothing after the router's request";
 
   for (const auto& [what, files] :
@@ -220,8 +214,7 @@ TEST_F(WorkerTlsTest, UnauthenticatedCallersReachNoMethod) {
 // 2. Roles: a worker certificate cannot call the router's methods, the
 //    router's cannot call KvReady; each refusal is PERMISSION_DENIED, counted.
 TEST_F(WorkerTlsTest, RolesLimitWhoCallsWhat) {
-  WorkerProcess* w = StartTlsWorker({"--role", "decode", "--kv-transport", "ucx",
-                                     "--kv-transport-tls", "shm"});
+  WorkerProcess* w = StartTlsWorker({"--role", "decode", "--kv-transport", "ucx", "--kv-transport-tls", "shm"});
   ASSERT_NE(w, nullptr);
   std::unique_ptr<v1::Worker::Stub> as_worker = StubAs(w, cluster_.worker);
   const Attempts a = TryRouterMethods(*as_worker);
@@ -266,12 +259,11 @@ TEST_F(WorkerTlsTest, DisaggregatedRequestOverMutualTls) {
   WorkerProcess* prefill = StartTlsWorker(pf);
   WorkerProcess* decode = StartTlsWorker(df);
   ASSERT_TRUE(prefill != nullptr && decode != nullptr);
-  RouterYaml yaml{.prefill = {prefill->address()}, .decode = {decode->address()},
-                  .mode = "always", .tls = cluster_.router};
+  RouterYaml yaml{
+      .prefill = {prefill->address()}, .decode = {decode->address()}, .mode = "always", .tls = cluster_.router};
   ASSERT_NE(StartRouter(yaml), nullptr);
   const std::vector<int> prompt_ids = MakePrompt(3, 80);
-  Reply r = Post("/v1/completions",
-                 {{"model", "tiny"}, {"prompt", prompt_ids}, {"max_tokens", 8}, {"temperature", 0}});
+  Reply r = Post("/v1/completions", {{"model", "tiny"}, {"prompt", prompt_ids}, {"max_tokens", 8}, {"temperature", 0}});
   ASSERT_EQ(r.http.status, 200) << r.http.body;
   EXPECT_GT(r.json["usage"]["completion_tokens"].get<int>(), 0);
   const v1::LoadReport d = GetLoad(decode->stub());
@@ -284,9 +276,8 @@ TEST_F(WorkerTlsTest, DisaggregatedRequestOverMutualTls) {
 // 4. SSRF: decode_address must be a plain host:port, and with TLS the
 //    prefill worker sends nothing to a peer that is not a worker of its CA.
 TEST_F(WorkerTlsTest, PrefillWorkerSendsNothingToANonWorker) {
-  WorkerProcess* prefill = StartTlsWorker({"--role", "prefill", "--kv-transport", "ucx",
-                                           "--kv-transport-tls", "shm", "--kv-hold-timeout-ms",
-                                           "3000"});
+  WorkerProcess* prefill = StartTlsWorker(
+      {"--role", "prefill", "--kv-transport", "ucx", "--kv-transport-tls", "shm", "--kv-hold-timeout-ms", "3000"});
   ASSERT_NE(prefill, nullptr);
   TcpSink sink;
   v1::KvReservation fake;
@@ -295,8 +286,8 @@ TEST_F(WorkerTlsTest, PrefillWorkerSendsNothingToANonWorker) {
   fake.set_reservation_token(std::string(16, 'x'));
   const v1::GenerateRequest req = SampledRequest(MakePrompt(5, 64), 4, 9);
 
-  for (const char* bad : {"unix:/tmp/tandem.sock", "dns:///127.0.0.1:80", "http://127.0.0.1:80/",
-                          "ipv4:127.0.0.1:80", "127.0.0.1", "[::1]"}) {
+  for (const char* bad : {"unix:/tmp/tandem.sock", "dns:///127.0.0.1:80", "http://127.0.0.1:80/", "ipv4:127.0.0.1:80",
+                          "127.0.0.1", "[::1]"}) {
     Output out = Generate(prefill->stub(), SendRequest(req, bad, fake));
     EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
     EXPECT_THAT(out.status.error_message(), HasSubstr("decode_address")) << bad;
@@ -313,8 +304,7 @@ TEST_F(WorkerTlsTest, PrefillWorkerSendsNothingToANonWorker) {
     EXPECT_EQ(static_cast<unsigned char>(got[0]), 0x16);
   }
   // The blocks are held until the KvReady deadline (3 s) passed.
-  const v1::LoadReport load =
-      ExpectIdle(prefill->stub(), "after the refused hand-off", std::chrono::seconds(15));
+  const v1::LoadReport load = ExpectIdle(prefill->stub(), "after the refused hand-off", std::chrono::seconds(15));
   EXPECT_GE(load.kv_peers_refused(), 6);  // the six malformed addresses
   EXPECT_EQ(load.kv_handoffs(), 0);
 }
@@ -322,11 +312,10 @@ TEST_F(WorkerTlsTest, PrefillWorkerSendsNothingToANonWorker) {
 // 5. Without TLS a prefill worker dials only addresses its --kv-peer-allow
 //    admits (loopback by default): others are refused before any connection.
 TEST_F(WorkerTlsTest, InsecureWorkerDialsOnlyAllowedPeers) {
-  WorkerProcess* loopback_only = StartWorker({"--insecure", "--role", "prefill", "--kv-transport",
-                                              "ucx", "--kv-transport-tls", "shm"});
-  WorkerProcess* listed = StartWorker({"--insecure", "--role", "prefill", "--kv-transport", "ucx",
-                                       "--kv-transport-tls", "shm", "--kv-peer-allow",
-                                       "10.99.0.0/16"});
+  WorkerProcess* loopback_only =
+      StartWorker({"--insecure", "--role", "prefill", "--kv-transport", "ucx", "--kv-transport-tls", "shm"});
+  WorkerProcess* listed = StartWorker({"--insecure", "--role", "prefill", "--kv-transport", "ucx", "--kv-transport-tls",
+                                       "shm", "--kv-peer-allow", "10.99.0.0/16"});
   ASSERT_TRUE(loopback_only != nullptr && listed != nullptr);
   TcpSink sink;
   v1::KvReservation fake;
@@ -353,17 +342,15 @@ TEST_F(WorkerTlsTest, InsecureWorkerDialsOnlyAllowedPeers) {
 // 6. Reservations are named by random ids and 128-bit tokens; KvReady with
 //    the id but not the token finds nothing; a long timeout is capped.
 TEST_F(WorkerTlsTest, ReservationsAreUnguessableAndTheirLifetimeCapped) {
-  WorkerProcess* decode = StartTlsWorker({"--role", "decode", "--kv-transport", "ucx",
-                                          "--kv-transport-tls", "shm",
-                                          "--kv-receive-timeout-ms", "3000",
-                                          "--kv-receive-timeout-max-ms", "5000"});
+  WorkerProcess* decode = StartTlsWorker({"--role", "decode", "--kv-transport", "ucx", "--kv-transport-tls", "shm",
+                                          "--kv-receive-timeout-ms", "3000", "--kv-receive-timeout-max-ms", "5000"});
   ASSERT_NE(decode, nullptr);
   std::vector<std::unique_ptr<ReceiveStream>> streams;
   std::set<uint64_t> ids;
   std::set<std::string> tokens;
   for (int i = 0; i < 4; ++i) {
-    streams.push_back(std::make_unique<ReceiveStream>(
-        decode->stub(), GreedyRequest(MakePrompt(20 + i, 40), 2), /*timeout_ms=*/i == 0 ? 3600000 : 4000));
+    streams.push_back(std::make_unique<ReceiveStream>(decode->stub(), GreedyRequest(MakePrompt(20 + i, 40), 2),
+                                                      /*timeout_ms=*/i == 0 ? 3600000 : 4000));
     ASSERT_TRUE(streams.back()->reserved());
     ids.insert(streams.back()->reservation().reservation_id());
     tokens.insert(streams.back()->reservation().reservation_token());
@@ -411,8 +398,7 @@ TEST_F(WorkerTlsTest, ReservationsAreUnguessableAndTheirLifetimeCapped) {
 //    caller (another certificate name) still can; a cancelled reservation
 //    gives its blocks back.
 TEST_F(WorkerTlsTest, OneCallerCannotHoldMoreThanItsCap) {
-  WorkerProcess* decode = StartTlsWorker({"--role", "decode", "--kv-transport", "ucx",
-                                          "--kv-transport-tls", "shm",
+  WorkerProcess* decode = StartTlsWorker({"--role", "decode", "--kv-transport", "ucx", "--kv-transport-tls", "shm",
                                           "--kv-reserve-max-blocks-per-caller", "8"});
   ASSERT_NE(decode, nullptr);
   // 64-token prompts: 4 blocks each.
@@ -428,8 +414,7 @@ TEST_F(WorkerTlsTest, OneCallerCannotHoldMoreThanItsCap) {
   EXPECT_EQ(GetLoad(decode->stub()).reservations_over_caller_cap(), 1);
 
   // Another router (its own certificate name) has its own budget.
-  absl::StatusOr<tls::TlsFiles> router_b =
-      tls::IssueFromCaDir(dir_ + "/cluster", tls::kRouterIdentity, "router-b", 1);
+  absl::StatusOr<tls::TlsFiles> router_b = tls::IssueFromCaDir(dir_ + "/cluster", tls::kRouterIdentity, "router-b", 1);
   ASSERT_TRUE(router_b.ok()) << router_b.status();
   std::unique_ptr<v1::Worker::Stub> other = StubAs(decode, *router_b);
   ReceiveStream d(*other, GreedyRequest(MakePrompt(33, 64), 2), 30000);
@@ -438,8 +423,7 @@ TEST_F(WorkerTlsTest, OneCallerCannotHoldMoreThanItsCap) {
   // Cancelling gives the blocks back.
   a.Cancel();
   a.Finish();
-  WaitUntil([&] { return GetLoad(decode->stub()).reserved_blocks() == 8; },
-            std::chrono::seconds(5));
+  WaitUntil([&] { return GetLoad(decode->stub()).reserved_blocks() == 8; }, std::chrono::seconds(5));
   ReceiveStream e(decode->stub(), GreedyRequest(MakePrompt(34, 64), 2), 30000);
   EXPECT_TRUE(e.reserved()) << e.Finish().status.error_message();
   for (ReceiveStream* r : {&b, &d, &e}) {
@@ -460,9 +444,8 @@ TEST_F(WorkerTlsTest, WorkerNeedsTlsOrInsecureByName) {
   EXPECT_NE(rc, 0);
   EXPECT_THAT(out, HasSubstr("--tls-ca, --tls-cert and --tls-key"));
   EXPECT_THAT(out, HasSubstr("--insecure"));
-  const int foreign = RunCommand(absl::StrCat(*bin, " worker --port 0 --tls-ca ", other_.worker.ca,
-                                              " --tls-cert ", cluster_.worker.cert, " --tls-key ",
-                                              cluster_.worker.key),
+  const int foreign = RunCommand(absl::StrCat(*bin, " worker --port 0 --tls-ca ", other_.worker.ca, " --tls-cert ",
+                                              cluster_.worker.cert, " --tls-key ", cluster_.worker.key),
                                  &out);
   EXPECT_NE(foreign, 0);
   EXPECT_THAT(out, HasSubstr("--tls-cert"));
@@ -480,24 +463,20 @@ TEST_F(WorkerTlsTest, CertsCommandMakesAWorkingSet) {
   ASSERT_EQ(RunCommand(absl::StrCat(*bin, " certs --out ", out_dir), &out), 0) << out;
   EXPECT_NE(RunCommand(absl::StrCat(*bin, " certs --out ", out_dir), &out), 0);
   EXPECT_THAT(out, HasSubstr("already holds a CA"));
-  ASSERT_EQ(RunCommand(absl::StrCat(*bin, " certs --out ", out_dir, " --issue router:admin-1"), &out), 0)
-      << out;
+  ASSERT_EQ(RunCommand(absl::StrCat(*bin, " certs --out ", out_dir, " --issue router:admin-1"), &out), 0) << out;
   EXPECT_NE(RunCommand(absl::StrCat(*bin, " certs --out ", out_dir, " --issue king:x"), &out), 0);
   EXPECT_THAT(out, HasSubstr("router:NAME or worker:NAME"));
 
   const tls::ClusterFiles ops = tls::ClusterFilesIn(out_dir);
-  WorkerProcess* w = StartWorker({"--tls-ca", ops.worker.ca, "--tls-cert", ops.worker.cert,
-                                  "--tls-key", ops.worker.key},
-                                 LaunchOptions{.client_tls = tls::TlsFiles{
-                                                   .ca = ops.router.ca,
-                                                   .cert = out_dir + "/admin-1.crt",
-                                                   .key = out_dir + "/admin-1.key"}});
+  WorkerProcess* w = StartWorker(
+      {"--tls-ca", ops.worker.ca, "--tls-cert", ops.worker.cert, "--tls-key", ops.worker.key},
+      LaunchOptions{.client_tls = tls::TlsFiles{
+                        .ca = ops.router.ca, .cert = out_dir + "/admin-1.crt", .key = out_dir + "/admin-1.key"}});
   ASSERT_NE(w, nullptr);
   ExpectWellFormed(Generate(w->stub(), GreedyRequest(MakePrompt(2, 20), 3)), "admin-1's request");
   // This cluster's CA does not vouch for the other one's router.
-  EXPECT_FALSE(Generate(*StubAs(w, cluster_.router), GreedyRequest(MakePrompt(2, 20), 3),
-                        std::chrono::seconds(10))
-                   .status.ok());
+  EXPECT_FALSE(
+      Generate(*StubAs(w, cluster_.router), GreedyRequest(MakePrompt(2, 20), 3), std::chrono::seconds(10)).status.ok());
 }
 
 // 10. The router checks its tls section at start: a missing section, or a
@@ -511,9 +490,8 @@ TEST_F(WorkerTlsTest, RouterRefusesAMissingOrForeignIdentityAtStart) {
   const std::string none = dir_ + "/none.yaml", foreign = dir_ + "/foreign.yaml";
   {
     std::ofstream(none) << base;
-    std::ofstream(foreign) << base << "tls:\n  ca: " << cluster_.router.ca
-                           << "\n  cert: " << other_.router.cert << "\n  key: " << other_.router.key
-                           << "\n";
+    std::ofstream(foreign) << base << "tls:\n  ca: " << cluster_.router.ca << "\n  cert: " << other_.router.cert
+                           << "\n  key: " << other_.router.key << "\n";
   }
   std::string out;
   EXPECT_NE(RunCommand(absl::StrCat(*bin, " router --config ", none), &out), 0);

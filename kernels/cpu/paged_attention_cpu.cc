@@ -33,8 +33,8 @@ struct View {
   const float* kv;
 };
 View ViewOf(const PagedAttentionParams& p) {
-  return View{static_cast<const float*>(p.q), p.q_stride_bytes / int64_t{sizeof(float)},
-              static_cast<float*>(p.out), static_cast<const float*>(p.kv_cache)};
+  return View{static_cast<const float*>(p.q), p.q_stride_bytes / int64_t{sizeof(float)}, static_cast<float*>(p.out),
+              static_cast<const float*>(p.kv_cache)};
 }
 
 absl::Status CheckSequence(const PagedAttentionParams& p, int s) {
@@ -46,30 +46,27 @@ absl::Status CheckSequence(const PagedAttentionParams& p, int s) {
   }
   int blocks = (ctx + p.layout.block_size - 1) / p.layout.block_size;
   if (blocks > p.max_blocks_per_seq) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "paged attention: sequence %d needs %d blocks, table holds %d", s, blocks,
-        p.max_blocks_per_seq));
+    return absl::InvalidArgumentError(absl::StrFormat("paged attention: sequence %d needs %d blocks, table holds %d", s,
+                                                      blocks, p.max_blocks_per_seq));
   }
   const int32_t* table = p.block_tables + int64_t{s} * p.max_blocks_per_seq;
   for (int b = 0; b < blocks; ++b) {
     if (table[b] < 0 || table[b] >= p.layout.num_blocks) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "paged attention: sequence %d block %d is %d, pool has %d", s, b, table[b],
-          p.layout.num_blocks));
+      return absl::InvalidArgumentError(absl::StrFormat("paged attention: sequence %d block %d is %d, pool has %d", s,
+                                                        b, table[b], p.layout.num_blocks));
     }
   }
   return absl::OkStatus();
 }
 
 // One query row against `ctx` keys read in place from the blocks.
-void DecodeOneHead(const PagedAttentionParams& p, const float* kv_cache, const int32_t* table,
-                   int ctx, int kv_head, const float* q, float* out, std::vector<float>& scores) {
+void DecodeOneHead(const PagedAttentionParams& p, const float* kv_cache, const int32_t* table, int ctx, int kv_head,
+                   const float* q, float* out, std::vector<float>& scores) {
   const KvLayout& L = p.layout;
   const int hd = L.head_dim;
   scores.resize(ctx);
   for (int t = 0; t < ctx; ++t) {
-    const float* k = kv_cache + L.OffsetElems(table[t / L.block_size], p.layer, 0, kv_head,
-                                              t % L.block_size);
+    const float* k = kv_cache + L.OffsetElems(table[t / L.block_size], p.layer, 0, kv_head, t % L.block_size);
     scores[t] = cpu::Dot(q, k, hd) * p.scale;
   }
   float mx = cpu::MaxOf(scores.data(), ctx);
@@ -77,8 +74,7 @@ void DecodeOneHead(const PagedAttentionParams& p, const float* kv_cache, const i
   float inv = static_cast<float>(1.0 / sum);
   std::fill(out, out + hd, 0.0f);
   for (int t = 0; t < ctx; ++t) {
-    const float* v = kv_cache + L.OffsetElems(table[t / L.block_size], p.layer, 1, kv_head,
-                                              t % L.block_size);
+    const float* v = kv_cache + L.OffsetElems(table[t / L.block_size], p.layer, 1, kv_head, t % L.block_size);
     cpu::Axpy(scores[t] * inv, v, out, hd);
   }
 }
@@ -105,28 +101,25 @@ void PrefillGroup(const PagedAttentionParams& p, const View& a, int s, int kv_he
   for (int t0 = 0; t0 < ctx; t0 += L.block_size) {
     int n = std::min(L.block_size, ctx - t0);
     int64_t blk = table[t0 / L.block_size];
-    std::memcpy(&w.k[size_t(t0) * hd], a.kv + L.OffsetElems(blk, p.layer, 0, kv_head, 0),
-                sizeof(float) * n * hd);
-    std::memcpy(&w.v[size_t(t0) * hd], a.kv + L.OffsetElems(blk, p.layer, 1, kv_head, 0),
-                sizeof(float) * n * hd);
+    std::memcpy(&w.k[size_t(t0) * hd], a.kv + L.OffsetElems(blk, p.layer, 0, kv_head, 0), sizeof(float) * n * hd);
+    std::memcpy(&w.v[size_t(t0) * hd], a.kv + L.OffsetElems(blk, p.layer, 1, kv_head, 0), sizeof(float) * n * hd);
   }
 
   for (int i0 = 0; i0 < q_len; i0 += kQueryTile) {
     const int tq = std::min(kQueryTile, q_len - i0);
     // The tile's last query sees keys [0, keys) (all of them when not causal).
     const int keys = p.causal ? first_pos + i0 + tq : ctx;
-    const int rows = group * tq;           // row r: head (r / tq), query i0 + (r % tq)
+    const int rows = group * tq;  // row r: head (r / tq), query i0 + (r % tq)
     w.q.resize(size_t(rows) * hd);
     for (int g = 0; g < group; ++g) {
       const int h = kv_head * group + g;
       for (int i = 0; i < tq; ++i) {
-        std::memcpy(&w.q[(size_t(g) * tq + i) * hd], a.q + (q0 + i0 + i) * a.q_stride + h * hd,
-                    sizeof(float) * hd);
+        std::memcpy(&w.q[(size_t(g) * tq + i) * hd], a.q + (q0 + i0 + i) * a.q_stride + h * hd, sizeof(float) * hd);
       }
     }
     w.s.resize(size_t(rows) * keys);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hd, p.scale, w.q.data(), hd,
-                w.k.data(), hd, 0.0f, w.s.data(), keys);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hd, p.scale, w.q.data(), hd, w.k.data(), hd, 0.0f,
+                w.s.data(), keys);
     for (int r = 0; r < rows; ++r) {
       float* row = &w.s[size_t(r) * keys];
       const int valid = p.causal ? first_pos + i0 + (r % tq) + 1 : ctx;
@@ -136,13 +129,12 @@ void PrefillGroup(const PagedAttentionParams& p, const View& a, int s, int kv_he
       std::fill(row + valid, row + keys, 0.0f);
     }
     w.o.resize(size_t(rows) * hd);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, keys, 1.0f, w.s.data(), keys,
-                w.v.data(), hd, 0.0f, w.o.data(), hd);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, keys, 1.0f, w.s.data(), keys, w.v.data(), hd, 0.0f,
+                w.o.data(), hd);
     for (int g = 0; g < group; ++g) {
       const int h = kv_head * group + g;
       for (int i = 0; i < tq; ++i) {
-        std::memcpy(a.out + (q0 + i0 + i) * out_stride + h * hd, &w.o[(size_t(g) * tq + i) * hd],
-                    sizeof(float) * hd);
+        std::memcpy(a.out + (q0 + i0 + i) * out_stride + h * hd, &w.o[(size_t(g) * tq + i) * hd], sizeof(float) * hd);
       }
     }
   }
@@ -181,13 +173,12 @@ absl::Status WriteKvCache(const WriteKvParams& p) {
 
 absl::Status PagedAttention(const PagedAttentionParams& p) {
   if (p.layout.dtype != DType::kF32) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "paged attention: the CPU kernels take float32, not %s", DTypeName(p.layout.dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("paged attention: the CPU kernels take float32, not %s", DTypeName(p.layout.dtype)));
   }
   if (p.layout.num_kv_heads <= 0 || p.num_heads % p.layout.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "paged attention: %d query heads is not a multiple of %d kv heads", p.num_heads,
-        p.layout.num_kv_heads));
+        "paged attention: %d query heads is not a multiple of %d kv heads", p.num_heads, p.layout.num_kv_heads));
   }
   for (int s = 0; s < p.num_seqs; ++s) {
     absl::Status st = CheckSequence(p, s);

@@ -31,8 +31,8 @@ const DeviceInfo& Device() {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess || count == 0) {
-      d.why = absl::StrFormat("no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e)
-                                                                      : "cudaGetDeviceCount found none");
+      d.why = absl::StrFormat("no CUDA device (%s)",
+                              e != cudaSuccess ? cudaGetErrorString(e) : "cudaGetDeviceCount found none");
       cudaGetLastError();  // clear the sticky-free error for later calls
       return d;
     }
@@ -44,8 +44,8 @@ const DeviceInfo& Device() {
       return d;
     }
     if (prop.major != 9) {
-      d.why = absl::StrFormat("the kernels are built for sm_90a (Hopper); device %d (%s) is sm_%d%d",
-                              device, prop.name, prop.major, prop.minor);
+      d.why = absl::StrFormat("the kernels are built for sm_90a (Hopper); device %d (%s) is sm_%d%d", device, prop.name,
+                              prop.major, prop.minor);
       return d;
     }
     d.ok = true;
@@ -57,8 +57,7 @@ const DeviceInfo& Device() {
 
 absl::Status CudaStatus(int err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrFormat("%s: %s", what, cudaGetErrorString(static_cast<cudaError_t>(err))));
+  return absl::InternalError(absl::StrFormat("%s: %s", what, cudaGetErrorString(static_cast<cudaError_t>(err))));
 }
 
 absl::StatusOr<Elem> ElemOf(DType t, const char* what) {
@@ -68,25 +67,23 @@ absl::StatusOr<Elem> ElemOf(DType t, const char* what) {
     case DType::kF16:
       return Elem::kF16;
     default:
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: the CUDA kernels take bfloat16 or float16, not %s", what, DTypeName(t)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: the CUDA kernels take bfloat16 or float16, not %s", what, DTypeName(t)));
   }
 }
 
 absl::Status CheckLayout(const KvLayout& L, int layer, const char* what) {
   if (L.num_kv_heads <= 0 || L.num_layers <= 0 || L.num_blocks <= 0 || L.block_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: the KV layout is empty (%d layers, %d kv heads, %d blocks of %d)", what, L.num_layers,
-        L.num_kv_heads, L.num_blocks, L.block_size));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: the KV layout is empty (%d layers, %d kv heads, %d blocks of %d)", what, L.num_layers,
+                        L.num_kv_heads, L.num_blocks, L.block_size));
   }
   if (L.head_dim <= 0 || L.head_dim % 8 != 0 || L.head_dim > 256) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: head_dim %d is not supported (the CUDA kernels take multiples of 8 up to 256)", what,
-        L.head_dim));
+        "%s: head_dim %d is not supported (the CUDA kernels take multiples of 8 up to 256)", what, L.head_dim));
   }
   if (layer < 0 || layer >= L.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s: layer %d outside [0, %d)", what, layer, L.num_layers));
+    return absl::InvalidArgumentError(absl::StrFormat("%s: layer %d outside [0, %d)", what, layer, L.num_layers));
   }
   return absl::OkStatus();
 }
@@ -116,8 +113,8 @@ bool Available(const char** why) {
 
 int64_t WorkspaceBytes(int num_tokens, int num_heads, int head_dim, int max_splits) {
   const int useful = internal::MaxUsefulSplits(num_tokens, Device().ok ? Device().num_sms : 0);
-  return kErrorWordBytes + internal::SplitKvWorkspaceBytes(num_tokens, num_heads, head_dim,
-                                                           std::max(1, std::min(max_splits, useful)));
+  return kErrorWordBytes +
+         internal::SplitKvWorkspaceBytes(num_tokens, num_heads, head_dim, std::max(1, std::min(max_splits, useful)));
 }
 
 absl::Status WriteKvCache(const WriteKvParams& p) {
@@ -134,9 +131,8 @@ absl::Status WriteKvCache(const WriteKvParams& p) {
   }
   const int64_t eb = p.layout.elem_bytes();
   if (p.src_stride_bytes % eb != 0 || p.src_stride_bytes < p.layout.num_kv_heads * p.layout.row_bytes()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "write kv: src_stride_bytes %d is not a whole row of %d kv heads", p.src_stride_bytes,
-        p.layout.num_kv_heads));
+    return absl::InvalidArgumentError(absl::StrFormat("write kv: src_stride_bytes %d is not a whole row of %d kv heads",
+                                                      p.src_stride_bytes, p.layout.num_kv_heads));
   }
   if (!Aligned16(p.k) || !Aligned16(p.v) || !Aligned16(p.kv_cache) || p.src_stride_bytes % 16 != 0) {
     return absl::InvalidArgumentError("write kv: k, v, kv_cache and src_stride_bytes must be 16-byte aligned");
@@ -162,14 +158,12 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   const KvLayout& L = p.layout;
   if (p.num_heads <= 0 || p.num_heads % L.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "paged attention: %d query heads is not a multiple of %d kv heads", p.num_heads,
-        L.num_kv_heads));
+        "paged attention: %d query heads is not a multiple of %d kv heads", p.num_heads, L.num_kv_heads));
   }
   if (p.num_seqs < 0) return absl::InvalidArgumentError("paged attention: num_seqs < 0");
   if (p.num_seqs == 0) return absl::OkStatus();
   if (p.host_query_start == nullptr || p.host_context_lens == nullptr) {
-    return absl::InvalidArgumentError(
-        "paged attention: the CUDA backend needs host_query_start and host_context_lens");
+    return absl::InvalidArgumentError("paged attention: the CUDA backend needs host_query_start and host_context_lens");
   }
   if (p.q == nullptr || p.out == nullptr || p.kv_cache == nullptr || p.query_start == nullptr ||
       p.context_lens == nullptr || p.block_tables == nullptr || p.workspace == nullptr) {
@@ -178,20 +172,18 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         "are required");
   }
   if (p.workspace_bytes < kErrorWordBytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "paged attention: the workspace holds %d bytes; at least %d are needed (cuda::WorkspaceBytes "
-        "says how many let long contexts split across the GPU)",
-        p.workspace_bytes, kErrorWordBytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("paged attention: the workspace holds %d bytes; at least %d are needed (cuda::WorkspaceBytes "
+                        "says how many let long contexts split across the GPU)",
+                        p.workspace_bytes, kErrorWordBytes));
   }
   const int64_t eb = L.elem_bytes();
   if (p.q_stride_bytes % eb != 0 || p.q_stride_bytes < p.num_heads * L.row_bytes()) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "paged attention: q_stride_bytes %d is not a whole row of %d heads", p.q_stride_bytes,
-        p.num_heads));
+        "paged attention: q_stride_bytes %d is not a whole row of %d heads", p.q_stride_bytes, p.num_heads));
   }
   if (!Aligned16(p.q) || !Aligned16(p.out) || !Aligned16(p.kv_cache) || p.q_stride_bytes % 16 != 0) {
-    return absl::InvalidArgumentError(
-        "paged attention: q, out, kv_cache and q_stride_bytes must be 16-byte aligned");
+    return absl::InvalidArgumentError("paged attention: q, out, kv_cache and q_stride_bytes must be 16-byte aligned");
   }
   AttnArgs a;
   a.elem = *elem;
@@ -216,14 +208,13 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
     const int q_len = p.host_query_start[s + 1] - p.host_query_start[s];
     const int ctx = p.host_context_lens[s];
     if (q_len < 0 || ctx < q_len) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "paged attention: sequence %d has %d queries but context %d", s, q_len, ctx));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("paged attention: sequence %d has %d queries but context %d", s, q_len, ctx));
     }
     const int64_t blocks = (int64_t{ctx} + L.block_size - 1) / L.block_size;
     if (blocks > p.max_blocks_per_seq) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "paged attention: sequence %d needs %d blocks, table holds %d", s, blocks,
-          p.max_blocks_per_seq));
+      return absl::InvalidArgumentError(absl::StrFormat("paged attention: sequence %d needs %d blocks, table holds %d",
+                                                        s, blocks, p.max_blocks_per_seq));
     }
     a.max_q_len = std::max(a.max_q_len, q_len);
     a.max_context = std::max(a.max_context, ctx);
@@ -246,28 +237,27 @@ absl::Status TakeError(void* workspace, void* stream) {
   if (const char* why = nullptr; !Available(&why)) return absl::FailedPreconditionError(why);
   auto s = static_cast<cudaStream_t>(stream);
   int word = 0;
-  if (absl::Status st = CudaStatus(cudaMemcpyAsync(&word, workspace, sizeof(word), cudaMemcpyDeviceToHost, s),
-                                   "read the error word");
+  if (absl::Status st =
+          CudaStatus(cudaMemcpyAsync(&word, workspace, sizeof(word), cudaMemcpyDeviceToHost, s), "read the error word");
       !st.ok()) {
     return st;
   }
   if (absl::Status st = CudaStatus(cudaStreamSynchronize(s), "synchronize"); !st.ok()) return st;
   if (word == 0) return absl::OkStatus();
-  if (absl::Status st = CudaStatus(cudaMemsetAsync(workspace, 0, sizeof(word), s), "clear the error word");
-      !st.ok()) {
+  if (absl::Status st = CudaStatus(cudaMemsetAsync(workspace, 0, sizeof(word), s), "clear the error word"); !st.ok()) {
     return st;
   }
   const int kind = static_cast<unsigned>(word) >> 28;
   const int index = word & ((1 << 28) - 1);
   switch (kind) {
     case internal::kErrBlockId:
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "paged attention: sequence %d's block table holds a block id outside the pool (its rows "
-          "were written as zeros)",
-          index));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("paged attention: sequence %d's block table holds a block id outside the pool (its rows "
+                          "were written as zeros)",
+                          index));
     case internal::kErrSlot:
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "write kv: token %d maps to a slot outside the pool (it was not written)", index));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("write kv: token %d maps to a slot outside the pool (it was not written)", index));
     default:
       return absl::InternalError(absl::StrFormat("a kernel recorded an unknown error word %#x", word));
   }

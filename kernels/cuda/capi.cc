@@ -23,14 +23,15 @@ const char* Result(const absl::Status& s) {
 }
 
 // dtype: 0 f32, 1 bf16, 2 f16.
-KvLayout LayoutOf(int dtype, int num_layers, int num_kv_heads, int head_dim, int block_size,
-                  int64_t num_blocks) {
+KvLayout LayoutOf(int dtype, int num_layers, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks) {
   return KvLayout{.num_layers = num_layers,
                   .num_kv_heads = num_kv_heads,
                   .head_dim = head_dim,
                   .block_size = block_size,
                   .num_blocks = num_blocks,
-                  .dtype = dtype == 1 ? DType::kBF16 : dtype == 2 ? DType::kF16 : DType::kF32};
+                  .dtype = dtype == 1   ? DType::kBF16
+                           : dtype == 2 ? DType::kF16
+                                        : DType::kF32};
 }
 
 }  // namespace
@@ -38,9 +39,7 @@ KvLayout LayoutOf(int dtype, int num_layers, int num_kv_heads, int head_dim, int
 extern "C" {
 
 // 1 if the CUDA kernels can run here; otherwise 0 and *why says why.
-int tandem_cuda_available(const char** why) {
-  return tandem::kernels::cuda::Available(why) ? 1 : 0;
-}
+int tandem_cuda_available(const char** why) { return tandem::kernels::cuda::Available(why) ? 1 : 0; }
 
 int64_t tandem_workspace_bytes(int num_tokens, int num_heads, int head_dim) {
   return tandem::kernels::cuda::WorkspaceBytes(num_tokens, num_heads, head_dim);
@@ -71,10 +70,9 @@ const char* tandem_write_kv(int dtype, int num_layers, int num_kv_heads, int hea
 
 const char* tandem_paged_attention(int dtype, int num_layers, int num_kv_heads, int head_dim, int block_size,
                                    int64_t num_blocks, int layer, const void* q_dev, int64_t q_stride_bytes,
-                                   void* out_dev, const void* kv_cache_dev, int num_heads, float scale,
-                                   int causal, int num_seqs, const int* query_start_dev,
-                                   const int* context_lens_dev, const int32_t* block_tables_dev,
-                                   int max_blocks_per_seq, const int* host_query_start,
+                                   void* out_dev, const void* kv_cache_dev, int num_heads, float scale, int causal,
+                                   int num_seqs, const int* query_start_dev, const int* context_lens_dev,
+                                   const int32_t* block_tables_dev, int max_blocks_per_seq, const int* host_query_start,
                                    const int* host_context_lens, void* workspace_dev, int64_t workspace_bytes,
                                    void* stream) {
   tandem::kernels::PagedAttentionParams p{

@@ -40,7 +40,7 @@ struct WriteKvArgs {
   int64_t src_stride = 0;  // elements between tokens
   const int64_t* slot_mapping = nullptr;
   int num_tokens = 0;
-  PoolView pool;           // pool.kv is writable here
+  PoolView pool;  // pool.kv is writable here
   int* error = nullptr;
 };
 int LaunchWriteKv(const WriteKvArgs& a, void* stream);
@@ -48,11 +48,11 @@ int LaunchWriteKv(const WriteKvArgs& a, void* stream);
 struct AttnArgs {
   Elem elem = Elem::kBF16;
   const void* q = nullptr;
-  int64_t q_stride = 0;    // elements between tokens
-  void* out = nullptr;     // dense [tokens, num_heads * head_dim]
+  int64_t q_stride = 0;  // elements between tokens
+  void* out = nullptr;   // dense [tokens, num_heads * head_dim]
   PoolView pool;
   int num_heads = 0;
-  int group = 0;           // num_heads / num_kv_heads
+  int group = 0;  // num_heads / num_kv_heads
   float scale = 1.0f;
   bool causal = true;
   int num_seqs = 0;
@@ -62,7 +62,7 @@ struct AttnArgs {
   int max_blocks_per_seq = 0;
   int* error = nullptr;
   // From the host copies:
-  int num_tokens = 0;      // query_start[num_seqs]
+  int num_tokens = 0;  // query_start[num_seqs]
   int max_q_len = 0;
   int max_context = 0;
 };
@@ -71,13 +71,12 @@ struct AttnArgs {
 // sequence (decode, and the general fallback for shapes the prefill kernel
 // does not take). Partials live in `workspace` after the error word.
 struct SplitPlan {
-  int num_splits = 1;       // KV partitions per (token, kv head)
-  int keys_per_split = 0;   // multiple of the kernel's key tile
+  int num_splits = 1;      // KV partitions per (token, kv head)
+  int keys_per_split = 0;  // multiple of the kernel's key tile
 };
 // At most as many splits as `workspace_bytes` (beyond the error word) holds.
 SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes);
-int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes,
-                  void* stream);
+int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes, void* stream);
 // The most splits a call of `num_tokens` query tokens can be given (every
 // token is at least one unit of work), for sizing workspaces.
 int MaxUsefulSplits(int num_tokens, int num_sms);

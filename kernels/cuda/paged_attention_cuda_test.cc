@@ -38,10 +38,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-#define SKIP_WITHOUT_GPU()                                  \
-  do {                                                      \
-    const char* why = nullptr;                              \
-    if (!cuda::Available(&why)) GTEST_SKIP() << why;        \
+#define SKIP_WITHOUT_GPU()                           \
+  do {                                               \
+    const char* why = nullptr;                       \
+    if (!cuda::Available(&why)) GTEST_SKIP() << why; \
   } while (0)
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
@@ -129,8 +129,8 @@ struct Case {
   bool check_cpu = false;  // also run cpu::PagedAttention on the rounded floats
   int num_heads() const { return num_kv_heads * group; }
   std::string Describe() const {
-    std::string s = absl::StrFormat("%s hd=%d bs=%d kvh=%d group=%d %s seqs=", DTypeName(dtype), head_dim,
-                                    block_size, num_kv_heads, group, causal ? "causal" : "non-causal");
+    std::string s = absl::StrFormat("%s hd=%d bs=%d kvh=%d group=%d %s seqs=", DTypeName(dtype), head_dim, block_size,
+                                    num_kv_heads, group, causal ? "causal" : "non-causal");
     for (size_t i = 0; i < seqs.size() && i < 12; ++i) absl::StrAppendFormat(&s, "(%d/%d)", seqs[i].q_len, seqs[i].ctx);
     if (seqs.size() > 12) absl::StrAppendFormat(&s, "... (%d sequences)", seqs.size());
     return s;
@@ -266,8 +266,12 @@ void BuildPool(const Case& c, const HostData& d, DevicePool& pool, void* workspa
     total += b;
   }
   pool.max_blocks += 1;  // a spare column, filled with an id no kernel may read
-  pool.layout = KvLayout{.num_layers = 2, .num_kv_heads = c.num_kv_heads, .head_dim = c.head_dim,
-                         .block_size = c.block_size, .num_blocks = total + 5, .dtype = c.dtype};
+  pool.layout = KvLayout{.num_layers = 2,
+                         .num_kv_heads = c.num_kv_heads,
+                         .head_dim = c.head_dim,
+                         .block_size = c.block_size,
+                         .num_blocks = total + 5,
+                         .dtype = c.dtype};
   std::vector<int32_t> perm(pool.layout.num_blocks);
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
@@ -402,8 +406,7 @@ struct Errors {
   size_t worst = 0;
 };
 
-Errors Compare(const std::vector<float>& out, const std::vector<double>& ref, const std::vector<float>& base,
-               DType t) {
+Errors Compare(const std::vector<float>& out, const std::vector<double>& ref, const std::vector<float>& base, DType t) {
   Errors e;
   e.floor = RoundoffFloor(ref, t);
   for (size_t i = 0; i < out.size(); ++i) {
@@ -491,8 +494,8 @@ void RunCase(const Case& c) {
 // A ragged batch mixing prefill, chunked prefill over a prefix and decode,
 // with contexts 1, block-1, block, block+1 and ~1k, and an idle sequence.
 std::vector<Seq> MixedBatch(int bs) {
-  return {{1, 1},   {bs - 1, bs - 1}, {1, bs},    {3, bs + 1}, {37, 300},
-          {1, 1000}, {0, 50},         {bs + 1, bs + 1}, {5, 1030}, {1, bs - 1}};
+  return {{1, 1},    {bs - 1, bs - 1}, {1, bs},          {3, bs + 1}, {37, 300},
+          {1, 1000}, {0, 50},          {bs + 1, bs + 1}, {5, 1030},   {1, bs - 1}};
 }
 
 // ---- The matrix ---------------------------------------------------------------
@@ -504,7 +507,10 @@ class CudaAttentionMatrix : public ::testing::TestWithParam<MatrixParam> {};
 TEST_P(CudaAttentionMatrix, MixedBatchBf16) {
   SKIP_WITHOUT_GPU();
   const auto [bs, group, hd] = GetParam();
-  Case c{.seqs = MixedBatch(bs), .group = group, .head_dim = hd, .block_size = bs,
+  Case c{.seqs = MixedBatch(bs),
+         .group = group,
+         .head_dim = hd,
+         .block_size = bs,
          .seed = static_cast<uint32_t>(bs * 1000 + group * 10 + hd)};
   c.check_cpu = group == 4;
   RunCase(c);
@@ -522,7 +528,11 @@ TEST(CudaAttentionTest, MixedBatchF16) {
   SKIP_WITHOUT_GPU();
   for (int bs : {16, 32, 64})
     for (int hd : {64, 128}) {
-      RunCase({.seqs = MixedBatch(bs), .group = 5, .head_dim = hd, .block_size = bs, .dtype = DType::kF16,
+      RunCase({.seqs = MixedBatch(bs),
+               .group = 5,
+               .head_dim = hd,
+               .block_size = bs,
+               .dtype = DType::kF16,
                .seed = static_cast<uint32_t>(7 + bs + hd)});
     }
 }
@@ -530,11 +540,21 @@ TEST(CudaAttentionTest, MixedBatchF16) {
 TEST(CudaAttentionTest, NonCausalMixedBatch) {
   SKIP_WITHOUT_GPU();
   for (int hd : {128, 64, 80}) {
-    RunCase({.seqs = MixedBatch(32), .group = 4, .head_dim = hd, .block_size = 32, .causal = false,
-             .seed = static_cast<uint32_t>(100 + hd), .check_cpu = hd == 128});
+    RunCase({.seqs = MixedBatch(32),
+             .group = 4,
+             .head_dim = hd,
+             .block_size = 32,
+             .causal = false,
+             .seed = static_cast<uint32_t>(100 + hd),
+             .check_cpu = hd == 128});
   }
-  RunCase({.seqs = MixedBatch(16), .group = 8, .head_dim = 128, .block_size = 16, .causal = false,
-           .dtype = DType::kF16, .seed = 5});
+  RunCase({.seqs = MixedBatch(16),
+           .group = 8,
+           .head_dim = 128,
+           .block_size = 16,
+           .causal = false,
+           .dtype = DType::kF16,
+           .seed = 5});
 }
 
 TEST(CudaAttentionTest, LongContexts) {
@@ -542,11 +562,20 @@ TEST(CudaAttentionTest, LongContexts) {
   // 8k and 32k decode, a 64-query chunk over an 8k prefix, at Llama-3-8B's
   // head counts (8 kv heads x 4; here 4 x 8 to keep the host reference short).
   for (int bs : {16, 64}) {
-    RunCase({.seqs = {{1, 8192}, {1, 32768}, {64, 8192}, {1, 8191}, {2, 1025}}, .num_kv_heads = 4, .group = 8,
-             .head_dim = 128, .block_size = bs, .seed = static_cast<uint32_t>(bs)});
+    RunCase({.seqs = {{1, 8192}, {1, 32768}, {64, 8192}, {1, 8191}, {2, 1025}},
+             .num_kv_heads = 4,
+             .group = 8,
+             .head_dim = 128,
+             .block_size = bs,
+             .seed = static_cast<uint32_t>(bs)});
   }
-  RunCase({.seqs = {{1, 8193}, {16, 8192}}, .num_kv_heads = 2, .group = 8, .head_dim = 64, .block_size = 32,
-           .causal = false, .seed = 3});
+  RunCase({.seqs = {{1, 8193}, {16, 8192}},
+           .num_kv_heads = 2,
+           .group = 8,
+           .head_dim = 64,
+           .block_size = 32,
+           .causal = false,
+           .seed = 3});
 }
 
 TEST(CudaAttentionTest, ManyTokensInOneCall) {
@@ -562,27 +591,29 @@ TEST(CudaAttentionTest, ManyTokensInOneCall) {
 
 TEST(CudaAttentionTest, SmallMixedBatch) {
   SKIP_WITHOUT_GPU();
-  RunCase({.seqs = {{5, 5}, {1, 17}, {3, 40}, {0, 8}, {1, 1}}, .group = 4, .head_dim = 64, .block_size = 16,
-           .seed = 11, .check_cpu = true});
-  RunCase({.seqs = {{4, 20}, {1, 33}}, .group = 3, .head_dim = 80, .block_size = 16, .dtype = DType::kF16,
-           .seed = 12});
-  RunCase({.seqs = {{6, 6}, {1, 70}}, .group = 1, .head_dim = 128, .block_size = 64, .causal = false,
-           .seed = 13});
+  RunCase({.seqs = {{5, 5}, {1, 17}, {3, 40}, {0, 8}, {1, 1}},
+           .group = 4,
+           .head_dim = 64,
+           .block_size = 16,
+           .seed = 11,
+           .check_cpu = true});
+  RunCase({.seqs = {{4, 20}, {1, 33}}, .group = 3, .head_dim = 80, .block_size = 16, .dtype = DType::kF16, .seed = 12});
+  RunCase({.seqs = {{6, 6}, {1, 70}}, .group = 1, .head_dim = 128, .block_size = 64, .causal = false, .seed = 13});
 }
 
 TEST(CudaAttentionTest, SmallSplitKv) {
   SKIP_WITHOUT_GPU();
   // Long enough for several KV splits and the combine kernel.
-  RunCase({.seqs = {{1, 700}, {2, 1500}}, .num_kv_heads = 1, .group = 8, .head_dim = 128, .block_size = 32,
-           .seed = 14});
+  RunCase(
+      {.seqs = {{1, 700}, {2, 1500}}, .num_kv_heads = 1, .group = 8, .head_dim = 128, .block_size = 32, .seed = 14});
 }
 
 TEST(CudaAttentionTest, SmallWriteKvRoundTrip) {
   SKIP_WITHOUT_GPU();
   // Every written row lands in its slot, layer and K|V half, bit for bit;
   // the rest of the pool is untouched.
-  KvLayout L{.num_layers = 2, .num_kv_heads = 3, .head_dim = 96, .block_size = 16, .num_blocks = 6,
-             .dtype = DType::kBF16};
+  KvLayout L{
+      .num_layers = 2, .num_kv_heads = 3, .head_dim = 96, .block_size = 16, .num_blocks = 6, .dtype = DType::kBF16};
   const int tokens = 20, row = 3 * 96;
   std::vector<uint16_t> k(tokens * row), v(tokens * row);
   std::mt19937 rng(3);
@@ -590,16 +621,22 @@ TEST(CudaAttentionTest, SmallWriteKvRoundTrip) {
   for (auto& x : v) x = static_cast<uint16_t>(rng() & 0x3FFF);
   std::vector<int64_t> slots(tokens);
   for (int t = 0; t < tokens; ++t) slots[t] = (t % 3 == 2) ? -1 : (5 - t % 6) * 16 + (t * 7) % 16;
-  DevBuf kd(k.size() * 2), vd(v.size() * 2), sd(slots.size() * 8), cache(L.total_bytes()),
-      ws(cuda::kErrorWordBytes);
+  DevBuf kd(k.size() * 2), vd(v.size() * 2), sd(slots.size() * 8), cache(L.total_bytes()), ws(cuda::kErrorWordBytes);
   CUDA_OK(Upload(kd, k));
   CUDA_OK(Upload(vd, v));
   CUDA_OK(Upload(sd, slots));
   CUDA_OK(cudaMemset(cache.get(), 0x11, cache.bytes()));
   CUDA_OK(cudaMemset(ws.get(), 0, ws.bytes()));
-  WriteKvParams w{.backend = Backend::kCuda, .k = kd.get(), .v = vd.get(), .src_stride_bytes = row * 2,
-                  .slot_mapping = sd.as<int64_t>(), .num_tokens = tokens, .layer = 1, .layout = L,
-                  .kv_cache = cache.get(), .workspace = ws.get()};
+  WriteKvParams w{.backend = Backend::kCuda,
+                  .k = kd.get(),
+                  .v = vd.get(),
+                  .src_stride_bytes = row * 2,
+                  .slot_mapping = sd.as<int64_t>(),
+                  .num_tokens = tokens,
+                  .layer = 1,
+                  .layout = L,
+                  .kv_cache = cache.get(),
+                  .workspace = ws.get()};
   ASSERT_TRUE(WriteKvCache(w).ok());
   ASSERT_TRUE(cuda::TakeError(ws.get(), nullptr).ok());
   std::vector<uint16_t> got(L.total_elems());
@@ -622,21 +659,27 @@ TEST(CudaAttentionTest, SmallWriteKvRoundTrip) {
 
 TEST(CudaAttentionTest, SmallWriteKvSlotOutOfRange) {
   SKIP_WITHOUT_GPU();
-  KvLayout L{.num_layers = 1, .num_kv_heads = 1, .head_dim = 64, .block_size = 16, .num_blocks = 2,
-             .dtype = DType::kBF16};
+  KvLayout L{
+      .num_layers = 1, .num_kv_heads = 1, .head_dim = 64, .block_size = 16, .num_blocks = 2, .dtype = DType::kBF16};
   const int tokens = 4;
   std::vector<uint16_t> k(tokens * 64, 0x3F80), v(tokens * 64, 0x4000);  // 1.0, 2.0
-  std::vector<int64_t> slots = {0, 31, 32 + 3, 1};  // token 2 is past the pool (2 blocks of 16)
-  DevBuf kd(k.size() * 2), vd(v.size() * 2), sd(slots.size() * 8), cache(L.total_bytes()),
-      ws(cuda::kErrorWordBytes);
+  std::vector<int64_t> slots = {0, 31, 32 + 3, 1};                       // token 2 is past the pool (2 blocks of 16)
+  DevBuf kd(k.size() * 2), vd(v.size() * 2), sd(slots.size() * 8), cache(L.total_bytes()), ws(cuda::kErrorWordBytes);
   CUDA_OK(Upload(kd, k));
   CUDA_OK(Upload(vd, v));
   CUDA_OK(Upload(sd, slots));
   CUDA_OK(cudaMemset(cache.get(), 0, cache.bytes()));
   CUDA_OK(cudaMemset(ws.get(), 0, ws.bytes()));
-  WriteKvParams w{.backend = Backend::kCuda, .k = kd.get(), .v = vd.get(), .src_stride_bytes = 128,
-                  .slot_mapping = sd.as<int64_t>(), .num_tokens = tokens, .layer = 0, .layout = L,
-                  .kv_cache = cache.get(), .workspace = ws.get()};
+  WriteKvParams w{.backend = Backend::kCuda,
+                  .k = kd.get(),
+                  .v = vd.get(),
+                  .src_stride_bytes = 128,
+                  .slot_mapping = sd.as<int64_t>(),
+                  .num_tokens = tokens,
+                  .layer = 0,
+                  .layout = L,
+                  .kv_cache = cache.get(),
+                  .workspace = ws.get()};
   ASSERT_TRUE(WriteKvCache(w).ok());
   absl::Status st = cuda::TakeError(ws.get(), nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
@@ -705,20 +748,17 @@ TEST(CudaAttentionTest, SmallBadBlockId) {
   SKIP_WITHOUT_GPU();
   // One split per row: the bad id past the pool in the middle sequence's
   // first block, then a negative id in the last sequence's last block.
-  RunBadBlockCase({.seqs = {{4, 40}, {3, 60}, {1, 100}}, .group = 2, .head_dim = 64, .block_size = 16,
-                   .seed = 21},
-                  1, 0, 5);
-  RunBadBlockCase({.seqs = {{4, 40}, {3, 60}, {1, 100}}, .group = 2, .head_dim = 64, .block_size = 16,
-                   .seed = 22},
-                  2, 6, -1);
+  RunBadBlockCase({.seqs = {{4, 40}, {3, 60}, {1, 100}}, .group = 2, .head_dim = 64, .block_size = 16, .seed = 21}, 1,
+                  0, 5);
+  RunBadBlockCase({.seqs = {{4, 40}, {3, 60}, {1, 100}}, .group = 2, .head_dim = 64, .block_size = 16, .seed = 22}, 2,
+                  6, -1);
 }
 
 TEST(CudaAttentionTest, BadBlockIdWithSplitKv) {
   SKIP_WITHOUT_GPU();
   // Long enough that the rows are split over several CTAs: only the split
   // holding block 0 sees the bad id; the rows must still come out zeros.
-  RunBadBlockCase({.seqs = {{2, 64}, {3, 4000}, {1, 100}}, .group = 4, .head_dim = 128, .block_size = 16,
-                   .seed = 23},
+  RunBadBlockCase({.seqs = {{2, 64}, {3, 4000}, {1, 100}}, .group = 4, .head_dim = 128, .block_size = 16, .seed = 23},
                   1, 0, 1);
 }
 
@@ -762,9 +802,15 @@ TEST_F(CudaBadParams, UnsupportedHeadDim) {
     PagedAttentionParams p = p_;
     p.layout.head_dim = hd;
     ExpectInvalid(p, absl::StrFormat("head_dim %d is not supported", hd));
-    WriteKvParams w{.backend = Backend::kCuda, .k = call_.q.get(), .v = call_.q.get(), .src_stride_bytes = 4096,
-                    .slot_mapping = reinterpret_cast<const int64_t*>(call_.query_start.get()), .num_tokens = 1,
-                    .layout = p.layout, .kv_cache = pool_.cache.get(), .workspace = call_.workspace.get()};
+    WriteKvParams w{.backend = Backend::kCuda,
+                    .k = call_.q.get(),
+                    .v = call_.q.get(),
+                    .src_stride_bytes = 4096,
+                    .slot_mapping = reinterpret_cast<const int64_t*>(call_.query_start.get()),
+                    .num_tokens = 1,
+                    .layout = p.layout,
+                    .kv_cache = pool_.cache.get(),
+                    .workspace = call_.workspace.get()};
     absl::Status st = WriteKvCache(w);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     EXPECT_THAT(std::string(st.message()), HasSubstr("not supported"));

@@ -67,8 +67,7 @@ __device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t& r0, uint32_t
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
 }
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                                uint32_t& r3) {
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
@@ -119,14 +118,14 @@ template <typename T, int kD, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 1) PrefillKernel(AttnArgs a) {
   constexpr int kM = 16 * kWarps;
   constexpr int kThreads = kWarps * 32;
-  constexpr int kChunks = kD / 8;         // 16-byte chunks per row
+  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
   constexpr int kRowBytes = kD * 2;
   constexpr int kTileBytes = kN * kRowBytes;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int sm_bad;
   const uint32_t sQ = SmemAddr(smem);
-  const uint32_t sK = sQ + kM * kRowBytes;     // two buffers
-  const uint32_t sV = sK + 2 * kTileBytes;     // two buffers
+  const uint32_t sK = sQ + kM * kRowBytes;  // two buffers
+  const uint32_t sV = sK + 2 * kTileBytes;  // two buffers
 
   const int h = blockIdx.x;
   const int s = blockIdx.y;
@@ -197,7 +196,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) PrefillKernel(AttnArgs a) {
   CpAsyncCommit();  // group: V[last]
 
   const int g = lane / 4, t = lane % 4;
-  const int wrow0 = warp * 16;                 // this warp's first row in the tile
+  const int wrow0 = warp * 16;  // this warp's first row in the tile
   const int row_a = wrow0 + g, row_b = row_a + 8;
   const int pos_a = pos0 + row_a, pos_b = pos0 + row_b;
   const int warp_last_pos = pos0 + wrow0 + 15;
@@ -332,10 +331,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) PrefillKernel(AttnArgs a) {
   for (int i = 0; i < kD / 8; ++i) {
     const int col = i * 8 + 2 * t;
     if (row_a < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) = Pack2<T>(o[i][0] * inv_a, o[i][1] * inv_a);
+      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
+          Pack2<T>(o[i][0] * inv_a, o[i][1] * inv_a);
     }
     if (row_b < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) = Pack2<T>(o[i][2] * inv_b, o[i][3] * inv_b);
+      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
+          Pack2<T>(o[i][2] * inv_b, o[i][3] * inv_b);
     }
   }
 }
@@ -395,7 +396,7 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
   constexpr int kTileBytes = kN * kRowBytes;
   constexpr int kPanel = 64 * 128;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int sm_first_bad;  // the first block index outside the pool, or INT_MAX
+  __shared__ int sm_first_bad;                             // the first block index outside the pool, or INT_MAX
   __shared__ __align__(8) uint64_t bars[2 * kStages + 1];  // full[kStages], empty[kStages], q
   const uint32_t sQ = (SmemAddr(smem) + 1023) & ~1023u;
   const uint32_t sKV = sQ + kM * kRowBytes;  // stage i: K at sKV + 2i*tile, V after it
@@ -423,8 +424,8 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
   if (tid == 0) {
     sm_first_bad = INT_MAX;
     for (int i = 0; i < kStages; ++i) {
-      MbarInit(full0 + 8 * i, 128);          // one cp.async arrival per producer thread
-      MbarInit(empty0 + 8 * i, kWG * 128);   // every consumer thread releases
+      MbarInit(full0 + 8 * i, 128);         // one cp.async arrival per producer thread
+      MbarInit(empty0 + 8 * i, kWG * 128);  // every consumer thread releases
     }
     MbarInit(qbar, 128);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -442,8 +443,7 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
     n_keys = min(n_keys, sm_first_bad << bs_shift);
     if (n_keys == 0) {
       for (int c = tid; c < rows * kChunks; c += kThreads) {
-        *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) =
-            make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) = make_uint4(0, 0, 0, 0);
       }
       return;
     }
@@ -642,8 +642,8 @@ template <typename T, int kD, int kWarps>
 int Launch(const AttnArgs& a, cudaStream_t stream) {
   constexpr int kM = 16 * kWarps;
   constexpr int kSmem = (kM + 4 * kN) * kD * 2;
-  const cudaError_t attr = cudaFuncSetAttribute(PrefillKernel<T, kD, kWarps>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const cudaError_t attr =
+      cudaFuncSetAttribute(PrefillKernel<T, kD, kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return static_cast<int>(attr);
   const dim3 grid(a.num_heads, a.num_seqs, (a.max_q_len + kM - 1) / kM);
   PrefillKernel<T, kD, kWarps><<<grid, kWarps * 32, kSmem, stream>>>(a);

@@ -24,14 +24,12 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kUnroll = 4;        // keys per lane group per softmax update
+constexpr int kUnroll = 4;  // keys per lane group per softmax update
 // Query heads per CTA: at most 4. Eight (a 64:8 model) took 255 registers a
 // thread, two CTAs an SM, and read the KV at half the copy's bandwidth on an
 // H100; two CTAs of 4 heads each read the same pages, the second mostly from L2.
 constexpr int kMaxHeads = 4;
-__host__ __device__ constexpr int HeadsPerCta(int group) {
-  return group <= 1 ? 1 : group <= 2 ? 2 : kMaxHeads;
-}
+__host__ __device__ constexpr int HeadsPerCta(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : kMaxHeads; }
 constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kLanes>  // lanes per key: a power of two, 16 bytes each
@@ -47,9 +45,9 @@ struct Partials {
 };
 
 template <typename T, int kLanes, int kHeads>
-__global__ void __launch_bounds__(kThreads) SplitKvKernel(AttnArgs a, int num_splits, int keys_per_split,
-                                                          int head_chunks, int token_base, Partials part) {
-  constexpr int kGroups = 32 / kLanes;           // keys per warp step
+__global__ void __launch_bounds__(kThreads)
+    SplitKvKernel(AttnArgs a, int num_splits, int keys_per_split, int head_chunks, int token_base, Partials part) {
+  constexpr int kGroups = 32 / kLanes;  // keys per warp step
   constexpr int kAllGroups = kWarps * kGroups;
   __shared__ float sm_o[kAllGroups][kHeads][kLanes * 8];
   __shared__ float sm_m[kAllGroups][kHeads];
@@ -275,16 +273,16 @@ int LaunchTyped(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaStr
     const dim3 grid(plan.num_splits, a.pool.num_kv_heads * head_chunks, std::min(kMaxGridZ, a.num_tokens - base));
     switch (heads) {
       case 1:
-        SplitKvKernel<T, kLanes, 1><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
-                                                                   head_chunks, base, part);
+        SplitKvKernel<T, kLanes, 1>
+            <<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split, head_chunks, base, part);
         break;
       case 2:
-        SplitKvKernel<T, kLanes, 2><<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split,
-                                                                   head_chunks, base, part);
+        SplitKvKernel<T, kLanes, 2>
+            <<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split, head_chunks, base, part);
         break;
       default:
-        SplitKvKernel<T, kLanes, kMaxHeads><<<grid, kThreads, 0, stream>>>(
-            a, plan.num_splits, plan.keys_per_split, head_chunks, base, part);
+        SplitKvKernel<T, kLanes, kMaxHeads>
+            <<<grid, kThreads, 0, stream>>>(a, plan.num_splits, plan.keys_per_split, head_chunks, base, part);
         break;
     }
   }
@@ -344,8 +342,7 @@ int64_t SplitKvWorkspaceBytes(int num_tokens, int num_heads, int head_dim, int n
   return o_bytes + rows * 2 * 4;
 }
 
-int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes,
-                  void* stream) {
+int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes, void* stream) {
   (void)workspace_bytes;  // checked by the caller
   Partials part{};
   if (plan.num_splits > 1) {
@@ -355,8 +352,7 @@ int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int
     part.ml = reinterpret_cast<float*>(static_cast<char*>(workspace) + o_bytes);
   }
   auto s = static_cast<cudaStream_t>(stream);
-  return a.elem == Elem::kBF16 ? LaunchForDim<__nv_bfloat16>(a, plan, part, s)
-                               : LaunchForDim<__half>(a, plan, part, s);
+  return a.elem == Elem::kBF16 ? LaunchForDim<__nv_bfloat16>(a, plan, part, s) : LaunchForDim<__half>(a, plan, part, s);
 }
 
 }  // namespace tandem::kernels::cuda::internal

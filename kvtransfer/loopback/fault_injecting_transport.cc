@@ -25,16 +25,15 @@ absl::StatusOr<Faults> ParseFaults(absl::string_view spec) {
     } else if (kv.first == "fail_after_blocks" && has_value) {
       f.fail_after_blocks = value;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "bad fault '", item, "': expected drop, corrupt, fail_submit, delay_ms=N or "
-          "fail_after_blocks=N"));
+      return absl::InvalidArgumentError(absl::StrCat("bad fault '", item,
+                                                     "': expected drop, corrupt, fail_submit, delay_ms=N or "
+                                                     "fail_after_blocks=N"));
     }
   }
   return f;
 }
 
-FaultInjectingTransport::FaultInjectingTransport(std::unique_ptr<Transport> inner)
-    : inner_(std::move(inner)) {
+FaultInjectingTransport::FaultInjectingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
@@ -68,30 +67,24 @@ absl::Status FaultInjectingTransport::RegisterPool(const PoolLayout& layout, voi
   return inner_->RegisterPool(layout, base);
 }
 
-absl::StatusOr<uint64_t> FaultInjectingTransport::Push(const std::string& agent_id,
-                                                       std::vector<BlockPair> blocks,
+absl::StatusOr<uint64_t> FaultInjectingTransport::Push(const std::string& agent_id, std::vector<BlockPair> blocks,
                                                        Deadline deadline, TransferDone done) {
   return Start(agent_id, std::move(blocks), deadline, std::move(done), true);
 }
 
-absl::StatusOr<uint64_t> FaultInjectingTransport::Pull(const std::string& agent_id,
-                                                       std::vector<BlockPair> blocks,
+absl::StatusOr<uint64_t> FaultInjectingTransport::Pull(const std::string& agent_id, std::vector<BlockPair> blocks,
                                                        Deadline deadline, TransferDone done) {
   return Start(agent_id, std::move(blocks), deadline, std::move(done), false);
 }
 
-absl::StatusOr<uint64_t> FaultInjectingTransport::Forward(const std::string& agent_id,
-                                                          std::vector<BlockPair> blocks,
-                                                          Deadline deadline, TransferDone done,
-                                                          bool push) {
+absl::StatusOr<uint64_t> FaultInjectingTransport::Forward(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                          Deadline deadline, TransferDone done, bool push) {
   return push ? inner_->Push(agent_id, std::move(blocks), deadline, std::move(done))
               : inner_->Pull(agent_id, std::move(blocks), deadline, std::move(done));
 }
 
-absl::StatusOr<uint64_t> FaultInjectingTransport::Start(const std::string& agent_id,
-                                                        std::vector<BlockPair> blocks,
-                                                        Deadline deadline, TransferDone done,
-                                                        bool push) {
+absl::StatusOr<uint64_t> FaultInjectingTransport::Start(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                        Deadline deadline, TransferDone done, bool push) {
   Faults f;
   int64_t num_blocks;
   {
@@ -116,8 +109,8 @@ absl::StatusOr<uint64_t> FaultInjectingTransport::Start(const std::string& agent
   }
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t id = next_id_++;
-  held_[id] = Held{agent_id, std::move(blocks), deadline, std::move(done), push, f.drop,
-                   std::chrono::steady_clock::now() + f.delay};
+  held_[id] = Held{
+      agent_id, std::move(blocks), deadline, std::move(done), push, f.drop, std::chrono::steady_clock::now() + f.delay};
   cv_.notify_all();
   return id;
 }
@@ -175,10 +168,12 @@ void FaultInjectingTransport::TimerLoop() {
         absl::Status refused;
         {
           std::lock_guard<std::mutex> l(mu_);  // `forget` cannot run before the id is mapped
-          absl::StatusOr<uint64_t> inner = Forward(taken.agent_id, std::move(taken.blocks),
-                                                   taken.deadline, std::move(forget), taken.push);
-          if (inner.ok()) inner_ids_[id] = *inner;
-          else refused = inner.status();
+          absl::StatusOr<uint64_t> inner =
+              Forward(taken.agent_id, std::move(taken.blocks), taken.deadline, std::move(forget), taken.push);
+          if (inner.ok())
+            inner_ids_[id] = *inner;
+          else
+            refused = inner.status();
         }
         if (!refused.ok()) taken.done(refused);
       }

@@ -56,10 +56,10 @@ class FaultInjectingTransport final : public Transport {
   absl::StatusOr<PeerInfo> LocalInfo() const override { return inner_->LocalInfo(); }
   absl::Status AddPeer(const PeerInfo& peer) override { return inner_->AddPeer(peer); }
   void RemovePeer(const std::string& agent_id) override { inner_->RemovePeer(agent_id); }
-  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                Deadline deadline, TransferDone done) override;
-  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                Deadline deadline, TransferDone done) override;
+  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
+  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
   void Cancel(uint64_t transfer_id) override;
 
  private:
@@ -73,17 +73,17 @@ class FaultInjectingTransport final : public Transport {
     bool dropped;
     std::chrono::steady_clock::time_point release;  // delayed: when to start it
   };
-  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                 Deadline deadline, TransferDone done, bool push);
-  absl::StatusOr<uint64_t> Forward(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                   Deadline deadline, TransferDone done, bool push);
+  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                 TransferDone done, bool push);
+  absl::StatusOr<uint64_t> Forward(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                   TransferDone done, bool push);
   void TimerLoop();
 
   const std::unique_ptr<Transport> inner_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   Faults faults_ ABSL_GUARDED_BY(mu_);
-  int64_t num_blocks_ ABSL_GUARDED_BY(mu_) = 0;  // the local pool's
+  int64_t num_blocks_ ABSL_GUARDED_BY(mu_) = 0;         // the local pool's
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1ull << 62;  // ids of held transfers
   std::map<uint64_t, Held> held_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, uint64_t> inner_ids_ ABSL_GUARDED_BY(mu_);  // our id -> inner id

@@ -71,8 +71,7 @@ absl::StatusOr<PeerInfo> LoopbackTransport::LocalInfo() const {
 
 absl::Status LoopbackTransport::AddPeer(const PeerInfo& peer) {
   if (peer.backend != "loopback") {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("peer %s speaks %s, not loopback", peer.agent_id, peer.backend));
+    return absl::InvalidArgumentError(absl::StrFormat("peer %s speaks %s, not loopback", peer.agent_id, peer.backend));
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (base_ == nullptr) return absl::FailedPreconditionError("no KV pool registered");
@@ -90,21 +89,18 @@ void LoopbackTransport::RemovePeer(const std::string& agent_id) {
   peers_.erase(agent_id);
 }
 
-absl::StatusOr<uint64_t> LoopbackTransport::Push(const std::string& agent_id,
-                                                 std::vector<BlockPair> blocks, Deadline deadline,
-                                                 TransferDone done) {
+absl::StatusOr<uint64_t> LoopbackTransport::Push(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                 Deadline deadline, TransferDone done) {
   return Start(agent_id, std::move(blocks), deadline, std::move(done), /*push=*/true);
 }
 
-absl::StatusOr<uint64_t> LoopbackTransport::Pull(const std::string& agent_id,
-                                                 std::vector<BlockPair> blocks, Deadline deadline,
-                                                 TransferDone done) {
+absl::StatusOr<uint64_t> LoopbackTransport::Pull(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                 Deadline deadline, TransferDone done) {
   return Start(agent_id, std::move(blocks), deadline, std::move(done), /*push=*/false);
 }
 
-absl::StatusOr<uint64_t> LoopbackTransport::Start(const std::string& agent_id,
-                                                  std::vector<BlockPair> blocks, Deadline deadline,
-                                                  TransferDone done, bool push) {
+absl::StatusOr<uint64_t> LoopbackTransport::Start(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                  Deadline deadline, TransferDone done, bool push) {
   std::unique_lock<std::mutex> lock(mu_);
   auto peer = peers_.find(agent_id);
   if (peer == peers_.end()) {
@@ -112,8 +108,7 @@ absl::StatusOr<uint64_t> LoopbackTransport::Start(const std::string& agent_id,
   }
   const int64_t local_blocks = layout_.num_blocks, remote_blocks = peer->second.num_blocks;
   absl::StatusOr<std::vector<CopyRun>> runs =
-      PlanRuns(blocks, layout_.block_bytes, push ? local_blocks : remote_blocks,
-               push ? remote_blocks : local_blocks);
+      PlanRuns(blocks, layout_.block_bytes, push ? local_blocks : remote_blocks, push ? remote_blocks : local_blocks);
   if (!runs.ok()) return runs.status();
   const uint64_t id = next_id_++;
   queue_.push_back(Transfer{id, agent_id, push, std::move(*runs), deadline, std::move(done)});
@@ -142,7 +137,8 @@ void LoopbackTransport::CopyLoop() {
     for (const CopyRun& run : t.runs) {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (cancelled_.erase(t.id) > 0) status = absl::CancelledError("transfer cancelled");
+        if (cancelled_.erase(t.id) > 0)
+          status = absl::CancelledError("transfer cancelled");
         else if (!peers_.contains(t.peer) || peer == nullptr) {
           status = absl::UnavailableError(absl::StrFormat("peer %s is gone", t.peer));
         }

@@ -48,10 +48,10 @@ class LoopbackTransport final : public Transport {
   absl::StatusOr<PeerInfo> LocalInfo() const override;
   absl::Status AddPeer(const PeerInfo& peer) override;
   void RemovePeer(const std::string& agent_id) override;
-  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                Deadline deadline, TransferDone done) override;
-  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                Deadline deadline, TransferDone done) override;
+  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
+  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
   void Cancel(uint64_t transfer_id) override;
 
  private:
@@ -63,8 +63,8 @@ class LoopbackTransport final : public Transport {
     Deadline deadline;
     TransferDone done;
   };
-  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                 Deadline deadline, TransferDone done, bool push);
+  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                 TransferDone done, bool push);
   void CopyLoop();
 
   const std::shared_ptr<LoopbackFabric> fabric_;

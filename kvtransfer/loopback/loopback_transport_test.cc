@@ -14,8 +14,13 @@ using std::chrono::milliseconds;
 constexpr int64_t kBlockBytes = 256;
 
 PoolLayout Layout(int64_t num_blocks) {
-  return PoolLayout{.model = "tiny", .dtype = "float32", .num_layers = 1, .num_kv_heads = 1,
-                    .head_dim = 4, .block_size = 16, .num_blocks = num_blocks,
+  return PoolLayout{.model = "tiny",
+                    .dtype = "float32",
+                    .num_layers = 1,
+                    .num_kv_heads = 1,
+                    .head_dim = 4,
+                    .block_size = 16,
+                    .num_blocks = num_blocks,
                     .block_bytes = kBlockBytes};
 }
 
@@ -37,8 +42,7 @@ struct Pool {
 
 // Two transports on one fabric, each with its pool, connected both ways.
 struct Pair {
-  explicit Pair(bool faulty_a = false)
-      : fabric(std::make_shared<LoopbackFabric>()), pool_a(64, 1), pool_b(32, 2) {
+  explicit Pair(bool faulty_a = false) : fabric(std::make_shared<LoopbackFabric>()), pool_a(64, 1), pool_b(32, 2) {
     auto inner = std::make_unique<LoopbackTransport>(fabric);
     if (faulty_a) {
       auto f = std::make_unique<FaultInjectingTransport>(std::move(inner));
@@ -65,8 +69,7 @@ absl::Status RunPush(Transport& t, const std::string& peer, std::vector<BlockPai
                      milliseconds deadline = milliseconds(5000)) {
   auto promise = std::make_shared<std::promise<absl::Status>>();
   auto future = promise->get_future();
-  absl::StatusOr<uint64_t> id = t.Push(peer, std::move(blocks),
-                                       std::chrono::steady_clock::now() + deadline,
+  absl::StatusOr<uint64_t> id = t.Push(peer, std::move(blocks), std::chrono::steady_clock::now() + deadline,
                                        [promise](absl::Status st) { promise->set_value(st); });
   if (!id.ok()) return id.status();
   if (future.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
@@ -126,8 +129,7 @@ TEST(LoopbackTransportTest, RemovedPeerFailsWithUnavailable) {
 
 TEST(LoopbackTransportTest, PassedDeadlineFails) {
   Pair p;
-  EXPECT_EQ(RunPush(*p.a, p.b_id(), {{0, 0}}, milliseconds(-1)).code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(RunPush(*p.a, p.b_id(), {{0, 0}}, milliseconds(-1)).code(), absl::StatusCode::kDeadlineExceeded);
 }
 
 TEST(FaultInjectingTransportTest, DropEndsAtTheDeadlineAndCancelEndsItSooner) {
@@ -135,16 +137,14 @@ TEST(FaultInjectingTransportTest, DropEndsAtTheDeadlineAndCancelEndsItSooner) {
   p.faults->SetFaults({.drop = true});
   const Pool before_b = p.pool_b;
   auto t0 = std::chrono::steady_clock::now();
-  EXPECT_EQ(RunPush(*p.a, p.b_id(), {{1, 1}}, milliseconds(50)).code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(RunPush(*p.a, p.b_id(), {{1, 1}}, milliseconds(50)).code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(50));
   EXPECT_TRUE(p.pool_b.BlockEquals(1, before_b, 1));  // nothing arrived
   EXPECT_EQ(p.faults->held_transfers(), 0);
 
   auto promise = std::make_shared<std::promise<absl::Status>>();
-  absl::StatusOr<uint64_t> id =
-      p.a->Push(p.b_id(), {{1, 1}}, std::chrono::steady_clock::now() + std::chrono::hours(1),
-                [promise](absl::Status st) { promise->set_value(st); });
+  absl::StatusOr<uint64_t> id = p.a->Push(p.b_id(), {{1, 1}}, std::chrono::steady_clock::now() + std::chrono::hours(1),
+                                          [promise](absl::Status st) { promise->set_value(st); });
   ASSERT_TRUE(id.ok());
   EXPECT_EQ(p.faults->held_transfers(), 1);
   p.a->Cancel(*id);
@@ -161,8 +161,7 @@ TEST(FaultInjectingTransportTest, DelayedTransferStillArrives) {
   EXPECT_TRUE(p.pool_b.BlockEquals(3, p.pool_a, 2));
   // A delay longer than the deadline ends with DeadlineExceeded.
   p.faults->SetFaults({.delay = milliseconds(200)});
-  EXPECT_EQ(RunPush(*p.a, p.b_id(), {{2, 4}}, milliseconds(20)).code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(RunPush(*p.a, p.b_id(), {{2, 4}}, milliseconds(20)).code(), absl::StatusCode::kDeadlineExceeded);
 }
 
 TEST(FaultInjectingTransportTest, CorruptDeliversWrongBytesWithOk) {
@@ -177,8 +176,7 @@ TEST(FaultInjectingTransportTest, FailAfterBlocksCopiesOnlyThePrefix) {
   Pair p(true);
   p.faults->SetFaults({.fail_after_blocks = 2});
   const Pool before_b = p.pool_b;
-  EXPECT_EQ(RunPush(*p.a, p.b_id(), {{1, 1}, {2, 2}, {3, 3}, {4, 4}}).code(),
-            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(RunPush(*p.a, p.b_id(), {{1, 1}, {2, 2}, {3, 3}, {4, 4}}).code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(p.pool_b.BlockEquals(1, p.pool_a, 1));
   EXPECT_TRUE(p.pool_b.BlockEquals(2, p.pool_a, 2));
   EXPECT_TRUE(p.pool_b.BlockEquals(3, before_b, 3));
@@ -198,9 +196,7 @@ TEST(FaultInjectingTransportTest, ManyConcurrentTransfersAllComplete) {
   p.faults->SetFaults({.delay = milliseconds(2)});
   std::vector<std::future<absl::Status>> results;
   for (int i = 0; i < 32; ++i) {
-    results.push_back(std::async(std::launch::async, [&p, i] {
-      return RunPush(*p.a, p.b_id(), {{i, i}});
-    }));
+    results.push_back(std::async(std::launch::async, [&p, i] { return RunPush(*p.a, p.b_id(), {{i, i}}); }));
   }
   for (auto& r : results) EXPECT_TRUE(r.get().ok());
   for (int i = 0; i < 32; ++i) EXPECT_TRUE(p.pool_b.BlockEquals(i, p.pool_a, i));

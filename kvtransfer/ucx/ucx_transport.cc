@@ -6,14 +6,14 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <limits>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <fstream>
 #include <functional>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -56,16 +56,14 @@ class Reader {
   bool U32(uint32_t* v) {
     if (in_.size() < 4) return false;
     *v = 0;
-    for (int i = 0; i < 4; ++i)
-      *v |= static_cast<uint32_t>(static_cast<uint8_t>(in_[i])) << (8 * i);
+    for (int i = 0; i < 4; ++i) *v |= static_cast<uint32_t>(static_cast<uint8_t>(in_[i])) << (8 * i);
     in_.remove_prefix(4);
     return true;
   }
   bool U64(uint64_t* v) {
     if (in_.size() < 8) return false;
     *v = 0;
-    for (int i = 0; i < 8; ++i)
-      *v |= static_cast<uint64_t>(static_cast<uint8_t>(in_[i])) << (8 * i);
+    for (int i = 0; i < 8; ++i) *v |= static_cast<uint64_t>(static_cast<uint8_t>(in_[i])) << (8 * i);
     in_.remove_prefix(8);
     return true;
   }
@@ -119,12 +117,11 @@ absl::StatusOr<UcxAddress> DecodeAddress(std::string_view bytes) {
     return absl::InvalidArgumentError("not a UCX peer address");
   }
   if (version != kAddressVersion) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "UCX peer address version %d, this build reads %d", version, kAddressVersion));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("UCX peer address version %d, this build reads %d", version, kAddressVersion));
   }
-  if (!r.U64(&a.base) || !r.U64(&a.length) || !r.U64(&a.pid) || !r.Bytes(&a.boot_id) ||
-      !r.Bytes(&a.pid_ns) || !r.Bytes(&a.worker) || !r.Bytes(&a.rkey) || !r.done() ||
-      a.worker.empty() || a.rkey.empty()) {
+  if (!r.U64(&a.base) || !r.U64(&a.length) || !r.U64(&a.pid) || !r.Bytes(&a.boot_id) || !r.Bytes(&a.pid_ns) ||
+      !r.Bytes(&a.worker) || !r.Bytes(&a.rkey) || !r.done() || a.worker.empty() || a.rkey.empty()) {
     return absl::InvalidArgumentError("truncated or malformed UCX peer address");
   }
   return a;
@@ -208,8 +205,7 @@ class UcxTransport::Impl {
         return;
       }
       ucp_mem_map_params_t mp{};
-      mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                      UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+      mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
       mp.address = nullptr;
       mp.length = static_cast<size_t>(bytes);
       mp.flags = UCP_MEM_MAP_ALLOCATE;
@@ -244,8 +240,7 @@ class UcxTransport::Impl {
       return absl::InvalidArgumentError("RegisterPool: empty pool");
     }
     if (layout.memory_type != MemoryType::kHost) {
-      return absl::UnimplementedError(
-          "the UCX backend moves host memory only (Debian's UCX 1.13 has no CUDA support)");
+      return absl::UnimplementedError("the UCX backend moves host memory only (Debian's UCX 1.13 has no CUDA support)");
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -304,10 +299,7 @@ class UcxTransport::Impl {
     std::lock_guard<std::mutex> lock(mu_);
     registered_ = true;
     layout_ = layout;
-    info_ = PeerInfo{.agent_id = agent_id_,
-                     .backend = "ucx",
-                     .layout = layout,
-                     .address = EncodeAddress(address)};
+    info_ = PeerInfo{.agent_id = agent_id_, .backend = "ucx", .layout = layout, .address = EncodeAddress(address)};
     return absl::OkStatus();
   }
 
@@ -319,8 +311,7 @@ class UcxTransport::Impl {
 
   absl::Status AddPeer(const PeerInfo& peer) {
     if (peer.backend != "ucx") {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("peer %s speaks %s, not ucx", peer.agent_id, peer.backend));
+      return absl::InvalidArgumentError(absl::StrFormat("peer %s speaks %s, not ucx", peer.agent_id, peer.backend));
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -332,19 +323,17 @@ class UcxTransport::Impl {
     if (peer.layout.num_blocks <= 0 || peer.layout.block_bytes <= 0 ||
         static_cast<uint64_t>(peer.layout.num_blocks) >
             address.length / static_cast<uint64_t>(peer.layout.block_bytes)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "peer %s: %d blocks of %d bytes exceed its registered %d bytes", peer.agent_id,
-          peer.layout.num_blocks, peer.layout.block_bytes, address.length));
+      return absl::InvalidArgumentError(absl::StrFormat("peer %s: %d blocks of %d bytes exceed its registered %d bytes",
+                                                        peer.agent_id, peer.layout.num_blocks, peer.layout.block_bytes,
+                                                        address.length));
     }
     absl::Status status;
     RunSync([&] {
-      DropConn(peer.agent_id,
-               absl::UnavailableError(absl::StrFormat("peer %s was re-added", peer.agent_id)));
+      DropConn(peer.agent_id, absl::UnavailableError(absl::StrFormat("peer %s was re-added", peer.agent_id)));
       auto conn = std::make_unique<Conn>();
       conn->agent_id = peer.agent_id;
       conn->address = std::move(address);
-      conn->same_host =
-          conn->address.boot_id == boot_id_ && conn->address.pid_ns == pid_ns_ && !boot_id_.empty();
+      conn->same_host = conn->address.boot_id == boot_id_ && conn->address.pid_ns == pid_ns_ && !boot_id_.empty();
       status = Connect(*conn);
       if (status.ok()) conns_[peer.agent_id] = std::move(conn);
     });
@@ -359,13 +348,11 @@ class UcxTransport::Impl {
       std::lock_guard<std::mutex> lock(mu_);
       peers_.erase(agent_id);
     }
-    RunSync([&] {
-      DropConn(agent_id, absl::UnavailableError(absl::StrFormat("peer %s was removed", agent_id)));
-    });
+    RunSync([&] { DropConn(agent_id, absl::UnavailableError(absl::StrFormat("peer %s was removed", agent_id))); });
   }
 
-  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                 Deadline deadline, TransferDone done, bool push) {
+  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                 TransferDone done, bool push) {
     auto xfer = std::make_shared<Xfer>();
     xfer->peer = agent_id;
     xfer->push = push;
@@ -382,13 +369,10 @@ class UcxTransport::Impl {
         return absl::NotFoundError(absl::StrFormat("unknown KV transfer peer %s", agent_id));
       }
       const int64_t local = layout_.num_blocks, remote = peer->second.num_blocks;
-      ASSIGN_OR_RETURN(xfer->runs, PlanRuns(blocks, layout_.block_bytes, push ? local : remote,
-                                            push ? remote : local));
+      ASSIGN_OR_RETURN(xfer->runs, PlanRuns(blocks, layout_.block_bytes, push ? local : remote, push ? remote : local));
       id = xfer->id = next_id_++;
       xfer->done = std::move(done);
-      commands_.push_back([this, xfer]() mutable {
-        Begin(std::make_unique<Xfer>(std::move(*xfer)));
-      });
+      commands_.push_back([this, xfer]() mutable { Begin(std::make_unique<Xfer>(std::move(*xfer))); });
     }
     Wake();
     return id;
@@ -477,9 +461,9 @@ class UcxTransport::Impl {
       st = ucp_config_modify(cfg, "TLS", "tcp");
       // The option, else UCX_NET_DEVICES from the environment, else loopback.
       const char* env = std::getenv("UCX_NET_DEVICES");
-      const std::string devices = !options_.net_devices.empty() ? options_.net_devices
+      const std::string devices = !options_.net_devices.empty()    ? options_.net_devices
                                   : env != nullptr && *env != '\0' ? std::string(env)
-                                                                     : std::string("lo");
+                                                                   : std::string("lo");
       if (st == UCS_OK) st = ucp_config_modify(cfg, "NET_DEVICES", devices.c_str());
     }
     if (st != UCS_OK) {
@@ -686,8 +670,7 @@ class UcxTransport::Impl {
       return absl::UnavailableError(absl::StrFormat("no endpoint to peer %s", conn.agent_id));
     }
     if (conn.same_host && !ProcessAlive(conn.address.pid)) {
-      return absl::UnavailableError(
-          absl::StrFormat("peer %s (pid %d) has exited", conn.agent_id, conn.address.pid));
+      return absl::UnavailableError(absl::StrFormat("peer %s (pid %d) has exited", conn.agent_id, conn.address.pid));
     }
     return absl::OkStatus();
   }
@@ -727,8 +710,8 @@ class UcxTransport::Impl {
       const CopyRun& run = x.runs[x.next];
       auto* op = new OpCtx{this, x.id, false};
       ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                       UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FLAG_MULTI_SEND;
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMH |
+                       UCP_OP_ATTR_FLAG_MULTI_SEND;
       p.cb.send = &Impl::OnOpDone;
       p.user_data = op;
       p.memh = pool_memh_;
@@ -791,9 +774,8 @@ class UcxTransport::Impl {
     if (!in_flight) return;
     Conn* conn = FindConn(peer);
     if (conn == nullptr || conn->ep == nullptr) return;
-    FailConn(*conn,
-             absl::UnavailableError(absl::StrFormat(
-                 "endpoint to %s reset: transfer %d ended with operations in flight", peer, id)));
+    FailConn(*conn, absl::UnavailableError(absl::StrFormat(
+                        "endpoint to %s reset: transfer %d ended with operations in flight", peer, id)));
     CloseEp(*conn);
     if (conn->failed.ok()) {
       absl::Status st = Connect(*conn);
@@ -814,8 +796,7 @@ class UcxTransport::Impl {
     --x.outstanding;
     if (flush && status == UCS_OK) x.flush_done = true;
     if (status != UCS_OK && x.error.ok()) {
-      x.error = UcxError(
-          absl::StrFormat("UCX %s with peer %s", flush ? "flush" : "transfer", x.peer), status);
+      x.error = UcxError(absl::StrFormat("UCX %s with peer %s", flush ? "flush" : "transfer", x.peer), status);
     }
     dirty_.insert(id);
   }
@@ -841,8 +822,7 @@ class UcxTransport::Impl {
     if (worker_ != nullptr) {
       std::vector<uint64_t> ids;
       for (const auto& [id, x] : xfers_) ids.push_back(id);
-      for (uint64_t id : ids)
-        Finish(*xfers_[id], absl::CancelledError("the transport was destroyed"));
+      for (uint64_t id : ids) Finish(*xfers_[id], absl::CancelledError("the transport was destroyed"));
       for (auto& [id, conn] : conns_) CloseEp(*conn);
       conns_.clear();
       const auto give_up = Clock::now() + std::chrono::seconds(2);
@@ -936,20 +916,16 @@ absl::Status UcxTransport::RegisterPool(const PoolLayout& layout, void* base) {
 absl::StatusOr<PeerInfo> UcxTransport::LocalInfo() const { return impl_->LocalInfo(); }
 absl::Status UcxTransport::AddPeer(const PeerInfo& peer) { return impl_->AddPeer(peer); }
 void UcxTransport::RemovePeer(const std::string& agent_id) { impl_->RemovePeer(agent_id); }
-absl::StatusOr<uint64_t> UcxTransport::Push(const std::string& agent_id,
-                                            std::vector<BlockPair> blocks, Deadline deadline,
-                                            TransferDone done) {
+absl::StatusOr<uint64_t> UcxTransport::Push(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                            Deadline deadline, TransferDone done) {
   return impl_->Start(agent_id, std::move(blocks), deadline, std::move(done), /*push=*/true);
 }
-absl::StatusOr<uint64_t> UcxTransport::Pull(const std::string& agent_id,
-                                            std::vector<BlockPair> blocks, Deadline deadline,
-                                            TransferDone done) {
+absl::StatusOr<uint64_t> UcxTransport::Pull(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                            Deadline deadline, TransferDone done) {
   return impl_->Start(agent_id, std::move(blocks), deadline, std::move(done), /*push=*/false);
 }
 void UcxTransport::Cancel(uint64_t transfer_id) { impl_->Cancel(transfer_id); }
-absl::StatusOr<void*> UcxTransport::AllocatePool(int64_t bytes) {
-  return impl_->AllocatePool(bytes);
-}
+absl::StatusOr<void*> UcxTransport::AllocatePool(int64_t bytes) { return impl_->AllocatePool(bytes); }
 
 std::string EncodePeerInfo(const PeerInfo& info) {
   Writer w;
@@ -977,11 +953,10 @@ absl::StatusOr<PeerInfo> DecodePeerInfo(std::string_view bytes) {
   PoolLayout& l = info.layout;
   uint32_t magic = 0, layers, heads, head_dim, block_size, mem, device;
   uint64_t blocks, block_bytes;
-  if (!r.U32(&magic) || magic != kPeerInfoMagic || !r.Bytes(&info.agent_id) ||
-      !r.Bytes(&info.backend) || !r.Bytes(&l.model) || !r.Bytes(&l.dtype) || !r.U32(&layers) ||
-      !r.U32(&heads) || !r.U32(&head_dim) || !r.U32(&block_size) || !r.U64(&blocks) ||
-      !r.U64(&block_bytes) || !r.U32(&mem) || !r.U32(&device) || !r.Bytes(&info.address) ||
-      !r.done()) {
+  if (!r.U32(&magic) || magic != kPeerInfoMagic || !r.Bytes(&info.agent_id) || !r.Bytes(&info.backend) ||
+      !r.Bytes(&l.model) || !r.Bytes(&l.dtype) || !r.U32(&layers) || !r.U32(&heads) || !r.U32(&head_dim) ||
+      !r.U32(&block_size) || !r.U64(&blocks) || !r.U64(&block_bytes) || !r.U32(&mem) || !r.U32(&device) ||
+      !r.Bytes(&info.address) || !r.done()) {
     return absl::InvalidArgumentError("malformed encoded PeerInfo");
   }
   l.num_layers = static_cast<int>(layers);
@@ -1000,6 +975,4 @@ absl::StatusOr<PeerInfo> DecodePeerInfo(std::string_view bytes) {
 // LeakSanitizer (sanitizer builds only; otherwise nothing calls this): UCX
 // 1.13 leaks a few hundred bytes inside libuct/libucs when an endpoint to a
 // peer that just died fails to connect over shared memory. Not ours to free.
-extern "C" const char* __lsan_default_suppressions() {
-  return "leak:libuct.so\nleak:libucs.so\n";
-}
+extern "C" const char* __lsan_default_suppressions() { return "leak:libuct.so\nleak:libucs.so\n"; }

@@ -78,10 +78,10 @@ class UcxTransport final : public Transport {
   absl::StatusOr<PeerInfo> LocalInfo() const override;
   absl::Status AddPeer(const PeerInfo& peer) override;
   void RemovePeer(const std::string& agent_id) override;
-  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                Deadline deadline, TransferDone done) override;
-  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                Deadline deadline, TransferDone done) override;
+  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
+  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
   void Cancel(uint64_t transfer_id) override;
 
   // Lets UCX allocate `bytes` of host memory (UCP_MEM_MAP_ALLOCATE: a shared

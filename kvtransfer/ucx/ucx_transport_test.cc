@@ -69,8 +69,8 @@ struct Side {
   int64_t blocks = 0;
 };
 
-absl::StatusOr<Side> MakeSide(const std::string& tls, int64_t blocks, uint32_t seed,
-                              bool allocate = true, std::vector<uint8_t>* heap = nullptr) {
+absl::StatusOr<Side> MakeSide(const std::string& tls, int64_t blocks, uint32_t seed, bool allocate = true,
+                              std::vector<uint8_t>* heap = nullptr) {
   Side s;
   absl::StatusOr<std::unique_ptr<UcxTransport>> t = UcxTransport::Create(Options(tls));
   if (!t.ok()) return t.status();
@@ -98,16 +98,15 @@ absl::StatusOr<Side> MakeSide(const std::string& tls, int64_t blocks, uint32_t s
   } while (0)
 
 // Runs one transfer and waits for `done`, checking it is called exactly once.
-absl::Status Transfer(Transport& t, bool push, const std::string& peer,
-                      std::vector<BlockPair> blocks, milliseconds timeout = milliseconds(10000)) {
+absl::Status Transfer(Transport& t, bool push, const std::string& peer, std::vector<BlockPair> blocks,
+                      milliseconds timeout = milliseconds(10000)) {
   auto calls = std::make_shared<std::atomic<int>>(0);
   auto promise = std::make_shared<std::promise<absl::Status>>();
   TransferDone done = [calls, promise](absl::Status st) {
     if (calls->fetch_add(1) == 0) promise->set_value(std::move(st));
   };
-  absl::StatusOr<uint64_t> id = push
-                                    ? t.Push(peer, std::move(blocks), Clock::now() + timeout, done)
-                                    : t.Pull(peer, std::move(blocks), Clock::now() + timeout, done);
+  absl::StatusOr<uint64_t> id = push ? t.Push(peer, std::move(blocks), Clock::now() + timeout, done)
+                                     : t.Pull(peer, std::move(blocks), Clock::now() + timeout, done);
   if (!id.ok()) return id.status();
   auto future = promise->get_future();
   if (future.wait_for(timeout + milliseconds(2000)) != std::future_status::ready) {
@@ -130,8 +129,7 @@ std::vector<BlockPair> Scattered(int count, int64_t src_blocks, int64_t dst_bloc
     pairs.push_back({static_cast<int32_t>((i * 3) % (src_blocks - 4)), dst[i]});
   }
   for (int i = 0; i < 4; ++i) {
-    pairs.push_back(
-        {static_cast<int32_t>(src_blocks - 4 + i), static_cast<int32_t>(dst_blocks - 4 + i)});
+    pairs.push_back({static_cast<int32_t>(src_blocks - 4 + i), static_cast<int32_t>(dst_blocks - 4 + i)});
   }
   return pairs;
 }
@@ -206,8 +204,7 @@ TEST_P(UcxInProcessTest, ErrorsBeforeStartAreReturned) {
             absl::StatusCode::kInvalidArgument);  // b has 4 blocks
   EXPECT_EQ(a->t->RegisterPool(Layout(8), a->pool).code(), absl::StatusCode::kFailedPrecondition);
   // A deadline already past ends with DeadlineExceeded, once.
-  EXPECT_EQ(Transfer(*a->t, true, b_id, {{0, 0}}, milliseconds(0)).code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(Transfer(*a->t, true, b_id, {{0, 0}}, milliseconds(0)).code(), absl::StatusCode::kDeadlineExceeded);
   // After RemovePeer the peer is unknown.
   a->t->RemovePeer(b_id);
   EXPECT_EQ(a->t->Push(b_id, {{0, 0}}, Clock::now() + milliseconds(100), never).status().code(),
@@ -244,10 +241,9 @@ TEST(UcxTransportTest, CancelEndsABigTcpTransferOnceAndThePeerStillWorks) {
   for (int i = 0; i < 1024; ++i) all.push_back({i, 1023 - i});
   auto calls = std::make_shared<std::atomic<int>>(0);
   auto promise = std::make_shared<std::promise<absl::Status>>();
-  absl::StatusOr<uint64_t> id =
-      a->t->Push(b_id, all, Clock::now() + std::chrono::seconds(20), [=](absl::Status st) {
-        if (calls->fetch_add(1) == 0) promise->set_value(st);
-      });
+  absl::StatusOr<uint64_t> id = a->t->Push(b_id, all, Clock::now() + std::chrono::seconds(20), [=](absl::Status st) {
+    if (calls->fetch_add(1) == 0) promise->set_value(st);
+  });
   ASSERT_TRUE(id.ok());
   std::this_thread::sleep_for(milliseconds(5));
   const auto t0 = Clock::now();
@@ -454,17 +450,14 @@ TEST_P(UcxCrossProcessTest, PushPullThenPeerKilled) {
   const auto t0 = Clock::now();
   absl::Status st = Transfer(*a->t, true, info->agent_id, {{2, 2}}, milliseconds(2000));
   EXPECT_FALSE(st.ok());
-  EXPECT_TRUE(st.code() == absl::StatusCode::kUnavailable ||
-              st.code() == absl::StatusCode::kDeadlineExceeded)
-      << st;
+  EXPECT_TRUE(st.code() == absl::StatusCode::kUnavailable || st.code() == absl::StatusCode::kDeadlineExceeded) << st;
   EXPECT_LT(Clock::now() - t0, milliseconds(2500));
 }
 
 INSTANTIATE_TEST_SUITE_P(Tls, UcxCrossProcessTest, ::testing::Values("shm", "tcp"));
 
 TEST(PeerInfoEncodingTest, RoundTrips) {
-  PeerInfo info{
-      .agent_id = "a", .backend = "ucx", .layout = Layout(7), .address = std::string("\0x\1", 3)};
+  PeerInfo info{.agent_id = "a", .backend = "ucx", .layout = Layout(7), .address = std::string("\0x\1", 3)};
   info.layout.device_id = -1;
   absl::StatusOr<PeerInfo> back = DecodePeerInfo(EncodePeerInfo(info));
   ASSERT_TRUE(back.ok());

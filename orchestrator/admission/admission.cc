@@ -8,8 +8,7 @@
 
 namespace tandem::router {
 
-Admission::Admission(Options options)
-    : post_(std::move(options.post)), watch_period_(options.watch_period) {
+Admission::Admission(Options options) : post_(std::move(options.post)), watch_period_(options.watch_period) {
   limits_ = options.limits;
   budget_ratio_ = options.retry_budget_ratio;
 }
@@ -54,8 +53,8 @@ Admission::Decision Admission::Admit(const std::shared_ptr<Admittable>& call) {
         d.refusal = Refusal::kKeyLimit;
         d.key_limit = k.refused;
         d.retry_after_s = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(k.retry_after_s)));
-        d.message = absl::StrFormat("rate limit reached for this API key (%s); retry in %d s",
-                                    KeyLimitName(k.refused), d.retry_after_s);
+        d.message = absl::StrFormat("rate limit reached for this API key (%s); retry in %d s", KeyLimitName(k.refused),
+                                    d.retry_after_s);
         return d;
       }
       entry.key_held = true;
@@ -75,9 +74,9 @@ Admission::Decision Admission::Admit(const std::shared_ptr<Admittable>& call) {
       DrainQueueLocked(&next);
     } else {
       d.refusal = Refusal::kQueueFull;
-      d.message = absl::StrFormat(
-          "the router is at its limits: %d sequences in flight and %d requests queued; retry later", in_flight_,
-          queue_.size());
+      d.message =
+          absl::StrFormat("the router is at its limits: %d sequences in flight and %d requests queued; retry later",
+                          in_flight_, queue_.size());
     }
   }
   if (!d.admitted()) {

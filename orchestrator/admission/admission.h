@@ -68,18 +68,18 @@ class Admission {
   // Why Admit refused a request.
   enum class Refusal {
     kNone,
-    kStopping,         // 503: the router is shutting down
+    kStopping,          // 503: the router is shutting down
     kNOverMaxInFlight,  // 400 (param n): it could never start
-    kKeyLimit,         // 429 with Retry-After: a limit of its key
-    kQueueFull,        // 429: limits.max_queue requests wait already
+    kKeyLimit,          // 429 with Retry-After: a limit of its key
+    kQueueFull,         // 429: limits.max_queue requests wait already
   };
 
   struct Decision {
     Refusal refusal = Refusal::kNone;
-    std::string message;  // refused: what the client is told
+    std::string message;                   // refused: what the client is told
     KeyLimit key_limit = KeyLimit::kNone;  // kKeyLimit: which
     int64_t retry_after_s = 0;             // kKeyLimit: the Retry-After header
-    bool started = false;  // admitted and started (false: queued, or refused)
+    bool started = false;                  // admitted and started (false: queued, or refused)
     bool admitted() const { return refusal == Refusal::kNone; }
   };
 

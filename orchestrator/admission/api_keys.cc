@@ -9,10 +9,10 @@ ApiKeyStore::ApiKeyStore(const AuthConfig& config) {
     // The config was validated: every digest parses.
     std::optional<Sha256Digest> digest = ParseDigestHex(k.sha256);
     if (!digest.has_value()) continue;
-    keys_.push_back(Entry{*digest, ApiKeyIdentity{.name = k.name,
-                                                  .admin = k.admin,
-                                                  .priority = k.priority,
-                                                  .limits = k.Limits(config.limits_per_key)}});
+    keys_.push_back(Entry{
+        *digest,
+        ApiKeyIdentity{
+            .name = k.name, .admin = k.admin, .priority = k.priority, .limits = k.Limits(config.limits_per_key)}});
   }
 }
 

@@ -11,8 +11,8 @@ AuthConfig TwoKeys() {
   AuthConfig a;
   a.limits_per_key.requests_per_s = 5;
   a.keys.push_back(ApiKeyConfig{.name = "alice", .sha256 = Sha256Hex("key-alice")});
-  a.keys.push_back(ApiKeyConfig{.name = "ops", .sha256 = Sha256Hex("key-ops"), .admin = true,
-                                .priority = 3, .max_concurrent = 2});
+  a.keys.push_back(
+      ApiKeyConfig{.name = "ops", .sha256 = Sha256Hex("key-ops"), .admin = true, .priority = 3, .max_concurrent = 2});
   return a;
 }
 
@@ -40,7 +40,7 @@ TEST(ApiKeyStoreTest, BearerKeysAuthenticate) {
   ASSERT_EQ(m.result, ApiKeyStore::Result::kOk);
   EXPECT_EQ(m.key->name, "alice");
   EXPECT_FALSE(m.key->admin);
-  EXPECT_EQ(m.key->limits.requests_per_s, 5);  // the default
+  EXPECT_EQ(m.key->limits.requests_per_s, 5);   // the default
   m = store.Authenticate("bearer   key-ops ");  // scheme case-insensitive, spaces trimmed
   ASSERT_EQ(m.result, ApiKeyStore::Result::kOk);
   EXPECT_EQ(m.key->name, "ops");
@@ -59,8 +59,7 @@ TEST(ApiKeyStoreTest, BadHeadersAreRefusedWithTheirReason) {
   EXPECT_EQ(store.Authenticate("Bearer key-alicf").result, ApiKeyStore::Result::kUnknown);
   EXPECT_EQ(store.Authenticate("Bearer key-alice2").result, ApiKeyStore::Result::kUnknown);
   // The digest itself is not a key.
-  EXPECT_EQ(store.Authenticate("Bearer " + Sha256Hex("key-alice")).result,
-            ApiKeyStore::Result::kUnknown);
+  EXPECT_EQ(store.Authenticate("Bearer " + Sha256Hex("key-alice")).result, ApiKeyStore::Result::kUnknown);
   EXPECT_EQ(AuthFailureName(ApiKeyStore::Result::kUnknown), "unknown");
 }
 

@@ -74,9 +74,7 @@ class FairQueue {
   struct Tag {
     double finish;
     uint64_t seq;
-    bool operator<(const Tag& o) const {
-      return finish != o.finish ? finish < o.finish : seq < o.seq;
-    }
+    bool operator<(const Tag& o) const { return finish != o.finish ? finish < o.finish : seq < o.seq; }
   };
   struct Entry {
     std::string key;

@@ -41,8 +41,8 @@ double TokenRate(const KeyLimitsConfig& l) { return static_cast<double>(l.tokens
 
 }  // namespace
 
-KeyLimiter::Decision KeyLimiter::TryAcquire(const std::string& key, const KeyLimitsConfig& limits,
-                                            int64_t tokens, Clock::time_point now) {
+KeyLimiter::Decision KeyLimiter::TryAcquire(const std::string& key, const KeyLimitsConfig& limits, int64_t tokens,
+                                            Clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
   State& s = keys_[key];
   Decision d;
@@ -77,8 +77,8 @@ KeyLimiter::Decision KeyLimiter::TryAcquire(const std::string& key, const KeyLim
   return d;
 }
 
-void KeyLimiter::Release(const std::string& key, const KeyLimitsConfig& limits,
-                         int64_t charged_tokens, int64_t used_tokens, Clock::time_point now) {
+void KeyLimiter::Release(const std::string& key, const KeyLimitsConfig& limits, int64_t charged_tokens,
+                         int64_t used_tokens, Clock::time_point now) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = keys_.find(key);
   if (it == keys_.end()) return;

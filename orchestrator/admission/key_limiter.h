@@ -52,13 +52,12 @@ class KeyLimiter {
 
   // Admits one request of `key` that is estimated to use `tokens` tokens,
   // or says which limit refuses it.
-  Decision TryAcquire(const std::string& key, const KeyLimitsConfig& limits, int64_t tokens,
-                      Clock::time_point now);
+  Decision TryAcquire(const std::string& key, const KeyLimitsConfig& limits, int64_t tokens, Clock::time_point now);
 
   // An admitted request ended: its concurrency slot frees and its charge
   // becomes `used_tokens` (what it did not use returns to the bucket).
-  void Release(const std::string& key, const KeyLimitsConfig& limits, int64_t charged_tokens,
-               int64_t used_tokens, Clock::time_point now);
+  void Release(const std::string& key, const KeyLimitsConfig& limits, int64_t charged_tokens, int64_t used_tokens,
+               Clock::time_point now);
 
   // Requests of `key` admitted and not yet released.
   int64_t concurrent(const std::string& key) const;

@@ -30,8 +30,7 @@ TEST(KeyLimiterTest, RequestsPerSecondBurstThenRate) {
   EXPECT_EQ(l.TryAcquire("b", lim, 0, t0).refused, KeyLimit::kNone);
   // Half a second later one more fits, then none.
   EXPECT_EQ(l.TryAcquire("a", lim, 0, t0 + milliseconds(500)).refused, KeyLimit::kNone);
-  EXPECT_EQ(l.TryAcquire("a", lim, 0, t0 + milliseconds(500)).refused,
-            KeyLimit::kRequestsPerSecond);
+  EXPECT_EQ(l.TryAcquire("a", lim, 0, t0 + milliseconds(500)).refused, KeyLimit::kRequestsPerSecond);
   // A refusal took nothing: the concurrency count is of admitted requests.
   EXPECT_EQ(l.concurrent("a"), 3);
 }
@@ -73,8 +72,7 @@ TEST(KeyLimiterTest, TokensPerMinuteChargesSettlesAndRefills) {
   l.Release("a", lim, a.charged_tokens, 100, t0);
   EXPECT_EQ(l.TryAcquire("a", lim, 300, t0).refused, KeyLimit::kNone);
   // 200 left; 5 s later 250.
-  EXPECT_EQ(l.TryAcquire("a", lim, 260, t0 + milliseconds(5000)).refused,
-            KeyLimit::kTokensPerMinute);
+  EXPECT_EQ(l.TryAcquire("a", lim, 260, t0 + milliseconds(5000)).refused, KeyLimit::kTokensPerMinute);
   EXPECT_EQ(l.TryAcquire("a", lim, 250, t0 + milliseconds(5000)).refused, KeyLimit::kNone);
 }
 

@@ -86,8 +86,7 @@ absl::StatusOr<std::vector<Session>> Random(const DatasetOptions& o, TokenSource
   RETURN_IF_ERROR(CheckPositive("--random-input-len", o.input_len));
   RETURN_IF_ERROR(CheckPositive("--random-output-len", o.output_len));
   if (!(o.range_ratio >= 0 && o.range_ratio < 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--random-range-ratio must be in [0, 1), got %g", o.range_ratio));
+    return absl::InvalidArgumentError(absl::StrFormat("--random-range-ratio must be in [0, 1), got %g", o.range_ratio));
   }
   std::vector<Session> out;
   for (int i = 0; i < o.num_prompts; ++i) {
@@ -131,8 +130,7 @@ absl::StatusOr<std::vector<Session>> MultiTurn(const DatasetOptions& o, TokenSou
   std::uniform_int_distribution<uint64_t> id_bits;
   std::vector<Session> out;
   for (int s = 0; s < sessions; ++s) {
-    Session session{.id = absl::StrFormat("bench-%d-%016x", s, id_bits(src.rng())),
-                    .system = common};
+    Session session{.id = absl::StrFormat("bench-%d-%016x", s, id_bits(src.rng())), .system = common};
     const std::vector<int32_t> own = src.Draw(o.system_len);
     session.system.insert(session.system.end(), own.begin(), own.end());
     for (int t = 0; t < o.turns; ++t) {
@@ -143,14 +141,12 @@ absl::StatusOr<std::vector<Session>> MultiTurn(const DatasetOptions& o, TokenSou
   return out;
 }
 
-absl::StatusOr<std::vector<Session>> ShareGpt(const DatasetOptions& o, const Tokenizer& tok,
-                                              std::mt19937_64& rng) {
+absl::StatusOr<std::vector<Session>> ShareGpt(const DatasetOptions& o, const Tokenizer& tok, std::mt19937_64& rng) {
   if (o.path.empty()) return absl::InvalidArgumentError("--dataset sharegpt needs --dataset-path");
   ASSIGN_OR_RETURN(std::string text, ReadFile(o.path));
   nlohmann::json doc = nlohmann::json::parse(text, nullptr, false);
   if (doc.is_discarded() || !doc.is_array()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(o.path, ": not a ShareGPT file (a JSON array of conversations)"));
+    return absl::InvalidArgumentError(absl::StrCat(o.path, ": not a ShareGPT file (a JSON array of conversations)"));
   }
   std::vector<size_t> order(doc.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
@@ -158,8 +154,8 @@ absl::StatusOr<std::vector<Session>> ShareGpt(const DatasetOptions& o, const Tok
   std::vector<Session> out;
   for (size_t i : order) {
     if (static_cast<int>(out.size()) >= o.num_prompts) break;
-    const nlohmann::json& conv = doc[i].is_object() ? doc[i].value("conversations", nlohmann::json())
-                                                    : nlohmann::json();
+    const nlohmann::json& conv =
+        doc[i].is_object() ? doc[i].value("conversations", nlohmann::json()) : nlohmann::json();
     if (!conv.is_array() || conv.size() < 2 || !conv[0].is_object() || !conv[1].is_object()) continue;
     const nlohmann::json& q = conv[0].value("value", nlohmann::json());
     const nlohmann::json& a = conv[1].value("value", nlohmann::json());
@@ -174,8 +170,7 @@ absl::StatusOr<std::vector<Session>> ShareGpt(const DatasetOptions& o, const Tok
   return out;
 }
 
-absl::StatusOr<std::vector<Session>> Trace(const DatasetOptions& o,
-                                           const std::vector<int32_t>& alphabet) {
+absl::StatusOr<std::vector<Session>> Trace(const DatasetOptions& o, const std::vector<int32_t>& alphabet) {
   if (o.path.empty()) return absl::InvalidArgumentError("--dataset trace needs --dataset-path");
   RETURN_IF_ERROR(CheckPositive("--trace-block-tokens", o.trace_block_tokens));
   if (!(o.trace_speedup > 0)) return absl::InvalidArgumentError("--trace-speedup must be > 0");
@@ -218,8 +213,8 @@ absl::StatusOr<std::vector<Session>> Trace(const DatasetOptions& o,
     // the list come from the line's own.
     std::vector<int32_t> tokens;
     for (size_t k = 0; static_cast<int>(tokens.size()) < input; ++k) {
-      const uint64_t seed = k < hashes.size() ? hashes[k] * 0x9E3779B97F4A7C15ull + 1
-                                              : (uint64_t{0x5EED} << 32) ^ (lineno * 131 + k);
+      const uint64_t seed =
+          k < hashes.size() ? hashes[k] * 0x9E3779B97F4A7C15ull + 1 : (uint64_t{0x5EED} << 32) ^ (lineno * 131 + k);
       TokenSource block(alphabet, seed ^ o.seed);
       const int n = std::min(o.trace_block_tokens, input - static_cast<int>(tokens.size()));
       const std::vector<int32_t> b = block.Draw(n);
@@ -246,8 +241,7 @@ absl::StatusOr<std::vector<int32_t>> TextSafeIds(const Tokenizer& tokenizer) {
   return ids;
 }
 
-absl::StatusOr<std::vector<Session>> BuildDataset(const DatasetOptions& options,
-                                                  const Tokenizer& tokenizer) {
+absl::StatusOr<std::vector<Session>> BuildDataset(const DatasetOptions& options, const Tokenizer& tokenizer) {
   RETURN_IF_ERROR(CheckPositive("--num-prompts", options.num_prompts));
   ASSIGN_OR_RETURN(const std::vector<int32_t> alphabet, TextSafeIds(tokenizer));
   TokenSource src(alphabet, options.seed);
@@ -257,8 +251,7 @@ absl::StatusOr<std::vector<Session>> BuildDataset(const DatasetOptions& options,
   if (options.name == "sharegpt") return ShareGpt(options, tokenizer, src.rng());
   if (options.name == "trace") return Trace(options, alphabet);
   return absl::InvalidArgumentError(absl::StrFormat(
-      "--dataset must be random, shared-prefix, multi-turn, sharegpt or trace, got '%s'",
-      options.name));
+      "--dataset must be random, shared-prefix, multi-turn, sharegpt or trace, got '%s'", options.name));
 }
 
 }  // namespace tandem::bench

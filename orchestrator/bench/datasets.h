@@ -51,10 +51,10 @@ struct Turn {
 };
 
 struct Session {
-  std::string id;            // sent as the session header (multi-turn); empty: none
+  std::string id;               // sent as the session header (multi-turn); empty: none
   std::vector<int32_t> system;  // multi-turn: the system prompt's tokens (empty: none)
   std::vector<Turn> turns;
-  double arrival_s = -1;     // trace: when to start; < 0: by the request-rate process
+  double arrival_s = -1;  // trace: when to start; < 0: by the request-rate process
 };
 
 struct DatasetOptions {
@@ -86,8 +86,7 @@ struct DatasetOptions {
 
 // The sessions of a workload. InvalidArgument for a bad option or file
 // content (naming the line or entry), NotFound for a missing file.
-absl::StatusOr<std::vector<Session>> BuildDataset(const DatasetOptions& options,
-                                                  const Tokenizer& tokenizer);
+absl::StatusOr<std::vector<Session>> BuildDataset(const DatasetOptions& options, const Tokenizer& tokenizer);
 
 // Ids of `tokenizer` that decode alone to printable, valid UTF-8 text and are
 // no special token (the datasets' alphabet). Never empty for a usable

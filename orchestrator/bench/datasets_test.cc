@@ -47,8 +47,8 @@ TEST(DatasetsTest, TextSafeIdsDecodeToPrintableText) {
 }
 
 TEST(DatasetsTest, RandomLengthsStayInTheirRangeAndFollowTheSeed) {
-  DatasetOptions o{.name = "random", .num_prompts = 50, .seed = 3, .input_len = 100,
-                   .output_len = 20, .range_ratio = 0.5};
+  DatasetOptions o{
+      .name = "random", .num_prompts = 50, .seed = 3, .input_len = 100, .output_len = 20, .range_ratio = 0.5};
   absl::StatusOr<std::vector<Session>> a = BuildDataset(o, Builtin());
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_EQ(a->size(), 50u);
@@ -72,8 +72,8 @@ TEST(DatasetsTest, RandomLengthsStayInTheirRangeAndFollowTheSeed) {
 }
 
 TEST(DatasetsTest, SharedPrefixGroupsShareExactlyTheirPrefix) {
-  DatasetOptions o{.name = "shared-prefix", .num_prompts = 40, .output_len = 8, .num_groups = 4,
-                   .prefix_len = 64, .suffix_len = 16};
+  DatasetOptions o{
+      .name = "shared-prefix", .num_prompts = 40, .output_len = 8, .num_groups = 4, .prefix_len = 64, .suffix_len = 16};
   absl::StatusOr<std::vector<Session>> d = BuildDataset(o, Builtin());
   ASSERT_TRUE(d.ok()) << d.status();
   std::map<std::vector<int32_t>, int> groups;
@@ -91,8 +91,8 @@ TEST(DatasetsTest, SharedPrefixGroupsShareExactlyTheirPrefix) {
 }
 
 TEST(DatasetsTest, MultiTurnSessionsHaveIdsSystemPromptsAndTurns) {
-  DatasetOptions o{.name = "multi-turn", .num_prompts = 10, .output_len = 4, .turns = 3,
-                   .system_len = 32, .user_len = 8};
+  DatasetOptions o{
+      .name = "multi-turn", .num_prompts = 10, .output_len = 4, .turns = 3, .system_len = 32, .user_len = 8};
   absl::StatusOr<std::vector<Session>> d = BuildDataset(o, Builtin());
   ASSERT_TRUE(d.ok()) << d.status();
   ASSERT_EQ(d->size(), 4u);  // ceil(10 / 3) whole sessions
@@ -107,8 +107,13 @@ TEST(DatasetsTest, MultiTurnSessionsHaveIdsSystemPromptsAndTurns) {
 }
 
 TEST(DatasetsTest, MultiTurnCommonPrefixStartsEverySystemPrompt) {
-  DatasetOptions o{.name = "multi-turn", .num_prompts = 8, .output_len = 4, .turns = 2,
-                   .system_len = 16, .user_len = 8, .common_prefix_len = 48};
+  DatasetOptions o{.name = "multi-turn",
+                   .num_prompts = 8,
+                   .output_len = 4,
+                   .turns = 2,
+                   .system_len = 16,
+                   .user_len = 8,
+                   .common_prefix_len = 48};
   absl::StatusOr<std::vector<Session>> d = BuildDataset(o, Builtin());
   ASSERT_TRUE(d.ok()) << d.status();
   ASSERT_EQ(d->size(), 4u);
@@ -126,11 +131,14 @@ TEST(DatasetsTest, MultiTurnCommonPrefixStartsEverySystemPrompt) {
 }
 
 TEST(DatasetsTest, TraceSharesBlocksByHashIdAndKeepsTimestamps) {
-  const std::string path = TempFile(
-      R"({"timestamp": 1000, "input_length": 20, "output_length": 3, "hash_ids": [7, 8]})" "\n"
-      R"({"timestamp": 1500, "input_length": 25, "output_length": 5, "hash_ids": [7, 9, 10]})" "\n"
-      "\n"
-      R"({"timestamp": 3000, "input_length": 4, "output_length": 1, "hash_ids": [11]})" "\n");
+  const std::string path =
+      TempFile(R"({"timestamp": 1000, "input_length": 20, "output_length": 3, "hash_ids": [7, 8]})"
+               "\n"
+               R"({"timestamp": 1500, "input_length": 25, "output_length": 5, "hash_ids": [7, 9, 10]})"
+               "\n"
+               "\n"
+               R"({"timestamp": 3000, "input_length": 4, "output_length": 1, "hash_ids": [11]})"
+               "\n");
   DatasetOptions o{.name = "trace", .path = path, .trace_block_tokens = 10, .trace_speedup = 2.0};
   absl::StatusOr<std::vector<Session>> d = BuildDataset(o, Builtin());
   ASSERT_TRUE(d.ok()) << d.status();
@@ -153,11 +161,9 @@ TEST(DatasetsTest, TraceSharesBlocksByHashIdAndKeepsTimestamps) {
                            R"({"timestamp": 1, "input_length": 0, "output_length": 1})",
                            R"({"timestamp": 1, "input_length": 2000000, "output_length": 1})"}) {
     const std::string bad = TempFile(line);
-    absl::StatusOr<std::vector<Session>> e =
-        BuildDataset(DatasetOptions{.name = "trace", .path = bad}, Builtin());
+    absl::StatusOr<std::vector<Session>> e = BuildDataset(DatasetOptions{.name = "trace", .path = bad}, Builtin());
     ASSERT_FALSE(e.ok()) << line;
-    EXPECT_THAT(std::string(e.status().message()),
-                HasSubstr(":1: input_length must be an integer from 1 to 1048576"))
+    EXPECT_THAT(std::string(e.status().message()), HasSubstr(":1: input_length must be an integer from 1 to 1048576"))
         << line;
     std::remove(bad.c_str());
   }

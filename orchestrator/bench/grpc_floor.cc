@@ -99,8 +99,7 @@ class Writer {
 // with the finish reason, and the end of the stream.
 class FloorCall {
  public:
-  FloorCall(tandem::v1::Worker::AsyncService* service, grpc::ServerCompletionQueue* cq,
-            Writer* writer)
+  FloorCall(tandem::v1::Worker::AsyncService* service, grpc::ServerCompletionQueue* cq, Writer* writer)
       : service_(service), cq_(cq), writer_(writer), stream_(&ctx_) {
     service_->RequestGenerate(&ctx_, &request_, &stream_, cq_, cq_, &accept_tag_);
   }
@@ -171,8 +170,7 @@ absl::Status Serve(const FloorOptions& opt) {
   tandem::v1::Worker::AsyncService service;
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::StrFormat("%s:%d", opt.host, opt.port),
-                           grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::StrFormat("%s:%d", opt.host, opt.port), grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
   // As a worker does (worker_command.cc): the router's channel arguments
   // send keepalive pings every few seconds.
@@ -265,8 +263,8 @@ class FloorReader final : public GrpcReader<GenerateResponse> {
 };
 
 // Runs `timings.size()` calls at the options' rate and waits for them all.
-void RunCalls(tandem::v1::Worker::Stub& stub, const GenerateRequest& request, double rate,
-              uint64_t seed, std::vector<Timing>& timings) {
+void RunCalls(tandem::v1::Worker::Stub& stub, const GenerateRequest& request, double rate, uint64_t seed,
+              std::vector<Timing>& timings) {
   Pending pending;
   pending.left = static_cast<int>(timings.size());
   std::mt19937_64 rng(seed);
@@ -298,12 +296,11 @@ absl::Status RunClient(const FloorOptions& opt) {
     args.SetInt(GRPC_ARG_MINIMAL_STACK, 1);
     args.SetString(GRPC_ARG_OPTIMIZATION_TARGET, "latency");
   }
-  std::unique_ptr<tandem::v1::Worker::Stub> stub = tandem::v1::Worker::NewStub(
-      grpc::CreateCustomChannel(opt.target, grpc::InsecureChannelCredentials(), args));
+  std::unique_ptr<tandem::v1::Worker::Stub> stub =
+      tandem::v1::Worker::NewStub(grpc::CreateCustomChannel(opt.target, grpc::InsecureChannelCredentials(), args));
   GenerateRequest request;
   std::mt19937 rng(static_cast<uint32_t>(opt.seed));
-  for (int i = 0; i < opt.input_len; ++i)
-    request.add_prompt_token_ids(static_cast<int>(rng() % 32000));
+  for (int i = 0; i < opt.input_len; ++i) request.add_prompt_token_ids(static_cast<int>(rng() % 32000));
   request.mutable_sampling()->set_max_tokens(opt.max_tokens);
 
   std::vector<Timing> warm(opt.warmups);
@@ -324,12 +321,10 @@ absl::Status RunClient(const FloorOptions& opt) {
     end.push_back(Ms(t.end - t.start));
   }
   const Distribution f = Distribute(first), e = Distribute(end);
-  std::printf("grpc-floor: %zu calls ok, %d failed in %.1f s (%s)\n", first.size(), failed,
-              duration_s, opt.target.c_str());
-  std::printf("  first message ms: mean %.3f  p50 %.3f  p90 %.3f  p99 %.3f\n", f.mean, f.median,
-              f.p90, f.p99);
-  std::printf("  stream end ms:    mean %.3f  p50 %.3f  p90 %.3f  p99 %.3f\n", e.mean, e.median,
-              e.p90, e.p99);
+  std::printf("grpc-floor: %zu calls ok, %d failed in %.1f s (%s)\n", first.size(), failed, duration_s,
+              opt.target.c_str());
+  std::printf("  first message ms: mean %.3f  p50 %.3f  p90 %.3f  p99 %.3f\n", f.mean, f.median, f.p90, f.p99);
+  std::printf("  stream end ms:    mean %.3f  p50 %.3f  p90 %.3f  p99 %.3f\n", e.mean, e.median, e.p90, e.p99);
   if (!opt.json.empty()) {
     const nlohmann::json j = {{"completed", static_cast<int>(first.size())},
                               {"failed", failed},
@@ -347,42 +342,33 @@ absl::Status RunClient(const FloorOptions& opt) {
 void AddGrpcFloorCommand(CLI::App& bench) {
   auto opt = std::make_shared<FloorOptions>();
   CLI::App* cmd = bench.add_subcommand(
-      "grpc-floor",
-      "The cost of one bare streamed gRPC call (no model, no router): --serve, then a client");
-  CLI::Option* serve =
-      cmd->add_flag("--serve", opt->serve, "Serve Generate (instant answers) instead of calling");
+      "grpc-floor", "The cost of one bare streamed gRPC call (no model, no router): --serve, then a client");
+  CLI::Option* serve = cmd->add_flag("--serve", opt->serve, "Serve Generate (instant answers) instead of calling");
   // The server's options need --serve; the client's exclude it.
   const std::vector<CLI::Option*> server_options = {
       cmd->add_option("--host", opt->host, "--serve: address to listen on")->capture_default_str(),
       cmd->add_option("--port", opt->port, "--serve: port (0: pick a free one)")
           ->check(CLI::Range(0, 65535))
           ->capture_default_str(),
-      cmd->add_option("--ready-file", opt->ready_file,
-                      "--serve: write host:port here once listening"),
+      cmd->add_option("--ready-file", opt->ready_file, "--serve: write host:port here once listening"),
       cmd->add_flag("--handoff", opt->handoff,
                     "--serve: write from a second thread, as a worker's engine thread does")};
   cmd->add_flag("--minimal-stack", opt->minimal_stack,
                 "gRPC's minimal stack and latency optimization target (give it to both sides)");
   const std::vector<CLI::Option*> client_options = {
       cmd->add_option("--target", opt->target, "The server's host:port"),
-      cmd->add_option("--request-rate", opt->request_rate, "Calls per second (Poisson), or inf")
-          ->capture_default_str(),
+      cmd->add_option("--request-rate", opt->request_rate, "Calls per second (Poisson), or inf")->capture_default_str(),
       cmd->add_option("--num-prompts", opt->num_prompts, "Calls measured")->capture_default_str(),
       cmd->add_option("--warmups", opt->warmups, "Calls before the measured ones")
           ->check(CLI::NonNegativeNumber)
           ->capture_default_str(),
-      cmd->add_option("--input-len", opt->input_len, "Prompt token ids per call")
-          ->capture_default_str(),
-      cmd->add_option("--max-tokens", opt->max_tokens, "Tokens streamed back (in two messages)")
-          ->capture_default_str(),
-      cmd->add_option("--seed", opt->seed, "Seed of the arrivals and prompt")
-          ->capture_default_str(),
+      cmd->add_option("--input-len", opt->input_len, "Prompt token ids per call")->capture_default_str(),
+      cmd->add_option("--max-tokens", opt->max_tokens, "Tokens streamed back (in two messages)")->capture_default_str(),
+      cmd->add_option("--seed", opt->seed, "Seed of the arrivals and prompt")->capture_default_str(),
       cmd->add_option("--json", opt->json, "Write the results (ms) here as JSON")};
   for (CLI::Option* o : server_options) o->needs(serve);
   for (CLI::Option* o : client_options) o->excludes(serve);
-  cmd->callback([opt] {
-    worker::ExitWithStatus("bench grpc-floor", opt->serve ? Serve(*opt) : RunClient(*opt));
-  });
+  cmd->callback([opt] { worker::ExitWithStatus("bench grpc-floor", opt->serve ? Serve(*opt) : RunClient(*opt)); });
 }
 
 }  // namespace tandem::bench

@@ -44,9 +44,9 @@ using Task = asio::awaitable<T>;
 // What one streamed request produced.
 struct Exchange {
   int status = 0;
-  std::string worker;      // the x-tandem-decode-worker header (tandem's router), if any
-  std::string error;       // transport or server error
-  std::string content;     // the streamed text (chat: the answer, kept for the history)
+  std::string worker;   // the x-tandem-decode-worker header (tandem's router), if any
+  std::string error;    // transport or server error
+  std::string content;  // the streamed text (chat: the answer, kept for the history)
   std::vector<Clock::time_point> token_times;
   std::optional<json> usage;
   Clock::time_point done;
@@ -107,8 +107,8 @@ class ConnectionPool {
 
   // An idle connection (*reused = true) or a new one; ec on connect failure.
   // `fresh`: a new one whatever is idle.
-  Task<std::unique_ptr<beast::tcp_stream>> Get(std::chrono::seconds timeout, bool* reused,
-                                              beast::error_code& ec, bool fresh = false) {
+  Task<std::unique_ptr<beast::tcp_stream>> Get(std::chrono::seconds timeout, bool* reused, beast::error_code& ec,
+                                               bool fresh = false) {
     *reused = !fresh && !idle_.empty();
     std::unique_ptr<beast::tcp_stream> stream;
     if (*reused) {
@@ -142,8 +142,7 @@ class ConnectionPool {
 };
 
 // POSTs `body` to `target` and reads the SSE stream.
-Task<Exchange> StreamPost(ConnectionPool& pool, const std::string& host,
-                          const std::string& target, std::string body,
+Task<Exchange> StreamPost(ConnectionPool& pool, const std::string& host, const std::string& target, std::string body,
                           std::vector<std::pair<std::string, std::string>> headers, bool chat,
                           std::chrono::seconds timeout) {
   Exchange ex;
@@ -185,8 +184,7 @@ Task<Exchange> StreamPost(ConnectionPool& pool, const std::string& host,
     // Not boost::none: Boost 1.74 compares a Content-Length against the empty
     // optional as "over the limit".
     parser->body_limit(std::numeric_limits<std::uint64_t>::max());
-    co_await http::async_read_header(*stream, buffer, *parser,
-                                     asio::redirect_error(asio::use_awaitable, ec));
+    co_await http::async_read_header(*stream, buffer, *parser, asio::redirect_error(asio::use_awaitable, ec));
     if (ec && reused && retry && !parser->got_some()) {
       pool.Put(std::move(stream), false);
       continue;
@@ -206,8 +204,7 @@ Task<Exchange> StreamPost(ConnectionPool& pool, const std::string& host,
     parser->get().body().size = sizeof chunk;
     // read_some: hand each arrival over as it comes (async_read would wait
     // for the buffer to fill).
-    co_await http::async_read_some(*stream, buffer, *parser,
-                                   asio::redirect_error(asio::use_awaitable, ec));
+    co_await http::async_read_some(*stream, buffer, *parser, asio::redirect_error(asio::use_awaitable, ec));
     if (ec == http::error::need_buffer) ec = {};
     const size_t n = sizeof chunk - parser->get().body().size;
     const Clock::time_point now = Clock::now();
@@ -260,8 +257,8 @@ struct Run {
   std::string host;
   std::string model;
   Clock::time_point t0;
-  std::vector<RequestRecord> records;    // per turn, in session order
-  std::vector<size_t> first_record;      // index of each session's first turn
+  std::vector<RequestRecord> records;  // per turn, in session order
+  std::vector<size_t> first_record;    // index of each session's first turn
   int in_flight = 0;
   std::deque<std::shared_ptr<asio::steady_timer>> waiting;  // for a concurrency slot
   int done = 0;
@@ -274,8 +271,7 @@ struct Run {
       ++in_flight;
       co_return;
     }
-    auto wake = std::make_shared<asio::steady_timer>(co_await asio::this_coro::executor,
-                                                     Clock::time_point::max());
+    auto wake = std::make_shared<asio::steady_timer>(co_await asio::this_coro::executor, Clock::time_point::max());
     waiting.push_back(wake);
     beast::error_code ec;
     co_await wake->async_wait(asio::redirect_error(asio::use_awaitable, ec));
@@ -344,9 +340,7 @@ struct Run {
     return {{options.session_header, s.id}};
   }
 
-  std::string Target() const {
-    return options.endpoint == "chat" ? "/v1/chat/completions" : "/v1/completions";
-  }
+  std::string Target() const { return options.endpoint == "chat" ? "/v1/chat/completions" : "/v1/completions"; }
 
   // Runs one session's turns in order, recording each.
   Task<void> RunSession(size_t index) {
@@ -366,8 +360,8 @@ struct Run {
         const std::string body = Body(s, turn, answers);
         rec.prompt_tokens = PromptTokens(s, turn, answers);
         const Clock::time_point sent = Clock::now();
-        Exchange ex = co_await StreamPost(pool, host, Target(), body, Headers(s),
-                                          options.endpoint == "chat", options.request_timeout);
+        Exchange ex = co_await StreamPost(pool, host, Target(), body, Headers(s), options.endpoint == "chat",
+                                          options.request_timeout);
         ReleaseSlot();
         rec.sent_s = Since(sent);
         rec.done_s = Since(ex.done);
@@ -433,8 +427,7 @@ absl::StatusOr<Endpoint> ParseUrl(const std::string& url) {
   const size_t colon = rest.rfind(':');
   if (rest.empty() || rest.find('/') != absl::string_view::npos || colon == absl::string_view::npos ||
       colon + 1 == rest.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--url must be http://host:port, got '%s'", url));
+    return absl::InvalidArgumentError(absl::StrFormat("--url must be http://host:port, got '%s'", url));
   }
   Endpoint ep{.host = std::string(rest.substr(0, colon)), .port = std::string(rest.substr(colon + 1))};
   int port = 0;
@@ -447,8 +440,7 @@ absl::StatusOr<Endpoint> ParseUrl(const std::string& url) {
   return ep;
 }
 
-SimpleResponse HttpGetOnce(const Endpoint& ep, const std::string& target,
-                           std::chrono::seconds timeout) {
+SimpleResponse HttpGetOnce(const Endpoint& ep, const std::string& target, std::chrono::seconds timeout) {
   SimpleResponse out;
   try {
     asio::io_context io;
@@ -491,8 +483,8 @@ absl::StatusOr<std::string> ResolveModel(const LoadOptions& options) {
   ASSIGN_OR_RETURN(const Endpoint ep, ParseUrl(options.url));
   const SimpleResponse r = HttpGetOnce(ep, "/v1/models");
   if (r.status != 200) {
-    return absl::UnavailableError(absl::StrFormat("GET %s/v1/models: %s", options.url,
-                                                  r.status == 0 ? r.body : ErrorText(r.status, r.body)));
+    return absl::UnavailableError(
+        absl::StrFormat("GET %s/v1/models: %s", options.url, r.status == 0 ? r.body : ErrorText(r.status, r.body)));
   }
   const json j = json::parse(r.body, nullptr, false);
   if (j.is_discarded() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
@@ -502,8 +494,7 @@ absl::StatusOr<std::string> ResolveModel(const LoadOptions& options) {
   return j["data"][0]["id"].get<std::string>();
 }
 
-absl::StatusOr<std::vector<RequestRecord>> RunLoad(const LoadOptions& options,
-                                                   const std::vector<Session>& sessions,
+absl::StatusOr<std::vector<RequestRecord>> RunLoad(const LoadOptions& options, const std::vector<Session>& sessions,
                                                    const Tokenizer& tokenizer) {
   if (options.endpoint != "chat" && options.endpoint != "completions") {
     return absl::InvalidArgumentError(
@@ -522,8 +513,8 @@ absl::StatusOr<std::vector<RequestRecord>> RunLoad(const LoadOptions& options,
   if (ec) return absl::UnavailableError(absl::StrCat("resolving ", ep.host, ": ", ec.message()));
 
   ConnectionPool pool(endpoints, options.keep_alive);
-  Run run{.options = options, .sessions = sessions, .tokenizer = tokenizer,
-          .pool = pool, .host = ep.host, .model = model};
+  Run run{
+      .options = options, .sessions = sessions, .tokenizer = tokenizer, .pool = pool, .host = ep.host, .model = model};
   for (const Session& s : sessions) {
     run.first_record.push_back(run.records.size());
     run.records.resize(run.records.size() + s.turns.size());
@@ -555,9 +546,9 @@ absl::StatusOr<std::vector<RequestRecord>> RunLoad(const LoadOptions& options,
         io,
         [&run, i, at = start[i]]() -> Task<void> {
           if (at > 0) {
-            asio::steady_timer timer(co_await asio::this_coro::executor,
-                                     run.t0 + std::chrono::duration_cast<Clock::duration>(
-                                                  std::chrono::duration<double>(at)));
+            asio::steady_timer timer(
+                co_await asio::this_coro::executor,
+                run.t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(at)));
             beast::error_code ignored;
             co_await timer.async_wait(asio::redirect_error(asio::use_awaitable, ignored));
           }

@@ -44,18 +44,18 @@ namespace tandem::bench {
 using router::Tokenizer;
 
 struct LoadOptions {
-  std::string url;                   // http://host:port
+  std::string url;                       // http://host:port
   std::string endpoint = "completions";  // completions | chat
-  std::string model;                 // empty: the first of GET /v1/models
+  std::string model;                     // empty: the first of GET /v1/models
   double request_rate = std::numeric_limits<double>::infinity();
   double burstiness = 1.0;
   int max_concurrency = 0;
-  int num_warmups = 0;               // requests sent (and awaited) first, not recorded
+  int num_warmups = 0;  // requests sent (and awaited) first, not recorded
   uint64_t seed = 0;
   std::string session_header = "X-Session-ID";
   bool ignore_eos = true;
-  bool prompt_as_text = false;       // completions: send text instead of ids
-  bool keep_alive = true;            // reuse connections between requests
+  bool prompt_as_text = false;  // completions: send text instead of ids
+  bool keep_alive = true;       // reuse connections between requests
   std::chrono::seconds request_timeout{600};
   // Called on the client thread after each recorded request ends.
   std::function<void(int done, int total)> progress;
@@ -89,8 +89,7 @@ absl::StatusOr<std::string> ResolveModel(const LoadOptions& options);
 // Runs the workload; one record per turn, in session order. Fails only if
 // the server cannot be reached at all or `options` are invalid; failed
 // requests are records with ok = false.
-absl::StatusOr<std::vector<RequestRecord>> RunLoad(const LoadOptions& options,
-                                                   const std::vector<Session>& sessions,
+absl::StatusOr<std::vector<RequestRecord>> RunLoad(const LoadOptions& options, const std::vector<Session>& sessions,
                                                    const Tokenizer& tokenizer);
 
 }  // namespace tandem::bench

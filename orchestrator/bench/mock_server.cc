@@ -59,28 +59,20 @@ class MockServer {
       : model_(options.model),
         models_body_(nlohmann::json{
             {"object", "list"},
-            {"data", nlohmann::json::array({{{"id", options.model},
-                                             {"object", "model"},
-                                             {"created", Now()},
-                                             {"owned_by", "tandem"}}})}}
+            {"data", nlohmann::json::array(
+                         {{{"id", options.model}, {"object", "model"}, {"created", Now()}, {"owned_by", "tandem"}}})}}
                          .dump()),
-        http_(http::HttpServer::Options{
-            .host = options.host, .port = options.port, .threads = options.threads}) {
+        http_(http::HttpServer::Options{.host = options.host, .port = options.port, .threads = options.threads}) {
     http_.Route("GET", "/health", [](const http::Request&, std::shared_ptr<http::ResponseWriter> w) {
       w->Send(200, kJson, R"({"status":"ok"})");
     });
-    http_.Route("GET", "/v1/models",
-                [this](const http::Request&, std::shared_ptr<http::ResponseWriter> w) {
-                  w->Send(200, kJson, models_body_);
-                });
+    http_.Route("GET", "/v1/models", [this](const http::Request&, std::shared_ptr<http::ResponseWriter> w) {
+      w->Send(200, kJson, models_body_);
+    });
     http_.Route("POST", "/v1/completions",
-                [this](const http::Request& r, std::shared_ptr<http::ResponseWriter> w) {
-                  HandleCompletion(r, *w);
-                });
+                [this](const http::Request& r, std::shared_ptr<http::ResponseWriter> w) { HandleCompletion(r, *w); });
     http_.Route("POST", "/v1/chat/completions",
-                [this](const http::Request& r, std::shared_ptr<http::ResponseWriter> w) {
-                  HandleChat(r, *w);
-                });
+                [this](const http::Request& r, std::shared_ptr<http::ResponseWriter> w) { HandleChat(r, *w); });
   }
 
   absl::Status Start() { return http_.Start(); }
@@ -89,8 +81,7 @@ class MockServer {
 
  private:
   static int64_t Now() {
-    return std::chrono::duration_cast<std::chrono::seconds>(
-               std::chrono::system_clock::now().time_since_epoch())
+    return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
         .count();
   }
 
@@ -102,16 +93,14 @@ class MockServer {
   void HandleCompletion(const http::Request& req, http::ResponseWriter& w) {
     absl::StatusOr<router::CompletionRequest> parsed = router::ParseCompletionRequest(req.body);
     if (!parsed.ok()) return SendError(w, parsed.status());
-    const int64_t prompt_tokens =
-        std::holds_alternative<std::string>(parsed->prompt)
-            ? CountWords(std::get<std::string>(parsed->prompt))
-            : static_cast<int64_t>(std::get<std::vector<int32_t>>(parsed->prompt).size());
+    const int64_t prompt_tokens = std::holds_alternative<std::string>(parsed->prompt)
+                                      ? CountWords(std::get<std::string>(parsed->prompt))
+                                      : static_cast<int64_t>(std::get<std::vector<int32_t>>(parsed->prompt).size());
     Answer(/*chat=*/false, parsed->model, parsed->sampling, prompt_tokens, w);
   }
 
   void HandleChat(const http::Request& req, http::ResponseWriter& w) {
-    absl::StatusOr<router::ChatCompletionRequest> parsed =
-        router::ParseChatCompletionRequest(req.body);
+    absl::StatusOr<router::ChatCompletionRequest> parsed = router::ParseChatCompletionRequest(req.body);
     if (!parsed.ok()) return SendError(w, parsed.status());
     int64_t prompt_tokens = 0;
     for (const router::ChatMessage& m : parsed->messages) prompt_tokens += CountWords(m.content);
@@ -119,21 +108,19 @@ class MockServer {
   }
 
   // The whole answer of a parsed request, at once.
-  void Answer(bool chat, const std::string& model, const router::SamplingFields& s,
-              int64_t prompt_tokens, http::ResponseWriter& w) {
+  void Answer(bool chat, const std::string& model, const router::SamplingFields& s, int64_t prompt_tokens,
+              http::ResponseWriter& w) {
     if (model != model_) return SendError(w, router::UnknownModelError(model));
     const int64_t max_tokens = s.max_tokens.value_or(router::kDefaultCompletionMaxTokens);
     const int n = static_cast<int>(s.n);
     if (max_tokens * n > kMaxMockOutputTokens) {
       return SendError(
-          w, router::InvalidRequest(
-                 "max_tokens", absl::StrFormat("the mock server answers at most %d tokens per "
-                                               "request (max_tokens x n), got %d x %d",
-                                               kMaxMockOutputTokens, max_tokens, n)));
+          w, router::InvalidRequest("max_tokens", absl::StrFormat("the mock server answers at most %d tokens per "
+                                                                  "request (max_tokens x n), got %d x %d",
+                                                                  kMaxMockOutputTokens, max_tokens, n)));
     }
     router::ResponseHeader h;
-    h.id = absl::StrCat(chat ? "chatcmpl-mock-" : "cmpl-mock-",
-                        next_id_.fetch_add(1, std::memory_order_relaxed));
+    h.id = absl::StrCat(chat ? "chatcmpl-mock-" : "cmpl-mock-", next_id_.fetch_add(1, std::memory_order_relaxed));
     h.created = Now();
     h.model = model;
     const router::Usage usage{.prompt_tokens = prompt_tokens, .completion_tokens = max_tokens * n};
@@ -165,8 +152,7 @@ class MockServer {
       const std::optional<FinishReason> finish =
           last ? std::optional<FinishReason>(FinishReason::kLength) : std::nullopt;
       if (chat) {
-        return router::ChatChunk(
-            h, {.index = index, .first = first, .content = kToken, .finish_reason = finish});
+        return router::ChatChunk(h, {.index = index, .first = first, .content = kToken, .finish_reason = finish});
       }
       return router::CompletionChunk(h, {.index = index, .text = kToken, .finish_reason = finish});
     };
@@ -197,8 +183,7 @@ absl::Status RunMockServer(const MockServerOptions& opt) {
   MockServer server(opt);
   RETURN_IF_ERROR(server.Start());
   const std::string url = http::BaseUrl(opt.host, server.port());
-  LOG(INFO) << "mock-server: serving model '" << opt.model << "' on " << url << " ("
-            << opt.threads << " threads)";
+  LOG(INFO) << "mock-server: serving model '" << opt.model << "' on " << url << " (" << opt.threads << " threads)";
   if (!opt.ready_file.empty()) RETURN_IF_ERROR(WriteFileAtomically(opt.ready_file, url + "\n"));
   const int sig = WaitForSignal();
   LOG(INFO) << "mock-server: signal " << sig << ", stopping";
@@ -211,12 +196,9 @@ absl::Status RunMockServer(const MockServerOptions& opt) {
 void AddMockServerCommand(CLI::App& bench) {
   auto opt = std::make_shared<MockServerOptions>();
   CLI::App* cmd = bench.add_subcommand(
-      "mock-server",
-      "An instant OpenAI-compatible server (no model): the baseline for proxy overhead");
+      "mock-server", "An instant OpenAI-compatible server (no model): the baseline for proxy overhead");
   cmd->add_option("--host", opt->host, "Address to listen on")->capture_default_str();
-  cmd->add_option("--port", opt->port, "Port (0: pick a free one)")
-      ->check(CLI::Range(0, 65535))
-      ->capture_default_str();
+  cmd->add_option("--port", opt->port, "Port (0: pick a free one)")->check(CLI::Range(0, 65535))->capture_default_str();
   cmd->add_option("--threads", opt->threads, "HTTP I/O threads")->capture_default_str();
   cmd->add_option("--model", opt->model, "The model name served")->capture_default_str();
   cmd->add_option("--ready-file", opt->ready_file, "Write http://host:port here once listening");

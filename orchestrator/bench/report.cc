@@ -127,18 +127,15 @@ std::vector<std::pair<std::string, std::string>> SummaryRows(const Summary& s) {
   }
   rows.push_back({"Request throughput (req/s):", absl::StrFormat("%.2f", s.request_throughput)});
   rows.push_back({"Input token throughput (tok/s):", absl::StrFormat("%.2f", s.input_throughput)});
-  rows.push_back(
-      {"Output token throughput (tok/s):", absl::StrFormat("%.2f", s.output_throughput)});
+  rows.push_back({"Output token throughput (tok/s):", absl::StrFormat("%.2f", s.output_throughput)});
   if (HasSlo(s.slo)) {
     rows.push_back({"Goodput (req/s):", absl::StrFormat("%.2f", s.goodput)});
     rows.push_back({"Goodput SLOs:", SloText(s.slo)});
   }
   if (s.router_prefix_hit_rate) {
-    rows.push_back({"Router prefix cache hit rate:",
-                    absl::StrFormat("%.1f%%", *s.router_prefix_hit_rate * 100)});
+    rows.push_back({"Router prefix cache hit rate:", absl::StrFormat("%.1f%%", *s.router_prefix_hit_rate * 100)});
   }
-  rows.push_back(
-      {"Client overhead (us/request):", absl::StrFormat("%.1f", s.client_overhead_us_per_request)});
+  rows.push_back({"Client overhead (us/request):", absl::StrFormat("%.1f", s.client_overhead_us_per_request)});
   return rows;
 }
 
@@ -150,9 +147,7 @@ struct Section {
 
 // One statistic of `d` as the reports print it: "n/a" when it has no sample
 // (e.g. TPOT when every output was one token), never a misleading 0.
-std::string Stat(const Distribution& d, double v) {
-  return d.count > 0 ? absl::StrFormat("%.2f", v) : "n/a";
-}
+std::string Stat(const Distribution& d, double v) { return d.count > 0 ? absl::StrFormat("%.2f", v) : "n/a"; }
 
 std::vector<Section> Sections(const Summary& s) {
   return {{"Time to First Token", "TTFT", &s.ttft_ms},
@@ -176,8 +171,7 @@ std::string Line(absl::string_view label, absl::string_view value) {
 // character boundary, so the HTML page stays valid UTF-8).
 std::string OneLine(absl::string_view text) {
   size_t cut = std::min(text.size(), kMaxErrorChars);
-  while (cut > 0 && cut < text.size() && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80)
-    --cut;
+  while (cut > 0 && cut < text.size() && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
   std::string out;
   for (char c : text.substr(0, cut)) out += (c == '\n' || c == '\r' || c == '\t') ? ' ' : c;
   if (cut < text.size()) out += "...";
@@ -187,9 +181,7 @@ std::string OneLine(absl::string_view text) {
 // ---------------------------------------------------------------------------
 // HTML and SVG.
 
-std::string Escape(absl::string_view text) {
-  return HtmlEscape(std::string_view(text.data(), text.size()));
-}
+std::string Escape(absl::string_view text) { return HtmlEscape(std::string_view(text.data(), text.size())); }
 
 // A 1, 2 or 5 times a power of ten near span / target: about `target` ticks.
 double NiceStep(double span, int target) {
@@ -233,12 +225,8 @@ struct Frame {
   static constexpr double kWidth = 640, kHeight = 300;
   static constexpr double kLeft = 64, kRight = 16, kTop = 12, kBottom = 44;
   Axis x, y;
-  double Px(double v) const {
-    return kLeft + (v - x.lo) / (x.hi - x.lo) * (kWidth - kLeft - kRight);
-  }
-  double Py(double v) const {
-    return kHeight - kBottom - (v - y.lo) / (y.hi - y.lo) * (kHeight - kTop - kBottom);
-  }
+  double Px(double v) const { return kLeft + (v - x.lo) / (x.hi - x.lo) * (kWidth - kLeft - kRight); }
+  double Py(double v) const { return kHeight - kBottom - (v - y.lo) / (y.hi - y.lo) * (kHeight - kTop - kBottom); }
 };
 
 std::string Tick(double v) {
@@ -247,35 +235,30 @@ std::string Tick(double v) {
 }
 
 // Opens an <svg> with the axes, grid, tick labels and axis titles of `f`.
-std::string OpenChart(const Frame& f, absl::string_view label, absl::string_view x_title,
-                      absl::string_view y_title) {
-  std::string svg = absl::StrFormat(
-      "<svg viewBox=\"0 0 %g %g\" width=\"%g\" height=\"%g\" role=\"img\" aria-label=\"%s\">\n",
-      Frame::kWidth, Frame::kHeight, Frame::kWidth, Frame::kHeight, Escape(label));
+std::string OpenChart(const Frame& f, absl::string_view label, absl::string_view x_title, absl::string_view y_title) {
+  std::string svg =
+      absl::StrFormat("<svg viewBox=\"0 0 %g %g\" width=\"%g\" height=\"%g\" role=\"img\" aria-label=\"%s\">\n",
+                      Frame::kWidth, Frame::kHeight, Frame::kWidth, Frame::kHeight, Escape(label));
   const double x0 = Frame::kLeft, x1 = Frame::kWidth - Frame::kRight;
   const double y0 = Frame::kHeight - Frame::kBottom, y1 = Frame::kTop;
   f.y.ForEachTick([&](double v) {
     const double py = f.Py(v);
-    absl::StrAppendFormat(&svg,
-                          "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>",
-                          x0, py, x1, py);
-    absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n",
-                          x0 - 6, py + 4, Tick(v));
+    absl::StrAppendFormat(&svg, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", x0, py, x1,
+                          py);
+    absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%s</text>\n", x0 - 6, py + 4, Tick(v));
   });
   f.x.ForEachTick([&](double v) {
     const double px = f.Px(v);
-    absl::StrAppendFormat(&svg,
-                          "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>",
-                          px, y0, px, y0 + 5);
-    absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n",
-                          px, y0 + 18, Tick(v));
+    absl::StrAppendFormat(&svg, "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", px, y0, px,
+                          y0 + 5);
+    absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n", px, y0 + 18, Tick(v));
   });
   absl::StrAppendFormat(&svg,
                         "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>"
                         "<line class=\"axis\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>\n",
                         x0, y0, x1, y0, x0, y0, x0, y1);
-  absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n",
-                        (x0 + x1) / 2, Frame::kHeight - 6, Escape(x_title));
+  absl::StrAppendFormat(&svg, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>\n", (x0 + x1) / 2,
+                        Frame::kHeight - 6, Escape(x_title));
   absl::StrAppendFormat(&svg,
                         "<text x=\"14\" y=\"%.1f\" text-anchor=\"middle\" "
                         "transform=\"rotate(-90 14 %.1f)\">%s</text>\n",
@@ -290,17 +273,14 @@ std::string NoData(const Frame& f) {
 }
 
 std::string Figure(absl::string_view caption, absl::string_view svg, absl::string_view note) {
-  return absl::StrCat(
-      "<figure><figcaption>", Escape(caption), "</figcaption>\n", svg, "</svg>\n",
-      note.empty() ? "" : absl::StrCat("<p class=\"note\">", Escape(note), "</p>\n"),
-      "</figure>\n");
+  return absl::StrCat("<figure><figcaption>", Escape(caption), "</figcaption>\n", svg, "</svg>\n",
+                      note.empty() ? "" : absl::StrCat("<p class=\"note\">", Escape(note), "</p>\n"), "</figure>\n");
 }
 
 // A histogram of `samples` (ms). A long tail (the maximum more than twice as
 // far from the minimum as P99 is) would squash the bulk into one bar, so the
 // axis then ends near P99 and the last bar also counts the samples beyond.
-std::string Histogram(absl::string_view caption, absl::string_view x_title,
-                      std::vector<double> samples) {
+std::string Histogram(absl::string_view caption, absl::string_view x_title, std::vector<double> samples) {
   Frame f;
   if (samples.empty()) {
     return Figure(caption, OpenChart(f, caption, x_title, "requests") + NoData(f), "");
@@ -324,17 +304,15 @@ std::string Histogram(absl::string_view caption, absl::string_view x_title,
     if (counts[i] == 0) continue;
     const double x = f.Px(f.x.lo + i * width), w = f.Px(f.x.lo + (i + 1) * width) - x;
     const double y = f.Py(static_cast<double>(counts[i]));
-    absl::StrAppendFormat(
-        &svg,
-        "<rect class=\"bar\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\">"
-        "<title>%s-%s ms: %d</title></rect>\n",
-        x, y, std::max(w - 1, 0.5), f.Py(0) - y, Tick(f.x.lo + i * width),
-        Tick(f.x.lo + (i + 1) * width), counts[i]);
+    absl::StrAppendFormat(&svg,
+                          "<rect class=\"bar\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\">"
+                          "<title>%s-%s ms: %d</title></rect>\n",
+                          x, y, std::max(w - 1, 0.5), f.Py(0) - y, Tick(f.x.lo + i * width),
+                          Tick(f.x.lo + (i + 1) * width), counts[i]);
   }
   std::string note;
   if (beyond > 0) {
-    note = absl::StrFormat("The last bar also counts %d sample(s) above %g ms (max %.1f ms).",
-                           beyond, f.x.hi, max);
+    note = absl::StrFormat("The last bar also counts %d sample(s) above %g ms (max %.1f ms).", beyond, f.x.hi, max);
   }
   return Figure(caption, svg, note);
 }
@@ -359,17 +337,14 @@ std::string ThroughputChart(const Summary& s, const std::vector<RequestRecord>& 
   const double bin_s = std::max(1.0, std::ceil(span / kMaxTimeBins));
   const int bins = std::max(1, static_cast<int>(std::ceil(span / bin_s)));
   std::vector<double> tokens(bins, 0);
-  auto add = [&](double t, double n) {
-    tokens[std::clamp(static_cast<int>((t - start) / bin_s), 0, bins - 1)] += n;
-  };
+  auto add = [&](double t, double n) { tokens[std::clamp(static_cast<int>((t - start) / bin_s), 0, bins - 1)] += n; };
   for (const RequestRecord& r : records) {
     if (!r.ok || r.output_tokens <= 0) continue;
     if (r.token_times_s.empty()) {
       add(r.done_s, static_cast<double>(r.output_tokens));
       continue;
     }
-    const double per_chunk =
-        static_cast<double>(r.output_tokens) / static_cast<double>(r.token_times_s.size());
+    const double per_chunk = static_cast<double>(r.output_tokens) / static_cast<double>(r.token_times_s.size());
     for (double t : r.token_times_s) add(t, per_chunk);
   }
   double peak = 0;
@@ -380,11 +355,10 @@ std::string ThroughputChart(const Summary& s, const std::vector<RequestRecord>& 
   for (int i = 0; i < bins; ++i) {
     if (tokens[i] <= 0) continue;
     const double x = f.Px(i * bin_s), w = f.Px((i + 1) * bin_s) - x, y = f.Py(tokens[i]);
-    absl::StrAppendFormat(
-        &svg,
-        "<rect class=\"bar\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\">"
-        "<title>%gs: %.1f tok/s</title></rect>\n",
-        x, y, std::max(w - (w > 3 ? 1 : 0), 0.5), f.Py(0) - y, i * bin_s, tokens[i]);
+    absl::StrAppendFormat(&svg,
+                          "<rect class=\"bar\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\">"
+                          "<title>%gs: %.1f tok/s</title></rect>\n",
+                          x, y, std::max(w - (w > 3 ? 1 : 0), 0.5), f.Py(0) - y, i * bin_s, tokens[i]);
   }
   const double avg = s.output_throughput;
   if (avg > 0) {
@@ -393,9 +367,8 @@ std::string ThroughputChart(const Summary& s, const std::vector<RequestRecord>& 
                           "<title>mean %.1f tok/s</title></line>\n",
                           f.Px(0), f.Py(avg), f.Px(bins * bin_s), f.Py(avg), avg);
   }
-  return Figure(
-      kCaption, svg,
-      absl::StrFormat("Bins of %g s; the dashed line is the run's mean (%.1f tok/s).", bin_s, avg));
+  return Figure(kCaption, svg,
+                absl::StrFormat("Bins of %g s; the dashed line is the run's mean (%.1f tok/s).", bin_s, avg));
 }
 
 // E2E latency against send time, one dot per request (every k-th request
@@ -405,8 +378,7 @@ std::string ScatterChart(const std::vector<RequestRecord>& records) {
   constexpr absl::string_view kCaption = "End-to-end latency by send time";
   Frame f;
   if (records.empty()) {
-    return Figure(kCaption, OpenChart(f, kCaption, "send time (s)", "e2e latency (ms)") + NoData(f),
-                  "");
+    return Figure(kCaption, OpenChart(f, kCaption, "send time (s)", "e2e latency (ms)") + NoData(f), "");
   }
   const size_t stride = (records.size() + kMaxScatterPoints - 1) / kMaxScatterPoints;
   double x_lo = records.front().sent_s, x_hi = x_lo, y_hi = 0;
@@ -420,8 +392,8 @@ std::string ScatterChart(const std::vector<RequestRecord>& records) {
   std::string svg = OpenChart(f, kCaption, "send time (s)", "e2e latency (ms)");
   for (size_t i = 0; i < records.size(); i += stride) {
     const RequestRecord& r = records[i];
-    absl::StrAppendFormat(&svg, "<circle class=\"%s\" cx=\"%.1f\" cy=\"%.1f\" r=\"2\"/>\n",
-                          r.ok ? "ok" : "err", f.Px(r.sent_s), f.Py((r.done_s - r.sent_s) * 1e3));
+    absl::StrAppendFormat(&svg, "<circle class=\"%s\" cx=\"%.1f\" cy=\"%.1f\" r=\"2\"/>\n", r.ok ? "ok" : "err",
+                          f.Px(r.sent_s), f.Py((r.done_s - r.sent_s) * 1e3));
   }
   std::string note = "Red: failed requests.";
   if (stride > 1) {
@@ -514,9 +486,8 @@ Summary Summarize(const std::vector<RequestRecord>& records, const Slo& slo) {
 }
 
 std::string FormatText(const Summary& s, const std::string& title) {
-  std::string out = Rule(title.empty() ? " Serving Benchmark Result "
-                                       : absl::StrCat(" Serving Benchmark Result: ", title, " "),
-                         '=');
+  std::string out =
+      Rule(title.empty() ? " Serving Benchmark Result " : absl::StrCat(" Serving Benchmark Result: ", title, " "), '=');
   for (const auto& [label, value] : SummaryRows(s)) out += Line(label, value);
   for (const Section& sec : Sections(s)) {
     out += Rule(sec.title, '-');
@@ -601,27 +572,24 @@ nlohmann::json RequestsJson(const std::vector<RequestRecord>& records) {
   return out;
 }
 
-std::string RenderHtml(const Summary& s, const std::vector<RequestRecord>& records,
-                       const std::string& title) {
+std::string RenderHtml(const Summary& s, const std::vector<RequestRecord>& records, const std::string& title) {
   const std::string heading = title.empty() ? "Serving Benchmark Result" : title;
   std::string html = absl::StrCat(
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
       "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<title>",
-      Escape(heading), "</title>\n<style>", kCss, "</style>\n</head>\n<body>\n<h1>",
-      Escape(heading), "</h1>\n");
+      Escape(heading), "</title>\n<style>", kCss, "</style>\n</head>\n<body>\n<h1>", Escape(heading), "</h1>\n");
 
   if (!s.run.empty()) {
     html += "<h2>Run</h2>\n<table>\n";
     for (const auto& [label, value] : s.run) {
-      absl::StrAppend(&html, "<tr><td>", Escape(label), "</td><td><code>", Escape(value),
-                      "</code></td></tr>\n");
+      absl::StrAppend(&html, "<tr><td>", Escape(label), "</td><td><code>", Escape(value), "</code></td></tr>\n");
     }
     html += "</table>\n";
   }
   html += "<h2>Summary</h2>\n<table>\n";
   for (const auto& [label, value] : SummaryRows(s)) {
-    absl::StrAppend(&html, "<tr><td>", Escape(label.substr(0, label.size() - 1)), "</td><td>",
-                    Escape(value), "</td></tr>\n");
+    absl::StrAppend(&html, "<tr><td>", Escape(label.substr(0, label.size() - 1)), "</td><td>", Escape(value),
+                    "</td></tr>\n");
   }
   html +=
       "</table>\n<h2>Latency (ms)</h2>\n<table>\n<tr><th>metric</th><th>mean</th><th>std</th>"
@@ -631,8 +599,8 @@ std::string RenderHtml(const Summary& s, const std::vector<RequestRecord>& recor
     absl::StrAppendFormat(&html,
                           "<tr><td>%s</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td>"
                           "<td>%s</td><td>%s</td><td>%d</td></tr>\n",
-                          Escape(sec.title), Stat(d, d.mean), Stat(d, d.std), Stat(d, d.median),
-                          Stat(d, d.p90), Stat(d, d.p95), Stat(d, d.p99), d.count);
+                          Escape(sec.title), Stat(d, d.mean), Stat(d, d.std), Stat(d, d.median), Stat(d, d.p90),
+                          Stat(d, d.p95), Stat(d, d.p99), d.count);
   }
   html += "</table>\n";
 
@@ -646,8 +614,7 @@ std::string RenderHtml(const Summary& s, const std::vector<RequestRecord>& recor
 
   if (!s.first_errors.empty()) {
     html += "<h2>First errors</h2>\n";
-    for (const std::string& e : s.first_errors)
-      absl::StrAppend(&html, "<pre>", Escape(OneLine(e)), "</pre>\n");
+    for (const std::string& e : s.first_errors) absl::StrAppend(&html, "<pre>", Escape(OneLine(e)), "</pre>\n");
   }
   html += "</body>\n</html>\n";
   return html;

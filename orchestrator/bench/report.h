@@ -121,8 +121,7 @@ nlohmann::json RequestsJson(const std::vector<RequestRecord>& records);
 // the summary table, and inline SVG charts: TTFT histogram, ITL histogram,
 // output-token throughput over time (1 s bins, or coarser for long runs),
 // and request latency (e2e) over send time as a scatter.
-std::string RenderHtml(const Summary& s, const std::vector<RequestRecord>& records,
-                       const std::string& title);
+std::string RenderHtml(const Summary& s, const std::vector<RequestRecord>& records, const std::string& title);
 
 }  // namespace tandem::bench
 

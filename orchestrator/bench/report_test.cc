@@ -20,13 +20,12 @@ constexpr double kEps = 1e-9;
 
 size_t Count(std::string_view text, std::string_view needle) {
   size_t n = 0;
-  for (size_t at = text.find(needle); at != std::string_view::npos; at = text.find(needle, at + 1))
-    ++n;
+  for (size_t at = text.find(needle); at != std::string_view::npos; at = text.find(needle, at + 1)) ++n;
   return n;
 }
 
-void ExpectDistribution(const Distribution& d, double mean, double std, double median, double p90,
-                        double p95, double p99, int64_t count) {
+void ExpectDistribution(const Distribution& d, double mean, double std, double median, double p90, double p95,
+                        double p99, int64_t count) {
   EXPECT_NEAR(d.mean, mean, kEps);
   EXPECT_NEAR(d.std, std, kEps);
   EXPECT_NEAR(d.median, median, kEps);
@@ -36,8 +35,8 @@ void ExpectDistribution(const Distribution& d, double mean, double std, double m
   EXPECT_EQ(d.count, count);
 }
 
-RequestRecord Ok(double sent, double first, std::vector<double> chunks, double done, int64_t prompt,
-                 int64_t output, int64_t cached = 0) {
+RequestRecord Ok(double sent, double first, std::vector<double> chunks, double done, int64_t prompt, int64_t output,
+                 int64_t cached = 0) {
   RequestRecord r;
   r.ok = true;
   r.sent_s = sent;
@@ -74,8 +73,7 @@ std::vector<RequestRecord> Records() {
 
 // Expected values are numpy's (np.mean, np.std, np.median, np.percentile).
 TEST(DistributeTest, MatchesNumpy) {
-  ExpectDistribution(Distribute({7, 3, 10, 1, 5, 9, 2, 8, 6, 4}), 5.5, 2.8722813232690143, 5.5, 9.1,
-                     9.55, 9.91, 10);
+  ExpectDistribution(Distribute({7, 3, 10, 1, 5, 9, 2, 8, 6, 4}), 5.5, 2.8722813232690143, 5.5, 9.1, 9.55, 9.91, 10);
   ExpectDistribution(Distribute({3, 1, 4, 1, 5}), 2.8, 1.6, 3.0, 4.6, 4.8, 4.96, 5);
 }
 
@@ -97,15 +95,14 @@ TEST(SummarizeTest, CountsTokensAndThroughput) {
   EXPECT_NEAR(s.output_throughput, 4.0, kEps);
   EXPECT_EQ(s.goodput, 0);  // no SLO
   EXPECT_FALSE(s.router_prefix_hit_rate.has_value());
-  EXPECT_THAT(s.first_errors,
-              ::testing::ElementsAre("HTTP 503: no healthy worker", "HTTP 429: overloaded"));
+  EXPECT_THAT(s.first_errors, ::testing::ElementsAre("HTTP 503: no healthy worker", "HTTP 429: overloaded"));
 }
 
 TEST(SummarizeTest, LatenciesFromSuccessfulRequests) {
   const Summary s = Summarize(Records(), Slo{});
   ExpectDistribution(s.ttft_ms, 116.66666666666667, 62.36095644623236, 100, 180, 190, 198, 3);
-  ExpectDistribution(s.tpot_ms, 83.33333333333334, 16.666666666666664, 83.33333333333334,
-                     96.66666666666667, 98.33333333333333, 99.66666666666667, 2);
+  ExpectDistribution(s.tpot_ms, 83.33333333333334, 16.666666666666664, 83.33333333333334, 96.66666666666667,
+                     98.33333333333333, 99.66666666666667, 2);
   ExpectDistribution(s.itl_ms, 75, 25, 75, 100, 100, 100, 4);
   ExpectDistribution(s.e2e_ms, 266.6666666666667, 124.72191289246472, 300, 380, 390, 398, 3);
 }
@@ -154,8 +151,7 @@ TEST(SummarizeTest, KeepsFiveDistinctErrors) {
   for (int i = 0; i < 10; ++i) records.push_back(Failed(0, 1, "error " + std::to_string(i % 7)));
   const Summary s = Summarize(records, Slo{});
   EXPECT_EQ(s.failed, 10);
-  EXPECT_THAT(s.first_errors,
-              ::testing::ElementsAre("error 0", "error 1", "error 2", "error 3", "error 4"));
+  EXPECT_THAT(s.first_errors, ::testing::ElementsAre("error 0", "error 1", "error 2", "error 3", "error 4"));
   EXPECT_EQ(s.request_throughput, 0);
 }
 
@@ -175,9 +171,8 @@ TEST(ToJsonTest, KeysAndValues) {
   Summary s = Summarize(Records(), slo);
   s.router_prefix_hit_rate = 0.432;
   const nlohmann::json j = ToJson(s);
-  for (const char* key :
-       {"completed", "failed", "duration_s", "request_throughput", "input_throughput",
-        "output_throughput", "goodput", "total_input_tokens", "total_output_tokens"}) {
+  for (const char* key : {"completed", "failed", "duration_s", "request_throughput", "input_throughput",
+                          "output_throughput", "goodput", "total_input_tokens", "total_output_tokens"}) {
     ASSERT_TRUE(j.contains(key)) << key;
     EXPECT_TRUE(j[key].is_number()) << key;
   }
@@ -258,7 +253,7 @@ TEST(RequestsJsonTest, EveryRequestInSendOrder) {
   EXPECT_NEAR(r0["itl_ms"][1].get<double>(), 100, kEps);
   EXPECT_FALSE(r0.contains("error"));
   EXPECT_EQ(r0["worker"], "10.0.0.1:50051");
-  EXPECT_FALSE(j[1].contains("worker"));  // the server did not say
+  EXPECT_FALSE(j[1].contains("worker"));   // the server did not say
   EXPECT_TRUE(j[2]["tpot_ms"].is_null());  // one token
   EXPECT_TRUE(j[2]["itl_ms"].empty());
   EXPECT_FALSE(j[3]["ok"].get<bool>());
@@ -292,8 +287,7 @@ TEST(FormatTextTest, LinesAndSections) {
   EXPECT_THAT(text, Not(HasSubstr("prefix cache hit rate")));
   for (const char* stat : {"Mean", "Std", "Median", "P90", "P95", "P99"}) {
     for (const char* metric : {"TTFT", "TPOT", "ITL", "E2EL"}) {
-      EXPECT_THAT(text, HasSubstr(std::string("\n") + stat + " " + metric + " (ms):"))
-          << stat << metric;
+      EXPECT_THAT(text, HasSubstr(std::string("\n") + stat + " " + metric + " (ms):")) << stat << metric;
     }
   }
 }
@@ -365,7 +359,7 @@ TEST(RenderHtmlTest, LargeRunStaysCompact) {
   EXPECT_LT(html.size(), 1500u * 1000u);
   EXPECT_LE(Count(html, "<circle"), 2000u);
   EXPECT_GE(Count(html, "<circle"), 1000u);
-  EXPECT_THAT(html, HasSubstr("Bins of 2 s"));  // 300 s in at most 200 bins
+  EXPECT_THAT(html, HasSubstr("Bins of 2 s"));                                 // 300 s in at most 200 bins
   EXPECT_THAT(html, HasSubstr("The last bar also counts 1 sample(s) above"));  // the stall
 }
 

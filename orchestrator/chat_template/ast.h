@@ -53,11 +53,11 @@ struct Keyword {
 
 struct Expr {
   ExprKind kind;
-  size_t offset = 0;    // Source offset, for error lines.
-  Value constant;       // kConst (strings borrow `name`).
-  std::string name;     // kName, kGetattr, kFilter, kTest; kConst string storage.
-  int name_id = -1;     // kName: index into Template::names.
-  int builtin = -1;     // kFilter/kTest: table index; kCall of a name: global function or -1 for a macro.
+  size_t offset = 0;  // Source offset, for error lines.
+  Value constant;     // kConst (strings borrow `name`).
+  std::string name;   // kName, kGetattr, kFilter, kTest; kConst string storage.
+  int name_id = -1;   // kName: index into Template::names.
+  int builtin = -1;   // kFilter/kTest: table index; kCall of a name: global function or -1 for a macro.
   BinaryOp binary_op = BinaryOp::kAdd;
   std::vector<CompareKind> compare_ops;
   std::vector<ExprPtr> children;
@@ -132,7 +132,7 @@ struct Stmt {
 };
 
 struct Template {
-  std::string source;  // Normalized; offsets refer to it.
+  std::string source;              // Normalized; offsets refer to it.
   std::vector<std::string> names;  // Interned identifiers; Expr::name_id indexes it.
   Body body;
 };

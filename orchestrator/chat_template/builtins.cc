@@ -368,8 +368,8 @@ absl::StatusOr<Value> FilterMap(const Value& v, const BoundArgs& args) {
   const CallArgs& call = args.call();
   if (!Truthy(v)) return EmptyIterator();
   ASSIGN_OR_RETURN(std::vector<Value> items, Iterate(v));
-  const auto attribute = std::find_if(call.keywords.begin(), call.keywords.end(),
-                                      [](const auto& kw) { return kw.first == "attribute"; });
+  const auto attribute =
+      std::find_if(call.keywords.begin(), call.keywords.end(), [](const auto& kw) { return kw.first == "attribute"; });
   if (call.positional.empty() && attribute != call.keywords.end()) {
     const Value* fallback = nullptr;
     for (const auto& [name, value] : call.keywords) {
@@ -717,9 +717,8 @@ absl::StatusOr<Value> TestIterable(const Value& v, const BoundArgs&) {
 }
 
 absl::StatusOr<Value> TestSequence(const Value& v, const BoundArgs&) {
-  const bool indexable_list =
-      v.is_list() && (v.list().kind == ListKind::kList || v.list().kind == ListKind::kTuple ||
-                       v.list().kind == ListKind::kRange);
+  const bool indexable_list = v.is_list() && (v.list().kind == ListKind::kList || v.list().kind == ListKind::kTuple ||
+                                              v.list().kind == ListKind::kRange);
   return Value::Bool(v.is_undefined() || v.is_string() || v.is_dict() || indexable_list);
 }
 
@@ -731,15 +730,20 @@ absl::StatusOr<Value> TestSameAs(const Value& v, const BoundArgs& args) {
   const Value& other = *args[0];
   if (v.kind() != other.kind()) return Value::Bool(false);
   switch (v.kind()) {
-    case Value::Kind::kNone: return Value::Bool(true);
-    case Value::Kind::kBool: return Value::Bool(v.bool_value() == other.bool_value());
+    case Value::Kind::kNone:
+      return Value::Bool(true);
+    case Value::Kind::kBool:
+      return Value::Bool(v.bool_value() == other.bool_value());
     case Value::Kind::kInt:  // CPython caches the small ints.
       return Value::Bool(v.int_value() == other.int_value() && v.int_value() >= -5 && v.int_value() <= 256);
-    case Value::Kind::kString: return Value::Bool(v.str().data() == other.str().data() && v.str() == other.str());
+    case Value::Kind::kString:
+      return Value::Bool(v.str().data() == other.str().data() && v.str() == other.str());
     case Value::Kind::kList:
     case Value::Kind::kDict:
-    case Value::Kind::kObject: return Value::Bool(v.identity() == other.identity());
-    default: return Value::Bool(false);
+    case Value::Kind::kObject:
+      return Value::Bool(v.identity() == other.identity());
+    default:
+      return Value::Bool(false);
   }
 }
 
@@ -902,8 +906,8 @@ absl::StatusOr<Value> MethodRStrip(const Value& s, const BoundArgs& a) { return 
 // self[start:end] (code points) for the start/end arguments of find, count,
 // startswith; nullopt when the window is out of range (start past the end
 // or after `end`), where Python matches nothing, not even "".
-absl::StatusOr<std::optional<std::string_view>> StrWindow(const Value& self, const BoundArgs& args,
-                                                          size_t start_index, size_t* start_cp) {
+absl::StatusOr<std::optional<std::string_view>> StrWindow(const Value& self, const BoundArgs& args, size_t start_index,
+                                                          size_t* start_cp) {
   *start_cp = 0;
   auto bound = [&](size_t i) -> absl::StatusOr<std::optional<int64_t>> {
     if (!args[i] || args[i]->is_none()) return std::optional<int64_t>();
@@ -933,8 +937,8 @@ absl::StatusOr<Value> StartsOrEndsWith(const Value& self, const BoundArgs& args,
   } else if (args[0]->is_list() && args[0]->list().kind == ListKind::kTuple) {
     candidates = args[0]->list().items;
   } else {
-    return PyError(Cat(ends ? "endswith" : "startswith",
-                                " first arg must be str or a tuple of str, not ", TypeName(*args[0])));
+    return PyError(
+        Cat(ends ? "endswith" : "startswith", " first arg must be str or a tuple of str, not ", TypeName(*args[0])));
   }
   for (const Value& c : candidates) {
     if (!c.is_string()) return PyError("tuple for startswith/endswith must only contain str");
@@ -1322,12 +1326,13 @@ struct AttributeTable {
 const AttributeTable& Attributes(Receiver receiver) {
   static const auto* tables = new std::vector<AttributeTable>{
       // kStr
-      {{"strip", "lstrip", "rstrip", "startswith", "endswith", "split", "rsplit", "splitlines", "replace", "upper",
-        "lower", "title", "capitalize", "swapcase", "find", "rfind", "index", "rindex", "count", "join", "isdigit",
-        "isalpha", "isalnum", "isdecimal", "isnumeric", "isspace", "islower", "isupper", "center", "ljust", "rjust",
-        "zfill", "partition", "rpartition", "removeprefix", "removesuffix"},
-       {"casefold", "encode", "expandtabs", "format", "format_map", "isascii", "isidentifier", "isprintable",
-        "istitle", "maketrans", "translate"},
+      {{"strip",     "lstrip",     "rstrip",       "startswith",  "endswith",   "split",    "rsplit",  "splitlines",
+        "replace",   "upper",      "lower",        "title",       "capitalize", "swapcase", "find",    "rfind",
+        "index",     "rindex",     "count",        "join",        "isdigit",    "isalpha",  "isalnum", "isdecimal",
+        "isnumeric", "isspace",    "islower",      "isupper",     "center",     "ljust",    "rjust",   "zfill",
+        "partition", "rpartition", "removeprefix", "removesuffix"},
+       {"casefold", "encode", "expandtabs", "format", "format_map", "isascii", "isidentifier", "isprintable", "istitle",
+        "maketrans", "translate"},
        {}},
       // kDict
       {{"get", "items", "keys", "values"}, {"copy", "fromkeys"}, {"clear", "pop", "popitem", "setdefault", "update"}},
@@ -1375,7 +1380,7 @@ absl::StatusOr<BoundArgs> Bind(const Callee& callee, const Signature& sig, const
   if (sig.varargs) return bound;
   if (args.positional.size() > sig.params.size()) {
     return PyError(Cat(CalleeText(callee), " takes at most ", sig.params.size(), " argument(s) (",
-                                args.positional.size(), " given)"));
+                       args.positional.size(), " given)"));
   }
   bound.slots_.assign(sig.params.size(), nullptr);
   for (size_t i = 0; i < args.positional.size(); ++i) bound.slots_[i] = &args.positional[i];

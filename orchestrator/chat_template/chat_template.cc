@@ -67,8 +67,8 @@ absl::StatusOr<std::string> RenderJson(const jinja::Template& tpl, const Json& c
   const JsonShape shape = MeasureJson(context);
   // The top-level object is not a template value: its members may nest kMaxValueDepth deep.
   if (shape.depth > jinja::kMaxValueDepth + 1) {
-    return absl::InvalidArgumentError(
-        "chat template: the render context nests deeper than " + std::to_string(jinja::kMaxValueDepth) + " levels");
+    return absl::InvalidArgumentError("chat template: the render context nests deeper than " +
+                                      std::to_string(jinja::kMaxValueDepth) + " levels");
   }
   // Variables are converted on first use; their strings stay in `context`.
   auto lookup = [&context](std::string_view name, jinja::Value* value) {

@@ -26,11 +26,10 @@ constexpr std::string_view kMarker = "{#context#}";
 
 nlohmann::ordered_json BaseContext() {
   nlohmann::ordered_json context = nlohmann::ordered_json::object();
-  context["messages"] = nlohmann::ordered_json::array(
-      {{{"role", "system"}, {"content", "Be brief."}},
-       {{"role", "user"}, {"content", "Hi"}},
-       {{"role", "assistant"}, {"content", "Hello."}},
-       {{"role", "user"}, {"content", "And?"}}});
+  context["messages"] = nlohmann::ordered_json::array({{{"role", "system"}, {"content", "Be brief."}},
+                                                       {{"role", "user"}, {"content", "Hi"}},
+                                                       {{"role", "assistant"}, {"content", "Hello."}},
+                                                       {{"role", "user"}, {"content", "And?"}}});
   context["tools"] = nullptr;
   context["documents"] = nullptr;
   context["add_generation_prompt"] = true;

@@ -293,9 +293,9 @@ absl::Status RenderStatus(std::string_view source, const ordered_json& context) 
 }
 
 TEST(ChatTemplateRenderTest, RaiseExceptionMessageIsExact) {
-  const absl::Status s = RenderStatus(
-      "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}",
-      ordered_json::object());
+  const absl::Status s =
+      RenderStatus("{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}",
+                   ordered_json::object());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Msg(s), "Conversation roles must alternate user/assistant/user/assistant/...");
 }
@@ -347,22 +347,20 @@ TEST(ChatTemplateRenderTest, OutputSizeIsCapped) {
 
 TEST(ChatTemplateRenderTest, StringGrowthIsCapped) {
   const absl::Status s = RenderStatus(
-      "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
-      RoomForWork());
+      "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", RoomForWork());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("exceeds the chat template limit"));
 }
 
 TEST(ChatTemplateRenderTest, LoopIterationsAreCapped) {
-  const absl::Status s = RenderStatus(
-      "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", RoomForWork());
+  const absl::Status s =
+      RenderStatus("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", RoomForWork());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("loop iterations"));
 }
 
 TEST(ChatTemplateRenderTest, MacroRecursionIsCapped) {
-  const absl::Status s =
-      RenderStatus("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", ordered_json::object());
+  const absl::Status s = RenderStatus("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", ordered_json::object());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("macro calls nested more than"));
 }
@@ -370,9 +368,9 @@ TEST(ChatTemplateRenderTest, MacroRecursionIsCapped) {
 TEST(ChatTemplateRenderTest, MacroCallsAreCappedOverTheWholeRender) {
   // Within the depth cap, but 2^40 calls (found by chat_template_fuzzer, whose
   // template of this shape ran for minutes).
-  const absl::Status s = RenderStatus(
-      "{% macro f(n) %}{% if n < 40 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(0) }}",
-      ordered_json::object());
+  const absl::Status s =
+      RenderStatus("{% macro f(n) %}{% if n < 40 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(0) }}",
+                   ordered_json::object());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("macro calls in one render"));
 }
@@ -404,9 +402,9 @@ ordered_json Conversation(int turns) {
   messages.push_back({{"role", "system"}, {"content", "You are a helpful assistant."}});
   for (int i = 0; i < turns; ++i) {
     messages.push_back({{"role", "user"}, {"content", "Question " + std::to_string(i) + ": how do llamas sleep?"}});
-    messages.push_back({{"role", "assistant"},
-                        {"content", "<think>\nRecall.\n</think>\n\nLlamas sleep lying down, answer " +
-                                        std::to_string(i) + "."}});
+    messages.push_back(
+        {{"role", "assistant"},
+         {"content", "<think>\nRecall.\n</think>\n\nLlamas sleep lying down, answer " + std::to_string(i) + "."}});
   }
   messages.push_back({{"role", "user"}, {"content", "Thanks!"}});
   return {{"messages", messages}, {"add_generation_prompt", true}, {"tools", nullptr}, {"documents", nullptr}};
@@ -416,8 +414,7 @@ TEST(ChatTemplateRenderTest, WorkIsCappedRelativeToTheContext) {
   // Each pass hands a 10 kB string to |int: within the loop cap, a billion
   // units of work; the allowance is about 17 million for this context.
   const ordered_json context = {{"s", std::string(10000, 'x')}};
-  const absl::Status s = RenderStatus(
-      "{% for i in range(100000) %}{% if s|int %}{% endif %}{% endfor %}", context);
+  const absl::Status s = RenderStatus("{% for i in range(100000) %}{% if s|int %}{% endif %}{% endfor %}", context);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("units of work"));
   // The same string read a few times is well within it.
@@ -511,10 +508,9 @@ TEST(ChatTemplateBuiltinModelTest, TestdataCopyMatchesBuiltinTemplate) {
 }
 
 TEST(ChatTemplateBuiltinModelTest, BuiltinTemplateRenders) {
-  const ordered_json context = {
-      {"bos_token", "<|begin_of_text|>"},
-      {"add_generation_prompt", true},
-      {"messages", {{{"role", "user"}, {"content", "  Hi  "}}}}};
+  const ordered_json context = {{"bos_token", "<|begin_of_text|>"},
+                                {"add_generation_prompt", true},
+                                {"messages", {{{"role", "user"}, {"content", "  Hi  "}}}}};
   EXPECT_EQ(MustRender(worker::BuiltinChatTemplate(), context),
             "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\n");

@@ -41,12 +41,18 @@ struct Frame {
 
 CompareOp ToCompareOp(CompareKind kind) {
   switch (kind) {
-    case CompareKind::kEq: return CompareOp::kEq;
-    case CompareKind::kNe: return CompareOp::kNe;
-    case CompareKind::kLt: return CompareOp::kLt;
-    case CompareKind::kLe: return CompareOp::kLe;
-    case CompareKind::kGt: return CompareOp::kGt;
-    default: return CompareOp::kGe;
+    case CompareKind::kEq:
+      return CompareOp::kEq;
+    case CompareKind::kNe:
+      return CompareOp::kNe;
+    case CompareKind::kLt:
+      return CompareOp::kLt;
+    case CompareKind::kLe:
+      return CompareOp::kLe;
+    case CompareKind::kGt:
+      return CompareOp::kGt;
+    default:
+      return CompareOp::kGe;
   }
 }
 
@@ -64,13 +70,18 @@ class Renderer {
   ~Renderer() {
     for (const std::shared_ptr<Object>& object : objects_) {
       switch (object->kind) {
-        case Object::Kind::kNamespace: static_cast<Namespace&>(*object).attrs = Dict(); break;
+        case Object::Kind::kNamespace:
+          static_cast<Namespace&>(*object).attrs = Dict();
+          break;
         case Object::Kind::kLoop:
           static_cast<Loop&>(*object).items.clear();
           static_cast<Loop&>(*object).last_changed.reset();
           break;
-        case Object::Kind::kMacro: static_cast<Macro&>(*object).closure.clear(); break;
-        default: break;
+        case Object::Kind::kMacro:
+          static_cast<Macro&>(*object).closure.clear();
+          break;
+        default:
+          break;
       }
     }
   }
@@ -88,8 +99,7 @@ class Renderer {
   // kUnknown (positionless) errors get the line of `offset`.
   absl::Status Locate(absl::Status status, size_t offset) const {
     if (status.code() != absl::StatusCode::kUnknown) return status;
-    return absl::InvalidArgumentError(
-        Cat("chat template: line ", LineOf(tpl_.source, offset), ": ", status.message()));
+    return absl::InvalidArgumentError(Cat("chat template: line ", LineOf(tpl_.source, offset), ": ", status.message()));
   }
 
   absl::Status Emit(std::string_view text) {
@@ -370,8 +380,10 @@ class Renderer {
 
   absl::StatusOr<Value> EvalNode(const Expr& e, Frame& frame) {
     switch (e.kind) {
-      case ExprKind::kConst: return e.constant;
-      case ExprKind::kName: return Lookup(e.name_id, frame);
+      case ExprKind::kConst:
+        return e.constant;
+      case ExprKind::kName:
+        return Lookup(e.name_id, frame);
       case ExprKind::kGetattr: {
         ASSIGN_OR_RETURN(Value obj, Eval(*e.children[0], frame));
         return GetAttr(obj, e.name);
@@ -391,8 +403,10 @@ class Renderer {
         }
         return GetSlice(obj, parts[0], parts[1], parts[2]);
       }
-      case ExprKind::kCall: return EvalCall(e, frame);
-      case ExprKind::kFilter: return EvalFilter(e, frame, nullptr);
+      case ExprKind::kCall:
+        return EvalCall(e, frame);
+      case ExprKind::kFilter:
+        return EvalFilter(e, frame, nullptr);
       case ExprKind::kTest: {
         ASSIGN_OR_RETURN(Value subject, Eval(*e.children[0], frame));
         ASSIGN_OR_RETURN(CallArgs args, EvalArgs(e, frame));
@@ -463,9 +477,8 @@ class Renderer {
         ASSIGN_OR_RETURN(Value test, Eval(*e.children[1], frame));
         if (Truthy(test)) return Eval(*e.children[0], frame);
         if (e.children[2]) return Eval(*e.children[2], frame);
-        return Value::UndefinedWithMessage(
-            Cat("the inline if-expression on line ", LineOf(tpl_.source, e.offset),
-                         " evaluated to false and no else section was defined."));
+        return Value::UndefinedWithMessage(Cat("the inline if-expression on line ", LineOf(tpl_.source, e.offset),
+                                               " evaluated to false and no else section was defined."));
       }
       case ExprKind::kList:
       case ExprKind::kTuple: {
@@ -580,8 +593,8 @@ class Renderer {
   int64_t iterations_ = 0;
   int call_depth_ = 0;
   int64_t macro_calls_ = 0;
-  int64_t work_ = 0;  // Against limits_.max_work.
-  int loop_name_id_ = -2;  // -2: not looked up yet; -1: the template never says `loop`.
+  int64_t work_ = 0;                              // Against limits_.max_work.
+  int loop_name_id_ = -2;                         // -2: not looked up yet; -1: the template never says `loop`.
   std::vector<std::shared_ptr<Object>> objects_;  // Namespaces, loops and macros made by this render.
 };
 

@@ -158,25 +158,45 @@ absl::Status Unescape(std::string_view body, std::string* out) {
     const char e = body[pos + 1];
     pos += 2;
     switch (e) {
-      case '\n': break;
-      case '\\': out->push_back('\\'); break;
-      case '\'': out->push_back('\''); break;
-      case '"': out->push_back('"'); break;
-      case 'a': out->push_back('\a'); break;
-      case 'b': out->push_back('\b'); break;
-      case 'f': out->push_back('\f'); break;
-      case 'n': out->push_back('\n'); break;
-      case 'r': out->push_back('\r'); break;
-      case 't': out->push_back('\t'); break;
-      case 'v': out->push_back('\v'); break;
+      case '\n':
+        break;
+      case '\\':
+        out->push_back('\\');
+        break;
+      case '\'':
+        out->push_back('\'');
+        break;
+      case '"':
+        out->push_back('"');
+        break;
+      case 'a':
+        out->push_back('\a');
+        break;
+      case 'b':
+        out->push_back('\b');
+        break;
+      case 'f':
+        out->push_back('\f');
+        break;
+      case 'n':
+        out->push_back('\n');
+        break;
+      case 'r':
+        out->push_back('\r');
+        break;
+      case 't':
+        out->push_back('\t');
+        break;
+      case 'v':
+        out->push_back('\v');
+        break;
       case 'x':
       case 'u':
       case 'U': {
         const int n = e == 'x' ? 2 : e == 'u' ? 4 : 8;
         char32_t value;
         if (!hex(pos, n, &value)) {
-          return absl::InvalidArgumentError(Cat("truncated \\", std::string(1, e), std::string(n, 'X'),
-                                                         " escape"));
+          return absl::InvalidArgumentError(Cat("truncated \\", std::string(1, e), std::string(n, 'X'), " escape"));
         }
         if (value > 0x10FFFF) return absl::InvalidArgumentError("illegal Unicode character");
         // A lone surrogate cannot be UTF-8; Python would fail on output.
@@ -185,7 +205,8 @@ absl::Status Unescape(std::string_view body, std::string* out) {
         pos += n;
         break;
       }
-      case 'N': return absl::InvalidArgumentError("\\N{...} escapes are not supported");
+      case 'N':
+        return absl::InvalidArgumentError("\\N{...} escapes are not supported");
       default:
         if (e >= '0' && e <= '7') {
           char32_t value = e - '0';
@@ -417,8 +438,7 @@ class Lexer {
       } else if (op == ")" || op == "]" || op == "}") {
         if (balance.empty()) return SyntaxError(src_, pos, Cat("unexpected '", op, "'"));
         if (balance.back() != op[0]) {
-          return SyntaxError(src_, pos,
-                             Cat("unexpected '", op, "', expected '", std::string(1, balance.back()), "'"));
+          return SyntaxError(src_, pos, Cat("unexpected '", op, "', expected '", std::string(1, balance.back()), "'"));
         }
         balance.pop_back();
       }

@@ -27,16 +27,16 @@
 namespace tandem::router::jinja {
 
 enum class TokenType : uint8_t {
-  kData,            // Template text: `text`.
-  kVariableBegin,   // {{
-  kVariableEnd,     // }}
-  kBlockBegin,      // {%
-  kBlockEnd,        // %}
-  kName,            // `text`
-  kString,          // `text`, escapes decoded
-  kInteger,         // `int_value`
-  kFloat,           // `float_value`
-  kOperator,        // `text`: "+", "//", "(", ...
+  kData,           // Template text: `text`.
+  kVariableBegin,  // {{
+  kVariableEnd,    // }}
+  kBlockBegin,     // {%
+  kBlockEnd,       // %}
+  kName,           // `text`
+  kString,         // `text`, escapes decoded
+  kInteger,        // `int_value`
+  kFloat,          // `float_value`
+  kOperator,       // `text`: "+", "//", "(", ...
   kEof,
 };
 

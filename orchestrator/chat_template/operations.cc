@@ -18,25 +18,30 @@ namespace {
 
 std::string_view OpSymbol(BinaryOp op) {
   switch (op) {
-    case BinaryOp::kAdd: return "+";
-    case BinaryOp::kSub: return "-";
-    case BinaryOp::kMul: return "*";
-    case BinaryOp::kDiv: return "/";
-    case BinaryOp::kFloorDiv: return "//";
-    case BinaryOp::kMod: return "%";
-    case BinaryOp::kPow: return "** or pow()";
+    case BinaryOp::kAdd:
+      return "+";
+    case BinaryOp::kSub:
+      return "-";
+    case BinaryOp::kMul:
+      return "*";
+    case BinaryOp::kDiv:
+      return "/";
+    case BinaryOp::kFloorDiv:
+      return "//";
+    case BinaryOp::kMod:
+      return "%";
+    case BinaryOp::kPow:
+      return "** or pow()";
   }
   return "?";
 }
 
 absl::Status UnsupportedOperands(BinaryOp op, const Value& a, const Value& b) {
-  return PyError(Cat("unsupported operand type(s) for ", OpSymbol(op), ": '", TypeName(a), "' and '",
-                              TypeName(b), "'"));
+  return PyError(
+      Cat("unsupported operand type(s) for ", OpSymbol(op), ": '", TypeName(a), "' and '", TypeName(b), "'"));
 }
 
-absl::Status IntegerOverflow() {
-  return PyError("integer overflow (only 64-bit integers are supported)");
-}
+absl::Status IntegerOverflow() { return PyError("integer overflow (only 64-bit integers are supported)"); }
 
 absl::StatusOr<Value> Repeat(const Value& seq, int64_t times) {
   if (times <= 0) {
@@ -75,9 +80,12 @@ absl::StatusOr<Value> IntPow(int64_t base, int64_t exp) {
 
 absl::StatusOr<Value> FloatOp(BinaryOp op, double x, double y) {
   switch (op) {
-    case BinaryOp::kAdd: return Value::Float(x + y);
-    case BinaryOp::kSub: return Value::Float(x - y);
-    case BinaryOp::kMul: return Value::Float(x * y);
+    case BinaryOp::kAdd:
+      return Value::Float(x + y);
+    case BinaryOp::kSub:
+      return Value::Float(x - y);
+    case BinaryOp::kMul:
+      return Value::Float(x * y);
     case BinaryOp::kDiv:
       if (y == 0) return PyError("float division by zero");
       return Value::Float(x / y);
@@ -173,8 +181,8 @@ std::optional<Value> PythonAttribute(const Value& obj, std::string_view name) {
   if (has_methods) {
     const MethodLookup m = LookupMethod(receiver, name);
     if (m.unsafe) {
-      return Value::UndefinedWithMessage(Cat("access to attribute '", name, "' of '", TypeName(obj),
-                                                      "' object is unsafe."));
+      return Value::UndefinedWithMessage(
+          Cat("access to attribute '", name, "' of '", TypeName(obj), "' object is unsafe."));
     }
     if (m.exists) {
       auto method = std::make_shared<Callable>(Object::Kind::kMethod);
@@ -282,8 +290,8 @@ absl::StatusOr<std::string> FormatOne(const FormatSpec& spec, const Value& v) {
       } else {
         if (v.is_undefined()) return UndefinedError(v);
         return PyError(Cat("%", std::string(1, spec.conversion), " format: a ",
-                                    spec.conversion == 'd' || spec.conversion == 'i' ? "real number" : "integer",
-                                    " is required, not ", TypeName(v)));
+                           spec.conversion == 'd' || spec.conversion == 'i' ? "real number" : "integer",
+                           " is required, not ", TypeName(v)));
       }
       std::string body;
       if (spec.conversion == 'c') {
@@ -416,8 +424,7 @@ absl::StatusOr<Value> BinaryOperation(BinaryOp op, const Value& a, const Value& 
       }
       if (IsRepeatable(a) && b.is_list()) {
         if (b.list().kind != a.list().kind) {
-          return PyError(Cat("can only concatenate ", TypeName(a), " (not \"", TypeName(b), "\") to ",
-                                      TypeName(a)));
+          return PyError(Cat("can only concatenate ", TypeName(a), " (not \"", TypeName(b), "\") to ", TypeName(a)));
         }
         RETURN_IF_ERROR(CheckListSize(a.list().items.size() + b.list().items.size()));
         std::vector<Value> items = a.list().items;
@@ -493,8 +500,8 @@ absl::StatusOr<Value> GetItem(const Value& obj, const Value& key) {
       if (const Value* v = obj.dict().Find(key)) return *v;
     }
   } else if (key.is_integral() && (obj.is_string() || (obj.is_list() && (obj.list().kind == ListKind::kList ||
-                                                                           obj.list().kind == ListKind::kTuple ||
-                                                                           obj.list().kind == ListKind::kRange)))) {
+                                                                         obj.list().kind == ListKind::kTuple ||
+                                                                         obj.list().kind == ListKind::kRange)))) {
     int64_t i = key.int_value();
     if (obj.is_string()) {
       const std::string_view s = obj.str();
@@ -535,9 +542,9 @@ absl::StatusOr<Value> GetSlice(const Value& obj, const Value& start, const Value
   const std::optional<int64_t> lo = bound(start, &ok);
   const std::optional<int64_t> hi = bound(stop, &ok);
   const std::optional<int64_t> by = bound(step, &ok);
-  const bool sliceable = obj.is_string() || (obj.is_list() && (obj.list().kind == ListKind::kList ||
-                                                              obj.list().kind == ListKind::kTuple ||
-                                                              obj.list().kind == ListKind::kRange));
+  const bool sliceable =
+      obj.is_string() || (obj.is_list() && (obj.list().kind == ListKind::kList || obj.list().kind == ListKind::kTuple ||
+                                            obj.list().kind == ListKind::kRange));
   // Jinja compiles slices to a plain obj[a:b:c] (not environment.getitem), so
   // Python's errors surface instead of becoming Undefined.
   if (!sliceable) {
@@ -616,12 +623,18 @@ absl::StatusOr<Value> PercentFormat(std::string_view fmt, const Value& args) {
     FormatSpec spec;
     for (; i < fmt.size(); ++i) {
       const char c = fmt[i];
-      if (c == '-') spec.left = true;
-      else if (c == '+') spec.plus = true;
-      else if (c == ' ') spec.space = true;
-      else if (c == '#') spec.alt = true;
-      else if (c == '0') spec.zero = true;
-      else break;
+      if (c == '-')
+        spec.left = true;
+      else if (c == '+')
+        spec.plus = true;
+      else if (c == ' ')
+        spec.space = true;
+      else if (c == '#')
+        spec.alt = true;
+      else if (c == '0')
+        spec.zero = true;
+      else
+        break;
     }
     auto number = [&](int* out_value) {
       if (i < fmt.size() && fmt[i] == '*') return false;

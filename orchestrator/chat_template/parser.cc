@@ -21,17 +21,28 @@ constexpr int kMaxNesting = 200;
 
 std::string Describe(const Token& t) {
   switch (t.type) {
-    case TokenType::kData: return "template data";
-    case TokenType::kVariableBegin: return "begin of print statement";
-    case TokenType::kVariableEnd: return "end of print statement";
-    case TokenType::kBlockBegin: return "begin of statement block";
-    case TokenType::kBlockEnd: return "end of statement block";
-    case TokenType::kName: return t.text;
-    case TokenType::kString: return "string";
-    case TokenType::kInteger: return "integer";
-    case TokenType::kFloat: return "float";
-    case TokenType::kOperator: return t.text;
-    case TokenType::kEof: return "end of template";
+    case TokenType::kData:
+      return "template data";
+    case TokenType::kVariableBegin:
+      return "begin of print statement";
+    case TokenType::kVariableEnd:
+      return "end of print statement";
+    case TokenType::kBlockBegin:
+      return "begin of statement block";
+    case TokenType::kBlockEnd:
+      return "end of statement block";
+    case TokenType::kName:
+      return t.text;
+    case TokenType::kString:
+      return "string";
+    case TokenType::kInteger:
+      return "integer";
+    case TokenType::kFloat:
+      return "float";
+    case TokenType::kOperator:
+      return t.text;
+    case TokenType::kEof:
+      return "end of template";
   }
   return "token";
 }
@@ -57,8 +68,8 @@ class Parser {
       if (macro_names_.count(name) == 0) {
         return SyntaxError(tpl_->source, offset,
                            Cat("unknown function '", name,
-                                        "' (only range, namespace, dict, raise_exception, strftime_now and the "
-                                        "template's macros can be called)"));
+                               "' (only range, namespace, dict, raise_exception, strftime_now and the "
+                               "template's macros can be called)"));
       }
     }
     return std::move(tpl_);
@@ -199,8 +210,8 @@ class Parser {
       Next();
       return absl::OkStatus();
     }
-    static constexpr std::string_view kUnsupported[] = {"include", "extends", "block",      "import", "from",
-                                                        "call",    "autoescape", "do"};
+    static constexpr std::string_view kUnsupported[] = {"include", "extends", "block",      "import",
+                                                        "from",    "call",    "autoescape", "do"};
     if (std::find(std::begin(kUnsupported), std::end(kUnsupported), tag) != std::end(kUnsupported)) {
       return Fail(t, Cat("the '", tag, "' tag is not supported in chat templates"));
     }
@@ -478,13 +489,20 @@ class Parser {
     while (true) {
       CompareKind kind;
       const Token& t = Cur();
-      if (IsOp(t, "==")) kind = CompareKind::kEq;
-      else if (IsOp(t, "!=")) kind = CompareKind::kNe;
-      else if (IsOp(t, "<")) kind = CompareKind::kLt;
-      else if (IsOp(t, "<=")) kind = CompareKind::kLe;
-      else if (IsOp(t, ">")) kind = CompareKind::kGt;
-      else if (IsOp(t, ">=")) kind = CompareKind::kGe;
-      else if (IsName(t, "in")) kind = CompareKind::kIn;
+      if (IsOp(t, "=="))
+        kind = CompareKind::kEq;
+      else if (IsOp(t, "!="))
+        kind = CompareKind::kNe;
+      else if (IsOp(t, "<"))
+        kind = CompareKind::kLt;
+      else if (IsOp(t, "<="))
+        kind = CompareKind::kLe;
+      else if (IsOp(t, ">"))
+        kind = CompareKind::kGt;
+      else if (IsOp(t, ">="))
+        kind = CompareKind::kGe;
+      else if (IsName(t, "in"))
+        kind = CompareKind::kIn;
       else if (IsName(t, "not") && IsName(Look(), "in")) {
         kind = CompareKind::kNotIn;
         Next();
@@ -516,8 +534,8 @@ class Parser {
     while (IsOp(Cur(), "+") || IsOp(Cur(), "-")) {
       const Token& op = Next();
       ASSIGN_OR_RETURN(ExprPtr right, ParseConcat());
-      ASSIGN_OR_RETURN(left, Binary(op.text == "+" ? BinaryOp::kAdd : BinaryOp::kSub, op.offset, std::move(left),
-                                    std::move(right)));
+      ASSIGN_OR_RETURN(
+          left, Binary(op.text == "+" ? BinaryOp::kAdd : BinaryOp::kSub, op.offset, std::move(left), std::move(right)));
     }
     return left;
   }
@@ -539,11 +557,16 @@ class Parser {
     ASSIGN_OR_RETURN(ExprPtr left, ParsePow());
     while (true) {
       BinaryOp op;
-      if (IsOp(Cur(), "*")) op = BinaryOp::kMul;
-      else if (IsOp(Cur(), "/")) op = BinaryOp::kDiv;
-      else if (IsOp(Cur(), "//")) op = BinaryOp::kFloorDiv;
-      else if (IsOp(Cur(), "%")) op = BinaryOp::kMod;
-      else break;
+      if (IsOp(Cur(), "*"))
+        op = BinaryOp::kMul;
+      else if (IsOp(Cur(), "/"))
+        op = BinaryOp::kDiv;
+      else if (IsOp(Cur(), "//"))
+        op = BinaryOp::kFloorDiv;
+      else if (IsOp(Cur(), "%"))
+        op = BinaryOp::kMod;
+      else
+        break;
       const size_t offset = Next().offset;
       ASSIGN_OR_RETURN(ExprPtr right, ParsePow());
       ASSIGN_OR_RETURN(left, Binary(op, offset, std::move(left), std::move(right)));
@@ -813,9 +836,9 @@ class Parser {
         const bool mutator = target.name == "append" || target.name == "extend" || target.name == "insert" ||
                              target.name == "remove" || target.name == "sort" || target.name == "pop" ||
                              target.name == "update" || target.name == "clear" || target.name == "setdefault";
-        return Fail(target.offset, mutator ? Cat("method '", target.name,
-                                                          "' is not supported: the sandbox forbids mutating values")
-                                           : Cat("unsupported method '", target.name, "'"));
+        return Fail(target.offset,
+                    mutator ? Cat("method '", target.name, "' is not supported: the sandbox forbids mutating values")
+                            : Cat("unsupported method '", target.name, "'"));
       }
       RETURN_IF_ERROR(CheckShape(*node, Callee{"", target.name}, *MethodSignature(target.name)));
     } else {

@@ -78,9 +78,9 @@ void AppendTitleOf(char32_t cp, std::string* out) {
   const icu::UnicodeString src(static_cast<UChar32>(cp));
   UChar buf[16];
   UErrorCode status = U_ZERO_ERROR;
-  const int32_t n = icu::CaseMap::toTitle(
-      "", U_TITLECASE_WHOLE_STRING | U_TITLECASE_NO_LOWERCASE | U_TITLECASE_NO_BREAK_ADJUSTMENT, nullptr,
-      src.getBuffer(), src.length(), buf, 16, nullptr, status);
+  const int32_t n =
+      icu::CaseMap::toTitle("", U_TITLECASE_WHOLE_STRING | U_TITLECASE_NO_LOWERCASE | U_TITLECASE_NO_BREAK_ADJUSTMENT,
+                            nullptr, src.getBuffer(), src.length(), buf, 16, nullptr, status);
   if (U_FAILURE(status)) {
     AppendUtf8(cp, out);
     return;
@@ -130,8 +130,16 @@ bool IsPrintable(char32_t c) {
 
 bool IsLineBreak(char32_t c) {
   switch (c) {
-    case '\n': case '\r': case 0x0b: case 0x0c: case 0x1c: case 0x1d: case 0x1e:
-    case 0x85: case 0x2028: case 0x2029:
+    case '\n':
+    case '\r':
+    case 0x0b:
+    case 0x0c:
+    case 0x1c:
+    case 0x1d:
+    case 0x1e:
+    case 0x85:
+    case 0x2028:
+    case 0x2029:
       return true;
     default:
       return false;
@@ -210,9 +218,24 @@ std::vector<size_t> CodePointOffsets(std::string_view s) {
 
 bool IsPySpace(char32_t c) {
   switch (c) {
-    case ' ': case '\t': case '\n': case '\r': case 0x0b: case 0x0c:
-    case 0x1c: case 0x1d: case 0x1e: case 0x1f: case 0x85: case 0xa0:
-    case 0x1680: case 0x2028: case 0x2029: case 0x202f: case 0x205f: case 0x3000:
+    case ' ':
+    case '\t':
+    case '\n':
+    case '\r':
+    case 0x0b:
+    case 0x0c:
+    case 0x1c:
+    case 0x1d:
+    case 0x1e:
+    case 0x1f:
+    case 0x85:
+    case 0xa0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202f:
+    case 0x205f:
+    case 0x3000:
       return true;
     default:
       return c >= 0x2000 && c <= 0x200a;
@@ -292,9 +315,7 @@ std::string_view PyStrip(std::string_view s, std::optional<std::string_view> cha
     size_t pos = 0;
     while (pos < chars->size()) set.push_back(NextCodePoint(*chars, &pos));
   }
-  auto strip = [&](char32_t c) {
-    return chars ? std::find(set.begin(), set.end(), c) != set.end() : IsPySpace(c);
-  };
+  auto strip = [&](char32_t c) { return chars ? std::find(set.begin(), set.end(), c) != set.end() : IsPySpace(c); };
   size_t begin = 0;
   if (left) {
     while (begin < s.size()) {

@@ -18,8 +18,8 @@ inline void AppendPiece(std::string* out, const char* s) { out->append(s); }
 // Status::message() is an absl::string_view.
 inline void AppendPiece(std::string* out, absl::string_view s) { out->append(s.data(), s.size()); }
 inline void AppendPiece(std::string* out, char c) { out->push_back(c); }
-template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, char> && !std::is_same_v<T, bool>,
-                                       int> = 0>
+template <typename T,
+          std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, char> && !std::is_same_v<T, bool>, int> = 0>
 void AppendPiece(std::string* out, T v) {
   out->append(std::to_string(v));
 }

@@ -17,13 +17,20 @@ absl::Status TypeError(std::string message) { return absl::UnknownError(std::mov
 
 std::string_view ListTypeName(ListKind kind) {
   switch (kind) {
-    case ListKind::kList: return "list";
-    case ListKind::kTuple: return "tuple";
-    case ListKind::kIterator: return "generator";
-    case ListKind::kDictKeys: return "dict_keys";
-    case ListKind::kDictValues: return "dict_values";
-    case ListKind::kDictItems: return "dict_items";
-    case ListKind::kRange: return "range";
+    case ListKind::kList:
+      return "list";
+    case ListKind::kTuple:
+      return "tuple";
+    case ListKind::kIterator:
+      return "generator";
+    case ListKind::kDictKeys:
+      return "dict_keys";
+    case ListKind::kDictValues:
+      return "dict_values";
+    case ListKind::kDictItems:
+      return "dict_items";
+    case ListKind::kRange:
+      return "range";
   }
   return "list";
 }
@@ -42,24 +49,36 @@ int CompareNumbers(const Value& a, const Value& b) {
 
 bool ApplyOrder(int cmp, CompareOp op) {
   switch (op) {
-    case CompareOp::kEq: return cmp == 0;
-    case CompareOp::kNe: return cmp != 0;
-    case CompareOp::kLt: return cmp == -1;
-    case CompareOp::kLe: return cmp == -1 || cmp == 0;
-    case CompareOp::kGt: return cmp == 1;
-    case CompareOp::kGe: return cmp == 1 || cmp == 0;
+    case CompareOp::kEq:
+      return cmp == 0;
+    case CompareOp::kNe:
+      return cmp != 0;
+    case CompareOp::kLt:
+      return cmp == -1;
+    case CompareOp::kLe:
+      return cmp == -1 || cmp == 0;
+    case CompareOp::kGt:
+      return cmp == 1;
+    case CompareOp::kGe:
+      return cmp == 1 || cmp == 0;
   }
   return false;
 }
 
 std::string_view OpSymbol(CompareOp op) {
   switch (op) {
-    case CompareOp::kEq: return "==";
-    case CompareOp::kNe: return "!=";
-    case CompareOp::kLt: return "<";
-    case CompareOp::kLe: return "<=";
-    case CompareOp::kGt: return ">";
-    case CompareOp::kGe: return ">=";
+    case CompareOp::kEq:
+      return "==";
+    case CompareOp::kNe:
+      return "!=";
+    case CompareOp::kLt:
+      return "<";
+    case CompareOp::kLe:
+      return "<=";
+    case CompareOp::kGt:
+      return ">";
+    case CompareOp::kGe:
+      return ">=";
   }
   return "?";
 }
@@ -77,13 +96,27 @@ void AppendJsonString(std::string_view s, bool ensure_ascii, std::string* out) {
     if (c < 0x80) {
       ++pos;
       switch (c) {
-        case '"': out->append("\\\""); break;
-        case '\\': out->append("\\\\"); break;
-        case '\n': out->append("\\n"); break;
-        case '\r': out->append("\\r"); break;
-        case '\t': out->append("\\t"); break;
-        case '\b': out->append("\\b"); break;
-        case '\f': out->append("\\f"); break;
+        case '"':
+          out->append("\\\"");
+          break;
+        case '\\':
+          out->append("\\\\");
+          break;
+        case '\n':
+          out->append("\\n");
+          break;
+        case '\r':
+          out->append("\\r");
+          break;
+        case '\t':
+          out->append("\\t");
+          break;
+        case '\b':
+          out->append("\\b");
+          break;
+        case '\f':
+          out->append("\\f");
+          break;
         default:
           if (c < 0x20 || (ensure_ascii && c == 0x7f)) {
             std::snprintf(buf, sizeof(buf), "\\u%04x", c);
@@ -123,12 +156,23 @@ void AppendJsonFloat(double d, std::string* out) {
 
 absl::Status DumpJsonAt(const Value& v, const JsonDumpOptions& options, int level, std::string* out) {
   switch (v.kind()) {
-    case Value::Kind::kNone: out->append("null"); return absl::OkStatus();
-    case Value::Kind::kBool: out->append(v.bool_value() ? "true" : "false"); return absl::OkStatus();
-    case Value::Kind::kInt: AppendCat(out, v.int_value()); return absl::OkStatus();
-    case Value::Kind::kFloat: AppendJsonFloat(v.float_value(), out); return absl::OkStatus();
-    case Value::Kind::kString: AppendJsonString(v.str(), options.ensure_ascii, out); return absl::OkStatus();
-    default: break;
+    case Value::Kind::kNone:
+      out->append("null");
+      return absl::OkStatus();
+    case Value::Kind::kBool:
+      out->append(v.bool_value() ? "true" : "false");
+      return absl::OkStatus();
+    case Value::Kind::kInt:
+      AppendCat(out, v.int_value());
+      return absl::OkStatus();
+    case Value::Kind::kFloat:
+      AppendJsonFloat(v.float_value(), out);
+      return absl::OkStatus();
+    case Value::Kind::kString:
+      AppendJsonString(v.str(), options.ensure_ascii, out);
+      return absl::OkStatus();
+    default:
+      break;
   }
   const bool is_array = v.is_list() && (v.list().kind == ListKind::kList || v.list().kind == ListKind::kTuple);
   if (!is_array && !v.is_dict()) {
@@ -179,18 +223,25 @@ absl::Status DumpJsonAt(const Value& v, const JsonDumpOptions& options, int leve
       first = false;
       const Value& key = entry->first;
       switch (key.kind()) {
-        case Value::Kind::kString: AppendJsonString(key.str(), options.ensure_ascii, out); break;
-        case Value::Kind::kNone: out->append("\"null\""); break;
-        case Value::Kind::kBool: out->append(key.bool_value() ? "\"true\"" : "\"false\""); break;
-        case Value::Kind::kInt: AppendCat(out, "\"", key.int_value(), "\""); break;
+        case Value::Kind::kString:
+          AppendJsonString(key.str(), options.ensure_ascii, out);
+          break;
+        case Value::Kind::kNone:
+          out->append("\"null\"");
+          break;
+        case Value::Kind::kBool:
+          out->append(key.bool_value() ? "\"true\"" : "\"false\"");
+          break;
+        case Value::Kind::kInt:
+          AppendCat(out, "\"", key.int_value(), "\"");
+          break;
         case Value::Kind::kFloat:
           out->push_back('"');
           AppendJsonFloat(key.float_value(), out);
           out->push_back('"');
           break;
         default:
-          return TypeError(
-              Cat("keys must be str, int, float, bool or None, not ", TypeName(key)));
+          return TypeError(Cat("keys must be str, int, float, bool or None, not ", TypeName(key)));
       }
       out->append(options.key_separator);
       RETURN_IF_ERROR(DumpJsonAt(entry->second, options, level + 1, out));
@@ -207,17 +258,22 @@ absl::Status DumpJsonAt(const Value& v, const JsonDumpOptions& options, int leve
 template <typename Json>
 Value FromJsonImpl(const Json& json) {
   switch (json.type()) {
-    case nlohmann::json::value_t::null: return Value::None();
-    case nlohmann::json::value_t::boolean: return Value::Bool(json.template get<bool>());
-    case nlohmann::json::value_t::number_integer: return Value::Int(json.template get<int64_t>());
+    case nlohmann::json::value_t::null:
+      return Value::None();
+    case nlohmann::json::value_t::boolean:
+      return Value::Bool(json.template get<bool>());
+    case nlohmann::json::value_t::number_integer:
+      return Value::Int(json.template get<int64_t>());
     case nlohmann::json::value_t::number_unsigned: {
       const uint64_t u = json.template get<uint64_t>();
       // Python's int is unbounded; beyond int64 the value keeps its magnitude as a float.
       return u <= static_cast<uint64_t>(INT64_MAX) ? Value::Int(static_cast<int64_t>(u))
                                                    : Value::Float(static_cast<double>(u));
     }
-    case nlohmann::json::value_t::number_float: return Value::Float(json.template get<double>());
-    case nlohmann::json::value_t::string: return Value::Borrowed(json.template get_ref<const std::string&>());
+    case nlohmann::json::value_t::number_float:
+      return Value::Float(json.template get<double>());
+    case nlohmann::json::value_t::string:
+      return Value::Borrowed(json.template get_ref<const std::string&>());
     case nlohmann::json::value_t::array: {
       std::vector<Value> items;
       items.reserve(json.size());
@@ -350,21 +406,34 @@ int Depth(const Value& v) {
 
 std::string_view TypeName(const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kUndefined: return "Undefined";
-    case Value::Kind::kNone: return "NoneType";
-    case Value::Kind::kBool: return "bool";
-    case Value::Kind::kInt: return "int";
-    case Value::Kind::kFloat: return "float";
-    case Value::Kind::kString: return v.is_markup() ? "Markup" : "str";
-    case Value::Kind::kList: return ListTypeName(v.list().kind);
-    case Value::Kind::kDict: return "dict";
+    case Value::Kind::kUndefined:
+      return "Undefined";
+    case Value::Kind::kNone:
+      return "NoneType";
+    case Value::Kind::kBool:
+      return "bool";
+    case Value::Kind::kInt:
+      return "int";
+    case Value::Kind::kFloat:
+      return "float";
+    case Value::Kind::kString:
+      return v.is_markup() ? "Markup" : "str";
+    case Value::Kind::kList:
+      return ListTypeName(v.list().kind);
+    case Value::Kind::kDict:
+      return "dict";
     case Value::Kind::kObject:
       switch (v.object().kind) {
-        case Object::Kind::kNamespace: return "Namespace";
-        case Object::Kind::kLoop: return "LoopContext";
-        case Object::Kind::kMacro: return "Macro";
-        case Object::Kind::kFunction: return "function";
-        case Object::Kind::kMethod: return "builtin_function_or_method";
+        case Object::Kind::kNamespace:
+          return "Namespace";
+        case Object::Kind::kLoop:
+          return "LoopContext";
+        case Object::Kind::kMacro:
+          return "Macro";
+        case Object::Kind::kFunction:
+          return "function";
+        case Object::Kind::kMethod:
+          return "builtin_function_or_method";
       }
   }
   return "object";
@@ -376,10 +445,14 @@ std::string ObjectTypeRepr(const Value& v) {
   if (v.is_markup()) return "markupsafe.Markup object";
   if (v.is_object()) {
     switch (v.object().kind) {
-      case Object::Kind::kNamespace: return "jinja2.utils.Namespace object";
-      case Object::Kind::kLoop: return "jinja2.runtime.LoopContext object";
-      case Object::Kind::kMacro: return "jinja2.runtime.Macro object";
-      default: break;
+      case Object::Kind::kNamespace:
+        return "jinja2.utils.Namespace object";
+      case Object::Kind::kLoop:
+        return "jinja2.runtime.LoopContext object";
+      case Object::Kind::kMacro:
+        return "jinja2.runtime.Macro object";
+      default:
+        break;
     }
   }
   return Cat(TypeName(v), " object");
@@ -388,14 +461,21 @@ std::string ObjectTypeRepr(const Value& v) {
 bool Truthy(const Value& v) {
   switch (v.kind()) {
     case Value::Kind::kUndefined:
-    case Value::Kind::kNone: return false;
+    case Value::Kind::kNone:
+      return false;
     case Value::Kind::kBool:
-    case Value::Kind::kInt: return v.int_value() != 0;
-    case Value::Kind::kFloat: return v.float_value() != 0.0;
-    case Value::Kind::kString: return !v.str().empty();
-    case Value::Kind::kList: return v.list().kind == ListKind::kIterator || !v.list().items.empty();
-    case Value::Kind::kDict: return !v.dict().entries.empty();
-    case Value::Kind::kObject: return true;
+    case Value::Kind::kInt:
+      return v.int_value() != 0;
+    case Value::Kind::kFloat:
+      return v.float_value() != 0.0;
+    case Value::Kind::kString:
+      return !v.str().empty();
+    case Value::Kind::kList:
+      return v.list().kind == ListKind::kIterator || !v.list().items.empty();
+    case Value::Kind::kDict:
+      return !v.dict().entries.empty();
+    case Value::Kind::kObject:
+      return true;
   }
   return false;
 }
@@ -471,8 +551,11 @@ absl::Status AppendStrAt(const Value& v, std::string* out, int depth) {
   // Objects are not containers: a namespace holding itself only stops here.
   if (depth > 2 * kMaxValueDepth) return TypeError("values nested too deeply (or circular) to print");
   switch (v.kind()) {
-    case Value::Kind::kUndefined: return absl::OkStatus();
-    case Value::Kind::kString: out->append(v.str()); return absl::OkStatus();
+    case Value::Kind::kUndefined:
+      return absl::OkStatus();
+    case Value::Kind::kString:
+      out->append(v.str());
+      return absl::OkStatus();
     case Value::Kind::kObject:
       switch (v.object().kind) {
         case Object::Kind::kNamespace:
@@ -491,10 +574,10 @@ absl::Status AppendStrAt(const Value& v, std::string* out, int depth) {
           out->push_back('>');
           return absl::OkStatus();
         default:
-          return TypeError(Cat("cannot print a ", TypeName(v),
-                                        " (Python would print its memory address)"));
+          return TypeError(Cat("cannot print a ", TypeName(v), " (Python would print its memory address)"));
       }
-    default: return AppendReprAt(v, out, depth);
+    default:
+      return AppendReprAt(v, out, depth);
   }
 }
 
@@ -515,26 +598,50 @@ namespace {
 
 absl::Status AppendReprAt(const Value& v, std::string* out, int depth) {
   switch (v.kind()) {
-    case Value::Kind::kUndefined: out->append("Undefined"); return absl::OkStatus();
-    case Value::Kind::kNone: out->append("None"); return absl::OkStatus();
-    case Value::Kind::kBool: out->append(v.bool_value() ? "True" : "False"); return absl::OkStatus();
-    case Value::Kind::kInt: AppendCat(out, v.int_value()); return absl::OkStatus();
-    case Value::Kind::kFloat: AppendFloatRepr(v.float_value(), out); return absl::OkStatus();
+    case Value::Kind::kUndefined:
+      out->append("Undefined");
+      return absl::OkStatus();
+    case Value::Kind::kNone:
+      out->append("None");
+      return absl::OkStatus();
+    case Value::Kind::kBool:
+      out->append(v.bool_value() ? "True" : "False");
+      return absl::OkStatus();
+    case Value::Kind::kInt:
+      AppendCat(out, v.int_value());
+      return absl::OkStatus();
+    case Value::Kind::kFloat:
+      AppendFloatRepr(v.float_value(), out);
+      return absl::OkStatus();
     case Value::Kind::kString:
       if (v.is_markup()) out->append("Markup(");
       AppendPyStrRepr(v.str(), out);
       if (v.is_markup()) out->push_back(')');
       return absl::OkStatus();
-    case Value::Kind::kDict: return AppendDictRepr(v.dict(), out, depth);
+    case Value::Kind::kDict:
+      return AppendDictRepr(v.dict(), out, depth);
     case Value::Kind::kList: {
       const List& list = v.list();
       std::string_view open = "[", close = "]";
       switch (list.kind) {
-        case ListKind::kList: break;
-        case ListKind::kTuple: open = "("; close = list.items.size() == 1 ? ",)" : ")"; break;
-        case ListKind::kDictKeys: open = "dict_keys(["; close = "])"; break;
-        case ListKind::kDictValues: open = "dict_values(["; close = "])"; break;
-        case ListKind::kDictItems: open = "dict_items(["; close = "])"; break;
+        case ListKind::kList:
+          break;
+        case ListKind::kTuple:
+          open = "(";
+          close = list.items.size() == 1 ? ",)" : ")";
+          break;
+        case ListKind::kDictKeys:
+          open = "dict_keys([";
+          close = "])";
+          break;
+        case ListKind::kDictValues:
+          open = "dict_values([";
+          close = "])";
+          break;
+        case ListKind::kDictItems:
+          open = "dict_items([";
+          close = "])";
+          break;
         case ListKind::kRange:
           AppendCat(out, "range(", list.range_args[0], ", ", list.range_args[1]);
           if (list.range_args[2] != 1) AppendCat(out, ", ", list.range_args[2]);
@@ -553,7 +660,8 @@ absl::Status AppendReprAt(const Value& v, std::string* out, int depth) {
       out->append(close);
       return absl::OkStatus();
     }
-    case Value::Kind::kObject: return AppendStrAt(v, out, depth + 1);
+    case Value::Kind::kObject:
+      return AppendStrAt(v, out, depth + 1);
   }
   return absl::OkStatus();
 }
@@ -565,14 +673,16 @@ bool Equals(const Value& a, const Value& b) {
   if (a.kind() != b.kind()) return false;
   switch (a.kind()) {
     case Value::Kind::kUndefined:
-    case Value::Kind::kNone: return true;
-    case Value::Kind::kString: return a.str() == b.str();
+    case Value::Kind::kNone:
+      return true;
+    case Value::Kind::kString:
+      return a.str() == b.str();
     case Value::Kind::kList: {
       const List& x = a.list();
       const List& y = b.list();
       if (&x == &y) return true;
-      const bool sequences = (x.kind == y.kind) && (x.kind == ListKind::kList || x.kind == ListKind::kTuple ||
-                                                    x.kind == ListKind::kRange);
+      const bool sequences =
+          (x.kind == y.kind) && (x.kind == ListKind::kList || x.kind == ListKind::kTuple || x.kind == ListKind::kRange);
       if (!sequences || x.items.size() != y.items.size()) return false;
       for (size_t i = 0; i < x.items.size(); ++i) {
         if (!Equals(x.items[i], y.items[i])) return false;
@@ -589,8 +699,10 @@ bool Equals(const Value& a, const Value& b) {
       }
       return true;
     }
-    case Value::Kind::kObject: return a.identity() == b.identity();
-    default: return false;
+    case Value::Kind::kObject:
+      return a.identity() == b.identity();
+    default:
+      return false;
   }
 }
 
@@ -613,8 +725,8 @@ absl::StatusOr<bool> Compare(const Value& a, CompareOp op, const Value& b) {
   if (a.is_undefined() || b.is_undefined()) {
     return TypeError((a.is_undefined() ? a : b).UndefinedMessage());
   }
-  return TypeError(Cat("'", OpSymbol(op), "' not supported between instances of '", TypeName(a),
-                                "' and '", TypeName(b), "'"));
+  return TypeError(
+      Cat("'", OpSymbol(op), "' not supported between instances of '", TypeName(a), "' and '", TypeName(b), "'"));
 }
 
 bool IsHashable(const Value& v) {
@@ -633,7 +745,8 @@ bool IsHashable(const Value& v) {
 
 absl::StatusOr<bool> Contains(const Value& container, const Value& item) {
   switch (container.kind()) {
-    case Value::Kind::kUndefined: return false;
+    case Value::Kind::kUndefined:
+      return false;
     case Value::Kind::kString:
       if (!item.is_string()) {
         return TypeError(Cat("'in <string>' requires string as left operand, not ", TypeName(item)));
@@ -654,21 +767,27 @@ absl::StatusOr<bool> Contains(const Value& container, const Value& item) {
 
 absl::StatusOr<int64_t> Length(const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kUndefined: return 0;
-    case Value::Kind::kString: return static_cast<int64_t>(CodePointCount(v.str()));
+    case Value::Kind::kUndefined:
+      return 0;
+    case Value::Kind::kString:
+      return static_cast<int64_t>(CodePointCount(v.str()));
     case Value::Kind::kList:
       if (v.list().kind == ListKind::kIterator) break;
       return static_cast<int64_t>(v.list().items.size());
-    case Value::Kind::kDict: return static_cast<int64_t>(v.dict().entries.size());
-    default: break;
+    case Value::Kind::kDict:
+      return static_cast<int64_t>(v.dict().entries.size());
+    default:
+      break;
   }
   return TypeError(Cat("object of type '", TypeName(v), "' has no len()"));
 }
 
 absl::StatusOr<std::vector<Value>> Iterate(const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kUndefined: return std::vector<Value>();
-    case Value::Kind::kList: return v.list().items;
+    case Value::Kind::kUndefined:
+      return std::vector<Value>();
+    case Value::Kind::kList:
+      return v.list().items;
     case Value::Kind::kDict: {
       std::vector<Value> keys;
       keys.reserve(v.dict().entries.size());
@@ -697,6 +816,5 @@ absl::Status DumpJson(const Value& v, const JsonDumpOptions& options, std::strin
 
 Value FromJson(const nlohmann::json& json) { return FromJsonImpl(json); }
 Value FromJson(const nlohmann::ordered_json& json) { return FromJsonImpl(json); }
-
 
 }  // namespace tandem::router::jinja

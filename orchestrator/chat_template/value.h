@@ -28,10 +28,10 @@
 #include <utility>
 #include <vector>
 
-#include "common/html.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/html.h"
 #include "nlohmann/json.hpp"
 
 namespace tandem::router::jinja {
@@ -53,7 +53,7 @@ struct List {
   ListKind kind = ListKind::kList;
   std::vector<Value> items;
   std::array<int64_t, 3> range_args{};  // kRange: start, stop, step (for repr).
-  int depth = 1;  // 1 + the deepest item's depth (Value::MakeList computes it).
+  int depth = 1;                        // 1 + the deepest item's depth (Value::MakeList computes it).
 };
 
 // A Python dict: insertion-ordered entries with Python key equality

@@ -47,26 +47,21 @@ absl::Status Certs(const CertsOptions& opt) {
         "  router: tls: {ca: %s, cert: %s, key: %s}\n"
         "  worker: --tls-ca %s --tls-cert %s --tls-key %s\n"
         "keep %s safe: whoever holds it can make certificates this cluster trusts\n",
-        opt.out.c_str(), opt.days, files->router.ca.c_str(), files->router.cert.c_str(),
-        files->router.key.c_str(), files->worker.ca.c_str(), files->worker.cert.c_str(),
-        files->worker.key.c_str(), files->ca_key.c_str());
+        opt.out.c_str(), opt.days, files->router.ca.c_str(), files->router.cert.c_str(), files->router.key.c_str(),
+        files->worker.ca.c_str(), files->worker.cert.c_str(), files->worker.key.c_str(), files->ca_key.c_str());
     return absl::OkStatus();
   }
   for (const std::string& item : opt.issue) {
     const size_t colon = item.find(':');
     const std::string role = item.substr(0, colon);
     const std::string name = colon == std::string::npos ? "" : item.substr(colon + 1);
-    const char* identity = role == "router"   ? tls::kRouterIdentity
-                           : role == "worker" ? tls::kWorkerIdentity
-                                              : nullptr;
+    const char* identity = role == "router" ? tls::kRouterIdentity : role == "worker" ? tls::kWorkerIdentity : nullptr;
     if (identity == nullptr || name.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--issue '", item, "': expected router:NAME or worker:NAME"));
+      return absl::InvalidArgumentError(absl::StrCat("--issue '", item, "': expected router:NAME or worker:NAME"));
     }
     absl::StatusOr<tls::TlsFiles> f = tls::IssueFromCaDir(opt.out, identity, name, opt.days);
     if (!f.ok()) return absl::Status(f.status().code(), absl::StrCat("--issue ", item, ": ", f.status().message()));
-    std::printf("%s certificate %s: %s, key %s\n", role.c_str(), name.c_str(), f->cert.c_str(),
-                f->key.c_str());
+    std::printf("%s certificate %s: %s, key %s\n", role.c_str(), name.c_str(), f->cert.c_str(), f->key.c_str());
   }
   return absl::OkStatus();
 }
@@ -75,8 +70,7 @@ absl::Status Certs(const CertsOptions& opt) {
 
 void AddCertsCommand(CLI::App& app) {
   auto opt = std::make_shared<CertsOptions>();
-  CLI::App* cmd = app.add_subcommand(
-      "certs", "Make a cluster CA and router/worker certificates for mutual TLS");
+  CLI::App* cmd = app.add_subcommand("certs", "Make a cluster CA and router/worker certificates for mutual TLS");
   cmd->add_option("--out", opt->out, "Directory for ca.crt/key, router.crt/key, worker.crt/key");
   cmd->add_option("--issue", opt->issue,
                   "Issue one more certificate from the CA in --out: router:NAME or worker:NAME "

@@ -10,10 +10,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/status_macros.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/signals.h"
+#include "common/status_macros.h"
 #include "orchestrator/config/router_config.h"
 #include "orchestrator/server/router.h"
 #include "worker/cli/commands.h"
@@ -29,22 +29,19 @@ struct RouterOptions {
 
 std::string DescribePool(const char* role, const std::optional<PoolConfig>& pool) {
   if (!pool.has_value()) return absl::StrFormat("no %s pool", role);
-  const std::string where =
-      pool->discovery.has_value()
-          ? absl::StrFormat("DNS %s:%d every %.0f s", pool->discovery->dns, pool->discovery->port,
-                            pool->discovery->interval_s)
-          : absl::StrFormat("%d static workers", pool->workers.size());
+  const std::string where = pool->discovery.has_value()
+                                ? absl::StrFormat("DNS %s:%d every %.0f s", pool->discovery->dns, pool->discovery->port,
+                                                  pool->discovery->interval_s)
+                                : absl::StrFormat("%d static workers", pool->workers.size());
   return absl::StrFormat("%s pool: %s, policy %s", role, where, pool->policy.name);
 }
 
 absl::Status CheckConfig(const std::string& path) {
   absl::StatusOr<RouterConfig> config = LoadRouterConfig(path);
   if (!config.ok()) return config.status();
-  std::printf("%s: ok (listener %s:%d; disaggregation %s; %s; %s)\n", path.c_str(),
-              config->listener.host.c_str(), config->listener.port,
-              std::string(DisaggregationModeName(config->disaggregation.mode)).c_str(),
-              DescribePool("prefill", config->prefill).c_str(),
-              DescribePool("decode", config->decode).c_str());
+  std::printf("%s: ok (listener %s:%d; disaggregation %s; %s; %s)\n", path.c_str(), config->listener.host.c_str(),
+              config->listener.port, std::string(DisaggregationModeName(config->disaggregation.mode)).c_str(),
+              DescribePool("prefill", config->prefill).c_str(), DescribePool("decode", config->decode).c_str());
   return absl::OkStatus();
 }
 
@@ -58,8 +55,7 @@ absl::Status Serve(const std::string& path, const std::string& ready_file) {
   if (!router.ok()) return router.status();
   RETURN_IF_ERROR((*router)->Start());
   if (!ready_file.empty()) {
-    RETURN_IF_ERROR(WriteFileAtomically(
-        ready_file, absl::StrFormat("%s:%d\n", config_host, (*router)->port())));
+    RETURN_IF_ERROR(WriteFileAtomically(ready_file, absl::StrFormat("%s:%d\n", config_host, (*router)->port())));
   }
   while (true) {
     const int sig = WaitForSignal();
@@ -78,20 +74,17 @@ absl::Status Serve(const std::string& path, const std::string& ready_file) {
 
 void AddRouterCommand(CLI::App& app) {
   auto opt = std::make_shared<RouterOptions>();
-  CLI::App* cmd = app.add_subcommand(
-      "router", "The OpenAI-compatible router in front of prefill and decode workers");
+  CLI::App* cmd = app.add_subcommand("router", "The OpenAI-compatible router in front of prefill and decode workers");
   cmd->add_option("--config", opt->config, "Router configuration (YAML)");
   cmd->add_option("--ready-file", opt->ready_file, "Write host:port here once serving");
-  cmd->add_option("--check-config", opt->check_config,
-                  "Validate this router configuration and exit (0: valid)");
+  cmd->add_option("--check-config", opt->check_config, "Validate this router configuration and exit (0: valid)");
   cmd->callback([opt] {
     if (!opt->check_config.empty()) {
       worker::ExitWithStatus("router", CheckConfig(opt->check_config));
     }
     if (opt->config.empty()) {
-      worker::ExitWithStatus("router", absl::InvalidArgumentError(
-                                           "give --config FILE (see "
-                                           "orchestrator/config/router.example.yaml)"));
+      worker::ExitWithStatus("router", absl::InvalidArgumentError("give --config FILE (see "
+                                                                  "orchestrator/config/router.example.yaml)"));
     }
     worker::ExitWithStatus("router", Serve(opt->config, opt->ready_file));
   });

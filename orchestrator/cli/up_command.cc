@@ -33,8 +33,8 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -53,12 +53,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/certificates.h"
 #include "common/file_util.h"
-#include "common/sha256.h"
 #include "common/logging.h"
+#include "common/sha256.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
-#include "common/certificates.h"
 #include "orchestrator/cli/router_command.h"
 #include "orchestrator/config/router_config.h"
 #include "orchestrator/http/http_server.h"
@@ -86,10 +86,10 @@ struct UpOptions {
   std::string kv_cache_memory;
   std::vector<std::string> worker_args;
   std::string run_dir;
-  std::string engine;  // empty: the workers' default (real)
-  int max_restarts = 5;  // per worker, in a row; 0: a dead worker stops the cluster
+  std::string engine;     // empty: the workers' default (real)
+  int max_restarts = 5;   // per worker, in a row; 0: a dead worker stops the cluster
   bool insecure = false;  // plain TCP between router and workers
-  std::string api_key;  // empty: $TANDEM_API_KEY, if set
+  std::string api_key;    // empty: $TANDEM_API_KEY, if set
 };
 
 // A directory removed (with its contents) when this goes out of scope.
@@ -118,8 +118,7 @@ struct Child {
   std::thread pump;
 };
 
-absl::StatusOr<std::unique_ptr<Child>> Spawn(const std::string& name,
-                                             const std::vector<std::string>& argv) {
+absl::StatusOr<std::unique_ptr<Child>> Spawn(const std::string& name, const std::vector<std::string>& argv) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError("pipe failed");
   const pid_t parent = getpid();
@@ -222,13 +221,11 @@ absl::StatusOr<std::string> ReadWhenPresent(const std::string& path, Child& chil
     if (in && std::getline(in, text) && !text.empty()) return text;
     Reap(children);
     if (child.exited) {
-      return absl::UnavailableError(
-          absl::StrCat(child.name, " ", DescribeExit(child.status), " before it was ready"));
+      return absl::UnavailableError(absl::StrCat(child.name, " ", DescribeExit(child.status), " before it was ready"));
     }
     if (WaitForSignalFor(50) != 0) return absl::CancelledError("interrupted");
   }
-  return absl::DeadlineExceededError(
-      absl::StrFormat("%s was not ready within %d s", child.name, timeout.count()));
+  return absl::DeadlineExceededError(absl::StrFormat("%s was not ready within %d s", child.name, timeout.count()));
 }
 
 // One HTTP/1.1 GET on 127.0.0.1; the status code, or -1.
@@ -241,8 +238,7 @@ int HttpGetStatus(const std::string& host, int port, const std::string& path) {
   inet_pton(AF_INET, host == "0.0.0.0" ? "127.0.0.1" : host.c_str(), &addr.sin_addr);
   int code = -1;
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
-    const std::string req =
-        absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    const std::string req = absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
     if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
       char buf[64] = {};
       const ssize_t n = read(fd, buf, sizeof buf - 1);
@@ -279,16 +275,16 @@ absl::Status CheckBeforeStarting(const UpOptions& opt, const RouterConfig& confi
   if (opt.model.rfind("builtin:", 0) == 0) {
     const std::vector<std::string>& names = worker::BuiltinModelNames();
     if (std::find(names.begin(), names.end(), opt.model.substr(8)) == names.end()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--model: no built-in model '%s' (builtin:%s)", opt.model, absl::StrJoin(names, ", builtin:")));
+      return absl::InvalidArgumentError(absl::StrFormat("--model: no built-in model '%s' (builtin:%s)", opt.model,
+                                                        absl::StrJoin(names, ", builtin:")));
     }
   } else {
     std::error_code ec;
     if (!std::filesystem::is_regular_file(std::filesystem::path(opt.model) / "config.json", ec)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--model: '%s' is neither a built-in model (builtin:tiny, builtin:small) nor a checkpoint "
-          "directory with a config.json",
-          opt.model));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--model: '%s' is neither a built-in model (builtin:tiny, builtin:small) nor a checkpoint "
+                          "directory with a config.json",
+                          opt.model));
     }
   }
   if (!opt.kv_cache_memory.empty()) {
@@ -318,13 +314,12 @@ absl::Status CheckBeforeStarting(const UpOptions& opt, const RouterConfig& confi
     const bool numeric = inet_pton(AF_INET, opt.host.c_str(), &addr.sin_addr) == 1;
     const int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    const bool taken = fd >= 0 && numeric &&
-                       bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 &&
-                       errno == EADDRINUSE;
+    const bool taken =
+        fd >= 0 && numeric && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 && errno == EADDRINUSE;
     if (fd >= 0) close(fd);
     if (taken) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--port %d: %s:%d is in use (--port 0 picks a free one)", opt.port, opt.host, opt.port));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--port %d: %s:%d is in use (--port 0 picks a free one)", opt.port, opt.host, opt.port));
     }
   }
   return absl::OkStatus();
@@ -333,8 +328,8 @@ absl::Status CheckBeforeStarting(const UpOptions& opt, const RouterConfig& confi
 absl::Status Up(UpOptions opt) {
   // A ready file left by an earlier run must not announce this one before it serves.
   if (!opt.ready_file.empty() && unlink(opt.ready_file.c_str()) != 0 && errno != ENOENT) {
-    return absl::InvalidArgumentError(absl::StrCat("--ready-file: cannot remove the old ",
-                                                   opt.ready_file, ": ", strerror(errno)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ready-file: cannot remove the old ", opt.ready_file, ": ", strerror(errno)));
   }
   // The router config: the file's, or defaults for a local cluster.
   RouterConfig config;
@@ -383,8 +378,8 @@ absl::Status Up(UpOptions opt) {
   if (!opt.disaggregation.empty()) {
     const std::optional<DisaggregationMode> mode = ParseDisaggregationMode(opt.disaggregation);
     if (!mode.has_value()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--disaggregation must be never, always or auto, got '%s'", opt.disaggregation));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--disaggregation must be never, always or auto, got '%s'", opt.disaggregation));
     }
     config.disaggregation.mode = *mode;
   }
@@ -419,8 +414,7 @@ absl::Status Up(UpOptions opt) {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     if (ec) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cannot create the run directory ", dir, ": ", ec.message()));
+      return absl::InvalidArgumentError(absl::StrCat("cannot create the run directory ", dir, ": ", ec.message()));
     }
   }
   RETURN_IF_ERROR(InstallSignalHandlers({SIGINT, SIGTERM}));
@@ -437,10 +431,9 @@ absl::Status Up(UpOptions opt) {
     if (mkdtemp(tmpl) == nullptr) return absl::InternalError("cannot create a certificate directory");
     certs.path = tmpl;
     ASSIGN_OR_RETURN(tls::ClusterFiles files, tls::WriteClusterCertificates(certs.path, 2));
-    config.tls = TlsConfig{.mode = TlsMode::kMutual, .ca = files.router.ca,
-                           .cert = files.router.cert, .key = files.router.key};
-    worker_trust = {"--tls-ca", files.worker.ca, "--tls-cert", files.worker.cert,
-                    "--tls-key", files.worker.key};
+    config.tls =
+        TlsConfig{.mode = TlsMode::kMutual, .ca = files.router.ca, .cert = files.router.cert, .key = files.router.key};
+    worker_trust = {"--tls-ca", files.worker.ca, "--tls-cert", files.worker.cert, "--tls-key", files.worker.key};
   }
 
   std::vector<std::unique_ptr<Child>> children;
@@ -463,19 +456,19 @@ absl::Status Up(UpOptions opt) {
   // One worker across its restarts.
   struct Slot {
     std::string name, role, ready_file;
-    int port = 0;                   // 0 until it first bound one
-    size_t index = 0;               // in `workers`
-    Clock::time_point started;      // of its current process
-    int restarts = 0;               // in a row (reset after kStableRun)
+    int port = 0;                                 // 0 until it first bound one
+    size_t index = 0;                             // in `workers`
+    Clock::time_point started;                    // of its current process
+    int restarts = 0;                             // in a row (reset after kStableRun)
     std::optional<Clock::time_point> restart_at;  // dead, waiting for its backoff
-    bool back = true;               // its current process wrote its address
+    bool back = true;                             // its current process wrote its address
     bool given_up = false;
   };
   std::vector<Slot> slots;
   auto spawn_worker = [&](Slot& slot) -> absl::Status {
     unlink(slot.ready_file.c_str());
-    std::vector<std::string> argv = {"tandem", "worker", "--model", opt.model, "--role", slot.role,
-                                     "--host", "127.0.0.1", "--port", std::to_string(slot.port),
+    std::vector<std::string> argv = {"tandem",       "worker",       "--model",   opt.model, "--role",
+                                     slot.role,      "--host",       "127.0.0.1", "--port",  std::to_string(slot.port),
                                      "--ready-file", slot.ready_file};
     argv.insert(argv.end(), worker_trust.begin(), worker_trust.end());
     argv.insert(argv.end(), {"--served-model-name", config.model.served_name});
@@ -502,9 +495,8 @@ absl::Status Up(UpOptions opt) {
     return absl::OkStatus();
   };
   auto start_worker = [&](const std::string& name, const std::string& role) -> absl::StatusOr<std::string> {
-    slots.push_back(Slot{.name = name, .role = role,
-                         .ready_file = absl::StrCat(dir, "/", name, ".addr"),
-                         .index = workers.size()});
+    slots.push_back(
+        Slot{.name = name, .role = role, .ready_file = absl::StrCat(dir, "/", name, ".addr"), .index = workers.size()});
     workers.push_back(nullptr);
     Slot& slot = slots.back();
     if (absl::Status st = spawn_worker(slot); !st.ok()) {
@@ -512,20 +504,26 @@ absl::Status Up(UpOptions opt) {
       slots.pop_back();
       return st;
     }
-    ASSIGN_OR_RETURN(std::string addr, ReadWhenPresent(slot.ready_file, *workers[slot.index],
-                                                      children, std::chrono::seconds(300)));
+    ASSIGN_OR_RETURN(std::string addr,
+                     ReadWhenPresent(slot.ready_file, *workers[slot.index], children, std::chrono::seconds(300)));
     // Restarts bind the same port, so the router's address for it holds.
     slot.port = std::atoi(addr.substr(addr.rfind(':') + 1).c_str());
     return addr;
   };
   for (int i = 0; i < num_prefill && result.ok(); ++i) {
     absl::StatusOr<std::string> a = start_worker(absl::StrCat("prefill-", i), "prefill");
-    if (a.ok()) prefill_addrs.push_back(*a); else result = a.status();
+    if (a.ok())
+      prefill_addrs.push_back(*a);
+    else
+      result = a.status();
   }
   for (int i = 0; i < num_decode && result.ok(); ++i) {
     const std::string name = split ? absl::StrCat("decode-", i) : absl::StrCat("worker-", i);
     absl::StatusOr<std::string> a = start_worker(name, split ? "decode" : "both");
-    if (a.ok()) decode_addrs.push_back(*a); else result = a.status();
+    if (a.ok())
+      decode_addrs.push_back(*a);
+    else
+      result = a.status();
   }
   if (!result.ok()) return shutdown(result);
 
@@ -545,8 +543,7 @@ absl::Status Up(UpOptions opt) {
     children.push_back(*std::move(c));
     router = children.back().get();
   }
-  absl::StatusOr<std::string> router_addr =
-      ReadWhenPresent(router_ready, *router, children, std::chrono::seconds(60));
+  absl::StatusOr<std::string> router_addr = ReadWhenPresent(router_ready, *router, children, std::chrono::seconds(60));
   if (!router_addr.ok()) return shutdown(router_addr.status());
   const int port = std::atoi(router_addr->substr(router_addr->rfind(':') + 1).c_str());
   // Ready once /health says a decode worker is healthy.
@@ -560,16 +557,14 @@ absl::Status Up(UpOptions opt) {
     if (WaitForSignalFor(100) != 0) return shutdown(absl::OkStatus());
   }
   const std::string url = http::BaseUrl(config.listener.host, port);
-  Say(absl::StrFormat("ready: %s (%d prefill, %d %s workers, disaggregation %s, %s); config %s",
-                      url, num_prefill, num_decode, split ? "decode" : "aggregated",
-                      DisaggregationModeName(config.disaggregation.mode),
-                      opt.insecure ? "INSECURE plain TCP" : "mutual TLS (throwaway CA)",
-                      router_yaml));
-  Say(absl::StrFormat("try: curl -s %s/v1/chat/completions -H 'Content-Type: application/json' "
-                      "-d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": "
-                      "\"Hello!\"}], \"max_tokens\": 32}'%s",
-                      url, config.model.served_name,
-                      config.auth.enabled() ? " -H 'Authorization: Bearer <your key>'" : ""));
+  Say(absl::StrFormat("ready: %s (%d prefill, %d %s workers, disaggregation %s, %s); config %s", url, num_prefill,
+                      num_decode, split ? "decode" : "aggregated", DisaggregationModeName(config.disaggregation.mode),
+                      opt.insecure ? "INSECURE plain TCP" : "mutual TLS (throwaway CA)", router_yaml));
+  Say(absl::StrFormat(
+      "try: curl -s %s/v1/chat/completions -H 'Content-Type: application/json' "
+      "-d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": "
+      "\"Hello!\"}], \"max_tokens\": 32}'%s",
+      url, config.model.served_name, config.auth.enabled() ? " -H 'Authorization: Bearer <your key>'" : ""));
   Say("Ctrl-C stops the cluster");
   if (!opt.ready_file.empty()) RETURN_IF_ERROR(WriteFileAtomically(opt.ready_file, url + "\n"));
 
@@ -578,12 +573,12 @@ absl::Status Up(UpOptions opt) {
     if (sig != 0) return shutdown(absl::OkStatus());
     Child* dead = Reap(children);
     if (router->exited) {
-      return shutdown(absl::UnavailableError(
-          absl::StrCat("router ", DescribeExit(router->status), ": stopping the cluster")));
+      return shutdown(
+          absl::UnavailableError(absl::StrCat("router ", DescribeExit(router->status), ": stopping the cluster")));
     }
     if (dead != nullptr && opt.max_restarts == 0) {
-      return shutdown(absl::UnavailableError(
-          absl::StrCat(dead->name, " ", DescribeExit(dead->status), ": stopping the cluster")));
+      return shutdown(
+          absl::UnavailableError(absl::StrCat(dead->name, " ", DescribeExit(dead->status), ": stopping the cluster")));
     }
     const Clock::time_point now = Clock::now();
     for (Slot& slot : slots) {
@@ -593,20 +588,21 @@ absl::Status Up(UpOptions opt) {
         if (now - slot.started >= kStableRun) slot.restarts = 0;
         if (slot.restarts >= opt.max_restarts) {
           slot.given_up = true;
-          Say(absl::StrFormat("%s %s again after %d restart(s): giving up on it (port %d); the "
+          Say(
+              absl::StrFormat("%s %s again after %d restart(s): giving up on it (port %d); the "
                               "cluster serves with the other workers",
                               slot.name, DescribeExit(child->status), slot.restarts, slot.port));
           continue;
         }
-        const auto backoff = std::min<std::chrono::milliseconds>(
-            kMaxBackoff, kFirstBackoff * (1 << std::min(slot.restarts, 10)));
+        const auto backoff =
+            std::min<std::chrono::milliseconds>(kMaxBackoff, kFirstBackoff * (1 << std::min(slot.restarts, 10)));
         ++slot.restarts;
         slot.restart_at = now + backoff;
-        Say(absl::StrFormat("%s %s: restarting it on port %d in %.1f s (restart %d of at most %d "
+        Say(
+            absl::StrFormat("%s %s: restarting it on port %d in %.1f s (restart %d of at most %d "
                             "in a row)",
                             slot.name, DescribeExit(child->status), slot.port,
-                            std::chrono::duration<double>(backoff).count(), slot.restarts,
-                            opt.max_restarts));
+                            std::chrono::duration<double>(backoff).count(), slot.restarts, opt.max_restarts));
       }
       if (slot.restart_at.has_value() && now >= *slot.restart_at) {
         slot.restart_at.reset();
@@ -638,8 +634,8 @@ absl::Status Up(UpOptions opt) {
 
 void AddUpCommand(CLI::App& app) {
   auto opt = std::make_shared<UpOptions>();
-  CLI::App* cmd = app.add_subcommand(
-      "up", "Start a local cluster: prefill and decode workers plus the router, as children");
+  CLI::App* cmd =
+      app.add_subcommand("up", "Start a local cluster: prefill and decode workers plus the router, as children");
   cmd->add_option("--config", opt->config, "Router configuration (YAML); its pools are replaced");
   cmd->add_option("--model", opt->model, "builtin:tiny, builtin:small or a checkpoint directory")
       ->capture_default_str();

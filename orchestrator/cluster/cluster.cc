@@ -25,9 +25,7 @@ std::chrono::milliseconds Millis(double seconds) {
 
 }  // namespace
 
-const char* PoolRoleName(PoolRole role) {
-  return role == PoolRole::kPrefill ? "prefill" : "decode";
-}
+const char* PoolRoleName(PoolRole role) { return role == PoolRole::kPrefill ? "prefill" : "decode"; }
 
 absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name, int port) {
   addrinfo hints{};
@@ -41,8 +39,7 @@ absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name, int
     return std::vector<std::string>{};
   }
   if (rc != 0) {
-    return absl::UnavailableError(
-        absl::StrFormat("resolving %s: %s", name, gai_strerror(rc)));
+    return absl::UnavailableError(absl::StrFormat("resolving %s: %s", name, gai_strerror(rc)));
   }
   std::set<std::string> out;
   for (addrinfo* ai = result; ai != nullptr; ai = ai->ai_next) {
@@ -51,8 +48,7 @@ absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name, int
       inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(ai->ai_addr)->sin_addr, text, sizeof text);
       out.insert(absl::StrFormat("%s:%d", text, port));
     } else if (ai->ai_family == AF_INET6) {
-      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(ai->ai_addr)->sin6_addr, text,
-                sizeof text);
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(ai->ai_addr)->sin6_addr, text, sizeof text);
       out.insert(absl::StrFormat("[%s]:%d", text, port));
     }
   }
@@ -77,8 +73,7 @@ struct Cluster::Subscription final : GrpcReader<tandem::v1::KvEventBatch> {
     for (const std::shared_ptr<KvIndex>& index : indexes) {
       const absl::Status s = index->Apply(address, batch);
       if (!s.ok()) {
-        LOG(WARNING) << "KV events from " << address << ": " << s.ToString()
-                     << "; resubscribing with a snapshot";
+        LOG(WARNING) << "KV events from " << address << ": " << s.ToString() << "; resubscribing with a snapshot";
         context.TryCancel();
         return false;
       }
@@ -111,8 +106,7 @@ void Cluster::SetPool(PoolRole role, const PoolConfig& pool) {
   if (!pool.discovery.has_value()) {
     addresses = pool.workers;
     std::sort(addresses.begin(), addresses.end());
-  } else if (p.has_value() && p->config.discovery.has_value() &&
-             p->config.discovery->dns == pool.discovery->dns &&
+  } else if (p.has_value() && p->config.discovery.has_value() && p->config.discovery->dns == pool.discovery->dns &&
              p->config.discovery->port == pool.discovery->port) {
     addresses = p->addresses;  // same name: keep what it resolved to
   }
@@ -270,22 +264,21 @@ void Cluster::ResolvePools() {
     absl::StatusOr<std::vector<std::string>> addresses = ResolveAll(dns.dns, dns.port);
     std::lock_guard<std::mutex> lock(mu_);
     std::optional<Pool>& p = pools_[r];
-    if (!p.has_value() || !p->config.discovery.has_value() ||
-        p->config.discovery->dns != dns.dns || p->config.discovery->port != dns.port) {
+    if (!p.has_value() || !p->config.discovery.has_value() || p->config.discovery->dns != dns.dns ||
+        p->config.discovery->port != dns.port) {
       continue;  // the pool changed meanwhile
     }
     ++stats_.dns_lookups;
     if (!addresses.ok()) {
       ++stats_.dns_failures;
       // Keep the last known members: a DNS outage should not empty the pool.
-      LOG(WARNING) << PoolRoleName(static_cast<PoolRole>(r)) << " pool: "
-                   << addresses.status().message() << "; keeping " << p->addresses.size()
-                   << " known workers";
+      LOG(WARNING) << PoolRoleName(static_cast<PoolRole>(r)) << " pool: " << addresses.status().message()
+                   << "; keeping " << p->addresses.size() << " known workers";
       continue;
     }
     if (*addresses != p->addresses) {
-      LOG(INFO) << PoolRoleName(static_cast<PoolRole>(r)) << " pool: " << dns.dns << " -> "
-                << addresses->size() << " workers";
+      LOG(INFO) << PoolRoleName(static_cast<PoolRole>(r)) << " pool: " << dns.dns << " -> " << addresses->size()
+                << " workers";
       p->addresses = *std::move(addresses);
       SyncWorkersLocked();
     }
@@ -334,35 +327,35 @@ void Cluster::HealthRound() {
     grpc::CompletionQueue* cq = GrpcPoller::Shared().cq();
     GrpcPoller::Unary(w->stub().PrepareAsyncHealth(&c->health_ctx, c->health_req, cq), &c->health,
                       [c, cq, &finish](const grpc::Status& s) {
-      if (!s.ok() || c->health.status() != tandem::v1::HealthResponse::SERVING) {
-        finish();
-        return;
-      }
-      GrpcPoller::Unary(c->worker->stub().PrepareAsyncGetLoad(&c->load_ctx, c->load_req, cq),
-                        &c->load, [c, cq, &finish](const grpc::Status& s) {
-        if (!s.ok()) {
-          finish();
-          return;
-        }
-        c->worker->SetLoad(c->load);
-        const std::optional<tandem::v1::ModelInfo> known = c->worker->model_info();
-        if (known.has_value() && known->instance_id() == c->health.instance_id()) {
-          c->ok = true;
-          finish();
-          return;
-        }
-        // New or restarted: its model info (block size, hash seed) may differ.
-        GrpcPoller::Unary(
-            c->worker->stub().PrepareAsyncGetModelInfo(&c->info_ctx, c->info_req, cq), &c->info,
-            [c, &finish](const grpc::Status& s) {
-              if (s.ok()) {
-                c->worker->SetModelInfo(c->info);
-                c->ok = true;
-              }
-              finish();
-            });
-      });
-    });
+                        if (!s.ok() || c->health.status() != tandem::v1::HealthResponse::SERVING) {
+                          finish();
+                          return;
+                        }
+                        GrpcPoller::Unary(c->worker->stub().PrepareAsyncGetLoad(&c->load_ctx, c->load_req, cq),
+                                          &c->load, [c, cq, &finish](const grpc::Status& s) {
+                                            if (!s.ok()) {
+                                              finish();
+                                              return;
+                                            }
+                                            c->worker->SetLoad(c->load);
+                                            const std::optional<tandem::v1::ModelInfo> known = c->worker->model_info();
+                                            if (known.has_value() && known->instance_id() == c->health.instance_id()) {
+                                              c->ok = true;
+                                              finish();
+                                              return;
+                                            }
+                                            // New or restarted: its model info (block size, hash seed) may differ.
+                                            GrpcPoller::Unary(c->worker->stub().PrepareAsyncGetModelInfo(
+                                                                  &c->info_ctx, c->info_req, cq),
+                                                              &c->info, [c, &finish](const grpc::Status& s) {
+                                                                if (s.ok()) {
+                                                                  c->worker->SetModelInfo(c->info);
+                                                                  c->ok = true;
+                                                                }
+                                                                finish();
+                                                              });
+                                          });
+                      });
   }
   {
     std::unique_lock<std::mutex> lock(done_mu);
@@ -444,8 +437,7 @@ void Cluster::HealthRound() {
 std::vector<std::shared_ptr<KvIndex>> Cluster::IndexesFor(const std::string& address) const {
   std::vector<std::shared_ptr<KvIndex>> out;
   for (const std::optional<Pool>& p : pools_) {
-    if (p.has_value() && p->index != nullptr &&
-        std::binary_search(p->addresses.begin(), p->addresses.end(), address)) {
+    if (p.has_value() && p->index != nullptr && std::binary_search(p->addresses.begin(), p->addresses.end(), address)) {
       out.push_back(p->index);
     }
   }
@@ -454,8 +446,7 @@ std::vector<std::shared_ptr<KvIndex>> Cluster::IndexesFor(const std::string& add
 
 void Cluster::MaybeSubscribe(const std::shared_ptr<WorkerClient>& worker) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_ || subscriptions_.count(worker->address()) != 0 ||
-      workers_.count(worker->address()) == 0) {
+  if (stopping_ || subscriptions_.count(worker->address()) != 0 || workers_.count(worker->address()) == 0) {
     return;
   }
   std::vector<std::shared_ptr<KvIndex>> indexes = IndexesFor(worker->address());

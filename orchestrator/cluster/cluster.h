@@ -57,10 +57,10 @@ class Cluster {
   struct Stats {
     uint64_t health_checks = 0;
     uint64_t health_check_failures = 0;
-    uint64_t ejections = 0;        // healthy -> unhealthy, by health checks
-    uint64_t readmissions = 0;     // unhealthy -> healthy after an ejection
-    uint64_t dns_lookups = 0;      // discovery lookups of DNS pools
-    uint64_t dns_failures = 0;     // of which failed (the last members kept)
+    uint64_t ejections = 0;     // healthy -> unhealthy, by health checks
+    uint64_t readmissions = 0;  // unhealthy -> healthy after an ejection
+    uint64_t dns_lookups = 0;   // discovery lookups of DNS pools
+    uint64_t dns_failures = 0;  // of which failed (the last members kept)
   };
 
   // Called on the health thread whenever a worker's health changes
@@ -68,8 +68,8 @@ class Cluster {
   using HealthListener = std::function<void(const std::string&, bool)>;
 
   // Workers are called over channels from `channels` (default: insecure).
-  explicit Cluster(HealthConfig health, std::shared_ptr<const tls::ChannelFactory> channels =
-                                            tls::ChannelFactory::Insecure());
+  explicit Cluster(HealthConfig health,
+                   std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure());
   ~Cluster();  // Stop()
   Cluster(const Cluster&) = delete;
   Cluster& operator=(const Cluster&) = delete;

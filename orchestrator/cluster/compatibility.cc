@@ -20,8 +20,7 @@ std::string Incompatibility(const tandem::v1::ModelInfo& worker, const tandem::v
   if (!tokenizer.sha256.empty() && !worker.tokenizer_sha256().empty() &&
       worker.tokenizer_sha256() != tokenizer.sha256) {
     why.push_back(absl::StrCat("its model's tokenizer.json (sha256 ", Short(worker.tokenizer_sha256()),
-                               ") is not the router's (", tokenizer.source, ", sha256 ",
-                               Short(tokenizer.sha256),
+                               ") is not the router's (", tokenizer.source, ", sha256 ", Short(tokenizer.sha256),
                                "): point the router's model.tokenizer at the checkpoint"));
   } else if (tokenizer.vocab_size > worker.vocab_size()) {
     why.push_back(absl::StrCat("the router's tokenizer (", tokenizer.source, ") has ", tokenizer.vocab_size,

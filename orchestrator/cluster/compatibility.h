@@ -17,9 +17,9 @@ namespace tandem::router {
 
 // The router's own side of the agreement: its tokenizer.
 struct RouterTokenizer {
-  std::string sha256;   // hex SHA-256 of its tokenizer.json; empty: not checked
-  int vocab_size = 0;   // the ids it produces are below this
-  std::string source;   // "builtin" or the tokenizer.json path, for messages
+  std::string sha256;  // hex SHA-256 of its tokenizer.json; empty: not checked
+  int vocab_size = 0;  // the ids it produces are below this
+  std::string source;  // "builtin" or the tokenizer.json path, for messages
 };
 
 // Why the worker that reported `worker` cannot serve beside `reference` (the

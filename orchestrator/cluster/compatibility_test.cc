@@ -87,8 +87,7 @@ TEST(CompatibilityTest, EveryFieldRoutingAndHandOffsNeedIsCompared) {
   tandem::v1::ModelInfo w = Info();
   w.set_block_size(32);
   w.set_block_hash_seed(9);
-  EXPECT_EQ(Incompatibility(w, &ref, kRouter),
-            "block_size 32, the cluster's 16; block_hash_seed 9, the cluster's 0");
+  EXPECT_EQ(Incompatibility(w, &ref, kRouter), "block_size 32, the cluster's 16; block_hash_seed 9, the cluster's 0");
 }
 
 }  // namespace

@@ -47,14 +47,12 @@ absl::StatusOr<std::shared_ptr<const tls::ChannelFactory>> WorkerChannelsFor(con
     return tls::ChannelFactory::Insecure();
   }
   absl::StatusOr<tls::TlsMaterial> material = tls::LoadTlsMaterial(
-      {.ca = tls.ca, .cert = tls.cert, .key = tls.key},
-      {.ca = "tls.ca", .cert = "tls.cert", .key = "tls.key"});
+      {.ca = tls.ca, .cert = tls.cert, .key = tls.key}, {.ca = "tls.ca", .cert = "tls.cert", .key = "tls.key"});
   if (!material.ok()) return material.status();
   return tls::ChannelFactory::Mutual(*material);
 }
 
-WorkerClient::WorkerClient(std::string address, const tls::ChannelFactory& channels)
-    : address_(std::move(address)) {
+WorkerClient::WorkerClient(std::string address, const tls::ChannelFactory& channels) : address_(std::move(address)) {
   stub_ = tandem::v1::Worker::NewStub(channels.Create(address_, ChannelArgs()));
 }
 
@@ -121,8 +119,7 @@ WorkerView WorkerClient::View() const {
                     .prefill_tokens_in_flight = prefill_tokens_in_flight(),
                     .used_blocks = used_blocks_.load(std::memory_order_relaxed),
                     .total_blocks = total_blocks_.load(std::memory_order_relaxed),
-                    .prefill_tokens_per_step =
-                        prefill_tokens_per_step_.load(std::memory_order_relaxed),
+                    .prefill_tokens_per_step = prefill_tokens_per_step_.load(std::memory_order_relaxed),
                     .healthy = healthy()};
 }
 

@@ -45,8 +45,7 @@ class WorkerClient {
   // router's tls config says; connects lazily). Reconnection backoff is
   // capped at a second or two so a restarted worker is back quickly.
   WorkerClient(std::string address, const tls::ChannelFactory& channels);
-  explicit WorkerClient(std::string address)
-      : WorkerClient(std::move(address), *tls::ChannelFactory::Insecure()) {}
+  explicit WorkerClient(std::string address) : WorkerClient(std::move(address), *tls::ChannelFactory::Insecure()) {}
   WorkerClient(const WorkerClient&) = delete;
   WorkerClient& operator=(const WorkerClient&) = delete;
 
@@ -72,9 +71,7 @@ class WorkerClient {
 
   // Router-side accounting; see InFlight below.
   int in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
-  int64_t prefill_tokens_in_flight() const {
-    return prefill_tokens_.load(std::memory_order_relaxed);
-  }
+  int64_t prefill_tokens_in_flight() const { return prefill_tokens_.load(std::memory_order_relaxed); }
 
   // The load figures routing reads (KV blocks used and total).
   void SetLoad(const tandem::v1::LoadReport& load);

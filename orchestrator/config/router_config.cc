@@ -15,13 +15,13 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "common/file_util.h"
 #include "common/listen_host.h"
 #include "common/sha256.h"
@@ -171,8 +171,7 @@ class Validator {
 
   absl::Status Validate(const RouterConfig& c) {
     if (!IsHostName(c.listener.host) && !IsIpLiteral(AF_INET6, c.listener.host)) {
-      return Bad("listener.host", absl::StrCat("'", c.listener.host,
-                                               "' is not a host name or IP address"));
+      return Bad("listener.host", absl::StrCat("'", c.listener.host, "' is not a host name or IP address"));
     }
     RETURN_IF_ERROR(Range("listener.port", c.listener.port, 0, 65535));
 
@@ -181,17 +180,16 @@ class Validator {
       return Bad("model.tokenizer", "must be a tokenizer.json path or \"builtin\"");
     }
 
-    RETURN_IF_ERROR(Range("disaggregation.auto_threshold_tokens",
-                          c.disaggregation.auto_threshold_tokens, 1, int64_t{1} << 20));
+    RETURN_IF_ERROR(
+        Range("disaggregation.auto_threshold_tokens", c.disaggregation.auto_threshold_tokens, 1, int64_t{1} << 20));
     if (!c.decode.has_value()) {
       return Bad("pools.decode", "required: the decode pool (workers or discovery)");
     }
     const bool never = c.disaggregation.mode == DisaggregationMode::kNever;
     if (!never && !c.prefill.has_value()) {
-      return Bad("pools.prefill",
-                 absl::StrCat("required when disaggregation.mode is ",
-                              std::string(DisaggregationModeName(c.disaggregation.mode)),
-                              " (only mode never runs without a prefill pool)"));
+      return Bad("pools.prefill", absl::StrCat("required when disaggregation.mode is ",
+                                               std::string(DisaggregationModeName(c.disaggregation.mode)),
+                                               " (only mode never runs without a prefill pool)"));
     }
     if (never && c.prefill.has_value()) {
       return Bad("pools.prefill",
@@ -206,8 +204,7 @@ class Validator {
     RETURN_IF_ERROR(Seconds("timeouts.idle_stream_s", t.idle_stream_s, 0, false, 86400));
     RETURN_IF_ERROR(Seconds("timeouts.request_s", t.request_s, 0, false, 86400));
     if (t.request_s < t.first_token_s) {
-      return Bad("timeouts.request_s",
-                 absl::StrCat("must be >= timeouts.first_token_s (", t.first_token_s, ")"));
+      return Bad("timeouts.request_s", absl::StrCat("must be >= timeouts.first_token_s (", t.first_token_s, ")"));
     }
 
     RETURN_IF_ERROR(Range("retries.max_attempts", c.retries.max_attempts, 1, 10));
@@ -223,8 +220,7 @@ class Validator {
     RETURN_IF_ERROR(Range("limits.max_body_bytes", c.limits.max_body_bytes, 1024, int64_t{1} << 30));
     RETURN_IF_ERROR(Range("limits.max_queue", c.limits.max_queue, 0, int64_t{1} << 20));
     RETURN_IF_ERROR(Range("limits.max_in_flight", c.limits.max_in_flight, 1, int64_t{1} << 20));
-    RETURN_IF_ERROR(
-        Range("limits.max_connections", c.limits.max_connections, 1, int64_t{1} << 20));
+    RETURN_IF_ERROR(Range("limits.max_connections", c.limits.max_connections, 1, int64_t{1} << 20));
     RETURN_IF_ERROR(Auth(c.auth));
 
     const HealthConfig& h = c.health;
@@ -234,20 +230,21 @@ class Validator {
     RETURN_IF_ERROR(Range("health.healthy_after", h.healthy_after, 1, 100));
 
     if (!IsHttpToken(c.sessions.header)) {
-      return Bad("sessions.header",
-                 absl::StrCat("'", c.sessions.header, "' is not a valid HTTP header name"));
+      return Bad("sessions.header", absl::StrCat("'", c.sessions.header, "' is not a valid HTTP header name"));
     }
 
     // Last, so that a config's other mistakes are reported as before.
     const TlsConfig& tls = c.tls;
     switch (tls.mode) {
       case TlsMode::kUnset:
-        return Bad("tls", "required: tls.ca, tls.cert and tls.key for mutual TLS with the "
-                          "workers (`tandem certs --out DIR` makes them), or tls.mode: insecure");
+        return Bad("tls",
+                   "required: tls.ca, tls.cert and tls.key for mutual TLS with the "
+                   "workers (`tandem certs --out DIR` makes them), or tls.mode: insecure");
       case TlsMode::kInsecure:
         if (!tls.ca.empty() || !tls.cert.empty() || !tls.key.empty()) {
-          return Bad("tls.mode", "is insecure, but tls.ca/cert/key are given: remove them, or "
-                                 "set mode: mutual");
+          return Bad("tls.mode",
+                     "is insecure, but tls.ca/cert/key are given: remove them, or "
+                     "set mode: mutual");
         }
         break;
       case TlsMode::kMutual:
@@ -272,8 +269,7 @@ class Validator {
   }
 
   // lo < v (or lo <= v with lo_inclusive) and v <= hi, and finite.
-  absl::Status Seconds(const std::string& path, double v, double lo, bool lo_inclusive,
-                       double hi) const {
+  absl::Status Seconds(const std::string& path, double v, double lo, bool lo_inclusive, double hi) const {
     const bool ok = std::isfinite(v) && (lo_inclusive ? v >= lo : v > lo) && v <= hi;
     if (!ok) {
       return Bad(path, absl::StrCat(v, " is not in ", lo_inclusive ? "[" : "(", lo, ", ", hi, "]"));
@@ -294,24 +290,24 @@ class Validator {
       const ApiKeyConfig& k = a.keys[i];
       const std::string path = absl::StrCat("auth.keys[", i, "]");
       if (!IsKeyName(k.name)) {
-        return Bad(Join(path, "name"), absl::StrCat("'", k.name, "' is not 1 to 64 characters of "
+        return Bad(Join(path, "name"), absl::StrCat("'", k.name,
+                                                    "' is not 1 to 64 characters of "
                                                     "[A-Za-z0-9_.-]"));
       }
       if (!names.emplace(k.name, i).second) {
         return Bad(Join(path, "name"), absl::StrCat("'", k.name, "' names two keys"));
       }
       if (k.sha256.empty()) {
-        return Bad(Join(path, "sha256"),
-                   absl::StrCat("required: the key's digest, sha256:<64 hex digits> (or a key "
-                                "named '", k.name, "' in auth.keys_file)"));
+        return Bad(Join(path, "sha256"), absl::StrCat("required: the key's digest, sha256:<64 hex digits> (or a key "
+                                                      "named '",
+                                                      k.name, "' in auth.keys_file)"));
       }
       if (!ParseDigestHex(k.sha256).has_value()) {
         return Bad(Join(path, "sha256"), "is not a SHA-256 digest: expected sha256:<64 hex digits>");
       }
       if (auto [it, added] = digests.emplace(k.sha256, i); !added) {
         return Bad(Join(path, "sha256"),
-                   absl::StrCat("the same key as auth.keys[", it->second, "] ('",
-                                a.keys[it->second].name, "')"));
+                   absl::StrCat("the same key as auth.keys[", it->second, "] ('", a.keys[it->second].name, "')"));
       }
       RETURN_IF_ERROR(Range(Join(path, "priority"), k.priority, 1, 100));
       RETURN_IF_ERROR(KeyLimits(path, k.Limits(a.limits_per_key)));
@@ -436,20 +432,17 @@ class Parser {
       count = CountDocuments(yaml, /*at_most=*/2);
       if (count == 1) doc = YAML::Load(std::string(yaml));
     } catch (const YAML::ParserException& e) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(At(e.mark), "YAML syntax error: ", e.msg));
+      return absl::InvalidArgumentError(absl::StrCat(At(e.mark), "YAML syntax error: ", e.msg));
     } catch (const YAML::Exception& e) {
       return absl::InvalidArgumentError(absl::StrCat(At(e.mark), "YAML error: ", e.msg));
     }
     if (count > 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name_, ": holds more than one YAML document; expected one"));
+      return absl::InvalidArgumentError(absl::StrCat(name_, ": holds more than one YAML document; expected one"));
     }
     marks_[""] = YAML::Mark();  // line 0, column 0: the top of the file
     RouterConfig config;
     if (count == 1) RETURN_IF_ERROR(Root(doc, &config));
-    RETURN_IF_ERROR(Validator([this](const std::string& path) { return Where(path); })
-                        .Validate(config));
+    RETURN_IF_ERROR(Validator([this](const std::string& path) { return Where(path); }).Validate(config));
     return config;
   }
 
@@ -470,8 +463,7 @@ class Parser {
   }
 
   absl::Status Bad(const YAML::Mark& mark, const std::string& path, absl::string_view why) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat(At(mark), path.empty() ? "(top level)" : path, ": ", why));
+    return absl::InvalidArgumentError(absl::StrCat(At(mark), path.empty() ? "(top level)" : path, ": ", why));
   }
 
   // Checks that `node` is a mapping (null counts as empty) whose keys are
@@ -559,8 +551,7 @@ class Parser {
   }
 
   // `auto` or a number of seconds.
-  absl::Status AttemptDeadline(const Fields& f, absl::string_view key,
-                               AttemptDeadlineConfig* out) const {
+  absl::Status AttemptDeadline(const Fields& f, absl::string_view key, AttemptDeadlineConfig* out) const {
     const YAML::Node* n = f.Find(key);
     if (n == nullptr) return absl::OkStatus();
     const std::string path = Join(f.path, key);
@@ -571,8 +562,7 @@ class Parser {
     }
     double v = 0;
     if (!absl::SimpleAtod(n->Scalar(), &v) || !std::isfinite(v)) {
-      return Bad(n->Mark(), path,
-                 absl::StrCat("expected auto or a number of seconds, got ", Describe(*n)));
+      return Bad(n->Mark(), path, absl::StrCat("expected auto or a number of seconds, got ", Describe(*n)));
     }
     *out = AttemptDeadlineConfig{.automatic = false, .seconds = v};
     return absl::OkStatus();
@@ -593,9 +583,8 @@ class Parser {
 
   absl::Status Root(const YAML::Node& root, RouterConfig* c) {
     ASSIGN_OR_RETURN(Fields top, Map(root, "",
-                                     {"listener", "model", "pools", "disaggregation", "timeouts",
-                                      "retries", "limits", "health", "kv_events", "sessions",
-                                      "tls", "auth", "debug"}));
+                                     {"listener", "model", "pools", "disaggregation", "timeouts", "retries", "limits",
+                                      "health", "kv_events", "sessions", "tls", "auth", "debug"}));
 
     ASSIGN_OR_RETURN(Fields listener, SubMap(top, "listener", {"host", "port"}));
     // A container image sets TANDEM_HOST=0.0.0.0: the default where the file has no host.
@@ -605,13 +594,13 @@ class Parser {
     RETURN_IF_ERROR(String(listener, "host", &c->listener.host));
     RETURN_IF_ERROR(Int(listener, "port", &c->listener.port));
 
-    ASSIGN_OR_RETURN(Fields model, SubMap(top, "model", {"served_name", "tokenizer", "chat_template",
-                                                         "parse_special_tokens_in_messages"}));
+    ASSIGN_OR_RETURN(
+        Fields model,
+        SubMap(top, "model", {"served_name", "tokenizer", "chat_template", "parse_special_tokens_in_messages"}));
     RETURN_IF_ERROR(String(model, "served_name", &c->model.served_name));
     RETURN_IF_ERROR(String(model, "tokenizer", &c->model.tokenizer));
     RETURN_IF_ERROR(String(model, "chat_template", &c->model.chat_template));
-    RETURN_IF_ERROR(Bool(model, "parse_special_tokens_in_messages",
-                         &c->model.parse_special_tokens_in_messages));
+    RETURN_IF_ERROR(Bool(model, "parse_special_tokens_in_messages", &c->model.parse_special_tokens_in_messages));
 
     ASSIGN_OR_RETURN(Fields pools, SubMap(top, "pools", {"prefill", "decode"}));
     for (absl::string_view role : {"prefill", "decode"}) {
@@ -634,16 +623,14 @@ class Parser {
     }
     RETURN_IF_ERROR(Int(disagg, "auto_threshold_tokens", &c->disaggregation.auto_threshold_tokens));
 
-    ASSIGN_OR_RETURN(Fields timeouts,
-                     SubMap(top, "timeouts", {"first_token_s", "idle_stream_s", "request_s"}));
+    ASSIGN_OR_RETURN(Fields timeouts, SubMap(top, "timeouts", {"first_token_s", "idle_stream_s", "request_s"}));
     RETURN_IF_ERROR(Double(timeouts, "first_token_s", &c->timeouts.first_token_s));
     RETURN_IF_ERROR(Double(timeouts, "idle_stream_s", &c->timeouts.idle_stream_s));
     RETURN_IF_ERROR(Double(timeouts, "request_s", &c->timeouts.request_s));
 
-    ASSIGN_OR_RETURN(Fields retries,
-                     SubMap(top, "retries", {"max_attempts", "budget_ratio", "attempt_first_token_s",
-                                             "attempt_idle_s", "auto_multiplier", "auto_floor_s",
-                                             "max_failovers"}));
+    ASSIGN_OR_RETURN(Fields retries, SubMap(top, "retries",
+                                            {"max_attempts", "budget_ratio", "attempt_first_token_s", "attempt_idle_s",
+                                             "auto_multiplier", "auto_floor_s", "max_failovers"}));
     RETURN_IF_ERROR(Int(retries, "max_attempts", &c->retries.max_attempts));
     RETURN_IF_ERROR(Double(retries, "budget_ratio", &c->retries.budget_ratio));
     RETURN_IF_ERROR(AttemptDeadline(retries, "attempt_first_token_s", &c->retries.attempt_first_token));
@@ -652,15 +639,15 @@ class Parser {
     RETURN_IF_ERROR(Double(retries, "auto_floor_s", &c->retries.auto_floor_s));
     RETURN_IF_ERROR(Int(retries, "max_failovers", &c->retries.max_failovers));
 
-    ASSIGN_OR_RETURN(Fields limits, SubMap(top, "limits", {"max_body_bytes", "max_queue",
-                                                           "max_in_flight", "max_connections"}));
+    ASSIGN_OR_RETURN(Fields limits,
+                     SubMap(top, "limits", {"max_body_bytes", "max_queue", "max_in_flight", "max_connections"}));
     RETURN_IF_ERROR(Int(limits, "max_body_bytes", &c->limits.max_body_bytes));
     RETURN_IF_ERROR(Int(limits, "max_queue", &c->limits.max_queue));
     RETURN_IF_ERROR(Int(limits, "max_in_flight", &c->limits.max_in_flight));
     RETURN_IF_ERROR(Int(limits, "max_connections", &c->limits.max_connections));
 
-    ASSIGN_OR_RETURN(Fields health, SubMap(top, "health", {"interval_s", "timeout_s",
-                                                           "unhealthy_after", "healthy_after"}));
+    ASSIGN_OR_RETURN(Fields health,
+                     SubMap(top, "health", {"interval_s", "timeout_s", "unhealthy_after", "healthy_after"}));
     RETURN_IF_ERROR(Double(health, "interval_s", &c->health.interval_s));
     RETURN_IF_ERROR(Double(health, "timeout_s", &c->health.timeout_s));
     RETURN_IF_ERROR(Int(health, "unhealthy_after", &c->health.unhealthy_after));
@@ -703,8 +690,8 @@ class Parser {
 
   absl::Status Auth(const Fields& top, AuthConfig* auth) {
     ASSIGN_OR_RETURN(Fields f, SubMap(top, "auth", {"keys", "keys_file", "limits_per_key"}));
-    ASSIGN_OR_RETURN(Fields limits, SubMap(f, "limits_per_key",
-                                           {"requests_per_s", "tokens_per_min", "max_concurrent"}));
+    ASSIGN_OR_RETURN(Fields limits,
+                     SubMap(f, "limits_per_key", {"requests_per_s", "tokens_per_min", "max_concurrent"}));
     RETURN_IF_ERROR(KeyLimits(limits, &auth->limits_per_key));
     if (const YAML::Node* keys = f.Find("keys")) {
       const std::string kpath = Join(f.path, "keys");
@@ -715,9 +702,9 @@ class Parser {
         const std::string ipath = absl::StrCat(kpath, "[", i, "]");
         const YAML::Node item = (*keys)[i];
         marks_[ipath] = item.Mark();
-        ASSIGN_OR_RETURN(Fields k, Map(item, ipath, {"name", "sha256", "admin", "priority",
-                                                     "requests_per_s", "tokens_per_min",
-                                                     "max_concurrent"}));
+        ASSIGN_OR_RETURN(Fields k, Map(item, ipath,
+                                       {"name", "sha256", "admin", "priority", "requests_per_s", "tokens_per_min",
+                                        "max_concurrent"}));
         ApiKeyConfig key;
         RETURN_IF_ERROR(String(k, "name", &key.name));
         RETURN_IF_ERROR(String(k, "sha256", &key.sha256));
@@ -768,9 +755,8 @@ class Parser {
       key.sha256 = Sha256Hex(plain);
       key.admin = fields.size() == 3;
       // A keys entry of this name without a digest holds its settings.
-      auto it = std::find_if(auth->keys.begin(), auth->keys.end(), [&](const ApiKeyConfig& k) {
-        return k.name == name && k.sha256.empty();
-      });
+      auto it = std::find_if(auth->keys.begin(), auth->keys.end(),
+                             [&](const ApiKeyConfig& k) { return k.name == name && k.sha256.empty(); });
       if (it != auth->keys.end()) {
         it->sha256 = key.sha256;
         it->admin = it->admin || key.admin;
@@ -871,8 +857,7 @@ absl::Status ValidateRouterConfig(const RouterConfig& config) {
   return Validator([](const std::string&) { return std::string(); }).Validate(config);
 }
 
-absl::StatusOr<RouterConfig> ParseRouterConfig(std::string_view yaml,
-                                               const std::string& name_for_errors) {
+absl::StatusOr<RouterConfig> ParseRouterConfig(std::string_view yaml, const std::string& name_for_errors) {
   return Parser(name_for_errors).Parse(yaml);
 }
 
@@ -939,9 +924,7 @@ void Pool(YAML::Emitter& out, const char* role, const PoolConfig& pool) {
   out << YAML::EndMap << YAML::EndMap;
 }
 
-std::string Deadline(const AttemptDeadlineConfig& d) {
-  return d.automatic ? "auto" : ShortestDouble(d.seconds);
-}
+std::string Deadline(const AttemptDeadlineConfig& d) { return d.automatic ? "auto" : ShortestDouble(d.seconds); }
 
 }  // namespace
 

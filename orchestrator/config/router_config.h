@@ -362,8 +362,7 @@ absl::Status ValidateRouterConfig(const RouterConfig& config);
 
 // Parses and validates YAML text. `name_for_errors` (usually the file path)
 // starts every error message.
-absl::StatusOr<RouterConfig> ParseRouterConfig(std::string_view yaml,
-                                               const std::string& name_for_errors);
+absl::StatusOr<RouterConfig> ParseRouterConfig(std::string_view yaml, const std::string& name_for_errors);
 
 // YAML text that ParseRouterConfig reads back as `config` (every field
 // written, strings quoted and escaped by yaml-cpp's emitter; keys by their

@@ -91,8 +91,7 @@ TEST(RouterConfigTest, DefaultsFillWhatTheFileOmits) {
   EXPECT_EQ(config->decode->policy.name, "least_request");
   EXPECT_TRUE(config->decode->policy.params.empty());
   EXPECT_EQ(config->disaggregation.mode, DisaggregationMode::kNever);
-  EXPECT_EQ(config->disaggregation.auto_threshold_tokens,
-            defaults.disaggregation.auto_threshold_tokens);
+  EXPECT_EQ(config->disaggregation.auto_threshold_tokens, defaults.disaggregation.auto_threshold_tokens);
   EXPECT_EQ(config->timeouts.first_token_s, defaults.timeouts.first_token_s);
   EXPECT_EQ(config->timeouts.idle_stream_s, defaults.timeouts.idle_stream_s);
   EXPECT_EQ(config->timeouts.request_s, defaults.timeouts.request_s);
@@ -107,9 +106,7 @@ TEST(RouterConfigTest, DefaultsFillWhatTheFileOmits) {
   EXPECT_EQ(config->sessions.header, "X-Session-ID");
 }
 
-TEST(RouterConfigTest, ModeNeverNeedsNoPrefillPool) {
-  ASSERT_TRUE(Parse(kMinimal).ok());
-}
+TEST(RouterConfigTest, ModeNeverNeedsNoPrefillPool) { ASSERT_TRUE(Parse(kMinimal).ok()); }
 
 TEST(RouterConfigTest, DiscoveryPool) {
   auto config = Parse(R"(
@@ -143,15 +140,13 @@ TEST(RouterConfigTest, UnknownTopLevelKeyWithoutCloseMatch) {
 }
 
 TEST(RouterConfigTest, DuplicateKey) {
-  EXPECT_THAT(ErrorOf("listener: {port: 1}\nlistener: {port: 2}\n"),
-              StartsWith("t.yaml:2:1: listener: duplicate key"));
+  EXPECT_THAT(ErrorOf("listener: {port: 1}\nlistener: {port: 2}\n"), StartsWith("t.yaml:2:1: listener: duplicate key"));
 }
 
 TEST(RouterConfigTest, WrongType) {
   EXPECT_THAT(ErrorOf("listener:\n  port: eighty\n"),
               StartsWith("t.yaml:2:9: listener.port: expected an integer, got 'eighty'"));
-  EXPECT_THAT(ErrorOf("listener: [1, 2]\n"),
-              StartsWith("t.yaml:1:11: listener: expected a mapping, got a list"));
+  EXPECT_THAT(ErrorOf("listener: [1, 2]\n"), StartsWith("t.yaml:1:11: listener: expected a mapping, got a list"));
   EXPECT_THAT(ErrorOf("kv_events: {enabled: maybe}\n"),
               StartsWith("t.yaml:1:22: kv_events.enabled: expected true or false"));
   EXPECT_THAT(ErrorOf("pools: {decode: {workers: a:1}}\n"),
@@ -163,8 +158,7 @@ TEST(RouterConfigTest, OutOfRangeValue) {
               StartsWith("t.yaml:7:20: health.unhealthy_after: 0 is not in [1, 100]"));
   EXPECT_THAT(ErrorOf(std::string(kMinimal) + "timeouts: {first_token_s: -1}\n"),
               StartsWith("t.yaml:6:27: timeouts.first_token_s:"));
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "listener: {port: 70000}\n"),
-              StartsWith("t.yaml:6:18: listener.port:"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "listener: {port: 70000}\n"), StartsWith("t.yaml:6:18: listener.port:"));
   EXPECT_THAT(ErrorOf("disaggregation: {mode: sometimes}\n"),
               StartsWith("t.yaml:1:24: disaggregation.mode: expected never, always or auto"));
 }
@@ -261,8 +255,7 @@ TEST(RouterConfigTest, BadHostPort) {
               StartsWith("t.yaml:5:9: pools.decode.workers[0]: 'noport' is not host:port"));
   EXPECT_THAT(ErrorOf(head + "      - bad_-host-:1\n"),
               StartsWith("t.yaml:5:9: pools.decode.workers[0]: 'bad_-host-' is not a host name"));
-  EXPECT_THAT(ErrorOf(head + "      - 300.1.1.1:1\n"),
-              StartsWith("t.yaml:5:9: pools.decode.workers[0]:"));
+  EXPECT_THAT(ErrorOf(head + "      - 300.1.1.1:1\n"), StartsWith("t.yaml:5:9: pools.decode.workers[0]:"));
   EXPECT_THAT(ErrorOf(head + "      - \"[zz::1]:1\"\n"),
               StartsWith("t.yaml:5:9: pools.decode.workers[0]: 'zz::1' is not an IPv6"));
   EXPECT_THAT(ErrorOf(head + "      - a:1\n      - a:1\n"),
@@ -285,8 +278,8 @@ TEST(RouterConfigTest, YamlSyntaxError) {
 // ',' (empty documents forever, the heap growing), so a reload hung. Each
 // input must now give an answer; the fuzzer's timeout input is the last one.
 TEST(RouterConfigTest, StrayCommaIsAnErrorNotAHang) {
-  for (const std::string yaml : {",", "{a: 1}\n,", "[a]\n,\n",
-                                 "{listener: {host: '::', port: 8080}, disaggregation: {mode: never}}\n,"}) {
+  for (const std::string yaml :
+       {",", "{a: 1}\n,", "[a]\n,\n", "{listener: {host: '::', port: 8080}, disaggregation: {mode: never}}\n,"}) {
     EXPECT_THAT(ErrorOf(yaml), HasSubstr("more than one YAML document")) << yaml;
   }
   // A file of comments only is the empty config, as before.
@@ -349,17 +342,14 @@ TEST(RouterConfigTest, BadAuthEntriesNameTheKey) {
   EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: \"sha256:abc\"}\n"),
               HasSubstr("auth.keys[0].sha256: is not a SHA-256 digest"));
   EXPECT_THAT(ErrorOf(base + "    - {name: a}\n"), HasSubstr("auth.keys[0].sha256: required"));
-  EXPECT_THAT(ErrorOf(base + "    - {name: \"a b\", sha256: " + kDigest + "}\n"),
-              HasSubstr("auth.keys[0].name"));
-  EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + "}\n    - {name: b, sha256: " +
-                      kDigest + "}\n"),
+  EXPECT_THAT(ErrorOf(base + "    - {name: \"a b\", sha256: " + kDigest + "}\n"), HasSubstr("auth.keys[0].name"));
+  EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + "}\n    - {name: b, sha256: " + kDigest + "}\n"),
               HasSubstr("auth.keys[1].sha256: the same key as auth.keys[0] ('a')"));
   EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + ", priority: 0}\n"),
               HasSubstr("auth.keys[0].priority: 0 is not in [1, 100]"));
   EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + ", requests_per_s: -1}\n"),
               HasSubstr("auth.keys[0].requests_per_s"));
-  EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + ", colour: red}\n"),
-              HasSubstr("unknown key"));
+  EXPECT_THAT(ErrorOf(base + "    - {name: a, sha256: " + kDigest + ", colour: red}\n"), HasSubstr("unknown key"));
 }
 
 TEST(RouterConfigTest, KeysFileIsHashedAndNeverQuoted) {
@@ -368,8 +358,8 @@ TEST(RouterConfigTest, KeysFileIsHashedAndNeverQuoted) {
     std::ofstream out(path);
     out << "# comment\n\nops  ops-secret admin\nalice alice-secret\n";
   }
-  auto config = Parse(std::string(kMinimal) + "auth:\n  keys_file: " + path +
-                      "\n  keys:\n    - {name: alice, priority: 5}\n");
+  auto config =
+      Parse(std::string(kMinimal) + "auth:\n  keys_file: " + path + "\n  keys:\n    - {name: alice, priority: 5}\n");
   ASSERT_TRUE(config.ok()) << config.status();
   ASSERT_EQ(config->auth.keys.size(), 2u);
   EXPECT_EQ(config->auth.keys[0].name, "alice");  // the YAML entry, completed by the file
@@ -389,18 +379,15 @@ TEST(RouterConfigTest, KeysFileIsHashedAndNeverQuoted) {
     std::ofstream out(path);
     out << "# no keys\n";
   }
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "auth:\n  keys_file: " + path + "\n"),
-              HasSubstr("holds no key"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "auth:\n  keys_file: " + path + "\n"), HasSubstr("holds no key"));
   std::remove(path.c_str());
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "auth:\n  keys_file: " + path + "\n"),
-              HasSubstr("auth.keys_file"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "auth:\n  keys_file: " + path + "\n"), HasSubstr("auth.keys_file"));
 }
 
 TEST(RouterConfigTest, ValidateConfigBuiltInCode) {
   RouterConfig config;
   config.disaggregation.mode = DisaggregationMode::kNever;
-  EXPECT_THAT(std::string(ValidateRouterConfig(config).message()),
-              StartsWith("pools.decode: required"));
+  EXPECT_THAT(std::string(ValidateRouterConfig(config).message()), StartsWith("pools.decode: required"));
   config.decode.emplace();
   config.decode->workers = {"localhost:50051"};
   EXPECT_THAT(std::string(ValidateRouterConfig(config).message()), StartsWith("tls: required"));
@@ -437,8 +424,7 @@ TEST(RouterConfigTest, TlsIsChosenByNameNeverByOmission) {
   const std::string bad_mode = ErrorOf(std::string(kMinimal) + "tls:\n  mode: plaintext\n");
   EXPECT_THAT(bad_mode, StartsWith("t.yaml:"));
   EXPECT_THAT(bad_mode, HasSubstr("tls.mode: expected mutual or insecure"));
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "tls:\n  mode: insecure\n  cafile: /a\n"),
-              HasSubstr("tls.cafile"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "tls:\n  mode: insecure\n  cafile: /a\n"), HasSubstr("tls.cafile"));
 }
 
 }  // namespace
@@ -460,8 +446,7 @@ TEST(RouterConfigSerializeTest, RoundTripsEveryField) {
   prefill.workers = {"10.0.0.1:50051", "[::1]:50052"};
   prefill.policy = {.name = "kv_cache_aware", .params = {{"overlap_weight", "2.5"}, {"load_weight", "0.5"}}};
   PoolConfig decode;
-  decode.discovery = DnsDiscoveryConfig{.dns = "tandem-decode.llm.svc.cluster.local", .port = 50051,
-                                        .interval_s = 2.5};
+  decode.discovery = DnsDiscoveryConfig{.dns = "tandem-decode.llm.svc.cluster.local", .port = 50051, .interval_s = 2.5};
   decode.policy = {.name = "power_of_two", .params = {{"seed", "7"}}};
   c.prefill = prefill;
   c.decode = decode;
@@ -480,10 +465,12 @@ TEST(RouterConfigSerializeTest, RoundTripsEveryField) {
   c.sessions.header = "X-Conversation";
   c.tls = {.mode = TlsMode::kInsecure};
   c.auth.limits_per_key = {.requests_per_s = 2.5, .tokens_per_min = 100000, .max_concurrent = 8};
-  c.auth.keys = {
-      {.name = "ops", .sha256 = std::string(64, 'a'), .admin = true, .priority = 5},
-      {.name = "app.1", .sha256 = std::string(64, 'b'), .requests_per_s = 0.5, .tokens_per_min = 5000,
-       .max_concurrent = 2}};
+  c.auth.keys = {{.name = "ops", .sha256 = std::string(64, 'a'), .admin = true, .priority = 5},
+                 {.name = "app.1",
+                  .sha256 = std::string(64, 'b'),
+                  .requests_per_s = 0.5,
+                  .tokens_per_min = 5000,
+                  .max_concurrent = 2}};
   c.debug.worker_details = true;
   ASSERT_TRUE(ValidateRouterConfig(c).ok()) << ValidateRouterConfig(c);
 

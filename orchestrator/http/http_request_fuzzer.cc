@@ -67,9 +67,7 @@ HttpServer* StartServer() {
     std::thread([w] { w->Send(200, "application/json", "{}"); }).detach();
   });
   // Never answered: the client's EOF must still end the connection.
-  server->Route("GET", "/hang", [](const Request&, std::shared_ptr<ResponseWriter> w) {
-    w->OnClose([] {});
-  });
+  server->Route("GET", "/hang", [](const Request&, std::shared_ptr<ResponseWriter> w) { w->OnClose([] {}); });
   if (absl::Status s = server->Start(); !s.ok()) {
     std::fprintf(stderr, "cannot start the server: %s\n", s.ToString().c_str());
     std::abort();
@@ -124,8 +122,8 @@ void OneConnection(const uint8_t* data, size_t size) {
   char buf[4096];
   for (;;) {
     pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
-    const int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                          deadline - std::chrono::steady_clock::now()).count());
+    const int left = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count());
     if (left <= 0 || ::poll(&p, 1, left) == 0) {
       std::fprintf(stderr, "the server kept the connection open 10 s after the client's EOF (idle timeout 5 s)\n");
       std::abort();

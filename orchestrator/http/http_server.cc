@@ -81,11 +81,21 @@ std::string JsonErrorBody(std::string_view message, std::string_view type) {
     out.reserve(s.size());
     for (char c : s) {
       switch (c) {
-        case '"': out += "\\\""; break;
-        case '\\': out += "\\\\"; break;
-        case '\n': out += "\\n"; break;
-        case '\r': out += "\\r"; break;
-        case '\t': out += "\\t"; break;
+        case '"':
+          out += "\\\"";
+          break;
+        case '\\':
+          out += "\\\\";
+          break;
+        case '\n':
+          out += "\\n";
+          break;
+        case '\r':
+          out += "\\r";
+          break;
+        case '\t':
+          out += "\\t";
+          break;
         default:
           if (static_cast<unsigned char>(c) < 0x20) {
             out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
@@ -96,22 +106,17 @@ std::string JsonErrorBody(std::string_view message, std::string_view type) {
     }
     return out;
   };
-  return absl::StrCat("{\"error\":{\"message\":\"", escape(message), "\",\"type\":\"",
-                      escape(type), "\"}}");
+  return absl::StrCat("{\"error\":{\"message\":\"", escape(message), "\",\"type\":\"", escape(type), "\"}}");
 }
 
 namespace {
 
-bool ValidHeaderToken(std::string_view s) {
-  return !s.empty() && s.find_first_of("\r\n:") == std::string_view::npos;
-}
-bool ValidHeaderValue(std::string_view s) {
-  return s.find_first_of("\r\n") == std::string_view::npos;
-}
+bool ValidHeaderToken(std::string_view s) { return !s.empty() && s.find_first_of("\r\n:") == std::string_view::npos; }
+bool ValidHeaderValue(std::string_view s) { return s.find_first_of("\r\n") == std::string_view::npos; }
 
 // Status line and headers, up to and including the blank line.
-std::string HeadBlock(int status, std::string_view content_type, const HeaderList& extra,
-                      std::string_view framing, bool keep_alive) {
+std::string HeadBlock(int status, std::string_view content_type, const HeaderList& extra, std::string_view framing,
+                      bool keep_alive) {
   std::string reason(bhttp::obsolete_reason(static_cast<bhttp::status>(status)));
   std::string out = absl::StrCat("HTTP/1.1 ", status, " ", reason, "\r\n");
   if (!content_type.empty() && ValidHeaderValue(content_type)) {
@@ -205,10 +210,9 @@ class Session : public std::enable_shared_from_this<Session> {
     Touch();
     WaitTimer();
     if (refuse_) {
-      return Reject(503,
-                    absl::StrCat("the server is at its limit of ", opts_.max_connections,
-                                 " open connections; retry later"),
-                    {{"Retry-After", "1"}}, "server_error");
+      return Reject(
+          503, absl::StrCat("the server is at its limit of ", opts_.max_connections, " open connections; retry later"),
+          {{"Retry-After", "1"}}, "server_error");
     }
     ReadHeader();
   }
@@ -241,8 +245,7 @@ class Session : public std::enable_shared_from_this<Session> {
       bool idle = !writing_ && out_.empty();
       if (idle && !send_failed_) {
         while (!rest.empty()) {
-          ssize_t n = ::send(socket_.native_handle(), rest.data(), rest.size(),
-                             MSG_DONTWAIT | MSG_NOSIGNAL);
+          ssize_t n = ::send(socket_.native_handle(), rest.data(), rest.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
           if (n > 0) {
             rest.remove_prefix(static_cast<size_t>(n));
             Touch();
@@ -267,8 +270,7 @@ class Session : public std::enable_shared_from_this<Session> {
         // the strand finishes the response when that read completes (the
         // client's next request, or its close), so no I/O thread is woken
         // for it now. Otherwise (bytes queued, no probe, closing) it is.
-        wake_strand = !(idle && rest.empty() && probe_waiting_ && keep_alive() &&
-                        !impl_->stopping.load());
+        wake_strand = !(idle && rest.empty() && probe_waiting_ && keep_alive() && !impl_->stopping.load());
       }
     }
     // No Touch() for queued bytes: only bytes actually written move the
@@ -293,9 +295,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // of the steady clock's ticks.
   using Clock = net::steady_timer::clock_type;
   void Touch() { SetDeadline(Clock::now() + opts_.idle_timeout); }
-  void SetDeadline(Clock::time_point t) {
-    deadline_.store(t.time_since_epoch().count(), std::memory_order_relaxed);
-  }
+  void SetDeadline(Clock::time_point t) { deadline_.store(t.time_since_epoch().count(), std::memory_order_relaxed); }
   Clock::time_point deadline() const {
     return Clock::time_point(Clock::duration(deadline_.load(std::memory_order_relaxed)));
   }
@@ -323,9 +323,7 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_->body_limit(opts_.max_body_bytes);
     Touch();
     bhttp::async_read_header(socket_, buffer_, *parser_,
-                             [self = shared_from_this()](error_code ec, size_t) {
-                               self->OnHeader(ec);
-                             });
+                             [self = shared_from_this()](error_code ec, size_t) { self->OnHeader(ec); });
   }
 
   void OnHeader(error_code ec) {
@@ -335,15 +333,13 @@ class Session : public std::enable_shared_from_this<Session> {
     if (auto length = parser_->content_length(); length && *length > opts_.max_body_bytes) {
       return Reject(413, "request body too large");
     }
-    if (EqualsIgnoreCase(std::string(req[bhttp::field::expect]), "100-continue") &&
-        !parser_->is_done()) {
+    if (EqualsIgnoreCase(std::string(req[bhttp::field::expect]), "100-continue") && !parser_->is_done()) {
       auto cont = std::make_shared<std::string>("HTTP/1.1 100 Continue\r\n\r\n");
-      net::async_write(socket_, net::buffer(*cont),
-                       [self = shared_from_this(), cont](error_code ec, size_t) {
-                         if (self->closed_) return;
-                         if (ec) return self->Close();
-                         self->ReadBody();
-                       });
+      net::async_write(socket_, net::buffer(*cont), [self = shared_from_this(), cont](error_code ec, size_t) {
+        if (self->closed_) return;
+        if (ec) return self->Close();
+        self->ReadBody();
+      });
       return;
     }
     ReadBody();
@@ -377,8 +373,8 @@ class Session : public std::enable_shared_from_this<Session> {
     state_ = State::kResponding;
     keep_alive_.store(false, std::memory_order_relaxed);
     std::string body = JsonErrorBody(message, type);
-    std::string bytes = HeadBlock(status, "application/json", extra,
-                                  absl::StrCat("Content-Length: ", body.size(), "\r\n"), false);
+    std::string bytes =
+        HeadBlock(status, "application/json", extra, absl::StrCat("Content-Length: ", body.size(), "\r\n"), false);
     bytes += body;
     {
       std::lock_guard<std::mutex> lock(out_mu_);
@@ -419,9 +415,8 @@ class Session : public std::enable_shared_from_this<Session> {
     std::string allow;
     const Handler* handler = server_->Find(req.method, req.path, &status, &allow);
     if (handler == nullptr) {
-      std::string message = status == 404
-                                ? absl::StrCat("no route for ", req.path)
-                                : absl::StrCat("method ", req.method, " not allowed for ", req.path);
+      std::string message = status == 404 ? absl::StrCat("no route for ", req.path)
+                                          : absl::StrCat("method ", req.method, " not allowed for ", req.path);
       HeaderList extra;
       if (status == 405) extra.emplace_back("Allow", allow);
       writer_->Send(status, "application/json", JsonErrorBody(message), extra);
@@ -590,12 +585,11 @@ class Session : public std::enable_shared_from_this<Session> {
     socket_.shutdown(tcp::socket::shutdown_send, ignored);
     // 1 s is ample for a client to read a small response and close; during
     // Stop() the bound is shorter so shutdown is not held up by slow clients.
-    std::chrono::steady_clock::duration bound = impl_->stopping.load()
-                                                    ? std::chrono::milliseconds(100)
-                                                    : std::chrono::seconds(1);
+    std::chrono::steady_clock::duration bound =
+        impl_->stopping.load() ? std::chrono::milliseconds(100) : std::chrono::seconds(1);
     SetDeadline(Clock::now() + std::min<std::chrono::steady_clock::duration>(opts_.idle_timeout, bound));
     timer_.expires_at(deadline());  // the pending wait ends and re-arms at the earlier deadline
-    if (probing_) return;  // the probe sees EOF or the timer closes
+    if (probing_) return;           // the probe sees EOF or the timer closes
     DrainRead();
   }
   void DrainRead() {
@@ -690,18 +684,16 @@ bool ResponseWriter::Send(int status, std::string_view content_type, std::string
   }
   std::string type(content_type);
   HeaderList extra = extra_headers;
-  return WithSession(session_, [type = std::move(type), extra = std::move(extra),
-                                  body = std::move(body), status](Session& s) mutable {
-    std::string bytes = HeadBlock(status, type, extra,
-                                  absl::StrCat("Content-Length: ", body.size(), "\r\n"),
-                                  s.keep_alive());
-    bytes += body;
-    s.Submit(std::move(bytes), /*last=*/true);
-  });
+  return WithSession(
+      session_, [type = std::move(type), extra = std::move(extra), body = std::move(body), status](Session& s) mutable {
+        std::string bytes =
+            HeadBlock(status, type, extra, absl::StrCat("Content-Length: ", body.size(), "\r\n"), s.keep_alive());
+        bytes += body;
+        s.Submit(std::move(bytes), /*last=*/true);
+      });
 }
 
-bool ResponseWriter::StartStream(int status, std::string_view content_type,
-                                 const HeaderList& extra_headers) {
+bool ResponseWriter::StartStream(int status, std::string_view content_type, const HeaderList& extra_headers) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed() || state_ != State::kIdle) return false;
@@ -710,13 +702,11 @@ bool ResponseWriter::StartStream(int status, std::string_view content_type,
   std::string type(content_type);
   HeaderList extra = extra_headers;
   extra.emplace_back("Cache-Control", "no-cache");
-  return WithSession(session_, [type = std::move(type), extra = std::move(extra),
-                                  status](Session& s) mutable {
+  return WithSession(session_, [type = std::move(type), extra = std::move(extra), status](Session& s) mutable {
     // HTTP/1.0 has no chunked encoding: the body ends when the connection does.
     bool chunked = s.request_version() >= 11;
     if (!chunked) s.CloseAfterResponse();
-    std::string bytes = HeadBlock(status, type, extra,
-                                  chunked ? "Transfer-Encoding: chunked\r\n" : "",
+    std::string bytes = HeadBlock(status, type, extra, chunked ? "Transfer-Encoding: chunked\r\n" : "",
                                   s.keep_alive());  // false without chunks (above)
     s.Submit(std::move(bytes), /*last=*/false);
   });
@@ -739,9 +729,8 @@ bool ResponseWriter::End() {
     if (closed() || state_ != State::kStreaming) return false;
     state_ = State::kEnded;
   }
-  return WithSession(session_, [](Session& s) {
-    s.Submit(s.request_version() >= 11 ? "0\r\n\r\n" : "", /*last=*/true);
-  });
+  return WithSession(session_,
+                     [](Session& s) { s.Submit(s.request_version() >= 11 ? "0\r\n\r\n" : "", /*last=*/true); });
 }
 
 void ResponseWriter::OnClose(std::function<void()> callback) {
@@ -788,8 +777,7 @@ std::string PercentDecode(std::string_view text) {
   return out;
 }
 
-HttpServer::HttpServer(Options options)
-    : options_(std::move(options)), impl_(new Impl(options_.threads)) {}
+HttpServer::HttpServer(Options options) : options_(std::move(options)), impl_(new Impl(options_.threads)) {}
 
 HttpServer::~HttpServer() { Stop(); }
 
@@ -798,8 +786,7 @@ void HttpServer::Route(std::string method, std::string path, Handler handler) {
   routes_[std::move(path)][std::move(method)] = std::move(handler);
 }
 
-const Handler* HttpServer::Find(std::string_view method, std::string_view path, int* status,
-                                std::string* allow) const {
+const Handler* HttpServer::Find(std::string_view method, std::string_view path, int* status, std::string* allow) const {
   auto it = routes_.find(path);
   if (it == routes_.end()) {
     // The longest "PREFIX/*" route with more path after PREFIX/.
@@ -841,8 +828,8 @@ absl::Status HttpServer::Start() {
   auto fail = [&](std::string_view what) {
     error_code ignored;
     acceptor.close(ignored);
-    return absl::UnavailableError(absl::StrCat("HTTP ", std::string(what), " ", options_.host, ":",
-                                               options_.port, ": ", ec.message()));
+    return absl::UnavailableError(
+        absl::StrCat("HTTP ", std::string(what), " ", options_.host, ":", options_.port, ": ", ec.message()));
   };
   if (acceptor.open(endpoint.protocol(), ec); ec) return fail("open");
   if (acceptor.set_option(net::socket_base::reuse_address(true), ec); ec) return fail("setsockopt");
@@ -864,58 +851,56 @@ absl::Status HttpServer::Start() {
 
 void HttpServer::StartAccept() {
   net::io_context& ioc = *impl_->iocs[impl_->next_ioc++ % impl_->iocs.size()];
-  impl_->acceptor.async_accept(
-      ioc, [this](error_code ec, tcp::socket socket) {
-        if (!impl_->acceptor.is_open() || impl_->stopping.load()) return;
-        if (ec) {
-          // Typically EMFILE: back off instead of spinning on the error.
-          LOG(WARNING) << "http: accept failed: " << ec.message();
-          impl_->accept_backoff.expires_after(std::chrono::milliseconds(100));
-          impl_->accept_backoff.async_wait([this](error_code) { StartAccept(); });
-          return;
-        } else {
-          // TCP_NODELAY: with Nagle's algorithm a chunk written while the
-          // previous one is unacknowledged waits for the peer's delayed ACK
-          // (40 ms on Linux once a keep-alive connection has left quick-ACK
-          // mode), which stalls every SSE stream after a connection's first.
-          error_code nodelay_ec;
-          socket.set_option(tcp::no_delay(true), nodelay_ec);
-          // At most this many 503 answers pending; connections beyond are
-          // closed at once (a flood must not buy memory with refusals).
-          constexpr size_t kMaxRejecting = 64;
-          std::shared_ptr<Session> session;
-          bool refused = false;
-          uint64_t refused_total = 0;
-          {
-            std::lock_guard<std::mutex> lock(impl_->mu);
-            uint64_t id = impl_->next_id++;
-            refused = options_.max_connections > 0 && impl_->counted >= options_.max_connections;
-            if (refused) refused_total = ++impl_->refused;
-            if (!refused || impl_->rejecting < kMaxRejecting) {
-              ++(refused ? impl_->rejecting : impl_->counted);
-              session = std::make_shared<Session>(this, std::move(socket), id, refused);
-              impl_->sessions.emplace(id, session);
-            }
-          }
-          if (refused) {
-            const auto now = std::chrono::steady_clock::now();
-            if (now - impl_->last_refusal_log > std::chrono::seconds(10)) {
-              LOG(WARNING) << "http: at the limit of " << options_.max_connections
-                           << " open connections: refused " << refused_total - impl_->refusals_logged
-                           << " connection(s) since the last report";
-              impl_->last_refusal_log = now;
-              impl_->refusals_logged = refused_total;
-            }
-          }
-          if (session != nullptr) {
-            net::post(session->executor(), [session] { session->Start(); });
-          } else {
-            error_code ignored;
-            socket.close(ignored);
-          }
+  impl_->acceptor.async_accept(ioc, [this](error_code ec, tcp::socket socket) {
+    if (!impl_->acceptor.is_open() || impl_->stopping.load()) return;
+    if (ec) {
+      // Typically EMFILE: back off instead of spinning on the error.
+      LOG(WARNING) << "http: accept failed: " << ec.message();
+      impl_->accept_backoff.expires_after(std::chrono::milliseconds(100));
+      impl_->accept_backoff.async_wait([this](error_code) { StartAccept(); });
+      return;
+    } else {
+      // TCP_NODELAY: with Nagle's algorithm a chunk written while the
+      // previous one is unacknowledged waits for the peer's delayed ACK
+      // (40 ms on Linux once a keep-alive connection has left quick-ACK
+      // mode), which stalls every SSE stream after a connection's first.
+      error_code nodelay_ec;
+      socket.set_option(tcp::no_delay(true), nodelay_ec);
+      // At most this many 503 answers pending; connections beyond are
+      // closed at once (a flood must not buy memory with refusals).
+      constexpr size_t kMaxRejecting = 64;
+      std::shared_ptr<Session> session;
+      bool refused = false;
+      uint64_t refused_total = 0;
+      {
+        std::lock_guard<std::mutex> lock(impl_->mu);
+        uint64_t id = impl_->next_id++;
+        refused = options_.max_connections > 0 && impl_->counted >= options_.max_connections;
+        if (refused) refused_total = ++impl_->refused;
+        if (!refused || impl_->rejecting < kMaxRejecting) {
+          ++(refused ? impl_->rejecting : impl_->counted);
+          session = std::make_shared<Session>(this, std::move(socket), id, refused);
+          impl_->sessions.emplace(id, session);
         }
-        StartAccept();
-      });
+      }
+      if (refused) {
+        const auto now = std::chrono::steady_clock::now();
+        if (now - impl_->last_refusal_log > std::chrono::seconds(10)) {
+          LOG(WARNING) << "http: at the limit of " << options_.max_connections << " open connections: refused "
+                       << refused_total - impl_->refusals_logged << " connection(s) since the last report";
+          impl_->last_refusal_log = now;
+          impl_->refusals_logged = refused_total;
+        }
+      }
+      if (session != nullptr) {
+        net::post(session->executor(), [session] { session->Start(); });
+      } else {
+        error_code ignored;
+        socket.close(ignored);
+      }
+    }
+    StartAccept();
+  });
 }
 
 HttpServer::ConnectionStats HttpServer::connection_stats() const {
@@ -949,9 +934,7 @@ void HttpServer::Stop() {
   {
     std::unique_lock<std::mutex> lock(impl_->mu);
     impl_->sessions_empty.wait_for(lock, options_.stop_grace,
-                                   [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                     return impl_->sessions.empty();
-                                   });
+                                   [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return impl_->sessions.empty(); });
   }
   for_each_session(&Session::ForceClose);
   impl_->work.clear();

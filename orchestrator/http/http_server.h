@@ -59,7 +59,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/base/thread_annotations.h"
 
 namespace tandem::http {
 
@@ -98,8 +97,7 @@ class ResponseWriter {
   ResponseWriter& operator=(const ResponseWriter&) = delete;
 
   // A complete response with Content-Length.
-  bool Send(int status, std::string_view content_type, std::string body,
-            const HeaderList& extra_headers = {});
+  bool Send(int status, std::string_view content_type, std::string body, const HeaderList& extra_headers = {});
 
   // Starts a chunked response (HTTP/1.0 clients: unframed, closed at End).
   bool StartStream(int status, std::string_view content_type = "text/event-stream",
@@ -138,8 +136,7 @@ using Handler = std::function<void(const Request&, std::shared_ptr<ResponseWrite
 // "http://host:port", the host in brackets when it is an IPv6 address.
 std::string BaseUrl(std::string_view host, int port);
 
-std::string JsonErrorBody(std::string_view message,
-                          std::string_view type = "invalid_request_error");
+std::string JsonErrorBody(std::string_view message, std::string_view type = "invalid_request_error");
 
 class HttpServer {
  public:
@@ -149,7 +146,7 @@ class HttpServer {
     // I/O threads running handlers. Each owns the connections it accepted
     // (round-robin), so a handler that hogs its thread delays those only.
     int threads = 2;
-    size_t max_body_bytes = 8 << 20;   // larger bodies get 413
+    size_t max_body_bytes = 8 << 20;        // larger bodies get 413
     std::chrono::seconds idle_timeout{60};  // no traffic this long: close
     size_t max_header_bytes = 64 << 10;     // larger header blocks get 431
     // Stop() waits this long for in-flight responses before closing them.
@@ -192,8 +189,7 @@ class HttpServer {
   // The handler for (method, path); sets *status to 404 or 405 (and *allow
   // to the allowed methods) when there is none. Routes are immutable after
   // Start(), so this needs no lock.
-  const Handler* Find(std::string_view method, std::string_view path, int* status,
-                      std::string* allow) const;
+  const Handler* Find(std::string_view method, std::string_view path, int* status, std::string* allow) const;
   void StartAccept();
 
   Options options_;

@@ -42,8 +42,8 @@ class Client {
     socket_.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), static_cast<uint16_t>(port)));
   }
 
-  bhttp::response<bhttp::string_body> Do(bhttp::verb method, std::string target,
-                                         std::string body = "", bool close = false) {
+  bhttp::response<bhttp::string_body> Do(bhttp::verb method, std::string target, std::string body = "",
+                                         bool close = false) {
     Send(method, std::move(target), std::move(body), close);
     return Read();
   }
@@ -83,8 +83,7 @@ class HttpServerTest : public ::testing::Test {
   void StartServer(HttpServer::Options options = TestOptions()) {
     server_ = std::make_unique<HttpServer>(options);
     server_->Route("GET", "/hello", [](const Request& req, std::shared_ptr<ResponseWriter> w) {
-      w->Send(200, "text/plain", "hi " + std::string(req.Header("x-test")) + " q=" + req.query,
-              {{"X-Reply", "yes"}});
+      w->Send(200, "text/plain", "hi " + std::string(req.Header("x-test")) + " q=" + req.query, {{"X-Reply", "yes"}});
     });
     server_->Route("POST", "/echo", [](const Request& req, std::shared_ptr<ResponseWriter> w) {
       w->Send(201, "application/json", req.body);
@@ -198,9 +197,8 @@ TEST_F(HttpServerTest, PrefixRoutesTakeThePathsUnderThem) {
       w->Send(200, "text/plain", route + " " + req.path);
     });
   }
-  server_->Route("GET", "/items", [](const Request&, std::shared_ptr<ResponseWriter> w) {
-    w->Send(200, "text/plain", "list");
-  });
+  server_->Route("GET", "/items",
+                 [](const Request&, std::shared_ptr<ResponseWriter> w) { w->Send(200, "text/plain", "list"); });
   ASSERT_TRUE(server_->Start().ok());
   Client client(server_->port());
   EXPECT_EQ(client.Do(bhttp::verb::get, "/items").body(), "list");
@@ -224,8 +222,7 @@ TEST_F(HttpServerTest, BodyTooLargeIs413WithoutReadingIt) {
   StartServer();
   Client client(server_->port());
   // Announce 1 MiB but send only the headers: the answer must come anyway.
-  std::string head =
-      "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n";
+  std::string head = "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n";
   net::write(client.socket(), net::buffer(head));
   auto res = client.Read();
   EXPECT_EQ(res.result_int(), 413);
@@ -235,8 +232,8 @@ TEST_F(HttpServerTest, BodyTooLargeIs413WithoutReadingIt) {
 TEST_F(HttpServerTest, ChunkedBodyTooLargeIs413) {
   StartServer();
   Client client(server_->port());
-  std::string req = "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n800\r\n" +
-                    std::string(2048, 'a') + "\r\n";
+  std::string req =
+      "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n800\r\n" + std::string(2048, 'a') + "\r\n";
   net::write(client.socket(), net::buffer(req));
   EXPECT_EQ(client.Read().result_int(), 413);
 }
@@ -363,8 +360,7 @@ TEST_F(StreamingTest, BackToBackChunksAreNotDelayedOnAKeepAliveConnection) {
     const auto start = std::chrono::steady_clock::now();
     auto res = client.Do(bhttp::verb::get, "/burst");
     ASSERT_EQ(res.body(), "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\n");
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-                     .count());
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
   std::sort(ms.begin(), ms.end());
   EXPECT_LT(ms[ms.size() / 2], 20.0) << "median response time (ms); ~40 with Nagle";
@@ -467,7 +463,7 @@ TEST_F(StreamingTest, ClientDisconnectFiresOnClose) {
     client.Send(bhttp::verb::get, "/forever");
     char buf[256];
     client.socket().read_some(net::buffer(buf));  // the stream has begun
-  }  // the client goes away
+  }                                               // the client goes away
   EXPECT_TRUE(on_close_fired_.WaitForNotificationWithTimeout(absl::Seconds(3)));
   for (auto& t : threads_) t.join();
   threads_.clear();
@@ -501,8 +497,7 @@ TEST_F(StreamingTest, SilentHandlerClosedByIdleTimeout) {
 TEST_F(StreamingTest, AnHttp10StreamEndsWithTheConnection) {
   StartServer();
   Client client(server_->port());
-  const std::string request =
-      "GET /burst HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\n\r\n";
+  const std::string request = "GET /burst HTTP/1.0\r\nHost: localhost\r\nConnection: keep-alive\r\n\r\n";
   net::write(client.socket(), net::buffer(request));
   const auto start = std::chrono::steady_clock::now();
   std::string seen;
@@ -556,9 +551,8 @@ TEST_F(HttpServerTest, LargeStreamFromAnotherThreadToASlowReaderArrivesInOrder) 
       ASSERT_TRUE(w->End());
     });
   });
-  server_->Route("GET", "/hello", [](const Request&, std::shared_ptr<ResponseWriter> w) {
-    w->Send(200, "text/plain", "hi");
-  });
+  server_->Route("GET", "/hello",
+                 [](const Request&, std::shared_ptr<ResponseWriter> w) { w->Send(200, "text/plain", "hi"); });
   ASSERT_TRUE(server_->Start().ok());
   Client client(server_->port());
   client.Send(bhttp::verb::get, "/big");

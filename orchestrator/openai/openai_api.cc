@@ -36,9 +36,7 @@ std::string Path(std::string_view prefix, std::string_view key) {
   return absl::StrCat(Av(prefix), ".", Av(key));
 }
 
-std::string Index(std::string_view prefix, size_t i) {
-  return absl::StrCat(Av(prefix), "[", i, "]");
-}
+std::string Index(std::string_view prefix, size_t i) { return absl::StrCat(Av(prefix), "[", i, "]"); }
 
 std::string_view TypeName(const Value& v) {
   if (v.IsNull()) return "null";
@@ -71,8 +69,7 @@ bool IsAbsentLike(const Value& v) {
 // A 400 naming the first member of `obj` that is not in `known` and carries
 // a value: a field this server does not implement is refused, never ignored.
 // `also`: more known names (the fields every endpoint shares).
-absl::Status RejectUnknown(const Value& obj, std::string_view prefix,
-                           std::initializer_list<std::string_view> known,
+absl::Status RejectUnknown(const Value& obj, std::string_view prefix, std::initializer_list<std::string_view> known,
                            std::span<const std::string_view> also = {}) {
   for (auto it = obj.MemberBegin(); it != obj.MemberEnd(); ++it) {
     std::string_view name = StringOf(it->name);
@@ -87,8 +84,7 @@ absl::Status RejectUnknown(const Value& obj, std::string_view prefix,
 }
 
 // Typed readers: leave `out` untouched when the field is absent or null.
-absl::Status ReadString(const Value& obj, const char* key, std::string_view prefix,
-                        std::optional<std::string>* out) {
+absl::Status ReadString(const Value& obj, const char* key, std::string_view prefix, std::optional<std::string>* out) {
   const Value* v = Find(obj, key);
   if (v == nullptr) return absl::OkStatus();
   if (!v->IsString()) return WrongType(Path(prefix, key), "a string", *v);
@@ -137,25 +133,23 @@ absl::Status ReadInt(const Value& obj, const char* key, std::optional<int64_t>* 
 }
 
 // Range checks. The message reads "'top_p' must be in (0, 1], got 0".
-absl::Status CheckRange(const char* key, const std::optional<double>& v, double lo, bool lo_open,
-                        double hi, bool hi_open) {
+absl::Status CheckRange(const char* key, const std::optional<double>& v, double lo, bool lo_open, double hi,
+                        bool hi_open) {
   if (!v.has_value()) return absl::OkStatus();
   bool ok = (lo_open ? *v > lo : *v >= lo) && (hi_open ? *v < hi : *v <= hi);
   if (ok) return absl::OkStatus();
   const char* hi_text = hi_open ? ")" : "]";
   std::string hi_value = std::isinf(hi) ? "inf" : absl::StrCat(hi);
-  return InvalidRequest(key, absl::StrCat("'", key, "' must be in ", lo_open ? "(" : "[", lo, ", ",
-                                          hi_value, hi_text, ", got ", *v));
+  return InvalidRequest(
+      key, absl::StrCat("'", key, "' must be in ", lo_open ? "(" : "[", lo, ", ", hi_value, hi_text, ", got ", *v));
 }
 
-absl::Status CheckIntRange(const char* key, const std::optional<int64_t>& v, int64_t lo,
-                           int64_t hi) {
+absl::Status CheckIntRange(const char* key, const std::optional<int64_t>& v, int64_t lo, int64_t hi) {
   if (!v.has_value() || (*v >= lo && *v <= hi)) return absl::OkStatus();
   if (hi == std::numeric_limits<int64_t>::max()) {
     return InvalidRequest(key, absl::StrCat("'", key, "' must be at least ", lo, ", got ", *v));
   }
-  return InvalidRequest(key,
-                        absl::StrCat("'", key, "' must be in [", lo, ", ", hi, "], got ", *v));
+  return InvalidRequest(key, absl::StrCat("'", key, "' must be in [", lo, ", ", hi, "], got ", *v));
 }
 
 constexpr int64_t kIntMax = std::numeric_limits<int64_t>::max();
@@ -165,15 +159,13 @@ absl::StatusOr<rapidjson::Document> ParseObject(std::string_view body) {
   rapidjson::Document doc;
   // Iterative: deeply nested input cannot overflow the stack. Validate
   // encoding: every string we keep is valid UTF-8.
-  doc.Parse<rapidjson::kParseIterativeFlag | rapidjson::kParseValidateEncodingFlag>(body.data(),
-                                                                                   body.size());
+  doc.Parse<rapidjson::kParseIterativeFlag | rapidjson::kParseValidateEncodingFlag>(body.data(), body.size());
   if (doc.HasParseError()) {
     return InvalidRequest("", absl::StrCat("Malformed JSON at offset ", doc.GetErrorOffset(), ": ",
                                            rapidjson::GetParseError_En(doc.GetParseError())));
   }
   if (!doc.IsObject()) {
-    return InvalidRequest("", absl::StrCat("The request body must be a JSON object, got ",
-                                           Av(TypeName(doc))));
+    return InvalidRequest("", absl::StrCat("The request body must be a JSON object, got ", Av(TypeName(doc))));
   }
   return doc;
 }
@@ -187,10 +179,25 @@ absl::StatusOr<std::string> ReadModel(const Value& obj) {
 }
 
 // The fields both endpoints share; `max_tokens` is handled by each caller.
-constexpr std::string_view kSamplingKeys[] = {
-    "model", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "stop", "stop_token_ids", "n", "user", "stream",
-    "stream_options", "ignore_eos", "min_tokens", "return_tokens_as_token_ids", "max_tokens"};
+constexpr std::string_view kSamplingKeys[] = {"model",
+                                              "temperature",
+                                              "top_p",
+                                              "top_k",
+                                              "min_p",
+                                              "presence_penalty",
+                                              "frequency_penalty",
+                                              "repetition_penalty",
+                                              "seed",
+                                              "stop",
+                                              "stop_token_ids",
+                                              "n",
+                                              "user",
+                                              "stream",
+                                              "stream_options",
+                                              "ignore_eos",
+                                              "min_tokens",
+                                              "return_tokens_as_token_ids",
+                                              "max_tokens"};
 
 absl::Status ReadSampling(const Value& obj, SamplingFields* s) {
   RETURN_IF_ERROR(ReadDouble(obj, "temperature", &s->temperature));
@@ -207,8 +214,8 @@ absl::Status ReadSampling(const Value& obj, SamplingFields* s) {
   RETURN_IF_ERROR(ReadDouble(obj, "frequency_penalty", &s->frequency_penalty));
   RETURN_IF_ERROR(CheckRange("frequency_penalty", s->frequency_penalty, -2, false, 2, false));
   RETURN_IF_ERROR(ReadDouble(obj, "repetition_penalty", &s->repetition_penalty));
-  RETURN_IF_ERROR(CheckRange("repetition_penalty", s->repetition_penalty, 0, true,
-                             std::numeric_limits<double>::infinity(), true));
+  RETURN_IF_ERROR(
+      CheckRange("repetition_penalty", s->repetition_penalty, 0, true, std::numeric_limits<double>::infinity(), true));
   RETURN_IF_ERROR(ReadInt(obj, "seed", &s->seed));
 
   if (const Value* v = Find(obj, "stop")) {
@@ -216,8 +223,8 @@ absl::Status ReadSampling(const Value& obj, SamplingFields* s) {
       s->stop.emplace_back(StringOf(*v));
     } else if (v->IsArray()) {
       if (v->Size() > static_cast<unsigned>(kMaxStopSequences)) {
-        return InvalidRequest("stop", absl::StrCat("'stop' may hold at most ", kMaxStopSequences,
-                                                   " sequences, got ", v->Size()));
+        return InvalidRequest(
+            "stop", absl::StrCat("'stop' may hold at most ", kMaxStopSequences, " sequences, got ", v->Size()));
       }
       for (unsigned i = 0; i < v->Size(); ++i) {
         const Value& e = (*v)[i];
@@ -257,8 +264,7 @@ absl::Status ReadSampling(const Value& obj, SamplingFields* s) {
   if (const Value* v = Find(obj, "stream_options")) {
     if (!v->IsObject()) return WrongType("stream_options", "an object", *v);
     if (!s->stream) {
-      return InvalidRequest("stream_options",
-                            "'stream_options' may only be set when 'stream' is true");
+      return InvalidRequest("stream_options", "'stream_options' may only be set when 'stream' is true");
     }
     RETURN_IF_ERROR(ReadBool(*v, "include_usage", "stream_options", &s->include_usage));
     RETURN_IF_ERROR(RejectUnknown(*v, "stream_options", {"include_usage"}));
@@ -299,8 +305,7 @@ absl::StatusOr<ChatMessage> ParseMessage(const Value& msg, const std::string& pr
   if (content == nullptr) {
     // Only an assistant turn (one that carried tool_calls) may omit content.
     if (out.role != Role::kAssistant) {
-      return InvalidRequest(content_path,
-                            absl::StrCat("Missing required field '", content_path, "'"));
+      return InvalidRequest(content_path, absl::StrCat("Missing required field '", content_path, "'"));
     }
   } else if (content->IsString()) {
     out.content = std::string(StringOf(*content));
@@ -316,9 +321,8 @@ absl::StatusOr<ChatMessage> ParseMessage(const Value& msg, const std::string& pr
       }
       if (!type->IsString()) return WrongType(type_path, "a string", *type);
       if (StringOf(*type) != "text") {
-        return InvalidRequest(type_path, absl::StrCat("Unsupported content part type '",
-                                                      Av(StringOf(*type)), "' at '", type_path,
-                                                      "'; only 'text' is supported"));
+        return InvalidRequest(type_path, absl::StrCat("Unsupported content part type '", Av(StringOf(*type)), "' at '",
+                                                      type_path, "'; only 'text' is supported"));
       }
       std::string text_path = Path(part_path, "text");
       const Value* text = Find(part, "text");
@@ -400,9 +404,7 @@ void WriteString(JsonWriter& w, std::string_view s) {
   w.String(fixed.data(), static_cast<rapidjson::SizeType>(fixed.size()));
 }
 
-void WriteKey(JsonWriter& w, std::string_view key) {
-  w.Key(key.data(), static_cast<rapidjson::SizeType>(key.size()));
-}
+void WriteKey(JsonWriter& w, std::string_view key) { w.Key(key.data(), static_cast<rapidjson::SizeType>(key.size())); }
 
 void WriteNullableString(JsonWriter& w, std::string_view s) {
   if (s.empty()) {
@@ -412,9 +414,7 @@ void WriteNullableString(JsonWriter& w, std::string_view s) {
   }
 }
 
-void WriteLogprob(JsonWriter& w, double lp) {
-  w.Double(std::isnan(lp) || lp < kMinLogprob ? kMinLogprob : lp);
-}
+void WriteLogprob(JsonWriter& w, double lp) { w.Double(std::isnan(lp) || lp < kMinLogprob ? kMinLogprob : lp); }
 
 // The text a token is shown as.
 std::string TokenText(int32_t id, const std::string& token, bool as_ids) {
@@ -422,8 +422,7 @@ std::string TokenText(int32_t id, const std::string& token, bool as_ids) {
 }
 
 // {token, logprob, bytes}; the caller closes the object.
-void WriteTokenFields(JsonWriter& w, int32_t id, const std::string& token, double lp,
-                      bool as_ids) {
+void WriteTokenFields(JsonWriter& w, int32_t id, const std::string& token, double lp, bool as_ids) {
   std::string text = TokenText(id, token, as_ids);
   WriteKey(w, "token");
   WriteString(w, text);
@@ -458,8 +457,7 @@ void WriteChatLogprobs(JsonWriter& w, const std::vector<TokenLogprob>& tokens, b
 
 // The legacy completions shape: {tokens, token_logprobs, top_logprobs: [{tok:
 // lp}], text_offset}.
-void WriteCompletionLogprobs(JsonWriter& w, const std::vector<TokenLogprob>& tokens,
-                             int64_t offset_base, bool as_ids) {
+void WriteCompletionLogprobs(JsonWriter& w, const std::vector<TokenLogprob>& tokens, int64_t offset_base, bool as_ids) {
   w.StartObject();
   WriteKey(w, "tokens");
   w.StartArray();
@@ -533,9 +531,7 @@ std::string Sse(const rapidjson::StringBuffer& buf) {
   return absl::StrCat("data: ", absl::string_view(buf.GetString(), buf.GetSize()), "\n\n");
 }
 
-std::string ToString(const rapidjson::StringBuffer& buf) {
-  return std::string(buf.GetString(), buf.GetSize());
-}
+std::string ToString(const rapidjson::StringBuffer& buf) { return std::string(buf.GetString(), buf.GetSize()); }
 
 }  // namespace
 
@@ -546,8 +542,7 @@ absl::Status InvalidRequest(std::string_view param, std::string_view message) {
 }
 
 absl::Status UnknownModelError(std::string_view model) {
-  absl::Status status(absl::StatusCode::kNotFound,
-                      absl::StrCat("The model '", Av(model), "' does not exist"));
+  absl::Status status(absl::StatusCode::kNotFound, absl::StrCat("The model '", Av(model), "' does not exist"));
   status.SetPayload(kParamPayload, absl::Cord("model"));
   status.SetPayload(kCodePayload, absl::Cord("model_not_found"));
   return status;
@@ -570,8 +565,8 @@ absl::Status CheckJsonDepth(std::string_view json, int max_depth) {
       in_string = true;
     } else if (c == '{' || c == '[') {
       if (++depth > max_depth) {
-        return InvalidRequest("", absl::StrCat("The JSON body is nested more than ", max_depth,
-                                               " levels deep (at offset ", i, ")"));
+        return InvalidRequest(
+            "", absl::StrCat("The JSON body is nested more than ", max_depth, " levels deep (at offset ", i, ")"));
       }
     } else if (c == '}' || c == ']') {
       --depth;
@@ -652,20 +647,28 @@ std::string ApiErrorJson(const ApiError& error) {
 
 std::string_view RoleName(Role role) {
   switch (role) {
-    case Role::kSystem: return "system";
-    case Role::kUser: return "user";
-    case Role::kAssistant: return "assistant";
-    case Role::kTool: return "tool";
-    case Role::kDeveloper: return "developer";
+    case Role::kSystem:
+      return "system";
+    case Role::kUser:
+      return "user";
+    case Role::kAssistant:
+      return "assistant";
+    case Role::kTool:
+      return "tool";
+    case Role::kDeveloper:
+      return "developer";
   }
   return "user";
 }
 
 std::string_view FinishReasonName(FinishReason reason) {
   switch (reason) {
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kAbort: return "abort";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kAbort:
+      return "abort";
   }
   return "stop";
 }
@@ -731,9 +734,8 @@ absl::Status ReadConversation(const Value& doc, ChatCompletionRequest* req) {
       const std::string path = Path("chat_template_kwargs", name);
       return InvalidRequest(
           path, absl::StrCat("'", Av(path), "' sets a template variable the server owns; ",
-                             name == "add_generation_prompt"
-                                 ? "use the request's 'add_generation_prompt' field"
-                                 : "it cannot be overridden"));
+                             name == "add_generation_prompt" ? "use the request's 'add_generation_prompt' field"
+                                                             : "it cannot be overridden"));
     }
     req->chat_template_kwargs = ToTemplateJson(*v);
   }
@@ -822,8 +824,8 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body) 
   return req;
 }
 
-std::string ChatCompletionJson(const ResponseHeader& header,
-                               const std::vector<ChatChoice>& choices, const Usage& usage) {
+std::string ChatCompletionJson(const ResponseHeader& header, const std::vector<ChatChoice>& choices,
+                               const Usage& usage) {
   rapidjson::StringBuffer buf;
   JsonWriter w(buf);
   w.StartObject();
@@ -858,8 +860,8 @@ std::string ChatCompletionJson(const ResponseHeader& header,
   return ToString(buf);
 }
 
-std::string CompletionJson(const ResponseHeader& header,
-                           const std::vector<CompletionChoice>& choices, const Usage& usage) {
+std::string CompletionJson(const ResponseHeader& header, const std::vector<CompletionChoice>& choices,
+                           const Usage& usage) {
   rapidjson::StringBuffer buf;
   JsonWriter w(buf);
   w.StartObject();
@@ -980,9 +982,7 @@ std::string UsageChunk(const ResponseHeader& header, const Usage& usage, bool ch
   return Sse(buf);
 }
 
-std::string ErrorChunk(const ApiError& error) {
-  return absl::StrCat("data: ", ApiErrorJson(error), "\n\n");
-}
+std::string ErrorChunk(const ApiError& error) { return absl::StrCat("data: ", ApiErrorJson(error), "\n\n"); }
 
 std::string DoneChunk() { return "data: [DONE]\n\n"; }
 

@@ -116,9 +116,17 @@ inline constexpr int kMaxStopSequences = 64;
 inline constexpr int kMaxJsonDepth = 64;
 // Chat template variables the router sets itself (or the template's globals):
 // chat_template_kwargs may not replace them.
-inline constexpr std::string_view kServerTemplateVariables[] = {
-    "messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
-    "raise_exception", "strftime_now", "range", "namespace", "dict"};
+inline constexpr std::string_view kServerTemplateVariables[] = {"messages",
+                                                                "tools",
+                                                                "documents",
+                                                                "add_generation_prompt",
+                                                                "bos_token",
+                                                                "eos_token",
+                                                                "raise_exception",
+                                                                "strftime_now",
+                                                                "range",
+                                                                "namespace",
+                                                                "dict"};
 
 // InvalidArgument when `json` nests objects/arrays more than `max_depth`
 // deep. Works on the raw bytes (strings and escapes skipped), so it can run
@@ -137,17 +145,17 @@ inline constexpr int64_t kDefaultCompletionMaxTokens = 16;
 struct SamplingFields {
   // max_completion_tokens if given, else max_tokens. >= 1.
   std::optional<int64_t> max_tokens;
-  std::optional<double> temperature;        // [0, 2]
-  std::optional<double> top_p;              // (0, 1]
-  std::optional<int64_t> top_k;             // -1 (off) or >= 1
-  std::optional<double> min_p;              // [0, 1]
-  std::optional<double> presence_penalty;   // [-2, 2]
-  std::optional<double> frequency_penalty;  // [-2, 2]
-  std::optional<double> repetition_penalty; // > 0 (vLLM extension)
+  std::optional<double> temperature;         // [0, 2]
+  std::optional<double> top_p;               // (0, 1]
+  std::optional<int64_t> top_k;              // -1 (off) or >= 1
+  std::optional<double> min_p;               // [0, 1]
+  std::optional<double> presence_penalty;    // [-2, 2]
+  std::optional<double> frequency_penalty;   // [-2, 2]
+  std::optional<double> repetition_penalty;  // > 0 (vLLM extension)
   std::optional<int64_t> seed;
-  std::vector<std::string> stop;            // a single string becomes one entry
-  std::vector<int64_t> stop_token_ids;      // vLLM extension, each >= 0
-  int64_t n = 1;                            // [1, 128]
+  std::vector<std::string> stop;        // a single string becomes one entry
+  std::vector<int64_t> stop_token_ids;  // vLLM extension, each >= 0
+  int64_t n = 1;                        // [1, 128]
   std::string user;
   bool stream = false;
   bool include_usage = false;               // stream_options.include_usage
@@ -189,7 +197,7 @@ using Prompt = std::variant<std::string, std::vector<int32_t>>;
 
 struct CompletionRequest {
   std::string model;
-  Prompt prompt;  // non-empty text or non-empty ids
+  Prompt prompt;            // non-empty text or non-empty ids
   SamplingFields sampling;  // max_tokens defaults to 16
   bool echo = false;
   std::optional<int64_t> logprobs;  // [0, 5]: top-N per token
@@ -244,8 +252,8 @@ struct TokenLogprob {
 
 // Fields every response object of one request shares.
 struct ResponseHeader {
-  std::string id;        // "chatcmpl-..." or "cmpl-..."
-  int64_t created = 0;   // Unix seconds
+  std::string id;       // "chatcmpl-..." or "cmpl-..."
+  int64_t created = 0;  // Unix seconds
   std::string model;
   // Write tokens as "token_id:N" (vLLM's return_tokens_as_token_ids).
   bool tokens_as_ids = false;
@@ -274,10 +282,10 @@ struct CompletionChoice {
 };
 
 // The non-streaming bodies: object "chat.completion" / "text_completion".
-std::string ChatCompletionJson(const ResponseHeader& header,
-                               const std::vector<ChatChoice>& choices, const Usage& usage);
-std::string CompletionJson(const ResponseHeader& header,
-                           const std::vector<CompletionChoice>& choices, const Usage& usage);
+std::string ChatCompletionJson(const ResponseHeader& header, const std::vector<ChatChoice>& choices,
+                               const Usage& usage);
+std::string CompletionJson(const ResponseHeader& header, const std::vector<CompletionChoice>& choices,
+                           const Usage& usage);
 
 // The chat "logprobs" object alone: {"content": [{token, logprob, bytes,
 // top_logprobs: [{token, logprob, bytes}]}]}.

@@ -67,17 +67,20 @@ void Chat(std::string_view body) {
     return;
   }
   if (req->messages.empty() || req->model.empty()) std::abort();
-  ResponseHeader header{.id = "chatcmpl-fuzz", .created = 1, .model = req->model,
+  ResponseHeader header{.id = "chatcmpl-fuzz",
+                        .created = 1,
+                        .model = req->model,
                         .tokens_as_ids = req->sampling.return_tokens_as_token_ids,
                         .include_usage = req->sampling.include_usage};
   std::vector<std::string> texts;
-  for (const ChatMessage& m : req->messages) texts.push_back(m.content + m.name.value_or("") + m.tool_call_id.value_or(""));
+  for (const ChatMessage& m : req->messages)
+    texts.push_back(m.content + m.name.value_or("") + m.tool_call_id.value_or(""));
   texts.insert(texts.end(), req->sampling.stop.begin(), req->sampling.stop.end());
   texts.push_back(req->sampling.user);
   std::vector<ChatChoice> choices;
   for (size_t i = 0; i < texts.size() && i < 4; ++i) {
-    choices.push_back(ChatChoice{.index = static_cast<int>(i), .content = texts[i],
-                                 .finish_reason = FinishReason::kLength});
+    choices.push_back(
+        ChatChoice{.index = static_cast<int>(i), .content = texts[i], .finish_reason = FinishReason::kLength});
     if (req->logprobs) choices.back().logprobs = LogprobsOf(texts);
   }
   const Usage usage{.prompt_tokens = 3, .completion_tokens = 4, .cached_tokens = 1};
@@ -107,7 +110,9 @@ void Completion(std::string_view body) {
     texts.push_back("ids");
   }
   texts.insert(texts.end(), req->sampling.stop.begin(), req->sampling.stop.end());
-  ResponseHeader header{.id = "cmpl-fuzz", .created = 1, .model = req->model,
+  ResponseHeader header{.id = "cmpl-fuzz",
+                        .created = 1,
+                        .model = req->model,
                         .tokens_as_ids = req->sampling.return_tokens_as_token_ids,
                         .include_usage = req->sampling.include_usage};
   std::vector<CompletionChoice> choices;

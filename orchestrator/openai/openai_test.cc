@@ -122,8 +122,7 @@ TEST(ChatRequestTest, UnsupportedFieldsAreRefusedByName) {
            {R"("logit_bias": {"50256": -100})", "logit_bias"},
            {R"("tool_choice": "auto")", "tool_choice"},
            {R"("best_of": 2)", "best_of"},
-           {R"("stream": true, "stream_options": {"include_usage": true, "x": 1})",
-            "stream_options.x"}}) {
+           {R"("stream": true, "stream_options": {"include_usage": true, "x": 1})", "stream_options.x"}}) {
     const ApiError e = ChatError(ChatBody(extra));
     EXPECT_EQ(e.http_status, 400) << extra;
     EXPECT_EQ(e.param, param) << extra;
@@ -133,8 +132,7 @@ TEST(ChatRequestTest, UnsupportedFieldsAreRefusedByName) {
       "tool_calls": [{"id": "c", "type": "function"}]}]})")
                 .param,
             "messages[0].tool_calls");
-  auto r = ParseChatCompletionRequest(
-      ChatBody(R"("tools": [], "logit_bias": {}, "response_format": null)"));
+  auto r = ParseChatCompletionRequest(ChatBody(R"("tools": [], "logit_bias": {}, "response_format": null)"));
   EXPECT_TRUE(r.ok()) << r.status();
 }
 
@@ -145,7 +143,8 @@ TEST(ChatRequestTest, TemplateControlsAndServerOwnedVariables) {
   EXPECT_FALSE(r->add_generation_prompt);
   EXPECT_EQ(r->chat_template_kwargs.dump(), R"({"enable_thinking":false,"x":{"y":[1,"<|eot_id|>"]}})");
   for (std::string_view owned : kServerTemplateVariables) {
-    const ApiError e = ChatError(ChatBody(absl::StrCat(R"("chat_template_kwargs": {")", std::string(owned), R"(": 1})")));
+    const ApiError e =
+        ChatError(ChatBody(absl::StrCat(R"("chat_template_kwargs": {")", std::string(owned), R"(": 1})")));
     EXPECT_EQ(e.http_status, 400) << owned;
     EXPECT_EQ(e.param, "chat_template_kwargs." + std::string(owned));
   }
@@ -156,35 +155,30 @@ TEST(ChatRequestTest, TemplateControlsAndServerOwnedVariables) {
 // Nesting past kMaxJsonDepth is refused before parsing, on any field, so no
 // recursive walk downstream (template kwargs serialization) sees it.
 TEST(ChatRequestTest, DeepNestingIsRefusedBeforeParsing) {
-  auto nested = [](int depth) {
-    return absl::StrCat(std::string(depth, '['), std::string(depth, ']'));
-  };
+  auto nested = [](int depth) { return absl::StrCat(std::string(depth, '['), std::string(depth, ']')); };
   // The body and the kwargs object are two levels.
-  EXPECT_TRUE(ParseChatCompletionRequest(ChatBody(absl::StrCat(
-                  R"("chat_template_kwargs": {"a": )", nested(kMaxJsonDepth - 2), "}")))
+  EXPECT_TRUE(ParseChatCompletionRequest(
+                  ChatBody(absl::StrCat(R"("chat_template_kwargs": {"a": )", nested(kMaxJsonDepth - 2), "}")))
                   .ok());
   for (int depth : {kMaxJsonDepth - 1, 60000, 1000000}) {
-    const ApiError e =
-        ChatError(ChatBody(absl::StrCat(R"("chat_template_kwargs": {"a": )", nested(depth), "}")));
+    const ApiError e = ChatError(ChatBody(absl::StrCat(R"("chat_template_kwargs": {"a": )", nested(depth), "}")));
     EXPECT_EQ(e.http_status, 400) << depth;
     EXPECT_THAT(e.message, HasSubstr("nested more than 64 levels")) << depth;
   }
   // Brackets inside strings (escaped quotes too) do not count.
   const std::string brackets(100000, '[');
-  auto user = ParseChatCompletionRequest(
-      ChatBody(absl::StrCat(R"("user": "\")", brackets, R"(")")));
+  auto user = ParseChatCompletionRequest(ChatBody(absl::StrCat(R"("user": "\")", brackets, R"(")")));
   EXPECT_TRUE(user.ok()) << user.status();
   EXPECT_TRUE(CheckJsonDepth(R"({"a": "\\", "b": [[1]]})", 3).ok());
   EXPECT_FALSE(CheckJsonDepth(R"({"a": "\\", "b": [[1]]})", 2).ok());
-  EXPECT_EQ(ErrorOf(ParseCompletionRequest(
-                        absl::StrCat(R"({"model": "m", "prompt": )", nested(100000), "}")))
-                .http_status,
-            400);
+  EXPECT_EQ(
+      ErrorOf(ParseCompletionRequest(absl::StrCat(R"({"model": "m", "prompt": )", nested(100000), "}"))).http_status,
+      400);
 }
 
 TEST(ChatRequestTest, NullMeansAbsentAndStopString) {
-  auto r = ParseChatCompletionRequest(
-      ChatBody(R"("temperature": null, "stop": "END", "max_tokens": 16.0, "top_k": -1)"));
+  auto r =
+      ParseChatCompletionRequest(ChatBody(R"("temperature": null, "stop": "END", "max_tokens": 16.0, "top_k": -1)"));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->sampling.temperature.has_value());
   EXPECT_THAT(r->sampling.stop, ElementsAre("END"));
@@ -216,12 +210,9 @@ TEST(ChatRequestTest, MissingFields) {
   EXPECT_EQ(ChatError(R"({"messages": [{"role": "user", "content": "x"}]})").param, "model");
   EXPECT_EQ(ChatError(R"({"model": "m"})").param, "messages");
   EXPECT_EQ(ChatError(R"({"model": "m", "messages": []})").param, "messages");
-  EXPECT_EQ(ChatError(R"({"model": "", "messages": [{"role": "user", "content": "x"}]})").param,
-            "model");
-  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"content": "x"}]})").param,
-            "messages[0].role");
-  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user"}]})").param,
-            "messages[0].content");
+  EXPECT_EQ(ChatError(R"({"model": "", "messages": [{"role": "user", "content": "x"}]})").param, "model");
+  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"content": "x"}]})").param, "messages[0].role");
+  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user"}]})").param, "messages[0].content");
 }
 
 TEST(ChatRequestTest, WrongTypes) {
@@ -233,8 +224,7 @@ TEST(ChatRequestTest, WrongTypes) {
   EXPECT_EQ(ChatError(R"({"model": 1, "messages": []})").param, "model");
   EXPECT_EQ(ChatError(R"({"model": "m", "messages": {}})").param, "messages");
   EXPECT_EQ(ChatError(R"({"model": "m", "messages": ["hi"]})").param, "messages[0]");
-  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user", "content": 3}]})").param,
-            "messages[0].content");
+  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user", "content": 3}]})").param, "messages[0].content");
   EXPECT_EQ(ChatError(ChatBody(R"("stream": "yes")")).param, "stream");
   EXPECT_EQ(ChatError(ChatBody(R"("stop": 5)")).param, "stop");
   EXPECT_EQ(ChatError(ChatBody(R"("stop": ["a", 5])")).param, "stop[1]");
@@ -289,8 +279,7 @@ TEST(ChatRequestTest, Ranges) {
 TEST(ChatRequestTest, CrossFieldRules) {
   EXPECT_EQ(ChatError(ChatBody(R"("top_logprobs": 3)")).param, "top_logprobs");
   EXPECT_TRUE(ParseChatCompletionRequest(ChatBody(R"("top_logprobs": 0)")).ok());
-  EXPECT_EQ(ChatError(ChatBody(R"("stream_options": {"include_usage": true})")).param,
-            "stream_options");
+  EXPECT_EQ(ChatError(ChatBody(R"("stream_options": {"include_usage": true})")).param, "stream_options");
   EXPECT_TRUE(ParseChatCompletionRequest(ChatBody(R"("stream_options": null)")).ok());
 }
 
@@ -313,11 +302,9 @@ TEST(ChatRequestTest, ContentParts) {
   EXPECT_EQ(e.http_status, 400);
   EXPECT_EQ(e.param, "messages[2].content[0].type");
   EXPECT_THAT(e.message, HasSubstr("image_url"));
-  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user", "content": [{"text": "a"}]}]})")
-                .param,
+  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user", "content": [{"text": "a"}]}]})").param,
             "messages[0].content[0].type");
-  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]})")
-                .param,
+  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]})").param,
             "messages[0].content[0].text");
   EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user", "content": ["a"]}]})").param,
             "messages[0].content[0]");
@@ -325,9 +312,11 @@ TEST(ChatRequestTest, ContentParts) {
       R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}]})");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->messages[0].content, "x");
-  EXPECT_EQ(ChatError(R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]})")
-                .param,
-            "messages[0].content[0].cache_control");
+  EXPECT_EQ(
+      ChatError(
+          R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]})")
+          .param,
+      "messages[0].content[0].cache_control");
 }
 
 // ---------------------------------------------------------------------------
@@ -360,8 +349,7 @@ TEST(CompletionRequestTest, Full) {
   EXPECT_TRUE(r->sampling.stream);
   EXPECT_FALSE(r->sampling.include_usage);
   EXPECT_TRUE(r->sampling.return_tokens_as_token_ids);
-  EXPECT_EQ(ErrorOf(ParseCompletionRequest(R"({"model": "m", "prompt": "a", "best_of": 2})")).param,
-            "best_of");
+  EXPECT_EQ(ErrorOf(ParseCompletionRequest(R"({"model": "m", "prompt": "a", "best_of": 2})")).param, "best_of");
   EXPECT_EQ(ErrorOf(ParseCompletionRequest(R"({"model": "m", "prompt": "a", "logit_bias": {"1": 5}})")).param,
             "logit_bias");
 }
@@ -384,8 +372,7 @@ TEST(CompletionRequestTest, PromptForms) {
   EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": [1, "a"]})").param, "prompt[1]");
   EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": [1, -1]})").param, "prompt[1]");
   EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": [1.5]})").param, "prompt[0]");
-  EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": [[1, 4294967296]]})").param,
-            "prompt[0][1]");
+  EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": [[1, 4294967296]]})").param, "prompt[0][1]");
   EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": {}})").param, "prompt");
   EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": [{}]})").param, "prompt[0]");
 }
@@ -395,12 +382,10 @@ TEST(CompletionRequestTest, Errors) {
   EXPECT_EQ(suffix.http_status, 400);
   EXPECT_EQ(suffix.param, "suffix");
   EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": "a", "logprobs": 6})").param, "logprobs");
-  EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": "a", "logprobs": true})").param,
-            "logprobs");
+  EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": "a", "logprobs": true})").param, "logprobs");
   EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": "a", "echo": 1})").param, "echo");
   EXPECT_EQ(CompletionError(R"({"prompt": "a"})").param, "model");
-  EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": "a", "max_tokens": 2.5})").param,
-            "max_tokens");
+  EXPECT_EQ(CompletionError(R"({"model": "m", "prompt": "a", "max_tokens": 2.5})").param, "max_tokens");
 }
 
 // ---------------------------------------------------------------------------
@@ -562,8 +547,8 @@ TEST(StreamTest, NoUsageFieldWithoutIncludeUsage) {
 }
 
 TEST(StreamTest, CompletionAndErrorChunks) {
-  rapidjson::Document d = SseJson(CompletionChunk(
-      {"cmpl-1", 5, "m"}, CompletionDelta{1, "abc", std::nullopt, 0, FinishReason::kLength}));
+  rapidjson::Document d =
+      SseJson(CompletionChunk({"cmpl-1", 5, "m"}, CompletionDelta{1, "abc", std::nullopt, 0, FinishReason::kLength}));
   EXPECT_EQ(Str(d["object"]), "text_completion");
   EXPECT_EQ(d["choices"][0]["index"].GetInt(), 1);
   EXPECT_EQ(Str(d["choices"][0]["text"]), "abc");
@@ -572,8 +557,7 @@ TEST(StreamTest, CompletionAndErrorChunks) {
   rapidjson::Document u = SseJson(UsageChunk({"cmpl-1", 5, "m"}, Usage{1, 1, 0}, /*chat=*/false));
   EXPECT_EQ(Str(u["object"]), "text_completion");
 
-  rapidjson::Document e =
-      SseJson(ErrorChunk(ApiErrorFromStatus(absl::UnavailableError("no worker"))));
+  rapidjson::Document e = SseJson(ErrorChunk(ApiErrorFromStatus(absl::UnavailableError("no worker"))));
   EXPECT_EQ(Str(e["error"]["message"]), "no worker");
   EXPECT_EQ(Str(e["error"]["type"]), "server_error");
 }
@@ -623,9 +607,10 @@ TEST(TokenizeRequestTest, BadRequestsNameTheField) {
   EXPECT_EQ(TokenizeError(R"({"prompt": "a", "chat_template_kwargs": {"x": 1}})").param, "chat_template_kwargs");
   // A conversation gets chat completions' checks.
   EXPECT_EQ(TokenizeError(R"({"messages": [{"role": "wizard", "content": "b"}]})").param, "messages[0].role");
-  EXPECT_EQ(TokenizeError(R"({"messages": [{"role": "user", "content": "b"}], "chat_template_kwargs": {"messages": 1}})")
-                .param,
-            "chat_template_kwargs.messages");
+  EXPECT_EQ(
+      TokenizeError(R"({"messages": [{"role": "user", "content": "b"}], "chat_template_kwargs": {"messages": 1}})")
+          .param,
+      "chat_template_kwargs.messages");
   EXPECT_EQ(TokenizeError("[1]").http_status, 400);
 }
 

@@ -41,8 +41,7 @@ struct Cluster {
   std::vector<std::vector<int32_t>> prompts;
 
   Cluster(int workers, int docs_per_worker) {
-    policy = std::make_unique<KvCacheAwarePolicy>(
-        KvCacheAwarePolicy::Options{.block_size = kBlock}, index);
+    policy = std::make_unique<KvCacheAwarePolicy>(KvCacheAwarePolicy::Options{.block_size = kBlock}, index);
     std::mt19937 rng(1);
     for (int w = 0; w < workers; ++w) {
       const std::string id = absl::StrCat("10.0.0.", w, ":50051");
@@ -85,8 +84,7 @@ void BM_Match8kHeld(benchmark::State& state) {
   for (const auto& p : c.prompts) hashes.push_back(HashBlocks(0, p, kBlock));
   size_t i = 0;
   for (auto _ : state) {
-    benchmark::DoNotOptimize(
-        c.index->Match(hashes[i++ % hashes.size()], std::chrono::steady_clock::now()));
+    benchmark::DoNotOptimize(c.index->Match(hashes[i++ % hashes.size()], std::chrono::steady_clock::now()));
   }
 }
 BENCHMARK(BM_Match8kHeld);

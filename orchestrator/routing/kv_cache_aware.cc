@@ -20,8 +20,8 @@ constexpr double kTieEpsilon = 1e-9;
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<RoutingPolicy>> KvCacheAwarePolicy::Create(
-    const PolicyParams& params, const PolicyContext& context) {
+absl::StatusOr<std::unique_ptr<RoutingPolicy>> KvCacheAwarePolicy::Create(const PolicyParams& params,
+                                                                          const PolicyContext& context) {
   routing_internal::ParamReader reader("kv_cache_aware", params);
   Options options;
   options.seed = std::random_device{}();
@@ -35,11 +35,9 @@ absl::StatusOr<std::unique_ptr<RoutingPolicy>> KvCacheAwarePolicy::Create(
   int64_t ttl_s = std::chrono::duration_cast<std::chrono::seconds>(index_options.ttl).count();
   RETURN_IF_ERROR(reader.Double("overlap_weight", 0.0, &options.overlap_weight));
   RETURN_IF_ERROR(reader.Double("load_weight", 0.0, &options.load_weight));
-  RETURN_IF_ERROR(
-      reader.Int64("prefill_tokens_scale", 1, int64_t{1} << 40, &options.prefill_tokens_scale));
+  RETURN_IF_ERROR(reader.Int64("prefill_tokens_scale", 1, int64_t{1} << 40, &options.prefill_tokens_scale));
   RETURN_IF_ERROR(reader.Double("load_factor", 1.0, &options.load_factor));
-  RETURN_IF_ERROR(
-      reader.Int64("keep_prefix_tokens", 1, int64_t{1} << 40, &options.keep_prefix_tokens));
+  RETURN_IF_ERROR(reader.Int64("keep_prefix_tokens", 1, int64_t{1} << 40, &options.keep_prefix_tokens));
   RETURN_IF_ERROR(reader.Double("temperature", 0.0, &options.temperature));
   RETURN_IF_ERROR(reader.Uint64("seed", &options.seed));
   RETURN_IF_ERROR(reader.Int64("max_blocks", 1, int64_t{1} << 31, &index_options.max_blocks));
@@ -64,8 +62,7 @@ int64_t KvCacheAwarePolicy::StepBudget(const WorkerView& w) const {
                                            : kDefaultPrefillScale;
 }
 
-KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req,
-                                                     std::span<const WorkerView> workers,
+KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req, std::span<const WorkerView> workers,
                                                      std::chrono::steady_clock::time_point now) {
   Scored out;
   out.hashes = HashBlocks(options_.block_hash_seed, req.tokens, options_.block_size);
@@ -87,14 +84,12 @@ KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req,
     const WorkerView& w = workers[i];
     if (!w.healthy) continue;
     const int64_t scale = StepBudget(w);
-    const double overlap =
-        request_blocks > 0 ? static_cast<double>(out.matched[i]) / request_blocks : 0.0;
-    const double prefill = std::clamp(
-        static_cast<double>(w.prefill_tokens_in_flight) / static_cast<double>(scale), 0.0, 1.0);
+    const double overlap = request_blocks > 0 ? static_cast<double>(out.matched[i]) / request_blocks : 0.0;
+    const double prefill =
+        std::clamp(static_cast<double>(w.prefill_tokens_in_flight) / static_cast<double>(scale), 0.0, 1.0);
     const double usage =
         w.total_blocks > 0
-            ? std::clamp(static_cast<double>(w.used_blocks) / static_cast<double>(w.total_blocks),
-                         0.0, 1.0)
+            ? std::clamp(static_cast<double>(w.used_blocks) / static_cast<double>(w.total_blocks), 0.0, 1.0)
             : 0.0;
     const double load = 0.5 * (prefill + usage);
     out.scores[i] = options_.overlap_weight * overlap - options_.load_weight * load;
@@ -102,13 +97,11 @@ KvCacheAwarePolicy::Scored KvCacheAwarePolicy::Score(const RouteRequest& req,
   return out;
 }
 
-std::vector<double> KvCacheAwarePolicy::Scores(const RouteRequest& req,
-                                               std::span<const WorkerView> workers) {
+std::vector<double> KvCacheAwarePolicy::Scores(const RouteRequest& req, std::span<const WorkerView> workers) {
   return Score(req, workers, now_()).scores;
 }
 
-absl::StatusOr<size_t> KvCacheAwarePolicy::Pick(const RouteRequest& req,
-                                                std::span<const WorkerView> workers) {
+absl::StatusOr<size_t> KvCacheAwarePolicy::Pick(const RouteRequest& req, std::span<const WorkerView> workers) {
   if (routing_internal::CountHealthy(workers) == 0) {
     return routing_internal::NoHealthyWorker(name(), workers.size());
   }
@@ -129,8 +122,7 @@ absl::StatusOr<size_t> KvCacheAwarePolicy::Pick(const RouteRequest& req,
   // there: more than the queueing the bound avoids.
   for (size_t i = 0; i < workers.size(); ++i) {
     if (!workers[i].healthy || candidate[i]) continue;
-    const int64_t keep = options_.keep_prefix_tokens > 0 ? options_.keep_prefix_tokens
-                                                         : StepBudget(workers[i]);
+    const int64_t keep = options_.keep_prefix_tokens > 0 ? options_.keep_prefix_tokens : StepBudget(workers[i]);
     candidate[i] = (scored.matched[i] - within_matched) * options_.block_size >= keep;
   }
   double best = -std::numeric_limits<double>::infinity();
@@ -170,19 +162,17 @@ absl::StatusOr<size_t> KvCacheAwarePolicy::Pick(const RouteRequest& req,
     req.explain->why = absl::StrFormat(
         "%s score (%g x matched/%d prompt blocks - %g x load) among the workers within the load "
         "bound%s%s",
-        options_.temperature > 0 ? "sampled by" : "the best", options_.overlap_weight,
-        scored.hashes.size(), options_.load_weight,
+        options_.temperature > 0 ? "sampled by" : "the best", options_.overlap_weight, scored.hashes.size(),
+        options_.load_weight,
         options_.temperature > 0 ? absl::StrFormat(" (softmax, temperature %g)", options_.temperature) : "",
-        best < best_healthy - kTieEpsilon ? "; a better-scoring worker is over the bound (spillover)"
-                                          : "");
+        best < best_healthy - kTieEpsilon ? "; a better-scoring worker is over the bound (spillover)" : "");
   }
   requested_blocks_.fetch_add(scored.hashes.size(), std::memory_order_relaxed);
-  matched_blocks_.fetch_add(static_cast<uint64_t>(scored.matched[chosen]),
-                            std::memory_order_relaxed);
+  matched_blocks_.fetch_add(static_cast<uint64_t>(scored.matched[chosen]), std::memory_order_relaxed);
   index_->RecordRouted(workers[chosen].id, scored.hashes, now);
   if (req.cached_tokens != nullptr) {
-    *req.cached_tokens = std::min<int64_t>(scored.matched[chosen] * options_.block_size,
-                                           static_cast<int64_t>(req.tokens.size()));
+    *req.cached_tokens =
+        std::min<int64_t>(scored.matched[chosen] * options_.block_size, static_cast<int64_t>(req.tokens.size()));
   }
   return chosen;
 }

@@ -105,10 +105,10 @@ class KvCacheAwarePolicy : public RoutingPolicy {
   using Clock = std::function<std::chrono::steady_clock::time_point()>;
 
   struct Options {
-    uint64_t block_hash_seed = 0;         // ModelInfo.block_hash_seed
-    int block_size = 16;                  // ModelInfo.block_size
-    double overlap_weight = 1.0;          // weight of the cached fraction of the prompt
-    double load_weight = 1.0;             // weight of the normalized load
+    uint64_t block_hash_seed = 0;  // ModelInfo.block_hash_seed
+    int block_size = 16;           // ModelInfo.block_size
+    double overlap_weight = 1.0;   // weight of the cached fraction of the prompt
+    double load_weight = 1.0;      // weight of the normalized load
     // Prefill backlog that counts as fully loaded; 0: each worker's step
     // budget (WorkerView::prefill_tokens_per_step), else kDefaultPrefillScale.
     int64_t prefill_tokens_scale = 0;
@@ -117,8 +117,8 @@ class KvCacheAwarePolicy : public RoutingPolicy {
     // this many tokens beyond every worker within the bound; 0: its step
     // budget (StepBudget: prefill_tokens_scale when set).
     int64_t keep_prefix_tokens = 0;
-    double temperature = 0.0;             // 0: argmax; > 0: softmax sampling
-    uint64_t seed = 0;                    // sampling generator's seed
+    double temperature = 0.0;  // 0: argmax; > 0: softmax sampling
+    uint64_t seed = 0;         // sampling generator's seed
   };
 
   // The scale for a worker that reports no step budget.
@@ -134,8 +134,7 @@ class KvCacheAwarePolicy : public RoutingPolicy {
   KvCacheAwarePolicy(Options options, std::shared_ptr<KvIndex> index, Clock now = SteadyNow);
 
   std::string name() const override { return "kv_cache_aware"; }
-  absl::StatusOr<size_t> Pick(const RouteRequest& req,
-                              std::span<const WorkerView> workers) override;
+  absl::StatusOr<size_t> Pick(const RouteRequest& req, std::span<const WorkerView> workers) override;
 
   // Each healthy worker's score for this request as Pick computes it
   // (unhealthy ones: -infinity). Does not record anything. For tests and
@@ -154,26 +153,22 @@ class KvCacheAwarePolicy : public RoutingPolicy {
   uint64_t spillovers() const { return spillovers_.load(std::memory_order_relaxed); }
   // "requested_blocks", "matched_blocks" and "spillovers".
   std::vector<std::pair<std::string, uint64_t>> Counters() const override {
-    return {{"requested_blocks", requested_blocks()},
-            {"matched_blocks", matched_blocks()},
-            {"spillovers", spillovers()}};
+    return {
+        {"requested_blocks", requested_blocks()}, {"matched_blocks", matched_blocks()}, {"spillovers", spillovers()}};
   }
 
  private:
-  static std::chrono::steady_clock::time_point SteadyNow() {
-    return std::chrono::steady_clock::now();
-  }
+  static std::chrono::steady_clock::time_point SteadyNow() { return std::chrono::steady_clock::now(); }
 
   struct Scored {
-    std::vector<double> scores;     // per worker; -inf for unhealthy
-    std::vector<int64_t> matched;   // per worker
-    std::vector<uint64_t> hashes;   // the request's block hashes
+    std::vector<double> scores;    // per worker; -inf for unhealthy
+    std::vector<int64_t> matched;  // per worker
+    std::vector<uint64_t> hashes;  // the request's block hashes
   };
   // The prompt tokens one engine step of `w` computes (prefill_tokens_scale
   // overrides; kDefaultPrefillScale when it reports none).
   int64_t StepBudget(const WorkerView& w) const;
-  Scored Score(const RouteRequest& req, std::span<const WorkerView> workers,
-               std::chrono::steady_clock::time_point now);
+  Scored Score(const RouteRequest& req, std::span<const WorkerView> workers, std::chrono::steady_clock::time_point now);
 
   const Options options_;
   const std::shared_ptr<KvIndex> index_;

@@ -36,8 +36,7 @@ std::vector<int32_t> Prompt(uint64_t seed, int tokens) {
 }
 
 // Makes `worker_id` exact in `index`, holding the first `blocks` blocks of `prompt`.
-void HoldPrefix(KvIndex& index, const std::string& worker_id, std::span<const int32_t> prompt,
-                int blocks) {
+void HoldPrefix(KvIndex& index, const std::string& worker_id, std::span<const int32_t> prompt, int blocks) {
   const std::vector<uint64_t> hashes = HashBlocks(0, prompt, kBlock);
   tandem::v1::KvEventBatch batch;
   batch.set_instance_id("i");
@@ -58,8 +57,7 @@ struct Fixture {
   std::unique_ptr<KvCacheAwarePolicy> policy;
 };
 
-size_t MustPick(RoutingPolicy& policy, std::span<const WorkerView> workers,
-                std::span<const int32_t> prompt) {
+size_t MustPick(RoutingPolicy& policy, std::span<const WorkerView> workers, std::span<const int32_t> prompt) {
   auto picked = policy.Pick(RouteRequest{.tokens = prompt}, workers);
   EXPECT_TRUE(picked.ok()) << picked.status();
   return picked.ok() ? *picked : workers.size();
@@ -297,8 +295,7 @@ TEST(KvCacheAwareTest, UnhealthyWorkersAreNeverPickedAndNoneIsUnavailable) {
   auto picked = f.policy->Pick(RouteRequest{.tokens = prompt}, workers);
   EXPECT_EQ(picked.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(picked.status().message(), ::testing::HasSubstr("kv_cache_aware"));
-  EXPECT_EQ(f.policy->Pick(RouteRequest{.tokens = prompt}, {}).status().code(),
-            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(f.policy->Pick(RouteRequest{.tokens = prompt}, {}).status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(KvCacheAwareTest, BlockHashSeedAndSizeMustMatchTheWorkers) {

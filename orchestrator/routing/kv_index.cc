@@ -204,8 +204,8 @@ absl::Status KvIndex::Apply(const std::string& worker_id, const tandem::v1::KvEv
   return status;
 }
 
-absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std::string& worker_id,
-                                  uint16_t slot, const tandem::v1::KvEventBatch& batch) {
+absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std::string& worker_id, uint16_t slot,
+                                  const tandem::v1::KvEventBatch& batch) {
   Worker& w = workers_[slot];
   if (batch.instance_id().empty()) {
     return absl::InvalidArgumentError("KV event batch without instance_id");
@@ -214,8 +214,8 @@ absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std:
     if (!w.instance_id.empty()) {
       // A new process holds none of the old one's blocks.
       ++stats_.restarts;
-      LOG(WARNING) << "worker " << w.id << " restarted (instance " << w.instance_id << " -> "
-                   << batch.instance_id() << "); dropping its " << w.blocks << " KV index entries";
+      LOG(WARNING) << "worker " << w.id << " restarted (instance " << w.instance_id << " -> " << batch.instance_id()
+                   << "); dropping its " << w.blocks << " KV index entries";
       DropWorkerEntries(slot);
       MarkStale(slot);
     }
@@ -253,13 +253,12 @@ absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std:
 
   if (batch.events().empty()) return absl::OkStatus();
   if (w.snapshot_open) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KV events inside the incomplete snapshot at seq ", w.snapshot_seq));
+    return absl::InvalidArgumentError(absl::StrCat("KV events inside the incomplete snapshot at seq ", w.snapshot_seq));
   }
   if (!w.synced) {
     if (batch.events(0).seq() != 1) {
-      return absl::DataLossError(absl::StrCat("KV events from seq ", batch.events(0).seq(),
-                                              " with no snapshot to follow"));
+      return absl::DataLossError(
+          absl::StrCat("KV events from seq ", batch.events(0).seq(), " with no snapshot to follow"));
     }
     // A fresh worker's whole log: it replaces whatever was recorded.
     DropWorkerEntries(slot);
@@ -277,8 +276,8 @@ absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std:
       lock.lock();
       // Removed, restarted or resynced meanwhile: the rest is moot.
       auto it = slot_by_id_.find(worker_id);
-      if (it == slot_by_id_.end() || it->second != slot ||
-          workers_[slot].instance_id != batch.instance_id() || !workers_[slot].synced) {
+      if (it == slot_by_id_.end() || it->second != slot || workers_[slot].instance_id != batch.instance_id() ||
+          !workers_[slot].synced) {
         return absl::OkStatus();
       }
     }
@@ -288,8 +287,7 @@ absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std:
       continue;
     }
     if (event.seq() != cur.last_seq + 1) {
-      return absl::DataLossError(
-          absl::StrCat("KV event seq gap: expected ", cur.last_seq + 1, ", got ", event.seq()));
+      return absl::DataLossError(absl::StrCat("KV event seq gap: expected ", cur.last_seq + 1, ", got ", event.seq()));
     }
     switch (event.event_case()) {
       case tandem::v1::KvEvent::kStored:
@@ -312,8 +310,7 @@ absl::Status KvIndex::ApplyLocked(std::unique_lock<std::mutex>& lock, const std:
 
 // ---- approximate mode and queries ----------------------------------------
 
-void KvIndex::RecordRouted(const std::string& worker_id, std::span<const uint64_t> block_hashes,
-                           TimePoint now) {
+void KvIndex::RecordRouted(const std::string& worker_id, std::span<const uint64_t> block_hashes, TimePoint now) {
   if (block_hashes.empty()) return;
   std::lock_guard<std::mutex> lock(mu_);
   const uint16_t slot = WorkerSlot(worker_id);
@@ -326,8 +323,7 @@ void KvIndex::RecordRouted(const std::string& worker_id, std::span<const uint64_
   }
 }
 
-std::vector<KvIndex::Overlap> KvIndex::Match(std::span<const uint64_t> block_hashes,
-                                             TimePoint now) {
+std::vector<KvIndex::Overlap> KvIndex::Match(std::span<const uint64_t> block_hashes, TimePoint now) {
   std::vector<uint16_t> candidates;  // slots that matched block 0
   std::vector<uint32_t> expired;
   std::lock_guard<std::mutex> lock(mu_);
@@ -397,8 +393,7 @@ std::vector<KvIndex::WorkerInfo> KvIndex::workers() const {
       out.push_back(WorkerInfo{w.id, w.mode, w.blocks, w.instance_id, w.last_seq, w.last_batch});
     }
   }
-  std::sort(out.begin(), out.end(),
-            [](const WorkerInfo& a, const WorkerInfo& b) { return a.id < b.id; });
+  std::sort(out.begin(), out.end(), [](const WorkerInfo& a, const WorkerInfo& b) { return a.id < b.id; });
   return out;
 }
 

@@ -93,7 +93,7 @@ class KvIndex {
   using TimePoint = std::chrono::steady_clock::time_point;
 
   struct Options {
-    int64_t max_blocks = int64_t{1} << 20;  // (hash, worker) entries kept; LRU beyond
+    int64_t max_blocks = int64_t{1} << 20;                                // (hash, worker) entries kept; LRU beyond
     std::chrono::steady_clock::duration ttl = std::chrono::seconds(120);  // approximate entries
   };
 
@@ -116,15 +116,15 @@ class KvIndex {
 
   // Counters since construction.
   struct Stats {
-    uint64_t evictions = 0;            // entries dropped by the memory cap
-    uint64_t expirations = 0;          // approximate entries dropped after their TTL
-    uint64_t seq_gaps = 0;             // batches refused with DataLoss
-    uint64_t bad_batches = 0;          // batches refused with InvalidArgument
-    uint64_t restarts = 0;             // instance_id changes
+    uint64_t evictions = 0;    // entries dropped by the memory cap
+    uint64_t expirations = 0;  // approximate entries dropped after their TTL
+    uint64_t seq_gaps = 0;     // batches refused with DataLoss
+    uint64_t bad_batches = 0;  // batches refused with InvalidArgument
+    uint64_t restarts = 0;     // instance_id changes
     uint64_t snapshots_completed = 0;
     uint64_t snapshot_blocks_truncated = 0;  // staged blocks beyond max_blocks
     uint64_t events_applied = 0;
-    uint64_t events_replayed = 0;      // seq already applied: skipped
+    uint64_t events_replayed = 0;  // seq already applied: skipped
   };
 
   // REQUIRES: 1 <= options.max_blocks < 2^32 - 1.
@@ -142,8 +142,7 @@ class KvIndex {
 
   // Records that the request with these block hashes was routed to
   // `worker_id`: entries that expire at now + ttl. No-op for a kExact worker.
-  void RecordRouted(const std::string& worker_id, std::span<const uint64_t> block_hashes,
-                    TimePoint now);
+  void RecordRouted(const std::string& worker_id, std::span<const uint64_t> block_hashes, TimePoint now);
 
   // Every worker holding at least the first block, with how many leading
   // blocks it holds (the match stops at its first missing block). Workers
@@ -200,9 +199,8 @@ class KvIndex {
   // kNoSlot when kMaxWorkers are known already.
   uint16_t WorkerSlot(const std::string& worker_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unlocks and relocks every kEventsPerLock events (see Apply).
-  absl::Status ApplyLocked(std::unique_lock<std::mutex>& lock, const std::string& worker_id,
-                           uint16_t slot, const tandem::v1::KvEventBatch& batch)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyLocked(std::unique_lock<std::mutex>& lock, const std::string& worker_id, uint16_t slot,
+                           const tandem::v1::KvEventBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The one place a worker's mode changes (match_slots_ mirrors it).
   void SetMode(uint16_t slot, WorkerMode mode) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkStale(uint16_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -69,7 +69,7 @@ tandem::v1::KvEventBatch StoredBatch(int w, uint64_t* seq, int doc, int blocks) 
 
 struct Fixture {
   std::unique_ptr<KvIndex> index;
-  std::vector<uint64_t> seq;     // next event seq per worker
+  std::vector<uint64_t> seq;  // next event seq per worker
   int64_t rss_growth = 0;
   double fill_seconds = 0;
   size_t entries = 0;
@@ -93,8 +93,7 @@ Fixture& Shared() {
         held += blocks;
       }
     }
-    fx->fill_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    fx->fill_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     fx->rss_growth = RssBytes() - rss0;
     fx->entries = fx->index->size();
     return fx;
@@ -124,8 +123,7 @@ void MatchInTurn(benchmark::State& state, const std::vector<std::vector<uint64_t
   size_t i = 0;
   int64_t holders = 0;
   for (auto _ : state) {
-    std::vector<KvIndex::Overlap> o =
-        f.index->Match(requests[i++ % requests.size()], std::chrono::steady_clock::now());
+    std::vector<KvIndex::Overlap> o = f.index->Match(requests[i++ % requests.size()], std::chrono::steady_clock::now());
     holders += static_cast<int64_t>(o.size());
     benchmark::DoNotOptimize(o);
   }

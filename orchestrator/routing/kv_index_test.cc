@@ -60,8 +60,7 @@ class Batch {
 };
 
 // Worker id -> matched blocks, for readable expectations.
-std::map<std::string, int64_t> MatchMap(KvIndex& index, std::vector<uint64_t> hashes,
-                                        TimePoint now = kT0) {
+std::map<std::string, int64_t> MatchMap(KvIndex& index, std::vector<uint64_t> hashes, TimePoint now = kT0) {
   std::map<std::string, int64_t> out;
   for (const auto& o : index.Match(hashes, now)) out[o.worker_id] = o.matched_blocks;
   return out;
@@ -105,9 +104,7 @@ TEST(KvIndexTest, MatchStopsAtTheFirstMissingBlock) {
 
 TEST(KvIndexTest, RemovedAndClearedEvents) {
   KvIndex index({});
-  ASSERT_TRUE(
-      index.Apply("w1", Batch("a").Stored(1, 10).Stored(2, 11).Stored(3, 12).Removed(4, 11))
-          .ok());
+  ASSERT_TRUE(index.Apply("w1", Batch("a").Stored(1, 10).Stored(2, 11).Stored(3, 12).Removed(4, 11)).ok());
   EXPECT_EQ(MatchMap(index, {10, 11, 12}), (M{{"w1", 1}}));
   EXPECT_EQ(index.size(), 2u);
   // Removing a block it does not hold is harmless.

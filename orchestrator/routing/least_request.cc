@@ -7,14 +7,12 @@
 
 namespace tandem::router {
 
-absl::StatusOr<std::unique_ptr<RoutingPolicy>> LeastRequestPolicy::Create(
-    const PolicyParams& params) {
+absl::StatusOr<std::unique_ptr<RoutingPolicy>> LeastRequestPolicy::Create(const PolicyParams& params) {
   RETURN_IF_ERROR(routing_internal::ParamReader("least_request", params).Finish());
   return std::make_unique<LeastRequestPolicy>();
 }
 
-absl::StatusOr<size_t> LeastRequestPolicy::Pick(const RouteRequest& /*req*/,
-                                                std::span<const WorkerView> workers) {
+absl::StatusOr<size_t> LeastRequestPolicy::Pick(const RouteRequest& /*req*/, std::span<const WorkerView> workers) {
   int least = std::numeric_limits<int>::max();
   size_t ties = 0;
   for (const WorkerView& w : workers) {

@@ -40,8 +40,7 @@ absl::Status NoHealthyWorker(absl::string_view policy, size_t num_workers) {
   return absl::UnavailableError(absl::StrCat(policy, ": no healthy worker among ", num_workers));
 }
 
-ParamReader::ParamReader(absl::string_view policy, const PolicyParams& params)
-    : policy_(policy), params_(params) {}
+ParamReader::ParamReader(absl::string_view policy, const PolicyParams& params) : policy_(policy), params_(params) {}
 
 const std::string* ParamReader::Find(absl::string_view key) {
   auto it = params_.find(std::string(key));
@@ -50,10 +49,9 @@ const std::string* ParamReader::Find(absl::string_view key) {
   return &it->second;
 }
 
-absl::Status ParamReader::Bad(absl::string_view key, const std::string& value,
-                              absl::string_view why) const {
-  return absl::InvalidArgumentError(absl::StrCat("routing policy '", policy_, "': parameter '",
-                                                 key, "' = '", value, "': ", why));
+absl::Status ParamReader::Bad(absl::string_view key, const std::string& value, absl::string_view why) const {
+  return absl::InvalidArgumentError(
+      absl::StrCat("routing policy '", policy_, "': parameter '", key, "' = '", value, "': ", why));
 }
 
 absl::Status ParamReader::Uint64(absl::string_view key, uint64_t* out) {

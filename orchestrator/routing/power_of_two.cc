@@ -5,8 +5,7 @@
 
 namespace tandem::router {
 
-absl::StatusOr<std::unique_ptr<RoutingPolicy>> PowerOfTwoPolicy::Create(
-    const PolicyParams& params) {
+absl::StatusOr<std::unique_ptr<RoutingPolicy>> PowerOfTwoPolicy::Create(const PolicyParams& params) {
   routing_internal::ParamReader reader("power_of_two", params);
   uint64_t seed = std::random_device{}();
   RETURN_IF_ERROR(reader.Uint64("seed", &seed));
@@ -14,8 +13,7 @@ absl::StatusOr<std::unique_ptr<RoutingPolicy>> PowerOfTwoPolicy::Create(
   return std::make_unique<PowerOfTwoPolicy>(seed);
 }
 
-absl::StatusOr<size_t> PowerOfTwoPolicy::Pick(const RouteRequest& /*req*/,
-                                              std::span<const WorkerView> workers) {
+absl::StatusOr<size_t> PowerOfTwoPolicy::Pick(const RouteRequest& /*req*/, std::span<const WorkerView> workers) {
   const size_t healthy = routing_internal::CountHealthy(workers);
   if (healthy == 0) return routing_internal::NoHealthyWorker(name(), workers.size());
   if (healthy == 1) return routing_internal::NthHealthy(workers, 0);

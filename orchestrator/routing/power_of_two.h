@@ -8,12 +8,11 @@
 #ifndef TANDEM_ORCHESTRATOR_ROUTING_POWER_OF_TWO_H_
 #define TANDEM_ORCHESTRATOR_ROUTING_POWER_OF_TWO_H_
 
-#include <mutex>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <random>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/base/thread_annotations.h"
 #include "orchestrator/routing/routing_policy.h"
 
@@ -25,8 +24,7 @@ class PowerOfTwoPolicy : public RoutingPolicy {
   explicit PowerOfTwoPolicy(uint64_t seed) : rng_(seed) {}
 
   std::string name() const override { return "power_of_two"; }
-  absl::StatusOr<size_t> Pick(const RouteRequest& req,
-                              std::span<const WorkerView> workers) override;
+  absl::StatusOr<size_t> Pick(const RouteRequest& req, std::span<const WorkerView> workers) override;
 
  private:
   std::mutex mu_;

@@ -10,8 +10,7 @@
 
 namespace tandem::router {
 
-absl::StatusOr<std::unique_ptr<RoutingPolicy>> PrefixAwarePolicy::Create(
-    const PolicyParams& params) {
+absl::StatusOr<std::unique_ptr<RoutingPolicy>> PrefixAwarePolicy::Create(const PolicyParams& params) {
   routing_internal::ParamReader reader("prefix_aware", params);
   Options options;
   int64_t prefix_tokens = options.prefix_tokens;
@@ -25,8 +24,7 @@ absl::StatusOr<std::unique_ptr<RoutingPolicy>> PrefixAwarePolicy::Create(
   return std::make_unique<PrefixAwarePolicy>(options);
 }
 
-std::shared_ptr<const PrefixAwarePolicy::Ring> PrefixAwarePolicy::BuildRing(
-    std::span<const WorkerView> workers) const {
+std::shared_ptr<const PrefixAwarePolicy::Ring> PrefixAwarePolicy::BuildRing(std::span<const WorkerView> workers) const {
   auto ring = std::make_shared<Ring>();
   ring->ids.reserve(workers.size());
   ring->points.reserve(workers.size() * options_.virtual_nodes);
@@ -41,13 +39,11 @@ std::shared_ptr<const PrefixAwarePolicy::Ring> PrefixAwarePolicy::BuildRing(
   return ring;
 }
 
-std::shared_ptr<const PrefixAwarePolicy::Ring> PrefixAwarePolicy::RingFor(
-    std::span<const WorkerView> workers) {
+std::shared_ptr<const PrefixAwarePolicy::Ring> PrefixAwarePolicy::RingFor(std::span<const WorkerView> workers) {
   std::lock_guard<std::mutex> lock(mu_);
   const bool same =
-      ring_ != nullptr &&
-      std::equal(ring_->ids.begin(), ring_->ids.end(), workers.begin(), workers.end(),
-                 [](const std::string& id, const WorkerView& w) { return id == w.id; });
+      ring_ != nullptr && std::equal(ring_->ids.begin(), ring_->ids.end(), workers.begin(), workers.end(),
+                                     [](const std::string& id, const WorkerView& w) { return id == w.id; });
   if (!same) {
     ring_ = BuildRing(workers);
     ring_builds_.fetch_add(1, std::memory_order_relaxed);
@@ -55,8 +51,7 @@ std::shared_ptr<const PrefixAwarePolicy::Ring> PrefixAwarePolicy::RingFor(
   return ring_;
 }
 
-absl::StatusOr<size_t> PrefixAwarePolicy::Pick(const RouteRequest& req,
-                                               std::span<const WorkerView> workers) {
+absl::StatusOr<size_t> PrefixAwarePolicy::Pick(const RouteRequest& req, std::span<const WorkerView> workers) {
   if (routing_internal::CountHealthy(workers) == 0) {
     return routing_internal::NoHealthyWorker(name(), workers.size());
   }
@@ -67,8 +62,7 @@ absl::StatusOr<size_t> PrefixAwarePolicy::Pick(const RouteRequest& req,
   const uint64_t key = HashTokens(req.tokens.first(prefix));
   const auto& points = ring->points;
   const size_t start =
-      std::lower_bound(points.begin(), points.end(),
-                       std::make_pair(key, std::numeric_limits<uint32_t>::min())) -
+      std::lower_bound(points.begin(), points.end(), std::make_pair(key, std::numeric_limits<uint32_t>::min())) -
       points.begin();
 
   std::vector<bool> seen(workers.size(), false);

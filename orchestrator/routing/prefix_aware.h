@@ -45,17 +45,16 @@ namespace tandem::router {
 class PrefixAwarePolicy : public RoutingPolicy {
  public:
   struct Options {
-    int prefix_tokens = 256;   // tokens of the prompt that make the key
-    int virtual_nodes = 100;   // ring points per worker; more = smoother split
-    double load_factor = 1.25; // bound on a worker's share over the average
+    int prefix_tokens = 256;    // tokens of the prompt that make the key
+    int virtual_nodes = 100;    // ring points per worker; more = smoother split
+    double load_factor = 1.25;  // bound on a worker's share over the average
   };
 
   static absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const PolicyParams& params);
   explicit PrefixAwarePolicy(Options options) : options_(options) {}
 
   std::string name() const override { return "prefix_aware"; }
-  absl::StatusOr<size_t> Pick(const RouteRequest& req,
-                              std::span<const WorkerView> workers) override;
+  absl::StatusOr<size_t> Pick(const RouteRequest& req, std::span<const WorkerView> workers) override;
 
   // Picks that went past the key's owner because it was over the bound.
   uint64_t spillovers() const { return spillovers_.load(std::memory_order_relaxed); }
@@ -68,8 +67,8 @@ class PrefixAwarePolicy : public RoutingPolicy {
 
  private:
   struct Ring {
-    std::vector<std::string> ids;                         // the snapshot's ids, in order
-    std::vector<std::pair<uint64_t, uint32_t>> points;    // (hash, index into ids), sorted
+    std::vector<std::string> ids;                       // the snapshot's ids, in order
+    std::vector<std::pair<uint64_t, uint32_t>> points;  // (hash, index into ids), sorted
   };
 
   std::shared_ptr<const Ring> RingFor(std::span<const WorkerView> workers);

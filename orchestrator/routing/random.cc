@@ -13,8 +13,7 @@ absl::StatusOr<std::unique_ptr<RoutingPolicy>> RandomPolicy::Create(const Policy
   return std::make_unique<RandomPolicy>(seed);
 }
 
-absl::StatusOr<size_t> RandomPolicy::Pick(const RouteRequest& /*req*/,
-                                          std::span<const WorkerView> workers) {
+absl::StatusOr<size_t> RandomPolicy::Pick(const RouteRequest& /*req*/, std::span<const WorkerView> workers) {
   const size_t healthy = routing_internal::CountHealthy(workers);
   if (healthy == 0) return routing_internal::NoHealthyWorker(name(), workers.size());
   size_t k;

@@ -7,12 +7,11 @@
 #ifndef TANDEM_ORCHESTRATOR_ROUTING_RANDOM_H_
 #define TANDEM_ORCHESTRATOR_ROUTING_RANDOM_H_
 
-#include <mutex>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <random>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/base/thread_annotations.h"
 #include "orchestrator/routing/routing_policy.h"
 
@@ -24,8 +23,7 @@ class RandomPolicy : public RoutingPolicy {
   explicit RandomPolicy(uint64_t seed) : rng_(seed) {}
 
   std::string name() const override { return "random"; }
-  absl::StatusOr<size_t> Pick(const RouteRequest& req,
-                              std::span<const WorkerView> workers) override;
+  absl::StatusOr<size_t> Pick(const RouteRequest& req, std::span<const WorkerView> workers) override;
 
  private:
   std::mutex mu_;

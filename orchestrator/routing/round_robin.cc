@@ -5,14 +5,12 @@
 
 namespace tandem::router {
 
-absl::StatusOr<std::unique_ptr<RoutingPolicy>> RoundRobinPolicy::Create(
-    const PolicyParams& params) {
+absl::StatusOr<std::unique_ptr<RoutingPolicy>> RoundRobinPolicy::Create(const PolicyParams& params) {
   RETURN_IF_ERROR(routing_internal::ParamReader("round_robin", params).Finish());
   return std::make_unique<RoundRobinPolicy>();
 }
 
-absl::StatusOr<size_t> RoundRobinPolicy::Pick(const RouteRequest& /*req*/,
-                                              std::span<const WorkerView> workers) {
+absl::StatusOr<size_t> RoundRobinPolicy::Pick(const RouteRequest& /*req*/, std::span<const WorkerView> workers) {
   const size_t healthy = routing_internal::CountHealthy(workers);
   if (healthy == 0) return routing_internal::NoHealthyWorker(name(), workers.size());
   const uint64_t turn = next_.fetch_add(1, std::memory_order_relaxed);

@@ -20,8 +20,7 @@ class RoundRobinPolicy : public RoutingPolicy {
   static absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const PolicyParams& params);
 
   std::string name() const override { return "round_robin"; }
-  absl::StatusOr<size_t> Pick(const RouteRequest& req,
-                              std::span<const WorkerView> workers) override;
+  absl::StatusOr<size_t> Pick(const RouteRequest& req, std::span<const WorkerView> workers) override;
 
  private:
   std::atomic<uint64_t> next_{0};

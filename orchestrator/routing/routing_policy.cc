@@ -25,12 +25,13 @@ void RoutingPolicyRegistry::Register(std::string name, Factory f) {
   CHECK(inserted) << "routing policy '" << name << "' registered twice";
 }
 
-absl::StatusOr<std::unique_ptr<RoutingPolicy>> RoutingPolicyRegistry::Create(
-    const std::string& name, const PolicyParams& params, const PolicyContext& context) const {
+absl::StatusOr<std::unique_ptr<RoutingPolicy>> RoutingPolicyRegistry::Create(const std::string& name,
+                                                                             const PolicyParams& params,
+                                                                             const PolicyContext& context) const {
   auto it = factories_.find(name);
   if (it == factories_.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown routing policy '", name,
-                                                   "'; known: ", absl::StrJoin(names(), ", ")));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown routing policy '", name, "'; known: ", absl::StrJoin(names(), ", ")));
   }
   return it->second(params, context);
 }

@@ -94,8 +94,7 @@ class RoutingPolicy {
 
   // Index into `workers` of the chosen worker; Unavailable if no healthy
   // worker. Thread-safe.
-  virtual absl::StatusOr<size_t> Pick(const RouteRequest& req,
-                                      std::span<const WorkerView> workers) = 0;
+  virtual absl::StatusOr<size_t> Pick(const RouteRequest& req, std::span<const WorkerView> workers) = 0;
 
   // Named event counts the policy keeps (sticky_session's "repins",
   // prefix_aware's "spillovers", ...), monotonic over the policy's life, for
@@ -113,8 +112,8 @@ using PolicyParams = std::map<std::string, std::string>;
 
 class RoutingPolicyRegistry {
  public:
-  using Factory = std::function<absl::StatusOr<std::unique_ptr<RoutingPolicy>>(
-      const PolicyParams&, const PolicyContext&)>;
+  using Factory =
+      std::function<absl::StatusOr<std::unique_ptr<RoutingPolicy>>(const PolicyParams&, const PolicyContext&)>;
 
   // REQUIRES: `name` is not registered yet.
   void Register(std::string name, Factory f);
@@ -122,8 +121,7 @@ class RoutingPolicyRegistry {
   // InvalidArgument for an unknown name (the message lists the known ones)
   // or for a parameter the policy rejects (the message names the parameter
   // and the policy).
-  absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const std::string& name,
-                                                        const PolicyParams& params,
+  absl::StatusOr<std::unique_ptr<RoutingPolicy>> Create(const std::string& name, const PolicyParams& params,
                                                         const PolicyContext& context = {}) const;
 
   // Registered names, sorted.

@@ -34,8 +34,7 @@ std::unique_ptr<RoutingPolicy> Make(const std::string& name, const PolicyParams&
   return policy.ok() ? *std::move(policy) : nullptr;
 }
 
-size_t MustPick(RoutingPolicy& policy, std::span<const WorkerView> workers,
-                const RouteRequest& req = {}) {
+size_t MustPick(RoutingPolicy& policy, std::span<const WorkerView> workers, const RouteRequest& req = {}) {
   auto picked = policy.Pick(req, workers);
   EXPECT_TRUE(picked.ok()) << picked.status();
   return picked.ok() ? *picked : workers.size();
@@ -75,8 +74,8 @@ TEST_P(AllPoliciesTest, NeverPicksAnUnhealthyWorker) {
   std::mt19937_64 rng(7);
   for (int i = 0; i < 500; ++i) {
     const auto prompt = RandomPrompt(rng, 20);
-    const size_t picked = MustPick(
-        *policy, workers, RouteRequest{.tokens = prompt, .session_id = absl::StrCat("s", i % 7)});
+    const size_t picked =
+        MustPick(*policy, workers, RouteRequest{.tokens = prompt, .session_id = absl::StrCat("s", i % 7)});
     ASSERT_LT(picked, workers.size());
     EXPECT_TRUE(workers[picked].healthy) << picked;
   }
@@ -94,9 +93,8 @@ TEST_P(AllPoliciesTest, ConcurrentPicksAreSafe) {
       std::mt19937_64 rng(t);
       for (int i = 0; i < 5000; ++i) {
         const auto prompt = RandomPrompt(rng, 8);
-        auto picked = policy->Pick(
-            RouteRequest{.tokens = prompt, .session_id = absl::StrCat("s", rng() % 100)},
-            workers);
+        auto picked =
+            policy->Pick(RouteRequest{.tokens = prompt, .session_id = absl::StrCat("s", rng() % 100)}, workers);
         if (!picked.ok() || *picked >= workers.size()) ++bad[t];
       }
     });
@@ -106,9 +104,8 @@ TEST_P(AllPoliciesTest, ConcurrentPicksAreSafe) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Builtin, AllPoliciesTest,
-                         ::testing::Values("round_robin", "random", "least_request",
-                                           "power_of_two", "prefix_aware", "sticky_session",
-                                           "kv_cache_aware"),
+                         ::testing::Values("round_robin", "random", "least_request", "power_of_two", "prefix_aware",
+                                           "sticky_session", "kv_cache_aware"),
                          [](const auto& info) { return info.param; });
 
 // ---- registry ------------------------------------------------------------
@@ -116,9 +113,8 @@ INSTANTIATE_TEST_SUITE_P(Builtin, AllPoliciesTest,
 TEST(RoutingPolicyRegistryTest, NamesAreTheBuiltinsSorted) {
   RoutingPolicyRegistry registry;
   RegisterBuiltinRoutingPolicies(registry);
-  EXPECT_THAT(registry.names(),
-              ::testing::ElementsAre("kv_cache_aware", "least_request", "power_of_two",
-                                     "prefix_aware", "random", "round_robin", "sticky_session"));
+  EXPECT_THAT(registry.names(), ::testing::ElementsAre("kv_cache_aware", "least_request", "power_of_two",
+                                                       "prefix_aware", "random", "round_robin", "sticky_session"));
 }
 
 TEST(RoutingPolicyRegistryTest, UnknownNameListsTheKnownOnes) {
@@ -137,9 +133,9 @@ TEST(RoutingPolicyRegistryTest, BadParametersNameTheParameterAndThePolicy) {
     std::string policy, key, value;
   };
   const Case cases[] = {
-      {"round_robin", "seed", "1"},            // unknown for this policy
-      {"random", "seed", "-1"},                // not unsigned
-      {"random", "sed", "1"},                  // typo
+      {"round_robin", "seed", "1"},  // unknown for this policy
+      {"random", "seed", "-1"},      // not unsigned
+      {"random", "sed", "1"},        // typo
       {"power_of_two", "seed", "x"},
       {"least_request", "foo", "1"},
       {"prefix_aware", "prefix_tokens", "0"},  // out of range
@@ -154,7 +150,7 @@ TEST(RoutingPolicyRegistryTest, BadParametersNameTheParameterAndThePolicy) {
       {"kv_cache_aware", "max_blocks", "0"},
       {"kv_cache_aware", "ttl_s", "1.5"},
       {"kv_cache_aware", "overlap_weigth", "1"},  // typo
-      {"kv_cache_aware", "load_factor", "0.9"},     // below 1
+      {"kv_cache_aware", "load_factor", "0.9"},   // below 1
       {"kv_cache_aware", "prefill_tokens_scale", "0"},
       {"kv_cache_aware", "keep_prefix_tokens", "0"},
   };
@@ -171,17 +167,19 @@ TEST(RoutingPolicyRegistryTest, GoodParametersAreAccepted) {
   RegisterBuiltinRoutingPolicies(registry);
   EXPECT_TRUE(registry.Create("random", {{"seed", "18446744073709551615"}}).ok());
   EXPECT_TRUE(registry.Create("power_of_two", {{"seed", "0"}}).ok());
-  EXPECT_TRUE(registry
-                  .Create("prefix_aware",
-                          {{"prefix_tokens", "64"}, {"virtual_nodes", "10"}, {"load_factor", "2"}})
-                  .ok());
+  EXPECT_TRUE(
+      registry.Create("prefix_aware", {{"prefix_tokens", "64"}, {"virtual_nodes", "10"}, {"load_factor", "2"}}).ok());
   EXPECT_TRUE(registry.Create("sticky_session", {{"max_sessions", "5"}, {"ttl_s", "60"}}).ok());
   EXPECT_TRUE(registry
-                  .Create("kv_cache_aware",
-                          {{"overlap_weight", "2"}, {"load_weight", "0.5"},
-                           {"prefill_tokens_scale", "4096"}, {"load_factor", "1.5"},
-                           {"keep_prefix_tokens", "512"}, {"temperature", "0.1"},
-                           {"seed", "3"}, {"max_blocks", "1000"}, {"ttl_s", "30"}})
+                  .Create("kv_cache_aware", {{"overlap_weight", "2"},
+                                             {"load_weight", "0.5"},
+                                             {"prefill_tokens_scale", "4096"},
+                                             {"load_factor", "1.5"},
+                                             {"keep_prefix_tokens", "512"},
+                                             {"temperature", "0.1"},
+                                             {"seed", "3"},
+                                             {"max_blocks", "1000"},
+                                             {"ttl_s", "30"}})
                   .ok());
 }
 
@@ -201,8 +199,8 @@ TEST(RoundRobinTest, SkipsUnhealthyEvenly) {
   workers[1].healthy = false;
   std::map<size_t, int> counts;
   for (int i = 0; i < 300; ++i) ++counts[MustPick(*policy, workers)];
-  EXPECT_THAT(counts, ::testing::ElementsAre(::testing::Pair(0, 100), ::testing::Pair(2, 100),
-                                             ::testing::Pair(3, 100)));
+  EXPECT_THAT(counts,
+              ::testing::ElementsAre(::testing::Pair(0, 100), ::testing::Pair(2, 100), ::testing::Pair(3, 100)));
 }
 
 // ---- random --------------------------------------------------------------
@@ -257,8 +255,7 @@ TEST(LeastRequestTest, TiesRotate) {
   workers[3].in_flight = 1;
   std::map<size_t, int> counts;
   for (int i = 0; i < 30; ++i) ++counts[MustPick(*policy, workers)];
-  EXPECT_THAT(counts, ::testing::ElementsAre(::testing::Pair(0, 10), ::testing::Pair(1, 10),
-                                             ::testing::Pair(3, 10)));
+  EXPECT_THAT(counts, ::testing::ElementsAre(::testing::Pair(0, 10), ::testing::Pair(1, 10), ::testing::Pair(3, 10)));
 }
 
 TEST(LeastRequestTest, IdleClusterFillsEvenlyWhenCountsFollowPicks) {
@@ -402,8 +399,7 @@ TEST(PrefixAwareTest, AddingOrRemovingAWorkerMovesAboutOneNth) {
   shrunk.erase(shrunk.begin() + 3);
   moved = 0;
   for (int i = 0; i < kPrompts; ++i) {
-    const std::string& after =
-        shrunk[MustPick(policy, shrunk, RouteRequest{.tokens = prompts[i]})].id;
+    const std::string& after = shrunk[MustPick(policy, shrunk, RouteRequest{.tokens = prompts[i]})].id;
     if (after != before[i]) {
       ++moved;
       EXPECT_EQ(before[i], workers[3].id);
@@ -422,8 +418,7 @@ TEST(PrefixAwareTest, ReorderedSnapshotMapsKeysToTheSameIds) {
   for (int i = 0; i < 200; ++i) {
     const auto prompt = RandomPrompt(rng, 10);
     const RouteRequest req{.tokens = prompt};
-    EXPECT_EQ(workers[MustPick(policy, workers, req)].id,
-              reversed[MustPick(policy, reversed, req)].id);
+    EXPECT_EQ(workers[MustPick(policy, workers, req)].id, reversed[MustPick(policy, reversed, req)].id);
   }
 }
 
@@ -469,8 +464,7 @@ TEST(StickySessionTest, NoSessionIdIsRoundRobinAndPinsNothing) {
 
 TEST(StickySessionTest, IdlePinExpiresAfterTtl) {
   FakeClock clock;
-  StickySessionPolicy policy(
-      StickySessionPolicy::Options{.ttl = std::chrono::seconds(60)}, clock.fn());
+  StickySessionPolicy policy(StickySessionPolicy::Options{.ttl = std::chrono::seconds(60)}, clock.fn());
   auto workers = Workers(2);
   const RouteRequest a{.session_id = "a"};
   const size_t first = MustPick(policy, workers, a);  // round robin: worker 0

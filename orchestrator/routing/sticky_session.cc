@@ -7,8 +7,7 @@
 
 namespace tandem::router {
 
-absl::StatusOr<std::unique_ptr<RoutingPolicy>> StickySessionPolicy::Create(
-    const PolicyParams& params) {
+absl::StatusOr<std::unique_ptr<RoutingPolicy>> StickySessionPolicy::Create(const PolicyParams& params) {
   routing_internal::ParamReader reader("sticky_session", params);
   Options options;
   int64_t ttl_s = std::chrono::duration_cast<std::chrono::seconds>(options.ttl).count();
@@ -16,12 +15,10 @@ absl::StatusOr<std::unique_ptr<RoutingPolicy>> StickySessionPolicy::Create(
   RETURN_IF_ERROR(reader.Int64("ttl_s", 1, int64_t{10} * 365 * 24 * 3600, &ttl_s));
   RETURN_IF_ERROR(reader.Finish());
   options.ttl = std::chrono::seconds(ttl_s);
-  return std::make_unique<StickySessionPolicy>(options,
-                                               [] { return std::chrono::steady_clock::now(); });
+  return std::make_unique<StickySessionPolicy>(options, [] { return std::chrono::steady_clock::now(); });
 }
 
-StickySessionPolicy::StickySessionPolicy(Options options, Clock now)
-    : options_(options), now_(std::move(now)) {}
+StickySessionPolicy::StickySessionPolicy(Options options, Clock now) : options_(options), now_(std::move(now)) {}
 
 size_t StickySessionPolicy::sessions() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -37,8 +34,7 @@ void StickySessionPolicy::DropExpired(std::chrono::steady_clock::time_point now)
   }
 }
 
-absl::StatusOr<size_t> StickySessionPolicy::Pick(const RouteRequest& req,
-                                                 std::span<const WorkerView> workers) {
+absl::StatusOr<size_t> StickySessionPolicy::Pick(const RouteRequest& req, std::span<const WorkerView> workers) {
   if (req.session_id.empty()) return placement_.Pick(req, workers);
   if (routing_internal::CountHealthy(workers) == 0) {
     return routing_internal::NoHealthyWorker(name(), workers.size());

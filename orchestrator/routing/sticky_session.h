@@ -40,7 +40,7 @@ class StickySessionPolicy : public RoutingPolicy {
   using Clock = std::function<std::chrono::steady_clock::time_point()>;
 
   struct Options {
-    int64_t max_sessions = 100000;                       // pins kept; LRU beyond
+    int64_t max_sessions = 100000;                                    // pins kept; LRU beyond
     std::chrono::steady_clock::duration ttl = std::chrono::hours(1);  // idle expiry
   };
 
@@ -49,8 +49,7 @@ class StickySessionPolicy : public RoutingPolicy {
   StickySessionPolicy(Options options, Clock now);
 
   std::string name() const override { return "sticky_session"; }
-  absl::StatusOr<size_t> Pick(const RouteRequest& req,
-                              std::span<const WorkerView> workers) override;
+  absl::StatusOr<size_t> Pick(const RouteRequest& req, std::span<const WorkerView> workers) override;
 
   // Sessions moved because their worker left or became unhealthy.
   uint64_t repins() const { return repins_.load(std::memory_order_relaxed); }

@@ -50,9 +50,8 @@ void ApiCall::Prepare(CallSetup setup, uint64_t random_seed) {
   session_id_ = setup.session_id;
   explain_ = setup.explain;
   header_.id = absl::StrCat(kind_ == CallKind::kChat ? "chatcmpl-" : "cmpl-", request_id_);
-  header_.created = std::chrono::duration_cast<std::chrono::seconds>(
-                        std::chrono::system_clock::now().time_since_epoch())
-                        .count();
+  header_.created =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   header_.model = setup.model;
   header_.include_usage = setup.include_usage;
   header_.tokens_as_ids = setup.tokens_as_ids;
@@ -99,8 +98,7 @@ void ApiCall::Start() {
     } else {
       started_ = true;
       const auto deadline = std::chrono::system_clock::now() +
-                            std::chrono::milliseconds(
-                                static_cast<int64_t>(config_->timeouts.request_s * 1000));
+                            std::chrono::milliseconds(static_cast<int64_t>(config_->timeouts.request_s * 1000));
       for (size_t i = 0; i < requests_.size(); ++i) {
         Generation::Options o{.choice = static_cast<int>(i),
                               .request_id = request_id_,
@@ -156,16 +154,14 @@ void ApiCall::Watch(Clock::time_point now) {
     const TimeoutsConfig& t = config_->timeouts;
     if (now - arrived_ > std::chrono::duration<double>(t.request_s)) {
       why = absl::DeadlineExceededError(
-          absl::StrFormat("the request did not finish within %g s (timeouts.request_s)",
-                          t.request_s));
+          absl::StrFormat("the request did not finish within %g s (timeouts.request_s)", t.request_s));
     } else if (!first_token_at_.has_value()) {
       if (now - arrived_ > std::chrono::duration<double>(t.first_token_s)) {
-        why = absl::DeadlineExceededError(absl::StrFormat(
-            "no token within %g s (timeouts.first_token_s)", t.first_token_s));
+        why = absl::DeadlineExceededError(
+            absl::StrFormat("no token within %g s (timeouts.first_token_s)", t.first_token_s));
       }
     } else if (now - last_token_at_ > std::chrono::duration<double>(t.idle_stream_s)) {
-      why = absl::DeadlineExceededError(absl::StrFormat(
-          "no token for %g s (timeouts.idle_stream_s)", t.idle_stream_s));
+      why = absl::DeadlineExceededError(absl::StrFormat("no token for %g s (timeouts.idle_stream_s)", t.idle_stream_s));
     }
   }
   if (!why.ok()) {
@@ -183,13 +179,11 @@ void ApiCall::OnPlaced(int choice, const Placement& placement) {
   if (!placement.explanation.empty()) route_ = placement.explanation;  // the latest attempt's
   if (choice == 0) {
     // What the policy expected the worker that prefills to hold (the latest attempt's).
-    expected_cached_ = placement.prefill != nullptr ? placement.prefill_cached_tokens
-                                                    : placement.decode_cached_tokens;
+    expected_cached_ = placement.prefill != nullptr ? placement.prefill_cached_tokens : placement.decode_cached_tokens;
   }
   if (prefill_worker_.empty()) {
     decode_worker_ = placement.decode->address();
-    prefill_worker_ =
-        placement.prefill != nullptr ? placement.prefill->address() : decode_worker_;
+    prefill_worker_ = placement.prefill != nullptr ? placement.prefill->address() : decode_worker_;
     disaggregated_ = placement.prefill != nullptr;
   }
   if (placement.local_prefill) {
@@ -259,8 +253,7 @@ void ApiCall::OnDone(int index, const GenerationResult& result) {
         std::string tail;
         if (!c.stops.stopped()) tail = c.stops.Push(c.detok.Flush());
         if (!c.stops.stopped()) tail += c.stops.Flush();
-        const FinishReason finish =
-            c.stops.stopped() ? FinishReason::kStop : ToApiFinish(result.finish_reason);
+        const FinishReason finish = c.stops.stopped() ? FinishReason::kStop : ToApiFinish(result.finish_reason);
         c.finish = finish;
         if (stream_) {
           WriteDeltaLocked(index, tail, std::nullopt, finish);
@@ -358,9 +351,8 @@ void ApiCall::StartStreamLocked() {
   writer_->StartStream(200, "text/event-stream", h);
 }
 
-void ApiCall::WriteDeltaLocked(int index, const std::string& text,
-                      std::optional<std::vector<TokenLogprob>> logprobs,
-                      std::optional<FinishReason> finish) {
+void ApiCall::WriteDeltaLocked(int index, const std::string& text, std::optional<std::vector<TokenLogprob>> logprobs,
+                               std::optional<FinishReason> finish) {
   StartStreamLocked();
   Choice& c = choices_[index];
   if (kind_ == CallKind::kChat) {

@@ -62,7 +62,7 @@ struct CallSetup {
   bool stream = false;
   bool include_usage = false;
   bool logprobs = false;
-  std::string echo;  // completions: the prompt text to prepend
+  std::string echo;            // completions: the prompt text to prepend
   bool tokens_as_ids = false;  // return_tokens_as_token_ids
   std::string model;
   Caller caller;
@@ -169,8 +169,7 @@ class ApiCall : public GenerationSink, public Admittable, public std::enable_sha
 
   void StartStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  void WriteDeltaLocked(int index, const std::string& text,
-                        std::optional<std::vector<TokenLogprob>> logprobs,
+  void WriteDeltaLocked(int index, const std::string& text, std::optional<std::vector<TokenLogprob>> logprobs,
                         std::optional<FinishReason> finish) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Usage UsageLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -199,7 +198,7 @@ class ApiCall : public GenerationSink, public Admittable, public std::enable_sha
   int64_t token_estimate_ = 0;
   bool show_workers_ = false;
   bool explain_ = false;
-  std::string route_ ABSL_GUARDED_BY(mu_);  // the placement's explanation (x-tandem-route)
+  std::string route_ ABSL_GUARDED_BY(mu_);            // the placement's explanation (x-tandem-route)
   int64_t expected_cached_ ABSL_GUARDED_BY(mu_) = 0;  // choice 0's placement's expectation
 
   std::mutex mu_;
@@ -216,7 +215,6 @@ class ApiCall : public GenerationSink, public Admittable, public std::enable_sha
   std::optional<Clock::time_point> first_token_at_ ABSL_GUARDED_BY(mu_);
   Clock::time_point last_token_at_ ABSL_GUARDED_BY(mu_);
 };
-
 
 }  // namespace tandem::router
 

@@ -46,8 +46,8 @@ Caller Router::Impl::Identify(const http::Request& req) const {
   return c;
 }
 
-bool Router::Impl::Authorize(Access access, const std::string& endpoint,
-                             const http::Request& req, http::ResponseWriter& w) {
+bool Router::Impl::Authorize(Access access, const std::string& endpoint, const http::Request& req,
+                             http::ResponseWriter& w) {
   std::shared_ptr<const ApiKeyStore> store;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -76,8 +76,8 @@ bool Router::Impl::Authorize(Access access, const std::string& endpoint,
   if (access == Access::kAdmin && !m.key->admin) {
     metrics_.auth_failures.WithLabels({"forbidden"}).Inc();
     metrics_.requests.WithLabels({endpoint, "403"}).Inc();
-    warnings_.Warn("forbidden", absl::StrCat("API key '", m.key->name, "' is not an admin key: ",
-                                             req.path, " refused"));
+    warnings_.Warn("forbidden",
+                   absl::StrCat("API key '", m.key->name, "' is not an admin key: ", req.path, " refused"));
     ApiError e{.http_status = 403,
                .type = "permission_error",
                .message = absl::StrCat(req.path, " needs an admin API key"),
@@ -91,11 +91,9 @@ bool Router::Impl::Authorize(Access access, const std::string& endpoint,
 std::string Router::Impl::RequestId(const http::Request& req) {
   std::string id(req.Header("X-Request-Id"));
   // Passed through when it is a sane token; generated otherwise.
-  const bool ok = !id.empty() && id.size() <= 128 &&
-                  std::all_of(id.begin(), id.end(), [](char c) {
-                    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' ||
-                           c == '_' || c == '.';
-                  });
+  const bool ok = !id.empty() && id.size() <= 128 && std::all_of(id.begin(), id.end(), [](char c) {
+    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+  });
   if (ok) return id;
   std::lock_guard<std::mutex> lock(mu_);
   return RandomHex(rng_);
@@ -111,9 +109,7 @@ absl::StatusOr<std::vector<int32_t>> Router::Impl::ChatPrompt(const ChatCompleti
   const Tokenizer& tokenizer = *assets_->tokenizer;
   // The model section is fixed at startup (Reload keeps it).
   const bool escape = !config()->model.parse_special_tokens_in_messages;
-  auto user_text = [&](const std::string& s) {
-    return escape ? tokenizer.EscapeSpecialTokens(s) : s;
-  };
+  auto user_text = [&](const std::string& s) { return escape ? tokenizer.EscapeSpecialTokens(s) : s; };
   // As transformers calls the template: insertion-ordered dicts (tojson and
   // .items() show the order), tools and documents present (None) unless given.
   nlohmann::ordered_json context = nlohmann::ordered_json::object();
@@ -152,38 +148,34 @@ absl::StatusOr<std::vector<int32_t>> Router::Impl::ChatPrompt(const ChatCompleti
   }
   absl::StatusOr<std::string> text = assets_->chat_template->Render(context);
   if (!text.ok()) {
-    return InvalidRequest("messages", absl::StrCat("the chat template refused the conversation: ",
-                                                   text.status().message()));
+    return InvalidRequest("messages",
+                          absl::StrCat("the chat template refused the conversation: ", text.status().message()));
   }
-  return escape ? tokenizer.EncodeEscaped(*text, add_special_tokens)
-                : tokenizer.Encode(*text, add_special_tokens);
+  return escape ? tokenizer.EncodeEscaped(*text, add_special_tokens) : tokenizer.Encode(*text, add_special_tokens);
 }
 
-absl::Status Router::Impl::CheckPrompt(std::span<const int32_t> prompt,
-                                       std::optional<int64_t> max_tokens,
+absl::Status Router::Impl::CheckPrompt(std::span<const int32_t> prompt, std::optional<int64_t> max_tokens,
                                        const std::string& param) {
   if (prompt.empty()) return InvalidRequest(param, "the prompt is empty after tokenization");
   std::shared_ptr<RoutingState> rs = placer_.Routing();
   if (rs == nullptr) return absl::OkStatus();  // no worker yet: placement says 503
   for (int32_t id : prompt) {
     if (id < 0 || id >= rs->vocab_size) {
-      return InvalidRequest(param, absl::StrFormat("token id %d is outside the vocabulary [0, %d)",
-                                                   id, rs->vocab_size));
+      return InvalidRequest(param,
+                            absl::StrFormat("token id %d is outside the vocabulary [0, %d)", id, rs->vocab_size));
     }
   }
   const int64_t n = static_cast<int64_t>(prompt.size());
   if (rs->max_context > 0 && n >= rs->max_context) {
-    return InvalidRequest(param, absl::StrFormat(
-                                     "the prompt has %d tokens; this model's context is %d "
-                                     "tokens, which leaves no room to generate",
-                                     n, rs->max_context));
+    return InvalidRequest(param, absl::StrFormat("the prompt has %d tokens; this model's context is %d "
+                                                 "tokens, which leaves no room to generate",
+                                                 n, rs->max_context));
   }
   if (rs->max_context > 0 && max_tokens.has_value() && n + *max_tokens > rs->max_context) {
-    return InvalidRequest(
-        "max_tokens",
-        absl::StrFormat("the prompt (%d tokens) plus max_tokens (%d) exceeds this model's "
-                        "context of %d tokens",
-                        n, *max_tokens, rs->max_context));
+    return InvalidRequest("max_tokens",
+                          absl::StrFormat("the prompt (%d tokens) plus max_tokens (%d) exceeds this model's "
+                                          "context of %d tokens",
+                                          n, *max_tokens, rs->max_context));
   }
   return absl::OkStatus();
 }
@@ -192,8 +184,7 @@ namespace {
 
 // A 400 naming the first member of `body` not in `known` that carries a
 // value (null, [] and {} mean absent), as the OpenAI parser does.
-absl::Status RejectUnknownFields(const nlohmann::json& body,
-                                 std::initializer_list<std::string_view> known) {
+absl::Status RejectUnknownFields(const nlohmann::json& body, std::initializer_list<std::string_view> known) {
   for (auto it = body.begin(); it != body.end(); ++it) {
     if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
     if (it.value().is_null() || (it.value().is_structured() && it.value().empty())) continue;
@@ -242,12 +233,10 @@ void Router::Impl::HandleChat(const http::Request& req, std::shared_ptr<http::Re
   }
   std::optional<int64_t> top;
   if (parsed->logprobs) top = parsed->top_logprobs.value_or(0);
-  StartCall(CallKind::kChat, req, std::move(w), id, cfg, std::move(s), parsed->model,
-            parsed->sampling, top);
+  StartCall(CallKind::kChat, req, std::move(w), id, cfg, std::move(s), parsed->model, parsed->sampling, top);
 }
 
-void Router::Impl::HandleCompletion(const http::Request& req,
-                                    std::shared_ptr<http::ResponseWriter> w) {
+void Router::Impl::HandleCompletion(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
   const std::string id = RequestId(req);
   std::shared_ptr<const RouterConfig> cfg = config();
   auto fail = [&](const absl::Status& s) { errors_.Send("completions", id, *w, s); };
@@ -268,16 +257,16 @@ void Router::Impl::HandleCompletion(const http::Request& req,
     s.echo = assets_->tokenizer->Decode(s.prompt, /*skip_special_tokens=*/false);
   }
   if (parsed->echo && parsed->logprobs.has_value()) {
-    return fail(InvalidRequest("echo", "echo with logprobs needs prompt logprobs, which this "
-                                       "server does not compute; drop one of them"));
+    return fail(InvalidRequest("echo",
+                               "echo with logprobs needs prompt logprobs, which this "
+                               "server does not compute; drop one of them"));
   }
-  StartCall(CallKind::kCompletion, req, std::move(w), id, cfg, std::move(s), parsed->model,
-            parsed->sampling, parsed->logprobs);
+  StartCall(CallKind::kCompletion, req, std::move(w), id, cfg, std::move(s), parsed->model, parsed->sampling,
+            parsed->logprobs);
 }
 
-void Router::Impl::StartCall(CallKind kind, const http::Request& req,
-                             std::shared_ptr<http::ResponseWriter> w, const std::string& id,
-                             std::shared_ptr<const RouterConfig> cfg, CallSetup s,
+void Router::Impl::StartCall(CallKind kind, const http::Request& req, std::shared_ptr<http::ResponseWriter> w,
+                             const std::string& id, std::shared_ptr<const RouterConfig> cfg, CallSetup s,
                              const std::string& model, const SamplingFields& sampling,
                              std::optional<int64_t> logprobs) {
   s.session_id = std::string(req.Header(cfg->sessions.header));
@@ -287,14 +276,14 @@ void Router::Impl::StartCall(CallKind kind, const http::Request& req,
     const char* endpoint = kind == CallKind::kChat ? "chat" : "completions";
     if (v != "1" && v != "true") {
       return errors_.Send(endpoint, id, *w,
-                       InvalidRequest("", absl::StrCat(kExplainHeader, " must be 1 or true, got '",
-                                                       std::string(v.substr(0, 32)), "'")));
+                          InvalidRequest("", absl::StrCat(kExplainHeader, " must be 1 or true, got '",
+                                                          std::string(v.substr(0, 32)), "'")));
     }
     if (!ShowWorkers(s.caller)) {
       return errors_.Send(endpoint, id, *w,
-                       absl::PermissionDeniedError(absl::StrCat(
-                           kExplainHeader, " names workers: it needs an admin API key or "
-                                           "debug.worker_details")));
+                          absl::PermissionDeniedError(absl::StrCat(kExplainHeader,
+                                                                   " names workers: it needs an admin API key or "
+                                                                   "debug.worker_details")));
     }
     s.explain = true;
   }
@@ -335,8 +324,9 @@ void Router::Impl::HandleDashboard(const http::Request& req, std::shared_ptr<htt
   s.model = cfg->model.served_name;
   s.tokenizer = assets_->source;
   s.disaggregation = DisaggregationModeName(cfg->disaggregation.mode);
-  s.uptime_s = std::chrono::duration_cast<std::chrono::seconds>(
-                   std::chrono::system_clock::now().time_since_epoch()).count() - created_;
+  s.uptime_s =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count() -
+      created_;
   const Admission::Stats admitted = admission_.stats();
   s.in_flight = admitted.in_flight_sequences;
   s.queued = admitted.queued;
@@ -344,12 +334,12 @@ void Router::Impl::HandleDashboard(const http::Request& req, std::shared_ptr<htt
   for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
     const std::optional<PoolConfig>& pool = role == PoolRole::kPrefill ? cfg->prefill : cfg->decode;
     if (!pool.has_value()) continue;
-    StatusSnapshot::Pool p{.name = PoolRoleName(role), .policy = pool->policy.name,
-                           .params = pool->policy.params};
+    StatusSnapshot::Pool p{.name = PoolRoleName(role), .policy = pool->policy.name, .params = pool->policy.params};
     const int r = static_cast<int>(role);
     if (rs != nullptr && rs->index[r] != nullptr) p.index_blocks = static_cast<int64_t>(rs->index[r]->size());
     for (const auto& worker : cluster_.Workers(role)) {
-      StatusSnapshot::Worker sw{.address = worker->address(), .healthy = worker->healthy(),
+      StatusSnapshot::Worker sw{.address = worker->address(),
+                                .healthy = worker->healthy(),
                                 .incompatible = worker->incompatibility(),
                                 .in_flight = worker->in_flight()};
       if (std::optional<tandem::v1::LoadReport> l = worker->last_load(); l.has_value()) {
@@ -370,10 +360,8 @@ void Router::Impl::HandleDashboard(const http::Request& req, std::shared_ptr<htt
 
 nlohmann::json Router::Impl::ModelObject() {
   std::shared_ptr<const RouterConfig> cfg = config();
-  nlohmann::json model = {{"id", cfg->model.served_name},
-                          {"object", "model"},
-                          {"created", created_},
-                          {"owned_by", "tandem"}};
+  nlohmann::json model = {
+      {"id", cfg->model.served_name}, {"object", "model"}, {"created", created_}, {"owned_by", "tandem"}};
   if (std::shared_ptr<RoutingState> rs = placer_.Routing(); rs != nullptr) {
     model["max_model_len"] = rs->max_context;
   }
@@ -434,14 +422,14 @@ void Router::Impl::HandleHealth(const http::Request& req, std::shared_ptr<http::
     return;
   }
   if (!details) {
-    nlohmann::json body = nlohmann::json::parse(
-        ApiErrorJson(ApiErrorFromStatus(absl::UnavailableError("no healthy decode worker"))));
+    nlohmann::json body =
+        nlohmann::json::parse(ApiErrorJson(ApiErrorFromStatus(absl::UnavailableError("no healthy decode worker"))));
     body["status"] = "unavailable";
     w->Send(503, kJson, body.dump(), {{"Retry-After", "1"}});
     return;
   }
-  ApiError e = ApiErrorFromStatus(absl::UnavailableError(
-      absl::StrFormat("no healthy decode worker (%d in the pool)", total[d])));
+  ApiError e = ApiErrorFromStatus(
+      absl::UnavailableError(absl::StrFormat("no healthy decode worker (%d in the pool)", total[d])));
   nlohmann::json body = nlohmann::json::parse(ApiErrorJson(e));
   body["status"] = "unavailable";
   body["pools"] = pools;
@@ -466,15 +454,14 @@ void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http
   // escapes) is bounded by what the model could take.
   const std::shared_ptr<RoutingState> rs = placer_.Routing();
   if (rs != nullptr && rs->max_context > 0) {
-    const std::string_view text = parsed->prompt.has_value() ? std::string_view(*parsed->prompt)
-                                                             : std::string_view(req.body);
+    const std::string_view text =
+        parsed->prompt.has_value() ? std::string_view(*parsed->prompt) : std::string_view(req.body);
     if (static_cast<int64_t>(text.size()) > rs->max_context * kTokenizeBytesPerContextToken) {
       metrics_.refusals.WithLabels({"tokenize_too_large"}).Inc();
-      return fail(InvalidRequest(
-          parsed->prompt.has_value() ? "prompt" : "messages",
-          absl::StrFormat("the text is %d bytes, more than %d x this model's context of %d "
-                          "tokens could hold",
-                          text.size(), kTokenizeBytesPerContextToken, rs->max_context)));
+      return fail(InvalidRequest(parsed->prompt.has_value() ? "prompt" : "messages",
+                                 absl::StrFormat("the text is %d bytes, more than %d x this model's context of %d "
+                                                 "tokens could hold",
+                                                 text.size(), kTokenizeBytesPerContextToken, rs->max_context)));
     }
   }
   std::vector<int32_t> tokens;
@@ -509,8 +496,7 @@ void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http
   w->Send(200, kJson, std::move(out), {{"x-request-id", id}});
 }
 
-void Router::Impl::HandleDetokenize(const http::Request& req,
-                                    std::shared_ptr<http::ResponseWriter> w) {
+void Router::Impl::HandleDetokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
   const std::string id = RequestId(req);
   auto fail = [&](const absl::Status& s) { errors_.Send("detokenize", id, *w, s); };
   if (absl::Status depth = CheckJsonDepth(req.body); !depth.ok()) return fail(depth);
@@ -533,8 +519,7 @@ void Router::Impl::HandleDetokenize(const http::Request& req,
     tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
   }
   nlohmann::json out = {{"prompt", assets_->tokenizer->Decode(tokens, /*skip_special_tokens=*/false)}};
-  w->Send(200, kJson, out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
-          {{"x-request-id", id}});
+  w->Send(200, kJson, out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), {{"x-request-id", id}});
 }
 
 }  // namespace tandem::router

@@ -19,9 +19,8 @@ void ErrorReplies::Send(const std::string& endpoint, const std::string& request_
                         const absl::Status& status, http::HeaderList headers, bool show_workers) const {
   const ApiError e = ForClient(status, show_workers);
   http::HeaderList h = headers.empty() ? http::HeaderList{{"x-request-id", request_id}} : std::move(headers);
-  const bool has_retry = std::any_of(h.begin(), h.end(), [](const auto& kv) {
-    return absl::AsciiStrToLower(kv.first) == "retry-after";
-  });
+  const bool has_retry =
+      std::any_of(h.begin(), h.end(), [](const auto& kv) { return absl::AsciiStrToLower(kv.first) == "retry-after"; });
   if ((e.http_status == 429 || e.http_status == 503) && !has_retry) h.emplace_back("Retry-After", "1");
   metrics_.requests.WithLabels({endpoint, std::to_string(e.http_status)}).Inc();
   if (e.http_status >= 500) {

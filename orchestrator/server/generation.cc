@@ -47,8 +47,8 @@ void EjectIfGone(const absl::Status& status, WorkerClient& worker) {
 // One Generate call, read on the process's GrpcPoller. Keeps the Generation
 // alive until the call ends, then deletes itself.
 struct Generation::Call final : GrpcReader<GenerateResponse> {
-  Call(std::shared_ptr<Generation> g, CallKind k, int a, std::shared_ptr<WorkerClient> w,
-       GenerateRequest req, int64_t prefill_tokens)
+  Call(std::shared_ptr<Generation> g, CallKind k, int a, std::shared_ptr<WorkerClient> w, GenerateRequest req,
+       int64_t prefill_tokens)
       : gen(std::move(g)),
         kind(k),
         attempt(a),
@@ -58,8 +58,7 @@ struct Generation::Call final : GrpcReader<GenerateResponse> {
 
   void Start() {
     context.set_deadline(gen->options_.deadline);
-    StartReading(
-        worker->stub().PrepareAsyncGenerate(&context, request, GrpcPoller::Shared().cq()));
+    StartReading(worker->stub().PrepareAsyncGenerate(&context, request, GrpcPoller::Shared().cq()));
   }
 
   bool OnMessage(const GenerateResponse& msg) override {
@@ -83,8 +82,7 @@ struct Generation::Call final : GrpcReader<GenerateResponse> {
   bool finished = false;  // its final message (finish_reason set) came
 };
 
-Generation::Generation(Options options, GenerateRequest request, Planner* planner,
-                       GenerationSink* sink)
+Generation::Generation(Options options, GenerateRequest request, Planner* planner, GenerationSink* sink)
     : options_(std::move(options)), request_(std::move(request)), planner_(planner), sink_(sink) {}
 
 Generation::~Generation() = default;
@@ -120,11 +118,10 @@ void Generation::AttemptLocked() {
   absl::StatusOr<Placement> placement = PlaceLocked(exclude_);
   if (!placement.ok()) {
     GenerationResult r = result_;
-    r.status = last_error_.ok()
-                   ? placement.status()
-                   : absl::Status(placement.status().code(),
-                                  absl::StrCat(placement.status().message(),
-                                               "; the last attempt failed: ", last_error_.message()));
+    r.status = last_error_.ok() ? placement.status()
+                                : absl::Status(placement.status().code(),
+                                               absl::StrCat(placement.status().message(),
+                                                            "; the last attempt failed: ", last_error_.message()));
     r.completion_tokens = emitted_;
     FinishLocked(std::move(r), /*cancel_prefill=*/true);
     return;
@@ -156,16 +153,13 @@ void Generation::LaunchAttemptLocked(Placement placement) {
     GenerateRequest resume = request_;
     for (int32_t id : sent_ids_) resume.add_prompt_token_ids(id);
     resume.set_resume_output_tokens(static_cast<int32_t>(sent_ids_.size()));
-    LaunchLocked(CallKind::kAggregated, placement_.decode, std::move(resume),
-                 placement_.decode_cached_tokens);
+    LaunchLocked(CallKind::kAggregated, placement_.decode, std::move(resume), placement_.decode_cached_tokens);
     return;
   }
   result_.decode_worker = placement_.decode->address();
-  result_.prefill_worker =
-      placement_.prefill != nullptr ? placement_.prefill->address() : placement_.decode->address();
+  result_.prefill_worker = placement_.prefill != nullptr ? placement_.prefill->address() : placement_.decode->address();
   if (placement_.prefill == nullptr) {
-    LaunchLocked(CallKind::kAggregated, placement_.decode, request_,
-                 placement_.decode_cached_tokens);
+    LaunchLocked(CallKind::kAggregated, placement_.decode, request_, placement_.decode_cached_tokens);
     return;
   }
   GenerateRequest receive = request_;
@@ -175,17 +169,13 @@ void Generation::LaunchAttemptLocked(Placement placement) {
   LaunchLocked(CallKind::kReceive, placement_.decode, std::move(receive));
 }
 
-Generation::Call* Generation::LaunchLocked(CallKind kind,
-                                           const std::shared_ptr<WorkerClient>& worker,
+Generation::Call* Generation::LaunchLocked(CallKind kind, const std::shared_ptr<WorkerClient>& worker,
                                            GenerateRequest request, int64_t cached_tokens) {
-  request.set_request_id(absl::StrCat(options_.request_id, "-", options_.choice, "-", attempt_,
-                                      kind == CallKind::kSend ? "p" : "d"));
+  request.set_request_id(
+      absl::StrCat(options_.request_id, "-", options_.choice, "-", attempt_, kind == CallKind::kSend ? "p" : "d"));
   const int64_t prefill_tokens =
-      kind == CallKind::kReceive
-          ? 0
-          : std::max<int64_t>(0, request.prompt_token_ids_size() - cached_tokens);
-  auto* call =
-      new Call(shared_from_this(), kind, attempt_, worker, std::move(request), prefill_tokens);
+      kind == CallKind::kReceive ? 0 : std::max<int64_t>(0, request.prompt_token_ids_size() - cached_tokens);
+  auto* call = new Call(shared_from_this(), kind, attempt_, worker, std::move(request), prefill_tokens);
   calls_.push_back(call);
   launched_.push_back(call);
   return call;
@@ -227,8 +217,7 @@ void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
           kv->set_decode_cached_tokens(msg.reservation().cached_tokens());
           kv->set_decode_instance_id(msg.reservation().instance_id());
           kv->set_reservation_token(msg.reservation().reservation_token());
-          LaunchLocked(CallKind::kSend, placement_.prefill, std::move(send),
-                       placement_.prefill_cached_tokens);
+          LaunchLocked(CallKind::kSend, placement_.prefill, std::move(send), placement_.prefill_cached_tokens);
           break;
         }
         std::span<const TokenOutput> rest = tokens;
@@ -276,9 +265,8 @@ void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
           result_.cached_tokens = msg.usage().cached_prompt_tokens();
           if (!msg.kv_transfer_error().empty()) {
             result_.kv_fallback = true;
-            LOG(WARNING) << "request " << options_.request_id << ": KV from "
-                         << call->worker->address() << " did not reach "
-                         << placement_.decode->address() << ": " << msg.kv_transfer_error();
+            LOG(WARNING) << "request " << options_.request_id << ": KV from " << call->worker->address()
+                         << " did not reach " << placement_.decode->address() << ": " << msg.kv_transfer_error();
           }
         }
         break;
@@ -313,9 +301,9 @@ bool Generation::EmitLocked(std::span<const TokenOutput> tokens) {
 void Generation::FinishDecodeLocked(const GenerateResponse& msg) {
   if (msg.finish_reason() == tandem::v1::FINISH_REASON_ERROR ||
       msg.finish_reason() == tandem::v1::FINISH_REASON_ABORT) {
-    FailAttemptLocked(absl::InternalError(absl::StrCat("worker ", placement_.decode->address(),
-                                                       ": ", msg.error_message())),
-                      placement_.decode);
+    FailAttemptLocked(
+        absl::InternalError(absl::StrCat("worker ", placement_.decode->address(), ": ", msg.error_message())),
+        placement_.decode);
     return;
   }
   GenerationResult r = result_;
@@ -333,16 +321,15 @@ void Generation::OnCallDone(Call* call, const grpc::Status& status) {
     std::lock_guard<std::mutex> lock(mu_);
     calls_.erase(std::find(calls_.begin(), calls_.end(), call));
     if (done_ || call->attempt != attempt_ || call->finished) return;
-    absl::Status s = status.ok() ? absl::InternalError(absl::StrCat(
-                                       "worker ", call->worker->address(),
-                                       " ended the stream without a finish reason"))
+    absl::Status s = status.ok() ? absl::InternalError(absl::StrCat("worker ", call->worker->address(),
+                                                                    " ended the stream without a finish reason"))
                                  : FromGrpcStatus(status);
     if (call->kind == CallKind::kSend && first_emitted_) {
       // The prefill worker failed after its first token: the decode worker
       // falls back to a local prefill; the stream goes on.
       result_.kv_fallback = true;
-      LOG(WARNING) << "request " << options_.request_id << ": prefill worker "
-                   << call->worker->address() << " failed after the first token: " << s.ToString();
+      LOG(WARNING) << "request " << options_.request_id << ": prefill worker " << call->worker->address()
+                   << " failed after the first token: " << s.ToString();
       EjectIfGone(s, *call->worker);
       return;
     }
@@ -354,12 +341,10 @@ void Generation::OnCallDone(Call* call, const grpc::Status& status) {
   StartLaunched();
 }
 
-void Generation::FailAttemptLocked(const absl::Status& status,
-                                   const std::shared_ptr<WorkerClient>& worker) {
+void Generation::FailAttemptLocked(const absl::Status& status, const std::shared_ptr<WorkerClient>& worker) {
   EjectIfGone(status, *worker);
   last_error_ = status;
-  if (!first_emitted_ && Retryable(status.code()) && attempt_ < options_.max_attempts &&
-      planner_->TakeRetry()) {
+  if (!first_emitted_ && Retryable(status.code()) && attempt_ < options_.max_attempts && planner_->TakeRetry()) {
     LOG(INFO) << "request " << options_.request_id << ": retrying after " << status.ToString();
     AbandonAttemptLocked();
     exclude_.insert(worker->address());
@@ -388,8 +373,7 @@ std::optional<tandem::v1::FinishReason> Generation::EndedBySentLocked() const {
     if (!p.ignore_eos() && std::find(eos.begin(), eos.end(), last) != eos.end()) {
       return tandem::v1::FINISH_REASON_STOP;
     }
-    if (request_.prompt_token_ids_size() + static_cast<int64_t>(sent_ids_.size()) >=
-        info->max_context_length()) {
+    if (request_.prompt_token_ids_size() + static_cast<int64_t>(sent_ids_.size()) >= info->max_context_length()) {
       return tandem::v1::FINISH_REASON_LENGTH;
     }
   }
@@ -399,8 +383,7 @@ std::optional<tandem::v1::FinishReason> Generation::EndedBySentLocked() const {
   return std::nullopt;
 }
 
-bool Generation::FailoverLocked(const absl::Status& why,
-                                const std::shared_ptr<WorkerClient>& worker) {
+bool Generation::FailoverLocked(const absl::Status& why, const std::shared_ptr<WorkerClient>& worker) {
   if (failovers_ >= options_.max_failovers) return false;
   if (std::optional<tandem::v1::FinishReason> end = EndedBySentLocked()) {
     FinishSentLocked(*end);
@@ -408,9 +391,9 @@ bool Generation::FailoverLocked(const absl::Status& why,
   }
   ++failovers_;
   ++result_.error_failovers;
-  LOG(WARNING) << "request " << options_.request_id << " choice " << options_.choice
-               << ": failing over after " << sent_ids_.size() << " tokens (failover "
-               << failovers_ << " of " << options_.max_failovers << "): " << why.ToString();
+  LOG(WARNING) << "request " << options_.request_id << " choice " << options_.choice << ": failing over after "
+               << sent_ids_.size() << " tokens (failover " << failovers_ << " of " << options_.max_failovers
+               << "): " << why.ToString();
   AbandonAttemptLocked();
   exclude_.insert(worker->address());
   AttemptLocked();
@@ -432,8 +415,7 @@ void Generation::AbandonAttemptLocked() {
   decode_finished_ = false;
 }
 
-void Generation::CheckProgress(std::chrono::steady_clock::time_point now, double first_token_s,
-                               double idle_s) {
+void Generation::CheckProgress(std::chrono::steady_clock::time_point now, double first_token_s, double idle_s) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_ || attempt_expired_ || placement_.decode == nullptr) return;
@@ -460,15 +442,14 @@ void Generation::CheckProgress(std::chrono::steady_clock::time_point now, double
       }
       if (attempt_has_token_ ? send_open : reserved) suspect = placement_.prefill;
     }
-    const absl::Status why = absl::DeadlineExceededError(absl::StrFormat(
-        "worker %s sent no token for %.3g s (retries.%s)", suspect->address(), deadline,
-        attempt_has_token_ ? "attempt_idle_s" : "attempt_first_token_s"));
+    const absl::Status why = absl::DeadlineExceededError(
+        absl::StrFormat("worker %s sent no token for %.3g s (retries.%s)", suspect->address(), deadline,
+                        attempt_has_token_ ? "attempt_idle_s" : "attempt_first_token_s"));
     last_error_ = why;
     const bool failover = first_emitted_;
-    if (failover ? failovers_ >= options_.max_failovers
-                 : attempt_ >= options_.max_attempts || !planner_->TakeRetry()) {
-      LOG(WARNING) << "request " << options_.request_id << ": " << why.message()
-                   << "; no " << (failover ? "failover" : "retry") << " left, waiting on it";
+    if (failover ? failovers_ >= options_.max_failovers : attempt_ >= options_.max_attempts || !planner_->TakeRetry()) {
+      LOG(WARNING) << "request " << options_.request_id << ": " << why.message() << "; no "
+                   << (failover ? "failover" : "retry") << " left, waiting on it";
       return;
     }
     if (std::optional<tandem::v1::FinishReason> end = EndedBySentLocked(); failover && end) {
@@ -479,9 +460,8 @@ void Generation::CheckProgress(std::chrono::steady_clock::time_point now, double
     exclude.insert(suspect->address());
     absl::StatusOr<Placement> placement = PlaceLocked(exclude);
     if (!placement.ok()) {
-      LOG(WARNING) << "request " << options_.request_id << ": " << why.message()
-                   << "; no other worker to move to (" << placement.status().message()
-                   << "), waiting on it";
+      LOG(WARNING) << "request " << options_.request_id << ": " << why.message() << "; no other worker to move to ("
+                   << placement.status().message() << "), waiting on it";
       return;
     }
     if (suspect->Eject()) {
@@ -490,12 +470,11 @@ void Generation::CheckProgress(std::chrono::steady_clock::time_point now, double
     if (failover) {
       ++failovers_;
       ++result_.stall_failovers;
-      LOG(WARNING) << "request " << options_.request_id << " choice " << options_.choice
-                   << ": failing over after " << sent_ids_.size() << " tokens (failover "
-                   << failovers_ << " of " << options_.max_failovers << "): " << why.message();
+      LOG(WARNING) << "request " << options_.request_id << " choice " << options_.choice << ": failing over after "
+                   << sent_ids_.size() << " tokens (failover " << failovers_ << " of " << options_.max_failovers
+                   << "): " << why.message();
     } else {
-      LOG(WARNING) << "request " << options_.request_id << ": retrying elsewhere: "
-                   << why.message();
+      LOG(WARNING) << "request " << options_.request_id << ": retrying elsewhere: " << why.message();
     }
     AbandonAttemptLocked();
     exclude_ = std::move(exclude);

@@ -91,8 +91,7 @@ class Planner {
   virtual ~Planner() = default;
   // Chooses workers for `tokens`, never one whose address is in `exclude`.
   // Unavailable when no healthy worker is left.
-  virtual absl::StatusOr<Placement> Place(std::span<const int32_t> tokens,
-                                          const std::set<std::string>& exclude) = 0;
+  virtual absl::StatusOr<Placement> Place(std::span<const int32_t> tokens, const std::set<std::string>& exclude) = 0;
   // Takes one retry from the budget; false when it is spent.
   virtual bool TakeRetry() = 0;
 };
@@ -102,7 +101,7 @@ struct GenerationResult {
   tandem::v1::FinishReason finish_reason = tandem::v1::FINISH_REASON_UNSPECIFIED;
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
-  int64_t cached_tokens = 0;  // served from a prefix cache (the prefill worker's when split)
+  int64_t cached_tokens = 0;   // served from a prefix cache (the prefill worker's when split)
   std::string prefill_worker;  // where the last attempt ran (equal when aggregated)
   std::string decode_worker;
   int attempts = 0;
@@ -110,8 +109,8 @@ struct GenerationResult {
   int stall_failovers = 0;       // resumed elsewhere after the idle deadline
   int first_token_timeouts = 0;  // attempts past their first-token deadline
   int idle_timeouts = 0;         // attempts past their idle deadline (mid-stream)
-  bool kv_fallback = false;  // the decode worker prefilled locally: the KV never came
-  int64_t kv_bytes = 0;      // pulled by the decode worker
+  bool kv_fallback = false;      // the decode worker prefilled locally: the KV never came
+  int64_t kv_bytes = 0;          // pulled by the decode worker
 };
 
 class GenerationSink {
@@ -150,8 +149,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // `request` holds the prompt ids and sampling (with a seed: a split
   // request must sample the same first token on both workers).
   // REQUIRES: planner and sink outlive the Generation's last callback.
-  Generation(Options options, tandem::v1::GenerateRequest request, Planner* planner,
-             GenerationSink* sink);
+  Generation(Options options, tandem::v1::GenerateRequest request, Planner* planner, GenerationSink* sink);
   ~Generation();
 
   // Places and starts the first attempt.
@@ -162,8 +160,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // Checks the current attempt against its deadlines, in seconds from its
   // start (first_token_s) or its last token (idle_s), 0 = off; moves it when
   // past one (see the top of this file).
-  void CheckProgress(std::chrono::steady_clock::time_point now, double first_token_s,
-                     double idle_s);
+  void CheckProgress(std::chrono::steady_clock::time_point now, double first_token_s, double idle_s);
 
  private:
   struct Call;
@@ -174,8 +171,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void AttemptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Places on a worker not in `exclude`: the prompt, plus the tokens sent
   // when resuming.
-  absl::StatusOr<Placement> PlaceLocked(const std::set<std::string>& exclude)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Placement> PlaceLocked(const std::set<std::string>& exclude) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Launches an attempt at `placement`: aggregated with the tokens sent as
   // resumed output when some were, else as placed.
   void LaunchAttemptLocked(Placement placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -185,8 +181,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Set when the tokens already sent ended the generation (the stream broke
   // before its final message): what it finished with.
-  std::optional<tandem::v1::FinishReason> EndedBySentLocked() const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::optional<tandem::v1::FinishReason> EndedBySentLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finishes with `reason`: the tokens sent ended the generation.
   void FinishSentLocked(tandem::v1::FinishReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Cancels the current attempt's calls and forgets what they held back.
@@ -196,22 +191,18 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void StartLaunched() ABSL_LOCKS_EXCLUDED(mu_);
   // `cached_tokens`: of the prompt, expected cached on `worker` (not counted
   // as its pending prefill).
-  Call* LaunchLocked(CallKind kind, const std::shared_ptr<WorkerClient>& worker,
-                     tandem::v1::GenerateRequest request, int64_t cached_tokens = 0)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Call* LaunchLocked(CallKind kind, const std::shared_ptr<WorkerClient>& worker, tandem::v1::GenerateRequest request,
+                     int64_t cached_tokens = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnMessage(Call* call, const tandem::v1::GenerateResponse& msg);
   void OnCallDone(Call* call, const grpc::Status& status);
   // Sends tokens to the sink (flushing the decode tokens that waited for the
   // first one). False if the sink stopped the generation.
-  bool EmitLocked(std::span<const tandem::v1::TokenOutput> tokens)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FinishDecodeLocked(const tandem::v1::GenerateResponse& msg)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool EmitLocked(std::span<const tandem::v1::TokenOutput> tokens) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishDecodeLocked(const tandem::v1::GenerateResponse& msg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the current attempt: retries when allowed, else finishes.
   void FailAttemptLocked(const absl::Status& status, const std::shared_ptr<WorkerClient>& worker)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FinishLocked(GenerationResult result, bool cancel_prefill)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishLocked(GenerationResult result, bool cancel_prefill) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CancelCallsLocked(bool include_send) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
@@ -227,8 +218,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::vector<Call*> calls_ ABSL_GUARDED_BY(mu_);     // open calls (any attempt)
   std::vector<Call*> launched_ ABSL_GUARDED_BY(mu_);  // not yet started
   absl::Status last_error_ ABSL_GUARDED_BY(mu_);      // of the last failed attempt
-  bool placed_ ABSL_GUARDED_BY(mu_) = false;        // OnPlaced sent
-  bool first_emitted_ ABSL_GUARDED_BY(mu_) = false;  // a token reached the sink
+  bool placed_ ABSL_GUARDED_BY(mu_) = false;          // OnPlaced sent
+  bool first_emitted_ ABSL_GUARDED_BY(mu_) = false;   // a token reached the sink
   bool first_from_prefill_ ABSL_GUARDED_BY(mu_) = false;
   // Decode tokens that arrived before the prefill worker's first token.
   std::vector<tandem::v1::TokenOutput> held_ ABSL_GUARDED_BY(mu_);

@@ -29,8 +29,8 @@ std::string TokenString(const nlohmann::json& config, const char* key) {
 }
 
 // Fills the template and token strings from tokenizer_config.json text.
-absl::Status ApplyTokenizerConfig(const std::string& text, const std::string& name,
-                                  ModelAssets* assets, std::string* template_source) {
+absl::Status ApplyTokenizerConfig(const std::string& text, const std::string& name, ModelAssets* assets,
+                                  std::string* template_source) {
   nlohmann::json config = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (config.is_discarded() || !config.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": not a JSON object"));
@@ -46,8 +46,7 @@ absl::Status ApplyTokenizerConfig(const std::string& text, const std::string& na
   // A list of named templates: the one named "default".
   if (it->is_array()) {
     for (const nlohmann::json& t : *it) {
-      if (t.is_object() && t.value("name", "") == "default" && t.contains("template") &&
-          t["template"].is_string()) {
+      if (t.is_object() && t.value("name", "") == "default" && t.contains("template") && t["template"].is_string()) {
         *template_source = t["template"].get<std::string>();
         return absl::OkStatus();
       }
@@ -76,8 +75,7 @@ absl::StatusOr<std::shared_ptr<const ModelAssets>> LoadModelAssets(const ModelCo
     std::error_code ec;
     const bool is_dir = fs::is_directory(config.tokenizer, ec);
     const fs::path dir = is_dir ? fs::path(config.tokenizer) : fs::path(config.tokenizer).parent_path();
-    const std::string tokenizer_path =
-        is_dir ? (dir / "tokenizer.json").string() : config.tokenizer;
+    const std::string tokenizer_path = is_dir ? (dir / "tokenizer.json").string() : config.tokenizer;
     std::string json;
     ASSIGN_OR_RETURN(assets->tokenizer, Tokenizer::FromFile(tokenizer_path, &json));
     assets->tokenizer_sha256 = Sha256Hex(json);

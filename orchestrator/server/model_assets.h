@@ -27,9 +27,9 @@ namespace tandem::router {
 struct ModelAssets {
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<ChatTemplate> chat_template;  // null: the model has none
-  std::string bos_token;  // the template's bos_token / eos_token variables
+  std::string bos_token;                        // the template's bos_token / eos_token variables
   std::string eos_token;
-  std::string source;     // where they came from, for logs
+  std::string source;  // where they came from, for logs
   // Hex SHA-256 of the tokenizer.json text: the workers' models must report
   // the same (orchestrator/cluster/compatibility.h).
   std::string tokenizer_sha256;

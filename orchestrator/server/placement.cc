@@ -39,8 +39,7 @@ std::string RefusedWorkers(const std::vector<std::shared_ptr<WorkerClient>>& wor
 // policy, its rule, the winner, and each worker with what the router knew
 // (health, requests in flight, KV use, prompt tokens queued for prefill) and
 // what the policy weighed (eligible, matched prefix blocks, score).
-nlohmann::json ExplainDecision(const char* pool, const std::string& policy,
-                               const std::vector<WorkerView>& views,
+nlohmann::json ExplainDecision(const char* pool, const std::string& policy, const std::vector<WorkerView>& views,
                                const std::vector<std::shared_ptr<WorkerClient>>& workers,
                                const std::set<std::string>& exclude, const RouteExplanation& why,
                                std::optional<size_t> chosen) {
@@ -68,7 +67,7 @@ nlohmann::json ExplainDecision(const char* pool, const std::string& policy,
   }
   nlohmann::json d = {{"pool", pool}, {"policy", policy}, {"candidates", std::move(candidates)}};
   d["chosen"] = chosen.has_value() ? nlohmann::json(views[*chosen].id) : nlohmann::json(nullptr);
-  d["why"] = !why.why.empty() ? why.why
+  d["why"] = !why.why.empty()     ? why.why
              : chosen.has_value() ? absl::StrCat(policy, "'s pick among the healthy workers")
                                   : "no healthy worker";
   return d;
@@ -107,18 +106,15 @@ std::shared_ptr<RoutingState> Placer::Build(std::shared_ptr<const RouterConfig> 
   RoutingPolicyRegistry registry;
   RegisterBuiltinRoutingPolicies(registry);
   for (PoolRole role : {PoolRole::kPrefill, PoolRole::kDecode}) {
-    const std::optional<PoolConfig>& pool =
-        role == PoolRole::kPrefill ? config->prefill : config->decode;
+    const std::optional<PoolConfig>& pool = role == PoolRole::kPrefill ? config->prefill : config->decode;
     if (!pool.has_value()) continue;
     const PolicyParams& params = pool->policy.params;
     const int r = static_cast<int>(role);
-    if (prev != nullptr && prev->policy[r] != nullptr &&
-        prev->policy[r]->name() == pool->policy.name && prev->params[r] == params &&
-        prev->context == rs->context) {
+    if (prev != nullptr && prev->policy[r] != nullptr && prev->policy[r]->name() == pool->policy.name &&
+        prev->params[r] == params && prev->context == rs->context) {
       rs->policy[r] = prev->policy[r];
     } else {
-      absl::StatusOr<std::unique_ptr<RoutingPolicy>> p =
-          registry.Create(pool->policy.name, params, rs->context);
+      absl::StatusOr<std::unique_ptr<RoutingPolicy>> p = registry.Create(pool->policy.name, params, rs->context);
       if (!p.ok()) {
         // Validated at load; only the workers' context could fail.
         LOG(ERROR) << PoolRoleName(role) << " pool policy: " << p.status().ToString();
@@ -156,16 +152,14 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     std::vector<std::shared_ptr<WorkerClient>> all = cluster_.Workers(PoolRole::kDecode);
     for (auto& w : cluster_.Workers(PoolRole::kPrefill)) all.push_back(std::move(w));
     const std::string refused = RefusedWorkers(all);
-    return absl::UnavailableError(absl::StrCat(
-        "no healthy worker: none has reported the model yet",
-        refused.empty() ? "" : absl::StrCat(" (", refused.substr(2), ")")));
+    return absl::UnavailableError(absl::StrCat("no healthy worker: none has reported the model yet",
+                                               refused.empty() ? "" : absl::StrCat(" (", refused.substr(2), ")")));
   }
   const RouterConfig& cfg = *rs->config;
   RouteRequest rr{.tokens = tokens, .session_id = call.session_id};
   nlohmann::json explained = nlohmann::json::array();  // one decision per pool (x-tandem-explain)
   // The chosen worker, and the prompt tokens the policy expects it to hold.
-  auto pick = [&](PoolRole role, int64_t* cached_tokens)
-      -> absl::StatusOr<std::shared_ptr<WorkerClient>> {
+  auto pick = [&](PoolRole role, int64_t* cached_tokens) -> absl::StatusOr<std::shared_ptr<WorkerClient>> {
     const Clock::time_point start = Clock::now();
     const double cpu_start = ThreadCpuSeconds();
     std::vector<std::shared_ptr<WorkerClient>> workers = cluster_.Workers(role);
@@ -178,17 +172,15 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     // KV awareness: a worker whose last load report had every KV block in
     // use (none free, none cached to evict) could only queue the request or
     // preempt another; it is passed over while a healthy peer has room.
-    auto full = [](const WorkerView& v) {
-      return v.healthy && v.total_blocks > 0 && v.used_blocks >= v.total_blocks;
-    };
-    const bool any_room = std::any_of(views.begin(), views.end(), [&](const WorkerView& v) {
-      return v.healthy && !full(v);
-    });
+    auto full = [](const WorkerView& v) { return v.healthy && v.total_blocks > 0 && v.used_blocks >= v.total_blocks; };
+    const bool any_room =
+        std::any_of(views.begin(), views.end(), [&](const WorkerView& v) { return v.healthy && !full(v); });
     for (WorkerView& v : views) {
       if (any_room && full(v)) {
         v.healthy = false;
         metrics_.kv_full_skips.WithLabels({PoolRoleName(role)}).Inc();
-        warnings_.Warn("kv_full", absl::StrCat("worker ", v.id, " reports no free KV block: "
+        warnings_.Warn("kv_full", absl::StrCat("worker ", v.id,
+                                               " reports no free KV block: "
                                                "routing around it"));
       }
     }
@@ -198,16 +190,15 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     rr.explain = call.explain ? &why : nullptr;
     absl::StatusOr<size_t> i = policy.Pick(rr, views);
     if (call.explain) {
-      explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, exclude,
-                                          why, i.ok() ? std::optional<size_t>(*i) : std::nullopt));
+      explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, exclude, why,
+                                          i.ok() ? std::optional<size_t>(*i) : std::nullopt));
     }
     metrics_.decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
     metrics_.decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
     if (!i.ok()) {
       return absl::UnavailableError(absl::StrFormat(
           "no healthy %s worker (%d in the pool%s%s)", PoolRoleName(role), workers.size(),
-          exclude.empty() ? "" : absl::StrFormat(", %d already tried", exclude.size()),
-          RefusedWorkers(workers)));
+          exclude.empty() ? "" : absl::StrFormat(", %d already tried", exclude.size()), RefusedWorkers(workers)));
     }
     metrics_.routed.WithLabels({PoolRoleName(role), policy.name(), workers[*i]->address()}).Inc();
     return workers[*i];
@@ -224,8 +215,7 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
                  .decode_worker = p.decode->address(),
                  .prefill_worker = p.prefill != nullptr ? p.prefill->address() : "",
                  .prompt_tokens = static_cast<int64_t>(tokens.size()),
-                 .expected_cached_tokens =
-                     p.prefill != nullptr ? p.prefill_cached_tokens : p.decode_cached_tokens});
+                 .expected_cached_tokens = p.prefill != nullptr ? p.prefill_cached_tokens : p.decode_cached_tokens});
     if (!call.explain) return;
     p.explanation = explained.dump();
     LOG(INFO) << "route " << call.request_id << " " << p.explanation;
@@ -238,8 +228,7 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
   if (mode == DisaggregationMode::kAuto) {
     // The uncached part of the prompt as the decode worker holds it (the
     // decode pool's policy says, when it knows: kv_cache_aware).
-    if (static_cast<int64_t>(tokens.size()) - decode_cached <
-        cfg.disaggregation.auto_threshold_tokens) {
+    if (static_cast<int64_t>(tokens.size()) - decode_cached < cfg.disaggregation.auto_threshold_tokens) {
       p.local_prefill = true;
       explained.push_back({{"pool", "prefill"},
                            {"why", absl::StrFormat("disaggregation auto: %d uncached prompt tokens, under "
@@ -250,8 +239,7 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
       return p;
     }
   }
-  absl::StatusOr<std::shared_ptr<WorkerClient>> prefill =
-      pick(PoolRole::kPrefill, &p.prefill_cached_tokens);
+  absl::StatusOr<std::shared_ptr<WorkerClient>> prefill = pick(PoolRole::kPrefill, &p.prefill_cached_tokens);
   if (!prefill.ok()) {
     // No prefill worker: the decode worker prefills itself (degraded, not down).
     p.local_prefill = true;

@@ -45,7 +45,7 @@ struct RoutingState {
   // counters) carries on.
   std::shared_ptr<RoutingPolicy> policy[kNumPoolRoles];
   PolicyParams params[kNumPoolRoles];  // as created
-  PolicyContext context;                // the workers' block size and hash seed
+  PolicyContext context;               // the workers' block size and hash seed
   std::shared_ptr<KvIndex> index[kNumPoolRoles];
   int64_t max_context = 0;
   int64_t vocab_size = 0;

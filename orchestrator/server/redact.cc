@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cctype>
 
-
 namespace tandem::router {
 namespace {
 
@@ -12,8 +11,7 @@ bool IsDigit(char c) { return c >= '0' && c <= '9'; }
 bool StartsWithIgnoreCase(std::string_view s, std::string_view prefix) {
   if (s.size() < prefix.size()) return false;
   for (size_t i = 0; i < prefix.size(); ++i) {
-    if (std::tolower(static_cast<unsigned char>(s[i])) !=
-        std::tolower(static_cast<unsigned char>(prefix[i]))) {
+    if (std::tolower(static_cast<unsigned char>(s[i])) != std::tolower(static_cast<unsigned char>(prefix[i]))) {
       return false;
     }
   }
@@ -71,8 +69,8 @@ size_t BracketedLength(std::string_view s) {
   }
   size_t i = open.size();
   bool colon = false;
-  while (i < s.size() && (std::isalnum(static_cast<unsigned char>(s[i])) || s[i] == ':' ||
-                          s[i] == '.' || s[i] == '%')) {
+  while (i < s.size() &&
+         (std::isalnum(static_cast<unsigned char>(s[i])) || s[i] == ':' || s[i] == '.' || s[i] == '%')) {
     if (StartsWithIgnoreCase(s.substr(i), close)) break;
     colon = colon || s[i] == ':';
     ++i;
@@ -86,8 +84,7 @@ size_t BracketedLength(std::string_view s) {
 std::string RedactWorkers(std::string_view text, const std::vector<std::string>& known) {
   // Longest first, so "host:5000" goes before a "host:500" prefix of it.
   std::vector<std::string> names(known.begin(), known.end());
-  std::sort(names.begin(), names.end(),
-            [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  std::sort(names.begin(), names.end(), [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
   std::string s(text);
   for (const std::string& name : names) {
     if (!name.empty()) s = ReplaceAll(s, name, kRedactedWorker);
@@ -105,8 +102,7 @@ std::string RedactWorkers(std::string_view text, const std::vector<std::string>&
     if (n == 0) n = BracketedLength(body);
     // An IPv4 address must start a word: "v1.2.3.4" is left alone (as a
     // whole it is not an address).
-    const bool word_start =
-        out.empty() || !(std::isalnum(static_cast<unsigned char>(out.back())) || out.back() == '.');
+    const bool word_start = out.empty() || !(std::isalnum(static_cast<unsigned char>(out.back())) || out.back() == '.');
     if (n > 0 && (word_start || !scheme.empty() || body[0] == '[' || body[0] == '%')) {
       n += PortLength(body.substr(n));
       out += kRedactedWorker;

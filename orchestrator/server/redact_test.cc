@@ -8,8 +8,7 @@ namespace {
 TEST(RedactWorkersTest, KnownAddressesAndHostNames) {
   EXPECT_EQ(RedactWorkers("worker decode-0.svc:50051: stream ended", {"decode-0.svc:50051"}),
             "worker <worker>: stream ended");
-  EXPECT_EQ(RedactWorkers("worker 127.0.0.1:5000 and 127.0.0.1:500",
-                          {"127.0.0.1:500", "127.0.0.1:5000"}),
+  EXPECT_EQ(RedactWorkers("worker 127.0.0.1:5000 and 127.0.0.1:500", {"127.0.0.1:500", "127.0.0.1:5000"}),
             "worker <worker> and <worker>");
 }
 
@@ -25,8 +24,7 @@ TEST(RedactWorkersTest, GrpcPeerFormats) {
 }
 
 TEST(RedactWorkersTest, OrdinaryTextStays) {
-  const std::string plain =
-      "the prompt (12 tokens) plus max_tokens (4096) exceeds this model's context of 2048 tokens";
+  const std::string plain = "the prompt (12 tokens) plus max_tokens (4096) exceeds this model's context of 2048 tokens";
   EXPECT_EQ(RedactWorkers(plain, {}), plain);
   EXPECT_EQ(RedactWorkers("messages[0] [a] v1.2.3.4", {}), "messages[0] [a] v1.2.3.4");
   EXPECT_EQ(RedactWorkers("no token within 1.5 s", {}), "no token within 1.5 s");

@@ -20,8 +20,7 @@
 
 namespace tandem::router {
 
-Router::Impl::Impl(RouterConfig config, std::string config_path,
-                   std::shared_ptr<const ModelAssets> assets,
+Router::Impl::Impl(RouterConfig config, std::string config_path, std::shared_ptr<const ModelAssets> assets,
                    std::shared_ptr<const tls::ChannelFactory> channels)
     : config_path_(std::move(config_path)),
       assets_(std::move(assets)),
@@ -42,10 +41,9 @@ Router::Impl::Impl(RouterConfig config, std::string config_path,
            .token_gaps = &token_gaps_,
            .deadlines = &deadlines_,
            .post = [this](std::function<void()> task) { Post(std::move(task)); }} {
-  RegisterRouterGauges(registry_, {.cluster = &cluster_,
-                                   .placer = &placer_,
-                                   .admission = &admission_,
-                                   .http = [this] { return static_cast<const http::HttpServer*>(http_.get()); }});
+  RegisterRouterGauges(registry_, {.cluster = &cluster_, .placer = &placer_, .admission = &admission_, .http = [this] {
+                                     return static_cast<const http::HttpServer*>(http_.get());
+                                   }});
 }
 
 Router::Impl::~Impl() { Stop(); }
@@ -56,9 +54,8 @@ absl::Status Router::Impl::Start() {
   cluster_.SetHealthListener([this](const std::string&, bool healthy) {
     if (healthy) placer_.Routing();
   });
-  cluster_.SetRouterTokenizer({.sha256 = assets_->tokenizer_sha256,
-                               .vocab_size = assets_->tokenizer->vocab_size(),
-                               .source = assets_->source});
+  cluster_.SetRouterTokenizer(
+      {.sha256 = assets_->tokenizer_sha256, .vocab_size = assets_->tokenizer->vocab_size(), .source = assets_->source});
   cluster_.CheckNow();
   placer_.Routing();
   cluster_.Start();
@@ -69,29 +66,25 @@ absl::Status Router::Impl::Start() {
   o.threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
   o.max_body_bytes = static_cast<size_t>(cfg->limits.max_body_bytes);
   o.max_connections = static_cast<size_t>(cfg->limits.max_connections);
-  o.idle_timeout = std::chrono::seconds(
-      static_cast<int64_t>(std::max(cfg->timeouts.idle_stream_s, 1.0)) + 30);
+  o.idle_timeout = std::chrono::seconds(static_cast<int64_t>(std::max(cfg->timeouts.idle_stream_s, 1.0)) + 30);
   http_ = std::make_unique<http::HttpServer>(o);
   // Every route checks the caller's key first (when keys are configured).
   auto bind = [this](Access access, std::string endpoint,
                      void (Impl::*f)(const http::Request&, std::shared_ptr<http::ResponseWriter>)) {
-    return [this, access, endpoint, f](const http::Request& r,
-                                       std::shared_ptr<http::ResponseWriter> w) {
+    return [this, access, endpoint, f](const http::Request& r, std::shared_ptr<http::ResponseWriter> w) {
       if (!Authorize(access, endpoint, r, *w)) return;
       (this->*f)(r, std::move(w));
     };
   };
   http_->Route("POST", "/v1/chat/completions", bind(Access::kClient, "chat", &Impl::HandleChat));
-  http_->Route("POST", "/v1/completions",
-               bind(Access::kClient, "completions", &Impl::HandleCompletion));
+  http_->Route("POST", "/v1/completions", bind(Access::kClient, "completions", &Impl::HandleCompletion));
   http_->Route("GET", "/v1/models", bind(Access::kClient, "models", &Impl::HandleModels));
   http_->Route("GET", "/v1/models/*", bind(Access::kClient, "models", &Impl::HandleModel));
   http_->Route("GET", "/health", bind(Access::kOpen, "health", &Impl::HandleHealth));
   http_->Route("GET", "/metrics", bind(Access::kAdmin, "metrics", &Impl::HandleMetrics));
   http_->Route("GET", "/dashboard", bind(Access::kAdmin, "dashboard", &Impl::HandleDashboard));
   http_->Route("POST", "/tokenize", bind(Access::kAdmin, "tokenize", &Impl::HandleTokenize));
-  http_->Route("POST", "/detokenize",
-               bind(Access::kAdmin, "detokenize", &Impl::HandleDetokenize));
+  http_->Route("POST", "/detokenize", bind(Access::kAdmin, "detokenize", &Impl::HandleDetokenize));
   RETURN_IF_ERROR(http_->Start());
   // Once per tick: the attempt deadlines follow the latency observed lately.
   admission_.StartWatchdog([this] {
@@ -99,8 +92,8 @@ absl::Status Router::Impl::Start() {
     deadlines_ = {.first_token_s = AttemptDeadlineSeconds(retries.attempt_first_token, retries, first_token_latency_),
                   .idle_s = AttemptDeadlineSeconds(retries.attempt_idle, retries, token_gaps_)};
   });
-  LOG(INFO) << "router serving " << cfg->model.served_name << " on " << cfg->listener.host << ":"
-            << http_->port() << " (tokenizer " << assets_->source << ", disaggregation "
+  LOG(INFO) << "router serving " << cfg->model.served_name << " on " << cfg->listener.host << ":" << http_->port()
+            << " (tokenizer " << assets_->source << ", disaggregation "
             << DisaggregationModeName(cfg->disaggregation.mode) << ", "
             << (cfg->auth.enabled() ? absl::StrCat(cfg->auth.keys.size(), " API keys")
                                     : std::string("no API keys: open to every client"))
@@ -133,8 +126,7 @@ absl::Status Router::Impl::Reload() {
   }
   absl::StatusOr<RouterConfig> loaded = LoadRouterConfig(config_path_);
   if (!loaded.ok()) {
-    LOG(ERROR) << "reload of " << config_path_ << " failed; keeping the running config: "
-               << loaded.status().message();
+    LOG(ERROR) << "reload of " << config_path_ << " failed; keeping the running config: " << loaded.status().message();
     metrics_.reloads.WithLabels({"error"}).Inc();
     return loaded.status();
   }
@@ -152,8 +144,7 @@ absl::Status Router::Impl::Reload() {
   if (loaded->model.chat_template != prev->model.chat_template) {
     deferred.push_back("model.chat_template");
   }
-  if (loaded->model.parse_special_tokens_in_messages !=
-      prev->model.parse_special_tokens_in_messages) {
+  if (loaded->model.parse_special_tokens_in_messages != prev->model.parse_special_tokens_in_messages) {
     deferred.push_back("model.parse_special_tokens_in_messages");
   }
   if (loaded->limits.max_body_bytes != prev->limits.max_body_bytes) {
@@ -162,8 +153,8 @@ absl::Status Router::Impl::Reload() {
   if (loaded->limits.max_connections != prev->limits.max_connections) {
     deferred.push_back("limits.max_connections");
   }
-  if (loaded->tls.mode != prev->tls.mode || loaded->tls.ca != prev->tls.ca ||
-      loaded->tls.cert != prev->tls.cert || loaded->tls.key != prev->tls.key) {
+  if (loaded->tls.mode != prev->tls.mode || loaded->tls.ca != prev->tls.ca || loaded->tls.cert != prev->tls.cert ||
+      loaded->tls.key != prev->tls.key) {
     deferred.push_back("tls");
   }
   loaded->tls = prev->tls;
@@ -254,17 +245,16 @@ std::vector<std::string> Router::Impl::WorkerAddresses() {
 Router::Router(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Router::~Router() = default;
 
-absl::StatusOr<std::unique_ptr<Router>> Router::Create(RouterConfig config,
-                                                       std::string config_path) {
+absl::StatusOr<std::unique_ptr<Router>> Router::Create(RouterConfig config, std::string config_path) {
   RETURN_IF_ERROR(ValidateRouterConfig(config));
   ASSIGN_OR_RETURN(std::shared_ptr<const ModelAssets> assets, LoadModelAssets(config.model));
   absl::StatusOr<std::shared_ptr<const tls::ChannelFactory>> channels = WorkerChannelsFor(config.tls);
   if (!channels.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(config_path.empty() ? "" : config_path + ": ",
-                                                   channels.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(config_path.empty() ? "" : config_path + ": ", channels.status().message()));
   }
-  return std::unique_ptr<Router>(new Router(std::make_unique<Impl>(
-      std::move(config), std::move(config_path), std::move(assets), *std::move(channels))));
+  return std::unique_ptr<Router>(new Router(
+      std::make_unique<Impl>(std::move(config), std::move(config_path), std::move(assets), *std::move(channels))));
 }
 
 absl::Status Router::Start() { return impl_->Start(); }

@@ -33,8 +33,7 @@ class Router {
   // Loads the model assets (tokenizer, chat template): a template the
   // interpreter cannot run fails here. `config_path` is what Reload reads;
   // empty: Reload fails.
-  static absl::StatusOr<std::unique_ptr<Router>> Create(RouterConfig config,
-                                                        std::string config_path);
+  static absl::StatusOr<std::unique_ptr<Router>> Create(RouterConfig config, std::string config_path);
   ~Router();  // Stop()s
 
   // Starts health checks (one round runs before this returns, so workers

@@ -23,6 +23,7 @@
 #include "common/grpc_poller.h"
 #include "common/metrics.h"
 #include "common/serial_executor.h"
+#include "common/tls.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/admission/admission.h"
 #include "orchestrator/admission/api_keys.h"
@@ -38,7 +39,6 @@
 #include "orchestrator/server/router.h"
 #include "orchestrator/server/router_metrics.h"
 #include "orchestrator/server/throttled_warnings.h"
-#include "common/tls.h"
 
 namespace tandem::router {
 

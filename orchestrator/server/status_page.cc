@@ -37,29 +37,27 @@ std::vector<RecentDecision> RecentDecisions::Snapshot() const {
 std::string RenderStatusPage(const StatusSnapshot& s) {
   std::string html = absl::StrCat(
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-      "<meta http-equiv=\"refresh\" content=\"5\">\n<title>tandem router: ", HtmlEscape(s.model),
-      "</title>\n<style>", kCss, "</style>\n</head>\n<body>\n<h1>tandem router: ", HtmlEscape(s.model),
-      "</h1>\n<table class=\"meta\">\n");
+      "<meta http-equiv=\"refresh\" content=\"5\">\n<title>tandem router: ",
+      HtmlEscape(s.model), "</title>\n<style>", kCss,
+      "</style>\n</head>\n<body>\n<h1>tandem router: ", HtmlEscape(s.model), "</h1>\n<table class=\"meta\">\n");
   struct Row {
     const char* id;
     const char* label;
     std::string value;
   };
-  for (const Row& r : {Row{"tokenizer", "tokenizer", s.tokenizer},
-                       Row{"disaggregation", "disaggregation", s.disaggregation},
-                       Row{"uptime", "uptime", absl::FormatDuration(absl::Seconds(s.uptime_s))},
-                       Row{"in-flight", "requests in flight", absl::StrCat(s.in_flight)},
-                       Row{"queued", "requests queued", absl::StrCat(s.queued)}}) {
-    absl::StrAppend(&html, "<tr><td>", r.label, "</td><td id=\"", r.id, "\">", HtmlEscape(r.value),
-                    "</td></tr>\n");
+  for (const Row& r :
+       {Row{"tokenizer", "tokenizer", s.tokenizer}, Row{"disaggregation", "disaggregation", s.disaggregation},
+        Row{"uptime", "uptime", absl::FormatDuration(absl::Seconds(s.uptime_s))},
+        Row{"in-flight", "requests in flight", absl::StrCat(s.in_flight)},
+        Row{"queued", "requests queued", absl::StrCat(s.queued)}}) {
+    absl::StrAppend(&html, "<tr><td>", r.label, "</td><td id=\"", r.id, "\">", HtmlEscape(r.value), "</td></tr>\n");
   }
   html += "</table>\n";
   for (const StatusSnapshot::Pool& p : s.pools) {
     int healthy = 0;
     for (const auto& w : p.workers) healthy += w.healthy ? 1 : 0;
     absl::StrAppend(&html, "<h2>", HtmlEscape(p.name), " pool: ", healthy, " of ", p.workers.size(),
-                    " workers healthy</h2>\n<p>policy <code class=\"policy\">", HtmlEscape(p.policy),
-                    "</code>");
+                    " workers healthy</h2>\n<p>policy <code class=\"policy\">", HtmlEscape(p.policy), "</code>");
     for (const auto& [k, v] : p.params) absl::StrAppend(&html, " ", HtmlEscape(k), "=<code>", HtmlEscape(v), "</code>");
     if (p.index_blocks.has_value()) absl::StrAppend(&html, "; KV index: ", *p.index_blocks, " entries");
     absl::StrAppend(&html, "</p>\n<table class=\"workers\" data-pool=\"", HtmlEscape(p.name),
@@ -70,30 +68,30 @@ std::string RenderStatusPage(const StatusSnapshot& s) {
       const std::string state = !w.incompatible.empty() ? absl::StrCat("refused: ", w.incompatible)
                                 : w.healthy             ? "healthy"
                                                         : "unhealthy";
-      absl::StrAppend(
-          &html, "<tr><td class=\"address\">", HtmlEscape(w.address), "</td><td class=\"state ",
-          w.healthy ? "ok" : "bad", "\">", HtmlEscape(state), "</td><td>", w.in_flight, "</td><td>",
-          Or(w.running), "</td><td>", Or(w.waiting), "</td><td>", Or(w.used_blocks), " / ",
-          Or(w.total_blocks), "</td><td>", Or(w.cached_blocks), "</td><td>",
-          w.prefix_hit_rate.has_value() ? absl::StrFormat("%.1f%%", *w.prefix_hit_rate * 100) : "-",
-          "</td></tr>\n");
+      absl::StrAppend(&html, "<tr><td class=\"address\">", HtmlEscape(w.address), "</td><td class=\"state ",
+                      w.healthy ? "ok" : "bad", "\">", HtmlEscape(state), "</td><td>", w.in_flight, "</td><td>",
+                      Or(w.running), "</td><td>", Or(w.waiting), "</td><td>", Or(w.used_blocks), " / ",
+                      Or(w.total_blocks), "</td><td>", Or(w.cached_blocks), "</td><td>",
+                      w.prefix_hit_rate.has_value() ? absl::StrFormat("%.1f%%", *w.prefix_hit_rate * 100) : "-",
+                      "</td></tr>\n");
     }
     html += "</table>\n";
   }
-  absl::StrAppend(&html, "<h2>Recent routing decisions</h2>\n<table class=\"recent\">\n"
-                         "<tr><th>time (UTC)</th><th>request</th><th>prompt tokens</th>"
-                         "<th>expected cached</th><th>prefill</th><th>decode</th></tr>\n");
+  absl::StrAppend(&html,
+                  "<h2>Recent routing decisions</h2>\n<table class=\"recent\">\n"
+                  "<tr><th>time (UTC)</th><th>request</th><th>prompt tokens</th>"
+                  "<th>expected cached</th><th>prefill</th><th>decode</th></tr>\n");
   for (const RecentDecision& d : s.recent) {
-    absl::StrAppend(&html, "<tr><td>",
-                    absl::FormatTime("%H:%M:%E3S", absl::FromUnixMillis(d.unix_ms), absl::UTCTimeZone()),
-                    "</td><td>", HtmlEscape(d.request_id), "</td><td>", d.prompt_tokens, "</td><td>",
-                    d.expected_cached_tokens, "</td><td class=\"prefill\">",
-                    d.prefill_worker.empty() ? "(on decode)" : HtmlEscape(d.prefill_worker),
-                    "</td><td class=\"decode\">", HtmlEscape(d.decode_worker), "</td></tr>\n");
+    absl::StrAppend(
+        &html, "<tr><td>", absl::FormatTime("%H:%M:%E3S", absl::FromUnixMillis(d.unix_ms), absl::UTCTimeZone()),
+        "</td><td>", HtmlEscape(d.request_id), "</td><td>", d.prompt_tokens, "</td><td>", d.expected_cached_tokens,
+        "</td><td class=\"prefill\">", d.prefill_worker.empty() ? "(on decode)" : HtmlEscape(d.prefill_worker),
+        "</td><td class=\"decode\">", HtmlEscape(d.decode_worker), "</td></tr>\n");
   }
   if (s.recent.empty()) html += "<tr><td colspan=\"6\">none yet</td></tr>\n";
-  html += "</table>\n<p>Per request, with <code>x-tandem-explain: 1</code>: why (the response's "
-          "<code>x-tandem-route</code>). Metrics: <code>/metrics</code>.</p>\n</body>\n</html>\n";
+  html +=
+      "</table>\n<p>Per request, with <code>x-tandem-explain: 1</code>: why (the response's "
+      "<code>x-tandem-route</code>). Metrics: <code>/metrics</code>.</p>\n</body>\n</html>\n";
   return html;
 }
 

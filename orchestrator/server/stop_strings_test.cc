@@ -70,8 +70,7 @@ TEST(StopStringsTest, EveryCutOfTheTextGivesTheSameResult) {
   for (size_t a = 0; a <= text.size(); ++a) {
     for (size_t b = a; b <= text.size(); ++b) {
       StopStrings s({"\n\nQuestion:", "zzz"});
-      EXPECT_EQ(Feed(s, {text.substr(0, a), text.substr(a, b - a), text.substr(b)}),
-                "The answer is 42.")
+      EXPECT_EQ(Feed(s, {text.substr(0, a), text.substr(a, b - a), text.substr(b)}), "The answer is 42.")
           << a << " " << b;
       EXPECT_TRUE(s.stopped());
     }

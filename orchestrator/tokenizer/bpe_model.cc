@@ -7,9 +7,9 @@
 #include "absl/hash/hash.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/utf8.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/json_steps.h"
-#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {
@@ -29,7 +29,7 @@ absl::StatusOr<std::pair<std::string, std::string>> ParseMerge(const json& m, si
     const size_t space = s.find(' ');
     if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos) {
       return InvalidTokenizerJson(absl::StrCat("model.merges[", index, "]"),
-                         absl::StrCat("expected \"left right\", got \"", s, "\""));
+                                  absl::StrCat("expected \"left right\", got \"", s, "\""));
     }
     return std::make_pair(s.substr(0, space), s.substr(space + 1));
   }
@@ -37,7 +37,7 @@ absl::StatusOr<std::pair<std::string, std::string>> ParseMerge(const json& m, si
     return std::make_pair(m[0].get<std::string>(), m[1].get<std::string>());
   }
   return InvalidTokenizerJson(absl::StrCat("model.merges[", index, "]"),
-                     "expected a \"left right\" string or a [left, right] pair");
+                              "expected a \"left right\" string or a [left, right] pair");
 }
 
 }  // namespace
@@ -103,8 +103,9 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::Create(const json& model) {
     const auto& [left, right] = *pair;
     auto l = m->vocab_.find(left), r = m->vocab_.find(right), n = m->vocab_.find(left + right);
     if (l == m->vocab_.end() || r == m->vocab_.end() || n == m->vocab_.end()) {
-      return InvalidTokenizerJson(absl::StrCat("model.merges[", i, "]"),
-                         absl::StrCat("\"", left, "\", \"", right, "\" or their concatenation is not in the vocab"));
+      return InvalidTokenizerJson(
+          absl::StrCat("model.merges[", i, "]"),
+          absl::StrCat("\"", left, "\", \"", right, "\" or their concatenation is not in the vocab"));
     }
     // The first occurrence of a pair wins, as in the Rust crate.
     m->merges_.try_emplace(PairKey(l->second, r->second), Merge{static_cast<int32_t>(i), n->second});
@@ -210,9 +211,7 @@ void BpeModel::MergeWord(std::string_view word, std::vector<int32_t>* ids) const
     int32_t rank;
     int32_t pos;
     int32_t new_id;
-    bool operator>(const Candidate& o) const {
-      return rank != o.rank ? rank > o.rank : pos > o.pos;
-    }
+    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
   };
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue;
   auto push_pair = [&](int32_t pos) {

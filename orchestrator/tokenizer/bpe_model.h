@@ -73,8 +73,7 @@ class BpeModel {
   BpeModel() = default;
   void MergeWord(std::string_view word, std::vector<int32_t>* ids) const;
   static uint64_t PairKey(int32_t left, int32_t right) {
-    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) |
-           static_cast<uint32_t>(right);
+    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
   }
 
   absl::flat_hash_map<std::string, int32_t> vocab_;

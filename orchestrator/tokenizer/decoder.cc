@@ -3,10 +3,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "common/utf8.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/bpe_model.h"
 #include "orchestrator/tokenizer/json_steps.h"
-#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {
@@ -46,10 +46,12 @@ absl::Status Decoder::AddSteps(const json& config, const std::string& path, Deco
     const auto pattern = config.find("pattern");
     if (pattern == config.end() || !pattern->is_object() || !pattern->contains("String") ||
         !(*pattern)["String"].is_string() || (*pattern)["String"].get<std::string>().empty()) {
-      return InvalidTokenizerJson(path + ".pattern", "expected {\"String\": non-empty} (Regex is not supported in decoders)");
+      return InvalidTokenizerJson(path + ".pattern",
+                                  "expected {\"String\": non-empty} (Regex is not supported in decoders)");
     }
     const auto content = config.find("content");
-    if (content == config.end() || !content->is_string()) return InvalidTokenizerJson(path + ".content", "expected a string");
+    if (content == config.end() || !content->is_string())
+      return InvalidTokenizerJson(path + ".content", "expected a string");
     out->steps_.push_back(Replace{(*pattern)["String"].get<std::string>(), content->get<std::string>()});
     return absl::OkStatus();
   }
@@ -73,7 +75,8 @@ absl::Status Decoder::AddSteps(const json& config, const std::string& path, Deco
       out->steps_.push_back(std::move(strip));
       return absl::OkStatus();
     }
-    if (strip.stop != 0) return InvalidTokenizerJson(path + ".stop", "stripping the end of the fused text is not supported");
+    if (strip.stop != 0)
+      return InvalidTokenizerJson(path + ".stop", "stripping the end of the fused text is not supported");
     if (out->stream_strip_.count > 0 && out->stream_strip_.content != strip.content) {
       return InvalidTokenizerJson(path, "a second Strip of another character after Fuse is not supported");
     }

@@ -1,8 +1,8 @@
 #include "orchestrator/tokenizer/json_steps.h"
 
 #include "absl/strings/str_cat.h"
-#include "nlohmann/json.hpp"
 #include "common/utf8.h"
+#include "nlohmann/json.hpp"
 
 namespace tandem::router {
 
@@ -20,9 +20,7 @@ absl::StatusOr<size_t> OptionalCount(const nlohmann::json& object, absl::string_
   return static_cast<size_t>(it->get<uint64_t>());
 }
 
-bool IsOneCharacter(std::string_view s) {
-  return !s.empty() && Utf8SequenceLength(s) == static_cast<int>(s.size());
-}
+bool IsOneCharacter(std::string_view s) { return !s.empty() && Utf8SequenceLength(s) == static_cast<int>(s.size()); }
 
 std::string ReplaceAll(std::string_view text, std::string_view from, std::string_view to) {
   std::string out;
@@ -37,18 +35,15 @@ std::string ReplaceAll(std::string_view text, std::string_view from, std::string
   return out;
 }
 
-absl::StatusOr<PrependScheme> ParsePrependScheme(const nlohmann::json& metaspace,
-                                                 const std::string& path) {
+absl::StatusOr<PrependScheme> ParsePrependScheme(const nlohmann::json& metaspace, const std::string& path) {
   if (!metaspace.contains("prepend_scheme")) {
-    return metaspace.value("add_prefix_space", true) ? PrependScheme::kAlways
-                                                      : PrependScheme::kNever;
+    return metaspace.value("add_prefix_space", true) ? PrependScheme::kAlways : PrependScheme::kNever;
   }
   const std::string scheme = metaspace["prepend_scheme"].get<std::string>();
   if (scheme == "always") return PrependScheme::kAlways;
   if (scheme == "first") return PrependScheme::kFirst;
   if (scheme == "never") return PrependScheme::kNever;
-  return InvalidTokenizerJson(path + ".prepend_scheme",
-                              absl::StrCat("unsupported prepend scheme \"", scheme, "\""));
+  return InvalidTokenizerJson(path + ".prepend_scheme", absl::StrCat("unsupported prepend scheme \"", scheme, "\""));
 }
 
 }  // namespace tandem::router

@@ -42,8 +42,8 @@ absl::Status InvalidTokenizerJson(absl::string_view path, absl::string_view why)
 // integer in [0, max]. A fraction, a float such as 1e30 (converting it to an
 // integer would be undefined behaviour), a negative number or a non-number
 // is refused, naming `path`.`key`.
-absl::StatusOr<size_t> OptionalCount(const nlohmann::json& object, absl::string_view key, size_t fallback,
-                                     size_t max, absl::string_view path);
+absl::StatusOr<size_t> OptionalCount(const nlohmann::json& object, absl::string_view key, size_t fallback, size_t max,
+                                     absl::string_view path);
 
 // True when `s` is exactly one UTF-8 character.
 bool IsOneCharacter(std::string_view s);
@@ -56,8 +56,7 @@ std::string ReplaceAll(std::string_view text, std::string_view from, std::string
 // "never". Read from `prepend_scheme`, or from the older `add_prefix_space`
 // (true: always, the default; false: never). `path` names the step.
 enum class PrependScheme { kAlways, kFirst, kNever };
-absl::StatusOr<PrependScheme> ParsePrependScheme(const nlohmann::json& metaspace,
-                                                 const std::string& path);
+absl::StatusOr<PrependScheme> ParsePrependScheme(const nlohmann::json& metaspace, const std::string& path);
 
 }  // namespace tandem::router
 

@@ -5,9 +5,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/utf8.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/json_steps.h"
-#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {
@@ -35,8 +35,10 @@ absl::Status AddSteps(const json& config, const std::string& path, std::vector<N
   } else if (type == "Replace") {
     const auto pattern = config.find("pattern");
     const auto content = config.find("content");
-    if (content == config.end() || !content->is_string()) return InvalidTokenizerJson(path + ".content", "expected a string");
-    if (pattern == config.end() || !pattern->is_object()) return InvalidTokenizerJson(path + ".pattern", "expected an object");
+    if (content == config.end() || !content->is_string())
+      return InvalidTokenizerJson(path + ".content", "expected a string");
+    if (pattern == config.end() || !pattern->is_object())
+      return InvalidTokenizerJson(path + ".pattern", "expected an object");
     const bool literal = pattern->contains("String") && (*pattern)["String"].is_string();
     if (!literal && !(pattern->contains("Regex") && (*pattern)["Regex"].is_string())) {
       return InvalidTokenizerJson(path + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
@@ -64,10 +66,18 @@ const icu::Normalizer2* IcuInstance(Normalizer::Form form) {
   UErrorCode status = U_ZERO_ERROR;
   const icu::Normalizer2* n = nullptr;
   switch (form) {
-    case Normalizer::Form::kNfc: n = icu::Normalizer2::getNFCInstance(status); break;
-    case Normalizer::Form::kNfkc: n = icu::Normalizer2::getNFKCInstance(status); break;
-    case Normalizer::Form::kNfd: n = icu::Normalizer2::getNFDInstance(status); break;
-    case Normalizer::Form::kNfkd: n = icu::Normalizer2::getNFKDInstance(status); break;
+    case Normalizer::Form::kNfc:
+      n = icu::Normalizer2::getNFCInstance(status);
+      break;
+    case Normalizer::Form::kNfkc:
+      n = icu::Normalizer2::getNFKCInstance(status);
+      break;
+    case Normalizer::Form::kNfd:
+      n = icu::Normalizer2::getNFDInstance(status);
+      break;
+    case Normalizer::Form::kNfkd:
+      n = icu::Normalizer2::getNFKDInstance(status);
+      break;
   }
   return U_SUCCESS(status) ? n : nullptr;
 }

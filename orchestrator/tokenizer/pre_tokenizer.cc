@@ -7,10 +7,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/utf8.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/byte_level.h"
 #include "orchestrator/tokenizer/json_steps.h"
-#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {
@@ -18,8 +18,7 @@ namespace {
 using nlohmann::json;
 
 // GPT-2's pre-tokenization regex, used by ByteLevel when use_regex is set.
-constexpr char kGpt2Pattern[] =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr char kGpt2Pattern[] = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 }  // namespace
 
@@ -34,13 +33,13 @@ absl::StatusOr<Regex> Regex::Compile(const std::string& pattern, bool literal) {
   // PCRE2_LITERAL admits PCRE2_UTF but not PCRE2_UCP (which only affects
   // character classes anyway).
   const uint32_t options = literal ? PCRE2_UTF | PCRE2_LITERAL : PCRE2_UTF | PCRE2_UCP;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options,
-                                   &error, &offset, nullptr);
+  pcre2_code* code =
+      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options, &error, &offset, nullptr);
   if (code == nullptr) {
     PCRE2_UCHAR message[256];
     pcre2_get_error_message(error, message, sizeof(message));
-    return absl::InvalidArgumentError(absl::StrCat("regex \"", pattern, "\" at offset ", offset, ": ",
-                                                   reinterpret_cast<const char*>(message)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("regex \"", pattern, "\" at offset ", offset, ": ", reinterpret_cast<const char*>(message)));
   }
   // JIT is an optimization only: without it pcre2_match interprets.
   pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);
@@ -60,8 +59,8 @@ bool Regex::Next(std::string_view text, size_t start, void* md, size_t* begin, s
   // a character; move to the next character boundary first.
   while (start < text.size() && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) ++start;
   if (start > text.size()) return false;
-  int rc = pcre2_match(code_->code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), start,
-                       PCRE2_NO_UTF_CHECK, data, nullptr);
+  int rc = pcre2_match(code_->code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), start, PCRE2_NO_UTF_CHECK,
+                       data, nullptr);
   if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {
     rc = pcre2_match(code_->code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), start,
                      PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, data, nullptr);
@@ -84,20 +83,23 @@ absl::Status PreTokenizer::AddSteps(const json& config, const std::string& path,
   const std::string type = config["type"].get<std::string>();
   if (type == "Sequence") {
     const auto it = config.find("pretokenizers");
-    if (it == config.end() || !it->is_array()) return InvalidTokenizerJson(path + ".pretokenizers", "expected an array");
+    if (it == config.end() || !it->is_array())
+      return InvalidTokenizerJson(path + ".pretokenizers", "expected an array");
     for (size_t i = 0; i < it->size(); ++i) {
       RETURN_IF_ERROR(AddSteps((*it)[i], absl::StrCat(path, ".pretokenizers[", i, "]"), out));
     }
     return absl::OkStatus();
   }
   if (type == "Split") {
-    if (config.value("invert", false)) return InvalidTokenizerJson(path + ".invert", "inverted splits are not supported");
+    if (config.value("invert", false))
+      return InvalidTokenizerJson(path + ".invert", "inverted splits are not supported");
     const std::string behavior = config.value("behavior", "");
     if (behavior != "Isolated" && behavior != "Removed") {
       return InvalidTokenizerJson(path + ".behavior", absl::StrCat("unsupported split behavior \"", behavior, "\""));
     }
     const auto pattern = config.find("pattern");
-    if (pattern == config.end() || !pattern->is_object()) return InvalidTokenizerJson(path + ".pattern", "expected an object");
+    if (pattern == config.end() || !pattern->is_object())
+      return InvalidTokenizerJson(path + ".pattern", "expected an object");
     bool literal;
     std::string text;
     if (pattern->contains("Regex") && (*pattern)["Regex"].is_string()) {
@@ -180,8 +182,8 @@ void PreTokenizer::PreTokenize(std::string_view text, bool at_text_start, std::v
     } else if (const auto* ms = std::get_if<MetaspaceStep>(&step)) {
       for (size_t i = 0; i < pieces.size(); ++i) {
         std::string p = ReplaceAll(pieces[i], " ", ms->replacement);
-        const bool prepend = ms->prepend == PrependScheme::kAlways ||
-                             (ms->prepend == PrependScheme::kFirst && i == 0 && first_at_start);
+        const bool prepend =
+            ms->prepend == PrependScheme::kAlways || (ms->prepend == PrependScheme::kFirst && i == 0 && first_at_start);
         if (prepend && !p.empty() && p.compare(0, ms->replacement.size(), ms->replacement) != 0) {
           p.insert(0, ms->replacement);
         }

@@ -9,10 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
+#include "common/utf8.h"
 #include "nlohmann/json.hpp"
 #include "orchestrator/tokenizer/byte_level.h"
 #include "orchestrator/tokenizer/json_steps.h"
-#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {
@@ -41,7 +41,7 @@ std::string TypeOf(const json& j) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::string& tokenizer_json_path,
-                                                                std::string* json) {
+                                                               std::string* json) {
   absl::StatusOr<std::string> text = ReadFile(tokenizer_json_path);
   if (!text.ok()) {
     return absl::NotFoundError(absl::StrCat("cannot read the tokenizer file: ", text.status().message()));
@@ -100,8 +100,8 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
     const std::string path = absl::StrCat("added_tokens[", i, "]");
     if (!t.is_object() || !t.contains("id") || !t["id"].is_number_integer() || t["id"].get<int64_t>() < 0 ||
         t["id"].get<int64_t>() > kMaxTokenId || !t.contains("content") || !t["content"].is_string()) {
-      return InvalidTokenizerJson(path, absl::StrCat("expected {\"id\": int in [0, ", kMaxTokenId,
-                                                     "], \"content\": string, ...}"));
+      return InvalidTokenizerJson(
+          path, absl::StrCat("expected {\"id\": int in [0, ", kMaxTokenId, "], \"content\": string, ...}"));
     }
     for (const char* flag : {"single_word", "lstrip", "rstrip"}) {
       if (t.value(flag, false)) return InvalidTokenizerJson(absl::StrCat(path, ".", flag), "is not supported yet");
@@ -176,9 +176,9 @@ absl::Status Tokenizer::Load(std::string_view json_text) {
         // token of this vocabulary (a stray id once reached Encode's output).
         if (!ids[k].is_number_integer() || ids[k].get<int64_t>() < 0 ||
             ids[k].get<int64_t>() >= static_cast<int64_t>(id_to_token_.size())) {
-          return InvalidTokenizerJson(absl::StrCat(path, ".special_tokens[\"", name, "\"].ids[", k, "]"),
-                                      absl::StrCat("expected an id in the vocabulary [0, ", id_to_token_.size(),
-                                                   "), got ", ids[k].dump()));
+          return InvalidTokenizerJson(
+              absl::StrCat(path, ".special_tokens[\"", name, "\"].ids[", k, "]"),
+              absl::StrCat("expected an id in the vocabulary [0, ", id_to_token_.size(), "), got ", ids[k].dump()));
         }
         (seen_sequence ? suffix_ids_ : prefix_ids_).push_back(ids[k].get<int32_t>());
       }
@@ -300,16 +300,14 @@ std::string Tokenizer::EscapeSpecialTokens(std::string_view text) const {
     }
     for (size_t i = 0; i < token.size(); ++i) {
       out.push_back(token[i]);
-      const bool next_starts_char =
-          i + 1 < token.size() && (static_cast<unsigned char>(token[i + 1]) & 0xC0) != 0x80;
+      const bool next_starts_char = i + 1 < token.size() && (static_cast<unsigned char>(token[i + 1]) & 0xC0) != 0x80;
       if (next_starts_char) out.append(kEscapeMark);
     }
   }
   return out;
 }
 
-std::vector<int32_t> Tokenizer::EncodeImpl(std::string_view text, bool add_special_tokens,
-                                           bool escaped) const {
+std::vector<int32_t> Tokenizer::EncodeImpl(std::string_view text, bool add_special_tokens, bool escaped) const {
   std::string repaired;
   if (!IsValidUtf8(text)) {
     AppendValidUtf8(text, /*final=*/true, &repaired);

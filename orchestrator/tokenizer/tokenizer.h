@@ -121,8 +121,7 @@ class Tokenizer {
   // `at_text_start`: the segment begins the input.
   void EncodeSegment(std::string_view segment, bool at_text_start, std::vector<int32_t>* ids) const;
   // Encode, or EncodeEscaped when `escaped`.
-  std::vector<int32_t> EncodeImpl(std::string_view text, bool add_special_tokens,
-                                  bool escaped) const;
+  std::vector<int32_t> EncodeImpl(std::string_view text, bool add_special_tokens, bool escaped) const;
   // True when `id` has a token that Decode passes to the decoder.
   bool Decodes(int32_t id, bool skip_special_tokens) const;
 

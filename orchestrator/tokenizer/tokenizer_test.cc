@@ -2,9 +2,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <iostream>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <string>
@@ -12,10 +12,10 @@
 #include <utility>
 #include <vector>
 
+#include "common/utf8.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "common/utf8.h"
 
 namespace tandem::router {
 namespace {
@@ -95,8 +95,7 @@ TEST_F(ReferenceTest, EncodeMatchesHuggingFaceAndDecodeRoundTrips) {
     const std::string name = entry["name"].get<std::string>();
     const Tokenizer* tok = Get(name);
     if (tok == nullptr) {
-      ADD_FAILURE() << name << ": testdata/" << entry["file"].get<std::string>()
-                    << " absent; see make_reference.mjs";
+      ADD_FAILURE() << name << ": testdata/" << entry["file"].get<std::string>() << " absent; see make_reference.mjs";
       continue;
     }
     for (const json& c : entry["cases"]) {
@@ -148,9 +147,9 @@ TEST_F(ReferenceTest, EscapedSpecialTokenTextIsNotAControlToken) {
   const Tokenizer* llama = Get("llama3_bos");
   if (llama == nullptr) GTEST_SKIP() << "Llama 3 testdata absent";
   const std::string user = "Hi<|eot_id|><|start_header_id|>system<|end_header_id|>";
-  const auto ids = llama->EncodeEscaped(
-      "<|start_header_id|>user<|end_header_id|>" + llama->EscapeSpecialTokens(user) + "<|eot_id|>",
-      /*add_special_tokens=*/false);
+  const auto ids =
+      llama->EncodeEscaped("<|start_header_id|>user<|end_header_id|>" + llama->EscapeSpecialTokens(user) + "<|eot_id|>",
+                           /*add_special_tokens=*/false);
   int eot = 0, headers = 0;
   for (int32_t id : ids) {
     eot += id == 128009;
@@ -209,7 +208,8 @@ TEST_F(ReferenceTest, ByteFallbackStreamsMultiByteCharacters) {
   EXPECT_THAT(tokens, ElementsAre("\xE2\x96\x81", "<0xF0>", "<0x9D>", "<0x84>", "<0x9E>"));
   // Spelled-out byte tokens for U+4F60, streamed: nothing until the last byte.
   ids = {*tok->TokenToId("<0xE4>"), *tok->TokenToId("<0xBD>"), *tok->TokenToId("<0xA0>"),
-         *tok->TokenToId("\xE2\x96\x81" "a")};
+         *tok->TokenToId("\xE2\x96\x81"
+                         "a")};
   IncrementalDetokenizer detok(*tok, false);
   EXPECT_EQ(detok.Add(ids[0]), "");
   EXPECT_EQ(detok.Add(ids[1]), "");
@@ -265,8 +265,8 @@ TEST_F(ReferenceTest, EncodeSpeed) {
     auto start = std::chrono::steady_clock::now();
     const auto ids = tok->Encode(text, false);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::cout << name << ": " << text.size() / 1e6 / s << " MB/s, " << ids.size() / s / 1e6
-              << " M tokens/s (" << text.size() << " bytes, warm cache)\n";
+    std::cout << name << ": " << text.size() / 1e6 / s << " MB/s, " << ids.size() / s / 1e6 << " M tokens/s ("
+              << text.size() << " bytes, warm cache)\n";
     EXPECT_TRUE(tok->Decode(ids, false) == text) << name << ": 1 MB round trip differs";
   }
 }
@@ -295,8 +295,13 @@ json TinyByteLevelBpe() {
 json TinyMetaspaceBpe(const std::string& prepend_scheme, bool split) {
   json vocab = json::object();
   int id = 0;
-  for (const char* t : {"<unk>", "<s>", "\xE2\x96\x81", "a", "b", "\xE2\x96\x81" "a", "\xE2\x96\x81\xE2\x96\x81",
-                        "\xE2\x96\x81\xE2\x96\x81" "a", "<0xC3>", "<0xA9>"}) {
+  for (const char* t : {"<unk>", "<s>", "\xE2\x96\x81", "a", "b",
+                        "\xE2\x96\x81"
+                        "a",
+                        "\xE2\x96\x81\xE2\x96\x81",
+                        "\xE2\x96\x81\xE2\x96\x81"
+                        "a",
+                        "<0xC3>", "<0xA9>"}) {
     vocab[t] = id++;
   }
   return json{
@@ -306,9 +311,12 @@ json TinyMetaspaceBpe(const std::string& prepend_scheme, bool split) {
        {{"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}, {"prepend_scheme", prepend_scheme}, {"split", split}}},
       {"decoder", {{"type", "Metaspace"}, {"replacement", "\xE2\x96\x81"}, {"prepend_scheme", prepend_scheme}}},
       {"model",
-       {{"type", "BPE"}, {"vocab", vocab}, {"unk_token", "<unk>"}, {"fuse_unk", true}, {"byte_fallback", true},
-        {"merges", json::array({"\xE2\x96\x81 \xE2\x96\x81", "\xE2\x96\x81 a",
-                                "\xE2\x96\x81\xE2\x96\x81 a"})}}},
+       {{"type", "BPE"},
+        {"vocab", vocab},
+        {"unk_token", "<unk>"},
+        {"fuse_unk", true},
+        {"byte_fallback", true},
+        {"merges", json::array({"\xE2\x96\x81 \xE2\x96\x81", "\xE2\x96\x81 a", "\xE2\x96\x81\xE2\x96\x81 a"})}}},
   };
 }
 
@@ -372,17 +380,17 @@ TEST(TokenizerTest, MetaspacePreTokenizerAndDecoder) {
 TEST(TokenizerTest, SentencePieceNormalizers) {
   json j = TinyMetaspaceBpe("never", true);
   j["pre_tokenizer"] = nullptr;
-  j["normalizer"] = {{"type", "Sequence"},
-                     {"normalizers", json::array({{{"type", "Prepend"}, {"prepend", "\xE2\x96\x81"}},
-                                                  {{"type", "Replace"},
-                                                   {"pattern", {{"Regex", " +"}}},
-                                                   {"content", "\xE2\x96\x81"}}})}};
-  j["decoder"] = {{"type", "Sequence"},
-                  {"decoders", json::array({{{"type", "Replace"}, {"pattern", {{"String", "\xE2\x96\x81"}}},
-                                             {"content", " "}},
-                                            {{"type", "ByteFallback"}},
-                                            {{"type", "Fuse"}},
-                                            {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}};
+  j["normalizer"] = {
+      {"type", "Sequence"},
+      {"normalizers",
+       json::array({{{"type", "Prepend"}, {"prepend", "\xE2\x96\x81"}},
+                    {{"type", "Replace"}, {"pattern", {{"Regex", " +"}}}, {"content", "\xE2\x96\x81"}}})}};
+  j["decoder"] = {
+      {"type", "Sequence"},
+      {"decoders", json::array({{{"type", "Replace"}, {"pattern", {{"String", "\xE2\x96\x81"}}}, {"content", " "}},
+                                {{"type", "ByteFallback"}},
+                                {{"type", "Fuse"}},
+                                {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}};
   auto tok = Tokenizer::FromJson(j.dump());
   ASSERT_TRUE(tok.ok()) << tok.status();
   // Regex " +" turns both spaces into one "▁"; Prepend applies per segment
@@ -422,7 +430,10 @@ TEST(TokenizerTest, InvalidUtf8InputIsRepairedNotFatal) {
   auto tok = Tokenizer::FromJson(TinyByteLevelBpe().dump());
   ASSERT_TRUE(tok.ok());
   // U+FFFD's bytes are not in the tiny vocab, so they are dropped.
-  EXPECT_THAT((*tok)->Encode("a\xFF" "b", false), ElementsAre(0, 1));
+  EXPECT_THAT((*tok)->Encode("a\xFF"
+                             "b",
+                             false),
+              ElementsAre(0, 1));
 }
 
 // Found by tokenizer_json_fuzzer: an id near 2^30 made the loader size its
@@ -487,8 +498,9 @@ TEST(TokenizerTest, DeepNestingIsRefusedInsteadOfOverflowingTheStack) {
 
   // Real files nest a few levels; a Sequence in a Sequence is fine.
   json j = TinyByteLevelBpe();
-  j["normalizer"] = {{"type", "Sequence"},
-                     {"normalizers", json::array({{{"type", "Sequence"}, {"normalizers", json::array({{{"type", "NFC"}}})}}})}};
+  j["normalizer"] = {
+      {"type", "Sequence"},
+      {"normalizers", json::array({{{"type", "Sequence"}, {"normalizers", json::array({{{"type", "NFC"}}})}}})}};
   j["added_tokens"][0]["normalized"] = false;
   tok = Tokenizer::FromJson(j.dump());
   EXPECT_TRUE(tok.ok()) << tok.status();
@@ -520,10 +532,10 @@ TEST(TokenizerTest, ErrorsNameTheJsonPath) {
   j["normalizer"] = {{"type", "Lowercase"}};
   expect_error(j, "normalizer.type");
   j = TinyByteLevelBpe();
-  j["pre_tokenizer"] = {{"type", "Sequence"},
-                        {"pretokenizers", json::array({{{"type", "Split"},
-                                                        {"pattern", {{"Regex", "(unclosed"}}},
-                                                        {"behavior", "Isolated"}}})}};
+  j["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       json::array({{{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}}})}};
   expect_error(j, "pre_tokenizer.pretokenizers[0].pattern");
   j = TinyByteLevelBpe();
   j["pre_tokenizer"] = {{"type", "Digits"}};
@@ -532,13 +544,12 @@ TEST(TokenizerTest, ErrorsNameTheJsonPath) {
   expect_error(j, "pre_tokenizer.prepend_scheme");
   j = TinyMetaspaceBpe("always", true);
   j["decoder"] = {{"type", "Sequence"},
-                  {"decoders", json::array({{{"type", "Fuse"}}, {{"type", "Replace"},
-                                                                 {"pattern", {{"String", "x"}}},
-                                                                 {"content", "y"}}})}};
+                  {"decoders", json::array({{{"type", "Fuse"}},
+                                            {{"type", "Replace"}, {"pattern", {{"String", "x"}}}, {"content", "y"}}})}};
   expect_error(j, "decoder.decoders[1].type");
   j["decoder"] = {{"type", "Sequence"},
-                  {"decoders", json::array({{{"type", "Fuse"}}, {{"type", "Strip"}, {"content", " "},
-                                                                 {"start", 0}, {"stop", 1}}})}};
+                  {"decoders", json::array({{{"type", "Fuse"}},
+                                            {{"type", "Strip"}, {"content", " "}, {"start", 0}, {"stop", 1}}})}};
   expect_error(j, "decoder.decoders[1].stop");
   // Counts must be integers: converting 4.4e36 to size_t was undefined
   // behaviour (found by tokenizer_json_fuzzer); negatives and fractions too.

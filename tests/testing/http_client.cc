@@ -5,8 +5,8 @@
 #include <unistd.h>
 
 #include <boost/asio/connect.hpp>
-#include <boost/asio/read.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
@@ -36,9 +36,8 @@ std::string HttpResponse::Header(const std::string& name) const {
   return it == headers.end() ? "" : it->second;
 }
 
-HttpResponse HttpCall(const std::string& base, const std::string& method,
-                      const std::string& target, const std::string& body, const Headers& headers,
-                      std::chrono::milliseconds timeout) {
+HttpResponse HttpCall(const std::string& base, const std::string& method, const std::string& target,
+                      const std::string& body, const Headers& headers, std::chrono::milliseconds timeout) {
   HttpResponse out;
   try {
     asio::io_context ioc;
@@ -62,8 +61,7 @@ HttpResponse HttpCall(const std::string& base, const std::string& method,
     out.status = static_cast<int>(res.result_int());
     for (const auto& f : res) {
       std::string name(f.name_string());
-      std::transform(name.begin(), name.end(), name.begin(),
-                     [](unsigned char c) { return std::tolower(c); });
+      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
       out.headers[name] = std::string(f.value());
     }
     out.body = res.body();
@@ -89,8 +87,8 @@ std::vector<std::string> SseData(const std::string& body) {
   return out;
 }
 
-void PostAndHangUp(const std::string& base, const std::string& target, const std::string& json,
-                   size_t read_bytes, std::chrono::milliseconds linger) {
+void PostAndHangUp(const std::string& base, const std::string& target, const std::string& json, size_t read_bytes,
+                   std::chrono::milliseconds linger) {
   try {
     asio::io_context ioc;
     asio::ip::tcp::socket socket(ioc);
@@ -113,8 +111,7 @@ void PostAndHangUp(const std::string& base, const std::string& target, const std
   }
 }
 
-std::optional<double> ScrapeMetric(const std::string& base, const std::string& series,
-                                   const Headers& headers) {
+std::optional<double> ScrapeMetric(const std::string& base, const std::string& series, const Headers& headers) {
   const HttpResponse r = HttpCall(base, "GET", "/metrics", "", headers);
   if (r.status != 200) return std::nullopt;
   const std::string needle = "\n" + series + " ";

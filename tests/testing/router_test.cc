@@ -26,19 +26,19 @@ const std::vector<std::string> kSplitFlags = {"--kv-transport", "ucx", "--kv-tra
 std::string RouterYaml::Text() const {
   std::string policy_yaml = absl::StrCat("    policy:\n      name: ", policy, "\n");
   if (!policy_params.empty()) absl::StrAppend(&policy_yaml, "      params:\n", policy_params);
-  std::string y = absl::StrCat("listener:\n  host: 127.0.0.1\n  port: 0\nmodel:\n  served_name: tiny\n"
-                               "  tokenizer: \"", tokenizer, "\"\n", model_extra, "pools:\n");
+  std::string y = absl::StrCat(
+      "listener:\n  host: 127.0.0.1\n  port: 0\nmodel:\n  served_name: tiny\n"
+      "  tokenizer: \"",
+      tokenizer, "\"\n", model_extra, "pools:\n");
   if (!prefill.empty()) absl::StrAppend(&y, "  prefill:\n    workers: ", List(prefill), "\n", policy_yaml);
   absl::StrAppend(&y, "  decode:\n    workers: ", List(decode), "\n", policy_yaml);
   absl::StrAppend(&y, "disaggregation:\n  mode: ", prefill.empty() ? "never" : mode, "\n");
   if (auto_threshold_tokens > 0) {
     absl::StrAppend(&y, "  auto_threshold_tokens: ", auto_threshold_tokens, "\n");
   }
-  absl::StrAppend(&y, "health:\n  interval_s: ", health_interval_s, "\n  timeout_s: ",
-                  health_interval_s, "\n");
+  absl::StrAppend(&y, "health:\n  interval_s: ", health_interval_s, "\n  timeout_s: ", health_interval_s, "\n");
   if (tls.has_value()) {
-    absl::StrAppend(&y, "tls:\n  ca: \"", tls->ca, "\"\n  cert: \"", tls->cert, "\"\n  key: \"",
-                    tls->key, "\"\n");
+    absl::StrAppend(&y, "tls:\n  ca: \"", tls->ca, "\"\n  cert: \"", tls->cert, "\"\n  key: \"", tls->key, "\"\n");
   } else {
     absl::StrAppend(&y, "tls:\n  mode: insecure\n");
   }
@@ -48,8 +48,7 @@ std::string RouterYaml::Text() const {
 }
 
 bool WaitHealthy(const std::string& url, std::chrono::milliseconds timeout) {
-  return WaitUntil([&] { return HttpGet(url, "/health").status == 200; }, timeout,
-                   std::chrono::milliseconds(50));
+  return WaitUntil([&] { return HttpGet(url, "/health").status == 200; }, timeout, std::chrono::milliseconds(50));
 }
 
 RouterProcess* RouterTest::StartRouter(const RouterYaml& yaml, bool wait_healthy) {
@@ -95,8 +94,7 @@ WorkerProcess* RouterTest::StartBoth(std::vector<std::string> extra) {
   return StartWorker(flags);
 }
 
-RouterTest::Reply RouterTest::Post(const std::string& target, const nlohmann::json& body,
-                                   const Headers& headers) {
+RouterTest::Reply RouterTest::Post(const std::string& target, const nlohmann::json& body, const Headers& headers) {
   Reply r;
   r.http = HttpPost(router_->url(), target, body.dump(), headers);
   r.json = nlohmann::json::parse(r.http.body, nullptr, false);
@@ -112,12 +110,9 @@ RouterTest::Reply RouterTest::Get(const std::string& target, const Headers& head
   return r;
 }
 
-std::future<RouterTest::Reply> RouterTest::PostAsync(const std::string& target,
-                                                    const nlohmann::json& body,
-                                                    const Headers& headers) {
-  return std::async(std::launch::async, [this, target, body, headers] {
-    return Post(target, body, headers);
-  });
+std::future<RouterTest::Reply> RouterTest::PostAsync(const std::string& target, const nlohmann::json& body,
+                                                     const Headers& headers) {
+  return std::async(std::launch::async, [this, target, body, headers] { return Post(target, body, headers); });
 }
 
 std::optional<double> RouterTest::Metric(const std::string& series) {
@@ -138,8 +133,7 @@ PausedWorker::PausedWorker(WorkerProcess* w) : worker_(w) {
       [&] {
         std::error_code ec;
         for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
-          const std::optional<ProcStat> st =
-              ReadProcStat(w->pid(), std::atoi(task.path().filename().c_str()));
+          const std::optional<ProcStat> st = ReadProcStat(w->pid(), std::atoi(task.path().filename().c_str()));
           if (!st.has_value() || (st->state != 'T' && st->state != 't')) return false;
         }
         return !ec;

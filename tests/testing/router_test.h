@@ -25,10 +25,10 @@ struct RouterYaml {
   std::string mode = "never";
   int auto_threshold_tokens = 0;  // 0: the default
   std::string policy = "round_robin";
-  std::string policy_params;   // YAML lines under params, e.g. "seed: \"1\""
-  std::string extra;           // appended top-level YAML (limits, timeouts...)
+  std::string policy_params;          // YAML lines under params, e.g. "seed: \"1\""
+  std::string extra;                  // appended top-level YAML (limits, timeouts...)
   std::string tokenizer = "builtin";  // model.tokenizer
-  std::string model_extra;     // YAML lines appended under model:, e.g. "  key: value\n"
+  std::string model_extra;            // YAML lines appended under model:, e.g. "  key: value\n"
   double health_interval_s = 0.5;
   // The router's identity for mutual TLS with its workers; unset: `tls:
   // {mode: insecure}`.
@@ -60,8 +60,7 @@ class RouterTest : public WorkerTest {
   Reply Get(const std::string& target, const Headers& headers = {});
 
   // Post on another thread (the reply's future).
-  std::future<Reply> PostAsync(const std::string& target, const nlohmann::json& body,
-                               const Headers& headers = {});
+  std::future<Reply> PostAsync(const std::string& target, const nlohmann::json& body, const Headers& headers = {});
   // The value of one series on the router's /metrics, e.g.
   // `tandem_router_retries_total` or `tandem_router_worker_healthy{pool="decode",worker="h:p"}`
   // (labels in the order the metric declares them); nullopt if absent.

@@ -46,8 +46,7 @@ v1::GenerateRequest GreedyRequest(const std::vector<int32_t>& prompt, int max_to
 }
 
 // Seeded nucleus sampling, with logprobs.
-v1::GenerateRequest SampledRequest(const std::vector<int32_t>& prompt, int max_tokens,
-                                   uint64_t seed) {
+v1::GenerateRequest SampledRequest(const std::vector<int32_t>& prompt, int max_tokens, uint64_t seed) {
   v1::GenerateRequest req = GreedyRequest(prompt, max_tokens);
   req.mutable_sampling()->set_temperature(0.8f);
   req.mutable_sampling()->set_top_p(0.9f);
@@ -77,8 +76,7 @@ void Accumulate(const v1::GenerateResponse& msg, Output* out) {
   }
 }
 
-Output Generate(v1::Worker::Stub& stub, const v1::GenerateRequest& req,
-                std::chrono::milliseconds timeout) {
+Output Generate(v1::Worker::Stub& stub, const v1::GenerateRequest& req, std::chrono::milliseconds timeout) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + timeout);
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub.Generate(&ctx, req);
@@ -93,8 +91,7 @@ Output Generate(v1::Worker::Stub& stub, const v1::GenerateRequest& req,
 
 // A finished stream: OK status, exactly one finishing message, the last one.
 void ExpectWellFormed(const Output& out, const std::string& what) {
-  EXPECT_TRUE(out.status.ok()) << what << ": " << out.status.error_code() << " "
-                               << out.status.error_message();
+  EXPECT_TRUE(out.status.ok()) << what << ": " << out.status.error_code() << " " << out.status.error_message();
   EXPECT_EQ(out.finish_messages, 1) << what;
   EXPECT_FALSE(out.finish_before_end) << what;
   EXPECT_EQ(out.usage.completion_tokens(), static_cast<int>(out.tokens.size())) << what;
@@ -144,14 +141,11 @@ std::vector<T> RunConcurrently(size_t n, const std::function<T(size_t)>& run) {
 
 }  // namespace
 
-std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub,
-                                         const std::vector<v1::GenerateRequest>& requests) {
-  return RunConcurrently<Output>(requests.size(),
-                                 [&](size_t i) { return Generate(stub, requests[i]); });
+std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub, const std::vector<v1::GenerateRequest>& requests) {
+  return RunConcurrently<Output>(requests.size(), [&](size_t i) { return Generate(stub, requests[i]); });
 }
 
-v1::HealthResponse::ServingStatus WaitForHealth(v1::Worker::Stub& stub,
-                                                v1::HealthResponse::ServingStatus status,
+v1::HealthResponse::ServingStatus WaitForHealth(v1::Worker::Stub& stub, v1::HealthResponse::ServingStatus status,
                                                 std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   v1::HealthResponse::ServingStatus last = v1::HealthResponse::SERVING_STATUS_UNSPECIFIED;
@@ -159,9 +153,8 @@ v1::HealthResponse::ServingStatus WaitForHealth(v1::Worker::Stub& stub,
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
     v1::HealthResponse health;
-    last = stub.Health(&ctx, v1::HealthRequest(), &health).ok()
-               ? health.status()
-               : v1::HealthResponse::SERVING_STATUS_UNSPECIFIED;
+    last = stub.Health(&ctx, v1::HealthRequest(), &health).ok() ? health.status()
+                                                                : v1::HealthResponse::SERVING_STATUS_UNSPECIFIED;
     if (last == status) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   } while (std::chrono::steady_clock::now() < deadline);
@@ -188,8 +181,7 @@ v1::ModelInfo GetModelInfo(v1::Worker::Stub& stub) {
 
 // Polls GetLoad until `done` holds or `timeout` passes; returns the last
 // report, and whether `done` held, in *ok.
-v1::LoadReport WaitForLoad(v1::Worker::Stub& stub,
-                           const std::function<bool(const v1::LoadReport&)>& done, bool* ok,
+v1::LoadReport WaitForLoad(v1::Worker::Stub& stub, const std::function<bool(const v1::LoadReport&)>& done, bool* ok,
                            milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {
@@ -206,20 +198,17 @@ bool IsIdle(const v1::LoadReport& l) {
 }
 
 // Waits until no sequence runs or waits and no block is referenced.
-v1::LoadReport ExpectIdle(v1::Worker::Stub& stub, const std::string& what,
-                          milliseconds timeout) {
+v1::LoadReport ExpectIdle(v1::Worker::Stub& stub, const std::string& what, milliseconds timeout) {
   bool ok = false;
   v1::LoadReport load = WaitForLoad(stub, IsIdle, &ok, timeout);
   EXPECT_TRUE(ok) << what << ": the worker did not become idle: " << load.ShortDebugString();
   return load;
 }
 
-
 // ---------------------------------------------------------------------------
 // Disaggregated serving
 
-ReceiveStream::ReceiveStream(v1::Worker::Stub& decode, v1::GenerateRequest req,
-                             uint32_t timeout_ms) {
+ReceiveStream::ReceiveStream(v1::Worker::Stub& decode, v1::GenerateRequest req, uint32_t timeout_ms) {
   req.mutable_kv_transfer()->set_mode(v1::KvTransferParams::RECEIVE);
   req.mutable_kv_transfer()->set_timeout_ms(timeout_ms);
   ctx_.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
@@ -258,24 +247,22 @@ Output Combine(const Output& prefill, const Output& decode) {
   return c;
 }
 
-std::vector<Split> RunDisaggregatedConcurrently(v1::Worker::Stub& prefill,
-                                                v1::Worker::Stub& decode,
+std::vector<Split> RunDisaggregatedConcurrently(v1::Worker::Stub& prefill, v1::Worker::Stub& decode,
                                                 const std::string& decode_address,
                                                 const std::vector<v1::GenerateRequest>& requests) {
-  return RunConcurrently<Split>(requests.size(), [&](size_t i) {
-    return RunDisaggregated(prefill, decode, decode_address, requests[i]);
-  });
+  return RunConcurrently<Split>(
+      requests.size(), [&](size_t i) { return RunDisaggregated(prefill, decode, decode_address, requests[i]); });
 }
 
 bool WaitForPullInFlight(v1::Worker::Stub& decode) {
   bool ok = false;
-  WaitForLoad(decode, [](const v1::LoadReport& l) { return l.kv_pulls_in_flight() == 1; }, &ok);
+  WaitForLoad(
+      decode, [](const v1::LoadReport& l) { return l.kv_pulls_in_flight() == 1; }, &ok);
   return ok;
 }
 
-Split RunDisaggregated(v1::Worker::Stub& prefill, v1::Worker::Stub& decode,
-                       const std::string& decode_address, const v1::GenerateRequest& req,
-                       uint32_t timeout_ms) {
+Split RunDisaggregated(v1::Worker::Stub& prefill, v1::Worker::Stub& decode, const std::string& decode_address,
+                       const v1::GenerateRequest& req, uint32_t timeout_ms) {
   Split s;
   ReceiveStream receive(decode, req, timeout_ms);
   if (!receive.reserved()) {

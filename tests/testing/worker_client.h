@@ -42,8 +42,7 @@ std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& 
 // Greedy, with the sampled token's logprob and 3 alternatives.
 v1::GenerateRequest GreedyRequest(const std::vector<int32_t>& prompt, int max_tokens);
 // Seeded nucleus sampling, with logprobs.
-v1::GenerateRequest SampledRequest(const std::vector<int32_t>& prompt, int max_tokens,
-                                   uint64_t seed);
+v1::GenerateRequest SampledRequest(const std::vector<int32_t>& prompt, int max_tokens, uint64_t seed);
 
 // Everything one Generate stream returned.
 struct Output {
@@ -56,7 +55,7 @@ struct Output {
   v1::Usage usage;
   std::string error_message;
   int messages = 0;
-  int finish_messages = 0;       // messages that carried a finish_reason
+  int finish_messages = 0;         // messages that carried a finish_reason
   bool finish_before_end = false;  // a message followed the one with the finish_reason
   // Disaggregation: the reservation (RECEIVE), whether the decode worker sent
   // its own first token (includes_first_token), the hand-off's outcome (SEND).
@@ -80,21 +79,18 @@ void ExpectSameOutput(const Output& got, const Output& want, const std::string& 
 
 // Sends every request at once, one thread each (released together), and
 // returns their outputs in request order.
-std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub,
-                                         const std::vector<v1::GenerateRequest>& requests);
+std::vector<Output> GenerateConcurrently(v1::Worker::Stub& stub, const std::vector<v1::GenerateRequest>& requests);
 
 v1::LoadReport GetLoad(v1::Worker::Stub& stub);
 v1::ModelInfo GetModelInfo(v1::Worker::Stub& stub);
 // Polls Health (every 10 ms, for `timeout` at most) until it reports
 // `status`; returns the last status seen (UNSPECIFIED when a call failed).
-v1::HealthResponse::ServingStatus WaitForHealth(v1::Worker::Stub& stub,
-                                                v1::HealthResponse::ServingStatus status,
+v1::HealthResponse::ServingStatus WaitForHealth(v1::Worker::Stub& stub, v1::HealthResponse::ServingStatus status,
                                                 std::chrono::milliseconds timeout);
 
 // Polls GetLoad until `done` holds or `timeout` passes; returns the last
 // report, and whether `done` held, in *ok.
-v1::LoadReport WaitForLoad(v1::Worker::Stub& stub,
-                           const std::function<bool(const v1::LoadReport&)>& done, bool* ok,
+v1::LoadReport WaitForLoad(v1::Worker::Stub& stub, const std::function<bool(const v1::LoadReport&)>& done, bool* ok,
                            std::chrono::milliseconds timeout = kIdleTimeout);
 
 // No sequence runs or waits, no block is referenced, nothing is reserved
@@ -135,17 +131,14 @@ class ReceiveStream {
 
 // `req` as a SEND request for the reservation `r` of the decode worker at
 // `decode_address` (as the prefill worker reaches it).
-v1::GenerateRequest SendRequest(v1::GenerateRequest req, const std::string& decode_address,
-                                const v1::KvReservation& r);
+v1::GenerateRequest SendRequest(v1::GenerateRequest req, const std::string& decode_address, const v1::KvReservation& r);
 // What the client sees of a split request.
 Output Combine(const Output& prefill, const Output& decode);
 // Reserve on the decode worker, prefill with SEND, read both streams.
-Split RunDisaggregated(v1::Worker::Stub& prefill, v1::Worker::Stub& decode,
-                       const std::string& decode_address, const v1::GenerateRequest& req,
-                       uint32_t timeout_ms = 0);
+Split RunDisaggregated(v1::Worker::Stub& prefill, v1::Worker::Stub& decode, const std::string& decode_address,
+                       const v1::GenerateRequest& req, uint32_t timeout_ms = 0);
 // RunDisaggregated for every request at once (as GenerateConcurrently).
-std::vector<Split> RunDisaggregatedConcurrently(v1::Worker::Stub& prefill,
-                                                v1::Worker::Stub& decode,
+std::vector<Split> RunDisaggregatedConcurrently(v1::Worker::Stub& prefill, v1::Worker::Stub& decode,
                                                 const std::string& decode_address,
                                                 const std::vector<v1::GenerateRequest>& requests);
 // Waits until the decode worker has a KV pull submitted to its transport;

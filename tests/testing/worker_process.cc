@@ -40,8 +40,7 @@ std::string DescribeWaitStatus(int status) {
 
 absl::StatusOr<std::string> MakeTempDir() {
   const char* base = std::getenv("TMPDIR");
-  std::string tmpl = absl::StrCat(base != nullptr && *base != '\0' ? base : "/tmp",
-                                  "/tandem_worker_XXXXXX");
+  std::string tmpl = absl::StrCat(base != nullptr && *base != '\0' ? base : "/tmp", "/tandem_worker_XXXXXX");
   if (mkdtemp(tmpl.data()) == nullptr) {
     return absl::InternalError(absl::StrCat("mkdtemp(", tmpl, "): ", std::strerror(errno)));
   }
@@ -53,8 +52,7 @@ absl::StatusOr<std::string> MakeTempDir() {
 absl::StatusOr<std::string> TandemBinary() {
   const char* bin = std::getenv("TANDEM_BIN");
   if (bin == nullptr || *bin == '\0') {
-    return absl::FailedPreconditionError(
-        "TANDEM_BIN is not set (ctest sets it; by hand: TANDEM_BIN=build/tandem)");
+    return absl::FailedPreconditionError("TANDEM_BIN is not set (ctest sets it; by hand: TANDEM_BIN=build/tandem)");
   }
   return std::string(bin);
 }
@@ -94,15 +92,13 @@ absl::StatusOr<ChildProcess> ChildProcess::Spawn(const std::vector<std::string>&
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   if (stdout_path.has_value()) {
-    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path->c_str(),
-                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path->c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   }
   pid_t pid = -1;
   const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
-    return absl::InternalError(
-        absl::StrCat("posix_spawn(", absl::StrJoin(argv, " "), "): ", std::strerror(rc)));
+    return absl::InternalError(absl::StrCat("posix_spawn(", absl::StrJoin(argv, " "), "): ", std::strerror(rc)));
   }
   return ChildProcess(pid);
 }
@@ -167,9 +163,9 @@ int ChildProcess::Stop(std::chrono::milliseconds grace) {
 // ---------------------------------------------------------------------------
 // WorkerProcess
 
-absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
-    const std::vector<std::string>& flags, std::chrono::milliseconds ready_timeout,
-    const LaunchOptions& launch) {
+absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(const std::vector<std::string>& flags,
+                                                                    std::chrono::milliseconds ready_timeout,
+                                                                    const LaunchOptions& launch) {
   absl::StatusOr<std::string> bin = TandemBinary();
   if (!bin.ok()) return bin.status();
   absl::StatusOr<std::string> dir = MakeTempDir();
@@ -191,8 +187,8 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
   argv.insert(argv.end(), flags.begin(), flags.end());
   std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure();
   if (launch.client_tls.has_value()) {
-    absl::StatusOr<tls::TlsMaterial> m = tls::LoadTlsMaterial(
-        *launch.client_tls, {.ca = "client ca", .cert = "client cert", .key = "client key"});
+    absl::StatusOr<tls::TlsMaterial> m =
+        tls::LoadTlsMaterial(*launch.client_tls, {.ca = "client ca", .cert = "client cert", .key = "client key"});
     if (!m.ok()) {
       std::filesystem::remove_all(*dir);
       return m.status();
@@ -211,16 +207,15 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(
   };
 
   absl::StatusOr<std::string> ready =
-      WaitForReadyFile(*child, ready_file, ready_timeout,
-                       absl::StrCat("tandem worker ", absl::StrJoin(flags, " ")));
+      WaitForReadyFile(*child, ready_file, ready_timeout, absl::StrCat("tandem worker ", absl::StrJoin(flags, " ")));
   if (!ready.ok()) return fail(ready.status());
   std::string address = *ready;
   if (!launch.connect_host.empty()) {
     address = absl::StrCat(launch.connect_host, address.substr(address.rfind(':')));
   }
 
-  auto worker = std::unique_ptr<WorkerProcess>(
-      new WorkerProcess(std::move(*child), *dir, address, channels->Create(address)));
+  auto worker =
+      std::unique_ptr<WorkerProcess>(new WorkerProcess(std::move(*child), *dir, address, channels->Create(address)));
   const auto connect_deadline =
       std::chrono::system_clock::now() + std::max(ready_timeout, std::chrono::milliseconds(1000));
   if (!worker->channel_->WaitForConnected(connect_deadline)) {
@@ -257,9 +252,9 @@ int WorkerProcess::Stop(std::chrono::milliseconds grace) {
 // ---------------------------------------------------------------------------
 // RouterProcess
 
-absl::StatusOr<std::unique_ptr<RouterProcess>> RouterProcess::Start(
-    const std::string& yaml, std::chrono::milliseconds ready_timeout,
-    const LaunchOptions& launch) {
+absl::StatusOr<std::unique_ptr<RouterProcess>> RouterProcess::Start(const std::string& yaml,
+                                                                    std::chrono::milliseconds ready_timeout,
+                                                                    const LaunchOptions& launch) {
   absl::StatusOr<std::string> bin = TandemBinary();
   if (!bin.ok()) return bin.status();
   absl::StatusOr<std::string> dir = MakeTempDir();
@@ -274,8 +269,7 @@ absl::StatusOr<std::unique_ptr<RouterProcess>> RouterProcess::Start(
   argv.insert(argv.end(), {*bin, "router", "--config", config, "--ready-file", ready_file});
   absl::StatusOr<ChildProcess> child = ChildProcess::Spawn(argv);
   if (!child.ok()) return child.status();
-  absl::StatusOr<std::string> address =
-      WaitForReadyFile(*child, ready_file, ready_timeout, "tandem router");
+  absl::StatusOr<std::string> address = WaitForReadyFile(*child, ready_file, ready_timeout, "tandem router");
   if (!address.ok()) {
     child->Stop(std::chrono::seconds(5));
     return address.status();
@@ -283,16 +277,11 @@ absl::StatusOr<std::unique_ptr<RouterProcess>> RouterProcess::Start(
   if (!launch.connect_host.empty()) {
     *address = absl::StrCat(launch.connect_host, address->substr(address->rfind(':')));
   }
-  return std::unique_ptr<RouterProcess>(
-      new RouterProcess(std::move(*child), *dir, config, "http://" + *address));
+  return std::unique_ptr<RouterProcess>(new RouterProcess(std::move(*child), *dir, config, "http://" + *address));
 }
 
-RouterProcess::RouterProcess(ChildProcess process, std::string dir, std::string config,
-                             std::string url)
-    : process_(std::move(process)),
-      dir_(std::move(dir)),
-      config_(std::move(config)),
-      url_(std::move(url)) {}
+RouterProcess::RouterProcess(ChildProcess process, std::string dir, std::string config, std::string url)
+    : process_(std::move(process)), dir_(std::move(dir)), config_(std::move(config)), url_(std::move(url)) {}
 
 RouterProcess::~RouterProcess() {
   if (!stopped_) Stop();
@@ -315,8 +304,7 @@ int RouterProcess::Stop(std::chrono::milliseconds grace) {
 }
 
 absl::StatusOr<std::string> WaitForReadyFile(ChildProcess& child, const std::string& path,
-                                             std::chrono::milliseconds timeout,
-                                             const std::string& what) {
+                                             std::chrono::milliseconds timeout, const std::string& what) {
   const auto deadline = Clock::now() + timeout;
   while (true) {
     std::ifstream in(path);
@@ -326,19 +314,17 @@ absl::StatusOr<std::string> WaitForReadyFile(ChildProcess& child, const std::str
     }
     if (!child.Running()) {
       absl::StatusOr<int> status = child.Wait(std::chrono::milliseconds(0));
-      return absl::InternalError(absl::StrCat(
-          what, " ", status.ok() ? DescribeWaitStatus(*status) : "ended", " before serving"));
+      return absl::InternalError(
+          absl::StrCat(what, " ", status.ok() ? DescribeWaitStatus(*status) : "ended", " before serving"));
     }
     if (Clock::now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat(what, " wrote no ready file within ", timeout.count(), " ms"));
+      return absl::DeadlineExceededError(absl::StrCat(what, " wrote no ready file within ", timeout.count(), " ms"));
     }
     std::this_thread::sleep_for(kPollInterval);
   }
 }
 
-absl::StatusOr<std::string> StartTandem(const std::vector<std::string>& args,
-                                        const std::string& ready_file,
+absl::StatusOr<std::string> StartTandem(const std::vector<std::string>& args, const std::string& ready_file,
                                         std::chrono::milliseconds timeout, const std::string& what,
                                         std::unique_ptr<ChildProcess>* child) {
   absl::StatusOr<std::string> bin = TandemBinary();
@@ -351,24 +337,22 @@ absl::StatusOr<std::string> StartTandem(const std::vector<std::string>& args,
   return WaitForReadyFile(**child, ready_file, timeout, what);
 }
 
-nlohmann::json RunBench(const std::string& url, const std::string& flags,
-                        const std::string& json_path, std::string* output) {
+nlohmann::json RunBench(const std::string& url, const std::string& flags, const std::string& json_path,
+                        std::string* output) {
   absl::StatusOr<std::string> bin = TandemBinary();
   if (!bin.ok()) {
     ADD_FAILURE() << bin.status();
     return nullptr;
   }
   std::filesystem::remove(json_path);
-  const int rc = RunCommand(
-      absl::StrCat(*bin, " bench --url ", url, " ", flags, " --json ", json_path), output);
+  const int rc = RunCommand(absl::StrCat(*bin, " bench --url ", url, " ", flags, " --json ", json_path), output);
   EXPECT_EQ(rc, 0) << *output;
   std::ifstream in(json_path);
   std::string text((std::istreambuf_iterator<char>(in)), {});
   return nlohmann::json::parse(text, nullptr, false);
 }
 
-bool WaitUntil(const std::function<bool()>& done, std::chrono::milliseconds timeout,
-               std::chrono::milliseconds poll) {
+bool WaitUntil(const std::function<bool()>& done, std::chrono::milliseconds timeout, std::chrono::milliseconds poll) {
   const auto deadline = Clock::now() + timeout;
   while (!done()) {
     if (Clock::now() >= deadline) return false;
@@ -385,8 +369,7 @@ std::optional<ProcStat> ReadProcStat(pid_t pid, pid_t tid) {
   // "pid (comm) S ppid ...": the comm may hold spaces and parentheses.
   const size_t paren = line.rfind(')');
   ProcStat st;
-  if (paren == std::string::npos ||
-      std::sscanf(line.c_str() + paren + 1, " %c %d", &st.state, &st.ppid) != 2) {
+  if (paren == std::string::npos || std::sscanf(line.c_str() + paren + 1, " %c %d", &st.state, &st.ppid) != 2) {
     return std::nullopt;
   }
   return st;

@@ -111,31 +111,28 @@ struct LaunchOptions {
 // name and rename it, so once it exists it is complete); its first line.
 // An error naming `what` if the child ends first or `timeout` passes.
 absl::StatusOr<std::string> WaitForReadyFile(ChildProcess& child, const std::string& path,
-                                             std::chrono::milliseconds timeout,
-                                             const std::string& what);
+                                             std::chrono::milliseconds timeout, const std::string& what);
 
 // Spawns `$TANDEM_BIN <args>` (args include the --ready-file `ready_file`)
 // into `*child` and waits for the ready file's first line (WaitForReadyFile).
 // `*child` holds the process as soon as it runs, so a failed wait still ends
 // it with the caller's fixture.
-absl::StatusOr<std::string> StartTandem(const std::vector<std::string>& args,
-                                        const std::string& ready_file,
+absl::StatusOr<std::string> StartTandem(const std::vector<std::string>& args, const std::string& ready_file,
                                         std::chrono::milliseconds timeout, const std::string& what,
                                         std::unique_ptr<ChildProcess>* child);
 
 // Runs `$TANDEM_BIN bench --url URL <flags> --json JSON_PATH` to the end; its
 // JSON report (discarded if it wrote none), its output in `*output`. A
 // non-zero exit is a test failure.
-nlohmann::json RunBench(const std::string& url, const std::string& flags,
-                        const std::string& json_path, std::string* output);
+nlohmann::json RunBench(const std::string& url, const std::string& flags, const std::string& json_path,
+                        std::string* output);
 
 class WorkerProcess {
  public:
   // `flags` follow the fixed ones, e.g. {"--kv-cache-memory", "1MiB"}; a
   // "--port" among them replaces the fixed `--port 0`.
   static absl::StatusOr<std::unique_ptr<WorkerProcess>> Start(
-      const std::vector<std::string>& flags,
-      std::chrono::milliseconds ready_timeout = std::chrono::seconds(30),
+      const std::vector<std::string>& flags, std::chrono::milliseconds ready_timeout = std::chrono::seconds(30),
       const LaunchOptions& launch = {});
   ~WorkerProcess();  // Stop(10 s) unless stopped already
 
@@ -152,8 +149,7 @@ class WorkerProcess {
   int Stop(std::chrono::milliseconds grace = std::chrono::seconds(10));
 
  private:
-  WorkerProcess(ChildProcess process, std::string dir, std::string address,
-                std::shared_ptr<grpc::Channel> channel);
+  WorkerProcess(ChildProcess process, std::string dir, std::string address, std::shared_ptr<grpc::Channel> channel);
 
   ChildProcess process_;
   bool stopped_ = false;

@@ -13,11 +13,9 @@ WorkerProcess* WorkerTest::StartWorker(std::vector<std::string> flags, const Lau
   if (std::find(flags.begin(), flags.end(), "--model") == flags.end()) {
     flags.insert(flags.begin(), {"--model", "builtin:tiny"});
   }
-  absl::StatusOr<std::unique_ptr<WorkerProcess>> w =
-      WorkerProcess::Start(flags, std::chrono::seconds(30), launch);
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> w = WorkerProcess::Start(flags, std::chrono::seconds(30), launch);
   if (!w.ok()) {
-    ADD_FAILURE() << "cannot start a worker with " << absl::StrJoin(flags, " ") << ": "
-                  << w.status();
+    ADD_FAILURE() << "cannot start a worker with " << absl::StrJoin(flags, " ") << ": " << w.status();
     return nullptr;
   }
   workers_.push_back(std::move(*w));
@@ -34,8 +32,7 @@ void WorkerTest::TearDown() {
     const int status = w->Stop();
     if (killed_.count(w.get()) > 0) continue;
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-        << "worker " << w->address() << " did not exit cleanly (wait status " << status
-        << "): see its log above";
+        << "worker " << w->address() << " did not exit cleanly (wait status " << status << "): see its log above";
   }
   workers_.clear();
 }

@@ -103,15 +103,15 @@ std::string CommandLine() {
 absl::Status Validate(const AttnBenchOptions& o) {
   for (int s : o.seqlens) {
     if (s <= 0 || o.tokens % s != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--seqlens: %d does not divide --tokens %d (batch x seqlen = tokens)", s, o.tokens));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--seqlens: %d does not divide --tokens %d (batch x seqlen = tokens)", s, o.tokens));
     }
   }
   for (int d : o.head_dims) {
     const int h = o.heads > 0 ? o.heads : 2048 / d;
     if (h % o.gqa != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--gqa: %d does not divide the %d query heads of head dim %d", o.gqa, h, d));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--gqa: %d does not divide the %d query heads of head dim %d", o.gqa, h, d));
     }
   }
   if (o.copy_bytes < (int64_t{1} << 20)) {
@@ -168,7 +168,8 @@ json RunTorch(const AttnBenchOptions& o, const json& shapes) {
   const std::string script = FindTorchScript(o.torch_script);
   std::error_code ec;
   if (!std::filesystem::exists(script, ec)) {
-    return {{"available", false}, {"why", absl::StrCat("the torch helper ", script, " was not found (--torch-script)")}};
+    return {{"available", false},
+            {"why", absl::StrCat("the torch helper ", script, " was not found (--torch-script)")}};
   }
   char tmpl[] = "/tmp/tandem-bench-attention.XXXXXX";
   const int fd = mkstemp(tmpl);
@@ -208,8 +209,7 @@ json RunTorch(const AttnBenchOptions& o, const json& shapes) {
     end = start - 1;
   }
   if (!answer.is_object()) {
-    return {{"available", false},
-            {"why", absl::StrFormat("`%s` exited with status %d and printed no JSON", cmd, rc)}};
+    return {{"available", false}, {"why", absl::StrFormat("`%s` exited with status %d and printed no JSON", cmd, rc)}};
   }
   return answer;
 }
@@ -256,8 +256,8 @@ class DeviceBuffer {
   absl::Status Alloc(int64_t bytes) {
     Free();
     if (bytes <= 0) bytes = 256;
-    RETURN_IF_ERROR(Cuda(cudaMalloc(&p_, static_cast<size_t>(bytes)),
-                         absl::StrFormat("cudaMalloc(%d bytes)", bytes).c_str()));
+    RETURN_IF_ERROR(
+        Cuda(cudaMalloc(&p_, static_cast<size_t>(bytes)), absl::StrFormat("cudaMalloc(%d bytes)", bytes).c_str()));
     bytes_ = bytes;
     return absl::OkStatus();
   }
@@ -307,8 +307,8 @@ absl::Status FillRandomBf16(void* dst, int64_t bytes, uint64_t seed, cudaStream_
 
 // Warms up, then times `call(set)` for each repetition with its own pair of
 // events, rotating the input sets; the median of the per-call times.
-absl::StatusOr<Timing> TimeCalls(const std::function<absl::Status(int)>& call, int sets,
-                                 const AttnBenchOptions& o, cudaStream_t stream) {
+absl::StatusOr<Timing> TimeCalls(const std::function<absl::Status(int)>& call, int sets, const AttnBenchOptions& o,
+                                 cudaStream_t stream) {
   cudaEvent_t a, b;
   RETURN_IF_ERROR(Cuda(cudaEventCreate(&a), "cudaEventCreate"));
   RETURN_IF_ERROR(Cuda(cudaEventCreate(&b), "cudaEventCreate"));
@@ -393,8 +393,8 @@ absl::StatusOr<Timing> RunCase(Bench& bench, const AttnCase& c) {
   const int bps = BlocksPerSeq(c);
   const int64_t need = int64_t{sets} * c.num_seqs * bps;
   if (need > L.num_blocks) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "the case needs %d blocks, the arena holds %d (--max-kv-gib)", need, L.num_blocks));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("the case needs %d blocks, the arena holds %d (--max-kv-gib)", need, L.num_blocks));
   }
   // Shuffled block ids over the whole arena; set i takes its own slice.
   std::vector<int32_t> perm(L.num_blocks);
@@ -419,8 +419,7 @@ absl::StatusOr<Timing> RunCase(Bench& bench, const AttnCase& c) {
   host_meta.insert(host_meta.end(), qs.begin(), qs.end());
   host_meta.insert(host_meta.end(), ctx.begin(), ctx.end());
   host_meta.insert(host_meta.end(), perm.begin(), perm.begin() + table_elems * sets);
-  RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(meta.get(), host_meta.data(), meta_bytes, cudaMemcpyHostToDevice,
-                                       bench.stream),
+  RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(meta.get(), host_meta.data(), meta_bytes, cudaMemcpyHostToDevice, bench.stream),
                        "upload tables"));
   const int32_t* dmeta = meta.get<int32_t>();
 
@@ -645,8 +644,8 @@ absl::Status RunAttentionBench(const AttnBenchOptions& o) {
       r.ms = t->median_ms;
       r.reps = t->reps;
       last_rate = r.flops / t->median_ms;
-      std::fprintf(stderr, "  prefill %s d=%d S=%d: %.3f ms\n", r.causal ? "causal" : "full", r.head_dim,
-                   r.seqlen, *r.ms);
+      std::fprintf(stderr, "  prefill %s d=%d S=%d: %.3f ms\n", r.causal ? "causal" : "full", r.head_dim, r.seqlen,
+                   *r.ms);
     }
     for (auto& r : decode) {
       if (!r.note.empty()) continue;
@@ -698,8 +697,7 @@ absl::Status RunAttentionBench(const AttnBenchOptions& o) {
                {"ms", copy ? json(copy->median_ms) : json(nullptr)},
                {"gbps_read_plus_write", copy ? json(copy_gbps) : json(nullptr)},
                {"note", copy_note}};
-  std::printf("tandem bench attention on %s\n  command: %s\n", device.value("name", "?").c_str(),
-              command_line.c_str());
+  std::printf("tandem bench attention on %s\n  command: %s\n", device.value("name", "?").c_str(), command_line.c_str());
   if (torch_ok) {
     std::printf("  torch %s, cuDNN %s\n", torch.value("version", "?").c_str(),
                 torch.contains("cudnn_version") ? torch["cudnn_version"].dump().c_str() : "?");
@@ -728,13 +726,11 @@ absl::Status RunAttentionBench(const AttnBenchOptions& o) {
     }
     std::optional<double> ratio;
     if (ours && best) ratio = *ours / *best;
-    json row = {{"causal", r.causal},  {"head_dim", r.head_dim}, {"heads", r.heads},
-                {"kv_heads", r.kv_heads}, {"seqlen", r.seqlen},  {"batch", r.batch},
-                {"page_size", o.page_size}, {"flops", r.flops},  {"input_sets", r.sets},
-                {"reps", r.reps}};
-    row["ours"] = {{"ms", r.ms ? json(*r.ms) : json(nullptr)},
-                   {"tflops", ours ? json(*ours) : json(nullptr)},
-                   {"note", r.note}};
+    json row = {{"causal", r.causal},   {"head_dim", r.head_dim}, {"heads", r.heads},         {"kv_heads", r.kv_heads},
+                {"seqlen", r.seqlen},   {"batch", r.batch},       {"page_size", o.page_size}, {"flops", r.flops},
+                {"input_sets", r.sets}, {"reps", r.reps}};
+    row["ours"] = {
+        {"ms", r.ms ? json(*r.ms) : json(nullptr)}, {"tflops", ours ? json(*ours) : json(nullptr)}, {"note", r.note}};
     row["torch"] = json::object();
     for (const char* b : {"cudnn", "flash"}) {
       json e = {{"ms", nullptr}, {"tflops", nullptr}};
@@ -745,10 +741,9 @@ absl::Status RunAttentionBench(const AttnBenchOptions& o) {
     }
     row["ratio_to_best_torch"] = ratio ? json(*ratio) : json(nullptr);
     j["prefill"].push_back(row);
-    std::printf("%-7s %4d %3d %6d %4d | %10s %8s | %8s %8s | %9s  %s\n", r.causal ? "causal" : "full",
-                r.head_dim, r.heads, r.seqlen, r.batch, Cell(r.ms, 3).c_str(), Cell(ours, 1).c_str(),
-                Cell(cudnn, 1).c_str(), Cell(flash, 1).c_str(), Cell(ratio, 2).c_str(),
-                r.note.c_str());
+    std::printf("%-7s %4d %3d %6d %4d | %10s %8s | %8s %8s | %9s  %s\n", r.causal ? "causal" : "full", r.head_dim,
+                r.heads, r.seqlen, r.batch, Cell(r.ms, 3).c_str(), Cell(ours, 1).c_str(), Cell(cudnn, 1).c_str(),
+                Cell(flash, 1).c_str(), Cell(ratio, 2).c_str(), r.note.c_str());
   }
 
   j["decode"] = json::array();
@@ -756,7 +751,8 @@ absl::Status RunAttentionBench(const AttnBenchOptions& o) {
     std::printf("\ndecode (bf16, 1 query per sequence, %d kv heads, head dim %d): GB/s of K and V read\n",
                 kDecodeKvHeads, kDecodeHeadDim);
     std::printf("  device-to-device copy (%.2f GiB, read + write): %s GB/s%s\n",
-                o.copy_bytes / double(int64_t{1} << 30), Cell(copy ? std::optional(copy_gbps) : std::nullopt, 0).c_str(),
+                o.copy_bytes / double(int64_t{1} << 30),
+                Cell(copy ? std::optional(copy_gbps) : std::nullopt, 0).c_str(),
                 copy_note.empty() ? "" : (" (" + copy_note + ")").c_str());
     std::printf("%-4s %4s %6s %4s %9s | %9s %8s %6s | %9s %8s %9s  %s\n", "mdl", "B", "ctx", "page", "KV MiB",
                 "ours us", "GB/s", "/copy", "torch us", "GB/s", "ours/torch", "note");
@@ -785,10 +781,10 @@ absl::Status RunAttentionBench(const AttnBenchOptions& o) {
     std::optional<double> to_copy, to_torch;
     if (ours && copy) to_copy = *ours / copy_gbps;
     if (r.ms && best_ms) to_torch = *best_ms / *r.ms;
-    json row = {{"model", r.model},       {"heads", r.heads},     {"kv_heads", kDecodeKvHeads},
-                {"head_dim", kDecodeHeadDim}, {"batch", r.batch}, {"context", r.context},
-                {"page_size", r.page},    {"kv_bytes", r.kv_bytes}, {"input_sets", r.sets},
-                {"reps", r.reps}};
+    json row = {
+        {"model", r.model},     {"heads", r.heads},     {"kv_heads", kDecodeKvHeads}, {"head_dim", kDecodeHeadDim},
+        {"batch", r.batch},     {"context", r.context}, {"page_size", r.page},        {"kv_bytes", r.kv_bytes},
+        {"input_sets", r.sets}, {"reps", r.reps}};
     row["ours"] = {{"us", r.ms ? json(*r.ms * 1e3) : json(nullptr)},
                    {"gbps", ours ? json(*ours) : json(nullptr)},
                    {"note", r.note}};
@@ -797,8 +793,8 @@ absl::Status RunAttentionBench(const AttnBenchOptions& o) {
     row["ratio_to_copy"] = to_copy ? json(*to_copy) : json(nullptr);
     row["ratio_to_torch"] = to_torch ? json(*to_torch) : json(nullptr);
     j["decode"].push_back(row);
-    std::printf("%-4s %4d %6d %4d %9.1f | %9s %8s %6s | %9s %8s %9s  %s\n", r.model.c_str(), r.batch, r.context,
-                r.page, r.kv_bytes / double(1 << 20), Cell(r.ms ? std::optional(*r.ms * 1e3) : std::nullopt, 1).c_str(),
+    std::printf("%-4s %4d %6d %4d %9.1f | %9s %8s %6s | %9s %8s %9s  %s\n", r.model.c_str(), r.batch, r.context, r.page,
+                r.kv_bytes / double(1 << 20), Cell(r.ms ? std::optional(*r.ms * 1e3) : std::nullopt, 1).c_str(),
                 Cell(ours, 0).c_str(), Cell(to_copy, 2).c_str(),
                 Cell(best_ms ? std::optional(*best_ms * 1e3) : std::nullopt, 1).c_str(),
                 Cell(best_ms ? gbps(best_ms) : std::nullopt, 0).c_str(), Cell(to_torch, 2).c_str(),
@@ -839,7 +835,9 @@ void AddAttentionBenchCommand(CLI::App& bench) {
   cmd->add_option("--causal", opt->causal, "Prefill masks: both, causal or noncausal")
       ->check(CLI::IsMember({"both", "causal", "noncausal"}))
       ->capture_default_str();
-  cmd->add_option("--gqa", opt->gqa, "Prefill query heads per kv head")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--gqa", opt->gqa, "Prefill query heads per kv head")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   cmd->add_option("--page-size", opt->page_size, "Prefill page size (tokens per block)")
       ->check(CLI::IsMember({16, 32, 64}))
       ->capture_default_str();
@@ -866,7 +864,9 @@ void AddAttentionBenchCommand(CLI::App& bench) {
   cmd->add_option("--max-kv-gib", opt->max_kv_gib, "Skip decode cases whose KV exceeds this")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  cmd->add_option("--warmup", opt->warmup, "Warm-up calls per case")->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--warmup", opt->warmup, "Warm-up calls per case")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_option("--reps", opt->reps, "Timed calls per case (median; fewer if over --max-case-seconds)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -874,13 +874,13 @@ void AddAttentionBenchCommand(CLI::App& bench) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   cmd->add_option_function<std::string>(
-         "--copy-bytes",
-         [opt](const std::string& s) {
-           absl::StatusOr<int64_t> v = ParseByteSize(s);
-           if (!v.ok()) throw CLI::ValidationError("--copy-bytes", std::string(v.status().message()));
-           opt->copy_bytes = *v;
-         },
-         "Bytes of the device-to-device copy baseline (default 1GiB)");
+      "--copy-bytes",
+      [opt](const std::string& s) {
+        absl::StatusOr<int64_t> v = ParseByteSize(s);
+        if (!v.ok()) throw CLI::ValidationError("--copy-bytes", std::string(v.status().message()));
+        opt->copy_bytes = *v;
+      },
+      "Bytes of the device-to-device copy baseline (default 1GiB)");
   cmd->add_option("--torch-python", opt->torch_python, "Python with torch for the SDPA baselines")
       ->capture_default_str();
   cmd->add_option("--torch-script", opt->torch_script,

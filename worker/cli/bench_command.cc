@@ -38,9 +38,7 @@ struct BenchOptions {
   bool json = false;
 };
 
-double Seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -82,14 +80,13 @@ class TimingSink final : public OutputSink {
 };
 
 struct RunResult {
-  double seconds = 0;                    // submit to last finish
-  std::vector<double> first_token;       // per request, from submit
-  std::vector<double> decode_seconds;    // per request, first to last token
-  int64_t tokens = 0;                    // generated tokens
+  double seconds = 0;                  // submit to last finish
+  std::vector<double> first_token;     // per request, from submit
+  std::vector<double> decode_seconds;  // per request, first to last token
+  int64_t tokens = 0;                  // generated tokens
 };
 
-absl::StatusOr<RunResult> RunBatch(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                   int max_tokens) {
+absl::StatusOr<RunResult> RunBatch(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
   std::vector<std::shared_ptr<TimingSink>> sinks;
   Clock::time_point start = Clock::now();
   for (const auto& p : prompts) {
@@ -135,12 +132,12 @@ double SgemmRate(const ModelConfig& c, int m, int repeats) {
       std::vector<float> a(size_t(m) * s.k), b(size_t(s.n) * s.k), y(size_t(m) * s.n);
       for (float& x : a) x = d(rng);
       for (float& x : b) x = d(rng);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, s.n, s.k, 1, a.data(), s.k, b.data(),
-                  s.k, 0, y.data(), s.n);  // warm-up
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, s.n, s.k, 1, a.data(), s.k, b.data(), s.k, 0, y.data(),
+                  s.n);  // warm-up
       Clock::time_point t0 = Clock::now();
       for (int l = 0; l < c.num_layers; ++l) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, s.n, s.k, 1, a.data(), s.k,
-                    b.data(), s.k, 0, y.data(), s.n);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, s.n, s.k, 1, a.data(), s.k, b.data(), s.k, 0, y.data(),
+                    s.n);
       }
       secs += Seconds(t0, Clock::now());
       flops += 2.0 * m * s.n * s.k * c.num_layers;
@@ -179,8 +176,7 @@ absl::Status RunBench(const BenchOptions& opt) {
 
   std::vector<double> prefill_times;
   for (int r = 0; r < opt.repeats; ++r) {
-    ASSIGN_OR_RETURN(RunResult res,
-                     RunBatch(*engine, {RandomPrompt(rng, opt.prompt_len, config.vocab_size)}, 1));
+    ASSIGN_OR_RETURN(RunResult res, RunBatch(*engine, {RandomPrompt(rng, opt.prompt_len, config.vocab_size)}, 1));
     prefill_times.push_back(res.first_token[0]);
   }
   const double prefill_s = Median(prefill_times);
@@ -191,8 +187,7 @@ absl::Status RunBench(const BenchOptions& opt) {
 
   const int decode_prompt = 128;
   ASSIGN_OR_RETURN(RunResult alone,
-                   RunBatch(*engine, {RandomPrompt(rng, decode_prompt, config.vocab_size)},
-                            opt.decode_tokens + 1));
+                   RunBatch(*engine, {RandomPrompt(rng, decode_prompt, config.vocab_size)}, opt.decode_tokens + 1));
   std::vector<std::vector<int32_t>> dbatch;
   for (int i = 0; i < opt.batch; ++i) dbatch.push_back(RandomPrompt(rng, decode_prompt, config.vocab_size));
   ASSIGN_OR_RETURN(RunResult batched, RunBatch(*engine, dbatch, opt.decode_tokens + 1));
@@ -229,8 +224,8 @@ absl::Status RunBench(const BenchOptions& opt) {
   std::printf("  prefill %d x %d tokens batched      : %8.3f s  %9.1f tok/s\n", opt.batch, opt.prompt_len,
               batched_prefill.seconds, batched_prefill_tps);
   std::printf("  decode alone                        :             %9.1f tok/s\n", decode_tps);
-  std::printf("  decode %d sequences batched          :             %9.1f tok/s  (%.2fx alone)\n",
-              opt.batch, batched_decode_tps, batched_decode_tps / decode_tps);
+  std::printf("  decode %d sequences batched          :             %9.1f tok/s  (%.2fx alone)\n", opt.batch,
+              batched_decode_tps, batched_decode_tps / decode_tps);
   return absl::OkStatus();
 }
 
@@ -244,13 +239,10 @@ void AddBenchCommand(CLI::App& bench) {
   cmd->add_option("--prompt-len", opt->prompt_len, "Prefill prompt length")->capture_default_str();
   cmd->add_option("--batch", opt->batch, "Sequences in the batched runs")->capture_default_str();
   cmd->add_option("--decode-tokens", opt->decode_tokens, "Tokens decoded per sequence")->capture_default_str();
-  cmd->add_option("--repeats", opt->repeats, "Repeats of the single-prompt prefill (median)")
-      ->capture_default_str();
+  cmd->add_option("--repeats", opt->repeats, "Repeats of the single-prompt prefill (median)")->capture_default_str();
   cmd->add_option("--threads", opt->threads, "BLAS threads (0: all cores)")->capture_default_str();
   cmd->add_flag("--json", opt->json, "Print the results as JSON");
-  cmd->callback([opt] {
-    ExitWithStatus("bench engine", RunBench(*opt));
-  });
+  cmd->callback([opt] { ExitWithStatus("bench engine", RunBench(*opt)); });
 }
 
 }  // namespace tandem::worker

@@ -41,9 +41,9 @@ struct GenerateOptions {
 int RunGenerate(const GenerateOptions& opt) {
   std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure();
   if (!opt.tls_ca.empty() || !opt.tls_cert.empty() || !opt.tls_key.empty()) {
-    absl::StatusOr<tls::TlsMaterial> m = tls::LoadTlsMaterial(
-        {.ca = opt.tls_ca, .cert = opt.tls_cert, .key = opt.tls_key},
-        {.ca = "--tls-ca", .cert = "--tls-cert", .key = "--tls-key"});
+    absl::StatusOr<tls::TlsMaterial> m =
+        tls::LoadTlsMaterial({.ca = opt.tls_ca, .cert = opt.tls_cert, .key = opt.tls_key},
+                             {.ca = "--tls-ca", .cert = "--tls-cert", .key = "--tls-key"});
     if (!m.ok()) {
       std::fprintf(stderr, "tandem generate: %s\n", std::string(m.status().message()).c_str());
       return 1;
@@ -150,16 +150,14 @@ int RunGenerate(const GenerateOptions& opt) {
     if (!st.ok()) return fail("decode", st);
   }
   std::printf("\n");
-  std::fprintf(stderr, "[%d prompt tokens (%d cached), %d generated, finish: %s%s]\n",
-               last.usage().prompt_tokens(), last.usage().cached_prompt_tokens(),
-               last.usage().completion_tokens(),
+  std::fprintf(stderr, "[%d prompt tokens (%d cached), %d generated, finish: %s%s]\n", last.usage().prompt_tokens(),
+               last.usage().cached_prompt_tokens(), last.usage().completion_tokens(),
                tandem::v1::FinishReason_Name(last.finish_reason()).c_str(),
                opt.decode.empty() ? ""
-               : kv_error.empty()
-                   ? absl::StrFormat("; KV handed from prefill to decode: %.2f MiB pulled in %.3f ms",
-                                     kv_bytes / 1048576.0, kv_seconds * 1e3)
-                         .c_str()
-                   : (std::string("; KV not handed off: ") + kv_error).c_str());
+               : kv_error.empty() ? absl::StrFormat("; KV handed from prefill to decode: %.2f MiB pulled in %.3f ms",
+                                                    kv_bytes / 1048576.0, kv_seconds * 1e3)
+                                        .c_str()
+                                  : (std::string("; KV not handed off: ") + kv_error).c_str());
   if (!last.error_message().empty()) {
     std::fprintf(stderr, "tandem generate: %s\n", last.error_message().c_str());
     return 1;
@@ -174,18 +172,15 @@ void AddGenerateCommand(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("generate", "Generate from a prompt on a worker over gRPC");
   cmd->add_option("--target", opt->target, "Worker address host:port (the prefill worker with --decode)")
       ->capture_default_str();
-  cmd->add_option("--decode", opt->decode,
-                  "Disaggregated: the decode worker's host:port (as --target reaches it)");
-  cmd->add_option("--prompt", opt->prompt, "Prompt text (byte tokens of the built-in models)")
-      ->capture_default_str();
+  cmd->add_option("--decode", opt->decode, "Disaggregated: the decode worker's host:port (as --target reaches it)");
+  cmd->add_option("--prompt", opt->prompt, "Prompt text (byte tokens of the built-in models)")->capture_default_str();
   cmd->add_option("--prompt-ids", opt->prompt_ids, "Comma-separated prompt token ids instead");
   cmd->add_option("--max-tokens", opt->max_tokens, "Tokens to generate")->capture_default_str();
   cmd->add_option("--temperature", opt->temperature, "0: greedy")->capture_default_str();
   cmd->add_option("--seed", opt->seed, "Sampling seed (-1: random)")->capture_default_str();
   cmd->add_flag("--show-ids", opt->show_ids, "Print token ids instead of text");
   cmd->add_option("--tls-ca", opt->tls_ca, "Mutual TLS: the cluster CA certificate (PEM)");
-  cmd->add_option("--tls-cert", opt->tls_cert,
-                  "Mutual TLS: a router-role certificate (PEM; `tandem certs`)");
+  cmd->add_option("--tls-cert", opt->tls_cert, "Mutual TLS: a router-role certificate (PEM; `tandem certs`)");
   cmd->add_option("--tls-key", opt->tls_key, "Mutual TLS: its private key (PEM)");
   cmd->callback([opt] { std::exit(RunGenerate(*opt)); });
 }

@@ -24,7 +24,7 @@ struct LogitsOptions {
   std::vector<std::string> tokens;  // one comma-separated list per sequence
   std::string output = "-";
   int block_size = 16;
-  int chunk = 0;                    // prefill in chunks of this many tokens (0: one pass)
+  int chunk = 0;  // prefill in chunks of this many tokens (0: one pass)
 };
 
 absl::StatusOr<std::vector<int32_t>> ParseTokens(const std::string& text) {
@@ -75,8 +75,7 @@ absl::Status RunLogits(const LogitsOptions& opt) {
       for (int i = start; i < start + len; ++i) {
         in.tokens.push_back(tokens[i]);
         in.positions.push_back(i);
-        in.slot_mapping.push_back(int64_t{table[i / opt.block_size]} * opt.block_size +
-                                  i % opt.block_size);
+        in.slot_mapping.push_back(int64_t{table[i / opt.block_size]} * opt.block_size + i % opt.block_size);
         in.logits_rows.push_back(i - start);
       }
       in.query_start.push_back(len);
@@ -90,8 +89,8 @@ absl::Status RunLogits(const LogitsOptions& opt) {
     seq["tokens"] = tokens;
     seq["logits"] = nlohmann::json::array();
     for (int i = 0; i < n; ++i) {
-      seq["logits"].push_back(std::vector<float>(all.begin() + size_t(i) * c.vocab_size,
-                                                 all.begin() + size_t(i + 1) * c.vocab_size));
+      seq["logits"].push_back(
+          std::vector<float>(all.begin() + size_t(i) * c.vocab_size, all.begin() + size_t(i + 1) * c.vocab_size));
     }
     out["sequences"].push_back(std::move(seq));
   }
@@ -112,16 +111,13 @@ void AddLogitsCommand(CLI::App& app) {
   auto opt = std::make_shared<LogitsOptions>();
   CLI::App* cmd = app.add_subcommand("logits", "Print full-vocabulary logits of token sequences as JSON");
   cmd->add_option("--model", opt->model, "builtin:tiny, builtin:small or a checkpoint directory")->required();
-  cmd->add_option("--tokens", opt->tokens, "Comma-separated token ids; repeat for more sequences")
-      ->required();
+  cmd->add_option("--tokens", opt->tokens, "Comma-separated token ids; repeat for more sequences")->required();
   cmd->add_option("--output", opt->output, "Output file ('-': stdout)")->capture_default_str();
-  cmd->add_option("--block-size", opt->block_size, "Tokens per KV block")->capture_default_str()
+  cmd->add_option("--block-size", opt->block_size, "Tokens per KV block")
+      ->capture_default_str()
       ->check(CLI::Range(1, 1024));
-  cmd->add_option("--chunk", opt->chunk, "Prefill in chunks of this many tokens (0: one pass)")
-      ->capture_default_str();
-  cmd->callback([opt] {
-    ExitWithStatus("logits", RunLogits(*opt));
-  });
+  cmd->add_option("--chunk", opt->chunk, "Prefill in chunks of this many tokens (0: one pass)")->capture_default_str();
+  cmd->callback([opt] { ExitWithStatus("logits", RunLogits(*opt)); });
 }
 
 }  // namespace tandem::worker

@@ -48,9 +48,9 @@ using kvtransfer::Transport;
 struct TransferBenchOptions {
   std::string backend = "ucx";
   std::string tls = "shm";
-  std::string op = "pull";  // pull: what the decode worker does; push
+  std::string op = "pull";   // pull: what the decode worker does; push
   std::string pool = "ucx";  // ucx: allocated by UCX (shareable); mmap: anonymous, registered
-  bool sequential = false;  // peer block ids in order: one merged run per transfer
+  bool sequential = false;   // peer block ids in order: one merged run per transfer
   int max_blocks = 256;
   int repeats = 5;
   bool json = false;
@@ -103,14 +103,13 @@ std::vector<BlockPair> PairsFor(int n, const std::vector<int32_t>& perm, bool pu
 }
 
 // Posts one transfer and waits for `done`; returns post -> done seconds.
-absl::StatusOr<double> TimedTransfer(Transport& t, const std::string& peer,
-                                     const std::vector<BlockPair>& pairs, bool pull) {
+absl::StatusOr<double> TimedTransfer(Transport& t, const std::string& peer, const std::vector<BlockPair>& pairs,
+                                     bool pull) {
   std::promise<absl::Status> done;
   const Clock::time_point start = Clock::now();
   auto on_done = [&done](absl::Status st) { done.set_value(std::move(st)); };
   const kvtransfer::Deadline deadline = start + std::chrono::seconds(60);
-  RETURN_IF_ERROR((pull ? t.Pull(peer, pairs, deadline, on_done)
-                        : t.Push(peer, pairs, deadline, on_done)).status());
+  RETURN_IF_ERROR((pull ? t.Pull(peer, pairs, deadline, on_done) : t.Push(peer, pairs, deadline, on_done)).status());
   absl::Status st = done.get_future().get();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   RETURN_IF_ERROR(st);
@@ -126,8 +125,7 @@ struct Row {
 };
 
 // The measurement, given a connected initiator whose pool is `src`.
-absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, uint8_t* src,
-                                         const PoolLayout& layout,
+absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, uint8_t* src, const PoolLayout& layout,
                                          const TransferBenchOptions& opt) {
   const int64_t bb = layout.block_bytes;
   // The memcpy baseline's destination: ordinary pre-faulted memory.
@@ -164,8 +162,7 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
       copy.push_back(std::chrono::duration<double>(Clock::now() - c0).count());
     }
     if (!status.ok()) break;
-    rows.push_back(
-        Row{n, n * bb, Median(push), *std::min_element(push.begin(), push.end()), Median(copy)});
+    rows.push_back(Row{n, n * bb, Median(push), *std::min_element(push.begin(), push.end()), Median(copy)});
   }
   munmap(dst_mem, static_cast<size_t>(layout.num_blocks * bb));
   RETURN_IF_ERROR(status);
@@ -176,8 +173,8 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
 // block that local block 0 went to (perm[0]) and compares. Pull: local
 // block 0 must now hold the peer's block perm[0] (both pools were filled the
 // same way).
-absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool,
-                           const PoolLayout& layout, const TransferBenchOptions& opt) {
+absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool, const PoolLayout& layout,
+                           const TransferBenchOptions& opt) {
   const bool pull = opt.op == "pull";
   const std::vector<int32_t> perm = PeerBlockOrder(layout, opt);
   const size_t bytes = static_cast<size_t>(layout.block_bytes);
@@ -187,9 +184,9 @@ absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool,
   if (!pull) {
     check = static_cast<int32_t>(layout.num_blocks - 1);
     std::promise<absl::Status> done;
-    RETURN_IF_ERROR(t.Pull(peer, {{perm[0], check}}, Clock::now() + std::chrono::seconds(30),
-                           [&done](absl::Status st) { done.set_value(std::move(st)); })
-                        .status());
+    RETURN_IF_ERROR(t.Pull(peer, {{perm[0], check}}, Clock::now() + std::chrono::seconds(30), [&done](absl::Status st) {
+                       done.set_value(std::move(st));
+                     }).status());
     RETURN_IF_ERROR(done.get_future().get());
   }
   if (std::memcmp(pool + check * layout.block_bytes, want.data(), bytes) != 0) {
@@ -201,10 +198,10 @@ absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool,
 void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
   const std::string name = opt.backend == "ucx" ? "ucx/" + opt.tls : opt.backend;
   if (!opt.json) {
-    std::printf("KV %s %s, 2 MiB blocks (Llama-3-8B, 16 tokens), median of %d; GB/s = 1e9 B/s\n",
-                opt.op.c_str(), name.c_str(), opt.repeats);
-    std::printf("%7s %7s %10s %10s %9s %12s %8s\n", "blocks", "MiB", "lat_ms", "min_ms", "GB/s",
-                "memcpy_GB/s", "ratio");
+    std::printf("KV %s %s, 2 MiB blocks (Llama-3-8B, 16 tokens), median of %d; GB/s = 1e9 B/s\n", opt.op.c_str(),
+                name.c_str(), opt.repeats);
+    std::printf("%7s %7s %10s %10s %9s %12s %8s\n", "blocks", "MiB", "lat_ms", "min_ms", "GB/s", "memcpy_GB/s",
+                "ratio");
   }
   for (const Row& r : rows) {
     const double gbps = r.bytes / r.seconds / 1e9, memcpy_gbps = r.bytes / r.memcpy_seconds / 1e9;
@@ -220,8 +217,8 @@ void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
                           {"ratio_to_memcpy", gbps / memcpy_gbps}};
       std::printf("%s\n", j.dump().c_str());
     } else {
-      std::printf("%7d %7.0f %10.3f %10.3f %9.2f %12.2f %8.2f\n", r.blocks, r.bytes / 1048576.0,
-                  r.seconds * 1e3, r.min_seconds * 1e3, gbps, memcpy_gbps, gbps / memcpy_gbps);
+      std::printf("%7d %7.0f %10.3f %10.3f %9.2f %12.2f %8.2f\n", r.blocks, r.bytes / 1048576.0, r.seconds * 1e3,
+                  r.min_seconds * 1e3, gbps, memcpy_gbps, gbps / memcpy_gbps);
     }
   }
 }
@@ -291,8 +288,7 @@ absl::StatusOr<void*> AllocateBenchPool(kvtransfer::UcxTransport& t, const PoolL
                                         const TransferBenchOptions& opt) {
   const int64_t bytes = layout.num_blocks * layout.block_bytes;
   if (opt.pool == "ucx") return t.AllocatePool(bytes);
-  void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return absl::ResourceExhaustedError("mmap of the pool failed");
   return p;
 }
@@ -302,8 +298,7 @@ absl::StatusOr<void*> AllocateBenchPool(kvtransfer::UcxTransport& t, const PoolL
 int RunTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
   absl::Status st = [&]() -> absl::Status {
     const PoolLayout layout = LlamaLayout(opt.max_blocks);
-    ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t,
-                     kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
+    ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t, kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
     ASSIGN_OR_RETURN(void* pool, AllocateBenchPool(*t, layout, opt));
     FillPool(static_cast<uint8_t*>(pool), layout);
     RETURN_IF_ERROR(t->RegisterPool(layout, pool));
@@ -338,8 +333,7 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
   close(up[1]);
   absl::Status st = [&]() -> absl::Status {
     const PoolLayout layout = LlamaLayout(opt.max_blocks);
-    ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t,
-                     kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
+    ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t, kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
     ASSIGN_OR_RETURN(void* mem, AllocateBenchPool(*t, layout, opt));
     uint8_t* pool = static_cast<uint8_t*>(mem);
     FillPool(pool, layout);
@@ -376,8 +370,7 @@ absl::Status RunTransferBench(const TransferBenchOptions& opt) {
   }
   if (opt.backend == "loopback") return RunLoopback(opt);
   if (opt.backend != "ucx") {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--backend %s: want ucx or loopback", opt.backend));
+    return absl::InvalidArgumentError(absl::StrFormat("--backend %s: want ucx or loopback", opt.backend));
   }
 #ifdef TANDEM_HAVE_UCX
   if (opt.tls != "shm" && opt.tls != "tcp") {
@@ -393,24 +386,18 @@ absl::Status RunTransferBench(const TransferBenchOptions& opt) {
 
 void AddTransferBenchCommand(CLI::App& bench) {
   auto opt = std::make_shared<TransferBenchOptions>();
-  CLI::App* cmd = bench.add_subcommand(
-      "transfer", "KV-block transfer bandwidth/latency between two processes vs memcpy");
-  cmd->add_option("--op", opt->op,
-                  "pull (what a decode worker does in disaggregation) or push")
-      ->capture_default_str();
+  CLI::App* cmd =
+      bench.add_subcommand("transfer", "KV-block transfer bandwidth/latency between two processes vs memcpy");
+  cmd->add_option("--op", opt->op, "pull (what a decode worker does in disaggregation) or push")->capture_default_str();
   cmd->add_option("--backend", opt->backend, "ucx or loopback")->capture_default_str();
-  cmd->add_option("--tls", opt->tls, "UCX transports: shm or tcp (tcp over lo)")
-      ->capture_default_str();
-  cmd->add_option("--pool", opt->pool,
-                  "UCX pools: ucx (allocated by UCX, shareable) or mmap (anonymous, registered)")
+  cmd->add_option("--tls", opt->tls, "UCX transports: shm or tcp (tcp over lo)")->capture_default_str();
+  cmd->add_option("--pool", opt->pool, "UCX pools: ucx (allocated by UCX, shareable) or mmap (anonymous, registered)")
       ->capture_default_str();
   cmd->add_flag("--sequential", opt->sequential,
                 "Peer block ids in order (one merged run) instead of a random permutation");
-  cmd->add_option("--max-blocks", opt->max_blocks,
-                  "Largest transfer in 2 MiB blocks (sizes double from 1)")
+  cmd->add_option("--max-blocks", opt->max_blocks, "Largest transfer in 2 MiB blocks (sizes double from 1)")
       ->capture_default_str();
-  cmd->add_option("--repeats", opt->repeats, "Timed repeats per size (median)")
-      ->capture_default_str();
+  cmd->add_option("--repeats", opt->repeats, "Timed repeats per size (median)")->capture_default_str();
   cmd->add_flag("--json", opt->json, "One JSON object per size");
   cmd->callback([opt] { ExitWithStatus("bench transfer", RunTransferBench(*opt)); });
 }

@@ -176,15 +176,14 @@ class DisaggTest : public ::testing::Test {
   void ExpectIdle(Engine& e) {
     for (int i = 0; i < 500; ++i) {
       LoadSnapshot l = e.GetLoad();
-      if (l.used_blocks == 0 && l.running == 0 && l.waiting == 0 && l.reserved == 0 &&
-          l.prefilled == 0) {
+      if (l.used_blocks == 0 && l.running == 0 && l.waiting == 0 && l.reserved == 0 && l.prefilled == 0) {
         return;
       }
       std::this_thread::sleep_for(milliseconds(10));
     }
     LoadSnapshot l = e.GetLoad();
-    ADD_FAILURE() << "not idle: used " << l.used_blocks << " running " << l.running << " reserved "
-                  << l.reserved << " prefilled " << l.prefilled;
+    ADD_FAILURE() << "not idle: used " << l.used_blocks << " running " << l.running << " reserved " << l.reserved
+                  << " prefilled " << l.prefilled;
   }
 
   std::unique_ptr<Engine> prefill_, decode_, aggregated_;
@@ -194,8 +193,7 @@ class DisaggTest : public ::testing::Test {
 
 TEST_F(DisaggTest, SplitAcrossTwoEnginesMatchesAggregated) {
   for (int i = 0; i < 4; ++i) {
-    GenerateSpec spec = Spec(Prompt(37 + 20 * i, i), 24, i % 2 ? std::optional<uint64_t>(5 + i)
-                                                                 : std::nullopt);
+    GenerateSpec spec = Spec(Prompt(37 + 20 * i, i), 24, i % 2 ? std::optional<uint64_t>(5 + i) : std::nullopt);
     Result r = RunDisaggregated(spec);
     ExpectSame(r.tokens, RunAggregated(spec));
     EXPECT_EQ(r.decode_finish.reason, FinishReason::kLength);
@@ -386,8 +384,7 @@ TEST_F(DisaggTest, TheLoadReportNeverPrecedesAnAnsweredRequest) {
 
   std::promise<LoadSnapshot> at_reply;
   decode_->Reserve(Spec(Prompt(40, 60), 2, std::nullopt), std::make_shared<CollectSink>(),
-                   std::chrono::steady_clock::now() + std::chrono::seconds(30),
-                   [&](absl::StatusOr<Reservation> r) {
+                   std::chrono::steady_clock::now() + std::chrono::seconds(30), [&](absl::StatusOr<Reservation> r) {
                      EXPECT_TRUE(r.ok()) << r.status();
                      at_reply.set_value(decode_->GetLoad());
                    });
@@ -396,7 +393,8 @@ TEST_F(DisaggTest, TheLoadReportNeverPrecedesAnAnsweredRequest) {
 }
 
 TEST_F(DisaggTest, ReservationLargerThanTheFreeCacheIsRefused) {
-  std::unique_ptr<Engine> small = StartEngine(/*kv_bytes=*/12288 * 4);  // 4 blocks of 16 tokens (3 layers x K,V x 2 heads x 16 x 16 floats)
+  std::unique_ptr<Engine> small =
+      StartEngine(/*kv_bytes=*/12288 * 4);  // 4 blocks of 16 tokens (3 layers x K,V x 2 heads x 16 x 16 floats)
   auto sink = std::make_shared<CollectSink>();
   std::promise<absl::StatusOr<Reservation>> first;
   small->Reserve(Spec(Prompt(60, 6), 2, std::nullopt), sink,

@@ -58,8 +58,7 @@ absl::Status SimTiming::Validate() const {
   return absl::OkStatus();
 }
 
-double SimTiming::StepSeconds(int64_t prefill_tokens, int64_t decode_seqs,
-                              int64_t context_tokens) const {
+double SimTiming::StepSeconds(int64_t prefill_tokens, int64_t decode_seqs, int64_t context_tokens) const {
   return step_ms * 1e-3 + prefill_us_per_token * 1e-6 * static_cast<double>(prefill_tokens) +
          decode_us_per_seq * 1e-6 * static_cast<double>(decode_seqs) +
          context_ns_per_token * 1e-9 * static_cast<double>(context_tokens);
@@ -95,22 +94,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   kernels::KvLayout layout = probe_layout.KvBlockLayout(config.block_size);
   layout.num_blocks = KvStorage::BlocksForBudget(layout, config.kv_cache_bytes);
   if (layout.num_blocks < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "kv cache budget of %d bytes holds no block (one block of %d tokens takes %d bytes)",
-        config.kv_cache_bytes, config.block_size, KvStorage::BytesPerBlock(layout)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("kv cache budget of %d bytes holds no block (one block of %d tokens takes %d bytes)",
+                        config.kv_cache_bytes, config.block_size, KvStorage::BytesPerBlock(layout)));
   }
   // The pool is mapped lazily (pages arrive as blocks are first written), so
   // an oversized budget would start fine and be OOM-killed under load.
   const int64_t phys = int64_t{sysconf(_SC_PHYS_PAGES)} * sysconf(_SC_PAGESIZE);
   if (phys > 0 && config.kv_cache_bytes > phys) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "kv cache budget of %d bytes exceeds this machine's %d bytes of memory",
-        config.kv_cache_bytes, phys));
+        "kv cache budget of %d bytes exceeds this machine's %d bytes of memory", config.kv_cache_bytes, phys));
   }
   if (layout.num_blocks > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "kv cache budget gives %d blocks; block ids are 32-bit: use larger blocks",
-        layout.num_blocks));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("kv cache budget gives %d blocks; block ids are 32-bit: use larger blocks", layout.num_blocks));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage, KvStorage::Create(layout, pool_allocator));
   int max_len = model.config.max_position_embeddings;
@@ -121,18 +118,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   const int max_len_before_cache = max_len;
   if (cache_tokens < max_len) {
     LOG(WARNING) << "the KV cache holds " << cache_tokens << " tokens (" << layout.num_blocks
-                 << " blocks), less than the context of " << max_len
-                 << ": requests are limited to the cache";
+                 << " blocks), less than the context of " << max_len << ": requests are limited to the cache";
     max_len = static_cast<int>(cache_tokens);
   }
-  auto engine =
-      std::unique_ptr<Engine>(new Engine(config, std::move(model), std::move(storage), max_len));
+  auto engine = std::unique_ptr<Engine>(new Engine(config, std::move(model), std::move(storage), max_len));
   engine->cache_limited_ = cache_tokens < max_len_before_cache;
   return engine;
 }
 
-Engine::Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<KvStorage> storage,
-               int max_model_len)
+Engine::Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<KvStorage> storage, int max_model_len)
     : config_(config),
       model_name_(model.name),
       tokenizer_sha256_(model.tokenizer_sha256),
@@ -155,9 +149,12 @@ Engine::~Engine() { Stop(); }
 
 kvtransfer::PoolLayout Engine::pool_layout() const {
   const kernels::KvLayout& l = storage_->layout();
-  return kvtransfer::PoolLayout{.model = model_name_, .dtype = "float32",
-                                .num_layers = l.num_layers, .num_kv_heads = l.num_kv_heads,
-                                .head_dim = l.head_dim, .block_size = l.block_size,
+  return kvtransfer::PoolLayout{.model = model_name_,
+                                .dtype = "float32",
+                                .num_layers = l.num_layers,
+                                .num_kv_heads = l.num_kv_heads,
+                                .head_dim = l.head_dim,
+                                .block_size = l.block_size,
                                 .num_blocks = l.num_blocks,
                                 .block_bytes = KvStorage::BytesPerBlock(l)};
 }
@@ -182,16 +179,14 @@ void Engine::Stop() {
   running_ = false;
 }
 
-absl::StatusOr<std::unique_ptr<Sequence>> Engine::MakeSequence(GenerateSpec spec,
-                                                               std::shared_ptr<OutputSink> sink) {
+absl::StatusOr<std::unique_ptr<Sequence>> Engine::MakeSequence(GenerateSpec spec, std::shared_ptr<OutputSink> sink) {
   const ModelConfig& mc = model_.config();
   const int len = static_cast<int>(spec.prompt.size());
   if (len == 0) return absl::InvalidArgumentError("prompt_token_ids is empty");
   for (int i = 0; i < len; ++i) {
     if (spec.prompt[i] < 0 || spec.prompt[i] >= mc.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "prompt_token_ids[%d] = %d is outside the vocabulary [0, %d)", i, spec.prompt[i],
-          mc.vocab_size));
+      return absl::InvalidArgumentError(absl::StrFormat("prompt_token_ids[%d] = %d is outside the vocabulary [0, %d)",
+                                                        i, spec.prompt[i], mc.vocab_size));
     }
   }
   RETURN_IF_ERROR(ValidateSamplingParams(spec.params, mc.vocab_size));
@@ -199,32 +194,29 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::MakeSequence(GenerateSpec spec
   // produced elsewhere; limits count from the true prompt, as they did there.
   const int resumed = spec.resume_output_tokens;
   if (resumed < 0 || resumed >= len) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "resume_output_tokens = %d must be in [0, %d) (the prompt has %d tokens, at least one of "
-        "them prompt)",
-        resumed, len, len));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("resume_output_tokens = %d must be in [0, %d) (the prompt has %d tokens, at least one of "
+                        "them prompt)",
+                        resumed, len, len));
   }
   if (spec.params.max_tokens >= 0 && resumed >= spec.params.max_tokens) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "resume_output_tokens = %d leaves nothing to generate: max_tokens is %d", resumed,
-        spec.params.max_tokens));
+        "resume_output_tokens = %d leaves nothing to generate: max_tokens is %d", resumed, spec.params.max_tokens));
   }
   const int prompt_len = len - resumed;
   const std::string limit =
-      cache_limited_ ? absl::StrFormat("the whole KV cache (%d blocks of %d tokens)", total_blocks_,
-                                    config_.block_size)
-                  : std::string("the context");
+      cache_limited_ ? absl::StrFormat("the whole KV cache (%d blocks of %d tokens)", total_blocks_, config_.block_size)
+                     : std::string("the context");
   if (len >= max_model_len_) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "the prompt has %d tokens but %s holds %d, leaving no room to generate", len, limit,
-        max_model_len_));
+        "the prompt has %d tokens but %s holds %d, leaving no room to generate", len, limit, max_model_len_));
   }
   int max_tokens = max_model_len_ - prompt_len;
   if (spec.params.max_tokens >= 0) {
     if (prompt_len + int64_t{spec.params.max_tokens} > max_model_len_) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "max_tokens = %d is too large: the prompt has %d tokens and %s holds %d",
-          spec.params.max_tokens, prompt_len, limit, max_model_len_));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("max_tokens = %d is too large: the prompt has %d tokens and %s holds %d",
+                          spec.params.max_tokens, prompt_len, limit, max_model_len_));
     }
     max_tokens = spec.params.max_tokens;
   }
@@ -252,8 +244,8 @@ absl::StatusOr<uint64_t> Engine::Submit(GenerateSpec spec, std::shared_ptr<Outpu
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return absl::UnavailableError("the engine is stopping");
     if (static_cast<int>(submitted_.size()) + waiting_.load() >= config_.max_waiting) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "worker overloaded: %d requests are already waiting", config_.max_waiting));
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("worker overloaded: %d requests are already waiting", config_.max_waiting));
     }
     // The published report counts the request from now on: a client that
     // saw its response never reads a report from before it (the engine
@@ -299,17 +291,15 @@ void Engine::Fallback(uint64_t id, std::optional<SampledToken> first, std::strin
 
 // A reservation whose KV will not come: compute its prompt here, from the
 // cached prefix on (its blocks are already reserved), or end it with an error.
-void Engine::FallBackLocally(std::unique_ptr<Sequence> seq, std::optional<SampledToken> first,
-                             const std::string& why) {
+void Engine::FallBackLocally(std::unique_ptr<Sequence> seq, std::optional<SampledToken> first, const std::string& why) {
   DropReservationBlocks(*seq);
   if (!config_.local_prefill_fallback) {
-    Finish(std::move(seq), FinishInfo{.reason = FinishReason::kError,
-                                      .error = absl::StrCat("disaggregated prefill failed: ", why)});
+    Finish(std::move(seq),
+           FinishInfo{.reason = FinishReason::kError, .error = absl::StrCat("disaggregated prefill failed: ", why)});
     return;
   }
   ++local_prefill_fallbacks_;
-  LOG(WARNING) << "reservation " << seq->id << " (" << seq->request_id << "): " << why
-               << "; prefilling locally";
+  LOG(WARNING) << "reservation " << seq->id << " (" << seq->request_id << "): " << why << "; prefilling locally";
   if (seq->sink) seq->sink->OnLocalPrefill(first.has_value());
   seq->forced_first = std::move(first);
   // Queued like a new request: admission finds its cached prefix again and
@@ -321,10 +311,10 @@ void Engine::DropReservationBlocks(Sequence& seq) {
   // Blocks [0, num_hashed) came from the prefix cache and were never a
   // transfer's destination; the rest were.
   const size_t shared = static_cast<size_t>(seq.num_hashed);
-  Quarantined q{.blocks = std::vector<int32_t>(seq.blocks.begin() + shared, seq.blocks.end()),
-                .until = std::chrono::steady_clock::now() +
-                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                             std::chrono::duration<double>(config_.transfer_quarantine_s))};
+  Quarantined q{
+      .blocks = std::vector<int32_t>(seq.blocks.begin() + shared, seq.blocks.end()),
+      .until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                      std::chrono::duration<double>(config_.transfer_quarantine_s))};
   seq.blocks.resize(shared);
   scheduler_.ReleaseBlocks(seq);
   if (!q.blocks.empty()) quarantine_.push_back(std::move(q));
@@ -434,17 +424,17 @@ void Engine::DrainCommands() {
     const int held = static_cast<int>(reserved_.size());
     if (running + held >= config_.max_running) {
       ++reservations_refused_;
-      r.done(absl::ResourceExhaustedError(absl::StrFormat(
-          "the worker runs its maximum of %d sequences (--max-running): %d running and %d "
-          "reserved",
-          config_.max_running, running, held)));
+      r.done(absl::ResourceExhaustedError(
+          absl::StrFormat("the worker runs its maximum of %d sequences (--max-running): %d running and %d "
+                          "reserved",
+                          config_.max_running, running, held)));
       continue;
     }
     if (!scheduler_.Reserve(*r.seq)) {
       ++reservations_refused_;
-      r.done(absl::ResourceExhaustedError(absl::StrFormat(
-          "no room in the KV cache for %d prompt tokens (%d blocks free)", r.seq->prompt_len,
-          blocks_.num_allocatable())));
+      r.done(
+          absl::ResourceExhaustedError(absl::StrFormat("no room in the KV cache for %d prompt tokens (%d blocks free)",
+                                                       r.seq->prompt_len, blocks_.num_allocatable())));
       continue;
     }
     Reservation res{.id = r.seq->id, .cached_tokens = r.seq->num_computed, .blocks = r.seq->blocks};
@@ -484,9 +474,8 @@ void Engine::DrainCommands() {
 // Whatever a command queue holds wakes the engine thread; every queue that
 // DrainCommands empties must be listed here.
 bool Engine::HasWorkLocked() const {
-  return stop_ || !submitted_.empty() || !cancelled_.empty() || !clears_.empty() ||
-         !reserves_.empty() || !commits_.empty() || !releases_.empty() || !fallbacks_.empty() ||
-         !scheduler_.empty();
+  return stop_ || !submitted_.empty() || !cancelled_.empty() || !clears_.empty() || !reserves_.empty() ||
+         !commits_.empty() || !releases_.empty() || !fallbacks_.empty() || !scheduler_.empty();
 }
 
 void Engine::Loop() {
@@ -521,8 +510,7 @@ void Engine::Loop() {
   for (const auto& s : scheduler_.running()) ids.push_back(s->id);
   for (const auto& s : scheduler_.waiting()) ids.push_back(s->id);
   for (uint64_t id : ids) {
-    Finish(scheduler_.Remove(id),
-           FinishInfo{.reason = FinishReason::kAbort, .worker_stopping = true});
+    Finish(scheduler_.Remove(id), FinishInfo{.reason = FinishReason::kAbort, .worker_stopping = true});
   }
   for (auto& [id, parked] : reserved_) {
     DropReservationBlocks(*parked.seq);
@@ -575,15 +563,13 @@ void Engine::Step() {
   }
 
   absl::Status st = config_.sim.has_value() ? SimulateStep(work, step_started)
-                                             : model_.Forward(batch_, storage_->data(),
-                                                              storage_->layout(), &logits_);
+                                            : model_.Forward(batch_, storage_->data(), storage_->layout(), &logits_);
   if (!st.ok()) {
     LOG(ERROR) << "forward pass failed: " << st;
     std::vector<uint64_t> ids;
     for (const ScheduledWork& w : work) ids.push_back(w.seq->id);
     for (uint64_t id : ids) {
-      Finish(scheduler_.Remove(id), FinishInfo{.reason = FinishReason::kError,
-                                               .error = std::string(st.message())});
+      Finish(scheduler_.Remove(id), FinishInfo{.reason = FinishReason::kError, .error = std::string(st.message())});
     }
     return;
   }
@@ -612,17 +598,14 @@ void Engine::Step() {
     } else {
       SampledToken tok =
           config_.sim.has_value()
-              ? SimToken(seq.seed, static_cast<int>(seq.tokens.size()), mc.vocab_size,
-                         mc.eos_token_ids, seq.params)
-              : SampleToken(std::span<float>(&logits_[logits_row * mc.vocab_size],
-                                             size_t(mc.vocab_size)),
-                            seq.params, seq.prompt(), seq.output(), mc.eos_token_ids, seq.seed);
+              ? SimToken(seq.seed, static_cast<int>(seq.tokens.size()), mc.vocab_size, mc.eos_token_ids, seq.params)
+              : SampleToken(std::span<float>(&logits_[logits_row * mc.vocab_size], size_t(mc.vocab_size)), seq.params,
+                            seq.prompt(), seq.output(), mc.eos_token_ids, seq.seed);
       seq.tokens.push_back(tok.token_id);
       if (seq.sink) seq.sink->OnToken(tok);
       if (seq.on_prefilled) {
         handoffs.push_back(seq.id);
-        seq.on_prefilled(Prefilled{.id = seq.id, .first = tok, .blocks = seq.blocks,
-                                   .prompt_len = seq.prompt_len});
+        seq.on_prefilled(Prefilled{.id = seq.id, .first = tok, .blocks = seq.blocks, .prompt_len = seq.prompt_len});
         continue;
       }
     }
@@ -649,8 +632,8 @@ absl::Status Engine::SimulateStep(const std::vector<ScheduledWork>& work,
     context_tokens += int64_t{w.seq->num_computed} + w.num_tokens;
   }
   const double seconds = config_.sim->StepSeconds(prefill_tokens, decode_seqs, context_tokens);
-  std::this_thread::sleep_until(started + std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                    std::chrono::duration<double>(seconds)));
+  std::this_thread::sleep_until(
+      started + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds)));
   return absl::OkStatus();
 }
 
@@ -661,8 +644,7 @@ void Engine::HandOff(uint64_t id) {
   if (seq == nullptr) return;
   // The prefill's part ends here: STOP if the first token is a stop token,
   // LENGTH otherwise.
-  FinishInfo info =
-      FinishAfterLastToken(*seq).value_or(FinishInfo{.reason = FinishReason::kLength});
+  FinishInfo info = FinishAfterLastToken(*seq).value_or(FinishInfo{.reason = FinishReason::kLength});
   // Only the prompt's blocks travel; the first token's KV is computed by the
   // decode worker.
   seq->num_computed = seq->prompt_len;
@@ -771,7 +753,6 @@ void Engine::PublishLoad() {
   load_ = s;
 }
 
-
 // One line like vLLM's: throughput since the last line, queue, KV usage.
 void Engine::MaybeLogStats() {
   if (config_.log_stats_interval_s <= 0) return;
@@ -784,8 +765,8 @@ void Engine::MaybeLogStats() {
         "engine: prompt %.1f tok/s, generation %.1f tok/s, %d running, %d waiting, "
         "KV %.1f%% used (%d cached blocks), prefix hit rate %.1f%%, %d preemptions",
         prompt_tokens_computed_ / elapsed, tokens_generated_ / elapsed, s.running, s.waiting,
-        100.0 * s.used_blocks / std::max<int64_t>(1, s.total_blocks), s.cached_blocks,
-        100.0 * s.hit_rate(), s.preemptions);
+        100.0 * s.used_blocks / std::max<int64_t>(1, s.total_blocks), s.cached_blocks, 100.0 * s.hit_rate(),
+        s.preemptions);
   }
   prompt_tokens_computed_ = 0;
   tokens_generated_ = 0;

@@ -63,18 +63,18 @@ struct SimTiming {
 };
 
 struct EngineConfig {
-  int block_size = 16;                       // tokens per KV block
-  int64_t kv_cache_bytes = 256ll << 20;      // memory budget of the KV pool
-  int max_batched_tokens = 2048;             // tokens per step (prefill chunk budget)
-  int max_running = 256;                     // sequences decoding at once
-  int max_waiting = 4096;                    // queued requests before RESOURCE_EXHAUSTED
-  double watermark = 0.01;                   // fraction of blocks admission keeps free
-  int max_model_len = 0;                     // 0: the model's max_position_embeddings
+  int block_size = 16;                   // tokens per KV block
+  int64_t kv_cache_bytes = 256ll << 20;  // memory budget of the KV pool
+  int max_batched_tokens = 2048;         // tokens per step (prefill chunk budget)
+  int max_running = 256;                 // sequences decoding at once
+  int max_waiting = 4096;                // queued requests before RESOURCE_EXHAUSTED
+  double watermark = 0.01;               // fraction of blocks admission keeps free
+  int max_model_len = 0;                 // 0: the model's max_position_embeddings
   bool enable_prefix_caching = true;
-  uint64_t block_hash_seed = 0;              // parent hash of a sequence's first block
-  size_t kv_event_capacity = 1 << 16;        // events kept for resuming subscribers
-  int threads = 0;                           // BLAS threads; 0 = all cores
-  double log_stats_interval_s = 10.0;        // a stats line this often while busy; 0 = never
+  uint64_t block_hash_seed = 0;        // parent hash of a sequence's first block
+  size_t kv_event_capacity = 1 << 16;  // events kept for resuming subscribers
+  int threads = 0;                     // BLAS threads; 0 = all cores
+  double log_stats_interval_s = 10.0;  // a stats line this often while busy; 0 = never
   // Decode side: when a reservation's KV does not arrive (deadline, or
   // Fallback() from the orchestration), prefill it here instead of failing.
   bool local_prefill_fallback = true;
@@ -97,7 +97,7 @@ using Deadline = std::chrono::steady_clock::time_point;
 struct Prefilled {
   uint64_t id = 0;
   SampledToken first;
-  std::vector<int32_t> blocks;       // blocks of the whole prompt, in order
+  std::vector<int32_t> blocks;  // blocks of the whole prompt, in order
   int prompt_len = 0;
 };
 
@@ -139,13 +139,13 @@ struct LoadSnapshot {
   int64_t prefix_hit_tokens = 0;
   int64_t preemptions = 0;
   int64_t finished = 0;
-  int reserved = 0;                 // decode side: parked until their KV arrives
-  int prefilled = 0;                // prefill side: holding blocks until sent
-  int64_t quarantined_blocks = 0;   // decode side: failed transfers' blocks, briefly out of use
-  int64_t expired_reservations = 0; // reservations whose KV never came (degraded path)
+  int reserved = 0;                     // decode side: parked until their KV arrives
+  int prefilled = 0;                    // prefill side: holding blocks until sent
+  int64_t quarantined_blocks = 0;       // decode side: failed transfers' blocks, briefly out of use
+  int64_t expired_reservations = 0;     // reservations whose KV never came (degraded path)
   int64_t local_prefill_fallbacks = 0;  // reservations prefilled here instead (degraded path)
-  int64_t reservations_refused = 0; // decode side: no batch place (max_running) or KV room
-  int64_t expired_handoffs = 0;     // prefilled blocks never released (degraded path)
+  int64_t reservations_refused = 0;     // decode side: no batch place (max_running) or KV room
+  int64_t expired_handoffs = 0;         // prefilled blocks never released (degraded path)
   uint64_t kv_event_seq = 0;
   double hit_rate() const {
     return prefix_query_tokens > 0 ? double(prefix_hit_tokens) / double(prefix_query_tokens) : 0.0;
@@ -158,9 +158,8 @@ class Engine {
   // `pool_allocator` when given (a KV transport's; it must outlive the
   // engine). The effective context is capped by the model,
   // config.max_model_len and the pool's capacity.
-  static absl::StatusOr<std::unique_ptr<Engine>> Create(
-      const EngineConfig& config, LoadedModel model,
-      const KvStorage::Allocator& pool_allocator = nullptr);
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config, LoadedModel model,
+                                                        const KvStorage::Allocator& pool_allocator = nullptr);
   ~Engine();  // stops the engine thread; pending requests finish with kAbort
               // and FinishInfo::worker_stopping
 
@@ -219,8 +218,7 @@ class Engine {
   bool running() const { return running_.load(); }
 
  private:
-  Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<KvStorage> storage,
-         int max_model_len);
+  Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<KvStorage> storage, int max_model_len);
   void Loop();
   bool HasWorkLocked() const;  // REQUIRES: mu_ held
   bool EnqueueIfRunning(const std::function<void()>& enqueue);
@@ -228,21 +226,18 @@ class Engine {
   void Step();
   // The simulated engine's stand-in for the forward pass: sleeps until the
   // step's SimTiming duration has passed since `started`.
-  absl::Status SimulateStep(const std::vector<ScheduledWork>& work,
-                            std::chrono::steady_clock::time_point started);
+  absl::Status SimulateStep(const std::vector<ScheduledWork>& work, std::chrono::steady_clock::time_point started);
   void Finish(std::unique_ptr<Sequence> seq, FinishInfo info);
   void PublishLoad();
   void MaybeLogStats();
-  absl::StatusOr<std::unique_ptr<Sequence>> MakeSequence(GenerateSpec spec,
-                                                         std::shared_ptr<OutputSink> sink);
+  absl::StatusOr<std::unique_ptr<Sequence>> MakeSequence(GenerateSpec spec, std::shared_ptr<OutputSink> sink);
   void ExpireParked();
   Deadline NextDeadline() const;
   void HandOff(uint64_t id);
   // Whether the token just appended ends `seq`: a stop token, max_tokens or
   // the context. nullopt while it continues.
   std::optional<FinishInfo> FinishAfterLastToken(const Sequence& seq) const;
-  void FallBackLocally(std::unique_ptr<Sequence> seq, std::optional<SampledToken> first,
-                       const std::string& why);
+  void FallBackLocally(std::unique_ptr<Sequence> seq, std::optional<SampledToken> first, const std::string& why);
   // Releases a reservation's shared prefix blocks and quarantines the blocks
   // a transfer was writing; the sequence keeps no block.
   void DropReservationBlocks(Sequence& seq);
@@ -255,9 +250,9 @@ class Engine {
   const int max_model_len_;
   const int64_t total_blocks_;
   KvEventLog events_;
-  BlockManager blocks_;     // engine thread only
-  Scheduler scheduler_;     // engine thread only
-  BatchInput batch_;        // engine thread only
+  BlockManager blocks_;  // engine thread only
+  Scheduler scheduler_;  // engine thread only
+  BatchInput batch_;     // engine thread only
   std::vector<float> logits_;
 
   std::mutex mu_;

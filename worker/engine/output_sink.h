@@ -16,12 +16,12 @@ enum class FinishReason { kStop, kLength, kAbort, kError };
 
 struct FinishInfo {
   FinishReason reason = FinishReason::kStop;
-  int stop_token_id = -1;           // the stop or EOS id that ended generation
+  int stop_token_id = -1;  // the stop or EOS id that ended generation
   int prompt_tokens = 0;
   int completion_tokens = 0;
   int cached_prompt_tokens = 0;
-  std::string error;                // kError: what went wrong
-  bool worker_stopping = false;     // kAbort because the worker shuts down (not the client)
+  std::string error;             // kError: what went wrong
+  bool worker_stopping = false;  // kAbort because the worker shuts down (not the client)
 };
 
 class OutputSink {

@@ -11,8 +11,7 @@ namespace {
 int BlocksFor(int tokens, int block_size) { return (tokens + block_size - 1) / block_size; }
 }  // namespace
 
-Scheduler::Scheduler(const SchedulerConfig& config, BlockManager* blocks)
-    : config_(config), blocks_(blocks) {}
+Scheduler::Scheduler(const SchedulerConfig& config, BlockManager* blocks) : config_(config), blocks_(blocks) {}
 
 void Scheduler::Add(std::unique_ptr<Sequence> seq) { waiting_.push_back(std::move(seq)); }
 
@@ -95,8 +94,8 @@ void Scheduler::InsertRunning(std::unique_ptr<Sequence> seq) {
 void Scheduler::AddRunning(std::unique_ptr<Sequence> seq) { InsertRunning(std::move(seq)); }
 
 std::unique_ptr<Sequence> Scheduler::Take(uint64_t id) {
-  auto r = std::find_if(running_.begin(), running_.end(),
-                        [id](const std::unique_ptr<Sequence>& s) { return s->id == id; });
+  auto r =
+      std::find_if(running_.begin(), running_.end(), [id](const std::unique_ptr<Sequence>& s) { return s->id == id; });
   if (r == running_.end()) return nullptr;
   std::unique_ptr<Sequence> seq = std::move(*r);
   running_.erase(r);
@@ -128,8 +127,7 @@ std::vector<ScheduledWork> Scheduler::Schedule(int reserved_slots) {
     ++i;
   }
 
-  while (budget > 0 && !waiting_.empty() &&
-         static_cast<int>(running_.size()) + reserved_slots < config_.max_running) {
+  while (budget > 0 && !waiting_.empty() && static_cast<int>(running_.size()) + reserved_slots < config_.max_running) {
     if (!AdmitHead(&budget, &work)) break;
   }
   return work;

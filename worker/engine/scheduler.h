@@ -28,15 +28,15 @@
 namespace tandem::worker {
 
 struct SchedulerConfig {
-  int max_batched_tokens = 2048;    // tokens per forward pass (the prefill chunk budget)
-  int max_running = 256;            // sequences in the running batch
-  double watermark = 0.01;          // fraction of blocks admission leaves free
-  uint64_t block_hash_seed = 0;     // parent hash of every sequence's first block
+  int max_batched_tokens = 2048;  // tokens per forward pass (the prefill chunk budget)
+  int max_running = 256;          // sequences in the running batch
+  double watermark = 0.01;        // fraction of blocks admission leaves free
+  uint64_t block_hash_seed = 0;   // parent hash of every sequence's first block
 };
 
 struct ScheduledWork {
   Sequence* seq;
-  int num_tokens;                   // tokens [seq->num_computed, + num_tokens) run this step
+  int num_tokens;  // tokens [seq->num_computed, + num_tokens) run this step
 };
 
 struct SchedulerStats {
@@ -95,7 +95,7 @@ class Scheduler {
 
   const SchedulerConfig config_;
   BlockManager* const blocks_;
-  std::vector<std::unique_ptr<Sequence>> running_;   // arrival order
+  std::vector<std::unique_ptr<Sequence>> running_;  // arrival order
   std::deque<std::unique_ptr<Sequence>> waiting_;
   SchedulerStats stats_;
 };

@@ -20,22 +20,22 @@ namespace tandem::worker {
 struct Prefilled;
 
 struct Sequence {
-  uint64_t id = 0;                  // engine-assigned, increasing with arrival
-  std::string request_id;           // the caller's id
-  std::vector<int32_t> tokens;      // prompt, then every sampled token
+  uint64_t id = 0;              // engine-assigned, increasing with arrival
+  std::string request_id;       // the caller's id
+  std::vector<int32_t> tokens;  // prompt, then every sampled token
   int prompt_len = 0;
-  int resumed_output = 0;           // leading output tokens made elsewhere (a resumption)
+  int resumed_output = 0;  // leading output tokens made elsewhere (a resumption)
   SamplingParams params;
-  uint64_t seed = 0;                // params.seed or one drawn at submission
-  int max_tokens = 0;               // resolved: never past the context
+  uint64_t seed = 0;   // params.seed or one drawn at submission
+  int max_tokens = 0;  // resolved: never past the context
   std::shared_ptr<OutputSink> sink;
 
-  std::vector<int32_t> blocks;      // block table: block i holds tokens [i*bs, (i+1)*bs)
-  int num_computed = 0;             // leading tokens whose K/V is in the cache
-  int num_hashed = 0;               // leading full blocks registered in the prefix cache
-  uint64_t last_hash = 0;           // hash of block num_hashed - 1 (the seed when 0)
-  int cached_prompt_tokens = 0;     // prompt tokens found in the prefix cache at admission
-  bool admitted_before = false;     // a preempted sequence re-enters the queue
+  std::vector<int32_t> blocks;   // block table: block i holds tokens [i*bs, (i+1)*bs)
+  int num_computed = 0;          // leading tokens whose K/V is in the cache
+  int num_hashed = 0;            // leading full blocks registered in the prefix cache
+  uint64_t last_hash = 0;        // hash of block num_hashed - 1 (the seed when 0)
+  int cached_prompt_tokens = 0;  // prompt tokens found in the prefix cache at admission
+  bool admitted_before = false;  // a preempted sequence re-enters the queue
   int preemptions = 0;
 
   // Disaggregation, prefill side: when set, the sequence stops after its
@@ -49,9 +49,7 @@ struct Sequence {
 
   int output_len() const { return static_cast<int>(tokens.size()) - prompt_len; }
   std::span<const int32_t> prompt() const { return {tokens.data(), size_t(prompt_len)}; }
-  std::span<const int32_t> output() const {
-    return {tokens.data() + prompt_len, size_t(output_len())};
-  }
+  std::span<const int32_t> output() const { return {tokens.data() + prompt_len, size_t(output_len())}; }
   // Tokens still to be computed before the next sample (1 while decoding).
   int pending() const { return static_cast<int>(tokens.size()) - num_computed; }
 };

@@ -6,8 +6,7 @@
 
 namespace tandem::worker {
 
-BlockManager::BlockManager(int64_t num_blocks, int block_size, bool enable_prefix_caching,
-                           KvEventLog* events)
+BlockManager::BlockManager(int64_t num_blocks, int block_size, bool enable_prefix_caching, KvEventLog* events)
     : block_size_(block_size),
       prefix_caching_(enable_prefix_caching),
       events_(events),
@@ -47,8 +46,8 @@ bool BlockManager::Allocate(int n, std::vector<int32_t>* out) {
   return true;
 }
 
-int BlockManager::AcquireCachedPrefix(std::span<const uint64_t> hashes,
-                                      std::span<const int32_t> tokens, std::vector<int32_t>* out) {
+int BlockManager::AcquireCachedPrefix(std::span<const uint64_t> hashes, std::span<const int32_t> tokens,
+                                      std::vector<int32_t>* out) {
   if (!prefix_caching_) return 0;
   int hits = 0;
   for (uint64_t h : hashes) {
@@ -68,8 +67,7 @@ int BlockManager::AcquireCachedPrefix(std::span<const uint64_t> hashes,
   return hits;
 }
 
-void BlockManager::Commit(int32_t block, uint64_t hash, uint64_t parent,
-                          std::span<const int32_t> tokens) {
+void BlockManager::Commit(int32_t block, uint64_t hash, uint64_t parent, std::span<const int32_t> tokens) {
   if (!prefix_caching_) return;
   Block& b = blocks_[block];
   CHECK(b.ref_count > 0) << "commit of unused block " << block;

@@ -62,8 +62,7 @@ class BlockManager {
   // hash alone could collide, and the seed is public): takes a reference on
   // each of those blocks and appends their ids to `out`. Returns how many.
   // REQUIRES: tokens.size() >= hashes.size() * block_size.
-  int AcquireCachedPrefix(std::span<const uint64_t> hashes, std::span<const int32_t> tokens,
-                          std::vector<int32_t>* out);
+  int AcquireCachedPrefix(std::span<const uint64_t> hashes, std::span<const int32_t> tokens, std::vector<int32_t>* out);
 
   // Registers `block`, which holds exactly `tokens` (block_size of them) after
   // the block hashed `parent`, under `hash`. If another block already holds
@@ -101,8 +100,8 @@ class BlockManager {
   const bool prefix_caching_;
   KvEventLog* const events_;
   std::vector<Block> blocks_;
-  std::vector<int32_t> tokens_;               // [block][block_size]: a cached block's tokens
-  std::vector<int32_t> free_;                 // stack of never-cached free blocks
+  std::vector<int32_t> tokens_;  // [block][block_size]: a cached block's tokens
+  std::vector<int32_t> free_;    // stack of never-cached free blocks
   // Evictable blocks, LRU order (front goes first): probation before protected.
   std::list<int32_t> probation_;
   std::list<int32_t> protected_;

@@ -15,7 +15,9 @@ void KvEventLog::Append(KvEvent event) {
 void KvEventLog::Stored(uint64_t hash, uint64_t parent, std::span<const int32_t> tokens) {
   absl::MutexLock lock(&mu_);
   live_[hash] = parent;
-  Append(KvEvent{.kind = KvEvent::Kind::kStored, .block_hash = hash, .parent_hash = parent,
+  Append(KvEvent{.kind = KvEvent::Kind::kStored,
+                 .block_hash = hash,
+                 .parent_hash = parent,
                  .token_ids = std::vector<int32_t>(tokens.begin(), tokens.end())});
 }
 

@@ -29,9 +29,9 @@ struct KvEvent {
   enum class Kind { kStored, kRemoved, kCleared };
   uint64_t seq = 0;
   Kind kind = Kind::kStored;
-  uint64_t block_hash = 0;           // kStored, kRemoved
-  uint64_t parent_hash = 0;          // kStored
-  std::vector<int32_t> token_ids;    // kStored
+  uint64_t block_hash = 0;         // kStored, kRemoved
+  uint64_t parent_hash = 0;        // kStored
+  std::vector<int32_t> token_ids;  // kStored
 };
 
 struct CachedBlock {
@@ -40,8 +40,8 @@ struct CachedBlock {
 };
 
 struct KvSnapshot {
-  uint64_t seq = 0;                  // reflects every event up to and including seq
-  std::vector<CachedBlock> blocks;   // every cached block
+  uint64_t seq = 0;                 // reflects every event up to and including seq
+  std::vector<CachedBlock> blocks;  // every cached block
 };
 
 class KvEventLog {

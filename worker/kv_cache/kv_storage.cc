@@ -23,18 +23,17 @@ absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLa
   if (allocator) {
     absl::StatusOr<void*> p = allocator(bytes);
     if (!p.ok()) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "KV cache: the transport cannot allocate %d bytes for %d blocks: %s", bytes,
-          layout.num_blocks, p.status().message()));
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("KV cache: the transport cannot allocate %d bytes for %d blocks: %s", bytes,
+                          layout.num_blocks, p.status().message()));
     }
     return std::unique_ptr<KvStorage>(new KvStorage(layout, static_cast<float*>(*p), bytes, false));
   }
   void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "KV cache: cannot map %d bytes for %d blocks: %s", bytes, layout.num_blocks,
-        std::strerror(errno)));
+    return absl::ResourceExhaustedError(absl::StrFormat("KV cache: cannot map %d bytes for %d blocks: %s", bytes,
+                                                        layout.num_blocks, std::strerror(errno)));
   }
   return std::unique_ptr<KvStorage>(new KvStorage(layout, static_cast<float*>(p), bytes, true));
 }

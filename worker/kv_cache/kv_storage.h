@@ -21,9 +21,7 @@ class KvStorage {
   // The number of blocks of `block_layout` (num_blocks ignored) that fit in
   // `budget_bytes`.
   static int64_t BlocksForBudget(const kernels::KvLayout& block_layout, int64_t budget_bytes);
-  static int64_t BytesPerBlock(const kernels::KvLayout& layout) {
-    return layout.block_bytes();
-  }
+  static int64_t BytesPerBlock(const kernels::KvLayout& layout) { return layout.block_bytes(); }
 
   // Memory for a pool of `bytes`, owned by whoever provides it and valid
   // until the storage is gone.
@@ -31,7 +29,7 @@ class KvStorage {
 
   // ResourceExhausted if the memory cannot be mapped (or `allocator` fails).
   static absl::StatusOr<std::unique_ptr<KvStorage>> Create(const kernels::KvLayout& layout,
-                                                          const Allocator& allocator = nullptr);
+                                                           const Allocator& allocator = nullptr);
   ~KvStorage();
   KvStorage(const KvStorage&) = delete;
   KvStorage& operator=(const KvStorage&) = delete;

@@ -36,9 +36,7 @@ uint64_t Mix64(uint64_t z) {
 }
 
 // Output `counter` of a SplitMix64 generator whose state starts at `stream`.
-uint64_t SplitMix64(uint64_t stream, uint64_t counter) {
-  return Mix64(stream + (counter + 1) * kGoldenGamma);
-}
+uint64_t SplitMix64(uint64_t stream, uint64_t counter) { return Mix64(stream + (counter + 1) * kGoldenGamma); }
 
 uint64_t Fnv1a64(std::string_view text) {
   uint64_t hash = 0xCBF29CE484222325ull;
@@ -50,9 +48,7 @@ uint64_t Fnv1a64(std::string_view text) {
 }
 
 // Uniform in (0, 1] from the top 53 bits.
-double UnitInterval(uint64_t bits) {
-  return (static_cast<double>(bits >> 11) + 1.0) * 0x1.0p-53;
-}
+double UnitInterval(uint64_t bits) { return (static_cast<double>(bits >> 11) + 1.0) * 0x1.0p-53; }
 
 // out[k] = mean + stddev * z_k, z_k standard normal: Box-Muller on the pair of
 // uniforms (2p, 2p+1) gives z_{2p} (cosine) and z_{2p+1} (sine).
@@ -132,8 +128,8 @@ absl::StatusOr<ModelConfig> BuiltinModelConfig(std::string_view name) {
     c.rope.original_max_position_embeddings = 8192;
   } else {
     return absl::InvalidArgumentError(absl::StrCat("unknown built-in model \"", std::string(name),
-                                                   "\" (built-in models: ",
-                                                   absl::StrJoin(BuiltinModelNames(), ", "), ")"));
+                                                   "\" (built-in models: ", absl::StrJoin(BuiltinModelNames(), ", "),
+                                                   ")"));
   }
   return c;
 }

@@ -125,8 +125,8 @@ std::string GenerationConfigJson(const ModelConfig& config) {
 }
 
 bool IsWeightFile(std::string_view name) {
-  const bool is_shard = name.starts_with("model-") && name.ends_with(".safetensors") &&
-                        name.find("-of-") != std::string_view::npos;
+  const bool is_shard =
+      name.starts_with("model-") && name.ends_with(".safetensors") && name.find("-of-") != std::string_view::npos;
   return is_shard || name == "model.safetensors" || name == "model.safetensors.index.json";
 }
 
@@ -137,16 +137,16 @@ absl::Status RemoveOldWeights(const std::string& dir) {
     std::error_code remove_error;
     std::filesystem::remove(entry.path(), remove_error);
     if (remove_error) {
-      return absl::UnavailableError(absl::StrCat("cannot remove ", entry.path().string(), ": ",
-                                                 remove_error.message()));
+      return absl::UnavailableError(
+          absl::StrCat("cannot remove ", entry.path().string(), ": ", remove_error.message()));
     }
   }
   if (ec) return absl::UnavailableError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
   return absl::OkStatus();
 }
 
-absl::Status WriteWeights(const std::string& dir, std::map<std::string, Tensor> tensors,
-                          SafetensorsDtype dtype, int64_t max_shard_bytes) {
+absl::Status WriteWeights(const std::string& dir, std::map<std::string, Tensor> tensors, SafetensorsDtype dtype,
+                          int64_t max_shard_bytes) {
   if (max_shard_bytes == 0) {
     return WriteSafetensors(JoinPath(dir, "model.safetensors"), tensors, dtype);
   }
@@ -170,16 +170,14 @@ absl::Status WriteWeights(const std::string& dir, std::map<std::string, Tensor> 
     RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, file), shards[i], dtype));
     for (const auto& [name, tensor] : shards[i]) weight_map[name] = file;
   }
-  const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}},
-                                {"weight_map", std::move(weight_map)}};
+  const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", std::move(weight_map)}};
   return model_internal::WriteFile(JoinPath(dir, "model.safetensors.index.json"),
                                    model_internal::DumpJson(index, 2) + "\n");
 }
 
 }  // namespace
 
-absl::Status ExportModel(const std::string& preset, const std::string& dir,
-                         const ExportOptions& options) {
+absl::Status ExportModel(const std::string& preset, const std::string& dir, const ExportOptions& options) {
   absl::StatusOr<SafetensorsDtype> dtype = SafetensorsDtypeFromTorchName(options.dtype);
   if (!dtype.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("export: ", dtype.status().message()));

@@ -32,8 +32,7 @@ struct ExportOptions {
 };
 
 // Exports preset `preset` ("tiny" or "small") into `dir`, creating it.
-absl::Status ExportModel(const std::string& preset, const std::string& dir,
-                         const ExportOptions& options = {});
+absl::Status ExportModel(const std::string& preset, const std::string& dir, const ExportOptions& options = {});
 
 // The built-in presets' tokenizer.json: byte-level BPE over the 256 bytes plus
 // the special tokens as added tokens (what ExportModel writes; the router

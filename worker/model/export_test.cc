@@ -13,10 +13,10 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "worker/model/test_util.h"
 #include "worker/model/builtin_models.h"
 #include "worker/model/model_loader.h"
 #include "worker/model/safetensors.h"
+#include "worker/model/test_util.h"
 
 namespace tandem::worker {
 namespace {
@@ -34,9 +34,8 @@ nlohmann::json ReadJson(const std::string& path) {
 std::vector<const std::vector<float>*> Parameters(const ModelWeights& w) {
   std::vector<const std::vector<float>*> all = {&w.embed, &w.final_norm, &w.lm_head};
   for (const LayerWeights& l : w.layers) {
-    for (const std::vector<float>* v : {&l.input_norm, &l.wqkv, &l.bqkv, &l.wo, &l.bo,
-                                        &l.post_norm, &l.w_gate_up, &l.b_gate_up, &l.w_down,
-                                        &l.b_down}) {
+    for (const std::vector<float>* v : {&l.input_norm, &l.wqkv, &l.bqkv, &l.wo, &l.bo, &l.post_norm, &l.w_gate_up,
+                                        &l.b_gate_up, &l.w_down, &l.b_down}) {
       all.push_back(v);
     }
   }
@@ -63,8 +62,8 @@ TEST(ExportTest, Float32ExportReloadsBitIdentical) {
   ScopedTempDir tmp("tiny_f32");
   const std::string& dir = tmp.path();
   ASSERT_TRUE(ExportModel("tiny", dir).ok());
-  for (const char* file : {"config.json", "generation_config.json", "model.safetensors",
-                           "tokenizer.json", "tokenizer_config.json"}) {
+  for (const char* file :
+       {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}) {
     EXPECT_TRUE(std::filesystem::exists(dir + "/" + file)) << file;
   }
   absl::StatusOr<LoadedModel> builtin = LoadModel("builtin:tiny");
@@ -88,8 +87,8 @@ TEST(ExportTest, Float32ExportReloadsBitIdentical) {
 TEST(ExportTest, BFloat16AndFloat16ExportsReloadRounded) {
   absl::StatusOr<LoadedModel> builtin = LoadModel("builtin:tiny");
   ASSERT_TRUE(builtin.ok());
-  for (const auto& [name, dtype] : {std::pair{"bfloat16", SafetensorsDtype::kBF16},
-                                    std::pair{"float16", SafetensorsDtype::kF16}}) {
+  for (const auto& [name, dtype] :
+       {std::pair{"bfloat16", SafetensorsDtype::kBF16}, std::pair{"float16", SafetensorsDtype::kF16}}) {
     ScopedTempDir tmp(std::string("tiny_") + name);
     const std::string& dir = tmp.path();
     ASSERT_TRUE(ExportModel("tiny", dir, {.dtype = name}).ok());
@@ -157,10 +156,10 @@ TEST(ExportTest, TokenizerJsonIsByteLevel) {
   const nlohmann::json& vocab = model["vocab"];
   EXPECT_EQ(vocab["A"], 0x41);
   EXPECT_EQ(vocab["!"], 33);
-  EXPECT_EQ(vocab["\xC4\xA0"], 32);   // U+0120 'Ġ' is the space
-  EXPECT_EQ(vocab["\xC4\x8A"], 10);   // U+010A 'Ċ' is the newline
-  EXPECT_EQ(vocab["\xC4\x80"], 0);    // U+0100 is byte 0
-  EXPECT_EQ(vocab["\xC3\xBF"], 255);  // U+00FF 'ÿ' stands for itself
+  EXPECT_EQ(vocab["\xC4\xA0"], 32);    // U+0120 'Ġ' is the space
+  EXPECT_EQ(vocab["\xC4\x8A"], 10);    // U+010A 'Ċ' is the newline
+  EXPECT_EQ(vocab["\xC4\x80"], 0);     // U+0100 is byte 0
+  EXPECT_EQ(vocab["\xC3\xBF"], 255);   // U+00FF 'ÿ' stands for itself
   EXPECT_EQ(vocab["\xC5\x83"], 0xAD);  // U+0143: the last shifted byte, soft hyphen
   std::set<int> ids;
   for (const auto& item : vocab.items()) ids.insert(item.value().get<int>());
@@ -197,8 +196,7 @@ TEST(ExportTest, BadOptionsAndPresets) {
   ScopedTempDir tmp("bad");
   const std::string& dir = tmp.path();
   EXPECT_THAT(ExportModel("tiny", dir, {.dtype = "int8"}).message(), HasSubstr("int8"));
-  EXPECT_THAT(ExportModel("tiny", dir, {.max_shard_bytes = -1}).message(),
-              HasSubstr("max_shard_bytes"));
+  EXPECT_THAT(ExportModel("tiny", dir, {.max_shard_bytes = -1}).message(), HasSubstr("max_shard_bytes"));
   absl::Status s = ExportModel("huge", dir);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), AllOf(HasSubstr("huge"), HasSubstr("tiny"), HasSubstr("small")));
@@ -235,9 +233,8 @@ TEST(LoadModelTest, ErrorsNameWhatIsWrong) {
   std::ofstream(dir + "/config.json") << config.dump();
   m = LoadModel(dir);
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(m.status().message(),
-              AllOf(HasSubstr("'model.layers.0.mlp.gate_proj.weight'"), HasSubstr("[176, 64]"),
-                    HasSubstr("expected [128, 64]"), HasSubstr("checkpoint " + dir)));
+  EXPECT_THAT(m.status().message(), AllOf(HasSubstr("'model.layers.0.mlp.gate_proj.weight'"), HasSubstr("[176, 64]"),
+                                          HasSubstr("expected [128, 64]"), HasSubstr("checkpoint " + dir)));
 }
 
 TEST(BuiltinModelsTest, PresetsAreDeterministic) {
@@ -252,8 +249,7 @@ TEST(BuiltinModelsTest, PresetsAreDeterministic) {
   const std::vector<float> embed = (*a)->Get("model.embed_tokens.weight")->data;
   const std::vector<float> q = (*a)->Get("model.layers.0.self_attn.q_proj.weight")->data;
   char text[128];
-  std::snprintf(text, sizeof(text), "%.9g %.9g %.9g | %.9g", embed[0], embed[1], embed[12345],
-                q[7]);
+  std::snprintf(text, sizeof(text), "%.9g %.9g %.9g | %.9g", embed[0], embed[1], embed[12345], q[7]);
   EXPECT_STREQ(text, "-0.228333741 2.1654501 -0.65065068 | 0.0538303629");
   // Different tensors and presets get different numbers.
   EXPECT_NE(q[0], (*a)->Get("model.layers.1.self_attn.q_proj.weight")->data[0]);
@@ -281,7 +277,7 @@ TEST(BuiltinModelsTest, WeightScales) {
   auto get = [&](const char* name) { return (*source)->Get(name)->data; };
   EXPECT_NEAR(Mean(get("model.embed_tokens.weight")), 0.0, 0.03);
   EXPECT_NEAR(Std(get("model.embed_tokens.weight")), 1.0, 0.03);
-  EXPECT_NEAR(Std(get("model.layers.0.mlp.gate_proj.weight")), 1 / 8.0, 0.005);   // 1/sqrt(64)
+  EXPECT_NEAR(Std(get("model.layers.0.mlp.gate_proj.weight")), 1 / 8.0, 0.005);  // 1/sqrt(64)
   EXPECT_NEAR(Std(get("model.layers.0.mlp.down_proj.weight")), 1 / std::sqrt(176.0), 0.005);
   EXPECT_NEAR(Std(get("lm_head.weight")), 3 / 8.0, 0.01);
   EXPECT_NEAR(Mean(get("model.norm.weight")), 1.0, 0.03);
@@ -346,9 +342,8 @@ TEST(BuiltinModelsTest, ByteTokenizer) {
   for (int id = 0; id < kBuiltinVocabSize; ++id) {
     EXPECT_THAT(EncodeBuiltinText(BuiltinTokenText(id)), ElementsAre(id));
   }
-  EXPECT_THAT(std::string(BuiltinChatTemplate()),
-              AllOf(HasSubstr("<|start_header_id|>"), HasSubstr("<|eot_id|>"),
-                    HasSubstr("add_generation_prompt"), HasSubstr("bos_token")));
+  EXPECT_THAT(std::string(BuiltinChatTemplate()), AllOf(HasSubstr("<|start_header_id|>"), HasSubstr("<|eot_id|>"),
+                                                        HasSubstr("add_generation_prompt"), HasSubstr("bos_token")));
 }
 
 }  // namespace

@@ -19,13 +19,11 @@ absl::StatusOr<nlohmann::json> ParseJson(std::string_view text, const std::strin
 }
 
 std::string DumpJson(const nlohmann::json& value, int indent) {
-  return value.dump(indent, ' ', /*ensure_ascii=*/false,
-                    nlohmann::json::error_handler_t::replace);
+  return value.dump(indent, ' ', /*ensure_ascii=*/false, nlohmann::json::error_handler_t::replace);
 }
 
 std::string DumpJson(const nlohmann::ordered_json& value, int indent) {
-  return value.dump(indent, ' ', /*ensure_ascii=*/false,
-                    nlohmann::ordered_json::error_handler_t::replace);
+  return value.dump(indent, ' ', /*ensure_ascii=*/false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 std::string JoinPath(const std::string& dir, const std::string& name) {

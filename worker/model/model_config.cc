@@ -67,8 +67,7 @@ class Fields {
   bool Has(const std::string& key) const { return Find(key) != nullptr; }
 
   // A 32-bit integer; required when `fallback` is nullopt.
-  absl::StatusOr<int> Int(const std::string& key,
-                          std::optional<int> fallback = std::nullopt) const {
+  absl::StatusOr<int> Int(const std::string& key, std::optional<int> fallback = std::nullopt) const {
     const json* value = Find(key);
     if (value == nullptr) {
       if (fallback.has_value()) return *fallback;
@@ -80,8 +79,7 @@ class Fields {
   }
 
   // A finite number; required when `fallback` is nullopt.
-  absl::StatusOr<double> Number(const std::string& key,
-                                std::optional<double> fallback = std::nullopt) const {
+  absl::StatusOr<double> Number(const std::string& key, std::optional<double> fallback = std::nullopt) const {
     const json* value = Find(key);
     if (value == nullptr) {
       if (fallback.has_value()) return *fallback;
@@ -108,14 +106,13 @@ class Fields {
   }
 
   absl::Status Error(const std::string& key, const std::string& message, const json& got) const {
-    return absl::InvalidArgumentError(absl::StrCat(where_, ": \"", key, "\" ", message,
-                                                   ", got ", model_internal::DumpJson(got, -1)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where_, ": \"", key, "\" ", message, ", got ", model_internal::DumpJson(got, -1)));
   }
 
  private:
   absl::Status Missing(const std::string& key) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where_, ": missing required key \"", key, "\""));
+    return absl::InvalidArgumentError(absl::StrCat(where_, ": missing required key \"", key, "\""));
   }
 
   const json& object_;
@@ -131,8 +128,8 @@ bool IsSupported(std::string_view architecture) {
 
 absl::Status UnsupportedArchitecture(const std::string& where, const std::string& architecture) {
   return absl::InvalidArgumentError(
-      absl::StrCat(where, ": architecture \"", architecture, "\" is not supported (supported: ",
-                   absl::StrJoin(SupportedArchitectures(), ", "), ")"));
+      absl::StrCat(where, ": architecture \"", architecture,
+                   "\" is not supported (supported: ", absl::StrJoin(SupportedArchitectures(), ", "), ")"));
 }
 
 // From "architectures" (its first entry), or else from "model_type".
@@ -152,8 +149,7 @@ absl::StatusOr<std::string> ReadArchitecture(const Fields& f) {
     } else if (model_type == "qwen2") {
       architecture = kQwen2;
     } else if (model_type.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(f.where(), ": has neither \"architectures\" nor \"model_type\""));
+      return absl::InvalidArgumentError(absl::StrCat(f.where(), ": has neither \"architectures\" nor \"model_type\""));
     } else {
       architecture = absl::StrCat("model_type ", model_type);
     }
@@ -186,8 +182,7 @@ absl::StatusOr<RopeConfig> ReadRope(const Fields& top) {
   } else if (section == "rope_parameters") {
     type = "default";
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat(p.where(), ": has neither \"rope_type\" nor \"type\""));
+    return absl::InvalidArgumentError(absl::StrCat(p.where(), ": has neither \"rope_type\" nor \"type\""));
   }
 
   if (type == "default") {
@@ -200,11 +195,10 @@ absl::StatusOr<RopeConfig> ReadRope(const Fields& top) {
     ASSIGN_OR_RETURN(rope.factor, p.Number("factor"));
     ASSIGN_OR_RETURN(rope.low_freq_factor, p.Number("low_freq_factor"));
     ASSIGN_OR_RETURN(rope.high_freq_factor, p.Number("high_freq_factor"));
-    ASSIGN_OR_RETURN(rope.original_max_position_embeddings,
-                     p.Int("original_max_position_embeddings"));
+    ASSIGN_OR_RETURN(rope.original_max_position_embeddings, p.Int("original_max_position_embeddings"));
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        p.where(), ": rope type \"", type, "\" is not supported (supported: default, linear, llama3)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(p.where(), ": rope type \"", type, "\" is not supported (supported: default, linear, llama3)"));
   }
   return rope;
 }
@@ -262,9 +256,7 @@ absl::StatusOr<std::vector<int>> ReadEosIds(const Fields& f) {
 }
 
 absl::Status Validate(const ModelConfig& c, const std::string& where) {
-  auto bad = [&where](auto&&... parts) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", parts...));
-  };
+  auto bad = [&where](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(where, ": ", parts...)); };
   if (!IsSupported(c.architecture)) return UnsupportedArchitecture(where, c.architecture);
   const std::pair<const char*, int> sizes[] = {
       {"vocab_size", c.vocab_size},
@@ -280,14 +272,13 @@ absl::Status Validate(const ModelConfig& c, const std::string& where) {
     if (value <= 0) return bad("\"", key, "\" must be positive, got ", value);
   }
   if (c.num_heads % c.num_kv_heads != 0) {
-    return bad("num_attention_heads (", c.num_heads, ") must be a multiple of num_key_value_heads (",
-               c.num_kv_heads, ")");
+    return bad("num_attention_heads (", c.num_heads, ") must be a multiple of num_key_value_heads (", c.num_kv_heads,
+               ")");
   }
   if (c.head_dim % 2 != 0) return bad("head_dim (", c.head_dim, ") must be even for rotary embeddings");
   const int64_t qkv_rows = (int64_t{c.num_heads} + 2 * int64_t{c.num_kv_heads}) * c.head_dim;
   if (qkv_rows > INT_MAX) {
-    return bad("(num_attention_heads + 2 * num_key_value_heads) * head_dim = ", qkv_rows,
-               " is too large");
+    return bad("(num_attention_heads + 2 * num_key_value_heads) * head_dim = ", qkv_rows, " is too large");
   }
   if (!(c.rms_norm_eps > 0) || !std::isfinite(c.rms_norm_eps)) {
     return bad("rms_norm_eps must be positive, got ", c.rms_norm_eps);
@@ -299,8 +290,8 @@ absl::Status Validate(const ModelConfig& c, const std::string& where) {
   }
   if (r.type == RopeType::kLlama3) {
     if (!(r.low_freq_factor > 0) || !(r.high_freq_factor > r.low_freq_factor)) {
-      return bad("llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got ",
-                 r.low_freq_factor, " and ", r.high_freq_factor);
+      return bad("llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got ", r.low_freq_factor, " and ",
+                 r.high_freq_factor);
     }
     if (r.original_max_position_embeddings <= 0) {
       return bad("llama3 rope scaling needs a positive original_max_position_embeddings, got ",
@@ -308,8 +299,7 @@ absl::Status Validate(const ModelConfig& c, const std::string& where) {
     }
   }
   if (c.bos_token_id < -1 || c.bos_token_id >= c.vocab_size) {
-    return bad("bos_token_id ", c.bos_token_id, " is outside the vocabulary (vocab_size ",
-               c.vocab_size, ")");
+    return bad("bos_token_id ", c.bos_token_id, " is outside the vocabulary (vocab_size ", c.vocab_size, ")");
   }
   for (int id : c.eos_token_ids) {
     if (id < 0 || id >= c.vocab_size) {
@@ -317,8 +307,9 @@ absl::Status Validate(const ModelConfig& c, const std::string& where) {
     }
   }
   if (c.architecture == kLlama && c.qkv_bias != c.o_bias) {
-    return bad("LlamaForCausalLM's attention_bias biases q, k, v and o_proj together, so qkv_bias "
-               "and o_bias must match");
+    return bad(
+        "LlamaForCausalLM's attention_bias biases q, k, v and o_proj together, so qkv_bias "
+        "and o_bias must match");
   }
   if (c.architecture == kMistral && (c.qkv_bias || c.o_bias || c.mlp_bias)) {
     return bad("MistralForCausalLM has no biases");
@@ -354,12 +345,9 @@ const std::vector<std::string>& SupportedArchitectures() {
   return *kArchitectures;
 }
 
-absl::Status ValidateModelConfig(const ModelConfig& config) {
-  return Validate(config, "model config");
-}
+absl::Status ValidateModelConfig(const ModelConfig& config) { return Validate(config, "model config"); }
 
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
-                                             const std::string& source) {
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source) {
   ASSIGN_OR_RETURN(json root, model_internal::ParseJson(json_text, source));
   if (!root.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": expected a JSON object"));
@@ -377,17 +365,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
     ASSIGN_OR_RETURN(c.head_dim, f.Int("head_dim"));
   } else if (c.num_heads > 0) {
     if (c.hidden_size % c.num_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          source, ": hidden_size (", c.hidden_size, ") is not a multiple of num_attention_heads (",
-          c.num_heads, ") and head_dim is not given"));
+      return absl::InvalidArgumentError(absl::StrCat(source, ": hidden_size (", c.hidden_size,
+                                                     ") is not a multiple of num_attention_heads (", c.num_heads,
+                                                     ") and head_dim is not given"));
     }
     c.head_dim = c.hidden_size / c.num_heads;
   }
   // Defaults as in transformers' LlamaConfig, MistralConfig and Qwen2Config.
-  const int default_max_positions =
-      c.architecture == kMistral ? 4096 * 32 : c.architecture == kQwen2 ? 32768 : 2048;
-  ASSIGN_OR_RETURN(c.max_position_embeddings,
-                   f.Int("max_position_embeddings", default_max_positions));
+  const int default_max_positions = c.architecture == kMistral ? 4096 * 32 : c.architecture == kQwen2 ? 32768 : 2048;
+  ASSIGN_OR_RETURN(c.max_position_embeddings, f.Int("max_position_embeddings", default_max_positions));
   ASSIGN_OR_RETURN(double eps, f.Number("rms_norm_eps", 1e-6));
   c.rms_norm_eps = static_cast<float>(eps);
   ASSIGN_OR_RETURN(c.tie_word_embeddings, f.Bool("tie_word_embeddings", false));

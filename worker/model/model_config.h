@@ -24,9 +24,9 @@ enum class RopeType {
 struct RopeConfig {
   double theta = 10000.0;
   RopeType type = RopeType::kDefault;
-  double factor = 1.0;                        // kLinear, kLlama3
-  double low_freq_factor = 1.0;               // kLlama3
-  double high_freq_factor = 4.0;              // kLlama3
+  double factor = 1.0;                          // kLinear, kLlama3
+  double low_freq_factor = 1.0;                 // kLlama3
+  double high_freq_factor = 4.0;                // kLlama3
   int original_max_position_embeddings = 8192;  // kLlama3
 
   friend bool operator==(const RopeConfig&, const RopeConfig&) = default;
@@ -39,13 +39,13 @@ struct ModelConfig {
   int intermediate_size = 0;
   int num_layers = 0;
   int num_heads = 0;
-  int num_kv_heads = 0;            // GQA when < num_heads; defaults to num_heads
-  int head_dim = 0;                // given, or hidden_size / num_heads
+  int num_kv_heads = 0;  // GQA when < num_heads; defaults to num_heads
+  int head_dim = 0;      // given, or hidden_size / num_heads
   int max_position_embeddings = 0;
   float rms_norm_eps = 1e-5f;
-  bool qkv_bias = false;           // Qwen2: always; Llama: attention_bias
-  bool o_bias = false;             // Llama attention_bias also biases o_proj
-  bool mlp_bias = false;           // Llama mlp_bias
+  bool qkv_bias = false;  // Qwen2: always; Llama: attention_bias
+  bool o_bias = false;    // Llama attention_bias also biases o_proj
+  bool mlp_bias = false;  // Llama mlp_bias
   bool tie_word_embeddings = false;
   RopeConfig rope;
   int bos_token_id = -1;           // -1: none
@@ -74,8 +74,7 @@ absl::Status ValidateModelConfig(const ModelConfig& config);
 // A Mistral/Qwen2 sliding window smaller than max_position_embeddings caps
 // max_position_embeddings to the window (logged as a WARNING): the attention
 // kernels have no sliding window, and within the window full attention is exact.
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text,
-                                             const std::string& source);
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source);
 
 // Reads and parses DIR/config.json.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);

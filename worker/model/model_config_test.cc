@@ -47,9 +47,7 @@ constexpr char kLlama31[] = R"({
 
 nlohmann::json Llama31() { return nlohmann::json::parse(kLlama31); }
 
-absl::StatusOr<ModelConfig> Parse(const nlohmann::json& j) {
-  return ParseModelConfig(j.dump(), "/ckpt/config.json");
-}
+absl::StatusOr<ModelConfig> Parse(const nlohmann::json& j) { return ParseModelConfig(j.dump(), "/ckpt/config.json"); }
 
 TEST(ModelConfigTest, ParsesLlama31WithRopeScaling) {
   absl::StatusOr<ModelConfig> c = ParseModelConfig(kLlama31, "/ckpt/config.json");
@@ -87,12 +85,9 @@ TEST(ModelConfigTest, ParsesTransformers5RopeParametersAndDtype) {
   j.erase("rope_theta");
   j.erase("torch_dtype");
   j["dtype"] = "float16";
-  j["rope_parameters"] = {{"rope_type", "llama3"},
-                          {"rope_theta", 250000.0},
-                          {"factor", 32.0},
-                          {"low_freq_factor", 2.0},
-                          {"high_freq_factor", 8.0},
-                          {"original_max_position_embeddings", 4096}};
+  j["rope_parameters"] = {{"rope_type", "llama3"},   {"rope_theta", 250000.0},
+                          {"factor", 32.0},          {"low_freq_factor", 2.0},
+                          {"high_freq_factor", 8.0}, {"original_max_position_embeddings", 4096}};
   absl::StatusOr<ModelConfig> c = Parse(j);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->rope.theta, 250000.0);
@@ -291,9 +286,8 @@ TEST(ModelConfigTest, UnknownArchitectureNamesFileAndSupported) {
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(c.status().message(),
-              AllOf(HasSubstr("/ckpt/config.json"), HasSubstr("GPTNeoXForCausalLM"),
-                    HasSubstr("LlamaForCausalLM"), HasSubstr("MistralForCausalLM"),
-                    HasSubstr("Qwen2ForCausalLM")));
+              AllOf(HasSubstr("/ckpt/config.json"), HasSubstr("GPTNeoXForCausalLM"), HasSubstr("LlamaForCausalLM"),
+                    HasSubstr("MistralForCausalLM"), HasSubstr("Qwen2ForCausalLM")));
 }
 
 TEST(ModelConfigTest, UnsupportedRopeTypes) {
@@ -303,8 +297,7 @@ TEST(ModelConfigTest, UnsupportedRopeTypes) {
     absl::StatusOr<ModelConfig> c = Parse(j);
     ASSERT_FALSE(c.ok()) << type;
     EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(c.status().message(),
-                AllOf(HasSubstr("/ckpt/config.json"), HasSubstr(type), HasSubstr("llama3")));
+    EXPECT_THAT(c.status().message(), AllOf(HasSubstr("/ckpt/config.json"), HasSubstr(type), HasSubstr("llama3")));
   }
   nlohmann::json j = Llama31();
   j.erase("rope_scaling");
@@ -315,8 +308,7 @@ TEST(ModelConfigTest, UnsupportedRopeTypes) {
 TEST(ModelConfigTest, Llama3RopeNeedsItsParameters) {
   nlohmann::json j = Llama31();
   j["rope_scaling"].erase("low_freq_factor");
-  EXPECT_THAT(Parse(j).status().message(),
-              AllOf(HasSubstr("rope_scaling"), HasSubstr("low_freq_factor")));
+  EXPECT_THAT(Parse(j).status().message(), AllOf(HasSubstr("rope_scaling"), HasSubstr("low_freq_factor")));
 }
 
 TEST(ModelConfigTest, BadValuesAreClearErrors) {
@@ -347,8 +339,7 @@ TEST(ModelConfigTest, BadValuesAreClearErrors) {
     absl::StatusOr<ModelConfig> config = Parse(j);
     ASSERT_FALSE(config.ok()) << c.key << " = " << c.value;
     EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(config.status().message(),
-                AllOf(HasSubstr("/ckpt/config.json"), HasSubstr(c.expected)));
+    EXPECT_THAT(config.status().message(), AllOf(HasSubstr("/ckpt/config.json"), HasSubstr(c.expected)));
   }
 }
 

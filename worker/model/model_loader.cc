@@ -31,9 +31,8 @@ std::string BaseName(const std::string& dir) {
 int64_t ParameterCount(const ModelWeights& w) {
   int64_t count = static_cast<int64_t>(w.embed.size() + w.final_norm.size() + w.lm_head.size());
   for (const LayerWeights& l : w.layers) {
-    for (const std::vector<float>* v :
-         {&l.input_norm, &l.wqkv, &l.bqkv, &l.wo, &l.bo, &l.post_norm, &l.w_gate_up,
-          &l.b_gate_up, &l.w_down, &l.b_down}) {
+    for (const std::vector<float>* v : {&l.input_norm, &l.wqkv, &l.bqkv, &l.wo, &l.bo, &l.post_norm, &l.w_gate_up,
+                                        &l.b_gate_up, &l.w_down, &l.b_down}) {
       count += static_cast<int64_t>(v->size());
     }
   }
@@ -46,22 +45,20 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
   LoadedModel model;
   if (spec.rfind(kBuiltinPrefix, 0) == 0) {
     model.name = spec.substr(kBuiltinPrefix.size());
-    ASSIGN_OR_RETURN(std::unique_ptr<SeededTensorSource> source,
-                     MakeBuiltinTensorSource(model.name));
+    ASSIGN_OR_RETURN(std::unique_ptr<SeededTensorSource> source, MakeBuiltinTensorSource(model.name));
     model.config = source->config();
     ASSIGN_OR_RETURN(model.weights, LoadWeights(model.config, *source));
     model.tokenizer_sha256 = Sha256Hex(BuiltinTokenizerJson());
   } else {
     std::error_code ec;
     if (!std::filesystem::is_directory(spec, ec)) {
-      return absl::NotFoundError(absl::StrCat(
-          "model \"", spec, "\" is neither a checkpoint directory nor builtin:tiny|small"));
+      return absl::NotFoundError(
+          absl::StrCat("model \"", spec, "\" is neither a checkpoint directory nor builtin:tiny|small"));
     }
     model.name = BaseName(spec);
     model.source_dir = spec;
     ASSIGN_OR_RETURN(model.config, LoadModelConfig(spec));
-    ASSIGN_OR_RETURN(std::unique_ptr<CheckpointTensorSource> source,
-                     CheckpointTensorSource::Open(spec));
+    ASSIGN_OR_RETURN(std::unique_ptr<CheckpointTensorSource> source, CheckpointTensorSource::Open(spec));
     ASSIGN_OR_RETURN(model.weights, LoadWeights(model.config, *source));
     const std::string tokenizer_path = model_internal::JoinPath(spec, "tokenizer.json");
     if (std::filesystem::exists(tokenizer_path, ec)) {
@@ -69,10 +66,9 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
       model.tokenizer_sha256 = Sha256Hex(text);
     }
   }
-  LOG(INFO) << "loaded model " << model.name << " (" << model.config.architecture << ", "
-            << model.config.num_layers << " layers, hidden " << model.config.hidden_size << ", "
-            << ParameterCount(model.weights) << " parameters) from "
-            << (model.source_dir.empty() ? spec : model.source_dir);
+  LOG(INFO) << "loaded model " << model.name << " (" << model.config.architecture << ", " << model.config.num_layers
+            << " layers, hidden " << model.config.hidden_size << ", " << ParameterCount(model.weights)
+            << " parameters) from " << (model.source_dir.empty() ? spec : model.source_dir);
   return model;
 }
 

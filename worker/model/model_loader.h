@@ -23,7 +23,7 @@
 namespace tandem::worker {
 
 struct LoadedModel {
-  std::string name;        // the preset ("tiny") or the directory's base name
+  std::string name;  // the preset ("tiny") or the directory's base name
   ModelConfig config;
   ModelWeights weights;
   std::string source_dir;  // the checkpoint directory; empty for built-ins

@@ -25,8 +25,7 @@
 namespace tandem::worker {
 namespace {
 
-static_assert(std::endian::native == std::endian::little,
-              "safetensors data is little-endian and is copied as is");
+static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian and is copied as is");
 
 using nlohmann::json;
 
@@ -39,8 +38,7 @@ int ItemSize(std::string_view dtype) {
   if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
   if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
   if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
-  if (dtype == "BOOL" || dtype == "U8" || dtype == "I8" || dtype == "F8_E4M3" ||
-      dtype == "F8_E5M2") {
+  if (dtype == "BOOL" || dtype == "U8" || dtype == "I8" || dtype == "F8_E4M3" || dtype == "F8_E5M2") {
     return 1;
   }
   return 0;
@@ -71,8 +69,7 @@ void EncodeValues(const std::vector<float>& values, SafetensorsDtype dtype, std:
     case SafetensorsDtype::kF16:
     case SafetensorsDtype::kBF16:
       for (size_t i = 0; i < values.size(); ++i) {
-        const uint16_t bits = dtype == SafetensorsDtype::kF16 ? FloatToHalf(values[i])
-                                                              : FloatToBFloat16(values[i]);
+        const uint16_t bits = dtype == SafetensorsDtype::kF16 ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]);
         std::memcpy(dst + 2 * i, &bits, 2);
       }
       break;
@@ -99,8 +96,8 @@ absl::StatusOr<SafetensorsDtype> SafetensorsDtypeFromTorchName(std::string_view 
   if (name == "float32") return SafetensorsDtype::kF32;
   if (name == "bfloat16") return SafetensorsDtype::kBF16;
   if (name == "float16") return SafetensorsDtype::kF16;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "dtype \"", std::string(name), "\" is not supported (supported: float32, bfloat16, float16)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype \"", std::string(name), "\" is not supported (supported: float32, bfloat16, float16)"));
 }
 
 uint16_t FloatToBFloat16(float value) {
@@ -207,15 +204,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
 
 absl::Status SafetensorsFile::ParseHeader() {
   if (map_size_ < 8) {
-    return absl::DataLossError(absl::StrCat(path_, ": the file is ", map_size_,
-                                            " bytes, too short for the 8-byte header length"));
+    return absl::DataLossError(
+        absl::StrCat(path_, ": the file is ", map_size_, " bytes, too short for the 8-byte header length"));
   }
   uint64_t header_size;
   std::memcpy(&header_size, map_, 8);
   if (header_size > map_size_ - 8) {
-    return absl::DataLossError(absl::StrCat(
-        path_, ": header length ", header_size, " runs past the end of the file (", map_size_,
-        " bytes); the file is truncated or not safetensors"));
+    return absl::DataLossError(absl::StrCat(path_, ": header length ", header_size, " runs past the end of the file (",
+                                            map_size_, " bytes); the file is truncated or not safetensors"));
   }
   const std::string_view text(reinterpret_cast<const char*>(map_ + 8), header_size);
   ASSIGN_OR_RETURN(json header, model_internal::ParseJson(text, absl::StrCat(path_, " header")));
@@ -278,17 +274,17 @@ absl::Status SafetensorsFile::ParseHeader() {
       return bad(absl::StrCat("data_offsets [", entry.begin, ", ", entry.end, "] end before they begin"));
     }
     if (entry.end > data_size_) {
-      return absl::DataLossError(absl::StrCat(
-          path_, ": the file is truncated: tensor '", name, "' needs data bytes [", entry.begin,
-          ", ", entry.end, "), which are file bytes [", data_start + entry.begin, ", ",
-          data_start + entry.end, "), but the file has only ", map_size_, " bytes"));
+      return absl::DataLossError(absl::StrCat(path_, ": the file is truncated: tensor '", name, "' needs data bytes [",
+                                              entry.begin, ", ", entry.end, "), which are file bytes [",
+                                              data_start + entry.begin, ", ", data_start + entry.end,
+                                              "), but the file has only ", map_size_, " bytes"));
     }
     const int item_size = ItemSize(entry.dtype);
     const uint64_t span = entry.end - entry.begin;
     if (item_size > 0 && (numel > span || numel * item_size != span)) {
-      return bad(absl::StrCat("shape ", ShapeString(entry.shape), " of ", entry.dtype, " needs ",
-                              numel, " x ", item_size, " bytes, but data_offsets [", entry.begin,
-                              ", ", entry.end, "] span ", span, " bytes"));
+      return bad(absl::StrCat("shape ", ShapeString(entry.shape), " of ", entry.dtype, " needs ", numel, " x ",
+                              item_size, " bytes, but data_offsets [", entry.begin, ", ", entry.end, "] span ", span,
+                              " bytes"));
     }
     entries_.emplace(name, std::move(entry));
   }
@@ -316,9 +312,8 @@ absl::StatusOr<Tensor> SafetensorsFile::Read(const std::string& name) const {
       tensor.data[i] = is_half ? HalfToFloat(bits) : BFloat16ToFloat(bits);
     }
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path_, ": tensor '", name, "' has dtype ", entry.dtype,
-                     ", which is not supported (supported: F32, F16, BF16)"));
+    return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor '", name, "' has dtype ", entry.dtype,
+                                                   ", which is not supported (supported: F32, F16, BF16)"));
   }
   return tensor;
 }
@@ -335,9 +330,9 @@ absl::Status WriteSafetensors(const std::string& path, const std::map<std::strin
     uint64_t numel = 1;
     for (int64_t d : tensor.shape) numel *= d < 0 ? 0 : static_cast<uint64_t>(d);
     if (numel != tensor.data.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": tensor '", name, "' has shape ", ShapeString(tensor.shape), " (",
-                       numel, " elements) but ", tensor.data.size(), " values"));
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' has shape ",
+                                                     ShapeString(tensor.shape), " (", numel, " elements) but ",
+                                                     tensor.data.size(), " values"));
     }
     const uint64_t end = offset + numel * SafetensorsDtypeSize(dtype);
     header[name] = {{"dtype", std::string(SafetensorsDtypeName(dtype))},
@@ -350,8 +345,7 @@ absl::Status WriteSafetensors(const std::string& path, const std::map<std::strin
 
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
   }
   const uint64_t header_size = text.size();
   out.write(reinterpret_cast<const char*>(&header_size), 8);
@@ -369,8 +363,7 @@ absl::Status WriteSafetensors(const std::string& path, const std::map<std::strin
 // ---------------------------------------------------------------------------
 // CheckpointTensorSource
 
-absl::StatusOr<std::unique_ptr<CheckpointTensorSource>> CheckpointTensorSource::Open(
-    const std::string& dir) {
+absl::StatusOr<std::unique_ptr<CheckpointTensorSource>> CheckpointTensorSource::Open(const std::string& dir) {
   namespace fs = std::filesystem;
   using model_internal::JoinPath;
   std::error_code ec;
@@ -395,10 +388,9 @@ absl::StatusOr<std::unique_ptr<CheckpointTensorSource>> CheckpointTensorSource::
   if (!fs::exists(index, ec)) {
     const bool has_bin = fs::exists(JoinPath(dir, "pytorch_model.bin"), ec) ||
                          fs::exists(JoinPath(dir, "pytorch_model.bin.index.json"), ec);
-    return absl::NotFoundError(absl::StrCat(
-        "checkpoint directory ", dir, " has neither ", kSingleFile, " nor ", kIndexFile,
-        has_bin ? " (PyTorch .bin checkpoints are not supported: convert them to safetensors)"
-                : ""));
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint directory ", dir, " has neither ", kSingleFile, " nor ", kIndexFile,
+                     has_bin ? " (PyTorch .bin checkpoints are not supported: convert them to safetensors)" : ""));
   }
   ASSIGN_OR_RETURN(std::string text, model_internal::ReadFile(index));
   ASSIGN_OR_RETURN(json root, model_internal::ParseJson(text, index));
@@ -411,24 +403,23 @@ absl::StatusOr<std::unique_ptr<CheckpointTensorSource>> CheckpointTensorSource::
   for (const auto& item : weight_map->items()) {
     const std::string& name = item.key();
     if (!item.value().is_string()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(index, ": weight_map entry for '", name, "' is not a file name"));
+      return absl::InvalidArgumentError(absl::StrCat(index, ": weight_map entry for '", name, "' is not a file name"));
     }
     const std::string shard = item.value().get<std::string>();
     auto it = shards.find(shard);
     if (it == shards.end()) {
       const std::string path = JoinPath(dir, shard);
       if (!fs::exists(path, ec)) {
-        return absl::NotFoundError(absl::StrCat(index, ": shard ", shard, " (holding tensor '",
-                                                name, "') is missing from ", dir));
+        return absl::NotFoundError(
+            absl::StrCat(index, ": shard ", shard, " (holding tensor '", name, "') is missing from ", dir));
       }
       ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
       it = shards.emplace(shard, file.get()).first;
       source->files_.push_back(std::move(file));
     }
     if (!it->second->Has(name)) {
-      return absl::InvalidArgumentError(absl::StrCat(index, " puts tensor '", name, "' in ", shard,
-                                                     ", which has no such tensor"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index, " puts tensor '", name, "' in ", shard, ", which has no such tensor"));
     }
     source->file_of_tensor_[name] = it->second;
   }
@@ -443,9 +434,7 @@ absl::StatusOr<Tensor> CheckpointTensorSource::Get(const std::string& name) cons
   return it->second->Read(name);
 }
 
-bool CheckpointTensorSource::Has(const std::string& name) const {
-  return file_of_tensor_.count(name) > 0;
-}
+bool CheckpointTensorSource::Has(const std::string& name) const { return file_of_tensor_.count(name) > 0; }
 
 std::string CheckpointTensorSource::Describe() const { return absl::StrCat("checkpoint ", dir_); }
 

@@ -56,7 +56,7 @@ float RoundToDtype(float value, SafetensorsDtype dtype);
 
 // One header entry. Offsets are relative to the start of the data section.
 struct SafetensorsEntry {
-  std::string dtype;           // as written, e.g. "BF16", "I64"
+  std::string dtype;  // as written, e.g. "BF16", "I64"
   std::vector<int64_t> shape;
   uint64_t begin = 0;
   uint64_t end = 0;
@@ -89,7 +89,7 @@ class SafetensorsFile {
   absl::Status ParseHeader();
 
   std::string path_;
-  const uint8_t* map_;        // the whole file, read-only
+  const uint8_t* map_;  // the whole file, read-only
   size_t map_size_;
   const uint8_t* data_ = nullptr;  // start of the data section
   uint64_t data_size_ = 0;

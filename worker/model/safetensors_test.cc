@@ -44,9 +44,9 @@ float Bits(uint32_t bits) { return std::bit_cast<float>(bits); }
 TEST(DtypeConversionTest, BFloat16RoundsToNearestEven) {
   EXPECT_EQ(FloatToBFloat16(1.0f), 0x3F80);
   EXPECT_EQ(FloatToBFloat16(-2.0f), 0xC000);
-  EXPECT_EQ(FloatToBFloat16(1.0f + 0x1p-8f), 0x3F80);        // tie, kept part even: down
-  EXPECT_EQ(FloatToBFloat16(1.0f + 3 * 0x1p-8f), 0x3F82);    // tie, kept part odd: up
-  EXPECT_EQ(FloatToBFloat16(1.0f + 0x1p-8f + 0x1p-20f), 0x3F81);  // above the tie: up
+  EXPECT_EQ(FloatToBFloat16(1.0f + 0x1p-8f), 0x3F80);                     // tie, kept part even: down
+  EXPECT_EQ(FloatToBFloat16(1.0f + 3 * 0x1p-8f), 0x3F82);                 // tie, kept part odd: up
+  EXPECT_EQ(FloatToBFloat16(1.0f + 0x1p-8f + 0x1p-20f), 0x3F81);          // above the tie: up
   EXPECT_EQ(FloatToBFloat16(std::numeric_limits<float>::max()), 0x7F80);  // rounds to inf
   EXPECT_EQ(FloatToBFloat16(-std::numeric_limits<float>::infinity()), 0xFF80);
   EXPECT_TRUE(std::isnan(BFloat16ToFloat(FloatToBFloat16(std::nanf("")))));
@@ -57,20 +57,20 @@ TEST(DtypeConversionTest, BFloat16RoundsToNearestEven) {
 TEST(DtypeConversionTest, HalfRoundsToNearestEven) {
   EXPECT_EQ(FloatToHalf(1.0f), 0x3C00);
   EXPECT_EQ(FloatToHalf(-2.0f), 0xC000);
-  EXPECT_EQ(FloatToHalf(65504.0f), 0x7BFF);                 // largest finite
-  EXPECT_EQ(FloatToHalf(65519.0f), 0x7BFF);                 // below the tie
-  EXPECT_EQ(FloatToHalf(65520.0f), 0x7C00);                 // tie rounds to even: inf
+  EXPECT_EQ(FloatToHalf(65504.0f), 0x7BFF);  // largest finite
+  EXPECT_EQ(FloatToHalf(65519.0f), 0x7BFF);  // below the tie
+  EXPECT_EQ(FloatToHalf(65520.0f), 0x7C00);  // tie rounds to even: inf
   EXPECT_EQ(FloatToHalf(1e6f), 0x7C00);
-  EXPECT_EQ(FloatToHalf(1.0f + 0x1p-11f), 0x3C00);          // tie, even: down
-  EXPECT_EQ(FloatToHalf(1.0f + 3 * 0x1p-11f), 0x3C02);      // tie, odd: up
-  EXPECT_EQ(FloatToHalf(0x1p-14f), 0x0400);                 // smallest normal
-  EXPECT_EQ(FloatToHalf(0x1p-24f), 0x0001);                 // smallest subnormal
-  EXPECT_EQ(FloatToHalf(0x1p-25f), 0x0000);                 // tie with zero: even
-  EXPECT_EQ(FloatToHalf(0x1.8p-25f), 0x0001);               // above the tie
-  EXPECT_EQ(FloatToHalf(3 * 0x1p-25f), 0x0002);             // 1.5 ulp: tie, odd: up
-  EXPECT_EQ(FloatToHalf(0x1.ffcp-15f), 0x0400);             // rounds up into the normals
+  EXPECT_EQ(FloatToHalf(1.0f + 0x1p-11f), 0x3C00);      // tie, even: down
+  EXPECT_EQ(FloatToHalf(1.0f + 3 * 0x1p-11f), 0x3C02);  // tie, odd: up
+  EXPECT_EQ(FloatToHalf(0x1p-14f), 0x0400);             // smallest normal
+  EXPECT_EQ(FloatToHalf(0x1p-24f), 0x0001);             // smallest subnormal
+  EXPECT_EQ(FloatToHalf(0x1p-25f), 0x0000);             // tie with zero: even
+  EXPECT_EQ(FloatToHalf(0x1.8p-25f), 0x0001);           // above the tie
+  EXPECT_EQ(FloatToHalf(3 * 0x1p-25f), 0x0002);         // 1.5 ulp: tie, odd: up
+  EXPECT_EQ(FloatToHalf(0x1.ffcp-15f), 0x0400);         // rounds up into the normals
   EXPECT_EQ(FloatToHalf(-0x1p-30f), 0x8000);
-  EXPECT_EQ(FloatToHalf(1e-45f), 0x0000);                   // f32 subnormal
+  EXPECT_EQ(FloatToHalf(1e-45f), 0x0000);  // f32 subnormal
   EXPECT_EQ(FloatToHalf(std::numeric_limits<float>::infinity()), 0x7C00);
   EXPECT_TRUE(std::isnan(HalfToFloat(FloatToHalf(std::nanf("")))));
   EXPECT_EQ(HalfToFloat(0x0001), 0x1p-24f);
@@ -195,9 +195,8 @@ TEST(SafetensorsTest, TruncatedFileNamesTensorAndBytes) {
   ASSERT_FALSE(file.ok());
   EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(file.status().message(),
-              AllOf(HasSubstr(path), HasSubstr("truncated"), HasSubstr("'scalar'"),
-                    HasSubstr("[36, 40)"), HasSubstr(std::to_string(full)),
-                    HasSubstr(absl::StrCat("only ", full - 3, " bytes"))));
+              AllOf(HasSubstr(path), HasSubstr("truncated"), HasSubstr("'scalar'"), HasSubstr("[36, 40)"),
+                    HasSubstr(std::to_string(full)), HasSubstr(absl::StrCat("only ", full - 3, " bytes"))));
 }
 
 TEST(SafetensorsTest, HeaderLengthBeyondFile) {
@@ -207,8 +206,7 @@ TEST(SafetensorsTest, HeaderLengthBeyondFile) {
   WriteBytes(path, std::string(reinterpret_cast<const char*>(&n), 8) + "{}");
   auto file = SafetensorsFile::Open(path);
   EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(file.status().message(),
-              AllOf(HasSubstr(path), HasSubstr("header length 1099511627776")));
+  EXPECT_THAT(file.status().message(), AllOf(HasSubstr(path), HasSubstr("header length 1099511627776")));
 
   WriteBytes(path, "abc");
   EXPECT_THAT(SafetensorsFile::Open(path).status().message(), HasSubstr("too short"));
@@ -245,17 +243,13 @@ TEST(SafetensorsTest, MalformedHeaders) {
 TEST(SafetensorsTest, WrongByteSize) {
   ScopedTempDir tmp("bytesize");
   const std::string path = tmp.path() + "/t.safetensors";
-  WriteRaw(path, R"({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}})",
-           std::string(16, '\0'));
+  WriteRaw(path, R"({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}})", std::string(16, '\0'));
   auto file = SafetensorsFile::Open(path);
   EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(file.status().message(),
-              AllOf(HasSubstr("'w'"), HasSubstr("[2, 2]"), HasSubstr("span 12 bytes")));
+  EXPECT_THAT(file.status().message(), AllOf(HasSubstr("'w'"), HasSubstr("[2, 2]"), HasSubstr("span 12 bytes")));
   // Known but unconvertible dtypes are size-checked too.
-  WriteRaw(path, R"({"ids": {"dtype": "I64", "shape": [3], "data_offsets": [0, 16]}})",
-           std::string(16, '\0'));
-  EXPECT_THAT(SafetensorsFile::Open(path).status().message(),
-              AllOf(HasSubstr("'ids'"), HasSubstr("I64")));
+  WriteRaw(path, R"({"ids": {"dtype": "I64", "shape": [3], "data_offsets": [0, 16]}})", std::string(16, '\0'));
+  EXPECT_THAT(SafetensorsFile::Open(path).status().message(), AllOf(HasSubstr("'ids'"), HasSubstr("I64")));
 }
 
 TEST(SafetensorsTest, UnsupportedDtypeFailsOnRead) {
@@ -286,16 +280,13 @@ void MakeShardedCheckpoint(const std::string& dir) {
   first["x"] = {{2}, {1, 2}};
   first["y"] = {{1}, {3}};
   second["z"] = {{2, 1}, {4, 5}};
-  EXPECT_TRUE(WriteSafetensors(dir + "/model-00001-of-00002.safetensors", first,
-                               SafetensorsDtype::kBF16).ok());
-  EXPECT_TRUE(WriteSafetensors(dir + "/model-00002-of-00002.safetensors", second,
-                               SafetensorsDtype::kF16).ok());
-  const nlohmann::json index = {
-      {"metadata", {{"total_size", 10}}},
-      {"weight_map",
-       {{"x", "model-00001-of-00002.safetensors"},
-        {"y", "model-00001-of-00002.safetensors"},
-        {"z", "model-00002-of-00002.safetensors"}}}};
+  EXPECT_TRUE(WriteSafetensors(dir + "/model-00001-of-00002.safetensors", first, SafetensorsDtype::kBF16).ok());
+  EXPECT_TRUE(WriteSafetensors(dir + "/model-00002-of-00002.safetensors", second, SafetensorsDtype::kF16).ok());
+  const nlohmann::json index = {{"metadata", {{"total_size", 10}}},
+                                {"weight_map",
+                                 {{"x", "model-00001-of-00002.safetensors"},
+                                  {"y", "model-00001-of-00002.safetensors"},
+                                  {"z", "model-00002-of-00002.safetensors"}}}};
   WriteBytes(dir + "/model.safetensors.index.json", index.dump());
 }
 
@@ -326,21 +317,18 @@ TEST(CheckpointTensorSourceTest, MissingShardIsNamed) {
   std::filesystem::remove(dir + "/model-00002-of-00002.safetensors");
   auto source = CheckpointTensorSource::Open(dir);
   EXPECT_EQ(source.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(source.status().message(),
-              AllOf(HasSubstr("model-00002-of-00002.safetensors"), HasSubstr("'z'"),
-                    HasSubstr("model.safetensors.index.json")));
+  EXPECT_THAT(source.status().message(), AllOf(HasSubstr("model-00002-of-00002.safetensors"), HasSubstr("'z'"),
+                                               HasSubstr("model.safetensors.index.json")));
 }
 
 TEST(CheckpointTensorSourceTest, IndexNamingATensorItsShardLacks) {
   ScopedTempDir tmp("wrong_shard");
   const std::string& dir = tmp.path();
   MakeShardedCheckpoint(dir);
-  const nlohmann::json index = {
-      {"weight_map", {{"x", "model-00002-of-00002.safetensors"}}}};
+  const nlohmann::json index = {{"weight_map", {{"x", "model-00002-of-00002.safetensors"}}}};
   WriteBytes(dir + "/model.safetensors.index.json", index.dump());
   EXPECT_THAT(CheckpointTensorSource::Open(dir).status().message(),
-              AllOf(HasSubstr("'x'"), HasSubstr("model-00002-of-00002.safetensors"),
-                    HasSubstr("no such tensor")));
+              AllOf(HasSubstr("'x'"), HasSubstr("model-00002-of-00002.safetensors"), HasSubstr("no such tensor")));
   WriteBytes(dir + "/model.safetensors.index.json", R"({"metadata": {}})");
   EXPECT_THAT(CheckpointTensorSource::Open(dir).status().message(), HasSubstr("weight_map"));
 }
@@ -350,14 +338,12 @@ TEST(CheckpointTensorSourceTest, SingleFileAndMissingFiles) {
   const std::string& dir = tmp.path();
   auto empty = CheckpointTensorSource::Open(dir);
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(empty.status().message(),
-              AllOf(HasSubstr(dir), HasSubstr("model.safetensors.index.json")));
+  EXPECT_THAT(empty.status().message(), AllOf(HasSubstr(dir), HasSubstr("model.safetensors.index.json")));
 
   WriteBytes(dir + "/pytorch_model.bin", "x");
   EXPECT_THAT(CheckpointTensorSource::Open(dir).status().message(), HasSubstr("PyTorch"));
 
-  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", SampleTensors(), SafetensorsDtype::kF32)
-                  .ok());
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", SampleTensors(), SafetensorsDtype::kF32).ok());
   auto source = CheckpointTensorSource::Open(dir);
   ASSERT_TRUE(source.ok()) << source.status();
   EXPECT_EQ((*source)->TensorNames().size(), 4u);

@@ -22,22 +22,19 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 absl::StatusOr<std::vector<float>> Fetch(const TensorSource& source, const std::string& name,
                                          const std::vector<int64_t>& shape) {
   if (!source.Has(name)) {
-    return absl::NotFoundError(absl::StrCat("tensor '", name, "' (expected shape ",
-                                            ShapeString(shape), ") is missing from ",
-                                            source.Describe()));
+    return absl::NotFoundError(absl::StrCat("tensor '", name, "' (expected shape ", ShapeString(shape),
+                                            ") is missing from ", source.Describe()));
   }
   ASSIGN_OR_RETURN(Tensor tensor, source.Get(name));
   if (tensor.shape != shape) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in ", source.Describe(),
-                                                   " has shape ", ShapeString(tensor.shape),
-                                                   ", expected ", ShapeString(shape)));
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in ", source.Describe(), " has shape ",
+                                                   ShapeString(tensor.shape), ", expected ", ShapeString(shape)));
   }
   size_t numel = 1;
   for (int64_t d : shape) numel *= static_cast<size_t>(d);
   if (tensor.data.size() != numel) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in ", source.Describe(),
-                                                   " has ", tensor.data.size(),
-                                                   " values for shape ", ShapeString(shape)));
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in ", source.Describe(), " has ",
+                                                   tensor.data.size(), " values for shape ", ShapeString(shape)));
   }
   return std::move(tensor.data);
 }
@@ -93,8 +90,7 @@ absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const Tensor
     return Fetch(source, name, it->second);
   };
   // Appends the named tensors, in order, to `fused`.
-  auto fuse = [&](int layer, std::initializer_list<const char*> suffixes,
-                  std::vector<float>* fused) -> absl::Status {
+  auto fuse = [&](int layer, std::initializer_list<const char*> suffixes, std::vector<float>* fused) -> absl::Status {
     for (const char* suffix : suffixes) {
       ASSIGN_OR_RETURN(std::vector<float> part, fetch(LayerTensor(layer, suffix)));
       AppendRows(fused, part);
@@ -108,14 +104,11 @@ absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const Tensor
   for (int i = 0; i < config.num_layers; ++i) {
     LayerWeights& layer = w.layers[i];
     ASSIGN_OR_RETURN(layer.input_norm, fetch(LayerTensor(i, "input_layernorm.weight")));
-    RETURN_IF_ERROR(fuse(i,
-                         {"self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                          "self_attn.v_proj.weight"},
-                         &layer.wqkv));
+    RETURN_IF_ERROR(
+        fuse(i, {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}, &layer.wqkv));
     if (config.qkv_bias) {
-      RETURN_IF_ERROR(fuse(
-          i, {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"},
-          &layer.bqkv));
+      RETURN_IF_ERROR(
+          fuse(i, {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}, &layer.bqkv));
     }
     ASSIGN_OR_RETURN(layer.wo, fetch(LayerTensor(i, "self_attn.o_proj.weight")));
     if (config.o_bias) {

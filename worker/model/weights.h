@@ -41,23 +41,23 @@ class TensorSource {
 };
 
 struct LayerWeights {
-  std::vector<float> input_norm;     // [hidden]
-  std::vector<float> wqkv;           // [q_size + 2*kv_size, hidden]
-  std::vector<float> bqkv;           // [q_size + 2*kv_size] or empty
-  std::vector<float> wo;             // [hidden, q_size]
-  std::vector<float> bo;             // [hidden] or empty
-  std::vector<float> post_norm;      // [hidden]
-  std::vector<float> w_gate_up;      // [2*intermediate, hidden]: gate rows, then up rows
-  std::vector<float> b_gate_up;      // [2*intermediate] or empty
-  std::vector<float> w_down;         // [hidden, intermediate]
-  std::vector<float> b_down;         // [hidden] or empty
+  std::vector<float> input_norm;  // [hidden]
+  std::vector<float> wqkv;        // [q_size + 2*kv_size, hidden]
+  std::vector<float> bqkv;        // [q_size + 2*kv_size] or empty
+  std::vector<float> wo;          // [hidden, q_size]
+  std::vector<float> bo;          // [hidden] or empty
+  std::vector<float> post_norm;   // [hidden]
+  std::vector<float> w_gate_up;   // [2*intermediate, hidden]: gate rows, then up rows
+  std::vector<float> b_gate_up;   // [2*intermediate] or empty
+  std::vector<float> w_down;      // [hidden, intermediate]
+  std::vector<float> b_down;      // [hidden] or empty
 };
 
 struct ModelWeights {
-  std::vector<float> embed;          // [vocab, hidden]
+  std::vector<float> embed;  // [vocab, hidden]
   std::vector<LayerWeights> layers;
-  std::vector<float> final_norm;     // [hidden]
-  std::vector<float> lm_head;        // [vocab, hidden]; empty when tied to embed
+  std::vector<float> final_norm;  // [hidden]
+  std::vector<float> lm_head;     // [vocab, hidden]; empty when tied to embed
   const std::vector<float>& output_matrix() const { return lm_head.empty() ? embed : lm_head; }
 };
 

@@ -30,9 +30,7 @@ class EditedSource : public TensorSource {
     if (t.ok() && shapes_.count(name) > 0) t->shape = shapes_.at(name);
     return t;
   }
-  bool Has(const std::string& name) const override {
-    return hidden_.count(name) == 0 && base_.Has(name);
-  }
+  bool Has(const std::string& name) const override { return hidden_.count(name) == 0 && base_.Has(name); }
   std::string Describe() const override { return "edited " + base_.Describe(); }
 
  private:
@@ -43,9 +41,7 @@ class EditedSource : public TensorSource {
 
 ModelConfig Tiny() { return *BuiltinModelConfig("tiny"); }
 
-std::vector<float> Data(const TensorSource& source, const std::string& name) {
-  return source.Get(name)->data;
-}
+std::vector<float> Data(const TensorSource& source, const std::string& name) { return source.Get(name)->data; }
 
 std::vector<float> Concat(std::initializer_list<std::vector<float>> parts) {
   std::vector<float> all;
@@ -139,16 +135,15 @@ TEST(WeightsTest, TiedEmbeddingsIgnoreLmHead) {
 TEST(WeightsTest, MissingTensorIsNamed) {
   const ModelConfig config = Tiny();
   SeededTensorSource base(config, 7, "builtin:test");
-  for (const char* name : {"model.layers.1.self_attn.k_proj.weight", "lm_head.weight",
-                           "model.norm.weight", "model.layers.2.mlp.up_proj.weight"}) {
+  for (const char* name : {"model.layers.1.self_attn.k_proj.weight", "lm_head.weight", "model.norm.weight",
+                           "model.layers.2.mlp.up_proj.weight"}) {
     EditedSource source(base);
     source.Hide(name);
     absl::StatusOr<ModelWeights> w = LoadWeights(config, source);
     ASSERT_FALSE(w.ok()) << name;
     EXPECT_EQ(w.status().code(), absl::StatusCode::kNotFound);
-    EXPECT_THAT(w.status().message(),
-                AllOf(HasSubstr(absl::StrCat("'", name, "'")), HasSubstr("edited builtin:test"),
-                      HasSubstr("expected shape [")));
+    EXPECT_THAT(w.status().message(), AllOf(HasSubstr(absl::StrCat("'", name, "'")), HasSubstr("edited builtin:test"),
+                                            HasSubstr("expected shape [")));
   }
   ModelConfig biased = config;
   biased.architecture = "Qwen2ForCausalLM";
@@ -165,24 +160,21 @@ TEST(WeightsTest, WrongShapeIsNamed) {
   absl::StatusOr<ModelWeights> w = LoadWeights(config, source);
   EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(w.status().message(),
-              AllOf(HasSubstr("'model.layers.0.self_attn.v_proj.weight'"),
-                    HasSubstr("edited builtin:test"), HasSubstr("has shape [64, 32]"),
-                    HasSubstr("expected [32, 64]")));
+              AllOf(HasSubstr("'model.layers.0.self_attn.v_proj.weight'"), HasSubstr("edited builtin:test"),
+                    HasSubstr("has shape [64, 32]"), HasSubstr("expected [32, 64]")));
 
   // A config whose vocabulary disagrees with the checkpoint.
   ModelConfig bigger = config;
   bigger.vocab_size = 400;
   EXPECT_THAT(LoadWeights(bigger, base).status().message(),
-              AllOf(HasSubstr("'model.embed_tokens.weight'"), HasSubstr("[384, 64]"),
-                    HasSubstr("expected [400, 64]")));
+              AllOf(HasSubstr("'model.embed_tokens.weight'"), HasSubstr("[384, 64]"), HasSubstr("expected [400, 64]")));
 }
 
 TEST(WeightsTest, InvalidConfigIsRejected) {
   ModelConfig config = Tiny();
   SeededTensorSource base(config, 7, "builtin:test");
   config.num_kv_heads = 3;
-  EXPECT_THAT(LoadWeights(config, base).status().message(),
-              HasSubstr("multiple of num_key_value_heads"));
+  EXPECT_THAT(LoadWeights(config, base).status().message(), HasSubstr("multiple of num_key_value_heads"));
 }
 
 }  // namespace

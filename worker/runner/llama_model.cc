@@ -25,8 +25,7 @@ constexpr int kGemvMaxRows = 8;
 void MatMulT(const float* x, int m, int k, const float* w, int n, float beta, float* y) {
   if (m <= kGemvMaxRows) {
     for (int r = 0; r < m; ++r) {
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, k, x + int64_t{r} * k, 1, beta,
-                  y + int64_t{r} * n, 1);
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, w, k, x + int64_t{r} * k, 1, beta, y + int64_t{r} * n, 1);
     }
     return;
   }
@@ -64,8 +63,7 @@ std::vector<double> InverseFrequencies(const ModelConfig& c) {
         if (wavelen > low_wavelen) {
           f = f / r.factor;
         } else if (wavelen >= high_wavelen) {
-          const double smooth =
-              (old_ctx / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+          const double smooth = (old_ctx / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
           f = (1.0 - smooth) * f / r.factor + smooth * f;
         }
       }
@@ -130,8 +128,8 @@ void LlamaModel::ApplyRope(float* x, int num_heads, int64_t row_stride, int num_
   }
 }
 
-absl::Status LlamaModel::Forward(const BatchInput& in, float* kv_cache,
-                                 const kernels::KvLayout& layout, std::vector<float>* logits) {
+absl::Status LlamaModel::Forward(const BatchInput& in, float* kv_cache, const kernels::KvLayout& layout,
+                                 std::vector<float>* logits) {
   const ModelConfig& c = config_;
   const int T = in.num_tokens();
   const int H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
@@ -156,25 +154,32 @@ absl::Status LlamaModel::Forward(const BatchInput& in, float* kv_cache,
   }
   ComputeRope(in);
 
-  kernels::PagedAttentionParams attn{
-      .q = qkv_.data(), .q_stride_bytes = int64_t{qkv_size} * int64_t{sizeof(float)},
-      .out = attn_.data(), .kv_cache = kv_cache,
-      .layout = layout, .layer = 0, .num_heads = c.num_heads,
-      .scale = static_cast<float>(1.0 / std::sqrt(double(c.head_dim))),
-      .num_seqs = in.num_seqs(), .query_start = in.query_start.data(),
-      .context_lens = in.context_lens.data(), .block_tables = in.block_tables.data(),
-      .max_blocks_per_seq = in.max_blocks_per_seq};
-  kernels::WriteKvParams write{.k = qkv_.data() + q_size, .v = qkv_.data() + q_size + kv_size,
+  kernels::PagedAttentionParams attn{.q = qkv_.data(),
+                                     .q_stride_bytes = int64_t{qkv_size} * int64_t{sizeof(float)},
+                                     .out = attn_.data(),
+                                     .kv_cache = kv_cache,
+                                     .layout = layout,
+                                     .layer = 0,
+                                     .num_heads = c.num_heads,
+                                     .scale = static_cast<float>(1.0 / std::sqrt(double(c.head_dim))),
+                                     .num_seqs = in.num_seqs(),
+                                     .query_start = in.query_start.data(),
+                                     .context_lens = in.context_lens.data(),
+                                     .block_tables = in.block_tables.data(),
+                                     .max_blocks_per_seq = in.max_blocks_per_seq};
+  kernels::WriteKvParams write{.k = qkv_.data() + q_size,
+                               .v = qkv_.data() + q_size + kv_size,
                                .src_stride_bytes = int64_t{qkv_size} * int64_t{sizeof(float)},
                                .slot_mapping = in.slot_mapping.data(),
-                               .num_tokens = T, .layer = 0, .layout = layout,
+                               .num_tokens = T,
+                               .layer = 0,
+                               .layout = layout,
                                .kv_cache = kv_cache};
 
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& lw = w_.layers[l];
     for (int t = 0; t < T; ++t) {
-      kernels::cpu::RmsNorm(&x_[size_t(t) * H], lw.input_norm.data(), c.rms_norm_eps,
-                            &h_[size_t(t) * H], H);
+      kernels::cpu::RmsNorm(&x_[size_t(t) * H], lw.input_norm.data(), c.rms_norm_eps, &h_[size_t(t) * H], H);
     }
     MatMulT(h_.data(), T, H, lw.wqkv.data(), qkv_size, 0.0f, qkv_.data());
     AddBias(qkv_.data(), T, qkv_size, lw.bqkv);
@@ -194,8 +199,7 @@ absl::Status LlamaModel::Forward(const BatchInput& in, float* kv_cache,
     }
 
     for (int t = 0; t < T; ++t) {
-      kernels::cpu::RmsNorm(&x_[size_t(t) * H], lw.post_norm.data(), c.rms_norm_eps,
-                            &h_[size_t(t) * H], H);
+      kernels::cpu::RmsNorm(&x_[size_t(t) * H], lw.post_norm.data(), c.rms_norm_eps, &h_[size_t(t) * H], H);
     }
     MatMulT(h_.data(), T, H, lw.w_gate_up.data(), 2 * I, 0.0f, gu_.data());
     AddBias(gu_.data(), T, 2 * I, lw.b_gate_up);
@@ -217,8 +221,7 @@ absl::Status LlamaModel::Forward(const BatchInput& in, float* kv_cache,
   for (int r = 0; r < rows; ++r) {
     const int t = in.logits_rows[r];
     if (t < 0 || t >= T) return absl::InvalidArgumentError("logits row outside the batch");
-    kernels::cpu::RmsNorm(&x_[size_t(t) * H], w_.final_norm.data(), c.rms_norm_eps,
-                          &last_[size_t(r) * H], H);
+    kernels::cpu::RmsNorm(&x_[size_t(t) * H], w_.final_norm.data(), c.rms_norm_eps, &last_[size_t(r) * H], H);
   }
   logits->resize(size_t(rows) * V);
   if (rows > 0) MatMulT(last_.data(), rows, H, w_.output_matrix().data(), V, 0.0f, logits->data());

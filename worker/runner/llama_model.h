@@ -29,7 +29,7 @@ struct BatchInput {
   std::vector<int> context_lens;      // [S], tokens in cache after this step
   std::vector<int32_t> block_tables;  // [S * max_blocks_per_seq]
   int max_blocks_per_seq = 0;
-  std::vector<int> logits_rows;       // indices into tokens whose logits are wanted
+  std::vector<int> logits_rows;  // indices into tokens whose logits are wanted
 
   void Clear();
   int num_tokens() const { return static_cast<int>(tokens.size()); }

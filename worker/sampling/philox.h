@@ -51,8 +51,7 @@ constexpr PhiloxCounter Philox4x32(PhiloxCounter counter, PhiloxKey key) {
 // sampler uses draw 0.
 constexpr double UniformDouble(uint64_t seed, uint64_t position, uint32_t draw = 0) {
   const PhiloxKey key = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
-  const PhiloxCounter counter = {static_cast<uint32_t>(position),
-                                 static_cast<uint32_t>(position >> 32), draw, 0};
+  const PhiloxCounter counter = {static_cast<uint32_t>(position), static_cast<uint32_t>(position >> 32), draw, 0};
   const PhiloxCounter block = Philox4x32(counter, key);
   // 32 bits of word 0 above the top 21 bits of word 1.
   const uint64_t bits = (uint64_t{block[0]} << 21) | (block[1] >> 11);

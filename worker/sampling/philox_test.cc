@@ -13,8 +13,7 @@ namespace {
 // philox4x32 with 10 rounds. They were also recomputed here with an
 // independent implementation of the paper's definition.
 TEST(PhiloxTest, KnownAnswerZero) {
-  EXPECT_EQ(Philox4x32({0, 0, 0, 0}, {0, 0}),
-            (PhiloxCounter{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
+  EXPECT_EQ(Philox4x32({0, 0, 0, 0}, {0, 0}), (PhiloxCounter{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
 }
 
 TEST(PhiloxTest, KnownAnswerAllOnes) {
@@ -38,8 +37,7 @@ TEST(UniformDoubleTest, PinnedValues) {
   EXPECT_EQ(UniformDouble(0, 0), 3594291074837816.0 * 0x1.0p-53);
   EXPECT_EQ(UniformDouble(42, 7), 3227824524431113.0 * 0x1.0p-53);
   EXPECT_EQ(UniformDouble(42, 7, 1), 2690610379771960.0 * 0x1.0p-53);
-  EXPECT_EQ(UniformDouble(0xdeadbeefcafef00dULL, 123456789012ULL, 3),
-            8913868792295701.0 * 0x1.0p-53);
+  EXPECT_EQ(UniformDouble(0xdeadbeefcafef00dULL, 123456789012ULL, 3), 8913868792295701.0 * 0x1.0p-53);
 }
 
 TEST(UniformDoubleTest, InUnitIntervalWith53Bits) {

@@ -11,9 +11,7 @@ namespace tandem::worker {
 namespace {
 
 // 2^n for n in [-1022, 1023], built from its bits.
-inline double PowerOfTwo(int64_t n) {
-  return std::bit_cast<double>(static_cast<uint64_t>(n + 1023) << 52);
-}
+inline double PowerOfTwo(int64_t n) { return std::bit_cast<double>(static_cast<uint64_t>(n + 1023) << 52); }
 
 // The body of PortableExp, branch free so that loops over it vectorize.
 inline double Exp(double x) {
@@ -70,8 +68,7 @@ inline double Exp(double x) {
 double PortableExp(double x) { return Exp(x); }
 
 void PortableExp(std::span<const double> x, std::span<double> out) {
-  CHECK(x.size() == out.size()) << "PortableExp: " << x.size() << " inputs, " << out.size()
-                                << " outputs";
+  CHECK(x.size() == out.size()) << "PortableExp: " << x.size() << " inputs, " << out.size() << " outputs";
   for (size_t i = 0; i < x.size(); ++i) out[i] = Exp(x[i]);
 }
 

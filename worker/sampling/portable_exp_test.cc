@@ -51,8 +51,7 @@ TEST(PortableExpTest, BatchGivesTheSameBitsAsScalar) {
   std::vector<double> batch(x.size());
   PortableExp(x, batch);
   for (size_t i = 0; i < x.size(); ++i) {
-    ASSERT_EQ(std::bit_cast<uint64_t>(batch[i]), std::bit_cast<uint64_t>(PortableExp(x[i])))
-        << "x = " << x[i];
+    ASSERT_EQ(std::bit_cast<uint64_t>(batch[i]), std::bit_cast<uint64_t>(PortableExp(x[i]))) << "x = " << x[i];
   }
 }
 

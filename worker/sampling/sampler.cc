@@ -81,8 +81,7 @@ double SoftmaxTotal(std::span<const float> logits, float max_logit, double tempe
 // The first index of the largest logit. REQUIRES: no NaN.
 int Argmax(std::span<const float> logits) {
   const float max_logit = MaxLogit(logits);
-  return static_cast<int>(
-      std::distance(logits.begin(), std::find(logits.begin(), logits.end(), max_logit)));
+  return static_cast<int>(std::distance(logits.begin(), std::find(logits.begin(), logits.end(), max_logit)));
 }
 
 // The model's raw distribution, recorded before the logits are processed.
@@ -92,14 +91,11 @@ class RawLogprobs {
       : logits_(logits.begin(), logits.end()), top_ids_(MostLikely(logits, num_top)) {
     const float max_logit = MaxLogit(logits);
     // With every logit -inf no token is possible; every logprob is -inf.
-    log_normalizer_ = max_logit == kMinusInfinity
-                          ? std::numeric_limits<double>::infinity()
-                          : max_logit + std::log(SoftmaxTotal(logits, max_logit, 1.0));
+    log_normalizer_ = max_logit == kMinusInfinity ? std::numeric_limits<double>::infinity()
+                                                  : max_logit + std::log(SoftmaxTotal(logits, max_logit, 1.0));
   }
 
-  float Logprob(int token) const {
-    return static_cast<float>(static_cast<double>(logits_[token]) - log_normalizer_);
-  }
+  float Logprob(int token) const { return static_cast<float>(static_cast<double>(logits_[token]) - log_normalizer_); }
 
   std::vector<TokenLogprob> Top() const {
     std::vector<TokenLogprob> top;
@@ -119,8 +115,7 @@ class RawLogprobs {
     for (size_t id = 0; id < logits.size(); ++id) {
       const float logit = logits[id];
       if (top.size() == static_cast<size_t>(n) && !(logit > logits[top.back()])) continue;
-      auto position =
-          std::find_if(top.begin(), top.end(), [&](int other) { return logits[other] < logit; });
+      auto position = std::find_if(top.begin(), top.end(), [&](int other) { return logits[other] < logit; });
       top.insert(position, static_cast<int>(id));
       if (top.size() > static_cast<size_t>(n)) top.pop_back();
     }
@@ -214,8 +209,7 @@ class SamplingOrder {
     }
     // The order is total, so the first sorted_ candidates did not move.
     for (size_t i = sorted_; i < n; ++i) {
-      weights_.push_back(
-          PortableExp((static_cast<double>(candidates_[i].logit) - max_logit_) / temperature_));
+      weights_.push_back(PortableExp((static_cast<double>(candidates_[i].logit) - max_logit_) / temperature_));
     }
     sorted_ = n;
   }
@@ -253,8 +247,7 @@ class SamplingOrder {
 };
 
 // Step 4 of SampleToken for temperature > 0, on processed logits.
-int SampleFromProcessed(std::span<const float> logits, const SamplingParams& params,
-                        double uniform) {
+int SampleFromProcessed(std::span<const float> logits, const SamplingParams& params, double uniform) {
   const float max_logit = MaxLogit(logits);
   if (max_logit == kMinusInfinity) return 0;  // every token masked: as Argmax
   SamplingOrder order(logits, max_logit, params.temperature);
@@ -314,9 +307,8 @@ int SampleFromProcessed(std::span<const float> logits, const SamplingParams& par
 
 }  // namespace
 
-void ProcessLogits(std::span<float> logits, const SamplingParams& params,
-                   std::span<const int> prompt, std::span<const int> output,
-                   std::span<const int> eos_token_ids) {
+void ProcessLogits(std::span<float> logits, const SamplingParams& params, std::span<const int> prompt,
+                   std::span<const int> output, std::span<const int> eos_token_ids) {
   if (params.repetition_penalty != 1.0f) {
     const float penalty = params.repetition_penalty;
     std::vector<bool> penalized(logits.size());
@@ -356,9 +348,8 @@ void ProcessLogits(std::span<float> logits, const SamplingParams& params,
   }
 }
 
-SampledToken SampleToken(std::span<float> logits, const SamplingParams& params,
-                         std::span<const int> prompt, std::span<const int> output,
-                         std::span<const int> eos_token_ids, uint64_t seed) {
+SampledToken SampleToken(std::span<float> logits, const SamplingParams& params, std::span<const int> prompt,
+                         std::span<const int> output, std::span<const int> eos_token_ids, uint64_t seed) {
   CHECK(!logits.empty()) << "SampleToken needs at least one logit";
   ReplaceNonFinite(logits);
   std::optional<RawLogprobs> raw;
@@ -381,9 +372,7 @@ SampledToken SampleToken(std::span<float> logits, const SamplingParams& params,
 }
 
 bool IsStopToken(int token, const SamplingParams& params, std::span<const int> eos_token_ids) {
-  auto contains = [token](std::span<const int> ids) {
-    return std::find(ids.begin(), ids.end(), token) != ids.end();
-  };
+  auto contains = [token](std::span<const int> ids) { return std::find(ids.begin(), ids.end(), token) != ids.end(); };
   return contains(params.stop_token_ids) || (!params.ignore_eos && contains(eos_token_ids));
 }
 

@@ -77,15 +77,13 @@ struct SampledToken {
 // the vocabulary's logits and is overwritten (scratch). Token ids outside
 // [0, logits.size()) in prompt, output and eos_token_ids are ignored.
 // REQUIRES: !logits.empty(); ValidateSamplingParams(params, logits.size()) is OK.
-SampledToken SampleToken(std::span<float> logits, const SamplingParams& params,
-                         std::span<const int> prompt, std::span<const int> output,
-                         std::span<const int> eos_token_ids, uint64_t seed);
+SampledToken SampleToken(std::span<float> logits, const SamplingParams& params, std::span<const int> prompt,
+                         std::span<const int> output, std::span<const int> eos_token_ids, uint64_t seed);
 
 // Step 3 of SampleToken alone, in place: penalties and the min_tokens mask.
 // REQUIRES: as SampleToken.
-void ProcessLogits(std::span<float> logits, const SamplingParams& params,
-                   std::span<const int> prompt, std::span<const int> output,
-                   std::span<const int> eos_token_ids);
+void ProcessLogits(std::span<float> logits, const SamplingParams& params, std::span<const int> prompt,
+                   std::span<const int> output, std::span<const int> eos_token_ids);
 
 // True if generation stops after `token`: it is one of params.stop_token_ids,
 // or one of eos_token_ids unless params.ignore_eos.

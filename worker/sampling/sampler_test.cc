@@ -23,9 +23,8 @@ using ::testing::ElementsAre;
 constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
 
 // SampleToken on a copy of `logits` (SampleToken overwrites them).
-SampledToken Sample(std::vector<float> logits, const SamplingParams& params,
-                    const std::vector<int>& prompt = {}, const std::vector<int>& output = {},
-                    const std::vector<int>& eos = {}, uint64_t seed = 0) {
+SampledToken Sample(std::vector<float> logits, const SamplingParams& params, const std::vector<int>& prompt = {},
+                    const std::vector<int>& output = {}, const std::vector<int>& eos = {}, uint64_t seed = 0) {
   return SampleToken(logits, params, prompt, output, eos, seed);
 }
 
@@ -45,8 +44,7 @@ std::vector<double> Softmax(const std::vector<float>& logits, double temperature
 }
 
 // How often each token is drawn with seeds 0..draws-1 (empty history).
-std::vector<int> Histogram(const std::vector<float>& logits, const SamplingParams& params,
-                           int draws) {
+std::vector<int> Histogram(const std::vector<float>& logits, const SamplingParams& params, int draws) {
   std::vector<int> counts(logits.size());
   for (int seed = 0; seed < draws; ++seed) {
     ++counts[Sample(logits, params, {}, {}, {}, static_cast<uint64_t>(seed)).token_id];
@@ -116,16 +114,13 @@ double LaneSum(const std::vector<double>& values) {
 // sampler.h with a full sort, the same sums and the same exp.
 int ReferenceSample(const std::vector<float>& logits, const SamplingParams& params, double u) {
   const double max_logit = *std::max_element(logits.begin(), logits.end());
-  auto weight = [&](int token) {
-    return PortableExp((logits[token] - max_logit) / params.temperature);
-  };
+  auto weight = [&](int token) { return PortableExp((logits[token] - max_logit) / params.temperature); };
   std::vector<int> order;
   for (size_t i = 0; i < logits.size(); ++i) {
     if (logits[i] != kMinusInfinity) order.push_back(static_cast<int>(i));
   }
-  std::sort(order.begin(), order.end(), [&](int a, int b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-  });
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
   // sum_of_first[n]: the first n weights added in order.
   std::vector<double> sum_of_first = {0.0};
   for (int token : order) sum_of_first.push_back(sum_of_first.back() + weight(token));
@@ -236,8 +231,7 @@ TEST(SampleTokenTest, TopKKeepsExactlyTheKMostLikely) {
   SamplingParams params;
   params.top_k = 2;
   const std::vector<int> counts = Histogram(logits, params, kDraws);
-  EXPECT_LT(ChiSquare(counts, Restrict(Softmax(logits, 1.0), {true, true, false, false, false})),
-            kChiSquareBound);
+  EXPECT_LT(ChiSquare(counts, Restrict(Softmax(logits, 1.0), {true, true, false, false, false})), kChiSquareBound);
 
   params.top_k = 4;
   EXPECT_THAT(Support(logits, params), ElementsAre(0, 1, 2, 3));
@@ -261,8 +255,7 @@ TEST(SampleTokenTest, TopPKeepsTheSmallestSetReachingP) {
   SamplingParams params;
   params.top_p = 0.6f;  // 0.5 < 0.6 <= 0.7
   const std::vector<int> counts = Histogram(logits, params, kDraws);
-  EXPECT_LT(ChiSquare(counts, Restrict(kProbabilities, {true, true, false, false, false})),
-            kChiSquareBound);
+  EXPECT_LT(ChiSquare(counts, Restrict(kProbabilities, {true, true, false, false, false})), kChiSquareBound);
 
   params.top_p = 0.8f;  // 0.7 < 0.8 <= 0.85
   EXPECT_THAT(Support(logits, params), ElementsAre(0, 1, 2));
@@ -299,8 +292,7 @@ TEST(SampleTokenTest, MinPKeepsTokensNearTheTop) {
   SamplingParams params;
   params.min_p = 0.25f;  // p >= 0.125
   const std::vector<int> counts = Histogram(logits, params, kDraws);
-  EXPECT_LT(ChiSquare(counts, Restrict(kProbabilities, {true, true, true, false, false})),
-            kChiSquareBound);
+  EXPECT_LT(ChiSquare(counts, Restrict(kProbabilities, {true, true, true, false, false})), kChiSquareBound);
 
   params.min_p = 0.35f;  // p >= 0.175
   EXPECT_THAT(Support(logits, params), ElementsAre(0, 1));
@@ -331,9 +323,8 @@ TEST(SampleTokenTest, MatchesAFullSortReference) {
     float min_p;
   };
   const std::vector<Case> cases = {
-      {3.0f, 1.0f, 0, 1.0f, 0.0f},      {3.0f, 0.8f, 40, 1.0f, 0.0f},
-      {2.0f, 1.2f, 0, 0.9f, 0.0f},      {2.0f, 1.0f, 0, 1.0f, 0.05f},
-      {1.0f, 2.0f, 1000, 0.95f, 0.01f}, {0.5f, 5.0f, 0, 1.0f, 0.0f},
+      {3.0f, 1.0f, 0, 1.0f, 0.0f},      {3.0f, 0.8f, 40, 1.0f, 0.0f},     {2.0f, 1.2f, 0, 0.9f, 0.0f},
+      {2.0f, 1.0f, 0, 1.0f, 0.05f},     {1.0f, 2.0f, 1000, 0.95f, 0.01f}, {0.5f, 5.0f, 0, 1.0f, 0.0f},
       {0.5f, 5.0f, 4999, 0.999f, 0.0f}, {4.0f, 0.3f, 0, 0.5f, 0.2f},
   };
   constexpr int kVocab = 5000;
@@ -346,8 +337,7 @@ TEST(SampleTokenTest, MatchesAFullSortReference) {
     params.min_p = cases[c].min_p;
     for (uint64_t seed = 0; seed < 200; ++seed) {
       const int expected = ReferenceSample(logits, params, UniformDouble(seed, 0));
-      ASSERT_EQ(Sample(logits, params, {}, {}, {}, seed).token_id, expected)
-          << "case " << c << " seed " << seed;
+      ASSERT_EQ(Sample(logits, params, {}, {}, {}, seed).token_id, expected) << "case " << c << " seed " << seed;
     }
   }
 }
@@ -541,8 +531,7 @@ TEST(SampleTokenTest, LogprobsAreAccurateOnALargeVocabulary) {
   const std::vector<double> expected = LogSoftmax(logits);
   std::vector<int> by_likelihood(logits.size());
   std::iota(by_likelihood.begin(), by_likelihood.end(), 0);
-  std::stable_sort(by_likelihood.begin(), by_likelihood.end(),
-                   [&](int a, int b) { return logits[a] > logits[b]; });
+  std::stable_sort(by_likelihood.begin(), by_likelihood.end(), [&](int a, int b) { return logits[a] > logits[b]; });
   SamplingParams params;
   params.logprobs = 5;
   const SampledToken sampled = Sample(logits, params, {}, {}, {}, 3);

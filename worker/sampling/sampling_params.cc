@@ -10,13 +10,11 @@ namespace tandem::worker {
 namespace {
 
 absl::Status Invalid(absl::string_view field, absl::string_view allowed, float value) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("sampling parameter ", field, " must be ", allowed, "; got ", value));
+  return absl::InvalidArgumentError(absl::StrCat("sampling parameter ", field, " must be ", allowed, "; got ", value));
 }
 
 absl::Status Invalid(absl::string_view field, absl::string_view allowed, int value) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("sampling parameter ", field, " must be ", allowed, "; got ", value));
+  return absl::InvalidArgumentError(absl::StrCat("sampling parameter ", field, " must be ", allowed, "; got ", value));
 }
 
 // Every comparison below is written so that NaN fails it.
@@ -41,8 +39,7 @@ absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size
     return Invalid("min_p", "in [0, 1] (0 = off)", params.min_p);
   }
   if (!(std::isfinite(params.repetition_penalty) && params.repetition_penalty > 0.0f)) {
-    return Invalid("repetition_penalty", "a finite number > 0 (1 = off)",
-                   params.repetition_penalty);
+    return Invalid("repetition_penalty", "a finite number > 0 (1 = off)", params.repetition_penalty);
   }
   if (!InClosedRange(params.presence_penalty, -2.0f, 2.0f)) {
     return Invalid("presence_penalty", "in [-2, 2]", params.presence_penalty);
@@ -57,21 +54,18 @@ absl::Status ValidateSamplingParams(const SamplingParams& params, int vocab_size
     return Invalid("min_tokens", ">= 0", params.min_tokens);
   }
   if (params.max_tokens != -1 && params.min_tokens > params.max_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling parameter min_tokens must be <= max_tokens (", params.max_tokens,
-                     "); got ", params.min_tokens));
+    return absl::InvalidArgumentError(absl::StrCat("sampling parameter min_tokens must be <= max_tokens (",
+                                                   params.max_tokens, "); got ", params.min_tokens));
   }
   for (size_t i = 0; i < params.stop_token_ids.size(); ++i) {
     const int id = params.stop_token_ids[i];
     if (id < 0 || id >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("sampling parameter stop_token_ids[", i,
-                                                     "] must be in [0, ", vocab_size,
-                                                     ") (the vocabulary); got ", id));
+      return absl::InvalidArgumentError(absl::StrCat("sampling parameter stop_token_ids[", i, "] must be in [0, ",
+                                                     vocab_size, ") (the vocabulary); got ", id));
     }
   }
   if (params.logprobs < -1 || params.logprobs > kMaxLogprobs) {
-    return Invalid("logprobs", absl::StrCat("-1 (none) or in [0, ", kMaxLogprobs, "]"),
-                   params.logprobs);
+    return Invalid("logprobs", absl::StrCat("-1 (none) or in [0, ", kMaxLogprobs, "]"), params.logprobs);
   }
   return absl::OkStatus();
 }

@@ -78,7 +78,10 @@ TEST(ValidateSamplingParamsTest, ErrorsNameTheField) {
          p.max_tokens = 10;
          p.min_tokens = 11;
        }},
-      {"stop_token_ids", [](SamplingParams& p) { p.stop_token_ids = {5, kVocab}; }},
+      {"stop_token_ids",
+       [](SamplingParams& p) {
+         p.stop_token_ids = {5, kVocab};
+       }},
       {"stop_token_ids", [](SamplingParams& p) { p.stop_token_ids = {-1}; }},
       {"logprobs", [](SamplingParams& p) { p.logprobs = kMaxLogprobs + 1; }},
       {"logprobs", [](SamplingParams& p) { p.logprobs = -2; }},
@@ -101,13 +104,11 @@ TEST(ValidateSamplingParamsTest, MessageGivesTheRangeAndTheValue) {
 
   params = SamplingParams{};
   params.stop_token_ids = {3, 1000};
-  EXPECT_THAT(ValidateSamplingParams(params, kVocab).message(),
-              HasSubstr("stop_token_ids[1] must be in [0, 1000)"));
+  EXPECT_THAT(ValidateSamplingParams(params, kVocab).message(), HasSubstr("stop_token_ids[1] must be in [0, 1000)"));
 }
 
 TEST(ValidateSamplingParamsTest, RejectsEmptyVocabulary) {
-  EXPECT_EQ(ValidateSamplingParams(SamplingParams{}, 0).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSamplingParams(SamplingParams{}, 0).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -113,15 +113,13 @@ class GenerateCall final {
     if (c.service->draining()) {
       std::lock_guard<std::mutex> lock(sink_->mu());
       done_called_ = true;
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "worker draining: shutting down, no new requests"));
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker draining: shutting down, no new requests"));
       return;
     }
     GenerateSpec spec = FromProto(req);
     want_logprobs_ = spec.params.logprobs >= 0;
     const tandem::v1::KvTransferParams& kv = req.kv_transfer();
-    if (spec.resume_output_tokens != 0 &&
-        kv.mode() != tandem::v1::KvTransferParams::MODE_UNSPECIFIED) {
+    if (spec.resume_output_tokens != 0 && kv.mode() != tandem::v1::KvTransferParams::MODE_UNSPECIFIED) {
       FinishEarly(absl::InvalidArgumentError(
           "resume_output_tokens is for aggregated requests only (kv_transfer must be unset)"));
       return;
@@ -220,8 +218,7 @@ class GenerateCall final {
   // The stream's operations, one at a time. REQUIRES: sink_->mu() held.
   void Finish(const grpc::Status& status) { writer_.Finish(status, &op_tag_); }
   void StartWrite(const GenerateResponse* msg) { writer_.Write(*msg, &op_tag_); }
-  void StartWriteAndFinish(const GenerateResponse* msg, grpc::WriteOptions options,
-                           const grpc::Status& status) {
+  void StartWriteAndFinish(const GenerateResponse* msg, grpc::WriteOptions options, const grpc::Status& status) {
     writer_.WriteAndFinish(*msg, options, status, &op_tag_);
   }
 
@@ -252,9 +249,8 @@ class GenerateCall final {
   void FinishLocked(const FinishInfo& info) {
     finished_ = true;
     if (info.reason == FinishReason::kAbort) {
-      final_status_ = info.worker_stopping
-                          ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down")
-                          : grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled");
+      final_status_ = info.worker_stopping ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down")
+                                           : grpc::Status(grpc::StatusCode::CANCELLED, "request cancelled");
     }
     ToProto(info, &final_);
     MaybeWriteLocked();
@@ -305,8 +301,8 @@ class GenerateCall final {
   grpc::Status final_status_ ABSL_GUARDED_BY(sink_->mu());  // OK, or why an aborted stream ends
   bool writing_ ABSL_GUARDED_BY(sink_->mu()) = false;
   bool finished_ ABSL_GUARDED_BY(sink_->mu()) = false;
-  bool cancelled_ ABSL_GUARDED_BY(sink_->mu()) = false;     // OnCancel came
-  bool awaiting_kv_ ABSL_GUARDED_BY(sink_->mu()) = false;   // SEND: handed off, the answer not yet in
+  bool cancelled_ ABSL_GUARDED_BY(sink_->mu()) = false;    // OnCancel came
+  bool awaiting_kv_ ABSL_GUARDED_BY(sink_->mu()) = false;  // SEND: handed off, the answer not yet in
   bool kv_done_ ABSL_GUARDED_BY(sink_->mu()) = false;
   bool done_called_ ABSL_GUARDED_BY(sink_->mu()) = false;   // Finish (or StartWriteAndFinish) was called
   bool last_op_done_ ABSL_GUARDED_BY(sink_->mu()) = false;  // ... and completed

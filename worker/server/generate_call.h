@@ -37,7 +37,7 @@ struct GenerateContext {
   WorkerService* service;  // accepts, authorizes, drains
   grpc::ServerCompletionQueue* cq;
   Engine* engine;
-  KvHandoff* kv;           // RECEIVE and SEND (KvTransferParams.mode)
+  KvHandoff* kv;  // RECEIVE and SEND (KvTransferParams.mode)
 };
 
 // Waits for the next Generate call on `c.cq`. Each call, once it comes, waits

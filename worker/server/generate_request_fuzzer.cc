@@ -105,8 +105,7 @@ void CheckIdle() {
 }
 
 void Call(tandem::v1::GenerateRequest& req) {
-  if (req.kv_transfer().mode() == tandem::v1::KvTransferParams::SEND &&
-      !req.kv_transfer().decode_address().empty()) {
+  if (req.kv_transfer().mode() == tandem::v1::KvTransferParams::SEND && !req.kv_transfer().decode_address().empty()) {
     req.mutable_kv_transfer()->set_decode_address("127.0.0.1:1");
   }
   grpc::ClientContext ctx;

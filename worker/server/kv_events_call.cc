@@ -19,14 +19,8 @@ using tandem::v1::KvEventBatch;
 class KvEventsCall final {
  public:
   // Waits for the next StreamKvEvents call.
-  KvEventsCall(WorkerService* service, grpc::ServerCompletionQueue* cq, Engine* engine,
-               const std::string& instance_id)
-      : service_(service),
-        cq_(cq),
-        engine_(engine),
-        log_(engine->events()),
-        instance_id_(instance_id),
-        writer_(&ctx_) {
+  KvEventsCall(WorkerService* service, grpc::ServerCompletionQueue* cq, Engine* engine, const std::string& instance_id)
+      : service_(service), cq_(cq), engine_(engine), log_(engine->events()), instance_id_(instance_id), writer_(&ctx_) {
     ctx_.AsyncNotifyWhenDone(&done_tag_);
     service->RequestStreamKvEvents(&ctx_, &req_, &writer_, cq, cq, &accept_tag_);
   }
@@ -40,8 +34,7 @@ class KvEventsCall final {
     new KvEventsCall(service_, cq_, engine_, instance_id_);  // the next one
     accepted_ = true;
     // Other users' prompts (token ids) flow here: the router's only.
-    if (grpc::Status auth = service_->Authorize(ctx_, "StreamKvEvents", Admits::kRouter);
-        !auth.ok()) {
+    if (grpc::Status auth = service_->Authorize(ctx_, "StreamKvEvents", Admits::kRouter); !auth.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       cancelled_ = true;
       FinishLocked(auth);
@@ -124,8 +117,7 @@ class KvEventsCall final {
     batch_.Clear();
     batch_.set_instance_id(instance_id_);
     std::vector<KvEvent> events;
-    if (!need_snapshot_ && !sending_snapshot_ &&
-        !log_.ReadSince(cursor_, kMaxEventsPerBatch, &events)) {
+    if (!need_snapshot_ && !sending_snapshot_ && !log_.ReadSince(cursor_, kMaxEventsPerBatch, &events)) {
       need_snapshot_ = true;  // fell behind the log: resync
     }
     if (need_snapshot_) {

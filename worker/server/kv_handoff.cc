@@ -90,7 +90,7 @@ struct KvReceiver::Pull {
   std::vector<uint64_t> checksums;  // per pair, or empty
   bool peer_held = false;           // EnsurePeer counted this pull
   steady_clock::time_point started;
-  steady_clock::duration took{};    // submit -> completion
+  steady_clock::duration took{};  // submit -> completion
   SampledToken first;
   tandem::v1::KvReadyResponse* response = nullptr;
   std::function<void(grpc::Status)> done;
@@ -98,10 +98,7 @@ struct KvReceiver::Pull {
 
 KvReceiver::KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id,
                        KvHandoffConfig config)
-    : engine_(engine),
-      transport_(transport),
-      instance_id_(std::move(instance_id)),
-      config_(config) {}
+    : engine_(engine), transport_(transport), instance_id_(std::move(instance_id)), config_(config) {}
 
 std::chrono::milliseconds KvReceiver::ReservationTimeout(uint32_t requested_ms) {
   const std::chrono::milliseconds asked =
@@ -110,8 +107,8 @@ std::chrono::milliseconds KvReceiver::ReservationTimeout(uint32_t requested_ms) 
   const int64_t n = ++timeouts_capped_;
   if (ShouldLog(n)) {
     LOG(WARNING) << "a RECEIVE request asked for a " << asked.count()
-                 << " ms reservation; capped to --kv-receive-timeout-max-ms "
-                 << config_.receive_timeout_max.count() << " (" << n << " so far)";
+                 << " ms reservation; capped to --kv-receive-timeout-max-ms " << config_.receive_timeout_max.count()
+                 << " (" << n << " so far)";
   }
   return config_.receive_timeout_max;
 }
@@ -123,15 +120,13 @@ absl::Status KvReceiver::Charge(const std::string& caller, int64_t blocks) {
   if (cap > 0 && held > 0 && held + blocks > cap) {
     const int64_t n = ++over_caller_cap_;
     if (ShouldLog(n)) {
-      LOG(WARNING) << "caller " << caller << " holds " << held
-                   << " reserved KV blocks; a reservation of " << blocks
-                   << " more is over --kv-reserve-max-blocks-per-caller " << cap << " (" << n
-                   << " refused so far)";
+      LOG(WARNING) << "caller " << caller << " holds " << held << " reserved KV blocks; a reservation of " << blocks
+                   << " more is over --kv-reserve-max-blocks-per-caller " << cap << " (" << n << " refused so far)";
     }
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "this caller's reservations already hold %d KV blocks; %d more would pass the worker's "
-        "per-caller cap of %d (--kv-reserve-max-blocks-per-caller)",
-        held, blocks, cap));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("this caller's reservations already hold %d KV blocks; %d more would pass the worker's "
+                        "per-caller cap of %d (--kv-reserve-max-blocks-per-caller)",
+                        held, blocks, cap));
   }
   held += blocks;
   charged_total_ += blocks;
@@ -196,8 +191,7 @@ absl::Status KvReceiver::EnsurePeer(const tandem::v1::KvTransferInfo& source) {
   if (it == peers_.end()) {
     absl::Status added = transport_->AddPeer(FromProto(source));
     if (!added.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot pull KV from the prefill worker: ", added.message()));
+      return absl::FailedPreconditionError(absl::StrCat("cannot pull KV from the prefill worker: ", added.message()));
     }
     it = peers_.emplace(source.agent_id(), PeerUse{}).first;
   }
@@ -237,8 +231,7 @@ absl::Status CheckKvReadyPrompt(const tandem::v1::KvReadyRequest& req, const KvR
     return absl::InvalidArgumentError(absl::StrFormat(
         "KvReady describes another prompt (%d tokens, hash %016x) than reservation %d (%d tokens, "
         "hash %016x)",
-        req.prompt_tokens(), req.prompt_hash(), req.reservation_id(), expect.prompt_len,
-        expect.prompt_hash));
+        req.prompt_tokens(), req.prompt_hash(), req.reservation_id(), expect.prompt_len, expect.prompt_hash));
   }
   const int32_t first = req.first_token().token_id();
   if (first < 0 || first >= vocab_size) {
@@ -247,8 +240,8 @@ absl::Status CheckKvReadyPrompt(const tandem::v1::KvReadyRequest& req, const KvR
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(
-    const tandem::v1::KvReadyRequest& req, const KvReadyExpectation& expect, int block_size) {
+absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(const tandem::v1::KvReadyRequest& req,
+                                                                   const KvReadyExpectation& expect, int block_size) {
   const int blocks = static_cast<int>(expect.blocks.size());
   const int skip = std::min(blocks, expect.cached_tokens / block_size);
   const int sent = blocks - skip;
@@ -257,9 +250,9 @@ absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(
                                                       req.block_ids_size(), expect.prompt_len, blocks));
   }
   if (req.block_checksums_size() != 0 && req.block_checksums_size() != sent) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "KvReady has %d block checksums; %d blocks are pulled (the first %d are cached here)",
-        req.block_checksums_size(), sent, skip));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("KvReady has %d block checksums; %d blocks are pulled (the first %d are cached here)",
+                        req.block_checksums_size(), sent, skip));
   }
   std::vector<kvtransfer::BlockPair> pairs;
   pairs.reserve(sent);
@@ -268,12 +261,10 @@ absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(
 }
 
 void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_deadline,
-                         tandem::v1::KvReadyResponse* response,
-                         std::function<void(grpc::Status)> done) {
+                         tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done) {
   using grpc::StatusCode;
   if (transport_ == nullptr) {
-    done(grpc::Status(StatusCode::FAILED_PRECONDITION,
-                      "this worker runs without a KV transport (--kv-transport)"));
+    done(grpc::Status(StatusCode::FAILED_PRECONDITION, "this worker runs without a KV transport (--kv-transport)"));
     return;
   }
   if (req.decode_instance_id() != instance_id_) {
@@ -286,9 +277,8 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
   auto pull = std::make_shared<Pull>();
   absl::Status compatible =
       req.source().backend() != transport_->backend()
-          ? absl::FailedPreconditionError(absl::StrFormat(
-                "its KV transport is '%s', this worker's is '%s'", req.source().backend(),
-                transport_->backend()))
+          ? absl::FailedPreconditionError(absl::StrFormat("its KV transport is '%s', this worker's is '%s'",
+                                                          req.source().backend(), transport_->backend()))
           : kvtransfer::CheckCompatible(engine_->pool_layout(), FromProto(req.source()).layout);
   // Under mu_, in order: the reservation exists and waits; the request
   // describes its prompt (else it keeps waiting for the right one); the pool
@@ -301,19 +291,18 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
     if (it == entries_.end() || !SameToken(req.reservation_token(), it->second.token)) {
       done(grpc::Status(StatusCode::NOT_FOUND,
                         absl::StrFormat("no reservation %d is waiting for KV (expired, cancelled or "
-                                        "already filled)", req.reservation_id())));
+                                        "already filled)",
+                                        req.reservation_id())));
       return;
     }
     Entry& e = it->second;
     const Waiting& w = e.waiting;
     if (e.state != State::kWaiting) {
       done(grpc::Status(StatusCode::ALREADY_EXISTS,
-                        absl::StrFormat("reservation %d is already receiving its KV",
-                                        req.reservation_id())));
+                        absl::StrFormat("reservation %d is already receiving its KV", req.reservation_id())));
       return;
     }
-    if (absl::Status s = CheckKvReadyPrompt(req, w.expect, engine_->model_config().vocab_size);
-        !s.ok()) {
+    if (absl::Status s = CheckKvReadyPrompt(req, w.expect, engine_->model_config().vocab_size); !s.ok()) {
       done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(s.message())));
       return;
     }
@@ -341,8 +330,7 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
   if (incompatible) {
     Fail(pull,
          grpc::Status(StatusCode::FAILED_PRECONDITION,
-                      absl::StrCat("cannot take KV from the prefill worker's pool: ",
-                                   compatible.message())),
+                      absl::StrCat("cannot take KV from the prefill worker's pool: ", compatible.message())),
          /*fall_back=*/true);
     return;
   }
@@ -362,15 +350,14 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
   // End the pull before the caller's deadline (then it frees its blocks):
   // the deadline arrived as a duration, late by the network's latency.
   const auto now = steady_clock::now();
-  const auto margin = std::max<steady_clock::duration>(std::chrono::milliseconds(100),
-                                                       (call_deadline - now) / 10);
+  const auto margin = std::max<steady_clock::duration>(std::chrono::milliseconds(100), (call_deadline - now) / 10);
   pull->started = steady_clock::now();
-  absl::StatusOr<uint64_t> transfer =
-      transport_->Pull(pull->agent_id, pull->pairs, call_deadline - margin,
-                       [this, pull](absl::Status s) { OnPulled(pull, std::move(s)); });
+  absl::StatusOr<uint64_t> transfer = transport_->Pull(pull->agent_id, pull->pairs, call_deadline - margin,
+                                                       [this, pull](absl::Status s) { OnPulled(pull, std::move(s)); });
   if (!transfer.ok()) {
-    Fail(pull, grpc::Status(grpc::StatusCode::ABORTED,
-                            absl::StrCat("cannot start the KV pull: ", transfer.status().message())),
+    Fail(pull,
+         grpc::Status(grpc::StatusCode::ABORTED,
+                      absl::StrCat("cannot start the KV pull: ", transfer.status().message())),
          /*fall_back=*/true);
     return;
   }
@@ -396,8 +383,7 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
     ReleasePeer(pull->agent_id, status.code() == absl::StatusCode::kUnavailable);
     pull->peer_held = false;
     if (!status.ok()) {
-      Fail(pull, grpc::Status(grpc::StatusCode::ABORTED,
-                              absl::StrCat("pulling the KV failed: ", status.message())),
+      Fail(pull, grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("pulling the KV failed: ", status.message())),
            /*fall_back=*/true);
       return;
     }
@@ -405,10 +391,11 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
       const uint64_t got = BlockChecksum(*engine_, pull->pairs[i].dst);
       if (got != pull->checksums[i]) {
         ++checksum_failures_;
-        Fail(pull, grpc::Status(grpc::StatusCode::DATA_LOSS,
-                                absl::StrFormat("KV block %d of %d arrived corrupted (checksum %016x, "
-                                                "expected %016x)",
-                                                i, pull->pairs.size(), got, pull->checksums[i])),
+        Fail(pull,
+             grpc::Status(grpc::StatusCode::DATA_LOSS,
+                          absl::StrFormat("KV block %d of %d arrived corrupted (checksum %016x, "
+                                          "expected %016x)",
+                                          i, pull->pairs.size(), got, pull->checksums[i])),
              /*fall_back=*/true);
         return;
       }
@@ -418,13 +405,11 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
       if (entries_.count(pull->reservation_id) == 0) {
         // Cancelled or expired while the bytes moved: nothing to commit.
         ++pull_failures_;
-        pull->done(grpc::Status(grpc::StatusCode::ABORTED,
-                                "the reservation ended while its KV was moving"));
+        pull->done(grpc::Status(grpc::StatusCode::ABORTED, "the reservation ended while its KV was moving"));
         return;
       }
     }
-    const int64_t bytes =
-        static_cast<int64_t>(pull->pairs.size()) * engine_->pool_layout().block_bytes;
+    const int64_t bytes = static_cast<int64_t>(pull->pairs.size()) * engine_->pool_layout().block_bytes;
     engine_->Commit(pull->engine_id, pull->first, [this, pull, bytes](absl::Status s) {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -433,8 +418,7 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
       if (!s.ok()) {
         ++pull_failures_;
         pull->done(grpc::Status(grpc::StatusCode::ABORTED,
-                                absl::StrCat("the reservation ended while its KV was moving: ",
-                                             s.message())));
+                                absl::StrCat("the reservation ended while its KV was moving: ", s.message())));
         return;
       }
       ++pulls_;
@@ -456,8 +440,7 @@ void KvReceiver::Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bo
     std::lock_guard<std::mutex> lock(mu_);
     EraseLocked(pull->reservation_id);
   }
-  LOG(WARNING) << "KV for reservation " << pull->reservation_id
-               << " not received: " << status.error_message();
+  LOG(WARNING) << "KV for reservation " << pull->reservation_id << " not received: " << status.error_message();
   if (fall_back) engine_->Fallback(pull->engine_id, pull->first, status.error_message());
   pull->done(std::move(status));
 }
@@ -480,9 +463,8 @@ void KvReceiver::AddStats(KvHandoffStats* stats) {
 // ---------------------------------------------------------------------------
 // KvSender
 
-KvSender::KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config,
-                   grpc::CompletionQueue* cq, std::shared_ptr<const tls::ChannelFactory> channels,
-                   PeerAllowList allow)
+KvSender::KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config, grpc::CompletionQueue* cq,
+                   std::shared_ptr<const tls::ChannelFactory> channels, PeerAllowList allow)
     : engine_(engine),
       transport_(transport),
       config_(config),
@@ -495,8 +477,7 @@ absl::Status KvSender::CheckDecodeAddress(const std::string& address) {
   absl::Status refused = parsed.status();
   if (parsed.ok() && parsed->literal && !allow_.Allows(parsed->ip)) {
     refused = absl::PermissionDeniedError(absl::StrCat(
-        "kv_transfer.decode_address ", address, " is outside this worker's --kv-peer-allow (",
-        allow_.ToString(), ")"));
+        "kv_transfer.decode_address ", address, " is outside this worker's --kv-peer-allow (", allow_.ToString(), ")"));
   }
   if (refused.ok()) return refused;
   const int64_t n = ++peers_refused_;
@@ -518,9 +499,8 @@ void KvSender::Send(Job job, SendDone done) {
     done("the worker is shutting down", tandem::v1::KvReadyResponse());
     return;
   }
-  executor_->Post([this, job = std::move(job), done = std::move(done)]() mutable {
-    Start(std::move(job), std::move(done));
-  });
+  executor_->Post(
+      [this, job = std::move(job), done = std::move(done)]() mutable { Start(std::move(job), std::move(done)); });
 }
 
 std::shared_ptr<tandem::v1::Worker::Stub> KvSender::StubFor(const std::string& target) {
@@ -529,8 +509,7 @@ std::shared_ptr<tandem::v1::Worker::Stub> KvSender::StubFor(const std::string& t
   if (it != stubs_.end()) return it->second;
   // Decode workers come and go (autoscaling): keep the map bounded.
   if (stubs_.size() >= 1024) stubs_.clear();
-  auto stub = std::shared_ptr<tandem::v1::Worker::Stub>(
-      tandem::v1::Worker::NewStub(channels_->Create(target)));
+  auto stub = std::shared_ptr<tandem::v1::Worker::Stub>(tandem::v1::Worker::NewStub(channels_->Create(target)));
   stubs_[target] = stub;
   return stub;
 }
@@ -548,17 +527,16 @@ void KvSender::Start(Job job, SendDone done) {
     fail_unsent("the hold timeout passed before KvReady could be sent");
     return;
   }
-  absl::StatusOr<kvtransfer::PeerInfo> local =
-      transport_ != nullptr ? transport_->LocalInfo()
-                            : absl::FailedPreconditionError("this worker has no KV transport");
+  absl::StatusOr<kvtransfer::PeerInfo> local = transport_ != nullptr
+                                                   ? transport_->LocalInfo()
+                                                   : absl::FailedPreconditionError("this worker has no KV transport");
   if (!local.ok()) {
     fail_unsent(std::string(local.status().message()));
     return;
   }
   // Where to dial: the address as checked (a name resolved here, off the
   // poller thread, when an allow list applies).
-  absl::StatusOr<PeerAddress> address =
-      ParsePeerAddress(job.target.decode_address(), "kv_transfer.decode_address");
+  absl::StatusOr<PeerAddress> address = ParsePeerAddress(job.target.decode_address(), "kv_transfer.decode_address");
   absl::StatusOr<std::string> target =
       address.ok() ? allow_.CheckedTarget(*address) : absl::StatusOr<std::string>(address.status());
   if (!target.ok()) {
@@ -583,8 +561,8 @@ void KvSender::Start(Job job, SendDone done) {
   r.set_prompt_hash(job.prompt_hash);
   ToProto(job.prefilled.first, /*logprobs=*/true, r.mutable_first_token());
   if (config_.checksums) {
-    const size_t skip = static_cast<size_t>(job.target.decode_cached_tokens()) /
-                        static_cast<size_t>(engine_->config().block_size);
+    const size_t skip =
+        static_cast<size_t>(job.target.decode_cached_tokens()) / static_cast<size_t>(engine_->config().block_size);
     for (size_t i = skip; i < job.prefilled.blocks.size(); ++i) {
       r.add_block_checksums(BlockChecksum(*engine_, job.prefilled.blocks[i]));
     }
@@ -626,8 +604,7 @@ void KvSender::Start(Job job, SendDone done) {
               absl::StrContains(s.error_message(), "andshake")) {
             ++peers_refused_;
           }
-          done(absl::StrFormat("KvReady on %s failed: %s", call->request.decode_instance_id(),
-                               s.error_message()),
+          done(absl::StrFormat("KvReady on %s failed: %s", call->request.decode_instance_id(), s.error_message()),
                call->response);
         }
       });
@@ -642,8 +619,8 @@ void KvSender::AddStats(KvHandoffStats* stats) const {
 // ---------------------------------------------------------------------------
 // KvHandoff
 
-KvHandoff::KvHandoff(Engine* engine, WorkerRole role, kvtransfer::Transport* transport,
-                     const std::string& instance_id, KvHandoffConfig config, grpc::CompletionQueue* cq,
+KvHandoff::KvHandoff(Engine* engine, WorkerRole role, kvtransfer::Transport* transport, const std::string& instance_id,
+                     KvHandoffConfig config, grpc::CompletionQueue* cq,
                      std::shared_ptr<const tls::ChannelFactory> channels, PeerAllowList allow)
     : engine_(engine), role_(role), transport_(transport) {
   if (transport_ != nullptr) {
@@ -658,8 +635,7 @@ absl::Status KvHandoff::CheckTransfer(const tandem::v1::KvTransferParams& kv, in
   using tandem::v1::KvTransferParams;
   if (kv.mode() == KvTransferParams::MODE_UNSPECIFIED) return absl::OkStatus();
   if (kv.mode() != KvTransferParams::RECEIVE && kv.mode() != KvTransferParams::SEND) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("kv_transfer.mode %d is not RECEIVE (1) or SEND (2)", kv.mode()));
+    return absl::InvalidArgumentError(absl::StrFormat("kv_transfer.mode %d is not RECEIVE (1) or SEND (2)", kv.mode()));
   }
   const bool receive = kv.mode() == KvTransferParams::RECEIVE;
   if (receiver_ == nullptr) {
@@ -668,9 +644,9 @@ absl::Status KvHandoff::CheckTransfer(const tandem::v1::KvTransferParams& kv, in
         "disaggregated serving");
   }
   if (role_ == (receive ? WorkerRole::kPrefill : WorkerRole::kDecode)) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "this worker's role is %s: it does not %s", WorkerRoleName(role_),
-        receive ? "receive KV (mode RECEIVE)" : "prefill for other workers (mode SEND)"));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("this worker's role is %s: it does not %s", WorkerRoleName(role_),
+                        receive ? "receive KV (mode RECEIVE)" : "prefill for other workers (mode SEND)"));
   }
   // RECEIVE: the timeout is capped, not refused (KvReceiver::ReservationTimeout).
   if (receive) return absl::OkStatus();
@@ -684,10 +660,10 @@ absl::Status KvHandoff::CheckTransfer(const tandem::v1::KvTransferParams& kv, in
   const int bs = engine_->config().block_size;
   if (kv.decode_cached_tokens() < 0 || kv.decode_cached_tokens() % bs != 0 ||
       (prompt_len > 0 && kv.decode_cached_tokens() >= prompt_len)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "kv_transfer.decode_cached_tokens = %d must be a multiple of the block size (%d) below "
-        "the prompt length (%d)",
-        kv.decode_cached_tokens(), bs, prompt_len));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("kv_transfer.decode_cached_tokens = %d must be a multiple of the block size (%d) below "
+                        "the prompt length (%d)",
+                        kv.decode_cached_tokens(), bs, prompt_len));
   }
   return absl::OkStatus();
 }
@@ -728,9 +704,10 @@ std::chrono::milliseconds KvHandoff::engine_hold_timeout() const { return sender
 
 void KvHandoff::Send(const tandem::v1::KvTransferParams& target, uint64_t prompt_hash, const Prefilled& prefilled,
                      KvSender::SendDone done) {
-  sender_->Send(KvSender::Job{.target = target, .prompt_hash = prompt_hash, .prefilled = prefilled,
-                              .handed_off = steady_clock::now()},
-                std::move(done));
+  sender_->Send(
+      KvSender::Job{
+          .target = target, .prompt_hash = prompt_hash, .prefilled = prefilled, .handed_off = steady_clock::now()},
+      std::move(done));
 }
 
 void KvHandoff::KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline,

@@ -93,22 +93,22 @@ struct KvHandoffStats {
   int64_t pull_failures = 0;      // decode: KvReady that ended in a fallback
   int64_t checksum_failures = 0;  // decode: of which, a checksum mismatch
   int64_t bytes_pulled = 0;
-  int64_t handoffs = 0;           // prefill: KvReady answered OK
-  int64_t handoff_failures = 0;   // prefill: KvReady that failed
-  int pulls_in_flight = 0;        // decode: submitted to the transport, not yet ended
-  double pull_seconds = 0;        // decode: time the committed pulls took
-  int64_t timeouts_capped = 0;    // decode: timeout_ms over receive_timeout_max
-  int64_t over_caller_cap = 0;    // decode: reservations refused by the per-caller cap
-  int64_t reserved_blocks = 0;    // decode: blocks charged to waiting reservations
-  int64_t peers_refused = 0;      // prefill: decode addresses refused or unauthenticated
+  int64_t handoffs = 0;          // prefill: KvReady answered OK
+  int64_t handoff_failures = 0;  // prefill: KvReady that failed
+  int pulls_in_flight = 0;       // decode: submitted to the transport, not yet ended
+  double pull_seconds = 0;       // decode: time the committed pulls took
+  int64_t timeouts_capped = 0;   // decode: timeout_ms over receive_timeout_max
+  int64_t over_caller_cap = 0;   // decode: reservations refused by the per-caller cap
+  int64_t reserved_blocks = 0;   // decode: blocks charged to waiting reservations
+  int64_t peers_refused = 0;     // prefill: decode addresses refused or unauthenticated
 };
 
 // What a reservation expects of the KvReady that fills it.
 struct KvReadyExpectation {
   int prompt_len = 0;
   uint64_t prompt_hash = 0;
-  int cached_tokens = 0;         // held here already: those blocks are not pulled
-  std::vector<int32_t> blocks;   // the reserved blocks, one per block of the prompt
+  int cached_tokens = 0;        // held here already: those blocks are not pulled
+  std::vector<int32_t> blocks;  // the reserved blocks, one per block of the prompt
 };
 
 // The checks KvReady's request must pass, as pure functions (the gRPC layer
@@ -120,15 +120,14 @@ absl::Status CheckKvReadyPrompt(const tandem::v1::KvReadyRequest& req, const KvR
 // The pull it asks for: (prefill block -> reserved block) for every block
 // past the cached prefix, with a checksum per pulled block or none.
 // InvalidArgument when the block or checksum counts do not add up.
-absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(
-    const tandem::v1::KvReadyRequest& req, const KvReadyExpectation& expect, int block_size);
+absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(const tandem::v1::KvReadyRequest& req,
+                                                                   const KvReadyExpectation& expect, int block_size);
 
 // Decode side.
 class KvReceiver {
  public:
   // `transport` may be null (then every KvReady is refused).
-  KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id,
-             KvHandoffConfig config = {});
+  KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id, KvHandoffConfig config = {});
 
   // Charges `blocks` to `caller` before a reservation is asked of the
   // engine: ResourceExhausted when the caller would hold more than
@@ -141,10 +140,10 @@ class KvReceiver {
 
   // A reservation the engine granted; KvReady may fill it until Forget.
   struct Waiting {
-    uint64_t engine_id = 0;       // the engine's request id
-    std::string caller;           // charged `charged_blocks` (Charge)
+    uint64_t engine_id = 0;  // the engine's request id
+    std::string caller;      // charged `charged_blocks` (Charge)
     int64_t charged_blocks = 0;
-    KvReadyExpectation expect;    // what KvReady must describe
+    KvReadyExpectation expect;  // what KvReady must describe
     Deadline deadline{};
   };
   // How the reservation is named on the wire: a random nonzero id and a
@@ -161,8 +160,8 @@ class KvReceiver {
   // Serves one KvReady call; `done` gets the status to answer with
   // (`response` is filled when OK). `call_deadline` is the caller's
   // deadline: the pull ends before it.
-  void KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline,
-               tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done);
+  void KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline, tandem::v1::KvReadyResponse* response,
+               std::function<void(grpc::Status)> done);
 
   void AddStats(KvHandoffStats* stats);
   const std::string& instance_id() const { return instance_id_; }
@@ -193,7 +192,7 @@ class KvReceiver {
   SerialExecutor verifier_{"kv_verifier"};  // checksums and commits, off the transport's thread
 
   std::mutex mu_;
-  std::map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by wire reservation id
+  std::map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);       // by wire reservation id
   std::map<std::string, int64_t> charged_ ABSL_GUARDED_BY(mu_);  // blocks per caller
   int64_t charged_total_ ABSL_GUARDED_BY(mu_) = 0;
   // Agents added to the transport. Prefill workers come and go (each restart
@@ -217,8 +216,7 @@ class KvSender {
  public:
   // KvReady calls run on `cq` (the worker's GrpcPoller drains it), over
   // channels from `channels`, to addresses `allow` admits.
-  KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config,
-           grpc::CompletionQueue* cq,
+  KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config, grpc::CompletionQueue* cq,
            std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure(),
            PeerAllowList allow = PeerAllowList::Loopback());
   // Stop()s.
@@ -235,16 +233,13 @@ class KvSender {
   };
   // The hand-off's outcome: `error` is "" when the decode worker took the
   // KV (then `answer` says how much moved and how long the pull took).
-  using SendDone =
-      std::function<void(const std::string& error, const tandem::v1::KvReadyResponse& answer)>;
+  using SendDone = std::function<void(const std::string& error, const tandem::v1::KvReadyResponse& answer)>;
   // Calls KvReady for `job` (from the executor thread) and releases the
   // blocks as its answer allows.
   void Send(Job job, SendDone done);
 
   // The engine's hold for a hand-off: the call's deadline plus a margin.
-  std::chrono::milliseconds engine_hold_timeout() const {
-    return config_.hold_timeout + std::chrono::seconds(1);
-  }
+  std::chrono::milliseconds engine_hold_timeout() const { return config_.hold_timeout + std::chrono::seconds(1); }
 
   void AddStats(KvHandoffStats* stats) const;
 
@@ -305,8 +300,7 @@ class KvHandoff {
   // The engine's answer to the reservation: the caller's charge passes to the
   // reservation, named by the handle it returns, or back to the caller when
   // there is none (then the handle's id is 0).
-  KvReceiver::Handle Reserved(const absl::StatusOr<Reservation>& reservation,
-                              const KvReceiver::Waiting& waiting);
+  KvReceiver::Handle Reserved(const absl::StatusOr<Reservation>& reservation, const KvReceiver::Waiting& waiting);
   // The reservation no longer takes KV (KvReceiver::Forget).
   void Forget(uint64_t reservation_id);
 
@@ -318,8 +312,8 @@ class KvHandoff {
 
   // KvReady from a prefill worker: FailedPrecondition unless this worker
   // receives KV, else KvReceiver::KvReady.
-  void KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline,
-               tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done);
+  void KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline, tandem::v1::KvReadyResponse* response,
+               std::function<void(grpc::Status)> done);
   // GetKvTransferInfo: this worker's transport and pool, for the router.
   absl::StatusOr<kvtransfer::PeerInfo> LocalInfo() const;
 

@@ -40,9 +40,7 @@ TEST(CheckKvReadyPromptTest, TheReservationsPromptAndAFirstTokenInTheVocabularyP
   for (int bad : {-1, 260}) {
     other = Ready();
     other.mutable_first_token()->set_token_id(bad);
-    EXPECT_THAT(CheckKvReadyPrompt(other, Expect(), 260).message(),
-                HasSubstr("is outside the vocabulary"))
-        << bad;
+    EXPECT_THAT(CheckKvReadyPrompt(other, Expect(), 260).message(), HasSubstr("is outside the vocabulary")) << bad;
   }
 }
 

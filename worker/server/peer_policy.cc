@@ -75,8 +75,8 @@ bool IsMapped(const std::array<uint8_t, 16>& ip) {
 
 absl::StatusOr<PeerAddress> ParsePeerAddress(absl::string_view text, absl::string_view field) {
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " '", text.substr(0, 200),
-                                                   "' is not a plain host:port: ", why));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " '", text.substr(0, 200), "' is not a plain host:port: ", why));
   };
   if (text.size() > 300) return bad("too long");
   PeerAddress out;
@@ -107,10 +107,9 @@ absl::StatusOr<PeerAddress> ParsePeerAddress(absl::string_view text, absl::strin
     }
   }
   int p = 0;
-  const bool digits = !port.empty() && port.size() <= 5 &&
-                      std::all_of(port.begin(), port.end(), [](char c) {
-                        return absl::ascii_isdigit(static_cast<unsigned char>(c));
-                      });
+  const bool digits = !port.empty() && port.size() <= 5 && std::all_of(port.begin(), port.end(), [](char c) {
+    return absl::ascii_isdigit(static_cast<unsigned char>(c));
+  });
   if (!digits || !absl::SimpleAtoi(port, &p) || p < 1 || p > 65535) {
     return bad("the port must be a number in 1..65535");
   }
@@ -131,8 +130,7 @@ absl::StatusOr<PeerAllowList> PeerAllowList::Parse(absl::string_view text, absl:
   for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
     item = absl::StripAsciiWhitespace(item);
     auto bad = [&](absl::string_view why) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(flag, ": '", item, "' is not a CIDR block (", why, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": '", item, "' is not a CIDR block (", why, ")"));
     };
     absl::string_view addr = item;
     int prefix = -1;
@@ -182,9 +180,8 @@ std::string PeerAllowList::ToString() const {
 
 absl::StatusOr<std::string> PeerAllowList::CheckedTarget(const PeerAddress& address) const {
   if (any_) {
-    return address.literal && !IsMapped(address.ip)
-               ? absl::StrCat("[", address.host, "]:", address.port)
-               : absl::StrCat(address.host, ":", address.port);
+    return address.literal && !IsMapped(address.ip) ? absl::StrCat("[", address.host, "]:", address.port)
+                                                    : absl::StrCat(address.host, ":", address.port);
   }
   std::vector<std::array<uint8_t, 16>> ips;
   if (address.literal) {
@@ -196,8 +193,7 @@ absl::StatusOr<std::string> PeerAllowList::CheckedTarget(const PeerAddress& addr
     addrinfo* res = nullptr;
     const int rc = getaddrinfo(address.host.c_str(), nullptr, &hints, &res);
     if (rc != 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot resolve ", address.host, ": ", gai_strerror(rc)));
+      return absl::UnavailableError(absl::StrCat("cannot resolve ", address.host, ": ", gai_strerror(rc)));
     }
     for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
       std::array<uint8_t, 16> ip{};
@@ -215,9 +211,9 @@ absl::StatusOr<std::string> PeerAllowList::CheckedTarget(const PeerAddress& addr
   }
   for (const auto& ip : ips) {
     if (!Allows(ip)) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "decode_address ", address.host, ":", address.port, " (", IpText(ip),
-          ") is outside this worker's --kv-peer-allow (", ToString(), ")"));
+      return absl::PermissionDeniedError(absl::StrCat("decode_address ", address.host, ":", address.port, " (",
+                                                      IpText(ip), ") is outside this worker's --kv-peer-allow (",
+                                                      ToString(), ")"));
     }
   }
   const auto& ip = ips.front();

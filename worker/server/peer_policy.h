@@ -23,8 +23,8 @@
 #include <array>
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
 
@@ -33,8 +33,8 @@ namespace tandem::worker {
 struct PeerAddress {
   std::string host;  // as written, without IPv6 brackets
   int port = 0;
-  bool literal = false;             // host is an IP address
-  std::array<uint8_t, 16> ip{};     // when literal: IPv4-mapped for IPv4
+  bool literal = false;          // host is an IP address
+  std::array<uint8_t, 16> ip{};  // when literal: IPv4-mapped for IPv4
 };
 
 // InvalidArgument naming `field` and why, for anything but a plain host:port.

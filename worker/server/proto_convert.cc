@@ -4,10 +4,14 @@ namespace tandem::worker {
 
 tandem::v1::FinishReason ToProto(FinishReason reason) {
   switch (reason) {
-    case FinishReason::kStop: return tandem::v1::FINISH_REASON_STOP;
-    case FinishReason::kLength: return tandem::v1::FINISH_REASON_LENGTH;
-    case FinishReason::kAbort: return tandem::v1::FINISH_REASON_ABORT;
-    case FinishReason::kError: return tandem::v1::FINISH_REASON_ERROR;
+    case FinishReason::kStop:
+      return tandem::v1::FINISH_REASON_STOP;
+    case FinishReason::kLength:
+      return tandem::v1::FINISH_REASON_LENGTH;
+    case FinishReason::kAbort:
+      return tandem::v1::FINISH_REASON_ABORT;
+    case FinishReason::kError:
+      return tandem::v1::FINISH_REASON_ERROR;
   }
   return tandem::v1::FINISH_REASON_ERROR;
 }
@@ -152,9 +156,13 @@ kvtransfer::PeerInfo FromProto(const tandem::v1::KvTransferInfo& info) {
   return kvtransfer::PeerInfo{
       .agent_id = info.agent_id(),
       .backend = info.backend(),
-      .layout = {.model = l.model(), .dtype = l.dtype(), .num_layers = l.num_layers(),
-                 .num_kv_heads = l.num_kv_heads(), .head_dim = l.head_dim(),
-                 .block_size = l.block_size(), .num_blocks = l.num_blocks(),
+      .layout = {.model = l.model(),
+                 .dtype = l.dtype(),
+                 .num_layers = l.num_layers(),
+                 .num_kv_heads = l.num_kv_heads(),
+                 .head_dim = l.head_dim(),
+                 .block_size = l.block_size(),
+                 .num_blocks = l.num_blocks(),
                  .block_bytes = l.block_bytes(),
                  .memory_type = l.cuda() ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost,
                  .device_id = l.device_id()},

@@ -168,8 +168,7 @@ TEST(ProtoConvertTest, AFinishCarriesItsReasonStopIdUsageAndError) {
 
 TEST(ProtoConvertTest, EveryKvEventKindAndACachedBlock) {
   tandem::v1::KvEvent stored;
-  ToProto(KvEvent{.seq = 1, .kind = KvEvent::Kind::kStored, .block_hash = 11, .parent_hash = 10,
-                  .token_ids = {1, 2}},
+  ToProto(KvEvent{.seq = 1, .kind = KvEvent::Kind::kStored, .block_hash = 11, .parent_hash = 10, .token_ids = {1, 2}},
           &stored);
   EXPECT_EQ(stored.seq(), 1u);
   ASSERT_TRUE(stored.has_stored());
@@ -193,11 +192,25 @@ TEST(ProtoConvertTest, EveryKvEventKindAndACachedBlock) {
 
 TEST(ProtoConvertTest, TheLoadReportCarriesEveryCounter) {
   // Distinct values, so that two fields swapped show up.
-  const LoadSnapshot s{.running = 1, .waiting = 2, .tokens_in_flight = 3, .prefill_tokens_pending = 4,
-                       .total_blocks = 5, .free_blocks = 6, .used_blocks = 7, .cached_blocks = 8,
-                       .prefix_query_tokens = 40, .prefix_hit_tokens = 10, .preemptions = 11, .finished = 12,
-                       .reserved = 13, .prefilled = 14, .quarantined_blocks = 15, .expired_reservations = 16,
-                       .local_prefill_fallbacks = 17, .reservations_refused = 18, .expired_handoffs = 19,
+  const LoadSnapshot s{.running = 1,
+                       .waiting = 2,
+                       .tokens_in_flight = 3,
+                       .prefill_tokens_pending = 4,
+                       .total_blocks = 5,
+                       .free_blocks = 6,
+                       .used_blocks = 7,
+                       .cached_blocks = 8,
+                       .prefix_query_tokens = 40,
+                       .prefix_hit_tokens = 10,
+                       .preemptions = 11,
+                       .finished = 12,
+                       .reserved = 13,
+                       .prefilled = 14,
+                       .quarantined_blocks = 15,
+                       .expired_reservations = 16,
+                       .local_prefill_fallbacks = 17,
+                       .reservations_refused = 18,
+                       .expired_handoffs = 19,
                        .kv_event_seq = 20};
   tandem::v1::LoadReport r;
   ToProto(s, &r);
@@ -223,9 +236,17 @@ TEST(ProtoConvertTest, TheLoadReportCarriesEveryCounter) {
   EXPECT_EQ(r.expired_handoffs(), 19);
   EXPECT_EQ(r.kv_event_seq(), 20u);
 
-  const KvHandoffStats kv{.pulls = 31, .pull_failures = 32, .checksum_failures = 33, .bytes_pulled = 34,
-                          .handoffs = 35, .handoff_failures = 36, .pulls_in_flight = 37, .pull_seconds = 3.5,
-                          .timeouts_capped = 38, .over_caller_cap = 39, .reserved_blocks = 40,
+  const KvHandoffStats kv{.pulls = 31,
+                          .pull_failures = 32,
+                          .checksum_failures = 33,
+                          .bytes_pulled = 34,
+                          .handoffs = 35,
+                          .handoff_failures = 36,
+                          .pulls_in_flight = 37,
+                          .pull_seconds = 3.5,
+                          .timeouts_capped = 38,
+                          .over_caller_cap = 39,
+                          .reserved_blocks = 40,
                           .peers_refused = 41};
   ToProto(kv, &r);
   EXPECT_EQ(r.kv_pulls(), 31);
@@ -251,8 +272,15 @@ TEST(ProtoConvertTest, PeerInfoRoundTripsOnTheHostAndOnAGpu) {
     info.agent_id = "agent-1";
     info.backend = "loopback";
     info.address = "127.0.0.1:9";
-    info.layout = {.model = "tiny", .dtype = "float32", .num_layers = 2, .num_kv_heads = 3, .head_dim = 4,
-                   .block_size = 16, .num_blocks = 100, .block_bytes = 4096, .memory_type = memory,
+    info.layout = {.model = "tiny",
+                   .dtype = "float32",
+                   .num_layers = 2,
+                   .num_kv_heads = 3,
+                   .head_dim = 4,
+                   .block_size = 16,
+                   .num_blocks = 100,
+                   .block_bytes = 4096,
+                   .memory_type = memory,
                    .device_id = cuda ? 1 : -1};
     tandem::v1::KvTransferInfo wire;
     ToProto(info, &wire);

@@ -26,8 +26,8 @@ namespace tandem::worker {
 using UnaryFinish = std::function<void(const grpc::Status&)>;
 // A unary method's handler.
 template <class Req, class Resp>
-using UnaryHandler = void (*)(WorkerService& worker, const grpc::ServerContext& ctx, const Req& request,
-                              Resp* response, UnaryFinish finish);
+using UnaryHandler = void (*)(WorkerService& worker, const grpc::ServerContext& ctx, const Req& request, Resp* response,
+                              UnaryFinish finish);
 
 // A unary method as UnaryCall serves it.
 template <class Req, class Resp>

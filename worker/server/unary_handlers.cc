@@ -19,8 +19,7 @@ void HandleHealth(WorkerService& worker, const grpc::ServerContext& ctx, const t
 }
 
 void HandleGetModelInfo(WorkerService& worker, const grpc::ServerContext& ctx,
-                        const tandem::v1::ModelInfoRequest& /*request*/, tandem::v1::ModelInfo* r,
-                        UnaryFinish finish) {
+                        const tandem::v1::ModelInfoRequest& /*request*/, tandem::v1::ModelInfo* r, UnaryFinish finish) {
   const Engine& engine = *worker.engine();
   const ModelConfig& c = engine.model_config();
   r->set_model(engine.model_name());
@@ -63,8 +62,8 @@ void HandleClearKvCache(WorkerService& worker, const grpc::ServerContext& ctx,
 }
 
 void HandleGetKvTransferInfo(WorkerService& worker, const grpc::ServerContext& ctx,
-                             const tandem::v1::KvTransferInfoRequest& /*request*/,
-                             tandem::v1::KvTransferInfo* response, UnaryFinish finish) {
+                             const tandem::v1::KvTransferInfoRequest& /*request*/, tandem::v1::KvTransferInfo* response,
+                             UnaryFinish finish) {
   absl::StatusOr<kvtransfer::PeerInfo> info = worker.kv_handoff().LocalInfo();
   if (info.ok()) ToProto(*info, response);
   finish(ToGrpcStatus(info.status()));

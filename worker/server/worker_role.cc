@@ -8,9 +8,12 @@ namespace tandem::worker {
 
 const char* WorkerRoleName(WorkerRole role) {
   switch (role) {
-    case WorkerRole::kPrefill: return "prefill";
-    case WorkerRole::kDecode: return "decode";
-    case WorkerRole::kBoth: return "both";
+    case WorkerRole::kPrefill:
+      return "prefill";
+    case WorkerRole::kDecode:
+      return "decode";
+    case WorkerRole::kBoth:
+      return "both";
   }
   return "both";
 }

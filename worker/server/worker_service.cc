@@ -23,8 +23,7 @@ std::string NewInstanceId() {
 }  // namespace
 
 WorkerService::WorkerService(Engine* engine, WorkerRole role, grpc::ServerCompletionQueue* cq,
-                             kvtransfer::Transport* transport, KvHandoffConfig kv,
-                             WorkerSecurity security)
+                             kvtransfer::Transport* transport, KvHandoffConfig kv, WorkerSecurity security)
     : engine_(engine),
       cq_(cq),
       role_(role),
@@ -32,32 +31,26 @@ WorkerService::WorkerService(Engine* engine, WorkerRole role, grpc::ServerComple
       security_(std::move(security)),
       kv_handoff_(engine_, role_, transport, instance_id_, kv, cq_, security_.channels, security_.kv_peer_allow) {}
 
-grpc::Status WorkerService::Authorize(const grpc::ServerContext& ctx, const char* method,
-                                      Admits admits) {
+grpc::Status WorkerService::Authorize(const grpc::ServerContext& ctx, const char* method, Admits admits) {
   if (!security_.mutual_tls) return grpc::Status::OK;
   const tls::Peer peer = tls::PeerOf(ctx);
   const bool router = peer.role == tls::PeerRole::kRouter;
   const bool worker = peer.role == tls::PeerRole::kWorker;
-  if (peer.authenticated && ((admits != Admits::kWorker && router) ||
-                             (admits != Admits::kRouter && worker))) {
+  if (peer.authenticated && ((admits != Admits::kWorker && router) || (admits != Admits::kRouter && worker))) {
     return grpc::Status::OK;
   }
   const int64_t n = ++calls_denied_;
-  const std::string wanted =
-      admits == Admits::kRouter   ? absl::StrCat("the router role (", tls::kRouterIdentity, ")")
-      : admits == Admits::kWorker ? absl::StrCat("the worker role (", tls::kWorkerIdentity, ")")
-                                  : std::string("the router or worker role");
-  const std::string why =
-      peer.authenticated
-          ? absl::StrFormat("%s needs a certificate with %s; the caller's (CN '%s') has role %s",
-                            method, wanted, peer.name, tls::PeerRoleName(peer.role))
-          : absl::StrFormat("%s needs a client certificate of the cluster CA", method);
+  const std::string wanted = admits == Admits::kRouter   ? absl::StrCat("the router role (", tls::kRouterIdentity, ")")
+                             : admits == Admits::kWorker ? absl::StrCat("the worker role (", tls::kWorkerIdentity, ")")
+                                                         : std::string("the router or worker role");
+  const std::string why = peer.authenticated
+                              ? absl::StrFormat("%s needs a certificate with %s; the caller's (CN '%s') has role %s",
+                                                method, wanted, peer.name, tls::PeerRoleName(peer.role))
+                              : absl::StrFormat("%s needs a client certificate of the cluster CA", method);
   if (n <= 10 || n % 1000 == 0) {
-    LOG(WARNING) << "refused a call from " << ctx.peer() << ": " << why << " (" << n
-                 << " refused so far)";
+    LOG(WARNING) << "refused a call from " << ctx.peer() << ": " << why << " (" << n << " refused so far)";
   }
-  return grpc::Status(peer.authenticated ? grpc::StatusCode::PERMISSION_DENIED
-                                         : grpc::StatusCode::UNAUTHENTICATED,
+  return grpc::Status(peer.authenticated ? grpc::StatusCode::PERMISSION_DENIED : grpc::StatusCode::UNAUTHENTICATED,
                       why);
 }
 
@@ -83,8 +76,7 @@ void WorkerService::Serve() {
   AwaitUnaryCall(this, cq_, "GetModelInfo", Admits::kRouterOrWorker, &WorkerService::RequestGetModelInfo,
                  HandleGetModelInfo);
   AwaitUnaryCall(this, cq_, "GetLoad", Admits::kRouterOrWorker, &WorkerService::RequestGetLoad, HandleGetLoad);
-  AwaitUnaryCall(this, cq_, "ClearKvCache", Admits::kRouter, &WorkerService::RequestClearKvCache,
-                 HandleClearKvCache);
+  AwaitUnaryCall(this, cq_, "ClearKvCache", Admits::kRouter, &WorkerService::RequestClearKvCache, HandleClearKvCache);
   AwaitUnaryCall(this, cq_, "GetKvTransferInfo", Admits::kRouter, &WorkerService::RequestGetKvTransferInfo,
                  HandleGetKvTransferInfo);
   AwaitUnaryCall(this, cq_, "KvReady", Admits::kWorker, &WorkerService::RequestKvReady, HandleKvReady);

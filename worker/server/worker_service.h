@@ -69,8 +69,7 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   // null) is the worker's KV transport, its pool registered; it must outlive
   // the service. `cq` is the server's completion queue.
   WorkerService(Engine* engine, WorkerRole role, grpc::ServerCompletionQueue* cq,
-                kvtransfer::Transport* transport = nullptr, KvHandoffConfig kv = {},
-                WorkerSecurity security = {});
+                kvtransfer::Transport* transport = nullptr, KvHandoffConfig kv = {}, WorkerSecurity security = {});
   ~WorkerService() override;
 
   // Starts accepting calls (once the server has started).

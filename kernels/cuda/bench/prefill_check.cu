@@ -33,13 +33,13 @@ int LaunchPrefillVariant(const AttnArgs& a, void* stream, int variant);  // pref
 static const char* kVariantName[] = {"ws", "mma.sync", "ws:2st"};
 static const int kVariants = 3;
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                    \
-    }                                                                                  \
+      std::exit(2);                                                                           \
+    }                                                                                         \
   } while (0)
 
 static uint16_t ToBits(float x, Elem e) {
@@ -61,8 +61,8 @@ struct Case {
   int head_dim, block_size, num_kv_heads, group;
   bool causal;
   std::vector<int> q_lens, ctx;
-  int bad_seq = -1;  // a block id past the pool in this sequence's table
-  int bad_block = 0;  // at this block index; rows whose keys reach it must be zero
+  int bad_seq = -1;      // a block id past the pool in this sequence's table
+  int bad_block = 0;     // at this block index; rows whose keys reach it must be zero
   bool per_row = false;  // only the default kernels zero per row (the others zero whole CTAs)
 };
 
@@ -131,7 +131,8 @@ static bool RunCase(const Case& c, int variant) {
         double mx = -1e300;
         for (int k = 0; k < n; ++k) {
           double acc = 0;
-          for (int d = 0; d < D; ++d) acc += double(FromBits(q[tok * q_stride + h * D + d], c.elem)) * kv_at(s, k, 0, kvh, d);
+          for (int d = 0; d < D; ++d)
+            acc += double(FromBits(q[tok * q_stride + h * D + d], c.elem)) * kv_at(s, k, 0, kvh, d);
           sc[k] = acc * scale;
           mx = std::max(mx, sc[k]);
         }
@@ -226,8 +227,8 @@ static bool RunCase(const Case& c, int variant) {
   const int want_err = c.bad_seq >= 0 ? ((kErrBlockId << 28) | c.bad_seq) : 0;
   const bool ok = unwritten == 0 && bad_nonzero == 0 && rel < tol && err == want_err;
   std::printf("%s %-8s %-30s T=%5d rel=%.2e maxabs=%.2e unwritten=%lld badrows_nonzero=%lld err=%#x (want %#x)\n",
-              ok ? "PASS" : "FAIL", kVariantName[variant], c.name, T, rel, maxabs, (long long)unwritten, (long long)bad_nonzero, err,
-              want_err);
+              ok ? "PASS" : "FAIL", kVariantName[variant], c.name, T, rel, maxabs, (long long)unwritten,
+              (long long)bad_nonzero, err, want_err);
   cudaFree(d_pool);
   cudaFree(d_q);
   cudaFree(d_out);
