@@ -164,7 +164,7 @@ absl::Status RunBench(const BenchOptions& opt) {
   ec.kv_cache_bytes = 1ll << 30;
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(ec, std::move(loaded)));
   engine->Start();
-  LlamaModel flops_model(config, ModelWeights{});
+  const ModelRunner& flops_model = engine->runner();
   std::mt19937 rng(2024);
 
   // Warm-up (page in weights and scratch).

@@ -214,9 +214,13 @@ absl::Status RunWorker(WorkerOptions opt) {
   opt.engine.transfer_quarantine_s = opt.kv_quarantine_ms / 1000.0;
   ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(opt.kv_cache_memory));
   opt.engine.enable_prefix_caching = !opt.no_prefix_caching;
+  // The runner: "real" is the CPU runner's forward pass, "sim" the timing model.
   if (opt.engine_kind == "sim") {
-    opt.engine.sim = opt.sim;
-  } else if (opt.engine_kind != "real") {
+    opt.engine.runner = "sim";
+    opt.engine.runner_options.sim = opt.sim;
+  } else if (opt.engine_kind == "real") {
+    opt.engine.runner = "cpu";
+  } else {
     return absl::InvalidArgumentError(absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
   }
   RETURN_IF_ERROR(opt.engine.Validate());

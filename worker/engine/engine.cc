@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "common/thread_util.h"
@@ -42,56 +43,21 @@ absl::Status EngineConfig::Validate() const {
   }
   if (max_model_len < 0) return absl::InvalidArgumentError("max_model_len must be >= 0");
   if (threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
-  if (sim.has_value()) RETURN_IF_ERROR(sim->Validate());
-  return absl::OkStatus();
-}
-
-absl::Status SimTiming::Validate() const {
-  for (auto [name, v] : {std::pair<const char*, double>{"step_ms", step_ms},
-                         {"prefill_us_per_token", prefill_us_per_token},
-                         {"decode_us_per_seq", decode_us_per_seq},
-                         {"context_ns_per_token", context_ns_per_token}}) {
-    if (!(v >= 0 && v < 1e6)) {
-      return absl::InvalidArgumentError(absl::StrFormat("sim %s must be in [0, 1e6), got %g", name, v));
-    }
+  RETURN_IF_ERROR(runner_options.sim.Validate());
+  if (!ModelRunnerRegistry::Builtin().Has(runner)) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown model runner '", runner, "' (known: ",
+                                                   absl::StrJoin(ModelRunnerRegistry::Builtin().names(), ", "), ")"));
   }
   return absl::OkStatus();
 }
-
-double SimTiming::StepSeconds(int64_t prefill_tokens, int64_t decode_seqs, int64_t context_tokens) const {
-  return step_ms * 1e-3 + prefill_us_per_token * 1e-6 * static_cast<double>(prefill_tokens) +
-         decode_us_per_seq * 1e-6 * static_cast<double>(decode_seqs) +
-         context_ns_per_token * 1e-9 * static_cast<double>(context_tokens);
-}
-
-namespace {
-
-// The simulated engine's token at `position` of a sequence: a hash of the
-// request's seed and the position, never one of `eos` (so it runs to its
-// max_tokens). Its logprob is 0 (certain); top_logprobs list only it.
-SampledToken SimToken(uint64_t seed, int position, int vocab_size, std::span<const int> eos,
-                      const SamplingParams& params) {
-  uint64_t x = seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(position + 1));
-  int token = 0;
-  for (int tries = 0; tries < 64; ++tries) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    token = static_cast<int>(x % static_cast<uint64_t>(vocab_size));
-    if (std::find(eos.begin(), eos.end(), token) == eos.end()) break;
-  }
-  SampledToken t{.token_id = token};
-  if (params.logprobs > 0) t.top_logprobs.push_back(TokenLogprob{.token_id = token, .logprob = 0.0f});
-  return t;
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, LoadedModel model,
                                                        const KvStorage::Allocator& pool_allocator) {
   RETURN_IF_ERROR(config.Validate());
-  LlamaModel probe_layout(model.config, ModelWeights{});
-  kernels::KvLayout layout = probe_layout.KvBlockLayout(config.block_size);
+  ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
+                   ModelRunnerRegistry::Builtin().Create(config.runner, model.config, std::move(model.weights),
+                                                         config.runner_options));
+  kernels::KvLayout layout = runner->KvBlockLayout(config.block_size);
   layout.num_blocks = KvStorage::BlocksForBudget(layout, config.kv_cache_bytes);
   if (layout.num_blocks < 1) {
     return absl::InvalidArgumentError(
@@ -112,7 +78,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage, KvStorage::Create(layout, pool_allocator));
   int max_len = model.config.max_position_embeddings;
   if (config.max_model_len > 0) {
-    max_len = config.sim.has_value() ? config.max_model_len : std::min(max_len, config.max_model_len);
+    max_len = runner->simulated() ? config.max_model_len : std::min(max_len, config.max_model_len);
   }
   const int64_t cache_tokens = layout.num_blocks * config.block_size;
   const int max_len_before_cache = max_len;
@@ -121,16 +87,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
                  << " blocks), less than the context of " << max_len << ": requests are limited to the cache";
     max_len = static_cast<int>(cache_tokens);
   }
-  auto engine = std::unique_ptr<Engine>(new Engine(config, std::move(model), std::move(storage), max_len));
+  auto engine = std::unique_ptr<Engine>(new Engine(config, model, std::move(runner), std::move(storage), max_len));
   engine->cache_limited_ = cache_tokens < max_len_before_cache;
   return engine;
 }
 
-Engine::Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<KvStorage> storage, int max_model_len)
+Engine::Engine(const EngineConfig& config, const LoadedModel& model, std::unique_ptr<ModelRunner> runner,
+               std::unique_ptr<KvStorage> storage, int max_model_len)
     : config_(config),
       model_name_(model.name),
       tokenizer_sha256_(model.tokenizer_sha256),
-      model_(std::move(model.config), std::move(model.weights)),
+      runner_(std::move(runner)),
       storage_(std::move(storage)),
       max_model_len_(max_model_len),
       total_blocks_(storage_->layout().num_blocks),
@@ -180,7 +147,7 @@ void Engine::Stop() {
 }
 
 absl::StatusOr<std::unique_ptr<Sequence>> Engine::MakeSequence(GenerateSpec spec, std::shared_ptr<OutputSink> sink) {
-  const ModelConfig& mc = model_.config();
+  const ModelConfig& mc = runner_->config();
   const int len = static_cast<int>(spec.prompt.size());
   if (len == 0) return absl::InvalidArgumentError("prompt_token_ids is empty");
   for (int i = 0; i < len; ++i) {
@@ -544,10 +511,17 @@ void Engine::Step() {
     max_blocks = std::max(max_blocks, static_cast<int>(w.seq->blocks.size()));
   }
   batch_.Clear();
+  batch_.started = step_started;
   batch_.max_blocks_per_seq = max_blocks;
   batch_.block_tables.assign(work.size() * max_blocks, 0);
+  rows_.clear();
   for (size_t s = 0; s < work.size(); ++s) {
     const Sequence& seq = *work[s].seq;
+    if (seq.num_computed < seq.prompt_len) {
+      batch_.prefill_tokens += work[s].num_tokens;
+    } else {
+      ++batch_.decode_seqs;
+    }
     for (int i = 0; i < work[s].num_tokens; ++i) {
       const int pos = seq.num_computed + i;
       batch_.tokens.push_back(seq.tokens[pos]);
@@ -559,11 +533,15 @@ void Engine::Step() {
     std::copy(seq.blocks.begin(), seq.blocks.end(), batch_.block_tables.begin() + s * max_blocks);
     if (seq.num_computed + work[s].num_tokens == static_cast<int>(seq.tokens.size())) {
       batch_.logits_rows.push_back(batch_.num_tokens() - 1);
+      rows_.push_back(RowSampling{.params = &seq.params,
+                                  .prompt = seq.prompt(),
+                                  .output = seq.output(),
+                                  .seed = seq.seed,
+                                  .position = static_cast<int>(seq.tokens.size())});
     }
   }
 
-  absl::Status st = config_.sim.has_value() ? SimulateStep(work, step_started)
-                                            : model_.Forward(batch_, storage_->data(), storage_->layout(), &logits_);
+  absl::Status st = runner_->Step(batch_, rows_, storage_->data(), storage_->layout(), &sampled_);
   if (!st.ok()) {
     LOG(ERROR) << "forward pass failed: " << st;
     std::vector<uint64_t> ids;
@@ -580,7 +558,6 @@ void Engine::Step() {
     }
   }
   tokens_generated_ += static_cast<int64_t>(batch_.logits_rows.size());
-  const ModelConfig& mc = model_.config();
   std::vector<uint64_t> finished_ids;
   std::vector<FinishInfo> finish_infos;
   std::vector<uint64_t> handoffs;
@@ -596,11 +573,7 @@ void Engine::Step() {
       seq.tokens.push_back(seq.forced_first->token_id);
       seq.forced_first.reset();
     } else {
-      SampledToken tok =
-          config_.sim.has_value()
-              ? SimToken(seq.seed, static_cast<int>(seq.tokens.size()), mc.vocab_size, mc.eos_token_ids, seq.params)
-              : SampleToken(std::span<float>(&logits_[logits_row * mc.vocab_size], size_t(mc.vocab_size)), seq.params,
-                            seq.prompt(), seq.output(), mc.eos_token_ids, seq.seed);
+      SampledToken tok = std::move(sampled_[logits_row]);
       seq.tokens.push_back(tok.token_id);
       if (seq.sink) seq.sink->OnToken(tok);
       if (seq.on_prefilled) {
@@ -618,23 +591,6 @@ void Engine::Step() {
     Finish(scheduler_.Remove(finished_ids[i]), finish_infos[i]);
   }
   for (uint64_t id : handoffs) HandOff(id);
-}
-
-absl::Status Engine::SimulateStep(const std::vector<ScheduledWork>& work,
-                                  std::chrono::steady_clock::time_point started) {
-  int64_t prefill_tokens = 0, decode_seqs = 0, context_tokens = 0;
-  for (const ScheduledWork& w : work) {
-    if (w.seq->num_computed < w.seq->prompt_len) {
-      prefill_tokens += w.num_tokens;
-    } else {
-      ++decode_seqs;
-    }
-    context_tokens += int64_t{w.seq->num_computed} + w.num_tokens;
-  }
-  const double seconds = config_.sim->StepSeconds(prefill_tokens, decode_seqs, context_tokens);
-  std::this_thread::sleep_until(
-      started + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(seconds)));
-  return absl::OkStatus();
 }
 
 // A prefill-only sequence produced its first token: it leaves the batch with
@@ -659,7 +615,7 @@ void Engine::HandOff(uint64_t id) {
 
 std::optional<FinishInfo> Engine::FinishAfterLastToken(const Sequence& seq) const {
   const int last = seq.tokens.back();
-  if (IsStopToken(last, seq.params, model_.config().eos_token_ids)) {
+  if (IsStopToken(last, seq.params, runner_->config().eos_token_ids)) {
     return FinishInfo{.reason = FinishReason::kStop, .stop_token_id = last};
   }
   if (seq.output_len() >= seq.max_tokens || static_cast<int>(seq.tokens.size()) >= max_model_len_) {

@@ -34,33 +34,9 @@
 #include "worker/kv_cache/kv_event_log.h"
 #include "worker/kv_cache/kv_storage.h"
 #include "worker/model/model_loader.h"
-#include "worker/runner/llama_model.h"
+#include "worker/runner/model_runner.h"
 
 namespace tandem::worker {
-
-// The simulated engine's timing model (`tandem worker --engine sim`): the
-// scheduler, KV block pool, prefix cache, KV events and transfers are the
-// real ones, but a step's model compute is replaced by a sleep of
-//
-//   step_ms + prefill_us_per_token * (prompt tokens computed in the step)
-//           + decode_us_per_seq * (sequences decoding in the step)
-//           + context_ns_per_token * (KV tokens the step's queries attend to)
-//
-// and tokens are drawn deterministically from the request's seed and
-// position (never an EOS token, so requests run to max_tokens). The
-// defaults approximate an 8B Llama on one H100 with vLLM (about 15k prefill
-// tokens/s; a decode step of ~7 ms at batch 1, ~12 ms at batch 64). For
-// routing experiments at scale only: outputs are meaningless.
-struct SimTiming {
-  double step_ms = 6.0;
-  double prefill_us_per_token = 60.0;
-  double decode_us_per_seq = 80.0;
-  double context_ns_per_token = 2.0;
-
-  absl::Status Validate() const;
-  // The simulated duration of a step, in seconds.
-  double StepSeconds(int64_t prefill_tokens, int64_t decode_seqs, int64_t context_tokens) const;
-};
 
 struct EngineConfig {
   int block_size = 16;                   // tokens per KV block
@@ -83,9 +59,11 @@ struct EngineConfig {
   // because a network transport may still land bytes after reporting the
   // failure (UCX over tcp does); a fallback prefill uses fresh blocks.
   double transfer_quarantine_s = 2.0;
-  // Set: the simulated engine (see SimTiming); max_model_len may then exceed
-  // the model's position limit, since nothing is computed.
-  std::optional<SimTiming> sim;
+  // The model runner, by name (ModelRunnerRegistry::Builtin(): "cpu",
+  // "sim"), and what it may need. With "sim" max_model_len may exceed the
+  // model's position limit, since nothing is computed.
+  std::string runner = "cpu";
+  RunnerOptions runner_options;
 
   absl::Status Validate() const;
 };
@@ -201,13 +179,14 @@ class Engine {
 
   LoadSnapshot GetLoad() const;
   KvEventLog& events() { return events_; }
-  const ModelConfig& model_config() const { return model_.config(); }
+  const ModelConfig& model_config() const { return runner_->config(); }
   const std::string& model_name() const { return model_name_; }
   const std::string& tokenizer_sha256() const { return tokenizer_sha256_; }  // LoadedModel's
   const EngineConfig& config() const { return config_; }
   int max_model_len() const { return max_model_len_; }
-  // True for the simulated engine (EngineConfig::sim).
-  bool simulated() const { return config_.sim.has_value(); }
+  // True for the simulated runner ("sim").
+  bool simulated() const { return runner_->simulated(); }
+  const ModelRunner& runner() const { return *runner_; }
   int64_t total_blocks() const { return total_blocks_; }
   // The KV pool's memory and geometry, for registering it with a KV
   // transport. Transports write only into blocks this engine reserved.
@@ -218,15 +197,13 @@ class Engine {
   bool running() const { return running_.load(); }
 
  private:
-  Engine(const EngineConfig& config, LoadedModel model, std::unique_ptr<KvStorage> storage, int max_model_len);
+  Engine(const EngineConfig& config, const LoadedModel& model, std::unique_ptr<ModelRunner> runner,
+         std::unique_ptr<KvStorage> storage, int max_model_len);
   void Loop();
   bool HasWorkLocked() const;  // REQUIRES: mu_ held
   bool EnqueueIfRunning(const std::function<void()>& enqueue);
   void DrainCommands();
   void Step();
-  // The simulated engine's stand-in for the forward pass: sleeps until the
-  // step's SimTiming duration has passed since `started`.
-  absl::Status SimulateStep(const std::vector<ScheduledWork>& work, std::chrono::steady_clock::time_point started);
   void Finish(std::unique_ptr<Sequence> seq, FinishInfo info);
   void PublishLoad();
   void MaybeLogStats();
@@ -245,15 +222,16 @@ class Engine {
   const EngineConfig config_;
   const std::string model_name_;
   const std::string tokenizer_sha256_;
-  LlamaModel model_;
+  std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<KvStorage> storage_;
   const int max_model_len_;
   const int64_t total_blocks_;
   KvEventLog events_;
-  BlockManager blocks_;  // engine thread only
-  Scheduler scheduler_;  // engine thread only
-  BatchInput batch_;     // engine thread only
-  std::vector<float> logits_;
+  BlockManager blocks_;                // engine thread only
+  Scheduler scheduler_;                // engine thread only
+  BatchInput batch_;                   // engine thread only
+  std::vector<RowSampling> rows_;      // engine thread only: batch_'s logits rows
+  std::vector<SampledToken> sampled_;  // engine thread only: their tokens
 
   std::mutex mu_;
   std::condition_variable cv_;

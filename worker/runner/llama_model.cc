@@ -75,27 +75,10 @@ std::vector<double> InverseFrequencies(const ModelConfig& c) {
 
 }  // namespace
 
-void BatchInput::Clear() {
-  tokens.clear();
-  positions.clear();
-  slot_mapping.clear();
-  query_start.assign(1, 0);
-  context_lens.clear();
-  block_tables.clear();
-  max_blocks_per_seq = 0;
-  logits_rows.clear();
-}
-
 LlamaModel::LlamaModel(ModelConfig config, ModelWeights weights)
     : config_(std::move(config)), w_(std::move(weights)), inv_freq_(InverseFrequencies(config_)) {}
 
-kernels::KvLayout LlamaModel::KvBlockLayout(int block_size) const {
-  return kernels::KvLayout{.num_layers = config_.num_layers,
-                           .num_kv_heads = config_.num_kv_heads,
-                           .head_dim = config_.head_dim,
-                           .block_size = block_size,
-                           .num_blocks = 0};
-}
+kernels::KvLayout LlamaModel::KvBlockLayout(int block_size) const { return HostKvLayout(config_, block_size); }
 
 void LlamaModel::ComputeRope(const BatchInput& in) {
   // Angles in double: position * inv_freq loses precision in f32 at long contexts.

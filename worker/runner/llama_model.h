@@ -17,24 +17,9 @@
 #include "kernels/paged_attention.h"
 #include "worker/model/model_config.h"
 #include "worker/model/weights.h"
+#include "worker/runner/model_runner.h"
 
 namespace tandem::worker {
-
-// The tokens of one step, sequences concatenated.
-struct BatchInput {
-  std::vector<int32_t> tokens;        // [T]
-  std::vector<int32_t> positions;     // [T], position of each token in its sequence
-  std::vector<int64_t> slot_mapping;  // [T], block * block_size + offset of its K/V
-  std::vector<int> query_start;       // [S + 1], prefix sums of tokens per sequence
-  std::vector<int> context_lens;      // [S], tokens in cache after this step
-  std::vector<int32_t> block_tables;  // [S * max_blocks_per_seq]
-  int max_blocks_per_seq = 0;
-  std::vector<int> logits_rows;  // indices into tokens whose logits are wanted
-
-  void Clear();
-  int num_tokens() const { return static_cast<int>(tokens.size()); }
-  int num_seqs() const { return static_cast<int>(context_lens.size()); }
-};
 
 class LlamaModel {
  public:

@@ -1,0 +1,50 @@
+#include "worker/runner/cpu_runner.h"
+
+#include <utility>
+
+#include "common/status_macros.h"
+#include "worker/runner/llama_model.h"
+
+namespace tandem::worker {
+namespace {
+
+class CpuRunner final : public ModelRunner {
+ public:
+  CpuRunner(ModelConfig config, ModelWeights weights)
+      : ModelRunner(config), model_(std::move(config), std::move(weights)) {}
+
+  std::string_view name() const override { return "cpu"; }
+  kernels::KvLayout KvBlockLayout(int block_size) const override { return model_.KvBlockLayout(block_size); }
+
+  absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, float* kv_cache,
+                    const kernels::KvLayout& layout, std::vector<SampledToken>* sampled) override {
+    RETURN_IF_ERROR(model_.Forward(in, kv_cache, layout, &logits_));
+    const ModelConfig& mc = config();
+    const size_t vocab = static_cast<size_t>(mc.vocab_size);
+    sampled->clear();
+    sampled->reserve(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const RowSampling& r = rows[i];
+      sampled->push_back(SampleToken(std::span<float>(&logits_[i * vocab], vocab), *r.params, r.prompt, r.output,
+                                     mc.eos_token_ids, r.seed));
+    }
+    return absl::OkStatus();
+  }
+
+  double Flops(int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) const override {
+    return model_.Flops(num_tokens, attended_keys, logits_rows);
+  }
+
+ private:
+  LlamaModel model_;
+  std::vector<float> logits_;  // [rows, vocab], reused across steps
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> NewCpuRunner(ModelConfig config, ModelWeights weights,
+                                                          const RunnerOptions& /*options*/) {
+  return std::unique_ptr<ModelRunner>(new CpuRunner(std::move(config), std::move(weights)));
+}
+
+}  // namespace tandem::worker

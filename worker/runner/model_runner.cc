@@ -1,0 +1,85 @@
+#include "worker/runner/model_runner.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "worker/runner/cpu_runner.h"
+#include "worker/runner/sim_runner.h"
+
+namespace tandem::worker {
+
+void BatchInput::Clear() {
+  tokens.clear();
+  positions.clear();
+  slot_mapping.clear();
+  query_start.assign(1, 0);
+  context_lens.clear();
+  block_tables.clear();
+  max_blocks_per_seq = 0;
+  logits_rows.clear();
+  prefill_tokens = 0;
+  decode_seqs = 0;
+}
+
+absl::Status SimTiming::Validate() const {
+  for (auto [name, v] : {std::pair<const char*, double>{"step_ms", step_ms},
+                         {"prefill_us_per_token", prefill_us_per_token},
+                         {"decode_us_per_seq", decode_us_per_seq},
+                         {"context_ns_per_token", context_ns_per_token}}) {
+    if (!(v >= 0 && v < 1e6)) {
+      return absl::InvalidArgumentError(absl::StrFormat("sim %s must be in [0, 1e6), got %g", name, v));
+    }
+  }
+  return absl::OkStatus();
+}
+
+double SimTiming::StepSeconds(int64_t prefill_tokens, int64_t decode_seqs, int64_t context_tokens) const {
+  return step_ms * 1e-3 + prefill_us_per_token * 1e-6 * static_cast<double>(prefill_tokens) +
+         decode_us_per_seq * 1e-6 * static_cast<double>(decode_seqs) +
+         context_ns_per_token * 1e-9 * static_cast<double>(context_tokens);
+}
+
+kernels::KvLayout HostKvLayout(const ModelConfig& config, int block_size) {
+  return kernels::KvLayout{.num_layers = config.num_layers,
+                           .num_kv_heads = config.num_kv_heads,
+                           .head_dim = config.head_dim,
+                           .block_size = block_size,
+                           .num_blocks = 0};
+}
+
+void ModelRunnerRegistry::Register(std::string name, Factory factory) {
+  CHECK(factories_.count(name) == 0) << "runner " << name << " registered twice";
+  factories_.emplace(std::move(name), std::move(factory));
+}
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunnerRegistry::Create(std::string_view name, ModelConfig config,
+                                                                         ModelWeights weights,
+                                                                         const RunnerOptions& options) const {
+  const auto it = factories_.find(name);
+  if (it == factories_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown model runner '", std::string(name), "' (known: ", absl::StrJoin(names(), ", "), ")"));
+  }
+  return it->second(std::move(config), std::move(weights), options);
+}
+
+std::vector<std::string> ModelRunnerRegistry::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, factory] : factories_) out.push_back(name);
+  return out;
+}
+
+const ModelRunnerRegistry& ModelRunnerRegistry::Builtin() {
+  static const ModelRunnerRegistry* registry = [] {
+    auto* r = new ModelRunnerRegistry;
+    r->Register("cpu", NewCpuRunner);
+    r->Register("sim", NewSimRunner);
+    return r;
+  }();
+  return *registry;
+}
+
+}  // namespace tandem::worker

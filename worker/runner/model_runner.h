@@ -1,0 +1,149 @@
+// ModelRunner: what the engine asks of the hardware each step. A runner owns
+// a model's weights and runs one engine step, any mix of prefill chunks and
+// decode tokens over a paged KV cache (BatchInput), then samples one token
+// for each row whose logits are wanted. It also says how its KV blocks are
+// laid out, so the engine sizes and allocates the pool without building a
+// model to ask.
+//
+// Runners are chosen by name from a registry (ModelRunnerRegistry): "cpu"
+// (LlamaModel: f32 activations, OpenBLAS, the CPU attention kernels), "sim"
+// (a timing model for routing experiments: no compute, meaningless tokens)
+// and, with the GPU engine, "cuda".
+//
+// Not thread-safe: the engine thread owns its runner.
+#ifndef TANDEM_WORKER_RUNNER_MODEL_RUNNER_H_
+#define TANDEM_WORKER_RUNNER_MODEL_RUNNER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/paged_attention.h"
+#include "worker/model/model_config.h"
+#include "worker/model/weights.h"
+#include "worker/sampling/sampler.h"
+#include "worker/sampling/sampling_params.h"
+
+namespace tandem::worker {
+
+// The tokens of one step, sequences concatenated.
+struct BatchInput {
+  std::vector<int32_t> tokens;        // [T]
+  std::vector<int32_t> positions;     // [T], position of each token in its sequence
+  std::vector<int64_t> slot_mapping;  // [T], block * block_size + offset of its K/V
+  std::vector<int> query_start;       // [S + 1], prefix sums of tokens per sequence
+  std::vector<int> context_lens;      // [S], tokens in cache after this step
+  std::vector<int32_t> block_tables;  // [S * max_blocks_per_seq]
+  int max_blocks_per_seq = 0;
+  std::vector<int> logits_rows;  // indices into tokens whose logits are wanted
+  // The step's make-up: prompt tokens computed, sequences decoding, and when
+  // the engine started the step (the simulator's clock).
+  int64_t prefill_tokens = 0;
+  int64_t decode_seqs = 0;
+  std::chrono::steady_clock::time_point started;
+
+  void Clear();
+  int num_tokens() const { return static_cast<int>(tokens.size()); }
+  int num_seqs() const { return static_cast<int>(context_lens.size()); }
+};
+
+// How to sample the token of one logits row (a sequence's next token).
+struct RowSampling {
+  const SamplingParams* params = nullptr;
+  std::span<const int> prompt;
+  std::span<const int> output;  // generated so far
+  uint64_t seed = 0;            // the request's
+  int position = 0;             // tokens in the sequence so far
+};
+
+// The simulated runner's timing model (`tandem worker --engine sim`): a step
+// takes step_ms plus prefill_us_per_token per prompt token computed, plus
+// decode_us_per_seq per sequence decoding, plus context_ns_per_token per KV
+// token attended. The defaults are a rough 8B-class model on one GPU (prefill
+// about 15k tokens/s; a decode step of about 7 ms at batch 1, 12 ms at batch
+// 64). For routing experiments at scale only: outputs are meaningless.
+struct SimTiming {
+  double step_ms = 6.0;
+  double prefill_us_per_token = 60.0;
+  double decode_us_per_seq = 80.0;
+  double context_ns_per_token = 2.0;
+
+  absl::Status Validate() const;
+  // The simulated duration of a step, in seconds.
+  double StepSeconds(int64_t prefill_tokens, int64_t decode_seqs, int64_t context_tokens) const;
+};
+
+// What a runner may need besides the model.
+struct RunnerOptions {
+  SimTiming sim;  // "sim"
+};
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+
+  // Its registry name: "cpu", "sim", ...
+  virtual std::string_view name() const = 0;
+  const ModelConfig& config() const { return config_; }
+  // True when its tokens are not a model's (the simulator): the context may
+  // exceed the model's positions, and workers say so (ModelInfo.engine).
+  virtual bool simulated() const { return false; }
+
+  // The KV geometry for blocks of `block_size` tokens (num_blocks left 0 for
+  // the caller to fill).
+  virtual kernels::KvLayout KvBlockLayout(int block_size) const = 0;
+
+  // One step: writes the K/V of `in`'s tokens into `kv_cache` (laid out as
+  // `layout`) and samples one token for each of in.logits_rows, in order,
+  // as `rows` says. REQUIRES: rows.size() == in.logits_rows.size(); token ids
+  // < vocab_size; positions < max_position_embeddings unless simulated().
+  virtual absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, float* kv_cache,
+                            const kernels::KvLayout& layout, std::vector<SampledToken>* sampled) = 0;
+
+  // Floating-point operations of a forward over `num_tokens` new tokens whose
+  // attention spans `attended_keys` (query, key) pairs in total, counting 2
+  // per multiply-add (for FLOP rates).
+  virtual double Flops(int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) const = 0;
+
+ protected:
+  explicit ModelRunner(ModelConfig config) : config_(std::move(config)) {}
+
+ private:
+  const ModelConfig config_;
+};
+
+// The host KV pool's block layout for `config` (f32 K and V of every layer,
+// KV head and token): the cpu and sim runners' (num_blocks left 0).
+kernels::KvLayout HostKvLayout(const ModelConfig& config, int block_size);
+
+class ModelRunnerRegistry {
+ public:
+  using Factory =
+      std::function<absl::StatusOr<std::unique_ptr<ModelRunner>>(ModelConfig, ModelWeights, const RunnerOptions&)>;
+
+  // REQUIRES: `name` not registered yet.
+  void Register(std::string name, Factory factory);
+  // InvalidArgument naming the known runners for an unknown name.
+  absl::StatusOr<std::unique_ptr<ModelRunner>> Create(std::string_view name, ModelConfig config, ModelWeights weights,
+                                                      const RunnerOptions& options) const;
+  bool Has(std::string_view name) const { return factories_.count(name) > 0; }
+  std::vector<std::string> names() const;
+
+  // The runners built into this binary ("cpu", "sim").
+  static const ModelRunnerRegistry& Builtin();
+
+ private:
+  std::map<std::string, Factory, std::less<>> factories_;
+};
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_RUNNER_MODEL_RUNNER_H_

@@ -1,0 +1,21 @@
+// The "sim" ModelRunner (`tandem worker --engine sim`): no compute. A step
+// lasts what RunnerOptions::sim says (SimTiming) from BatchInput::started,
+// and each sequence's token is a hash of its seed and position, never an
+// end-of-sequence token (so it runs to max_tokens). The real scheduler, KV
+// pool, prefix cache and events run as usual: routing experiments at scale.
+#ifndef TANDEM_WORKER_RUNNER_SIM_RUNNER_H_
+#define TANDEM_WORKER_RUNNER_SIM_RUNNER_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "worker/runner/model_runner.h"
+
+namespace tandem::worker {
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> NewSimRunner(ModelConfig config, ModelWeights weights,
+                                                          const RunnerOptions& options);
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_RUNNER_SIM_RUNNER_H_
