@@ -117,7 +117,7 @@ Engine::~Engine() { Stop(); }
 kvtransfer::PoolLayout Engine::pool_layout() const {
   const kernels::KvLayout& l = storage_->layout();
   return kvtransfer::PoolLayout{.model = model_name_,
-                                .dtype = "float32",
+                                .dtype = kernels::DTypeName(l.dtype),
                                 .num_layers = l.num_layers,
                                 .num_kv_heads = l.num_kv_heads,
                                 .head_dim = l.head_dim,

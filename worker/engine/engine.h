@@ -192,7 +192,8 @@ class Engine {
   // transport. Transports write only into blocks this engine reserved.
   float* kv_data() { return storage_->data(); }
   const kernels::KvLayout& kv_layout() const { return storage_->layout(); }
-  // The pool as a KV transport registers it (float32 blocks on the host).
+  // The pool as a KV transport registers it (its dtype is the layout's, part
+  // of the check between workers).
   kvtransfer::PoolLayout pool_layout() const;
   bool running() const { return running_.load(); }
 

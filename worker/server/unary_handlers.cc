@@ -34,7 +34,7 @@ void HandleGetModelInfo(WorkerService& worker, const grpc::ServerContext& ctx,
   r->set_head_dim(c.head_dim);
   r->set_block_size(engine.config().block_size);
   r->set_total_blocks(engine.total_blocks());
-  r->set_kv_dtype("float32");
+  r->set_kv_dtype(kernels::DTypeName(engine.kv_layout().dtype));
   r->set_role(WorkerRoleName(worker.role()));
   r->set_instance_id(worker.instance_id());
   r->set_block_hash_seed(engine.config().block_hash_seed);
