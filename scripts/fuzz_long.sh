@@ -7,7 +7,8 @@
 # exit). Targets run one after the other. A crash, timeout, leak or
 # out-of-memory fails the target, its reproducer in OUT/artifacts. Prints one
 # line per target: executions (all jobs together), the largest job's
-# coverage and features, the corpus size, and the failed jobs.
+# coverage and features, the corpus size, and the failed jobs (a job cut by
+# the hard stop, SECONDS + 60, has no final stats and counts as failed).
 #
 # Usage: scripts/fuzz_long.sh FUZZERS_TXT CORPUS_ROOT OUT RUNS SECONDS JOBS [NAME...]
 #   FUZZERS_TXT: a TANDEM_FUZZ build's fuzzers.txt (name, binary, seeds, dict,
@@ -35,7 +36,11 @@ while read -r name bin seeds dict max_len timeout; do
         -artifact_prefix="$out/artifacts/$name-")
   [[ $dict != - ]] && args+=(-dict="$dict")
   t0=$SECONDS
-  (cd "$out/$name" && "$bin" "${args[@]}" "$root/$name" "$seeds" >"$out/$name/main.log" 2>&1)
+  # A hard stop 60 s after SECONDS: libFuzzer checks its time only between
+  # inputs, and a job replaying a corpus of slow inputs overran a 600 s call
+  # (GNU timeout signals its whole process group: every job goes).
+  (cd "$out/$name" && timeout -k 10 $((seconds + 60)) "$bin" "${args[@]}" "$root/$name" "$seeds" \
+     >"$out/$name/main.log" 2>&1)
   execs=0 cov=0 ft=0 bad=()
   for log in "$out/$name"/fuzz-*.log; do
     n=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
