@@ -82,7 +82,7 @@ absl::Status RunLogits(const LogitsOptions& opt) {
       in.context_lens.push_back(start + len);
       in.block_tables = table;
       in.max_blocks_per_seq = static_cast<int>(table.size());
-      RETURN_IF_ERROR(model.Forward(in, kv->data(), kv->layout(), &logits));
+      RETURN_IF_ERROR(model.Forward(in, kv->host_f32(), kv->layout(), &logits));
       std::copy(logits.begin(), logits.end(), all.begin() + size_t(start) * c.vocab_size);
     }
     nlohmann::json seq;

@@ -92,7 +92,10 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
   ucx.net_devices = opt.kv_net_devices;
   ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> ucx_transport, kvtransfer::UcxTransport::Create(ucx));
   kvtransfer::UcxTransport* raw = ucx_transport.get();
-  KvStorage::Allocator allocate = [raw](int64_t bytes) { return raw->AllocatePool(bytes); };
+  KvStorage::Allocator allocate = [raw](int64_t bytes) -> absl::StatusOr<KvMemory> {
+    ASSIGN_OR_RETURN(void* data, raw->AllocatePool(bytes));
+    return KvMemory{.data = data, .location = MemoryLocation::kHost};
+  };
   std::unique_ptr<kvtransfer::Transport> t = std::move(ucx_transport);
   if (!opt.kv_fault.empty()) {
     ASSIGN_OR_RETURN(kvtransfer::Faults faults, kvtransfer::ParseFaults(opt.kv_fault));

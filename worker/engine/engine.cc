@@ -541,7 +541,7 @@ void Engine::Step() {
     }
   }
 
-  absl::Status st = runner_->Step(batch_, rows_, storage_->data(), storage_->layout(), &sampled_);
+  absl::Status st = runner_->Step(batch_, rows_, *storage_, &sampled_);
   if (!st.ok()) {
     LOG(ERROR) << "forward pass failed: " << st;
     std::vector<uint64_t> ids;

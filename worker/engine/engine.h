@@ -190,7 +190,7 @@ class Engine {
   int64_t total_blocks() const { return total_blocks_; }
   // The KV pool's memory and geometry, for registering it with a KV
   // transport. Transports write only into blocks this engine reserved.
-  float* kv_data() { return storage_->data(); }
+  void* kv_data() { return storage_->data(); }
   const kernels::KvLayout& kv_layout() const { return storage_->layout(); }
   // The pool as a KV transport registers it (its dtype is the layout's, part
   // of the check between workers).

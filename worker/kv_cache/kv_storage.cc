@@ -9,6 +9,10 @@
 
 namespace tandem::worker {
 
+const char* MemoryLocationName(MemoryLocation location) {
+  return location == MemoryLocation::kDevice ? "device" : "host";
+}
+
 int64_t KvStorage::BlocksForBudget(const kernels::KvLayout& block_layout, int64_t budget_bytes) {
   int64_t per_block = BytesPerBlock(block_layout);
   return per_block > 0 ? budget_bytes / per_block : 0;
@@ -21,13 +25,13 @@ absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLa
     return absl::InvalidArgumentError("KV cache: the memory budget holds no block");
   }
   if (allocator) {
-    absl::StatusOr<void*> p = allocator(bytes);
-    if (!p.ok()) {
+    absl::StatusOr<KvMemory> m = allocator(bytes);
+    if (!m.ok()) {
       return absl::ResourceExhaustedError(
-          absl::StrFormat("KV cache: the transport cannot allocate %d bytes for %d blocks: %s", bytes,
-                          layout.num_blocks, p.status().message()));
+          absl::StrFormat("KV cache: the allocator cannot give %d bytes for %d blocks: %s", bytes, layout.num_blocks,
+                          m.status().message()));
     }
-    return std::unique_ptr<KvStorage>(new KvStorage(layout, static_cast<float*>(*p), bytes, false));
+    return std::unique_ptr<KvStorage>(new KvStorage(layout, *m, bytes, false));
   }
   void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -35,7 +39,7 @@ absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLa
     return absl::ResourceExhaustedError(absl::StrFormat("KV cache: cannot map %d bytes for %d blocks: %s", bytes,
                                                         layout.num_blocks, std::strerror(errno)));
   }
-  return std::unique_ptr<KvStorage>(new KvStorage(layout, static_cast<float*>(p), bytes, true));
+  return std::unique_ptr<KvStorage>(new KvStorage(layout, KvMemory{.data = p}, bytes, true));
 }
 
 KvStorage::~KvStorage() {

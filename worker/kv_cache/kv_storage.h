@@ -1,8 +1,9 @@
-// KvStorage: the memory of a paged KV pool on the host, laid out as
-// kernels::KvLayout describes (one block = one contiguous run). By default
-// mapped anonymously (page-aligned, so a transport can register it); a KV
-// transport may provide the memory instead (UCX allocates shareable memory,
-// which a peer on the same host then copies from directly). Not copyable.
+// KvStorage: the memory of a paged KV pool, laid out as kernels::KvLayout
+// describes (one block = one contiguous run, elements of the layout's dtype),
+// and where it lives: host memory, by default mapped anonymously
+// (page-aligned, so a transport can register it), or what an allocator gives:
+// a KV transport's shareable host memory (UCX: a peer on the same host then
+// copies from it directly) or a GPU runner's device memory. Not copyable.
 // Access is synchronized by the engine thread.
 #ifndef TANDEM_WORKER_KV_CACHE_KV_STORAGE_H_
 #define TANDEM_WORKER_KV_CACHE_KV_STORAGE_H_
@@ -16,6 +17,16 @@
 
 namespace tandem::worker {
 
+// Where a pool's memory lives.
+enum class MemoryLocation : uint8_t { kHost, kDevice };
+const char* MemoryLocationName(MemoryLocation location);  // "host", "device"
+
+// Memory an allocator hands a pool.
+struct KvMemory {
+  void* data = nullptr;
+  MemoryLocation location = MemoryLocation::kHost;
+};
+
 class KvStorage {
  public:
   // The number of blocks of `block_layout` (num_blocks ignored) that fit in
@@ -25,7 +36,7 @@ class KvStorage {
 
   // Memory for a pool of `bytes`, owned by whoever provides it and valid
   // until the storage is gone.
-  using Allocator = std::function<absl::StatusOr<void*>(int64_t bytes)>;
+  using Allocator = std::function<absl::StatusOr<KvMemory>(int64_t bytes)>;
 
   // ResourceExhausted if the memory cannot be mapped (or `allocator` fails).
   static absl::StatusOr<std::unique_ptr<KvStorage>> Create(const kernels::KvLayout& layout,
@@ -35,15 +46,24 @@ class KvStorage {
   KvStorage& operator=(const KvStorage&) = delete;
 
   const kernels::KvLayout& layout() const { return layout_; }
-  float* data() { return data_; }
-  const float* data() const { return data_; }
+  kernels::DType dtype() const { return layout_.dtype; }
+  MemoryLocation location() const { return location_; }
+  void* data() { return data_; }
+  const void* data() const { return data_; }
   int64_t bytes() const { return bytes_; }
+  // The pool as float32 elements on the host (the CPU runner's); null for
+  // any other dtype or location.
+  float* host_f32() {
+    return location_ == MemoryLocation::kHost && layout_.dtype == kernels::DType::kF32 ? static_cast<float*>(data_)
+                                                                                       : nullptr;
+  }
 
  private:
-  KvStorage(const kernels::KvLayout& layout, float* data, int64_t bytes, bool owned)
-      : layout_(layout), data_(data), bytes_(bytes), owned_(owned) {}
+  KvStorage(const kernels::KvLayout& layout, KvMemory memory, int64_t bytes, bool owned)
+      : layout_(layout), data_(memory.data), location_(memory.location), bytes_(bytes), owned_(owned) {}
   kernels::KvLayout layout_;
-  float* data_;
+  void* data_;
+  MemoryLocation location_;
   int64_t bytes_;
   bool owned_;  // mapped here (else the allocator's)
 };

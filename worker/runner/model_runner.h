@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/paged_attention.h"
+#include "worker/kv_cache/kv_storage.h"
 #include "worker/model/model_config.h"
 #include "worker/model/weights.h"
 #include "worker/sampling/sampler.h"
@@ -101,12 +102,13 @@ class ModelRunner {
   // the caller to fill).
   virtual kernels::KvLayout KvBlockLayout(int block_size) const = 0;
 
-  // One step: writes the K/V of `in`'s tokens into `kv_cache` (laid out as
-  // `layout`) and samples one token for each of in.logits_rows, in order,
-  // as `rows` says. REQUIRES: rows.size() == in.logits_rows.size(); token ids
-  // < vocab_size; positions < max_position_embeddings unless simulated().
-  virtual absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, float* kv_cache,
-                            const kernels::KvLayout& layout, std::vector<SampledToken>* sampled) = 0;
+  // One step: writes the K/V of `in`'s tokens into `kv` and samples one
+  // token for each of in.logits_rows, in order, as `rows` says.
+  // FailedPrecondition for a pool the runner cannot use (its location or
+  // dtype). REQUIRES: rows.size() == in.logits_rows.size(); token ids <
+  // vocab_size; positions < max_position_embeddings unless simulated().
+  virtual absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
+                            std::vector<SampledToken>* sampled) = 0;
 
   // Floating-point operations of a forward over `num_tokens` new tokens whose
   // attention spans `attended_keys` (query, key) pairs in total, counting 2

@@ -71,11 +71,15 @@ TEST(SimRunnerTest, TakesItsTimeAndDrawsTokensFromSeedAndPosition) {
   const std::vector<RowSampling> rows = {{.params = &params, .seed = 1, .position = 8},
                                          {.params = &params, .seed = 2, .position = 8}};
   std::vector<SampledToken> first, again;
+  kernels::KvLayout layout = (*runner)->KvBlockLayout(16);
+  layout.num_blocks = 2;
+  absl::StatusOr<std::unique_ptr<KvStorage>> kv = KvStorage::Create(layout);
+  ASSERT_TRUE(kv.ok()) << kv.status();
   in.started = std::chrono::steady_clock::now();
-  ASSERT_TRUE((*runner)->Step(in, rows, nullptr, {}, &first).ok());
+  ASSERT_TRUE((*runner)->Step(in, rows, **kv, &first).ok());
   EXPECT_GE(std::chrono::steady_clock::now() - in.started, std::chrono::milliseconds(20));
   in.started = std::chrono::steady_clock::now();
-  ASSERT_TRUE((*runner)->Step(in, rows, nullptr, {}, &again).ok());
+  ASSERT_TRUE((*runner)->Step(in, rows, **kv, &again).ok());
   ASSERT_EQ(first.size(), 2u);
   EXPECT_EQ(first[0].token_id, again[0].token_id);  // seed and position decide
   EXPECT_EQ(first[1].token_id, again[1].token_id);
@@ -86,6 +90,38 @@ TEST(SimRunnerTest, TakesItsTimeAndDrawsTokensFromSeedAndPosition) {
   LoadedModel m2 = Tiny();
   o.sim.step_ms = -1;
   EXPECT_FALSE(ModelRunnerRegistry::Builtin().Create("sim", m2.config, std::move(m2.weights), o).ok());
+}
+
+TEST(CpuRunnerTest, RefusesAPoolItCannotUse) {
+  LoadedModel m = Tiny();
+  const ModelConfig config = m.config;
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
+      ModelRunnerRegistry::Builtin().Create("cpu", config, std::move(m.weights), {});
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  BatchInput in;
+  in.Clear();
+  // A bfloat16 pool on the host, and a float32 pool that says it is on a device.
+  kernels::KvLayout bf16 = (*runner)->KvBlockLayout(16);
+  bf16.num_blocks = 1;
+  bf16.dtype = kernels::DType::kBF16;
+  absl::StatusOr<std::unique_ptr<KvStorage>> host_bf16 = KvStorage::Create(bf16);
+  ASSERT_TRUE(host_bf16.ok());
+  std::vector<SampledToken> out;
+  absl::Status s = (*runner)->Step(in, {}, **host_bf16, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("got bfloat16 in host memory"));
+
+  kernels::KvLayout f32 = (*runner)->KvBlockLayout(16);
+  f32.num_blocks = 1;
+  std::vector<char> backing(static_cast<size_t>(f32.total_bytes()));
+  absl::StatusOr<std::unique_ptr<KvStorage>> device = KvStorage::Create(f32, [&](int64_t) -> absl::StatusOr<KvMemory> {
+    return KvMemory{.data = backing.data(), .location = MemoryLocation::kDevice};
+  });
+  ASSERT_TRUE(device.ok());
+  EXPECT_EQ((*device)->location(), MemoryLocation::kDevice);
+  EXPECT_EQ((*device)->host_f32(), nullptr);
+  s = (*runner)->Step(in, {}, **device, &out);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("got float32 in device memory"));
 }
 
 }  // namespace

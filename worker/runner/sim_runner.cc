@@ -37,8 +37,8 @@ class SimRunner final : public ModelRunner {
   bool simulated() const override { return true; }
   kernels::KvLayout KvBlockLayout(int block_size) const override { return HostKvLayout(config(), block_size); }
 
-  absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, float* /*kv_cache*/,
-                    const kernels::KvLayout& /*layout*/, std::vector<SampledToken>* sampled) override {
+  absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& /*kv*/,
+                    std::vector<SampledToken>* sampled) override {
     const int64_t context_tokens = std::accumulate(in.context_lens.begin(), in.context_lens.end(), int64_t{0});
     const double seconds = timing_.StepSeconds(in.prefill_tokens, in.decode_seqs, context_tokens);
     std::this_thread::sleep_until(
