@@ -318,6 +318,27 @@ absl::StatusOr<Tensor> SafetensorsFile::Read(const std::string& name) const {
   return tensor;
 }
 
+absl::StatusOr<StoredTensor> SafetensorsFile::View(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) {
+    return absl::NotFoundError(absl::StrCat(path_, ": no tensor '", name, "'"));
+  }
+  const SafetensorsEntry& entry = it->second;
+  StoredTensor view{.shape = entry.shape,
+                    .bytes = std::span<const uint8_t>(data_ + entry.begin, entry.end - entry.begin)};
+  if (entry.dtype == "F32") {
+    view.dtype = WeightDtype::kF32;
+  } else if (entry.dtype == "F16") {
+    view.dtype = WeightDtype::kF16;
+  } else if (entry.dtype == "BF16") {
+    view.dtype = WeightDtype::kBF16;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor '", name, "' has dtype ", entry.dtype,
+                                                   ", which is not supported (supported: F32, F16, BF16)"));
+  }
+  return view;
+}
+
 absl::Status WriteSafetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                               SafetensorsDtype dtype) {
   json header = json::object();
@@ -432,6 +453,14 @@ absl::StatusOr<Tensor> CheckpointTensorSource::Get(const std::string& name) cons
     return absl::NotFoundError(absl::StrCat("tensor '", name, "' not found in ", Describe()));
   }
   return it->second->Read(name);
+}
+
+absl::StatusOr<StoredTensor> CheckpointTensorSource::GetStored(const std::string& name) const {
+  auto it = file_of_tensor_.find(name);
+  if (it == file_of_tensor_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor '", name, "' not found in ", Describe()));
+  }
+  return it->second->View(name);
 }
 
 bool CheckpointTensorSource::Has(const std::string& name) const { return file_of_tensor_.count(name) > 0; }

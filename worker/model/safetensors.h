@@ -31,8 +31,8 @@
 
 namespace tandem::worker {
 
-// The element types this layer reads and writes.
-enum class SafetensorsDtype { kF32, kF16, kBF16 };
+// The element types this layer reads and writes (the weights' types).
+using SafetensorsDtype = WeightDtype;
 
 // "F32", "F16", "BF16": the spelling in a safetensors header.
 std::string_view SafetensorsDtypeName(SafetensorsDtype dtype);
@@ -83,6 +83,9 @@ class SafetensorsFile {
   // The tensor `name` converted to f32. NotFound when absent; InvalidArgument
   // naming the tensor and dtype when the dtype is not F32, F16 or BF16.
   absl::StatusOr<Tensor> Read(const std::string& name) const;
+  // The tensor `name` as stored: a view of the mapped file, valid while this
+  // file is open. Read's errors.
+  absl::StatusOr<StoredTensor> View(const std::string& name) const;
 
  private:
   SafetensorsFile(std::string path, const uint8_t* map, size_t map_size);
@@ -115,6 +118,7 @@ class CheckpointTensorSource : public TensorSource {
   static absl::StatusOr<std::unique_ptr<CheckpointTensorSource>> Open(const std::string& dir);
 
   absl::StatusOr<Tensor> Get(const std::string& name) const override;
+  absl::StatusOr<StoredTensor> GetStored(const std::string& name) const override;  // a view of the mapped file
   bool Has(const std::string& name) const override;
   std::string Describe() const override;  // "checkpoint DIR"
 

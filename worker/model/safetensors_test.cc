@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/model/builtin_models.h"
 #include "worker/model/test_util.h"
 
 namespace tandem::worker {
@@ -137,6 +138,57 @@ TEST(SafetensorsTest, RoundTripBFloat16) {
   ASSERT_TRUE(a.ok());
   EXPECT_EQ(a->data[0], Bits(0x3DCD0000));  // 0.1f = 0x3DCCCCCD rounds up
   EXPECT_TRUE(std::signbit(a->data[1]));
+}
+
+// Stored tensors come as the file has them: a checkpoint written in bf16 or
+// f16 hands back its 16-bit words unconverted (what a GPU runner uploads),
+// and the same words Read converts.
+TEST(SafetensorsTest, StoredTensorsKeepTheirDtype) {
+  for (SafetensorsDtype dtype : {SafetensorsDtype::kBF16, SafetensorsDtype::kF16, SafetensorsDtype::kF32}) {
+    ScopedTempDir tmp("stored");
+    const std::string path = tmp.path() + "/model.safetensors";
+    const auto tensors = SampleTensors();
+    ASSERT_TRUE(WriteSafetensors(path, tensors, dtype).ok());
+    absl::StatusOr<std::unique_ptr<CheckpointTensorSource>> source = CheckpointTensorSource::Open(tmp.path());
+    ASSERT_TRUE(source.ok()) << source.status();
+    for (const auto& [name, tensor] : tensors) {
+      absl::StatusOr<StoredTensor> stored = (*source)->GetStored(name);
+      ASSERT_TRUE(stored.ok()) << stored.status();
+      EXPECT_EQ(stored->dtype, dtype) << name;
+      EXPECT_EQ(stored->shape, tensor.shape) << name;
+      const size_t size = static_cast<size_t>(SafetensorsDtypeSize(dtype));
+      ASSERT_EQ(stored->bytes.size(), tensor.data.size() * size) << name;
+      absl::StatusOr<Tensor> read = (*source)->Get(name);
+      ASSERT_TRUE(read.ok());
+      for (size_t i = 0; i < tensor.data.size(); ++i) {
+        if (dtype == SafetensorsDtype::kF32) {
+          float v;
+          std::memcpy(&v, stored->bytes.data() + 4 * i, 4);
+          EXPECT_EQ(std::bit_cast<uint32_t>(v), std::bit_cast<uint32_t>(tensor.data[i]));
+          continue;
+        }
+        uint16_t bits;
+        std::memcpy(&bits, stored->bytes.data() + 2 * i, 2);
+        const bool bf16 = dtype == SafetensorsDtype::kBF16;
+        EXPECT_EQ(bits, bf16 ? FloatToBFloat16(tensor.data[i]) : FloatToHalf(tensor.data[i])) << name << " " << i;
+        EXPECT_EQ(std::bit_cast<uint32_t>(read->data[i]),
+                  std::bit_cast<uint32_t>(bf16 ? BFloat16ToFloat(bits) : HalfToFloat(bits)));
+      }
+    }
+    EXPECT_EQ((*source)->GetStored("nope").status().code(), absl::StatusCode::kNotFound);
+  }
+}
+
+// A source that makes its tensors stores them in f32 (TensorSource's default).
+TEST(SafetensorsTest, BuiltinPresetsStoreF32) {
+  absl::StatusOr<std::unique_ptr<SeededTensorSource>> source = MakeBuiltinTensorSource("tiny");
+  ASSERT_TRUE(source.ok()) << source.status();
+  absl::StatusOr<Tensor> t = (*source)->Get("model.norm.weight");
+  absl::StatusOr<StoredTensor> stored = (*source)->GetStored("model.norm.weight");
+  ASSERT_TRUE(t.ok() && stored.ok());
+  EXPECT_EQ(stored->dtype, WeightDtype::kF32);
+  ASSERT_EQ(stored->bytes.size(), t->data.size() * 4);
+  EXPECT_EQ(std::memcmp(stored->bytes.data(), t->data.data(), stored->bytes.size()), 0);
 }
 
 TEST(SafetensorsTest, RoundTripHalf) {

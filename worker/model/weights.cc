@@ -8,6 +8,17 @@
 #include "common/status_macros.h"
 
 namespace tandem::worker {
+
+absl::StatusOr<StoredTensor> TensorSource::GetStored(const std::string& name) const {
+  ASSIGN_OR_RETURN(Tensor t, Get(name));
+  auto values = std::make_shared<std::vector<float>>(std::move(t.data));
+  StoredTensor out{.shape = std::move(t.shape),
+                   .dtype = WeightDtype::kF32,
+                   .bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(values->data()),
+                                                     values->size() * sizeof(float))};
+  out.owner = std::move(values);
+  return out;
+}
 namespace {
 
 std::string LayerTensor(int layer, const std::string& suffix) {

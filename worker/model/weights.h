@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,21 @@ struct Tensor {
   std::vector<float> data;  // row-major, converted to f32
 };
 
+// The element types weights are stored in.
+enum class WeightDtype { kF32, kF16, kBF16 };
+
+// A tensor as its source stores it, not converted: its element type and its
+// row-major little-endian bytes (a checkpoint's are a view of the mapped
+// file, so a GPU runner copies bf16 weights to the device as they are).
+// `owner`, when set, keeps the bytes alive; otherwise they live as long as
+// the source.
+struct StoredTensor {
+  std::vector<int64_t> shape;
+  WeightDtype dtype = WeightDtype::kF32;
+  std::span<const uint8_t> bytes;
+  std::shared_ptr<const void> owner;
+};
+
 class TensorSource {
  public:
   virtual ~TensorSource() = default;
@@ -35,6 +51,10 @@ class TensorSource {
   // was looked for; a truncated or malformed file is DataLoss/InvalidArgument
   // naming the file and the tensor.
   virtual absl::StatusOr<Tensor> Get(const std::string& name) const = 0;
+  // The tensor `name` in its stored dtype, with Get's errors. By default
+  // Get's f32 values (a source that makes its tensors, like the built-in
+  // presets, stores f32).
+  virtual absl::StatusOr<StoredTensor> GetStored(const std::string& name) const;
   virtual bool Has(const std::string& name) const = 0;
   // Human-readable origin, for error messages ("checkpoint /x/y", "builtin:tiny").
   virtual std::string Describe() const = 0;
