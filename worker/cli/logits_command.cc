@@ -42,7 +42,8 @@ absl::StatusOr<std::vector<int32_t>> ParseTokens(const std::string& text) {
 
 absl::Status RunLogits(const LogitsOptions& opt) {
   ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(opt.model));
-  LlamaModel model(loaded.config, std::move(loaded.weights));
+  ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(loaded.config, *loaded.tensors));
+  LlamaModel model(loaded.config, std::move(weights));
   const ModelConfig& c = model.config();
   nlohmann::json out;
   out["vocab_size"] = c.vocab_size;

@@ -54,9 +54,9 @@ absl::Status EngineConfig::Validate() const {
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, LoadedModel model,
                                                        const KvStorage::Allocator& pool_allocator) {
   RETURN_IF_ERROR(config.Validate());
-  ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
-                   ModelRunnerRegistry::Builtin().Create(config.runner, model.config, std::move(model.weights),
-                                                         config.runner_options));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<ModelRunner> runner,
+      ModelRunnerRegistry::Builtin().Create(config.runner, model.config, model.tensors, config.runner_options));
   kernels::KvLayout layout = runner->KvBlockLayout(config.block_size);
   layout.num_blocks = KvStorage::BlocksForBudget(layout, config.kv_cache_bytes);
   if (layout.num_blocks < 1) {

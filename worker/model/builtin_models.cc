@@ -170,6 +170,14 @@ absl::StatusOr<Tensor> SeededTensorSource::Get(const std::string& name) const {
   return tensor;
 }
 
+absl::StatusOr<std::vector<int64_t>> SeededTensorSource::StoredShape(const std::string& name) const {
+  auto it = shapes_.find(name);
+  if (it == shapes_.end()) {
+    return absl::NotFoundError(absl::StrCat("tensor '", name, "' is not part of ", description_));
+  }
+  return it->second;
+}
+
 bool SeededTensorSource::Has(const std::string& name) const { return shapes_.count(name) > 0; }
 
 std::string SeededTensorSource::Describe() const { return description_; }

@@ -54,6 +54,7 @@ class SeededTensorSource : public TensorSource {
   SeededTensorSource(ModelConfig config, uint64_t seed, std::string description);
 
   absl::StatusOr<Tensor> Get(const std::string& name) const override;
+  absl::StatusOr<std::vector<int64_t>> StoredShape(const std::string& name) const override;  // no generation
   bool Has(const std::string& name) const override;
   std::string Describe() const override;
 

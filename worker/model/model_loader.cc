@@ -28,17 +28,6 @@ std::string BaseName(const std::string& dir) {
   return name.empty() || name == "." || name == ".." ? dir : name;
 }
 
-int64_t ParameterCount(const ModelWeights& w) {
-  int64_t count = static_cast<int64_t>(w.embed.size() + w.final_norm.size() + w.lm_head.size());
-  for (const LayerWeights& l : w.layers) {
-    for (const std::vector<float>* v : {&l.input_norm, &l.wqkv, &l.bqkv, &l.wo, &l.bo, &l.post_norm, &l.w_gate_up,
-                                        &l.b_gate_up, &l.w_down, &l.b_down}) {
-      count += static_cast<int64_t>(v->size());
-    }
-  }
-  return count;
-}
-
 }  // namespace
 
 absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
@@ -47,7 +36,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
     model.name = spec.substr(kBuiltinPrefix.size());
     ASSIGN_OR_RETURN(std::unique_ptr<SeededTensorSource> source, MakeBuiltinTensorSource(model.name));
     model.config = source->config();
-    ASSIGN_OR_RETURN(model.weights, LoadWeights(model.config, *source));
+    RETURN_IF_ERROR(CheckTensors(model.config, *source));
+    model.tensors = std::move(source);
     model.tokenizer_sha256 = Sha256Hex(BuiltinTokenizerJson());
   } else {
     std::error_code ec;
@@ -59,7 +49,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
     model.source_dir = spec;
     ASSIGN_OR_RETURN(model.config, LoadModelConfig(spec));
     ASSIGN_OR_RETURN(std::unique_ptr<CheckpointTensorSource> source, CheckpointTensorSource::Open(spec));
-    ASSIGN_OR_RETURN(model.weights, LoadWeights(model.config, *source));
+    RETURN_IF_ERROR(CheckTensors(model.config, *source));
+    model.tensors = std::move(source);
     const std::string tokenizer_path = model_internal::JoinPath(spec, "tokenizer.json");
     if (std::filesystem::exists(tokenizer_path, ec)) {
       ASSIGN_OR_RETURN(std::string text, ReadFile(tokenizer_path));
@@ -67,7 +58,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
     }
   }
   LOG(INFO) << "loaded model " << model.name << " (" << model.config.architecture << ", " << model.config.num_layers
-            << " layers, hidden " << model.config.hidden_size << ", " << ParameterCount(model.weights)
+            << " layers, hidden " << model.config.hidden_size << ", " << ParameterCount(model.config)
             << " parameters) from " << (model.source_dir.empty() ? spec : model.source_dir);
   return model;
 }

@@ -1,5 +1,7 @@
-// LoadModel: the one entry point that turns a model spec into a config and f32
-// weights ready for the forward pass.
+// LoadModel: the one entry point that turns a model spec into a config and
+// the model's tensors, checked (presence, shapes, dtypes) but not yet read:
+// each model runner reads them its own way (the CPU runner converts them to
+// f32, a GPU runner uploads them as stored, the simulator reads none).
 //
 //   "builtin:tiny", "builtin:small"  seeded built-in presets (builtin_models.h)
 //   any other string                 a Hugging Face checkpoint directory with
@@ -14,6 +16,7 @@
 #ifndef TANDEM_WORKER_MODEL_MODEL_LOADER_H_
 #define TANDEM_WORKER_MODEL_MODEL_LOADER_H_
 
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -25,8 +28,8 @@ namespace tandem::worker {
 struct LoadedModel {
   std::string name;  // the preset ("tiny") or the directory's base name
   ModelConfig config;
-  ModelWeights weights;
-  std::string source_dir;  // the checkpoint directory; empty for built-ins
+  std::shared_ptr<const TensorSource> tensors;  // every tensor of `config`, checked
+  std::string source_dir;                       // the checkpoint directory; empty for built-ins
   // Hex SHA-256 of the tokenizer.json that goes with the weights (the
   // checkpoint's, or BuiltinTokenizerJson()); empty if the checkpoint has none.
   std::string tokenizer_sha256;

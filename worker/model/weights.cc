@@ -9,6 +9,11 @@
 
 namespace tandem::worker {
 
+absl::StatusOr<std::vector<int64_t>> TensorSource::StoredShape(const std::string& name) const {
+  ASSIGN_OR_RETURN(StoredTensor t, GetStored(name));
+  return std::move(t.shape);
+}
+
 absl::StatusOr<StoredTensor> TensorSource::GetStored(const std::string& name) const {
   ASSIGN_OR_RETURN(Tensor t, Get(name));
   auto values = std::make_shared<std::vector<float>>(std::move(t.data));
@@ -90,6 +95,32 @@ std::map<std::string, std::vector<int64_t>> ExpectedTensorShapes(const ModelConf
   shapes["model.norm.weight"] = {hidden};
   if (!config.tie_word_embeddings) shapes["lm_head.weight"] = {vocab, hidden};
   return shapes;
+}
+
+absl::Status CheckTensors(const ModelConfig& config, const TensorSource& source) {
+  RETURN_IF_ERROR(ValidateModelConfig(config));
+  for (const auto& [name, shape] : ExpectedTensorShapes(config)) {
+    if (!source.Has(name)) {
+      return absl::NotFoundError(absl::StrCat("tensor '", name, "' (expected shape ", ShapeString(shape),
+                                              ") is missing from ", source.Describe()));
+    }
+    ASSIGN_OR_RETURN(std::vector<int64_t> stored, source.StoredShape(name));
+    if (stored != shape) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in ", source.Describe(), " has shape ",
+                                                     ShapeString(stored), ", expected ", ShapeString(shape)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+int64_t ParameterCount(const ModelConfig& config) {
+  int64_t count = 0;
+  for (const auto& [name, shape] : ExpectedTensorShapes(config)) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    count += n;
+  }
+  return count;
 }
 
 absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const TensorSource& source) {

@@ -55,6 +55,9 @@ class TensorSource {
   // Get's f32 values (a source that makes its tensors, like the built-in
   // presets, stores f32).
   virtual absl::StatusOr<StoredTensor> GetStored(const std::string& name) const;
+  // The shape of tensor `name` (and, for a checkpoint, that its dtype is
+  // one we read), without converting it. By default GetStored's.
+  virtual absl::StatusOr<std::vector<int64_t>> StoredShape(const std::string& name) const;
   virtual bool Has(const std::string& name) const = 0;
   // Human-readable origin, for error messages ("checkpoint /x/y", "builtin:tiny").
   virtual std::string Describe() const = 0;
@@ -89,6 +92,14 @@ std::map<std::string, std::vector<int64_t>> ExpectedTensorShapes(const ModelConf
 // Assembles weights from `source`, checking every tensor's presence and shape
 // against `config`. Errors name the tensor, the expected and the found shape.
 absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const TensorSource& source);
+
+// LoadWeights' checks (presence, shape, a readable dtype) without reading the
+// data: a model is checked when it is loaded, and each runner reads the
+// weights its own way (the CPU runner as f32, a GPU runner as stored).
+absl::Status CheckTensors(const ModelConfig& config, const TensorSource& source);
+
+// The parameters `config` has (the elements of ExpectedTensorShapes).
+int64_t ParameterCount(const ModelConfig& config);
 
 }  // namespace tandem::worker
 

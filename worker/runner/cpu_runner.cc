@@ -49,8 +49,11 @@ class CpuRunner final : public ModelRunner {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ModelRunner>> NewCpuRunner(ModelConfig config, ModelWeights weights,
+absl::StatusOr<std::unique_ptr<ModelRunner>> NewCpuRunner(ModelConfig config,
+                                                          std::shared_ptr<const TensorSource> tensors,
                                                           const RunnerOptions& /*options*/) {
+  // f32, fused as the forward pass wants them.
+  ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(config, *tensors));
   return std::unique_ptr<ModelRunner>(new CpuRunner(std::move(config), std::move(weights)));
 }
 

@@ -10,7 +10,8 @@
 
 namespace tandem::worker {
 
-absl::StatusOr<std::unique_ptr<ModelRunner>> NewCpuRunner(ModelConfig config, ModelWeights weights,
+absl::StatusOr<std::unique_ptr<ModelRunner>> NewCpuRunner(ModelConfig config,
+                                                          std::shared_ptr<const TensorSource> tensors,
                                                           const RunnerOptions& options);
 
 }  // namespace tandem::worker

@@ -56,14 +56,14 @@ void ModelRunnerRegistry::Register(std::string name, Factory factory) {
 }
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunnerRegistry::Create(std::string_view name, ModelConfig config,
-                                                                         ModelWeights weights,
+                                                                         std::shared_ptr<const TensorSource> tensors,
                                                                          const RunnerOptions& options) const {
   const auto it = factories_.find(name);
   if (it == factories_.end()) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown model runner '", std::string(name), "' (known: ", absl::StrJoin(names(), ", "), ")"));
   }
-  return it->second(std::move(config), std::move(weights), options);
+  return it->second(std::move(config), std::move(tensors), options);
 }
 
 std::vector<std::string> ModelRunnerRegistry::names() const {

@@ -128,13 +128,15 @@ kernels::KvLayout HostKvLayout(const ModelConfig& config, int block_size);
 
 class ModelRunnerRegistry {
  public:
-  using Factory =
-      std::function<absl::StatusOr<std::unique_ptr<ModelRunner>>(ModelConfig, ModelWeights, const RunnerOptions&)>;
+  // `tensors`: the model's, checked by LoadModel; each runner reads them its own way.
+  using Factory = std::function<absl::StatusOr<std::unique_ptr<ModelRunner>>(
+      ModelConfig, std::shared_ptr<const TensorSource> tensors, const RunnerOptions&)>;
 
   // REQUIRES: `name` not registered yet.
   void Register(std::string name, Factory factory);
   // InvalidArgument naming the known runners for an unknown name.
-  absl::StatusOr<std::unique_ptr<ModelRunner>> Create(std::string_view name, ModelConfig config, ModelWeights weights,
+  absl::StatusOr<std::unique_ptr<ModelRunner>> Create(std::string_view name, ModelConfig config,
+                                                      std::shared_ptr<const TensorSource> tensors,
                                                       const RunnerOptions& options) const;
   bool Has(std::string_view name) const { return factories_.count(name) > 0; }
   std::vector<std::string> names() const;

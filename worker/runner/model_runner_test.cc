@@ -27,7 +27,7 @@ TEST(ModelRunnerRegistryTest, BuiltinRunnersByName) {
   EXPECT_EQ(r.names(), (std::vector<std::string>{"cpu", "sim"}));
   for (const char* name : {"cpu", "sim"}) {
     LoadedModel m = Tiny();
-    absl::StatusOr<std::unique_ptr<ModelRunner>> runner = r.Create(name, m.config, std::move(m.weights), {});
+    absl::StatusOr<std::unique_ptr<ModelRunner>> runner = r.Create(name, m.config, m.tensors, {});
     ASSERT_TRUE(runner.ok()) << runner.status();
     EXPECT_EQ((*runner)->name(), name);
     EXPECT_EQ((*runner)->simulated(), std::string(name) == "sim");
@@ -40,7 +40,7 @@ TEST(ModelRunnerRegistryTest, BuiltinRunnersByName) {
     EXPECT_EQ(l.block_size, 16);
   }
   LoadedModel m = Tiny();
-  absl::StatusOr<std::unique_ptr<ModelRunner>> bad = r.Create("tpu", m.config, std::move(m.weights), {});
+  absl::StatusOr<std::unique_ptr<ModelRunner>> bad = r.Create("tpu", m.config, m.tensors, {});
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("unknown model runner 'tpu' (known: cpu, sim)"));
@@ -60,7 +60,7 @@ TEST(SimRunnerTest, TakesItsTimeAndDrawsTokensFromSeedAndPosition) {
   RunnerOptions o;
   o.sim = SimTiming{.step_ms = 20, .prefill_us_per_token = 0, .decode_us_per_seq = 0, .context_ns_per_token = 0};
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
-      ModelRunnerRegistry::Builtin().Create("sim", m.config, std::move(m.weights), o);
+      ModelRunnerRegistry::Builtin().Create("sim", m.config, m.tensors, o);
   ASSERT_TRUE(runner.ok()) << runner.status();
   BatchInput in;
   in.Clear();
@@ -89,14 +89,14 @@ TEST(SimRunnerTest, TakesItsTimeAndDrawsTokensFromSeedAndPosition) {
   // A bad timing is refused when the runner is made.
   LoadedModel m2 = Tiny();
   o.sim.step_ms = -1;
-  EXPECT_FALSE(ModelRunnerRegistry::Builtin().Create("sim", m2.config, std::move(m2.weights), o).ok());
+  EXPECT_FALSE(ModelRunnerRegistry::Builtin().Create("sim", m2.config, m2.tensors, o).ok());
 }
 
 TEST(CpuRunnerTest, RefusesAPoolItCannotUse) {
   LoadedModel m = Tiny();
   const ModelConfig config = m.config;
   absl::StatusOr<std::unique_ptr<ModelRunner>> runner =
-      ModelRunnerRegistry::Builtin().Create("cpu", config, std::move(m.weights), {});
+      ModelRunnerRegistry::Builtin().Create("cpu", config, m.tensors, {});
   ASSERT_TRUE(runner.ok()) << runner.status();
   BatchInput in;
   in.Clear();

@@ -58,7 +58,8 @@ class SimRunner final : public ModelRunner {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ModelRunner>> NewSimRunner(ModelConfig config, ModelWeights /*weights*/,
+absl::StatusOr<std::unique_ptr<ModelRunner>> NewSimRunner(ModelConfig config,
+                                                          std::shared_ptr<const TensorSource> /*tensors: none read*/,
                                                           const RunnerOptions& options) {
   RETURN_IF_ERROR(options.sim.Validate());
   return std::unique_ptr<ModelRunner>(new SimRunner(std::move(config), options.sim));

@@ -13,7 +13,8 @@
 
 namespace tandem::worker {
 
-absl::StatusOr<std::unique_ptr<ModelRunner>> NewSimRunner(ModelConfig config, ModelWeights weights,
+absl::StatusOr<std::unique_ptr<ModelRunner>> NewSimRunner(ModelConfig config,
+                                                          std::shared_ptr<const TensorSource> tensors,
                                                           const RunnerOptions& options);
 
 }  // namespace tandem::worker
