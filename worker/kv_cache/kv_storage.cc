@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "common/block_hash.h"
 
 namespace tandem::worker {
 
@@ -40,6 +41,18 @@ absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLa
                                                         layout.num_blocks, std::strerror(errno)));
   }
   return std::unique_ptr<KvStorage>(new KvStorage(layout, KvMemory{.data = p}, bytes, true));
+}
+
+absl::StatusOr<uint64_t> KvStorage::BlockChecksum(int64_t block) const {
+  if (block < 0 || block >= layout_.num_blocks) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("KV block %d is outside the pool's %d blocks", block, layout_.num_blocks));
+  }
+  if (location_ != MemoryLocation::kHost) {
+    return absl::UnimplementedError("checksums of KV blocks in device memory need the GPU runner's kernel");
+  }
+  const int64_t bytes = BytesPerBlock(layout_);
+  return HashBytes(static_cast<const unsigned char*>(data_) + block * bytes, static_cast<size_t>(bytes));
 }
 
 KvStorage::~KvStorage() {

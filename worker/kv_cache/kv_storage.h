@@ -51,6 +51,10 @@ class KvStorage {
   void* data() { return data_; }
   const void* data() const { return data_; }
   int64_t bytes() const { return bytes_; }
+  // A checksum of block `block`'s bytes (the hand-off's integrity check,
+  // common/block_hash.h's HashBytes). Host pools only for now: a device
+  // pool's needs a kernel (the GPU runner's), Unimplemented until then.
+  absl::StatusOr<uint64_t> BlockChecksum(int64_t block) const;
   // The pool as float32 elements on the host (the CPU runner's); null for
   // any other dtype or location.
   float* host_f32() {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -21,12 +22,6 @@ namespace {
 
 using std::chrono::steady_clock;
 using std::chrono::system_clock;
-
-uint64_t BlockChecksum(Engine& engine, int32_t block) {
-  const int64_t bytes = KvStorage::BytesPerBlock(engine.kv_layout());
-  const auto* base = reinterpret_cast<const unsigned char*>(engine.kv_data());
-  return HashBytes(base + block * bytes, static_cast<size_t>(bytes));
-}
 
 // Answers after which the decode worker has finished with the caller's
 // blocks for good: it answered itself, or no handler ran. Anything else
@@ -388,7 +383,15 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
       return;
     }
     for (size_t i = 0; i < pull->checksums.size(); ++i) {
-      const uint64_t got = BlockChecksum(*engine_, pull->pairs[i].dst);
+      const absl::StatusOr<uint64_t> sum = engine_->KvBlockChecksum(pull->pairs[i].dst);
+      if (!sum.ok()) {
+        Fail(pull,
+             grpc::Status(grpc::StatusCode::INTERNAL,
+                          absl::StrCat("cannot check the pulled KV block's checksum: ", sum.status().message())),
+             /*fall_back=*/true);
+        return;
+      }
+      const uint64_t got = *sum;
       if (got != pull->checksums[i]) {
         ++checksum_failures_;
         Fail(pull,
@@ -564,7 +567,15 @@ void KvSender::Start(Job job, SendDone done) {
     const size_t skip =
         static_cast<size_t>(job.target.decode_cached_tokens()) / static_cast<size_t>(engine_->config().block_size);
     for (size_t i = skip; i < job.prefilled.blocks.size(); ++i) {
-      r.add_block_checksums(BlockChecksum(*engine_, job.prefilled.blocks[i]));
+      const absl::StatusOr<uint64_t> sum = engine_->KvBlockChecksum(job.prefilled.blocks[i]);
+      if (!sum.ok()) {
+        // Sent without checksums (the receiver then checks none), said once.
+        static std::once_flag warned;
+        std::call_once(warned, [&] { LOG(WARNING) << "KV hand-offs go without checksums: " << sum.status(); });
+        r.clear_block_checksums();
+        break;
+      }
+      r.add_block_checksums(*sum);
     }
   }
   call->ctx.set_deadline(system_clock::now() + (deadline - steady_clock::now()));
