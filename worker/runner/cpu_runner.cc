@@ -1,4 +1,4 @@
-#include "worker/runner/cpu_runner.h"
+#include "worker/runner/builtin_runners.h"
 
 #include <utility>
 

@@ -6,8 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
-#include "worker/runner/cpu_runner.h"
-#include "worker/runner/sim_runner.h"
+#include "worker/runner/builtin_runners.h"
 
 namespace tandem::worker {
 

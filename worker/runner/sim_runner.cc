@@ -1,4 +1,4 @@
-#include "worker/runner/sim_runner.h"
+#include "worker/runner/builtin_runners.h"
 
 #include <algorithm>
 #include <numeric>
