@@ -13,7 +13,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "common/thread_util.h"
@@ -44,11 +43,7 @@ absl::Status EngineConfig::Validate() const {
   if (max_model_len < 0) return absl::InvalidArgumentError("max_model_len must be >= 0");
   if (threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
   RETURN_IF_ERROR(runner_options.sim.Validate());
-  if (!ModelRunnerRegistry::Builtin().Has(runner)) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown model runner '", runner, "' (known: ",
-                                                   absl::StrJoin(ModelRunnerRegistry::Builtin().names(), ", "), ")"));
-  }
-  return absl::OkStatus();
+  return ModelRunnerRegistry::Builtin().Check(runner);
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config, LoadedModel model,

@@ -291,33 +291,6 @@ absl::Status SafetensorsFile::ParseHeader() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Tensor> SafetensorsFile::Read(const std::string& name) const {
-  auto it = entries_.find(name);
-  if (it == entries_.end()) {
-    return absl::NotFoundError(absl::StrCat(path_, ": no tensor '", name, "'"));
-  }
-  const SafetensorsEntry& entry = it->second;
-  const uint8_t* src = data_ + entry.begin;
-  Tensor tensor;
-  tensor.shape = entry.shape;
-  if (entry.dtype == "F32") {
-    tensor.data.resize((entry.end - entry.begin) / 4);
-    if (!tensor.data.empty()) std::memcpy(tensor.data.data(), src, tensor.data.size() * 4);
-  } else if (entry.dtype == "F16" || entry.dtype == "BF16") {
-    const bool is_half = entry.dtype == "F16";
-    tensor.data.resize((entry.end - entry.begin) / 2);
-    for (size_t i = 0; i < tensor.data.size(); ++i) {
-      uint16_t bits;
-      std::memcpy(&bits, src + 2 * i, 2);
-      tensor.data[i] = is_half ? HalfToFloat(bits) : BFloat16ToFloat(bits);
-    }
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor '", name, "' has dtype ", entry.dtype,
-                                                   ", which is not supported (supported: F32, F16, BF16)"));
-  }
-  return tensor;
-}
-
 absl::StatusOr<StoredTensor> SafetensorsFile::View(const std::string& name) const {
   auto it = entries_.find(name);
   if (it == entries_.end()) {
@@ -337,6 +310,26 @@ absl::StatusOr<StoredTensor> SafetensorsFile::View(const std::string& name) cons
                                                    ", which is not supported (supported: F32, F16, BF16)"));
   }
   return view;
+}
+
+absl::StatusOr<Tensor> SafetensorsFile::Read(const std::string& name) const {
+  ASSIGN_OR_RETURN(StoredTensor view, View(name));
+  Tensor tensor;
+  tensor.shape = std::move(view.shape);
+  const uint8_t* src = view.bytes.data();
+  if (view.dtype == WeightDtype::kF32) {
+    tensor.data.resize(view.bytes.size() / 4);
+    if (!tensor.data.empty()) std::memcpy(tensor.data.data(), src, tensor.data.size() * 4);
+    return tensor;
+  }
+  const bool is_half = view.dtype == WeightDtype::kF16;
+  tensor.data.resize(view.bytes.size() / 2);
+  for (size_t i = 0; i < tensor.data.size(); ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, src + 2 * i, 2);
+    tensor.data[i] = is_half ? HalfToFloat(bits) : BFloat16ToFloat(bits);
+  }
+  return tensor;
 }
 
 absl::Status WriteSafetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,

@@ -34,18 +34,26 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-// The data of tensor `name`, which must have `shape`.
-absl::StatusOr<std::vector<float>> Fetch(const TensorSource& source, const std::string& name,
-                                         const std::vector<int64_t>& shape) {
+// That tensor `name` is in `source` with `shape` (and a dtype it reads),
+// without reading its data.
+absl::Status CheckTensor(const TensorSource& source, const std::string& name, const std::vector<int64_t>& shape) {
   if (!source.Has(name)) {
     return absl::NotFoundError(absl::StrCat("tensor '", name, "' (expected shape ", ShapeString(shape),
                                             ") is missing from ", source.Describe()));
   }
-  ASSIGN_OR_RETURN(Tensor tensor, source.Get(name));
-  if (tensor.shape != shape) {
+  ASSIGN_OR_RETURN(std::vector<int64_t> stored, source.StoredShape(name));
+  if (stored != shape) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in ", source.Describe(), " has shape ",
-                                                   ShapeString(tensor.shape), ", expected ", ShapeString(shape)));
+                                                   ShapeString(stored), ", expected ", ShapeString(shape)));
   }
+  return absl::OkStatus();
+}
+
+// The data of tensor `name`, which must have `shape`.
+absl::StatusOr<std::vector<float>> Fetch(const TensorSource& source, const std::string& name,
+                                         const std::vector<int64_t>& shape) {
+  RETURN_IF_ERROR(CheckTensor(source, name, shape));
+  ASSIGN_OR_RETURN(Tensor tensor, source.Get(name));
   size_t numel = 1;
   for (int64_t d : shape) numel *= static_cast<size_t>(d);
   if (tensor.data.size() != numel) {
@@ -99,17 +107,7 @@ std::map<std::string, std::vector<int64_t>> ExpectedTensorShapes(const ModelConf
 
 absl::Status CheckTensors(const ModelConfig& config, const TensorSource& source) {
   RETURN_IF_ERROR(ValidateModelConfig(config));
-  for (const auto& [name, shape] : ExpectedTensorShapes(config)) {
-    if (!source.Has(name)) {
-      return absl::NotFoundError(absl::StrCat("tensor '", name, "' (expected shape ", ShapeString(shape),
-                                              ") is missing from ", source.Describe()));
-    }
-    ASSIGN_OR_RETURN(std::vector<int64_t> stored, source.StoredShape(name));
-    if (stored != shape) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in ", source.Describe(), " has shape ",
-                                                     ShapeString(stored), ", expected ", ShapeString(shape)));
-    }
-  }
+  for (const auto& [name, shape] : ExpectedTensorShapes(config)) RETURN_IF_ERROR(CheckTensor(source, name, shape));
   return absl::OkStatus();
 }
 

@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "worker/runner/builtin_runners.h"
 
 namespace tandem::worker {
@@ -57,12 +58,14 @@ void ModelRunnerRegistry::Register(std::string name, Factory factory) {
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunnerRegistry::Create(std::string_view name, ModelConfig config,
                                                                          std::shared_ptr<const TensorSource> tensors,
                                                                          const RunnerOptions& options) const {
-  const auto it = factories_.find(name);
-  if (it == factories_.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown model runner '", std::string(name), "' (known: ", absl::StrJoin(names(), ", "), ")"));
-  }
-  return it->second(std::move(config), std::move(tensors), options);
+  RETURN_IF_ERROR(Check(name));
+  return factories_.find(name)->second(std::move(config), std::move(tensors), options);
+}
+
+absl::Status ModelRunnerRegistry::Check(std::string_view name) const {
+  if (factories_.count(name) > 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown model runner '", std::string(name), "' (known: ", absl::StrJoin(names(), ", "), ")"));
 }
 
 std::vector<std::string> ModelRunnerRegistry::names() const {

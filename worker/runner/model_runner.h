@@ -138,7 +138,8 @@ class ModelRunnerRegistry {
   absl::StatusOr<std::unique_ptr<ModelRunner>> Create(std::string_view name, ModelConfig config,
                                                       std::shared_ptr<const TensorSource> tensors,
                                                       const RunnerOptions& options) const;
-  bool Has(std::string_view name) const { return factories_.count(name) > 0; }
+  // OK when `name` is registered; Create's InvalidArgument otherwise.
+  absl::Status Check(std::string_view name) const;
   std::vector<std::string> names() const;
 
   // The runners built into this binary ("cpu", "sim").
