@@ -30,7 +30,6 @@ namespace {
 
 using router::FinishReason;
 
-constexpr char kJson[] = "application/json";
 constexpr char kToken[] = " tok";  // every generated token's text
 
 struct MockServerOptions {
@@ -64,10 +63,10 @@ class MockServer {
                          .dump()),
         http_(http::HttpServer::Options{.host = options.host, .port = options.port, .threads = options.threads}) {
     http_.Route("GET", "/health", [](const http::Request&, std::shared_ptr<http::ResponseWriter> w) {
-      w->Send(200, kJson, R"({"status":"ok"})");
+      w->Send(200, http::kJsonContentType, R"({"status":"ok"})");
     });
     http_.Route("GET", "/v1/models", [this](const http::Request&, std::shared_ptr<http::ResponseWriter> w) {
-      w->Send(200, kJson, models_body_);
+      w->Send(200, http::kJsonContentType, models_body_);
     });
     http_.Route("POST", "/v1/completions",
                 [this](const http::Request& r, std::shared_ptr<http::ResponseWriter> w) { HandleCompletion(r, *w); });
@@ -87,7 +86,7 @@ class MockServer {
 
   static void SendError(http::ResponseWriter& w, const absl::Status& status) {
     const router::ApiError e = router::ApiErrorFromStatus(status);
-    w.Send(e.http_status, kJson, router::ApiErrorJson(e));
+    w.Send(e.http_status, http::kJsonContentType, router::ApiErrorJson(e));
   }
 
   void HandleCompletion(const http::Request& req, http::ResponseWriter& w) {
@@ -143,7 +142,7 @@ class MockServer {
         }
         body = router::CompletionJson(h, choices, usage);
       }
-      w.Send(200, kJson, std::move(body));
+      w.Send(200, http::kJsonContentType, std::move(body));
       return;
     }
 

@@ -374,7 +374,7 @@ class Session : public std::enable_shared_from_this<Session> {
     keep_alive_.store(false, std::memory_order_relaxed);
     std::string body = JsonErrorBody(message, type);
     std::string bytes =
-        HeadBlock(status, "application/json", extra, absl::StrCat("Content-Length: ", body.size(), "\r\n"), false);
+        HeadBlock(status, kJsonContentType, extra, absl::StrCat("Content-Length: ", body.size(), "\r\n"), false);
     bytes += body;
     {
       std::lock_guard<std::mutex> lock(out_mu_);
@@ -419,17 +419,17 @@ class Session : public std::enable_shared_from_this<Session> {
                                           : absl::StrCat("method ", req.method, " not allowed for ", req.path);
       HeaderList extra;
       if (status == 405) extra.emplace_back("Allow", allow);
-      writer_->Send(status, "application/json", JsonErrorBody(message), extra);
+      writer_->Send(status, kJsonContentType, JsonErrorBody(message), extra);
       return;
     }
     try {
       (*handler)(req, writer_);
     } catch (const std::exception& e) {
       LOG(WARNING) << "http: handler for " << req.path << " threw: " << e.what();
-      writer_->Send(500, "application/json", JsonErrorBody("internal error", "server_error"));
+      writer_->Send(500, kJsonContentType, JsonErrorBody("internal error", "server_error"));
     } catch (...) {
       LOG(WARNING) << "http: handler for " << req.path << " threw";
-      writer_->Send(500, "application/json", JsonErrorBody("internal error", "server_error"));
+      writer_->Send(500, kJsonContentType, JsonErrorBody("internal error", "server_error"));
     }
   }
 

@@ -64,6 +64,9 @@ namespace tandem::http {
 
 using HeaderList = std::vector<std::pair<std::string, std::string>>;
 
+// The Content-Type of a JSON body.
+inline constexpr char kJsonContentType[] = "application/json";
+
 // One parsed request. Owned by the server for the duration of the handler
 // call; copy what must outlive it.
 struct Request {

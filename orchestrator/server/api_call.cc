@@ -13,8 +13,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using tandem::v1::TokenOutput;
 
-constexpr char kJson[] = "application/json";
-
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 FinishReason ToApiFinish(tandem::v1::FinishReason r) {
@@ -423,7 +421,7 @@ void ApiCall::CompleteLocked() {
     }
     body = CompletionJson(header_, out, UsageLocked());
   }
-  writer_->Send(200, kJson, std::move(body), Headers());
+  writer_->Send(200, http::kJsonContentType, std::move(body), Headers());
 }
 
 void ApiCall::SendApiError(const absl::Status& status) {

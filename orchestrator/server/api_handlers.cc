@@ -19,7 +19,6 @@
 namespace tandem::router {
 namespace {
 
-constexpr char kJson[] = "application/json";
 // A request header asking why it was routed where it was (x-tandem-route).
 constexpr char kExplainHeader[] = "x-tandem-explain";
 
@@ -70,7 +69,7 @@ bool Router::Impl::Authorize(Access access, const std::string& endpoint, const h
                                 "in an Authorization header using Bearer auth (i.e. "
                                 "Authorization: Bearer YOUR_KEY).",
                .code = "invalid_api_key"};
-    w.Send(401, kJson, ApiErrorJson(e), {{"x-request-id", id}, {"WWW-Authenticate", "Bearer"}});
+    w.Send(401, http::kJsonContentType, ApiErrorJson(e), {{"x-request-id", id}, {"WWW-Authenticate", "Bearer"}});
     return false;
   }
   if (access == Access::kAdmin && !m.key->admin) {
@@ -82,7 +81,7 @@ bool Router::Impl::Authorize(Access access, const std::string& endpoint, const h
                .type = "permission_error",
                .message = absl::StrCat(req.path, " needs an admin API key"),
                .code = "insufficient_permissions"};
-    w.Send(403, kJson, ApiErrorJson(e), {{"x-request-id", id}});
+    w.Send(403, http::kJsonContentType, ApiErrorJson(e), {{"x-request-id", id}});
     return false;
   }
   return true;
@@ -370,7 +369,7 @@ nlohmann::json Router::Impl::ModelObject() {
 
 void Router::Impl::HandleModels(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
   nlohmann::json body = {{"object", "list"}, {"data", nlohmann::json::array({ModelObject()})}};
-  w->Send(200, kJson, body.dump());
+  w->Send(200, http::kJsonContentType, body.dump());
 }
 
 // GET /v1/models/{id}: the model object, or 404 model_not_found. An id with
@@ -379,10 +378,10 @@ void Router::Impl::HandleModel(const http::Request& req, std::shared_ptr<http::R
   constexpr std::string_view kPrefix = "/v1/models/";
   const std::string id = http::PercentDecode(std::string_view(req.path).substr(kPrefix.size()));
   if (id != config()->model.served_name) {
-    w->Send(404, kJson, ApiErrorJson(ApiErrorFromStatus(UnknownModelError(id))));
+    w->Send(404, http::kJsonContentType, ApiErrorJson(ApiErrorFromStatus(UnknownModelError(id))));
     return;
   }
-  w->Send(200, kJson, ModelObject().dump());
+  w->Send(200, http::kJsonContentType, ModelObject().dump());
 }
 
 void Router::Impl::HandleHealth(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
@@ -418,14 +417,14 @@ void Router::Impl::HandleHealth(const http::Request& req, std::shared_ptr<http::
   if (healthy[d] > 0) {
     nlohmann::json body = {{"status", "ok"}};
     if (details) body["pools"] = pools;
-    w->Send(200, kJson, body.dump());
+    w->Send(200, http::kJsonContentType, body.dump());
     return;
   }
   if (!details) {
     nlohmann::json body =
         nlohmann::json::parse(ApiErrorJson(ApiErrorFromStatus(absl::UnavailableError("no healthy decode worker"))));
     body["status"] = "unavailable";
-    w->Send(503, kJson, body.dump(), {{"Retry-After", "1"}});
+    w->Send(503, http::kJsonContentType, body.dump(), {{"Retry-After", "1"}});
     return;
   }
   ApiError e = ApiErrorFromStatus(
@@ -433,7 +432,7 @@ void Router::Impl::HandleHealth(const http::Request& req, std::shared_ptr<http::
   nlohmann::json body = nlohmann::json::parse(ApiErrorJson(e));
   body["status"] = "unavailable";
   body["pools"] = pools;
-  w->Send(503, kJson, body.dump(), {{"Retry-After", "1"}});
+  w->Send(503, http::kJsonContentType, body.dump(), {{"Retry-After", "1"}});
 }
 
 void Router::Impl::HandleMetrics(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
@@ -493,7 +492,7 @@ void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http
     out.push_back(']');
   }
   out.push_back('}');
-  w->Send(200, kJson, std::move(out), {{"x-request-id", id}});
+  w->Send(200, http::kJsonContentType, std::move(out), {{"x-request-id", id}});
 }
 
 void Router::Impl::HandleDetokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
@@ -519,7 +518,8 @@ void Router::Impl::HandleDetokenize(const http::Request& req, std::shared_ptr<ht
     tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
   }
   nlohmann::json out = {{"prompt", assets_->tokenizer->Decode(tokens, /*skip_special_tokens=*/false)}};
-  w->Send(200, kJson, out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), {{"x-request-id", id}});
+  w->Send(200, http::kJsonContentType, out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+          {{"x-request-id", id}});
 }
 
 }  // namespace tandem::router

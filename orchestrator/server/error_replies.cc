@@ -26,7 +26,7 @@ void ErrorReplies::Send(const std::string& endpoint, const std::string& request_
   if (e.http_status >= 500) {
     LOG(WARNING) << "request " << request_id << " " << endpoint << ": " << status.ToString();
   }
-  w.Send(e.http_status, "application/json", ApiErrorJson(e), h);
+  w.Send(e.http_status, http::kJsonContentType, ApiErrorJson(e), h);
 }
 
 }  // namespace tandem::router
