@@ -12,6 +12,7 @@ bool Available(const char** why) {
   return false;
 }
 int64_t WorkspaceBytes(int, int, int, int) { return kErrorWordBytes; }
+int64_t FixedSplitWorkspaceBytes(int, int, int, int, int) { return kErrorWordBytes; }
 absl::Status WriteKvCache(const WriteKvParams&) { return Unavailable(); }
 absl::Status PagedAttention(const PagedAttentionParams&) { return Unavailable(); }
 absl::Status TakeError(void*, void*) { return Unavailable(); }

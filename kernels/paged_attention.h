@@ -104,6 +104,14 @@ struct WriteKvParams {
 };
 absl::Status WriteKvCache(const WriteKvParams& params);
 
+// Which CUDA kernel a call uses. kAuto: the tensor-core prefill kernel when
+// some sequence has several queries and it takes the shape, else split-KV.
+// kPrefill: the prefill kernel whenever it takes the shape (single-query
+// sequences too); kSplitKv: always split-KV. A caller that keeps each kind of
+// row (prompt, generated) on one kernel gets the same bits for a row however
+// its tokens were batched or chunked.
+enum class AttentionKernel : uint8_t { kAuto, kPrefill, kSplitKv };
+
 struct PagedAttentionParams {
   Backend backend = Backend::kCpu;
   const void* q = nullptr;     // [num_tokens, num_heads, head_dim] of layout.dtype
@@ -135,6 +143,16 @@ struct PagedAttentionParams {
   void* stream = nullptr;     // a cudaStream_t; nullptr is the legacy default stream
   void* workspace = nullptr;  // device memory of at least cuda::WorkspaceBytes(...)
   int64_t workspace_bytes = 0;
+  // CUDA, split-KV kernel (calls whose query runs are all 1 long, or that
+  // the prefill kernel does not take). 0: the split is planned for the whole
+  // call (how many rows, how long the longest context, how much workspace).
+  // > 0 (rounded up to a multiple of 64): every sequence's keys are split in
+  // runs of this many, whatever else the call holds, so each row's result is
+  // the same bits in any batch (the GPU engine's batch invariance); the
+  // workspace must then hold cuda::FixedSplitWorkspaceBytes(...), else
+  // InvalidArgument.
+  int keys_per_split = 0;
+  AttentionKernel kernel = AttentionKernel::kAuto;  // CUDA
 };
 
 // REQUIRES: every block id the queries reach is < layout.num_blocks, and
@@ -159,6 +177,10 @@ bool Available(const char** why = nullptr);
 // (same results, less of the GPU busy on long contexts with few sequences).
 int64_t WorkspaceBytes(int num_tokens, int num_heads, int head_dim, int max_splits = 128);
 inline constexpr int64_t kErrorWordBytes = 256;
+// Bytes of device workspace for a call of `num_tokens` query tokens whose
+// longest context is `max_context`, split in runs of `keys_per_split` keys
+// (PagedAttentionParams::keys_per_split).
+int64_t FixedSplitWorkspaceBytes(int num_tokens, int num_heads, int head_dim, int max_context, int keys_per_split);
 absl::Status WriteKvCache(const WriteKvParams& params);
 absl::Status PagedAttention(const PagedAttentionParams& params);
 // The first device-side error recorded in `workspace` since the last call

@@ -94,6 +94,10 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(out.find("--engine must be real or sim"), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --engine sim --sim-step-ms -1", &out), 0);
   EXPECT_NE(out.find("sim step_ms must be in [0, 1e6)"), std::string::npos) << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --device tpu", &out), 0);
+  EXPECT_NE(out.find("--device must be cpu, cuda or cuda:N, got 'tpu'"), std::string::npos) << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --engine sim --device cuda", &out), 0);
+  EXPECT_NE(out.find("--device cuda: the simulator (--engine sim) computes nothing"), std::string::npos) << out;
 }
 
 }  // namespace

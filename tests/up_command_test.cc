@@ -26,6 +26,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/tls.h"
+#include "kernels/paged_attention.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/http_client.h"
 #include "tests/testing/worker_process.h"
@@ -337,8 +338,17 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
       {"--model builtin:huge", "--model: no built-in model 'builtin:huge' (builtin:tiny, builtin:small)"},
       {"--model /nonexistent", "--model: '/nonexistent' is neither a built-in model"},
       {"--kv-cache-memory 5lots", "--kv-cache-memory: '5lots' is not a size"},
+      {"--device tpu", "--device must be cpu, cuda or cuda:N, got 'tpu'"},
+      {"--device cuda:x", "--device must be cpu, cuda or cuda:N, got 'cuda:x'"},
+      {"--device cuda --prefill 1 --decode 1",
+       "--device cuda: GPU workers cannot hand KV blocks to each other yet; serve with --aggregated K"},
   };
-  for (const Case& c : cases) {
+  std::vector<Case> all = cases;
+  if (!kernels::cuda::Available()) {
+    // Without a GPU (CI), GPU workers are refused before any starts.
+    all.push_back({"--device cuda --aggregated 2", "--device cuda: "});
+  }
+  for (const Case& c : all) {
     std::string out;
     const int rc = RunCommand(absl::StrCat(*bin, " up --port 0 --run-dir ", dir_, " ", c.flags), &out);
     EXPECT_NE(rc, 0) << c.flags;

@@ -103,6 +103,14 @@ PoolView ViewOf(const KvLayout& L, const void* kv, int layer) {
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Splits of a fixed number of keys (a multiple of the kernel's 64-key tile).
+internal::SplitPlan FixedPlan(int max_context, int keys_per_split) {
+  internal::SplitPlan plan;
+  plan.keys_per_split = (std::max(keys_per_split, 1) + 63) / 64 * 64;
+  plan.num_splits = std::max(1, (max_context + plan.keys_per_split - 1) / plan.keys_per_split);
+  return plan;
+}
+
 }  // namespace
 
 bool Available(const char** why) {
@@ -115,6 +123,11 @@ int64_t WorkspaceBytes(int num_tokens, int num_heads, int head_dim, int max_spli
   const int useful = internal::MaxUsefulSplits(num_tokens, Device().ok ? Device().num_sms : 0);
   return kErrorWordBytes +
          internal::SplitKvWorkspaceBytes(num_tokens, num_heads, head_dim, std::max(1, std::min(max_splits, useful)));
+}
+
+int64_t FixedSplitWorkspaceBytes(int num_tokens, int num_heads, int head_dim, int max_context, int keys_per_split) {
+  return kErrorWordBytes + internal::SplitKvWorkspaceBytes(num_tokens, num_heads, head_dim,
+                                                           FixedPlan(max_context, keys_per_split).num_splits);
 }
 
 absl::Status WriteKvCache(const WriteKvParams& p) {
@@ -222,12 +235,25 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   a.num_tokens = p.host_query_start[p.num_seqs];
   if (a.num_tokens == 0) return absl::OkStatus();
 
-  if (a.max_q_len > 1 && internal::PrefillSupports(a)) {
+  const bool prefill_wanted =
+      p.kernel == AttentionKernel::kPrefill || (p.kernel == AttentionKernel::kAuto && a.max_q_len > 1);
+  if (prefill_wanted && internal::PrefillSupports(a)) {
     return CudaStatus(internal::LaunchPrefill(a, p.stream), "paged attention (prefill) launch");
   }
-  const internal::SplitPlan plan =
-      internal::PlanSplits(a, Device().num_sms, std::max<int64_t>(0, p.workspace_bytes - kErrorWordBytes));
-  // PlanSplits gives no more splits than the workspace's partials hold.
+  internal::SplitPlan plan;
+  if (p.keys_per_split > 0) {
+    plan = FixedPlan(a.max_context, p.keys_per_split);
+    const int64_t need =
+        FixedSplitWorkspaceBytes(a.num_tokens, a.num_heads, L.head_dim, a.max_context, p.keys_per_split);
+    if (p.workspace_bytes < need) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("paged attention: splits of %d keys over %d tokens need %d bytes of workspace, got %d",
+                          plan.keys_per_split, a.num_tokens, need, p.workspace_bytes));
+    }
+  } else {
+    // PlanSplits gives no more splits than the workspace's partials hold.
+    plan = internal::PlanSplits(a, Device().num_sms, std::max<int64_t>(0, p.workspace_bytes - kErrorWordBytes));
+  }
   return CudaStatus(internal::LaunchSplitKv(a, plan, static_cast<char*>(p.workspace) + kErrorWordBytes,
                                             p.workspace_bytes - kErrorWordBytes, p.stream),
                     "paged attention (split-KV) launch");

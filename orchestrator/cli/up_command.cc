@@ -59,11 +59,13 @@
 #include "common/sha256.h"
 #include "common/signals.h"
 #include "common/status_macros.h"
+#include "kernels/paged_attention.h"
 #include "orchestrator/cli/router_command.h"
 #include "orchestrator/config/router_config.h"
 #include "orchestrator/http/http_server.h"
 #include "worker/cli/commands.h"
 #include "worker/model/builtin_models.h"
+#include "worker/runner/model_runner.h"
 
 namespace tandem::router {
 namespace {
@@ -87,6 +89,7 @@ struct UpOptions {
   std::vector<std::string> worker_args;
   std::string run_dir;
   std::string engine;     // empty: the workers' default (real)
+  std::string device;     // empty: cpu; cuda: worker k on cuda:k; cuda:N: all on N
   int max_restarts = 5;   // per worker, in a row; 0: a dead worker stops the cluster
   bool insecure = false;  // plain TCP between router and workers
   std::string api_key;    // empty: $TANDEM_API_KEY, if set
@@ -396,6 +399,18 @@ absl::Status Up(UpOptions opt) {
       if (p->has_value()) (*p)->policy = PolicyConfig{.name = opt.policy};
     }
   }
+  if (!opt.device.empty() && opt.device != "cpu") {
+    std::string runner;
+    worker::RunnerOptions ro;
+    if (absl::Status s = worker::SelectDevice(opt.device, &runner, &ro); !s.ok()) return s;
+    if (split) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--device %s: GPU workers cannot hand KV blocks to each other yet; serve with --aggregated K", opt.device));
+    }
+    if (const char* why = nullptr; !kernels::cuda::Available(&why)) {
+      return absl::FailedPreconditionError(absl::StrFormat("--device %s: %s", opt.device, why));
+    }
+  }
   const int num_decode = split ? opt.decode : (opt.aggregated > 0 ? opt.aggregated : opt.decode);
   const int num_prefill = split ? opt.prefill : 0;
   if (num_decode < 1 || num_prefill < 0 || (split && num_prefill < 1)) {
@@ -486,6 +501,11 @@ absl::Status Up(UpOptions opt) {
     if (!opt.engine.empty()) {
       argv.push_back("--engine");
       argv.push_back(opt.engine);
+    }
+    if (!opt.device.empty()) {
+      // "cuda": one GPU per worker, in order.
+      argv.push_back("--device");
+      argv.push_back(opt.device == "cuda" ? absl::StrCat("cuda:", slot.index) : opt.device);
     }
     argv.insert(argv.end(), opt.worker_args.begin(), opt.worker_args.end());
     ASSIGN_OR_RETURN(std::unique_ptr<Child> c, Spawn(slot.name, argv));
@@ -655,6 +675,9 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_option("--engine", opt->engine,
                   "Workers' engine: real, or sim (a simulator for routing experiments; "
                   "see tandem worker --help)");
+  cmd->add_option("--device", opt->device,
+                  "Workers' device: cpu, cuda (worker k on GPU k) or cuda:N (all on GPU N); GPU workers need "
+                  "--aggregated K");
   cmd->add_option("--worker-arg", opt->worker_args, "Extra flag for every worker (repeatable)");
   cmd->add_option("--run-dir", opt->run_dir, "Where addresses and the router config go");
   cmd->add_option("--max-restarts", opt->max_restarts,

@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <mutex>
@@ -35,6 +36,7 @@ struct BenchOptions {
   int decode_tokens = 64;
   int repeats = 3;
   int threads = 0;
+  std::string device = "cpu";
   bool json = false;
 };
 
@@ -162,6 +164,8 @@ absl::Status RunBench(const BenchOptions& opt) {
   ec.enable_prefix_caching = false;  // every prefill computes its whole prompt
   ec.max_batched_tokens = std::max(2048, opt.prompt_len);
   ec.kv_cache_bytes = 1ll << 30;
+  RETURN_IF_ERROR(SelectDevice(opt.device, &ec.runner, &ec.runner_options));
+  const bool on_cpu = ec.runner == "cpu";
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(ec, std::move(loaded)));
   engine->Start();
   const ModelRunner& flops_model = engine->runner();
@@ -170,7 +174,8 @@ absl::Status RunBench(const BenchOptions& opt) {
   // Warm-up (page in weights and scratch).
   RETURN_IF_ERROR(RunBatch(*engine, {RandomPrompt(rng, opt.prompt_len, config.vocab_size)}, 2).status());
 
-  const double sgemm = SgemmRate(config, opt.prompt_len, opt.repeats);
+  // The CPU's matrix rate on the same shapes (the GPU's baseline is not this).
+  const double sgemm = on_cpu ? SgemmRate(config, opt.prompt_len, opt.repeats) : std::nan("");
   const int64_t keys = int64_t{opt.prompt_len} * (opt.prompt_len + 1) / 2;
   const double prefill_flops = flops_model.Flops(opt.prompt_len, keys, 1);
 
@@ -203,13 +208,14 @@ absl::Status RunBench(const BenchOptions& opt) {
 
   if (opt.json) {
     nlohmann::json j = {{"model", opt.model},
+                        {"device", opt.device},
                         {"prompt_len", opt.prompt_len},
                         {"batch", opt.batch},
-                        {"sgemm_gflops", sgemm},
+                        {"sgemm_gflops", on_cpu ? nlohmann::json(sgemm) : nlohmann::json()},
                         {"prefill_seconds", prefill_s},
                         {"prefill_tokens_per_s", prefill_tps},
                         {"prefill_gflops", prefill_gflops},
-                        {"prefill_ratio_to_sgemm", prefill_gflops / sgemm},
+                        {"prefill_ratio_to_sgemm", on_cpu ? nlohmann::json(prefill_gflops / sgemm) : nlohmann::json()},
                         {"batched_prefill_tokens_per_s", batched_prefill_tps},
                         {"decode_tokens_per_s", decode_tps},
                         {"batched_decode_tokens_per_s", batched_decode_tps},
@@ -217,10 +223,15 @@ absl::Status RunBench(const BenchOptions& opt) {
     std::printf("%s\n", j.dump(2).c_str());
     return absl::OkStatus();
   }
-  std::printf("tandem bench engine: %s, %d threads\n", opt.model.c_str(), openblas_get_num_threads());
-  std::printf("  OpenBLAS sgemm on the model's GEMM shapes (m=%d): %8.1f GFLOP/s\n", opt.prompt_len, sgemm);
-  std::printf("  prefill %5d tokens alone            : %8.3f s  %9.1f tok/s  %8.1f GFLOP/s  %.2fx sgemm\n",
-              opt.prompt_len, prefill_s, prefill_tps, prefill_gflops, prefill_gflops / sgemm);
+  std::printf("tandem bench engine: %s on %s, %d threads\n", opt.model.c_str(), opt.device.c_str(),
+              openblas_get_num_threads());
+  if (on_cpu) {
+    std::printf("  OpenBLAS sgemm on the model's GEMM shapes (m=%d): %8.1f GFLOP/s\n", opt.prompt_len, sgemm);
+  }
+  std::printf("  prefill %5d tokens alone            : %8.3f s  %9.1f tok/s  %8.1f GFLOP/s", opt.prompt_len, prefill_s,
+              prefill_tps, prefill_gflops);
+  if (on_cpu) std::printf("  %.2fx sgemm", prefill_gflops / sgemm);
+  std::printf("\n");
   std::printf("  prefill %d x %d tokens batched      : %8.3f s  %9.1f tok/s\n", opt.batch, opt.prompt_len,
               batched_prefill.seconds, batched_prefill_tps);
   std::printf("  decode alone                        :             %9.1f tok/s\n", decode_tps);
@@ -233,7 +244,7 @@ absl::Status RunBench(const BenchOptions& opt) {
 
 void AddBenchCommand(CLI::App& bench) {
   auto opt = std::make_shared<BenchOptions>();
-  CLI::App* cmd = bench.add_subcommand("engine", "CPU prefill/decode throughput of the engine");
+  CLI::App* cmd = bench.add_subcommand("engine", "Prefill/decode throughput of the engine (--device cpu or cuda)");
   cmd->add_option("--model", opt->model, "builtin:small, builtin:tiny or a checkpoint directory")
       ->capture_default_str();
   cmd->add_option("--prompt-len", opt->prompt_len, "Prefill prompt length")->capture_default_str();
@@ -241,6 +252,7 @@ void AddBenchCommand(CLI::App& bench) {
   cmd->add_option("--decode-tokens", opt->decode_tokens, "Tokens decoded per sequence")->capture_default_str();
   cmd->add_option("--repeats", opt->repeats, "Repeats of the single-prompt prefill (median)")->capture_default_str();
   cmd->add_option("--threads", opt->threads, "BLAS threads (0: all cores)")->capture_default_str();
+  cmd->add_option("--device", opt->device, "cpu, cuda or cuda:N (see tandem worker --help)")->capture_default_str();
   cmd->add_flag("--json", opt->json, "Print the results as JSON");
   cmd->callback([opt] { ExitWithStatus("bench engine", RunBench(*opt)); });
 }

@@ -66,6 +66,7 @@ struct WorkerOptions {
   int kv_quarantine_ms = 2000;                   // decode: a failed transfer's blocks stay unused this long
   std::string kv_fault;                          // testing: faults injected into the KV transport
   std::string engine_kind = "real";              // real, or sim (simulated compute, for routing experiments)
+  std::string device = "cpu";                    // real: cpu, cuda or cuda:N
   SimTiming sim;                                 // --engine sim's timing model
   EngineConfig engine;
 };
@@ -217,12 +218,16 @@ absl::Status RunWorker(WorkerOptions opt) {
   opt.engine.transfer_quarantine_s = opt.kv_quarantine_ms / 1000.0;
   ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(opt.kv_cache_memory));
   opt.engine.enable_prefix_caching = !opt.no_prefix_caching;
-  // The runner: "real" is the CPU runner's forward pass, "sim" the timing model.
+  // The runner: "real" is the forward pass on --device, "sim" the timing model.
   if (opt.engine_kind == "sim") {
+    if (opt.device != "cpu") {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--device %s: the simulator (--engine sim) computes nothing; --device is for --engine real", opt.device));
+    }
     opt.engine.runner = "sim";
     opt.engine.runner_options.sim = opt.sim;
   } else if (opt.engine_kind == "real") {
-    opt.engine.runner = "cpu";
+    RETURN_IF_ERROR(SelectDevice(opt.device, &opt.engine.runner, &opt.engine.runner_options));
   } else {
     return absl::InvalidArgumentError(absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
   }
@@ -388,6 +393,10 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--engine", opt->engine_kind,
                   "real, or sim: a simulator (real scheduler, KV pool, prefix cache and events; "
                   "compute replaced by a timing model) for routing experiments at scale")
+      ->capture_default_str();
+  cmd->add_option("--device", opt->device,
+                  "Where the model runs: cpu, cuda (GPU 0) or cuda:N (bfloat16 weights and KV cache in GPU memory; "
+                  "needs --kv-transport none for now)")
       ->capture_default_str();
   cmd->add_option("--sim-step-ms", opt->sim.step_ms, "sim: fixed cost of a step (ms)")->capture_default_str();
   cmd->add_option("--sim-prefill-us-per-token", opt->sim.prefill_us_per_token,

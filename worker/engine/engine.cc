@@ -59,10 +59,21 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
         absl::StrFormat("kv cache budget of %d bytes holds no block (one block of %d tokens takes %d bytes)",
                         config.kv_cache_bytes, config.block_size, KvStorage::BytesPerBlock(layout)));
   }
-  // The pool is mapped lazily (pages arrive as blocks are first written), so
-  // an oversized budget would start fine and be OOM-killed under load.
+  RETURN_IF_ERROR(runner->CheckKvLayout(layout));
+  KvStorage::Allocator allocator = runner->KvAllocator();
+  const bool runner_pool = static_cast<bool>(allocator);
+  if (!runner_pool) {
+    allocator = pool_allocator;
+  } else if (pool_allocator) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the %s runner keeps its KV cache in device memory, which the KV transport (UCX, host memory) cannot send: "
+        "run it with --kv-transport none (GPU-to-GPU KV transfer is not built yet)",
+        runner->name()));
+  }
+  // A host pool is mapped lazily (pages arrive as blocks are first written),
+  // so an oversized budget would start fine and be OOM-killed under load.
   const int64_t phys = int64_t{sysconf(_SC_PHYS_PAGES)} * sysconf(_SC_PAGESIZE);
-  if (phys > 0 && config.kv_cache_bytes > phys) {
+  if (!runner_pool && phys > 0 && config.kv_cache_bytes > phys) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "kv cache budget of %d bytes exceeds this machine's %d bytes of memory", config.kv_cache_bytes, phys));
   }
@@ -70,7 +81,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     return absl::InvalidArgumentError(
         absl::StrFormat("kv cache budget gives %d blocks; block ids are 32-bit: use larger blocks", layout.num_blocks));
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage, KvStorage::Create(layout, pool_allocator));
+  ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> storage, KvStorage::Create(layout, allocator));
   int max_len = model.config.max_position_embeddings;
   if (config.max_model_len > 0) {
     max_len = runner->simulated() ? config.max_model_len : std::min(max_len, config.max_model_len);
@@ -512,11 +523,13 @@ void Engine::Step() {
   rows_.clear();
   for (size_t s = 0; s < work.size(); ++s) {
     const Sequence& seq = *work[s].seq;
-    if (seq.num_computed < seq.prompt_len) {
+    const bool prefilling = seq.num_computed < seq.prompt_len;
+    if (prefilling) {
       batch_.prefill_tokens += work[s].num_tokens;
     } else {
       ++batch_.decode_seqs;
     }
+    batch_.prefilling.push_back(prefilling ? 1 : 0);
     for (int i = 0; i < work[s].num_tokens; ++i) {
       const int pos = seq.num_computed + i;
       batch_.tokens.push_back(seq.tokens[pos]);

@@ -24,11 +24,12 @@ absl::StatusOr<StoredTensor> TensorSource::GetStored(const std::string& name) co
   out.owner = std::move(values);
   return out;
 }
-namespace {
 
-std::string LayerTensor(int layer, const std::string& suffix) {
+std::string LayerTensorName(int layer, const std::string& suffix) {
   return absl::StrCat("model.layers.", layer, ".", suffix);
 }
+
+namespace {
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -79,25 +80,25 @@ std::map<std::string, std::vector<int64_t>> ExpectedTensorShapes(const ModelConf
   std::map<std::string, std::vector<int64_t>> shapes;
   shapes["model.embed_tokens.weight"] = {vocab, hidden};
   for (int i = 0; i < config.num_layers; ++i) {
-    shapes[LayerTensor(i, "input_layernorm.weight")] = {hidden};
-    shapes[LayerTensor(i, "self_attn.q_proj.weight")] = {q, hidden};
-    shapes[LayerTensor(i, "self_attn.k_proj.weight")] = {kv, hidden};
-    shapes[LayerTensor(i, "self_attn.v_proj.weight")] = {kv, hidden};
-    shapes[LayerTensor(i, "self_attn.o_proj.weight")] = {hidden, q};
+    shapes[LayerTensorName(i, "input_layernorm.weight")] = {hidden};
+    shapes[LayerTensorName(i, "self_attn.q_proj.weight")] = {q, hidden};
+    shapes[LayerTensorName(i, "self_attn.k_proj.weight")] = {kv, hidden};
+    shapes[LayerTensorName(i, "self_attn.v_proj.weight")] = {kv, hidden};
+    shapes[LayerTensorName(i, "self_attn.o_proj.weight")] = {hidden, q};
     if (config.qkv_bias) {
-      shapes[LayerTensor(i, "self_attn.q_proj.bias")] = {q};
-      shapes[LayerTensor(i, "self_attn.k_proj.bias")] = {kv};
-      shapes[LayerTensor(i, "self_attn.v_proj.bias")] = {kv};
+      shapes[LayerTensorName(i, "self_attn.q_proj.bias")] = {q};
+      shapes[LayerTensorName(i, "self_attn.k_proj.bias")] = {kv};
+      shapes[LayerTensorName(i, "self_attn.v_proj.bias")] = {kv};
     }
-    if (config.o_bias) shapes[LayerTensor(i, "self_attn.o_proj.bias")] = {hidden};
-    shapes[LayerTensor(i, "post_attention_layernorm.weight")] = {hidden};
-    shapes[LayerTensor(i, "mlp.gate_proj.weight")] = {inter, hidden};
-    shapes[LayerTensor(i, "mlp.up_proj.weight")] = {inter, hidden};
-    shapes[LayerTensor(i, "mlp.down_proj.weight")] = {hidden, inter};
+    if (config.o_bias) shapes[LayerTensorName(i, "self_attn.o_proj.bias")] = {hidden};
+    shapes[LayerTensorName(i, "post_attention_layernorm.weight")] = {hidden};
+    shapes[LayerTensorName(i, "mlp.gate_proj.weight")] = {inter, hidden};
+    shapes[LayerTensorName(i, "mlp.up_proj.weight")] = {inter, hidden};
+    shapes[LayerTensorName(i, "mlp.down_proj.weight")] = {hidden, inter};
     if (config.mlp_bias) {
-      shapes[LayerTensor(i, "mlp.gate_proj.bias")] = {inter};
-      shapes[LayerTensor(i, "mlp.up_proj.bias")] = {inter};
-      shapes[LayerTensor(i, "mlp.down_proj.bias")] = {hidden};
+      shapes[LayerTensorName(i, "mlp.gate_proj.bias")] = {inter};
+      shapes[LayerTensorName(i, "mlp.up_proj.bias")] = {inter};
+      shapes[LayerTensorName(i, "mlp.down_proj.bias")] = {hidden};
     }
   }
   shapes["model.norm.weight"] = {hidden};
@@ -124,50 +125,17 @@ int64_t ParameterCount(const ModelConfig& config) {
 absl::StatusOr<ModelWeights> LoadWeights(const ModelConfig& config, const TensorSource& source) {
   RETURN_IF_ERROR(ValidateModelConfig(config));
   const std::map<std::string, std::vector<int64_t>> shapes = ExpectedTensorShapes(config);
-  auto fetch = [&](const std::string& name) {
-    auto it = shapes.find(name);
-    CHECK(it != shapes.end()) << name;
-    return Fetch(source, name, it->second);
-  };
-  // Appends the named tensors, in order, to `fused`.
-  auto fuse = [&](int layer, std::initializer_list<const char*> suffixes, std::vector<float>* fused) -> absl::Status {
-    for (const char* suffix : suffixes) {
-      ASSIGN_OR_RETURN(std::vector<float> part, fetch(LayerTensor(layer, suffix)));
-      AppendRows(fused, part);
-    }
-    return absl::OkStatus();
-  };
-
-  ModelWeights w;
-  ASSIGN_OR_RETURN(w.embed, fetch("model.embed_tokens.weight"));
-  w.layers.resize(config.num_layers);
-  for (int i = 0; i < config.num_layers; ++i) {
-    LayerWeights& layer = w.layers[i];
-    ASSIGN_OR_RETURN(layer.input_norm, fetch(LayerTensor(i, "input_layernorm.weight")));
-    RETURN_IF_ERROR(
-        fuse(i, {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}, &layer.wqkv));
-    if (config.qkv_bias) {
-      RETURN_IF_ERROR(
-          fuse(i, {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}, &layer.bqkv));
-    }
-    ASSIGN_OR_RETURN(layer.wo, fetch(LayerTensor(i, "self_attn.o_proj.weight")));
-    if (config.o_bias) {
-      ASSIGN_OR_RETURN(layer.bo, fetch(LayerTensor(i, "self_attn.o_proj.bias")));
-    }
-    ASSIGN_OR_RETURN(layer.post_norm, fetch(LayerTensor(i, "post_attention_layernorm.weight")));
-    RETURN_IF_ERROR(fuse(i, {"mlp.gate_proj.weight", "mlp.up_proj.weight"}, &layer.w_gate_up));
-    ASSIGN_OR_RETURN(layer.w_down, fetch(LayerTensor(i, "mlp.down_proj.weight")));
-    if (config.mlp_bias) {
-      RETURN_IF_ERROR(fuse(i, {"mlp.gate_proj.bias", "mlp.up_proj.bias"}, &layer.b_gate_up));
-      ASSIGN_OR_RETURN(layer.b_down, fetch(LayerTensor(i, "mlp.down_proj.bias")));
-    }
-  }
-  ASSIGN_OR_RETURN(w.final_norm, fetch("model.norm.weight"));
-  // With tied embeddings lm_head.weight is ignored even when present.
-  if (!config.tie_word_embeddings) {
-    ASSIGN_OR_RETURN(w.lm_head, fetch("lm_head.weight"));
-  }
-  return w;
+  return AssembleWeights<std::vector<float>>(
+      config, [&](const WeightParts& parts) -> absl::StatusOr<std::vector<float>> {
+        std::vector<float> fused;
+        for (const std::string& name : parts.names) {
+          auto it = shapes.find(name);
+          CHECK(it != shapes.end()) << name;
+          ASSIGN_OR_RETURN(std::vector<float> part, Fetch(source, name, it->second));
+          AppendRows(&fused, part);
+        }
+        return fused;
+      });
 }
 
 }  // namespace tandem::worker

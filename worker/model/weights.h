@@ -63,26 +63,48 @@ class TensorSource {
   virtual std::string Describe() const = 0;
 };
 
-struct LayerWeights {
-  std::vector<float> input_norm;  // [hidden]
-  std::vector<float> wqkv;        // [q_size + 2*kv_size, hidden]
-  std::vector<float> bqkv;        // [q_size + 2*kv_size] or empty
-  std::vector<float> wo;          // [hidden, q_size]
-  std::vector<float> bo;          // [hidden] or empty
-  std::vector<float> post_norm;   // [hidden]
-  std::vector<float> w_gate_up;   // [2*intermediate, hidden]: gate rows, then up rows
-  std::vector<float> b_gate_up;   // [2*intermediate] or empty
-  std::vector<float> w_down;      // [hidden, intermediate]
-  std::vector<float> b_down;      // [hidden] or empty
+// The weights as the forward pass groups them, in any storage `Buffer` (f32
+// host vectors for the CPU runner, device buffers for a GPU runner). Matrices
+// are row-major [out_features, in_features]; fused ones stack their parts'
+// rows in the order given. An absent optional weight (a bias the config does
+// not have, lm_head when tied) is a default-constructed (empty) Buffer.
+template <typename Buffer>
+struct LayerWeightsOf {
+  Buffer input_norm;  // [hidden]
+  Buffer wqkv;        // [q_size + 2*kv_size, hidden]
+  Buffer bqkv;        // [q_size + 2*kv_size] or empty
+  Buffer wo;          // [hidden, q_size]
+  Buffer bo;          // [hidden] or empty
+  Buffer post_norm;   // [hidden]
+  Buffer w_gate_up;   // [2*intermediate, hidden]: gate rows, then up rows
+  Buffer b_gate_up;   // [2*intermediate] or empty
+  Buffer w_down;      // [hidden, intermediate]
+  Buffer b_down;      // [hidden] or empty
 };
 
-struct ModelWeights {
-  std::vector<float> embed;  // [vocab, hidden]
-  std::vector<LayerWeights> layers;
-  std::vector<float> final_norm;  // [hidden]
-  std::vector<float> lm_head;     // [vocab, hidden]; empty when tied to embed
-  const std::vector<float>& output_matrix() const { return lm_head.empty() ? embed : lm_head; }
+template <typename Buffer>
+struct ModelWeightsOf {
+  Buffer embed;  // [vocab, hidden]
+  std::vector<LayerWeightsOf<Buffer>> layers;
+  Buffer final_norm;  // [hidden]
+  Buffer lm_head;     // [vocab, hidden]; empty when tied to embed
+  const Buffer& output_matrix() const { return lm_head.empty() ? embed : lm_head; }
 };
+
+using LayerWeights = LayerWeightsOf<std::vector<float>>;
+using ModelWeights = ModelWeightsOf<std::vector<float>>;
+
+// The tensors of each weight, as AssembleWeights asks for them.
+struct WeightParts {
+  std::vector<std::string> names;  // Hugging Face names, stacked in this order
+};
+
+// Builds every weight of `config` through `read(const WeightParts&) ->
+// absl::StatusOr<Buffer>` (one call per weight, fused weights naming their
+// parts in order). The one place that knows which tensors make which
+// weight; LoadWeights and the GPU runner read through it.
+template <typename Buffer, typename Read>
+absl::StatusOr<ModelWeightsOf<Buffer>> AssembleWeights(const ModelConfig& config, const Read& read);
 
 // The Hugging Face tensors LoadWeights reads for `config`: name -> shape, with
 // matrices as [out_features, in_features]. Biases appear where the config has
@@ -100,6 +122,55 @@ absl::Status CheckTensors(const ModelConfig& config, const TensorSource& source)
 
 // The parameters `config` has (the elements of ExpectedTensorShapes).
 int64_t ParameterCount(const ModelConfig& config);
+
+// --- AssembleWeights ---------------------------------------------------------
+
+std::string LayerTensorName(int layer, const std::string& suffix);  // "model.layers.N.suffix"
+
+template <typename Buffer, typename Read>
+absl::StatusOr<ModelWeightsOf<Buffer>> AssembleWeights(const ModelConfig& config, const Read& read) {
+  ModelWeightsOf<Buffer> w;
+  // Reads one weight into `out`; the first failure stops the rest.
+  absl::Status error;
+  auto get = [&](std::vector<std::string> names, Buffer* out) {
+    if (!error.ok()) return;
+    absl::StatusOr<Buffer> b = read(WeightParts{.names = std::move(names)});
+    if (b.ok()) {
+      *out = *std::move(b);
+    } else {
+      error = b.status();
+    }
+  };
+  auto layer_parts = [](int layer, std::initializer_list<const char*> suffixes) {
+    std::vector<std::string> names;
+    for (const char* s : suffixes) names.push_back(LayerTensorName(layer, s));
+    return names;
+  };
+  get({"model.embed_tokens.weight"}, &w.embed);
+  w.layers.resize(config.num_layers);
+  for (int i = 0; i < config.num_layers && error.ok(); ++i) {
+    LayerWeightsOf<Buffer>& l = w.layers[i];
+    get(layer_parts(i, {"input_layernorm.weight"}), &l.input_norm);
+    get(layer_parts(i, {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"}), &l.wqkv);
+    if (config.qkv_bias) {
+      get(layer_parts(i, {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}), &l.bqkv);
+    }
+    get(layer_parts(i, {"self_attn.o_proj.weight"}), &l.wo);
+    if (config.o_bias) get(layer_parts(i, {"self_attn.o_proj.bias"}), &l.bo);
+    get(layer_parts(i, {"post_attention_layernorm.weight"}), &l.post_norm);
+    get(layer_parts(i, {"mlp.gate_proj.weight", "mlp.up_proj.weight"}), &l.w_gate_up);
+    get(layer_parts(i, {"mlp.down_proj.weight"}), &l.w_down);
+    if (config.mlp_bias) {
+      get(layer_parts(i, {"mlp.gate_proj.bias", "mlp.up_proj.bias"}), &l.b_gate_up);
+      get(layer_parts(i, {"mlp.down_proj.bias"}), &l.b_down);
+    }
+  }
+  get({"model.norm.weight"}, &w.final_norm);
+  // With tied embeddings lm_head.weight is ignored even when present.
+  if (!config.tie_word_embeddings) get({"lm_head.weight"}, &w.lm_head);
+  if (!error.ok()) return error;
+  return w;
+}
 
 }  // namespace tandem::worker
 

@@ -9,6 +9,11 @@
 //         and position, never an end-of-sequence token (so it runs to
 //         max_tokens). The real scheduler, KV pool, prefix cache and events
 //         run as usual: routing experiments at scale.
+//   "cuda" (cuda/cuda_runner.cc, `tandem worker --device cuda[:N]`): the
+//         forward pass on one Hopper GPU in bfloat16 (cuBLASLt, the kernels/
+//         attention kernels), its KV pool in device memory. In a build
+//         without nvcc (cuda_runner_unavailable.cc) it fails with
+//         FailedPrecondition saying so.
 #ifndef TANDEM_WORKER_RUNNER_BUILTIN_RUNNERS_H_
 #define TANDEM_WORKER_RUNNER_BUILTIN_RUNNERS_H_
 
@@ -25,6 +30,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> NewCpuRunner(ModelConfig config,
 absl::StatusOr<std::unique_ptr<ModelRunner>> NewSimRunner(ModelConfig config,
                                                           std::shared_ptr<const TensorSource> tensors,
                                                           const RunnerOptions& options);
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> NewCudaRunner(ModelConfig config,
+                                                           std::shared_ptr<const TensorSource> tensors,
+                                                           const RunnerOptions& options);
 
 }  // namespace tandem::worker
 

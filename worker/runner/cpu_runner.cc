@@ -39,7 +39,7 @@ class CpuRunner final : public ModelRunner {
   }
 
   double Flops(int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) const override {
-    return model_.Flops(num_tokens, attended_keys, logits_rows);
+    return LlamaForwardFlops(config(), num_tokens, attended_keys, logits_rows);
   }
 
  private:

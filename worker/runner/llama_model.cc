@@ -40,8 +40,10 @@ void AddBias(float* y, int m, int n, const std::vector<float>& bias) {
   }
 }
 
+}  // namespace
+
 // Hugging Face's RoPE frequencies: theta^(-2i/d), then the configured scaling.
-std::vector<double> InverseFrequencies(const ModelConfig& c) {
+std::vector<double> RopeInverseFrequencies(const ModelConfig& c) {
   const int half = c.head_dim / 2;
   std::vector<double> inv(half);
   for (int i = 0; i < half; ++i) inv[i] = std::pow(c.rope.theta, -2.0 * i / c.head_dim);
@@ -73,10 +75,8 @@ std::vector<double> InverseFrequencies(const ModelConfig& c) {
   return inv;
 }
 
-}  // namespace
-
 LlamaModel::LlamaModel(ModelConfig config, ModelWeights weights)
-    : config_(std::move(config)), w_(std::move(weights)), inv_freq_(InverseFrequencies(config_)) {}
+    : config_(std::move(config)), w_(std::move(weights)), inv_freq_(RopeInverseFrequencies(config_)) {}
 
 kernels::KvLayout LlamaModel::KvBlockLayout(int block_size) const { return HostKvLayout(config_, block_size); }
 
@@ -211,8 +211,7 @@ absl::Status LlamaModel::Forward(const BatchInput& in, float* kv_cache, const ke
   return absl::OkStatus();
 }
 
-double LlamaModel::Flops(int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) const {
-  const ModelConfig& c = config_;
+double LlamaForwardFlops(const ModelConfig& c, int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) {
   const double per_token_linear =
       2.0 * c.num_layers *
       (double(c.hidden_size) * (c.q_size() + 2 * c.kv_size()) + double(c.q_size()) * c.hidden_size +

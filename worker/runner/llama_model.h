@@ -21,6 +21,16 @@
 
 namespace tandem::worker {
 
+// Hugging Face's RoPE inverse frequencies for `config`: theta^(-2i/d), then
+// its scaling (linear, llama3), [head_dim / 2], in double.
+std::vector<double> RopeInverseFrequencies(const ModelConfig& config);
+
+// Floating-point operations of a Llama-family forward over `num_tokens` new
+// tokens whose attention spans `attended_keys` (query, key) pairs in total,
+// with `logits_rows` rows through the LM head, counting 2 per multiply-add
+// (any runner of these models: for FLOP rates).
+double LlamaForwardFlops(const ModelConfig& config, int64_t num_tokens, int64_t attended_keys, int64_t logits_rows);
+
 class LlamaModel {
  public:
   LlamaModel(ModelConfig config, ModelWeights weights);
@@ -36,11 +46,6 @@ class LlamaModel {
   // REQUIRES: token ids < vocab_size, positions < max_position_embeddings.
   absl::Status Forward(const BatchInput& in, float* kv_cache, const kernels::KvLayout& layout,
                        std::vector<float>* logits);
-
-  // Floating-point operations of a forward over `num_tokens` new tokens whose
-  // attention spans `attended_keys` (query, key) pairs in total, counting
-  // 2 per multiply-add. Used by the benchmark to report FLOP rates.
-  double Flops(int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) const;
 
  private:
   void ComputeRope(const BatchInput& in);

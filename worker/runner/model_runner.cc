@@ -1,5 +1,6 @@
 #include "worker/runner/model_runner.h"
 
+#include <charconv>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -17,6 +18,7 @@ void BatchInput::Clear() {
   slot_mapping.clear();
   query_start.assign(1, 0);
   context_lens.clear();
+  prefilling.clear();
   block_tables.clear();
   max_blocks_per_seq = 0;
   logits_rows.clear();
@@ -50,6 +52,27 @@ kernels::KvLayout HostKvLayout(const ModelConfig& config, int block_size) {
                            .num_blocks = 0};
 }
 
+absl::Status SelectDevice(std::string_view device, std::string* runner, RunnerOptions* options) {
+  if (device == "cpu") {
+    *runner = "cpu";
+    return absl::OkStatus();
+  }
+  int index = 0;
+  bool ok = device == "cuda";
+  if (!ok && device.substr(0, 5) == "cuda:" && device.size() > 5 && device.size() <= 8) {
+    const std::string_view digits = device.substr(5);
+    const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), index);
+    ok = ec == std::errc() && end == digits.data() + digits.size() && index >= 0;
+  }
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device must be cpu, cuda or cuda:N, got '", std::string(device), "'"));
+  }
+  *runner = "cuda";
+  options->device = index;
+  return absl::OkStatus();
+}
+
 void ModelRunnerRegistry::Register(std::string name, Factory factory) {
   CHECK(factories_.count(name) == 0) << "runner " << name << " registered twice";
   factories_.emplace(std::move(name), std::move(factory));
@@ -79,6 +102,7 @@ const ModelRunnerRegistry& ModelRunnerRegistry::Builtin() {
     auto* r = new ModelRunnerRegistry;
     r->Register("cpu", NewCpuRunner);
     r->Register("sim", NewSimRunner);
+    r->Register("cuda", NewCudaRunner);
     return r;
   }();
   return *registry;

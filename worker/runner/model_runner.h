@@ -8,7 +8,8 @@
 // Runners are chosen by name from a registry (ModelRunnerRegistry): "cpu"
 // (LlamaModel: f32 activations, OpenBLAS, the CPU attention kernels), "sim"
 // (a timing model for routing experiments: no compute, meaningless tokens)
-// and, with the GPU engine, "cuda".
+// and "cuda" (bf16 on one NVIDIA Hopper GPU; builds without nvcc register it
+// as a runner that explains why it is missing).
 //
 // Not thread-safe: the engine thread owns its runner.
 #ifndef TANDEM_WORKER_RUNNER_MODEL_RUNNER_H_
@@ -42,6 +43,10 @@ struct BatchInput {
   std::vector<int64_t> slot_mapping;  // [T], block * block_size + offset of its K/V
   std::vector<int> query_start;       // [S + 1], prefix sums of tokens per sequence
   std::vector<int> context_lens;      // [S], tokens in cache after this step
+  // [S], 1 where the sequence's tokens this step are its prompt's (prefill,
+  // recomputation), 0 where it decodes; empty: a sequence with one token
+  // decodes. A GPU runner keeps each kind on one attention kernel.
+  std::vector<uint8_t> prefilling;
   std::vector<int32_t> block_tables;  // [S * max_blocks_per_seq]
   int max_blocks_per_seq = 0;
   std::vector<int> logits_rows;  // indices into tokens whose logits are wanted
@@ -84,7 +89,8 @@ struct SimTiming {
 
 // What a runner may need besides the model.
 struct RunnerOptions {
-  SimTiming sim;  // "sim"
+  SimTiming sim;   // "sim"
+  int device = 0;  // "cuda": the CUDA device's index (`--device cuda:N`)
 };
 
 class ModelRunner {
@@ -101,6 +107,13 @@ class ModelRunner {
   // The KV geometry for blocks of `block_size` tokens (num_blocks left 0 for
   // the caller to fill).
   virtual kernels::KvLayout KvBlockLayout(int block_size) const = 0;
+  // InvalidArgument for a pool geometry the runner cannot run (a GPU
+  // runner's block sizes); `layout` is KvBlockLayout's with num_blocks set.
+  virtual absl::Status CheckKvLayout(const kernels::KvLayout& /*layout*/) const { return absl::OkStatus(); }
+  // Where its KV pool must live: null for host memory (the engine's default
+  // or a transport's), else the allocator of the runner's own memory (a GPU
+  // runner's device memory, owned by the runner, which outlives the pool).
+  virtual KvStorage::Allocator KvAllocator() { return nullptr; }
 
   // One step: writes the K/V of `in`'s tokens into `kv` and samples one
   // token for each of in.logits_rows, in order, as `rows` says.
@@ -126,6 +139,11 @@ class ModelRunner {
 // KV head and token): the cpu and sim runners' (num_blocks left 0).
 kernels::KvLayout HostKvLayout(const ModelConfig& config, int block_size);
 
+// `--device`: "cpu" (the cpu runner), "cuda" (the cuda runner on device 0)
+// or "cuda:N". Sets the runner's name and options.device; InvalidArgument
+// naming the flag otherwise.
+absl::Status SelectDevice(std::string_view device, std::string* runner, RunnerOptions* options);
+
 class ModelRunnerRegistry {
  public:
   // `tensors`: the model's, checked by LoadModel; each runner reads them its own way.
@@ -142,7 +160,7 @@ class ModelRunnerRegistry {
   absl::Status Check(std::string_view name) const;
   std::vector<std::string> names() const;
 
-  // The runners built into this binary ("cpu", "sim").
+  // The runners built into this binary ("cpu", "sim", "cuda").
   static const ModelRunnerRegistry& Builtin();
 
  private:

@@ -24,7 +24,7 @@ LoadedModel Tiny() {
 
 TEST(ModelRunnerRegistryTest, BuiltinRunnersByName) {
   const ModelRunnerRegistry& r = ModelRunnerRegistry::Builtin();
-  EXPECT_EQ(r.names(), (std::vector<std::string>{"cpu", "sim"}));
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"cpu", "cuda", "sim"}));
   for (const char* name : {"cpu", "sim"}) {
     LoadedModel m = Tiny();
     absl::StatusOr<std::unique_ptr<ModelRunner>> runner = r.Create(name, m.config, m.tensors, {});
@@ -43,7 +43,7 @@ TEST(ModelRunnerRegistryTest, BuiltinRunnersByName) {
   absl::StatusOr<std::unique_ptr<ModelRunner>> bad = r.Create("tpu", m.config, m.tensors, {});
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("unknown model runner 'tpu' (known: cpu, sim)"));
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("unknown model runner 'tpu' (known: cpu, cuda, sim)"));
 }
 
 TEST(ModelRunnerRegistryTest, TheEngineRefusesAnUnknownRunnerByName) {

@@ -1,0 +1,511 @@
+// The "cuda" runner: a Llama-family forward pass on one NVIDIA GPU (Hopper),
+// bfloat16 weights and activations, float32 accumulation and statistics.
+//
+// Per layer: RMSNorm; the fused QKV product (cuBLASLt); bias, RoPE and the KV
+// write in one kernel; paged attention (kernels::cuda); the output product
+// accumulated onto the residual (beta = 1); RMSNorm; the fused gate/up
+// product; SiLU-and-multiply; the down product onto the residual. The
+// residual stream is float32 (Hugging Face keeps it in bfloat16): the
+// products accumulate onto it in float32 and it is never rounded, which
+// keeps the GPU engine closer to the float32 reference. Then the
+// final norm gathers only the rows whose logits are wanted, and the LM head
+// writes their float32 logits, which the host samples (SampleToken).
+//
+// Everything of a step runs on the runner's stream; the step's metadata goes
+// up in one copy from pinned memory, and the logits come back in one; the
+// step synchronizes once, where it reads the logits and the kernels' error
+// word.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kernels/paged_attention.h"
+#include "worker/runner/builtin_runners.h"
+#include "worker/runner/cuda/lt_gemm.h"
+#include "worker/runner/cuda/model_kernels.h"
+#include "worker/runner/llama_model.h"
+
+namespace tandem::worker {
+namespace {
+
+absl::Status Cuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();
+  return absl::InternalError(absl::StrCat("cuda runner: ", what, ": ", cudaGetErrorString(e)));
+}
+absl::Status Launch(int e, const char* what) { return Cuda(static_cast<cudaError_t>(e), what); }
+
+// Device memory, freed with the buffer.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  static absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes, const char* what) {
+    DeviceBuffer b;
+    if (bytes == 0) return b;
+    void* p = nullptr;
+    if (cudaError_t e = cudaMalloc(&p, static_cast<size_t>(bytes)); e != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_bytes = 0, total = 0;
+      cudaMemGetInfo(&free_bytes, &total);
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "cuda runner: cannot allocate %d bytes of device memory for %s (%d of %d bytes free): %s", bytes, what,
+          free_bytes, total, cudaGetErrorString(e)));
+    }
+    b.ptr_.reset(p);
+    b.bytes_ = bytes;
+    return b;
+  }
+  void* get() const { return ptr_.get(); }
+  int64_t bytes() const { return bytes_; }
+  bool empty() const { return bytes_ == 0; }
+
+ private:
+  struct Free {
+    void operator()(void* p) const { cudaFree(p); }
+  };
+  std::unique_ptr<void, Free> ptr_;
+  int64_t bytes_ = 0;
+};
+
+// A device buffer that grows to what a step needs (contents not kept).
+absl::Status Reserve(DeviceBuffer* b, int64_t bytes, const char* what) {
+  if (b->bytes() >= bytes) return absl::OkStatus();
+  *b = DeviceBuffer();
+  ASSIGN_OR_RETURN(*b, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 1 << 16), what));
+  return absl::OkStatus();
+}
+
+cuda_ops::SrcType SrcTypeOf(WeightDtype d) {
+  switch (d) {
+    case WeightDtype::kF32:
+      return cuda_ops::SrcType::kF32;
+    case WeightDtype::kF16:
+      return cuda_ops::SrcType::kF16;
+    case WeightDtype::kBF16:
+      return cuda_ops::SrcType::kBF16;
+  }
+  return cuda_ops::SrcType::kF32;
+}
+int64_t DtypeBytes(WeightDtype d) { return d == WeightDtype::kF32 ? 4 : 2; }
+
+constexpr int64_t kGemmWorkspaceBytes = int64_t{32} << 20;
+
+class CudaRunner final : public ModelRunner {
+ public:
+  CudaRunner(ModelConfig config, int device) : ModelRunner(std::move(config)), device_(device) {}
+
+  ~CudaRunner() override {
+    cudaSetDevice(device_);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    gemm_.reset();
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (host_meta_ != nullptr) cudaFreeHost(host_meta_);
+    if (host_logits_ != nullptr) cudaFreeHost(host_logits_);
+  }
+
+  absl::Status Init(const TensorSource& tensors) {
+    const ModelConfig& c = config();
+    if (const char* why = nullptr; !kernels::cuda::Available(&why)) {
+      return absl::FailedPreconditionError(absl::StrCat("--device cuda: ", why));
+    }
+    int count = 0;
+    RETURN_IF_ERROR(Cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
+    if (device_ < 0 || device_ >= count) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--device cuda:%d: this machine has %d CUDA device(s) (cuda:0..cuda:%d)", device_, count,
+                          count - 1));
+    }
+    RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
+    if (c.hidden_size % 8 != 0 || c.head_dim % 8 != 0 || c.head_dim > 256) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the cuda runner needs hidden_size and head_dim multiples of 8 (head_dim <= 256); the model has %d and %d",
+          c.hidden_size, c.head_dim));
+    }
+    RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
+    ASSIGN_OR_RETURN(gemm_workspace_, DeviceBuffer::Allocate(kGemmWorkspaceBytes, "the cuBLASLt workspace"));
+    ASSIGN_OR_RETURN(gemm_, LtGemm::Create(gemm_workspace_.get(), gemm_workspace_.bytes()));
+
+    const std::vector<double> inv_freq = RopeInverseFrequencies(c);
+    ASSIGN_OR_RETURN(inv_freq_, DeviceBuffer::Allocate(int64_t(inv_freq.size() * sizeof(double)), "RoPE"));
+    RETURN_IF_ERROR(Cuda(cudaMemcpy(inv_freq_.get(), inv_freq.data(), inv_freq.size() * sizeof(double),
+                                    cudaMemcpyHostToDevice),
+                         "upload RoPE frequencies"));
+
+    DeviceBuffer staging;
+    auto upload = [&](const WeightParts& parts) -> absl::StatusOr<DeviceBuffer> {
+      std::vector<StoredTensor> stored;
+      int64_t numel = 0;
+      for (const std::string& name : parts.names) {
+        ASSIGN_OR_RETURN(StoredTensor t, tensors.GetStored(name));
+        int64_t n = 1;
+        for (int64_t d : t.shape) n *= d;
+        if (int64_t(t.bytes.size()) != n * DtypeBytes(t.dtype)) {
+          return absl::DataLossError(absl::StrFormat("tensor '%s' in %s has %d bytes for %d elements", name,
+                                                     tensors.Describe(), t.bytes.size(), n));
+        }
+        numel += n;
+        stored.push_back(std::move(t));
+      }
+      ASSIGN_OR_RETURN(DeviceBuffer out, DeviceBuffer::Allocate(numel * 2, parts.names.front().c_str()));
+      int64_t at = 0;
+      for (const StoredTensor& t : stored) {
+        const int64_t n = int64_t(t.bytes.size()) / DtypeBytes(t.dtype);
+        char* dst = static_cast<char*>(out.get()) + at * 2;
+        if (t.dtype == WeightDtype::kBF16) {
+          RETURN_IF_ERROR(Cuda(cudaMemcpy(dst, t.bytes.data(), t.bytes.size(), cudaMemcpyHostToDevice), "upload"));
+        } else {
+          RETURN_IF_ERROR(Reserve(&staging, int64_t(t.bytes.size()), "weight conversion"));
+          RETURN_IF_ERROR(
+              Cuda(cudaMemcpy(staging.get(), t.bytes.data(), t.bytes.size(), cudaMemcpyHostToDevice), "upload"));
+          RETURN_IF_ERROR(Launch(cuda_ops::LaunchToBf16(staging.get(), SrcTypeOf(t.dtype), dst, n, nullptr),
+                                 "convert weights to bfloat16"));
+          RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "convert weights to bfloat16"));
+        }
+        at += n;
+      }
+      weight_bytes_ += out.bytes();
+      return out;
+    };
+    ASSIGN_OR_RETURN(w_, AssembleWeights<DeviceBuffer>(c, upload));
+    LOG(INFO) << "cuda runner: " << weight_bytes_ << " bytes of bfloat16 weights on cuda:" << device_;
+    return absl::OkStatus();
+  }
+
+  std::string_view name() const override { return "cuda"; }
+
+  kernels::KvLayout KvBlockLayout(int block_size) const override {
+    kernels::KvLayout layout = HostKvLayout(config(), block_size);
+    layout.dtype = kernels::DType::kBF16;
+    return layout;
+  }
+
+  absl::Status CheckKvLayout(const kernels::KvLayout& layout) const override {
+    if (layout.block_size != 16 && layout.block_size != 32 && layout.block_size != 64) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the cuda runner takes KV blocks of 16, 32 or 64 tokens (--block-size), not %d", layout.block_size));
+    }
+    return absl::OkStatus();
+  }
+
+  KvStorage::Allocator KvAllocator() override {
+    return [this](int64_t bytes) -> absl::StatusOr<KvMemory> {
+      RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
+      ASSIGN_OR_RETURN(kv_pool_, DeviceBuffer::Allocate(bytes, "the KV cache (--kv-cache-memory)"));
+      RETURN_IF_ERROR(Cuda(cudaMemset(kv_pool_.get(), 0, static_cast<size_t>(bytes)), "clear the KV cache"));
+      return KvMemory{.data = kv_pool_.get(), .location = MemoryLocation::kDevice};
+    };
+  }
+
+  absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
+                    std::vector<SampledToken>* sampled) override {
+    if (kv.location() != MemoryLocation::kDevice || kv.dtype() != kernels::DType::kBF16) {
+      return absl::FailedPreconditionError(absl::StrCat("the cuda runner needs a bfloat16 KV pool in device memory, got ",
+                                                        kernels::DTypeName(kv.dtype()), " in ",
+                                                        MemoryLocationName(kv.location()), " memory"));
+    }
+    RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
+    sampled->clear();
+    const ModelConfig& c = config();
+    const int T = in.num_tokens();
+    if (T == 0) return absl::OkStatus();
+    for (int t = 0; t < T; ++t) {
+      if (in.tokens[t] < 0 || in.tokens[t] >= c.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrFormat("token id %d outside the vocabulary", in.tokens[t]));
+      }
+    }
+    const int R = static_cast<int>(in.logits_rows.size());
+    for (int r : in.logits_rows) {
+      if (r < 0 || r >= T) return absl::InvalidArgumentError("logits row outside the batch");
+    }
+    RETURN_IF_ERROR(UploadMetadata(in));
+    RETURN_IF_ERROR(ReserveActivations(T, R));
+    RETURN_IF_ERROR(Forward(in, kv));
+    if (R > 0) {
+      const size_t logits_bytes = size_t(R) * c.vocab_size * sizeof(float);
+      RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host_logits_, logits_.get(), logits_bytes, cudaMemcpyDeviceToHost, stream_),
+                           "download logits"));
+    }
+    // Synchronizes the stream; a slot or block id past the pool is an error.
+    RETURN_IF_ERROR(kernels::cuda::TakeError(attn_workspace_.get(), stream_));
+    const size_t vocab = size_t(c.vocab_size);
+    sampled->reserve(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const RowSampling& r = rows[i];
+      sampled->push_back(SampleToken(std::span<float>(host_logits_ + i * vocab, vocab), *r.params, r.prompt, r.output,
+                                     c.eos_token_ids, r.seed));
+    }
+    return absl::OkStatus();
+  }
+
+  double Flops(int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) const override {
+    return LlamaForwardFlops(config(), num_tokens, attended_keys, logits_rows);
+  }
+
+ private:
+  // Metadata offsets in the packed upload (bytes, 16-aligned).
+  struct MetaLayout {
+    size_t tokens, positions, slots, query_start, context_lens, block_tables, logits_rows, run_query_starts, total;
+  };
+  static size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
+
+  absl::Status UploadMetadata(const BatchInput& in) {
+    MetaLayout m{};
+    size_t at = 0;
+    auto place = [&](size_t bytes) {
+      const size_t here = at;
+      at += Align16(bytes);
+      return here;
+    };
+    m.tokens = place(in.tokens.size() * sizeof(int32_t));
+    m.positions = place(in.positions.size() * sizeof(int32_t));
+    m.slots = place(in.slot_mapping.size() * sizeof(int64_t));
+    m.query_start = place(in.query_start.size() * sizeof(int));
+    m.context_lens = place(in.context_lens.size() * sizeof(int));
+    m.block_tables = place(in.block_tables.size() * sizeof(int32_t));
+    m.logits_rows = place(in.logits_rows.size() * sizeof(int));
+    // Attention runs: consecutive sequences alike (decoding or prefilling),
+    // each with its query_start rebased to 0.
+    runs_.clear();
+    run_query_starts_.clear();
+    for (int s0 = 0; s0 < in.num_seqs();) {
+      auto decoding = [&](int s) {
+        return in.prefilling.empty() ? in.query_start[s + 1] - in.query_start[s] == 1 : in.prefilling[s] == 0;
+      };
+      int s1 = s0 + 1;
+      while (s1 < in.num_seqs() && decoding(s1) == decoding(s0)) ++s1;
+      AttentionRun run{.first_seq = s0, .num_seqs = s1 - s0, .decode = decoding(s0)};
+      run.first_token = in.query_start[s0];
+      run.num_tokens = in.query_start[s1] - in.query_start[s0];
+      run.query_start_index = run_query_starts_.size();
+      for (int s = s0; s <= s1; ++s) run_query_starts_.push_back(in.query_start[s] - in.query_start[s0]);
+      for (int s = s0; s < s1; ++s) run.max_context = std::max(run.max_context, in.context_lens[s]);
+      runs_.push_back(run);
+      s0 = s1;
+    }
+    m.run_query_starts = place(run_query_starts_.size() * sizeof(int));
+    m.total = at;
+    if (host_meta_bytes_ < m.total) {
+      // The previous step's copy has finished: every step ends synchronized.
+      if (host_meta_ != nullptr) cudaFreeHost(host_meta_);
+      host_meta_ = nullptr;
+      host_meta_bytes_ = std::max<size_t>(m.total * 2, 1 << 16);
+      RETURN_IF_ERROR(Cuda(cudaMallocHost(&host_meta_, host_meta_bytes_), "pinned metadata buffer"));
+    }
+    RETURN_IF_ERROR(Reserve(&meta_, int64_t(host_meta_bytes_), "step metadata"));
+    char* h = static_cast<char*>(host_meta_);
+    auto put = [&](size_t off, const auto& v) { std::memcpy(h + off, v.data(), v.size() * sizeof(v[0])); };
+    put(m.tokens, in.tokens);
+    put(m.positions, in.positions);
+    put(m.slots, in.slot_mapping);
+    put(m.query_start, in.query_start);
+    put(m.context_lens, in.context_lens);
+    put(m.block_tables, in.block_tables);
+    put(m.logits_rows, in.logits_rows);
+    put(m.run_query_starts, run_query_starts_);
+    RETURN_IF_ERROR(
+        Cuda(cudaMemcpyAsync(meta_.get(), host_meta_, m.total, cudaMemcpyHostToDevice, stream_), "upload metadata"));
+    meta_layout_ = m;
+    return absl::OkStatus();
+  }
+
+  template <typename T>
+  const T* Meta(size_t offset) const {
+    return reinterpret_cast<const T*>(static_cast<const char*>(meta_.get()) + offset);
+  }
+
+  absl::Status ReserveActivations(int T, int R) {
+    const ModelConfig& c = config();
+    const int64_t qkv = c.q_size() + 2 * c.kv_size();
+    RETURN_IF_ERROR(Reserve(&x_, int64_t{T} * c.hidden_size * 4, "the residual stream"));
+    RETURN_IF_ERROR(Reserve(&h_, int64_t{T} * c.hidden_size * 2, "activations"));
+    RETURN_IF_ERROR(Reserve(&qkv_, int64_t{T} * qkv * 2, "activations"));
+    RETURN_IF_ERROR(Reserve(&attn_, int64_t{T} * c.q_size() * 2, "activations"));
+    RETURN_IF_ERROR(Reserve(&gu_, int64_t{T} * 2 * c.intermediate_size * 2, "activations"));
+    RETURN_IF_ERROR(Reserve(&act_, int64_t{T} * c.intermediate_size * 2, "activations"));
+    RETURN_IF_ERROR(Reserve(&last_, int64_t{std::max(R, 1)} * c.hidden_size * 2, "activations"));
+    const int64_t logits_bytes = int64_t{std::max(R, 1)} * c.vocab_size * int64_t{sizeof(float)};
+    RETURN_IF_ERROR(Reserve(&logits_, logits_bytes, "logits"));
+    if (host_logits_bytes_ < logits_bytes) {
+      if (host_logits_ != nullptr) cudaFreeHost(host_logits_);
+      host_logits_ = nullptr;
+      host_logits_bytes_ = logits_bytes;
+      void* p = nullptr;
+      RETURN_IF_ERROR(Cuda(cudaMallocHost(&p, size_t(logits_bytes)), "pinned logits buffer"));
+      host_logits_ = static_cast<float*>(p);
+    }
+    int64_t ws = kernels::cuda::kErrorWordBytes;
+    for (const AttentionRun& r : runs_) {
+      ws = std::max(ws, r.decode ? kernels::cuda::FixedSplitWorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim,
+                                                                           r.max_context, kDecodeKeysPerSplit)
+                                 : kernels::cuda::WorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim));
+    }
+    if (attn_workspace_.bytes() < ws) {
+      RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace"));
+      RETURN_IF_ERROR(Cuda(cudaMemsetAsync(attn_workspace_.get(), 0, kernels::cuda::kErrorWordBytes, stream_),
+                           "clear the error word"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(const BatchInput& in, KvStorage& kv) {
+    const ModelConfig& c = config();
+    const int T = in.num_tokens();
+    const int R = static_cast<int>(in.logits_rows.size());
+    const int H = c.hidden_size, I = c.intermediate_size;
+    const int q_size = c.q_size(), kv_size = c.kv_size(), qkv_size = q_size + 2 * kv_size;
+    const MetaLayout& m = meta_layout_;
+    void* s = stream_;
+    LtGemm& g = *gemm_;
+    const kernels::KvLayout& layout = kv.layout();
+
+    RETURN_IF_ERROR(Launch(cuda_ops::LaunchEmbed(Meta<int32_t>(m.tokens), T, w_.embed.get(), H, X(), s), "embed"));
+
+    kernels::PagedAttentionParams attn{.backend = kernels::Backend::kCuda,
+                                       .q = qkv_.get(),
+                                       .q_stride_bytes = int64_t{qkv_size} * 2,
+                                       .out = attn_.get(),
+                                       .kv_cache = kv.data(),
+                                       .layout = layout,
+                                       .layer = 0,
+                                       .num_heads = c.num_heads,
+                                       .scale = static_cast<float>(1.0 / std::sqrt(double(c.head_dim))),
+                                       .num_seqs = in.num_seqs(),
+                                       .query_start = Meta<int>(m.query_start),
+                                       .context_lens = Meta<int>(m.context_lens),
+                                       .block_tables = Meta<int32_t>(m.block_tables),
+                                       .max_blocks_per_seq = in.max_blocks_per_seq,
+                                       .host_query_start = in.query_start.data(),
+                                       .host_context_lens = in.context_lens.data(),
+                                       .stream = s,
+                                       .workspace = attn_workspace_.get(),
+                                       .workspace_bytes = attn_workspace_.bytes()};
+    cuda_ops::RopeWriteArgs rope{.qkv = qkv_.get(),
+                                 .num_tokens = T,
+                                 .qkv_stride = qkv_size,
+                                 .positions = Meta<int32_t>(m.positions),
+                                 .inv_freq = static_cast<const double*>(inv_freq_.get()),
+                                 .num_heads = c.num_heads,
+                                 .num_kv_heads = c.num_kv_heads,
+                                 .head_dim = c.head_dim,
+                                 .slot_mapping = Meta<int64_t>(m.slots),
+                                 .error = static_cast<int*>(attn_workspace_.get())};
+    for (int l = 0; l < c.num_layers; ++l) {
+      const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[l];
+      RETURN_IF_ERROR(Launch(
+          cuda_ops::LaunchRmsNorm(X(), nullptr, T, H, lw.input_norm.get(), c.rms_norm_eps, h_.get(), s), "norm"));
+      RETURN_IF_ERROR(g.Gemm(h_.get(), T, H, lw.wqkv.get(), qkv_size, 0.0f, qkv_.get(), LtGemm::Out::kBF16, s));
+      rope.bias = lw.bqkv.empty() ? nullptr : lw.bqkv.get();
+      rope.pool = PoolViewOf(layout, kv.data(), l);
+      RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
+      attn.layer = l;
+      RETURN_IF_ERROR(Attention(in, attn));
+      RETURN_IF_ERROR(g.Gemm(attn_.get(), T, q_size, lw.wo.get(), H, 1.0f, x_.get(), LtGemm::Out::kF32, s));
+      if (!lw.bo.empty()) RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(x_.get(), true, T, H, lw.bo.get(), s), "o bias"));
+      RETURN_IF_ERROR(Launch(
+          cuda_ops::LaunchRmsNorm(X(), nullptr, T, H, lw.post_norm.get(), c.rms_norm_eps, h_.get(), s), "norm"));
+      RETURN_IF_ERROR(g.Gemm(h_.get(), T, H, lw.w_gate_up.get(), 2 * I, 0.0f, gu_.get(), LtGemm::Out::kBF16, s));
+      if (!lw.b_gate_up.empty()) {
+        RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(gu_.get(), false, T, 2 * I, lw.b_gate_up.get(), s), "mlp bias"));
+      }
+      RETURN_IF_ERROR(Launch(cuda_ops::LaunchSiluMul(gu_.get(), T, I, act_.get(), s), "silu"));
+      RETURN_IF_ERROR(g.Gemm(act_.get(), T, I, lw.w_down.get(), H, 1.0f, x_.get(), LtGemm::Out::kF32, s));
+      if (!lw.b_down.empty()) {
+        RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(x_.get(), true, T, H, lw.b_down.get(), s), "down bias"));
+      }
+    }
+    if (R == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(Launch(cuda_ops::LaunchRmsNorm(X(), Meta<int>(m.logits_rows), R, H, w_.final_norm.get(),
+                                                   c.rms_norm_eps, last_.get(), s),
+                           "final norm"));
+    return g.Gemm(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, 0.0f, logits_.get(), LtGemm::Out::kF32,
+                  s);
+  }
+
+  float* X() const { return static_cast<float*>(x_.get()); }
+
+  // One layer's attention, a call per run of alike sequences: decoding ones
+  // through the split-KV kernel with fixed splits, prefilling ones (whatever
+  // their chunk's length) through the prefill kernel. Either way a row's
+  // result depends neither on the other sequences of the step nor on how its
+  // prompt was chunked.
+  absl::Status Attention(const BatchInput& in, kernels::PagedAttentionParams p) {
+    const ModelConfig& c = config();
+    const int qkv_size = c.q_size() + 2 * c.kv_size();
+    for (const AttentionRun& r : runs_) {
+      p.q = static_cast<const char*>(qkv_.get()) + int64_t{r.first_token} * qkv_size * 2;
+      p.out = static_cast<char*>(attn_.get()) + int64_t{r.first_token} * c.q_size() * 2;
+      p.num_seqs = r.num_seqs;
+      p.query_start = Meta<int>(meta_layout_.run_query_starts) + r.query_start_index;
+      p.context_lens = Meta<int>(meta_layout_.context_lens) + r.first_seq;
+      p.block_tables = Meta<int32_t>(meta_layout_.block_tables) + int64_t{r.first_seq} * in.max_blocks_per_seq;
+      p.host_query_start = run_query_starts_.data() + r.query_start_index;
+      p.host_context_lens = in.context_lens.data() + r.first_seq;
+      p.keys_per_split = r.decode ? kDecodeKeysPerSplit : 0;
+      p.kernel = r.decode ? kernels::AttentionKernel::kSplitKv : kernels::AttentionKernel::kPrefill;
+      RETURN_IF_ERROR(kernels::PagedAttention(p));
+    }
+    return absl::OkStatus();
+  }
+
+  static kernels::cuda::internal::PoolView PoolViewOf(const kernels::KvLayout& L, void* kv, int layer) {
+    kernels::cuda::internal::PoolView v;
+    v.kv = static_cast<char*>(kv) + layer * L.layer_stride_bytes();
+    v.block_stride = L.block_stride_elems();
+    v.kv_stride = L.kv_stride_elems();
+    v.head_stride = L.head_stride_elems();
+    v.num_blocks = L.num_blocks;
+    v.block_size = L.block_size;
+    v.head_dim = L.head_dim;
+    v.num_kv_heads = L.num_kv_heads;
+    return v;
+  }
+
+  // Consecutive sequences of a step that attend alike.
+  struct AttentionRun {
+    int first_seq = 0, num_seqs = 0;
+    bool decode = false;  // one query each
+    int first_token = 0, num_tokens = 0;
+    size_t query_start_index = 0;  // into run_query_starts_
+    int max_context = 0;
+  };
+  // Decode attention splits each sequence's keys in runs of this many,
+  // whatever the batch (see PagedAttentionParams::keys_per_split).
+  static constexpr int kDecodeKeysPerSplit = 512;
+
+  const int device_;
+  std::vector<AttentionRun> runs_;
+  std::vector<int> run_query_starts_;
+  cudaStream_t stream_ = nullptr;
+  DeviceBuffer gemm_workspace_;
+  std::unique_ptr<LtGemm> gemm_;
+  DeviceBuffer inv_freq_;
+  ModelWeightsOf<DeviceBuffer> w_;
+  int64_t weight_bytes_ = 0;
+  DeviceBuffer kv_pool_;
+  // Per step, grown as needed.
+  void* host_meta_ = nullptr;  // pinned
+  size_t host_meta_bytes_ = 0;
+  MetaLayout meta_layout_{};
+  DeviceBuffer meta_, x_, h_, qkv_, attn_, gu_, act_, last_, logits_, attn_workspace_;
+  float* host_logits_ = nullptr;  // pinned
+  int64_t host_logits_bytes_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> NewCudaRunner(ModelConfig config,
+                                                           std::shared_ptr<const TensorSource> tensors,
+                                                           const RunnerOptions& options) {
+  auto runner = std::make_unique<CudaRunner>(std::move(config), options.device);
+  RETURN_IF_ERROR(runner->Init(*tensors));
+  return std::unique_ptr<ModelRunner>(std::move(runner));
+}
+
+}  // namespace tandem::worker

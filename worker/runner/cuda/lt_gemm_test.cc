@@ -1,0 +1,96 @@
+// LtGemm on the GPU: products against a float64 reference, and a row's bits
+// independent of how many rows the product has (what makes the engine's
+// batching invisible to each sequence). Skips without a GPU or cuBLASLt.
+#include "worker/runner/cuda/lt_gemm.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/paged_attention.h"
+
+namespace tandem::worker {
+namespace {
+
+struct Device {
+  void* p = nullptr;
+  explicit Device(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess); }
+  ~Device() { cudaFree(p); }
+};
+
+std::vector<__nv_bfloat16> RandomBf16(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<__nv_bfloat16> v(n);
+  for (auto& x : v) x = __float2bfloat16(d(rng));
+  return v;
+}
+
+class LtGemmTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* why = nullptr;
+    if (!kernels::cuda::Available(&why)) GTEST_SKIP() << why;
+    ASSERT_EQ(cudaMalloc(&workspace_, kWorkspace), cudaSuccess);
+    absl::StatusOr<std::unique_ptr<LtGemm>> g = LtGemm::Create(workspace_, kWorkspace);
+    if (!g.ok()) GTEST_SKIP() << g.status();
+    gemm_ = *std::move(g);
+  }
+  void TearDown() override {
+    gemm_.reset();
+    cudaFree(workspace_);
+  }
+  static constexpr int64_t kWorkspace = int64_t{32} << 20;
+  void* workspace_ = nullptr;
+  std::unique_ptr<LtGemm> gemm_;
+};
+
+TEST_F(LtGemmTest, RowsAreExactAndIndependentOfTheBatch) {
+  struct Shape {
+    int n, k;
+  };
+  // The QKV, gate/up and down shapes of an 8B model, and a small one.
+  for (const Shape& sh : {Shape{6144, 4096}, Shape{28672, 4096}, Shape{4096, 14336}, Shape{1536, 512}}) {
+    SCOPED_TRACE(::testing::Message() << sh.n << "x" << sh.k);
+    const int max_m = 300;
+    const std::vector<__nv_bfloat16> x = RandomBf16(size_t(max_m) * sh.k, 1), w = RandomBf16(size_t(sh.n) * sh.k, 2);
+    Device dx(x.size() * 2), dw(w.size() * 2), dy(size_t(max_m) * sh.n * 4);
+    ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    std::vector<float> first_rows;  // rows 0..3 from the m = 4 product
+    for (int m : {4, 1, 2, 7, 64, 128, 300}) {
+      SCOPED_TRACE(m);
+      ASSERT_TRUE(gemm_->Gemm(dx.p, m, sh.k, dw.p, sh.n, 0.0f, dy.p, LtGemm::Out::kF32, nullptr).ok());
+      std::vector<float> y(size_t(m) * sh.n);
+      ASSERT_EQ(cudaMemcpy(y.data(), dy.p, y.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      const int rows = std::min(m, 4);
+      if (first_rows.empty()) {
+        first_rows.assign(y.begin(), y.begin() + size_t(rows) * sh.n);
+        // Against float64 on a sample of entries.
+        double worst = 0;
+        for (int r = 0; r < rows; ++r) {
+          for (int j = 0; j < sh.n; j += 97) {
+            double ref = 0;
+            for (int i = 0; i < sh.k; ++i) {
+              ref += double(__bfloat162float(x[size_t(r) * sh.k + i])) * __bfloat162float(w[size_t(j) * sh.k + i]);
+            }
+            worst = std::max(worst, std::fabs(ref - y[size_t(r) * sh.n + j]) / std::sqrt(double(sh.k)));
+          }
+        }
+        EXPECT_LT(worst, 1e-3);
+        continue;
+      }
+      int differ = 0;
+      for (size_t i = 0; i < size_t(rows) * sh.n; ++i) differ += std::memcmp(&y[i], &first_rows[i], 4) != 0;
+      EXPECT_EQ(differ, 0) << differ << " of " << rows * sh.n << " entries of the first rows changed with m = " << m;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tandem::worker

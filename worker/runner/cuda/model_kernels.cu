@@ -1,0 +1,218 @@
+// The CUDA runner's row and element-wise kernels (see model_kernels.h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/common.cuh"
+#include "worker/runner/cuda/model_kernels.h"
+
+namespace tandem::worker::cuda_ops {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using kernels::cuda::internal::kErrSlot;
+using kernels::cuda::internal::PoolOffset;
+using kernels::cuda::internal::RecordError;
+
+cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
+int Err() { return static_cast<int>(cudaGetLastError()); }
+unsigned Blocks(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+__device__ __forceinline__ float RoundBf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024).
+__device__ float BlockSum(float v) {
+  __shared__ float partial[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x / 32;
+  v = lane < warps ? partial[lane] : 0.0f;
+  if (warp == 0) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) partial[0] = v;
+  }
+  __syncthreads();
+  const float total = partial[0];
+  __syncthreads();  // partial is reused by the next call
+  return total;
+}
+
+template <typename T>
+__global__ void ToBf16Kernel(const T* src, bf16* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    if constexpr (std::is_same_v<T, float>) {
+      dst[i] = __float2bfloat16(src[i]);
+    } else {
+      dst[i] = __float2bfloat16(__half2float(src[i]));
+    }
+  }
+}
+
+// The residual stream is float32: one row of bfloat16 embeddings widened.
+__global__ void EmbedKernel(const int32_t* tokens, const bf16* table, int hidden, float* out) {
+  const int t = blockIdx.x;
+  const bf16* row = table + int64_t{tokens[t]} * hidden;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[int64_t{t} * hidden + i] = __bfloat162float(row[i]);
+}
+
+__global__ void RmsNormKernel(const float* x, const int* rows, int hidden, const bf16* weight, float eps, bf16* out) {
+  const int r = blockIdx.x;
+  const int64_t src = rows != nullptr ? rows[r] : r;
+  const float* in = x + src * hidden;
+  float sum = 0.0f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) sum += in[i] * in[i];
+  const float scale = rsqrtf(BlockSum(sum) / hidden + eps);
+  bf16* o = out + int64_t{r} * hidden;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __float2bfloat16(in[i] * scale * __bfloat162float(weight[i]));
+}
+
+// One CTA per token. The token's cos/sin table first (shared), then every
+// (head, pair) of Q and K, then V.
+__global__ void RopeWriteKvKernel(RopeWriteArgs a) {
+  extern __shared__ float trig[];  // [half] cos, then [half] sin
+  const int t = blockIdx.x;
+  const int half = a.head_dim / 2;
+  const double pos = a.positions[t];
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    double s, c;
+    sincos(pos * a.inv_freq[i], &s, &c);
+    trig[i] = static_cast<float>(c);
+    trig[half + i] = static_cast<float>(s);
+  }
+  __syncthreads();
+
+  bf16* row = static_cast<bf16*>(a.qkv) + int64_t{t} * a.qkv_stride;
+  const bf16* bias = static_cast<const bf16*>(a.bias);
+  const int q_size = a.num_heads * a.head_dim, kv_size = a.num_kv_heads * a.head_dim;
+  const int64_t slot = a.slot_mapping[t];
+  int64_t block = -1;
+  int in_block = 0;
+  if (slot >= 0) {
+    block = slot / a.pool.block_size;
+    in_block = static_cast<int>(slot % a.pool.block_size);
+    if (block >= a.pool.num_blocks) {
+      if (threadIdx.x == 0) RecordError(a.error, kErrSlot, t);
+      block = -1;
+    }
+  }
+  bf16* pool = static_cast<bf16*>(const_cast<void*>(a.pool.kv));
+  auto load = [&](int col) {
+    float v = __bfloat162float(row[col]);
+    if (bias != nullptr) v = RoundBf16(v + __bfloat162float(bias[col]));
+    return v;
+  };
+  const int pairs = (a.num_heads + a.num_kv_heads) * half;
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int head = p / half, i = p % half;  // heads: Q's, then K's
+    const int col = head * a.head_dim + i;
+    const float x0 = load(col), x1 = load(col + half);
+    const float c = trig[i], s = trig[half + i];
+    const bf16 y0 = __float2bfloat16(x0 * c - x1 * s), y1 = __float2bfloat16(x1 * c + x0 * s);
+    if (head < a.num_heads) {
+      row[col] = y0;
+      row[col + half] = y1;
+    } else if (block >= 0) {
+      const int64_t at = PoolOffset(a.pool, block, 0, head - a.num_heads, in_block);
+      pool[at + i] = y0;
+      pool[at + i + half] = y1;
+    }
+  }
+  if (block < 0) return;
+  for (int j = threadIdx.x; j < kv_size; j += blockDim.x) {
+    const int head = j / a.head_dim, d = j % a.head_dim;
+    pool[PoolOffset(a.pool, block, 1, head, in_block) + d] = __float2bfloat16(load(q_size + kv_size + j));
+  }
+}
+
+__global__ void SiluMulKernel(const bf16* gu, int inter, int64_t n, bf16* out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / inter, j = i % inter;
+    const float g = __bfloat162float(gu[t * 2 * inter + j]);
+    const float u = __bfloat162float(gu[t * 2 * inter + inter + j]);
+    const float act = RoundBf16(g / (1.0f + __expf(-g)));
+    out[i] = __float2bfloat16(act * u);
+  }
+}
+
+template <typename T>
+__global__ void AddBiasKernel(T* y, int n, int64_t total, const bf16* bias) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    if constexpr (std::is_same_v<T, float>) {
+      y[i] += __bfloat162float(bias[i % n]);
+    } else {
+      y[i] = __float2bfloat16(__bfloat162float(y[i]) + __bfloat162float(bias[i % n]));
+    }
+  }
+}
+
+constexpr int kThreads = 256;
+constexpr unsigned kMaxGrid = 65535u * 4;  // grid-stride loops beyond this
+
+unsigned StrideGrid(int64_t n) {
+  const unsigned b = Blocks(n, kThreads);
+  return b < kMaxGrid ? (b == 0 ? 1 : b) : kMaxGrid;
+}
+
+}  // namespace
+
+int LaunchToBf16(const void* src, SrcType type, void* dst, int64_t n, void* stream) {
+  if (n == 0) return 0;
+  auto* d = static_cast<bf16*>(dst);
+  switch (type) {
+    case SrcType::kF32:
+      ToBf16Kernel<<<StrideGrid(n), kThreads, 0, S(stream)>>>(static_cast<const float*>(src), d, n);
+      break;
+    case SrcType::kF16:
+      ToBf16Kernel<<<StrideGrid(n), kThreads, 0, S(stream)>>>(static_cast<const __half*>(src), d, n);
+      break;
+    case SrcType::kBF16:
+      return static_cast<int>(cudaMemcpyAsync(dst, src, n * 2, cudaMemcpyDeviceToDevice, S(stream)));
+  }
+  return Err();
+}
+
+int LaunchEmbed(const int32_t* tokens, int num_tokens, const void* table, int hidden, float* out, void* stream) {
+  if (num_tokens == 0) return 0;
+  EmbedKernel<<<num_tokens, kThreads, 0, S(stream)>>>(tokens, static_cast<const bf16*>(table), hidden, out);
+  return Err();
+}
+
+int LaunchRmsNorm(const float* x, const int* rows, int num_rows, int hidden, const void* weight, float eps, void* out,
+                  void* stream) {
+  if (num_rows == 0) return 0;
+  const int threads = hidden >= 4096 ? 1024 : hidden >= 1024 ? 512 : 128;
+  RmsNormKernel<<<num_rows, threads, 0, S(stream)>>>(x, rows, hidden, static_cast<const bf16*>(weight), eps,
+                                                     static_cast<bf16*>(out));
+  return Err();
+}
+
+int LaunchRopeWriteKv(const RopeWriteArgs& a, void* stream) {
+  if (a.num_tokens == 0) return 0;
+  const int half = a.head_dim / 2;
+  RopeWriteKvKernel<<<a.num_tokens, kThreads, 2 * half * sizeof(float), S(stream)>>>(a);
+  return Err();
+}
+
+int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* stream) {
+  const int64_t n = int64_t{num_tokens} * inter;
+  if (n == 0) return 0;
+  SiluMulKernel<<<StrideGrid(n), kThreads, 0, S(stream)>>>(static_cast<const bf16*>(gu), inter, n,
+                                                           static_cast<bf16*>(out));
+  return Err();
+}
+
+int LaunchAddBias(void* y, bool f32, int rows, int n, const void* bias, void* stream) {
+  const int64_t total = int64_t{rows} * n;
+  if (total == 0) return 0;
+  const auto* b = static_cast<const bf16*>(bias);
+  if (f32) {
+    AddBiasKernel<<<StrideGrid(total), kThreads, 0, S(stream)>>>(static_cast<float*>(y), n, total, b);
+  } else {
+    AddBiasKernel<<<StrideGrid(total), kThreads, 0, S(stream)>>>(static_cast<bf16*>(y), n, total, b);
+  }
+  return Err();
+}
+
+}  // namespace tandem::worker::cuda_ops

@@ -1,0 +1,65 @@
+// The CUDA runner's element-wise and row kernels (model_kernels.cu): the
+// parts of a Llama-family forward pass that are not matrix products
+// (cuBLASLt) or attention (kernels/). Plain structs and device pointers, no
+// absl (the .cu file builds as CUDA C++17). Weights and the activations that
+// feed matrix products are bfloat16; the residual stream is float32 (the
+// products accumulate onto it in float32, so it is rounded nowhere), and
+// statistics are float32. Launchers return the launch's cudaError_t
+// (0 = success) and never synchronize. cuda_runner.cc checks shapes first.
+#ifndef TANDEM_WORKER_RUNNER_CUDA_MODEL_KERNELS_H_
+#define TANDEM_WORKER_RUNNER_CUDA_MODEL_KERNELS_H_
+
+#include <cstdint>
+
+#include "kernels/cuda/launch.h"
+
+namespace tandem::worker::cuda_ops {
+
+// A checkpoint tensor's element type, for the conversion to bfloat16.
+enum class SrcType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// dst[i] = bfloat16(src[i]), round to nearest even, for n elements.
+int LaunchToBf16(const void* src, SrcType type, void* dst, int64_t n, void* stream);
+
+// out[t, :] = table[tokens[t], :] (bf16 -> f32) for t < num_tokens (ids
+// checked on the host).
+int LaunchEmbed(const int32_t* tokens, int num_tokens, const void* table, int hidden, float* out, void* stream);
+
+// out[r, :] = bf16(RMSNorm(x[row(r), :]) * weight), computed in float32 from
+// the float32 residual. row(r) = rows[r] when `rows` is given (gathering the
+// logits rows), else r.
+int LaunchRmsNorm(const float* x, const int* rows, int num_rows, int hidden, const void* weight, float eps, void* out,
+                  void* stream);
+
+// Adds the QKV bias (when given) and rotary embedding to the fused QKV rows
+// of one layer, in place for Q, and writes each token's rotated K and its V
+// into its slot of the paged pool (a negative slot skips the token; a slot
+// past the pool is recorded in `error` as kernels' kErrSlot). Angles are
+// position * inv_freq in double, so long contexts lose nothing to float
+// rounding; pairs are (i, i + head_dim/2) (rotate_half).
+struct RopeWriteArgs {
+  void* qkv = nullptr;  // [num_tokens, qkv_stride] bf16: q heads, k heads, v heads
+  int num_tokens = 0;
+  int qkv_stride = 0;            // elements between tokens
+  const void* bias = nullptr;    // [q + 2 kv] bf16, or null
+  const int32_t* positions = nullptr;
+  const double* inv_freq = nullptr;  // [head_dim / 2]
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  const int64_t* slot_mapping = nullptr;
+  kernels::cuda::internal::PoolView pool;  // one layer's view; pool.kv writable
+  int* error = nullptr;
+};
+int LaunchRopeWriteKv(const RopeWriteArgs& a, void* stream);
+
+// out[t, j] = silu(gu[t, j]) * gu[t, inter + j] (gate rows then up rows), each
+// product rounded as PyTorch rounds it in bfloat16.
+int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* stream);
+
+// y[r, :] += bias for r < rows; y float32 (`f32`) or bf16, bias bf16.
+int LaunchAddBias(void* y, bool f32, int rows, int n, const void* bias, void* stream);
+
+}  // namespace tandem::worker::cuda_ops
+
+#endif  // TANDEM_WORKER_RUNNER_CUDA_MODEL_KERNELS_H_
