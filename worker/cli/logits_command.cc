@@ -1,7 +1,9 @@
 // `tandem logits`: runs the model over token sequences through the same paged
-// KV cache and forward pass the engine uses, and writes the full-vocabulary
-// logits of every position as JSON. The reference test compares them with an
-// independent float64 implementation.
+// KV cache and model runner the engine uses (--device cpu or cuda), and
+// writes the full-vocabulary logits of every position: as JSON, or as raw
+// little-endian float32 ([positions, vocab] per sequence, one after the
+// other) with --format f32. The reference tests compare them with an
+// independent float64 implementation and with Hugging Face transformers.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
@@ -14,7 +16,7 @@
 #include "worker/cli/commands.h"
 #include "worker/kv_cache/kv_storage.h"
 #include "worker/model/model_loader.h"
-#include "worker/runner/llama_model.h"
+#include "worker/runner/model_runner.h"
 
 namespace tandem::worker {
 namespace {
@@ -25,6 +27,8 @@ struct LogitsOptions {
   std::string output = "-";
   int block_size = 16;
   int chunk = 0;  // prefill in chunks of this many tokens (0: one pass)
+  std::string device = "cpu";
+  std::string format = "json";
 };
 
 absl::StatusOr<std::vector<int32_t>> ParseTokens(const std::string& text) {
@@ -41,28 +45,45 @@ absl::StatusOr<std::vector<int32_t>> ParseTokens(const std::string& text) {
 }
 
 absl::Status RunLogits(const LogitsOptions& opt) {
-  ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(opt.model));
-  ASSIGN_OR_RETURN(ModelWeights weights, LoadWeights(loaded.config, *loaded.tensors));
-  LlamaModel model(loaded.config, std::move(weights));
-  const ModelConfig& c = model.config();
-  nlohmann::json out;
-  out["vocab_size"] = c.vocab_size;
-  out["sequences"] = nlohmann::json::array();
+  if (opt.format != "json" && opt.format != "f32") {
+    return absl::InvalidArgumentError(absl::StrFormat("--format must be json or f32, got '%s'", opt.format));
+  }
+  if (opt.format == "f32" && opt.output == "-") {
+    return absl::InvalidArgumentError("--format f32 writes binary: give --output FILE");
+  }
+  std::string runner_name;
+  RunnerOptions runner_options;
+  RETURN_IF_ERROR(SelectDevice(opt.device, &runner_name, &runner_options));
+  std::vector<std::vector<int32_t>> sequences;
   for (const std::string& text : opt.tokens) {
     ASSIGN_OR_RETURN(std::vector<int32_t> tokens, ParseTokens(text));
-    const int n = static_cast<int>(tokens.size());
+    sequences.push_back(std::move(tokens));
+  }
+  ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(opt.model));
+  const ModelConfig& c = loaded.config;
+  for (const std::vector<int32_t>& tokens : sequences) {
     for (int t : tokens) {
       if (t < 0 || t >= c.vocab_size) {
         return absl::InvalidArgumentError(
             absl::StrFormat("token id %d is outside the vocabulary [0, %d)", t, c.vocab_size));
       }
     }
-    if (n > c.max_position_embeddings) {
+    if (static_cast<int>(tokens.size()) > c.max_position_embeddings) {
       return absl::InvalidArgumentError("sequence longer than the model's context");
     }
-    kernels::KvLayout layout = model.KvBlockLayout(opt.block_size);
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
+                   ModelRunnerRegistry::Builtin().Create(runner_name, c, loaded.tensors, runner_options));
+  nlohmann::json out;
+  out["vocab_size"] = c.vocab_size;
+  out["sequences"] = nlohmann::json::array();
+  std::string binary;
+  for (const std::vector<int32_t>& tokens : sequences) {
+    const int n = static_cast<int>(tokens.size());
+    kernels::KvLayout layout = runner->KvBlockLayout(opt.block_size);
     layout.num_blocks = (n + opt.block_size - 1) / opt.block_size;
-    ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> kv, KvStorage::Create(layout));
+    RETURN_IF_ERROR(runner->CheckKvLayout(layout));
+    ASSIGN_OR_RETURN(std::unique_ptr<KvStorage> kv, KvStorage::Create(layout, runner->KvAllocator()));
     // Blocks in reverse order, so the test exercises a real block table.
     std::vector<int32_t> table(layout.num_blocks);
     for (int64_t b = 0; b < layout.num_blocks; ++b) table[b] = int32_t(layout.num_blocks - 1 - b);
@@ -81,10 +102,15 @@ absl::Status RunLogits(const LogitsOptions& opt) {
       }
       in.query_start.push_back(len);
       in.context_lens.push_back(start + len);
+      in.prefilling.push_back(1);
       in.block_tables = table;
       in.max_blocks_per_seq = static_cast<int>(table.size());
-      RETURN_IF_ERROR(model.Forward(in, kv->host_f32(), kv->layout(), &logits));
+      RETURN_IF_ERROR(runner->Logits(in, *kv, &logits));
       std::copy(logits.begin(), logits.end(), all.begin() + size_t(start) * c.vocab_size);
+    }
+    if (opt.format == "f32") {
+      binary.append(reinterpret_cast<const char*>(all.data()), all.size() * sizeof(float));
+      continue;
     }
     nlohmann::json seq;
     seq["tokens"] = tokens;
@@ -95,12 +121,12 @@ absl::Status RunLogits(const LogitsOptions& opt) {
     }
     out["sequences"].push_back(std::move(seq));
   }
-  std::string text = out.dump();
+  const std::string text = opt.format == "f32" ? std::move(binary) : out.dump();
   if (opt.output == "-") {
     std::fwrite(text.data(), 1, text.size(), stdout);
     return absl::OkStatus();
   }
-  std::ofstream f(opt.output);
+  std::ofstream f(opt.output, std::ios::binary);
   f << text;
   if (!f) return absl::UnavailableError(absl::StrFormat("cannot write %s", opt.output));
   return absl::OkStatus();
@@ -110,7 +136,7 @@ absl::Status RunLogits(const LogitsOptions& opt) {
 
 void AddLogitsCommand(CLI::App& app) {
   auto opt = std::make_shared<LogitsOptions>();
-  CLI::App* cmd = app.add_subcommand("logits", "Print full-vocabulary logits of token sequences as JSON");
+  CLI::App* cmd = app.add_subcommand("logits", "Print full-vocabulary logits of token sequences (JSON or raw float32)");
   cmd->add_option("--model", opt->model, "builtin:tiny, builtin:small or a checkpoint directory")->required();
   cmd->add_option("--tokens", opt->tokens, "Comma-separated token ids; repeat for more sequences")->required();
   cmd->add_option("--output", opt->output, "Output file ('-': stdout)")->capture_default_str();
@@ -118,6 +144,9 @@ void AddLogitsCommand(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
   cmd->add_option("--chunk", opt->chunk, "Prefill in chunks of this many tokens (0: one pass)")->capture_default_str();
+  cmd->add_option("--device", opt->device, "cpu, cuda or cuda:N (see tandem worker --help)")->capture_default_str();
+  cmd->add_option("--format", opt->format, "json, or f32: raw little-endian float32, [positions, vocab] per sequence")
+      ->capture_default_str();
   cmd->callback([opt] { ExitWithStatus("logits", RunLogits(*opt)); });
 }
 

@@ -17,15 +17,19 @@ class CpuRunner final : public ModelRunner {
   std::string_view name() const override { return "cpu"; }
   kernels::KvLayout KvBlockLayout(int block_size) const override { return model_.KvBlockLayout(block_size); }
 
-  absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
-                    std::vector<SampledToken>* sampled) override {
+  absl::Status Logits(const BatchInput& in, KvStorage& kv, std::vector<float>* logits) override {
     float* kv_cache = kv.host_f32();
     if (kv_cache == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat("the cpu runner needs a float32 KV pool in host memory, got ",
                                                         kernels::DTypeName(kv.dtype()), " in ",
                                                         MemoryLocationName(kv.location()), " memory"));
     }
-    RETURN_IF_ERROR(model_.Forward(in, kv_cache, kv.layout(), &logits_));
+    return model_.Forward(in, kv_cache, kv.layout(), logits);
+  }
+
+  absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
+                    std::vector<SampledToken>* sampled) override {
+    RETURN_IF_ERROR(Logits(in, kv, &logits_));
     const ModelConfig& mc = config();
     const size_t vocab = static_cast<size_t>(mc.vocab_size);
     sampled->clear();

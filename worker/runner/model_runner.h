@@ -123,6 +123,12 @@ class ModelRunner {
   virtual absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
                             std::vector<SampledToken>* sampled) = 0;
 
+  // The forward pass alone: writes the K/V of `in`'s tokens into `kv` and the
+  // float32 logits of in.logits_rows, [rows, vocab], into `logits` (for
+  // `tandem logits` and correctness checks). Unimplemented for a runner
+  // without a model (the simulator).
+  virtual absl::Status Logits(const BatchInput& in, KvStorage& kv, std::vector<float>* logits) = 0;
+
   // Floating-point operations of a forward over `num_tokens` new tokens whose
   // attention spans `attended_keys` (query, key) pairs in total, counting 2
   // per multiply-add (for FLOP rates).

@@ -50,6 +50,10 @@ class SimRunner final : public ModelRunner {
     return absl::OkStatus();
   }
 
+  absl::Status Logits(const BatchInput&, KvStorage&, std::vector<float>*) override {
+    return absl::UnimplementedError("the simulated runner (--engine sim) computes no logits");
+  }
+
   double Flops(int64_t, int64_t, int64_t) const override { return 0; }
 
  private:

@@ -54,9 +54,9 @@ class DeviceBuffer {
       cudaGetLastError();
       size_t free_bytes = 0, total = 0;
       cudaMemGetInfo(&free_bytes, &total);
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "cuda runner: cannot allocate %d bytes of device memory for %s (%d of %d bytes free): %s", bytes, what,
-          free_bytes, total, cudaGetErrorString(e)));
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("cuda runner: cannot allocate %d bytes of device memory for %s (%d of %d bytes free): %s",
+                          bytes, what, free_bytes, total, cudaGetErrorString(e)));
     }
     b.ptr_.reset(p);
     b.bytes_ = bytes;
@@ -118,9 +118,8 @@ class CudaRunner final : public ModelRunner {
     int count = 0;
     RETURN_IF_ERROR(Cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount"));
     if (device_ < 0 || device_ >= count) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("--device cuda:%d: this machine has %d CUDA device(s) (cuda:0..cuda:%d)", device_, count,
-                          count - 1));
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--device cuda:%d: this machine has %d CUDA device(s) (cuda:0..cuda:%d)", device_, count, count - 1));
     }
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
     if (c.hidden_size % 8 != 0 || c.head_dim % 8 != 0 || c.head_dim > 256) {
@@ -134,9 +133,9 @@ class CudaRunner final : public ModelRunner {
 
     const std::vector<double> inv_freq = RopeInverseFrequencies(c);
     ASSIGN_OR_RETURN(inv_freq_, DeviceBuffer::Allocate(int64_t(inv_freq.size() * sizeof(double)), "RoPE"));
-    RETURN_IF_ERROR(Cuda(cudaMemcpy(inv_freq_.get(), inv_freq.data(), inv_freq.size() * sizeof(double),
-                                    cudaMemcpyHostToDevice),
-                         "upload RoPE frequencies"));
+    RETURN_IF_ERROR(
+        Cuda(cudaMemcpy(inv_freq_.get(), inv_freq.data(), inv_freq.size() * sizeof(double), cudaMemcpyHostToDevice),
+             "upload RoPE frequencies"));
 
     DeviceBuffer staging;
     auto upload = [&](const WeightParts& parts) -> absl::StatusOr<DeviceBuffer> {
@@ -203,15 +202,47 @@ class CudaRunner final : public ModelRunner {
     };
   }
 
+  absl::Status Logits(const BatchInput& in, KvStorage& kv, std::vector<float>* logits) override {
+    RETURN_IF_ERROR(Run(in, kv));
+    const size_t n = in.logits_rows.size() * size_t(config().vocab_size);
+    logits->assign(host_logits_, host_logits_ + (in.logits_rows.empty() ? 0 : n));
+    return absl::OkStatus();
+  }
+
   absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
                     std::vector<SampledToken>* sampled) override {
+    sampled->clear();
+    RETURN_IF_ERROR(Run(in, kv));
+    const ModelConfig& c = config();
+    const size_t vocab = size_t(c.vocab_size);
+    sampled->reserve(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const RowSampling& r = rows[i];
+      sampled->push_back(SampleToken(std::span<float>(host_logits_ + i * vocab, vocab), *r.params, r.prompt, r.output,
+                                     c.eos_token_ids, r.seed));
+    }
+    return absl::OkStatus();
+  }
+
+  double Flops(int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) const override {
+    return LlamaForwardFlops(config(), num_tokens, attended_keys, logits_rows);
+  }
+
+ private:
+  // Metadata offsets in the packed upload (bytes, 16-aligned).
+  struct MetaLayout {
+    size_t tokens, positions, slots, query_start, context_lens, block_tables, logits_rows, run_query_starts, total;
+  };
+  static size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
+
+  // One forward pass, its logits rows in host_logits_ when it returns.
+  absl::Status Run(const BatchInput& in, KvStorage& kv) {
     if (kv.location() != MemoryLocation::kDevice || kv.dtype() != kernels::DType::kBF16) {
-      return absl::FailedPreconditionError(absl::StrCat("the cuda runner needs a bfloat16 KV pool in device memory, got ",
-                                                        kernels::DTypeName(kv.dtype()), " in ",
-                                                        MemoryLocationName(kv.location()), " memory"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the cuda runner needs a bfloat16 KV pool in device memory, got ",
+                       kernels::DTypeName(kv.dtype()), " in ", MemoryLocationName(kv.location()), " memory"));
     }
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
-    sampled->clear();
     const ModelConfig& c = config();
     const int T = in.num_tokens();
     if (T == 0) return absl::OkStatus();
@@ -233,27 +264,8 @@ class CudaRunner final : public ModelRunner {
                            "download logits"));
     }
     // Synchronizes the stream; a slot or block id past the pool is an error.
-    RETURN_IF_ERROR(kernels::cuda::TakeError(attn_workspace_.get(), stream_));
-    const size_t vocab = size_t(c.vocab_size);
-    sampled->reserve(rows.size());
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const RowSampling& r = rows[i];
-      sampled->push_back(SampleToken(std::span<float>(host_logits_ + i * vocab, vocab), *r.params, r.prompt, r.output,
-                                     c.eos_token_ids, r.seed));
-    }
-    return absl::OkStatus();
+    return kernels::cuda::TakeError(attn_workspace_.get(), stream_);
   }
-
-  double Flops(int64_t num_tokens, int64_t attended_keys, int64_t logits_rows) const override {
-    return LlamaForwardFlops(config(), num_tokens, attended_keys, logits_rows);
-  }
-
- private:
-  // Metadata offsets in the packed upload (bytes, 16-aligned).
-  struct MetaLayout {
-    size_t tokens, positions, slots, query_start, context_lens, block_tables, logits_rows, run_query_starts, total;
-  };
-  static size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
   absl::Status UploadMetadata(const BatchInput& in) {
     MetaLayout m{};
@@ -407,9 +419,10 @@ class CudaRunner final : public ModelRunner {
       attn.layer = l;
       RETURN_IF_ERROR(Attention(in, attn));
       RETURN_IF_ERROR(g.Gemm(attn_.get(), T, q_size, lw.wo.get(), H, 1.0f, x_.get(), LtGemm::Out::kF32, s));
-      if (!lw.bo.empty()) RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(x_.get(), true, T, H, lw.bo.get(), s), "o bias"));
-      RETURN_IF_ERROR(Launch(
-          cuda_ops::LaunchRmsNorm(X(), nullptr, T, H, lw.post_norm.get(), c.rms_norm_eps, h_.get(), s), "norm"));
+      if (!lw.bo.empty())
+        RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(x_.get(), true, T, H, lw.bo.get(), s), "o bias"));
+      RETURN_IF_ERROR(
+          Launch(cuda_ops::LaunchRmsNorm(X(), nullptr, T, H, lw.post_norm.get(), c.rms_norm_eps, h_.get(), s), "norm"));
       RETURN_IF_ERROR(g.Gemm(h_.get(), T, H, lw.w_gate_up.get(), 2 * I, 0.0f, gu_.get(), LtGemm::Out::kBF16, s));
       if (!lw.b_gate_up.empty()) {
         RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(gu_.get(), false, T, 2 * I, lw.b_gate_up.get(), s), "mlp bias"));
@@ -424,8 +437,7 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Launch(cuda_ops::LaunchRmsNorm(X(), Meta<int>(m.logits_rows), R, H, w_.final_norm.get(),
                                                    c.rms_norm_eps, last_.get(), s),
                            "final norm"));
-    return g.Gemm(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, 0.0f, logits_.get(), LtGemm::Out::kF32,
-                  s);
+    return g.Gemm(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, 0.0f, logits_.get(), LtGemm::Out::kF32, s);
   }
 
   float* X() const { return static_cast<float*>(x_.get()); }

@@ -52,10 +52,10 @@ class Bf16Source : public TensorSource {
     if (!t.ok()) return t.status();
     auto bits = std::make_shared<std::vector<uint16_t>>();
     for (float v : t->data) bits->push_back(Bf16Bits(v));
-    StoredTensor out{.shape = t->shape,
-                     .dtype = WeightDtype::kBF16,
-                     .bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bits->data()),
-                                                       bits->size() * 2)};
+    StoredTensor out{
+        .shape = t->shape,
+        .dtype = WeightDtype::kBF16,
+        .bytes = std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bits->data()), bits->size() * 2)};
     out.owner = std::move(bits);
     return out;
   }
@@ -137,8 +137,7 @@ std::unique_ptr<KvStorage> Pool(ModelRunner& runner, int64_t blocks) {
 // Runs `tokens` of one sequence through `runner` in chunks of `chunk`
 // (blocks 0, 1, ... in order) and returns every position's sample with 20
 // top logprobs, greedy.
-std::vector<SampledToken> TeacherForced(ModelRunner& runner, KvStorage& kv, const std::vector<int>& tokens,
-                                        int chunk) {
+std::vector<SampledToken> TeacherForced(ModelRunner& runner, KvStorage& kv, const std::vector<int>& tokens, int chunk) {
   SamplingParams params;
   params.temperature = 0.0f;
   params.logprobs = 20;
@@ -239,9 +238,10 @@ TEST(CudaRunnerTest, TeacherForcedLogprobsMatchTheCpuRunner) {
     ASSERT_EQ(gpu_kv->location(), MemoryLocation::kDevice);
     ASSERT_EQ(gpu_kv->dtype(), kernels::DType::kBF16);
     const Agreement a = Compare(TeacherForced(**cpu, *cpu_kv, tokens, 300), TeacherForced(**gpu, *gpu_kv, tokens, 300));
-    std::printf("%s: top-1 agreement %.4f, max |logprob diff| %.4f, min top-20 overlap %.0f, widest gap where the "
-                "top tokens differ %.4f\n",
-                variant.c_str(), a.top1, a.max_diff, a.min_overlap, a.max_tie_gap);
+    std::printf(
+        "%s: top-1 agreement %.4f, max |logprob diff| %.4f, min top-20 overlap %.0f, widest gap where the "
+        "top tokens differ %.4f\n",
+        variant.c_str(), a.top1, a.max_diff, a.min_overlap, a.max_tie_gap);
     // bf16 activations against f32 (same bf16 weights); measured on an H200
     // (2026-11-27): top-1 0.98-1.0, max diff 0.08-0.10, overlap >= 18, and
     // the top tokens differ only at near-ties. A wrong RoPE, mask or bias

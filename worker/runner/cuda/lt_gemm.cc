@@ -67,9 +67,9 @@ absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(void* workspace, int64_t 
   api->lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (api->lib == nullptr) {
     const char* why = dlerror();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the cuda runner needs cuBLASLt: cannot load ", path, " (", why != nullptr ? why : "unknown error",
-        "); put its directory on LD_LIBRARY_PATH or set TANDEM_CUBLASLT to the library's path"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the cuda runner needs cuBLASLt: cannot load ", path, " (", why != nullptr ? why : "unknown error",
+                     "); put its directory on LD_LIBRARY_PATH or set TANDEM_CUBLASLT to the library's path"));
   }
   bool ok = Resolve(api->lib, "cublasLtCreate", &api->create) && Resolve(api->lib, "cublasLtDestroy", &api->destroy) &&
             Resolve(api->lib, "cublasLtMatmulDescCreate", &api->desc_create) &&
@@ -109,9 +109,9 @@ absl::StatusOr<const LtGemm::Plan*> LtGemm::PlanFor(const Key& key) {
   plan->api = api_.get();
   const Api& api = *api_;
   auto check = [&](cublasStatus_t s, const char* what) {
-    return s == CUBLAS_STATUS_SUCCESS ? absl::OkStatus()
-                                      : absl::InternalError(absl::StrFormat("%s for a %dx%dx%d product: %s", what, m,
-                                                                            n, k, api.Error(s)));
+    return s == CUBLAS_STATUS_SUCCESS
+               ? absl::OkStatus()
+               : absl::InternalError(absl::StrFormat("%s for a %dx%dx%d product: %s", what, m, n, k, api.Error(s)));
   };
   // Column-major view: Y^T[n, m] = W[k, n]^T . X^T[k, m].
   const cudaDataType_t out_type = out == Out::kF32 ? CUDA_R_32F : CUDA_R_16BF;
@@ -142,8 +142,8 @@ absl::StatusOr<const LtGemm::Plan*> LtGemm::PlanFor(const Key& key) {
   api.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof(reduction));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t hs = api.heuristic(static_cast<cublasLtHandle_t>(handle_), plan->desc, plan->a, plan->b,
-                                          plan->c, plan->c, pref, 1, &result, &found);
+  const cublasStatus_t hs = api.heuristic(static_cast<cublasLtHandle_t>(handle_), plan->desc, plan->a, plan->b, plan->c,
+                                          plan->c, pref, 1, &result, &found);
   api.pref_destroy(pref);
   if (absl::Status s = check(hs, "cublasLtMatmulAlgoGetHeuristic"); !s.ok()) return s;
   if (found == 0) {
@@ -161,10 +161,9 @@ absl::Status LtGemm::Gemm(const void* x, int m, int k, const void* w, int n, flo
   absl::StatusOr<const Plan*> plan = PlanFor(Key{m, n, k, out});
   if (!plan.ok()) return plan.status();
   const float alpha = 1.0f;
-  const cublasStatus_t s =
-      api_->matmul(static_cast<cublasLtHandle_t>(handle_), (*plan)->desc, &alpha, w, (*plan)->a, x, (*plan)->b, &beta,
-                   y, (*plan)->c, y, (*plan)->c, &(*plan)->algo, workspace_, static_cast<size_t>(workspace_bytes_),
-                   static_cast<cudaStream_t>(stream));
+  const cublasStatus_t s = api_->matmul(static_cast<cublasLtHandle_t>(handle_), (*plan)->desc, &alpha, w, (*plan)->a, x,
+                                        (*plan)->b, &beta, y, (*plan)->c, y, (*plan)->c, &(*plan)->algo, workspace_,
+                                        static_cast<size_t>(workspace_bytes_), static_cast<cudaStream_t>(stream));
   if (s != CUBLAS_STATUS_SUCCESS) {
     return absl::InternalError(absl::StrFormat("cublasLtMatmul (%dx%dx%d): %s", m, n, k, api_->Error(s)));
   }

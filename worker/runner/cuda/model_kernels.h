@@ -40,8 +40,8 @@ int LaunchRmsNorm(const float* x, const int* rows, int num_rows, int hidden, con
 struct RopeWriteArgs {
   void* qkv = nullptr;  // [num_tokens, qkv_stride] bf16: q heads, k heads, v heads
   int num_tokens = 0;
-  int qkv_stride = 0;            // elements between tokens
-  const void* bias = nullptr;    // [q + 2 kv] bf16, or null
+  int qkv_stride = 0;          // elements between tokens
+  const void* bias = nullptr;  // [q + 2 kv] bf16, or null
   const int32_t* positions = nullptr;
   const double* inv_freq = nullptr;  // [head_dim / 2]
   int num_heads = 0;
