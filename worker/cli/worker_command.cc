@@ -394,6 +394,10 @@ void AddWorkerCommand(CLI::App& app) {
                   "real, or sim: a simulator (real scheduler, KV pool, prefix cache and events; "
                   "compute replaced by a timing model) for routing experiments at scale")
       ->capture_default_str();
+  cmd->add_option("--gpu-memory-utilization", opt->engine.gpu_memory_utilization,
+                  "--device cuda: the fraction of the GPU's memory this worker may use; the KV cache gets what the "
+                  "weights and activations leave (0: --kv-cache-memory decides)")
+      ->capture_default_str();
   cmd->add_option("--device", opt->device,
                   "Where the model runs: cpu, cuda (GPU 0) or cuda:N (bfloat16 weights and KV cache in GPU memory; "
                   "needs --kv-transport none for now)")

@@ -34,6 +34,10 @@ absl::Status EngineConfig::Validate() const {
     return absl::InvalidArgumentError(absl::StrFormat("block_size must be in [1, 1024], got %d", block_size));
   }
   if (kv_cache_bytes <= 0) return absl::InvalidArgumentError("kv_cache_bytes must be positive");
+  if (!(gpu_memory_utilization >= 0.0 && gpu_memory_utilization <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--gpu-memory-utilization must be in (0, 1], got %g", gpu_memory_utilization));
+  }
   if (max_batched_tokens < 1) return absl::InvalidArgumentError("max_batched_tokens must be >= 1");
   if (max_running < 1) return absl::InvalidArgumentError("max_running must be >= 1");
   if (max_waiting < 1) return absl::InvalidArgumentError("max_waiting must be >= 1");
@@ -53,11 +57,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
       std::unique_ptr<ModelRunner> runner,
       ModelRunnerRegistry::Builtin().Create(config.runner, model.config, model.tensors, config.runner_options));
   kernels::KvLayout layout = runner->KvBlockLayout(config.block_size);
-  layout.num_blocks = KvStorage::BlocksForBudget(layout, config.kv_cache_bytes);
+  int64_t kv_bytes = config.kv_cache_bytes;
+  if (config.gpu_memory_utilization > 0) {
+    ASSIGN_OR_RETURN(kv_bytes,
+                     runner->KvBudget(config.gpu_memory_utilization, config.max_batched_tokens, config.max_running));
+  }
+  layout.num_blocks = KvStorage::BlocksForBudget(layout, kv_bytes);
   if (layout.num_blocks < 1) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("kv cache budget of %d bytes holds no block (one block of %d tokens takes %d bytes)",
-                        config.kv_cache_bytes, config.block_size, KvStorage::BytesPerBlock(layout)));
+        absl::StrFormat("kv cache budget of %d bytes holds no block (one block of %d tokens takes %d bytes)", kv_bytes,
+                        config.block_size, KvStorage::BytesPerBlock(layout)));
   }
   RETURN_IF_ERROR(runner->CheckKvLayout(layout));
   KvStorage::Allocator allocator = runner->KvAllocator();
@@ -73,7 +82,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   // A host pool is mapped lazily (pages arrive as blocks are first written),
   // so an oversized budget would start fine and be OOM-killed under load.
   const int64_t phys = int64_t{sysconf(_SC_PHYS_PAGES)} * sysconf(_SC_PAGESIZE);
-  if (!runner_pool && phys > 0 && config.kv_cache_bytes > phys) {
+  if (!runner_pool && phys > 0 && kv_bytes > phys) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "kv cache budget of %d bytes exceeds this machine's %d bytes of memory", config.kv_cache_bytes, phys));
   }

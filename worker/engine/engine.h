@@ -41,11 +41,16 @@ namespace tandem::worker {
 struct EngineConfig {
   int block_size = 16;                   // tokens per KV block
   int64_t kv_cache_bytes = 256ll << 20;  // memory budget of the KV pool
-  int max_batched_tokens = 2048;         // tokens per step (prefill chunk budget)
-  int max_running = 256;                 // sequences decoding at once
-  int max_waiting = 4096;                // queued requests before RESOURCE_EXHAUSTED
-  double watermark = 0.01;               // fraction of blocks admission keeps free
-  int max_model_len = 0;                 // 0: the model's max_position_embeddings
+  // A GPU runner: when > 0, the KV pool takes what is left of this fraction
+  // of the device's memory after the weights, the step's activations at
+  // max_batched_tokens and what else the device holds (vLLM's
+  // --gpu-memory-utilization), instead of kv_cache_bytes. In (0, 1].
+  double gpu_memory_utilization = 0;
+  int max_batched_tokens = 2048;  // tokens per step (prefill chunk budget)
+  int max_running = 256;          // sequences decoding at once
+  int max_waiting = 4096;         // queued requests before RESOURCE_EXHAUSTED
+  double watermark = 0.01;        // fraction of blocks admission keeps free
+  int max_model_len = 0;          // 0: the model's max_position_embeddings
   bool enable_prefix_caching = true;
   uint64_t block_hash_seed = 0;        // parent hash of a sequence's first block
   size_t kv_event_capacity = 1 << 16;  // events kept for resuming subscribers

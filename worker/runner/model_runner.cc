@@ -44,6 +44,12 @@ double SimTiming::StepSeconds(int64_t prefill_tokens, int64_t decode_seqs, int64
          context_ns_per_token * 1e-9 * static_cast<double>(context_tokens);
 }
 
+absl::StatusOr<int64_t> ModelRunner::KvBudget(double /*utilization*/, int /*max_batched_tokens*/, int /*max_seqs*/) {
+  return absl::FailedPreconditionError(absl::StrCat("--gpu-memory-utilization sizes a GPU's KV cache; the ",
+                                                    std::string(name()),
+                                                    " runner keeps it in host memory (--kv-cache-memory)"));
+}
+
 kernels::KvLayout HostKvLayout(const ModelConfig& config, int block_size) {
   return kernels::KvLayout{.num_layers = config.num_layers,
                            .num_kv_heads = config.num_kv_heads,

@@ -114,6 +114,13 @@ class ModelRunner {
   // or a transport's), else the allocator of the runner's own memory (a GPU
   // runner's device memory, owned by the runner, which outlives the pool).
   virtual KvStorage::Allocator KvAllocator() { return nullptr; }
+  // The bytes a KV pool may take so that this process's use of the device
+  // stays within `utilization` of its memory, counting the weights, what the
+  // device already holds and a step's activations at `max_batched_tokens`
+  // tokens and `max_seqs` sequences. ResourceExhausted naming what was
+  // needed and what was free when nothing is left; FailedPrecondition for a
+  // runner without a device.
+  virtual absl::StatusOr<int64_t> KvBudget(double utilization, int max_batched_tokens, int max_seqs);
 
   // One step: writes the K/V of `in`'s tokens into `kv` and samples one
   // token for each of in.logits_rows, in order, as `rows` says.

@@ -202,6 +202,26 @@ class CudaRunner final : public ModelRunner {
     };
   }
 
+  absl::StatusOr<int64_t> KvBudget(double utilization, int max_batched_tokens, int max_seqs) override {
+    RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
+    size_t free_bytes = 0, total = 0;
+    RETURN_IF_ERROR(Cuda(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
+    const int64_t used = int64_t(total) - int64_t(free_bytes);  // weights, context, other processes
+    const int64_t activations = ActivationBytes(max_batched_tokens, std::min(max_seqs, max_batched_tokens));
+    const int64_t allowed = static_cast<int64_t>(utilization * double(total));
+    const int64_t budget = allowed - used - activations;
+    if (budget <= 0) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "--gpu-memory-utilization %g allows %d bytes of cuda:%d's %d, but %d are in use (%d of them this "
+          "model's weights) and a step's activations at %d tokens need %d more: nothing is left for the KV cache "
+          "(raise the utilization, lower --max-batched-tokens, or use a smaller model)",
+          utilization, allowed, device_, total, used, weight_bytes_, max_batched_tokens, activations));
+    }
+    LOG(INFO) << "cuda runner: KV cache of " << budget << " bytes (" << utilization << " of " << total
+              << " bytes; in use " << used << ", activations " << activations << ")";
+    return budget;
+  }
+
   absl::Status Logits(const BatchInput& in, KvStorage& kv, std::vector<float>* logits) override {
     RETURN_IF_ERROR(Run(in, kv));
     const size_t n = in.logits_rows.size() * size_t(config().vocab_size);
@@ -330,6 +350,19 @@ class CudaRunner final : public ModelRunner {
   template <typename T>
   const T* Meta(size_t offset) const {
     return reinterpret_cast<const T*>(static_cast<const char*>(meta_.get()) + offset);
+  }
+
+  // Device bytes of a step's activations at T tokens and R logits rows
+  // (what ReserveActivations allocates, plus the attention workspace and
+  // what the kernels and cuBLASLt keep).
+  int64_t ActivationBytes(int T, int R) const {
+    const ModelConfig& c = config();
+    const int64_t qkv = c.q_size() + 2 * c.kv_size();
+    const int64_t per_token =
+        int64_t{c.hidden_size} * (4 + 2) + qkv * 2 + int64_t{c.q_size()} * 2 + int64_t{c.intermediate_size} * (4 + 2);
+    const int64_t logits = int64_t{std::max(R, 1)} * (int64_t{c.vocab_size} * 4 + int64_t{c.hidden_size} * 2);
+    const int64_t workspace = kernels::cuda::WorkspaceBytes(T, c.num_heads, c.head_dim);
+    return int64_t{T} * per_token + logits + workspace + kGemmWorkspaceBytes + (int64_t{256} << 20);
   }
 
   absl::Status ReserveActivations(int T, int R) {

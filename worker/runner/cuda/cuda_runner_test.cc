@@ -3,6 +3,7 @@
 // changes no sequence's greedy output), and the engine serving from a
 // device pool. Skips (with the reason) where no Hopper GPU or no cuBLASLt
 // is found: CI has neither.
+#include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -291,6 +292,32 @@ TEST(CudaRunnerTest, RefusesBlockSizesItsKernelsDoNotTake) {
   std::vector<SampledToken> out;
   s = (*gpu)->Step(in, {}, **kv, &out);
   EXPECT_THAT(std::string(s.message()), HasSubstr("got bfloat16 in host memory"));
+}
+
+TEST(CudaRunnerTest, GpuMemoryUtilizationSizesThePoolAndSaysWhenNothingIsLeft) {
+  if (SkipWithoutGpu()) GTEST_SKIP();
+  absl::StatusOr<LoadedModel> model = LoadModel("builtin:small");
+  ASSERT_TRUE(model.ok()) << model.status();
+  EngineConfig c;
+  c.runner = "cuda";
+  c.gpu_memory_utilization = 0.25;
+  size_t free_before = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_before, &total), cudaSuccess);
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(c, *model);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const int64_t pool = (*engine)->total_blocks() * KvStorage::BytesPerBlock((*engine)->kv_layout());
+  size_t free_after = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_after, &total), cudaSuccess);
+  std::printf("pool %lld bytes; device in use %lld of %lld\n", static_cast<long long>(pool),
+              static_cast<long long>(total - free_after), static_cast<long long>(total));
+  EXPECT_GT(pool, int64_t(total) / 8);                         // most of the quarter
+  EXPECT_LE(int64_t(total - free_after), int64_t(total) / 4);  // and within it
+  engine->reset();
+  c.gpu_memory_utilization = 0.0001;
+  absl::StatusOr<std::unique_ptr<Engine>> none = Engine::Create(c, *model);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(none.status().message()), HasSubstr("nothing is left for the KV cache"));
 }
 
 // Collects one request's tokens.
