@@ -13,16 +13,22 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <filesystem>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "worker/cli/commands.h"
 #include "worker/engine/engine.h"
 #include "worker/model/model_loader.h"
+#include "worker/model/weights.h"
+#include "worker/runner/cuda/device_probe.h"
 
 namespace tandem::worker {
 namespace {
@@ -38,6 +44,14 @@ struct BenchOptions {
   int threads = 0;
   std::string device = "cpu";
   bool json = false;
+  // --device cuda:
+  std::vector<int> prefill_lens = {512, 2048, 8192};
+  std::vector<std::string> decode_cases = {"1x128", "8x128", "64x128", "256x128", "1x2048", "64x2048"};
+  double gpu_memory_utilization = 0.9;
+  std::string transformers_python = "python3";
+  std::string transformers_script;  // default: scripts/bench_engine_transformers.py near cwd or the binary
+  bool no_transformers = false;
+  bool batch_invariant = false;
 };
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
@@ -156,7 +170,234 @@ std::vector<int32_t> RandomPrompt(std::mt19937& rng, int len, int vocab) {
   return p;
 }
 
+// Per-sequence token arrival times of `prompts` run together (greedy,
+// `max_tokens` each, EOS ignored).
+absl::StatusOr<std::vector<std::vector<Clock::time_point>>> RunTimed(Engine& engine,
+                                                                     const std::vector<std::vector<int32_t>>& prompts,
+                                                                     int max_tokens) {
+  std::vector<std::shared_ptr<TimingSink>> sinks;
+  for (const auto& p : prompts) {
+    auto sink = std::make_shared<TimingSink>();
+    GenerateSpec spec{.request_id = "bench", .prompt = p, .params = {}};
+    spec.params.temperature = 0.0f;
+    spec.params.max_tokens = max_tokens;
+    spec.params.ignore_eos = true;
+    RETURN_IF_ERROR(engine.Submit(std::move(spec), sink).status());
+    sinks.push_back(sink);
+  }
+  std::vector<std::vector<Clock::time_point>> out;
+  for (auto& s : sinks) {
+    s->Wait();
+    if (s->info().reason == FinishReason::kError) return absl::InternalError(s->info().error);
+    out.push_back(s->times());
+  }
+  return out;
+}
+
+// A decode step's duration: the median gap between consecutive tokens of
+// any sequence, over the window where every sequence was decoding (after the
+// last first token, before the first last token), so prefill steps count
+// nowhere.
+double DecodeStepSeconds(const std::vector<std::vector<Clock::time_point>>& times) {
+  Clock::time_point t0 = Clock::time_point::min(), t1 = Clock::time_point::max();
+  for (const auto& t : times) {
+    if (t.empty()) continue;
+    t0 = std::max(t0, t.front());
+    t1 = std::min(t1, t.back());
+  }
+  std::vector<double> gaps;
+  for (const auto& t : times) {
+    for (size_t i = 1; i < t.size(); ++i) {
+      if (t[i - 1] >= t0 && t[i] <= t1) gaps.push_back(Seconds(t[i - 1], t[i]));
+    }
+  }
+  if (gaps.empty()) {  // no common window (one step): every gap
+    for (const auto& t : times) {
+      for (size_t i = 1; i < t.size(); ++i) gaps.push_back(Seconds(t[i - 1], t[i]));
+    }
+  }
+  return gaps.empty() ? std::nan("") : Median(gaps);
+}
+
+// The transformers helper's JSON (scripts/bench_engine_transformers.py), or
+// {"available": false, "why": ...}.
+nlohmann::json TransformersBaselines(const BenchOptions& opt) {
+  using nlohmann::json;
+  if (opt.no_transformers) return {{"available", false}, {"why", "--no-transformers"}};
+  if (!std::filesystem::is_directory(opt.model)) {
+    return {{"available", false}, {"why", "--model is not a checkpoint directory transformers can load"}};
+  }
+  std::string script = opt.transformers_script;
+  if (script.empty()) {
+    std::vector<std::filesystem::path> candidates = {"scripts/bench_engine_transformers.py"};
+    std::error_code ec;
+    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (!ec) {
+      for (std::filesystem::path dir = self.parent_path(); !dir.empty() && dir != dir.root_path();
+           dir = dir.parent_path()) {
+        candidates.push_back(dir / "scripts/bench_engine_transformers.py");
+      }
+    }
+    for (const auto& c : candidates) {
+      if (std::filesystem::exists(c)) {
+        script = c.string();
+        break;
+      }
+    }
+  }
+  if (script.empty() || !std::filesystem::exists(script)) {
+    return {{"available", false}, {"why", "scripts/bench_engine_transformers.py not found (--transformers-script)"}};
+  }
+  std::vector<std::string> cases;
+  for (const std::string& c : opt.decode_cases) cases.push_back(c);
+  const std::string cmd = absl::StrCat(opt.transformers_python, " '", script, "' --model '", opt.model,
+                                       "' --prefill-lens ", absl::StrJoin(opt.prefill_lens, ","), " --decode ",
+                                       absl::StrJoin(cases, ","), " --repeats ", opt.repeats);
+  std::fprintf(stderr, "bench engine: transformers baselines: %s\n", cmd.c_str());
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return {{"available", false}, {"why", "popen failed"}};
+  std::string text;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) text.append(buf, n);
+  const int rc = pclose(p);
+  const size_t brace = text.rfind("\n{");
+  json j = json::parse(brace == std::string::npos ? text : text.substr(brace + 1), nullptr, false);
+  if (rc != 0 || j.is_discarded() || !j.is_object()) {
+    return {{"available", false}, {"why", absl::StrCat("the helper failed (exit ", rc, ")")}};
+  }
+  return j;
+}
+
+absl::StatusOr<std::pair<int, int>> ParseDecodeCase(const std::string& c) {
+  std::pair<int, int> bc;
+  const size_t x = c.find('x');
+  if (x == std::string::npos || !absl::SimpleAtoi(c.substr(0, x), &bc.first) ||
+      !absl::SimpleAtoi(c.substr(x + 1), &bc.second) || bc.first < 1 || bc.second < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--decode: '", c, "' is not BATCHxCONTEXT (e.g. 64x2048)"));
+  }
+  return bc;
+}
+
+// The GPU engine against the device's own limits and transformers, on
+// --model (a checkpoint directory for the transformers column).
+absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
+  using nlohmann::json;
+  std::vector<std::pair<int, int>> cases;
+  for (const std::string& c : opt.decode_cases) {
+    ASSIGN_OR_RETURN(auto bc, ParseDecodeCase(c));
+    cases.push_back(bc);
+  }
+  ASSIGN_OR_RETURN(DeviceRates rates, MeasureDeviceRates(base.runner_options.device));
+  const json hf = TransformersBaselines(opt);  // before our engine takes the memory
+  ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(opt.model));
+  const ModelConfig config = loaded.config;
+  EngineConfig ec = base;
+  ec.gpu_memory_utilization = opt.gpu_memory_utilization;
+  int max_batch = 1;
+  for (auto [b, c] : cases) max_batch = std::max(max_batch, b);
+  int max_prefill = 0;
+  for (int n : opt.prefill_lens) max_prefill = std::max(max_prefill, n);
+  ec.max_batched_tokens = std::max(8192, max_prefill);
+  ec.max_running = std::max(ec.max_running, max_batch);
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(ec, std::move(loaded)));
+  engine->Start();
+  std::mt19937 rng(2024);
+  RETURN_IF_ERROR(RunBatch(*engine, {RandomPrompt(rng, 64, config.vocab_size)}, 4).status());  // warm-up
+  const int64_t capacity = engine->total_blocks() * ec.block_size;
+  const double weight_bytes = 2.0 * double(ParameterCount(config));
+  const double kv_bytes_per_token = 2.0 * 2.0 * config.num_layers * config.num_kv_heads * double(config.head_dim);
+
+  json out = {{"model", opt.model},
+              {"device", rates.name},
+              {"batch_invariant", opt.batch_invariant},
+              {"bf16_matmul_tflops", rates.bf16_flops / 1e12},
+              {"copy_gb_per_s", rates.copy_bytes_per_s / 1e9},
+              {"kv_cache_tokens", capacity},
+              {"transformers", hf},
+              {"prefill", json::array()},
+              {"decode", json::array()}};
+  std::printf("tandem bench engine: %s on %s (%s)%s\n", opt.model.c_str(), opt.device.c_str(), rates.name.c_str(),
+              opt.batch_invariant ? ", batch-invariant" : "");
+  std::printf("  device: bf16 matmul %.0f TFLOP/s, copy %.0f GB/s (read + written); KV cache %lld tokens\n",
+              rates.bf16_flops / 1e12, rates.copy_bytes_per_s / 1e9, static_cast<long long>(capacity));
+  if (!hf.value("available", false)) {
+    std::printf("  transformers: n/a (%s)\n", hf.value("why", std::string("?")).c_str());
+  }
+  std::printf("  %-8s %10s %12s %9s %9s %12s %9s\n", "prefill", "ms", "tok/s", "TFLOP/s", "x peak", "hf ms", "x hf");
+  for (int n : opt.prefill_lens) {
+    if (n + 1 > engine->max_model_len()) {
+      std::printf("  %-8d n/a: longer than the model's context\n", n);
+      continue;
+    }
+    std::vector<double> t;
+    for (int r = 0; r < opt.repeats; ++r) {
+      ASSIGN_OR_RETURN(RunResult res, RunBatch(*engine, {RandomPrompt(rng, n, config.vocab_size)}, 1));
+      t.push_back(res.first_token[0]);
+    }
+    const double s = Median(t);
+    const double flops = engine->runner().Flops(n, int64_t{n} * (n + 1) / 2, 1) / s;
+    const json hf_ms = hf.value("prefill_ms", json::object()).value(std::to_string(n), json());
+    json row = {{"tokens", n},
+                {"ms", s * 1e3},
+                {"tokens_per_s", n / s},
+                {"tflops", flops / 1e12},
+                {"ratio_to_peak", flops / rates.bf16_flops},
+                {"transformers_ms", hf_ms}};
+    std::printf("  %-8d %10.2f %12.0f %9.1f %9.2f", n, s * 1e3, n / s, flops / 1e12, flops / rates.bf16_flops);
+    if (hf_ms.is_number()) {
+      row["speedup_vs_transformers"] = hf_ms.get<double>() / (s * 1e3);
+      std::printf(" %12.2f %9.2f\n", hf_ms.get<double>(), hf_ms.get<double>() / (s * 1e3));
+    } else {
+      std::printf(" %12s %9s\n", "n/a", "");
+    }
+    out["prefill"].push_back(row);
+  }
+  std::printf("  %-10s %10s %12s %12s %9s %12s %9s\n", "decode", "step ms", "tok/s", "bound ms", "x bound", "hf ms",
+              "x hf");
+  const int steps = std::max(8, opt.decode_tokens);
+  for (auto [batch, context] : cases) {
+    const std::string name = absl::StrCat(batch, "x", context);
+    if (int64_t{batch} * (context + steps + ec.block_size) > capacity) {
+      std::printf("  %-10s n/a: needs %lld KV tokens, the cache holds %lld\n", name.c_str(),
+                  static_cast<long long>(int64_t{batch} * (context + steps)), static_cast<long long>(capacity));
+      continue;
+    }
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < batch; ++i) prompts.push_back(RandomPrompt(rng, context, config.vocab_size));
+    ASSIGN_OR_RETURN(auto times, RunTimed(*engine, prompts, steps + 1));
+    const double step = DecodeStepSeconds(times);
+    const double bound = (weight_bytes + batch * (context + steps / 2.0) * kv_bytes_per_token) / rates.copy_bytes_per_s;
+    const json hf_ms = hf.value("decode_step_ms", json::object()).value(name, json());
+    json row = {{"batch", batch},
+                {"context", context},
+                {"step_ms", step * 1e3},
+                {"tokens_per_s", batch / step},
+                {"memory_bound_ms", bound * 1e3},
+                {"ratio_to_bound", step / bound},
+                {"transformers_step_ms", hf_ms}};
+    std::printf("  %-10s %10.3f %12.0f %12.3f %9.2f", name.c_str(), step * 1e3, batch / step, bound * 1e3,
+                step / bound);
+    if (hf_ms.is_number()) {
+      row["speedup_vs_transformers"] = hf_ms.get<double>() / (step * 1e3);
+      std::printf(" %12.2f %9.2f\n", hf_ms.get<double>(), hf_ms.get<double>() / (step * 1e3));
+    } else {
+      std::printf(" %12s %9s\n", "n/a", "");
+    }
+    out["decode"].push_back(row);
+  }
+  engine->Stop();
+  if (opt.json) std::printf("%s\n", out.dump(2).c_str());
+  return absl::OkStatus();
+}
+
 absl::Status RunBench(const BenchOptions& opt) {
+  if (opt.device != "cpu") {
+    EngineConfig ec;
+    ec.enable_prefix_caching = false;  // every prefill computes its whole prompt
+    RETURN_IF_ERROR(SelectDevice(opt.device, &ec.runner, &ec.runner_options));
+    ec.runner_options.batch_invariant = opt.batch_invariant;
+    return RunGpuBench(opt, ec);
+  }
   ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(opt.model));
   const ModelConfig config = loaded.config;
   EngineConfig ec;
@@ -254,6 +495,22 @@ void AddBenchCommand(CLI::App& bench) {
   cmd->add_option("--threads", opt->threads, "BLAS threads (0: all cores)")->capture_default_str();
   cmd->add_option("--device", opt->device, "cpu, cuda or cuda:N (see tandem worker --help)")->capture_default_str();
   cmd->add_flag("--json", opt->json, "Print the results as JSON");
+  cmd->add_option("--prefill-lens", opt->prefill_lens, "--device cuda: prompt lengths of the prefill runs")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--decode", opt->decode_cases, "--device cuda: BATCHxCONTEXT decode cases")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--gpu-memory-utilization", opt->gpu_memory_utilization,
+                  "--device cuda: the fraction of GPU memory the engine may use")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 1.0));
+  cmd->add_option("--transformers-python", opt->transformers_python, "Python that runs the transformers baselines")
+      ->capture_default_str();
+  cmd->add_option("--transformers-script", opt->transformers_script,
+                  "The baselines' script (default: scripts/bench_engine_transformers.py)");
+  cmd->add_flag("--no-transformers", opt->no_transformers, "Skip the transformers baselines");
+  cmd->add_flag("--batch-invariant", opt->batch_invariant, "--device cuda: the batch-invariant mode (tandem worker)");
   cmd->callback([opt] { ExitWithStatus("bench engine", RunBench(*opt)); });
 }
 

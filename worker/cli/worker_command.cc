@@ -41,7 +41,7 @@ namespace tandem::worker {
 namespace {
 
 struct WorkerOptions {
-  std::string model = "builtin:tiny";  // builtin:tiny, builtin:small or a checkpoint directory
+  std::string model = "builtin:tiny";  // builtin:NAME (BuiltinModelNames()) or a checkpoint directory
   std::string served_model_name;       // name reported to clients; default: the model's
   std::string role = "both";           // prefill, decode or both
   std::string host = "127.0.0.1";
@@ -379,7 +379,8 @@ absl::StatusOr<int64_t> ParseByteSize(const std::string& text) {
 void AddWorkerCommand(CLI::App& app) {
   auto opt = std::make_shared<WorkerOptions>();
   CLI::App* cmd = app.add_subcommand("worker", "Serve the worker gRPC API (an inference engine)");
-  cmd->add_option("--model", opt->model, "builtin:tiny, builtin:small or a Hugging Face checkpoint directory")
+  cmd->add_option("--model", opt->model,
+                  "builtin:NAME (tiny, small, llama-3.2-1b, llama-3.1-8b) or a Hugging Face checkpoint directory")
       ->capture_default_str();
   cmd->add_option("--served-model-name", opt->served_model_name, "Model name reported to clients");
   cmd->add_option("--role", opt->role, "prefill, decode or both")->capture_default_str();
@@ -398,6 +399,9 @@ void AddWorkerCommand(CLI::App& app) {
                   "--device cuda: the fraction of the GPU's memory this worker may use; the KV cache gets what the "
                   "weights and activations leave (0: --kv-cache-memory decides)")
       ->capture_default_str();
+  cmd->add_flag("--batch-invariant", opt->engine.runner_options.batch_invariant,
+                "--device cuda: a sequence's tokens do not depend on what it is batched with (single-pass matrix "
+                "products, fixed attention splits; slower decode at small batches)");
   cmd->add_option("--device", opt->device,
                   "Where the model runs: cpu, cuda (GPU 0) or cuda:N (bfloat16 weights and KV cache in GPU memory; "
                   "needs --kv-transport none for now)")

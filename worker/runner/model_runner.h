@@ -91,6 +91,13 @@ struct SimTiming {
 struct RunnerOptions {
   SimTiming sim;   // "sim"
   int device = 0;  // "cuda": the CUDA device's index (`--device cuda:N`)
+  // "cuda" (`--batch-invariant`): every kernel reduces a row the same way
+  // whatever else the step holds (single-pass matrix products, decode
+  // attention split at fixed key counts), so a sequence's tokens do not
+  // depend on what it was batched with; small products lose bandwidth.
+  // Either way prompt rows stay on the prefill kernel (chunking changes no
+  // bit).
+  bool batch_invariant = false;
 };
 
 class ModelRunner {

@@ -99,7 +99,8 @@ constexpr int64_t kGemmWorkspaceBytes = int64_t{32} << 20;
 
 class CudaRunner final : public ModelRunner {
  public:
-  CudaRunner(ModelConfig config, int device) : ModelRunner(std::move(config)), device_(device) {}
+  CudaRunner(ModelConfig config, const RunnerOptions& options)
+      : ModelRunner(std::move(config)), device_(options.device), batch_invariant_(options.batch_invariant) {}
 
   ~CudaRunner() override {
     cudaSetDevice(device_);
@@ -108,6 +109,8 @@ class CudaRunner final : public ModelRunner {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     if (host_meta_ != nullptr) cudaFreeHost(host_meta_);
     if (host_logits_ != nullptr) cudaFreeHost(host_logits_);
+    if (pinned_rows_ != nullptr) cudaFreeHost(pinned_rows_);
+    if (pinned_ids_ != nullptr) cudaFreeHost(pinned_ids_);
   }
 
   absl::Status Init(const TensorSource& tensors) {
@@ -129,7 +132,7 @@ class CudaRunner final : public ModelRunner {
     }
     RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
     ASSIGN_OR_RETURN(gemm_workspace_, DeviceBuffer::Allocate(kGemmWorkspaceBytes, "the cuBLASLt workspace"));
-    ASSIGN_OR_RETURN(gemm_, LtGemm::Create(gemm_workspace_.get(), gemm_workspace_.bytes()));
+    ASSIGN_OR_RETURN(gemm_, LtGemm::Create(gemm_workspace_.get(), gemm_workspace_.bytes(), batch_invariant_));
 
     const std::vector<double> inv_freq = RopeInverseFrequencies(c);
     ASSIGN_OR_RETURN(inv_freq_, DeviceBuffer::Allocate(int64_t(inv_freq.size() * sizeof(double)), "RoPE"));
@@ -225,21 +228,68 @@ class CudaRunner final : public ModelRunner {
   absl::Status Logits(const BatchInput& in, KvStorage& kv, std::vector<float>* logits) override {
     RETURN_IF_ERROR(Run(in, kv));
     const size_t n = in.logits_rows.size() * size_t(config().vocab_size);
-    logits->assign(host_logits_, host_logits_ + (in.logits_rows.empty() ? 0 : n));
-    return absl::OkStatus();
+    logits->resize(n);
+    if (n > 0) {
+      RETURN_IF_ERROR(
+          Cuda(cudaMemcpyAsync(logits->data(), logits_.get(), n * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+               "download logits"));
+    }
+    return Cuda(cudaStreamSynchronize(stream_), "synchronize");
   }
 
+  // Rows that want the plain greedy token (no penalties, masks or logprobs)
+  // take it from an argmax on the GPU; the others' logits come to the host
+  // sampler (SampleToken), which picks the same token for the first kind.
   absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
                     std::vector<SampledToken>* sampled) override {
     sampled->clear();
     RETURN_IF_ERROR(Run(in, kv));
     const ModelConfig& c = config();
     const size_t vocab = size_t(c.vocab_size);
-    sampled->reserve(rows.size());
+    if (rows.empty()) return Cuda(cudaStreamSynchronize(stream_), "synchronize");
+    greedy_rows_.clear();
+    host_rows_.clear();
     for (size_t i = 0; i < rows.size(); ++i) {
+      const SamplingParams& p = *rows[i].params;
+      const bool plain = p.temperature == 0.0f && p.logprobs < 0 && p.repetition_penalty == 1.0f &&
+                         p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f &&
+                         static_cast<int>(rows[i].output.size()) >= p.min_tokens;
+      (plain ? greedy_rows_ : host_rows_).push_back(static_cast<int>(i));
+    }
+    const size_t g = greedy_rows_.size();
+    if (g > 0) {
+      RETURN_IF_ERROR(ReservePinned(g));
+      std::memcpy(pinned_rows_, greedy_rows_.data(), g * sizeof(int));
+      RETURN_IF_ERROR(Reserve(&sample_meta_, int64_t(g) * 8, "sampling"));
+      int* d_rows = static_cast<int*>(sample_meta_.get());
+      int32_t* d_ids = reinterpret_cast<int32_t*>(d_rows + g);
+      RETURN_IF_ERROR(
+          Cuda(cudaMemcpyAsync(d_rows, pinned_rows_, g * sizeof(int), cudaMemcpyHostToDevice, stream_), "upload rows"));
+      RETURN_IF_ERROR(Launch(cuda_ops::LaunchArgmax(static_cast<const float*>(logits_.get()), d_rows, int(g),
+                                                    c.vocab_size, d_ids, stream_),
+                             "argmax"));
+      RETURN_IF_ERROR(
+          Cuda(cudaMemcpyAsync(pinned_ids_, d_ids, g * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_), "ids"));
+    }
+    const float* logits = static_cast<const float*>(logits_.get());
+    if (host_rows_.size() == rows.size()) {
+      RETURN_IF_ERROR(Cuda(
+          cudaMemcpyAsync(host_logits_, logits, rows.size() * vocab * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+          "download logits"));
+    } else {
+      for (int r : host_rows_) {
+        RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host_logits_ + r * vocab, logits + r * vocab, vocab * sizeof(float),
+                                             cudaMemcpyDeviceToHost, stream_),
+                             "download logits"));
+      }
+    }
+    RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
+    sampled->resize(rows.size());
+    for (size_t j = 0; j < g; ++j) (*sampled)[greedy_rows_[j]].token_id = pinned_ids_[j];
+    for (int i : host_rows_) {
       const RowSampling& r = rows[i];
-      sampled->push_back(SampleToken(std::span<float>(host_logits_ + i * vocab, vocab), *r.params, r.prompt, r.output,
-                                     c.eos_token_ids, r.seed));
+      (*sampled)[i] = SampleToken(std::span<float>(host_logits_ + i * vocab, vocab), *r.params, r.prompt, r.output,
+                                  c.eos_token_ids, r.seed);
     }
     return absl::OkStatus();
   }
@@ -249,13 +299,26 @@ class CudaRunner final : public ModelRunner {
   }
 
  private:
+  absl::Status ReservePinned(size_t rows) {
+    if (pinned_rows_capacity_ >= rows) return absl::OkStatus();
+    if (pinned_rows_ != nullptr) cudaFreeHost(pinned_rows_);
+    if (pinned_ids_ != nullptr) cudaFreeHost(pinned_ids_);
+    pinned_rows_ = nullptr;
+    pinned_ids_ = nullptr;
+    pinned_rows_capacity_ = std::max<size_t>(rows, 1024);
+    RETURN_IF_ERROR(Cuda(cudaMallocHost(reinterpret_cast<void**>(&pinned_rows_), pinned_rows_capacity_ * sizeof(int)),
+                         "pinned rows"));
+    return Cuda(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), pinned_rows_capacity_ * sizeof(int32_t)),
+                "pinned ids");
+  }
+
   // Metadata offsets in the packed upload (bytes, 16-aligned).
   struct MetaLayout {
     size_t tokens, positions, slots, query_start, context_lens, block_tables, logits_rows, run_query_starts, total;
   };
   static size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
-  // One forward pass, its logits rows in host_logits_ when it returns.
+  // One forward pass, its logits rows in logits_ (device) when it returns.
   absl::Status Run(const BatchInput& in, KvStorage& kv) {
     if (kv.location() != MemoryLocation::kDevice || kv.dtype() != kernels::DType::kBF16) {
       return absl::FailedPreconditionError(
@@ -278,11 +341,6 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(UploadMetadata(in));
     RETURN_IF_ERROR(ReserveActivations(T, R));
     RETURN_IF_ERROR(Forward(in, kv));
-    if (R > 0) {
-      const size_t logits_bytes = size_t(R) * c.vocab_size * sizeof(float);
-      RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host_logits_, logits_.get(), logits_bytes, cudaMemcpyDeviceToHost, stream_),
-                           "download logits"));
-    }
     // Synchronizes the stream; a slot or block id past the pool is an error.
     return kernels::cuda::TakeError(attn_workspace_.get(), stream_);
   }
@@ -387,9 +445,10 @@ class CudaRunner final : public ModelRunner {
     }
     int64_t ws = kernels::cuda::kErrorWordBytes;
     for (const AttentionRun& r : runs_) {
-      ws = std::max(ws, r.decode ? kernels::cuda::FixedSplitWorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim,
-                                                                           r.max_context, kDecodeKeysPerSplit)
-                                 : kernels::cuda::WorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim));
+      ws = std::max(ws, r.decode && batch_invariant_
+                            ? kernels::cuda::FixedSplitWorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim,
+                                                                      r.max_context, kDecodeKeysPerSplit)
+                            : kernels::cuda::WorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim));
     }
     if (attn_workspace_.bytes() < ws) {
       RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace"));
@@ -492,7 +551,7 @@ class CudaRunner final : public ModelRunner {
       p.block_tables = Meta<int32_t>(meta_layout_.block_tables) + int64_t{r.first_seq} * in.max_blocks_per_seq;
       p.host_query_start = run_query_starts_.data() + r.query_start_index;
       p.host_context_lens = in.context_lens.data() + r.first_seq;
-      p.keys_per_split = r.decode ? kDecodeKeysPerSplit : 0;
+      p.keys_per_split = r.decode && batch_invariant_ ? kDecodeKeysPerSplit : 0;
       p.kernel = r.decode ? kernels::AttentionKernel::kSplitKv : kernels::AttentionKernel::kPrefill;
       RETURN_IF_ERROR(kernels::PagedAttention(p));
     }
@@ -525,6 +584,7 @@ class CudaRunner final : public ModelRunner {
   static constexpr int kDecodeKeysPerSplit = 512;
 
   const int device_;
+  const bool batch_invariant_;
   std::vector<AttentionRun> runs_;
   std::vector<int> run_query_starts_;
   cudaStream_t stream_ = nullptr;
@@ -541,6 +601,12 @@ class CudaRunner final : public ModelRunner {
   DeviceBuffer meta_, x_, h_, qkv_, attn_, gu_, act_, last_, logits_, attn_workspace_;
   float* host_logits_ = nullptr;  // pinned
   int64_t host_logits_bytes_ = 0;
+  // Sampling: which rows take the GPU's greedy pick, and its answers.
+  std::vector<int> greedy_rows_, host_rows_;
+  DeviceBuffer sample_meta_;
+  int* pinned_rows_ = nullptr;
+  int32_t* pinned_ids_ = nullptr;
+  size_t pinned_rows_capacity_ = 0;
 };
 
 }  // namespace
@@ -548,7 +614,7 @@ class CudaRunner final : public ModelRunner {
 absl::StatusOr<std::unique_ptr<ModelRunner>> NewCudaRunner(ModelConfig config,
                                                            std::shared_ptr<const TensorSource> tensors,
                                                            const RunnerOptions& options) {
-  auto runner = std::make_unique<CudaRunner>(std::move(config), options.device);
+  auto runner = std::make_unique<CudaRunner>(std::move(config), options);
   RETURN_IF_ERROR(runner->Init(*tensors));
   return std::unique_ptr<ModelRunner>(std::move(runner));
 }

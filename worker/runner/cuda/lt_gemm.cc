@@ -60,7 +60,7 @@ bool Resolve(void* lib, const char* name, F* f) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(void* workspace, int64_t workspace_bytes) {
+absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(void* workspace, int64_t workspace_bytes, bool single_pass) {
   auto api = std::make_unique<Api>();
   const char* env = std::getenv("TANDEM_CUBLASLT");
   const std::string path = env != nullptr && *env != '\0' ? env : "libcublasLt.so.13";
@@ -91,11 +91,15 @@ absl::StatusOr<std::unique_ptr<LtGemm>> LtGemm::Create(void* workspace, int64_t 
   if (cublasStatus_t s = api->create(&handle); s != CUBLAS_STATUS_SUCCESS) {
     return absl::FailedPreconditionError(absl::StrCat("cublasLtCreate: ", api->Error(s)));
   }
-  return std::unique_ptr<LtGemm>(new LtGemm(std::move(api), handle, workspace, workspace_bytes));
+  return std::unique_ptr<LtGemm>(new LtGemm(std::move(api), handle, workspace, workspace_bytes, single_pass));
 }
 
-LtGemm::LtGemm(std::unique_ptr<Api> api, void* handle, void* workspace, int64_t workspace_bytes)
-    : api_(std::move(api)), handle_(handle), workspace_(workspace), workspace_bytes_(workspace_bytes) {}
+LtGemm::LtGemm(std::unique_ptr<Api> api, void* handle, void* workspace, int64_t workspace_bytes, bool single_pass)
+    : api_(std::move(api)),
+      handle_(handle),
+      workspace_(workspace),
+      workspace_bytes_(workspace_bytes),
+      single_pass_(single_pass) {}
 
 LtGemm::~LtGemm() {
   plans_.clear();
@@ -135,11 +139,13 @@ absl::StatusOr<const LtGemm::Plan*> LtGemm::PlanFor(const Key& key) {
   if (absl::Status s = check(api.pref_create(&pref), "cublasLtMatmulPreferenceCreate"); !s.ok()) return s;
   const uint64_t ws = static_cast<uint64_t>(workspace_bytes_);
   api.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  // Only algorithms that reduce each dot product in one sequence (no split-K
-  // partial sums): a row's result then does not depend on how many rows the
-  // product has, so batching a sequence with others changes none of its bits.
-  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
-  api.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof(reduction));
+  if (single_pass_) {
+    // Only algorithms that reduce each dot product in one sequence (no
+    // split-K partial sums): a row's result then does not depend on how many
+    // rows the product has.
+    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+    api.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof(reduction));
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t hs = api.heuristic(static_cast<cublasLtHandle_t>(handle_), plan->desc, plan->a, plan->b, plan->c,

@@ -7,9 +7,11 @@
 // Y[m, n] = X[m, k] . W[n, k]^T + beta * Y, row-major, W as Hugging Face
 // stores a linear layer's weight; X and W bfloat16, Y bfloat16 or float32,
 // accumulation in float32. The algorithm for each shape is chosen by
-// cuBLASLt's heuristic once and cached, among those that reduce each dot
-// product in one pass (no split-K), so that a row's result does not depend
-// on the other rows of the product (lt_gemm_test checks it bit for bit).
+// cuBLASLt's heuristic once and cached. With `single_pass` only algorithms
+// that reduce each dot product in one pass (no split-K) are taken, so that a
+// row's result does not depend on the other rows of the product (lt_gemm_test
+// checks it bit for bit): the batch-invariant mode's, which costs small
+// products (decode) much of their bandwidth.
 //
 // Not thread-safe: one per runner, used from the engine thread.
 #ifndef TANDEM_WORKER_RUNNER_CUDA_LT_GEMM_H_
@@ -30,7 +32,8 @@ class LtGemm {
 
   // FailedPrecondition naming the library when it cannot be loaded.
   // `workspace` is device memory of `workspace_bytes`, owned by the caller.
-  static absl::StatusOr<std::unique_ptr<LtGemm>> Create(void* workspace, int64_t workspace_bytes);
+  static absl::StatusOr<std::unique_ptr<LtGemm>> Create(void* workspace, int64_t workspace_bytes,
+                                                        bool single_pass = false);
   ~LtGemm();
   LtGemm(const LtGemm&) = delete;
   LtGemm& operator=(const LtGemm&) = delete;
@@ -42,13 +45,14 @@ class LtGemm {
   struct Api;
   struct Plan;
   using Key = std::tuple<int, int, int, Out>;  // m, n, k, out
-  LtGemm(std::unique_ptr<Api> api, void* handle, void* workspace, int64_t workspace_bytes);
+  LtGemm(std::unique_ptr<Api> api, void* handle, void* workspace, int64_t workspace_bytes, bool single_pass);
   absl::StatusOr<const Plan*> PlanFor(const Key& key);
 
   std::unique_ptr<Api> api_;
   void* handle_;  // cublasLtHandle_t
   void* workspace_;
   int64_t workspace_bytes_;
+  bool single_pass_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

@@ -3,6 +3,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
+#include <climits>
+
 #include "kernels/cuda/common.cuh"
 #include "worker/runner/cuda/model_kernels.h"
 
@@ -147,6 +150,41 @@ __global__ void AddBiasKernel(T* y, int n, int64_t total, const bf16* bias) {
   }
 }
 
+// One CTA per row: each thread's best (value, id), then the block's.
+__global__ void ArgmaxKernel(const float* logits, const int* rows, int vocab, int32_t* out) {
+  const float* row = logits + int64_t{rows[blockIdx.x]} * vocab;
+  float best = -INFINITY;
+  int best_id = 0;
+  bool any = false;
+  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+    float v = row[i];
+    if (isnan(v)) continue;
+    if (v == INFINITY) v = FLT_MAX;
+    if (!any || v > best) {  // ids grow along a thread's walk: ties keep the first
+      best = v;
+      best_id = i;
+      any = true;
+    }
+  }
+  __shared__ float s_val[1024];
+  __shared__ int s_id[1024];
+  s_val[threadIdx.x] = any ? best : -INFINITY;
+  s_id[threadIdx.x] = any ? best_id : INT_MAX;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      const float v = s_val[threadIdx.x + stride];
+      const int id = s_id[threadIdx.x + stride];
+      if (v > s_val[threadIdx.x] || (v == s_val[threadIdx.x] && id < s_id[threadIdx.x])) {
+        s_val[threadIdx.x] = v;
+        s_id[threadIdx.x] = id;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = s_id[0] == INT_MAX ? 0 : s_id[0];
+}
+
 constexpr int kThreads = 256;
 constexpr unsigned kMaxGrid = 65535u * 4;  // grid-stride loops beyond this
 
@@ -200,6 +238,12 @@ int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* st
   if (n == 0) return 0;
   SiluMulKernel<<<StrideGrid(n), kThreads, 0, S(stream)>>>(static_cast<const bf16*>(gu), inter, n,
                                                            static_cast<bf16*>(out));
+  return Err();
+}
+
+int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, int32_t* out, void* stream) {
+  if (num_rows == 0) return 0;
+  ArgmaxKernel<<<num_rows, 1024, 0, S(stream)>>>(logits, rows, vocab, out);
   return Err();
 }
 

@@ -57,6 +57,12 @@ int LaunchRopeWriteKv(const RopeWriteArgs& a, void* stream);
 // product rounded as PyTorch rounds it in bfloat16.
 int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* stream);
 
+// out[i] = the argmax of logits row rows[i] (float32, `vocab` wide) as the
+// host sampler's greedy pick: NaN never chosen, +inf as the largest float,
+// ties to the lowest id, a row of -inf gives 0. For rows that need nothing
+// else (no penalties, masks or logprobs).
+int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, int32_t* out, void* stream);
+
 // y[r, :] += bias for r < rows; y float32 (`f32`) or bf16, bias bf16.
 int LaunchAddBias(void* y, bool f32, int rows, int n, const void* bias, void* stream);
 
