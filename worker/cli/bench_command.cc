@@ -307,6 +307,8 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
   const double weight_bytes = 2.0 * double(ParameterCount(config));
   const double kv_bytes_per_token = 2.0 * 2.0 * config.num_layers * config.num_kv_heads * double(config.head_dim);
 
+  // With --json the table goes to stderr and stdout holds only the JSON.
+  FILE* table = opt.json ? stderr : stdout;
   json out = {{"model", opt.model},
               {"device", rates.name},
               {"batch_invariant", opt.batch_invariant},
@@ -316,17 +318,17 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
               {"transformers", hf},
               {"prefill", json::array()},
               {"decode", json::array()}};
-  std::printf("tandem bench engine: %s on %s (%s)%s\n", opt.model.c_str(), opt.device.c_str(), rates.name.c_str(),
+  std::fprintf(table, "tandem bench engine: %s on %s (%s)%s\n", opt.model.c_str(), opt.device.c_str(), rates.name.c_str(),
               opt.batch_invariant ? ", batch-invariant" : "");
-  std::printf("  device: bf16 matmul %.0f TFLOP/s, copy %.0f GB/s (read + written); KV cache %lld tokens\n",
+  std::fprintf(table, "  device: bf16 matmul %.0f TFLOP/s, copy %.0f GB/s (read + written); KV cache %lld tokens\n",
               rates.bf16_flops / 1e12, rates.copy_bytes_per_s / 1e9, static_cast<long long>(capacity));
   if (!hf.value("available", false)) {
-    std::printf("  transformers: n/a (%s)\n", hf.value("why", std::string("?")).c_str());
+    std::fprintf(table, "  transformers: n/a (%s)\n", hf.value("why", std::string("?")).c_str());
   }
-  std::printf("  %-8s %10s %12s %9s %9s %12s %9s\n", "prefill", "ms", "tok/s", "TFLOP/s", "x peak", "hf ms", "x hf");
+  std::fprintf(table, "  %-8s %10s %12s %9s %9s %12s %9s\n", "prefill", "ms", "tok/s", "TFLOP/s", "x peak", "hf ms", "x hf");
   for (int n : opt.prefill_lens) {
     if (n + 1 > engine->max_model_len()) {
-      std::printf("  %-8d n/a: longer than the model's context\n", n);
+      std::fprintf(table, "  %-8d n/a: longer than the model's context\n", n);
       continue;
     }
     std::vector<double> t;
@@ -343,22 +345,22 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
                 {"tflops", flops / 1e12},
                 {"ratio_to_peak", flops / rates.bf16_flops},
                 {"transformers_ms", hf_ms}};
-    std::printf("  %-8d %10.2f %12.0f %9.1f %9.2f", n, s * 1e3, n / s, flops / 1e12, flops / rates.bf16_flops);
+    std::fprintf(table, "  %-8d %10.2f %12.0f %9.1f %9.2f", n, s * 1e3, n / s, flops / 1e12, flops / rates.bf16_flops);
     if (hf_ms.is_number()) {
       row["speedup_vs_transformers"] = hf_ms.get<double>() / (s * 1e3);
-      std::printf(" %12.2f %9.2f\n", hf_ms.get<double>(), hf_ms.get<double>() / (s * 1e3));
+      std::fprintf(table, " %12.2f %9.2f\n", hf_ms.get<double>(), hf_ms.get<double>() / (s * 1e3));
     } else {
-      std::printf(" %12s %9s\n", "n/a", "");
+      std::fprintf(table, " %12s %9s\n", "n/a", "");
     }
     out["prefill"].push_back(row);
   }
-  std::printf("  %-10s %10s %12s %12s %9s %12s %9s\n", "decode", "step ms", "tok/s", "bound ms", "x bound", "hf ms",
+  std::fprintf(table, "  %-10s %10s %12s %12s %9s %12s %9s\n", "decode", "step ms", "tok/s", "bound ms", "x bound", "hf ms",
               "x hf");
   const int steps = std::max(8, opt.decode_tokens);
   for (auto [batch, context] : cases) {
     const std::string name = absl::StrCat(batch, "x", context);
     if (int64_t{batch} * (context + steps + ec.block_size) > capacity) {
-      std::printf("  %-10s n/a: needs %lld KV tokens, the cache holds %lld\n", name.c_str(),
+      std::fprintf(table, "  %-10s n/a: needs %lld KV tokens, the cache holds %lld\n", name.c_str(),
                   static_cast<long long>(int64_t{batch} * (context + steps)), static_cast<long long>(capacity));
       continue;
     }
@@ -375,13 +377,13 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
                 {"memory_bound_ms", bound * 1e3},
                 {"ratio_to_bound", step / bound},
                 {"transformers_step_ms", hf_ms}};
-    std::printf("  %-10s %10.3f %12.0f %12.3f %9.2f", name.c_str(), step * 1e3, batch / step, bound * 1e3,
+    std::fprintf(table, "  %-10s %10.3f %12.0f %12.3f %9.2f", name.c_str(), step * 1e3, batch / step, bound * 1e3,
                 step / bound);
     if (hf_ms.is_number()) {
       row["speedup_vs_transformers"] = hf_ms.get<double>() / (step * 1e3);
-      std::printf(" %12.2f %9.2f\n", hf_ms.get<double>(), hf_ms.get<double>() / (step * 1e3));
+      std::fprintf(table, " %12.2f %9.2f\n", hf_ms.get<double>(), hf_ms.get<double>() / (step * 1e3));
     } else {
-      std::printf(" %12s %9s\n", "n/a", "");
+      std::fprintf(table, " %12s %9s\n", "n/a", "");
     }
     out["decode"].push_back(row);
   }
