@@ -1,13 +1,14 @@
 // The "cuda" runner: a Llama-family forward pass on one NVIDIA GPU (Hopper),
 // bfloat16 weights and activations, float32 accumulation and statistics.
 //
-// Per layer: RMSNorm; the fused QKV product (cuBLASLt); bias, RoPE and the KV
-// write in one kernel; paged attention (kernels::cuda); the output product
-// accumulated onto the residual (beta = 1); RMSNorm; the fused gate/up
-// product; SiLU-and-multiply; the down product onto the residual. The
-// residual stream is float32 (Hugging Face keeps it in bfloat16): the
-// products accumulate onto it in float32 and it is never rounded, which
-// keeps the GPU engine closer to the float32 reference. Then the
+// Per layer: the fused QKV product (cuBLASLt); bias, RoPE and the KV write in
+// one kernel; paged attention (kernels::cuda); the output product; its add
+// to the residual (with its bias) fused with the next RMSNorm; the fused
+// gate/up product; SiLU-and-multiply; the down product; add and the next
+// layer's input norm. The residual stream is float32 (Hugging Face keeps it
+// in bfloat16): each product's bf16 output is added to it in float32 and the
+// sum is never rounded, which keeps the GPU engine closer to the float32
+// reference. Then the
 // final norm gathers only the rows whose logits are wanted, and the LM head
 // writes their float32 logits, which the host samples (SampleToken).
 //
@@ -18,8 +19,12 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -97,6 +102,75 @@ int64_t DtypeBytes(WeightDtype d) { return d == WeightDtype::kF32 ? 4 : 2; }
 
 constexpr int64_t kGemmWorkspaceBytes = int64_t{32} << 20;
 
+// TANDEM_CUDA_PROFILE=1: CUDA events between the forward pass's phases; the
+// runner logs each phase's share of the GPU time, and the host's time
+// around it, when it is destroyed. Off: every call is a no-op.
+class StepProfile {
+ public:
+  StepProfile() {
+    const char* env = std::getenv("TANDEM_CUDA_PROFILE");
+    on_ = env != nullptr && *env != '\0' && std::string_view(env) != "0";
+  }
+  ~StepProfile() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  bool on() const { return on_; }
+  void Mark(const char* phase, void* stream) {
+    if (!on_) return;
+    if (used_ == events_.size()) {
+      cudaEvent_t e;
+      if (cudaEventCreate(&e) != cudaSuccess) return;
+      events_.push_back(e);
+      phases_.push_back(nullptr);
+    }
+    cudaEventRecord(events_[used_], static_cast<cudaStream_t>(stream));
+    phases_[used_++] = phase;
+  }
+  // After the step's stream is synchronized: adds its phases' times, and
+  // the step's wall time `wall_ms`, to the totals of steps of its `kind`.
+  void Collect(const std::string& kind, double wall_ms) {
+    if (!on_ || used_ < 2) {
+      used_ = 0;
+      return;
+    }
+    Totals& t = kinds_[kind];
+    for (size_t i = 1; i < used_; ++i) {
+      float ms = 0;
+      cudaEventElapsedTime(&ms, events_[i - 1], events_[i]);
+      t.phases[phases_[i]] += ms;
+      t.gpu_ms += ms;
+    }
+    t.wall_ms += wall_ms;
+    ++t.steps;
+    used_ = 0;
+  }
+  void Log(const std::string& what) const {
+    for (const auto& [kind, t] : kinds_) {
+      std::vector<std::pair<double, std::string>> rows;
+      for (const auto& [phase, ms] : t.phases) rows.emplace_back(ms, phase);
+      std::sort(rows.rbegin(), rows.rend());
+      std::string text = absl::StrFormat("%s, %s steps: %d, %.3f ms a step on the GPU, %.3f ms wall:", what, kind,
+                                         t.steps, t.gpu_ms / t.steps, t.wall_ms / t.steps);
+      for (const auto& [ms, phase] : rows) {
+        absl::StrAppendFormat(&text, " %s %.3f ms (%.0f%%);", phase, ms / t.steps, 100.0 * ms / t.gpu_ms);
+      }
+      LOG(INFO) << text;
+    }
+  }
+
+ private:
+  struct Totals {
+    std::map<std::string, double> phases;
+    double gpu_ms = 0, wall_ms = 0;
+    int steps = 0;
+  };
+  bool on_ = false;
+  std::vector<cudaEvent_t> events_;
+  std::vector<const char*> phases_;
+  size_t used_ = 0;
+  std::map<std::string, Totals> kinds_;
+};
+
 class CudaRunner final : public ModelRunner {
  public:
   CudaRunner(ModelConfig config, const RunnerOptions& options)
@@ -104,6 +178,7 @@ class CudaRunner final : public ModelRunner {
 
   ~CudaRunner() override {
     cudaSetDevice(device_);
+    profile_.Log("cuda runner profile");
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     gemm_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -125,10 +200,11 @@ class CudaRunner final : public ModelRunner {
           "--device cuda:%d: this machine has %d CUDA device(s) (cuda:0..cuda:%d)", device_, count, count - 1));
     }
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
-    if (c.hidden_size % 8 != 0 || c.head_dim % 8 != 0 || c.head_dim > 256) {
+    if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0 || c.head_dim % 8 != 0 || c.head_dim > 256) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "the cuda runner needs hidden_size and head_dim multiples of 8 (head_dim <= 256); the model has %d and %d",
-          c.hidden_size, c.head_dim));
+          "the cuda runner needs hidden_size, intermediate_size and head_dim multiples of 8 (head_dim <= 256); the "
+          "model has %d, %d and %d",
+          c.hidden_size, c.intermediate_size, c.head_dim));
     }
     RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
     ASSIGN_OR_RETURN(gemm_workspace_, DeviceBuffer::Allocate(kGemmWorkspaceBytes, "the cuBLASLt workspace"));
@@ -242,6 +318,19 @@ class CudaRunner final : public ModelRunner {
   // sampler (SampleToken), which picks the same token for the first kind.
   absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
                     std::vector<SampledToken>* sampled) override {
+    const auto wall_start = std::chrono::steady_clock::now();
+    absl::Status status = Sample(in, rows, kv, sampled);
+    if (profile_.on()) {
+      const char* kind = in.decode_seqs == 0 ? "prefill" : in.prefill_tokens == 0 ? "decode" : "mixed";
+      profile_.Collect(
+          absl::StrCat(kind, " (", in.num_seqs(), " seqs, ", in.num_tokens(), " tokens)"),
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall_start).count());
+    }
+    return status;
+  }
+
+  absl::Status Sample(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
+                      std::vector<SampledToken>* sampled) {
     sampled->clear();
     RETURN_IF_ERROR(Run(in, kv));
     const ModelConfig& c = config();
@@ -469,7 +558,9 @@ class CudaRunner final : public ModelRunner {
     LtGemm& g = *gemm_;
     const kernels::KvLayout& layout = kv.layout();
 
+    profile_.Mark("begin", s);
     RETURN_IF_ERROR(Launch(cuda_ops::LaunchEmbed(Meta<int32_t>(m.tokens), T, w_.embed.get(), H, X(), s), "embed"));
+    profile_.Mark("embed", s);
 
     kernels::PagedAttentionParams attn{.backend = kernels::Backend::kCuda,
                                        .q = qkv_.get(),
@@ -500,36 +591,56 @@ class CudaRunner final : public ModelRunner {
                                  .head_dim = c.head_dim,
                                  .slot_mapping = Meta<int64_t>(m.slots),
                                  .error = static_cast<int*>(attn_workspace_.get())};
+    const float eps = c.rms_norm_eps;
+    auto opt = [](const DeviceBuffer& b) -> const void* { return b.empty() ? nullptr : b.get(); };
+    // h = the first layer's normed input; afterwards each product's output
+    // (bf16, in h_) is added to the residual by the kernel that norms it for
+    // the next product.
+    RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddRmsNorm(X(), nullptr, T, H, nullptr, nullptr,
+                                                      w_.layers[0].input_norm.get(), eps, h_.get(), s),
+                           "norm"));
+    profile_.Mark("norms", s);
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[l];
-      RETURN_IF_ERROR(Launch(
-          cuda_ops::LaunchRmsNorm(X(), nullptr, T, H, lw.input_norm.get(), c.rms_norm_eps, h_.get(), s), "norm"));
       RETURN_IF_ERROR(g.Gemm(h_.get(), T, H, lw.wqkv.get(), qkv_size, 0.0f, qkv_.get(), LtGemm::Out::kBF16, s));
-      rope.bias = lw.bqkv.empty() ? nullptr : lw.bqkv.get();
+      profile_.Mark("qkv product", s);
+      rope.bias = opt(lw.bqkv);
       rope.pool = PoolViewOf(layout, kv.data(), l);
       RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
+      profile_.Mark("rope + KV write", s);
       attn.layer = l;
       RETURN_IF_ERROR(Attention(in, attn));
-      RETURN_IF_ERROR(g.Gemm(attn_.get(), T, q_size, lw.wo.get(), H, 1.0f, x_.get(), LtGemm::Out::kF32, s));
-      if (!lw.bo.empty())
-        RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(x_.get(), true, T, H, lw.bo.get(), s), "o bias"));
-      RETURN_IF_ERROR(
-          Launch(cuda_ops::LaunchRmsNorm(X(), nullptr, T, H, lw.post_norm.get(), c.rms_norm_eps, h_.get(), s), "norm"));
+      profile_.Mark("attention", s);
+      RETURN_IF_ERROR(g.Gemm(attn_.get(), T, q_size, lw.wo.get(), H, 0.0f, h_.get(), LtGemm::Out::kBF16, s));
+      profile_.Mark("o product", s);
+      RETURN_IF_ERROR(Launch(
+          cuda_ops::LaunchAddRmsNorm(X(), nullptr, T, H, h_.get(), opt(lw.bo), lw.post_norm.get(), eps, h_.get(), s),
+          "add and norm"));
+      profile_.Mark("norms", s);
       RETURN_IF_ERROR(g.Gemm(h_.get(), T, H, lw.w_gate_up.get(), 2 * I, 0.0f, gu_.get(), LtGemm::Out::kBF16, s));
+      profile_.Mark("gate/up product", s);
       if (!lw.b_gate_up.empty()) {
-        RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(gu_.get(), false, T, 2 * I, lw.b_gate_up.get(), s), "mlp bias"));
+        RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(gu_.get(), T, 2 * I, lw.b_gate_up.get(), s), "mlp bias"));
       }
       RETURN_IF_ERROR(Launch(cuda_ops::LaunchSiluMul(gu_.get(), T, I, act_.get(), s), "silu"));
-      RETURN_IF_ERROR(g.Gemm(act_.get(), T, I, lw.w_down.get(), H, 1.0f, x_.get(), LtGemm::Out::kF32, s));
-      if (!lw.b_down.empty()) {
-        RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(x_.get(), true, T, H, lw.b_down.get(), s), "down bias"));
-      }
+      profile_.Mark("silu", s);
+      RETURN_IF_ERROR(g.Gemm(act_.get(), T, I, lw.w_down.get(), H, 0.0f, h_.get(), LtGemm::Out::kBF16, s));
+      profile_.Mark("down product", s);
+      const bool last = l + 1 == c.num_layers;
+      RETURN_IF_ERROR(
+          Launch(cuda_ops::LaunchAddRmsNorm(X(), nullptr, T, H, h_.get(), opt(lw.b_down),
+                                            last ? nullptr : w_.layers[l + 1].input_norm.get(), eps, h_.get(), s),
+                 "add and norm"));
+      profile_.Mark("norms", s);
     }
     if (R == 0) return absl::OkStatus();
-    RETURN_IF_ERROR(Launch(cuda_ops::LaunchRmsNorm(X(), Meta<int>(m.logits_rows), R, H, w_.final_norm.get(),
-                                                   c.rms_norm_eps, last_.get(), s),
+    RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddRmsNorm(X(), Meta<int>(m.logits_rows), R, H, nullptr, nullptr,
+                                                      w_.final_norm.get(), eps, last_.get(), s),
                            "final norm"));
-    return g.Gemm(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, 0.0f, logits_.get(), LtGemm::Out::kF32, s);
+    RETURN_IF_ERROR(
+        g.Gemm(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, 0.0f, logits_.get(), LtGemm::Out::kF32, s));
+    profile_.Mark("final norm + LM head", s);
+    return absl::OkStatus();
   }
 
   float* X() const { return static_cast<float*>(x_.get()); }
@@ -585,6 +696,7 @@ class CudaRunner final : public ModelRunner {
 
   const int device_;
   const bool batch_invariant_;
+  StepProfile profile_;
   std::vector<AttentionRun> runs_;
   std::vector<int> run_query_starts_;
   cudaStream_t stream_ = nullptr;

@@ -60,15 +60,48 @@ __global__ void EmbedKernel(const int32_t* tokens, const bf16* table, int hidden
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[int64_t{t} * hidden + i] = __bfloat162float(row[i]);
 }
 
-__global__ void RmsNormKernel(const float* x, const int* rows, int hidden, const bf16* weight, float eps, bf16* out) {
+// One CTA per row: x[row] += delta + bias (when given), then, when `weight`
+// is given, out = bf16(x * rsqrt(mean(x^2) + eps) * weight). float4 steps
+// (hidden % 8 == 0, checked by the runner); the row is read back from L1/L2
+// for the second pass.
+__global__ void AddRmsNormKernel(float* x, const int* rows, const bf16* delta, const bf16* bias, int hidden,
+                                 const bf16* weight, float eps, bf16* out) {
   const int r = blockIdx.x;
   const int64_t src = rows != nullptr ? rows[r] : r;
-  const float* in = x + src * hidden;
+  float4* in = reinterpret_cast<float4*>(x + src * hidden);
+  const int vecs = hidden / 4;
   float sum = 0.0f;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) sum += in[i] * in[i];
+  for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+    float4 v = in[i];
+    if (delta != nullptr) {
+      const __nv_bfloat162* d = reinterpret_cast<const __nv_bfloat162*>(delta + src * hidden) + 2 * i;
+      const float2 d0 = __bfloat1622float2(d[0]), d1 = __bfloat1622float2(d[1]);
+      v.x += d0.x;
+      v.y += d0.y;
+      v.z += d1.x;
+      v.w += d1.y;
+      if (bias != nullptr) {
+        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(bias) + 2 * i;
+        const float2 b0 = __bfloat1622float2(b[0]), b1 = __bfloat1622float2(b[1]);
+        v.x += b0.x;
+        v.y += b0.y;
+        v.z += b1.x;
+        v.w += b1.y;
+      }
+      in[i] = v;
+    }
+    sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  if (weight == nullptr) return;
   const float scale = rsqrtf(BlockSum(sum) / hidden + eps);
-  bf16* o = out + int64_t{r} * hidden;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __float2bfloat16(in[i] * scale * __bfloat162float(weight[i]));
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + int64_t{r} * hidden);
+  const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(weight);
+  for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+    const float4 v = in[i];
+    const float2 w0 = __bfloat1622float2(w[2 * i]), w1 = __bfloat1622float2(w[2 * i + 1]);
+    o[2 * i] = __floats2bfloat162_rn(v.x * scale * w0.x, v.y * scale * w0.y);
+    o[2 * i + 1] = __floats2bfloat162_rn(v.z * scale * w1.x, v.w * scale * w1.y);
+  }
 }
 
 // One CTA per token. The token's cos/sin table first (shared), then every
@@ -129,24 +162,30 @@ __global__ void RopeWriteKvKernel(RopeWriteArgs a) {
   }
 }
 
-__global__ void SiluMulKernel(const bf16* gu, int inter, int64_t n, bf16* out) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t t = i / inter, j = i % inter;
-    const float g = __bfloat162float(gu[t * 2 * inter + j]);
-    const float u = __bfloat162float(gu[t * 2 * inter + inter + j]);
-    const float act = RoundBf16(g / (1.0f + __expf(-g)));
-    out[i] = __float2bfloat16(act * u);
+// Grid (column groups, tokens); each thread eight columns through 16-byte
+// loads and stores (inter % 8 == 0, checked by the runner).
+__global__ void SiluMulKernel(const bf16* gu, int inter, bf16* out) {
+  const int t = blockIdx.y;
+  const int j = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (j >= inter) return;
+  const uint4 graw = *reinterpret_cast<const uint4*>(gu + int64_t{t} * 2 * inter + j);
+  const uint4 uraw = *reinterpret_cast<const uint4*>(gu + int64_t{t} * 2 * inter + inter + j);
+  const auto* g2 = reinterpret_cast<const __nv_bfloat162*>(&graw);
+  const auto* u2 = reinterpret_cast<const __nv_bfloat162*>(&uraw);
+  uint4 oraw;
+  auto* o2 = reinterpret_cast<__nv_bfloat162*>(&oraw);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 g = __bfloat1622float2(g2[k]), u = __bfloat1622float2(u2[k]);
+    const float a0 = RoundBf16(g.x / (1.0f + __expf(-g.x))), a1 = RoundBf16(g.y / (1.0f + __expf(-g.y)));
+    o2[k] = __floats2bfloat162_rn(a0 * u.x, a1 * u.y);
   }
+  *reinterpret_cast<uint4*>(out + int64_t{t} * inter + j) = oraw;
 }
 
-template <typename T>
-__global__ void AddBiasKernel(T* y, int n, int64_t total, const bf16* bias) {
+__global__ void AddBiasKernel(bf16* y, int n, int64_t total, const bf16* bias) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
-    if constexpr (std::is_same_v<T, float>) {
-      y[i] += __bfloat162float(bias[i % n]);
-    } else {
-      y[i] = __float2bfloat16(__bfloat162float(y[i]) + __bfloat162float(bias[i % n]));
-    }
+    y[i] = __float2bfloat16(__bfloat162float(y[i]) + __bfloat162float(bias[i % n]));
   }
 }
 
@@ -217,12 +256,14 @@ int LaunchEmbed(const int32_t* tokens, int num_tokens, const void* table, int hi
   return Err();
 }
 
-int LaunchRmsNorm(const float* x, const int* rows, int num_rows, int hidden, const void* weight, float eps, void* out,
-                  void* stream) {
+int LaunchAddRmsNorm(float* x, const int* rows, int num_rows, int hidden, const void* delta, const void* bias,
+                     const void* weight, float eps, void* out, void* stream) {
   if (num_rows == 0) return 0;
-  const int threads = hidden >= 4096 ? 1024 : hidden >= 1024 ? 512 : 128;
-  RmsNormKernel<<<num_rows, threads, 0, S(stream)>>>(x, rows, hidden, static_cast<const bf16*>(weight), eps,
-                                                     static_cast<bf16*>(out));
+  const int vecs = hidden / 4;
+  const int threads = vecs >= 1024 ? 256 : vecs >= 256 ? 128 : 64;
+  AddRmsNormKernel<<<num_rows, threads, 0, S(stream)>>>(x, rows, static_cast<const bf16*>(delta),
+                                                        static_cast<const bf16*>(bias), hidden,
+                                                        static_cast<const bf16*>(weight), eps, static_cast<bf16*>(out));
   return Err();
 }
 
@@ -234,10 +275,10 @@ int LaunchRopeWriteKv(const RopeWriteArgs& a, void* stream) {
 }
 
 int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* stream) {
-  const int64_t n = int64_t{num_tokens} * inter;
-  if (n == 0) return 0;
-  SiluMulKernel<<<StrideGrid(n), kThreads, 0, S(stream)>>>(static_cast<const bf16*>(gu), inter, n,
-                                                           static_cast<bf16*>(out));
+  if (num_tokens == 0 || inter == 0) return 0;
+  const int threads = 128;
+  const dim3 grid(static_cast<unsigned>((inter / 8 + threads - 1) / threads), static_cast<unsigned>(num_tokens));
+  SiluMulKernel<<<grid, threads, 0, S(stream)>>>(static_cast<const bf16*>(gu), inter, static_cast<bf16*>(out));
   return Err();
 }
 
@@ -247,15 +288,11 @@ int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, 
   return Err();
 }
 
-int LaunchAddBias(void* y, bool f32, int rows, int n, const void* bias, void* stream) {
+int LaunchAddBias(void* y, int rows, int n, const void* bias, void* stream) {
   const int64_t total = int64_t{rows} * n;
   if (total == 0) return 0;
-  const auto* b = static_cast<const bf16*>(bias);
-  if (f32) {
-    AddBiasKernel<<<StrideGrid(total), kThreads, 0, S(stream)>>>(static_cast<float*>(y), n, total, b);
-  } else {
-    AddBiasKernel<<<StrideGrid(total), kThreads, 0, S(stream)>>>(static_cast<bf16*>(y), n, total, b);
-  }
+  AddBiasKernel<<<StrideGrid(total), kThreads, 0, S(stream)>>>(static_cast<bf16*>(y), n, total,
+                                                               static_cast<const bf16*>(bias));
   return Err();
 }
 

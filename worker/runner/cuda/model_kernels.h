@@ -25,11 +25,14 @@ int LaunchToBf16(const void* src, SrcType type, void* dst, int64_t n, void* stre
 // checked on the host).
 int LaunchEmbed(const int32_t* tokens, int num_tokens, const void* table, int hidden, float* out, void* stream);
 
-// out[r, :] = bf16(RMSNorm(x[row(r), :]) * weight), computed in float32 from
-// the float32 residual. row(r) = rows[r] when `rows` is given (gathering the
-// logits rows), else r.
-int LaunchRmsNorm(const float* x, const int* rows, int num_rows, int hidden, const void* weight, float eps, void* out,
-                  void* stream);
+// For each row r (x's row(r) = rows[r] when `rows` is given, gathering the
+// logits rows, else r): when `delta` is given, x[row] += delta[row] (+ bias
+// when given; bf16), the residual add after a product; then, when `weight`
+// is given, out[r, :] = bf16(RMSNorm(x[row]) * weight), in float32 from the
+// float32 residual. hidden % 8 == 0. `out` may be `delta` (rows are read
+// before they are written).
+int LaunchAddRmsNorm(float* x, const int* rows, int num_rows, int hidden, const void* delta, const void* bias,
+                     const void* weight, float eps, void* out, void* stream);
 
 // Adds the QKV bias (when given) and rotary embedding to the fused QKV rows
 // of one layer, in place for Q, and writes each token's rotated K and its V
@@ -54,7 +57,7 @@ struct RopeWriteArgs {
 int LaunchRopeWriteKv(const RopeWriteArgs& a, void* stream);
 
 // out[t, j] = silu(gu[t, j]) * gu[t, inter + j] (gate rows then up rows), each
-// product rounded as PyTorch rounds it in bfloat16.
+// product rounded as PyTorch rounds it in bfloat16. inter % 8 == 0.
 int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* stream);
 
 // out[i] = the argmax of logits row rows[i] (float32, `vocab` wide) as the
@@ -63,8 +66,8 @@ int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* st
 // else (no penalties, masks or logprobs).
 int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, int32_t* out, void* stream);
 
-// y[r, :] += bias for r < rows; y float32 (`f32`) or bf16, bias bf16.
-int LaunchAddBias(void* y, bool f32, int rows, int n, const void* bias, void* stream);
+// y[r, :] += bias for r < rows (bf16).
+int LaunchAddBias(void* y, int rows, int n, const void* bias, void* stream);
 
 }  // namespace tandem::worker::cuda_ops
 
