@@ -335,7 +335,9 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
       {"--max-restarts -1", "--max-restarts"},
       // Refused before any process starts, naming the flag:
       {"--policy fastest", "--policy fastest: "},
-      {"--model builtin:huge", "--model: no built-in model 'builtin:huge' (builtin:tiny, builtin:small)"},
+      {"--model builtin:huge",
+       "--model: no built-in model 'builtin:huge' (builtin:tiny, builtin:small, builtin:llama-3.2-1b, "
+       "builtin:llama-3.1-8b)"},
       {"--model /nonexistent", "--model: '/nonexistent' is neither a built-in model"},
       {"--kv-cache-memory 5lots", "--kv-cache-memory: '5lots' is not a size"},
       {"--device tpu", "--device must be cpu, cuda or cuda:N, got 'tpu'"},

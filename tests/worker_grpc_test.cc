@@ -50,6 +50,7 @@ namespace {
 using namespace ::tandem::testing;  // NOLINT: the helpers of every test here
 using std::chrono::milliseconds;
 using std::chrono::seconds;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // Each test owns the workers it starts; they must exit cleanly at the end.
@@ -1226,6 +1227,21 @@ TEST_F(WorkerGrpcTest, RoleIsPrefillDecodeOrBoth) {
   absl::StatusOr<std::unique_ptr<WorkerProcess>> decode = WorkerProcess::Start({"--role", "decode"});
   ASSERT_TRUE(decode.ok()) << decode.status();
   EXPECT_EQ(GetModelInfo((*decode)->stub()).role(), "decode");
+}
+
+// `tandem export-model` refuses an unknown preset before writing anything,
+// naming the flag and listing the presets; its help lists them too.
+TEST(ExportModelCommandTest, UnknownPresetListsThePresets) {
+  absl::StatusOr<std::string> bin = tandem::testing::TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  const std::string dir = absl::StrCat(::testing::TempDir(), "/tandem-export-", getpid());
+  std::string out;
+  EXPECT_NE(tandem::testing::RunCommand(*bin + " export-model --preset nosuch " + dir, &out), 0);
+  EXPECT_THAT(out, HasSubstr("--preset: unknown built-in model \"nosuch\" (built-in models: tiny, small, "
+                             "llama-3.2-1b, llama-3.1-8b)"));
+  EXPECT_FALSE(std::filesystem::exists(dir));
+  EXPECT_EQ(tandem::testing::RunCommand(*bin + " export-model --help", &out), 0);
+  EXPECT_THAT(out, AllOf(HasSubstr("llama-3.2-1b"), HasSubstr("llama-3.1-8b")));
 }
 
 // In a container image (TANDEM_HOST=0.0.0.0) the worker listens on every

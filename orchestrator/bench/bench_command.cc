@@ -234,7 +234,10 @@ void AddServingBench(CLI::App& bench) {
       ->capture_default_str();
   bench.add_option("--num-warmups", l.num_warmups, "Unrecorded requests sent first")->capture_default_str();
   bench.add_option("--seed", l.seed, "Seed of the dataset and the arrivals")->capture_default_str();
-  bench.add_option("--tokenizer", opt->tokenizer, "builtin, or a tokenizer.json / model directory (to build prompts)")
+  bench
+      .add_option(
+          "--tokenizer", opt->tokenizer,
+          "builtin, builtin:NAME (a built-in model's), or a tokenizer.json / model directory (to build prompts)")
       ->capture_default_str();
   bench.add_option("--random-input-len,--input-len", d.input_len, "random: input tokens")->capture_default_str();
   bench

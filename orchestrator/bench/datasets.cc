@@ -235,7 +235,13 @@ absl::StatusOr<std::vector<int32_t>> TextSafeIds(const Tokenizer& tokenizer) {
   for (int32_t id = 0; id < tokenizer.vocab_size(); ++id) {
     if (tokenizer.IsSpecial(id) || !tokenizer.IdToToken(id).has_value()) continue;
     const int32_t one[] = {id};
-    if (PrintableUtf8(tokenizer.Decode(one, /*skip_special_tokens=*/true))) ids.push_back(id);
+    const std::string text = tokenizer.Decode(one, /*skip_special_tokens=*/true);
+    if (!PrintableUtf8(text)) continue;
+    // A token that its own text does not encode back to (the built-in large
+    // presets' fillers, which no text encodes to) would multiply the length of
+    // a prompt sent as text.
+    const std::vector<int32_t> back = tokenizer.Encode(text, /*add_special_tokens=*/false);
+    if (back.size() == 1 && back[0] == id) ids.push_back(id);
   }
   if (ids.empty()) return absl::InvalidArgumentError("the tokenizer has no text-safe token");
   return ids;

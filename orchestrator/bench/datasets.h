@@ -27,8 +27,9 @@
 //                 1 / trace_speedup).
 //
 // Tokens are drawn from the tokenizer's "text-safe" ids (each decodes alone
-// to valid, printable UTF-8 and is no special token), so a prompt can be
-// sent as ids (completions) or as its decoded text (chat).
+// to valid, printable UTF-8 that encodes back to it, and is no special
+// token), so a prompt can be sent as ids (completions) or as its decoded text
+// (chat).
 //
 // Thread safety: plain functions over values.
 #ifndef TANDEM_ORCHESTRATOR_BENCH_DATASETS_H_
@@ -88,9 +89,9 @@ struct DatasetOptions {
 // content (naming the line or entry), NotFound for a missing file.
 absl::StatusOr<std::vector<Session>> BuildDataset(const DatasetOptions& options, const Tokenizer& tokenizer);
 
-// Ids of `tokenizer` that decode alone to printable, valid UTF-8 text and are
-// no special token (the datasets' alphabet). Never empty for a usable
-// tokenizer; InvalidArgument if it is.
+// Ids of `tokenizer` that decode alone to printable, valid UTF-8 text which
+// encodes back to that one id, and are no special token (the datasets'
+// alphabet). Never empty for a usable tokenizer; InvalidArgument if it is.
 absl::StatusOr<std::vector<int32_t>> TextSafeIds(const Tokenizer& tokenizer);
 
 }  // namespace tandem::bench

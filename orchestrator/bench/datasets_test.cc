@@ -46,6 +46,24 @@ TEST(DatasetsTest, TextSafeIdsDecodeToPrintableText) {
   for (int32_t id : *ids) EXPECT_FALSE(Builtin().IsSpecial(id));
 }
 
+// The large built-in presets' filler tokens decode to text ("<|filler_500|>")
+// that encodes as 14 byte tokens: a prompt of them sent as text would be 14
+// times as long as drawn. Text-safe ids are those their text encodes back to.
+TEST(DatasetsTest, TextSafeIdsEncodeBackToThemselves) {
+  router::ModelConfig c;
+  c.tokenizer = "builtin:llama-3.2-1b";
+  absl::StatusOr<std::shared_ptr<const router::ModelAssets>> padded = router::LoadModelAssets(c);
+  ASSERT_TRUE(padded.ok()) << padded.status();
+  ASSERT_EQ((*padded)->tokenizer->vocab_size(), 128256);
+  absl::StatusOr<std::vector<int32_t>> ids = TextSafeIds(*(*padded)->tokenizer);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(*ids, *TextSafeIds(Builtin()));
+  for (int32_t id : *ids) {
+    const int32_t one[] = {id};
+    EXPECT_THAT(Builtin().Encode(Builtin().Decode(one, true), false), ::testing::ElementsAre(id));
+  }
+}
+
 TEST(DatasetsTest, RandomLengthsStayInTheirRangeAndFollowTheSeed) {
   DatasetOptions o{
       .name = "random", .num_prompts = 50, .seed = 3, .input_len = 100, .output_len = 20, .range_ratio = 0.5};

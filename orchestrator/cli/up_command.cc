@@ -285,9 +285,9 @@ absl::Status CheckBeforeStarting(const UpOptions& opt, const RouterConfig& confi
     std::error_code ec;
     if (!std::filesystem::is_regular_file(std::filesystem::path(opt.model) / "config.json", ec)) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("--model: '%s' is neither a built-in model (builtin:tiny, builtin:small) nor a checkpoint "
-                          "directory with a config.json",
-                          opt.model));
+          absl::StrFormat("--model: '%s' is neither a built-in model (builtin:%s) nor a checkpoint directory with a "
+                          "config.json",
+                          opt.model, absl::StrJoin(worker::BuiltinModelNames(), ", builtin:")));
     }
   }
   if (!opt.kv_cache_memory.empty()) {
@@ -375,8 +375,9 @@ absl::Status Up(UpOptions opt) {
   config.listener.host = opt.host;
   config.listener.port = opt.port;
   if (opt.config.empty() || opt.model != "builtin:tiny") {
-    const bool builtin = opt.model.rfind("builtin:", 0) == 0;
-    config.model.tokenizer = builtin ? "builtin" : opt.model;
+    // The model's own tokenizer: a checkpoint's, or the built-in one padded
+    // to the preset's vocabulary (LoadModelAssets reads "builtin:NAME").
+    config.model.tokenizer = opt.model;
   }
   if (!opt.disaggregation.empty()) {
     const std::optional<DisaggregationMode> mode = ParseDisaggregationMode(opt.disaggregation);
@@ -657,7 +658,8 @@ void AddUpCommand(CLI::App& app) {
   CLI::App* cmd =
       app.add_subcommand("up", "Start a local cluster: prefill and decode workers plus the router, as children");
   cmd->add_option("--config", opt->config, "Router configuration (YAML); its pools are replaced");
-  cmd->add_option("--model", opt->model, "builtin:tiny, builtin:small or a checkpoint directory")
+  cmd->add_option("--model", opt->model,
+                  "builtin:NAME (tiny, small, llama-3.2-1b, llama-3.1-8b) or a checkpoint directory")
       ->capture_default_str();
   cmd->add_option("--served-model-name", opt->served_model_name,
                   "The model's name to clients (default: the --config file's, else --model)");

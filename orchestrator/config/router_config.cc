@@ -177,7 +177,7 @@ class Validator {
 
     if (c.model.served_name.empty()) return Bad("model.served_name", "must not be empty");
     if (c.model.tokenizer.empty()) {
-      return Bad("model.tokenizer", "must be a tokenizer.json path or \"builtin\"");
+      return Bad("model.tokenizer", "must be a tokenizer.json path, \"builtin\" or \"builtin:NAME\"");
     }
 
     RETURN_IF_ERROR(

@@ -50,7 +50,9 @@ struct ModelConfig {
   // /v1/models. Non-empty.
   std::string served_name = "tandem";
   // Path to a tokenizer.json, or "builtin" for the tokenizer compiled into
-  // the binary. The router tokenizes prompts to route on prefixes.
+  // the binary ("builtin:NAME": the one of built-in model NAME, e.g.
+  // builtin:llama-3.1-8b, padded to its vocabulary). The router tokenizes
+  // prompts to route on prefixes.
   std::string tokenizer = "builtin";
   // Path to a chat template that overrides the model's own; empty: use the
   // model's.

@@ -62,15 +62,23 @@ absl::StatusOr<std::shared_ptr<const ModelAssets>> LoadModelAssets(const ModelCo
   auto assets = std::make_shared<ModelAssets>();
   std::string template_source;
   std::string template_name;
-  if (config.tokenizer == "builtin") {
-    const std::string json = worker::BuiltinTokenizerJson();
+  if (config.tokenizer == "builtin" || config.tokenizer.starts_with("builtin:")) {
+    int vocab_size = worker::kBuiltinVocabSize;
+    if (config.tokenizer != "builtin") {
+      absl::StatusOr<worker::ModelConfig> preset = worker::BuiltinModelConfig(config.tokenizer.substr(8));
+      if (!preset.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("model.tokenizer: ", preset.status().message()));
+      }
+      vocab_size = preset->vocab_size;
+    }
+    const std::string json = worker::BuiltinTokenizerJson(vocab_size);
     ASSIGN_OR_RETURN(assets->tokenizer, Tokenizer::FromJson(json));
     assets->tokenizer_sha256 = Sha256Hex(json);
     assets->bos_token = worker::BuiltinTokenText(worker::kBuiltinBeginOfTextId);
     assets->eos_token = worker::BuiltinTokenText(worker::kBuiltinEotId);
     template_source = std::string(worker::BuiltinChatTemplate());
     template_name = "the built-in chat template";
-    assets->source = "builtin";
+    assets->source = config.tokenizer;
   } else {
     std::error_code ec;
     const bool is_dir = fs::is_directory(config.tokenizer, ec);

@@ -1,7 +1,10 @@
 // ModelAssets: what the router needs to turn requests into token ids and
 // back: the tokenizer, the chat template and the template's bos/eos token
 // strings, loaded once at startup from ModelConfig.tokenizer:
-//   "builtin"          the built-in presets' tokenizer and chat template;
+//   "builtin"          the built-in presets' tokenizer (384 ids: tiny, small)
+//                      and chat template;
+//   "builtin:NAME"     the same, padded to preset NAME's vocabulary
+//                      (BuiltinTokenizerJson; builtin:llama-3.1-8b: 128256 ids);
 //   a directory        its tokenizer.json and tokenizer_config.json (a Hugging
 //                      Face checkpoint directory);
 //   a tokenizer.json   that file, and tokenizer_config.json beside it if any.

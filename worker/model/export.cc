@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <span>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -63,11 +64,17 @@ ordered_json AddedToken(int id, bool with_id) {
 
 }  // namespace
 
-std::string BuiltinTokenizerJson() {
+std::string BuiltinTokenizerJson(int vocab_size) {
+  CHECK(vocab_size >= kBuiltinVocabSize) << "vocab_size " << vocab_size;
   ordered_json byte_level = {
       {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}};
   ordered_json vocab = ordered_json::object();
   for (int b = 0; b < 256; ++b) vocab[ByteLevelSymbol(b)] = b;
+  // The fillers, appended to the ordered map's vector directly: its operator[]
+  // searches linearly, quadratic over 128k keys, and these are distinct.
+  auto& entries = static_cast<ordered_json::object_t::Container&>(vocab.get_ref<ordered_json::object_t&>());
+  entries.reserve(entries.size() + (vocab_size - kBuiltinVocabSize));
+  for (int id = kBuiltinVocabSize; id < vocab_size; ++id) entries.emplace_back(BuiltinTokenText(id), id);
   ordered_json added = ordered_json::array();
   for (int id = kBuiltinBeginOfTextId; id < kBuiltinVocabSize; ++id) {
     added.push_back(AddedToken(id, /*with_id=*/true));
@@ -145,30 +152,52 @@ absl::Status RemoveOldWeights(const std::string& dir) {
   return absl::OkStatus();
 }
 
-absl::Status WriteWeights(const std::string& dir, std::map<std::string, Tensor> tensors, SafetensorsDtype dtype,
+// Writes `source`'s tensors, generating each as the writer reaches it and
+// dropping it once written.
+absl::Status WriteWeights(const std::string& dir, const SeededTensorSource& source, SafetensorsDtype dtype,
                           int64_t max_shard_bytes) {
+  const std::map<std::string, std::vector<int64_t>> shapes = ExpectedTensorShapes(source.config());
+  auto bytes_of = [dtype](const std::vector<int64_t>& shape) {
+    int64_t n = SafetensorsDtypeSize(dtype);
+    for (int64_t d : shape) n *= d;
+    return n;
+  };
+  int64_t total_bytes = 0;
+  for (const auto& [name, shape] : shapes) total_bytes += bytes_of(shape);
+
+  Tensor current;
+  int64_t written = 0;
+  int logged_tenths = 0;
+  const TensorValues values = [&](const std::string& name) -> absl::StatusOr<std::span<const float>> {
+    written += current.data.size() * SafetensorsDtypeSize(dtype);
+    if (total_bytes >= (int64_t{1} << 30) && written * 10 / total_bytes > logged_tenths) {
+      logged_tenths = static_cast<int>(written * 10 / total_bytes);
+      LOG(INFO) << "export: " << logged_tenths * 10 << "% of " << total_bytes / (1 << 20) << " MiB written";
+    }
+    current = Tensor();  // free the previous tensor before making the next
+    ASSIGN_OR_RETURN(current, source.Get(name));
+    return std::span<const float>(current.data);
+  };
   if (max_shard_bytes == 0) {
-    return WriteSafetensors(JoinPath(dir, "model.safetensors"), tensors, dtype);
+    return WriteSafetensorsStreaming(JoinPath(dir, "model.safetensors"), shapes, dtype, values);
   }
   // Greedy in name order, as transformers' save_pretrained shards.
-  std::vector<std::map<std::string, Tensor>> shards(1);
+  std::vector<std::map<std::string, std::vector<int64_t>>> shards(1);
   int64_t shard_bytes = 0;
-  int64_t total_bytes = 0;
-  for (auto& [name, tensor] : tensors) {
-    const int64_t bytes = static_cast<int64_t>(tensor.data.size()) * SafetensorsDtypeSize(dtype);
+  for (const auto& [name, shape] : shapes) {
+    const int64_t bytes = bytes_of(shape);
     if (shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes) {
       shards.emplace_back();
       shard_bytes = 0;
     }
     shard_bytes += bytes;
-    total_bytes += bytes;
-    shards.back().emplace(name, std::move(tensor));
+    shards.back().emplace(name, shape);
   }
   nlohmann::json weight_map = nlohmann::json::object();
   for (size_t i = 0; i < shards.size(); ++i) {
     const std::string file = absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, shards.size());
-    RETURN_IF_ERROR(WriteSafetensors(JoinPath(dir, file), shards[i], dtype));
-    for (const auto& [name, tensor] : shards[i]) weight_map[name] = file;
+    RETURN_IF_ERROR(WriteSafetensorsStreaming(JoinPath(dir, file), shards[i], dtype, values));
+    for (const auto& [name, shape] : shards[i]) weight_map[name] = file;
   }
   const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", std::move(weight_map)}};
   return model_internal::WriteFile(JoinPath(dir, "model.safetensors.index.json"),
@@ -178,6 +207,11 @@ absl::Status WriteWeights(const std::string& dir, std::map<std::string, Tensor> 
 }  // namespace
 
 absl::Status ExportModel(const std::string& preset, const std::string& dir, const ExportOptions& options) {
+  ASSIGN_OR_RETURN(std::unique_ptr<SeededTensorSource> source, MakeBuiltinTensorSource(preset));
+  return ExportSeededModel(*source, dir, options);
+}
+
+absl::Status ExportSeededModel(const SeededTensorSource& source, const std::string& dir, const ExportOptions& options) {
   absl::StatusOr<SafetensorsDtype> dtype = SafetensorsDtypeFromTorchName(options.dtype);
   if (!dtype.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("export: ", dtype.status().message()));
@@ -186,8 +220,11 @@ absl::Status ExportModel(const std::string& preset, const std::string& dir, cons
     return absl::InvalidArgumentError(
         absl::StrCat("export: max_shard_bytes must be >= 0, got ", options.max_shard_bytes));
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<SeededTensorSource> source, MakeBuiltinTensorSource(preset));
-  ModelConfig config = source->config();
+  ModelConfig config = source.config();
+  if (config.vocab_size < kBuiltinVocabSize) {
+    return absl::InvalidArgumentError(absl::StrCat("export: ", source.Describe(), " has vocab_size ", config.vocab_size,
+                                                   ", below the built-in tokenizer's ", kBuiltinVocabSize, " ids"));
+  }
   config.torch_dtype = options.dtype;
 
   std::error_code ec;
@@ -196,19 +233,14 @@ absl::Status ExportModel(const std::string& preset, const std::string& dir, cons
     return absl::UnavailableError(absl::StrCat("cannot create directory ", dir, ": ", ec.message()));
   }
   RETURN_IF_ERROR(RemoveOldWeights(dir));
-
-  std::map<std::string, Tensor> tensors;
-  for (const std::string& name : source->TensorNames()) {
-    ASSIGN_OR_RETURN(tensors[name], source->Get(name));
-  }
-  RETURN_IF_ERROR(WriteWeights(dir, std::move(tensors), *dtype, options.max_shard_bytes));
+  RETURN_IF_ERROR(WriteWeights(dir, source, *dtype, options.max_shard_bytes));
 
   using model_internal::WriteFile;
   RETURN_IF_ERROR(WriteFile(JoinPath(dir, "config.json"), ModelConfigToJson(config)));
   RETURN_IF_ERROR(WriteFile(JoinPath(dir, "generation_config.json"), GenerationConfigJson(config)));
-  RETURN_IF_ERROR(WriteFile(JoinPath(dir, "tokenizer.json"), BuiltinTokenizerJson()));
+  RETURN_IF_ERROR(WriteFile(JoinPath(dir, "tokenizer.json"), BuiltinTokenizerJson(config.vocab_size)));
   RETURN_IF_ERROR(WriteFile(JoinPath(dir, "tokenizer_config.json"), BuiltinTokenizerConfigJson(config)));
-  LOG(INFO) << "exported builtin:" << preset << " (" << options.dtype << ") to " << dir;
+  LOG(INFO) << "exported " << source.Describe() << " (" << options.dtype << ") to " << dir;
   return absl::OkStatus();
 }
 

@@ -5,12 +5,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "common/sha256.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/model/builtin_models.h"
@@ -206,7 +208,110 @@ TEST(ExportTest, BadOptionsAndPresets) {
   EXPECT_THAT(ExportModel("tiny", dir, {.max_shard_bytes = -1}).message(), HasSubstr("max_shard_bytes"));
   absl::Status s = ExportModel("huge", dir);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), AllOf(HasSubstr("huge"), HasSubstr("tiny"), HasSubstr("small")));
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("huge"), HasSubstr("tiny, small, llama-3.2-1b, llama-3.1-8b")));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/config.json"));
+
+  // A seeded model whose vocabulary cannot hold the tokenizer's special tokens.
+  ModelConfig small_vocab = *BuiltinModelConfig("tiny");
+  small_vocab.vocab_size = 300;
+  small_vocab.eos_token_ids = {257};
+  s = ExportSeededModel(SeededTensorSource(small_vocab, 1, "test model"), dir);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("test model"), HasSubstr("vocab_size 300"), HasSubstr("384")));
+}
+
+std::string FileSha256(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return Sha256Hex(std::string(std::istreambuf_iterator<char>(in), {}));
+}
+
+// Export streams tensor by tensor; its files are byte for byte those of the
+// in-memory writer it replaced (digests taken from that writer's exports:
+// `tandem export-model --preset P [--dtype D] [--max-shard-bytes 100000]`).
+// "small" has tensors of several generation chunks, so this also pins the
+// parallel generator to the values the serial one made.
+TEST(ExportTest, FilesAreThoseOfTheInMemoryWriter) {
+  struct Case {
+    std::string preset;
+    ExportOptions options;
+    std::map<std::string, std::string> sha256;  // file -> digest
+  };
+  const std::vector<Case> cases = {
+      {"tiny",
+       {},
+       {{"model.safetensors", "1d5f4287587e11752d3de9f6de5f897d11c9af78e64a0df1b9fb98251edee86b"},
+        {"tokenizer.json", "6d9d110a9d0c05a22b2eab170de492548eb94b2b5cf4ed2fae4760d1ae6f4bab"},
+        {"config.json", "dee5d54917885347ed7b6caccb056ab0b3fee60069cc460c0c3bb2faa1870800"},
+        {"tokenizer_config.json", "1b272f44e56e91ac6db93c26fb8715ca7296947a6ec4790560bb632790c9fce8"}}},
+      {"tiny",
+       {.dtype = "bfloat16"},
+       {{"model.safetensors", "68e640d196460605eda5fa0d965902fa0020e19b4fce574a8a9f5c79aa811f10"}}},
+      {"tiny",
+       {.dtype = "float16", .max_shard_bytes = 100000},
+       {{"model-00001-of-00004.safetensors", "6cd6d3f65911fd5e51c1463df294bca0dade1202da228ab481380e2f8a78ddfa"},
+        {"model-00002-of-00004.safetensors", "bec21eda7c9abc6e365de65628d99bc0680afbf9df52fac9c7ab0b92799b1d74"},
+        {"model-00003-of-00004.safetensors", "3cb828d16059c62107b9e773f261a6019cea6185ed9c44b0fc2e05a3566ac814"},
+        {"model-00004-of-00004.safetensors", "52f769e9f19de90cda826ffb49a0279713d72af73ab957861afbbf43d84285de"},
+        {"model.safetensors.index.json", "f51880b858d4ea85861129683995f1b37d2f52e55f2711b1b4a9717c7fc860ed"}}},
+      {"small", {}, {{"model.safetensors", "e84af0711b2c85ba598f4d582c5de490e89925394735343f683d5be1a20fc8c7"}}},
+  };
+  for (const Case& c : cases) {
+    ScopedTempDir tmp("pinned");
+    ASSERT_TRUE(ExportModel(c.preset, tmp.path(), c.options).ok());
+    for (const auto& [file, sha256] : c.sha256) {
+      EXPECT_EQ(FileSha256(tmp.path() + "/" + file), sha256) << c.preset << " " << c.options.dtype << " " << file;
+    }
+  }
+}
+
+// A test model through the same streaming path as the large presets: a
+// padded vocabulary (1000 ids), tied embeddings, one file and shards.
+TEST(ExportTest, StreamedExportOfAPaddedModelReloads) {
+  ModelConfig config = *BuiltinModelConfig("tiny");
+  config.vocab_size = 1000;
+  config.tie_word_embeddings = true;
+  const SeededTensorSource source(config, 99, "padded test model");
+  const ModelWeights want = *LoadWeights(config, source);
+
+  ScopedTempDir tmp("padded");
+  const std::string& dir = tmp.path();
+  ASSERT_TRUE(ExportSeededModel(source, dir).ok());
+  // The same bytes as writing every tensor at once.
+  std::map<std::string, Tensor> all;
+  for (const std::string& name : source.TensorNames()) all[name] = *source.Get(name);
+  ASSERT_TRUE(WriteSafetensors(dir + "/in_memory.safetensors", all, SafetensorsDtype::kF32).ok());
+  EXPECT_EQ(FileSha256(dir + "/model.safetensors"), FileSha256(dir + "/in_memory.safetensors"));
+  std::filesystem::remove(dir + "/in_memory.safetensors");
+
+  absl::StatusOr<LoadedModel> loaded = LoadModel(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(loaded->config == config);
+  EXPECT_EQ(loaded->tokenizer_sha256, Sha256Hex(BuiltinTokenizerJson(1000)));
+  ExpectWeightsEqual(want, Weights(*loaded));
+
+  ASSERT_TRUE(ExportSeededModel(source, dir, {.dtype = "bfloat16", .max_shard_bytes = 40000}).ok());
+  EXPECT_FALSE(std::filesystem::exists(dir + "/model.safetensors"));
+  loaded = LoadModel(dir);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ExpectWeightsEqual(want, Weights(*loaded), SafetensorsDtype::kBF16);
+}
+
+TEST(ExportTest, TokenizerJsonIsPaddedToTheVocabulary) {
+  const nlohmann::json t = nlohmann::json::parse(BuiltinTokenizerJson(1000));
+  const nlohmann::json& vocab = t["model"]["vocab"];
+  EXPECT_EQ(vocab.size(), 256u + 616u);
+  std::set<int> ids;
+  for (const auto& item : vocab.items()) ids.insert(item.value().get<int>());
+  EXPECT_EQ(ids.size(), vocab.size());
+  EXPECT_EQ(*ids.rbegin(), 999);
+  EXPECT_EQ(ids.count(256), 0u);  // 256-383 are the added tokens, as with 384 ids
+  EXPECT_EQ(vocab["<|filler_384|>"], 384);
+  EXPECT_EQ(vocab["<|filler_999|>"], 999);
+  EXPECT_EQ(t["model"]["merges"], nlohmann::json::array());
+  EXPECT_EQ(t["added_tokens"], nlohmann::json::parse(BuiltinTokenizerJson())["added_tokens"]);
+  // The unpadded tokenizer is unchanged: routers and workers of other builds agree on it.
+  EXPECT_EQ(BuiltinTokenizerJson(kBuiltinVocabSize), BuiltinTokenizerJson());
+  EXPECT_EQ(Sha256Hex(BuiltinTokenizerJson()), "6d9d110a9d0c05a22b2eab170de492548eb94b2b5cf4ed2fae4760d1ae6f4bab");
 }
 
 TEST(LoadModelTest, ErrorsNameWhatIsWrong) {

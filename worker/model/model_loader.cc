@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/file_util.h"
 #include "common/logging.h"
 #include "common/sha256.h"
@@ -38,12 +39,12 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& spec) {
     model.config = source->config();
     RETURN_IF_ERROR(CheckTensors(model.config, *source));
     model.tensors = std::move(source);
-    model.tokenizer_sha256 = Sha256Hex(BuiltinTokenizerJson());
+    model.tokenizer_sha256 = Sha256Hex(BuiltinTokenizerJson(model.config.vocab_size));
   } else {
     std::error_code ec;
     if (!std::filesystem::is_directory(spec, ec)) {
-      return absl::NotFoundError(
-          absl::StrCat("model \"", spec, "\" is neither a checkpoint directory nor builtin:tiny|small"));
+      return absl::NotFoundError(absl::StrCat("model \"", spec, "\" is neither a checkpoint directory nor builtin:",
+                                              absl::StrJoin(BuiltinModelNames(), "|")));
     }
     model.name = BaseName(spec);
     model.source_dir = spec;

@@ -3,10 +3,11 @@
 // each model runner reads them its own way (the CPU runner converts them to
 // f32, a GPU runner uploads them as stored, the simulator reads none).
 //
-//   "builtin:tiny", "builtin:small"  seeded built-in presets (builtin_models.h)
-//   any other string                 a Hugging Face checkpoint directory with
-//                                    config.json and model.safetensors or
-//                                    model.safetensors.index.json + shards
+//   "builtin:NAME"      a seeded built-in preset (builtin_models.h): tiny,
+//                       small, llama-3.2-1b, llama-3.1-8b
+//   any other string    a Hugging Face checkpoint directory with config.json
+//                       and model.safetensors or
+//                       model.safetensors.index.json + shards
 //
 // Every failure (no such directory, unsupported architecture, missing or
 // misshapen tensor, truncated file) is a Status naming the file or tensor;
@@ -31,7 +32,7 @@ struct LoadedModel {
   std::shared_ptr<const TensorSource> tensors;  // every tensor of `config`, checked
   std::string source_dir;                       // the checkpoint directory; empty for built-ins
   // Hex SHA-256 of the tokenizer.json that goes with the weights (the
-  // checkpoint's, or BuiltinTokenizerJson()); empty if the checkpoint has none.
+  // checkpoint's, or BuiltinTokenizerJson(vocab_size)); empty if the checkpoint has none.
   std::string tokenizer_sha256;
 };
 

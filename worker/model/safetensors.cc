@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cmath>
@@ -59,21 +60,25 @@ std::optional<std::vector<uint64_t>> UnsignedList(const json& value) {
   return result;
 }
 
-void EncodeValues(const std::vector<float>& values, SafetensorsDtype dtype, std::string* out) {
-  out->resize(values.size() * SafetensorsDtypeSize(dtype));
+// Values per write: 4 MiB of f32, so that converting a large tensor to 16 bits
+// needs no second copy of it.
+constexpr size_t kWriteChunk = size_t{1} << 20;
+
+// `values` as the bits of 16-bit `dtype` (F16 or BF16), into `out`.
+void EncodeHalves(std::span<const float> values, SafetensorsDtype dtype, std::string* out) {
+  out->resize(values.size() * 2);
   char* dst = out->data();
-  switch (dtype) {
-    case SafetensorsDtype::kF32:
-      if (!values.empty()) std::memcpy(dst, values.data(), out->size());
-      break;
-    case SafetensorsDtype::kF16:
-    case SafetensorsDtype::kBF16:
-      for (size_t i = 0; i < values.size(); ++i) {
-        const uint16_t bits = dtype == SafetensorsDtype::kF16 ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]);
-        std::memcpy(dst + 2 * i, &bits, 2);
-      }
-      break;
+  const bool is_half = dtype == SafetensorsDtype::kF16;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint16_t bits = is_half ? FloatToHalf(values[i]) : FloatToBFloat16(values[i]);
+    std::memcpy(dst + 2 * i, &bits, 2);
   }
+}
+
+uint64_t NumElements(const std::vector<int64_t>& shape) {
+  uint64_t numel = 1;
+  for (int64_t d : shape) numel *= d < 0 ? 0 : static_cast<uint64_t>(d);
+  return numel;
 }
 
 }  // namespace
@@ -334,23 +339,35 @@ absl::StatusOr<Tensor> SafetensorsFile::Read(const std::string& name) const {
 
 absl::Status WriteSafetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                               SafetensorsDtype dtype) {
-  json header = json::object();
-  header["__metadata__"] = {{"format", "pt"}};
-  uint64_t offset = 0;
+  std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& [name, tensor] : tensors) {
-    if (name == "__metadata__") {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": \"__metadata__\" is reserved"));
-    }
-    uint64_t numel = 1;
-    for (int64_t d : tensor.shape) numel *= d < 0 ? 0 : static_cast<uint64_t>(d);
-    if (numel != tensor.data.size()) {
+    const uint64_t numel = NumElements(tensor.shape);
+    if (numel != tensor.data.size()) {  // before the file is created
       return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' has shape ",
                                                      ShapeString(tensor.shape), " (", numel, " elements) but ",
                                                      tensor.data.size(), " values"));
     }
-    const uint64_t end = offset + numel * SafetensorsDtypeSize(dtype);
+    shapes.emplace(name, tensor.shape);
+  }
+  return WriteSafetensorsStreaming(path, shapes, dtype,
+                                   [&tensors](const std::string& name) -> absl::StatusOr<std::span<const float>> {
+                                     return std::span<const float>(tensors.at(name).data);
+                                   });
+}
+
+absl::Status WriteSafetensorsStreaming(const std::string& path,
+                                       const std::map<std::string, std::vector<int64_t>>& shapes,
+                                       SafetensorsDtype dtype, const TensorValues& values) {
+  json header = json::object();
+  header["__metadata__"] = {{"format", "pt"}};
+  uint64_t offset = 0;
+  for (const auto& [name, shape] : shapes) {
+    if (name == "__metadata__") {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": \"__metadata__\" is reserved"));
+    }
+    const uint64_t end = offset + NumElements(shape) * SafetensorsDtypeSize(dtype);
     header[name] = {{"dtype", std::string(SafetensorsDtypeName(dtype))},
-                    {"shape", tensor.shape},
+                    {"shape", shape},
                     {"data_offsets", json::array({offset, end})}};
     offset = end;
   }
@@ -361,16 +378,36 @@ absl::Status WriteSafetensors(const std::string& path, const std::map<std::strin
   if (!out) {
     return absl::UnavailableError(absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
   }
+  auto fail = [&](absl::Status status) {
+    out.close();
+    std::error_code ec;
+    std::filesystem::remove(path, ec);
+    return status;
+  };
   const uint64_t header_size = text.size();
   out.write(reinterpret_cast<const char*>(&header_size), 8);
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
   std::string buffer;
-  for (const auto& [name, tensor] : tensors) {
-    EncodeValues(tensor.data, dtype, &buffer);
-    out.write(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+  for (const auto& [name, shape] : shapes) {
+    absl::StatusOr<std::span<const float>> data = values(name);
+    if (!data.ok()) return fail(data.status());
+    if (const uint64_t numel = NumElements(shape); numel != data->size()) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", name, "' has shape ", ShapeString(shape),
+                                                          " (", numel, " elements) but ", data->size(), " values")));
+    }
+    for (size_t begin = 0; begin < data->size() && out; begin += kWriteChunk) {
+      const std::span<const float> chunk = data->subspan(begin, std::min(kWriteChunk, data->size() - begin));
+      if (dtype == SafetensorsDtype::kF32) {  // already the file's bytes
+        out.write(reinterpret_cast<const char*>(chunk.data()), static_cast<std::streamsize>(chunk.size_bytes()));
+        continue;
+      }
+      EncodeHalves(chunk, dtype, &buffer);
+      out.write(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    }
+    if (!out) return fail(absl::DataLossError(absl::StrCat("error writing ", path)));
   }
   out.close();
-  if (!out) return absl::DataLossError(absl::StrCat("error writing ", path));
+  if (!out) return fail(absl::DataLossError(absl::StrCat("error writing ", path)));
   return absl::OkStatus();
 }
 

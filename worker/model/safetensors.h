@@ -19,8 +19,10 @@
 #define TANDEM_WORKER_MODEL_SAFETENSORS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -106,6 +108,21 @@ class SafetensorsFile {
 // when a tensor's data size disagrees with its shape.
 absl::Status WriteSafetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                               SafetensorsDtype dtype);
+
+// The values of one tensor for WriteSafetensorsStreaming, which calls it once
+// per tensor, in name order: as many f32 values as the tensor's shape has
+// elements, valid until the next call.
+using TensorValues = std::function<absl::StatusOr<std::span<const float>>(const std::string& name)>;
+
+// WriteSafetensors for tensors made one at a time, so that only one need be in
+// memory (an 8B-parameter model is 32 GB in f32): the header, which shapes
+// and dtype alone determine, goes first; then each tensor's data as `values`
+// yields it. The same bytes as WriteSafetensors over the same tensors. When
+// `values` fails, or yields a count its shape disagrees with (InvalidArgument
+// naming the tensor), the partial file is removed and that error returned.
+absl::Status WriteSafetensorsStreaming(const std::string& path,
+                                       const std::map<std::string, std::vector<int64_t>>& shapes,
+                                       SafetensorsDtype dtype, const TensorValues& values);
 
 // The tensors of a checkpoint directory: DIR/model.safetensors, or the shards
 // that DIR/model.safetensors.index.json lists in its "weight_map"

@@ -236,6 +236,69 @@ TEST(SafetensorsTest, WriterRejectsShapeMismatch) {
   EXPECT_THAT(s.message(), AllOf(HasSubstr("'w'"), HasSubstr("[2, 2]")));
 }
 
+// The streaming writer asks for each tensor once, in name order, and writes
+// the in-memory writer's bytes, tensors longer than its 2^20-value write
+// chunks included.
+TEST(SafetensorsTest, StreamingWriterMatchesInMemoryWriter) {
+  std::map<std::string, Tensor> tensors = SampleTensors();
+  Tensor& big = tensors["c.big"];
+  big.shape = {(1 << 20) + 5};
+  big.data.resize((1 << 20) + 5);
+  for (size_t i = 0; i < big.data.size(); ++i) big.data[i] = static_cast<float>(i) * 0.001f;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, tensor] : tensors) shapes[name] = tensor.shape;
+  ScopedTempDir tmp("streaming");
+  for (SafetensorsDtype dtype : {SafetensorsDtype::kF32, SafetensorsDtype::kBF16, SafetensorsDtype::kF16}) {
+    const std::string whole = tmp.path() + "/whole.safetensors";
+    const std::string streamed = tmp.path() + "/streamed.safetensors";
+    ASSERT_TRUE(WriteSafetensors(whole, tensors, dtype).ok());
+    std::vector<std::string> asked;
+    std::vector<float> current;
+    absl::Status s = WriteSafetensorsStreaming(streamed, shapes, dtype,
+                                               [&](const std::string& name) -> absl::StatusOr<std::span<const float>> {
+                                                 asked.push_back(name);
+                                                 current = tensors.at(name).data;
+                                                 return std::span<const float>(current);
+                                               });
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_THAT(asked, ElementsAre("a.bias", "b.weight", "c.big", "empty", "scalar"));
+    EXPECT_EQ(ReadBytes(streamed), ReadBytes(whole)) << SafetensorsDtypeName(dtype);
+    absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(streamed);
+    ASSERT_TRUE(file.ok()) << file.status();
+    absl::StatusOr<Tensor> read = (*file)->Read("c.big");
+    ASSERT_TRUE(read.ok());
+    for (size_t i = 0; i < big.data.size(); i += 4099) {
+      ASSERT_EQ(read->data[i], RoundToDtype(big.data[i], dtype)) << i;
+    }
+    EXPECT_EQ(read->data.back(), RoundToDtype(big.data.back(), dtype));
+  }
+}
+
+// A tensor that cannot be made, or of the wrong size, fails the write and
+// leaves no partial file (whose header would promise the missing data).
+TEST(SafetensorsTest, StreamingWriterRemovesThePartialFileOnError) {
+  ScopedTempDir tmp("streaming_error");
+  const std::string path = tmp.path() + "/t.safetensors";
+  const std::map<std::string, std::vector<int64_t>> shapes = {{"a", {2}}, {"b", {3}}};
+  const std::vector<float> two = {1, 2};
+  absl::Status s = WriteSafetensorsStreaming(path, shapes, SafetensorsDtype::kBF16,
+                                             [&](const std::string& name) -> absl::StatusOr<std::span<const float>> {
+                                               if (name == "b")
+                                                 return absl::ResourceExhaustedError("out of memory making 'b'");
+                                               return std::span<const float>(two);
+                                             });
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(std::filesystem::exists(path));
+
+  s = WriteSafetensorsStreaming(path, shapes, SafetensorsDtype::kF32,
+                                [&](const std::string&) -> absl::StatusOr<std::span<const float>> {
+                                  return std::span<const float>(two);  // "b" needs 3
+                                });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), AllOf(HasSubstr(path), HasSubstr("'b'"), HasSubstr("[3]"), HasSubstr("2 values")));
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
 TEST(SafetensorsTest, TruncatedFileNamesTensorAndBytes) {
   ScopedTempDir tmp("truncated");
   const std::string path = tmp.path() + "/t.safetensors";
