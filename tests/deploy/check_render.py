@@ -157,8 +157,21 @@ if values_path != "-":
         tls = get("tls.enabled")
         if bool(arg(t, "--tls-ca")) != tls or bool(arg(t, "--insecure")) == tls:
             problems.append(f"{comp}: TLS flags do not match tls.enabled={tls}")
-        if arg(t, "--kv-cache-memory") != get("workerDefaults.kvCacheMemory"):
-            problems.append(f"{comp}: --kv-cache-memory {arg(t, '--kv-cache-memory')}")
+        if gpus:
+            # GPU workers: the model on the card, the KV cache sized from it.
+            if arg(t, "--device") != "cuda":
+                problems.append(f"{comp}: {gpus} GPUs but --device is {arg(t, '--device')}")
+            if float(arg(t, "--gpu-memory-utilization") or 0) != float(get("workerDefaults.gpuMemoryUtilization")):
+                problems.append(f"{comp}: --gpu-memory-utilization {arg(t, '--gpu-memory-utilization')}")
+            if arg(t, "--kv-cache-memory"):
+                problems.append(f"{comp}: a GPU worker also given --kv-cache-memory")
+            if bool(arg(t, "--batch-invariant")) != bool(get("workerDefaults.batchInvariant")):
+                problems.append(f"{comp}: --batch-invariant does not match workerDefaults.batchInvariant")
+        else:
+            if arg(t, "--device") or arg(t, "--gpu-memory-utilization"):
+                problems.append(f"{comp}: a CPU worker given GPU flags")
+            if arg(t, "--kv-cache-memory") != get("workerDefaults.kvCacheMemory"):
+                problems.append(f"{comp}: --kv-cache-memory {arg(t, '--kv-cache-memory')}")
         source = get("model.source")
         if source == "builtin":
             if arg(t, "--model") != "builtin:" + get("model.builtin.name"):
