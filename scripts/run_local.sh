@@ -4,8 +4,30 @@
 # OpenAI-compatible router on 127.0.0.1:PORT -- started by `tandem up`, which
 # prints a ready-to-paste curl command and stops everything on Ctrl-C.
 # TANDEM_MODEL picks another model (a Hugging Face checkpoint directory).
+# Where Hopper GPUs exist (nvidia-smi reports compute capability 9.0), one
+# aggregated GPU worker per GPU serves instead (GPU workers do not hand KV
+# blocks to each other yet); TANDEM_DEVICE=cpu keeps the CPU cluster,
+# TANDEM_DEVICE=cuda asks for the GPUs.
 set -euo pipefail
 TANDEM=${1:-build/tandem}
 PORT=${2:-8000}
 MODEL=${TANDEM_MODEL:-builtin:tiny}
+DEVICE=${TANDEM_DEVICE:-auto}
+gpus=0
+if [[ $DEVICE != cpu ]] && command -v nvidia-smi >/dev/null; then
+  gpus=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | grep -c '^9\.0' || true)
+fi
+case $DEVICE in
+  auto | cuda)
+    if ((gpus > 0)); then
+      exec "$TANDEM" up --model "$MODEL" --port "$PORT" --device cuda --aggregated "$gpus"
+    elif [[ $DEVICE == cuda ]]; then
+      echo "make run: TANDEM_DEVICE=cuda but nvidia-smi reports no Hopper GPU (compute capability 9.0)" >&2
+      exit 2
+    fi ;;
+  cpu) ;;
+  *)
+    echo "make run: TANDEM_DEVICE must be auto, cpu or cuda, got '$DEVICE'" >&2
+    exit 2 ;;
+esac
 exec "$TANDEM" up --model "$MODEL" --port "$PORT"
