@@ -185,6 +185,26 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(const std::v
   });
   if (!trust_given) argv.push_back("--insecure");
   argv.insert(argv.end(), flags.begin(), flags.end());
+  // TANDEM_TEST_WORKER_DEVICE=cuda (on the GPU machine): the worker tests'
+  // aggregated real-engine workers run on the GPU runner, so the same gRPC
+  // tests drive it (simulated and disaggregated workers stay as they are:
+  // GPU workers hand no KV blocks over UCX).
+  if (const char* device = std::getenv("TANDEM_TEST_WORKER_DEVICE"); device != nullptr && *device != '\0') {
+    auto has = [&](const std::string& flag, const std::string& value) {
+      for (size_t i = 0; i < flags.size(); ++i) {
+        if (flags[i] == flag + "=" + value || (flags[i] == flag && i + 1 < flags.size() && flags[i + 1] == value)) {
+          return true;
+        }
+      }
+      return false;
+    };
+    const bool named = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
+      return f == "--device" || f.rfind("--device=", 0) == 0;
+    });
+    if (!named && !has("--engine", "sim") && !has("--role", "prefill") && !has("--role", "decode")) {
+      argv.insert(argv.end(), {"--device", device});
+    }
+  }
   std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure();
   if (launch.client_tls.has_value()) {
     absl::StatusOr<tls::TlsMaterial> m =
