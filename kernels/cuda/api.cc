@@ -18,6 +18,7 @@ namespace {
 using internal::AttnArgs;
 using internal::Elem;
 using internal::PoolView;
+using internal::ViewOf;
 
 struct DeviceInfo {
   bool ok = false;
@@ -88,6 +89,22 @@ absl::Status CheckLayout(const KvLayout& L, int layer, const char* what) {
   return absl::OkStatus();
 }
 
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Splits of a fixed number of keys (a multiple of the kernel's 64-key tile).
+internal::SplitPlan FixedPlan(int max_context, int keys_per_split) {
+  internal::SplitPlan plan;
+  plan.keys_per_split = (std::max(keys_per_split, 1) + 63) / 64 * 64;
+  plan.num_splits = std::max(1, (max_context + plan.keys_per_split - 1) / plan.keys_per_split);
+  return plan;
+}
+
+}  // namespace
+
+}  // namespace tandem::kernels::cuda
+
+namespace tandem::kernels::cuda::internal {
+
 PoolView ViewOf(const KvLayout& L, const void* kv, int layer) {
   PoolView v;
   v.kv = static_cast<const char*>(kv) + layer * L.layer_stride_bytes();
@@ -101,17 +118,9 @@ PoolView ViewOf(const KvLayout& L, const void* kv, int layer) {
   return v;
 }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+}  // namespace tandem::kernels::cuda::internal
 
-// Splits of a fixed number of keys (a multiple of the kernel's 64-key tile).
-internal::SplitPlan FixedPlan(int max_context, int keys_per_split) {
-  internal::SplitPlan plan;
-  plan.keys_per_split = (std::max(keys_per_split, 1) + 63) / 64 * 64;
-  plan.num_splits = std::max(1, (max_context + plan.keys_per_split - 1) / plan.keys_per_split);
-  return plan;
-}
-
-}  // namespace
+namespace tandem::kernels::cuda {
 
 bool Available(const char** why) {
   const DeviceInfo& d = Device();

@@ -9,6 +9,10 @@
 
 #include <cstdint>
 
+namespace tandem::kernels {
+struct KvLayout;  // paged_attention.h
+}  // namespace tandem::kernels
+
 namespace tandem::kernels::cuda::internal {
 
 enum class Elem : int { kBF16 = 1, kF16 = 2 };
@@ -32,6 +36,9 @@ struct PoolView {
   int head_dim = 0;
   int num_kv_heads = 0;
 };
+
+// The view of `layer` of a pool laid out as `layout` at `kv` (api.cc).
+PoolView ViewOf(const KvLayout& layout, const void* kv, int layer);
 
 struct WriteKvArgs {
   Elem elem = Elem::kBF16;

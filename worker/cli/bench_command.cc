@@ -102,9 +102,12 @@ struct RunResult {
   int64_t tokens = 0;                  // generated tokens
 };
 
-absl::StatusOr<RunResult> RunBatch(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
+// Per-sequence token arrival times of `prompts` run together (greedy,
+// `max_tokens` each, EOS ignored).
+absl::StatusOr<std::vector<std::vector<Clock::time_point>>> RunTimed(Engine& engine,
+                                                                     const std::vector<std::vector<int32_t>>& prompts,
+                                                                     int max_tokens) {
   std::vector<std::shared_ptr<TimingSink>> sinks;
-  Clock::time_point start = Clock::now();
   for (const auto& p : prompts) {
     auto sink = std::make_shared<TimingSink>();
     GenerateSpec spec{.request_id = "bench", .prompt = p, .params = {}};
@@ -114,12 +117,21 @@ absl::StatusOr<RunResult> RunBatch(Engine& engine, const std::vector<std::vector
     RETURN_IF_ERROR(engine.Submit(std::move(spec), sink).status());
     sinks.push_back(sink);
   }
-  RunResult r;
-  Clock::time_point end = start;
+  std::vector<std::vector<Clock::time_point>> out;
   for (auto& s : sinks) {
     s->Wait();
-    auto t = s->times();
     if (s->info().reason == FinishReason::kError) return absl::InternalError(s->info().error);
+    out.push_back(s->times());
+  }
+  return out;
+}
+
+absl::StatusOr<RunResult> RunBatch(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
+  const Clock::time_point start = Clock::now();
+  ASSIGN_OR_RETURN(auto times, RunTimed(engine, prompts, max_tokens));
+  RunResult r;
+  Clock::time_point end = start;
+  for (const auto& t : times) {
     if (t.empty()) return absl::InternalError("no token generated");
     r.first_token.push_back(Seconds(start, t.front()));
     r.decode_seconds.push_back(Seconds(t.front(), t.back()));
@@ -168,30 +180,6 @@ std::vector<int32_t> RandomPrompt(std::mt19937& rng, int len, int vocab) {
   std::vector<int32_t> p(len);
   for (int32_t& t : p) t = d(rng);
   return p;
-}
-
-// Per-sequence token arrival times of `prompts` run together (greedy,
-// `max_tokens` each, EOS ignored).
-absl::StatusOr<std::vector<std::vector<Clock::time_point>>> RunTimed(Engine& engine,
-                                                                     const std::vector<std::vector<int32_t>>& prompts,
-                                                                     int max_tokens) {
-  std::vector<std::shared_ptr<TimingSink>> sinks;
-  for (const auto& p : prompts) {
-    auto sink = std::make_shared<TimingSink>();
-    GenerateSpec spec{.request_id = "bench", .prompt = p, .params = {}};
-    spec.params.temperature = 0.0f;
-    spec.params.max_tokens = max_tokens;
-    spec.params.ignore_eos = true;
-    RETURN_IF_ERROR(engine.Submit(std::move(spec), sink).status());
-    sinks.push_back(sink);
-  }
-  std::vector<std::vector<Clock::time_point>> out;
-  for (auto& s : sinks) {
-    s->Wait();
-    if (s->info().reason == FinishReason::kError) return absl::InternalError(s->info().error);
-    out.push_back(s->times());
-  }
-  return out;
 }
 
 // A decode step's duration: the median gap between consecutive tokens of
@@ -318,14 +306,15 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
               {"transformers", hf},
               {"prefill", json::array()},
               {"decode", json::array()}};
-  std::fprintf(table, "tandem bench engine: %s on %s (%s)%s\n", opt.model.c_str(), opt.device.c_str(), rates.name.c_str(),
-              opt.batch_invariant ? ", batch-invariant" : "");
+  std::fprintf(table, "tandem bench engine: %s on %s (%s)%s\n", opt.model.c_str(), opt.device.c_str(),
+               rates.name.c_str(), opt.batch_invariant ? ", batch-invariant" : "");
   std::fprintf(table, "  device: bf16 matmul %.0f TFLOP/s, copy %.0f GB/s (read + written); KV cache %lld tokens\n",
-              rates.bf16_flops / 1e12, rates.copy_bytes_per_s / 1e9, static_cast<long long>(capacity));
+               rates.bf16_flops / 1e12, rates.copy_bytes_per_s / 1e9, static_cast<long long>(capacity));
   if (!hf.value("available", false)) {
     std::fprintf(table, "  transformers: n/a (%s)\n", hf.value("why", std::string("?")).c_str());
   }
-  std::fprintf(table, "  %-8s %10s %12s %9s %9s %12s %9s\n", "prefill", "ms", "tok/s", "TFLOP/s", "x peak", "hf ms", "x hf");
+  std::fprintf(table, "  %-8s %10s %12s %9s %9s %12s %9s\n", "prefill", "ms", "tok/s", "TFLOP/s", "x peak", "hf ms",
+               "x hf");
   for (int n : opt.prefill_lens) {
     if (n + 1 > engine->max_model_len()) {
       std::fprintf(table, "  %-8d n/a: longer than the model's context\n", n);
@@ -354,14 +343,14 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
     }
     out["prefill"].push_back(row);
   }
-  std::fprintf(table, "  %-10s %10s %12s %12s %9s %12s %9s\n", "decode", "step ms", "tok/s", "bound ms", "x bound", "hf ms",
-              "x hf");
+  std::fprintf(table, "  %-10s %10s %12s %12s %9s %12s %9s\n", "decode", "step ms", "tok/s", "bound ms", "x bound",
+               "hf ms", "x hf");
   const int steps = std::max(8, opt.decode_tokens);
   for (auto [batch, context] : cases) {
     const std::string name = absl::StrCat(batch, "x", context);
     if (int64_t{batch} * (context + steps + ec.block_size) > capacity) {
       std::fprintf(table, "  %-10s n/a: needs %lld KV tokens, the cache holds %lld\n", name.c_str(),
-                  static_cast<long long>(int64_t{batch} * (context + steps)), static_cast<long long>(capacity));
+                   static_cast<long long>(int64_t{batch} * (context + steps)), static_cast<long long>(capacity));
       continue;
     }
     std::vector<std::vector<int32_t>> prompts;
@@ -378,7 +367,7 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
                 {"ratio_to_bound", step / bound},
                 {"transformers_step_ms", hf_ms}};
     std::fprintf(table, "  %-10s %10.3f %12.0f %12.3f %9.2f", name.c_str(), step * 1e3, batch / step, bound * 1e3,
-                step / bound);
+                 step / bound);
     if (hf_ms.is_number()) {
       row["speedup_vs_transformers"] = hf_ms.get<double>() / (step * 1e3);
       std::fprintf(table, " %12.2f %9.2f\n", hf_ms.get<double>(), hf_ms.get<double>() / (step * 1e3));

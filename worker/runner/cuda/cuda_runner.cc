@@ -605,7 +605,7 @@ class CudaRunner final : public ModelRunner {
       RETURN_IF_ERROR(g.Gemm(h_.get(), T, H, lw.wqkv.get(), qkv_size, 0.0f, qkv_.get(), LtGemm::Out::kBF16, s));
       profile_.Mark("qkv product", s);
       rope.bias = opt(lw.bqkv);
-      rope.pool = PoolViewOf(layout, kv.data(), l);
+      rope.pool = kernels::cuda::internal::ViewOf(layout, kv.data(), l);
       RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
       profile_.Mark("rope + KV write", s);
       attn.layer = l;
@@ -667,19 +667,6 @@ class CudaRunner final : public ModelRunner {
       RETURN_IF_ERROR(kernels::PagedAttention(p));
     }
     return absl::OkStatus();
-  }
-
-  static kernels::cuda::internal::PoolView PoolViewOf(const kernels::KvLayout& L, void* kv, int layer) {
-    kernels::cuda::internal::PoolView v;
-    v.kv = static_cast<char*>(kv) + layer * L.layer_stride_bytes();
-    v.block_stride = L.block_stride_elems();
-    v.kv_stride = L.kv_stride_elems();
-    v.head_stride = L.head_stride_elems();
-    v.num_blocks = L.num_blocks;
-    v.block_size = L.block_size;
-    v.head_dim = L.head_dim;
-    v.num_kv_heads = L.num_kv_heads;
-    return v;
   }
 
   // Consecutive sequences of a step that attend alike.
