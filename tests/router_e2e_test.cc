@@ -102,6 +102,13 @@ TEST_F(RouterE2eTest, ChatMatchesTheWorkersOwnGreedyOutput) {
   ASSERT_TRUE(direct.status.ok()) << direct.status.error_message();
   Reply text = Post("/detokenize", {{"tokens", direct.tokens}});
   ASSERT_EQ(text.http.status, 200);
+  // Another model's name is refused as everywhere else, not ignored.
+  Reply other = Post("/detokenize", {{"model", "not-served"}, {"tokens", direct.tokens}});
+  EXPECT_EQ(other.http.status, 404) << other.http.body;
+  EXPECT_EQ(other.json["error"]["code"], "model_not_found") << other.http.body;
+  Reply fractional = Post("/detokenize", {{"tokens", {1, 2.5}}});
+  EXPECT_EQ(fractional.http.status, 400) << fractional.http.body;
+  EXPECT_EQ(fractional.json["error"]["param"], "tokens[1]") << fractional.http.body;
   // The chat text skips special tokens (an EOS at the end).
   std::vector<int> plain;
   for (int t : direct.tokens)

@@ -802,6 +802,23 @@ absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(std::string_view body) {
   return req;
 }
 
+absl::StatusOr<DetokenizeRequest> ParseDetokenizeRequest(std::string_view body) {
+  ASSIGN_OR_RETURN(rapidjson::Document doc, ParseObject(body));
+  RETURN_IF_ERROR(RejectUnknown(doc, "", {"model", "tokens"}));
+  DetokenizeRequest req;
+  RETURN_IF_ERROR(ReadString(doc, "model", "", &req.model));
+  const Value* tokens = Find(doc, "tokens");
+  if (tokens == nullptr || !tokens->IsArray()) {
+    return InvalidRequest("tokens", "'tokens' must be a list of token ids");
+  }
+  req.tokens.reserve(tokens->Size());
+  for (rapidjson::SizeType i = 0; i < tokens->Size(); ++i) {
+    ASSIGN_OR_RETURN(int64_t id, ToInt((*tokens)[i], absl::StrCat("tokens[", i, "]")));
+    req.tokens.push_back(id);
+  }
+  return req;
+}
+
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body) {
   ASSIGN_OR_RETURN(rapidjson::Document doc, ParseObject(body));
   CompletionRequest req;

@@ -218,6 +218,16 @@ struct TokenizeRequest {
 };
 
 absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(std::string_view body);
+
+// POST /detokenize (vLLM's): token ids back to text.
+struct DetokenizeRequest {
+  std::optional<std::string> model;  // absent: the served model
+  std::vector<int64_t> tokens;       // as sent: the caller checks them against its vocabulary
+};
+
+// InvalidArgument naming the field for anything but {"model": string,
+// "tokens": [integers]} ("tokens" required).
+absl::StatusOr<DetokenizeRequest> ParseDetokenizeRequest(std::string_view body);
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(std::string_view body);
 
 // ---------------------------------------------------------------------------

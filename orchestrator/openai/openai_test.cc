@@ -597,6 +597,34 @@ TEST(TokenizeRequestTest, APromptOrAConversation) {
   EXPECT_EQ(c->chat->chat_template_kwargs.dump(), R"({"z":1,"a":[2.5,-3,18446744073709551615,null,true,{"k":"v"}]})");
 }
 
+TEST(DetokenizeRequestTest, ModelAndTokensAndNothingElse) {
+  absl::StatusOr<DetokenizeRequest> r = ParseDetokenizeRequest(R"({"model": "m", "tokens": [1, 2.0, 300]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->model, "m");
+  EXPECT_EQ(r->tokens, (std::vector<int64_t>{1, 2, 300}));
+  absl::StatusOr<DetokenizeRequest> bare = ParseDetokenizeRequest(R"({"tokens": []})");
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  EXPECT_FALSE(bare->model.has_value());
+  struct Case {
+    const char* body;
+    const char* param;
+    const char* message;
+  };
+  for (const Case& c : {Case{"{}", "tokens", "'tokens' must be a list of token ids"},
+                        Case{R"({"tokens": "1,2"})", "tokens", "'tokens' must be a list of token ids"},
+                        Case{R"({"tokens": [1, 1.5]})", "tokens[1]", "must be an integer"},
+                        Case{R"({"tokens": [1], "model": 7})", "model", "model"},
+                        Case{R"({"tokens": [1], "skip_special_tokens": true})", "skip_special_tokens", "not supported"},
+                        Case{"[1]", "", "object"}}) {
+    absl::StatusOr<DetokenizeRequest> bad = ParseDetokenizeRequest(c.body);
+    ASSERT_FALSE(bad.ok()) << c.body;
+    const ApiError e = ApiErrorFromStatus(bad.status());
+    EXPECT_EQ(e.http_status, 400) << c.body;
+    EXPECT_EQ(e.param, c.param) << c.body;
+    EXPECT_THAT(e.message, ::testing::HasSubstr(c.message)) << c.body;
+  }
+}
+
 TEST(TokenizeRequestTest, BadRequestsNameTheField) {
   EXPECT_EQ(TokenizeError(R"({"prompt": "a", "messages": [{"role": "user", "content": "b"}]})").param, "messages");
   EXPECT_EQ(TokenizeError(R"({"model": "m"})").param, "prompt");

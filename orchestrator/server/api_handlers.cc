@@ -181,17 +181,6 @@ absl::Status Router::Impl::CheckPrompt(std::span<const int32_t> prompt, std::opt
 
 namespace {
 
-// A 400 naming the first member of `body` not in `known` that carries a
-// value (null, [] and {} mean absent), as the OpenAI parser does.
-absl::Status RejectUnknownFields(const nlohmann::json& body, std::initializer_list<std::string_view> known) {
-  for (auto it = body.begin(); it != body.end(); ++it) {
-    if (std::find(known.begin(), known.end(), it.key()) != known.end()) continue;
-    if (it.value().is_null() || (it.value().is_structured() && it.value().empty())) continue;
-    return InvalidRequest(it.key(), absl::StrCat("'", it.key(), "' is not supported by this server"));
-  }
-  return absl::OkStatus();
-}
-
 // The SamplingParams both chat and completions send to the workers.
 tandem::v1::SamplingParams ToSampling(const SamplingFields& s, std::optional<int64_t> logprobs) {
   tandem::v1::SamplingParams p;
@@ -498,24 +487,20 @@ void Router::Impl::HandleTokenize(const http::Request& req, std::shared_ptr<http
 void Router::Impl::HandleDetokenize(const http::Request& req, std::shared_ptr<http::ResponseWriter> w) {
   const std::string id = RequestId(req);
   auto fail = [&](const absl::Status& s) { errors_.Send("detokenize", id, *w, s); };
-  if (absl::Status depth = CheckJsonDepth(req.body); !depth.ok()) return fail(depth);
-  nlohmann::json body = nlohmann::json::parse(req.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object()) {
-    return fail(InvalidRequest("", "the body is not a JSON object"));
-  }
-  if (absl::Status s = RejectUnknownFields(body, {"model", "tokens"}); !s.ok()) return fail(s);
-  if (!body.contains("tokens") || !body["tokens"].is_array()) {
-    return fail(InvalidRequest("tokens", "'tokens' must be a list of token ids"));
+  absl::StatusOr<DetokenizeRequest> parsed = ParseDetokenizeRequest(req.body);
+  if (!parsed.ok()) return fail(parsed.status());
+  if (parsed->model.has_value() && *parsed->model != config()->model.served_name) {
+    return fail(UnknownModelError(*parsed->model));
   }
   std::vector<int32_t> tokens;
+  tokens.reserve(parsed->tokens.size());
   const int vocab = assets_->tokenizer->vocab_size();
-  for (size_t i = 0; i < body["tokens"].size(); ++i) {
-    const nlohmann::json& t = body["tokens"][i];
-    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab) {
+  for (size_t i = 0; i < parsed->tokens.size(); ++i) {
+    if (parsed->tokens[i] < 0 || parsed->tokens[i] >= vocab) {
       return fail(InvalidRequest(absl::StrFormat("tokens[%d]", i),
                                  absl::StrFormat("token ids must be integers in [0, %d)", vocab)));
     }
-    tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
+    tokens.push_back(static_cast<int32_t>(parsed->tokens[i]));
   }
   nlohmann::json out = {{"prompt", assets_->tokenizer->Decode(tokens, /*skip_special_tokens=*/false)}};
   w->Send(200, http::kJsonContentType, out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
