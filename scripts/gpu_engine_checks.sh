@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU engine's checks and benchmark in one go, on a machine with a Hopper
+# GPU, CUDA 13 and torch/transformers (the lent GPU machine):
+#   runner   cuda_runner_test and lt_gemm_test (the cuda runner against the CPU
+#            runner, chunk and batch invariance, --gpu-memory-utilization;
+#            cuBLASLt rows independent of the batch)
+#   grpc     worker_grpc_test with TANDEM_TEST_WORKER_DEVICE=cuda: the worker
+#            tests' aggregated real-engine workers on the GPU runner
+#   reference  tests/reference/gpu_transformers_check.py (against transformers
+#            bf16 and the CPU engine in f32)
+#   bench    `tandem export-model --preset llama-3.1-8b` (once, into $WORK) and
+#            `tandem bench engine --device cuda` on it, transformers in the same
+#            run; the JSON in $OUT (or $WORK)
+# Steps run in the order given (default: all); every step runs, and the script
+# exits nonzero if any failed. cuBLASLt is found in torch's nvidia packages
+# unless TANDEM_CUBLASLT is set.
+#
+# Usage: gpu_engine_checks.sh BIN_DIR [runner] [grpc] [reference] [bench]
+#   BIN_DIR holds tandem, cuda_runner_test, lt_gemm_test and worker_grpc_test
+#   with lib/ beside them, as scripts/device_bundle.sh packs them:
+#     scripts/device_bundle.sh /tmp/gb build/tandem build/worker/runner/cuda_runner_test \
+#       build/worker/runner/lt_gemm_test build/tests/worker_grpc_test
+#   and the repository (for the Python scripts) is the working directory.
+set -uo pipefail
+bin=${1:?usage: gpu_engine_checks.sh BIN_DIR [runner] [grpc] [reference] [bench]}
+shift
+steps=("$@")
+((${#steps[@]} > 0)) || steps=(runner grpc reference bench)
+work=${WORK:-/tmp/tandem_gpu_engine}
+out=${OUT:-$work}
+mkdir -p "$work" "$out"
+export LD_LIBRARY_PATH="$bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [[ -z ${TANDEM_CUBLASLT:-} ]]; then
+  TANDEM_CUBLASLT=$(
+    python3 - 2>/dev/null <<'PY'
+import glob, os, nvidia
+for root in nvidia.__path__:
+    for p in glob.glob(os.path.join(root, "**", "libcublasLt.so.13*"), recursive=True):
+        print(p)
+        raise SystemExit
+PY
+  )
+fi
+export TANDEM_CUBLASLT
+echo "cuBLASLt: ${TANDEM_CUBLASLT:-on the loader path}"
+nvidia-smi --query-gpu=name,memory.total,compute_cap --format=csv,noheader
+failed=()
+
+step() {  # step NAME COMMAND...
+  local name=$1
+  shift
+  echo "=== $name"
+  if ! "$@"; then failed+=("$name"); fi
+}
+
+for s in "${steps[@]}"; do
+  case $s in
+    runner)
+      step cuda_runner_test "$bin/cuda_runner_test"
+      step lt_gemm_test "$bin/lt_gemm_test" ;;
+    grpc)
+      step "worker_grpc_test (cuda)" env TANDEM_BIN="$bin/tandem" TANDEM_TEST_WORKER_DEVICE=cuda \
+        "$bin/worker_grpc_test" ;;
+    reference)
+      step gpu_transformers_check python3 tests/reference/gpu_transformers_check.py --tandem "$bin/tandem" \
+        --workdir "$work/reference" ;;
+    bench)
+      if [[ ! -f $work/llama-3.1-8b/config.json ]]; then
+        step export "$bin/tandem" export-model --preset llama-3.1-8b --dtype bfloat16 "$work/llama-3.1-8b"
+      fi
+      step "bench engine" bash -c "'$bin/tandem' bench engine --device cuda --model '$work/llama-3.1-8b' \
+        --transformers-script scripts/bench_engine_transformers.py --json >'$out/bench_engine_cuda.json'" ;;
+    *)
+      echo "unknown step '$s' (runner, grpc, reference, bench)" >&2
+      failed+=("$s") ;;
+  esac
+done
+if ((${#failed[@]} > 0)); then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "all passed"
