@@ -555,7 +555,6 @@ class CudaRunner final : public ModelRunner {
     const int q_size = c.q_size(), kv_size = c.kv_size(), qkv_size = q_size + 2 * kv_size;
     const MetaLayout& m = meta_layout_;
     void* s = stream_;
-    LtGemm& g = *gemm_;
     const kernels::KvLayout& layout = kv.layout();
 
     profile_.Mark("begin", s);
@@ -602,7 +601,7 @@ class CudaRunner final : public ModelRunner {
     profile_.Mark("norms", s);
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[l];
-      RETURN_IF_ERROR(g.Gemm(h_.get(), T, H, lw.wqkv.get(), qkv_size, 0.0f, qkv_.get(), LtGemm::Out::kBF16, s));
+      RETURN_IF_ERROR(Product(h_.get(), T, H, lw.wqkv.get(), qkv_size, qkv_.get(), LtGemm::Out::kBF16, s));
       profile_.Mark("qkv product", s);
       rope.bias = opt(lw.bqkv);
       rope.pool = kernels::cuda::internal::ViewOf(layout, kv.data(), l);
@@ -611,20 +610,20 @@ class CudaRunner final : public ModelRunner {
       attn.layer = l;
       RETURN_IF_ERROR(Attention(in, attn));
       profile_.Mark("attention", s);
-      RETURN_IF_ERROR(g.Gemm(attn_.get(), T, q_size, lw.wo.get(), H, 0.0f, h_.get(), LtGemm::Out::kBF16, s));
+      RETURN_IF_ERROR(Product(attn_.get(), T, q_size, lw.wo.get(), H, h_.get(), LtGemm::Out::kBF16, s));
       profile_.Mark("o product", s);
       RETURN_IF_ERROR(Launch(
           cuda_ops::LaunchAddRmsNorm(X(), nullptr, T, H, h_.get(), opt(lw.bo), lw.post_norm.get(), eps, h_.get(), s),
           "add and norm"));
       profile_.Mark("norms", s);
-      RETURN_IF_ERROR(g.Gemm(h_.get(), T, H, lw.w_gate_up.get(), 2 * I, 0.0f, gu_.get(), LtGemm::Out::kBF16, s));
+      RETURN_IF_ERROR(Product(h_.get(), T, H, lw.w_gate_up.get(), 2 * I, gu_.get(), LtGemm::Out::kBF16, s));
       profile_.Mark("gate/up product", s);
       if (!lw.b_gate_up.empty()) {
         RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(gu_.get(), T, 2 * I, lw.b_gate_up.get(), s), "mlp bias"));
       }
       RETURN_IF_ERROR(Launch(cuda_ops::LaunchSiluMul(gu_.get(), T, I, act_.get(), s), "silu"));
       profile_.Mark("silu", s);
-      RETURN_IF_ERROR(g.Gemm(act_.get(), T, I, lw.w_down.get(), H, 0.0f, h_.get(), LtGemm::Out::kBF16, s));
+      RETURN_IF_ERROR(Product(act_.get(), T, I, lw.w_down.get(), H, h_.get(), LtGemm::Out::kBF16, s));
       profile_.Mark("down product", s);
       const bool last = l + 1 == c.num_layers;
       RETURN_IF_ERROR(
@@ -638,12 +637,22 @@ class CudaRunner final : public ModelRunner {
                                                       w_.final_norm.get(), eps, last_.get(), s),
                            "final norm"));
     RETURN_IF_ERROR(
-        g.Gemm(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, 0.0f, logits_.get(), LtGemm::Out::kF32, s));
+        Product(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, logits_.get(), LtGemm::Out::kF32, s));
     profile_.Mark("final norm + LM head", s);
     return absl::OkStatus();
   }
 
   float* X() const { return static_cast<float*>(x_.get()); }
+
+  // y = x . w^T: cuBLASLt, or at up to kMaxGemvRows rows the GEMV kernel
+  // when TANDEM_GEMV=1 (an experiment until measured on the GPU machine;
+  // never in the batch-invariant mode, whose rows must not depend on m).
+  absl::Status Product(const void* x, int m, int k, const void* w, int n, void* y, LtGemm::Out out, void* s) {
+    if (use_gemv_ && m <= cuda_ops::kMaxGemvRows) {
+      return Launch(cuda_ops::LaunchGemv(x, m, k, w, n, y, out == LtGemm::Out::kF32, s), "gemv");
+    }
+    return gemm_->Gemm(x, m, k, w, n, 0.0f, y, out, s);
+  }
 
   // One layer's attention, a call per run of alike sequences: decoding ones
   // through the split-KV kernel with fixed splits, prefilling ones (whatever
@@ -683,6 +692,10 @@ class CudaRunner final : public ModelRunner {
 
   const int device_;
   const bool batch_invariant_;
+  const bool use_gemv_ = [] {
+    const char* e = std::getenv("TANDEM_GEMV");
+    return e != nullptr && std::string_view(e) == "1";
+  }() && !batch_invariant_;
   StepProfile profile_;
   std::vector<AttentionRun> runs_;
   std::vector<int> run_query_starts_;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/paged_attention.h"
+#include "worker/runner/cuda/model_kernels.h"
 
 namespace tandem::worker {
 namespace {
@@ -88,6 +89,50 @@ TEST_F(LtGemmTest, RowsAreExactAndIndependentOfTheBatch) {
       int differ = 0;
       for (size_t i = 0; i < size_t(rows) * sh.n; ++i) differ += std::memcmp(&y[i], &first_rows[i], 4) != 0;
       EXPECT_EQ(differ, 0) << differ << " of " << rows * sh.n << " entries of the first rows changed with m = " << m;
+    }
+  }
+}
+
+// The decode GEMV kernel (cuda_ops::LaunchGemv), bf16 and f32 outputs,
+// against float64 and against cuBLASLt on the same inputs.
+TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
+  struct Shape {
+    int n, k;
+  };
+  for (const Shape& sh : {Shape{6144, 4096}, Shape{4096, 14336}, Shape{1000, 64}}) {
+    const std::vector<__nv_bfloat16> x = RandomBf16(size_t(cuda_ops::kMaxGemvRows) * sh.k, 3),
+                                     w = RandomBf16(size_t(sh.n) * sh.k, 4);
+    Device dx(x.size() * 2), dw(w.size() * 2), dy(size_t(cuda_ops::kMaxGemvRows) * sh.n * 4),
+        dref(size_t(cuda_ops::kMaxGemvRows) * sh.n * 4);
+    ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    for (int m = 1; m <= cuda_ops::kMaxGemvRows; ++m) {
+      SCOPED_TRACE(::testing::Message() << sh.n << "x" << sh.k << ", m = " << m);
+      ASSERT_EQ(cuda_ops::LaunchGemv(dx.p, m, sh.k, dw.p, sh.n, dy.p, /*f32=*/true, nullptr), 0);
+      ASSERT_TRUE(gemm_->Gemm(dx.p, m, sh.k, dw.p, sh.n, 0.0f, dref.p, LtGemm::Out::kF32, nullptr).ok());
+      std::vector<float> y(size_t(m) * sh.n), ref(size_t(m) * sh.n);
+      ASSERT_EQ(cudaMemcpy(y.data(), dy.p, y.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(ref.data(), dref.p, ref.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      double worst = 0, worst_lt = 0;
+      for (int r = 0; r < m; ++r) {
+        for (int j = 0; j < sh.n; j += 37) {
+          double exact = 0;
+          for (int i = 0; i < sh.k; ++i) {
+            exact += double(__bfloat162float(x[size_t(r) * sh.k + i])) * __bfloat162float(w[size_t(j) * sh.k + i]);
+          }
+          const double scale = std::sqrt(double(sh.k));
+          worst = std::max(worst, std::fabs(exact - y[size_t(r) * sh.n + j]) / scale);
+          worst_lt = std::max(worst_lt, std::fabs(exact - ref[size_t(r) * sh.n + j]) / scale);
+        }
+      }
+      EXPECT_LT(worst, 1e-4) << "cuBLASLt's error: " << worst_lt;
+      // bf16 output: the same values rounded.
+      ASSERT_EQ(cuda_ops::LaunchGemv(dx.p, m, sh.k, dw.p, sh.n, dy.p, /*f32=*/false, nullptr), 0);
+      std::vector<__nv_bfloat16> yb(size_t(m) * sh.n);
+      ASSERT_EQ(cudaMemcpy(yb.data(), dy.p, yb.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      for (size_t i = 0; i < yb.size(); i += 101) {
+        EXPECT_EQ(__bfloat162float(yb[i]), __bfloat162float(__float2bfloat16(y[i]))) << i;
+      }
     }
   }
 }

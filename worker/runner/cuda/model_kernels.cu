@@ -189,6 +189,65 @@ __global__ void AddBiasKernel(bf16* y, int n, int64_t total, const bf16* bias) {
   }
 }
 
+template <int M, typename Out>
+__global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, Out* y, int n, int k) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int j = blockIdx.x * (blockDim.x / 32) + warp;
+  if (j >= n) return;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + int64_t{j} * k);
+  const int chunks = k / 8;
+  float acc[M];
+#pragma unroll
+  for (int r = 0; r < M; ++r) acc[r] = 0.0f;
+#pragma unroll 4
+  for (int c = lane; c < chunks; c += 32) {
+    const uint4 wv = __ldg(wr + c);
+    const auto* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
+    float wf[8];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __bfloat1622float2(w2[q]);
+      wf[2 * q] = f.x;
+      wf[2 * q + 1] = f.y;
+    }
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      const uint4 xv = *reinterpret_cast<const uint4*>(x + int64_t{r} * k + 8 * c);
+      const auto* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(x2[q]);
+        acc[r] = fmaf(wf[2 * q], f.x, acc[r]);
+        acc[r] = fmaf(wf[2 * q + 1], f.y, acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < M; ++r) {
+    float v = acc[r];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) {
+      if constexpr (std::is_same_v<Out, float>) {
+        y[int64_t{r} * n + j] = v;
+      } else {
+        y[int64_t{r} * n + j] = __float2bfloat16(v);
+      }
+    }
+  }
+}
+
+template <int M>
+int GemvFor(const bf16* x, int k, const bf16* w, int n, void* y, bool f32, cudaStream_t s) {
+  constexpr int kWarps = 8;
+  const unsigned blocks = static_cast<unsigned>((n + kWarps - 1) / kWarps);
+  if (f32) {
+    GemvKernel<M, float><<<blocks, kWarps * 32, 0, s>>>(x, w, static_cast<float*>(y), n, k);
+  } else {
+    GemvKernel<M, bf16><<<blocks, kWarps * 32, 0, s>>>(x, w, static_cast<bf16*>(y), n, k);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
 // One CTA per row: each thread's best (value, id), then the block's.
 __global__ void ArgmaxKernel(const float* logits, const int* rows, int vocab, int32_t* out) {
   const float* row = logits + int64_t{rows[blockIdx.x]} * vocab;
@@ -280,6 +339,23 @@ int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* st
   const dim3 grid(static_cast<unsigned>((inter / 8 + threads - 1) / threads), static_cast<unsigned>(num_tokens));
   SiluMulKernel<<<grid, threads, 0, S(stream)>>>(static_cast<const bf16*>(gu), inter, static_cast<bf16*>(out));
   return Err();
+}
+
+int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream) {
+  if (m == 0 || n == 0) return 0;
+  const auto* xb = static_cast<const bf16*>(x);
+  const auto* wb = static_cast<const bf16*>(w);
+  switch (m) {
+    case 1: return GemvFor<1>(xb, k, wb, n, y, f32, S(stream));
+    case 2: return GemvFor<2>(xb, k, wb, n, y, f32, S(stream));
+    case 3: return GemvFor<3>(xb, k, wb, n, y, f32, S(stream));
+    case 4: return GemvFor<4>(xb, k, wb, n, y, f32, S(stream));
+    case 5: return GemvFor<5>(xb, k, wb, n, y, f32, S(stream));
+    case 6: return GemvFor<6>(xb, k, wb, n, y, f32, S(stream));
+    case 7: return GemvFor<7>(xb, k, wb, n, y, f32, S(stream));
+    case 8: return GemvFor<8>(xb, k, wb, n, y, f32, S(stream));
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
 }
 
 int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, int32_t* out, void* stream) {

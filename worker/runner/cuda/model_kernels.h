@@ -66,6 +66,13 @@ int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* st
 // else (no penalties, masks or logprobs).
 int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, int32_t* out, void* stream);
 
+// y[m, n] = x[m, k] . w[n, k]^T for m <= kMaxGemvRows rows (decode's
+// products): a warp per output column streams its weight row once in 16-byte
+// loads, float32 accumulation, then a warp reduction. y is bf16 or (`f32`)
+// float32. k % 8 == 0; x and w 16-byte aligned.
+inline constexpr int kMaxGemvRows = 8;
+int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream);
+
 // y[r, :] += bias for r < rows (bf16).
 int LaunchAddBias(void* y, int rows, int n, const void* bias, void* stream);
 
