@@ -228,6 +228,13 @@ absl::Status RunWorker(WorkerOptions opt) {
     opt.engine.runner_options.sim = opt.sim;
   } else if (opt.engine_kind == "real") {
     RETURN_IF_ERROR(SelectDevice(opt.device, &opt.engine.runner, &opt.engine.runner_options));
+    if (opt.engine.runner != "cpu" && (role != WorkerRole::kBoth || opt.kv_transport != "none")) {
+      // Checked here, before the model loads, rather than by the engine.
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--device %s serves --role both with --kv-transport none for now: GPU workers cannot hand KV blocks to "
+          "each other yet (got --role %s, --kv-transport %s)",
+          opt.device, opt.role, opt.kv_transport));
+    }
   } else {
     return absl::InvalidArgumentError(absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
   }
