@@ -1,8 +1,12 @@
 #include "kvtransfer/transport.h"
 
+#include <algorithm>
+
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
 
 namespace tandem::kvtransfer {
 namespace {
@@ -65,6 +69,36 @@ absl::StatusOr<std::vector<CopyRun>> PlanRuns(std::span<const BlockPair> blocks,
     }
   }
   return runs;
+}
+
+bool TransportCapabilities::Moves(MemoryType m) const {
+  return std::find(memory.begin(), memory.end(), m) != memory.end();
+}
+
+void TransportRegistry::Register(std::string name, TransportCapabilities capabilities, Factory factory) {
+  CHECK(entries_.count(name) == 0) << "transport " << name << " registered twice";
+  entries_.emplace(std::move(name), Entry{std::move(capabilities), std::move(factory)});
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> TransportRegistry::Create(std::string_view name,
+                                                                     const TransportOptions& options) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv-transport must be none or one of ",
+                                                   absl::StrJoin(names(), ", "), ", got '", std::string(name), "'"));
+  }
+  return it->second.factory(options);
+}
+
+const TransportCapabilities* TransportRegistry::Capabilities(std::string_view name) const {
+  auto it = entries_.find(name);
+  return it == entries_.end() ? nullptr : &it->second.capabilities;
+}
+
+std::vector<std::string> TransportRegistry::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, entry] : entries_) out.push_back(name);
+  return out;
 }
 
 }  // namespace tandem::kvtransfer

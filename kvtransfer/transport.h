@@ -26,9 +26,11 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -87,6 +89,17 @@ struct CopyRun {
 absl::StatusOr<std::vector<CopyRun>> PlanRuns(std::span<const BlockPair> blocks, int64_t block_bytes,
                                               int64_t src_blocks, int64_t dst_blocks);
 
+// What a backend can do, so that callers choose by capability rather than by
+// name.
+struct TransportCapabilities {
+  bool push = false;               // writes local blocks into a peer's
+  bool pull = false;               // reads a peer's blocks into local ones
+  bool needs_pairing = false;      // both sides take part in every transfer (send/receive backends)
+  bool own_pool_memory = false;    // AllocatePool gives memory peers reach faster
+  std::vector<MemoryType> memory;  // the pool memory it moves
+  bool Moves(MemoryType m) const;
+};
+
 using TransferDone = std::function<void(absl::Status)>;
 using Deadline = std::chrono::steady_clock::time_point;
 
@@ -95,6 +108,13 @@ class Transport {
   virtual ~Transport() = default;
 
   virtual std::string backend() const = 0;
+  virtual TransportCapabilities capabilities() const = 0;
+
+  // Memory of the transport's own for the pool, `bytes` zero-filled, owned
+  // by the transport and valid for its lifetime (pass it to RegisterPool), or
+  // null where it has none (the caller maps its own). At most one per
+  // transport.
+  virtual absl::StatusOr<void*> AllocatePool(int64_t bytes) { return nullptr; }
 
   // Registers the local pool: `base` holds layout.num_blocks blocks of
   // layout.block_bytes and stays valid for the transport's lifetime.
@@ -122,6 +142,42 @@ class Transport {
   // Cancels a transfer in flight: `done` gets Cancelled unless it already
   // completed. Unknown ids are ignored.
   virtual void Cancel(uint64_t transfer_id) = 0;
+};
+
+// The transports by name: `tandem worker --kv-transport NAME` and the
+// benchmarks create them here, with what each can do.
+struct TransportOptions {
+  // ucx: which UCX transports carry the data ("shm", "tcp" or "auto") and
+  // the network devices for tcp (UcxOptions).
+  std::string transports = "auto";
+  std::string net_devices;
+};
+
+class TransportRegistry {
+ public:
+  using Factory = std::function<absl::StatusOr<std::unique_ptr<Transport>>(const TransportOptions&)>;
+
+  // REQUIRES: `name` not registered yet.
+  void Register(std::string name, TransportCapabilities capabilities, Factory factory);
+  // InvalidArgument naming the known transports for an unknown name; the
+  // factory's error otherwise (a backend this binary was built without says
+  // so).
+  absl::StatusOr<std::unique_ptr<Transport>> Create(std::string_view name, const TransportOptions& options) const;
+  // Null for an unknown name.
+  const TransportCapabilities* Capabilities(std::string_view name) const;
+  std::vector<std::string> names() const;
+
+  // The backends a worker can use across processes: "ucx" (an error naming
+  // the build option where this binary has no UCX). The in-process loopback
+  // is for tests and is not here.
+  static const TransportRegistry& Builtin();
+
+ private:
+  struct Entry {
+    TransportCapabilities capabilities;
+    Factory factory;
+  };
+  std::map<std::string, Entry, std::less<>> entries_;
 };
 
 }  // namespace tandem::kvtransfer

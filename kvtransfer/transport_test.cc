@@ -19,6 +19,42 @@ PoolLayout Layout() {
                     .block_bytes = 6144};
 }
 
+TEST(TransportRegistryTest, BuiltinTransportsByNameWithTheirCapabilities) {
+  const TransportRegistry& r = TransportRegistry::Builtin();
+  EXPECT_EQ(r.names(), std::vector<std::string>{"ucx"});
+  const TransportCapabilities* ucx = r.Capabilities("ucx");
+  ASSERT_NE(ucx, nullptr);
+  EXPECT_TRUE(ucx->push);
+  EXPECT_TRUE(ucx->pull);
+  EXPECT_FALSE(ucx->needs_pairing);
+  EXPECT_TRUE(ucx->Moves(MemoryType::kHost));
+  EXPECT_FALSE(ucx->Moves(MemoryType::kCuda));  // Debian's UCX has no CUDA transports
+  EXPECT_EQ(r.Capabilities("nccl"), nullptr);
+  absl::StatusOr<std::unique_ptr<Transport>> bad = r.Create("nccl", {});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()),
+              ::testing::HasSubstr("--kv-transport must be none or one of ucx, got 'nccl'"));
+}
+
+TEST(TransportRegistryTest, ARegistryCreatesWhatWasRegistered) {
+  TransportRegistry r;
+  int made = 0;
+  r.Register("fake", TransportCapabilities{.pull = true, .needs_pairing = true, .memory = {MemoryType::kCuda}},
+             [&made](const TransportOptions& o) -> absl::StatusOr<std::unique_ptr<Transport>> {
+               ++made;
+               EXPECT_EQ(o.transports, "tcp");
+               return absl::UnavailableError("no peers here");
+             });
+  EXPECT_EQ(r.names(), std::vector<std::string>{"fake"});
+  ASSERT_NE(r.Capabilities("fake"), nullptr);
+  EXPECT_TRUE(r.Capabilities("fake")->needs_pairing);
+  EXPECT_TRUE(r.Capabilities("fake")->Moves(MemoryType::kCuda));
+  absl::StatusOr<std::unique_ptr<Transport>> t = r.Create("fake", {.transports = "tcp"});
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kUnavailable);  // the factory's own error
+  EXPECT_EQ(made, 1);
+}
+
 TEST(CheckCompatibleTest, SameGeometryWithDifferentPoolSizesIsCompatible) {
   PoolLayout a = Layout(), b = Layout();
   b.num_blocks = 7;

@@ -99,7 +99,13 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --engine sim --device cuda", &out), 0);
   EXPECT_NE(out.find("--device cuda: the simulator (--engine sim) computes nothing"), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --device cuda --role decode --kv-transport ucx", &out), 0);
-  EXPECT_NE(out.find("--device cuda serves --role both with --kv-transport none for now"), std::string::npos) << out;
+  EXPECT_NE(out.find("--device cuda keeps the KV cache in GPU memory, which --kv-transport ucx cannot move"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --device cuda --role prefill", &out), 0);
+  EXPECT_NE(out.find("--device cuda serves --role both for now"), std::string::npos) << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport nccl", &out), 0);
+  EXPECT_NE(out.find("--kv-transport must be none or one of ucx, got 'nccl'"), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --gpu-memory-utilization 1.5", &out), 0);
   EXPECT_NE(out.find("--gpu-memory-utilization must be in (0, 1], got 1.5"), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --model builtin:tiny --gpu-memory-utilization 0.5", &out),

@@ -52,6 +52,8 @@ class FaultInjectingTransport final : public Transport {
   int held_transfers() const;
 
   std::string backend() const override { return inner_->backend(); }
+  TransportCapabilities capabilities() const override { return inner_->capabilities(); }
+  absl::StatusOr<void*> AllocatePool(int64_t bytes) override { return inner_->AllocatePool(bytes); }
   absl::Status RegisterPool(const PoolLayout& layout, void* base) override;
   absl::StatusOr<PeerInfo> LocalInfo() const override { return inner_->LocalInfo(); }
   absl::Status AddPeer(const PeerInfo& peer) override { return inner_->AddPeer(peer); }

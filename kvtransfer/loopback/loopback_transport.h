@@ -44,6 +44,9 @@ class LoopbackTransport final : public Transport {
   ~LoopbackTransport() override;  // pending transfers finish with Cancelled
 
   std::string backend() const override { return "loopback"; }
+  TransportCapabilities capabilities() const override {
+    return {.push = true, .pull = true, .memory = {MemoryType::kHost}};
+  }
   absl::Status RegisterPool(const PoolLayout& layout, void* base) override;
   absl::StatusOr<PeerInfo> LocalInfo() const override;
   absl::Status AddPeer(const PeerInfo& peer) override;

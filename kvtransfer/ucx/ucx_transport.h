@@ -74,6 +74,10 @@ class UcxTransport final : public Transport {
   ~UcxTransport() override;
 
   std::string backend() const override { return "ucx"; }
+  TransportCapabilities capabilities() const override { return Capabilities(); }
+  static TransportCapabilities Capabilities() {
+    return {.push = true, .pull = true, .own_pool_memory = true, .memory = {MemoryType::kHost}};
+  }
   absl::Status RegisterPool(const PoolLayout& layout, void* base) override;
   absl::StatusOr<PeerInfo> LocalInfo() const override;
   absl::Status AddPeer(const PeerInfo& peer) override;
@@ -89,7 +93,7 @@ class UcxTransport final : public Transport {
   // transport and freed with it. Pass it (or an address inside it) to
   // RegisterPool, which then reuses this registration. At most one
   // allocation per transport.
-  absl::StatusOr<void*> AllocatePool(int64_t bytes);
+  absl::StatusOr<void*> AllocatePool(int64_t bytes) override;
 
   class Impl;
 

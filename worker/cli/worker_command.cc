@@ -27,12 +27,9 @@
 #include "common/tls.h"
 #include "kvtransfer/loopback/fault_injecting_transport.h"
 #include "kvtransfer/transport.h"
+#include "orchestrator/http/http_server.h"
 #include "worker/cli/commands.h"
 #include "worker/engine/engine.h"
-#ifdef TANDEM_HAVE_UCX
-#include "kvtransfer/ucx/ucx_transport.h"
-#endif
-#include "orchestrator/http/http_server.h"
 #include "worker/model/model_loader.h"
 #include "worker/server/worker_metrics.h"
 #include "worker/server/worker_service.h"
@@ -83,21 +80,18 @@ struct KvTransport {
 
 absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
   if (opt.kv_transport == "none") return KvTransport{};
-  if (opt.kv_transport != "ucx") {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--kv-transport must be none or ucx, got '%s'", opt.kv_transport));
+  ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::Transport> t,
+                   kvtransfer::TransportRegistry::Builtin().Create(
+                       opt.kv_transport, {.transports = opt.kv_transport_tls, .net_devices = opt.kv_net_devices}));
+  KvStorage::Allocator allocate;
+  if (t->capabilities().own_pool_memory) {
+    kvtransfer::Transport* raw = t.get();
+    allocate = [raw](int64_t bytes) -> absl::StatusOr<KvMemory> {
+      ASSIGN_OR_RETURN(void* data, raw->AllocatePool(bytes));
+      if (data == nullptr) return absl::InternalError("the KV transport gave no pool memory");
+      return KvMemory{.data = data, .location = MemoryLocation::kHost};
+    };
   }
-#ifdef TANDEM_HAVE_UCX
-  kvtransfer::UcxOptions ucx;
-  ucx.transports = opt.kv_transport_tls;
-  ucx.net_devices = opt.kv_net_devices;
-  ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> ucx_transport, kvtransfer::UcxTransport::Create(ucx));
-  kvtransfer::UcxTransport* raw = ucx_transport.get();
-  KvStorage::Allocator allocate = [raw](int64_t bytes) -> absl::StatusOr<KvMemory> {
-    ASSIGN_OR_RETURN(void* data, raw->AllocatePool(bytes));
-    return KvMemory{.data = data, .location = MemoryLocation::kHost};
-  };
-  std::unique_ptr<kvtransfer::Transport> t = std::move(ucx_transport);
   if (!opt.kv_fault.empty()) {
     ASSIGN_OR_RETURN(kvtransfer::Faults faults, kvtransfer::ParseFaults(opt.kv_fault));
     auto faulty = std::make_unique<kvtransfer::FaultInjectingTransport>(std::move(t));
@@ -106,9 +100,6 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
     t = std::move(faulty);
   }
   return KvTransport{.transport = std::move(t), .pool_allocator = std::move(allocate)};
-#else
-  return absl::UnimplementedError("this tandem was built without UCX (TANDEM_WITH_UCX=OFF)");
-#endif
 }
 
 // Who may call this worker and whom it dials: mutual TLS from --tls-*, or
@@ -228,12 +219,23 @@ absl::Status RunWorker(WorkerOptions opt) {
     opt.engine.runner_options.sim = opt.sim;
   } else if (opt.engine_kind == "real") {
     RETURN_IF_ERROR(SelectDevice(opt.device, &opt.engine.runner, &opt.engine.runner_options));
-    if (opt.engine.runner != "cpu" && (role != WorkerRole::kBoth || opt.kv_transport != "none")) {
-      // Checked here, before the model loads, rather than by the engine.
+    // Checked here, before the model loads: a GPU pool needs a transport that
+    // moves device memory, and none does yet (issue 21).
+    if (opt.engine.runner != "cpu" && opt.kv_transport != "none") {
+      const kvtransfer::TransportCapabilities* caps =
+          kvtransfer::TransportRegistry::Builtin().Capabilities(opt.kv_transport);
+      if (caps != nullptr && !caps->Moves(kvtransfer::MemoryType::kCuda)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("--device %s keeps the KV cache in GPU memory, which --kv-transport %s cannot move "
+                            "(GPU-to-GPU KV transfer is not built yet): use --kv-transport none",
+                            opt.device, opt.kv_transport));
+      }
+    }
+    if (opt.engine.runner != "cpu" && role != WorkerRole::kBoth) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "--device %s serves --role both with --kv-transport none for now: GPU workers cannot hand KV blocks to "
-          "each other yet (got --role %s, --kv-transport %s)",
-          opt.device, opt.role, opt.kv_transport));
+          "--device %s serves --role both for now: GPU workers cannot hand KV blocks to each other yet (got --role "
+          "%s)",
+          opt.device, opt.role));
     }
   } else {
     return absl::InvalidArgumentError(absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
