@@ -346,15 +346,24 @@ int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool 
   const auto* xb = static_cast<const bf16*>(x);
   const auto* wb = static_cast<const bf16*>(w);
   switch (m) {
-    case 1: return GemvFor<1>(xb, k, wb, n, y, f32, S(stream));
-    case 2: return GemvFor<2>(xb, k, wb, n, y, f32, S(stream));
-    case 3: return GemvFor<3>(xb, k, wb, n, y, f32, S(stream));
-    case 4: return GemvFor<4>(xb, k, wb, n, y, f32, S(stream));
-    case 5: return GemvFor<5>(xb, k, wb, n, y, f32, S(stream));
-    case 6: return GemvFor<6>(xb, k, wb, n, y, f32, S(stream));
-    case 7: return GemvFor<7>(xb, k, wb, n, y, f32, S(stream));
-    case 8: return GemvFor<8>(xb, k, wb, n, y, f32, S(stream));
-    default: return static_cast<int>(cudaErrorInvalidValue);
+    case 1:
+      return GemvFor<1>(xb, k, wb, n, y, f32, S(stream));
+    case 2:
+      return GemvFor<2>(xb, k, wb, n, y, f32, S(stream));
+    case 3:
+      return GemvFor<3>(xb, k, wb, n, y, f32, S(stream));
+    case 4:
+      return GemvFor<4>(xb, k, wb, n, y, f32, S(stream));
+    case 5:
+      return GemvFor<5>(xb, k, wb, n, y, f32, S(stream));
+    case 6:
+      return GemvFor<6>(xb, k, wb, n, y, f32, S(stream));
+    case 7:
+      return GemvFor<7>(xb, k, wb, n, y, f32, S(stream));
+    case 8:
+      return GemvFor<8>(xb, k, wb, n, y, f32, S(stream));
+    default:
+      return static_cast<int>(cudaErrorInvalidValue);
   }
 }
 
