@@ -200,6 +200,11 @@ class CudaRunner final : public ModelRunner {
           "--device cuda:%d: this machine has %d CUDA device(s) (cuda:0..cuda:%d)", device_, count, count - 1));
     }
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
+    if (batch_invariant_ && c.head_dim != 64 && c.head_dim != 128) {
+      // Other head sizes fall back to split-KV for prompts, planned per step.
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--batch-invariant needs head_dim 64 or 128 (the prefill attention kernel's); the model has %d", c.head_dim));
+    }
     if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0 || c.head_dim % 8 != 0 || c.head_dim > 256) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "the cuda runner needs hidden_size, intermediate_size and head_dim multiples of 8 (head_dim <= 256); the "
@@ -252,6 +257,9 @@ class CudaRunner final : public ModelRunner {
       return out;
     };
     ASSIGN_OR_RETURN(w_, AssembleWeights<DeviceBuffer>(c, upload));
+    // Uploads from pageable memory and legacy-stream work may still be in
+    // flight: every step's stream must see them done.
+    RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "upload the weights"));
     LOG(INFO) << "cuda runner: " << weight_bytes_ << " bytes of bfloat16 weights on cuda:" << device_;
     return absl::OkStatus();
   }
@@ -277,6 +285,9 @@ class CudaRunner final : public ModelRunner {
       RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
       ASSIGN_OR_RETURN(kv_pool_, DeviceBuffer::Allocate(bytes, "the KV cache (--kv-cache-memory)"));
       RETURN_IF_ERROR(Cuda(cudaMemset(kv_pool_.get(), 0, static_cast<size_t>(bytes)), "clear the KV cache"));
+      // The memset runs on the legacy stream, which the runner's
+      // non-blocking stream does not wait for: done before the first step.
+      RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "clear the KV cache"));
       return KvMemory{.data = kv_pool_.get(), .location = MemoryLocation::kDevice};
     };
   }
@@ -286,7 +297,13 @@ class CudaRunner final : public ModelRunner {
     size_t free_bytes = 0, total = 0;
     RETURN_IF_ERROR(Cuda(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
     const int64_t used = int64_t(total) - int64_t(free_bytes);  // weights, context, other processes
-    const int64_t activations = ActivationBytes(max_batched_tokens, std::min(max_seqs, max_batched_tokens));
+    int64_t activations = ActivationBytes(max_batched_tokens, std::min(max_seqs, max_batched_tokens));
+    if (batch_invariant_) {
+      // Fixed decode splits: every row's partials over the longest context.
+      activations += kernels::cuda::FixedSplitWorkspaceBytes(std::min(max_seqs, max_batched_tokens), config().num_heads,
+                                                             config().head_dim, config().max_position_embeddings,
+                                                             kDecodeKeysPerSplit);
+    }
     const int64_t allowed = static_cast<int64_t>(utilization * double(total));
     const int64_t budget = allowed - used - activations;
     if (budget <= 0) {
@@ -302,7 +319,9 @@ class CudaRunner final : public ModelRunner {
   }
 
   absl::Status Logits(const BatchInput& in, KvStorage& kv, std::vector<float>* logits) override {
-    RETURN_IF_ERROR(Run(in, kv));
+    absl::Status status = Run(in, kv);
+    profile_.Collect("logits", 0);
+    RETURN_IF_ERROR(status);
     const size_t n = in.logits_rows.size() * size_t(config().vocab_size);
     logits->resize(n);
     if (n > 0) {
@@ -332,6 +351,10 @@ class CudaRunner final : public ModelRunner {
   absl::Status Sample(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
                       std::vector<SampledToken>* sampled) {
     sampled->clear();
+    if (rows.size() != in.logits_rows.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%d sampling rows for %d logits rows", rows.size(), in.logits_rows.size()));
+    }
     RETURN_IF_ERROR(Run(in, kv));
     const ModelConfig& c = config();
     const size_t vocab = size_t(c.vocab_size);
@@ -394,11 +417,14 @@ class CudaRunner final : public ModelRunner {
     if (pinned_ids_ != nullptr) cudaFreeHost(pinned_ids_);
     pinned_rows_ = nullptr;
     pinned_ids_ = nullptr;
-    pinned_rows_capacity_ = std::max<size_t>(rows, 1024);
-    RETURN_IF_ERROR(Cuda(cudaMallocHost(reinterpret_cast<void**>(&pinned_rows_), pinned_rows_capacity_ * sizeof(int)),
-                         "pinned rows"));
-    return Cuda(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), pinned_rows_capacity_ * sizeof(int32_t)),
-                "pinned ids");
+    pinned_rows_capacity_ = 0;
+    const size_t capacity = std::max<size_t>(rows, 1024);
+    RETURN_IF_ERROR(
+        Cuda(cudaMallocHost(reinterpret_cast<void**>(&pinned_rows_), capacity * sizeof(int)), "pinned rows"));
+    RETURN_IF_ERROR(
+        Cuda(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), capacity * sizeof(int32_t)), "pinned ids"));
+    pinned_rows_capacity_ = capacity;  // only once both exist
+    return absl::OkStatus();
   }
 
   // Metadata offsets in the packed upload (bytes, 16-aligned).
@@ -417,6 +443,9 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
     const ModelConfig& c = config();
     const int T = in.num_tokens();
+    for (int r : in.logits_rows) {
+      if (r < 0 || r >= T) return absl::InvalidArgumentError("logits row outside the batch");
+    }
     if (T == 0) return absl::OkStatus();
     for (int t = 0; t < T; ++t) {
       if (in.tokens[t] < 0 || in.tokens[t] >= c.vocab_size) {
@@ -429,7 +458,13 @@ class CudaRunner final : public ModelRunner {
     }
     RETURN_IF_ERROR(UploadMetadata(in));
     RETURN_IF_ERROR(ReserveActivations(T, R));
-    RETURN_IF_ERROR(Forward(in, kv));
+    if (absl::Status st = Forward(in, kv); !st.ok()) {
+      // Kernels already queued may record a device error: cleared here, so
+      // it is not the next step's.
+      cudaStreamSynchronize(stream_);
+      kernels::cuda::TakeError(attn_workspace_.get(), stream_).IgnoreError();
+      return st;
+    }
     // Synchronizes the stream; a slot or block id past the pool is an error.
     return kernels::cuda::TakeError(attn_workspace_.get(), stream_);
   }
@@ -474,8 +509,10 @@ class CudaRunner final : public ModelRunner {
       // The previous step's copy has finished: every step ends synchronized.
       if (host_meta_ != nullptr) cudaFreeHost(host_meta_);
       host_meta_ = nullptr;
-      host_meta_bytes_ = std::max<size_t>(m.total * 2, 1 << 16);
-      RETURN_IF_ERROR(Cuda(cudaMallocHost(&host_meta_, host_meta_bytes_), "pinned metadata buffer"));
+      host_meta_bytes_ = 0;
+      const size_t bytes = std::max<size_t>(m.total * 2, 1 << 16);
+      RETURN_IF_ERROR(Cuda(cudaMallocHost(&host_meta_, bytes), "pinned metadata buffer"));
+      host_meta_bytes_ = bytes;
     }
     RETURN_IF_ERROR(Reserve(&meta_, int64_t(host_meta_bytes_), "step metadata"));
     char* h = static_cast<char*>(host_meta_);
@@ -527,10 +564,11 @@ class CudaRunner final : public ModelRunner {
     if (host_logits_bytes_ < logits_bytes) {
       if (host_logits_ != nullptr) cudaFreeHost(host_logits_);
       host_logits_ = nullptr;
-      host_logits_bytes_ = logits_bytes;
+      host_logits_bytes_ = 0;
       void* p = nullptr;
       RETURN_IF_ERROR(Cuda(cudaMallocHost(&p, size_t(logits_bytes)), "pinned logits buffer"));
       host_logits_ = static_cast<float*>(p);
+      host_logits_bytes_ = logits_bytes;
     }
     int64_t ws = kernels::cuda::kErrorWordBytes;
     for (const AttentionRun& r : runs_) {

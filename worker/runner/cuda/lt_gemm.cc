@@ -138,13 +138,24 @@ absl::StatusOr<const LtGemm::Plan*> LtGemm::PlanFor(const Key& key) {
   cublasLtMatmulPreference_t pref = nullptr;
   if (absl::Status s = check(api.pref_create(&pref), "cublasLtMatmulPreferenceCreate"); !s.ok()) return s;
   const uint64_t ws = static_cast<uint64_t>(workspace_bytes_);
-  api.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if (absl::Status s = check(api.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+                             "the workspace preference");
+      !s.ok()) {
+    api.pref_destroy(pref);
+    return s;
+  }
   if (single_pass_) {
     // Only algorithms that reduce each dot product in one sequence (no
     // split-K partial sums): a row's result then does not depend on how many
     // rows the product has.
     const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
-    api.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof(reduction));
+    if (absl::Status s =
+            check(api.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof(reduction)),
+                  "the single-pass preference");
+        !s.ok()) {
+      api.pref_destroy(pref);
+      return s;  // never silently without the batch invariance asked for
+    }
   }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;

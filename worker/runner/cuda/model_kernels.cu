@@ -162,25 +162,27 @@ __global__ void RopeWriteKvKernel(RopeWriteArgs a) {
   }
 }
 
-// Grid (column groups, tokens); each thread eight columns through 16-byte
-// loads and stores (inter % 8 == 0, checked by the runner).
-__global__ void SiluMulKernel(const bf16* gu, int inter, bf16* out) {
-  const int t = blockIdx.y;
+// Grid (column groups, token groups); each thread eight columns through
+// 16-byte loads and stores (inter % 8 == 0, checked by the runner), for
+// tokens blockIdx.y, + gridDim.y, ... (grid.y is at most 65535).
+__global__ void SiluMulKernel(const bf16* gu, int inter, int num_tokens, bf16* out) {
   const int j = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (j >= inter) return;
-  const uint4 graw = *reinterpret_cast<const uint4*>(gu + int64_t{t} * 2 * inter + j);
-  const uint4 uraw = *reinterpret_cast<const uint4*>(gu + int64_t{t} * 2 * inter + inter + j);
-  const auto* g2 = reinterpret_cast<const __nv_bfloat162*>(&graw);
-  const auto* u2 = reinterpret_cast<const __nv_bfloat162*>(&uraw);
-  uint4 oraw;
-  auto* o2 = reinterpret_cast<__nv_bfloat162*>(&oraw);
+  for (int t = blockIdx.y; t < num_tokens; t += gridDim.y) {
+    const uint4 graw = *reinterpret_cast<const uint4*>(gu + int64_t{t} * 2 * inter + j);
+    const uint4 uraw = *reinterpret_cast<const uint4*>(gu + int64_t{t} * 2 * inter + inter + j);
+    const auto* g2 = reinterpret_cast<const __nv_bfloat162*>(&graw);
+    const auto* u2 = reinterpret_cast<const __nv_bfloat162*>(&uraw);
+    uint4 oraw;
+    auto* o2 = reinterpret_cast<__nv_bfloat162*>(&oraw);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 g = __bfloat1622float2(g2[k]), u = __bfloat1622float2(u2[k]);
-    const float a0 = RoundBf16(g.x / (1.0f + __expf(-g.x))), a1 = RoundBf16(g.y / (1.0f + __expf(-g.y)));
-    o2[k] = __floats2bfloat162_rn(a0 * u.x, a1 * u.y);
+    for (int k = 0; k < 4; ++k) {
+      const float2 g = __bfloat1622float2(g2[k]), u = __bfloat1622float2(u2[k]);
+      const float a0 = RoundBf16(g.x / (1.0f + __expf(-g.x))), a1 = RoundBf16(g.y / (1.0f + __expf(-g.y)));
+      o2[k] = __floats2bfloat162_rn(a0 * u.x, a1 * u.y);
+    }
+    *reinterpret_cast<uint4*>(out + int64_t{t} * inter + j) = oraw;
   }
-  *reinterpret_cast<uint4*>(out + int64_t{t} * inter + j) = oraw;
 }
 
 __global__ void AddBiasKernel(bf16* y, int n, int64_t total, const bf16* bias) {
@@ -256,7 +258,7 @@ __global__ void ArgmaxKernel(const float* logits, const int* rows, int vocab, in
   bool any = false;
   for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
     float v = row[i];
-    if (isnan(v)) continue;
+    if (isnan(v)) v = -INFINITY;  // as the host sampler reads it
     if (v == INFINITY) v = FLT_MAX;
     if (!any || v > best) {  // ids grow along a thread's walk: ties keep the first
       best = v;
@@ -336,8 +338,10 @@ int LaunchRopeWriteKv(const RopeWriteArgs& a, void* stream) {
 int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* stream) {
   if (num_tokens == 0 || inter == 0) return 0;
   const int threads = 128;
-  const dim3 grid(static_cast<unsigned>((inter / 8 + threads - 1) / threads), static_cast<unsigned>(num_tokens));
-  SiluMulKernel<<<grid, threads, 0, S(stream)>>>(static_cast<const bf16*>(gu), inter, static_cast<bf16*>(out));
+  const dim3 grid(static_cast<unsigned>((inter / 8 + threads - 1) / threads),
+                  static_cast<unsigned>(num_tokens < 65535 ? num_tokens : 65535));
+  SiluMulKernel<<<grid, threads, 0, S(stream)>>>(static_cast<const bf16*>(gu), inter, num_tokens,
+                                                 static_cast<bf16*>(out));
   return Err();
 }
 
