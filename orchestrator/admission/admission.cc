@@ -120,7 +120,7 @@ void Admission::ReleaseSlot(const std::shared_ptr<Admittable>& call) {
   StartLater(std::move(next));
 }
 
-void Admission::ReleaseKey(const std::shared_ptr<Admittable>& call) {
+void Admission::ReleaseKey(const std::shared_ptr<Admittable>& call, int64_t tokens_used) {
   int64_t charged = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -131,7 +131,7 @@ void Admission::ReleaseKey(const std::shared_ptr<Admittable>& call) {
   }
   const ApiKeyIdentity* key = call->key();
   if (key == nullptr) return;
-  limiter_.Release(key->name, key->limits, charged, call->TokensUsed(), Clock::now());
+  limiter_.Release(key->name, key->limits, charged, tokens_used, Clock::now());
 }
 
 void Admission::Dequeue(const std::shared_ptr<Admittable>& call) {
@@ -149,7 +149,7 @@ void Admission::Dequeue(const std::shared_ptr<Admittable>& call) {
 
 void Admission::Finished(const std::shared_ptr<Admittable>& call) {
   ReleaseSlot(call);
-  ReleaseKey(call);
+  ReleaseKey(call, call->TokensUsed());
   std::lock_guard<std::mutex> lock(mu_);
   queue_.Remove(call);
   if (active_.erase(call) > 0 && active_.empty()) idle_cv_.notify_all();

@@ -109,6 +109,12 @@ class Admission {
   // The call's generations ended: its slot frees and queued calls that fit
   // start. Idempotent.
   void ReleaseSlot(const std::shared_ptr<Admittable>& call);
+  // The call's generations ended having used `tokens_used`: what it took
+  // from its key's limits (a concurrent place, the token charge beyond use)
+  // goes back now, before the client sees the end, so the key's next request
+  // never finds this one still counted. Idempotent; Finished does it (with
+  // the call's TokensUsed) for a call that did not.
+  void ReleaseKey(const std::shared_ptr<Admittable>& call, int64_t tokens_used);
   // A queued call was cancelled: it leaves the queue (a call already given a
   // slot still gets Start, and ends through Finished). Idempotent.
   void Dequeue(const std::shared_ptr<Admittable>& call);
@@ -144,8 +150,6 @@ class Admission {
   // Pops queued calls while the next one's sequences fit; they get slots.
   void DrainQueueLocked(std::vector<std::shared_ptr<Admittable>>* next) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartLater(std::vector<std::shared_ptr<Admittable>> calls);
-  // Returns what `call` took from its key's limits. Idempotent.
-  void ReleaseKey(const std::shared_ptr<Admittable>& call);
   void WatchdogLoop(const std::function<void()>& before_watch);
 
   const std::function<void(std::function<void()>)> post_;

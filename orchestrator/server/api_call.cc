@@ -80,6 +80,10 @@ void ApiCall::Prepare(CallSetup setup, uint64_t random_seed) {
 
 int64_t ApiCall::TokensUsed() {
   std::lock_guard<std::mutex> lock(mu_);
+  return TokensUsedLocked();
+}
+
+int64_t ApiCall::TokensUsedLocked() const {
   int64_t used = prompt_tokens_;
   for (const Choice& c : choices_) used += c.tokens;
   return used;
@@ -265,6 +269,7 @@ void ApiCall::OnDone(int index, const GenerationResult& result) {
     // client's next request never finds its own last one still counted.
     if (all_done) {
       env_->admission->ReleaseSlot(shared_from_this());
+      env_->admission->ReleaseKey(shared_from_this(), TokensUsedLocked());
       AccountLocked();
     }
     if (all_done && !finished_) {

@@ -162,6 +162,8 @@ class ApiCall : public GenerationSink, public Admittable, public std::enable_sha
   // Final accounting, once every generation is done (before the response's
   // last bytes, so a client that reads /metrics next sees its request).
   void AccountLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Prompt plus generated tokens so far (TokensUsed under the lock).
+  int64_t TokensUsedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   TokenLogprob MakeLogprob(const tandem::v1::TokenOutput& t) const;
 
