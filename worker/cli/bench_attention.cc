@@ -41,6 +41,7 @@
 #include "common/status_macros.h"
 #include "kernels/paged_attention.h"
 #include "worker/cli/commands.h"
+#include "worker/cli/python_helper.h"
 
 #if TANDEM_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -131,41 +132,10 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Where the torch helper lives: the flag, else scripts/ beside the working
-// directory or the binary (a bundle puts it next to `tandem`).
-std::string FindTorchScript(const std::string& flag) {
-  if (!flag.empty()) return flag;
-  std::vector<std::filesystem::path> candidates = {"scripts/bench_attention_torch.py"};
-  std::error_code ec;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    const auto dir = exe.parent_path();
-    candidates.push_back(dir / "bench_attention_torch.py");
-    candidates.push_back(dir / "scripts/bench_attention_torch.py");
-    candidates.push_back(dir.parent_path() / "scripts/bench_attention_torch.py");
-  }
-  for (const auto& c : candidates) {
-    if (std::filesystem::exists(c, ec)) return c.string();
-  }
-  return "scripts/bench_attention_torch.py";
-}
-
-std::string ShellQuote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) {
-    if (c == '\'') {
-      q += "'\\''";
-    } else {
-      q += c;
-    }
-  }
-  return q + "'";
-}
-
 // Runs the torch helper on `shapes`; its JSON, or {"available": false, "why": ...}.
 json RunTorch(const AttnBenchOptions& o, const json& shapes) {
   if (o.no_torch) return {{"available", false}, {"why", "--no-torch"}};
-  const std::string script = FindTorchScript(o.torch_script);
+  const std::string script = FindHelperScript(o.torch_script, "bench_attention_torch.py");
   std::error_code ec;
   if (!std::filesystem::exists(script, ec)) {
     return {{"available", false},
@@ -183,34 +153,8 @@ json RunTorch(const AttnBenchOptions& o, const json& shapes) {
   // stderr passes through (progress); stdout is the JSON answer.
   const std::string cmd = absl::StrCat(o.torch_python, " ", ShellQuote(script), " --shapes ", ShellQuote(path));
   std::fprintf(stderr, "bench attention: torch baselines: %s\n", cmd.c_str());
-  std::fflush(stderr);
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string text;
-  if (p != nullptr) {
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) text.append(buf, n);
-  }
-  const int rc = p != nullptr ? pclose(p) : -1;
+  json answer = RunJsonHelper(cmd);
   std::filesystem::remove(path, ec);
-  // The answer is the last line that parses as a JSON object.
-  json answer;
-  size_t end = text.size();
-  while (end > 0) {
-    size_t start = text.rfind('\n', end - 1);
-    start = start == std::string::npos ? 0 : start + 1;
-    const std::string line = text.substr(start, end - start);
-    json j = json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.is_object()) {
-      answer = j;
-      break;
-    }
-    if (start == 0) break;
-    end = start - 1;
-  }
-  if (!answer.is_object()) {
-    return {{"available", false}, {"why", absl::StrFormat("`%s` exited with status %d and printed no JSON", cmd, rc)}};
-  }
   return answer;
 }
 

@@ -25,6 +25,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "worker/cli/commands.h"
+#include "worker/cli/python_helper.h"
 #include "worker/engine/engine.h"
 #include "worker/model/model_loader.h"
 #include "worker/model/weights.h"
@@ -215,45 +216,17 @@ nlohmann::json TransformersBaselines(const BenchOptions& opt) {
   if (!std::filesystem::is_directory(opt.model)) {
     return {{"available", false}, {"why", "--model is not a checkpoint directory transformers can load"}};
   }
-  std::string script = opt.transformers_script;
-  if (script.empty()) {
-    std::vector<std::filesystem::path> candidates = {"scripts/bench_engine_transformers.py"};
-    std::error_code ec;
-    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
-    if (!ec) {
-      for (std::filesystem::path dir = self.parent_path(); !dir.empty() && dir != dir.root_path();
-           dir = dir.parent_path()) {
-        candidates.push_back(dir / "scripts/bench_engine_transformers.py");
-      }
-    }
-    for (const auto& c : candidates) {
-      if (std::filesystem::exists(c)) {
-        script = c.string();
-        break;
-      }
-    }
+  const std::string script = FindHelperScript(opt.transformers_script, "bench_engine_transformers.py");
+  if (!std::filesystem::exists(script)) {
+    return {{"available", false},
+            {"why", absl::StrCat("the transformers helper ", script, " was not found (--transformers-script)")}};
   }
-  if (script.empty() || !std::filesystem::exists(script)) {
-    return {{"available", false}, {"why", "scripts/bench_engine_transformers.py not found (--transformers-script)"}};
-  }
-  std::vector<std::string> cases;
-  for (const std::string& c : opt.decode_cases) cases.push_back(c);
-  const std::string cmd = absl::StrCat(opt.transformers_python, " '", script, "' --model '", opt.model,
-                                       "' --prefill-lens ", absl::StrJoin(opt.prefill_lens, ","), " --decode ",
-                                       absl::StrJoin(cases, ","), " --repeats ", opt.repeats);
+  const std::string cmd =
+      absl::StrCat(opt.transformers_python, " ", ShellQuote(script), " --model ", ShellQuote(opt.model),
+                   " --prefill-lens ", absl::StrJoin(opt.prefill_lens, ","), " --decode ",
+                   ShellQuote(absl::StrJoin(opt.decode_cases, ",")), " --repeats ", opt.repeats);
   std::fprintf(stderr, "bench engine: transformers baselines: %s\n", cmd.c_str());
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return {{"available", false}, {"why", "popen failed"}};
-  std::string text;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) text.append(buf, n);
-  const int rc = pclose(p);
-  const size_t brace = text.rfind("\n{");
-  json j = json::parse(brace == std::string::npos ? text : text.substr(brace + 1), nullptr, false);
-  if (rc != 0 || j.is_discarded() || !j.is_object()) {
-    return {{"available", false}, {"why", absl::StrCat("the helper failed (exit ", rc, ")")}};
-  }
-  return j;
+  return RunJsonHelper(cmd);
 }
 
 absl::StatusOr<std::pair<int, int>> ParseDecodeCase(const std::string& c) {
