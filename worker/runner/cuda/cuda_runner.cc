@@ -8,14 +8,14 @@
 // layer's input norm. The residual stream is float32 (Hugging Face keeps it
 // in bfloat16): each product's bf16 output is added to it in float32 and the
 // sum is never rounded, which keeps the GPU engine closer to the float32
-// reference. Then the
-// final norm gathers only the rows whose logits are wanted, and the LM head
-// writes their float32 logits, which the host samples (SampleToken).
+// reference. Then the final norm gathers only the rows whose logits are
+// wanted, and the LM head writes their float32 logits: plain greedy rows take
+// their token from an argmax on the GPU, the others' logits rows come to the
+// host sampler (SampleToken).
 //
 // Everything of a step runs on the runner's stream; the step's metadata goes
-// up in one copy from pinned memory, and the logits come back in one; the
-// step synchronizes once, where it reads the logits and the kernels' error
-// word.
+// up in one copy from pinned memory; the step synchronizes where it reads the
+// kernels' error word, and again where the sampled ids and host rows arrive.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -453,9 +453,6 @@ class CudaRunner final : public ModelRunner {
       }
     }
     const int R = static_cast<int>(in.logits_rows.size());
-    for (int r : in.logits_rows) {
-      if (r < 0 || r >= T) return absl::InvalidArgumentError("logits row outside the batch");
-    }
     RETURN_IF_ERROR(UploadMetadata(in));
     RETURN_IF_ERROR(ReserveActivations(T, R));
     if (absl::Status st = Forward(in, kv); !st.ok()) {
@@ -488,10 +485,10 @@ class CudaRunner final : public ModelRunner {
     // each with its query_start rebased to 0.
     runs_.clear();
     run_query_starts_.clear();
+    auto decoding = [&](int s) {
+      return in.prefilling.empty() ? in.query_start[s + 1] - in.query_start[s] == 1 : in.prefilling[s] == 0;
+    };
     for (int s0 = 0; s0 < in.num_seqs();) {
-      auto decoding = [&](int s) {
-        return in.prefilling.empty() ? in.query_start[s + 1] - in.query_start[s] == 1 : in.prefilling[s] == 0;
-      };
       int s1 = s0 + 1;
       while (s1 < in.num_seqs() && decoding(s1) == decoding(s0)) ++s1;
       AttentionRun run{.first_seq = s0, .num_seqs = s1 - s0, .decode = decoding(s0)};

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <random>
@@ -21,6 +20,7 @@
 #include "worker/engine/engine.h"
 #include "worker/model/builtin_models.h"
 #include "worker/model/model_loader.h"
+#include "worker/model/safetensors.h"
 #include "worker/runner/model_runner.h"
 
 namespace tandem::worker {
@@ -44,7 +44,7 @@ class Bf16Source : public TensorSource {
     absl::StatusOr<Tensor> t = seeded_.Get(name);
     if (t.ok()) {
       const float scale = name == "model.embed_tokens.weight" ? static_cast<float>(embed_scale_) : 1.0f;
-      for (float& v : t->data) v = RoundBf16(v * scale);
+      for (float& v : t->data) v = BFloat16ToFloat(FloatToBFloat16(v * scale));
     }
     return t;
   }
@@ -52,7 +52,7 @@ class Bf16Source : public TensorSource {
     absl::StatusOr<Tensor> t = Get(name);
     if (!t.ok()) return t.status();
     auto bits = std::make_shared<std::vector<uint16_t>>();
-    for (float v : t->data) bits->push_back(Bf16Bits(v));
+    for (float v : t->data) bits->push_back(FloatToBFloat16(v));
     StoredTensor out{
         .shape = t->shape,
         .dtype = WeightDtype::kBF16,
@@ -67,18 +67,6 @@ class Bf16Source : public TensorSource {
   std::string Describe() const override { return seeded_.Describe(); }
 
  private:
-  static uint16_t Bf16Bits(float v) {  // round to nearest even (finite values)
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    u += 0x7fff + ((u >> 16) & 1);
-    return static_cast<uint16_t>(u >> 16);
-  }
-  static float RoundBf16(float v) {
-    const uint32_t u = uint32_t{Bf16Bits(v)} << 16;
-    float r;
-    std::memcpy(&r, &u, 4);
-    return r;
-  }
   SeededTensorSource seeded_;
   double embed_scale_;
 };
