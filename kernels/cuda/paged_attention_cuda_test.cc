@@ -601,6 +601,19 @@ TEST(CudaAttentionTest, SmallMixedBatch) {
   RunCase({.seqs = {{6, 6}, {1, 70}}, .group = 1, .head_dim = 128, .block_size = 64, .causal = false, .seed = 13});
 }
 
+TEST(CudaAttentionTest, SmallPrefillTiles) {
+  SKIP_WITHOUT_GPU();
+  // More than one 128-row query tile and 128-key tile, a cached prefix, TMA
+  // pages after the first (partial) key tile, both head dims.
+  RunCase({.seqs = {{130, 300}, {200, 200}, {1, 90}},
+           .group = 2,
+           .head_dim = 128,
+           .block_size = 16,
+           .seed = 15,
+           .check_cpu = true});
+  RunCase({.seqs = {{70, 500}, {129, 129}}, .group = 4, .head_dim = 64, .block_size = 64, .causal = false, .seed = 16});
+}
+
 TEST(CudaAttentionTest, SmallSplitKv) {
   SKIP_WITHOUT_GPU();
   // Long enough for several KV splits and the combine kernel.
@@ -752,6 +765,10 @@ TEST(CudaAttentionTest, SmallBadBlockId) {
                   0, 5);
   RunBadBlockCase({.seqs = {{4, 40}, {3, 60}, {1, 100}}, .group = 2, .head_dim = 64, .block_size = 16, .seed = 22}, 2,
                   6, -1);
+  // A 150-token prefill (two query tiles) with a bad id at block 5 (keys
+  // 80-95): rows 0-79 computed, the rest zero.
+  RunBadBlockCase({.seqs = {{150, 150}, {20, 300}}, .group = 1, .head_dim = 128, .block_size = 16, .seed = 23}, 0, 5,
+                  3);
 }
 
 TEST(CudaAttentionTest, BadBlockIdWithSplitKv) {

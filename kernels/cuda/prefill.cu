@@ -1,41 +1,53 @@
 // Tensor-core prefill over the paged cache, for Hopper (sm_90a): bf16/f16
 // in, f32 accumulation, head_dim 64 or 128, block_size 16, 32 or 64.
 //
-// The kernel LaunchPrefill runs (PrefillWsKernel, warp-specialized wgmma):
-// - Grid (query head, sequence, query tile), the tile index reversed so that
-//   the tiles with the most keys (the last query rows under a causal mask)
-//   start first; tiles past a sequence's query count exit at once (the host
-//   knows only max_q_len, not each q_len).
-// - A CTA serves kM = 64 * kWG query rows of one head (kWG = 3 consumer
-//   warpgroups, or 1 when max_q_len <= 64) plus one producer warpgroup.
-// - The producer gathers Q once and then K/V tiles of 64 keys, page by page
-//   through the block table, with 16-byte cp.async into a ring of stages
-//   (three: with the Q tile, 145 KB of shared memory at head_dim 128), and
-//   signals each stage's "full" mbarrier with
-//   cp.async.mbarrier.arrive; it refills a stage after the consumers arrive
-//   on its "empty" mbarrier. No CTA-wide barrier sits in the loop, so the
-//   consumer warpgroups drift apart and one's softmax overlaps another's
-//   matrix products.
-// - Each consumer warpgroup computes S = Q K^T (wgmma m64n64k16, Q and K
-//   from shared memory, both K-major), the online softmax in registers
-//   (exp2 domain: scale * log2(e) folds into one multiply), and O += P V
-//   (wgmma m64nDk16, P from registers in the accumulator layout, V from
-//   shared memory transposed). Shared tiles use the 128-byte-swizzle layout
-//   (64-column panels of 128-byte rows, chunk c of row r at c ^ (r & 7)).
+// The kernel LaunchPrefill runs for more than 64 query rows
+// (PrefillFa3Kernel, the FlashAttention-3 recipe):
+// - Grid (query tile, head, sequence): the CTAs running together share one
+//   head's K/V in L2 (with the head fastest, as before, they spanned every
+//   head and missed L2: 6-8% slower from a cold L2). The tile index is
+//   reversed so that the tiles with the most keys (the last query rows under
+//   a causal mask) start first; tiles past a sequence's query count exit at
+//   once (the host knows only max_q_len, not each q_len).
+// - 384 threads: two consumer warpgroups of 64 query rows (a CTA serves 128
+//   rows of one head) and a producer warpgroup; `setmaxnreg` moves registers
+//   from the producer (40) to the consumers (232).
+// - The producer loads Q once (cp.async) and then K and V tiles of 128 keys
+//   into two-stage rings of their own (Q + 2 x 2 tiles: 160 KB at head_dim
+//   128). Whole pages go through the tensor-memory accelerator: the layer's
+//   pool is a 5-D tensor map (element, slot, KV head, K|V, block), one box
+//   per page and 64-column panel, landing in the 128-byte-swizzle layout
+//   wgmma reads; the lanes of one warp each issue a page's boxes. The first
+//   tile (the last keys: a partial page past the context is zero-filled)
+//   goes through cp.async. Completion is counted on "full" mbarriers
+//   (expect-tx bytes); the consumers release "empty" ones.
+// - Each consumer issues tile j's S = Q K^T (wgmma m64n128k16, both from
+//   shared memory, K-major) together with tile j-1's O += P V (wgmma
+//   m64nDk16, P from registers, V transposed from shared memory), waits for
+//   the first, runs tile j's online softmax while PV j-1 is still on the
+//   tensor cores, then rescales O. Named barriers make the two consumers
+//   take turns issuing (pingpong), so one's softmax runs under the other's
+//   products. Scores are scaled inside the exponent (one FFMA each, the
+//   maxima on raw scores) and exp2 is ex2.approx.ftz.
 // - Key tiles run from the last to the first: only the first few (causal
-//   diagonal, ragged context end) need the mask; a warpgroup whose rows all
-//   precede a key tile skips its math.
+//   diagonal, ragged context end) need the mask.
 // - Block ids: before any load, the CTA checks every table entry it will
 //   use; one outside [0, num_blocks) records kErrBlockId for the sequence,
 //   nothing is read through it or past it, and the rows whose keys reach it
-//   come out zero (the rows before it are still computed). The comparison
-//   kernel zeroes every row of such a CTA instead.
+//   come out zero (the rows before it are still computed).
+// Every query count takes this kernel (the arithmetic of a row must not
+// depend on chunking); where the pool's strides do not fit a tensor map,
+// cp.async gathers every tile.
 //
-// An earlier kernel stays for comparison (LaunchPrefillVariant, timed side
-// by side by kernels/cuda/bench/prefill_check.cu; numbers in NOTES.md):
-// PrefillKernel (FlashAttention-2 style, mma.sync m16n8k16, 16 rows per
-// warp, ldmatrix). A wgmma kernel in which every thread loaded, with two
-// CTA-wide barriers per tile (158-212 TFLOP/s), is in git history (0071241).
+// LaunchPrefillVariant runs the others for comparison
+// (kernels/cuda/bench/prefill_check.cu times them side by side; numbers in
+// NOTES.md), among them PrefillWsKernel, the earlier warp-specialized kernel
+// (one to three consumer warpgroups, 64-key tiles, cp.async gathers, no
+// intra-warpgroup overlap). An mma.sync (FlashAttention-2 style) kernel and a wgmma kernel
+// with CTA-wide barriers per tile are in git history (f952425, 0071241).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <cfloat>
 #include <climits>
 
@@ -45,7 +57,6 @@
 namespace tandem::kernels::cuda::internal {
 namespace {
 
-constexpr int kN = 64;  // keys per tile
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
@@ -56,39 +67,9 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-__device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-// c += a * b for one m16n8k16 tile.
-template <typename T>
-__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 }
 
 template <typename T>
@@ -99,245 +80,6 @@ __device__ __forceinline__ uint32_t Pack2(float x, float y) {
   } else {
     __half2 v = __floats2half2_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of
-// kRowBytes-wide rows.
-template <int kRowBytes>
-__device__ __forceinline__ uint32_t Swz(int row, int chunk) {
-  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
-}
-
-// The mma.sync kernel (comparison variant 1): kWarps warps of 16 query rows
-// each; K/V tiles double-buffered by every thread with cp.async (K and V in
-// separate commit groups), rows swizzled for conflict-free ldmatrix (chunk c
-// of row r at c ^ (r & 7)); fragments by ldmatrix (.trans for V); same grid,
-// masking, softmax and block-id checks as the kernel above describes.
-template <typename T, int kD, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, 1) PrefillKernel(AttnArgs a) {
-  constexpr int kM = 16 * kWarps;
-  constexpr int kThreads = kWarps * 32;
-  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
-  constexpr int kRowBytes = kD * 2;
-  constexpr int kTileBytes = kN * kRowBytes;
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int sm_bad;
-  const uint32_t sQ = SmemAddr(smem);
-  const uint32_t sK = sQ + kM * kRowBytes;  // two buffers
-  const uint32_t sV = sK + 2 * kTileBytes;  // two buffers
-
-  const int h = blockIdx.x;
-  const int s = blockIdx.y;
-  const int m0 = (gridDim.z - 1 - blockIdx.z) * kM;
-  const int q_begin = __ldg(&a.query_start[s]);
-  const int q_len = __ldg(&a.query_start[s + 1]) - q_begin;
-  if (m0 >= q_len) return;
-  const int ctx = __ldg(&a.context_lens[s]);
-  const int pos0 = ctx - q_len + m0;  // position of this tile's first query row
-  const int rows = min(kM, q_len - m0);
-  const int n_keys = a.causal ? min(ctx, pos0 + rows) : ctx;
-  const int kv_head = h / a.group;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t out_stride = int64_t{a.num_heads} * kD;
-  T* out = static_cast<T*>(a.out) + int64_t{q_begin + m0} * out_stride + int64_t{h} * kD;
-
-  const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
-  const int bs_shift = __ffs(a.pool.block_size) - 1;
-  const int bs_mask = a.pool.block_size - 1;
-  if (tid == 0) sm_bad = 0;
-  __syncthreads();
-  if (n_keys > 0) {
-    for (int b = tid; b <= (n_keys - 1) >> bs_shift; b += kThreads) {
-      const int32_t id = __ldg(&table[b]);
-      if (id < 0 || id >= a.pool.num_blocks) sm_bad = 1;
-    }
-  }
-  __syncthreads();
-  if (sm_bad != 0) {
-    if (tid == 0) RecordError(a.error, kErrBlockId, s);
-    for (int c = tid; c < rows * kChunks; c += kThreads) {
-      *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) = make_uint4(0, 0, 0, 0);
-    }
-    return;
-  }
-
-  const T* pool = static_cast<const T*>(a.pool.kv);
-  // Q tile (rows past the sequence's queries are zero-filled).
-  {
-    const T* q = static_cast<const T*>(a.q) + int64_t{q_begin + m0} * a.q_stride + int64_t{h} * kD;
-    for (int c = tid; c < kM * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const bool ok = r < rows;
-      CpAsync16(sQ + Swz<kRowBytes>(r, ch), ok ? q + int64_t{r} * a.q_stride + ch * 8 : q, ok ? 16 : 0);
-    }
-  }
-  // One K or V tile (kv = 0 or 1) of keys [tile * kN, +kN) into `dst`.
-  auto load_kv = [&](int tile, int kv, uint32_t dst) {
-    for (int c = tid; c < kN * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const int key = tile * kN + r;
-      const T* src = pool;
-      int bytes = 0;
-      if (key < n_keys) {
-        const int32_t block = __ldg(&table[key >> bs_shift]);
-        src = pool + PoolOffset(a.pool, block, kv, kv_head, key & bs_mask) + ch * 8;
-        bytes = 16;
-      }
-      CpAsync16(dst + Swz<kRowBytes>(r, ch), src, bytes);
-    }
-  };
-
-  const int n_tiles = (n_keys + kN - 1) / kN;
-  int buf = 0;
-  load_kv(n_tiles - 1, 0, sK);
-  CpAsyncCommit();  // group: Q + K[last]
-  load_kv(n_tiles - 1, 1, sV);
-  CpAsyncCommit();  // group: V[last]
-
-  const int g = lane / 4, t = lane % 4;
-  const int wrow0 = warp * 16;  // this warp's first row in the tile
-  const int row_a = wrow0 + g, row_b = row_a + 8;
-  const int pos_a = pos0 + row_a, pos_b = pos0 + row_b;
-  const int warp_last_pos = pos0 + wrow0 + 15;
-  const bool warp_live = wrow0 < rows;
-  const float qk_scale = a.scale * kLog2e;
-
-  uint32_t qf[kD / 16][4];
-  float o[kD / 8][4];
-#pragma unroll
-  for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
-
-  for (int tile = n_tiles - 1; tile >= 0; --tile) {
-    const uint32_t cK = sK + buf * kTileBytes, cV = sV + buf * kTileBytes;
-    const uint32_t nK = sK + (buf ^ 1) * kTileBytes, nV = sV + (buf ^ 1) * kTileBytes;
-    CpAsyncWait<1>();  // K[tile] (and Q) landed
-    __syncthreads();
-    if (tile == n_tiles - 1) {
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        const int r = wrow0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        LdMatrixX4(sQ + Swz<kRowBytes>(r, kk * 2 + (lane >> 4)), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
-      }
-    }
-    if (tile > 0) load_kv(tile - 1, 0, nK);
-    CpAsyncCommit();
-
-    const int k0 = tile * kN;
-    const bool compute = warp_live && (!a.causal || k0 <= warp_last_pos);
-    float p[kN / 8][4];
-    if (compute) {
-      // S = Q K^T
-#pragma unroll
-      for (int i = 0; i < kN / 8; ++i) p[i][0] = p[i][1] = p[i][2] = p[i][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-#pragma unroll
-        for (int nn = 0; nn < kN / 16; ++nn) {
-          const int r = nn * 16 + (lane & 7) + (lane >> 4) * 8;
-          uint32_t b0, b1, b2, b3;
-          LdMatrixX4(cK + Swz<kRowBytes>(r, kk * 2 + ((lane >> 3) & 1)), b0, b1, b2, b3);
-          Mma<T>(p[2 * nn], qf[kk], b0, b1);
-          Mma<T>(p[2 * nn + 1], qf[kk], b2, b3);
-        }
-      }
-      // Mask (the causal diagonal, keys past the context) and online softmax.
-      const bool need_mask = k0 + kN > n_keys || (a.causal && k0 + kN - 1 > pos0 + wrow0);
-      float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < kN / 8; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = p[i][e] * qk_scale;
-          if (need_mask) {
-            const int key = k0 + i * 8 + 2 * t + (e & 1);
-            const int pos = e < 2 ? pos_a : pos_b;
-            if (key >= n_keys || (a.causal && key > pos)) x = -INFINITY;
-          }
-          p[i][e] = x;
-        }
-        mx_a = fmaxf(mx_a, fmaxf(p[i][0], p[i][1]));
-        mx_b = fmaxf(mx_b, fmaxf(p[i][2], p[i][3]));
-      }
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-      const float new_a = fmaxf(m_a, mx_a), new_b = fmaxf(m_b, mx_b);
-      // A row with every key so far masked keeps max -inf: subtract 0 instead.
-      const float base_a = new_a == -INFINITY ? 0.0f : new_a;
-      const float base_b = new_b == -INFINITY ? 0.0f : new_b;
-      const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
-      m_a = new_a;
-      m_b = new_b;
-      float sum_a = 0.0f, sum_b = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kN / 8; ++i) {
-        p[i][0] = exp2f(p[i][0] - base_a);
-        p[i][1] = exp2f(p[i][1] - base_a);
-        p[i][2] = exp2f(p[i][2] - base_b);
-        p[i][3] = exp2f(p[i][3] - base_b);
-        sum_a += p[i][0] + p[i][1];
-        sum_b += p[i][2] + p[i][3];
-      }
-      l_a = l_a * corr_a + sum_a;
-      l_b = l_b * corr_b + sum_b;
-#pragma unroll
-      for (int i = 0; i < kD / 8; ++i) {
-        o[i][0] *= corr_a;
-        o[i][1] *= corr_a;
-        o[i][2] *= corr_b;
-        o[i][3] *= corr_b;
-      }
-    }
-
-    CpAsyncWait<1>();  // V[tile] landed
-    __syncthreads();
-    if (tile > 0) load_kv(tile - 1, 1, nV);
-    CpAsyncCommit();
-
-    if (compute) {
-      // O += P V
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        uint32_t pa[4];
-        pa[0] = Pack2<T>(p[2 * kk][0], p[2 * kk][1]);
-        pa[1] = Pack2<T>(p[2 * kk][2], p[2 * kk][3]);
-        pa[2] = Pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        pa[3] = Pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-#pragma unroll
-        for (int dd = 0; dd < kD / 16; ++dd) {
-          const int r = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-          uint32_t b0, b1, b2, b3;
-          LdMatrixX4Trans(cV + Swz<kRowBytes>(r, dd * 2 + (lane >> 4)), b0, b1, b2, b3);
-          Mma<T>(o[2 * dd], pa, b0, b1);
-          Mma<T>(o[2 * dd + 1], pa, b2, b3);
-        }
-      }
-    }
-    buf ^= 1;
-  }
-  CpAsyncWait<0>();
-
-  // Epilogue: normalise and store (rows past the sequence's queries are not written).
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
-  const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
-#pragma unroll
-  for (int i = 0; i < kD / 8; ++i) {
-    const int col = i * 8 + 2 * t;
-    if (row_a < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
-          Pack2<T>(o[i][0] * inv_a, o[i][1] * inv_a);
-    }
-    if (row_b < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
-          Pack2<T>(o[i][2] * inv_b, o[i][3] * inv_b);
-    }
   }
 }
 
@@ -375,6 +117,29 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, int parity) {
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
       "r"(parity)
+      : "memory");
+}
+
+// Switches of the wgmma kernels (kOpt bits): kOptTma loads full K/V pages
+// with the tensor-memory accelerator (PrefillFa3Kernel only); kOptNoLoads is
+// a diagnostic that loads only the first tiles (timing without the K/V
+// traffic; its results are wrong).
+constexpr int kOptNoLoads = 1;
+constexpr int kOptTma = 2;
+
+// mbarrier arrival that also expects `bytes` of TMA transactions.
+__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One TMA box of the paged pool's tensor map (coordinates: element in the
+// head dimension, slot, KV head, K|V, block) into shared memory at `dst`,
+// completing on `bar`.
+__device__ __forceinline__ void TmaLoadPage(uint32_t dst, const CUtensorMap* map, int c0, int head, int kv, int block,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
+      "%6}], [%7];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(0), "r"(head), "r"(kv), "r"(block), "r"(bar)
       : "memory");
 }
 
@@ -625,6 +390,352 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
   }
 }
 
+// ex2.approx with denormals flushed (exp2f adds a range fix-up we do not need:
+// every argument is <= 0 and a result below 2^-126 may as well be 0).
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// Named barriers 1 and 2 order the two consumer warpgroups' matrix products
+// (id 0 is __syncthreads).
+__device__ __forceinline__ void NamedSync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void NamedArrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <int kN>
+__device__ __forceinline__ void FenceRegsU(uint32_t (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// The FlashAttention-3 recipe (the file comment describes it). kOpt:
+// kOptTma loads whole pages with TMA (the default); without it every tile
+// is gathered with cp.async (for comparison). Every consumer runs every key
+// tile (no per-warpgroup skip: both must pass the same named barriers);
+// masked rows of a tile come out as zero probabilities. The first tile is
+// peeled off the loop so that the loop's wgmma waits are uniform (a branch
+// between issue and wait makes ptxas serialize the products). Same contract
+// (grid, masks, bad block ids, zero rows) as PrefillWsKernel.
+template <typename T, int kD, int kOpt>
+__global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __grid_constant__ CUtensorMap pool_map) {
+  constexpr int kN = 128;
+  constexpr int kM = 128;
+  constexpr int kThreads = 384;
+  constexpr int kChunks = kD / 8;
+  constexpr int kRowBytes = kD * 2;
+  constexpr int kTileBytes = kN * kRowBytes;
+  constexpr int kQPanel = 64 * 128;  // Q: one 64-row tile per warpgroup
+  constexpr int kKPanel = kN * 128;
+  constexpr int kStages = 2;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int sm_first_bad;
+  // full_k[2], empty_k[2], full_v[2], empty_v[2], q
+  __shared__ __align__(8) uint64_t bars[4 * kStages + 1];
+  const uint32_t sQ = (SmemAddr(smem) + 1023) & ~1023u;
+  const uint32_t sK = sQ + kM * kRowBytes;         // K stage i at sK + i * tile
+  const uint32_t sV = sK + kStages * kTileBytes;  // V stage i at sV + i * tile
+  const uint32_t fullk = SmemAddr(&bars[0]), emptyk = fullk + 8 * kStages;
+  const uint32_t fullv = emptyk + 8 * kStages, emptyv = fullv + 8 * kStages, qbar = emptyv + 8 * kStages;
+
+  const int h = blockIdx.y;
+  const int s = blockIdx.z;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kM;
+  const int q_begin = __ldg(&a.query_start[s]);
+  const int q_len = __ldg(&a.query_start[s + 1]) - q_begin;
+  if (m0 >= q_len) return;
+  const int ctx = __ldg(&a.context_lens[s]);
+  const int pos0 = ctx - q_len + m0;
+  const int rows = min(kM, q_len - m0);
+  int n_keys = a.causal ? min(ctx, pos0 + rows) : ctx;
+  const int kv_head = h / a.group;
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int wg = tid / 128, warp = (tid / 32) % 4;
+  const int64_t out_stride = int64_t{a.num_heads} * kD;
+  T* out = static_cast<T*>(a.out) + int64_t{q_begin + m0} * out_stride + int64_t{h} * kD;
+
+  const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
+  const int bs_shift = __ffs(a.pool.block_size) - 1;
+  const int bs_mask = a.pool.block_size - 1;
+  if (tid == 0) {
+    sm_first_bad = INT_MAX;
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(fullk + 8 * i, 128);
+      MbarInit(emptyk + 8 * i, 256);
+      MbarInit(fullv + 8 * i, 128);
+      MbarInit(emptyv + 8 * i, 256);
+    }
+    MbarInit(qbar, 128);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  for (int b = tid; b <= (n_keys - 1) >> bs_shift; b += kThreads) {
+    const int32_t id = __ldg(&table[b]);
+    if (id < 0 || id >= a.pool.num_blocks) atomicMin(&sm_first_bad, b);
+  }
+  __syncthreads();
+  if (sm_first_bad != INT_MAX) {
+    if (tid == 0) RecordError(a.error, kErrBlockId, s);
+    n_keys = min(n_keys, sm_first_bad << bs_shift);
+  }
+  if (n_keys <= 0) {  // a bad first block, or no key at all
+    for (int c = tid; c < rows * kChunks; c += kThreads) {
+      *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const int n_tiles = (n_keys + kN - 1) / kN;
+
+  if (wg == 2) {
+    // Producer: Q once, then K and V of each tile (last tile first) into their rings.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    const int ptid = tid - 256;
+    const T* pool = static_cast<const T*>(a.pool.kv);
+    {
+      const T* q = static_cast<const T*>(a.q) + int64_t{q_begin + m0} * a.q_stride + int64_t{h} * kD;
+      for (int c = ptid; c < kM * kChunks; c += 128) {
+        const int r = c / kChunks, ch = c % kChunks;
+        const bool ok = r < rows;
+        CpAsync16(sQ + (r / 64) * (64 * kRowBytes) + PanelOffset<kD>(64, r % 64, ch),
+                  ok ? q + int64_t{r} * a.q_stride + ch * 8 : q, ok ? 16 : 0);
+      }
+      MbarArriveOnCpAsync(qbar);
+    }
+    for (int it = 0; it < n_tiles; ++it) {
+      const int stage = it % kStages;
+      const int parity = ((it / kStages) - 1) & 1;
+      const int tile = n_tiles - 1 - it;
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        if (it >= kStages) MbarWait((kv == 0 ? emptyk : emptyv) + 8 * stage, parity);
+        const uint32_t dst = (kv == 0 ? sK : sV) + stage * kTileBytes;
+        const uint32_t full = (kv == 0 ? fullk : fullv) + 8 * stage;
+        if ((kOpt & kOptTma) && it > 0) {
+          // Every tile after the first (the last keys, maybe a partial page:
+          // cp.async zero-fills past the context) is whole pages.
+          // Thread 0's arrival carries the expected bytes; lane pg of the
+          // first warp issues page pg's boxes (a box that lands before the
+          // expectation only drives the count negative: the phase cannot end
+          // before thread 0 arrives).
+          if (ptid == 0) {
+            MbarArriveExpectTx(full, kTileBytes);
+          } else {
+            MbarArrive(full);
+          }
+          if (ptid < (kN >> bs_shift)) {
+            const int32_t block = __ldg(&table[((tile * kN) >> bs_shift) + ptid]);
+#pragma unroll
+            for (int c = 0; c < kD / 64; ++c) {
+              TmaLoadPage(dst + c * kKPanel + (ptid << bs_shift) * 128, &pool_map, c * 64, kv_head, kv, block, full);
+            }
+          }
+          continue;
+        }
+        for (int c = ptid; c < ((kOpt & kOptNoLoads) && it >= kStages ? 0 : kN * kChunks); c += 128) {
+          const int r = c / kChunks, ch = c % kChunks;
+          const int key = tile * kN + r;
+          const T* src = pool;
+          int bytes = 0;
+          if (key < n_keys) {
+            const int32_t block = __ldg(&table[key >> bs_shift]);
+            src = pool + PoolOffset(a.pool, block, kv, kv_head, key & bs_mask) + ch * 8;
+            bytes = 16;
+          }
+          CpAsync16(dst + PanelOffset<kD>(kN, r, ch), src, bytes);
+        }
+        MbarArriveOnCpAsync(full);
+      }
+    }
+    CpAsyncWait<0>();
+    return;
+  }
+
+  // Consumers.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int g = lane / 4, t = lane % 4;
+  const int wrow0 = wg * 64;
+  const int row_a = wrow0 + warp * 16 + g, row_b = row_a + 8;
+  const int pos_a = pos0 + row_a, pos_b = pos0 + row_b;
+  const float qk_scale = a.scale * kLog2e;
+  const uint32_t sQwg = sQ + wg * (64 * kRowBytes);
+
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+  float corr_a = 1.0f, corr_b = 1.0f;
+  uint32_t pa[kN / 16][4];
+  float p[kN / 2];
+
+  // S = Q K^T of the tile in K stage `stage` into p (issued, committed).
+  auto issue_qk = [&](int stage) {
+    const uint32_t cK = sK + stage * kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      wgmma::SS128<T>(p, Desc(sQwg + (kk / 4) * kQPanel + (kk % 4) * 32, 16, 1024),
+                      Desc(cK + (kk / 4) * kKPanel + (kk % 4) * 32, 16, 1024), kk > 0);
+    }
+    wgmma::Commit();
+  };
+  // O += P V with the V tile in V stage `stage` (issued, committed).
+  auto issue_pv = [&](int stage) {
+    const uint32_t cV = sV + stage * kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      const uint64_t dv = Desc(cV + kk * 16 * 128, kN * 128, 1024);
+      if constexpr (kD == 128) {
+        wgmma::RS128<T>(o, pa[kk], dv, 1);
+      } else {
+        wgmma::RS64<T>(o, pa[kk], dv, 1);
+      }
+    }
+    wgmma::Commit();
+  };
+  // Registers written outside wgmma stay ordered before the next fence.
+  auto fence_operands = [&]() {
+    wgmma::FenceRegs(o);
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) FenceRegsU(pa[kk]);
+  };
+  // Masks, online-softmax statistics and exponentials of the scores in p
+  // for the keys from k0; sets corr_a/corr_b for the output's rescale.
+  auto softmax = [&](int k0) {
+    const bool need_mask = k0 + kN > n_keys || (a.causal && k0 + kN - 1 > pos0 + wrow0);
+    if (need_mask) {
+#pragma unroll
+      for (int i = 0; i < kN / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + i * 8 + 2 * t + (e & 1);
+          const int pos = e < 2 ? pos_a : pos_b;
+          if (key >= n_keys || (a.causal && key > pos)) p[4 * i + e] = -INFINITY;
+        }
+      }
+    }
+    float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+    for (int i = 0; i < kN / 8; ++i) {
+      mx_a = fmaxf(mx_a, fmaxf(p[4 * i], p[4 * i + 1]));
+      mx_b = fmaxf(mx_b, fmaxf(p[4 * i + 2], p[4 * i + 3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    // Maxima are on raw scores; a row with every key so far masked keeps -inf.
+    const float base_a = mx_a == -INFINITY ? 0.0f : mx_a * qk_scale;
+    const float base_b = mx_b == -INFINITY ? 0.0f : mx_b * qk_scale;
+    corr_a = Ex2(m_a * qk_scale - base_a);
+    corr_b = Ex2(m_b * qk_scale - base_b);
+    m_a = mx_a;
+    m_b = mx_b;
+    float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kN / 8; ++i) {
+      p[4 * i] = Ex2(fmaf(p[4 * i], qk_scale, -base_a));
+      p[4 * i + 1] = Ex2(fmaf(p[4 * i + 1], qk_scale, -base_a));
+      p[4 * i + 2] = Ex2(fmaf(p[4 * i + 2], qk_scale, -base_b));
+      p[4 * i + 3] = Ex2(fmaf(p[4 * i + 3], qk_scale, -base_b));
+      sum_a += p[4 * i] + p[4 * i + 1];
+      sum_b += p[4 * i + 2] + p[4 * i + 3];
+    }
+    l_a = l_a * corr_a + sum_a;
+    l_b = l_b * corr_b + sum_b;
+  };
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      pa[kk][0] = Pack2<T>(p[8 * kk], p[8 * kk + 1]);
+      pa[kk][1] = Pack2<T>(p[8 * kk + 2], p[8 * kk + 3]);
+      pa[kk][2] = Pack2<T>(p[8 * kk + 4], p[8 * kk + 5]);
+      pa[kk][3] = Pack2<T>(p[8 * kk + 6], p[8 * kk + 7]);
+    }
+  };
+
+  if (wg == 1) NamedArrive(1, 256);  // warpgroup 0 issues first
+  MbarWait(qbar, 0);
+  // The first tile (the last keys): its product alone.
+  MbarWait(fullk, 0);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  NamedSync(1 + wg, 256);
+  wgmma::Fence();
+  issue_qk(0);
+  NamedArrive(2 - wg, 256);
+  wgmma::Wait<0>();
+  wgmma::FenceRegs(p);
+  MbarArrive(emptyk);
+  softmax((n_tiles - 1) * kN);
+  pack_p();
+
+  // Tile it's QK^T and tile it-1's PV together; it's softmax under that PV.
+  for (int it = 1; it < n_tiles; ++it) {
+    const int stage = it % kStages, pstage = (it - 1) % kStages;
+    MbarWait(fullk + 8 * stage, (it / kStages) & 1);
+    MbarWait(fullv + 8 * pstage, ((it - 1) / kStages) & 1);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    NamedSync(1 + wg, 256);
+    fence_operands();
+    wgmma::Fence();
+    issue_qk(stage);
+    issue_pv(pstage);
+    // Warpgroup 1 skips its last arrival: warpgroup 0 has no turn left to take.
+    if (!(wg == 1 && it == n_tiles - 1)) NamedArrive(2 - wg, 256);
+    wgmma::Wait<1>();
+    wgmma::FenceRegs(p);
+    MbarArrive(emptyk + 8 * stage);
+    softmax((n_tiles - 1 - it) * kN);
+    wgmma::Wait<0>();
+    fence_operands();
+    MbarArrive(emptyv + 8 * pstage);
+#pragma unroll
+    for (int i = 0; i < kD / 8; ++i) {
+      o[4 * i] *= corr_a;
+      o[4 * i + 1] *= corr_a;
+      o[4 * i + 2] *= corr_b;
+      o[4 * i + 3] *= corr_b;
+    }
+    pack_p();
+  }
+  {
+    // PV of the last tile.
+    const int pstage = (n_tiles - 1) % kStages;
+    MbarWait(fullv + 8 * pstage, ((n_tiles - 1) / kStages) & 1);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_operands();
+    wgmma::Fence();
+    issue_pv(pstage);
+    wgmma::Wait<0>();
+    fence_operands();
+    MbarArrive(emptyv + 8 * pstage);
+  }
+
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
+  const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+  const int bad_block = sm_first_bad;
+  const bool bad = bad_block != INT_MAX;
+  const int first_bad_key = bad ? bad_block * a.pool.block_size : 0;
+  const bool zero_a = bad && (!a.causal || pos_a >= first_bad_key);
+  const bool zero_b = bad && (!a.causal || pos_b >= first_bad_key);
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i) {
+    const int col = i * 8 + 2 * t;
+    if (row_a < rows) {
+      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
+          zero_a ? 0u : Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
+    }
+    if (row_b < rows) {
+      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
+          zero_b ? 0u : Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
+    }
+  }
+}
+
 template <typename T, int kD, int kWG, int kStages>
 int LaunchWs(const AttnArgs& a, cudaStream_t stream) {
   constexpr int kM = 64 * kWG;
@@ -638,32 +749,66 @@ int LaunchWs(const AttnArgs& a, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, int kD, int kWarps>
-int Launch(const AttnArgs& a, cudaStream_t stream) {
-  constexpr int kM = 16 * kWarps;
-  constexpr int kSmem = (kM + 4 * kN) * kD * 2;
-  const cudaError_t attr =
-      cudaFuncSetAttribute(PrefillKernel<T, kD, kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+// The layer's paged pool as a 5-D TMA tensor (element in the head
+// dimension, slot, KV head, K|V, block), boxes of 64 elements x one page,
+// 128-byte swizzle (the wgmma panel layout). False where the driver has no
+// encoder or the strides do not fit TMA's rules (the caller then loads
+// with cp.async).
+bool EncodePoolMap(const AttnArgs& a, CUtensorMap* map) {
+  static const auto encode = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  const PoolView& p = a.pool;
+  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(p.block_size),
+                              static_cast<cuuint64_t>(a.num_heads / a.group), 2, static_cast<cuuint64_t>(p.num_blocks)};
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(p.head_dim) * 2, static_cast<cuuint64_t>(p.head_stride) * 2,
+                                 static_cast<cuuint64_t>(p.kv_stride) * 2, static_cast<cuuint64_t>(p.block_stride) * 2};
+  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(p.block_size), 1, 1, 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  return encode(map, a.elem == Elem::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
+                const_cast<void*>(p.kv), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int kD, int kOpt>
+int LaunchFa3(const AttnArgs& a, cudaStream_t stream) {
+  constexpr int kSmem = (128 + 2 * 2 * 128) * kD * 2 + 1024;  // Q + two K and two V stages + alignment
+  auto* kernel = PrefillFa3Kernel<T, kD, kOpt>;
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return static_cast<int>(attr);
-  const dim3 grid(a.num_heads, a.num_seqs, (a.max_q_len + kM - 1) / kM);
-  PrefillKernel<T, kD, kWarps><<<grid, kWarps * 32, kSmem, stream>>>(a);
+  CUtensorMap map{};
+  if constexpr ((kOpt & kOptTma) != 0) {
+    if (!EncodePoolMap(a, &map)) return LaunchFa3<T, kD, kOpt & ~kOptTma>(a, stream);
+  }
+  const dim3 grid((a.max_q_len + 127) / 128, a.num_heads, a.num_seqs);
+  kernel<<<grid, 384, kSmem, stream>>>(a, map);
   return static_cast<int>(cudaGetLastError());
 }
 
 template <typename T, int kD>
 int LaunchTypedDim(const AttnArgs& a, cudaStream_t stream, int variant) {
-  // 192-row tiles (three consumer warpgroups) cut the K/V traffic per query
-  // row and give each SM three warpgroups to overlap; one warpgroup (64
-  // rows) when the queries are few (a short chunk, or the tail of a
-  // chunked prefill).
-  const bool wide = a.max_q_len > 64;
   switch (variant) {
-    case 1:  // mma.sync, 16 rows per warp
-      return wide ? Launch<T, kD, 8>(a, stream) : Launch<T, kD, 4>(a, stream);
-    case 2:  // warp-specialized with two stages (2-6% slower than three on an H100)
-      return wide ? LaunchWs<T, kD, 3, 2>(a, stream) : LaunchWs<T, kD, 1, 2>(a, stream);
-    default:  // warp-specialized wgmma, three stages
-      return wide ? LaunchWs<T, kD, 3, 3>(a, stream) : LaunchWs<T, kD, 1, 3>(a, stream);
+    case 1:  // the earlier warp-specialized kernel: 64-key tiles, cp.async, one warpgroup up to 64 rows
+      return a.max_q_len > 64 ? LaunchWs<T, kD, 3, 3>(a, stream) : LaunchWs<T, kD, 1, 3>(a, stream);
+    case 2:  // PrefillFa3Kernel with cp.async gathers instead of TMA
+      return LaunchFa3<T, kD, 0>(a, stream);
+    case 3:  // diagnostic: PrefillFa3Kernel loading only its first tiles (wrong results)
+      return LaunchFa3<T, kD, kOptNoLoads>(a, stream);
+    default:
+      // Every query count takes the same kernel (a short chunk wastes half
+      // of a 128-row CTA) so that a row's arithmetic does not depend on how
+      // its prompt was chunked: one-pass, chunked and token-by-token prefill
+      // give the same bits.
+      return LaunchFa3<T, kD, kOptTma>(a, stream);
   }
 }
 
@@ -687,8 +832,9 @@ bool PrefillSupports(const AttnArgs& a) {
     return false;
   }
   if (a.group <= 0 || a.num_heads % a.group != 0) return false;
-  // Grid limits: y (sequences) and z (query tiles) at most 65535.
-  if (a.num_seqs > 65535 || (a.max_q_len + 63) / 64 > 65535) return false;
+  // Grid limits: y and z at most 65535 (heads and sequences; the comparison
+  // kernel's 64-row query tiles).
+  if (a.num_seqs > 65535 || a.num_heads > 65535 || (a.max_q_len + 63) / 64 > 65535) return false;
   return true;
 }
 
