@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
   // full_k[2], empty_k[2], full_v[2], empty_v[2], q
   __shared__ __align__(8) uint64_t bars[4 * kStages + 1];
   const uint32_t sQ = (SmemAddr(smem) + 1023) & ~1023u;
-  const uint32_t sK = sQ + kM * kRowBytes;         // K stage i at sK + i * tile
+  const uint32_t sK = sQ + kM * kRowBytes;        // K stage i at sK + i * tile
   const uint32_t sV = sK + kStages * kTileBytes;  // V stage i at sV + i * tile
   const uint32_t fullk = SmemAddr(&bars[0]), emptyk = fullk + 8 * kStages;
   const uint32_t fullv = emptyk + 8 * kStages, emptyv = fullv + 8 * kStages, qbar = emptyv + 8 * kStages;

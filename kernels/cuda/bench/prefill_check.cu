@@ -28,7 +28,8 @@
 
 using namespace tandem::kernels::cuda::internal;
 namespace tandem::kernels::cuda::internal {
-int LaunchPrefillVariant(const AttnArgs& a, void* stream, int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads
+int LaunchPrefillVariant(const AttnArgs& a, void* stream,
+                         int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads
 }
 static const char* kVariantName[] = {"fa3", "ws", "fa3:cp.async", "fa3:noload"};
 static const int kVariants = 4;
@@ -62,8 +63,8 @@ struct Case {
   int head_dim, block_size, num_kv_heads, group;
   bool causal;
   std::vector<int> q_lens, ctx;
-  int bad_seq = -1;      // a block id past the pool in this sequence's table
-  int bad_block = 0;     // at this block index; rows whose keys reach it must be zero
+  int bad_seq = -1;   // a block id past the pool in this sequence's table
+  int bad_block = 0;  // at this block index; rows whose keys reach it must be zero
 };
 
 static std::mt19937_64 rng(12345);
