@@ -62,6 +62,10 @@ struct Expr {
   std::vector<CompareKind> compare_ops;
   std::vector<ExprPtr> children;
   std::vector<Keyword> kwargs;
+  // Nodes on the longest path down to a leaf. The parser caps it: evaluation
+  // and destruction recurse over the tree, and a chain such as 1+1+...+1 or
+  // x|f|f|...|f is parsed by a loop, not by recursion its guard would see.
+  int height = 1;
 };
 
 // An assignment target: one name, a tuple of names, or `ns.attr`.

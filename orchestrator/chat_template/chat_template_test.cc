@@ -286,6 +286,12 @@ std::string MustRender(std::string_view source, const ordered_json& context) {
   return out.ok() ? *out : "";
 }
 
+std::string Repeat(std::string_view piece, int times) {
+  std::string out;
+  for (int i = 0; i < times; ++i) out += piece;
+  return out;
+}
+
 absl::Status RenderStatus(std::string_view source, const ordered_json& context) {
   absl::StatusOr<std::unique_ptr<ChatTemplate>> tmpl = ChatTemplate::Create(source);
   if (!tmpl.ok()) return tmpl.status();
@@ -373,6 +379,36 @@ TEST(ChatTemplateRenderTest, MacroCallsAreCappedOverTheWholeRender) {
                    ordered_json::object());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("macro calls in one render"));
+}
+
+TEST(ChatTemplateRenderTest, ExpressionChainsAreCappedAtParse) {
+  // Loops build these left-deep (1+1+...+1): evaluating or freeing 100k
+  // levels overflowed the stack (found by chat_template_fuzzer).
+  for (const std::string& chain : {"1" + Repeat("+1", 100000), "x" + Repeat("|string", 100000),
+                                   "x" + Repeat(".a", 100000), "x" + Repeat("[0]", 100000),
+                                   "x" + Repeat(" and x", 100000), "x" + Repeat(" or x", 100000)}) {
+    const absl::StatusOr<std::unique_ptr<ChatTemplate>> tpl = ChatTemplate::Create("{{ " + chain + " }}");
+    ASSERT_FALSE(tpl.ok()) << chain.substr(0, 20);
+    EXPECT_EQ(tpl.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(Msg(tpl.status()), HasSubstr("expression nested too deeply"));
+  }
+  // 150 levels stay legal; ~ chains are one node with many children.
+  EXPECT_TRUE(ChatTemplate::Create("{{ 'a'" + Repeat(" ~ 'a'", 100000) + " }}").ok());
+  EXPECT_EQ(MustRender("{{ 1" + Repeat("+1", 150) + " }}", ordered_json::object()), "151");
+}
+
+TEST(ChatTemplateRenderTest, EvaluationNestingIsCappedAcrossMacroCalls) {
+  // 50 nested calls (within max_call_depth) through 100 negations each: 5,000
+  // levels of evaluation overflowed an 8 MB stack before the cap.
+  const absl::Status s = RenderStatus("{% macro f(n) %}{% if n < 50 %}{{ " + Repeat("-", 100) +
+                                          "f(n + 1)|int }}{% endif %}{% endmacro %}{{ f(0) }}",
+                                      ordered_json::object());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(s), HasSubstr("nests evaluation more than 400 deep"));
+  // A recursive macro of ordinary depth still renders.
+  EXPECT_EQ(MustRender("{% macro f(n) %}{% if n < 20 %}{{ n }}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(15) }}",
+                   ordered_json::object()),
+            "1516171819");
 }
 
 TEST(ChatTemplateRenderTest, NestingIsCapped) {

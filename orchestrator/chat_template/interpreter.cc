@@ -114,7 +114,27 @@ class Renderer {
 
   // --- Statements ---------------------------------------------------------
 
+  // Counts the nesting of evaluation (RenderLimits::max_nesting) while alive.
+  class NestingGuard {
+   public:
+    explicit NestingGuard(int* nesting) : nesting_(nesting) { ++*nesting_; }
+    ~NestingGuard() { --*nesting_; }
+    NestingGuard(const NestingGuard&) = delete;
+    NestingGuard& operator=(const NestingGuard&) = delete;
+
+   private:
+    int* nesting_;
+  };
+  absl::Status CheckNesting() const {
+    if (nesting_ > limits_.max_nesting) {
+      return PyError(Cat("the template nests evaluation more than ", limits_.max_nesting, " deep"));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status ExecBody(const Body& body, Frame& frame) {
+    NestingGuard guard(&nesting_);
+    RETURN_IF_ERROR(CheckNesting());
     for (const Stmt& stmt : body) {
       absl::Status s = Exec(stmt, frame);
       if (!s.ok()) return Locate(std::move(s), stmt.offset);
@@ -323,6 +343,8 @@ class Renderer {
   // --- Expressions --------------------------------------------------------
 
   absl::StatusOr<Value> Eval(const Expr& e, Frame& frame) {
+    NestingGuard guard(&nesting_);
+    if (absl::Status s = CheckNesting(); !s.ok()) return Locate(std::move(s), e.offset);
     absl::StatusOr<Value> v = EvalNode(e, frame);
     if (!v.ok()) return Locate(v.status(), e.offset);
     if (absl::Status s = Charge(*v); !s.ok()) return Locate(std::move(s), e.offset);
@@ -592,6 +614,7 @@ class Renderer {
   Flow flow_ = Flow::kNormal;
   int64_t iterations_ = 0;
   int call_depth_ = 0;
+  int nesting_ = 0;
   int64_t macro_calls_ = 0;
   int64_t work_ = 0;                              // Against limits_.max_work.
   int loop_name_id_ = -2;                         // -2: not looked up yet; -1: the template never says `loop`.

@@ -34,6 +34,13 @@ struct RenderLimits {
   int64_t max_loop_iterations = 1'000'000;
   // Nested macro calls: recursion in a template is legal but must end.
   int max_call_depth = 50;
+  // Expressions and statement bodies being evaluated at once. The parser
+  // caps the template's own nesting; macro calls multiply it (50 calls deep
+  // through 100 nested negations overflowed an 8 MB stack), so the render
+  // counts the nesting it is in and stops at this. Under ASan a level costs
+  // 8-16 KB of stack (1000 levels overflowed 8 MB, 500 did not); release
+  // builds use well under 1 KB.
+  int max_nesting = 400;
   // Macro calls over the whole render: a macro that calls itself twice is
   // 2^depth calls within max_call_depth (a fuzzer's template ran for minutes).
   int64_t max_macro_calls = 100'000;

@@ -98,6 +98,19 @@ class Parser {
     return true;
   }
 
+  // Raises `parent`'s height for a subtree of `child`'s; fails past the cap.
+  absl::Status Grow(Expr& parent, const Expr& child) const {
+    parent.height = std::max(parent.height, child.height + 1);
+    if (parent.height > kMaxNesting) return Fail(parent.offset, "expression nested too deeply");
+    return absl::OkStatus();
+  }
+  // Every child goes through here (a null one is an omitted slice bound).
+  absl::Status AddChild(Expr& parent, ExprPtr child) const {
+    if (child != nullptr) RETURN_IF_ERROR(Grow(parent, *child));
+    parent.children.push_back(std::move(child));
+    return absl::OkStatus();
+  }
+
   absl::Status Fail(const Token& at, std::string_view message) const {
     return SyntaxError(tpl_->source, at.offset, message);
   }
@@ -418,7 +431,7 @@ class Parser {
       }
     }
     ExprPtr tuple = MakeExpr(ExprKind::kTuple, offset);
-    tuple->children = std::move(items);
+    for (ExprPtr& item : items) RETURN_IF_ERROR(AddChild(*tuple, std::move(item)));
     return tuple;
   }
 
@@ -438,9 +451,9 @@ class Parser {
       if (SkipName("else")) {
         ASSIGN_OR_RETURN(otherwise, ParseCondExpr());
       }
-      cond->children.push_back(std::move(expr));
-      cond->children.push_back(std::move(test));
-      cond->children.push_back(std::move(otherwise));
+      RETURN_IF_ERROR(AddChild(*cond, std::move(expr)));
+      RETURN_IF_ERROR(AddChild(*cond, std::move(test)));
+      RETURN_IF_ERROR(AddChild(*cond, std::move(otherwise)));
       expr = std::move(cond);
     }
     return expr;
@@ -451,8 +464,8 @@ class Parser {
     while (IsName(Cur(), "or")) {
       ExprPtr node = MakeExpr(ExprKind::kOr, Next().offset);
       ASSIGN_OR_RETURN(ExprPtr right, ParseAnd());
-      node->children.push_back(std::move(left));
-      node->children.push_back(std::move(right));
+      RETURN_IF_ERROR(AddChild(*node, std::move(left)));
+      RETURN_IF_ERROR(AddChild(*node, std::move(right)));
       left = std::move(node);
     }
     return left;
@@ -463,8 +476,8 @@ class Parser {
     while (IsName(Cur(), "and")) {
       ExprPtr node = MakeExpr(ExprKind::kAnd, Next().offset);
       ASSIGN_OR_RETURN(ExprPtr right, ParseNot());
-      node->children.push_back(std::move(left));
-      node->children.push_back(std::move(right));
+      RETURN_IF_ERROR(AddChild(*node, std::move(left)));
+      RETURN_IF_ERROR(AddChild(*node, std::move(right)));
       left = std::move(node);
     }
     return left;
@@ -476,7 +489,7 @@ class Parser {
       RETURN_IF_ERROR(CheckDepth(Cur()));
       ExprPtr node = MakeExpr(ExprKind::kNot, Next().offset);
       ASSIGN_OR_RETURN(ExprPtr operand, ParseNot());
-      node->children.push_back(std::move(operand));
+      RETURN_IF_ERROR(AddChild(*node, std::move(operand)));
       return node;
     }
     return ParseCompare();
@@ -512,11 +525,11 @@ class Parser {
       Next();
       if (!node) {
         node = MakeExpr(ExprKind::kCompare, offset);
-        node->children.push_back(std::move(first));
+        RETURN_IF_ERROR(AddChild(*node, std::move(first)));
       }
       ASSIGN_OR_RETURN(ExprPtr operand, ParseMath1());
       node->compare_ops.push_back(kind);
-      node->children.push_back(std::move(operand));
+      RETURN_IF_ERROR(AddChild(*node, std::move(operand)));
     }
     return node ? std::move(node) : std::move(first);
   }
@@ -524,8 +537,8 @@ class Parser {
   absl::StatusOr<ExprPtr> Binary(BinaryOp op, size_t offset, ExprPtr left, ExprPtr right) {
     ExprPtr node = MakeExpr(ExprKind::kBinary, offset);
     node->binary_op = op;
-    node->children.push_back(std::move(left));
-    node->children.push_back(std::move(right));
+    RETURN_IF_ERROR(AddChild(*node, std::move(left)));
+    RETURN_IF_ERROR(AddChild(*node, std::move(right)));
     return node;
   }
 
@@ -545,10 +558,10 @@ class Parser {
     ASSIGN_OR_RETURN(ExprPtr first, ParseMath2());
     if (!IsOp(Cur(), "~")) return first;
     ExprPtr node = MakeExpr(ExprKind::kConcat, offset);
-    node->children.push_back(std::move(first));
+    RETURN_IF_ERROR(AddChild(*node, std::move(first)));
     while (SkipOp("~")) {
       ASSIGN_OR_RETURN(ExprPtr next, ParseMath2());
-      node->children.push_back(std::move(next));
+      RETURN_IF_ERROR(AddChild(*node, std::move(next)));
     }
     return node;
   }
@@ -592,7 +605,7 @@ class Parser {
       const Token& op = Next();
       node = MakeExpr(op.text == "-" ? ExprKind::kNeg : ExprKind::kPos, op.offset);
       ASSIGN_OR_RETURN(ExprPtr operand, ParseUnary(false));
-      node->children.push_back(std::move(operand));
+      RETURN_IF_ERROR(AddChild(*node, std::move(operand)));
     } else {
       ASSIGN_OR_RETURN(node, ParsePrimary());
     }
@@ -659,7 +672,7 @@ class Parser {
       if (!node->children.empty()) RETURN_IF_ERROR(ExpectOp(","));
       if (IsOp(Cur(), "]")) break;
       ASSIGN_OR_RETURN(ExprPtr item, ParseExpression(true));
-      node->children.push_back(std::move(item));
+      RETURN_IF_ERROR(AddChild(*node, std::move(item)));
     }
     RETURN_IF_ERROR(ExpectOp("]"));
     return node;
@@ -673,8 +686,8 @@ class Parser {
       ASSIGN_OR_RETURN(ExprPtr key, ParseExpression(true));
       RETURN_IF_ERROR(ExpectOp(":"));
       ASSIGN_OR_RETURN(ExprPtr value, ParseExpression(true));
-      node->children.push_back(std::move(key));
-      node->children.push_back(std::move(value));
+      RETURN_IF_ERROR(AddChild(*node, std::move(key)));
+      RETURN_IF_ERROR(AddChild(*node, std::move(value)));
     }
     RETURN_IF_ERROR(ExpectOp("}"));
     return node;
@@ -713,15 +726,15 @@ class Parser {
       if (attr.type == TokenType::kName) {
         ExprPtr e = MakeExpr(ExprKind::kGetattr, t.offset);
         e->name = Next().text;
-        e->children.push_back(std::move(node));
+        RETURN_IF_ERROR(AddChild(*e, std::move(node)));
         return e;
       }
       if (attr.type != TokenType::kInteger) return Fail(attr, "expected name or number");
       ExprPtr key = MakeExpr(ExprKind::kConst, attr.offset);
       key->constant = Value::Int(Next().int_value);
       ExprPtr e = MakeExpr(ExprKind::kGetitem, t.offset);
-      e->children.push_back(std::move(node));
-      e->children.push_back(std::move(key));
+      RETURN_IF_ERROR(AddChild(*e, std::move(node)));
+      RETURN_IF_ERROR(AddChild(*e, std::move(key)));
       return e;
     }
     // "[": one index or slice; several make a tuple key (never found).
@@ -758,8 +771,8 @@ class Parser {
     RETURN_IF_ERROR(ExpectOp("]"));
     if (args.size() == 1 && is_slice[0]) {
       ExprPtr e = MakeExpr(ExprKind::kSlice, t.offset);
-      e->children.push_back(std::move(node));
-      for (ExprPtr& part : slice_parts) e->children.push_back(std::move(part));
+      RETURN_IF_ERROR(AddChild(*e, std::move(node)));
+      for (ExprPtr& part : slice_parts) RETURN_IF_ERROR(AddChild(*e, std::move(part)));
       return e;
     }
     if (std::count(is_slice.begin(), is_slice.end(), true) > 0) {
@@ -767,13 +780,13 @@ class Parser {
     }
     if (args.empty()) return Fail(t, "expected a subscript expression");
     ExprPtr e = MakeExpr(ExprKind::kGetitem, t.offset);
-    e->children.push_back(std::move(node));
+    RETURN_IF_ERROR(AddChild(*e, std::move(node)));
     if (args.size() == 1) {
-      e->children.push_back(std::move(args[0]));
+      RETURN_IF_ERROR(AddChild(*e, std::move(args[0])));
     } else {
       ExprPtr tuple = MakeExpr(ExprKind::kTuple, t.offset);
-      tuple->children = std::move(args);
-      e->children.push_back(std::move(tuple));
+      for (ExprPtr& arg : args) RETURN_IF_ERROR(AddChild(*tuple, std::move(arg)));
+      RETURN_IF_ERROR(AddChild(*e, std::move(tuple)));
     }
     return e;
   }
@@ -795,11 +808,12 @@ class Parser {
         std::string key = Next().text;
         Next();
         ASSIGN_OR_RETURN(ExprPtr value, ParseExpression(true));
+        RETURN_IF_ERROR(Grow(*node, *value));
         node->kwargs.push_back(Keyword{std::move(key), std::move(value)});
       } else {
         if (!node->kwargs.empty()) return Fail(open, "invalid syntax for function call expression");
         ASSIGN_OR_RETURN(ExprPtr value, ParseExpression(true));
-        node->children.push_back(std::move(value));
+        RETURN_IF_ERROR(AddChild(*node, std::move(value)));
       }
       require_comma = true;
     }
@@ -821,7 +835,7 @@ class Parser {
 
   absl::StatusOr<ExprPtr> ParseCall(ExprPtr callee) {
     ExprPtr node = MakeExpr(ExprKind::kCall, Cur().offset);
-    node->children.push_back(std::move(callee));
+    RETURN_IF_ERROR(AddChild(*node, std::move(callee)));
     RETURN_IF_ERROR(ParseCallArgs(node.get()));
     const Expr& target = *node->children[0];
     if (target.kind == ExprKind::kName) {
@@ -871,7 +885,7 @@ class Parser {
       }
       ExprPtr filter = MakeExpr(ExprKind::kFilter, name_token.offset);
       filter->name = name;
-      filter->children.push_back(std::move(node));
+      RETURN_IF_ERROR(AddChild(*filter, std::move(node)));
       if (IsOp(Cur(), "(")) RETURN_IF_ERROR(ParseCallArgs(filter.get()));
       filter->builtin = FindFilter(name);
       if (filter->builtin < 0) return Fail(name_token, Cat("no filter named '", name, "'"));
@@ -895,7 +909,7 @@ class Parser {
     }
     ExprPtr test = MakeExpr(ExprKind::kTest, offset);
     test->name = name;
-    test->children.push_back(std::move(node));
+    RETURN_IF_ERROR(AddChild(*test, std::move(node)));
     const Token& t = Cur();
     if (IsOp(t, "(")) {
       RETURN_IF_ERROR(ParseCallArgs(test.get()));
@@ -905,14 +919,14 @@ class Parser {
       if (IsName(t, "is")) return Fail(t, "You cannot chain multiple tests with is");
       ASSIGN_OR_RETURN(ExprPtr arg, ParsePrimary());
       ASSIGN_OR_RETURN(arg, ParsePostfix(std::move(arg)));
-      test->children.push_back(std::move(arg));
+      RETURN_IF_ERROR(AddChild(*test, std::move(arg)));
     }
     test->builtin = FindTest(name);
     if (test->builtin < 0) return Fail(name_token, Cat("no test named '", name, "'"));
     RETURN_IF_ERROR(CheckShape(*test, Callee{"test", name}, Test(test->builtin).signature));
     if (!negated) return test;
     ExprPtr neg = MakeExpr(ExprKind::kNot, offset);
-    neg->children.push_back(std::move(test));
+    RETURN_IF_ERROR(AddChild(*neg, std::move(test)));
     return neg;
   }
 
