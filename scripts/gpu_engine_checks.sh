@@ -9,7 +9,8 @@
 #   reference  tests/reference/gpu_transformers_check.py (against transformers
 #            bf16 and the CPU engine in f32)
 #   bench    `tandem export-model --preset llama-3.1-8b` (once, into $WORK) and
-#            `tandem bench engine --device cuda` on it, transformers in the same
+#            `tandem bench engine --device cuda` on it (BENCH_ENGINE_ARGS: more
+#            options, e.g. --prefill-lens 8192), transformers in the same
 #            run; the JSON in $OUT (or $WORK)
 # Steps run in the order given (default: all); every step runs, and the script
 # exits nonzero if any failed. cuBLASLt is found in torch's nvidia packages
@@ -69,7 +70,8 @@ for s in "${steps[@]}"; do
         step export "$bin/tandem" export-model --preset llama-3.1-8b --dtype bfloat16 "$work/llama-3.1-8b"
       fi
       step "bench engine" bash -c "'$bin/tandem' bench engine --device cuda --model '$work/llama-3.1-8b' \
-        --transformers-script scripts/bench_engine_transformers.py --json >'$out/bench_engine_cuda.json'" ;;
+        --transformers-script scripts/bench_engine_transformers.py ${BENCH_ENGINE_ARGS:-} \
+        --json >'$out/bench_engine_cuda.json'" ;;
     *)
       echo "unknown step '$s' (runner, grpc, reference, bench)" >&2
       failed+=("$s") ;;

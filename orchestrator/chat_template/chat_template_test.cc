@@ -384,9 +384,9 @@ TEST(ChatTemplateRenderTest, MacroCallsAreCappedOverTheWholeRender) {
 TEST(ChatTemplateRenderTest, ExpressionChainsAreCappedAtParse) {
   // Loops build these left-deep (1+1+...+1): evaluating or freeing 100k
   // levels overflowed the stack (found by chat_template_fuzzer).
-  for (const std::string& chain : {"1" + Repeat("+1", 100000), "x" + Repeat("|string", 100000),
-                                   "x" + Repeat(".a", 100000), "x" + Repeat("[0]", 100000),
-                                   "x" + Repeat(" and x", 100000), "x" + Repeat(" or x", 100000)}) {
+  for (const std::string& chain :
+       {"1" + Repeat("+1", 100000), "x" + Repeat("|string", 100000), "x" + Repeat(".a", 100000),
+        "x" + Repeat("[0]", 100000), "x" + Repeat(" and x", 100000), "x" + Repeat(" or x", 100000)}) {
     const absl::StatusOr<std::unique_ptr<ChatTemplate>> tpl = ChatTemplate::Create("{{ " + chain + " }}");
     ASSERT_FALSE(tpl.ok()) << chain.substr(0, 20);
     EXPECT_EQ(tpl.status().code(), absl::StatusCode::kInvalidArgument);
@@ -400,14 +400,14 @@ TEST(ChatTemplateRenderTest, ExpressionChainsAreCappedAtParse) {
 TEST(ChatTemplateRenderTest, EvaluationNestingIsCappedAcrossMacroCalls) {
   // 50 nested calls (within max_call_depth) through 100 negations each: 5,000
   // levels of evaluation overflowed an 8 MB stack before the cap.
-  const absl::Status s = RenderStatus("{% macro f(n) %}{% if n < 50 %}{{ " + Repeat("-", 100) +
-                                          "f(n + 1)|int }}{% endif %}{% endmacro %}{{ f(0) }}",
-                                      ordered_json::object());
+  const absl::Status s = RenderStatus(
+      "{% macro f(n) %}{% if n < 50 %}{{ " + Repeat("-", 100) + "f(n + 1)|int }}{% endif %}{% endmacro %}{{ f(0) }}",
+      ordered_json::object());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Msg(s), HasSubstr("nests evaluation more than 400 deep"));
   // A recursive macro of ordinary depth still renders.
   EXPECT_EQ(MustRender("{% macro f(n) %}{% if n < 20 %}{{ n }}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(15) }}",
-                   ordered_json::object()),
+                       ordered_json::object()),
             "1516171819");
 }
 
