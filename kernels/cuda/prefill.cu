@@ -45,12 +45,12 @@
 // (one to three consumer warpgroups, 64-key tiles, cp.async gathers, no
 // intra-warpgroup overlap). An mma.sync (FlashAttention-2 style) kernel and a wgmma kernel
 // with CTA-wide barriers per tile are in git history (f952425, 0071241).
-#include <cuda.h>
 #include <cudaTypedefs.h>
 
 #include <cfloat>
 #include <climits>
 
+#include "kernels/cuda/async_copy.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/prefill_wgmma.cuh"
 
@@ -59,65 +59,11 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; src_bytes 0 fills the destination with zeros.
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t Pack2(float x, float y) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
 // 64-bit shared-memory matrix descriptor for wgmma, 128-byte swizzle:
 // start address, leading and stride byte offsets (all >> 4), mode 1 in bits 62-63.
 __device__ __forceinline__ uint64_t Desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
          (static_cast<uint64_t>(sbo >> 4) << 32) | (uint64_t{1} << 62);
-}
-
-// The wgmma kernel's shared layout (the canonical 128-byte-swizzle layout):
-// a tile of R rows x kD elements is stored as kD/64 "panels" of 64 columns;
-// a panel is R rows of 128 bytes, and 16-byte chunk c of row r sits at chunk
-// c ^ (r & 7). Every panel starts 1024-byte aligned. Q is stored as one
-// 64-row tile per warpgroup.
-template <int kD>
-__device__ __forceinline__ uint32_t PanelOffset(int rows_per_tile, int r, int ch) {
-  return static_cast<uint32_t>((ch >> 3) * rows_per_tile * 128 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
-}
-
-// mbarrier helpers (shared::cta, 64-bit barrier words).
-__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-// Arrives on `bar` once every cp.async this thread issued so far has landed.
-__device__ __forceinline__ void MbarArriveOnCpAsync(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void MbarWait(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
 }
 
 // Switches of the wgmma kernels (kOpt bits): kOptTma loads full K/V pages
@@ -126,22 +72,6 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, int parity) {
 // traffic; its results are wrong).
 constexpr int kOptNoLoads = 1;
 constexpr int kOptTma = 2;
-
-// mbarrier arrival that also expects `bytes` of TMA transactions.
-__device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// One TMA box of the paged pool's tensor map (coordinates: element in the
-// head dimension, slot, KV head, K|V, block) into shared memory at `dst`,
-// completing on `bar`.
-__device__ __forceinline__ void TmaLoadPage(uint32_t dst, const CUtensorMap* map, int c0, int head, int kv, int block,
-                                            uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
-      "%6}], [%7];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(0), "r"(head), "r"(kv), "r"(block), "r"(bar)
-      : "memory");
-}
 
 // Warp-specialized wgmma prefill: one producer warpgroup gathers Q and the
 // K/V pages with cp.async into a ring of kStages stages and signals each
@@ -749,36 +679,6 @@ int LaunchWs(const AttnArgs& a, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-// The layer's paged pool as a 5-D TMA tensor (element in the head
-// dimension, slot, KV head, K|V, block), boxes of 64 elements x one page,
-// 128-byte swizzle (the wgmma panel layout). False where the driver has no
-// encoder or the strides do not fit TMA's rules (the caller then loads
-// with cp.async).
-bool EncodePoolMap(const AttnArgs& a, CUtensorMap* map) {
-  static const auto encode = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      return nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  if (encode == nullptr) return false;
-  const PoolView& p = a.pool;
-  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(p.block_size),
-                              static_cast<cuuint64_t>(a.num_heads / a.group), 2, static_cast<cuuint64_t>(p.num_blocks)};
-  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(p.head_dim) * 2, static_cast<cuuint64_t>(p.head_stride) * 2,
-                                 static_cast<cuuint64_t>(p.kv_stride) * 2, static_cast<cuuint64_t>(p.block_stride) * 2};
-  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(p.block_size), 1, 1, 1};
-  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
-  return encode(map, a.elem == Elem::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
-                const_cast<void*>(p.kv), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 template <typename T, int kD, int kOpt>
 int LaunchFa3(const AttnArgs& a, cudaStream_t stream) {
   constexpr int kSmem = (128 + 2 * 2 * 128) * kD * 2 + 1024;  // Q + two K and two V stages + alignment
@@ -819,6 +719,32 @@ int LaunchTyped(const AttnArgs& a, cudaStream_t stream, int variant) {
 }
 
 }  // namespace
+
+// Declared in async_copy.cuh.
+bool EncodePoolMap(const AttnArgs& a, CUtensorMap* map) {
+  static const auto encode = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  const PoolView& p = a.pool;
+  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(p.block_size),
+                              static_cast<cuuint64_t>(a.num_heads / a.group), 2, static_cast<cuuint64_t>(p.num_blocks)};
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(p.head_dim) * 2, static_cast<cuuint64_t>(p.head_stride) * 2,
+                                 static_cast<cuuint64_t>(p.kv_stride) * 2, static_cast<cuuint64_t>(p.block_stride) * 2};
+  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(p.block_size), 1, 1, 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  return encode(map, a.elem == Elem::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
+                const_cast<void*>(p.kv), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 bool PrefillSupports(const AttnArgs& a) {
   const PoolView& p = a.pool;
