@@ -79,19 +79,22 @@ TEST_F(WorkerGrpcTest, HealthAndModelInfo) {
   EXPECT_EQ(info.num_layers(), 3);
   EXPECT_EQ(info.num_kv_heads(), 2);
   EXPECT_EQ(info.head_dim(), 16);
-  EXPECT_EQ(info.total_blocks(), (int64_t{256} << 20) / kBytesPerBlock);
+  EXPECT_EQ(info.total_blocks(), (int64_t{256} << 20) / AggregatedBytesPerBlock());
   EXPECT_EQ(info.role(), "both");
   EXPECT_EQ(info.instance_id(), health.instance_id());
-  EXPECT_EQ(info.kv_dtype(), "float32");
+  EXPECT_EQ(info.kv_dtype(), WorkersOnGpu() ? "bfloat16" : "float32");
   EXPECT_EQ(info.max_batched_tokens(), 2048);  // the engine's default step budget
 
   // The block geometry and the step budget follow the flags.
-  WorkerProcess* w8 = StartWorker({"--block-size", "8", "--kv-cache-memory", "1MiB", "--max-batched-tokens", "256"});
+  // (The GPU runner takes 16, 32 or 64 tokens a block.)
+  const int other_block = WorkersOnGpu() ? 32 : 8;
+  WorkerProcess* w8 = StartWorker(
+      {"--block-size", absl::StrCat(other_block), "--kv-cache-memory", "1MiB", "--max-batched-tokens", "256"});
   ASSERT_NE(w8, nullptr);
   v1::ModelInfo info8 = GetModelInfo(w8->stub());
-  EXPECT_EQ(info8.block_size(), 8);
+  EXPECT_EQ(info8.block_size(), other_block);
   EXPECT_EQ(info8.max_batched_tokens(), 256);
-  EXPECT_EQ(info8.total_blocks(), (int64_t{1} << 20) / (kBytesPerBlock / 2));
+  EXPECT_EQ(info8.total_blocks(), (int64_t{1} << 20) / (AggregatedBytesPerBlock() * other_block / kBlockSize));
   EXPECT_NE(info8.instance_id(), info.instance_id());
 }
 
@@ -1390,6 +1393,7 @@ TEST_F(WorkerGrpcTest, StreamsStillRunningAtTheDrainTimeoutEndWithUnavailable) {
 // client with gRPC's default 4 MiB message limit reads.
 
 TEST_F(WorkerGrpcTest, LargeSnapshotArrivesInChunks) {
+  if (WorkersOnGpu()) GTEST_SKIP() << "needs --block-size 1; the GPU runner takes 16, 32 or 64";
   // Block size 1: every computed token is a cached block.
   WorkerProcess* w = StartWorker({"--block-size", "1", "--kv-cache-memory", "64MiB"});
   ASSERT_NE(w, nullptr);

@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <functional>
 #include <latch>
+#include <string_view>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -13,7 +15,14 @@ namespace tandem::testing {
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-std::string CacheBytesFlag(int blocks) { return absl::StrCat(blocks * kBytesPerBlock); }
+bool WorkersOnGpu() {
+  const char* device = std::getenv("TANDEM_TEST_WORKER_DEVICE");
+  return device != nullptr && std::string_view(device).rfind("cuda", 0) == 0;
+}
+
+int64_t AggregatedBytesPerBlock() { return WorkersOnGpu() ? kBytesPerBlock / 2 : kBytesPerBlock; }
+
+std::string CacheBytesFlag(int blocks) { return absl::StrCat(blocks * AggregatedBytesPerBlock()); }
 
 // Deterministic pseudo-random byte tokens: different seeds give different
 // prompts (no shared first block).

@@ -31,7 +31,15 @@ constexpr float kLogprobTolerance = 1e-5f;
 constexpr std::chrono::seconds kRpcTimeout(60);
 constexpr std::chrono::milliseconds kIdleTimeout(5000);
 
-// --kv-cache-memory for a pool of `blocks` blocks.
+// Whether TANDEM_TEST_WORKER_DEVICE puts the aggregated real-engine test
+// workers on a GPU (tests/testing/worker_process.cc); their KV is bfloat16
+// there, and their block sizes are 16, 32 or 64.
+bool WorkersOnGpu();
+// One KV block of an aggregated real-engine test worker: kBytesPerBlock, or
+// half of it in bfloat16 on a GPU.
+int64_t AggregatedBytesPerBlock();
+
+// --kv-cache-memory for a pool of `blocks` blocks of an aggregated worker.
 std::string CacheBytesFlag(int blocks);
 
 // Deterministic pseudo-random byte tokens: different seeds give different
