@@ -76,20 +76,21 @@ __device__ __forceinline__ void MbarArriveExpectTx(uint32_t bar, uint32_t bytes)
 // One TMA box of the paged pool's tensor map (coordinates: element in the
 // head dimension, slot, KV head, K|V, block) into shared memory at `dst`,
 // completing on `bar`.
-__device__ __forceinline__ void TmaLoadPage(uint32_t dst, const CUtensorMap* map, int c0, int head, int kv, int block,
-                                            uint32_t bar) {
+__device__ __forceinline__ void TmaLoadBox(uint32_t dst, const CUtensorMap* map, int c0, int slot, int head, int kv,
+                                           int block, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
       "%6}], [%7];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(0), "r"(head), "r"(kv), "r"(block), "r"(bar)
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(slot), "r"(head), "r"(kv), "r"(block), "r"(bar)
       : "memory");
 }
 
 // The layer's paged pool as a 5-D TMA tensor (element in the head
-// dimension, slot, KV head, K|V, block), boxes of 64 elements x one page,
-// 128-byte swizzle (the panel layout above). False where the driver has no
-// encoder or the strides do not fit TMA's rules (callers then use cp.async).
-bool EncodePoolMap(const AttnArgs& a, CUtensorMap* map);
+// dimension, slot, KV head, K|V, block), boxes of 64 elements x `box_rows`
+// slots (a page or a part of one), 128-byte swizzle (the panel layout
+// above). False where the driver has no encoder or the strides do not fit
+// TMA's rules (callers then use cp.async).
+bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map);
 
 }  // namespace tandem::kernels::cuda::internal
 

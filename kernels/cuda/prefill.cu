@@ -458,7 +458,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
             const int32_t block = __ldg(&table[((tile * kN) >> bs_shift) + ptid]);
 #pragma unroll
             for (int c = 0; c < kD / 64; ++c) {
-              TmaLoadPage(dst + c * kKPanel + (ptid << bs_shift) * 128, &pool_map, c * 64, kv_head, kv, block, full);
+              TmaLoadBox(dst + c * kKPanel + (ptid << bs_shift) * 128, &pool_map, c * 64, 0, kv_head, kv, block, full);
             }
           }
           continue;
@@ -687,7 +687,7 @@ int LaunchFa3(const AttnArgs& a, cudaStream_t stream) {
   if (attr != cudaSuccess) return static_cast<int>(attr);
   CUtensorMap map{};
   if constexpr ((kOpt & kOptTma) != 0) {
-    if (!EncodePoolMap(a, &map)) return LaunchFa3<T, kD, kOpt & ~kOptTma>(a, stream);
+    if (!EncodePoolMap(a, a.pool.block_size, &map)) return LaunchFa3<T, kD, kOpt & ~kOptTma>(a, stream);
   }
   const dim3 grid((a.max_q_len + 127) / 128, a.num_heads, a.num_seqs);
   kernel<<<grid, 384, kSmem, stream>>>(a, map);
@@ -721,7 +721,7 @@ int LaunchTyped(const AttnArgs& a, cudaStream_t stream, int variant) {
 }  // namespace
 
 // Declared in async_copy.cuh.
-bool EncodePoolMap(const AttnArgs& a, CUtensorMap* map) {
+bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map) {
   static const auto encode = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -738,7 +738,7 @@ bool EncodePoolMap(const AttnArgs& a, CUtensorMap* map) {
                               static_cast<cuuint64_t>(a.num_heads / a.group), 2, static_cast<cuuint64_t>(p.num_blocks)};
   const cuuint64_t strides[4] = {static_cast<cuuint64_t>(p.head_dim) * 2, static_cast<cuuint64_t>(p.head_stride) * 2,
                                  static_cast<cuuint64_t>(p.kv_stride) * 2, static_cast<cuuint64_t>(p.block_stride) * 2};
-  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(p.block_size), 1, 1, 1};
+  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(box_rows), 1, 1, 1};
   const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
   return encode(map, a.elem == Elem::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
                 const_cast<void*>(p.kv), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -314,8 +314,11 @@ __device__ __forceinline__ uint32_t PackPair(float x, float y) {
   }
 }
 
-constexpr int kMmaTile = 64;   // keys per tile: 16 per warp
-constexpr int kMmaStages = 2;  // 3 (two CTAs an SM) was 3-10% faster at batch 1 and 15-20% slower at 512 MiB
+// Keys per tile: 16 per warp. Three stages (two CTAs an SM) were 3-10%
+// faster at batch 1 and 15-20% slower at 512 MiB; four stages of 32 keys
+// (8 per warp, half of each PV step zeros) were 5-15% slower everywhere.
+constexpr int kMmaTile = 64;
+constexpr int kMmaStages = 2;
 constexpr int kMmaMaxGroup = 16;
 
 template <int kD>
@@ -389,8 +392,8 @@ __global__ void __launch_bounds__(kThreads)
         const int32_t block = __ldg(&table[(key0 >> bs_shift) + page]);
 #pragma unroll
         for (int c = 0; c < kD / 64; ++c) {
-          TmaLoadPage(dk + kv * kTileBytes + c * kPanel + (page << bs_shift) * 128, &pool_map, c * 64, kv_head, kv,
-                      block, full);
+          TmaLoadBox(dk + kv * kTileBytes + c * kPanel + (page << bs_shift) * 128, &pool_map, c * 64, 0, kv_head, kv,
+                     block, full);
         }
       }
       return;
@@ -565,7 +568,7 @@ int LaunchMma(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaStrea
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return static_cast<int>(attr);
   CUtensorMap map{};
-  const bool use_tma = EncodePoolMap(a, &map);
+  const bool use_tma = EncodePoolMap(a, a.pool.block_size, &map);
   constexpr int kMaxGridZ = 65535;
   for (int base = 0; base < a.num_tokens; base += kMaxGridZ) {
     const dim3 grid(plan.num_splits, a.pool.num_kv_heads, std::min(kMaxGridZ, a.num_tokens - base));
