@@ -381,6 +381,17 @@ TEST(ChatTemplateRenderTest, MacroCallsAreCappedOverTheWholeRender) {
   EXPECT_THAT(Msg(s), HasSubstr("macro calls in one render"));
 }
 
+TEST(ChatTemplateRenderTest, PercentFormatOfFloatsAsIntegersMatchesPython) {
+  // Python's int() has no limit: a float past int64 prints its exact integer
+  // value (the cast was undefined behaviour; found by chat_template_fuzzer).
+  EXPECT_EQ(MustRender("{{ '%d' % 3.9 }}|{{ '%d' % -3.9 }}|{{ '%i' % -0.5 }}", ordered_json::object()), "3|-3|0");
+  EXPECT_EQ(MustRender("{{ '%d' % 999999999999999999993.9 }}|{{ '%d' % -1e19 }}", ordered_json::object()),
+            "1000000000000000000000|-10000000000000000000");
+  EXPECT_EQ(MustRender("{{ '%25d' % 1e20 }}", ordered_json::object()), "    100000000000000000000");
+  EXPECT_THAT(Msg(RenderStatus("{{ '%d' % (1e308 * 10) }}", ordered_json::object())),
+              HasSubstr("cannot convert float infinity or NaN to integer"));
+}
+
 TEST(ChatTemplateRenderTest, ExpressionChainsAreCappedAtParse) {
   // Loops build these left-deep (1+1+...+1): evaluating or freeing 100k
   // levels overflowed the stack (found by chat_template_fuzzer).

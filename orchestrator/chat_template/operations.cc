@@ -279,12 +279,24 @@ absl::StatusOr<std::string> FormatOne(const FormatSpec& spec, const Value& v) {
     case 'X':
     case 'o':
     case 'c': {
-      int64_t n;
+      int64_t n = 0;
+      // A float past int64 (Python's ints have no limit): the exact decimal
+      // digits of its integer part, which is what int(x) prints.
+      std::string float_digits;
+      bool float_negative = false;
       if (v.is_integral()) {
         n = v.int_value();
       } else if (v.is_float() && (spec.conversion == 'd' || spec.conversion == 'i' || spec.conversion == 'u')) {
         if (!std::isfinite(v.float_value())) return PyError("cannot convert float infinity or NaN to integer");
-        n = static_cast<int64_t>(v.float_value());
+        const double whole = std::trunc(v.float_value());
+        if (std::fabs(whole) < 9223372036854775808.0) {  // 2^63: the cast is defined
+          n = static_cast<int64_t>(whole);
+        } else {
+          char big[400];  // DBL_MAX has 309 digits
+          std::snprintf(big, sizeof(big), "%.0f", std::fabs(whole));
+          float_digits = big;
+          float_negative = whole < 0;
+        }
       } else if (spec.conversion == 'c' && v.is_string() && CodePointCount(v.str()) == 1) {
         return Pad(std::string(v.str()), spec, false);
       } else {
@@ -299,18 +311,21 @@ absl::StatusOr<std::string> FormatOne(const FormatSpec& spec, const Value& v) {
         AppendUtf8(static_cast<char32_t>(n), &body);
         return Pad(std::move(body), spec, false);
       }
-      const bool negative = n < 0;
-      const uint64_t magnitude = negative ? 0 - static_cast<uint64_t>(n) : static_cast<uint64_t>(n);
-      char buf[80];
-      if (spec.conversion == 'x' || spec.conversion == 'X') {
-        std::snprintf(buf, sizeof(buf), spec.conversion == 'x' ? "%llx" : "%llX",
-                      static_cast<unsigned long long>(magnitude));
-      } else if (spec.conversion == 'o') {
-        std::snprintf(buf, sizeof(buf), "%llo", static_cast<unsigned long long>(magnitude));
-      } else {
-        std::snprintf(buf, sizeof(buf), "%llu", static_cast<unsigned long long>(magnitude));
+      const bool negative = float_digits.empty() ? n < 0 : float_negative;
+      const uint64_t magnitude = n < 0 ? 0 - static_cast<uint64_t>(n) : static_cast<uint64_t>(n);
+      std::string digits = std::move(float_digits);
+      if (digits.empty()) {
+        char buf[80];
+        if (spec.conversion == 'x' || spec.conversion == 'X') {
+          std::snprintf(buf, sizeof(buf), spec.conversion == 'x' ? "%llx" : "%llX",
+                        static_cast<unsigned long long>(magnitude));
+        } else if (spec.conversion == 'o') {
+          std::snprintf(buf, sizeof(buf), "%llo", static_cast<unsigned long long>(magnitude));
+        } else {
+          std::snprintf(buf, sizeof(buf), "%llu", static_cast<unsigned long long>(magnitude));
+        }
+        digits = buf;
       }
-      std::string digits = buf;
       if (spec.precision >= 0 && static_cast<int>(digits.size()) < spec.precision) {
         digits.insert(0, spec.precision - digits.size(), '0');
       }
