@@ -73,6 +73,38 @@ __device__ __forceinline__ uint64_t Desc(uint32_t addr, uint32_t lbo, uint32_t s
 constexpr int kOptNoLoads = 1;
 constexpr int kOptTma = 2;
 
+// The epilogue of the wgmma kernels: the row sums reduced over the four
+// lanes of a row, the output normalised and stored (rows past `rows` are not
+// written). With a bad block id (bad_block != INT_MAX) the rows whose keys
+// reach it are zeros; without the causal mask every row reaches it.
+template <typename T, int kD>
+__device__ __forceinline__ void StoreRows(T* out, int64_t out_stride, const float (&o)[kD / 2], float l_a, float l_b,
+                                          int row_a, int row_b, int rows, int t, int pos_a, int pos_b, int bad_block,
+                                          int block_size, bool causal) {
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
+  const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+  const bool bad = bad_block != INT_MAX;
+  const int first_bad_key = bad ? bad_block * block_size : 0;
+  const bool zero_a = bad && (!causal || pos_a >= first_bad_key);
+  const bool zero_b = bad && (!causal || pos_b >= first_bad_key);
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i) {
+    const int col = i * 8 + 2 * t;
+    if (row_a < rows) {
+      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
+          zero_a ? 0u : Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
+    }
+    if (row_b < rows) {
+      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
+          zero_b ? 0u : Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
+    }
+  }
+}
+
 // Warp-specialized wgmma prefill: one producer warpgroup gathers Q and the
 // K/V pages with cp.async into a ring of kStages stages and signals each
 // stage's mbarrier when its copies land (cp.async.mbarrier.arrive); kWG
@@ -292,32 +324,11 @@ __global__ void __launch_bounds__((kWG + 1) * 128, 1) PrefillWsKernel(AttnArgs a
     MbarArrive(empty0 + 8 * stage);
   }
 
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
-  const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
-  // Rows whose last key lies at or past a bad block: zeros. (Re-read here,
-  // not kept in registers through the loop, which has none to spare.)
-  // Without the causal mask every row reaches every checked block.
-  const int bad_block = sm_first_bad;
-  const bool bad = bad_block != INT_MAX;
-  const int first_bad_key = bad ? bad_block * a.pool.block_size : 0;
-  const bool zero_a = bad && (!a.causal || pos_a >= first_bad_key);
-  const bool zero_b = bad && (!a.causal || pos_b >= first_bad_key);
-#pragma unroll
-  for (int i = 0; i < kD / 8; ++i) {
-    const int col = i * 8 + 2 * t;
-    if (row_a < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
-          zero_a ? 0u : Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
-    }
-    if (row_b < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
-          zero_b ? 0u : Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
-    }
-  }
+  // Rows whose last key lies at or past a bad block come out zero.
+  // (sm_first_bad is re-read here, not kept in registers through the loop,
+  // which has none to spare.)
+  StoreRows<T, kD>(out, out_stride, o, l_a, l_b, row_a, row_b, rows, t, pos_a, pos_b, sm_first_bad, a.pool.block_size,
+                   a.causal);
 }
 
 // ex2.approx with denormals flushed (exp2f adds a range fix-up we do not need:
@@ -641,29 +652,8 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     MbarArrive(emptyv + 8 * pstage);
   }
 
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f;
-  const float inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
-  const int bad_block = sm_first_bad;
-  const bool bad = bad_block != INT_MAX;
-  const int first_bad_key = bad ? bad_block * a.pool.block_size : 0;
-  const bool zero_a = bad && (!a.causal || pos_a >= first_bad_key);
-  const bool zero_b = bad && (!a.causal || pos_b >= first_bad_key);
-#pragma unroll
-  for (int i = 0; i < kD / 8; ++i) {
-    const int col = i * 8 + 2 * t;
-    if (row_a < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
-          zero_a ? 0u : Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
-    }
-    if (row_b < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
-          zero_b ? 0u : Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
-    }
-  }
+  StoreRows<T, kD>(out, out_stride, o, l_a, l_b, row_a, row_b, rows, t, pos_a, pos_b, sm_first_bad, a.pool.block_size,
+                   a.causal);
 }
 
 template <typename T, int kD, int kWG, int kStages>

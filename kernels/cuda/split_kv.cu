@@ -47,6 +47,34 @@ struct Partials {
   float* ml;  // [tokens, heads, splits, 2]: running max (log2 domain), sum
 };
 
+// One output element of a split's CTA: normalised into `out` when the
+// call has one split, else the split's partials for CombineKernel (a
+// negative sum marks a split that met a bad block id: the combine then
+// writes the row as zeros, as one split does, not the other splits' partial
+// answer).
+template <typename T>
+__device__ __forceinline__ void WriteSplitResult(const AttnArgs& a, const Partials& part, int token, int h, int d,
+                                                 int split, int num_splits, float acc, float sum, float mx, bool bad) {
+  const int head_dim = a.pool.head_dim;
+  const int64_t row = int64_t{token} * a.num_heads + h;
+  if (num_splits == 1) {
+    const float r = sum > 0.0f && !bad ? acc / sum : 0.0f;
+    T* out = static_cast<T*>(a.out) + row * head_dim + d;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      *out = __float2bfloat16_rn(r);
+    } else {
+      *out = __float2half_rn(r);
+    }
+  } else {
+    const int64_t prow = row * num_splits + split;
+    part.o[prow * head_dim + d] = acc;
+    if (d == 0) {
+      part.ml[prow * 2] = sum > 0.0f ? mx : -FLT_MAX;
+      part.ml[prow * 2 + 1] = bad ? -1.0f : sum;
+    }
+  }
+}
+
 template <typename T, int kLanes, int kHeads>
 __global__ void __launch_bounds__(kThreads)
     SplitKvKernel(AttnArgs a, int num_splits, int keys_per_split, int head_chunks, int token_base, Partials part) {
@@ -190,7 +218,6 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < 8; ++i) sm_o[slot][g][chunk * 8 + i] = o[g][i];
   }
   __syncthreads();
-  const int64_t num_heads = a.num_heads;
   for (int e = threadIdx.x; e < kHeads * head_dim; e += kThreads) {
     const int g = e / head_dim, d = e % head_dim;
     if (g0 + g >= a.group) continue;
@@ -204,26 +231,7 @@ __global__ void __launch_bounds__(kThreads)
       sum += w * sm_l[j][g];
       acc += w * sm_o[j][g][d];
     }
-    const int h = kv_head * a.group + g0 + g;
-    if (num_splits == 1) {
-      const float r = sum > 0.0f ? acc / sum : 0.0f;
-      T* out = static_cast<T*>(a.out) + (int64_t{token} * num_heads + h) * head_dim + d;
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        *out = __float2bfloat16_rn(r);
-      } else {
-        *out = __float2half_rn(r);
-      }
-    } else {
-      const int64_t row = (int64_t{token} * num_heads + h) * num_splits + split;
-      part.o[row * head_dim + d] = acc;
-      if (d == 0) {
-        part.ml[row * 2] = sum > 0.0f ? mx : -FLT_MAX;
-        // A negative sum marks a split that met a bad block id: the combine
-        // then writes the row as zeros (as one split does), not the other
-        // splits' partial answer.
-        part.ml[row * 2 + 1] = bad ? -1.0f : sum;
-      }
-    }
+    WriteSplitResult<T>(a, part, token, kv_head * a.group + g0 + g, d, split, num_splits, acc, sum, mx, bad);
   }
 }
 
@@ -301,16 +309,6 @@ __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint3
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-template <typename T>
-__device__ __forceinline__ uint32_t PackPair(float x, float y) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&v);
   }
 }
 
@@ -478,8 +476,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     l_a = l_a * corr_a + sc[0][0] + sc[0][1] + sc[1][0] + sc[1][1];
     l_b = l_b * corr_b + sc[0][2] + sc[0][3] + sc[1][2] + sc[1][3];
-    const uint32_t pa[4] = {PackPair<T>(sc[0][0], sc[0][1]), PackPair<T>(sc[0][2], sc[0][3]),
-                            PackPair<T>(sc[1][0], sc[1][1]), PackPair<T>(sc[1][2], sc[1][3])};
+    const uint32_t pa[4] = {Pack2<T>(sc[0][0], sc[0][1]), Pack2<T>(sc[0][2], sc[0][3]), Pack2<T>(sc[1][0], sc[1][1]),
+                            Pack2<T>(sc[1][2], sc[1][3])};
 #pragma unroll
     for (int dd = 0; dd < kD / 16; ++dd) {
       o[2 * dd][0] *= corr_a;
@@ -524,7 +522,6 @@ __global__ void __launch_bounds__(kThreads)
     row_b[1] = o[n][3];
   }
   __syncthreads();
-  const int64_t num_heads = a.num_heads;
   for (int e = tid; e < a.group * kD; e += kThreads) {
     const int row = e / kD, d = e % kD;
     float mx = -INFINITY;
@@ -541,23 +538,7 @@ __global__ void __launch_bounds__(kThreads)
         acc += wt * sm_o[(w * 16 + row) * kD + d];
       }
     }
-    const int h = kv_head * a.group + row;
-    if (num_splits == 1) {
-      const float r = sum > 0.0f && !bad ? acc / sum : 0.0f;
-      T* out = static_cast<T*>(a.out) + (int64_t{token} * num_heads + h) * kD + d;
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        *out = __float2bfloat16_rn(r);
-      } else {
-        *out = __float2half_rn(r);
-      }
-    } else {
-      const int64_t prow = (int64_t{token} * num_heads + h) * num_splits + split;
-      part.o[prow * kD + d] = acc;
-      if (d == 0) {
-        part.ml[prow * 2] = sum > 0.0f ? mx : -FLT_MAX;
-        part.ml[prow * 2 + 1] = bad ? -1.0f : sum;
-      }
-    }
+    WriteSplitResult<T>(a, part, token, kv_head * a.group + row, d, split, num_splits, acc, sum, mx, bad);
   }
 }
 
