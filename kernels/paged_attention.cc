@@ -1,6 +1,10 @@
 // The backend-neutral entry points: dispatch on the params' backend.
 #include "kernels/paged_attention.h"
 
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+
 namespace tandem::kernels {
 
 const char* DTypeName(DType t) {
@@ -20,6 +24,13 @@ absl::Status WriteKvCache(const WriteKvParams& params) {
 }
 
 absl::Status PagedAttention(const PagedAttentionParams& params) {
+  // Both backends: the CUDA kernels take row maxima on unscaled scores (the
+  // prefill) or scale before masking (split-KV), which agree only for a
+  // finite, positive scale.
+  if (!std::isfinite(params.scale) || params.scale <= 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("paged attention: scale %g must be finite and positive", static_cast<double>(params.scale)));
+  }
   return params.backend == Backend::kCuda ? cuda::PagedAttention(params) : cpu::PagedAttention(params);
 }
 

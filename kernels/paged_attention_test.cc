@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -170,6 +171,14 @@ TEST(PagedAttentionTest, RejectsBadBlockTable) {
   // The CPU kernels take float32 only; a bf16 pool is refused, not misread.
   ctx[0] = 3;
   ASSERT_TRUE(PagedAttention(p).ok());
+  // A scale that is not finite and positive, on either backend.
+  for (float scale : {0.0f, -1.0f, std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    PagedAttentionParams bad = p;
+    bad.scale = scale;
+    absl::Status st_scale = PagedAttention(bad);
+    EXPECT_EQ(st_scale.code(), absl::StatusCode::kInvalidArgument) << scale;
+    EXPECT_NE(st_scale.message().find("finite and positive"), std::string::npos) << st_scale;
+  }
   p.layout.dtype = DType::kBF16;
   absl::Status bf16 = PagedAttention(p);
   EXPECT_EQ(bf16.code(), absl::StatusCode::kInvalidArgument);

@@ -379,7 +379,6 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t full = SmemAddr(&bars[st]);
     if (use_tma && key0 + kMmaTile <= k_end) {
       if (tid == 0) {
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         MbarArriveExpectTx(full, 2 * kTileBytes);
       } else {
         MbarArrive(full);
@@ -388,6 +387,9 @@ __global__ void __launch_bounds__(kThreads)
       if (tid < 2 * pages) {
         const int page = tid % pages, kv = tid / pages;
         const int32_t block = __ldg(&table[(key0 >> bs_shift) + page]);
+        // The stage was last read by ldmatrix (generic proxy; the CTA barrier
+        // orders those reads before this): order them before the async writes.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #pragma unroll
         for (int c = 0; c < kD / 64; ++c) {
           TmaLoadBox(dk + kv * kTileBytes + c * kPanel + (page << bs_shift) * 128, &pool_map, c * 64, 0, kv_head, kv,
