@@ -47,9 +47,9 @@ enum class Backend : uint8_t { kCpu, kCuda };
 //    contiguous rows of head_dim elements (256 B at head_dim 128 in bf16): a
 //    page is a dense [block_size, head_dim] tile, which a TMA descriptor
 //    covers as a 5-D view (head_dim, slot, head, K|V, block) with every stride
-//    a multiple of 16 bytes (the kernels load a page, or half of a 64-slot
-//    one, per box), which cp.async reads as 16-byte vectors, and which a
-//    decode warp reads as fully coalesced rows. The page size is the
+//    a multiple of 16 bytes (the kernels load one page and 64 columns per
+//    box), which cp.async reads as 16-byte vectors, and which a decode warp
+//    reads as fully coalesced rows. The page size is the
 //    pool's block_size: 16, 32 or 64 tokens on the GPU (any size on the CPU).
 //  - The cost: a token's K for all heads is not contiguous (the write kernel
 //    scatters per head, one 16-byte vector per lane, which is cheap).
