@@ -183,6 +183,11 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "paged attention: %d query heads is not a multiple of %d kv heads", p.num_heads, L.num_kv_heads));
   }
+  // A grid's y and z dimensions hold at most 65535 (the combine's y is the heads).
+  if (p.num_heads > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("paged attention: %d query heads; the CUDA kernels take at most 65535", p.num_heads));
+  }
   if (p.num_seqs < 0) return absl::InvalidArgumentError("paged attention: num_seqs < 0");
   if (p.num_seqs == 0) return absl::OkStatus();
   if (p.host_query_start == nullptr || p.host_context_lens == nullptr) {

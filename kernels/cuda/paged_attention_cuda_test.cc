@@ -874,6 +874,9 @@ TEST_F(CudaBadParams, BlockTableTooShortAndGqaMismatch) {
   p = p_;
   p.num_heads = 7;
   ExpectInvalid(p, "not a multiple of 2 kv heads");
+  p = p_;
+  p.num_heads = 2 * 40000;  // a multiple of the 2 kv heads, past the grid's 65535
+  ExpectInvalid(p, "at most 65535");
 }
 
 }  // namespace
