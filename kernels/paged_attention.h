@@ -141,8 +141,12 @@ struct PagedAttentionParams {
   // it serves and records the error for TakeError.
   const int* host_query_start = nullptr;
   const int* host_context_lens = nullptr;
-  void* stream = nullptr;     // a cudaStream_t; nullptr is the legacy default stream
-  void* workspace = nullptr;  // device memory of at least cuda::WorkspaceBytes(...)
+  void* stream = nullptr;  // a cudaStream_t; nullptr is the legacy default stream
+  // Device memory of at least cuda::WorkspaceBytes(...), zeroed (cudaMemset)
+  // before its first call; calls leave it that way (the decode kernels keep
+  // work and arrival counters in it, back at zero when they finish), except
+  // for the error word, which TakeError clears. One call at a time.
+  void* workspace = nullptr;
   int64_t workspace_bytes = 0;
   // CUDA, split-KV kernel (calls whose query runs are all 1 long, or that
   // the prefill kernel does not take). 0: the split is planned for the whole

@@ -97,6 +97,7 @@ internal::SplitPlan FixedPlan(int max_context, int keys_per_split) {
   internal::SplitPlan plan;
   plan.keys_per_split = (std::max(keys_per_split, 1) + 63) / 64 * 64;
   plan.num_splits = std::max(1, (max_context + plan.keys_per_split - 1) / plan.keys_per_split);
+  plan.num_sms = Device().num_sms;
   return plan;
 }
 

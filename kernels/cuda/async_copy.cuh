@@ -90,7 +90,8 @@ __device__ __forceinline__ void TmaLoadBox(uint32_t dst, const CUtensorMap* map,
 // slots (a page or a part of one), 128-byte swizzle (the panel layout
 // above). False where the driver has no encoder or the strides do not fit
 // TMA's rules (callers then use cp.async).
-bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map);
+// l2_promotion: 0 none, 1 64 B, 2 128 B, 3 256 B (the default).
+bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_promotion = 3);
 
 }  // namespace tandem::kernels::cuda::internal
 

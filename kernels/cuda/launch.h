@@ -80,10 +80,15 @@ struct AttnArgs {
 struct SplitPlan {
   int num_splits = 1;      // KV partitions per (token, kv head)
   int keys_per_split = 0;  // multiple of the kernel's key tile
+  int num_sms = 0;         // the device's (persistent kernels size their grid by it)
 };
 // At most as many splits as `workspace_bytes` (beyond the error word) holds.
 SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes);
 int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes, void* stream);
+// The same with a kernel chosen for comparison (kernels/cuda/bench): 0 the
+// default, 1 the CUDA-core kernel (the fallback for other shapes) always.
+int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes,
+                         void* stream, int variant);
 // The most splits a call of `num_tokens` query tokens can be given (every
 // token is at least one unit of work), for sizing workspaces.
 int MaxUsefulSplits(int num_tokens, int num_sms);

@@ -616,7 +616,7 @@ TEST(CudaAttentionTest, SmallPrefillTiles) {
 
 TEST(CudaAttentionTest, SmallSplitKv) {
   SKIP_WITHOUT_GPU();
-  // Long enough for several KV splits and the combine kernel.
+  // Long enough for several KV splits and their merge.
   RunCase(
       {.seqs = {{1, 700}, {2, 1500}}, .num_kv_heads = 1, .group = 8, .head_dim = 128, .block_size = 32, .seed = 14});
 }

@@ -713,7 +713,7 @@ int LaunchTyped(const AttnArgs& a, cudaStream_t stream, int variant) {
 }  // namespace
 
 // Declared in async_copy.cuh.
-bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map) {
+bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_promotion) {
   static const auto encode = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -734,7 +734,7 @@ bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map) {
   const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
   return encode(map, a.elem == Elem::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
                 const_cast<void*>(p.kv), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_SWIZZLE_128B, static_cast<CUtensorMapL2promotion>(l2_promotion),
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

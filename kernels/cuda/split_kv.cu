@@ -1,9 +1,12 @@
 // Split-KV ("flash-decoding") paged attention: the decode kernels. On
-// tensor cores (DecodeMmaKernel, described below) for head_dim 64/128 and
+// tensor cores (DecodeStreamKernel, described below) for head_dim 64/128 and
 // up to 16 query heads per KV head; otherwise on CUDA cores
 // (SplitKvKernel), the general fallback for every shape the tensor-core
-// kernels do not take (any query count per sequence, any head_dim that is
-// a multiple of 8 up to 256). The rest of this comment is SplitKvKernel's.
+// kernel does not take (any head_dim that is a multiple of 8 up to 256).
+// Both take any query count per sequence. Where a row's keys are split, each
+// split writes partials (unnormalised output, max, sum) to the workspace
+// and the CTA that finishes a unit's last split merges them (ArriveAndMerge:
+// no second launch). The rest of this comment is SplitKvKernel's.
 //
 // Grid: (split, kv head x head chunk, token). A CTA serves one query token
 // and up to kHeads query heads that share one KV head (GQA packing: each K/V
@@ -15,8 +18,8 @@
 // its own online-softmax state (exp2 domain, scale * log2(e) folded into
 // Q), updated once per batch of kUnroll keys; the groups and warps merge
 // through shared memory at the end. With one split the CTA writes the
-// normalised output; with several it writes its unnormalised output and
-// (max, sum) to the workspace, and CombineKernel merges the splits.
+// normalised output; with several, its partials.
+#include <algorithm>
 #include <cfloat>
 
 #include "kernels/cuda/async_copy.cuh"
@@ -34,6 +37,8 @@ constexpr int kUnroll = 4;  // keys per lane group per softmax update
 constexpr int kMaxHeads = 4;
 __host__ __device__ constexpr int HeadsPerCta(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : kMaxHeads; }
 constexpr float kLog2e = 1.4426950408889634f;
+// The most splits a row is cut into (PlanSplits and FixedPlan keep to it).
+constexpr int kMaxSplitsPerRow = 128;
 
 template <int kLanes>  // lanes per key: a power of two, 16 bytes each
 __device__ __forceinline__ float GroupSum(float x) {
@@ -43,15 +48,25 @@ __device__ __forceinline__ float GroupSum(float x) {
 }
 
 struct Partials {
-  float* o;   // [tokens, heads, splits, head_dim]
-  float* ml;  // [tokens, heads, splits, 2]: running max (log2 domain), sum
+  float* o;            // [tokens, heads, splits, head_dim]
+  float* ml;           // [tokens, heads, splits, 2]: running max (log2 domain), sum
+  unsigned* arrivals;  // [units]: splits done (ArriveAndMerge; back to 0 after the merge)
 };
 
+// Keys a query token attends to: causally, its position + 1 (the cached
+// prefix and the queries up to it); otherwise the whole context.
+__device__ __forceinline__ int KeysOf(const AttnArgs& a, int token) {
+  const int s = SequenceOf(a.query_start, a.num_seqs, token);
+  const int q_begin = __ldg(&a.query_start[s]);
+  const int q_len = __ldg(&a.query_start[s + 1]) - q_begin;
+  const int ctx = __ldg(&a.context_lens[s]);
+  return a.causal ? ctx - q_len + (token - q_begin) + 1 : ctx;
+}
+
 // One output element of a split's CTA: normalised into `out` when the
-// call has one split, else the split's partials for CombineKernel (a
-// negative sum marks a split that met a bad block id: the combine then
-// writes the row as zeros, as one split does, not the other splits' partial
-// answer).
+// call has one split, else the split's partials for MergeUnit (a negative
+// sum marks a split that met a bad block id: the merge then writes the row
+// as zeros, as one split does, not the other splits' partial answer).
 template <typename T>
 __device__ __forceinline__ void WriteSplitResult(const AttnArgs& a, const Partials& part, int token, int h, int d,
                                                  int split, int num_splits, float acc, float sum, float mx, bool bad) {
@@ -73,6 +88,120 @@ __device__ __forceinline__ void WriteSplitResult(const AttnArgs& a, const Partia
       part.ml[prow * 2 + 1] = bad ? -1.0f : sum;
     }
   }
+}
+
+// The merge of one unit's splits (`rows` query heads from `head0`, at most
+// 16) by the CTA that finished the unit's last split, with 128 threads
+// (threadIdx.x 0-127) that sync on named barrier `bar`: warp w reduces rows
+// w, w + 4, ... over the splits (max, bad flag, weights into `sm_w`
+// [rows][kMaxSplitsPerRow], sum); then each thread takes 4 dims of a row
+// and sums the splits' partial outputs, 8 loads of 16 bytes in flight (past
+// L1: other CTAs wrote them). A fixed order for a given split count: the
+// same bits for a row in any batch. Splits that start past the token's keys
+// hold nothing and are not read.
+template <typename T>
+__device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, int head0, int rows, int num_splits,
+                          int keys_per_split, float* sm_w, int bar) {
+  __shared__ float sm_sum[16], sm_mx[16];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int head_dim = a.pool.head_dim;
+  const int n_keys = KeysOf(a, token);
+  const int splits = max(1, min(num_splits, (n_keys + keys_per_split - 1) / keys_per_split));
+  const int cached = min(splits, kMaxSplitsPerRow);
+  const int64_t row0 = int64_t{token} * a.num_heads + head0;
+  for (int g = warp; g < rows; g += 4) {
+    const float* ml = part.ml + (row0 + g) * num_splits * 2;
+    float mx = -FLT_MAX;
+    int bad = 0;
+    for (int j = lane; j < splits; j += 32) {
+      mx = fmaxf(mx, __ldcg(&ml[j * 2]));
+      bad |= __ldcg(&ml[j * 2 + 1]) < 0.0f;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    bad = __any_sync(0xffffffffu, bad);
+    float sum = 0.0f;
+    for (int j = lane; j < splits; j += 32) {
+      const float lj = __ldcg(&ml[j * 2 + 1]);
+      const float w = lj > 0.0f ? exp2f(__ldcg(&ml[j * 2]) - mx) : 0.0f;
+      if (j < kMaxSplitsPerRow) sm_w[g * kMaxSplitsPerRow + j] = w;
+      sum += w * lj;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      sm_sum[g] = bad ? 0.0f : sum;  // a bad block: the row is written as zeros
+      sm_mx[g] = mx;
+    }
+  }
+  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+  const int vecs = head_dim / 4;  // float4 columns of a row
+  for (int e = tid; e < rows * vecs; e += 128) {
+    const int g = e / vecs, d = (e % vecs) * 4;
+    const float sum = sm_sum[g];
+    const float* w = sm_w + g * kMaxSplitsPerRow;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (sum > 0.0f) {
+      const float4* o = reinterpret_cast<const float4*>(part.o + (row0 + g) * num_splits * head_dim + d);
+      int j = 0;
+      for (; j + 8 <= cached; j += 8) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = __ldcg(&o[(j + u) * vecs]);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          acc.x += w[j + u] * v[u].x;
+          acc.y += w[j + u] * v[u].y;
+          acc.z += w[j + u] * v[u].z;
+          acc.w += w[j + u] * v[u].w;
+        }
+      }
+      for (; j < splits; ++j) {  // the rest, and fixed plans that cut a row more ways
+        float wj = 0.0f;
+        if (j < kMaxSplitsPerRow) {
+          wj = w[j];
+        } else {
+          const float* ml = part.ml + (row0 + g) * num_splits * 2;
+          const float lj = __ldcg(&ml[j * 2 + 1]);
+          wj = lj > 0.0f ? exp2f(__ldcg(&ml[j * 2]) - sm_mx[g]) : 0.0f;
+        }
+        const float4 v = __ldcg(&o[int64_t{j} * vecs]);
+        acc.x += wj * v.x;
+        acc.y += wj * v.y;
+        acc.z += wj * v.z;
+        acc.w += wj * v.w;
+      }
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    T* out = static_cast<T*>(a.out) + (row0 + g) * head_dim + d;
+    uint2 packed;
+    packed.x = Pack2<T>(acc.x * inv, acc.y * inv);
+    packed.y = Pack2<T>(acc.z * inv, acc.w * inv);
+    *reinterpret_cast<uint2*>(out) = packed;
+  }
+}
+
+// After a CTA wrote its split's partials of a unit (arrival counter `unit`;
+// query heads head0 .. head0 + rows - 1 of `token`): counts it in (fence,
+// then the atomic, by thread 0 of the 128 that sync on `bar`) and, in the
+// CTA that brings the count to `arrivals` (the unit's last split to
+// finish), merges the splits. The counter goes back to 0 for the next
+// launch.
+template <typename T>
+__device__ void ArriveAndMerge(const AttnArgs& a, const Partials& part, int64_t unit, int token, int head0, int rows,
+                               int num_splits, int keys_per_split, int arrivals, float* sm_w, int bar) {
+  __shared__ int sm_last;
+  __threadfence();
+  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+  if (threadIdx.x == 0) {
+    sm_last = atomicAdd(&part.arrivals[unit], 1u) == static_cast<unsigned>(arrivals - 1);
+    if (sm_last) part.arrivals[unit] = 0;
+  }
+  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+  if (!sm_last) return;
+  __threadfence();
+  MergeUnit<T>(a, part, token, head0, rows, num_splits, keys_per_split, sm_w, bar);
+  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");  // sm_w and sm_last are free again
 }
 
 template <typename T, int kLanes, int kHeads>
@@ -233,56 +362,23 @@ __global__ void __launch_bounds__(kThreads)
     }
     WriteSplitResult<T>(a, part, token, kv_head * a.group + g0 + g, d, split, num_splits, acc, sum, mx, bad);
   }
-}
-
-// One CTA per (token, head): merges the splits' partial outputs.
-template <typename T>
-__global__ void CombineKernel(AttnArgs a, int num_splits, Partials part) {
-  const int token = blockIdx.x, h = blockIdx.y;
-  const int head_dim = a.pool.head_dim;
-  const int64_t row0 = (int64_t{token} * a.num_heads + h) * num_splits;
-  float mx = -FLT_MAX;
-  for (int j = 0; j < num_splits; ++j) mx = fmaxf(mx, part.ml[(row0 + j) * 2]);
-  float sum = 0.0f;
-  bool bad = false;
-  for (int j = 0; j < num_splits; ++j) {
-    const float lj = part.ml[(row0 + j) * 2 + 1];
-    bad |= lj < 0.0f;
-    if (lj > 0.0f) sum += exp2f(part.ml[(row0 + j) * 2] - mx) * lj;
-  }
-  if (bad) sum = 0.0f;  // the row is written as zeros
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-    float acc = 0.0f;
-    if (sum > 0.0f) {
-      for (int j = 0; j < num_splits; ++j) {
-        const float lj = part.ml[(row0 + j) * 2 + 1];
-        if (lj > 0.0f) acc += exp2f(part.ml[(row0 + j) * 2] - mx) * part.o[(row0 + j) * head_dim + d];
-      }
-    }
-    const float r = sum > 0.0f ? acc / sum : 0.0f;
-    T* out = static_cast<T*>(a.out) + (int64_t{token} * a.num_heads + h) * head_dim + d;
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      *out = __float2bfloat16_rn(r);
-    } else {
-      *out = __float2half_rn(r);
-    }
+  if (num_splits > 1) {  // the unit's last split to finish merges them
+    __shared__ float sm_w[kHeads * kMaxSplitsPerRow];
+    ArriveAndMerge<T>(
+        a, part, (int64_t{token} * a.pool.num_kv_heads + kv_head) * head_chunks + blockIdx.y % head_chunks, token,
+        kv_head * a.group + g0, min(kHeads, a.group - g0), num_splits, keys_per_split, num_splits, sm_w, 0);
   }
 }
 
-// ---- Tensor-core decode (DecodeMmaKernel) -----------------------------------
+// ---- Tensor-core decode (DecodeStreamKernel) -------------------------------
 //
 // For head_dim 64 or 128, bf16/f16, up to 16 query heads per KV head, and
-// splits of whole 64-key tiles. A CTA serves one query token, one KV head
-// (all its query heads: the M rows of mma.sync m16n8k16, padded to 16) and
-// one split. K and V tiles of 64 keys go through a two-stage ring in shared
-// memory: whole pages by TMA (the prefill's tensor map; a tile that ends
-// inside a page, or a pool the map cannot describe, by cp.async with the
-// keys past the split zero-filled), completing on one mbarrier per stage.
-// Each of the four warps takes 16 keys of a tile: S = Q K^T (Q fragments in
-// registers, K by ldmatrix), its own online softmax, O += P V (V by
-// ldmatrix.trans, P straight from the score registers). The warps' states
-// merge through shared memory; the output or the split's partials are laid
-// out as SplitKvKernel's, so CombineKernel merges either.
+// splits of whole 64-key tiles. An item is one query token, one KV head (all
+// its query heads: the M rows of mma.sync m16n8k16, padded to 16) and one
+// split. Each of four consumer warps takes 16 keys of a 64-key tile
+// (MmaTileStep): S = Q K^T (Q fragments in registers, K by ldmatrix), its
+// own online softmax, O += P V (V by ldmatrix.trans, P straight from the
+// score registers).
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -312,258 +408,490 @@ __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint3
   }
 }
 
-// Keys per tile: 16 per warp. Three stages (two CTAs an SM) were 3-10%
-// faster at batch 1 and 15-20% slower at 512 MiB; four stages of 32 keys
-// (8 per warp, half of each PV step zeros) were 5-15% slower everywhere.
+// Keys per tile: 16 per warp. (In the grid-launched kernel this one
+// replaced, 32-key tiles in four stages, 8 keys a warp and half of each PV
+// step zeros, were 5-15% slower everywhere.)
 constexpr int kMmaTile = 64;
-constexpr int kMmaStages = 2;
 constexpr int kMmaMaxGroup = 16;
+// The tensor map's L2 promotion for the decode kernels (EncodePoolMap): 128
+// bytes, a box row. 256 (the prefill's) read the KV at 4.30 TB/s on an H200
+// at 8 GiB, 128 at 4.50 (cuDNN's rate on dense tensors): promoting a
+// 128-byte row to 256 fetches the row's other half early, a second request
+// for the same bytes.
+constexpr int kDecodeL2Promotion = 2;
 
-template <int kD>
-constexpr int MmaSmemBytes() {
-  return kMmaStages * 2 * kMmaTile * kD * 2 + 1024;  // stages x (K + V) + alignment
+// One warp's share of a 64-key tile (16 keys from `key0`) staged at ck (K)
+// and cv (V) in the panel layout: S = Q K^T, the online-softmax update of
+// (m, l) for its rows g (a) and g + 8 (b), O += P V. Keys at or past k_end
+// are masked.
+template <typename T, int kD>
+__device__ __forceinline__ void MmaTileStep(uint32_t ck, uint32_t cv, int warp, int lane,
+                                            const uint32_t (&qa)[kD / 16][4], int key0, int k_end, float qk_scale,
+                                            float (&o)[kD / 8][4], float& m_a, float& m_b, float& l_a, float& l_b) {
+  const int t = lane % 4;
+  float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const int r = warp * 16 + (lane & 7) + (lane >> 4) * 8;
+    uint32_t b[4];
+    LdMatrixX4(ck + PanelOffset<kD>(kMmaTile, r, kk * 2 + ((lane >> 3) & 1)), b);
+    Mma<T>(sc[0], qa[kk], b[0], b[1]);
+    Mma<T>(sc[1], qa[kk], b[2], b[3]);
+  }
+  float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + nn * 8 + 2 * t + (e & 1);
+      sc[nn][e] = key < k_end ? sc[nn][e] * qk_scale : -INFINITY;
+    }
+    mx_a = fmaxf(mx_a, fmaxf(sc[nn][0], sc[nn][1]));
+    mx_b = fmaxf(mx_b, fmaxf(sc[nn][2], sc[nn][3]));
+  }
+  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+  const float base_a = mx_a == -INFINITY ? 0.0f : mx_a;
+  const float base_b = mx_b == -INFINITY ? 0.0f : mx_b;
+  const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
+  m_a = mx_a;
+  m_b = mx_b;
+#pragma unroll
+  for (int nn = 0; nn < 2; ++nn) {
+    sc[nn][0] = exp2f(sc[nn][0] - base_a);
+    sc[nn][1] = exp2f(sc[nn][1] - base_a);
+    sc[nn][2] = exp2f(sc[nn][2] - base_b);
+    sc[nn][3] = exp2f(sc[nn][3] - base_b);
+  }
+  l_a = l_a * corr_a + sc[0][0] + sc[0][1] + sc[1][0] + sc[1][1];
+  l_b = l_b * corr_b + sc[0][2] + sc[0][3] + sc[1][2] + sc[1][3];
+  const uint32_t pa[4] = {Pack2<T>(sc[0][0], sc[0][1]), Pack2<T>(sc[0][2], sc[0][3]), Pack2<T>(sc[1][0], sc[1][1]),
+                          Pack2<T>(sc[1][2], sc[1][3])};
+#pragma unroll
+  for (int dd = 0; dd < kD / 16; ++dd) {
+    o[2 * dd][0] *= corr_a;
+    o[2 * dd][1] *= corr_a;
+    o[2 * dd][2] *= corr_b;
+    o[2 * dd][3] *= corr_b;
+    o[2 * dd + 1][0] *= corr_a;
+    o[2 * dd + 1][1] *= corr_a;
+    o[2 * dd + 1][2] *= corr_b;
+    o[2 * dd + 1][3] *= corr_b;
+    const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    uint32_t b[4];
+    LdMatrixX4Trans(cv + PanelOffset<kD>(kMmaTile, r, dd * 2 + (lane >> 4)), b);
+    Mma<T>(o[2 * dd], pa, b[0], b[1]);
+    Mma<T>(o[2 * dd + 1], pa, b[2], b[3]);
+  }
 }
 
+// ---- Persistent warp-specialized decode (DecodeStreamKernel) ---------------
+//
+// Organised as FlashAttention-3 organises prefill: a producer warp and four
+// consumer warps, and a grid of as many CTAs as fit the GPU at once, each
+// walking work items until none are left. Items are numbered split-fastest.
+// The producer takes the next item from an atomic counter in the workspace
+// (so CTAs that finish early take more), checks the item's block ids, and
+// streams its 64-key K/V tiles (TMA with a 128-byte L2 promotion, or
+// cp.async for a tile that ends inside the split) through a ring of
+// `kStages` stages; the
+// item's query rows ride along with its first tile. Each stage carries a
+// descriptor (item, tile, tile count) and completes on a "full" mbarrier;
+// consumers release it on an "empty" mbarrier as soon as they have read it,
+// so the producer runs ahead across item boundaries and no CTA-wide barrier
+// stalls the loads. At an item's last tile the consumers merge their four
+// states through shared memory (two rounds, fixed order: the same bits
+// whatever the grid) and warp 0 writes the output or the split's partials;
+// then ArriveAndMerge. Splits that start past a token's keys are skipped
+// (MergeUnit does not read them).
+constexpr int kStreamConsumers = 4;
+constexpr int kStreamThreads = (kStreamConsumers + 1) * 32;
+// Two stages of 64 keys (K and V) and two CTAs an SM. Persistent variants
+// measured on an H200 (kernels/cuda/NOTES.md): four stages and one CTA an
+// SM read 2-5% slower; items handed out by grid stride instead of the
+// counter, slower where the item count is not a multiple of the grid.
+constexpr int kStages = 2;
+
+struct StreamItem {
+  int token, kv_head, split, seq, k_begin, k_end, n_keys;
+};
+
+// What a stage carries besides its tile: which item and tile it is.
+struct StageDesc {
+  StreamItem it;
+  int item;     // -1: no more items (nothing else is set)
+  int tile;     // tile index within the item
+  int n_tiles;  // the item's tiles (0: a bad block id; nothing was loaded)
+  int bad;
+};
+
+template <int kD>
+__host__ __device__ constexpr int StreamQBytes() {
+  return 16 * kD * 2;
+}
+template <int kD>
+__host__ __device__ constexpr int StreamSmemBytes() {
+  // stages x (K + V tile + query rows) + two merge buffers + alignment
+  return kStages * (2 * kMmaTile * kD * 2 + StreamQBytes<kD>()) + 2 * 16 * kD * 4 + 1024;
+}
+
+__device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, int num_splits, int keys_per_split) {
+  StreamItem it;
+  it.split = item % num_splits;
+  const int unit = item / num_splits;
+  it.kv_head = unit % a.pool.num_kv_heads;
+  it.token = unit / a.pool.num_kv_heads;
+  // Decode batches: sequence `token` holds just this token (no search).
+  const bool own = it.token < a.num_seqs && __ldg(&a.query_start[it.token]) == it.token &&
+                   __ldg(&a.query_start[it.token + 1]) == it.token + 1;
+  it.seq = own ? it.token : SequenceOf(a.query_start, a.num_seqs, it.token);
+  const int q_begin = __ldg(&a.query_start[it.seq]);
+  const int q_len = __ldg(&a.query_start[it.seq + 1]) - q_begin;
+  const int ctx = __ldg(&a.context_lens[it.seq]);
+  it.n_keys = a.causal ? ctx - q_len + (it.token - q_begin) + 1 : ctx;
+  it.k_begin = it.split * keys_per_split;
+  it.k_end = min(it.n_keys, it.k_begin + keys_per_split);
+  return it;
+}
+
+__device__ __forceinline__ void ConsumerBarrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kStreamConsumers * 32)); }
+
 template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads)
-    DecodeMmaKernel(AttnArgs a, const __grid_constant__ CUtensorMap pool_map, bool use_tma, int num_splits,
-                    int keys_per_split, int token_base, Partials part) {
+__global__ void __launch_bounds__(kStreamThreads, 2)
+    DecodeStreamKernel(AttnArgs a, const __grid_constant__ CUtensorMap pool_map, bool use_tma, int num_splits,
+                       int keys_per_split, int num_items, Partials part, unsigned* sched) {
   constexpr int kChunks = kD / 8;
   constexpr int kTileBytes = kMmaTile * kD * 2;
   constexpr int kPanel = kMmaTile * 128;
+  constexpr int kQBytes = StreamQBytes<kD>();
   extern __shared__ __align__(1024) unsigned char smem[];
-  __shared__ __align__(8) uint64_t bars[kMmaStages];
-  __shared__ int sm_bad;
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  __shared__ StageDesc desc[kStages];
+  __shared__ float sm_ml[kStreamConsumers][16][2];
   const uint32_t base = (SmemAddr(smem) + 1023) & ~1023u;
-  auto* aligned = smem + (base - SmemAddr(smem));
-
-  const int split = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int token = token_base + blockIdx.z;
+  unsigned char* aligned = smem + (base - SmemAddr(smem));
+  const uint32_t qbase = base + kStages * 2 * kTileBytes;
+  const unsigned char* qsmem = aligned + kStages * 2 * kTileBytes;
+  auto* merge = reinterpret_cast<float4*>(aligned + kStages * (2 * kTileBytes + kQBytes));  // [2][kD/8][32]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
-
-  const int s = SequenceOf(a.query_start, a.num_seqs, token);
-  const int q_begin = __ldg(&a.query_start[s]);
-  const int q_len = __ldg(&a.query_start[s + 1]) - q_begin;
-  const int ctx = __ldg(&a.context_lens[s]);
-  const int n_keys = a.causal ? ctx - q_len + (token - q_begin) + 1 : ctx;
-  const int k_begin = split * keys_per_split;
-  const int k_end = min(n_keys, k_begin + keys_per_split);
-  const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
   const int bs_shift = __ffs(a.pool.block_size) - 1;
   const int bs_mask = a.pool.block_size - 1;
 
   if (tid == 0) {
-    sm_bad = 0;
-    for (int i = 0; i < kMmaStages; ++i) MbarInit(SmemAddr(&bars[i]), kThreads);
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(SmemAddr(&full[i]), 33);                      // lane 0's arrive (+ TMA bytes), and 32 cp.async arrivals
+      MbarInit(SmemAddr(&empty[i]), kStreamConsumers * 32);  // every consumer thread releases
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (k_begin < k_end) {
-    for (int b = (k_begin >> bs_shift) + tid; b <= (k_end - 1) >> bs_shift; b += kThreads) {
-      const int32_t id = __ldg(&table[b]);
-      if (id < 0 || id >= a.pool.num_blocks) sm_bad = 1;
-    }
-  }
-  __syncthreads();
-  const bool bad = sm_bad != 0;
-  if (bad && tid == 0) RecordError(a.error, kErrBlockId, s);
-  const int n_tiles = bad || k_begin >= k_end ? 0 : (k_end - k_begin + kMmaTile - 1) / kMmaTile;
 
-  const T* pool = static_cast<const T*>(a.pool.kv);
-  // Tile `tile` of the split into stage `st`.
-  auto load = [&](int tile, int st) {
-    const int key0 = k_begin + tile * kMmaTile;
-    const uint32_t dk = base + st * 2 * kTileBytes;
-    const uint32_t full = SmemAddr(&bars[st]);
-    if (use_tma && key0 + kMmaTile <= k_end) {
-      if (tid == 0) {
-        MbarArriveExpectTx(full, 2 * kTileBytes);
-      } else {
-        MbarArrive(full);
+  if (warp == kStreamConsumers) {
+    // ---- producer ----
+    auto grab = [&]() {
+      int next = 0;
+      if (lane == 0) next = static_cast<int>(atomicAdd(&sched[0], 1u));
+      return __shfl_sync(0xffffffffu, next, 0);
+    };
+    // An item as the producer streams it: decoded, its block ids checked
+    // (which also brings the block table's lines into L1 for the loads).
+    struct Prepared {
+      StreamItem it;
+      const int32_t* table;
+      int item, n_tiles, bad;
+      bool done, skip;
+    };
+    auto prepare = [&](int item) {
+      Prepared p{};
+      p.item = item;
+      p.done = item >= num_items;
+      if (p.done) return p;
+      p.it = DecodeItem(a, item, num_splits, keys_per_split);
+      p.skip = p.it.k_begin >= p.it.k_end;  // past this token's keys
+      if (p.skip) return p;
+      p.table = a.block_tables + int64_t{p.it.seq} * a.max_blocks_per_seq;
+      bool mine = false;
+      for (int b = (p.it.k_begin >> bs_shift) + lane; b <= (p.it.k_end - 1) >> bs_shift; b += 32) {
+        const int32_t id = __ldg(&p.table[b]);
+        mine |= id < 0 || id >= a.pool.num_blocks;
       }
-      const int pages = kMmaTile >> bs_shift;
-      if (tid < 2 * pages) {
-        const int page = tid % pages, kv = tid / pages;
-        const int32_t block = __ldg(&table[(key0 >> bs_shift) + page]);
-        // The stage was last read by ldmatrix (generic proxy; the CTA barrier
-        // orders those reads before this): order them before the async writes.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      p.bad = __any_sync(0xffffffffu, mine) ? 1 : 0;
+      if (p.bad && lane == 0) RecordError(a.error, kErrBlockId, p.it.seq);
+      p.n_tiles = p.bad ? 0 : (p.it.k_end - p.it.k_begin + kMmaTile - 1) / kMmaTile;
+      return p;
+    };
+    const T* pool = static_cast<const T*>(a.pool.kv);
+    int st = 0, ph = 0;
+    Prepared cur = prepare(grab());
+    for (;;) {
+      if (cur.skip) {
+        cur = prepare(grab());
+        continue;
+      }
+      const StreamItem& it = cur.it;
+      const int fills = cur.done ? 1 : max(cur.n_tiles, 1);
+      Prepared next{};
+      for (int t = 0; t < fills; ++t) {
+        const uint32_t f = SmemAddr(&full[st]);
+        MbarWait(SmemAddr(&empty[st]), ph ^ 1);
+        const int key0 = it.k_begin + t * kMmaTile;
+        const bool load = !cur.done && t < cur.n_tiles;
+        const bool tma = load && use_tma && key0 + kMmaTile <= it.k_end;
+        if (lane == 0) {
+          desc[st] = StageDesc{it, cur.done ? -1 : cur.item, t, cur.n_tiles, cur.bad};
+          MbarArriveExpectTx(f, tma ? 2 * kTileBytes : 0);
+        }
+        __syncwarp();
+        const uint32_t dk = base + st * 2 * kTileBytes;
+        if (!cur.done && t == 0) {  // the item's query rows, zero past the group
+          const T* q = static_cast<const T*>(a.q) + int64_t{it.token} * a.q_stride + int64_t{it.kv_head} * a.group * kD;
+          for (int c = lane; c < 16 * kChunks; c += 32) {
+            const int row = c / kChunks, ch = c % kChunks;
+            CpAsync16(qbase + st * kQBytes + c * 16, row < a.group ? q + row * kD + ch * 8 : q, row < a.group ? 16 : 0);
+          }
+        }
+        if (tma) {
+          const int pages = kMmaTile >> bs_shift;
+          if (lane < 2 * pages) {
+            const int page = lane % pages, kv = lane / pages;
+            const int32_t block = __ldg(&cur.table[(key0 >> bs_shift) + page]);
+            // The stage was last read by ldmatrix (generic proxy; the empty
+            // barrier orders those reads before this): order them before the
+            // async writes.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #pragma unroll
-        for (int c = 0; c < kD / 64; ++c) {
-          TmaLoadBox(dk + kv * kTileBytes + c * kPanel + (page << bs_shift) * 128, &pool_map, c * 64, 0, kv_head, kv,
-                     block, full);
+            for (int c = 0; c < kD / 64; ++c) {
+              TmaLoadBox(dk + kv * kTileBytes + c * kPanel + (page << bs_shift) * 128, &pool_map, c * 64, 0, it.kv_head,
+                         kv, block, f);
+            }
+          }
+        } else if (load) {
+          for (int c = lane; c < 2 * kMmaTile * kChunks; c += 32) {
+            const int kv = c / (kMmaTile * kChunks);
+            const int r = (c / kChunks) % kMmaTile, ch = c % kChunks;
+            const int key = key0 + r;
+            const T* src = pool;
+            int bytes = 0;
+            if (key < it.k_end) {
+              const int32_t block = __ldg(&cur.table[key >> bs_shift]);
+              src = pool + PoolOffset(a.pool, block, kv, it.kv_head, key & bs_mask) + ch * 8;
+              bytes = 16;
+            }
+            CpAsync16(dk + kv * kTileBytes + PanelOffset<kD>(kMmaTile, r, ch), src, bytes);
+          }
+        }
+        MbarArriveOnCpAsync(f);
+        if (++st == kStages) {
+          st = 0;
+          ph ^= 1;
+        }
+        // The next item's lookups run while this item's first tiles load.
+        if (t == 0 && !cur.done) next = prepare(grab());
+      }
+      if (cur.done) break;
+      cur = next;
+    }
+    if (lane == 0) {
+      // The last CTA out resets the counters for the next launch (every CTA
+      // has taken its last item before it counts itself out).
+      __threadfence();
+      if (atomicAdd(&sched[1], 1u) == gridDim.x - 1) {
+        sched[0] = 0;
+        sched[1] = 0;
+        __threadfence();
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  const int g = lane / 4, t = lane % 4;
+  const float qk_scale = a.scale * kLog2e;
+  uint32_t qa[kD / 16][4];
+  float o[kD / 8][4];
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+  int st = 0, ph = 0;
+  for (;;) {
+    MbarWait(SmemAddr(&full[st]), ph);
+    const StageDesc d = desc[st];
+    if (d.item < 0) break;
+    const StreamItem& it = d.it;
+    if (d.tile == 0) {
+      const auto* q = reinterpret_cast<const uint32_t*>(qsmem + st * kQBytes);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = g + (i & 1) * 8;
+          const int col = kk * 16 + 2 * t + (i >> 1) * 8;
+          qa[kk][i] = q[(row * kD + col) / 2];
         }
       }
-      return;
+#pragma unroll
+      for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+      m_a = m_b = -INFINITY;
+      l_a = l_b = 0.0f;
     }
-    for (int c = tid; c < 2 * kMmaTile * kChunks; c += kThreads) {
-      const int kv = c / (kMmaTile * kChunks);
-      const int r = (c / kChunks) % kMmaTile, ch = c % kChunks;
-      const int key = key0 + r;
-      const T* src = pool;
-      int bytes = 0;
-      if (key < k_end) {
-        const int32_t block = __ldg(&table[key >> bs_shift]);
-        src = pool + PoolOffset(a.pool, block, kv, kv_head, key & bs_mask) + ch * 8;
-        bytes = 16;
-      }
-      CpAsync16(dk + kv * kTileBytes + PanelOffset<kD>(kMmaTile, r, ch), src, bytes);
+    if (d.tile < d.n_tiles) {
+      const uint32_t ck = base + st * 2 * kTileBytes;
+      MmaTileStep<T, kD>(ck, ck + kTileBytes, warp, lane, qa, it.k_begin + d.tile * kMmaTile + warp * 16, it.k_end,
+                         qk_scale, o, m_a, m_b, l_a, l_b);
     }
-    MbarArriveOnCpAsync(full);
-  };
-  for (int i = 0; i < min(kMmaStages, n_tiles); ++i) load(i, i);
+    MbarArrive(SmemAddr(&empty[st]));
+    if (++st == kStages) {
+      st = 0;
+      ph ^= 1;
+    }
+    if (d.tile + 1 < d.n_tiles) continue;
 
-  // Q fragments (rows: the group's query heads, zero past the group).
-  uint32_t qa[kD / 16][4];
-  {
-    const T* q = static_cast<const T*>(a.q) + int64_t{token} * a.q_stride + int64_t{kv_head} * a.group * kD;
+    // The item's last tile: merge the four warps' states. (m, l) first.
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    if (t == 0) {
+      sm_ml[warp][g][0] = m_a;
+      sm_ml[warp][g][1] = l_a;
+      sm_ml[warp][g + 8][0] = m_b;
+      sm_ml[warp][g + 8][1] = l_b;
+    }
+    ConsumerBarrier();
+    float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
+    for (int w = 0; w < kStreamConsumers; ++w) {
+      if (sm_ml[w][g][1] > 0.0f) mx_a = fmaxf(mx_a, sm_ml[w][g][0]);
+      if (sm_ml[w][g + 8][1] > 0.0f) mx_b = fmaxf(mx_b, sm_ml[w][g + 8][0]);
+    }
+    float sum_a = 0.0f, sum_b = 0.0f, self_a = 0.0f, self_b = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = g + (i & 1) * 8;
-        const int col = kk * 16 + 2 * t + (i >> 1) * 8;
-        qa[kk][i] = row < a.group ? __ldg(reinterpret_cast<const uint32_t*>(q + row * kD + col)) : 0u;
+    for (int w = 0; w < kStreamConsumers; ++w) {
+      const float la = sm_ml[w][g][1], lb = sm_ml[w][g + 8][1];
+      const float wa = la > 0.0f ? exp2f(sm_ml[w][g][0] - mx_a) : 0.0f;
+      const float wb = lb > 0.0f ? exp2f(sm_ml[w][g + 8][0] - mx_b) : 0.0f;
+      sum_a += wa * la;
+      sum_b += wb * lb;
+      if (w == warp) {
+        self_a = wa;
+        self_b = wb;
       }
     }
-  }
-  const float qk_scale = a.scale * kLog2e;
-  float o[kD / 8][4];
 #pragma unroll
-  for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
-
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const int st = tile % kMmaStages;
-    MbarWait(SmemAddr(&bars[st]), (tile / kMmaStages) & 1);
-    const uint32_t ck = base + st * 2 * kTileBytes, cv = ck + kTileBytes;
-    const int key0 = k_begin + tile * kMmaTile + warp * 16;  // this warp's 16 keys
-    float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const int r = warp * 16 + (lane & 7) + (lane >> 4) * 8;
-      uint32_t b[4];
-      LdMatrixX4(ck + PanelOffset<kD>(kMmaTile, r, kk * 2 + ((lane >> 3) & 1)), b);
-      Mma<T>(sc[0], qa[kk], b[0], b[1]);
-      Mma<T>(sc[1], qa[kk], b[2], b[3]);
+    for (int n = 0; n < kD / 8; ++n) {
+      o[n][0] *= self_a;
+      o[n][1] *= self_a;
+      o[n][2] *= self_b;
+      o[n][3] *= self_b;
     }
-    float mx_a = m_a, mx_b = m_b;
+    // Round 1: warps 1 and 3 hand their outputs to warps 0 and 2.
+    float4* buf = merge + (warp >> 1) * (kD / 8) * 32;
+    if (warp & 1) {
 #pragma unroll
-    for (int nn = 0; nn < 2; ++nn) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + nn * 8 + 2 * t + (e & 1);
-        sc[nn][e] = key < k_end ? sc[nn][e] * qk_scale : -INFINITY;
-      }
-      mx_a = fmaxf(mx_a, fmaxf(sc[nn][0], sc[nn][1]));
-      mx_b = fmaxf(mx_b, fmaxf(sc[nn][2], sc[nn][3]));
+      for (int n = 0; n < kD / 8; ++n) buf[n * 32 + lane] = make_float4(o[n][0], o[n][1], o[n][2], o[n][3]);
     }
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    const float base_a = mx_a == -INFINITY ? 0.0f : mx_a;
-    const float base_b = mx_b == -INFINITY ? 0.0f : mx_b;
-    const float corr_a = exp2f(m_a - base_a), corr_b = exp2f(m_b - base_b);
-    m_a = mx_a;
-    m_b = mx_b;
+    ConsumerBarrier();
+    if (!(warp & 1)) {
 #pragma unroll
-    for (int nn = 0; nn < 2; ++nn) {
-      sc[nn][0] = exp2f(sc[nn][0] - base_a);
-      sc[nn][1] = exp2f(sc[nn][1] - base_a);
-      sc[nn][2] = exp2f(sc[nn][2] - base_b);
-      sc[nn][3] = exp2f(sc[nn][3] - base_b);
-    }
-    l_a = l_a * corr_a + sc[0][0] + sc[0][1] + sc[1][0] + sc[1][1];
-    l_b = l_b * corr_b + sc[0][2] + sc[0][3] + sc[1][2] + sc[1][3];
-    const uint32_t pa[4] = {Pack2<T>(sc[0][0], sc[0][1]), Pack2<T>(sc[0][2], sc[0][3]), Pack2<T>(sc[1][0], sc[1][1]),
-                            Pack2<T>(sc[1][2], sc[1][3])};
-#pragma unroll
-    for (int dd = 0; dd < kD / 16; ++dd) {
-      o[2 * dd][0] *= corr_a;
-      o[2 * dd][1] *= corr_a;
-      o[2 * dd][2] *= corr_b;
-      o[2 * dd][3] *= corr_b;
-      o[2 * dd + 1][0] *= corr_a;
-      o[2 * dd + 1][1] *= corr_a;
-      o[2 * dd + 1][2] *= corr_b;
-      o[2 * dd + 1][3] *= corr_b;
-      const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-      uint32_t b[4];
-      LdMatrixX4Trans(cv + PanelOffset<kD>(kMmaTile, r, dd * 2 + (lane >> 4)), b);
-      Mma<T>(o[2 * dd], pa, b[0], b[1]);
-      Mma<T>(o[2 * dd + 1], pa, b[2], b[3]);
-    }
-    __syncthreads();  // every warp is done with this stage
-    if (tile + kMmaStages < n_tiles) load(tile + kMmaStages, st);
-  }
-
-  // Merge the warps: (m, l) per row and the rows' outputs through shared
-  // memory (the stages are free now).
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  auto* sm_o = reinterpret_cast<float*>(aligned);  // [warp][16 rows][kD]
-  __shared__ float sm_m[kWarps][16], sm_l[kWarps][16];
-  if (t == 0) {
-    sm_m[warp][g] = m_a;
-    sm_m[warp][g + 8] = m_b;
-    sm_l[warp][g] = l_a;
-    sm_l[warp][g + 8] = l_b;
-  }
-#pragma unroll
-  for (int n = 0; n < kD / 8; ++n) {
-    float* row_a = sm_o + (warp * 16 + g) * kD + n * 8 + 2 * t;
-    float* row_b = row_a + 8 * kD;
-    row_a[0] = o[n][0];
-    row_a[1] = o[n][1];
-    row_b[0] = o[n][2];
-    row_b[1] = o[n][3];
-  }
-  __syncthreads();
-  for (int e = tid; e < a.group * kD; e += kThreads) {
-    const int row = e / kD, d = e % kD;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      if (sm_l[w][row] > 0.0f) mx = fmaxf(mx, sm_m[w][row]);
-    }
-    float sum = 0.0f, acc = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      if (sm_l[w][row] > 0.0f) {
-        const float wt = exp2f(sm_m[w][row] - mx);
-        sum += wt * sm_l[w][row];
-        acc += wt * sm_o[(w * 16 + row) * kD + d];
+      for (int n = 0; n < kD / 8; ++n) {
+        const float4 v = buf[n * 32 + lane];
+        o[n][0] += v.x;
+        o[n][1] += v.y;
+        o[n][2] += v.z;
+        o[n][3] += v.w;
       }
     }
-    WriteSplitResult<T>(a, part, token, kv_head * a.group + row, d, split, num_splits, acc, sum, mx, bad);
+    // Round 2: warp 2 hands its sum to warp 0 (through the buffer it just read).
+    if (warp == 2) {
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) buf[n * 32 + lane] = make_float4(o[n][0], o[n][1], o[n][2], o[n][3]);
+    }
+    ConsumerBarrier();
+    if (warp == 0) {
+      const float4* other = merge + (kD / 8) * 32;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        const float4 v = other[n * 32 + lane];
+        o[n][0] += v.x;
+        o[n][1] += v.y;
+        o[n][2] += v.z;
+        o[n][3] += v.w;
+      }
+    }
+    const bool bad = d.bad != 0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = g + half * 8;
+      if (warp != 0 || row >= a.group) continue;
+      const float sum = half ? sum_b : sum_a;
+      const float mx = half ? mx_b : mx_a;
+      const int64_t out_row = int64_t{it.token} * a.num_heads + int64_t{it.kv_head} * a.group + row;
+      if (num_splits == 1) {
+        const bool zero = bad || !(sum > 0.0f);
+        const float inv = zero ? 0.0f : 1.0f / sum;
+        T* out = static_cast<T*>(a.out) + out_row * kD + 2 * t;
+#pragma unroll
+        for (int n = 0; n < kD / 8; ++n) {
+          *reinterpret_cast<uint32_t*>(out + n * 8) =
+              zero ? 0u : Pack2<T>(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
+        }
+      } else {
+        const int64_t prow = out_row * num_splits + it.split;
+        float* po = part.o + prow * kD + 2 * t;
+#pragma unroll
+        for (int n = 0; n < kD / 8; ++n) {
+          *reinterpret_cast<float2*>(po + n * 8) = make_float2(o[n][2 * half], o[n][2 * half + 1]);
+        }
+        if (t == 0) {
+          part.ml[prow * 2] = sum > 0.0f ? mx : -FLT_MAX;
+          part.ml[prow * 2 + 1] = bad ? -1.0f : sum;
+        }
+      }
+    }
+    // The unit's last split to finish merges them (no second launch).
+    if (num_splits > 1) {
+      const int arrivals = max(1, min(num_splits, (it.n_keys + keys_per_split - 1) / keys_per_split));
+      ArriveAndMerge<T>(a, part, int64_t{it.token} * a.pool.num_kv_heads + it.kv_head, it.token, it.kv_head * a.group,
+                        a.group, num_splits, keys_per_split, arrivals, reinterpret_cast<float*>(merge), 1);
+    }
   }
 }
 
+// Resident CTAs of DecodeStreamKernel an SM holds (from the occupancy API,
+// once per instantiation; also sets its shared-memory size).
 template <typename T, int kD>
-int LaunchMma(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaStream_t stream) {
-  constexpr int kSmem = MmaSmemBytes<kD>();
-  auto* kernel = DecodeMmaKernel<T, kD>;
-  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (attr != cudaSuccess) return static_cast<int>(attr);
+int StreamCtasPerSm() {
+  static const int n = [] {
+    int blocks = 0;
+    auto* kernel = DecodeStreamKernel<T, kD>;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, StreamSmemBytes<kD>()) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kStreamThreads, StreamSmemBytes<kD>()) !=
+            cudaSuccess) {
+      return 1;
+    }
+    return blocks > 0 ? blocks : 1;
+  }();
+  return n;
+}
+
+// `sched`: two zeroed words of the workspace, the work counter and the
+// CTAs' exit count (the kernel leaves them zero).
+template <typename T, int kD>
+int LaunchStream(const AttnArgs& a, const SplitPlan& plan, Partials part, unsigned* sched, cudaStream_t stream) {
+  const int per_sm = StreamCtasPerSm<T, kD>();
   CUtensorMap map{};
-  const bool use_tma = EncodePoolMap(a, a.pool.block_size, &map);
-  constexpr int kMaxGridZ = 65535;
-  for (int base = 0; base < a.num_tokens; base += kMaxGridZ) {
-    const dim3 grid(plan.num_splits, a.pool.num_kv_heads, std::min(kMaxGridZ, a.num_tokens - base));
-    kernel<<<grid, kThreads, kSmem, stream>>>(a, map, use_tma, plan.num_splits, plan.keys_per_split, base, part);
-  }
-  if (plan.num_splits > 1) {
-    CombineKernel<T><<<dim3(a.num_tokens, a.num_heads), kD, 0, stream>>>(a, plan.num_splits, part);
-  }
+  const bool use_tma = EncodePoolMap(a, a.pool.block_size, &map, kDecodeL2Promotion);
+  const int64_t items = int64_t{a.num_tokens} * a.pool.num_kv_heads * plan.num_splits;
+  if (items >= (int64_t{1} << 31)) return static_cast<int>(cudaErrorInvalidValue);
+  const int sms = plan.num_sms > 0 ? plan.num_sms : 132;
+  const int grid = static_cast<int>(std::min<int64_t>(items, int64_t{per_sm} * sms));
+  DecodeStreamKernel<T, kD><<<grid, kStreamThreads, StreamSmemBytes<kD>(), stream>>>(
+      a, map, use_tma, plan.num_splits, plan.keys_per_split, static_cast<int>(items), part, sched);
   return static_cast<int>(cudaGetLastError());
 }
 
-// True where DecodeMmaKernel takes the call (before the split plan).
+// True where DecodeStreamKernel takes the call (before the split plan).
 bool MmaShapeSupported(const AttnArgs& a) {
   const PoolView& p = a.pool;
   if (p.head_dim != 64 && p.head_dim != 128) return false;
@@ -575,12 +903,9 @@ bool MmaShapeSupported(const AttnArgs& a) {
   return p.num_kv_heads <= 65535;
 }
 
-constexpr int kMaxSplits = 128;
+constexpr int kMaxSplits = kMaxSplitsPerRow;
 // CTAs a split-KV launch aims at: eight per SM.
 int64_t TargetCtas(int num_sms) { return 8LL * (num_sms > 0 ? num_sms : 132); }
-// DecodeMmaKernel's resident CTAs (three of 64 KB of shared memory and 157
-// registers a thread fit an SM): PlanSplits fills whole waves of them.
-int64_t TargetMmaCtas(int num_sms) { return 3LL * (num_sms > 0 ? num_sms : 132); }
 
 template <typename T, int kLanes>
 int LaunchTyped(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaStream_t stream) {
@@ -606,10 +931,6 @@ int LaunchTyped(const AttnArgs& a, const SplitPlan& plan, Partials part, cudaStr
         break;
     }
   }
-  if (plan.num_splits > 1) {
-    const int threads = a.pool.head_dim >= 128 ? 128 : 64;
-    CombineKernel<T><<<dim3(a.num_tokens, a.num_heads), threads, 0, stream>>>(a, plan.num_splits, part);
-  }
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -633,8 +954,8 @@ int MaxUsefulSplits(int num_tokens, int num_sms) {
 }
 
 SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes) {
-  // At least 256 keys per split (128 for DecodeMmaKernel, whose CTAs cost
-  // less to start) so the combine stays a small share; at most kMaxSplits,
+  // At least 256 keys per split (128 for DecodeStreamKernel, whose items
+  // cost less to start) so the merge stays a small share; at most kMaxSplits,
   // and no more than the workspace holds. Splits are whole 64-key tiles.
   constexpr int kAlign = 64;
   const bool mma = MmaShapeSupported(a);
@@ -659,53 +980,74 @@ SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes) {
     // busy; at four per SM, batch 1 at 128k read at 0.57x of the copy on an
     // H100).
     const int64_t target = TargetCtas(num_sms);
-    return plan_for(static_cast<int>(std::min<int64_t>(max_splits, (target + units - 1) / units)));
+    SplitPlan plan = plan_for(static_cast<int>(std::min<int64_t>(max_splits, (target + units - 1) / units)));
+    plan.num_sms = num_sms;
+    return plan;
   }
-  // DecodeMmaKernel: CTAs stream whole splits, so the last partial wave of
-  // CTAs runs with most of the GPU idle (400 CTAs over 396 slots took two
-  // waves' time). Take the split count whose CTAs fill their waves best;
-  // among nearly equal fills, the fewest splits.
-  const int64_t slots = TargetMmaCtas(num_sms);
-  SplitPlan best = plan_for(1);
-  double best_fill = 0.0;
-  for (int splits = 1; splits <= max_splits; ++splits) {
-    const SplitPlan plan = plan_for(splits);
-    const int64_t ctas = units * plan.num_splits;
-    const int64_t waves = (ctas + slots - 1) / slots;
-    const double fill = static_cast<double>(ctas) / static_cast<double>(waves * slots);
-    if (fill > best_fill + 0.02) {
-      best_fill = fill;
-      best = plan;
-    }
-  }
-  return best;
+  // DecodeStreamKernel, whose persistent CTAs (two an SM) take (token, KV
+  // head, split) items from an atomic counter. Up to the grid's size in
+  // units: about one item per CTA, each CTA streaming one long run and
+  // writing one set of partials (on an H200, 512 MiB of KV read in 146 us
+  // as 256 items of 4096 keys, 150 us as 1024 items of 1024, 158 us as 5504
+  // items of 192). More units than CTAs: items of about 1536 keys, so that
+  // the last items to finish are short (2048 units of 8192 keys read at
+  // 0.91 of the copy rate unsplit, at 1.03 in 5 splits).
+  const int64_t ctas = 2LL * (num_sms > 0 ? num_sms : 132);
+  const int64_t splits = units < ctas ? (ctas + units / 2) / units : (a.max_context + 768) / 1536;
+  SplitPlan plan = plan_for(static_cast<int>(std::clamp<int64_t>(splits, 1, max_splits)));
+  plan.num_sms = num_sms;
+  return plan;
 }
+
+namespace {
+// The partials' layout in the workspace (after the error word): o, (m, l),
+// then one arrival counter per (token, head) (an upper bound on the units).
+Partials PartialsAt(void* workspace, int num_tokens, int num_heads, int head_dim, int num_splits, int64_t* bytes) {
+  Partials part{};
+  const int64_t rows = int64_t{num_tokens} * num_heads * num_splits;
+  const int64_t o_bytes = (rows * head_dim * 4 + 255) / 256 * 256;
+  const int64_t ml_bytes = (rows * 2 * 4 + 255) / 256 * 256;
+  auto* base = static_cast<char*>(workspace);
+  part.o = reinterpret_cast<float*>(base);
+  part.ml = reinterpret_cast<float*>(base + o_bytes);
+  part.arrivals = reinterpret_cast<unsigned*>(base + o_bytes + ml_bytes);
+  *bytes = o_bytes + ml_bytes + int64_t{num_tokens} * num_heads * 4;
+  return part;
+}
+}  // namespace
 
 int64_t SplitKvWorkspaceBytes(int num_tokens, int num_heads, int head_dim, int num_splits) {
   if (num_splits <= 1) return 0;
-  const int64_t rows = int64_t{num_tokens} * num_heads * num_splits;
-  const int64_t o_bytes = (rows * head_dim * 4 + 255) / 256 * 256;
-  return o_bytes + rows * 2 * 4;
+  int64_t bytes = 0;
+  PartialsAt(nullptr, num_tokens, num_heads, head_dim, num_splits, &bytes);
+  return bytes;
 }
 
-int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes, void* stream) {
+int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes,
+                         void* stream, int variant) {
   (void)workspace_bytes;  // checked by the caller
   Partials part{};
   if (plan.num_splits > 1) {
-    const int64_t rows = int64_t{a.num_tokens} * a.num_heads * plan.num_splits;
-    const int64_t o_bytes = (rows * a.pool.head_dim * 4 + 255) / 256 * 256;
-    part.o = static_cast<float*>(workspace);
-    part.ml = reinterpret_cast<float*>(static_cast<char*>(workspace) + o_bytes);
+    int64_t bytes = 0;
+    part = PartialsAt(workspace, a.num_tokens, a.num_heads, a.pool.head_dim, plan.num_splits, &bytes);
   }
   auto s = static_cast<cudaStream_t>(stream);
-  if (MmaShapeSupported(a) && plan.keys_per_split % kMmaTile == 0) {
-    const bool bf16 = a.elem == Elem::kBF16;
+  if (variant == 0 && MmaShapeSupported(a) && plan.keys_per_split % kMmaTile == 0) {
+    // The work counter: in the zeroed head of the workspace, past the error
+    // word.
+    unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
     if (a.pool.head_dim == 64) {
-      return bf16 ? LaunchMma<__nv_bfloat16, 64>(a, plan, part, s) : LaunchMma<__half, 64>(a, plan, part, s);
+      return a.elem == Elem::kBF16 ? LaunchStream<__nv_bfloat16, 64>(a, plan, part, sched, s)
+                                   : LaunchStream<__half, 64>(a, plan, part, sched, s);
     }
-    return bf16 ? LaunchMma<__nv_bfloat16, 128>(a, plan, part, s) : LaunchMma<__half, 128>(a, plan, part, s);
+    return a.elem == Elem::kBF16 ? LaunchStream<__nv_bfloat16, 128>(a, plan, part, sched, s)
+                                 : LaunchStream<__half, 128>(a, plan, part, sched, s);
   }
   return a.elem == Elem::kBF16 ? LaunchForDim<__nv_bfloat16>(a, plan, part, s) : LaunchForDim<__half>(a, plan, part, s);
+}
+
+int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes, void* stream) {
+  return LaunchSplitKvVariant(a, plan, workspace, workspace_bytes, stream, 0);
 }
 
 }  // namespace tandem::kernels::cuda::internal

@@ -1,12 +1,16 @@
 // Stand-alone GPU check and benchmark of the tensor-core prefill kernel
-// (kernels/cuda/prefill.cu), calling internal::LaunchPrefill directly (no
-// absl, so it builds with nvcc alone). Not part of the cmake build: the
-// library globs kernels/cuda/*.cu only. Build and run on an H100/H200:
+// (kernels/cuda/prefill.cu) and the decode kernels (split_kv.cu), calling the
+// internal launchers directly (no absl, so it builds with nvcc alone). Not
+// part of the cmake build: the library globs kernels/cuda/*.cu only. Build
+// and run on an H100/H200:
 //
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I. \
-//     kernels/cuda/prefill.cu kernels/cuda/bench/prefill_check.cu -o prefill_check
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I. -lcuda \
+//     kernels/cuda/prefill.cu kernels/cuda/split_kv.cu kernels/cuda/bench/prefill_check.cu -o prefill_check
 //   ./prefill_check            # correctness cases, then the benchmark table
 //   ./prefill_check check      # correctness only; `bench`: the table only
+//   ./prefill_check dcheck     # the decode variants' correctness
+//   ./prefill_check dbench 0,2 # the decode variants' timings (GPU time from a
+//                              # cold L2, and back-to-back call time)
 //
 // Correctness: fresh random inputs rounded to the element type, a paged pool
 // with shuffled block ids, two layers (the layer offset and block stride
@@ -20,6 +24,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -32,6 +37,9 @@ int LaunchPrefillVariant(const AttnArgs& a, void* stream,
                          int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads
 }
 static const char* kVariantName[] = {"fa3", "ws", "fa3:cp.async", "fa3:noload"};
+static const char* kDecodeName[] = {"stream", "cuda-core"};  // LaunchSplitKvVariant's variants
+static bool g_seq_tables = false;                            // dbench: blocks in order instead of shuffled
+static std::string DecodeName(int v) { return kDecodeName[v]; }
 static const int kVariants = 4;
 static bool Checked(int v) { return v != 3; }  // variant 3 skips loads (timing only)
 
@@ -68,9 +76,30 @@ struct Case {
 };
 
 static std::mt19937_64 rng(12345);
+static int g_sms = 132;
 
-// Returns true if the case passes.
-static bool RunCase(const Case& c, int variant) {
+// The split-KV launch the API makes: `kps` > 0 fixes the split size (the
+// engine's batch-invariant plan), else PlanSplits chooses.
+static int LaunchDecode(const AttnArgs& a, int variant, int kps, int* ws, int64_t ws_bytes,
+                        cudaStream_t stream = nullptr) {
+  SplitPlan plan;
+  if (kps > 0) {
+    plan.keys_per_split = (kps + 63) / 64 * 64;
+    plan.num_splits = std::max(1, (a.max_context + plan.keys_per_split - 1) / plan.keys_per_split);
+    plan.num_sms = g_sms;
+  } else {
+    plan = PlanSplits(a, g_sms, ws_bytes - 256);
+  }
+  if (SplitKvWorkspaceBytes(a.num_tokens, a.num_heads, a.pool.head_dim, plan.num_splits) > ws_bytes - 256) {
+    std::fprintf(stderr, "workspace too small for %d splits\n", plan.num_splits);
+    std::exit(2);
+  }
+  return LaunchSplitKvVariant(a, plan, reinterpret_cast<char*>(ws) + 256, ws_bytes - 256, stream, variant);
+}
+
+// Returns true if the case passes. decode: the split-KV launcher's variant
+// `variant` with splits of `kps` keys (0: planned).
+static bool RunCase(const Case& c, int variant, bool decode = false, int kps = 0) {
   const int D = c.head_dim, bs = c.block_size, Hkv = c.num_kv_heads, H = Hkv * c.group;
   const int S = static_cast<int>(c.q_lens.size());
   std::vector<int> qs(S + 1, 0);
@@ -155,14 +184,16 @@ static bool RunCase(const Case& c, int variant) {
   CK(cudaMalloc(&d_out, int64_t{T} * H * D * 2));
   CK(cudaMalloc(&d_qs, (S + 1) * 4));
   CK(cudaMalloc(&d_ctx, S * 4));
-  CK(cudaMalloc(&d_err, 4));
+  // The error word, then split-KV partials (the public API's workspace layout).
+  const int64_t ws_bytes = 256 + SplitKvWorkspaceBytes(T, H, D, 1024);
+  CK(cudaMalloc(&d_err, ws_bytes));
+  CK(cudaMemset(d_err, 0, ws_bytes));
   CK(cudaMalloc(&d_table, table.size() * 4));
   CK(cudaMemcpy(d_pool, pool.data(), pool.size() * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_q, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_qs, qs.data(), (S + 1) * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_ctx, c.ctx.data(), S * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemset(d_err, 0, 4));
   CK(cudaMemset(d_out, 0xff, int64_t{T} * H * D * 2));  // NaN in both types
 
   AttnArgs a;
@@ -191,15 +222,30 @@ static bool RunCase(const Case& c, int variant) {
   a.num_tokens = T;
   a.max_q_len = max_q;
   a.max_context = max_ctx;
-  if (!PrefillSupports(a)) {
-    std::printf("FAIL %-28s PrefillSupports false\n", c.name);
-    return false;
+  if (decode) {
+    CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_err, ws_bytes)));
+  } else {
+    if (!PrefillSupports(a)) {
+      std::printf("FAIL %-28s PrefillSupports false\n", c.name);
+      return false;
+    }
+    CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
   }
-  CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
   CK(cudaDeviceSynchronize());
   std::vector<uint16_t> out(int64_t{T} * H * D);
   int err = 0;
   CK(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost));
+  bool same_again = true;
+  if (decode) {
+    // Again on the same workspace: the kernels leave their counters ready
+    // for the next launch, and give the same bits.
+    CK(cudaMemset(d_out, 0xff, int64_t{T} * H * D * 2));
+    CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_err, ws_bytes)));
+    CK(cudaDeviceSynchronize());
+    std::vector<uint16_t> again(out.size());
+    CK(cudaMemcpy(again.data(), d_out, again.size() * 2, cudaMemcpyDeviceToHost));
+    same_again = again == out;
+  }
   CK(cudaMemcpy(&err, d_err, 4, cudaMemcpyDeviceToHost));
   double num = 0, den = 0, maxabs = 0;
   int64_t unwritten = 0, bad_nonzero = 0;
@@ -226,9 +272,17 @@ static bool RunCase(const Case& c, int variant) {
   const double tol = c.elem == Elem::kBF16 ? 1e-2 : 2e-3;
   const int want_err = c.bad_seq >= 0 ? ((kErrBlockId << 28) | c.bad_seq) : 0;
   const bool ok = unwritten == 0 && bad_nonzero == 0 && rel < tol && err == want_err;
-  std::printf("%s %-8s %-30s T=%5d rel=%.2e maxabs=%.2e unwritten=%lld badrows_nonzero=%lld err=%#x (want %#x)\n",
-              ok ? "PASS" : "FAIL", kVariantName[variant], c.name, T, rel, maxabs, (long long)unwritten,
-              (long long)bad_nonzero, err, want_err);
+  // The persistent kernel must leave its work counter at zero.
+  unsigned sched[2] = {0, 0};
+  CK(cudaMemcpy(sched, d_err + 32, sizeof(sched), cudaMemcpyDeviceToHost));
+  const bool ok2 = ok && same_again && sched[0] == 0 && sched[1] == 0;
+  char label[64];
+  std::snprintf(label, sizeof(label), "%s%s", decode ? DecodeName(variant).c_str() : kVariantName[variant],
+                decode ? (kps > 0 ? (":" + std::to_string(kps)).c_str() : ":plan") : "");
+  std::printf("%s %-20s %-30s T=%5d rel=%.2e maxabs=%.2e unwritten=%lld badrows_nonzero=%lld err=%#x (want %#x)%s%s\n",
+              ok2 ? "PASS" : "FAIL", label, c.name, T, rel, maxabs, (long long)unwritten, (long long)bad_nonzero, err,
+              want_err, sched[0] || sched[1] ? " sched counters left nonzero" : "",
+              same_again ? "" : " a second launch gave other bits");
   cudaFree(d_pool);
   cudaFree(d_q);
   cudaFree(d_out);
@@ -236,7 +290,7 @@ static bool RunCase(const Case& c, int variant) {
   cudaFree(d_ctx);
   cudaFree(d_err);
   cudaFree(d_table);
-  return ok;
+  return ok2;
 }
 
 // Causal (or full) prefill of `batch` sequences of `seqlen` tokens, H heads,
@@ -337,6 +391,217 @@ static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, i
   return med;
 }
 
+// Decode: `batch` sequences of one query over `ctx` keys, H query heads over
+// Hkv KV heads, bf16, page `bs`, shuffled blocks. *gpu_us: the median GPU time
+// of a call from a cold L2 (a 256 MiB memset before each; the events bracket
+// the launch only); *call_us: back-to-back calls (what a host loop sees,
+// launch overheads included). Returns the KV bytes read per call.
+static double DBench(int variant, int kps, int batch, int ctx, int H, int Hkv, int D, int bs, double* gpu_us,
+                     double* call_us) {
+  const int blocks_per_seq = (ctx + bs - 1) / bs;
+  const int num_blocks = batch * blocks_per_seq;
+  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride, block_stride = 2 * kv_stride;
+  void *d_pool, *d_q, *d_out;
+  int *d_qs, *d_ctx, *d_ws;
+  int32_t* d_table;
+  CK(cudaMalloc(&d_pool, num_blocks * block_stride * 2));
+  CK(cudaMemset(d_pool, 0x3c, num_blocks * block_stride * 2));  // finite values; the time does not depend on them
+  CK(cudaMalloc(&d_q, int64_t{batch} * H * D * 2));
+  CK(cudaMemset(d_q, 0x3c, int64_t{batch} * H * D * 2));
+  CK(cudaMalloc(&d_out, int64_t{batch} * H * D * 2));
+  CK(cudaMalloc(&d_qs, (batch + 1) * 4));
+  CK(cudaMalloc(&d_ctx, batch * 4));
+  const int64_t ws_bytes = 256 + SplitKvWorkspaceBytes(batch, H, D, std::max(128, (ctx + 63) / 64));
+  CK(cudaMalloc(&d_ws, ws_bytes));
+  CK(cudaMemset(d_ws, 0, ws_bytes));
+  CK(cudaMalloc(&d_table, int64_t{num_blocks} * 4));
+  std::vector<int> qs(batch + 1), ctxs(batch, ctx);
+  for (int s = 0; s <= batch; ++s) qs[s] = s;
+  std::vector<int32_t> table(num_blocks);
+  for (int i = 0; i < num_blocks; ++i) table[i] = i;
+  if (!g_seq_tables) std::shuffle(table.begin(), table.end(), rng);
+  CK(cudaMemcpy(d_qs, qs.data(), qs.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_ctx, ctxs.data(), ctxs.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  AttnArgs a;
+  a.elem = Elem::kBF16;
+  a.q = d_q;
+  a.q_stride = int64_t{H} * D;
+  a.out = d_out;
+  a.pool.kv = d_pool;
+  a.pool.block_stride = block_stride;
+  a.pool.kv_stride = kv_stride;
+  a.pool.head_stride = head_stride;
+  a.pool.num_blocks = num_blocks;
+  a.pool.block_size = bs;
+  a.pool.head_dim = D;
+  a.pool.num_kv_heads = Hkv;
+  a.num_heads = H;
+  a.group = H / Hkv;
+  a.scale = 1.0f / std::sqrt(float(D));
+  a.causal = true;
+  a.num_seqs = batch;
+  a.query_start = d_qs;
+  a.context_lens = d_ctx;
+  a.block_tables = d_table;
+  a.max_blocks_per_seq = blocks_per_seq;
+  a.error = d_ws;
+  a.num_tokens = batch;
+  a.max_q_len = 1;
+  a.max_context = ctx;
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
+  static void* flush = nullptr;
+  constexpr size_t kFlushBytes = size_t{256} << 20;
+  if (flush == nullptr) CK(cudaMalloc(&flush, kFlushBytes));
+  std::vector<float> ms;
+  for (int i = 0; i < 15; ++i) {
+    CK(cudaMemsetAsync(flush, i, kFlushBytes));
+    CK(cudaEventRecord(e0));
+    CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  *gpu_us = ms[ms.size() / 2] * 1e3;
+  const double kv_bytes = 2.0 * batch * double(ctx) * Hkv * D * 2;
+  const int reps = std::max(3, std::min(200, static_cast<int>(2e9 / kv_bytes)));
+  CK(cudaDeviceSynchronize());
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < reps; ++i) CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float t;
+  CK(cudaEventElapsedTime(&t, e0, e1));
+  *call_us = t * 1e3 / reps;
+  int err = 0;
+  CK(cudaMemcpy(&err, d_ws, 4, cudaMemcpyDeviceToHost));
+  if (err != 0) std::printf("dbench: error word %#x\n", err);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(d_pool);
+  cudaFree(d_q);
+  cudaFree(d_out);
+  cudaFree(d_qs);
+  cudaFree(d_ctx);
+  cudaFree(d_ws);
+  cudaFree(d_table);
+  return kv_bytes;
+}
+
+// GB/s of a device-to-device copy of 1 GiB (bytes read plus written).
+static double CopyGbps() {
+  constexpr size_t kBytes = size_t{1} << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, kBytes));
+  CK(cudaMalloc(&b, kBytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int i = 0; i < 8; ++i) {
+    CK(cudaEventRecord(e0));
+    CK(cudaMemcpyAsync(b, a, kBytes, cudaMemcpyDeviceToDevice));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * kBytes / (ms[ms.size() / 2] * 1e-3) / 1e9;
+}
+
+static std::vector<int> ParseList(const char* p) {
+  std::vector<int> v;
+  while (*p != 0) {
+    v.push_back(std::atoi(p));
+    while (*p != 0 && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
+static int DecodeMain(int argc, char** argv, bool check, bool bench) {
+  int failures = 0;
+  if (check) {
+    const Elem B = Elem::kBF16, F = Elem::kF16;
+    auto ones = [](int n) { return std::vector<int>(n, 1); };
+    std::vector<Case> cases = {
+        {"d128 bs16 gqa4 ctx 1/15/16/17", B, 128, 16, 2, 4, true, ones(4), {1, 15, 16, 17}},
+        {"d128 bs64 gqa8 ctx 1000/3000", B, 128, 64, 2, 8, true, ones(3), {1000, 3000, 64}},
+        {"d128 bs32 gqa1 ragged", B, 128, 32, 3, 1, true, ones(5), {700, 33, 1, 2048, 95}},
+        {"d64 bs16 gqa5 ragged", B, 64, 16, 2, 5, true, ones(4), {300, 1, 1500, 129}},
+        {"f16 d128 bs16 gqa16", F, 128, 16, 1, 16, true, ones(2), {900, 4000}},
+        {"f16 d64 bs64 gqa2", F, 64, 64, 4, 2, true, ones(3), {65, 640, 2000}},
+        {"d128 bs16 gqa4 3 queries causal", B, 128, 16, 2, 4, true, {3, 1, 2}, {500, 77, 1300}},
+        {"d128 bs16 gqa4 noncausal", B, 128, 16, 2, 4, false, {2, 1}, {600, 1500}},
+        {"d128 bs16 gqa4 8k", B, 128, 16, 1, 4, true, ones(1), {8192}},
+        {"d128 bs16 bad block seq1", B, 128, 16, 2, 4, true, ones(3), {300, 2000, 40}, 1, 50},
+        {"d64 bs32 bad block seq0 first", F, 64, 32, 1, 8, true, ones(2), {1000, 500}, 0, 0},
+    };
+    const std::vector<int> variants = argc > 2 ? ParseList(argv[2]) : std::vector<int>{0, 1};
+    for (int v : variants) {
+      for (int kps : {0, 64, 512}) {
+        for (const Case& c : cases) failures += RunCase(c, v, true, kps) ? 0 : 1;
+      }
+    }
+    std::printf("%d decode case(s) failed\n", failures);
+  }
+  if (!bench) return failures == 0 ? 0 : 1;
+  const double copy = CopyGbps();
+  std::printf("\ndevice copy: %.0f GB/s (read + written)\n", copy);
+  std::printf("%-20s %-5s %-6s %-7s %-5s %9s %10s %9s %8s %10s\n", "variant", "model", "batch", "ctx", "kps", "KV MiB",
+              "gpu us", "GB/s", "/copy", "call us");
+  std::vector<int> variants = argc > 2 ? ParseList(argv[2]) : std::vector<int>{0, 1};
+  std::vector<int> kpss = argc > 3 ? ParseList(argv[3]) : std::vector<int>{0};
+  struct Shape {
+    int batch, ctx, H;
+  };
+  std::vector<Shape> shapes;
+  g_seq_tables = argc > 5 && std::string(argv[5]) == "seq";
+  if (argc > 4) {  // `8b:1x8192,70b:16x8192,...`
+    for (const char* p = argv[4]; *p != 0;) {
+      const int H = std::strncmp(p, "70b:", 4) == 0 ? 64 : 32;
+      p = std::strchr(p, ':') + 1;
+      const int batch = std::atoi(p);
+      p = std::strchr(p, 'x') + 1;
+      shapes.push_back({batch, std::atoi(p), H});
+      while (*p != 0 && *p != ',') ++p;
+      if (*p == ',') ++p;
+    }
+  }
+  for (int H : {32, 64}) {
+    if (argc > 4) break;
+    for (int batch : {1, 4, 16, 64, 256}) {
+      for (int ctx : {1024, 8192, 32768, 131072}) {
+        if (double(batch) * ctx * 8 * 128 * 4 > 33.0 * (1 << 30)) continue;  // KV past 32 GiB
+        shapes.push_back({batch, ctx, H});
+      }
+    }
+  }
+  for (const Shape& sh : shapes) {
+    for (int v : variants) {
+      for (int kps : kpss) {
+        double gpu_us, call_us;
+        const double bytes = DBench(v, kps, sh.batch, sh.ctx, sh.H, 8, 128, 16, &gpu_us, &call_us);
+        const double gbps = bytes / (gpu_us * 1e-6) / 1e9;
+        std::printf("%-20s %-5s %-6d %-7d %-5d %9.1f %10.1f %9.0f %8.2f %10.1f\n", DecodeName(v).c_str(),
+                    sh.H == 32 ? "8b" : "70b", sh.batch, sh.ctx, kps, bytes / (1 << 20), gpu_us, gbps, gbps / copy,
+                    call_us);
+      }
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
@@ -344,6 +609,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+  g_sms = prop.multiProcessorCount;
+  if (argc > 1 && std::string(argv[1]) == "dcheck") return DecodeMain(argc, argv, true, false);
+  if (argc > 1 && std::string(argv[1]) == "dbench") return DecodeMain(argc, argv, false, true);
   const bool bench_only = argc > 1 && std::string(argv[1]) == "bench";
   const bool check_only = argc > 1 && std::string(argv[1]) == "check";
   const bool quick = argc > 1 && std::string(argv[1]) == "quick";  // checks, then the default at 3 shapes
@@ -389,11 +657,7 @@ int main(int argc, char** argv) {
   // `bench 0,3,5`: only those variants.
   std::vector<int> variants;
   if (argc > 2) {
-    for (const char* p = argv[2]; *p != 0;) {
-      variants.push_back(std::atoi(p));
-      while (*p != 0 && *p != ',') ++p;
-      if (*p == ',') ++p;
-    }
+    variants = ParseList(argv[2]);
   } else {
     for (int v = 0; v < kVariants; ++v) variants.push_back(v);
   }

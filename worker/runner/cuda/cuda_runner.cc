@@ -576,8 +576,9 @@ class CudaRunner final : public ModelRunner {
     }
     if (attn_workspace_.bytes() < ws) {
       RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace"));
-      RETURN_IF_ERROR(Cuda(cudaMemsetAsync(attn_workspace_.get(), 0, kernels::cuda::kErrorWordBytes, stream_),
-                           "clear the error word"));
+      // Zeroed once (the error word and the kernels' counters; they keep it so).
+      RETURN_IF_ERROR(Cuda(cudaMemsetAsync(attn_workspace_.get(), 0, attn_workspace_.bytes(), stream_),
+                           "clear the attention workspace"));
     }
     return absl::OkStatus();
   }
