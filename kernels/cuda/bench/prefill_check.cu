@@ -34,13 +34,13 @@
 using namespace tandem::kernels::cuda::internal;
 namespace tandem::kernels::cuda::internal {
 int LaunchPrefillVariant(const AttnArgs& a, void* stream,
-                         int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads
+                         int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads, 4 grid
 }
-static const char* kVariantName[] = {"fa3", "ws", "fa3:cp.async", "fa3:noload"};
+static const char* kVariantName[] = {"fa3", "ws", "fa3:cp.async", "fa3:noload", "fa3:grid"};
 static const char* kDecodeName[] = {"stream", "cuda-core"};  // LaunchSplitKvVariant's variants
 static bool g_seq_tables = false;                            // dbench: blocks in order instead of shuffled
 static std::string DecodeName(int v) { return kDecodeName[v]; }
-static const int kVariants = 4;
+static const int kVariants = 5;
 static bool Checked(int v) { return v != 3; }  // variant 3 skips loads (timing only)
 
 #define CK(x)                                                                                 \
@@ -308,7 +308,7 @@ static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, i
   CK(cudaMalloc(&d_out, T * H * D * 2));
   CK(cudaMalloc(&d_qs, (batch + 1) * 4));
   CK(cudaMalloc(&d_ctx, batch * 4));
-  CK(cudaMalloc(&d_err, 4));
+  CK(cudaMalloc(&d_err, 256));  // the error word and the persistent kernel's counters
   CK(cudaMalloc(&d_table, int64_t{num_blocks} * 4));
   {
     std::vector<uint16_t> host(num_blocks * block_stride);
@@ -327,7 +327,7 @@ static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, i
   CK(cudaMemcpy(d_qs, qs.data(), qs.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_ctx, ctx.data(), ctx.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemset(d_err, 0, 4));
+  CK(cudaMemset(d_err, 0, 256));
   AttnArgs a;
   a.elem = Elem::kBF16;
   a.q = d_q;
