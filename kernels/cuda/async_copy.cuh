@@ -90,8 +90,9 @@ __device__ __forceinline__ void TmaLoadBox(uint32_t dst, const CUtensorMap* map,
 // slots (a page or a part of one), 128-byte swizzle (the panel layout
 // above). False where the driver has no encoder or the strides do not fit
 // TMA's rules (callers then use cp.async).
-// l2_promotion: 0 none, 1 64 B, 2 128 B, 3 256 B (the default).
-bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_promotion = 3);
+// l2_promotion: 0 none, 1 64 B, 2 128 B, 3 256 B (the default). kv_box 2:
+// a box spans the page's K and V (landing K rows, then V rows).
+bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_promotion = 3, int kv_box = 1);
 
 }  // namespace tandem::kernels::cuda::internal
 

@@ -420,12 +420,25 @@ constexpr int kMmaMaxGroup = 16;
 // for the same bytes.
 constexpr int kDecodeL2Promotion = 2;
 
-// One warp's share of a 64-key tile (16 keys from `key0`) staged at ck (K)
-// and cv (V) in the panel layout: S = Q K^T, the online-softmax update of
+// A decode stage: a 64-key tile of K and V laid out as TMA boxes spanning a
+// page's K and V land: [64-column panel][page][K|V][slot][128 bytes], each
+// 128-byte row's 16-byte chunks swizzled by the row (the 128-byte swizzle;
+// every [K|V][slot] run is 1024-byte aligned as pages hold 16+ slots).
+// RowOffset: the part of a row's offset that depends on its key r.
+__device__ __forceinline__ uint32_t RowOffset(int r, int bs_shift) {
+  return static_cast<uint32_t>(((r >> bs_shift) << (bs_shift + 8)) + ((r & ((1 << bs_shift) - 1)) << 7));
+}
+__device__ __forceinline__ uint32_t StageOffset(int kv, int r, int ch, int bs_shift) {
+  return static_cast<uint32_t>((ch >> 3) * (2 * kMmaTile * 128) + (kv << (bs_shift + 7))) + RowOffset(r, bs_shift) +
+         static_cast<uint32_t>(((ch & 7) ^ (r & 7)) << 4);
+}
+
+// One warp's share of a 64-key tile (16 keys from `key0`) in `stage` (the
+// layout above): S = Q K^T, the online-softmax update of
 // (m, l) for its rows g (a) and g + 8 (b), O += P V. Keys at or past k_end
 // are masked.
 template <typename T, int kD>
-__device__ __forceinline__ void MmaTileStep(uint32_t ck, uint32_t cv, int warp, int lane,
+__device__ __forceinline__ void MmaTileStep(uint32_t stage, int bs_shift, int warp, int lane,
                                             const uint32_t (&qa)[kD / 16][4], int key0, int k_end, float qk_scale,
                                             float (&o)[kD / 8][4], float& m_a, float& m_b, float& l_a, float& l_b) {
   const int t = lane % 4;
@@ -434,7 +447,7 @@ __device__ __forceinline__ void MmaTileStep(uint32_t ck, uint32_t cv, int warp, 
   for (int kk = 0; kk < kD / 16; ++kk) {
     const int r = warp * 16 + (lane & 7) + (lane >> 4) * 8;
     uint32_t b[4];
-    LdMatrixX4(ck + PanelOffset<kD>(kMmaTile, r, kk * 2 + ((lane >> 3) & 1)), b);
+    LdMatrixX4(stage + StageOffset(0, r, kk * 2 + ((lane >> 3) & 1), bs_shift), b);
     Mma<T>(sc[0], qa[kk], b[0], b[1]);
     Mma<T>(sc[1], qa[kk], b[2], b[3]);
   }
@@ -481,7 +494,7 @@ __device__ __forceinline__ void MmaTileStep(uint32_t ck, uint32_t cv, int warp, 
     o[2 * dd + 1][3] *= corr_b;
     const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
     uint32_t b[4];
-    LdMatrixX4Trans(cv + PanelOffset<kD>(kMmaTile, r, dd * 2 + (lane >> 4)), b);
+    LdMatrixX4Trans(stage + StageOffset(1, r, dd * 2 + (lane >> 4), bs_shift), b);
     Mma<T>(o[2 * dd], pa, b[0], b[1]);
     Mma<T>(o[2 * dd + 1], pa, b[2], b[3]);
   }
@@ -564,7 +577,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
                        int keys_per_split, int num_items, Partials part, unsigned* sched) {
   constexpr int kChunks = kD / 8;
   constexpr int kTileBytes = kMmaTile * kD * 2;
-  constexpr int kPanel = kMmaTile * 128;
+  constexpr int kPanel = 2 * kMmaTile * 128;  // a 64-column panel of K and V
   constexpr int kQBytes = StreamQBytes<kD>();
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
@@ -653,18 +666,17 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
           }
         }
         if (tma) {
+          // Lane p issues page p's boxes: one a 64-column panel, K and V.
           const int pages = kMmaTile >> bs_shift;
-          if (lane < 2 * pages) {
-            const int page = lane % pages, kv = lane / pages;
-            const int32_t block = __ldg(&cur.table[(key0 >> bs_shift) + page]);
+          if (lane < pages) {
+            const int32_t block = __ldg(&cur.table[(key0 >> bs_shift) + lane]);
             // The stage was last read by ldmatrix (generic proxy; the empty
             // barrier orders those reads before this): order them before the
             // async writes.
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #pragma unroll
             for (int c = 0; c < kD / 64; ++c) {
-              TmaLoadBox(dk + kv * kTileBytes + c * kPanel + (page << bs_shift) * 128, &pool_map, c * 64, 0, it.kv_head,
-                         kv, block, f);
+              TmaLoadBox(dk + c * kPanel + (lane << (bs_shift + 8)), &pool_map, c * 64, 0, it.kv_head, 0, block, f);
             }
           }
         } else if (load) {
@@ -679,7 +691,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
               src = pool + PoolOffset(a.pool, block, kv, it.kv_head, key & bs_mask) + ch * 8;
               bytes = 16;
             }
-            CpAsync16(dk + kv * kTileBytes + PanelOffset<kD>(kMmaTile, r, ch), src, bytes);
+            CpAsync16(dk + StageOffset(kv, r, ch, bs_shift), src, bytes);
           }
         }
         MbarArriveOnCpAsync(f);
@@ -736,8 +748,8 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     }
     if (d.tile < d.n_tiles) {
       const uint32_t ck = base + st * 2 * kTileBytes;
-      MmaTileStep<T, kD>(ck, ck + kTileBytes, warp, lane, qa, it.k_begin + d.tile * kMmaTile + warp * 16, it.k_end,
-                         qk_scale, o, m_a, m_b, l_a, l_b);
+      MmaTileStep<T, kD>(ck, bs_shift, warp, lane, qa, it.k_begin + d.tile * kMmaTile + warp * 16, it.k_end, qk_scale,
+                         o, m_a, m_b, l_a, l_b);
     }
     MbarArrive(SmemAddr(&empty[st]));
     if (++st == kStages) {
@@ -881,7 +893,7 @@ template <typename T, int kD>
 int LaunchStream(const AttnArgs& a, const SplitPlan& plan, Partials part, unsigned* sched, cudaStream_t stream) {
   const int per_sm = StreamCtasPerSm<T, kD>();
   CUtensorMap map{};
-  const bool use_tma = EncodePoolMap(a, a.pool.block_size, &map, kDecodeL2Promotion);
+  const bool use_tma = EncodePoolMap(a, a.pool.block_size, &map, kDecodeL2Promotion, /*kv_box=*/2);
   const int64_t items = int64_t{a.num_tokens} * a.pool.num_kv_heads * plan.num_splits;
   if (items >= (int64_t{1} << 31)) return static_cast<int>(cudaErrorInvalidValue);
   const int sms = plan.num_sms > 0 ? plan.num_sms : 132;

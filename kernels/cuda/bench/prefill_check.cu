@@ -567,7 +567,8 @@ static int DecodeMain(int argc, char** argv, bool check, bool bench) {
   };
   std::vector<Shape> shapes;
   g_seq_tables = argc > 5 && std::string(argv[5]) == "seq";
-  if (argc > 4) {  // `8b:1x8192,70b:16x8192,...`
+  const int page = argc > 6 ? std::atoi(argv[6]) : 16;  // `dbench V KPS SHAPES shuf|seq PAGE`
+  if (argc > 4) {                                       // `8b:1x8192,70b:16x8192,...`
     for (const char* p = argv[4]; *p != 0;) {
       const int H = std::strncmp(p, "70b:", 4) == 0 ? 64 : 32;
       p = std::strchr(p, ':') + 1;
@@ -591,7 +592,7 @@ static int DecodeMain(int argc, char** argv, bool check, bool bench) {
     for (int v : variants) {
       for (int kps : kpss) {
         double gpu_us, call_us;
-        const double bytes = DBench(v, kps, sh.batch, sh.ctx, sh.H, 8, 128, 16, &gpu_us, &call_us);
+        const double bytes = DBench(v, kps, sh.batch, sh.ctx, sh.H, 8, 128, page, &gpu_us, &call_us);
         const double gbps = bytes / (gpu_us * 1e-6) / 1e9;
         std::printf("%-20s %-5s %-6d %-7d %-5d %9.1f %10.1f %9.0f %8.2f %10.1f\n", DecodeName(v).c_str(),
                     sh.H == 32 ? "8b" : "70b", sh.batch, sh.ctx, kps, bytes / (1 << 20), gpu_us, gbps, gbps / copy,
