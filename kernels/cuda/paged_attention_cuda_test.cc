@@ -621,6 +621,51 @@ TEST(CudaAttentionTest, SmallSplitKv) {
       {.seqs = {{1, 700}, {2, 1500}}, .num_kv_heads = 1, .group = 8, .head_dim = 128, .block_size = 32, .seed = 14});
 }
 
+TEST(CudaAttentionTest, SmallRepeatedCallsOnOneWorkspaceGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  // The persistent kernels keep a work counter (prefill, split-KV) and
+  // per-row arrival counters (split-KV) in the workspace and leave them at
+  // zero: every call on the same workspace, whichever kernel ran before,
+  // gives the same bits, and the workspace's head is zero after.
+  Case c{
+      .seqs = {{130, 300}, {1, 1500}, {1, 700}, {2, 900}}, .group = 4, .head_dim = 128, .block_size = 16, .seed = 21};
+  const HostData d = MakeData(c);
+  DeviceCall call;
+  ASSERT_NO_FATAL_FAILURE(UploadCall(c, d, call));
+  DevicePool pool;
+  ASSERT_NO_FATAL_FAILURE(BuildPool(c, d, pool, call.workspace.get()));
+  struct Mode {
+    AttentionKernel kernel;
+    int keys_per_split;
+  };
+  for (const Mode m : {Mode{AttentionKernel::kPrefill, 0}, Mode{AttentionKernel::kSplitKv, 0},
+                       Mode{AttentionKernel::kSplitKv, 512}, Mode{AttentionKernel::kPrefill, 0}}) {
+    SCOPED_TRACE(absl::StrFormat("kernel %d, keys_per_split %d", static_cast<int>(m.kernel), m.keys_per_split));
+    PagedAttentionParams p = ParamsOf(c, d, pool, call);
+    p.kernel = m.kernel;
+    p.keys_per_split = m.keys_per_split;
+    if (m.keys_per_split > 0) {
+      ASSERT_LE(cuda::FixedSplitWorkspaceBytes(d.num_tokens(), c.num_heads(), c.head_dim, 1500, m.keys_per_split),
+                call.workspace_bytes);
+    }
+    std::vector<float> first;
+    for (int i = 0; i < 3; ++i) {
+      std::vector<float> out;
+      absl::Status device_error;
+      ASSERT_NO_FATAL_FAILURE(RunPoisoned(p, call, c, d, out, &device_error));
+      EXPECT_TRUE(device_error.ok()) << device_error;
+      if (i == 0) {
+        first = out;
+      } else {
+        EXPECT_TRUE(std::memcmp(out.data(), first.data(), out.size() * sizeof(float)) == 0) << "call " << i;
+      }
+    }
+    std::vector<uint8_t> head(cuda::kErrorWordBytes);
+    CUDA_OK(cudaMemcpy(head.data(), call.workspace.get(), head.size(), cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(std::all_of(head.begin(), head.end(), [](uint8_t b) { return b == 0; }));
+  }
+}
+
 TEST(CudaAttentionTest, SmallWriteKvRoundTrip) {
   SKIP_WITHOUT_GPU();
   // Every written row lands in its slot, layer and K|V half, bit for bit;
