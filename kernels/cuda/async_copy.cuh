@@ -91,8 +91,12 @@ __device__ __forceinline__ void TmaLoadBox(uint32_t dst, const CUtensorMap* map,
 // above). False where the driver has no encoder or the strides do not fit
 // TMA's rules (callers then use cp.async).
 // l2_promotion: 0 none, 1 64 B, 2 128 B, 3 256 B (the default). kv_box 2:
-// a box spans the page's K and V (landing K rows, then V rows).
-bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_promotion = 3, int kv_box = 1);
+// a box spans the page's K and V (landing K rows, then V rows). split_rows:
+// each head_dim row is seen as head_dim / 64 rows of 128 bytes (its
+// 64-column halves, in memory order), so one box of box_rows x head_dim/64
+// such rows reads a page's rows whole, front to back.
+bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_promotion = 3, int kv_box = 1,
+                   bool split_rows = false);
 
 }  // namespace tandem::kernels::cuda::internal
 

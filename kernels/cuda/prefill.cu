@@ -830,7 +830,7 @@ int LaunchTyped(const AttnArgs& a, cudaStream_t stream, int variant) {
 }  // namespace
 
 // Declared in async_copy.cuh.
-bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_promotion, int kv_box) {
+bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_promotion, int kv_box, bool split_rows) {
   static const auto encode = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -843,11 +843,14 @@ bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_pro
   }();
   if (encode == nullptr) return false;
   const PoolView& p = a.pool;
-  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(p.block_size),
+  const int halves = split_rows ? p.head_dim / 64 : 1;  // 128-byte rows per head_dim row
+  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(split_rows ? 64 : p.head_dim),
+                              static_cast<cuuint64_t>(p.block_size) * halves,
                               static_cast<cuuint64_t>(a.num_heads / a.group), 2, static_cast<cuuint64_t>(p.num_blocks)};
-  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(p.head_dim) * 2, static_cast<cuuint64_t>(p.head_stride) * 2,
-                                 static_cast<cuuint64_t>(p.kv_stride) * 2, static_cast<cuuint64_t>(p.block_stride) * 2};
-  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(box_rows), 1, static_cast<cuuint32_t>(kv_box), 1};
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(split_rows ? 64 : p.head_dim) * 2,
+                                 static_cast<cuuint64_t>(p.head_stride) * 2, static_cast<cuuint64_t>(p.kv_stride) * 2,
+                                 static_cast<cuuint64_t>(p.block_stride) * 2};
+  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(box_rows * halves), 1, static_cast<cuuint32_t>(kv_box), 1};
   const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
   return encode(map, a.elem == Elem::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
                 const_cast<void*>(p.kv), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -420,17 +420,20 @@ constexpr int kMmaMaxGroup = 16;
 // for the same bytes.
 constexpr int kDecodeL2Promotion = 2;
 
-// A decode stage: a 64-key tile of K and V laid out as TMA boxes spanning a
-// page's K and V land: [64-column panel][page][K|V][slot][128 bytes], each
-// 128-byte row's 16-byte chunks swizzled by the row (the 128-byte swizzle;
-// every [K|V][slot] run is 1024-byte aligned as pages hold 16+ slots).
-// RowOffset: the part of a row's offset that depends on its key r.
-__device__ __forceinline__ uint32_t RowOffset(int r, int bs_shift) {
-  return static_cast<uint32_t>(((r >> bs_shift) << (bs_shift + 8)) + ((r & ((1 << bs_shift) - 1)) << 7));
-}
+// A decode stage: a 64-key tile of K and V laid out as one TMA box a page
+// lands it (EncodePoolMap with split_rows and kv_box 2): [page][K|V][slot x
+// half][128 bytes], a half being 64 columns (head_dim 128 has two), each
+// 128-byte row's 16-byte chunks swizzled by that row (the 128-byte
+// swizzle; every page's K or V run is 1024-byte aligned as pages hold 16+
+// slots). Eight keys at one column fall on four swizzle rows at head_dim
+// 128: ldmatrix meets 2-way bank conflicts, and the box reads a page's
+// rows whole, front to back.
+template <int kD>
 __device__ __forceinline__ uint32_t StageOffset(int kv, int r, int ch, int bs_shift) {
-  return static_cast<uint32_t>((ch >> 3) * (2 * kMmaTile * 128) + (kv << (bs_shift + 7))) + RowOffset(r, bs_shift) +
-         static_cast<uint32_t>(((ch & 7) ^ (r & 7)) << 4);
+  constexpr int kHalves = kD / 64;
+  const int row = (r & ((1 << bs_shift) - 1)) * kHalves + (ch >> 3);
+  return static_cast<uint32_t>(((r >> bs_shift) * 2 + kv) * (kHalves * 128 << bs_shift) + row * 128 +
+                               (((ch & 7) ^ (row & 7)) << 4));
 }
 
 // One warp's share of a 64-key tile (16 keys from `key0`) in `stage` (the
@@ -447,7 +450,7 @@ __device__ __forceinline__ void MmaTileStep(uint32_t stage, int bs_shift, int wa
   for (int kk = 0; kk < kD / 16; ++kk) {
     const int r = warp * 16 + (lane & 7) + (lane >> 4) * 8;
     uint32_t b[4];
-    LdMatrixX4(stage + StageOffset(0, r, kk * 2 + ((lane >> 3) & 1), bs_shift), b);
+    LdMatrixX4(stage + StageOffset<kD>(0, r, kk * 2 + ((lane >> 3) & 1), bs_shift), b);
     Mma<T>(sc[0], qa[kk], b[0], b[1]);
     Mma<T>(sc[1], qa[kk], b[2], b[3]);
   }
@@ -494,7 +497,7 @@ __device__ __forceinline__ void MmaTileStep(uint32_t stage, int bs_shift, int wa
     o[2 * dd + 1][3] *= corr_b;
     const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
     uint32_t b[4];
-    LdMatrixX4Trans(stage + StageOffset(1, r, dd * 2 + (lane >> 4), bs_shift), b);
+    LdMatrixX4Trans(stage + StageOffset<kD>(1, r, dd * 2 + (lane >> 4), bs_shift), b);
     Mma<T>(o[2 * dd], pa, b[0], b[1]);
     Mma<T>(o[2 * dd + 1], pa, b[2], b[3]);
   }
@@ -577,7 +580,6 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
                        int keys_per_split, int num_items, Partials part, unsigned* sched) {
   constexpr int kChunks = kD / 8;
   constexpr int kTileBytes = kMmaTile * kD * 2;
-  constexpr int kPanel = 2 * kMmaTile * 128;  // a 64-column panel of K and V
   constexpr int kQBytes = StreamQBytes<kD>();
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
@@ -666,7 +668,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
           }
         }
         if (tma) {
-          // Lane p issues page p's boxes: one a 64-column panel, K and V.
+          // Lane p issues page p's box: its K and V, whole rows.
           const int pages = kMmaTile >> bs_shift;
           if (lane < pages) {
             const int32_t block = __ldg(&cur.table[(key0 >> bs_shift) + lane]);
@@ -674,10 +676,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
             // barrier orders those reads before this): order them before the
             // async writes.
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#pragma unroll
-            for (int c = 0; c < kD / 64; ++c) {
-              TmaLoadBox(dk + c * kPanel + (lane << (bs_shift + 8)), &pool_map, c * 64, 0, it.kv_head, 0, block, f);
-            }
+            TmaLoadBox(dk + lane * (2 * kD * 2 << bs_shift), &pool_map, 0, 0, it.kv_head, 0, block, f);
           }
         } else if (load) {
           for (int c = lane; c < 2 * kMmaTile * kChunks; c += 32) {
@@ -691,7 +690,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
               src = pool + PoolOffset(a.pool, block, kv, it.kv_head, key & bs_mask) + ch * 8;
               bytes = 16;
             }
-            CpAsync16(dk + StageOffset(kv, r, ch, bs_shift), src, bytes);
+            CpAsync16(dk + StageOffset<kD>(kv, r, ch, bs_shift), src, bytes);
           }
         }
         MbarArriveOnCpAsync(f);
@@ -893,7 +892,7 @@ template <typename T, int kD>
 int LaunchStream(const AttnArgs& a, const SplitPlan& plan, Partials part, unsigned* sched, cudaStream_t stream) {
   const int per_sm = StreamCtasPerSm<T, kD>();
   CUtensorMap map{};
-  const bool use_tma = EncodePoolMap(a, a.pool.block_size, &map, kDecodeL2Promotion, /*kv_box=*/2);
+  const bool use_tma = EncodePoolMap(a, a.pool.block_size, &map, kDecodeL2Promotion, /*kv_box=*/2, /*split_rows=*/true);
   const int64_t items = int64_t{a.num_tokens} * a.pool.num_kv_heads * plan.num_splits;
   if (items >= (int64_t{1} << 31)) return static_cast<int>(cudaErrorInvalidValue);
   const int sms = plan.num_sms > 0 ? plan.num_sms : 132;
