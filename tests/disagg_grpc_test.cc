@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <random>
 #include <set>
@@ -378,6 +379,46 @@ TEST_F(DisaggGrpcTest, InvalidDisaggregatedRequestsAreRejected) {
   EXPECT_THAT(stale_out.kv_transfer_error, HasSubstr("instance"));
   again.Finish();
 
+  ExpectIdle(decode->stub(), "decode");
+  ExpectIdle(prefill->stub(), "prefill");
+}
+
+// The reservation names the decode worker's pool blocks for the prompt (one
+// per prompt block, distinct), the SEND carries the reservation forwarded
+// whole (SendRequest does, as the router does), and a forwarded reservation
+// that disagrees with the SEND's own fields, or names a negative block, is
+// INVALID_ARGUMENT before anything runs.
+TEST_F(DisaggGrpcTest, ReservationNamesItsDestinationBlocks) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode();
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(31, 40), 4);  // 3 blocks of 16
+  ReceiveStream receive(decode->stub(), req);
+  ASSERT_TRUE(receive.reserved());
+  const v1::KvReservation& r = receive.reservation();
+  ASSERT_EQ(r.block_ids_size(), 3);
+  std::set<int32_t> distinct(r.block_ids().begin(), r.block_ids().end());
+  EXPECT_EQ(distinct.size(), 3u);
+  for (int32_t id : r.block_ids()) EXPECT_GE(id, 0);
+
+  auto refused = [&](const std::function<void(v1::KvReservation*)>& edit, const std::string& says) {
+    v1::GenerateRequest send = SendRequest(req, decode->address(), r);
+    edit(send.mutable_kv_transfer()->mutable_reservation());
+    const Output out = Generate(prefill->stub(), send);
+    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << says;
+    EXPECT_THAT(out.status.error_message(), HasSubstr(says));
+  };
+  refused([](v1::KvReservation* x) { x->set_cached_tokens(x->cached_tokens() + 16); }, "does not match");
+  refused([](v1::KvReservation* x) { x->set_reservation_token("another token"); }, "does not match");
+  refused([](v1::KvReservation* x) { x->set_block_ids(1, -2); }, "block_ids holds -2");
+
+  // The forwarded reservation, unchanged: the split request completes.
+  Output sent = Generate(prefill->stub(), SendRequest(req, decode->address(), r));
+  EXPECT_TRUE(sent.status.ok()) << sent.status.error_message();
+  EXPECT_EQ(sent.kv_transfer_error, "");
+  const Output received = receive.Finish();
+  ASSERT_TRUE(received.status.ok()) << received.status.error_message();
+  ExpectSameOutput(Combine(sent, received), Aggregated(req), "forwarded reservation");
   ExpectIdle(decode->stub(), "decode");
   ExpectIdle(prefill->stub(), "prefill");
 }

@@ -217,6 +217,7 @@ void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
           kv->set_decode_cached_tokens(msg.reservation().cached_tokens());
           kv->set_decode_instance_id(msg.reservation().instance_id());
           kv->set_reservation_token(msg.reservation().reservation_token());
+          *kv->mutable_reservation() = msg.reservation();
           LaunchLocked(CallKind::kSend, placement_.prefill, std::move(send), placement_.prefill_cached_tokens);
           break;
         }

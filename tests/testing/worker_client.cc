@@ -243,6 +243,7 @@ v1::GenerateRequest SendRequest(v1::GenerateRequest req, const std::string& deco
   kv->set_decode_cached_tokens(r.cached_tokens());
   kv->set_decode_instance_id(r.instance_id());
   kv->set_reservation_token(r.reservation_token());
+  *kv->mutable_reservation() = r;
   return req;
 }
 

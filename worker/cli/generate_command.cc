@@ -118,6 +118,7 @@ int RunGenerate(const GenerateOptions& opt) {
     kv->set_decode_cached_tokens(resp.reservation().cached_tokens());
     kv->set_decode_instance_id(resp.reservation().instance_id());
     kv->set_reservation_token(resp.reservation().reservation_token());
+    *kv->mutable_reservation() = resp.reservation();
   }
 
   grpc::ClientContext ctx;

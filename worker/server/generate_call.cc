@@ -238,6 +238,7 @@ class GenerateCall final {
     out->set_cached_tokens(r->cached_tokens);
     out->set_instance_id(c_.service->instance_id());
     out->set_timeout_ms(reserve_timeout_ms_);
+    out->mutable_block_ids()->Assign(r->blocks.begin(), r->blocks.end());
     MaybeWriteLocked();
   }
 

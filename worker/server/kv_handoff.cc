@@ -669,6 +669,23 @@ absl::Status KvHandoff::CheckTransfer(const tandem::v1::KvTransferParams& kv, in
   // Where this worker would connect, checked before anything runs (SSRF).
   RETURN_IF_ERROR(sender_->CheckDecodeAddress(kv.decode_address()));
   const int bs = engine_->config().block_size;
+  if (kv.has_reservation()) {
+    // The reservation forwarded whole must say what the fields above say.
+    const tandem::v1::KvReservation& r = kv.reservation();
+    if (r.reservation_id() != kv.reservation_id() || r.cached_tokens() != kv.decode_cached_tokens() ||
+        r.instance_id() != kv.decode_instance_id() || r.reservation_token() != kv.reservation_token()) {
+      return absl::InvalidArgumentError(
+          "kv_transfer.reservation does not match kv_transfer's reservation_id, decode_cached_tokens, "
+          "decode_instance_id and reservation_token: forward the decode worker's KvReservation unchanged");
+    }
+    // The ids are the decode worker's blocks (its block size, which may
+    // differ: that is refused later, by the layout check, with its reason).
+    for (int32_t id : r.block_ids()) {
+      if (id < 0) {
+        return absl::InvalidArgumentError(absl::StrFormat("kv_transfer.reservation.block_ids holds %d", id));
+      }
+    }
+  }
   if (kv.decode_cached_tokens() < 0 || kv.decode_cached_tokens() % bs != 0 ||
       (prompt_len > 0 && kv.decode_cached_tokens() >= prompt_len)) {
     return absl::InvalidArgumentError(
