@@ -58,6 +58,19 @@ __device__ __forceinline__ int64_t PoolOffset(const PoolView& p, int64_t block, 
   return block * p.block_stride + kv * p.kv_stride + head * p.head_stride + int64_t{slot} * p.head_dim;
 }
 
+// A persistent kernel's exit, by one thread of each CTA after the CTA took
+// its last item from the work counter sched[0]: counts the CTA out in
+// sched[1], and the last CTA out sets both back to zero for the next launch
+// (every CTA has taken its last item before it counts itself out).
+__device__ __forceinline__ void ReleaseWorkCounter(unsigned* sched) {
+  __threadfence();
+  if (atomicAdd(&sched[1], 1u) == gridDim.x - 1) {
+    sched[0] = 0;
+    sched[1] = 0;
+    __threadfence();
+  }
+}
+
 // The sequence a token belongs to: the last s with query_start[s] <= token.
 __device__ __forceinline__ int SequenceOf(const int* query_start, int num_seqs, int token) {
   int lo = 0, hi = num_seqs - 1;

@@ -373,7 +373,6 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
                                                            int tiles_x, int num_items, unsigned* sched) {
   constexpr int kN = 128;
   constexpr int kM = 128;
-  constexpr int kThreads = 384;
   constexpr int kChunks = kD / 8;
   constexpr int kRowBytes = kD * 2;
   constexpr int kTileBytes = kN * kRowBytes;
@@ -549,15 +548,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     }
     CpAsyncWait<0>();
     if constexpr (kPersistent) {
-      // The last CTA out resets the work counter for the next launch.
-      if (ptid == 0) {
-        __threadfence();
-        if (atomicAdd(&sched[1], 1u) == gridDim.x - 1) {
-          sched[0] = 0;
-          sched[1] = 0;
-          __threadfence();
-        }
-      }
+      if (ptid == 0) ReleaseWorkCounter(sched);
     }
     return;
   }

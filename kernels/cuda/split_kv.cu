@@ -704,16 +704,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       if (cur.done) break;
       cur = next;
     }
-    if (lane == 0) {
-      // The last CTA out resets the counters for the next launch (every CTA
-      // has taken its last item before it counts itself out).
-      __threadfence();
-      if (atomicAdd(&sched[1], 1u) == gridDim.x - 1) {
-        sched[0] = 0;
-        sched[1] = 0;
-        __threadfence();
-      }
-    }
+    if (lane == 0) ReleaseWorkCounter(sched);
     return;
   }
 

@@ -293,6 +293,41 @@ static bool RunCase(const Case& c, int variant, bool decode = false, int kps = 0
   return ok2;
 }
 
+// The launch arguments of a dense benchmark batch: `batch` sequences over a
+// pool of num_blocks pages (K and V of Hkv heads per page), bf16.
+static AttnArgs BenchArgs(void* pool, int num_blocks, int bs, int D, int H, int Hkv, void* q, void* out, int* qs,
+                          int* ctx, int32_t* table, int blocks_per_seq, int* error, int batch, int tokens, int max_q,
+                          int max_ctx, bool causal) {
+  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride;
+  AttnArgs a;
+  a.elem = Elem::kBF16;
+  a.q = q;
+  a.q_stride = int64_t{H} * D;
+  a.out = out;
+  a.pool.kv = pool;
+  a.pool.block_stride = 2 * kv_stride;
+  a.pool.kv_stride = kv_stride;
+  a.pool.head_stride = head_stride;
+  a.pool.num_blocks = num_blocks;
+  a.pool.block_size = bs;
+  a.pool.head_dim = D;
+  a.pool.num_kv_heads = Hkv;
+  a.num_heads = H;
+  a.group = H / Hkv;
+  a.scale = 1.0f / std::sqrt(float(D));
+  a.causal = causal;
+  a.num_seqs = batch;
+  a.query_start = qs;
+  a.context_lens = ctx;
+  a.block_tables = table;
+  a.max_blocks_per_seq = blocks_per_seq;
+  a.error = error;
+  a.num_tokens = tokens;
+  a.max_q_len = max_q;
+  a.max_context = max_ctx;
+  return a;
+}
+
 // Causal (or full) prefill of `batch` sequences of `seqlen` tokens, H heads,
 // head_dim 128, bf16; returns the median ms of `iters` launches.
 static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, int bs, bool causal, double* tflops) {
@@ -328,32 +363,8 @@ static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, i
   CK(cudaMemcpy(d_ctx, ctx.data(), ctx.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemset(d_err, 0, 256));
-  AttnArgs a;
-  a.elem = Elem::kBF16;
-  a.q = d_q;
-  a.q_stride = int64_t{H} * D;
-  a.out = d_out;
-  a.pool.kv = d_pool;
-  a.pool.block_stride = block_stride;
-  a.pool.kv_stride = kv_stride;
-  a.pool.head_stride = head_stride;
-  a.pool.num_blocks = num_blocks;
-  a.pool.block_size = bs;
-  a.pool.head_dim = D;
-  a.pool.num_kv_heads = Hkv;
-  a.num_heads = H;
-  a.group = H / Hkv;
-  a.scale = 1.0f / std::sqrt(float(D));
-  a.causal = causal;
-  a.num_seqs = batch;
-  a.query_start = d_qs;
-  a.context_lens = d_ctx;
-  a.block_tables = d_table;
-  a.max_blocks_per_seq = blocks_per_seq;
-  a.error = d_err;
-  a.num_tokens = static_cast<int>(T);
-  a.max_q_len = seqlen;
-  a.max_context = seqlen;
+  const AttnArgs a = BenchArgs(d_pool, num_blocks, bs, D, H, Hkv, d_q, d_out, d_qs, d_ctx, d_table, blocks_per_seq,
+                               d_err, batch, static_cast<int>(T), seqlen, seqlen, causal);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -423,32 +434,8 @@ static double DBench(int variant, int kps, int batch, int ctx, int H, int Hkv, i
   CK(cudaMemcpy(d_qs, qs.data(), qs.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_ctx, ctxs.data(), ctxs.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-  AttnArgs a;
-  a.elem = Elem::kBF16;
-  a.q = d_q;
-  a.q_stride = int64_t{H} * D;
-  a.out = d_out;
-  a.pool.kv = d_pool;
-  a.pool.block_stride = block_stride;
-  a.pool.kv_stride = kv_stride;
-  a.pool.head_stride = head_stride;
-  a.pool.num_blocks = num_blocks;
-  a.pool.block_size = bs;
-  a.pool.head_dim = D;
-  a.pool.num_kv_heads = Hkv;
-  a.num_heads = H;
-  a.group = H / Hkv;
-  a.scale = 1.0f / std::sqrt(float(D));
-  a.causal = true;
-  a.num_seqs = batch;
-  a.query_start = d_qs;
-  a.context_lens = d_ctx;
-  a.block_tables = d_table;
-  a.max_blocks_per_seq = blocks_per_seq;
-  a.error = d_ws;
-  a.num_tokens = batch;
-  a.max_q_len = 1;
-  a.max_context = ctx;
+  const AttnArgs a = BenchArgs(d_pool, num_blocks, bs, D, H, Hkv, d_q, d_out, d_qs, d_ctx, d_table, blocks_per_seq,
+                               d_ws, batch, batch, 1, ctx, true);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
