@@ -101,4 +101,55 @@ std::vector<std::string> TransportRegistry::names() const {
   return out;
 }
 
+namespace {
+class Completed final : public WriteFence {
+ public:
+  MemoryType memory() const override { return MemoryType::kHost; }
+  absl::Status Wait(Deadline) const override { return absl::OkStatus(); }
+};
+}  // namespace
+
+std::shared_ptr<const WriteFence> CompletedFence() {
+  static const std::shared_ptr<const WriteFence> fence = std::make_shared<Completed>();
+  return fence;
+}
+
+absl::StatusOr<std::string> Transport::Pair(const PeerInfo& peer, PairRole role, std::string_view offer,
+                                            Deadline deadline, TransferDone done) {
+  (void)role;
+  (void)offer;
+  if (std::chrono::steady_clock::now() >= deadline) {
+    return absl::DeadlineExceededError("pairing: the deadline passed before it started");
+  }
+  if (absl::Status st = AddPeer(peer); !st.ok()) return st;
+  done(absl::OkStatus());
+  return std::string();
+}
+
+absl::StatusOr<uint64_t> Transport::PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                              std::shared_ptr<const WriteFence> after, uint64_t tag, Deadline deadline,
+                                              TransferDone done) {
+  (void)tag;
+  if (after == nullptr) return absl::InvalidArgumentError("PushAfter: no write fence");
+  if (after->memory() == MemoryType::kCuda && !capabilities().Moves(MemoryType::kCuda)) {
+    return absl::FailedPreconditionError(absl::StrCat("PushAfter: the ", backend(),
+                                                      " transport does not move GPU memory, and the blocks' writes are "
+                                                      "a GPU fence"));
+  }
+  if (absl::Status st = after->Wait(deadline); !st.ok()) return st;
+  return Push(agent_id, std::move(blocks), deadline, std::move(done));
+}
+
+absl::StatusOr<uint64_t> Transport::Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
+                                            Deadline deadline, TransferDone done) {
+  (void)agent_id;
+  (void)blocks;
+  (void)tag;
+  (void)deadline;
+  (void)done;
+  return absl::UnimplementedError(absl::StrCat("the ", backend(),
+                                               " transport is one-sided: it reads or writes the peer's pool without "
+                                               "a matching Receive"));
+}
+
 }  // namespace tandem::kvtransfer

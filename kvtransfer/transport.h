@@ -103,6 +103,28 @@ struct TransportCapabilities {
 using TransferDone = std::function<void(absl::Status)>;
 using Deadline = std::chrono::steady_clock::time_point;
 
+// The completion of the writes a transfer reads (the prefill step that wrote
+// the blocks): PushAfter starts nothing before it completed, so a transfer
+// never rests on a host-side guess about when the engine's writes landed.
+class WriteFence {
+ public:
+  virtual ~WriteFence() = default;
+  // Where the writes happen (a kCuda fence is an event on the GPU's stream).
+  virtual MemoryType memory() const = 0;
+  // Blocks this thread until the writes completed: OK, or DeadlineExceeded
+  // once `deadline` passed first (or the writes' own error).
+  virtual absl::Status Wait(Deadline deadline) const = 0;
+  // kCuda: the cudaEvent_t recorded after the writes, for a GPU transport to
+  // order its copies after on a stream of its own (no host wait); else null.
+  virtual void* cuda_event() const { return nullptr; }
+};
+
+// A fence whose writes have completed (host memory; or a step that ended in
+// a synchronize, as the CPU and CUDA runners' steps do today).
+std::shared_ptr<const WriteFence> CompletedFence();
+
+enum class PairRole { kInitiator, kResponder };
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -142,6 +164,31 @@ class Transport {
   // Cancels a transfer in flight: `done` gets Cancelled unless it already
   // completed. Unknown ids are ignored.
   virtual void Cancel(uint64_t transfer_id) = 0;
+
+  // The two-sided contract (send/receive backends; docs/plans/issue-21-pairing.md).
+  //
+  // Pair: joins a peer for transfers in which both sides take part. The
+  // initiator passes an empty `offer` and hands the string it gets back to
+  // the peer (over gRPC), whose Pair(kResponder) takes it; `done` follows
+  // once on each side, OK when both joined. Errors before anything starts
+  // are returned and `done` is not called. Default, for one-sided backends
+  // (they need no pairing): AddPeer(peer), then done(OK) on this thread;
+  // the offer is "".
+  virtual absl::StatusOr<std::string> Pair(const PeerInfo& peer, PairRole role, std::string_view offer,
+                                           Deadline deadline, TransferDone done);
+  // Push that starts only once `after` completed; `tag` names the transfer
+  // to the peer's Receive (the reservation id). Default: a kCuda fence on a
+  // transport that does not move GPU memory is FailedPrecondition; otherwise
+  // waits for the fence on this thread (bounded by `deadline`; its error is
+  // returned and `done` not called), then Push.
+  virtual absl::StatusOr<uint64_t> PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                             std::shared_ptr<const WriteFence> after, uint64_t tag, Deadline deadline,
+                                             TransferDone done);
+  // Send/receive backends: the receiving half of the peer's PushAfter(tag)
+  // into local blocks pair.dst. Default: Unimplemented (one-sided backends
+  // write or read the peer's memory without its taking part).
+  virtual absl::StatusOr<uint64_t> Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
+                                           Deadline deadline, TransferDone done);
 };
 
 // The transports by name: `tandem worker --kv-transport NAME` and the

@@ -20,14 +20,16 @@ absl::StatusOr<Faults> ParseFaults(absl::string_view spec) {
       f.corrupt = true;
     } else if (kv.first == "fail_submit" && kv.second.empty()) {
       f.fail_submit = true;
+    } else if (kv.first == "fail_pair" && kv.second.empty()) {
+      f.fail_pair = true;
     } else if (kv.first == "delay_ms" && has_value) {
       f.delay = std::chrono::milliseconds(value);
     } else if (kv.first == "fail_after_blocks" && has_value) {
       f.fail_after_blocks = value;
     } else {
       return absl::InvalidArgumentError(absl::StrCat("bad fault '", item,
-                                                     "': expected drop, corrupt, fail_submit, delay_ms=N or "
-                                                     "fail_after_blocks=N"));
+                                                     "': expected drop, corrupt, fail_submit, fail_pair, "
+                                                     "delay_ms=N or fail_after_blocks=N"));
     }
   }
   return f;
@@ -183,6 +185,15 @@ void FaultInjectingTransport::TimerLoop() {
     // stop_ may have been set (and notified) while the lock was released above.
     if (!stop_) cv_.wait_until(lock, next);
   }
+}
+
+absl::StatusOr<std::string> FaultInjectingTransport::Pair(const PeerInfo& peer, PairRole role, std::string_view offer,
+                                                          Deadline deadline, TransferDone done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (faults_.fail_pair) return absl::UnavailableError("injected: pairing with the peer failed");
+  }
+  return inner_->Pair(peer, role, offer, deadline, std::move(done));
 }
 
 }  // namespace tandem::kvtransfer

@@ -10,7 +10,10 @@
 //              (what a checksum must catch);
 //   - fail_after_blocks = N: only the first N pairs are copied, then `done`
 //              gets Unavailable ("peer lost mid-transfer");
-//   - fail_submit: Push/Pull return Unavailable at once.
+//   - fail_submit: Push/Pull return Unavailable at once;
+//   - fail_pair: Pair returns Unavailable at once.
+// PushAfter (the Transport default) waits for its fence, then Push: every
+// fault applies to it.
 // Faults apply to the transfers started after SetFaults.
 //
 // Thread-safe.
@@ -36,9 +39,10 @@ struct Faults {
   bool corrupt = false;
   int fail_after_blocks = -1;  // -1: off
   bool fail_submit = false;
+  bool fail_pair = false;
 };
 
-// Parses "drop", "corrupt", "fail_submit", "delay_ms=N", "fail_after_blocks=N",
+// Parses "drop", "corrupt", "fail_submit", "fail_pair", "delay_ms=N", "fail_after_blocks=N",
 // comma-separated (e.g. "delay_ms=200,corrupt"); "" is no fault.
 absl::StatusOr<Faults> ParseFaults(absl::string_view spec);
 
@@ -63,6 +67,12 @@ class FaultInjectingTransport final : public Transport {
   absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
                                 TransferDone done) override;
   void Cancel(uint64_t transfer_id) override;
+  absl::StatusOr<std::string> Pair(const PeerInfo& peer, PairRole role, std::string_view offer, Deadline deadline,
+                                   TransferDone done) override;
+  absl::StatusOr<uint64_t> Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
+                                   Deadline deadline, TransferDone done) override {
+    return inner_->Receive(agent_id, std::move(blocks), tag, deadline, std::move(done));
+  }
 
  private:
   // A transfer the wrapper holds: dropped (until deadline/cancel) or delayed.

@@ -1,8 +1,10 @@
 #include "kvtransfer/loopback/loopback_transport.h"
 
+#include <atomic>
 #include <future>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "kvtransfer/loopback/fault_injecting_transport.h"
@@ -189,6 +191,141 @@ TEST(FaultInjectingTransportTest, FailSubmitRefusesAtOnce) {
   EXPECT_EQ(RunPush(*p.a, p.b_id(), {{1, 1}}).code(), absl::StatusCode::kUnavailable);
   p.faults->SetFaults({});
   EXPECT_TRUE(RunPush(*p.a, p.b_id(), {{1, 1}}).ok());
+}
+
+// ---- The two-sided contract's defaults (one-sided backends) ----------------
+
+// A host fence that completes when the test says so, counting the waits.
+class TestFence final : public WriteFence {
+ public:
+  explicit TestFence(MemoryType memory = MemoryType::kHost) : memory_(memory) {}
+  MemoryType memory() const override { return memory_; }
+  absl::Status Wait(Deadline deadline) const override {
+    ++waits_;
+    while (!done_.load()) {
+      if (std::chrono::steady_clock::now() >= deadline) return absl::DeadlineExceededError("fence: not yet");
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    return absl::OkStatus();
+  }
+  void Complete() { done_ = true; }
+  int waits() const { return waits_.load(); }
+
+ private:
+  MemoryType memory_;
+  std::atomic<bool> done_{false};
+  mutable std::atomic<int> waits_{0};
+};
+
+TEST(TransportContractTest, PairConnectsAOneSidedBackendAndCallsBackOnce) {
+  auto fabric = std::make_shared<LoopbackFabric>();
+  LoopbackTransport a(fabric), b(fabric);
+  Pool pool_a(8, 1), pool_b(8, 2);
+  ASSERT_TRUE(a.RegisterPool(Layout(8), pool_a.bytes.data()).ok());
+  ASSERT_TRUE(b.RegisterPool(Layout(8), pool_b.bytes.data()).ok());
+  int calls = 0;
+  absl::Status got = absl::UnknownError("not called");
+  absl::StatusOr<std::string> offer =
+      a.Pair(*b.LocalInfo(), PairRole::kInitiator, "", std::chrono::steady_clock::now() + milliseconds(1000),
+             [&](absl::Status st) {
+               ++calls;
+               got = st;
+             });
+  ASSERT_TRUE(offer.ok()) << offer.status();
+  EXPECT_EQ(*offer, "");
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(got.ok()) << got;
+  // Paired means connected: a push to the peer works.
+  EXPECT_TRUE(RunPush(a, b.LocalInfo()->agent_id, {{1, 2}}).ok());
+  EXPECT_TRUE(pool_b.BlockEquals(2, pool_a, 1));
+  // An incompatible peer, or a passed deadline: returned, no callback.
+  LoopbackTransport c(fabric);
+  Pool pool_c(8, 3);
+  PoolLayout other = Layout(8);
+  other.head_dim = 8;
+  ASSERT_TRUE(c.RegisterPool(other, pool_c.bytes.data()).ok());
+  EXPECT_EQ(a.Pair(*c.LocalInfo(), PairRole::kInitiator, "", std::chrono::steady_clock::now() + milliseconds(1000),
+                   [&](absl::Status) { ++calls; })
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a.Pair(*b.LocalInfo(), PairRole::kResponder, "", std::chrono::steady_clock::now() - milliseconds(1),
+                   [&](absl::Status) { ++calls; })
+                .status()
+                .code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(TransportContractTest, PushAfterStartsOnlyOnceTheWritesCompleted) {
+  Pair p;
+  auto fence = std::make_shared<TestFence>();
+  // Not completed by the deadline: returned, nothing moved, no callback.
+  bool called = false;
+  absl::StatusOr<uint64_t> late =
+      p.a->PushAfter(p.b_id(), {{3, 4}}, fence, /*tag=*/7, std::chrono::steady_clock::now() + milliseconds(30),
+                     [&](absl::Status) { called = true; });
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(called);
+  EXPECT_FALSE(p.pool_b.BlockEquals(4, p.pool_a, 3));
+  // Completed while PushAfter waits: the push follows, and lands.
+  std::thread writer([&] {
+    std::this_thread::sleep_for(milliseconds(20));
+    fence->Complete();
+  });
+  auto promise = std::make_shared<std::promise<absl::Status>>();
+  absl::StatusOr<uint64_t> id =
+      p.a->PushAfter(p.b_id(), {{3, 4}}, fence, /*tag=*/7, std::chrono::steady_clock::now() + milliseconds(5000),
+                     [promise](absl::Status st) { promise->set_value(st); });
+  writer.join();
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto future = promise->get_future();
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_TRUE(future.get().ok());
+  EXPECT_TRUE(p.pool_b.BlockEquals(4, p.pool_a, 3));
+  EXPECT_EQ(fence->waits(), 2);
+  // The completed fence pushes at once.
+  EXPECT_TRUE(CompletedFence()->Wait(std::chrono::steady_clock::now()).ok());
+}
+
+TEST(TransportContractTest, AGpuFenceOnAHostTransportAndReceiveOnAOneSidedOneAreRefused) {
+  Pair p;
+  auto gpu = std::make_shared<TestFence>(MemoryType::kCuda);
+  gpu->Complete();
+  absl::StatusOr<uint64_t> id = p.a->PushAfter(
+      p.b_id(), {{1, 1}}, gpu, 1, std::chrono::steady_clock::now() + milliseconds(1000), [](absl::Status) {});
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(gpu->waits(), 0);
+  EXPECT_EQ(p.a->PushAfter(p.b_id(), {{1, 1}}, nullptr, 1, std::chrono::steady_clock::now() + milliseconds(1000),
+                           [](absl::Status) {})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(p.b->Receive(p.a->LocalInfo()->agent_id, {{1, 1}}, 1, std::chrono::steady_clock::now() + milliseconds(1000),
+                         [](absl::Status) {})
+                .status()
+                .code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+TEST(FaultInjectingTransportTest, FailPairRefusesPairingAndPushAfterMeetsEveryFault) {
+  ASSERT_TRUE(ParseFaults("fail_pair")->fail_pair);
+  Pair p(/*faulty_a=*/true);
+  p.faults->SetFaults(*ParseFaults("fail_pair"));
+  bool called = false;
+  EXPECT_EQ(p.a->Pair(*p.b->LocalInfo(), PairRole::kInitiator, "",
+                      std::chrono::steady_clock::now() + milliseconds(1000), [&](absl::Status) { called = true; })
+                .status()
+                .code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(called);
+  // PushAfter goes through the wrapper's Push: fail_submit applies.
+  p.faults->SetFaults(*ParseFaults("fail_submit"));
+  EXPECT_EQ(p.a->PushAfter(p.b_id(), {{1, 1}}, CompletedFence(), 1,
+                           std::chrono::steady_clock::now() + milliseconds(1000), [](absl::Status) {})
+                .status()
+                .code(),
+            absl::StatusCode::kUnavailable);
 }
 
 TEST(FaultInjectingTransportTest, ManyConcurrentTransfersAllComplete) {

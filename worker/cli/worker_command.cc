@@ -94,6 +94,10 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
   }
   if (!opt.kv_fault.empty()) {
     ASSIGN_OR_RETURN(kvtransfer::Faults faults, kvtransfer::ParseFaults(opt.kv_fault));
+    if (faults.fail_pair) {
+      return absl::InvalidArgumentError(
+          "--kv-fault fail_pair: workers do not pair yet (they pull; the push delivery of issue 21 is not built)");
+    }
     auto faulty = std::make_unique<kvtransfer::FaultInjectingTransport>(std::move(t));
     faulty->SetFaults(faults);
     LOG(WARNING) << "KV transport faults injected: " << opt.kv_fault;
