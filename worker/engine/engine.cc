@@ -595,7 +595,14 @@ void Engine::Step() {
       if (seq.sink) seq.sink->OnToken(tok);
       if (seq.on_prefilled) {
         handoffs.push_back(seq.id);
-        seq.on_prefilled(Prefilled{.id = seq.id, .first = tok, .blocks = seq.blocks, .prompt_len = seq.prompt_len});
+        // Completed: every runner's Step returns after its KV writes landed
+        // (the CUDA runner synchronizes its stream). A runner that returns
+        // earlier hands its own fence here (issue 21's cuda_ipc work).
+        seq.on_prefilled(Prefilled{.id = seq.id,
+                                   .first = tok,
+                                   .blocks = seq.blocks,
+                                   .prompt_len = seq.prompt_len,
+                                   .written = kvtransfer::CompletedFence()});
         continue;
       }
     }

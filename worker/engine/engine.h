@@ -82,6 +82,10 @@ struct Prefilled {
   SampledToken first;
   std::vector<int32_t> blocks;  // blocks of the whole prompt, in order
   int prompt_len = 0;
+  // The completion of the prompt's KV writes: a transfer of `blocks` starts
+  // after it (Transport::PushAfter, or a Wait before a pull is offered).
+  // Never null.
+  std::shared_ptr<const kvtransfer::WriteFence> written;
 };
 
 struct GenerateSpec {

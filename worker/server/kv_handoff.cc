@@ -530,6 +530,14 @@ void KvSender::Start(Job job, SendDone done) {
     fail_unsent("the hold timeout passed before KvReady could be sent");
     return;
   }
+  // The decode worker may pull (and this worker checksums) only what the
+  // prefill step has finished writing.
+  if (job.prefilled.written != nullptr) {
+    if (absl::Status w = job.prefilled.written->Wait(deadline); !w.ok()) {
+      fail_unsent(absl::StrCat("the prompt's KV writes did not complete: ", w.message()));
+      return;
+    }
+  }
   absl::StatusOr<kvtransfer::PeerInfo> local = transport_ != nullptr
                                                    ? transport_->LocalInfo()
                                                    : absl::FailedPreconditionError("this worker has no KV transport");
