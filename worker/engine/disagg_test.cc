@@ -311,6 +311,44 @@ TEST_F(DisaggTest, ReportedPrefillFailureFallsBackOrFailsAsConfigured) {
   EXPECT_EQ((*strict)->GetLoad().quarantined_blocks, 0);
 }
 
+TEST_F(DisaggTest, PinnedReservationStaysQuarantinedPastACancel) {
+  // decode_'s quarantine is 50 ms; a pin of 400 ms keeps a cancelled
+  // reservation's blocks out of use that long (a sender may still be
+  // writing into them), then they return to the pool.
+  GenerateSpec spec = Spec(Prompt(33, 9), 4, std::nullopt);
+  auto sink = std::make_shared<CollectSink>();
+  std::promise<absl::StatusOr<Reservation>> reserved;
+  decode_->Reserve(spec, sink, std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                   [&](absl::StatusOr<Reservation> r) { reserved.set_value(std::move(r)); });
+  absl::StatusOr<Reservation> res = reserved.get_future().get();
+  ASSERT_TRUE(res.ok()) << res.status();
+
+  std::promise<absl::Status> pinned;
+  const auto pinned_at = std::chrono::steady_clock::now();
+  decode_->PinReservation(res->id, pinned_at + milliseconds(400), [&](absl::Status st) { pinned.set_value(st); });
+  ASSERT_TRUE(pinned.get_future().get().ok());
+  decode_->Cancel(res->id);
+  ASSERT_TRUE(sink->Wait());
+  EXPECT_EQ(sink->info().reason, FinishReason::kAbort);
+  for (int i = 0; i < 100 && decode_->GetLoad().quarantined_blocks == 0; ++i)
+    std::this_thread::sleep_for(milliseconds(5));
+  std::this_thread::sleep_for(milliseconds(150));  // three quarantines
+  if (std::chrono::steady_clock::now() < pinned_at + milliseconds(350)) {
+    EXPECT_EQ(decode_->GetLoad().quarantined_blocks, 3);  // ceil(33 / 16), none cached
+  }
+  ExpectIdle(*decode_);
+  for (int i = 0; i < 100 && decode_->GetLoad().quarantined_blocks != 0; ++i)
+    std::this_thread::sleep_for(milliseconds(10));
+  EXPECT_EQ(decode_->GetLoad().quarantined_blocks, 0);
+  EXPECT_GE(std::chrono::steady_clock::now() - pinned_at, milliseconds(400));
+
+  // Pinning what is not a waiting reservation: NotFound.
+  std::promise<absl::Status> unknown;
+  decode_->PinReservation(res->id, std::chrono::steady_clock::now() + milliseconds(100),
+                          [&](absl::Status st) { unknown.set_value(st); });
+  EXPECT_EQ(unknown.get_future().get().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(DisaggTest, CancelledReservationAndUnreleasedHandOffFreeEverything) {
   auto sink = std::make_shared<CollectSink>();
   std::promise<absl::StatusOr<Reservation>> reserved;

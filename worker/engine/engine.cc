@@ -263,6 +263,12 @@ void Engine::Commit(uint64_t id, SampledToken first, std::function<void(absl::St
   }
 }
 
+void Engine::PinReservation(uint64_t id, Deadline until, std::function<void(absl::Status)> done) {
+  if (!EnqueueIfRunning([&] { pins_.push_back({id, until, std::move(done)}); })) {
+    done(absl::UnavailableError("the engine is not running"));
+  }
+}
+
 void Engine::Fallback(uint64_t id, std::optional<SampledToken> first, std::string why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -295,8 +301,9 @@ void Engine::DropReservationBlocks(Sequence& seq) {
   const size_t shared = static_cast<size_t>(seq.num_hashed);
   Quarantined q{
       .blocks = std::vector<int32_t>(seq.blocks.begin() + shared, seq.blocks.end()),
-      .until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                      std::chrono::duration<double>(config_.transfer_quarantine_s))};
+      .until = std::max(seq.pinned_until, std::chrono::steady_clock::now() +
+                                              std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                  std::chrono::duration<double>(config_.transfer_quarantine_s)))};
   seq.blocks.resize(shared);
   scheduler_.ReleaseBlocks(seq);
   if (!q.blocks.empty()) quarantine_.push_back(std::move(q));
@@ -359,9 +366,11 @@ void Engine::DrainCommands() {
   std::vector<CommitCommand> commits;
   std::vector<uint64_t> releases;
   std::vector<FallbackCommand> fallbacks;
+  std::vector<PinCommand> pins;
   {
     std::lock_guard<std::mutex> lock(mu_);
     fallbacks.swap(fallbacks_);
+    pins.swap(pins_);
     reserves.swap(reserves_);
     commits.swap(commits_);
     releases.swap(releases_);
@@ -373,6 +382,17 @@ void Engine::DrainCommands() {
     clears.swap(clears_);
   }
   for (auto& seq : submitted) scheduler_.Add(std::move(seq));
+  // Pins before cancels: a pin and a cancel of one step keep the blocks out
+  // of use until the pin ends.
+  for (PinCommand& p : pins) {
+    auto r = reserved_.find(p.id);
+    if (r == reserved_.end()) {
+      p.done(absl::NotFoundError(absl::StrFormat("reservation %d is not waiting (unknown, committed or ended)", p.id)));
+      continue;
+    }
+    r->second.seq->pinned_until = std::max(r->second.seq->pinned_until, p.until);
+    p.done(absl::OkStatus());
+  }
   for (uint64_t id : cancelled) {
     std::unique_ptr<Sequence> seq = scheduler_.Remove(id);
     if (seq == nullptr) {
@@ -457,7 +477,7 @@ void Engine::DrainCommands() {
 // DrainCommands empties must be listed here.
 bool Engine::HasWorkLocked() const {
   return stop_ || !submitted_.empty() || !cancelled_.empty() || !clears_.empty() || !reserves_.empty() ||
-         !commits_.empty() || !releases_.empty() || !fallbacks_.empty() || !scheduler_.empty();
+         !commits_.empty() || !pins_.empty() || !releases_.empty() || !fallbacks_.empty() || !scheduler_.empty();
 }
 
 void Engine::Loop() {
@@ -503,13 +523,16 @@ void Engine::Loop() {
   prefilled_.clear();
   std::vector<ReserveCommand> reserves;
   std::vector<CommitCommand> commits;
+  std::vector<PinCommand> pins;
   {
     std::lock_guard<std::mutex> lock(mu_);
     reserves.swap(reserves_);
     commits.swap(commits_);
+    pins.swap(pins_);
   }
   for (auto& r : reserves) r.done(absl::UnavailableError("the engine stopped"));
   for (auto& c : commits) c.done(absl::UnavailableError("the engine stopped"));
+  for (auto& p : pins) p.done(absl::UnavailableError("the engine stopped"));
   for (auto& done : clears) done(absl::UnavailableError("the engine stopped"));
   events_.Publish();
   PublishLoad();

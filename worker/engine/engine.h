@@ -177,6 +177,14 @@ class Engine {
   // when the prefill worker's first token is known, is kept instead of
   // sampling another. Unknown ids are ignored.
   void Fallback(uint64_t id, std::optional<SampledToken> first, std::string why);
+  // Decode side, before a sender writes into reservation `id`'s blocks
+  // (issue 21's push delivery): whatever ends the reservation before `until`
+  // (cancel, expiry, fallback), its blocks stay out of use until then, not
+  // just for the quarantine, so a late write never lands in a block given to
+  // another request. `done` runs on the engine thread: NotFound if `id` is
+  // not a waiting reservation (unknown, committed or ended). Pins taken in a
+  // step apply before that step's cancels.
+  void PinReservation(uint64_t id, Deadline until, std::function<void(absl::Status)> done);
   // Prefill side: the blocks handed over by on_prefilled were sent; free them.
   void ReleasePrefilled(uint64_t id);
 
@@ -263,6 +271,12 @@ class Engine {
   };
   std::vector<ReserveCommand> reserves_ ABSL_GUARDED_BY(mu_);
   std::vector<CommitCommand> commits_ ABSL_GUARDED_BY(mu_);
+  struct PinCommand {
+    uint64_t id;
+    Deadline until;
+    std::function<void(absl::Status)> done;
+  };
+  std::vector<PinCommand> pins_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> releases_ ABSL_GUARDED_BY(mu_);
   struct FallbackCommand {
     uint64_t id;

@@ -37,6 +37,9 @@ struct Sequence {
   int cached_prompt_tokens = 0;  // prompt tokens found in the prefix cache at admission
   bool admitted_before = false;  // a preempted sequence re-enters the queue
   int preemptions = 0;
+  // Decode side: a reservation's blocks stay out of use at least until then
+  // once it ends (Engine::PinReservation).
+  std::chrono::steady_clock::time_point pinned_until{};
 
   // Disaggregation, prefill side: when set, the sequence stops after its
   // first token and the engine hands its blocks over (Engine::Prefilled).
