@@ -83,7 +83,7 @@ struct KvReceiver::Pull {
   std::string agent_id;
   std::vector<kvtransfer::BlockPair> pairs;
   std::vector<uint64_t> checksums;  // per pair, or empty
-  bool peer_held = false;           // EnsurePeer counted this pull
+  bool peer_held = false;           // peers_.Acquire counted this pull
   steady_clock::time_point started;
   steady_clock::duration took{};  // submit -> completion
   SampledToken first;
@@ -93,7 +93,11 @@ struct KvReceiver::Pull {
 
 KvReceiver::KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id,
                        KvHandoffConfig config)
-    : engine_(engine), transport_(transport), instance_id_(std::move(instance_id)), config_(config) {}
+    : engine_(engine),
+      transport_(transport),
+      instance_id_(std::move(instance_id)),
+      config_(config),
+      peers_(transport) {}
 
 std::chrono::milliseconds KvReceiver::ReservationTimeout(uint32_t requested_ms) {
   const std::chrono::milliseconds asked =
@@ -177,47 +181,6 @@ void KvReceiver::Forget(uint64_t reservation_id) {
     EraseLocked(it);
   }
   if (transfer != 0) transport_->Cancel(transfer);
-}
-
-absl::Status KvReceiver::EnsurePeer(const tandem::v1::KvTransferInfo& source) {
-  const auto now = steady_clock::now();
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  auto it = peers_.find(source.agent_id());
-  if (it == peers_.end()) {
-    absl::Status added = transport_->AddPeer(FromProto(source));
-    if (!added.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat("cannot pull KV from the prefill worker: ", added.message()));
-    }
-    it = peers_.emplace(source.agent_id(), PeerUse{}).first;
-  }
-  ++it->second.pulls;
-  it->second.last_used = now;
-  if (peers_.size() > kMaxIdlePeers) {
-    for (auto p = peers_.begin(); p != peers_.end();) {
-      if (p->second.pulls == 0 && now - p->second.last_used > std::chrono::minutes(1)) {
-        transport_->RemovePeer(p->first);
-        p = peers_.erase(p);
-      } else {
-        ++p;
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
-void KvReceiver::ReleasePeer(const std::string& agent_id, bool lost) {
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  auto it = peers_.find(agent_id);
-  if (it == peers_.end()) return;
-  --it->second.pulls;
-  it->second.last_used = steady_clock::now();
-  // A lost peer is forgotten once its pulls have ended (a restarted one
-  // comes back with a new agent id).
-  if (lost) it->second.last_used = {};
-  if (lost && it->second.pulls == 0) {
-    transport_->RemovePeer(agent_id);
-    peers_.erase(it);
-  }
 }
 
 absl::Status CheckKvReadyPrompt(const tandem::v1::KvReadyRequest& req, const KvReadyExpectation& expect,
@@ -332,8 +295,9 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
 
   // From here the reservation is this call's: every path ends in a commit or
   // a fallback.
-  absl::Status peer = EnsurePeer(req.source());
+  absl::Status peer = peers_.Acquire(FromProto(req.source()));
   if (!peer.ok()) {
+    peer = absl::FailedPreconditionError(absl::StrCat("cannot pull KV from the prefill worker: ", peer.message()));
     Fail(pull, ToGrpcStatus(peer), /*fall_back=*/true);
     return;
   }
@@ -375,7 +339,7 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
   if (pull->started != steady_clock::time_point{}) pull->took = steady_clock::now() - pull->started;
   // Off the transport's thread: checksums take a pass over the KV.
   verifier_.Post([this, pull, status = std::move(status)] {
-    ReleasePeer(pull->agent_id, status.code() == absl::StatusCode::kUnavailable);
+    peers_.Release(pull->agent_id, status.code() == absl::StatusCode::kUnavailable);
     pull->peer_held = false;
     if (!status.ok()) {
       Fail(pull, grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("pulling the KV failed: ", status.message())),
@@ -437,7 +401,7 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
 
 void KvReceiver::Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back) {
   ++pull_failures_;
-  if (pull->peer_held) ReleasePeer(pull->agent_id, /*lost=*/false);
+  if (pull->peer_held) peers_.Release(pull->agent_id, /*lost=*/false);
   pull->peer_held = false;
   {
     std::lock_guard<std::mutex> lock(mu_);

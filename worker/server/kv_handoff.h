@@ -59,6 +59,7 @@
 #include "tandem/v1/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
 #include "worker/server/peer_policy.h"
+#include "worker/server/peer_set.h"
 #include "worker/server/worker_role.h"
 
 namespace tandem::worker {
@@ -175,10 +176,6 @@ class KvReceiver {
     uint64_t transfer_id = 0;  // kPulling, once started
   };
   struct Pull;
-  // Connects to the source once per agent id and counts the pull; ReleasePeer
-  // ends it (`lost`: the peer is gone, forget it).
-  absl::Status EnsurePeer(const tandem::v1::KvTransferInfo& source);
-  void ReleasePeer(const std::string& agent_id, bool lost);
   void OnPulled(std::shared_ptr<Pull> pull, absl::Status status);
   void Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back);
   // Erases an entry and gives its caller's charge back. REQUIRES: mu_ held.
@@ -195,16 +192,8 @@ class KvReceiver {
   std::map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);       // by wire reservation id
   std::map<std::string, int64_t> charged_ ABSL_GUARDED_BY(mu_);  // blocks per caller
   int64_t charged_total_ ABSL_GUARDED_BY(mu_) = 0;
-  // Agents added to the transport. Prefill workers come and go (each restart
-  // is a new agent id): beyond kMaxIdlePeers, those idle for a minute are
-  // removed.
-  static constexpr size_t kMaxIdlePeers = 64;
-  struct PeerUse {
-    int pulls = 0;  // in flight
-    std::chrono::steady_clock::time_point last_used;
-  };
-  std::mutex peers_mu_;
-  std::map<std::string, PeerUse> peers_ ABSL_GUARDED_BY(peers_mu_);
+  // The prefill workers pulled from (each restart is a new agent id).
+  PeerSet peers_;
 
   std::atomic<int64_t> pulls_{0}, pull_failures_{0}, checksum_failures_{0}, bytes_pulled_{0};
   std::atomic<int64_t> pull_nanos_{0};

@@ -1,0 +1,57 @@
+#include "worker/server/peer_set.h"
+
+namespace tandem::worker {
+
+using std::chrono::steady_clock;
+
+PeerSet::PeerSet(kvtransfer::Transport* transport, size_t max_idle, steady_clock::duration idle_after)
+    : transport_(transport), max_idle_(max_idle), idle_after_(idle_after) {}
+
+absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer) {
+  const auto now = steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(peer.agent_id);
+  if (it == peers_.end()) {
+    if (absl::Status added = transport_->AddPeer(peer); !added.ok()) return added;
+    it = peers_.emplace(peer.agent_id, Use{}).first;
+  }
+  ++it->second.transfers;
+  it->second.last_used = now;
+  if (peers_.size() > max_idle_) {
+    for (auto p = peers_.begin(); p != peers_.end();) {
+      if (p->second.transfers == 0 && now - p->second.last_used > idle_after_) {
+        transport_->RemovePeer(p->first);
+        p = peers_.erase(p);
+      } else {
+        ++p;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void PeerSet::Release(const std::string& agent_id, bool lost) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(agent_id);
+  if (it == peers_.end()) return;
+  --it->second.transfers;
+  it->second.last_used = steady_clock::now();
+  if (lost) it->second.last_used = {};  // idle since forever: the first to go
+  if (lost && it->second.transfers == 0) {
+    transport_->RemovePeer(agent_id);
+    peers_.erase(it);
+  }
+}
+
+size_t PeerSet::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peers_.size();
+}
+
+int PeerSet::in_flight(const std::string& agent_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(agent_id);
+  return it == peers_.end() ? 0 : it->second.transfers;
+}
+
+}  // namespace tandem::worker

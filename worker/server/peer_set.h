@@ -1,0 +1,56 @@
+// PeerSet: the peers a worker's KV transport is connected to, shared by the
+// transfers that use them. A peer is added to the transport once per agent
+// id (the first transfer that needs it) and counted per transfer in flight;
+// a peer reported lost is removed once its transfers ended (a restarted
+// worker comes back under a new agent id); beyond `max_idle` peers, those
+// idle for `idle_after` are removed when the next one is added. The decode
+// side's pulls use it today; the prefill side's pushes will (issue 21).
+//
+// Thread-safe.
+#ifndef TANDEM_WORKER_SERVER_PEER_SET_H_
+#define TANDEM_WORKER_SERVER_PEER_SET_H_
+
+#include <chrono>
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "kvtransfer/transport.h"
+
+namespace tandem::worker {
+
+class PeerSet {
+ public:
+  PeerSet(kvtransfer::Transport* transport, size_t max_idle = 64,
+          std::chrono::steady_clock::duration idle_after = std::chrono::minutes(1));
+
+  // Connects to `peer` unless it is connected already, and counts a transfer
+  // with it: Release must follow. The transport's AddPeer error otherwise
+  // (nothing is counted).
+  absl::Status Acquire(const kvtransfer::PeerInfo& peer);
+  // Ends a transfer counted by Acquire; `lost`: the peer is gone (removed
+  // once its last transfer ended). Unknown agents are ignored.
+  void Release(const std::string& agent_id, bool lost);
+
+  size_t size() const;
+  // Transfers in flight with `agent_id` (0 for an unknown agent).
+  int in_flight(const std::string& agent_id) const;
+
+ private:
+  struct Use {
+    int transfers = 0;  // in flight
+    std::chrono::steady_clock::time_point last_used;
+  };
+  kvtransfer::Transport* const transport_;
+  const size_t max_idle_;
+  const std::chrono::steady_clock::duration idle_after_;
+  mutable std::mutex mu_;
+  std::map<std::string, Use> peers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tandem::worker
+
+#endif  // TANDEM_WORKER_SERVER_PEER_SET_H_

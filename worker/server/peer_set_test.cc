@@ -1,0 +1,108 @@
+#include "worker/server/peer_set.h"
+
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvtransfer/loopback/loopback_transport.h"
+
+namespace tandem::worker {
+namespace {
+
+using kvtransfer::LoopbackFabric;
+using kvtransfer::LoopbackTransport;
+using kvtransfer::PoolLayout;
+
+PoolLayout Layout() {
+  return PoolLayout{.model = "tiny",
+                    .dtype = "float32",
+                    .num_layers = 1,
+                    .num_kv_heads = 1,
+                    .head_dim = 4,
+                    .block_size = 16,
+                    .num_blocks = 4,
+                    .block_bytes = 256};
+}
+
+// A local transport and `n` peers on one fabric.
+struct Fleet {
+  explicit Fleet(int n) : fabric(std::make_shared<LoopbackFabric>()), local(fabric), pools(n + 1) {
+    for (auto& p : pools) p.resize(4 * 256);
+    EXPECT_TRUE(local.RegisterPool(Layout(), pools[0].data()).ok());
+    for (int i = 0; i < n; ++i) {
+      peers.push_back(std::make_unique<LoopbackTransport>(fabric));
+      EXPECT_TRUE(peers.back()->RegisterPool(Layout(), pools[i + 1].data()).ok());
+    }
+  }
+  kvtransfer::PeerInfo Info(int i) const { return *peers[i]->LocalInfo(); }
+  // True when `local` can push to peer i (it is connected).
+  bool Connected(int i) {
+    absl::StatusOr<uint64_t> id = local.Push(
+        Info(i).agent_id, {{0, 0}}, std::chrono::steady_clock::now() + std::chrono::seconds(5), [](absl::Status) {});
+    return id.ok();
+  }
+  std::shared_ptr<LoopbackFabric> fabric;
+  LoopbackTransport local;
+  std::vector<std::vector<uint8_t>> pools;
+  std::vector<std::unique_ptr<LoopbackTransport>> peers;
+};
+
+TEST(PeerSetTest, AddsAPeerOnceAndCountsItsTransfers) {
+  Fleet f(1);
+  PeerSet set(&f.local);
+  ASSERT_TRUE(set.Acquire(f.Info(0)).ok());
+  ASSERT_TRUE(set.Acquire(f.Info(0)).ok());
+  EXPECT_EQ(set.size(), 1u);
+  EXPECT_EQ(set.in_flight(f.Info(0).agent_id), 2);
+  EXPECT_TRUE(f.Connected(0));
+  set.Release(f.Info(0).agent_id, /*lost=*/false);
+  set.Release(f.Info(0).agent_id, /*lost=*/false);
+  EXPECT_EQ(set.in_flight(f.Info(0).agent_id), 0);
+  EXPECT_EQ(set.size(), 1u);  // idle peers stay connected
+  EXPECT_TRUE(f.Connected(0));
+  set.Release("nobody", /*lost=*/true);  // ignored
+}
+
+TEST(PeerSetTest, ALostPeerGoesOnceItsLastTransferEnded) {
+  Fleet f(1);
+  PeerSet set(&f.local);
+  ASSERT_TRUE(set.Acquire(f.Info(0)).ok());
+  ASSERT_TRUE(set.Acquire(f.Info(0)).ok());
+  set.Release(f.Info(0).agent_id, /*lost=*/true);
+  EXPECT_EQ(set.size(), 1u);  // one transfer still in flight
+  EXPECT_TRUE(f.Connected(0));
+  set.Release(f.Info(0).agent_id, /*lost=*/true);
+  EXPECT_EQ(set.size(), 0u);
+  EXPECT_FALSE(f.Connected(0));
+}
+
+TEST(PeerSetTest, AnIncompatiblePeerIsNotCounted) {
+  Fleet f(1);
+  PeerSet set(&f.local);
+  kvtransfer::PeerInfo other = f.Info(0);
+  other.layout.head_dim = 8;
+  absl::Status st = set.Acquire(other);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(set.size(), 0u);
+}
+
+TEST(PeerSetTest, BeyondTheLimitIdlePeersAreRemoved) {
+  Fleet f(3);
+  PeerSet set(&f.local, /*max_idle=*/2, /*idle_after=*/std::chrono::milliseconds(20));
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(set.Acquire(f.Info(i)).ok());
+    set.Release(f.Info(i).agent_id, /*lost=*/false);
+  }
+  ASSERT_TRUE(set.Acquire(f.Info(0)).ok());  // peer 0 busy
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  // A third peer goes past the limit: idle peer 1 goes, busy peer 0 stays.
+  ASSERT_TRUE(set.Acquire(f.Info(2)).ok());
+  EXPECT_EQ(set.size(), 2u);
+  EXPECT_TRUE(f.Connected(0));
+  EXPECT_FALSE(f.Connected(1));
+  EXPECT_TRUE(f.Connected(2));
+}
+
+}  // namespace
+}  // namespace tandem::worker
