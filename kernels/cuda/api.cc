@@ -97,7 +97,6 @@ internal::SplitPlan FixedPlan(int max_context, int keys_per_split) {
   internal::SplitPlan plan;
   plan.keys_per_split = (std::max(keys_per_split, 1) + 63) / 64 * 64;
   plan.num_splits = std::max(1, (max_context + plan.keys_per_split - 1) / plan.keys_per_split);
-  plan.num_sms = Device().num_sms;
   return plan;
 }
 
@@ -230,6 +229,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   a.block_tables = p.block_tables;
   a.max_blocks_per_seq = p.max_blocks_per_seq;
   a.error = static_cast<int*>(p.workspace);
+  a.num_sms = Device().num_sms;
   if (p.host_query_start[0] != 0) {
     return absl::InvalidArgumentError("paged attention: query_start[0] must be 0");
   }

@@ -72,6 +72,8 @@ struct AttnArgs {
   int num_tokens = 0;  // query_start[num_seqs]
   int max_q_len = 0;
   int max_context = 0;
+  // The device's SMs: persistent kernels size their grid by it (0: 132).
+  int num_sms = 0;
 };
 
 // Split-KV ("flash-decoding") attention for query rows of any count per
@@ -80,7 +82,6 @@ struct AttnArgs {
 struct SplitPlan {
   int num_splits = 1;      // KV partitions per (token, kv head)
   int keys_per_split = 0;  // multiple of the kernel's key tile
-  int num_sms = 0;         // the device's (persistent kernels size their grid by it)
 };
 // At most as many splits as `workspace_bytes` (beyond the error word) holds.
 SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes);

@@ -777,13 +777,10 @@ int LaunchFa3(const AttnArgs& a, cudaStream_t stream) {
   const int64_t items = int64_t{tiles_x} * a.num_heads * a.num_seqs;
   if (items >= (int64_t{1} << 31)) return static_cast<int>(cudaErrorInvalidValue);
   if constexpr ((kOpt & kOptPersistent) != 0) {
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     // The work counter and exit count: in the zeroed head of the workspace,
     // past the error word (the kernel leaves them zero).
     unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
-    const int grid = static_cast<int>(std::min<int64_t>(items, std::max(sms, 1)));
+    const int grid = static_cast<int>(std::min<int64_t>(items, a.num_sms > 0 ? a.num_sms : 132));
     kernel<<<grid, 384, kSmem, stream>>>(a, map, tiles_x, static_cast<int>(items), sched);
   } else {
     const dim3 grid(tiles_x, a.num_heads, a.num_seqs);

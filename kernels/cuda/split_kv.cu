@@ -53,14 +53,17 @@ struct Partials {
   unsigned* arrivals;  // [units]: splits done (ArriveAndMerge; back to 0 after the merge)
 };
 
-// Keys a query token attends to: causally, its position + 1 (the cached
-// prefix and the queries up to it); otherwise the whole context.
-__device__ __forceinline__ int KeysOf(const AttnArgs& a, int token) {
-  const int s = SequenceOf(a.query_start, a.num_seqs, token);
+// Keys query token `token` of sequence `s` attends to: causally, its
+// position + 1 (the cached prefix and the queries up to it); otherwise the
+// whole context.
+__device__ __forceinline__ int KeysIn(const AttnArgs& a, int s, int token) {
   const int q_begin = __ldg(&a.query_start[s]);
   const int q_len = __ldg(&a.query_start[s + 1]) - q_begin;
   const int ctx = __ldg(&a.context_lens[s]);
   return a.causal ? ctx - q_len + (token - q_begin) + 1 : ctx;
+}
+__device__ __forceinline__ int KeysOf(const AttnArgs& a, int token) {
+  return KeysIn(a, SequenceOf(a.query_start, a.num_seqs, token), token);
 }
 
 // One output element of a split's CTA: normalised into `out` when the
@@ -224,11 +227,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool lane_active = chunk * 8 < head_dim;
 
   const int s = SequenceOf(a.query_start, a.num_seqs, token);
-  const int q_begin = __ldg(&a.query_start[s]);
-  const int q_len = __ldg(&a.query_start[s + 1]) - q_begin;
-  const int ctx = __ldg(&a.context_lens[s]);
-  // Causal: keys [0, position]; otherwise the whole context.
-  const int n_keys = a.causal ? ctx - q_len + (token - q_begin) + 1 : ctx;
+  const int n_keys = KeysIn(a, s, token);
   const int k_begin = split * keys_per_split;
   const int k_end = min(n_keys, k_begin + keys_per_split);
   const int32_t* table = a.block_tables + int64_t{s} * a.max_blocks_per_seq;
@@ -563,10 +562,7 @@ __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, in
   const bool own = it.token < a.num_seqs && __ldg(&a.query_start[it.token]) == it.token &&
                    __ldg(&a.query_start[it.token + 1]) == it.token + 1;
   it.seq = own ? it.token : SequenceOf(a.query_start, a.num_seqs, it.token);
-  const int q_begin = __ldg(&a.query_start[it.seq]);
-  const int q_len = __ldg(&a.query_start[it.seq + 1]) - q_begin;
-  const int ctx = __ldg(&a.context_lens[it.seq]);
-  it.n_keys = a.causal ? ctx - q_len + (it.token - q_begin) + 1 : ctx;
+  it.n_keys = KeysIn(a, it.seq, it.token);
   it.k_begin = it.split * keys_per_split;
   it.k_end = min(it.n_keys, it.k_begin + keys_per_split);
   return it;
@@ -786,40 +782,31 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       o[n][2] *= self_b;
       o[n][3] *= self_b;
     }
+    // Hands this warp's output over through buffer `b` ([kD/8][32] float4)
+    // or adds the one handed over.
+    auto put = [&](float4* b) {
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) b[n * 32 + lane] = make_float4(o[n][0], o[n][1], o[n][2], o[n][3]);
+    };
+    auto add = [&](const float4* b) {
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        const float4 v = b[n * 32 + lane];
+        o[n][0] += v.x;
+        o[n][1] += v.y;
+        o[n][2] += v.z;
+        o[n][3] += v.w;
+      }
+    };
     // Round 1: warps 1 and 3 hand their outputs to warps 0 and 2.
     float4* buf = merge + (warp >> 1) * (kD / 8) * 32;
-    if (warp & 1) {
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) buf[n * 32 + lane] = make_float4(o[n][0], o[n][1], o[n][2], o[n][3]);
-    }
+    if (warp & 1) put(buf);
     ConsumerBarrier();
-    if (!(warp & 1)) {
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        const float4 v = buf[n * 32 + lane];
-        o[n][0] += v.x;
-        o[n][1] += v.y;
-        o[n][2] += v.z;
-        o[n][3] += v.w;
-      }
-    }
+    if (!(warp & 1)) add(buf);
     // Round 2: warp 2 hands its sum to warp 0 (through the buffer it just read).
-    if (warp == 2) {
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) buf[n * 32 + lane] = make_float4(o[n][0], o[n][1], o[n][2], o[n][3]);
-    }
+    if (warp == 2) put(buf);
     ConsumerBarrier();
-    if (warp == 0) {
-      const float4* other = merge + (kD / 8) * 32;
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        const float4 v = other[n * 32 + lane];
-        o[n][0] += v.x;
-        o[n][1] += v.y;
-        o[n][2] += v.z;
-        o[n][3] += v.w;
-      }
-    }
+    if (warp == 0) add(merge + (kD / 8) * 32);
     const bool bad = d.bad != 0;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -886,7 +873,7 @@ int LaunchStream(const AttnArgs& a, const SplitPlan& plan, Partials part, unsign
   const bool use_tma = EncodePoolMap(a, a.pool.block_size, &map, kDecodeL2Promotion, /*kv_box=*/2, /*split_rows=*/true);
   const int64_t items = int64_t{a.num_tokens} * a.pool.num_kv_heads * plan.num_splits;
   if (items >= (int64_t{1} << 31)) return static_cast<int>(cudaErrorInvalidValue);
-  const int sms = plan.num_sms > 0 ? plan.num_sms : 132;
+  const int sms = a.num_sms > 0 ? a.num_sms : 132;
   const int grid = static_cast<int>(std::min<int64_t>(items, int64_t{per_sm} * sms));
   DecodeStreamKernel<T, kD><<<grid, kStreamThreads, StreamSmemBytes<kD>(), stream>>>(
       a, map, use_tma, plan.num_splits, plan.keys_per_split, static_cast<int>(items), part, sched);
@@ -982,9 +969,7 @@ SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes) {
     // busy; at four per SM, batch 1 at 128k read at 0.57x of the copy on an
     // H100).
     const int64_t target = TargetCtas(num_sms);
-    SplitPlan plan = plan_for(static_cast<int>(std::min<int64_t>(max_splits, (target + units - 1) / units)));
-    plan.num_sms = num_sms;
-    return plan;
+    return plan_for(static_cast<int>(std::min<int64_t>(max_splits, (target + units - 1) / units)));
   }
   // DecodeStreamKernel, whose persistent CTAs (two an SM) take (token, KV
   // head, split) items from an atomic counter. Up to the grid's size in
@@ -996,9 +981,7 @@ SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes) {
   // 0.91 of the copy rate unsplit, at 1.03 in 5 splits).
   const int64_t ctas = 2LL * (num_sms > 0 ? num_sms : 132);
   const int64_t splits = units < ctas ? (ctas + units / 2) / units : (a.max_context + 768) / 1536;
-  SplitPlan plan = plan_for(static_cast<int>(std::clamp<int64_t>(splits, 1, max_splits)));
-  plan.num_sms = num_sms;
-  return plan;
+  return plan_for(static_cast<int>(std::clamp<int64_t>(splits, 1, max_splits)));
 }
 
 namespace {

@@ -142,12 +142,11 @@ class DisaggTest : public ::testing::Test {
       r.tokens.push_back(done.first);
       // The prompt's KV writes come with a fence, completed by the time the
       // engine calls back (the CPU runner's step is synchronous).
-      EXPECT_NE(done.written, nullptr);
-      if (done.written != nullptr) EXPECT_TRUE(done.written->Wait(std::chrono::steady_clock::now()).ok());
+      EXPECT_TRUE(done.written != nullptr && done.written->Wait(std::chrono::steady_clock::now()).ok());
       const uint64_t id = done.id;
       const SampledToken first = done.first;
       absl::StatusOr<uint64_t> t = p_transport_->PushAfter(
-          decode_agent_, std::move(pairs), done.written ? done.written : kvtransfer::CompletedFence(), res.id,
+          decode_agent_, std::move(pairs), done.written, res.id,
           std::chrono::steady_clock::now() + std::chrono::seconds(10), [&, id, first, rid = res.id](absl::Status st) {
             prefill_->ReleasePrefilled(id);
             if (!st.ok()) {

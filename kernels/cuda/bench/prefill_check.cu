@@ -86,7 +86,6 @@ static int LaunchDecode(const AttnArgs& a, int variant, int kps, int* ws, int64_
   if (kps > 0) {
     plan.keys_per_split = (kps + 63) / 64 * 64;
     plan.num_splits = std::max(1, (a.max_context + plan.keys_per_split - 1) / plan.keys_per_split);
-    plan.num_sms = g_sms;
   } else {
     plan = PlanSplits(a, g_sms, ws_bytes - 256);
   }
@@ -95,6 +94,43 @@ static int LaunchDecode(const AttnArgs& a, int variant, int kps, int* ws, int64_
     std::exit(2);
   }
   return LaunchSplitKvVariant(a, plan, reinterpret_cast<char*>(ws) + 256, ws_bytes - 256, stream, variant);
+}
+
+// The launch arguments of a batch of `batch` sequences over a one-layer pool
+// of num_blocks pages (K and V of Hkv heads per page), bf16, dense q rows
+// (RunCase then sets its element type, q stride and layers).
+static AttnArgs BenchArgs(void* pool, int num_blocks, int bs, int D, int H, int Hkv, void* q, void* out, int* qs,
+                          int* ctx, int32_t* table, int blocks_per_seq, int* error, int batch, int tokens, int max_q,
+                          int max_ctx, bool causal) {
+  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride;
+  AttnArgs a;
+  a.elem = Elem::kBF16;
+  a.q = q;
+  a.q_stride = int64_t{H} * D;
+  a.out = out;
+  a.pool.kv = pool;
+  a.pool.block_stride = 2 * kv_stride;
+  a.pool.kv_stride = kv_stride;
+  a.pool.head_stride = head_stride;
+  a.pool.num_blocks = num_blocks;
+  a.pool.block_size = bs;
+  a.pool.head_dim = D;
+  a.pool.num_kv_heads = Hkv;
+  a.num_heads = H;
+  a.group = H / Hkv;
+  a.scale = 1.0f / std::sqrt(float(D));
+  a.causal = causal;
+  a.num_seqs = batch;
+  a.query_start = qs;
+  a.context_lens = ctx;
+  a.block_tables = table;
+  a.max_blocks_per_seq = blocks_per_seq;
+  a.error = error;
+  a.num_tokens = tokens;
+  a.max_q_len = max_q;
+  a.max_context = max_ctx;
+  a.num_sms = g_sms;
+  return a;
 }
 
 // Returns true if the case passes. decode: the split-KV launcher's variant
@@ -196,32 +232,11 @@ static bool RunCase(const Case& c, int variant, bool decode = false, int kps = 0
   CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemset(d_out, 0xff, int64_t{T} * H * D * 2));  // NaN in both types
 
-  AttnArgs a;
+  AttnArgs a = BenchArgs(static_cast<uint16_t*>(d_pool) + layer * layer_stride, num_blocks, bs, D, H, Hkv, d_q, d_out,
+                         d_qs, d_ctx, d_table, max_blocks, d_err, S, T, max_q, max_ctx, c.causal);
   a.elem = c.elem;
-  a.q = d_q;
   a.q_stride = q_stride;
-  a.out = d_out;
-  a.pool.kv = static_cast<uint16_t*>(d_pool) + layer * layer_stride;
-  a.pool.block_stride = block_stride;
-  a.pool.kv_stride = kv_stride;
-  a.pool.head_stride = head_stride;
-  a.pool.num_blocks = num_blocks;
-  a.pool.block_size = bs;
-  a.pool.head_dim = D;
-  a.pool.num_kv_heads = Hkv;
-  a.num_heads = H;
-  a.group = c.group;
-  a.scale = scale;
-  a.causal = c.causal;
-  a.num_seqs = S;
-  a.query_start = d_qs;
-  a.context_lens = d_ctx;
-  a.block_tables = d_table;
-  a.max_blocks_per_seq = max_blocks;
-  a.error = d_err;
-  a.num_tokens = T;
-  a.max_q_len = max_q;
-  a.max_context = max_ctx;
+  a.pool.block_stride = block_stride;  // two layers
   if (decode) {
     CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_err, ws_bytes)));
   } else {
@@ -291,41 +306,6 @@ static bool RunCase(const Case& c, int variant, bool decode = false, int kps = 0
   cudaFree(d_err);
   cudaFree(d_table);
   return ok2;
-}
-
-// The launch arguments of a dense benchmark batch: `batch` sequences over a
-// pool of num_blocks pages (K and V of Hkv heads per page), bf16.
-static AttnArgs BenchArgs(void* pool, int num_blocks, int bs, int D, int H, int Hkv, void* q, void* out, int* qs,
-                          int* ctx, int32_t* table, int blocks_per_seq, int* error, int batch, int tokens, int max_q,
-                          int max_ctx, bool causal) {
-  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride;
-  AttnArgs a;
-  a.elem = Elem::kBF16;
-  a.q = q;
-  a.q_stride = int64_t{H} * D;
-  a.out = out;
-  a.pool.kv = pool;
-  a.pool.block_stride = 2 * kv_stride;
-  a.pool.kv_stride = kv_stride;
-  a.pool.head_stride = head_stride;
-  a.pool.num_blocks = num_blocks;
-  a.pool.block_size = bs;
-  a.pool.head_dim = D;
-  a.pool.num_kv_heads = Hkv;
-  a.num_heads = H;
-  a.group = H / Hkv;
-  a.scale = 1.0f / std::sqrt(float(D));
-  a.causal = causal;
-  a.num_seqs = batch;
-  a.query_start = qs;
-  a.context_lens = ctx;
-  a.block_tables = table;
-  a.max_blocks_per_seq = blocks_per_seq;
-  a.error = error;
-  a.num_tokens = tokens;
-  a.max_q_len = max_q;
-  a.max_context = max_ctx;
-  return a;
 }
 
 // Causal (or full) prefill of `batch` sequences of `seqlen` tokens, H heads,
