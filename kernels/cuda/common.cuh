@@ -58,6 +58,14 @@ __device__ __forceinline__ int64_t PoolOffset(const PoolView& p, int64_t block, 
   return block * p.block_stride + kv * p.kv_stride + head * p.head_stride + int64_t{slot} * p.head_dim;
 }
 
+// A persistent kernel's next work item (`taken`: items this CTA took
+// before): its first is its own, blockIdx.x, so no atomic round trip comes
+// before its first load; the counter sched[0] hands out the rest from
+// gridDim.x on (the grid is never larger than the item count).
+__device__ __forceinline__ int NextWorkItem(unsigned* sched, int taken) {
+  return taken == 0 ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x + atomicAdd(&sched[0], 1u));
+}
+
 // A persistent kernel's exit, by one thread of each CTA after the CTA took
 // its last item from the work counter sched[0]: counts the CTA out in
 // sched[1], and the last CTA out sets both back to zero for the next launch

@@ -432,7 +432,8 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
         return taken++ == 0 ? static_cast<int>(blockIdx.x + tiles_x * (blockIdx.y + gridDim.y * blockIdx.z))
                             : num_items;
       }
-      if (ptid == 0) sm_next = static_cast<int>(atomicAdd(&sched[0], 1u));
+      if (taken++ == 0) return NextWorkItem(sched, 0);
+      if (ptid == 0) sm_next = NextWorkItem(sched, 1);
       NamedSync(3, 128);
       const int next = sm_next;
       NamedSync(3, 128);

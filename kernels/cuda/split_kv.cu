@@ -523,11 +523,14 @@ __device__ __forceinline__ void MmaTileStep(uint32_t stage, int bs_shift, int wa
 // (MergeUnit does not read them).
 constexpr int kStreamConsumers = 4;
 constexpr int kStreamThreads = (kStreamConsumers + 1) * 32;
-// Two stages of 64 keys (K and V) and two CTAs an SM. Persistent variants
+// Three stages of 64 keys (K and V) and two CTAs an SM (the most that fit
+// two CTAs at head dim 128: the merge at an item's end borrows the stage of
+// its last tile instead of buffers of its own). Persistent variants
 // measured on an H200 (kernels/cuda/NOTES.md): four stages and one CTA an
-// SM read 2-5% slower; items handed out by grid stride instead of the
-// counter, slower where the item count is not a multiple of the grid.
-constexpr int kStages = 2;
+// SM read 2-5% slower than two stages and two CTAs; items handed out by
+// grid stride instead of the counter, slower where the item count is not a
+// multiple of the grid.
+constexpr int kStages = 3;
 
 struct StreamItem {
   int token, kv_head, split, seq, k_begin, k_end, n_keys;
@@ -548,8 +551,10 @@ __host__ __device__ constexpr int StreamQBytes() {
 }
 template <int kD>
 __host__ __device__ constexpr int StreamSmemBytes() {
-  // stages x (K + V tile + query rows) + two merge buffers + alignment
-  return kStages * (2 * kMmaTile * kD * 2 + StreamQBytes<kD>()) + 2 * 16 * kD * 4 + 1024;
+  // stages x (K + V tile + query rows) + alignment (the merge's two
+  // [kD/8][32] float4 buffers fit in one stage's tile)
+  static_assert(2 * 16 * kD * 4 <= 2 * kMmaTile * kD * 2);
+  return kStages * (2 * kMmaTile * kD * 2 + StreamQBytes<kD>()) + 1024;
 }
 
 __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, int num_splits, int keys_per_split) {
@@ -585,7 +590,6 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   unsigned char* aligned = smem + (base - SmemAddr(smem));
   const uint32_t qbase = base + kStages * 2 * kTileBytes;
   const unsigned char* qsmem = aligned + kStages * 2 * kTileBytes;
-  auto* merge = reinterpret_cast<float4*>(aligned + kStages * (2 * kTileBytes + kQBytes));  // [2][kD/8][32]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int bs_shift = __ffs(a.pool.block_size) - 1;
   const int bs_mask = a.pool.block_size - 1;
@@ -601,9 +605,11 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
 
   if (warp == kStreamConsumers) {
     // ---- producer ----
+    int taken = 0;
     auto grab = [&]() {
+      if (taken++ == 0) return NextWorkItem(sched, 0);
       int next = 0;
-      if (lane == 0) next = static_cast<int>(atomicAdd(&sched[0], 1u));
+      if (lane == 0) next = NextWorkItem(sched, 1);
       return __shfl_sync(0xffffffffu, next, 0);
     };
     // An item as the producer streams it: decoded, its block ids checked
@@ -737,14 +743,20 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       MmaTileStep<T, kD>(ck, bs_shift, warp, lane, qa, it.k_begin + d.tile * kMmaTile + warp * 16, it.k_end, qk_scale,
                          o, m_a, m_b, l_a, l_b);
     }
-    MbarArrive(SmemAddr(&empty[st]));
+    const int used = st;
     if (++st == kStages) {
       st = 0;
       ph ^= 1;
     }
-    if (d.tile + 1 < d.n_tiles) continue;
+    if (d.tile + 1 < d.n_tiles) {
+      MbarArrive(SmemAddr(&empty[used]));
+      continue;
+    }
 
-    // The item's last tile: merge the four warps' states. (m, l) first.
+    // The item's last tile: merge the four warps' states, through the
+    // tile's stage (released after the merge; the other stages load on).
+    // (m, l) first.
+    auto* merge = reinterpret_cast<float4*>(aligned + used * 2 * kTileBytes);  // [2][kD/8][32]
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
@@ -843,6 +855,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       ArriveAndMerge<T>(a, part, int64_t{it.token} * a.pool.num_kv_heads + it.kv_head, it.token, it.kv_head * a.group,
                         a.group, num_splits, keys_per_split, arrivals, reinterpret_cast<float*>(merge), 1);
     }
+    MbarArrive(SmemAddr(&empty[used]));
   }
 }
 
@@ -853,10 +866,9 @@ int StreamCtasPerSm() {
   static const int n = [] {
     int blocks = 0;
     auto* kernel = DecodeStreamKernel<T, kD>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, StreamSmemBytes<kD>()) !=
-            cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kStreamThreads, StreamSmemBytes<kD>()) !=
-            cudaSuccess) {
+    constexpr int kSmem = StreamSmemBytes<kD>();
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kStreamThreads, kSmem) != cudaSuccess) {
       return 1;
     }
     return blocks > 0 ? blocks : 1;
@@ -972,16 +984,27 @@ SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes) {
     return plan_for(static_cast<int>(std::min<int64_t>(max_splits, (target + units - 1) / units)));
   }
   // DecodeStreamKernel, whose persistent CTAs (two an SM) take (token, KV
-  // head, split) items from an atomic counter. Up to the grid's size in
-  // units: about one item per CTA, each CTA streaming one long run and
-  // writing one set of partials (on an H200, 512 MiB of KV read in 146 us
-  // as 256 items of 4096 keys, 150 us as 1024 items of 1024, 158 us as 5504
-  // items of 192). More units than CTAs: items of about 1536 keys, so that
-  // the last items to finish are short (2048 units of 8192 keys read at
-  // 0.91 of the copy rate unsplit, at 1.03 in 5 splits).
-  const int64_t ctas = 2LL * (num_sms > 0 ? num_sms : 132);
-  const int64_t splits = units < ctas ? (ctas + units / 2) / units : (a.max_context + 768) / 1536;
-  return plan_for(static_cast<int>(std::clamp<int64_t>(splits, 1, max_splits)));
+  // head, split) items from an atomic counter: the fewest splits whose
+  // items fill at least 90% of the rounds they run in, a round being one
+  // item an SM while they are no more than the SMs, else one a CTA. Fewer,
+  // longer items cost less (each ends in a merge that stalls its CTA's
+  // consumers); rounds that end together leave no SM idle at the end; and
+  // while the work is short of the grid, one CTA an SM streams its three
+  // stages with the memory system to itself. Measured in one run each
+  // (kernels/cuda/NOTES.md, 2026-11-27 night): on an H200, 64 x 8k (512
+  // units) 516 us in 5 splits, 494 unsplit (97% of two rounds of CTAs); 16
+  // x 32k (128 units) 488 us in 2 splits, 523 unsplit with two stages; 1 x
+  // 128k 138.6 us in 128 items, 147.6 in 264; on an H100, 1 x 8k 25.0 us in
+  // 128 items, 29.1 in 256.
+  const int64_t sms = num_sms > 0 ? num_sms : 132;
+  for (int s = 1; s < max_splits; ++s) {
+    const SplitPlan plan = plan_for(s);
+    const int64_t items = units * plan.num_splits;
+    const int64_t round = items <= sms ? sms : 2 * sms;
+    const int64_t rounds = (items + round - 1) / round;
+    if (items * 10 >= rounds * round * 9) return plan;
+  }
+  return plan_for(max_splits);
 }
 
 namespace {

@@ -38,6 +38,7 @@ int LaunchPrefillVariant(const AttnArgs& a, void* stream,
 }
 static const char* kVariantName[] = {"fa3", "ws", "fa3:cp.async", "fa3:noload", "fa3:grid"};
 static const char* kDecodeName[] = {"stream", "cuda-core"};  // LaunchSplitKvVariant's variants
+static int g_rounds = 3;                                     // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;                            // dbench: blocks in order instead of shuffled
 static std::string DecodeName(int v) { return kDecodeName[v]; }
 static const int kVariants = 5;
@@ -383,12 +384,20 @@ static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, i
 }
 
 // Decode: `batch` sequences of one query over `ctx` keys, H query heads over
-// Hkv KV heads, bf16, page `bs`, shuffled blocks. *gpu_us: the median GPU time
-// of a call from a cold L2 (a 256 MiB memset before each; the events bracket
-// the launch only); *call_us: back-to-back calls (what a host loop sees,
-// launch overheads included). Returns the KV bytes read per call.
-static double DBench(int variant, int kps, int batch, int ctx, int H, int Hkv, int D, int bs, double* gpu_us,
-                     double* call_us) {
+// Hkv KV heads, bf16, page `bs`, shuffled blocks, timed for every (variant,
+// kps) of `configs` on the same pool, interleaved over `rounds` rounds (the
+// configurations meet the same clocks and the same physical memory; a
+// configuration timed alone after a new allocation read up to 13% apart
+// between runs). Per configuration: gpu_us, the median GPU time of a call
+// from a cold L2 (a 256 MiB memset before each; the events bracket the
+// launch only); spread, the largest round median over the smallest;
+// call_us, back-to-back calls (what a host loop sees, launch overheads
+// included). Returns the KV bytes read per call.
+struct DTiming {
+  double gpu_us = 0, spread = 0, call_us = 0;
+};
+static double DBench(const std::vector<std::pair<int, int>>& configs, int batch, int ctx, int H, int Hkv, int D, int bs,
+                     int rounds, std::vector<DTiming>* timings) {
   const int blocks_per_seq = (ctx + bs - 1) / bs;
   const int num_blocks = batch * blocks_per_seq;
   const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride, block_stride = 2 * kv_stride;
@@ -419,33 +428,49 @@ static double DBench(int variant, int kps, int batch, int ctx, int H, int Hkv, i
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
   static void* flush = nullptr;
   constexpr size_t kFlushBytes = size_t{256} << 20;
   if (flush == nullptr) CK(cudaMalloc(&flush, kFlushBytes));
-  std::vector<float> ms;
-  for (int i = 0; i < 15; ++i) {
-    CK(cudaMemsetAsync(flush, i, kFlushBytes));
+  const size_t n = configs.size();
+  std::vector<std::vector<float>> all(n), round_medians(n);
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t c = 0; c < n; ++c) {
+      const auto [variant, kps] = configs[c];
+      for (int i = 0; i < 2; ++i) CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
+      std::vector<float> ms;
+      for (int i = 0; i < 7; ++i) {
+        CK(cudaMemsetAsync(flush, i, kFlushBytes));
+        CK(cudaEventRecord(e0));
+        CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float t;
+        CK(cudaEventElapsedTime(&t, e0, e1));
+        ms.push_back(t);
+      }
+      all[c].insert(all[c].end(), ms.begin(), ms.end());
+      std::sort(ms.begin(), ms.end());
+      round_medians[c].push_back(ms[ms.size() / 2]);
+    }
+  }
+  const double kv_bytes = 2.0 * batch * double(ctx) * Hkv * D * 2;
+  const int reps = std::max(3, std::min(200, static_cast<int>(2e9 / kv_bytes)));
+  timings->assign(n, DTiming{});
+  for (size_t c = 0; c < n; ++c) {
+    std::sort(all[c].begin(), all[c].end());
+    std::sort(round_medians[c].begin(), round_medians[c].end());
+    (*timings)[c].gpu_us = all[c][all[c].size() / 2] * 1e3;
+    (*timings)[c].spread = round_medians[c].back() / round_medians[c].front();
+    const auto [variant, kps] = configs[c];
+    CK(cudaDeviceSynchronize());
     CK(cudaEventRecord(e0));
-    CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
+    for (int i = 0; i < reps; ++i) CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float t;
     CK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
+    (*timings)[c].call_us = t * 1e3 / reps;
   }
-  std::sort(ms.begin(), ms.end());
-  *gpu_us = ms[ms.size() / 2] * 1e3;
-  const double kv_bytes = 2.0 * batch * double(ctx) * Hkv * D * 2;
-  const int reps = std::max(3, std::min(200, static_cast<int>(2e9 / kv_bytes)));
-  CK(cudaDeviceSynchronize());
-  CK(cudaEventRecord(e0));
-  for (int i = 0; i < reps; ++i) CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
-  CK(cudaEventRecord(e1));
-  CK(cudaEventSynchronize(e1));
-  float t;
-  CK(cudaEventElapsedTime(&t, e0, e1));
-  *call_us = t * 1e3 / reps;
   int err = 0;
   CK(cudaMemcpy(&err, d_ws, 4, cudaMemcpyDeviceToHost));
   if (err != 0) std::printf("dbench: error word %#x\n", err);
@@ -525,8 +550,8 @@ static int DecodeMain(int argc, char** argv, bool check, bool bench) {
   if (!bench) return failures == 0 ? 0 : 1;
   const double copy = CopyGbps();
   std::printf("\ndevice copy: %.0f GB/s (read + written)\n", copy);
-  std::printf("%-20s %-5s %-6s %-7s %-5s %9s %10s %9s %8s %10s\n", "variant", "model", "batch", "ctx", "kps", "KV MiB",
-              "gpu us", "GB/s", "/copy", "call us");
+  std::printf("%-20s %-5s %-6s %-7s %-5s %9s %10s %9s %8s %10s %7s\n", "variant", "model", "batch", "ctx", "kps",
+              "KV MiB", "gpu us", "GB/s", "/copy", "call us", "spread");
   std::vector<int> variants = argc > 2 ? ParseList(argv[2]) : std::vector<int>{0, 1};
   std::vector<int> kpss = argc > 3 ? ParseList(argv[3]) : std::vector<int>{0};
   struct Shape {
@@ -534,6 +559,7 @@ static int DecodeMain(int argc, char** argv, bool check, bool bench) {
   };
   std::vector<Shape> shapes;
   g_seq_tables = argc > 5 && std::string(argv[5]) == "seq";
+  if (const char* r = std::getenv("DBENCH_ROUNDS")) g_rounds = std::max(1, std::atoi(r));
   const int page = argc > 6 ? std::atoi(argv[6]) : 16;  // `dbench V KPS SHAPES shuf|seq PAGE`
   if (argc > 4) {                                       // `8b:1x8192,70b:16x8192,...`
     for (const char* p = argv[4]; *p != 0;) {
@@ -555,16 +581,18 @@ static int DecodeMain(int argc, char** argv, bool check, bool bench) {
       }
     }
   }
+  std::vector<std::pair<int, int>> configs;
+  for (int v : variants) {
+    for (int kps : kpss) configs.emplace_back(v, kps);
+  }
   for (const Shape& sh : shapes) {
-    for (int v : variants) {
-      for (int kps : kpss) {
-        double gpu_us, call_us;
-        const double bytes = DBench(v, kps, sh.batch, sh.ctx, sh.H, 8, 128, page, &gpu_us, &call_us);
-        const double gbps = bytes / (gpu_us * 1e-6) / 1e9;
-        std::printf("%-20s %-5s %-6d %-7d %-5d %9.1f %10.1f %9.0f %8.2f %10.1f\n", DecodeName(v).c_str(),
-                    sh.H == 32 ? "8b" : "70b", sh.batch, sh.ctx, kps, bytes / (1 << 20), gpu_us, gbps, gbps / copy,
-                    call_us);
-      }
+    std::vector<DTiming> t;
+    const double bytes = DBench(configs, sh.batch, sh.ctx, sh.H, 8, 128, page, g_rounds, &t);
+    for (size_t c = 0; c < configs.size(); ++c) {
+      const double gbps = bytes / (t[c].gpu_us * 1e-6) / 1e9;
+      std::printf("%-20s %-5s %-6d %-7d %-5d %9.1f %10.1f %9.0f %8.2f %10.1f %7.3f\n",
+                  DecodeName(configs[c].first).c_str(), sh.H == 32 ? "8b" : "70b", sh.batch, sh.ctx, configs[c].second,
+                  bytes / (1 << 20), t[c].gpu_us, gbps, gbps / copy, t[c].call_us, t[c].spread);
     }
   }
   return failures == 0 ? 0 : 1;
