@@ -165,7 +165,7 @@ class Transport {
   // completed. Unknown ids are ignored.
   virtual void Cancel(uint64_t transfer_id) = 0;
 
-  // The two-sided contract (send/receive backends; docs/plans/issue-21-pairing.md).
+  // The two-sided contract (send/receive backends; docs/architecture.md, "Push delivery").
   //
   // Pair: joins a peer for transfers in which both sides take part. The
   // initiator passes an empty `offer` and hands the string it gets back to

@@ -744,5 +744,299 @@ TEST_F(DisaggGrpcTest, MalformedKvReadyCallsAreRefused) {
   ExpectIdle(decode->stub(), "decode");
 }
 
+// ---------------------------------------------------------------------------
+// Push delivery (--kv-delivery push on both workers): the prefill worker
+// joins the reservation (KvReady JOIN: the decode worker pins its blocks and
+// names its pool), writes the blocks into it, and says so (KvReady PUSHED).
+
+// Mixed lengths at once, then a prompt sharing a prefix with the decode
+// worker's cache: the same outputs as one worker, every byte pushed (only
+// the blocks the decode worker lacks), nothing pulled, nothing left behind.
+TEST_F(DisaggGrpcTest, PushedSplitsMatchAggregatedServing) {
+  WorkerProcess* prefill = StartPrefill({"--kv-delivery", "push"});
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
+  ASSERT_TRUE(prefill && decode);
+  const int lengths[] = {1, 15, 16, 17, 64, 100, 129, 300, 47, 250, 33, 320};
+  std::vector<v1::GenerateRequest> reqs;
+  for (int i = 0; i < 12; ++i) {
+    std::vector<int32_t> prompt = MakePrompt(500 + i, lengths[i]);
+    reqs.push_back(i % 2 ? SampledRequest(prompt, 10 + i, 7 + i) : GreedyRequest(prompt, 10 + i));
+    reqs.back().mutable_sampling()->set_ignore_eos(true);
+  }
+  const std::vector<Split> got = RunDisaggregatedConcurrently(prefill->stub(), decode->stub(), decode->address(), reqs);
+  int64_t blocks = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const std::string what = absl::StrCat("request ", i, " (", lengths[i], " prompt tokens)");
+    EXPECT_TRUE(got[i].prefill.status.ok()) << what << ": " << got[i].prefill.status.error_message();
+    EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
+    EXPECT_FALSE(got[i].decode.includes_first_token) << what;
+    EXPECT_TRUE(got[i].decode.reservation.has_destination()) << what << ": the reservation offers no pool";
+    EXPECT_EQ(got[i].decode.reservation.destination().backend(), "ucx") << what;
+    ExpectSameOutput(got[i].combined, Aggregated(reqs[i]), what);
+    blocks += (lengths[i] + kBlockSize - 1) / kBlockSize;
+  }
+  v1::LoadReport d = ExpectIdle(decode->stub(), "decode");
+  v1::LoadReport p = ExpectIdle(prefill->stub(), "prefill");
+  EXPECT_EQ(d.kv_pushes_received(), 12);
+  EXPECT_EQ(d.kv_pulls(), 0);
+  EXPECT_EQ(d.kv_pull_failures(), 0);
+  EXPECT_EQ(d.local_prefill_fallbacks(), 0);
+  EXPECT_EQ(p.kv_pushes(), 12);
+  EXPECT_EQ(p.kv_handoffs(), 12);
+  EXPECT_EQ(p.kv_bytes_pushed(), blocks * kBytesPerBlock);
+  EXPECT_EQ(p.expired_handoffs(), 0);
+
+  // A prompt whose first 6 blocks the decode worker holds: 2 more move.
+  const v1::GenerateRequest first = GreedyRequest(Concat(MakePrompt(77, 96), MakePrompt(78, 20)), 8);
+  const v1::GenerateRequest second = GreedyRequest(Concat(MakePrompt(77, 96), MakePrompt(79, 20)), 8);
+  ExpectSameOutput(RunSplit(*prefill, *decode, first).combined, Aggregated(first), "first");
+  const int64_t before = GetLoad(prefill->stub()).kv_bytes_pushed();
+  Split s = RunSplit(*prefill, *decode, second);
+  EXPECT_EQ(s.decode.reservation.cached_tokens(), 96);
+  ExpectSameOutput(s.combined, Aggregated(second), "second");
+  p = ExpectIdle(prefill->stub(), "prefill");
+  EXPECT_EQ(p.kv_bytes_pushed() - before, 2 * kBytesPerBlock);
+  d = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(d.kv_pushes_received(), 14);
+}
+
+// Push needs both sides: a push-mode prefill worker pulls for a decode
+// worker that offers no pool, and a push-mode decode worker is pulled from
+// by a prefill worker that does not push.
+TEST_F(DisaggGrpcTest, PushNeedsBothWorkersElseTheKvIsPulled) {
+  for (bool prefill_pushes : {true, false}) {
+    const std::string what = prefill_pushes ? "push prefill, pull decode" : "pull prefill, push decode";
+    WorkerProcess* prefill =
+        StartPrefill(prefill_pushes ? std::vector<std::string>{"--kv-delivery", "push"} : std::vector<std::string>{});
+    WorkerProcess* decode =
+        StartDecode(prefill_pushes ? std::vector<std::string>{} : std::vector<std::string>{"--kv-delivery", "push"});
+    ASSERT_TRUE(prefill && decode);
+    const v1::GenerateRequest req = GreedyRequest(MakePrompt(prefill_pushes ? 81 : 82, 50), 6);
+    Split s = RunSplit(*prefill, *decode, req);
+    EXPECT_EQ(s.decode.reservation.has_destination(), !prefill_pushes) << what;
+    EXPECT_EQ(s.prefill.kv_transfer_error, "") << what;
+    ExpectSameOutput(s.combined, Aggregated(req), what);
+    const v1::LoadReport d = ExpectIdle(decode->stub(), what);
+    const v1::LoadReport p = ExpectIdle(prefill->stub(), what);
+    EXPECT_EQ(d.kv_pulls(), 1) << what;
+    EXPECT_EQ(p.kv_pushes(), 0) << what;
+  }
+}
+
+// Every fault of the injector on the pushing side (and a pairing that
+// fails): the decode worker hears of it from the sender (KvReady PUSHED with
+// sender_error, or a checksum mismatch) and prefills locally at once, not
+// at its reservation's deadline; outputs do not change; both workers end
+// with nothing held, the decode worker's pinned blocks freed.
+TEST_F(DisaggGrpcTest, EveryPushFaultFallsBackAndLeaksNothing) {
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
+  ASSERT_NE(decode, nullptr);
+  struct Case {
+    std::string fault;
+    bool fails;
+    bool checksum;
+  };
+  const Case cases[] = {{"drop", true, false},        {"delay_ms=300", false, false},
+                        {"corrupt", true, true},      {"fail_after_blocks=2", true, false},
+                        {"fail_submit", true, false}, {"fail_pair", true, false}};
+  int n = 0;
+  int64_t failures = 0, fallbacks = 0, checksum_failures = 0, received = 0;
+  for (const Case& c : cases) {
+    WorkerProcess* prefill = StartPrefill({"--kv-delivery", "push", "--kv-fault", c.fault});
+    ASSERT_NE(prefill, nullptr) << c.fault;
+    const v1::GenerateRequest req = SampledRequest(MakePrompt(600 + n++, 90), 12, 5);
+    // A reservation that outlives the test's patience: a fallback must come
+    // from the sender's word, not from the deadline.
+    Split s = RunSplit(*prefill, *decode, req, /*timeout_ms=*/30000);
+    ExpectSameOutput(s.combined, Aggregated(req), c.fault);
+    EXPECT_TRUE(s.prefill.status.ok()) << c.fault << ": " << s.prefill.status.error_message();
+    EXPECT_FALSE(s.decode.includes_first_token) << c.fault << ": the prefill's first token is kept";
+    const v1::LoadReport d = ExpectIdle(decode->stub(), c.fault + ": decode");
+    failures += c.fails ? 1 : 0;
+    fallbacks += c.fails ? 1 : 0;
+    checksum_failures += c.checksum ? 1 : 0;
+    received += c.fails ? 0 : 1;
+    EXPECT_EQ(d.kv_pull_failures(), failures) << c.fault;
+    EXPECT_EQ(d.local_prefill_fallbacks(), fallbacks) << c.fault;
+    EXPECT_EQ(d.kv_checksum_failures(), checksum_failures) << c.fault;
+    EXPECT_EQ(d.kv_pushes_received(), received) << c.fault;
+    EXPECT_EQ(d.expired_reservations(), 0) << c.fault;
+    if (c.fails) {
+      EXPECT_NE(s.prefill.kv_transfer_error, "") << c.fault;
+      if (c.checksum) {
+        EXPECT_THAT(s.prefill.kv_transfer_error, HasSubstr("corrupted"));
+      }
+      if (c.fault == "fail_pair") {
+        EXPECT_THAT(s.prefill.kv_transfer_error, HasSubstr("pairing"));
+      }
+    } else {
+      EXPECT_EQ(s.prefill.kv_transfer_error, "") << c.fault;
+    }
+    const v1::LoadReport p = ExpectIdle(prefill->stub(), c.fault + ": prefill");
+    EXPECT_EQ(p.kv_pushes(), c.fails ? 0 : 1) << c.fault;
+    EXPECT_EQ(p.expired_handoffs(), 0) << c.fault;
+  }
+}
+
+// The JOIN / PUSHED protocol driven by hand against a push-mode decode
+// worker: each bad call gets its status and leaves the reservation as it
+// was; a joined reservation's blocks stay pinned past its cancellation
+// (beyond the quarantine) until the pin ends; a JOIN to a pull-mode worker
+// is refused without consuming the reservation.
+TEST_F(DisaggGrpcTest, JoinAndPushedCallsAreCheckedAndPinsOutliveACancel) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
+  WorkerProcess* pulling = StartDecode();
+  ASSERT_TRUE(prefill && decode && pulling);
+  v1::KvTransferInfo source;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(prefill->stub().GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), &source).ok());
+  }
+  const std::vector<int32_t> prompt = MakePrompt(43, 40);  // 3 blocks
+  const v1::GenerateRequest req = GreedyRequest(prompt, 6);
+  const Output reference = Aggregated(req);
+  auto describe = [&](const v1::KvReservation& r, v1::KvReadyRequest::Phase phase) {
+    v1::KvReadyRequest k;
+    k.set_reservation_id(r.reservation_id());
+    k.set_decode_instance_id(r.instance_id());
+    k.set_reservation_token(r.reservation_token());
+    *k.mutable_source() = source;
+    for (int b : {0, 1, 2}) k.add_block_ids(b);
+    k.set_prompt_tokens(40);
+    k.set_prompt_hash(HashTokens(prompt));
+    k.mutable_first_token()->set_token_id(reference.tokens[0]);
+    k.set_phase(phase);
+    return k;
+  };
+  auto call = [](WorkerProcess* w, const v1::KvReadyRequest& r, v1::KvReadyResponse* resp = nullptr) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    v1::KvReadyResponse ignored;
+    return w->stub().KvReady(&ctx, r, resp != nullptr ? resp : &ignored);
+  };
+
+  // A pull-mode worker refuses JOIN and PUSHED; its reservation still takes
+  // a pull afterwards.
+  {
+    v1::GenerateRequest preq = GreedyRequest(prompt, 6);
+    ReceiveStream receive(pulling->stub(), preq, /*timeout_ms=*/20000);
+    ASSERT_TRUE(receive.reserved());
+    EXPECT_FALSE(receive.reservation().has_destination());
+    grpc::Status st = call(pulling, describe(receive.reservation(), v1::KvReadyRequest::JOIN));
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr("--kv-delivery"));
+    EXPECT_EQ(call(pulling, describe(receive.reservation(), v1::KvReadyRequest::PUSHED)).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    const Output sent = Generate(prefill->stub(), SendRequest(preq, pulling->address(), receive.reservation()));
+    EXPECT_EQ(sent.kv_transfer_error, "");
+    ExpectSameOutput(Combine(sent, receive.Finish()), reference, "pulled after a refused JOIN");
+    ExpectIdle(pulling->stub(), "pulling decode");
+  }
+
+  ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/20000);
+  ASSERT_TRUE(receive.reserved());
+  const v1::KvReservation r = receive.reservation();
+  ASSERT_TRUE(r.has_destination());
+  v1::KvReadyRequest k = describe(r, v1::KvReadyRequest::PUSHED);
+  grpc::Status st = call(decode, k);  // PUSHED before any JOIN
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  k = describe(r, v1::KvReadyRequest::JOIN);
+  k.add_block_checksums(1);
+  EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "JOIN with checksums";
+  k = describe(r, v1::KvReadyRequest::PHASE_UNSPECIFIED);
+  k.set_sender_error("x");
+  EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "sender_error on a pull";
+  k = describe(r, v1::KvReadyRequest::PUSHED);
+  k.set_join_timeout_ms(5);
+  EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "join_timeout_ms on PUSHED";
+  k = describe(r, static_cast<v1::KvReadyRequest::Phase>(7));
+  EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "phase 7";
+  k = describe(r, v1::KvReadyRequest::JOIN);
+  k.set_prompt_hash(k.prompt_hash() + 1);
+  EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "another prompt";
+  EXPECT_EQ(GetLoad(decode->stub()).reserved_requests(), 1) << "still waiting for the right call";
+
+  // The JOIN: pinned for 2.5 s, in the decode worker's own pool and blocks.
+  k = describe(r, v1::KvReadyRequest::JOIN);
+  k.set_join_timeout_ms(2500);
+  v1::KvReadyResponse joined;
+  st = call(decode, k, &joined);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_GT(joined.pinned_ms(), 2000u);
+  EXPECT_LE(joined.pinned_ms(), 2500u);
+  EXPECT_EQ(joined.destination().agent_id(), r.destination().agent_id());
+  EXPECT_THAT(joined.destination_block_ids(), ::testing::ElementsAreArray(r.block_ids()));
+  EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::ALREADY_EXISTS) << "a second JOIN";
+  v1::KvReadyRequest other = describe(r, v1::KvReadyRequest::PUSHED);
+  other.mutable_source()->set_agent_id("another agent");
+  EXPECT_EQ(call(decode, other).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "PUSHED from another agent";
+
+  // Cancelled after the JOIN: the blocks stay out of use past the 300 ms
+  // quarantine, until the pin ends; then everything is free.
+  const auto cancelled = std::chrono::steady_clock::now();
+  receive.Cancel();
+  receive.Finish();
+  std::this_thread::sleep_for(milliseconds(900));
+  const v1::LoadReport held = GetLoad(decode->stub());
+  if (std::chrono::steady_clock::now() - cancelled < milliseconds(2000)) {
+    EXPECT_EQ(held.quarantined_blocks(), 3) << "the pinned blocks were freed before the pin ended";
+  }
+  EXPECT_EQ(call(decode, describe(r, v1::KvReadyRequest::PUSHED)).error_code(), grpc::StatusCode::NOT_FOUND)
+      << "PUSHED after the cancel";
+  ExpectIdle(decode->stub(), "decode after the pin");
+  ExpectIdle(prefill->stub(), "prefill");
+}
+
+// PUSHED with sender_error after a JOIN: the decode worker falls back at
+// once, with the first token the sender gave.
+TEST_F(DisaggGrpcTest, SenderErrorFallsBackAtOnce) {
+  WorkerProcess* prefill = StartPrefill();
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
+  ASSERT_TRUE(prefill && decode);
+  v1::KvTransferInfo source;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(prefill->stub().GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), &source).ok());
+  }
+  const std::vector<int32_t> prompt = MakePrompt(44, 40);
+  const v1::GenerateRequest req = GreedyRequest(prompt, 6);
+  const Output reference = Aggregated(req);
+  ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/30000);
+  ASSERT_TRUE(receive.reserved());
+  v1::KvReadyRequest k;
+  k.set_reservation_id(receive.reservation().reservation_id());
+  k.set_decode_instance_id(receive.reservation().instance_id());
+  k.set_reservation_token(receive.reservation().reservation_token());
+  *k.mutable_source() = source;
+  for (int b : {0, 1, 2}) k.add_block_ids(b);
+  k.set_prompt_tokens(40);
+  k.set_prompt_hash(HashTokens(prompt));
+  k.mutable_first_token()->set_token_id(reference.tokens[0]);
+  k.set_phase(v1::KvReadyRequest::JOIN);
+  k.set_join_timeout_ms(1000);  // the blocks stay pinned (out of use) until then, fallback or not
+  auto call = [&](const v1::KvReadyRequest& r) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    v1::KvReadyResponse resp;
+    return decode->stub().KvReady(&ctx, r, &resp);
+  };
+  ASSERT_TRUE(call(k).ok());
+  k.set_phase(v1::KvReadyRequest::PUSHED);
+  k.clear_join_timeout_ms();
+  k.set_sender_error("the test could not push");
+  const auto sent = std::chrono::steady_clock::now();
+  grpc::Status st = call(k);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ABORTED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("the test could not push"));
+  Output d = receive.Finish();
+  EXPECT_LT(std::chrono::steady_clock::now() - sent, seconds(10)) << "fell back at the deadline, not at once";
+  EXPECT_FALSE(d.includes_first_token);
+  ExpectSameOutput(Combine(reference, d), reference, "fallback after sender_error");
+  const v1::LoadReport load = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(load.local_prefill_fallbacks(), 1);
+  EXPECT_EQ(load.expired_reservations(), 0);
+}
+
 }  // namespace
 }  // namespace tandem

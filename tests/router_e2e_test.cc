@@ -219,6 +219,41 @@ TEST_F(RouterE2eTest, DisaggregatedMatchesAggregated) {
   (*aggregated)->Stop();
 }
 
+// Both workers --kv-delivery push: the router forwards the reservation
+// (with the decode worker's pool) untouched, and the prefill worker writes
+// the KV into it; the text equals aggregated serving's.
+TEST_F(RouterE2eTest, PushedKvThroughTheRouterMatchesAggregated) {
+  WorkerProcess* both = StartBoth();
+  WorkerProcess* prefill = StartPrefill({"--kv-delivery", "push"});
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
+  ASSERT_TRUE(both && prefill && decode);
+  auto aggregated = RouterProcess::Start(RouterYaml{.decode = {both->address()}}.Text());
+  ASSERT_TRUE(aggregated.ok()) << aggregated.status();
+  ASSERT_TRUE(WaitHealthy((*aggregated)->url(), std::chrono::seconds(30)));
+  ASSERT_NE(StartRouter({.prefill = {prefill->address()}, .decode = {decode->address()}, .mode = "always"}), nullptr);
+  for (const std::string& p : {std::string("Pushed fox"), std::string(200, 'y') + " pushed long one"}) {
+    const json body = Chat(p, 16, {{"temperature", 0.7}, {"seed", 4}});
+    HttpResponse a = HttpPost((*aggregated)->url(), "/v1/chat/completions", body.dump());
+    Reply d = Post("/v1/chat/completions", body);
+    ASSERT_EQ(a.status, 200) << a.body;
+    ASSERT_EQ(d.http.status, 200) << d.http.body;
+    EXPECT_EQ(d.json["choices"][0]["message"]["content"], json::parse(a.body)["choices"][0]["message"]["content"])
+        << p.substr(0, 30);
+    EXPECT_EQ(d.http.Header("x-tandem-prefill-worker"), prefill->address());
+  }
+  bool ok = false;
+  v1::LoadReport load = WaitForLoad(
+      decode->stub(), [](const v1::LoadReport& l) { return l.kv_pushes_received() == 2; }, &ok);
+  EXPECT_TRUE(ok) << load.DebugString();
+  EXPECT_EQ(load.kv_pulls(), 0);
+  // The prefill worker counts a push once PUSHED is answered, which may
+  // come after the client's response.
+  load = WaitForLoad(
+      prefill->stub(), [](const v1::LoadReport& l) { return l.kv_pushes() == 2; }, &ok);
+  EXPECT_TRUE(ok) << load.DebugString();
+  (*aggregated)->Stop();
+}
+
 TEST_F(RouterE2eTest, StopStringsCutTheTextAndStopTheWorker) {
   WorkerProcess* w = StartBoth();
   ASSERT_NE(w, nullptr);

@@ -113,8 +113,13 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(out.find("--gpu-memory-utilization sizes a GPU's KV cache; the cpu runner keeps it in host memory"),
             std::string::npos)
       << out;
-  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport ucx --kv-fault fail_pair", &out), 0);
-  EXPECT_NE(out.find("--kv-fault fail_pair: workers do not pair yet"), std::string::npos) << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-delivery push", &out), 0);
+  EXPECT_NE(out.find("--kv-delivery push needs a --kv-transport that writes into a peer's pool (got --kv-transport "
+                     "none)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-delivery shove", &out), 0);
+  EXPECT_NE(out.find("--kv-delivery"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -60,6 +60,7 @@ struct WorkerOptions {
   int kv_hold_timeout_ms = 10000;                // prefill: blocks held for a decode worker at most
   std::string kv_fallback = "local";             // decode, KV never came: local (prefill here) or error
   bool no_kv_checksums = false;                  // prefill: send no per-block checksums
+  std::string kv_delivery = "pull";              // pull or push (KvHandoffConfig::push)
   int kv_quarantine_ms = 2000;                   // decode: a failed transfer's blocks stay unused this long
   std::string kv_fault;                          // testing: faults injected into the KV transport
   std::string engine_kind = "real";              // real, or sim (simulated compute, for routing experiments)
@@ -94,10 +95,6 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
   }
   if (!opt.kv_fault.empty()) {
     ASSIGN_OR_RETURN(kvtransfer::Faults faults, kvtransfer::ParseFaults(opt.kv_fault));
-    if (faults.fail_pair) {
-      return absl::InvalidArgumentError(
-          "--kv-fault fail_pair: workers do not pair yet (they pull; the push delivery of issue 21 is not built)");
-    }
     auto faulty = std::make_unique<kvtransfer::FaultInjectingTransport>(std::move(t));
     faulty->SetFaults(faults);
     LOG(WARNING) << "KV transport faults injected: " << opt.kv_fault;
@@ -208,6 +205,15 @@ absl::Status RunWorker(WorkerOptions opt) {
   if (opt.kv_reserve_max_blocks_per_caller < 0) {
     return absl::InvalidArgumentError("--kv-reserve-max-blocks-per-caller must be >= 0 (0: half the KV pool)");
   }
+  if (opt.kv_delivery == "push") {
+    const kvtransfer::TransportCapabilities* caps =
+        kvtransfer::TransportRegistry::Builtin().Capabilities(opt.kv_transport);
+    if (opt.kv_transport == "none" || caps == nullptr || !caps->push) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--kv-delivery push needs a --kv-transport that writes into a peer's pool (got --kv-transport %s)",
+          opt.kv_transport));
+    }
+  }
   opt.engine.local_prefill_fallback = opt.kv_fallback == "local";
   if (opt.kv_quarantine_ms < 0) return absl::InvalidArgumentError("--kv-quarantine-ms must be >= 0");
   opt.engine.transfer_quarantine_s = opt.kv_quarantine_ms / 1000.0;
@@ -272,7 +278,8 @@ absl::Status RunWorker(WorkerOptions opt) {
                            .receive_timeout_max = std::chrono::milliseconds(opt.kv_receive_timeout_max_ms),
                            .max_reserved_blocks_per_caller = caller_cap,
                            .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
-                           .checksums = !opt.no_kv_checksums};
+                           .checksums = !opt.no_kv_checksums,
+                           .push = opt.kv_delivery == "push"};
   // The standard grpc.health.v1 service (SERVING; NOT_SERVING once draining),
   // for load balancers and Kubernetes' gRPC probes where TLS is off.
   grpc::EnableDefaultHealthCheckService(true);
@@ -484,8 +491,14 @@ void AddWorkerCommand(CLI::App& app) {
                   "Decode: blocks of a failed KV transfer stay out of use this long (late bytes)")
       ->capture_default_str();
   cmd->add_flag("--no-kv-checksums", opt->no_kv_checksums, "Prefill: send no per-block checksums with the KV");
+  cmd->add_option("--kv-delivery", opt->kv_delivery,
+                  "How the KV moves: pull (the decode worker reads it) or push (the prefill worker writes it "
+                  "into the reservation once the decode worker joined; both workers must say push, else it "
+                  "is pulled)")
+      ->check(CLI::IsMember({"pull", "push"}))
+      ->capture_default_str();
   cmd->add_option("--kv-fault", opt->kv_fault,
-                  "Testing: inject KV transport faults (drop, corrupt, fail_submit, delay_ms=N, "
+                  "Testing: inject KV transport faults (drop, corrupt, fail_submit, fail_pair, delay_ms=N, "
                   "fail_after_blocks=N; comma-separated)")
       ->group("Testing");
   cmd->add_option("--block-hash-seed", opt->engine.block_hash_seed, "Parent hash of a sequence's first KV block")

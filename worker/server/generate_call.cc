@@ -239,6 +239,10 @@ class GenerateCall final {
     out->set_instance_id(c_.service->instance_id());
     out->set_timeout_ms(reserve_timeout_ms_);
     out->mutable_block_ids()->Assign(r->blocks.begin(), r->blocks.end());
+    // Push delivery: the pool offered to the sender (its JOIN then asks).
+    if (absl::StatusOr<kvtransfer::PeerInfo> pool = c_.kv->PushDestination(); pool.ok()) {
+      ToProto(*pool, out->mutable_destination());
+    }
     MaybeWriteLocked();
   }
 

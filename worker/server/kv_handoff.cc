@@ -83,7 +83,8 @@ struct KvReceiver::Pull {
   std::string agent_id;
   std::vector<kvtransfer::BlockPair> pairs;
   std::vector<uint64_t> checksums;  // per pair, or empty
-  bool peer_held = false;           // peers_.Acquire counted this pull
+  bool peer_held = false;           // peers_->Acquire counted this pull
+  bool pushed = false;              // the sender pushed the blocks (KvReady PUSHED)
   steady_clock::time_point started;
   steady_clock::duration took{};  // submit -> completion
   SampledToken first;
@@ -91,13 +92,9 @@ struct KvReceiver::Pull {
   std::function<void(grpc::Status)> done;
 };
 
-KvReceiver::KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id,
+KvReceiver::KvReceiver(Engine* engine, kvtransfer::Transport* transport, PeerSet* peers, std::string instance_id,
                        KvHandoffConfig config)
-    : engine_(engine),
-      transport_(transport),
-      instance_id_(std::move(instance_id)),
-      config_(config),
-      peers_(transport) {}
+    : engine_(engine), transport_(transport), instance_id_(std::move(instance_id)), config_(config), peers_(peers) {}
 
 std::chrono::milliseconds KvReceiver::ReservationTimeout(uint32_t requested_ms) {
   const std::chrono::milliseconds asked =
@@ -221,8 +218,33 @@ absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(const tandem:
 void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_deadline,
                          tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done) {
   using grpc::StatusCode;
+  using tandem::v1::KvReadyRequest;
   if (transport_ == nullptr) {
     done(grpc::Status(StatusCode::FAILED_PRECONDITION, "this worker runs without a KV transport (--kv-transport)"));
+    return;
+  }
+  const KvReadyRequest::Phase phase = req.phase();
+  if (phase != KvReadyRequest::PHASE_UNSPECIFIED && phase != KvReadyRequest::JOIN && phase != KvReadyRequest::PUSHED) {
+    done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                      absl::StrFormat("KvReady phase %d is not PHASE_UNSPECIFIED (0), JOIN (1) or PUSHED (2)", phase)));
+    return;
+  }
+  // Each phase's own fields, only there.
+  if (req.join_timeout_ms() != 0 && phase != KvReadyRequest::JOIN) {
+    done(grpc::Status(StatusCode::INVALID_ARGUMENT, "KvReady join_timeout_ms is for phase JOIN only"));
+    return;
+  }
+  if (!req.sender_error().empty() && phase != KvReadyRequest::PUSHED) {
+    done(grpc::Status(StatusCode::INVALID_ARGUMENT, "KvReady sender_error is for phase PUSHED only"));
+    return;
+  }
+  if (phase == KvReadyRequest::JOIN && req.block_checksums_size() != 0) {
+    done(grpc::Status(StatusCode::INVALID_ARGUMENT, "KvReady JOIN carries no block_checksums (PUSHED does)"));
+    return;
+  }
+  if (phase != KvReadyRequest::PHASE_UNSPECIFIED && !config_.push) {
+    done(grpc::Status(StatusCode::FAILED_PRECONDITION,
+                      "this worker takes KV by pull (--kv-delivery pull): it joins no pushes"));
     return;
   }
   if (req.decode_instance_id() != instance_id_) {
@@ -231,13 +253,29 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
                                       req.reservation_id(), req.decode_instance_id(), instance_id_)));
     return;
   }
+  if (phase == KvReadyRequest::JOIN) {
+    Join(req, response, std::move(done));
+  } else if (phase == KvReadyRequest::PUSHED) {
+    Pushed(req, response, std::move(done));
+  } else {
+    StartPull(req, call_deadline, response, std::move(done));
+  }
+}
+
+absl::Status KvReceiver::CheckSource(const tandem::v1::KvReadyRequest& req) const {
+  if (req.source().backend() != transport_->backend()) {
+    return absl::FailedPreconditionError(absl::StrFormat("its KV transport is '%s', this worker's is '%s'",
+                                                         req.source().backend(), transport_->backend()));
+  }
+  return kvtransfer::CheckCompatible(engine_->pool_layout(), FromProto(req.source()).layout);
+}
+
+void KvReceiver::StartPull(const tandem::v1::KvReadyRequest& req, Deadline call_deadline,
+                           tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done) {
+  using grpc::StatusCode;
   const int bs = engine_->config().block_size;
   auto pull = std::make_shared<Pull>();
-  absl::Status compatible =
-      req.source().backend() != transport_->backend()
-          ? absl::FailedPreconditionError(absl::StrFormat("its KV transport is '%s', this worker's is '%s'",
-                                                          req.source().backend(), transport_->backend()))
-          : kvtransfer::CheckCompatible(engine_->pool_layout(), FromProto(req.source()).layout);
+  const absl::Status compatible = CheckSource(req);
   // Under mu_, in order: the reservation exists and waits; the request
   // describes its prompt (else it keeps waiting for the right one); the pool
   // can be copied from (else it falls back at once); the blocks add up.
@@ -295,7 +333,7 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
 
   // From here the reservation is this call's: every path ends in a commit or
   // a fallback.
-  absl::Status peer = peers_.Acquire(FromProto(req.source()));
+  absl::Status peer = peers_->Acquire(FromProto(req.source()));
   if (!peer.ok()) {
     peer = absl::FailedPreconditionError(absl::StrCat("cannot pull KV from the prefill worker: ", peer.message()));
     Fail(pull, ToGrpcStatus(peer), /*fall_back=*/true);
@@ -339,69 +377,237 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
   if (pull->started != steady_clock::time_point{}) pull->took = steady_clock::now() - pull->started;
   // Off the transport's thread: checksums take a pass over the KV.
   verifier_.Post([this, pull, status = std::move(status)] {
-    peers_.Release(pull->agent_id, status.code() == absl::StatusCode::kUnavailable);
+    peers_->Release(pull->agent_id, status.code() == absl::StatusCode::kUnavailable);
     pull->peer_held = false;
     if (!status.ok()) {
       Fail(pull, grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("pulling the KV failed: ", status.message())),
            /*fall_back=*/true);
       return;
     }
-    for (size_t i = 0; i < pull->checksums.size(); ++i) {
-      const absl::StatusOr<uint64_t> sum = engine_->KvBlockChecksum(pull->pairs[i].dst);
-      if (!sum.ok()) {
-        Fail(pull,
-             grpc::Status(grpc::StatusCode::INTERNAL,
-                          absl::StrCat("cannot check the pulled KV block's checksum: ", sum.status().message())),
-             /*fall_back=*/true);
-        return;
-      }
-      const uint64_t got = *sum;
-      if (got != pull->checksums[i]) {
-        ++checksum_failures_;
-        Fail(pull,
-             grpc::Status(grpc::StatusCode::DATA_LOSS,
-                          absl::StrFormat("KV block %d of %d arrived corrupted (checksum %016x, "
-                                          "expected %016x)",
-                                          i, pull->pairs.size(), got, pull->checksums[i])),
-             /*fall_back=*/true);
-        return;
-      }
+    VerifyAndCommit(pull);
+  });
+}
+
+void KvReceiver::VerifyAndCommit(const std::shared_ptr<Pull>& pull) {
+  for (size_t i = 0; i < pull->checksums.size(); ++i) {
+    const absl::StatusOr<uint64_t> sum = engine_->KvBlockChecksum(pull->pairs[i].dst);
+    if (!sum.ok()) {
+      Fail(pull,
+           grpc::Status(grpc::StatusCode::INTERNAL,
+                        absl::StrCat("cannot check the received KV block's checksum: ", sum.status().message())),
+           /*fall_back=*/true);
+      return;
     }
+    const uint64_t got = *sum;
+    if (got != pull->checksums[i]) {
+      ++checksum_failures_;
+      Fail(pull,
+           grpc::Status(grpc::StatusCode::DATA_LOSS,
+                        absl::StrFormat("KV block %d of %d arrived corrupted (checksum %016x, "
+                                        "expected %016x)",
+                                        i, pull->pairs.size(), got, pull->checksums[i])),
+           /*fall_back=*/true);
+      return;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (entries_.count(pull->reservation_id) == 0) {
+      // Cancelled or expired while the bytes moved: nothing to commit.
+      ++pull_failures_;
+      pull->done(grpc::Status(grpc::StatusCode::ABORTED, "the reservation ended while its KV was moving"));
+      return;
+    }
+  }
+  const int64_t bytes = static_cast<int64_t>(pull->pairs.size()) * engine_->pool_layout().block_bytes;
+  engine_->Commit(pull->engine_id, pull->first, [this, pull, bytes](absl::Status s) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (entries_.count(pull->reservation_id) == 0) {
-        // Cancelled or expired while the bytes moved: nothing to commit.
-        ++pull_failures_;
-        pull->done(grpc::Status(grpc::StatusCode::ABORTED, "the reservation ended while its KV was moving"));
-        return;
-      }
+      EraseLocked(pull->reservation_id);
     }
-    const int64_t bytes = static_cast<int64_t>(pull->pairs.size()) * engine_->pool_layout().block_bytes;
-    engine_->Commit(pull->engine_id, pull->first, [this, pull, bytes](absl::Status s) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        EraseLocked(pull->reservation_id);
-      }
-      if (!s.ok()) {
-        ++pull_failures_;
-        pull->done(grpc::Status(grpc::StatusCode::ABORTED,
-                                absl::StrCat("the reservation ended while its KV was moving: ", s.message())));
-        return;
-      }
+    if (!s.ok()) {
+      ++pull_failures_;
+      pull->done(grpc::Status(grpc::StatusCode::ABORTED,
+                              absl::StrCat("the reservation ended while its KV was moving: ", s.message())));
+      return;
+    }
+    if (pull->pushed) {
+      ++pushes_received_;
+    } else {
       ++pulls_;
       bytes_pulled_ += bytes;
       pull_nanos_ += std::chrono::duration_cast<std::chrono::nanoseconds>(pull->took).count();
-      pull->response->set_blocks_pulled(static_cast<int32_t>(pull->pairs.size()));
-      pull->response->set_bytes_pulled(bytes);
       pull->response->set_pull_seconds(std::chrono::duration<double>(pull->took).count());
-      pull->done(grpc::Status::OK);
-    });
+    }
+    pull->response->set_blocks_pulled(static_cast<int32_t>(pull->pairs.size()));
+    pull->response->set_bytes_pulled(bytes);
+    pull->done(grpc::Status::OK);
   });
+}
+
+void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* response,
+                      std::function<void(grpc::Status)> done) {
+  using grpc::StatusCode;
+  auto pull = std::make_shared<Pull>();
+  const absl::Status compatible = CheckSource(req);
+  // As for a pull, under mu_: the reservation exists and waits; the request
+  // describes its prompt; the pool can be written from; the blocks add up.
+  bool incompatible = false;
+  Deadline until{};
+  std::vector<int32_t> blocks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(req.reservation_id());
+    if (it == entries_.end() || !SameToken(req.reservation_token(), it->second.token)) {
+      done(grpc::Status(StatusCode::NOT_FOUND,
+                        absl::StrFormat("no reservation %d is waiting for KV (expired, cancelled or "
+                                        "already filled)",
+                                        req.reservation_id())));
+      return;
+    }
+    Entry& e = it->second;
+    const Waiting& w = e.waiting;
+    if (e.state != State::kWaiting) {
+      done(grpc::Status(StatusCode::ALREADY_EXISTS,
+                        absl::StrFormat("reservation %d is already receiving its KV", req.reservation_id())));
+      return;
+    }
+    if (absl::Status s = CheckKvReadyPrompt(req, w.expect, engine_->model_config().vocab_size); !s.ok()) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(s.message())));
+      return;
+    }
+    pull->engine_id = w.engine_id;
+    if (!compatible.ok()) {
+      EraseLocked(it);
+      incompatible = true;
+    } else {
+      absl::StatusOr<std::vector<kvtransfer::BlockPair>> pairs =
+          PlanKvReadyPull(req, w.expect, engine_->config().block_size);
+      if (!pairs.ok()) {
+        done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(pairs.status().message())));
+        return;
+      }
+      // Pinned until the reservation's own deadline, or sooner if asked.
+      until = w.deadline;
+      if (req.join_timeout_ms() > 0) {
+        until = std::min(until, steady_clock::now() + std::chrono::milliseconds(req.join_timeout_ms()));
+      }
+      blocks = w.expect.blocks;
+      e.state = State::kJoined;
+      e.pusher = req.source().agent_id();
+    }
+  }
+  pull->reservation_id = req.reservation_id();
+  pull->agent_id = req.source().agent_id();
+  pull->first = FromProto(req.first_token());
+  pull->response = response;
+  pull->done = std::move(done);
+  if (incompatible) {
+    Fail(pull,
+         grpc::Status(StatusCode::FAILED_PRECONDITION,
+                      absl::StrCat("cannot take KV from the prefill worker's pool: ", compatible.message())),
+         /*fall_back=*/true);
+    return;
+  }
+  absl::StatusOr<kvtransfer::PeerInfo> local = transport_->LocalInfo();
+  if (!local.ok()) {
+    Fail(pull, ToGrpcStatus(local.status()), /*fall_back=*/true);
+    return;
+  }
+  // Pinned before the answer: no write is sent before it.
+  engine_->PinReservation(
+      pull->engine_id, until,
+      [this, pull, until, local = *std::move(local), blocks = std::move(blocks)](absl::Status pinned) {
+        if (!pinned.ok()) {
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = entries_.find(pull->reservation_id);
+            if (it != entries_.end() && it->second.state == State::kJoined) EraseLocked(it);
+          }
+          pull->done(grpc::Status(grpc::StatusCode::NOT_FOUND,
+                                  absl::StrFormat("reservation %d ended before its blocks could be pinned: %s",
+                                                  pull->reservation_id, pinned.message())));
+          return;
+        }
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - steady_clock::now());
+        pull->response->set_pinned_ms(static_cast<uint32_t>(std::max<int64_t>(0, left.count())));
+        ToProto(local, pull->response->mutable_destination());
+        pull->response->mutable_destination_block_ids()->Assign(blocks.begin(), blocks.end());
+        pull->done(grpc::Status::OK);
+      });
+}
+
+void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* response,
+                        std::function<void(grpc::Status)> done) {
+  using grpc::StatusCode;
+  auto pull = std::make_shared<Pull>();
+  pull->pushed = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(req.reservation_id());
+    if (it == entries_.end() || !SameToken(req.reservation_token(), it->second.token)) {
+      done(grpc::Status(StatusCode::NOT_FOUND,
+                        absl::StrFormat("no reservation %d is waiting for pushed KV (expired, cancelled or "
+                                        "already filled)",
+                                        req.reservation_id())));
+      return;
+    }
+    Entry& e = it->second;
+    if (e.state == State::kPulling) {
+      done(grpc::Status(StatusCode::ALREADY_EXISTS,
+                        absl::StrFormat("reservation %d is already receiving its KV", req.reservation_id())));
+      return;
+    }
+    if (e.state != State::kJoined) {
+      done(grpc::Status(StatusCode::FAILED_PRECONDITION,
+                        absl::StrFormat("reservation %d joined no push (KvReady JOIN first)", req.reservation_id())));
+      return;
+    }
+    if (req.source().agent_id() != e.pusher) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        absl::StrFormat("reservation %d joined a push from agent '%s', not '%s'", req.reservation_id(),
+                                        e.pusher, req.source().agent_id())));
+      return;
+    }
+    const Waiting& w = e.waiting;
+    // The prompt and the first token as for the JOIN (a PUSHED that
+    // describes another prompt leaves the reservation joined: its pin and
+    // deadline end it).
+    if (absl::Status s = CheckKvReadyPrompt(req, w.expect, engine_->model_config().vocab_size); !s.ok()) {
+      done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(s.message())));
+      return;
+    }
+    pull->engine_id = w.engine_id;
+    if (req.sender_error().empty()) {
+      absl::StatusOr<std::vector<kvtransfer::BlockPair>> pairs =
+          PlanKvReadyPull(req, w.expect, engine_->config().block_size);
+      if (!pairs.ok()) {
+        done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(pairs.status().message())));
+        return;
+      }
+      pull->pairs = *std::move(pairs);
+      pull->checksums.assign(req.block_checksums().begin(), req.block_checksums().end());
+    }
+    e.state = State::kPulling;  // verifying (a second PUSHED is ALREADY_EXISTS)
+  }
+  pull->reservation_id = req.reservation_id();
+  pull->agent_id = req.source().agent_id();
+  pull->first = FromProto(req.first_token());
+  pull->response = response;
+  pull->done = std::move(done);
+  if (!req.sender_error().empty()) {
+    Fail(pull,
+         grpc::Status(StatusCode::ABORTED,
+                      absl::StrCat("the prefill worker could not push the KV: ", req.sender_error())),
+         /*fall_back=*/true);
+    return;
+  }
+  verifier_.Post([this, pull] { VerifyAndCommit(pull); });
 }
 
 void KvReceiver::Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back) {
   ++pull_failures_;
-  if (pull->peer_held) peers_.Release(pull->agent_id, /*lost=*/false);
+  if (pull->peer_held) peers_->Release(pull->agent_id, /*lost=*/false);
   pull->peer_held = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -425,19 +631,21 @@ void KvReceiver::AddStats(KvHandoffStats* stats) {
   stats->checksum_failures += checksum_failures_.load();
   stats->bytes_pulled += bytes_pulled_.load();
   stats->pull_seconds += static_cast<double>(pull_nanos_.load()) * 1e-9;
+  stats->pushes_received += pushes_received_.load();
 }
 
 // ---------------------------------------------------------------------------
 // KvSender
 
-KvSender::KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config, grpc::CompletionQueue* cq,
-                   std::shared_ptr<const tls::ChannelFactory> channels, PeerAllowList allow)
+KvSender::KvSender(Engine* engine, kvtransfer::Transport* transport, PeerSet* peers, KvHandoffConfig config,
+                   grpc::CompletionQueue* cq, std::shared_ptr<const tls::ChannelFactory> channels, PeerAllowList allow)
     : engine_(engine),
       transport_(transport),
       config_(config),
       cq_(cq),
       channels_(std::move(channels)),
-      allow_(std::move(allow)) {}
+      allow_(std::move(allow)),
+      peers_(peers) {}
 
 absl::Status KvSender::CheckDecodeAddress(const std::string& address) {
   absl::StatusOr<PeerAddress> parsed = ParsePeerAddress(address, "kv_transfer.decode_address");
@@ -455,10 +663,15 @@ absl::Status KvSender::CheckDecodeAddress(const std::string& address) {
 KvSender::~KvSender() { Stop(); }
 
 void KvSender::Stop() {
-  executor_.reset();  // runs what was posted: no call starts after this
+  executor_.reset();  // runs what was posted
   std::unique_lock<std::mutex> lock(calls_mu_);
+  stopping_ = true;  // no call or push starts after this
   for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
-  calls_cv_.wait(lock, [&] { return calls_.empty(); });
+  const std::set<uint64_t> pushes = push_ids_;
+  lock.unlock();
+  for (uint64_t id : pushes) transport_->Cancel(id);
+  lock.lock();
+  calls_cv_.wait(lock, [&] { return calls_.empty() && pushing_ == 0; });
 }
 
 void KvSender::Send(Job job, SendDone done) {
@@ -481,14 +694,70 @@ std::shared_ptr<tandem::v1::Worker::Stub> KvSender::StubFor(const std::string& t
   return stub;
 }
 
-void KvSender::Start(Job job, SendDone done) {
+// A KvReady call in flight.
+struct KvSender::Call {
+  grpc::ClientContext ctx;
+  tandem::v1::KvReadyRequest request;
+  tandem::v1::KvReadyResponse response;
+};
+
+// A push delivery: JOIN, the push, PUSHED (KvSender::Send).
+struct KvSender::PushJob {
+  Job job;
+  SendDone done;
+  std::shared_ptr<tandem::v1::Worker::Stub> stub;
+  Deadline deadline{};                   // the hold timeout's
+  tandem::v1::KvReadyRequest described;  // the request as a pull would send it (with checksums)
+  steady_clock::time_point join_sent, push_started;
+  steady_clock::duration took{};  // the push
+  std::string agent;              // the decode pool's, once joined
+  int32_t blocks = 0;             // pushed
+  int64_t bytes = 0;
+  uint64_t transfer = 0;    // guarded by calls_mu_ from the push on
+  bool push_ended = false;  // guarded by calls_mu_
+};
+
+bool KvSender::CallKvReady(std::shared_ptr<tandem::v1::Worker::Stub> stub, std::shared_ptr<Call> call,
+                           std::function<void(const grpc::Status&)> then) {
+  {
+    std::lock_guard<std::mutex> lock(calls_mu_);
+    if (stopping_) return false;
+    calls_.insert(&call->ctx);
+  }
+  GrpcPoller::Unary(stub->PrepareAsyncKvReady(&call->ctx, call->request, cq_), &call->response,
+                    [this, call, stub, then = std::move(then)](const grpc::Status& s) {
+                      // Ends the call's registration last, after every use of
+                      // `this` (and after `then` registered what it started).
+                      struct Unregister {
+                        KvSender* sender;
+                        grpc::ClientContext* ctx;
+                        ~Unregister() {
+                          std::lock_guard<std::mutex> lock(sender->calls_mu_);
+                          sender->calls_.erase(ctx);
+                          sender->calls_cv_.notify_all();
+                        }
+                      } unregister{this, &call->ctx};
+                      then(s);
+                    });
+  return true;
+}
+
+namespace {
+// A call deadline `d` away on the system clock (gRPC's), at least `floor`.
+system_clock::time_point CallDeadline(Deadline d, steady_clock::duration floor = {}) {
+  return system_clock::now() + std::max(floor, d - steady_clock::now());
+}
+}  // namespace
+
+void KvSender::Start(Job job, SendDone done_once) {
   const uint64_t id = job.prefilled.id;
   const auto deadline = job.handed_off + config_.hold_timeout;
+  auto done = std::make_shared<SendDone>(std::move(done_once));
   auto fail_unsent = [&](std::string why) {
     ++handoff_failures_;
     engine_->ReleasePrefilled(id);  // nothing reads these blocks
     LOG(WARNING) << "KV of request " << id << " not handed off: " << why;
-    done(why, tandem::v1::KvReadyResponse());
+    (*done)(why, tandem::v1::KvReadyResponse());
   };
   if (steady_clock::now() >= deadline) {
     fail_unsent("the hold timeout passed before KvReady could be sent");
@@ -520,11 +789,6 @@ void KvSender::Start(Job job, SendDone done) {
     fail_unsent(std::string(target.status().message()));
     return;
   }
-  struct Call {
-    grpc::ClientContext ctx;
-    tandem::v1::KvReadyRequest request;
-    tandem::v1::KvReadyResponse response;
-  };
   auto call = std::make_shared<Call>();
   tandem::v1::KvReadyRequest& r = call->request;
   r.set_reservation_id(job.target.reservation_id());
@@ -550,50 +814,227 @@ void KvSender::Start(Job job, SendDone done) {
       r.add_block_checksums(*sum);
     }
   }
-  call->ctx.set_deadline(system_clock::now() + (deadline - steady_clock::now()));
   std::shared_ptr<tandem::v1::Worker::Stub> stub = StubFor(*target);
+
+  // Push where the decode worker offers a pool of this transport (its JOIN
+  // answer, not the forwarded offer, names where the bytes go).
+  const tandem::v1::KvReservation& offer = job.target.reservation();
+  if (config_.push && offer.has_destination() && offer.destination().backend() == transport_->backend() &&
+      transport_->capabilities().push) {
+    auto p = std::make_shared<PushJob>();
+    p->stub = stub;
+    p->deadline = deadline;
+    p->described = r;
+    auto join = std::make_shared<Call>();
+    join->request = r;
+    join->request.clear_block_checksums();
+    join->request.set_phase(tandem::v1::KvReadyRequest::JOIN);
+    join->request.set_join_timeout_ms(static_cast<uint32_t>(std::max<int64_t>(
+        1, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - steady_clock::now()).count())));
+    join->ctx.set_deadline(CallDeadline(deadline));
+    p->job = std::move(job);
+    p->done = [done](const std::string& error, const tandem::v1::KvReadyResponse& answer) { (*done)(error, answer); };
+    p->join_sent = steady_clock::now();
+    if (!CallKvReady(stub, join, [this, p, join](const grpc::Status& s) {
+          if (s.ok()) {
+            OnJoined(p, join->response, s);
+          } else {
+            OnJoined(p, tandem::v1::KvReadyResponse(), s);
+          }
+        })) {
+      fail_unsent("the worker is shutting down");
+    }
+    return;
+  }
+
+  call->ctx.set_deadline(CallDeadline(deadline));
+  const bool sent = CallKvReady(stub, call, [this, call, id, done](const grpc::Status& s) {
+    if (IsDefiniteAnswer(s.error_code())) {
+      engine_->ReleasePrefilled(id);
+    } else {
+      LOG(WARNING) << "KvReady for request " << id << " failed (" << s.error_message()
+                   << "); its blocks stay held until the call's deadline";
+    }
+    if (s.ok()) {
+      ++handoffs_;
+      (*done)("", call->response);
+      return;
+    }
+    ++handoff_failures_;
+    // With TLS, a peer that is not a worker of the cluster CA fails the
+    // handshake: the call never started. gRPC says so only in the message
+    // ("Ssl handshake failed" / "Handshake failed").
+    if (channels_->secure() && s.error_code() == grpc::StatusCode::UNAVAILABLE &&
+        absl::StrContains(s.error_message(), "andshake")) {
+      ++peers_refused_;
+    }
+    (*done)(absl::StrFormat("KvReady on %s failed: %s", call->request.decode_instance_id(), s.error_message()),
+            call->response);
+  });
+  if (!sent) fail_unsent("the worker is shutting down");
+}
+
+void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvReadyResponse& joined,
+                        const grpc::Status& status) {
+  const uint64_t id = p->job.prefilled.id;
+  const std::string& instance = p->described.decode_instance_id();
+  if (!status.ok()) {
+    engine_->ReleasePrefilled(id);  // nothing was written
+    const std::string why = absl::StrFormat("KvReady JOIN on %s failed: %s", instance, status.error_message());
+    if (IsDefiniteAnswer(status.error_code())) {
+      ++handoff_failures_;
+      LOG(WARNING) << "KV of request " << id << " not pushed: " << why;
+      p->done(why, tandem::v1::KvReadyResponse());
+    } else {
+      SendPushed(p, why);  // the decode worker may have joined: it falls back now
+    }
+    return;
+  }
+  // The decode worker's word on where the bytes go.
+  const int bs = engine_->config().block_size;
+  const int skip = p->job.target.decode_cached_tokens() / bs;
+  const auto& prefilled = p->job.prefilled.blocks;
+  std::string bad;
+  if (!joined.has_destination() || joined.destination().backend() != transport_->backend()) {
+    bad = "its JOIN answer names no pool of this worker's transport";
+  } else if (joined.destination_block_ids_size() != static_cast<int>(prefilled.size())) {
+    bad = absl::StrFormat("its JOIN answer names %d blocks for a %d-block prompt", joined.destination_block_ids_size(),
+                          prefilled.size());
+  } else if (joined.pinned_ms() == 0) {
+    bad = "its JOIN answer pins the blocks for 0 ms";
+  }
+  kvtransfer::PeerInfo dest;
+  if (bad.empty()) {
+    dest = FromProto(joined.destination());
+    if (absl::Status c = kvtransfer::CheckCompatible(engine_->pool_layout(), dest.layout); !c.ok()) {
+      bad = absl::StrCat("its pool cannot take this worker's blocks: ", c.message());
+    }
+  }
+  std::vector<kvtransfer::BlockPair> pairs;
+  for (int i = skip; bad.empty() && i < static_cast<int>(prefilled.size()); ++i) {
+    const int32_t dst = joined.destination_block_ids(i);
+    if (dst < 0 || dst >= dest.layout.num_blocks) {
+      bad = absl::StrFormat("its JOIN answer names block %d of a %d-block pool", dst, dest.layout.num_blocks);
+    }
+    pairs.push_back({prefilled[i], dst});
+  }
+  // The writes end before the pin does (measured from the JOIN's sending:
+  // the pin ran from before its answer) and before the hold timeout, with
+  // the margin a pull keeps for the network's latency.
+  const auto limit = std::min(p->deadline, p->join_sent + std::chrono::milliseconds(joined.pinned_ms()));
+  const auto now = steady_clock::now();
+  const auto margin = std::max<steady_clock::duration>(std::chrono::milliseconds(100), (limit - now) / 10);
+  if (bad.empty() && limit - margin <= now) {
+    bad = absl::StrFormat("its pin (%d ms) leaves no time to push", joined.pinned_ms());
+  }
+  if (bad.empty()) {
+    if (absl::Status joined_peer = peers_->Acquire(dest); !joined_peer.ok()) {
+      bad = absl::StrCat("cannot join the decode worker's pool: ", joined_peer.message());
+    }
+  }
+  if (!bad.empty()) {
+    engine_->ReleasePrefilled(id);
+    SendPushed(p, absl::StrFormat("KV not pushed to %s: %s", instance, bad));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(calls_mu_);
-    calls_.insert(&call->ctx);
+    if (stopping_) {
+      peers_->Release(dest.agent_id, /*lost=*/false);
+      engine_->ReleasePrefilled(id);
+      ++handoff_failures_;
+      p->done("the worker is shutting down", tandem::v1::KvReadyResponse());
+      return;
+    }
+    ++pushing_;
   }
-  GrpcPoller::Unary(
-      stub->PrepareAsyncKvReady(&call->ctx, call->request, cq_), &call->response,
-      [this, call, stub, id, done = std::move(done)](const grpc::Status& s) {
-        // Ends the call's registration last, after every use of `this`.
-        struct Unregister {
-          KvSender* sender;
-          grpc::ClientContext* ctx;
-          ~Unregister() {
-            std::lock_guard<std::mutex> lock(sender->calls_mu_);
-            sender->calls_.erase(ctx);
-            sender->calls_cv_.notify_all();
-          }
-        } unregister{this, &call->ctx};
-        if (IsDefiniteAnswer(s.error_code())) {
-          engine_->ReleasePrefilled(id);
-        } else {
-          LOG(WARNING) << "KvReady for request " << id << " failed (" << s.error_message()
-                       << "); its blocks stay held until the call's deadline";
-        }
-        if (s.ok()) {
-          ++handoffs_;
-          done("", call->response);
-        } else {
-          ++handoff_failures_;
-          // With TLS, a peer that is not a worker of the cluster CA fails
-          // the handshake: the call never started. gRPC says so only in
-          // the message ("Ssl handshake failed" / "Handshake failed").
-          if (channels_->secure() && s.error_code() == grpc::StatusCode::UNAVAILABLE &&
-              absl::StrContains(s.error_message(), "andshake")) {
-            ++peers_refused_;
-          }
-          done(absl::StrFormat("KvReady on %s failed: %s", call->request.decode_instance_id(), s.error_message()),
-               call->response);
-        }
-      });
+  p->agent = dest.agent_id;
+  p->blocks = static_cast<int32_t>(pairs.size());
+  p->bytes = static_cast<int64_t>(pairs.size()) * engine_->pool_layout().block_bytes;
+  p->push_started = steady_clock::now();
+  std::shared_ptr<const kvtransfer::WriteFence> written =
+      p->job.prefilled.written != nullptr ? p->job.prefilled.written : kvtransfer::CompletedFence();
+  absl::StatusOr<uint64_t> transfer =
+      transport_->PushAfter(p->agent, std::move(pairs), std::move(written), p->job.target.reservation_id(),
+                            limit - margin, [this, p](absl::Status s) { OnPushed(p, std::move(s)); });
+  if (!transfer.ok()) {
+    peers_->Release(p->agent, transfer.status().code() == absl::StatusCode::kUnavailable);
+    engine_->ReleasePrefilled(id);
+    SendPushed(p, absl::StrCat("cannot start the push: ", transfer.status().message()));
+    std::lock_guard<std::mutex> lock(calls_mu_);
+    --pushing_;
+    calls_cv_.notify_all();
+    return;
+  }
+  bool cancel = false;
+  {
+    std::lock_guard<std::mutex> lock(calls_mu_);
+    if (!p->push_ended) {
+      p->transfer = *transfer;
+      push_ids_.insert(*transfer);
+      cancel = stopping_;
+    }
+  }
+  if (cancel) transport_->Cancel(*transfer);
+}
+
+void KvSender::OnPushed(const std::shared_ptr<PushJob>& p, absl::Status status) {
+  p->took = steady_clock::now() - p->push_started;
+  peers_->Release(p->agent, status.code() == absl::StatusCode::kUnavailable);
+  engine_->ReleasePrefilled(p->job.prefilled.id);  // the push has read them
+  {
+    std::lock_guard<std::mutex> lock(calls_mu_);
+    p->push_ended = true;
+    if (p->transfer != 0) push_ids_.erase(p->transfer);
+  }
+  SendPushed(p, status.ok() ? std::string()
+                            : absl::StrFormat("pushing the KV to %s failed: %s", p->described.decode_instance_id(),
+                                              status.message()));
+  // After SendPushed registered its call, so Stop waits for it too.
+  std::lock_guard<std::mutex> lock(calls_mu_);
+  --pushing_;
+  calls_cv_.notify_all();
+}
+
+void KvSender::SendPushed(const std::shared_ptr<PushJob>& p, std::string sender_error) {
+  auto call = std::make_shared<Call>();
+  call->request = p->described;
+  call->request.set_phase(tandem::v1::KvReadyRequest::PUSHED);
+  if (!sender_error.empty()) {
+    call->request.clear_block_checksums();
+    call->request.set_sender_error(sender_error);
+    LOG(WARNING) << "KV of request " << p->job.prefilled.id << " not pushed: " << sender_error;
+  }
+  // A failure is told even past the hold timeout (the decode worker then
+  // falls back at once instead of at its deadline).
+  call->ctx.set_deadline(CallDeadline(p->deadline, std::chrono::seconds(1)));
+  const bool sent = CallKvReady(p->stub, call, [this, p, call, sender_error](const grpc::Status& s) {
+    if (sender_error.empty() && s.ok()) {
+      ++handoffs_;
+      ++pushes_;
+      bytes_pushed_ += p->bytes;
+      tandem::v1::KvReadyResponse answer;
+      answer.set_blocks_pulled(p->blocks);
+      answer.set_bytes_pulled(p->bytes);
+      answer.set_pull_seconds(std::chrono::duration<double>(p->took).count());
+      p->done("", answer);
+      return;
+    }
+    ++handoff_failures_;
+    p->done(sender_error.empty() ? absl::StrFormat("KvReady PUSHED on %s failed: %s",
+                                                   call->request.decode_instance_id(), s.error_message())
+                                 : sender_error,
+            tandem::v1::KvReadyResponse());
+  });
+  if (!sent) {
+    ++handoff_failures_;
+    p->done(sender_error.empty() ? "the worker is shutting down" : sender_error, tandem::v1::KvReadyResponse());
+  }
 }
 
 void KvSender::AddStats(KvHandoffStats* stats) const {
+  stats->pushes += pushes_.load();
+  stats->bytes_pushed += bytes_pushed_.load();
   stats->peers_refused += peers_refused_.load();
   stats->handoffs += handoffs_.load();
   stats->handoff_failures += handoff_failures_.load();
@@ -605,10 +1046,12 @@ void KvSender::AddStats(KvHandoffStats* stats) const {
 KvHandoff::KvHandoff(Engine* engine, WorkerRole role, kvtransfer::Transport* transport, const std::string& instance_id,
                      KvHandoffConfig config, grpc::CompletionQueue* cq,
                      std::shared_ptr<const tls::ChannelFactory> channels, PeerAllowList allow)
-    : engine_(engine), role_(role), transport_(transport) {
+    : engine_(engine), role_(role), transport_(transport), push_(config.push) {
   if (transport_ != nullptr) {
-    receiver_ = std::make_unique<KvReceiver>(engine_, transport_, instance_id, config);
-    sender_ = std::make_unique<KvSender>(engine_, transport_, config, cq, std::move(channels), std::move(allow));
+    peers_ = std::make_unique<PeerSet>(transport_);
+    receiver_ = std::make_unique<KvReceiver>(engine_, transport_, peers_.get(), instance_id, config);
+    sender_ = std::make_unique<KvSender>(engine_, transport_, peers_.get(), config, cq, std::move(channels),
+                                         std::move(allow));
   }
 }
 
@@ -724,6 +1167,13 @@ void KvHandoff::KvReady(const tandem::v1::KvReadyRequest& request, Deadline call
 absl::StatusOr<kvtransfer::PeerInfo> KvHandoff::LocalInfo() const {
   if (transport_ == nullptr) {
     return absl::FailedPreconditionError("this worker runs without a KV transport (--kv-transport)");
+  }
+  return transport_->LocalInfo();
+}
+
+absl::StatusOr<kvtransfer::PeerInfo> KvHandoff::PushDestination() const {
+  if (!push_ || transport_ == nullptr || !transport_->capabilities().push) {
+    return absl::NotFoundError("this worker takes KV by pull");
   }
   return transport_->LocalInfo();
 }

@@ -16,6 +16,14 @@
 //     verifies them, and commits (the engine decodes from the first token)
 //     or falls back (local prefill, or an error as configured).
 //
+// Push delivery (both workers --kv-delivery push; proto KvReadyRequest.Phase):
+// the sender calls KvReady JOIN; the receiver checks it as it would a pull,
+// pins the reserved blocks and answers with its pool and their ids; the
+// sender writes them (Transport::PushAfter the prefill step's write fence,
+// ending before the pin does), releases its blocks, and calls KvReady PUSHED
+// with the checksums (or with sender_error: the receiver falls back at
+// once); the receiver verifies and commits or falls back.
+//
 // Trust: a reservation is named on the wire by a random id and filled only
 // by a KvReady that carries its 128-bit random token (from the OS's CSPRNG),
 // so no one fills or steals a reservation by guessing. The worker bounds
@@ -28,10 +36,15 @@
 // PeerAllowList admits (peer_policy.h).
 //
 // Safety argument: a decode worker's memory is written only by its own
-// pulls, into blocks of a reservation it still holds; a pull that fails is
-// never committed and its blocks are quarantined by the engine. A prefill
-// worker's blocks are read only while it holds them: until KvReady answers,
-// or until its deadline, by which the decode side's pull has ended.
+// pulls, into blocks of a reservation it still holds, or by a push it
+// joined: into the blocks and the pool its JOIN answer named (never where
+// the router's forwarded fields point), pinned until a time the pusher's
+// deadline ends before, so blocks of a reservation cancelled meanwhile stay
+// out of use until then. Nothing received is committed before its
+// checksums pass; a failed transfer's blocks are quarantined by the engine.
+// A prefill worker's blocks are read only while it holds them: until
+// KvReady answers (pull) or its push ended, or until its deadline, by
+// which the decode side's pull has ended.
 //
 // Thread-safe; callbacks run on gRPC, transport and executor threads.
 #ifndef TANDEM_WORKER_SERVER_KV_HANDOFF_H_
@@ -86,6 +99,11 @@ struct KvHandoffConfig {
   // verifies them (a corrupted transfer falls back instead of decoding
   // garbage). Costs one pass over the KV on each side.
   bool checksums = true;
+  // Both: --kv-delivery push. Decode: reservations offer this worker's pool
+  // for pushes and KvReady JOIN / PUSHED are served (pulls still are).
+  // Prefill: a reservation that offers a pool of this transport is pushed
+  // to; others are pulled as before.
+  bool push = false;
 };
 
 // Counters of the degraded and normal paths, for the load report.
@@ -102,6 +120,9 @@ struct KvHandoffStats {
   int64_t over_caller_cap = 0;   // decode: reservations refused by the per-caller cap
   int64_t reserved_blocks = 0;   // decode: blocks charged to waiting reservations
   int64_t peers_refused = 0;     // prefill: decode addresses refused or unauthenticated
+  int64_t pushes = 0;            // prefill: pushes the decode worker verified and committed
+  int64_t bytes_pushed = 0;      // prefill: their bytes
+  int64_t pushes_received = 0;   // decode: pushed KV verified and committed here
 };
 
 // What a reservation expects of the KvReady that fills it.
@@ -127,8 +148,10 @@ absl::StatusOr<std::vector<kvtransfer::BlockPair>> PlanKvReadyPull(const tandem:
 // Decode side.
 class KvReceiver {
  public:
-  // `transport` may be null (then every KvReady is refused).
-  KvReceiver(Engine* engine, kvtransfer::Transport* transport, std::string instance_id, KvHandoffConfig config = {});
+  // `transport` may be null (then every KvReady is refused); `peers` is the
+  // transport's PeerSet (shared with the worker's KvSender).
+  KvReceiver(Engine* engine, kvtransfer::Transport* transport, PeerSet* peers, std::string instance_id,
+             KvHandoffConfig config = {});
 
   // Charges `blocks` to `caller` before a reservation is asked of the
   // engine: ResourceExhausted when the caller would hold more than
@@ -158,8 +181,8 @@ class KvReceiver {
   // its stream closed): a pull in flight is cancelled and never committed.
   void Forget(uint64_t reservation_id);
 
-  // Serves one KvReady call; `done` gets the status to answer with
-  // (`response` is filled when OK). `call_deadline` is the caller's
+  // Serves one KvReady call (any phase); `done` gets the status to answer
+  // with (`response` is filled when OK). `call_deadline` is the caller's
   // deadline: the pull ends before it.
   void KvReady(const tandem::v1::KvReadyRequest& request, Deadline call_deadline, tandem::v1::KvReadyResponse* response,
                std::function<void(grpc::Status)> done);
@@ -168,15 +191,31 @@ class KvReceiver {
   const std::string& instance_id() const { return instance_id_; }
 
  private:
-  enum class State { kWaiting, kPulling };
+  // kJoined: a push was joined (the blocks pinned); kPulling: a pull is in
+  // flight, or pushed KV is being verified.
+  enum class State { kWaiting, kPulling, kJoined };
   struct Entry {
     Waiting waiting;
     std::string token;
     State state = State::kWaiting;
     uint64_t transfer_id = 0;  // kPulling, once started
+    std::string pusher;        // kJoined: the agent that joined
   };
   struct Pull;
+  // The phases (KvReady dispatches).
+  void StartPull(const tandem::v1::KvReadyRequest& req, Deadline call_deadline, tandem::v1::KvReadyResponse* response,
+                 std::function<void(grpc::Status)> done);
+  void Join(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* response,
+            std::function<void(grpc::Status)> done);
+  void Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* response,
+              std::function<void(grpc::Status)> done);
+  // Checks KvReady's source pool against this worker's: OK, or why the KV
+  // cannot come from there (FailedPrecondition).
+  absl::Status CheckSource(const tandem::v1::KvReadyRequest& req) const;
   void OnPulled(std::shared_ptr<Pull> pull, absl::Status status);
+  // Verifies the received blocks' checksums and commits, or falls back
+  // (the verifier's thread).
+  void VerifyAndCommit(const std::shared_ptr<Pull>& pull);
   void Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back);
   // Erases an entry and gives its caller's charge back. REQUIRES: mu_ held.
   void EraseLocked(std::map<uint64_t, Entry>::iterator it);
@@ -193,9 +232,9 @@ class KvReceiver {
   std::map<std::string, int64_t> charged_ ABSL_GUARDED_BY(mu_);  // blocks per caller
   int64_t charged_total_ ABSL_GUARDED_BY(mu_) = 0;
   // The prefill workers pulled from (each restart is a new agent id).
-  PeerSet peers_;
+  PeerSet* const peers_;
 
-  std::atomic<int64_t> pulls_{0}, pull_failures_{0}, checksum_failures_{0}, bytes_pulled_{0};
+  std::atomic<int64_t> pulls_{0}, pull_failures_{0}, checksum_failures_{0}, bytes_pulled_{0}, pushes_received_{0};
   std::atomic<int64_t> pull_nanos_{0};
   std::atomic<int64_t> timeouts_capped_{0}, over_caller_cap_{0};
 };
@@ -204,14 +243,16 @@ class KvReceiver {
 class KvSender {
  public:
   // KvReady calls run on `cq` (the worker's GrpcPoller drains it), over
-  // channels from `channels`, to addresses `allow` admits.
-  KvSender(Engine* engine, kvtransfer::Transport* transport, KvHandoffConfig config, grpc::CompletionQueue* cq,
+  // channels from `channels`, to addresses `allow` admits; pushes go to
+  // peers joined through `peers` (the transport's, shared with KvReceiver).
+  KvSender(Engine* engine, kvtransfer::Transport* transport, PeerSet* peers, KvHandoffConfig config,
+           grpc::CompletionQueue* cq,
            std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure(),
            PeerAllowList allow = PeerAllowList::Loopback());
   // Stop()s.
   ~KvSender();
-  // Starts no more calls, cancels those in flight and waits for their
-  // answers (the poller must still run). Idempotent.
+  // Starts no more calls or pushes, cancels those in flight and waits for
+  // them to end (the poller must still run). Idempotent.
   void Stop();
 
   struct Job {
@@ -221,10 +262,12 @@ class KvSender {
     std::chrono::steady_clock::time_point handed_off;  // the first token's time
   };
   // The hand-off's outcome: `error` is "" when the decode worker took the
-  // KV (then `answer` says how much moved and how long the pull took).
+  // KV (then `answer` says how much moved and how long the pull or the
+  // push took).
   using SendDone = std::function<void(const std::string& error, const tandem::v1::KvReadyResponse& answer)>;
-  // Calls KvReady for `job` (from the executor thread) and releases the
-  // blocks as its answer allows.
+  // Hands `job`'s KV over (from the executor thread): KvReady for the
+  // decode worker to pull, or, where both push, JOIN, the push and PUSHED;
+  // releases the blocks as the answer or the push allows.
   void Send(Job job, SendDone done);
 
   // The engine's hold for a hand-off: the call's deadline plus a margin.
@@ -239,6 +282,17 @@ class KvSender {
 
  private:
   void Start(Job job, SendDone done);
+  struct PushJob;
+  // Push delivery: JOIN answered, the push ended, PUSHED sent.
+  void OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvReadyResponse& joined,
+                const grpc::Status& status);
+  void OnPushed(const std::shared_ptr<PushJob>& p, absl::Status status);
+  void SendPushed(const std::shared_ptr<PushJob>& p, std::string sender_error);
+  // One KvReady call on the poller, registered for Stop; `then` gets the
+  // answer on the poller's thread. False (nothing sent) once stopping.
+  struct Call;
+  bool CallKvReady(std::shared_ptr<tandem::v1::Worker::Stub> stub, std::shared_ptr<Call> call,
+                   std::function<void(const grpc::Status&)> then);
   std::shared_ptr<tandem::v1::Worker::Stub> StubFor(const std::string& target);
 
   Engine* const engine_;
@@ -250,10 +304,14 @@ class KvSender {
   std::atomic<int64_t> peers_refused_{0};
   std::mutex stubs_mu_;
   std::map<std::string, std::shared_ptr<tandem::v1::Worker::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
-  std::atomic<int64_t> handoffs_{0}, handoff_failures_{0};
+  PeerSet* const peers_;
+  std::atomic<int64_t> handoffs_{0}, handoff_failures_{0}, pushes_{0}, bytes_pushed_{0};
   std::mutex calls_mu_;
   std::condition_variable calls_cv_;
   std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(calls_mu_);  // KvReady calls in flight
+  std::set<uint64_t> push_ids_ ABSL_GUARDED_BY(calls_mu_);           // pushes started (for Stop to cancel)
+  int pushing_ ABSL_GUARDED_BY(calls_mu_) = 0;                       // pushes not yet ended (Stop waits)
+  bool stopping_ ABSL_GUARDED_BY(calls_mu_) = false;
   std::unique_ptr<SerialExecutor> executor_ = std::make_unique<SerialExecutor>("kv_sender");
 };
 
@@ -305,6 +363,10 @@ class KvHandoff {
                std::function<void(grpc::Status)> done);
   // GetKvTransferInfo: this worker's transport and pool, for the router.
   absl::StatusOr<kvtransfer::PeerInfo> LocalInfo() const;
+  // RECEIVE: the pool a reservation offers for pushes (--kv-delivery push
+  // and a transport that pushes), else NotFound (the reservation carries
+  // none and the prefill worker pulls).
+  absl::StatusOr<kvtransfer::PeerInfo> PushDestination() const;
 
   // Stops the KvReady calls this worker makes (KvSender::Stop).
   void Stop();
@@ -315,6 +377,8 @@ class KvHandoff {
   Engine* const engine_;
   const WorkerRole role_;
   kvtransfer::Transport* const transport_;
+  const bool push_;
+  std::unique_ptr<PeerSet> peers_;        // with a transport: both sides' peers
   std::unique_ptr<KvReceiver> receiver_;  // with a transport
   std::unique_ptr<KvSender> sender_;      // with a transport
 };

@@ -12,7 +12,11 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(peer.agent_id);
   if (it == peers_.end()) {
-    if (absl::Status added = transport_->AddPeer(peer); !added.ok()) return added;
+    // One-sided backends join inline (done before Pair returns); the offer
+    // is for send/receive backends, which the worker refuses at start.
+    absl::StatusOr<std::string> joined = transport_->Pair(peer, kvtransfer::PairRole::kInitiator, /*offer=*/"",
+                                                          now + std::chrono::seconds(10), [](absl::Status) {});
+    if (!joined.ok()) return joined.status();
     it = peers_.emplace(peer.agent_id, Use{}).first;
   }
   ++it->second.transfers;

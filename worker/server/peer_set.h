@@ -1,10 +1,12 @@
 // PeerSet: the peers a worker's KV transport is connected to, shared by the
-// transfers that use them. A peer is added to the transport once per agent
-// id (the first transfer that needs it) and counted per transfer in flight;
-// a peer reported lost is removed once its transfers ended (a restarted
-// worker comes back under a new agent id); beyond `max_idle` peers, those
-// idle for `idle_after` are removed when the next one is added. The decode
-// side's pulls use it today; the prefill side's pushes will (issue 21).
+// transfers that use them (the decode side's pulls and the prefill side's
+// pushes). A peer is joined once per agent id (the first transfer that
+// needs it), by Transport::Pair as the initiator: for the one-sided
+// backends (the only ones the worker runs) that is AddPeer, and the
+// pairing offer stays empty. Each transfer in flight is counted; a peer
+// reported lost is removed once its transfers ended (a restarted worker
+// comes back under a new agent id); beyond `max_idle` peers, those idle for
+// `idle_after` are removed when the next one is added.
 //
 // Thread-safe.
 #ifndef TANDEM_WORKER_SERVER_PEER_SET_H_
@@ -27,9 +29,9 @@ class PeerSet {
   PeerSet(kvtransfer::Transport* transport, size_t max_idle = 64,
           std::chrono::steady_clock::duration idle_after = std::chrono::minutes(1));
 
-  // Connects to `peer` unless it is connected already, and counts a transfer
-  // with it: Release must follow. The transport's AddPeer error otherwise
-  // (nothing is counted).
+  // Joins `peer` unless it is joined already, and counts a transfer with
+  // it: Release must follow. The transport's Pair error otherwise (nothing
+  // is counted).
   absl::Status Acquire(const kvtransfer::PeerInfo& peer);
   // Ends a transfer counted by Acquire; `lost`: the peer is gone (removed
   // once its last transfer ended). Unknown agents are ignored.

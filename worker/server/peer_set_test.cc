@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvtransfer/loopback/fault_injecting_transport.h"
 #include "kvtransfer/loopback/loopback_transport.h"
 
 namespace tandem::worker {
@@ -85,6 +86,23 @@ TEST(PeerSetTest, AnIncompatiblePeerIsNotCounted) {
   absl::Status st = set.Acquire(other);
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(set.size(), 0u);
+}
+
+TEST(PeerSetTest, APeerIsJoinedByPairAndARefusedPairingCountsNothing) {
+  Fleet f(1);
+  kvtransfer::FaultInjectingTransport faulty(std::make_unique<LoopbackTransport>(f.fabric));
+  std::vector<uint8_t> pool(4 * 256);
+  ASSERT_TRUE(faulty.RegisterPool(Layout(), pool.data()).ok());
+  faulty.SetFaults({.fail_pair = true});
+  PeerSet set(&faulty);
+  absl::Status st = set.Acquire(f.Info(0));
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  EXPECT_EQ(set.size(), 0u);
+  EXPECT_EQ(set.in_flight(f.Info(0).agent_id), 0);
+  faulty.SetFaults({});
+  ASSERT_TRUE(set.Acquire(f.Info(0)).ok());
+  EXPECT_EQ(set.in_flight(f.Info(0).agent_id), 1);
+  set.Release(f.Info(0).agent_id, /*lost=*/false);
 }
 
 TEST(PeerSetTest, BeyondTheLimitIdlePeersAreRemoved) {

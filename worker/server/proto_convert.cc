@@ -132,6 +132,9 @@ void ToProto(const KvHandoffStats& kv, tandem::v1::LoadReport* r) {
   r->set_reservations_over_caller_cap(kv.over_caller_cap);
   r->set_kv_peers_refused(kv.peers_refused);
   r->set_reserved_blocks(kv.reserved_blocks);
+  r->set_kv_pushes(kv.pushes);
+  r->set_kv_bytes_pushed(kv.bytes_pushed);
+  r->set_kv_pushes_received(kv.pushes_received);
 }
 
 void ToProto(const kvtransfer::PeerInfo& info, tandem::v1::KvTransferInfo* out) {

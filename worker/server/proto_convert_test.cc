@@ -247,7 +247,10 @@ TEST(ProtoConvertTest, TheLoadReportCarriesEveryCounter) {
                           .timeouts_capped = 38,
                           .over_caller_cap = 39,
                           .reserved_blocks = 40,
-                          .peers_refused = 41};
+                          .peers_refused = 41,
+                          .pushes = 42,
+                          .bytes_pushed = 43,
+                          .pushes_received = 44};
   ToProto(kv, &r);
   EXPECT_EQ(r.kv_pulls(), 31);
   EXPECT_EQ(r.kv_pull_failures(), 32);
@@ -261,6 +264,9 @@ TEST(ProtoConvertTest, TheLoadReportCarriesEveryCounter) {
   EXPECT_EQ(r.reservations_over_caller_cap(), 39);
   EXPECT_EQ(r.reserved_blocks(), 40);
   EXPECT_EQ(r.kv_peers_refused(), 41);
+  EXPECT_EQ(r.kv_pushes(), 42);
+  EXPECT_EQ(r.kv_bytes_pushed(), 43);
+  EXPECT_EQ(r.kv_pushes_received(), 44);
   EXPECT_EQ(r.running_sequences(), 1);  // the engine's fields stay
 }
 
