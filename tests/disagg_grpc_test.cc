@@ -820,7 +820,56 @@ TEST_F(DisaggGrpcTest, PushNeedsBothWorkersElseTheKvIsPulled) {
     const v1::LoadReport p = ExpectIdle(prefill->stub(), what);
     EXPECT_EQ(d.kv_pulls(), 1) << what;
     EXPECT_EQ(p.kv_pushes(), 0) << what;
+    if (!prefill_pushes) continue;
+    // A pool offered where the decode worker takes no push (a stale or
+    // forged destination): its JOIN is refused and the KV is pulled.
+    ReceiveStream receive(decode->stub(), req);
+    ASSERT_TRUE(receive.reserved());
+    v1::KvReservation forged = receive.reservation();
+    {
+      grpc::ClientContext ctx;
+      ASSERT_TRUE(
+          decode->stub().GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), forged.mutable_destination()).ok());
+    }
+    const Output sent = Generate(prefill->stub(), SendRequest(req, decode->address(), forged));
+    EXPECT_EQ(sent.kv_transfer_error, "");
+    ExpectSameOutput(Combine(sent, receive.Finish()), Aggregated(req), "forged destination");
+    EXPECT_EQ(ExpectIdle(decode->stub(), "forged destination").kv_pulls(), 2);
+    ExpectIdle(prefill->stub(), "forged destination");
   }
+}
+
+// A router that says the decode worker holds less of the prompt than it
+// does (cached_tokens forged down, consistently): the blocks of its prefix
+// cache are never written; the sender tells the decode worker, which
+// prefills locally at once.
+TEST_F(DisaggGrpcTest, AForgedCachedPrefixIsNeverPushedInto) {
+  WorkerProcess* prefill = StartPrefill({"--kv-delivery", "push"});
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest first = GreedyRequest(Concat(MakePrompt(91, 96), MakePrompt(92, 20)), 8);
+  const v1::GenerateRequest second = GreedyRequest(Concat(MakePrompt(91, 96), MakePrompt(93, 20)), 8);
+  ExpectSameOutput(RunSplit(*prefill, *decode, first).combined, Aggregated(first), "first");
+  ReceiveStream receive(decode->stub(), second, /*timeout_ms=*/30000);
+  ASSERT_TRUE(receive.reserved());
+  ASSERT_EQ(receive.reservation().cached_tokens(), 96);
+  v1::KvReservation forged = receive.reservation();
+  forged.set_cached_tokens(0);
+  v1::GenerateRequest send = SendRequest(second, decode->address(), forged);
+  send.mutable_kv_transfer()->set_decode_cached_tokens(0);
+  const auto sent_at = std::chrono::steady_clock::now();
+  const Output sent = Generate(prefill->stub(), send);
+  EXPECT_THAT(sent.kv_transfer_error, HasSubstr("cached"));
+  const Output got = receive.Finish();
+  EXPECT_LT(std::chrono::steady_clock::now() - sent_at, seconds(10)) << "fell back at the deadline, not at once";
+  ExpectSameOutput(Combine(sent, got), Aggregated(second), "forged cached prefix");
+  const v1::LoadReport d = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(d.local_prefill_fallbacks(), 1);
+  EXPECT_EQ(d.kv_pushes_received(), 1);
+  ExpectIdle(prefill->stub(), "prefill");
+  // The shared prefix is intact: a third request over it matches.
+  const v1::GenerateRequest third = GreedyRequest(Concat(MakePrompt(91, 96), MakePrompt(94, 20)), 8);
+  ExpectSameOutput(RunSplit(*prefill, *decode, third).combined, Aggregated(third), "third");
 }
 
 // Every fault of the injector on the pushing side (and a pairing that
@@ -967,6 +1016,7 @@ TEST_F(DisaggGrpcTest, JoinAndPushedCallsAreCheckedAndPinsOutliveACancel) {
   EXPECT_LE(joined.pinned_ms(), 2500u);
   EXPECT_EQ(joined.destination().agent_id(), r.destination().agent_id());
   EXPECT_THAT(joined.destination_block_ids(), ::testing::ElementsAreArray(r.block_ids()));
+  EXPECT_EQ(joined.destination_cached_blocks(), 0);
   EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::ALREADY_EXISTS) << "a second JOIN";
   v1::KvReadyRequest other = describe(r, v1::KvReadyRequest::PUSHED);
   other.mutable_source()->set_agent_id("another agent");
@@ -1024,6 +1074,8 @@ TEST_F(DisaggGrpcTest, SenderErrorFallsBackAtOnce) {
   ASSERT_TRUE(call(k).ok());
   k.set_phase(v1::KvReadyRequest::PUSHED);
   k.clear_join_timeout_ms();
+  k.set_sender_error(std::string(2000, 'x'));
+  EXPECT_EQ(call(k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "a 2000-byte sender_error";
   k.set_sender_error("the test could not push");
   const auto sent = std::chrono::steady_clock::now();
   grpc::Status st = call(k);
@@ -1033,9 +1085,40 @@ TEST_F(DisaggGrpcTest, SenderErrorFallsBackAtOnce) {
   EXPECT_LT(std::chrono::steady_clock::now() - sent, seconds(10)) << "fell back at the deadline, not at once";
   EXPECT_FALSE(d.includes_first_token);
   ExpectSameOutput(Combine(reference, d), reference, "fallback after sender_error");
-  const v1::LoadReport load = ExpectIdle(decode->stub(), "decode");
+  v1::LoadReport load = ExpectIdle(decode->stub(), "decode");
   EXPECT_EQ(load.local_prefill_fallbacks(), 1);
   EXPECT_EQ(load.expired_reservations(), 0);
+
+  // A sender_error before any JOIN (the JOIN's answer lost, or the JOIN
+  // still on its way): the reservation falls back now, a late JOIN finds
+  // nothing.
+  ReceiveStream early(decode->stub(), req, /*timeout_ms=*/30000);
+  ASSERT_TRUE(early.reserved());
+  k.set_reservation_id(early.reservation().reservation_id());
+  k.set_reservation_token(early.reservation().reservation_token());
+  st = call(k);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ABORTED) << st.error_message();
+  ExpectSameOutput(Combine(reference, early.Finish()), reference, "sender_error before JOIN");
+  k.set_phase(v1::KvReadyRequest::JOIN);
+  k.clear_sender_error();
+  EXPECT_EQ(call(k).error_code(), grpc::StatusCode::NOT_FOUND) << "a JOIN after the fallback";
+
+  // Joined, then PUSHED without checksums: never committed unverified.
+  ReceiveStream unchecked(decode->stub(), req, /*timeout_ms=*/30000);
+  ASSERT_TRUE(unchecked.reserved());
+  k.set_reservation_id(unchecked.reservation().reservation_id());
+  k.set_reservation_token(unchecked.reservation().reservation_token());
+  k.set_join_timeout_ms(1000);
+  ASSERT_TRUE(call(k).ok());
+  k.set_phase(v1::KvReadyRequest::PUSHED);
+  k.clear_join_timeout_ms();
+  st = call(k);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("checksums"));
+  ExpectSameOutput(Combine(reference, unchecked.Finish()), reference, "PUSHED without checksums");
+  load = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(load.local_prefill_fallbacks(), 3);
+  EXPECT_EQ(load.kv_pushes_received(), 0);
 }
 
 }  // namespace

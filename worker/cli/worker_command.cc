@@ -208,6 +208,11 @@ absl::Status RunWorker(WorkerOptions opt) {
   if (opt.kv_delivery == "push") {
     const kvtransfer::TransportCapabilities* caps =
         kvtransfer::TransportRegistry::Builtin().Capabilities(opt.kv_transport);
+    if (caps != nullptr && caps->needs_pairing) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--kv-transport %s sends and receives in pairs, which the workers' push delivery does not do yet",
+          opt.kv_transport));
+    }
     if (opt.kv_transport == "none" || caps == nullptr || !caps->push) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "--kv-delivery push needs a --kv-transport that writes into a peer's pool (got --kv-transport %s)",
@@ -419,6 +424,9 @@ void AddWorkerCommand(CLI::App& app) {
                   "--device cuda: the fraction of the GPU's memory this worker may use; the KV cache gets what the "
                   "weights and activations leave (0: --kv-cache-memory decides)")
       ->capture_default_str();
+  cmd->add_flag_function(
+      "--enforce-eager", [opt](int64_t) { opt->engine.runner_options.cuda_graphs = false; },
+      "--device cuda: launch every decode step's kernels from the host instead of replaying CUDA graphs");
   cmd->add_flag("--batch-invariant", opt->engine.runner_options.batch_invariant,
                 "--device cuda: a sequence's tokens do not depend on what it is batched with (single-pass matrix "
                 "products, fixed attention splits; slower decode at small batches)");

@@ -298,12 +298,14 @@ void Engine::FallBackLocally(std::unique_ptr<Sequence> seq, std::optional<Sample
 void Engine::DropReservationBlocks(Sequence& seq) {
   // Blocks [0, num_hashed) came from the prefix cache and were never a
   // transfer's destination; the rest were.
+  // Quarantined for transfer_quarantine_s after the later of now and the
+  // end of a pin: a write may be ending at the pin's end, and its late
+  // bytes land within the quarantine after it.
   const size_t shared = static_cast<size_t>(seq.num_hashed);
-  Quarantined q{
-      .blocks = std::vector<int32_t>(seq.blocks.begin() + shared, seq.blocks.end()),
-      .until = std::max(seq.pinned_until, std::chrono::steady_clock::now() +
-                                              std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                  std::chrono::duration<double>(config_.transfer_quarantine_s)))};
+  const auto quarantine = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(config_.transfer_quarantine_s));
+  Quarantined q{.blocks = std::vector<int32_t>(seq.blocks.begin() + shared, seq.blocks.end()),
+                .until = std::max(seq.pinned_until, std::chrono::steady_clock::now()) + quarantine};
   seq.blocks.resize(shared);
   scheduler_.ReleaseBlocks(seq);
   if (!q.blocks.empty()) quarantine_.push_back(std::move(q));

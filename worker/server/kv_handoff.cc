@@ -67,6 +67,9 @@ bool SameToken(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+// KvReady PUSHED's sender_error is at most this long.
+constexpr size_t kMaxSenderError = 1024;
+
 // Logs the first few of a kind, then one in a thousand: a caller must not
 // be able to flood the log.
 bool ShouldLog(int64_t count) { return count <= 10 || count % 1000 == 0; }
@@ -253,8 +256,13 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
                                       req.reservation_id(), req.decode_instance_id(), instance_id_)));
     return;
   }
+  if (req.sender_error().size() > kMaxSenderError) {
+    done(grpc::Status(StatusCode::INVALID_ARGUMENT, absl::StrFormat("KvReady sender_error holds %d bytes; at most %d",
+                                                                    req.sender_error().size(), kMaxSenderError)));
+    return;
+  }
   if (phase == KvReadyRequest::JOIN) {
-    Join(req, response, std::move(done));
+    Join(req, call_deadline, response, std::move(done));
   } else if (phase == KvReadyRequest::PUSHED) {
     Pushed(req, response, std::move(done));
   } else {
@@ -445,16 +453,23 @@ void KvReceiver::VerifyAndCommit(const std::shared_ptr<Pull>& pull) {
   });
 }
 
-void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* response,
-                      std::function<void(grpc::Status)> done) {
+void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, Deadline call_deadline,
+                      tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done) {
   using grpc::StatusCode;
+  // A JOIN the sender has given up on joins nothing (it may already have
+  // told this worker so, in a PUSHED with sender_error).
+  if (steady_clock::now() >= call_deadline) {
+    done(grpc::Status(StatusCode::DEADLINE_EXCEEDED, "KvReady JOIN arrived past its deadline"));
+    return;
+  }
   auto pull = std::make_shared<Pull>();
   const absl::Status compatible = CheckSource(req);
   // As for a pull, under mu_: the reservation exists and waits; the request
   // describes its prompt; the pool can be written from; the blocks add up.
   bool incompatible = false;
   Deadline until{};
-  std::vector<int32_t> blocks;
+  std::vector<int32_t> blocks;  // to be written: those past the cached prefix
+  int cached_blocks = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(req.reservation_id());
@@ -492,7 +507,8 @@ void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReady
       if (req.join_timeout_ms() > 0) {
         until = std::min(until, steady_clock::now() + std::chrono::milliseconds(req.join_timeout_ms()));
       }
-      blocks = w.expect.blocks;
+      cached_blocks = static_cast<int>(w.expect.blocks.size() - pairs->size());
+      for (const kvtransfer::BlockPair& pair : *pairs) blocks.push_back(pair.dst);
       e.state = State::kJoined;
       e.pusher = req.source().agent_id();
     }
@@ -517,7 +533,7 @@ void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReady
   // Pinned before the answer: no write is sent before it.
   engine_->PinReservation(
       pull->engine_id, until,
-      [this, pull, until, local = *std::move(local), blocks = std::move(blocks)](absl::Status pinned) {
+      [this, pull, until, cached_blocks, local = *std::move(local), blocks = std::move(blocks)](absl::Status pinned) {
         if (!pinned.ok()) {
           {
             std::lock_guard<std::mutex> lock(mu_);
@@ -533,6 +549,7 @@ void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReady
         pull->response->set_pinned_ms(static_cast<uint32_t>(std::max<int64_t>(0, left.count())));
         ToProto(local, pull->response->mutable_destination());
         pull->response->mutable_destination_block_ids()->Assign(blocks.begin(), blocks.end());
+        pull->response->set_destination_cached_blocks(cached_blocks);
         pull->done(grpc::Status::OK);
       });
 }
@@ -542,6 +559,7 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
   using grpc::StatusCode;
   auto pull = std::make_shared<Pull>();
   pull->pushed = true;
+  bool missing_checksums = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(req.reservation_id());
@@ -558,12 +576,16 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
                         absl::StrFormat("reservation %d is already receiving its KV", req.reservation_id())));
       return;
     }
-    if (e.state != State::kJoined) {
+    // A sender's failure before its JOIN was served (the JOIN's answer
+    // lost, or the JOIN still on its way): fall back now; a late JOIN then
+    // finds nothing.
+    const bool abandoned = e.state == State::kWaiting && !req.sender_error().empty();
+    if (e.state != State::kJoined && !abandoned) {
       done(grpc::Status(StatusCode::FAILED_PRECONDITION,
                         absl::StrFormat("reservation %d joined no push (KvReady JOIN first)", req.reservation_id())));
       return;
     }
-    if (req.source().agent_id() != e.pusher) {
+    if (!abandoned && req.source().agent_id() != e.pusher) {
       done(grpc::Status(StatusCode::INVALID_ARGUMENT,
                         absl::StrFormat("reservation %d joined a push from agent '%s', not '%s'", req.reservation_id(),
                                         e.pusher, req.source().agent_id())));
@@ -587,6 +609,9 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
       }
       pull->pairs = *std::move(pairs);
       pull->checksums.assign(req.block_checksums().begin(), req.block_checksums().end());
+      // Pushed blocks are committed only verified: this worker did not
+      // see the transfer end, the sender's checksums are its evidence.
+      missing_checksums = pull->checksums.size() != pull->pairs.size();
     }
     e.state = State::kPulling;  // verifying (a second PUSHED is ALREADY_EXISTS)
   }
@@ -599,6 +624,13 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
     Fail(pull,
          grpc::Status(StatusCode::ABORTED,
                       absl::StrCat("the prefill worker could not push the KV: ", req.sender_error())),
+         /*fall_back=*/true);
+    return;
+  }
+  if (missing_checksums) {
+    Fail(pull,
+         grpc::Status(StatusCode::INVALID_ARGUMENT,
+                      "KvReady PUSHED carries no block_checksums: pushed KV is committed only once verified"),
          /*fall_back=*/true);
     return;
   }
@@ -819,7 +851,10 @@ void KvSender::Start(Job job, SendDone done_once) {
   // Push where the decode worker offers a pool of this transport (its JOIN
   // answer, not the forwarded offer, names where the bytes go).
   const tandem::v1::KvReservation& offer = job.target.reservation();
-  if (config_.push && offer.has_destination() && offer.destination().backend() == transport_->backend() &&
+  const size_t skip =
+      static_cast<size_t>(job.target.decode_cached_tokens()) / static_cast<size_t>(engine_->config().block_size);
+  const bool checked = static_cast<size_t>(r.block_checksums_size()) + skip == job.prefilled.blocks.size();
+  if (config_.push && checked && offer.has_destination() && offer.destination().backend() == transport_->backend() &&
       transport_->capabilities().push) {
     auto p = std::make_shared<PushJob>();
     p->stub = stub;
@@ -848,7 +883,12 @@ void KvSender::Start(Job job, SendDone done_once) {
   }
 
   call->ctx.set_deadline(CallDeadline(deadline));
-  const bool sent = CallKvReady(stub, call, [this, call, id, done](const grpc::Status& s) {
+  if (!SendPull(stub, call, id, done)) fail_unsent("the worker is shutting down");
+}
+
+bool KvSender::SendPull(std::shared_ptr<tandem::v1::Worker::Stub> stub, std::shared_ptr<Call> call, uint64_t id,
+                        std::shared_ptr<SendDone> done) {
+  return CallKvReady(stub, call, [this, call, id, done](const grpc::Status& s) {
     if (IsDefiniteAnswer(s.error_code())) {
       engine_->ReleasePrefilled(id);
     } else {
@@ -871,13 +911,27 @@ void KvSender::Start(Job job, SendDone done_once) {
     (*done)(absl::StrFormat("KvReady on %s failed: %s", call->request.decode_instance_id(), s.error_message()),
             call->response);
   });
-  if (!sent) fail_unsent("the worker is shutting down");
 }
 
 void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvReadyResponse& joined,
                         const grpc::Status& status) {
   const uint64_t id = p->job.prefilled.id;
   const std::string& instance = p->described.decode_instance_id();
+  if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+    // The decode worker takes no push (or not from this pool): offer the
+    // pull instead; it answers that as it would have without the JOIN.
+    LOG(WARNING) << "KvReady JOIN on " << instance << " refused (" << status.error_message() << "); pulling instead";
+    auto call = std::make_shared<Call>();
+    call->request = p->described;
+    call->ctx.set_deadline(CallDeadline(p->deadline));
+    auto done = std::make_shared<SendDone>(p->done);
+    if (!SendPull(p->stub, call, id, done)) {
+      engine_->ReleasePrefilled(id);
+      ++handoff_failures_;
+      p->done("the worker is shutting down", tandem::v1::KvReadyResponse());
+    }
+    return;
+  }
   if (!status.ok()) {
     engine_->ReleasePrefilled(id);  // nothing was written
     const std::string why = absl::StrFormat("KvReady JOIN on %s failed: %s", instance, status.error_message());
@@ -897,9 +951,13 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
   std::string bad;
   if (!joined.has_destination() || joined.destination().backend() != transport_->backend()) {
     bad = "its JOIN answer names no pool of this worker's transport";
-  } else if (joined.destination_block_ids_size() != static_cast<int>(prefilled.size())) {
-    bad = absl::StrFormat("its JOIN answer names %d blocks for a %d-block prompt", joined.destination_block_ids_size(),
-                          prefilled.size());
+  } else if (joined.destination_cached_blocks() != skip) {
+    // The checksums cover what the forwarded reservation said was missing.
+    bad = absl::StrFormat("its JOIN answer holds %d of the prompt's blocks cached; the reservation said %d",
+                          joined.destination_cached_blocks(), skip);
+  } else if (joined.destination_block_ids_size() + skip != static_cast<int>(prefilled.size())) {
+    bad = absl::StrFormat("its JOIN answer names %d blocks past %d cached ones for a %d-block prompt",
+                          joined.destination_block_ids_size(), skip, prefilled.size());
   } else if (joined.pinned_ms() == 0) {
     bad = "its JOIN answer pins the blocks for 0 ms";
   }
@@ -912,7 +970,7 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
   }
   std::vector<kvtransfer::BlockPair> pairs;
   for (int i = skip; bad.empty() && i < static_cast<int>(prefilled.size()); ++i) {
-    const int32_t dst = joined.destination_block_ids(i);
+    const int32_t dst = joined.destination_block_ids(i - skip);
     if (dst < 0 || dst >= dest.layout.num_blocks) {
       bad = absl::StrFormat("its JOIN answer names block %d of a %d-block pool", dst, dest.layout.num_blocks);
     }

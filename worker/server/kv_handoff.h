@@ -205,7 +205,7 @@ class KvReceiver {
   // The phases (KvReady dispatches).
   void StartPull(const tandem::v1::KvReadyRequest& req, Deadline call_deadline, tandem::v1::KvReadyResponse* response,
                  std::function<void(grpc::Status)> done);
-  void Join(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* response,
+  void Join(const tandem::v1::KvReadyRequest& req, Deadline call_deadline, tandem::v1::KvReadyResponse* response,
             std::function<void(grpc::Status)> done);
   void Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* response,
               std::function<void(grpc::Status)> done);
@@ -291,6 +291,10 @@ class KvSender {
   // One KvReady call on the poller, registered for Stop; `then` gets the
   // answer on the poller's thread. False (nothing sent) once stopping.
   struct Call;
+  // The pull's KvReady (`call` described, its deadline set): releases the
+  // blocks of request `id` on a definite answer. False once stopping.
+  bool SendPull(std::shared_ptr<tandem::v1::Worker::Stub> stub, std::shared_ptr<Call> call, uint64_t id,
+                std::shared_ptr<SendDone> done);
   bool CallKvReady(std::shared_ptr<tandem::v1::Worker::Stub> stub, std::shared_ptr<Call> call,
                    std::function<void(const grpc::Status&)> then);
   std::shared_ptr<tandem::v1::Worker::Stub> StubFor(const std::string& target);
