@@ -53,6 +53,7 @@ struct BenchOptions {
   std::string transformers_script;  // default: scripts/bench_engine_transformers.py near cwd or the binary
   bool no_transformers = false;
   bool batch_invariant = false;
+  bool enforce_eager = false;
 };
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
@@ -273,14 +274,16 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
   json out = {{"model", opt.model},
               {"device", rates.name},
               {"batch_invariant", opt.batch_invariant},
+              {"cuda_graphs", !opt.enforce_eager},
               {"bf16_matmul_tflops", rates.bf16_flops / 1e12},
               {"copy_gb_per_s", rates.copy_bytes_per_s / 1e9},
               {"kv_cache_tokens", capacity},
               {"transformers", hf},
               {"prefill", json::array()},
               {"decode", json::array()}};
-  std::fprintf(table, "tandem bench engine: %s on %s (%s)%s\n", opt.model.c_str(), opt.device.c_str(),
-               rates.name.c_str(), opt.batch_invariant ? ", batch-invariant" : "");
+  std::fprintf(table, "tandem bench engine: %s on %s (%s)%s%s\n", opt.model.c_str(), opt.device.c_str(),
+               rates.name.c_str(), opt.batch_invariant ? ", batch-invariant" : "",
+               opt.enforce_eager ? ", eager (no CUDA graphs)" : "");
   std::fprintf(table, "  device: bf16 matmul %.0f TFLOP/s, copy %.0f GB/s (read + written); KV cache %lld tokens\n",
                rates.bf16_flops / 1e12, rates.copy_bytes_per_s / 1e9, static_cast<long long>(capacity));
   if (!hf.value("available", false)) {
@@ -360,6 +363,7 @@ absl::Status RunBench(const BenchOptions& opt) {
     ec.enable_prefix_caching = false;  // every prefill computes its whole prompt
     RETURN_IF_ERROR(SelectDevice(opt.device, &ec.runner, &ec.runner_options));
     ec.runner_options.batch_invariant = opt.batch_invariant;
+    ec.runner_options.cuda_graphs = !opt.enforce_eager;
     return RunGpuBench(opt, ec);
   }
   ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(opt.model));
@@ -475,6 +479,8 @@ void AddBenchCommand(CLI::App& bench) {
                   "The baselines' script (default: scripts/bench_engine_transformers.py)");
   cmd->add_flag("--no-transformers", opt->no_transformers, "Skip the transformers baselines");
   cmd->add_flag("--batch-invariant", opt->batch_invariant, "--device cuda: the batch-invariant mode (tandem worker)");
+  cmd->add_flag("--enforce-eager", opt->enforce_eager,
+                "--device cuda: no CUDA graphs for decode steps (tandem worker)");
   cmd->callback([opt] { ExitWithStatus("bench engine", RunBench(*opt)); });
 }
 

@@ -98,6 +98,11 @@ struct RunnerOptions {
   // Either way prompt rows stay on the prefill kernel (chunking changes no
   // bit).
   bool batch_invariant = false;
+  // "cuda" (`--enforce-eager` turns it off): decode steps of up to 256
+  // sequences replay a CUDA graph captured per batch-size bucket and
+  // block-table width (padded rows write nothing and are not sampled),
+  // instead of launching each kernel from the host.
+  bool cuda_graphs = true;
 };
 
 class ModelRunner {

@@ -16,6 +16,15 @@
 // Everything of a step runs on the runner's stream; the step's metadata goes
 // up in one copy from pinned memory; the step synchronizes where it reads the
 // kernels' error word, and again where the sampled ids and host rows arrive.
+//
+// Decode steps (every sequence one token, at most kMaxGraphBatch of them)
+// replay a CUDA graph of the forward pass instead (RunGraph): the batch is
+// padded to a power-of-two bucket and the block tables to a power-of-two
+// width, so that every buffer, size and kernel argument the graph holds is
+// the bucket's; the attention's split plan is made for the longest context
+// the width allows (splits past a sequence's keys are skipped). Padded rows
+// write no KV (slot -1), attend one key of block 0, and are not sampled.
+// Graphs are dropped when a buffer they use is reallocated.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -174,12 +183,16 @@ class StepProfile {
 class CudaRunner final : public ModelRunner {
  public:
   CudaRunner(ModelConfig config, const RunnerOptions& options)
-      : ModelRunner(std::move(config)), device_(options.device), batch_invariant_(options.batch_invariant) {}
+      : ModelRunner(std::move(config)),
+        device_(options.device),
+        batch_invariant_(options.batch_invariant),
+        cuda_graphs_(options.cuda_graphs) {}
 
   ~CudaRunner() override {
     cudaSetDevice(device_);
     profile_.Log("cuda runner profile");
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    DropGraphs();
     gemm_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     if (host_meta_ != nullptr) cudaFreeHost(host_meta_);
@@ -452,6 +465,7 @@ class CudaRunner final : public ModelRunner {
         return absl::InvalidArgumentError(absl::StrFormat("token id %d outside the vocabulary", in.tokens[t]));
       }
     }
+    if (GraphFits(in)) return RunGraph(in, kv);
     const int R = static_cast<int>(in.logits_rows.size());
     RETURN_IF_ERROR(UploadMetadata(in));
     RETURN_IF_ERROR(ReserveActivations(T, R));
@@ -568,7 +582,7 @@ class CudaRunner final : public ModelRunner {
       host_logits_bytes_ = logits_bytes;
     }
     int64_t ws = kernels::cuda::kErrorWordBytes;
-    for (const AttentionRun& r : runs_) {
+    for (const AttentionRun& r : runs_) {  // (a graph's run has its width's longest context)
       ws = std::max(ws, r.decode && batch_invariant_
                             ? kernels::cuda::FixedSplitWorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim,
                                                                       r.max_context, kDecodeKeysPerSplit)
@@ -706,12 +720,115 @@ class CudaRunner final : public ModelRunner {
       p.context_lens = Meta<int>(meta_layout_.context_lens) + r.first_seq;
       p.block_tables = Meta<int32_t>(meta_layout_.block_tables) + int64_t{r.first_seq} * in.max_blocks_per_seq;
       p.host_query_start = run_query_starts_.data() + r.query_start_index;
-      p.host_context_lens = in.context_lens.data() + r.first_seq;
+      // Captured into a graph: planned for the longest context the graph's
+      // block tables hold (the device reads each sequence's own).
+      p.host_context_lens =
+          graph_contexts_.empty() ? in.context_lens.data() + r.first_seq : graph_contexts_.data() + r.first_seq;
       p.keys_per_split = r.decode && batch_invariant_ ? kDecodeKeysPerSplit : 0;
       p.kernel = r.decode ? kernels::AttentionKernel::kSplitKv : kernels::AttentionKernel::kPrefill;
       RETURN_IF_ERROR(kernels::PagedAttention(p));
     }
     return absl::OkStatus();
+  }
+
+  // A decode step a graph can take: every sequence one token, in order,
+  // each its own logits row, at most kMaxGraphBatch of them.
+  bool GraphFits(const BatchInput& in) const {
+    const int S = in.num_seqs();
+    if (!cuda_graphs_ || profile_.on() || S == 0 || S > kMaxGraphBatch || in.num_tokens() != S) return false;
+    if (static_cast<int>(in.logits_rows.size()) != S) return false;
+    for (int s = 0; s < S; ++s) {
+      if (in.query_start[s] != s || in.logits_rows[s] != s) return false;
+      if (!in.prefilling.empty() && in.prefilling[s] != 0) return false;
+    }
+    return in.query_start[S] == S;
+  }
+  static int Bucket(int n, int least) {
+    int b = least;
+    while (b < n) b *= 2;
+    return b;
+  }
+
+  // The decode step `in` through the graph of its bucket (captured first
+  // if there is none).
+  absl::Status RunGraph(const BatchInput& in, KvStorage& kv) {
+    const int S = in.num_seqs();
+    const int B = Bucket(S, 1);
+    const int W = Bucket(std::max(in.max_blocks_per_seq, 1), 8);
+    const int bs = kv.layout().block_size;
+    // The padded step.
+    BatchInput& g = graph_in_;
+    auto pad = [&](auto& dst, const auto& src, auto fill) {
+      dst.assign(src.begin(), src.end());
+      dst.resize(B, fill);
+    };
+    pad(g.tokens, in.tokens, 0);
+    pad(g.positions, in.positions, 0);
+    pad(g.slot_mapping, in.slot_mapping, int64_t{-1});
+    pad(g.context_lens, in.context_lens, 1);
+    g.query_start.resize(B + 1);
+    g.logits_rows.resize(B);
+    for (int s = 0; s <= B; ++s) g.query_start[s] = s;
+    for (int s = 0; s < B; ++s) g.logits_rows[s] = s;
+    g.prefilling.clear();
+    g.max_blocks_per_seq = W;
+    g.block_tables.assign(size_t(B) * W, 0);
+    for (int s = 0; s < S; ++s) {
+      std::copy_n(in.block_tables.begin() + int64_t{s} * in.max_blocks_per_seq, in.max_blocks_per_seq,
+                  g.block_tables.begin() + int64_t{s} * W);
+    }
+    g.prefill_tokens = 0;
+    g.decode_seqs = B;
+    RETURN_IF_ERROR(UploadMetadata(g));
+    if (runs_.size() != 1 || !runs_[0].decode) return absl::InternalError("cuda runner: a graph step is not decode");
+    runs_[0].max_context = W * bs;
+    graph_contexts_.assign(B, W * bs);
+    absl::Status st = ReserveActivations(B, B);
+    if (st.ok()) {
+      // Every pointer a graph holds: a reallocated buffer drops them all.
+      const std::vector<const void*> buffers = {
+          meta_.get(), x_.get(),   h_.get(),    qkv_.get(),    attn_.get(),
+          gu_.get(),   act_.get(), last_.get(), logits_.get(), attn_workspace_.get(),
+          kv.data()};
+      if (buffers != graph_buffers_) {
+        DropGraphs();
+        graph_buffers_ = buffers;
+      }
+      st = LaunchGraph(g, kv, (int64_t{B} << 32) | W);
+    }
+    graph_contexts_.clear();
+    if (!st.ok()) {
+      cudaStreamSynchronize(stream_);
+      kernels::cuda::TakeError(attn_workspace_.get(), stream_).IgnoreError();
+      return st;
+    }
+    return kernels::cuda::TakeError(attn_workspace_.get(), stream_);
+  }
+
+  absl::Status LaunchGraph(const BatchInput& g, KvStorage& kv, int64_t key) {
+    auto it = graphs_.find(key);
+    if (it == graphs_.end()) {
+      RETURN_IF_ERROR(Cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed), "begin graph capture"));
+      const absl::Status forward = Forward(g, kv);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+      if (!forward.ok()) {
+        if (graph != nullptr) cudaGraphDestroy(graph);
+        return forward;
+      }
+      RETURN_IF_ERROR(Cuda(ended, "end graph capture"));
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      RETURN_IF_ERROR(Cuda(made, "instantiate the decode graph"));
+      it = graphs_.emplace(key, exec).first;
+    }
+    return Cuda(cudaGraphLaunch(it->second, stream_), "launch the decode graph");
+  }
+
+  void DropGraphs() {
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    graphs_.clear();
   }
 
   // Consecutive sequences of a step that attend alike.
@@ -725,9 +842,12 @@ class CudaRunner final : public ModelRunner {
   // Decode attention splits each sequence's keys in runs of this many,
   // whatever the batch (see PagedAttentionParams::keys_per_split).
   static constexpr int kDecodeKeysPerSplit = 512;
+  // The largest decode batch a graph takes.
+  static constexpr int kMaxGraphBatch = 256;
 
   const int device_;
   const bool batch_invariant_;
+  const bool cuda_graphs_;
   const bool use_gemv_ = [] {
     const char* e = std::getenv("TANDEM_GEMV");
     return e != nullptr && std::string_view(e) == "1";
@@ -751,6 +871,12 @@ class CudaRunner final : public ModelRunner {
   int64_t host_logits_bytes_ = 0;
   // Sampling: which rows take the GPU's greedy pick, and its answers.
   std::vector<int> greedy_rows_, host_rows_;
+  // Decode graphs by (batch bucket << 32 | table width), the buffers they
+  // hold, the padded step, and while one is captured its planning contexts.
+  std::map<int64_t, cudaGraphExec_t> graphs_;
+  std::vector<const void*> graph_buffers_;
+  BatchInput graph_in_;
+  std::vector<int> graph_contexts_;
   DeviceBuffer sample_meta_;
   int* pinned_rows_ = nullptr;
   int32_t* pinned_ids_ = nullptr;
