@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <climits>
 
@@ -104,8 +105,10 @@ __global__ void AddRmsNormKernel(float* x, const int* rows, const bf16* delta, c
   }
 }
 
-// One CTA per token. The token's cos/sin table first (shared), then every
-// (head, pair) of Q and K, then V.
+// Grid (tokens, parts): each CTA computes its token's cos/sin table
+// (shared), then its part of the (head, pair)s of Q and K, then of V; a
+// decode step's one token is spread over several CTAs instead of looping in
+// one (same values either way).
 __global__ void RopeWriteKvKernel(RopeWriteArgs a) {
   extern __shared__ float trig[];  // [half] cos, then [half] sin
   const int t = blockIdx.x;
@@ -129,7 +132,7 @@ __global__ void RopeWriteKvKernel(RopeWriteArgs a) {
     block = slot / a.pool.block_size;
     in_block = static_cast<int>(slot % a.pool.block_size);
     if (block >= a.pool.num_blocks) {
-      if (threadIdx.x == 0) RecordError(a.error, kErrSlot, t);
+      if (threadIdx.x == 0 && blockIdx.y == 0) RecordError(a.error, kErrSlot, t);
       block = -1;
     }
   }
@@ -140,7 +143,8 @@ __global__ void RopeWriteKvKernel(RopeWriteArgs a) {
     return v;
   };
   const int pairs = (a.num_heads + a.num_kv_heads) * half;
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+  const int first = blockIdx.y * blockDim.x, stride = gridDim.y * blockDim.x;
+  for (int p = first + threadIdx.x; p < pairs; p += stride) {
     const int head = p / half, i = p % half;  // heads: Q's, then K's
     const int col = head * a.head_dim + i;
     const float x0 = load(col), x1 = load(col + half);
@@ -156,7 +160,7 @@ __global__ void RopeWriteKvKernel(RopeWriteArgs a) {
     }
   }
   if (block < 0) return;
-  for (int j = threadIdx.x; j < kv_size; j += blockDim.x) {
+  for (int j = first + threadIdx.x; j < kv_size; j += stride) {
     const int head = j / a.head_dim, d = j % a.head_dim;
     pool[PoolOffset(a.pool, block, 1, head, in_block) + d] = __float2bfloat16(load(q_size + kv_size + j));
   }
@@ -321,7 +325,9 @@ int LaunchAddRmsNorm(float* x, const int* rows, int num_rows, int hidden, const 
                      const void* weight, float eps, void* out, void* stream) {
   if (num_rows == 0) return 0;
   const int vecs = hidden / 4;
-  const int threads = vecs >= 1024 ? 256 : vecs >= 256 ? 128 : 64;
+  // A float4 or two a thread (a row's loads all in flight at once: at one
+  // row a step, the kernel is that latency).
+  const int threads = std::min(1024, std::max(64, (vecs + 1) / 2 / 32 * 32));
   AddRmsNormKernel<<<num_rows, threads, 0, S(stream)>>>(x, rows, static_cast<const bf16*>(delta),
                                                         static_cast<const bf16*>(bias), hidden,
                                                         static_cast<const bf16*>(weight), eps, static_cast<bf16*>(out));
@@ -331,7 +337,11 @@ int LaunchAddRmsNorm(float* x, const int* rows, int num_rows, int hidden, const 
 int LaunchRopeWriteKv(const RopeWriteArgs& a, void* stream) {
   if (a.num_tokens == 0) return 0;
   const int half = a.head_dim / 2;
-  RopeWriteKvKernel<<<a.num_tokens, kThreads, 2 * half * sizeof(float), S(stream)>>>(a);
+  // Parts: enough CTAs for one pass over the pairs at small batches, one
+  // a token from 64 tokens on (the grid fills the GPU by tokens there).
+  const int pairs = (a.num_heads + a.num_kv_heads) * half;
+  const int parts = a.num_tokens >= 64 ? 1 : std::min(16, (pairs + kThreads - 1) / kThreads);
+  RopeWriteKvKernel<<<dim3(a.num_tokens, parts), kThreads, 2 * half * sizeof(float), S(stream)>>>(a);
   return Err();
 }
 
