@@ -1434,6 +1434,17 @@ TEST_F(WorkerGrpcTest, LargeSnapshotArrivesInChunks) {
 // 18. A KV budget larger than the machine's memory is refused at start (the
 // pool is mapped lazily and would otherwise be OOM-killed under load).
 
+// A GPU worker given no KV size takes what the model leaves of 0.9 of the
+// GPU (vLLM's default), not the host's 256 MiB (GPU machine only).
+TEST_F(WorkerGrpcTest, GpuWorkerWithoutAKvSizeTakesMostOfTheGpu) {
+  if (!WorkersOnGpu()) GTEST_SKIP() << "TANDEM_TEST_WORKER_DEVICE names no GPU";
+  WorkerProcess* w = StartWorker({"--device", std::getenv("TANDEM_TEST_WORKER_DEVICE")});
+  ASSERT_NE(w, nullptr);
+  const v1::ModelInfo info = GetModelInfo(w->stub());
+  EXPECT_GT(info.total_blocks(), 64 * ((int64_t{256} << 20) / AggregatedBytesPerBlock()));
+  ExpectWellFormed(Generate(w->stub(), GreedyRequest(MakePrompt(3, 20), 4)), "a request");
+}
+
 TEST_F(WorkerGrpcTest, KvBudgetBeyondMemoryIsRefusedAtStart) {
   absl::StatusOr<std::string> bin = tandem::testing::TandemBinary();
   ASSERT_TRUE(bin.ok()) << bin.status();

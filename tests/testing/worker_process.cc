@@ -203,6 +203,13 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(const std::v
     });
     if (!named && !has("--engine", "sim") && !has("--role", "prefill") && !has("--role", "decode")) {
       argv.insert(argv.end(), {"--device", device});
+      // Several test workers share the GPU: each keeps the host's default
+      // KV size unless the test gives one (a GPU worker's own default is
+      // 0.9 of the GPU, which leaves no room for a second).
+      const bool sized = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
+        return f.rfind("--kv-cache-memory", 0) == 0 || f.rfind("--gpu-memory-utilization", 0) == 0;
+      });
+      if (!sized) argv.insert(argv.end(), {"--kv-cache-memory", "256MiB"});
     }
   }
   std::shared_ptr<const tls::ChannelFactory> channels = tls::ChannelFactory::Insecure();

@@ -46,7 +46,7 @@ struct WorkerOptions {
   double drain_timeout_s = 30;  // SIGTERM: finish in-flight requests for this long at most
   int metrics_port = -1;        // plain HTTP /metrics, /healthz, /readyz; -1: none, 0: any
   std::string ready_file;       // written with "host:port" once serving
-  std::string kv_cache_memory = "256MiB";
+  std::string kv_cache_memory;  // "": 256MiB, or on a GPU 0.9 of its memory (gpu_memory_utilization)
   bool no_prefix_caching = false;
   std::string kv_transport = "none";             // none or ucx: moves KV blocks between workers
   std::string kv_transport_tls = "auto";         // ucx: auto, shm (one host) or tcp
@@ -222,7 +222,8 @@ absl::Status RunWorker(WorkerOptions opt) {
   opt.engine.local_prefill_fallback = opt.kv_fallback == "local";
   if (opt.kv_quarantine_ms < 0) return absl::InvalidArgumentError("--kv-quarantine-ms must be >= 0");
   opt.engine.transfer_quarantine_s = opt.kv_quarantine_ms / 1000.0;
-  ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(opt.kv_cache_memory));
+  const bool kv_memory_given = !opt.kv_cache_memory.empty();
+  ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(kv_memory_given ? opt.kv_cache_memory : "256MiB"));
   opt.engine.enable_prefix_caching = !opt.no_prefix_caching;
   // The runner: "real" is the forward pass on --device, "sim" the timing model.
   if (opt.engine_kind == "sim") {
@@ -245,6 +246,11 @@ absl::Status RunWorker(WorkerOptions opt) {
                             "(GPU-to-GPU KV transfer is not built yet): use --kv-transport none",
                             opt.device, opt.kv_transport));
       }
+    }
+    // A GPU worker's KV cache takes what the weights and activations leave of
+    // 0.9 of the GPU's memory (vLLM's default), unless a size is given.
+    if (opt.engine.runner != "cpu" && !kv_memory_given && opt.engine.gpu_memory_utilization == 0) {
+      opt.engine.gpu_memory_utilization = 0.9;
     }
     if (opt.engine.runner != "cpu" && role != WorkerRole::kBoth) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -415,14 +421,16 @@ void AddWorkerCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--port", opt->port, "gRPC port (0: pick a free one)")->capture_default_str();
   cmd->add_option("--ready-file", opt->ready_file, "Write host:port here once serving");
-  cmd->add_option("--kv-cache-memory", opt->kv_cache_memory, "Memory budget of the KV cache")->capture_default_str();
+  cmd->add_option("--kv-cache-memory", opt->kv_cache_memory,
+                  "Memory budget of the KV cache (default 256MiB; with --device cuda and neither this nor "
+                  "--gpu-memory-utilization, the KV cache gets what the model leaves of 0.9 of the GPU's memory)");
   cmd->add_option("--engine", opt->engine_kind,
                   "real, or sim: a simulator (real scheduler, KV pool, prefix cache and events; "
                   "compute replaced by a timing model) for routing experiments at scale")
       ->capture_default_str();
   cmd->add_option("--gpu-memory-utilization", opt->engine.gpu_memory_utilization,
                   "--device cuda: the fraction of the GPU's memory this worker may use; the KV cache gets what the "
-                  "weights and activations leave (0: --kv-cache-memory decides)")
+                  "weights and activations leave (0: --kv-cache-memory decides; neither given: 0.9)")
       ->capture_default_str();
   cmd->add_flag_function(
       "--enforce-eager", [opt](int64_t) { opt->engine.runner_options.cuda_graphs = false; },

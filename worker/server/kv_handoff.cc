@@ -270,6 +270,30 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
   }
 }
 
+KvReceiver::Entry* KvReceiver::WaitingEntryLocked(const tandem::v1::KvReadyRequest& req, grpc::Status* refusal) {
+  using grpc::StatusCode;
+  auto it = entries_.find(req.reservation_id());
+  // A wrong token reads as no reservation: the answer tells nothing.
+  if (it == entries_.end() || !SameToken(req.reservation_token(), it->second.token)) {
+    *refusal = grpc::Status(StatusCode::NOT_FOUND, absl::StrFormat("no reservation %d is waiting for KV (expired, "
+                                                                   "cancelled or already filled)",
+                                                                   req.reservation_id()));
+    return nullptr;
+  }
+  Entry& e = it->second;
+  if (e.state != State::kWaiting) {
+    *refusal = grpc::Status(StatusCode::ALREADY_EXISTS,
+                            absl::StrFormat("reservation %d is already receiving its KV", req.reservation_id()));
+    return nullptr;
+  }
+  // Describing another prompt: the reservation keeps waiting for the right call.
+  if (absl::Status s = CheckKvReadyPrompt(req, e.waiting.expect, engine_->model_config().vocab_size); !s.ok()) {
+    *refusal = grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(s.message()));
+    return nullptr;
+  }
+  return &e;
+}
+
 absl::Status KvReceiver::CheckSource(const tandem::v1::KvReadyRequest& req) const {
   if (req.source().backend() != transport_->backend()) {
     return absl::FailedPreconditionError(absl::StrFormat("its KV transport is '%s', this worker's is '%s'",
@@ -290,29 +314,17 @@ void KvReceiver::StartPull(const tandem::v1::KvReadyRequest& req, Deadline call_
   bool incompatible = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(req.reservation_id());
-    // A wrong token reads as no reservation: the answer tells nothing.
-    if (it == entries_.end() || !SameToken(req.reservation_token(), it->second.token)) {
-      done(grpc::Status(StatusCode::NOT_FOUND,
-                        absl::StrFormat("no reservation %d is waiting for KV (expired, cancelled or "
-                                        "already filled)",
-                                        req.reservation_id())));
+    grpc::Status refusal;
+    Entry* found = WaitingEntryLocked(req, &refusal);
+    if (found == nullptr) {
+      done(refusal);
       return;
     }
-    Entry& e = it->second;
+    Entry& e = *found;
     const Waiting& w = e.waiting;
-    if (e.state != State::kWaiting) {
-      done(grpc::Status(StatusCode::ALREADY_EXISTS,
-                        absl::StrFormat("reservation %d is already receiving its KV", req.reservation_id())));
-      return;
-    }
-    if (absl::Status s = CheckKvReadyPrompt(req, w.expect, engine_->model_config().vocab_size); !s.ok()) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(s.message())));
-      return;
-    }
     pull->engine_id = w.engine_id;
     if (!compatible.ok()) {
-      EraseLocked(it);
+      EraseLocked(req.reservation_id());
       incompatible = true;
     } else {
       absl::StatusOr<std::vector<kvtransfer::BlockPair>> pairs = PlanKvReadyPull(req, w.expect, bs);
@@ -472,28 +484,17 @@ void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, Deadline call_deadl
   int cached_blocks = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(req.reservation_id());
-    if (it == entries_.end() || !SameToken(req.reservation_token(), it->second.token)) {
-      done(grpc::Status(StatusCode::NOT_FOUND,
-                        absl::StrFormat("no reservation %d is waiting for KV (expired, cancelled or "
-                                        "already filled)",
-                                        req.reservation_id())));
+    grpc::Status refusal;
+    Entry* found = WaitingEntryLocked(req, &refusal);
+    if (found == nullptr) {
+      done(refusal);
       return;
     }
-    Entry& e = it->second;
+    Entry& e = *found;
     const Waiting& w = e.waiting;
-    if (e.state != State::kWaiting) {
-      done(grpc::Status(StatusCode::ALREADY_EXISTS,
-                        absl::StrFormat("reservation %d is already receiving its KV", req.reservation_id())));
-      return;
-    }
-    if (absl::Status s = CheckKvReadyPrompt(req, w.expect, engine_->model_config().vocab_size); !s.ok()) {
-      done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(s.message())));
-      return;
-    }
     pull->engine_id = w.engine_id;
     if (!compatible.ok()) {
-      EraseLocked(it);
+      EraseLocked(req.reservation_id());
       incompatible = true;
     } else {
       absl::StatusOr<std::vector<kvtransfer::BlockPair>> pairs =

@@ -209,6 +209,10 @@ class KvReceiver {
             std::function<void(grpc::Status)> done);
   void Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* response,
               std::function<void(grpc::Status)> done);
+  // The entry `req` names, waiting for its KV and describing its prompt;
+  // null with the status to answer otherwise (NOT_FOUND, ALREADY_EXISTS,
+  // INVALID_ARGUMENT). REQUIRES: mu_ held.
+  Entry* WaitingEntryLocked(const tandem::v1::KvReadyRequest& req, grpc::Status* refusal);
   // Checks KvReady's source pool against this worker's: OK, or why the KV
   // cannot come from there (FailedPrecondition).
   absl::Status CheckSource(const tandem::v1::KvReadyRequest& req) const;
