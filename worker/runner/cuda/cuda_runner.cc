@@ -11,7 +11,7 @@
 // reference. Then the final norm gathers only the rows whose logits are
 // wanted, and the LM head writes their float32 logits: plain greedy rows take
 // their token from an argmax on the GPU, the others' logits rows come to the
-// host sampler (SampleToken).
+// host sampler (SampleToken, one row a thread: ParallelSampler).
 //
 // Everything of a step runs on the runner's stream; the step's metadata goes
 // up in one copy from pinned memory; the step synchronizes where it reads the
@@ -45,6 +45,7 @@
 #include "worker/runner/cuda/lt_gemm.h"
 #include "worker/runner/cuda/model_kernels.h"
 #include "worker/runner/llama_model.h"
+#include "worker/sampling/parallel_sampler.h"
 
 namespace tandem::worker {
 namespace {
@@ -411,11 +412,19 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
     sampled->resize(rows.size());
     for (size_t j = 0; j < g; ++j) (*sampled)[greedy_rows_[j]].token_id = pinned_ids_[j];
+    // The host rows on the sampler's threads (each row's token is
+    // SampleToken's whatever the threads).
+    sample_rows_.clear();
     for (int i : host_rows_) {
       const RowSampling& r = rows[i];
-      (*sampled)[i] = SampleToken(std::span<float>(host_logits_ + i * vocab, vocab), *r.params, r.prompt, r.output,
-                                  c.eos_token_ids, r.seed);
+      sample_rows_.push_back({.logits = std::span<float>(host_logits_ + i * vocab, vocab),
+                              .params = r.params,
+                              .prompt = r.prompt,
+                              .output = r.output,
+                              .seed = r.seed,
+                              .out = &(*sampled)[i]});
     }
+    sampler_.Sample(sample_rows_, c.eos_token_ids);
     return absl::OkStatus();
   }
 
@@ -871,6 +880,8 @@ class CudaRunner final : public ModelRunner {
   int64_t host_logits_bytes_ = 0;
   // Sampling: which rows take the GPU's greedy pick, and its answers.
   std::vector<int> greedy_rows_, host_rows_;
+  ParallelSampler sampler_;
+  std::vector<ParallelSampler::Row> sample_rows_;
   // Decode graphs by (batch bucket << 32 | table width), the buffers they
   // hold, the padded step, and while one is captured its planning contexts.
   std::map<int64_t, cudaGraphExec_t> graphs_;
