@@ -751,10 +751,13 @@ struct KvSender::PushJob {
 };
 
 bool KvSender::CallKvReady(std::shared_ptr<tandem::v1::Worker::Stub> stub, std::shared_ptr<Call> call,
-                           std::function<void(const grpc::Status&)> then) {
+                           std::function<void(const grpc::Status&)> then, bool notice) {
   {
     std::lock_guard<std::mutex> lock(calls_mu_);
-    if (stopping_) return false;
+    if (stopping_) {
+      if (!notice) return false;
+      call->ctx.set_deadline(system_clock::now() + std::chrono::seconds(1));
+    }
     calls_.insert(&call->ctx);
   }
   GrpcPoller::Unary(stub->PrepareAsyncKvReady(&call->ctx, call->request, cq_), &call->response,
@@ -996,16 +999,17 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
     SendPushed(p, absl::StrFormat("KV not pushed to %s: %s", instance, bad));
     return;
   }
+  bool stopping = false;
   {
     std::lock_guard<std::mutex> lock(calls_mu_);
-    if (stopping_) {
-      peers_->Release(dest.agent_id, /*lost=*/false);
-      engine_->ReleasePrefilled(id);
-      ++handoff_failures_;
-      p->done("the worker is shutting down", tandem::v1::KvReadyResponse());
-      return;
-    }
-    ++pushing_;
+    if (!stopping_) ++pushing_;
+    stopping = stopping_;
+  }
+  if (stopping) {
+    peers_->Release(dest.agent_id, /*lost=*/false);
+    engine_->ReleasePrefilled(id);
+    SendPushed(p, "the prefill worker is shutting down");
+    return;
   }
   p->agent = dest.agent_id;
   p->blocks = static_cast<int32_t>(pairs.size());
@@ -1067,24 +1071,27 @@ void KvSender::SendPushed(const std::shared_ptr<PushJob>& p, std::string sender_
   // A failure is told even past the hold timeout (the decode worker then
   // falls back at once instead of at its deadline).
   call->ctx.set_deadline(CallDeadline(p->deadline, std::chrono::seconds(1)));
-  const bool sent = CallKvReady(p->stub, call, [this, p, call, sender_error](const grpc::Status& s) {
-    if (sender_error.empty() && s.ok()) {
-      ++handoffs_;
-      ++pushes_;
-      bytes_pushed_ += p->bytes;
-      tandem::v1::KvReadyResponse answer;
-      answer.set_blocks_pulled(p->blocks);
-      answer.set_bytes_pulled(p->bytes);
-      answer.set_pull_seconds(std::chrono::duration<double>(p->took).count());
-      p->done("", answer);
-      return;
-    }
-    ++handoff_failures_;
-    p->done(sender_error.empty() ? absl::StrFormat("KvReady PUSHED on %s failed: %s",
-                                                   call->request.decode_instance_id(), s.error_message())
-                                 : sender_error,
-            tandem::v1::KvReadyResponse());
-  });
+  const bool sent = CallKvReady(
+      p->stub, call,
+      [this, p, call, sender_error](const grpc::Status& s) {
+        if (sender_error.empty() && s.ok()) {
+          ++handoffs_;
+          ++pushes_;
+          bytes_pushed_ += p->bytes;
+          tandem::v1::KvReadyResponse answer;
+          answer.set_blocks_pulled(p->blocks);
+          answer.set_bytes_pulled(p->bytes);
+          answer.set_pull_seconds(std::chrono::duration<double>(p->took).count());
+          p->done("", answer);
+          return;
+        }
+        ++handoff_failures_;
+        p->done(sender_error.empty() ? absl::StrFormat("KvReady PUSHED on %s failed: %s",
+                                                       call->request.decode_instance_id(), s.error_message())
+                                     : sender_error,
+                tandem::v1::KvReadyResponse());
+      },
+      /*notice=*/!sender_error.empty());
   if (!sent) {
     ++handoff_failures_;
     p->done(sender_error.empty() ? "the worker is shutting down" : sender_error, tandem::v1::KvReadyResponse());

@@ -299,8 +299,11 @@ class KvSender {
   // blocks of request `id` on a definite answer. False once stopping.
   bool SendPull(std::shared_ptr<tandem::v1::Worker::Stub> stub, std::shared_ptr<Call> call, uint64_t id,
                 std::shared_ptr<SendDone> done);
+  // A `notice` (PUSHED with sender_error) is sent while stopping too, with
+  // a deadline of a second then (Stop waits for it): a decode worker that
+  // joined a push hears that none comes instead of waiting for its pin.
   bool CallKvReady(std::shared_ptr<tandem::v1::Worker::Stub> stub, std::shared_ptr<Call> call,
-                   std::function<void(const grpc::Status&)> then);
+                   std::function<void(const grpc::Status&)> then, bool notice = false);
   std::shared_ptr<tandem::v1::Worker::Stub> StubFor(const std::string& target);
 
   Engine* const engine_;
