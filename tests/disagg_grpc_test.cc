@@ -927,6 +927,42 @@ TEST_F(DisaggGrpcTest, EveryPushFaultFallsBackAndLeaksNothing) {
   }
 }
 
+// A prefill worker shut down while its push is held back (a delay fault,
+// past its drain timeout) cancels the push and still tells the decode
+// worker (PUSHED with sender_error), which prefills locally at once instead
+// of keeping the joined reservation until its 30 s deadline.
+TEST_F(DisaggGrpcTest, AStoppingPusherTellsTheDecodeWorker) {
+  WorkerProcess* prefill =
+      StartPrefill({"--kv-delivery", "push", "--kv-fault", "delay_ms=2500", "--drain-timeout", "0.2"});
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(45, 60), 6);
+  ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/30000);
+  ASSERT_TRUE(receive.reserved());
+  Output sent;
+  std::jthread send([&] {
+    sent = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()), seconds(20));
+  });
+  std::this_thread::sleep_for(milliseconds(500));  // the first token is out, the push held
+  const auto stopped = std::chrono::steady_clock::now();
+  ::kill(prefill->pid(), SIGTERM);
+  const Output d = receive.Finish();
+  EXPECT_LT(std::chrono::steady_clock::now() - stopped, seconds(10)) << "the decode worker waited for its deadline";
+  EXPECT_TRUE(d.status.ok()) << d.status.error_message();
+  send.join();
+  const Output reference = Aggregated(req);
+  if (!d.includes_first_token) {
+    std::vector<int32_t> tail(reference.tokens.begin() + 1, reference.tokens.end());
+    EXPECT_EQ(d.tokens, tail);
+  } else {
+    ExpectSameOutput(d, reference, "prefilled locally");
+  }
+  const v1::LoadReport load = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(load.local_prefill_fallbacks(), 1);
+  EXPECT_EQ(load.expired_reservations(), 0);
+  EXPECT_EQ(load.kv_pushes_received(), 0);
+}
+
 // The JOIN / PUSHED protocol driven by hand against a push-mode decode
 // worker: each bad call gets its status and leaves the reservation as it
 // was; a joined reservation's blocks stay pinned past its cancellation
