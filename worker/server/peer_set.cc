@@ -1,5 +1,7 @@
 #include "worker/server/peer_set.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace tandem::worker {
 
 using std::chrono::steady_clock;
@@ -12,6 +14,11 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(peer.agent_id);
   if (it == peers_.end()) {
+    if (transport_->capabilities().needs_pairing) {
+      return absl::UnimplementedError(
+          absl::StrCat("the ", transport_->backend(),
+                       " transport sends and receives in pairs; peers are joined here for one-sided transports only"));
+    }
     // One-sided backends join inline (done before Pair returns); the offer
     // is for send/receive backends, which the worker refuses at start.
     absl::StatusOr<std::string> joined = transport_->Pair(peer, kvtransfer::PairRole::kInitiator, /*offer=*/"",

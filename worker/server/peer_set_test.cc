@@ -105,6 +105,47 @@ TEST(PeerSetTest, APeerIsJoinedByPairAndARefusedPairingCountsNothing) {
   set.Release(f.Info(0).agent_id, /*lost=*/false);
 }
 
+// A transport that sends and receives in pairs (as NCCL will): its Pair
+// completes later, through the offer exchange, which PeerSet does not do.
+class PairedTransport final : public kvtransfer::Transport {
+ public:
+  explicit PairedTransport(kvtransfer::Transport* inner) : inner_(inner) {}
+  std::string backend() const override { return "paired"; }
+  kvtransfer::TransportCapabilities capabilities() const override {
+    kvtransfer::TransportCapabilities c = inner_->capabilities();
+    c.needs_pairing = true;
+    return c;
+  }
+  absl::Status RegisterPool(const PoolLayout& layout, void* base) override {
+    return inner_->RegisterPool(layout, base);
+  }
+  absl::StatusOr<kvtransfer::PeerInfo> LocalInfo() const override { return inner_->LocalInfo(); }
+  absl::Status AddPeer(const kvtransfer::PeerInfo& peer) override { return inner_->AddPeer(peer); }
+  void RemovePeer(const std::string& agent_id) override { inner_->RemovePeer(agent_id); }
+  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<kvtransfer::BlockPair> blocks,
+                                kvtransfer::Deadline deadline, kvtransfer::TransferDone done) override {
+    return inner_->Push(agent_id, std::move(blocks), deadline, std::move(done));
+  }
+  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<kvtransfer::BlockPair> blocks,
+                                kvtransfer::Deadline deadline, kvtransfer::TransferDone done) override {
+    return inner_->Pull(agent_id, std::move(blocks), deadline, std::move(done));
+  }
+  void Cancel(uint64_t transfer_id) override { inner_->Cancel(transfer_id); }
+
+ private:
+  kvtransfer::Transport* const inner_;
+};
+
+TEST(PeerSetTest, ATransportThatPairsIsRefusedNotHalfJoined) {
+  Fleet f(1);
+  PairedTransport paired(&f.local);
+  PeerSet set(&paired);
+  absl::Status st = set.Acquire(f.Info(0));
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_EQ(set.size(), 0u);
+  EXPECT_FALSE(f.Connected(0));
+}
+
 TEST(PeerSetTest, BeyondTheLimitIdlePeersAreRemoved) {
   Fleet f(3);
   PeerSet set(&f.local, /*max_idle=*/2, /*idle_after=*/std::chrono::milliseconds(20));
