@@ -70,6 +70,14 @@ bool SameToken(const std::string& a, const std::string& b) {
 // KvReady PUSHED's sender_error is at most this long.
 constexpr size_t kMaxSenderError = 1024;
 
+// The latest end of work that must end before `deadline`, which arrived as
+// a duration (late by the network's latency): a tenth of the time left, at
+// least 100 ms, before it.
+Deadline EndBefore(Deadline deadline) {
+  const auto now = steady_clock::now();
+  return deadline - std::max<steady_clock::duration>(std::chrono::milliseconds(100), (deadline - now) / 10);
+}
+
 // Logs the first few of a kind, then one in a thousand: a caller must not
 // be able to flood the log.
 bool ShouldLog(int64_t count) { return count <= 10 || count % 1000 == 0; }
@@ -93,6 +101,16 @@ struct KvReceiver::Pull {
   SampledToken first;
   tandem::v1::KvReadyResponse* response = nullptr;
   std::function<void(grpc::Status)> done;
+
+  // The call it serves: its reservation, sender, first token and answer.
+  void Bind(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* answer,
+            std::function<void(grpc::Status)> answered) {
+    reservation_id = req.reservation_id();
+    agent_id = req.source().agent_id();
+    first = FromProto(req.first_token());
+    response = answer;
+    done = std::move(answered);
+  }
 };
 
 KvReceiver::KvReceiver(Engine* engine, kvtransfer::Transport* transport, PeerSet* peers, std::string instance_id,
@@ -270,28 +288,55 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
   }
 }
 
-KvReceiver::Entry* KvReceiver::WaitingEntryLocked(const tandem::v1::KvReadyRequest& req, grpc::Status* refusal) {
-  using grpc::StatusCode;
+KvReceiver::Entry* KvReceiver::FindLocked(const tandem::v1::KvReadyRequest& req, grpc::Status* refusal) {
   auto it = entries_.find(req.reservation_id());
   // A wrong token reads as no reservation: the answer tells nothing.
   if (it == entries_.end() || !SameToken(req.reservation_token(), it->second.token)) {
-    *refusal = grpc::Status(StatusCode::NOT_FOUND, absl::StrFormat("no reservation %d is waiting for KV (expired, "
-                                                                   "cancelled or already filled)",
-                                                                   req.reservation_id()));
+    *refusal =
+        grpc::Status(grpc::StatusCode::NOT_FOUND,
+                     absl::StrFormat("no reservation %d is waiting for KV (expired, cancelled or already filled)",
+                                     req.reservation_id()));
     return nullptr;
   }
-  Entry& e = it->second;
-  if (e.state != State::kWaiting) {
+  return &it->second;
+}
+
+KvReceiver::Entry* KvReceiver::AdmitLocked(const tandem::v1::KvReadyRequest& req, const absl::Status& compatible,
+                                           Pull* pull, bool* incompatible, grpc::Status* refusal) {
+  using grpc::StatusCode;
+  Entry* e = FindLocked(req, refusal);
+  if (e == nullptr) return nullptr;
+  if (e->state != State::kWaiting) {
     *refusal = grpc::Status(StatusCode::ALREADY_EXISTS,
                             absl::StrFormat("reservation %d is already receiving its KV", req.reservation_id()));
     return nullptr;
   }
   // Describing another prompt: the reservation keeps waiting for the right call.
-  if (absl::Status s = CheckKvReadyPrompt(req, e.waiting.expect, engine_->model_config().vocab_size); !s.ok()) {
+  if (absl::Status s = CheckKvReadyPrompt(req, e->waiting.expect, engine_->model_config().vocab_size); !s.ok()) {
     *refusal = grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(s.message()));
     return nullptr;
   }
-  return &e;
+  pull->engine_id = e->waiting.engine_id;
+  if (!compatible.ok()) {
+    EraseLocked(req.reservation_id());
+    *incompatible = true;
+    return nullptr;
+  }
+  absl::StatusOr<std::vector<kvtransfer::BlockPair>> pairs =
+      PlanKvReadyPull(req, e->waiting.expect, engine_->config().block_size);
+  if (!pairs.ok()) {
+    *refusal = grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(pairs.status().message()));
+    return nullptr;
+  }
+  pull->pairs = *std::move(pairs);
+  return e;
+}
+
+void KvReceiver::FallBackIncompatible(const std::shared_ptr<Pull>& pull, const absl::Status& compatible) {
+  Fail(pull,
+       grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                    absl::StrCat("cannot take KV from the prefill worker's pool: ", compatible.message())),
+       /*fall_back=*/true);
 }
 
 absl::Status KvReceiver::CheckSource(const tandem::v1::KvReadyRequest& req) const {
@@ -305,7 +350,6 @@ absl::Status KvReceiver::CheckSource(const tandem::v1::KvReadyRequest& req) cons
 void KvReceiver::StartPull(const tandem::v1::KvReadyRequest& req, Deadline call_deadline,
                            tandem::v1::KvReadyResponse* response, std::function<void(grpc::Status)> done) {
   using grpc::StatusCode;
-  const int bs = engine_->config().block_size;
   auto pull = std::make_shared<Pull>();
   const absl::Status compatible = CheckSource(req);
   // Under mu_, in order: the reservation exists and waits; the request
@@ -315,39 +359,20 @@ void KvReceiver::StartPull(const tandem::v1::KvReadyRequest& req, Deadline call_
   {
     std::lock_guard<std::mutex> lock(mu_);
     grpc::Status refusal;
-    Entry* found = WaitingEntryLocked(req, &refusal);
-    if (found == nullptr) {
+    Entry* e = AdmitLocked(req, compatible, pull.get(), &incompatible, &refusal);
+    if (e == nullptr && !incompatible) {
       done(refusal);
       return;
     }
-    Entry& e = *found;
-    const Waiting& w = e.waiting;
-    pull->engine_id = w.engine_id;
-    if (!compatible.ok()) {
-      EraseLocked(req.reservation_id());
-      incompatible = true;
-    } else {
-      absl::StatusOr<std::vector<kvtransfer::BlockPair>> pairs = PlanKvReadyPull(req, w.expect, bs);
-      if (!pairs.ok()) {
-        done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(pairs.status().message())));
-        return;
-      }
-      pull->pairs = *std::move(pairs);
+    if (e != nullptr) {
       pull->checksums.assign(req.block_checksums().begin(), req.block_checksums().end());
-      e.state = State::kPulling;
-      call_deadline = std::min(call_deadline, w.deadline);
+      e->state = State::kPulling;
+      call_deadline = std::min(call_deadline, e->waiting.deadline);
     }
   }
-  pull->reservation_id = req.reservation_id();
-  pull->agent_id = req.source().agent_id();
-  pull->first = FromProto(req.first_token());
-  pull->response = response;
-  pull->done = std::move(done);
+  pull->Bind(req, response, std::move(done));
   if (incompatible) {
-    Fail(pull,
-         grpc::Status(StatusCode::FAILED_PRECONDITION,
-                      absl::StrCat("cannot take KV from the prefill worker's pool: ", compatible.message())),
-         /*fall_back=*/true);
+    FallBackIncompatible(pull, compatible);
     return;
   }
 
@@ -364,12 +389,9 @@ void KvReceiver::StartPull(const tandem::v1::KvReadyRequest& req, Deadline call_
     OnPulled(pull, absl::OkStatus());
     return;
   }
-  // End the pull before the caller's deadline (then it frees its blocks):
-  // the deadline arrived as a duration, late by the network's latency.
-  const auto now = steady_clock::now();
-  const auto margin = std::max<steady_clock::duration>(std::chrono::milliseconds(100), (call_deadline - now) / 10);
+  // End the pull before the caller's deadline (then it frees its blocks).
   pull->started = steady_clock::now();
-  absl::StatusOr<uint64_t> transfer = transport_->Pull(pull->agent_id, pull->pairs, call_deadline - margin,
+  absl::StatusOr<uint64_t> transfer = transport_->Pull(pull->agent_id, pull->pairs, EndBefore(call_deadline),
                                                        [this, pull](absl::Status s) { OnPulled(pull, std::move(s)); });
   if (!transfer.ok()) {
     Fail(pull,
@@ -476,54 +498,35 @@ void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, Deadline call_deadl
   }
   auto pull = std::make_shared<Pull>();
   const absl::Status compatible = CheckSource(req);
-  // As for a pull, under mu_: the reservation exists and waits; the request
-  // describes its prompt; the pool can be written from; the blocks add up.
+  // Admitted as a pull is; then the blocks to be written (those past the
+  // cached prefix) are pinned.
   bool incompatible = false;
   Deadline until{};
-  std::vector<int32_t> blocks;  // to be written: those past the cached prefix
+  std::vector<int32_t> blocks;
   int cached_blocks = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     grpc::Status refusal;
-    Entry* found = WaitingEntryLocked(req, &refusal);
-    if (found == nullptr) {
+    Entry* e = AdmitLocked(req, compatible, pull.get(), &incompatible, &refusal);
+    if (e == nullptr && !incompatible) {
       done(refusal);
       return;
     }
-    Entry& e = *found;
-    const Waiting& w = e.waiting;
-    pull->engine_id = w.engine_id;
-    if (!compatible.ok()) {
-      EraseLocked(req.reservation_id());
-      incompatible = true;
-    } else {
-      absl::StatusOr<std::vector<kvtransfer::BlockPair>> pairs =
-          PlanKvReadyPull(req, w.expect, engine_->config().block_size);
-      if (!pairs.ok()) {
-        done(grpc::Status(StatusCode::INVALID_ARGUMENT, std::string(pairs.status().message())));
-        return;
-      }
+    if (e != nullptr) {
       // Pinned until the reservation's own deadline, or sooner if asked.
-      until = w.deadline;
+      until = e->waiting.deadline;
       if (req.join_timeout_ms() > 0) {
         until = std::min(until, steady_clock::now() + std::chrono::milliseconds(req.join_timeout_ms()));
       }
-      cached_blocks = static_cast<int>(w.expect.blocks.size() - pairs->size());
-      for (const kvtransfer::BlockPair& pair : *pairs) blocks.push_back(pair.dst);
-      e.state = State::kJoined;
-      e.pusher = req.source().agent_id();
+      cached_blocks = static_cast<int>(e->waiting.expect.blocks.size() - pull->pairs.size());
+      for (const kvtransfer::BlockPair& pair : pull->pairs) blocks.push_back(pair.dst);
+      e->state = State::kJoined;
+      e->pusher = req.source().agent_id();
     }
   }
-  pull->reservation_id = req.reservation_id();
-  pull->agent_id = req.source().agent_id();
-  pull->first = FromProto(req.first_token());
-  pull->response = response;
-  pull->done = std::move(done);
+  pull->Bind(req, response, std::move(done));
   if (incompatible) {
-    Fail(pull,
-         grpc::Status(StatusCode::FAILED_PRECONDITION,
-                      absl::StrCat("cannot take KV from the prefill worker's pool: ", compatible.message())),
-         /*fall_back=*/true);
+    FallBackIncompatible(pull, compatible);
     return;
   }
   absl::StatusOr<kvtransfer::PeerInfo> local = transport_->LocalInfo();
@@ -563,15 +566,13 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
   bool missing_checksums = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(req.reservation_id());
-    if (it == entries_.end() || !SameToken(req.reservation_token(), it->second.token)) {
-      done(grpc::Status(StatusCode::NOT_FOUND,
-                        absl::StrFormat("no reservation %d is waiting for pushed KV (expired, cancelled or "
-                                        "already filled)",
-                                        req.reservation_id())));
+    grpc::Status refusal;
+    Entry* found = FindLocked(req, &refusal);
+    if (found == nullptr) {
+      done(refusal);
       return;
     }
-    Entry& e = it->second;
+    Entry& e = *found;
     if (e.state == State::kPulling) {
       done(grpc::Status(StatusCode::ALREADY_EXISTS,
                         absl::StrFormat("reservation %d is already receiving its KV", req.reservation_id())));
@@ -616,11 +617,7 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
     }
     e.state = State::kPulling;  // verifying (a second PUSHED is ALREADY_EXISTS)
   }
-  pull->reservation_id = req.reservation_id();
-  pull->agent_id = req.source().agent_id();
-  pull->first = FromProto(req.first_token());
-  pull->response = response;
-  pull->done = std::move(done);
+  pull->Bind(req, response, std::move(done));
   if (!req.sender_error().empty()) {
     Fail(pull,
          grpc::Status(StatusCode::ABORTED,
@@ -737,7 +734,7 @@ struct KvSender::Call {
 // A push delivery: JOIN, the push, PUSHED (KvSender::Send).
 struct KvSender::PushJob {
   Job job;
-  SendDone done;
+  std::shared_ptr<SendDone> done;
   std::shared_ptr<tandem::v1::Worker::Stub> stub;
   Deadline deadline{};                   // the hold timeout's
   tandem::v1::KvReadyRequest described;  // the request as a pull would send it (with checksums)
@@ -835,9 +832,11 @@ void KvSender::Start(Job job, SendDone done_once) {
   r.set_prompt_tokens(job.prefilled.prompt_len);
   r.set_prompt_hash(job.prompt_hash);
   ToProto(job.prefilled.first, /*logprobs=*/true, r.mutable_first_token());
+  // The blocks the decode worker holds cached already: neither checksummed
+  // nor sent.
+  const size_t skip =
+      static_cast<size_t>(job.target.decode_cached_tokens()) / static_cast<size_t>(engine_->config().block_size);
   if (config_.checksums) {
-    const size_t skip =
-        static_cast<size_t>(job.target.decode_cached_tokens()) / static_cast<size_t>(engine_->config().block_size);
     for (size_t i = skip; i < job.prefilled.blocks.size(); ++i) {
       const absl::StatusOr<uint64_t> sum = engine_->KvBlockChecksum(job.prefilled.blocks[i]);
       if (!sum.ok()) {
@@ -855,8 +854,6 @@ void KvSender::Start(Job job, SendDone done_once) {
   // Push where the decode worker offers a pool of this transport (its JOIN
   // answer, not the forwarded offer, names where the bytes go).
   const tandem::v1::KvReservation& offer = job.target.reservation();
-  const size_t skip =
-      static_cast<size_t>(job.target.decode_cached_tokens()) / static_cast<size_t>(engine_->config().block_size);
   const bool checked = static_cast<size_t>(r.block_checksums_size()) + skip == job.prefilled.blocks.size();
   if (config_.push && checked && offer.has_destination() && offer.destination().backend() == transport_->backend() &&
       transport_->capabilities().push) {
@@ -872,15 +869,9 @@ void KvSender::Start(Job job, SendDone done_once) {
         1, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - steady_clock::now()).count())));
     join->ctx.set_deadline(CallDeadline(deadline));
     p->job = std::move(job);
-    p->done = [done](const std::string& error, const tandem::v1::KvReadyResponse& answer) { (*done)(error, answer); };
+    p->done = done;
     p->join_sent = steady_clock::now();
-    if (!CallKvReady(stub, join, [this, p, join](const grpc::Status& s) {
-          if (s.ok()) {
-            OnJoined(p, join->response, s);
-          } else {
-            OnJoined(p, tandem::v1::KvReadyResponse(), s);
-          }
-        })) {
+    if (!CallKvReady(stub, join, [this, p, join](const grpc::Status& s) { OnJoined(p, join->response, s); })) {
       fail_unsent("the worker is shutting down");
     }
     return;
@@ -928,11 +919,10 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
     auto call = std::make_shared<Call>();
     call->request = p->described;
     call->ctx.set_deadline(CallDeadline(p->deadline));
-    auto done = std::make_shared<SendDone>(p->done);
-    if (!SendPull(p->stub, call, id, done)) {
+    if (!SendPull(p->stub, call, id, p->done)) {
       engine_->ReleasePrefilled(id);
       ++handoff_failures_;
-      p->done("the worker is shutting down", tandem::v1::KvReadyResponse());
+      (*p->done)("the worker is shutting down", tandem::v1::KvReadyResponse());
     }
     return;
   }
@@ -942,7 +932,7 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
     if (IsDefiniteAnswer(status.error_code())) {
       ++handoff_failures_;
       LOG(WARNING) << "KV of request " << id << " not pushed: " << why;
-      p->done(why, tandem::v1::KvReadyResponse());
+      (*p->done)(why, tandem::v1::KvReadyResponse());
     } else {
       SendPushed(p, why);  // the decode worker may have joined: it falls back now
     }
@@ -983,10 +973,9 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
   // The writes end before the pin does (measured from the JOIN's sending:
   // the pin ran from before its answer) and before the hold timeout, with
   // the margin a pull keeps for the network's latency.
-  const auto limit = std::min(p->deadline, p->join_sent + std::chrono::milliseconds(joined.pinned_ms()));
-  const auto now = steady_clock::now();
-  const auto margin = std::max<steady_clock::duration>(std::chrono::milliseconds(100), (limit - now) / 10);
-  if (bad.empty() && limit - margin <= now) {
+  const Deadline push_deadline =
+      EndBefore(std::min(p->deadline, p->join_sent + std::chrono::milliseconds(joined.pinned_ms())));
+  if (bad.empty() && push_deadline <= steady_clock::now()) {
     bad = absl::StrFormat("its pin (%d ms) leaves no time to push", joined.pinned_ms());
   }
   if (bad.empty()) {
@@ -1019,14 +1008,12 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
       p->job.prefilled.written != nullptr ? p->job.prefilled.written : kvtransfer::CompletedFence();
   absl::StatusOr<uint64_t> transfer =
       transport_->PushAfter(p->agent, std::move(pairs), std::move(written), p->job.target.reservation_id(),
-                            limit - margin, [this, p](absl::Status s) { OnPushed(p, std::move(s)); });
+                            push_deadline, [this, p](absl::Status s) { OnPushed(p, std::move(s)); });
   if (!transfer.ok()) {
     peers_->Release(p->agent, transfer.status().code() == absl::StatusCode::kUnavailable);
     engine_->ReleasePrefilled(id);
     SendPushed(p, absl::StrCat("cannot start the push: ", transfer.status().message()));
-    std::lock_guard<std::mutex> lock(calls_mu_);
-    --pushing_;
-    calls_cv_.notify_all();
+    EndPush();
     return;
   }
   bool cancel = false;
@@ -1053,7 +1040,10 @@ void KvSender::OnPushed(const std::shared_ptr<PushJob>& p, absl::Status status) 
   SendPushed(p, status.ok() ? std::string()
                             : absl::StrFormat("pushing the KV to %s failed: %s", p->described.decode_instance_id(),
                                               status.message()));
-  // After SendPushed registered its call, so Stop waits for it too.
+  EndPush();  // after SendPushed registered its call, so Stop waits for it too
+}
+
+void KvSender::EndPush() {
   std::lock_guard<std::mutex> lock(calls_mu_);
   --pushing_;
   calls_cv_.notify_all();
@@ -1082,19 +1072,19 @@ void KvSender::SendPushed(const std::shared_ptr<PushJob>& p, std::string sender_
           answer.set_blocks_pulled(p->blocks);
           answer.set_bytes_pulled(p->bytes);
           answer.set_pull_seconds(std::chrono::duration<double>(p->took).count());
-          p->done("", answer);
+          (*p->done)("", answer);
           return;
         }
         ++handoff_failures_;
-        p->done(sender_error.empty() ? absl::StrFormat("KvReady PUSHED on %s failed: %s",
-                                                       call->request.decode_instance_id(), s.error_message())
-                                     : sender_error,
-                tandem::v1::KvReadyResponse());
+        (*p->done)(sender_error.empty() ? absl::StrFormat("KvReady PUSHED on %s failed: %s",
+                                                          call->request.decode_instance_id(), s.error_message())
+                                        : sender_error,
+                   tandem::v1::KvReadyResponse());
       },
       /*notice=*/!sender_error.empty());
   if (!sent) {
     ++handoff_failures_;
-    p->done(sender_error.empty() ? "the worker is shutting down" : sender_error, tandem::v1::KvReadyResponse());
+    (*p->done)(sender_error.empty() ? "the worker is shutting down" : sender_error, tandem::v1::KvReadyResponse());
   }
 }
 

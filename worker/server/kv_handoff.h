@@ -209,10 +209,19 @@ class KvReceiver {
             std::function<void(grpc::Status)> done);
   void Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvReadyResponse* response,
               std::function<void(grpc::Status)> done);
-  // The entry `req` names, waiting for its KV and describing its prompt;
-  // null with the status to answer otherwise (NOT_FOUND, ALREADY_EXISTS,
-  // INVALID_ARGUMENT). REQUIRES: mu_ held.
-  Entry* WaitingEntryLocked(const tandem::v1::KvReadyRequest& req, grpc::Status* refusal);
+  // The entry `req` names (its id and token), or null with NOT_FOUND in
+  // *refusal. REQUIRES: mu_ held.
+  Entry* FindLocked(const tandem::v1::KvReadyRequest& req, grpc::Status* refusal);
+  // A pull's or a JOIN's admission: the entry waits and `req` describes its
+  // prompt, and the blocks add up (the pairs go to pull->pairs; the entry
+  // is returned for the caller to move on). A pool it cannot take from
+  // (`compatible` not OK) ends the reservation: null and *incompatible.
+  // Else null with the status to answer in *refusal (the reservation keeps
+  // waiting). REQUIRES: mu_ held.
+  Entry* AdmitLocked(const tandem::v1::KvReadyRequest& req, const absl::Status& compatible, Pull* pull,
+                     bool* incompatible, grpc::Status* refusal);
+  // The fallback after AdmitLocked found the sender's pool incompatible.
+  void FallBackIncompatible(const std::shared_ptr<Pull>& pull, const absl::Status& compatible);
   // Checks KvReady's source pool against this worker's: OK, or why the KV
   // cannot come from there (FailedPrecondition).
   absl::Status CheckSource(const tandem::v1::KvReadyRequest& req) const;
@@ -292,6 +301,8 @@ class KvSender {
                 const grpc::Status& status);
   void OnPushed(const std::shared_ptr<PushJob>& p, absl::Status status);
   void SendPushed(const std::shared_ptr<PushJob>& p, std::string sender_error);
+  // A push counted in pushing_ has ended (Stop may go on).
+  void EndPush();
   // One KvReady call on the poller, registered for Stop; `then` gets the
   // answer on the poller's thread. False (nothing sent) once stopping.
   struct Call;
