@@ -71,6 +71,20 @@ class DisaggGrpcTest : public WorkerTest {
     ASSERT_TRUE(WaitForPullInFlight(decode.stub())) << "no KV pull started on the decode worker";
   }
 
+  // Twelve prompts of mixed lengths (one token to 20 blocks, block-aligned
+  // or not; prompts MakePrompt(seed + i)), greedy and seeded alternately,
+  // ignoring EOS.
+  static constexpr int kMixedLengths[] = {1, 15, 16, 17, 64, 100, 129, 300, 47, 250, 33, 320};
+  static std::vector<v1::GenerateRequest> MixedRequests(uint32_t seed) {
+    std::vector<v1::GenerateRequest> reqs;
+    for (int i = 0; i < 12; ++i) {
+      std::vector<int32_t> prompt = MakePrompt(seed + i, kMixedLengths[i]);
+      reqs.push_back(i % 2 ? SampledRequest(prompt, 10 + i, 7 + i) : GreedyRequest(prompt, 10 + i));
+      reqs.back().mutable_sampling()->set_ignore_eos(true);
+    }
+    return reqs;
+  }
+
   WorkerProcess* aggregated_ = nullptr;
 };
 
@@ -80,22 +94,16 @@ TEST_F(DisaggGrpcTest, ConcurrentMixedRequestsMatchAggregatedServing) {
   WorkerProcess* prefill = StartPrefill();
   WorkerProcess* decode = StartDecode();
   ASSERT_TRUE(prefill && decode);
-  const int lengths[] = {1, 15, 16, 17, 64, 100, 129, 300, 47, 250, 33, 320};
-  std::vector<v1::GenerateRequest> reqs;
-  for (int i = 0; i < 12; ++i) {
-    std::vector<int32_t> prompt = MakePrompt(100 + i, lengths[i]);
-    reqs.push_back(i % 2 ? SampledRequest(prompt, 10 + i, 7 + i) : GreedyRequest(prompt, 10 + i));
-    reqs.back().mutable_sampling()->set_ignore_eos(true);
-  }
+  const std::vector<v1::GenerateRequest> reqs = MixedRequests(100);
   const std::vector<Split> got = RunDisaggregatedConcurrently(prefill->stub(), decode->stub(), decode->address(), reqs);
   for (size_t i = 0; i < reqs.size(); ++i) {
-    const std::string what = absl::StrCat("request ", i, " (", lengths[i], " prompt tokens)");
+    const std::string what = absl::StrCat("request ", i, " (", kMixedLengths[i], " prompt tokens)");
     EXPECT_TRUE(got[i].prefill.status.ok()) << what << ": " << got[i].prefill.status.error_message();
     EXPECT_EQ(got[i].prefill.tokens.size(), 1u) << what;
     EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
     EXPECT_FALSE(got[i].decode.includes_first_token) << what;
     ExpectSameOutput(got[i].combined, Aggregated(reqs[i]), what);
-    EXPECT_EQ(got[i].decode.usage.prompt_tokens(), lengths[i]) << what;
+    EXPECT_EQ(got[i].decode.usage.prompt_tokens(), kMixedLengths[i]) << what;
   }
   const v1::LoadReport d = ExpectIdle(decode->stub(), "decode");
   const v1::LoadReport p = ExpectIdle(prefill->stub(), "prefill");
@@ -106,7 +114,7 @@ TEST_F(DisaggGrpcTest, ConcurrentMixedRequestsMatchAggregatedServing) {
   EXPECT_EQ(p.expired_handoffs(), 0);
   // Only the blocks each prompt needs moved: sum of ceil(len / 16).
   int64_t blocks = 0;
-  for (int len : lengths) blocks += (len + kBlockSize - 1) / kBlockSize;
+  for (int len : kMixedLengths) blocks += (len + kBlockSize - 1) / kBlockSize;
   EXPECT_EQ(d.kv_bytes_pulled(), blocks * kBytesPerBlock);
   EXPECT_GT(d.kv_pull_seconds(), 0.0);
   EXPECT_EQ(d.kv_pulls_in_flight(), 0);
@@ -756,24 +764,18 @@ TEST_F(DisaggGrpcTest, PushedSplitsMatchAggregatedServing) {
   WorkerProcess* prefill = StartPrefill({"--kv-delivery", "push"});
   WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
   ASSERT_TRUE(prefill && decode);
-  const int lengths[] = {1, 15, 16, 17, 64, 100, 129, 300, 47, 250, 33, 320};
-  std::vector<v1::GenerateRequest> reqs;
-  for (int i = 0; i < 12; ++i) {
-    std::vector<int32_t> prompt = MakePrompt(500 + i, lengths[i]);
-    reqs.push_back(i % 2 ? SampledRequest(prompt, 10 + i, 7 + i) : GreedyRequest(prompt, 10 + i));
-    reqs.back().mutable_sampling()->set_ignore_eos(true);
-  }
+  const std::vector<v1::GenerateRequest> reqs = MixedRequests(500);
   const std::vector<Split> got = RunDisaggregatedConcurrently(prefill->stub(), decode->stub(), decode->address(), reqs);
   int64_t blocks = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
-    const std::string what = absl::StrCat("request ", i, " (", lengths[i], " prompt tokens)");
+    const std::string what = absl::StrCat("request ", i, " (", kMixedLengths[i], " prompt tokens)");
     EXPECT_TRUE(got[i].prefill.status.ok()) << what << ": " << got[i].prefill.status.error_message();
     EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
     EXPECT_FALSE(got[i].decode.includes_first_token) << what;
     EXPECT_TRUE(got[i].decode.reservation.has_destination()) << what << ": the reservation offers no pool";
     EXPECT_EQ(got[i].decode.reservation.destination().backend(), "ucx") << what;
     ExpectSameOutput(got[i].combined, Aggregated(reqs[i]), what);
-    blocks += (lengths[i] + kBlockSize - 1) / kBlockSize;
+    blocks += (kMixedLengths[i] + kBlockSize - 1) / kBlockSize;
   }
   v1::LoadReport d = ExpectIdle(decode->stub(), "decode");
   v1::LoadReport p = ExpectIdle(prefill->stub(), "prefill");

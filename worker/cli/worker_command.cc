@@ -213,7 +213,7 @@ absl::Status RunWorker(WorkerOptions opt) {
           "--kv-transport %s sends and receives in pairs, which the workers' push delivery does not do yet",
           opt.kv_transport));
     }
-    if (opt.kv_transport == "none" || caps == nullptr || !caps->push) {
+    if (caps == nullptr || !caps->push) {  // "none" has no capabilities
       return absl::InvalidArgumentError(absl::StrFormat(
           "--kv-delivery push needs a --kv-transport that writes into a peer's pool (got --kv-transport %s)",
           opt.kv_transport));

@@ -18,7 +18,7 @@
 // kernels' error word, and again where the sampled ids and host rows arrive.
 //
 // Decode steps (every sequence one token, at most kMaxGraphBatch of them)
-// replay a CUDA graph of the forward pass instead (RunGraph): the batch is
+// replay a CUDA graph of the forward pass instead (EnqueueGraph): the batch is
 // padded to a power-of-two bucket and the block tables to a power-of-two
 // width, so that every buffer, size and kernel argument the graph holds is
 // the bucket's; the attention's split plan is made for the longest context
@@ -474,11 +474,7 @@ class CudaRunner final : public ModelRunner {
         return absl::InvalidArgumentError(absl::StrFormat("token id %d outside the vocabulary", in.tokens[t]));
       }
     }
-    if (GraphFits(in)) return RunGraph(in, kv);
-    const int R = static_cast<int>(in.logits_rows.size());
-    RETURN_IF_ERROR(UploadMetadata(in));
-    RETURN_IF_ERROR(ReserveActivations(T, R));
-    if (absl::Status st = Forward(in, kv); !st.ok()) {
+    if (absl::Status st = GraphFits(in) ? EnqueueGraph(in, kv) : Enqueue(in, kv); !st.ok()) {
       // Kernels already queued may record a device error: cleared here, so
       // it is not the next step's.
       cudaStreamSynchronize(stream_);
@@ -487,6 +483,13 @@ class CudaRunner final : public ModelRunner {
     }
     // Synchronizes the stream; a slot or block id past the pool is an error.
     return kernels::cuda::TakeError(attn_workspace_.get(), stream_);
+  }
+
+  // The step's metadata and forward pass, launched kernel by kernel.
+  absl::Status Enqueue(const BatchInput& in, KvStorage& kv) {
+    RETURN_IF_ERROR(UploadMetadata(in));
+    RETURN_IF_ERROR(ReserveActivations(in.num_tokens(), static_cast<int>(in.logits_rows.size())));
+    return Forward(in, kv);
   }
 
   absl::Status UploadMetadata(const BatchInput& in) {
@@ -759,8 +762,8 @@ class CudaRunner final : public ModelRunner {
   }
 
   // The decode step `in` through the graph of its bucket (captured first
-  // if there is none).
-  absl::Status RunGraph(const BatchInput& in, KvStorage& kv) {
+  // if there is none), as Enqueue does.
+  absl::Status EnqueueGraph(const BatchInput& in, KvStorage& kv) {
     const int S = in.num_seqs();
     const int B = Bucket(S, 1);
     const int W = Bucket(std::max(in.max_blocks_per_seq, 1), 8);
@@ -806,12 +809,7 @@ class CudaRunner final : public ModelRunner {
       st = LaunchGraph(g, kv, (int64_t{B} << 32) | W);
     }
     graph_contexts_.clear();
-    if (!st.ok()) {
-      cudaStreamSynchronize(stream_);
-      kernels::cuda::TakeError(attn_workspace_.get(), stream_).IgnoreError();
-      return st;
-    }
-    return kernels::cuda::TakeError(attn_workspace_.get(), stream_);
+    return st;
   }
 
   absl::Status LaunchGraph(const BatchInput& g, KvStorage& kv, int64_t key) {
