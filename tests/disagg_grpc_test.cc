@@ -85,6 +85,39 @@ class DisaggGrpcTest : public WorkerTest {
     return reqs;
   }
 
+  // A worker's KV pool as KvReady names it (GetKvTransferInfo).
+  static v1::KvTransferInfo TransferInfo(WorkerProcess& w) {
+    v1::KvTransferInfo info;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(w.stub().GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), &info).ok());
+    return info;
+  }
+  // A KvReady for reservation `r` as a prefill worker with pool `source`
+  // would send it for `prompt` (its blocks 0, 1, ... there) and first token
+  // `first`, in `phase`, without checksums.
+  static v1::KvReadyRequest KvReadyFor(const v1::KvReservation& r, const v1::KvTransferInfo& source,
+                                       const std::vector<int32_t>& prompt, int32_t first,
+                                       v1::KvReadyRequest::Phase phase = v1::KvReadyRequest::PHASE_UNSPECIFIED) {
+    v1::KvReadyRequest k;
+    k.set_reservation_id(r.reservation_id());
+    k.set_decode_instance_id(r.instance_id());
+    k.set_reservation_token(r.reservation_token());
+    *k.mutable_source() = source;
+    for (int b = 0; b < (static_cast<int>(prompt.size()) + kBlockSize - 1) / kBlockSize; ++b) k.add_block_ids(b);
+    k.set_prompt_tokens(static_cast<int32_t>(prompt.size()));
+    k.set_prompt_hash(HashTokens(prompt));
+    k.mutable_first_token()->set_token_id(first);
+    k.set_phase(phase);
+    return k;
+  }
+  // KvReady on `w` directly; the answer in *resp when given.
+  static grpc::Status CallKvReady(WorkerProcess& w, const v1::KvReadyRequest& r, v1::KvReadyResponse* resp = nullptr) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    v1::KvReadyResponse ignored;
+    return w.stub().KvReady(&ctx, r, resp != nullptr ? resp : &ignored);
+  }
+
   WorkerProcess* aggregated_ = nullptr;
 };
 
@@ -699,27 +732,10 @@ TEST_F(DisaggGrpcTest, MalformedKvReadyCallsAreRefused) {
   const v1::GenerateRequest req = GreedyRequest(prompt, 6);
   ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/20000);
   ASSERT_TRUE(receive.reserved());
-  v1::KvTransferInfo source;
-  {
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(prefill->stub().GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), &source).ok());
-  }
+  const v1::KvTransferInfo source = TransferInfo(*prefill);
   const Output reference = Aggregated(req);
-  v1::KvReadyRequest good;
-  good.set_reservation_id(receive.reservation().reservation_id());
-  good.set_decode_instance_id(receive.reservation().instance_id());
-  good.set_reservation_token(receive.reservation().reservation_token());
-  *good.mutable_source() = source;
-  for (int b : {0, 1, 2}) good.add_block_ids(b);
-  good.set_prompt_tokens(40);
-  good.set_prompt_hash(HashTokens(prompt));
-  good.mutable_first_token()->set_token_id(reference.tokens[0]);
-  auto call = [&](const v1::KvReadyRequest& r) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
-    v1::KvReadyResponse resp;
-    return decode->stub().KvReady(&ctx, r, &resp);
-  };
+  const v1::KvReadyRequest good = KvReadyFor(receive.reservation(), source, prompt, reference.tokens[0]);
+  auto call = [&](const v1::KvReadyRequest& r) { return CallKvReady(*decode, r); };
   v1::KvReadyRequest r = good;
   r.set_decode_instance_id("another");
   EXPECT_EQ(call(r).error_code(), grpc::StatusCode::NOT_FOUND);
@@ -828,11 +844,7 @@ TEST_F(DisaggGrpcTest, PushNeedsBothWorkersElseTheKvIsPulled) {
     ReceiveStream receive(decode->stub(), req);
     ASSERT_TRUE(receive.reserved());
     v1::KvReservation forged = receive.reservation();
-    {
-      grpc::ClientContext ctx;
-      ASSERT_TRUE(
-          decode->stub().GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), forged.mutable_destination()).ok());
-    }
+    *forged.mutable_destination() = TransferInfo(*decode);
     const Output sent = Generate(prefill->stub(), SendRequest(req, decode->address(), forged));
     EXPECT_EQ(sent.kv_transfer_error, "");
     ExpectSameOutput(Combine(sent, receive.Finish()), Aggregated(req), "forged destination");
@@ -975,32 +987,15 @@ TEST_F(DisaggGrpcTest, JoinAndPushedCallsAreCheckedAndPinsOutliveACancel) {
   WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
   WorkerProcess* pulling = StartDecode();
   ASSERT_TRUE(prefill && decode && pulling);
-  v1::KvTransferInfo source;
-  {
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(prefill->stub().GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), &source).ok());
-  }
+  const v1::KvTransferInfo source = TransferInfo(*prefill);
   const std::vector<int32_t> prompt = MakePrompt(43, 40);  // 3 blocks
   const v1::GenerateRequest req = GreedyRequest(prompt, 6);
   const Output reference = Aggregated(req);
   auto describe = [&](const v1::KvReservation& r, v1::KvReadyRequest::Phase phase) {
-    v1::KvReadyRequest k;
-    k.set_reservation_id(r.reservation_id());
-    k.set_decode_instance_id(r.instance_id());
-    k.set_reservation_token(r.reservation_token());
-    *k.mutable_source() = source;
-    for (int b : {0, 1, 2}) k.add_block_ids(b);
-    k.set_prompt_tokens(40);
-    k.set_prompt_hash(HashTokens(prompt));
-    k.mutable_first_token()->set_token_id(reference.tokens[0]);
-    k.set_phase(phase);
-    return k;
+    return KvReadyFor(r, source, prompt, reference.tokens[0], phase);
   };
   auto call = [](WorkerProcess* w, const v1::KvReadyRequest& r, v1::KvReadyResponse* resp = nullptr) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
-    v1::KvReadyResponse ignored;
-    return w->stub().KvReady(&ctx, r, resp != nullptr ? resp : &ignored);
+    return CallKvReady(*w, r, resp);
   };
 
   // A pull-mode worker refuses JOIN and PUSHED; its reservation still takes
@@ -1082,33 +1077,15 @@ TEST_F(DisaggGrpcTest, SenderErrorFallsBackAtOnce) {
   WorkerProcess* prefill = StartPrefill();
   WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
   ASSERT_TRUE(prefill && decode);
-  v1::KvTransferInfo source;
-  {
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(prefill->stub().GetKvTransferInfo(&ctx, v1::KvTransferInfoRequest(), &source).ok());
-  }
   const std::vector<int32_t> prompt = MakePrompt(44, 40);
   const v1::GenerateRequest req = GreedyRequest(prompt, 6);
   const Output reference = Aggregated(req);
   ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/30000);
   ASSERT_TRUE(receive.reserved());
-  v1::KvReadyRequest k;
-  k.set_reservation_id(receive.reservation().reservation_id());
-  k.set_decode_instance_id(receive.reservation().instance_id());
-  k.set_reservation_token(receive.reservation().reservation_token());
-  *k.mutable_source() = source;
-  for (int b : {0, 1, 2}) k.add_block_ids(b);
-  k.set_prompt_tokens(40);
-  k.set_prompt_hash(HashTokens(prompt));
-  k.mutable_first_token()->set_token_id(reference.tokens[0]);
-  k.set_phase(v1::KvReadyRequest::JOIN);
+  v1::KvReadyRequest k =
+      KvReadyFor(receive.reservation(), TransferInfo(*prefill), prompt, reference.tokens[0], v1::KvReadyRequest::JOIN);
   k.set_join_timeout_ms(1000);  // the blocks stay pinned (out of use) until then, fallback or not
-  auto call = [&](const v1::KvReadyRequest& r) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
-    v1::KvReadyResponse resp;
-    return decode->stub().KvReady(&ctx, r, &resp);
-  };
+  auto call = [&](const v1::KvReadyRequest& r) { return CallKvReady(*decode, r); };
   ASSERT_TRUE(call(k).ok());
   k.set_phase(v1::KvReadyRequest::PUSHED);
   k.clear_join_timeout_ms();
