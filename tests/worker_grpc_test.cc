@@ -1286,6 +1286,13 @@ TEST_F(WorkerGrpcTest, MetricsPortServesMetricsAndProbesThatFollowTheDrain) {
     Output out = Generate(w->stub(), GreedyRequest(MakePrompt(7, 64), 8));
     ASSERT_TRUE(out.status.ok()) << out.status.error_message();
   }
+  // The load report (which the metrics read) counts a request only after
+  // its stream has ended (DisaggTest.TheLoadReportNeverPrecedesAnAnsweredRequest):
+  // wait for it to catch up.
+  bool caught_up = false;
+  WaitForLoad(
+      w->stub(), [](const v1::LoadReport& l) { return IsIdle(l) && l.finished_requests() == 2; }, &caught_up);
+  ASSERT_TRUE(caught_up);
   EXPECT_EQ(ScrapeMetric(base, "tandem_worker_events_total{event=\"finished\"}"), 2);
   EXPECT_GE(ScrapeMetric(base, "tandem_worker_prefix_tokens_total{kind=\"hit\"}").value_or(0), 48);
   EXPECT_EQ(ScrapeMetric(base, "tandem_worker_sequences{state=\"running\"}"), 0);
