@@ -1300,9 +1300,17 @@ TEST_F(WorkerGrpcTest, MetricsPortServesMetricsAndProbesThatFollowTheDrain) {
   // Draining: not ready, still alive, while a stream runs.
   StreamCutBySigterm stream(w, 1500);
   ASSERT_TRUE(stream.ok());
-  // At once, while the stream surely runs (a loaded machine's scrapes below
-  // may come after a fast model finished its 1500 tokens).
-  EXPECT_EQ(ScrapeMetric(base, "tandem_worker_sequences{state=\"running\"}"), 1);
+  // While the stream surely runs (a loaded machine's scrapes below may come
+  // after a fast model finished its 1500 tokens); the report is published
+  // after each step, so the first token may come before it counts the
+  // stream: read again until it does, for at most a second.
+  std::optional<double> running;
+  for (int i = 0; i < 100; ++i) {
+    running = ScrapeMetric(base, "tandem_worker_sequences{state=\"running\"}");
+    if (running == 1) break;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_EQ(running, 1);
   HttpResponse ready;
   for (int i = 0; i < 100; ++i) {
     ready = HttpGet(base, "/readyz");

@@ -544,9 +544,6 @@ void Engine::Step() {
   const auto step_started = std::chrono::steady_clock::now();
   std::vector<ScheduledWork> work = scheduler_.Schedule(static_cast<int>(reserved_.size()));
   if (work.empty()) return;
-  // The load report counts the admitted sequences before their tokens go
-  // out: a client holding its first token sees itself running.
-  PublishLoad();
 
   const int bs = config_.block_size;
   int max_blocks = 0;
