@@ -98,6 +98,19 @@ __device__ __forceinline__ void TmaLoadBox(uint32_t dst, const CUtensorMap* map,
 bool EncodePoolMap(const AttnArgs& a, int box_rows, CUtensorMap* map, int l2_promotion = 3, int kv_box = 1,
                    bool split_rows = false);
 
+// Four 8x8 b16 matrices from shared memory (lanes 8i..8i+7 address matrix i's
+// rows), plain or transposed.
+__device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 }  // namespace tandem::kernels::cuda::internal
 
 #endif  // TANDEM_KERNELS_CUDA_ASYNC_COPY_CUH_

@@ -32,7 +32,9 @@
 //   tensor cores, then rescales O. Named barriers make the two consumers
 //   take turns issuing (pingpong), so one's softmax runs under the other's
 //   products. Scores are scaled inside the exponent (one FFMA each, the
-//   maxima on raw scores) and exp2 is ex2.approx.ftz.
+//   maxima on raw scores) and exp2 is ex2.approx.ftz. At pages of 16 a row
+//   keeps its running maximum until it grows by more than 2^8 (kOptLazyRescale),
+//   so most tiles skip the rescale of O.
 // - Key tiles run from the last to the first: only the first few (causal
 //   diagonal, ragged context end) need the mask.
 // - Block ids: before any load, the producer checks every table entry the
@@ -80,6 +82,16 @@ constexpr int kOptTma = 2;
 // kOptPersistent (PrefillFa3Kernel): one CTA an SM taking work items from a
 // counter in the workspace, instead of one CTA per item.
 constexpr int kOptPersistent = 4;
+// kOptLazyRescale (PrefillFa3Kernel): a row keeps its running maximum until
+// a tile's maximum exceeds it by more than 2^8 in the exponent (the
+// FlashAttention-4 trick), so most tiles skip the rescale of O; the
+// probabilities then reach at most 256 before the final division.
+constexpr int kOptLazyRescale = 8;
+// kOptQRegs (PrefillFa3Kernel): each consumer keeps its Q rows in registers
+// (ldmatrix once per item) and issues QK^T with A from registers, which
+// frees the Q buffer as soon as the item starts and reads 16 KB less
+// shared memory per tile and warpgroup.
+constexpr int kOptQRegs = 16;
 
 // The epilogue of the wgmma kernels: the row sums reduced over the four
 // lanes of a row, the output normalised and stored (rows past `rows` are not
@@ -380,6 +392,8 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
   constexpr int kKPanel = kN * 128;
   constexpr int kStages = 2;
   constexpr bool kPersistent = (kOpt & kOptPersistent) != 0;
+  constexpr bool kLazy = (kOpt & kOptLazyRescale) != 0;
+  constexpr bool kQRegs = (kOpt & kOptQRegs) != 0;
   // A work item (128 query rows of one head and sequence) as the producer
   // publishes it with its Q buffer; n_keys < 0: no more items.
   struct Item {
@@ -568,6 +582,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
   float m_a, m_b, l_a, l_b;
   float corr_a = 1.0f, corr_b = 1.0f;
   uint32_t pa[kN / 16][4];
+  uint32_t qf[kQRegs ? kD / 16 : 1][4];
   float p[kN / 2];
 
   // S = Q K^T of the tile in K stage `stage` into p (issued, committed).
@@ -575,8 +590,12 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     const uint32_t cK = sK + stage * kTileBytes;
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
-      wgmma::SS128<T>(p, Desc(sQwg + (kk / 4) * kQPanel + (kk % 4) * 32, 16, 1024),
-                      Desc(cK + (kk / 4) * kKPanel + (kk % 4) * 32, 16, 1024), kk > 0);
+      const uint64_t dk = Desc(cK + (kk / 4) * kKPanel + (kk % 4) * 32, 16, 1024);
+      if constexpr (kQRegs) {
+        wgmma::RS128<T, 0>(p, qf[kk], dk, kk > 0);
+      } else {
+        wgmma::SS128<T>(p, Desc(sQwg + (kk / 4) * kQPanel + (kk % 4) * 32, 16, 1024), dk, kk > 0);
+      }
     }
     wgmma::Commit();
   };
@@ -599,6 +618,13 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     wgmma::FenceRegs(o);
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) FenceRegsU(pa[kk]);
+  };
+  // Q's fragments stay in their registers until the product reading them is done.
+  auto fence_q = [&]() {
+    if constexpr (kQRegs) {
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) FenceRegsU(qf[kk]);
+    }
   };
   // Masks, online-softmax statistics and exponentials of the scores in p
   // for the keys from k0; sets corr_a/corr_b for the output's rescale.
@@ -625,11 +651,17 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    if constexpr (kLazy) {
+      // Growth of at most 8 in the exponent keeps the old maximum (a first
+      // finite maximum grows by inf; -inf over -inf is NaN and keeps -inf).
+      if (!((mx_a - m_a) * qk_scale > 8.0f)) mx_a = m_a;
+      if (!((mx_b - m_b) * qk_scale > 8.0f)) mx_b = m_b;
+    }
     // Maxima are on raw scores; a row with every key so far masked keeps -inf.
     const float base_a = mx_a == -INFINITY ? 0.0f : mx_a * qk_scale;
     const float base_b = mx_b == -INFINITY ? 0.0f : mx_b * qk_scale;
-    corr_a = Ex2(m_a * qk_scale - base_a);
-    corr_b = Ex2(m_b * qk_scale - base_b);
+    corr_a = mx_a == m_a ? 1.0f : Ex2(m_a * qk_scale - base_a);
+    corr_b = mx_b == m_b ? 1.0f : Ex2(m_b * qk_scale - base_b);
     m_a = mx_a;
     m_b = mx_b;
     float sum_a = 0.0f, sum_b = 0.0f;
@@ -677,6 +709,14 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
       continue;
     }
     const int n_tiles = (n_keys + kN - 1) / kN;
+    if constexpr (kQRegs) {
+      // This warp's 16 rows, as wgmma's A fragments (lanes 16-31 the upper 8 columns of each 16).
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        LdMatrixX4(sQwg + PanelOffset<kD>(64, warp * 16 + (lane & 15), kk * 2 + (lane >> 4)), qf[kk]);
+      }
+      MbarArrive(qempty + 8 * slot);
+    }
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
     m_a = m_b = -INFINITY;
@@ -693,6 +733,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
       NamedArrive(2 - wg, 256);
       wgmma::Wait<0>();
       wgmma::FenceRegs(p);
+      fence_q();
       MbarArrive(emptyk + 8 * stage);
       softmax((n_tiles - 1) * kN);
       pack_p();
@@ -713,21 +754,24 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
       NamedArrive(2 - wg, 256);
       wgmma::Wait<1>();
       wgmma::FenceRegs(p);
+      fence_q();
       MbarArrive(emptyk + 8 * stage);
       softmax((n_tiles - 1 - it) * kN);
       wgmma::Wait<0>();
       fence_operands();
       MbarArrive(emptyv + 8 * pstage);
+      if (!kLazy || __any_sync(0xffffffffu, corr_a != 1.0f || corr_b != 1.0f)) {
 #pragma unroll
-      for (int i = 0; i < kD / 8; ++i) {
-        o[4 * i] *= corr_a;
-        o[4 * i + 1] *= corr_a;
-        o[4 * i + 2] *= corr_b;
-        o[4 * i + 3] *= corr_b;
+        for (int i = 0; i < kD / 8; ++i) {
+          o[4 * i] *= corr_a;
+          o[4 * i + 1] *= corr_a;
+          o[4 * i + 2] *= corr_b;
+          o[4 * i + 3] *= corr_b;
+        }
       }
       pack_p();
     }
-    MbarArrive(qempty + 8 * slot);  // every QK^T of the item is done: its Q buffer is free
+    if constexpr (!kQRegs) MbarArrive(qempty + 8 * slot);  // every QK^T of the item is done: its Q buffer is free
     {
       // PV of the last tile.
       const int r = gt + n_tiles - 1;
@@ -801,11 +845,20 @@ int LaunchTypedDim(const AttnArgs& a, cudaStream_t stream, int variant) {
       return LaunchFa3<T, kD, kOptNoLoads | kOptPersistent>(a, stream);
     case 4:  // PrefillFa3Kernel with one CTA per work item (no work counter)
       return LaunchFa3<T, kD, kOptTma>(a, stream);
+    case 5:  // the default with the lazy rescale
+      return LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptLazyRescale>(a, stream);
+    case 6:  // the default with Q in registers
+      return LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptQRegs>(a, stream);
     default:
       // Every query count takes the same kernel (a short chunk wastes half
       // of a 128-row CTA) so that a row's arithmetic does not depend on how
       // its prompt was chunked: one-pass, chunked and token-by-token prefill
-      // give the same bits.
+      // give the same bits. Pages of 16 (the engine's default) take the lazy
+      // rescale: +4-5% there on an H100, 0.5-1.5% slower at page 64 and 4%
+      // at head_dim 64 (NOTES.md, 2026-11-28).
+      if (kD == 128 && a.pool.block_size == 16) {
+        return LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptLazyRescale>(a, stream);
+      }
       return LaunchFa3<T, kD, kOptTma | kOptPersistent>(a, stream);
   }
 }

@@ -36,12 +36,12 @@ namespace tandem::kernels::cuda::internal {
 int LaunchPrefillVariant(const AttnArgs& a, void* stream,
                          int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads, 4 grid
 }
-static const char* kVariantName[] = {"fa3", "ws", "fa3:cp.async", "fa3:noload", "fa3:grid"};
+static const char* kVariantName[] = {"fa3", "ws", "fa3:cp.async", "fa3:noload", "fa3:grid", "fa3:lazy", "fa3:qregs"};
 static const char* kDecodeName[] = {"stream", "cuda-core"};  // LaunchSplitKvVariant's variants
 static int g_rounds = 3;                                     // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;                            // dbench: blocks in order instead of shuffled
 static std::string DecodeName(int v) { return kDecodeName[v]; }
-static const int kVariants = 5;
+static const int kVariants = 7;
 static bool Checked(int v) { return v != 3; }  // variant 3 skips loads (timing only)
 
 #define CK(x)                                                                                 \
@@ -327,12 +327,20 @@ static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, i
   CK(cudaMalloc(&d_err, 256));  // the error word and the persistent kernel's counters
   CK(cudaMalloc(&d_table, int64_t{num_blocks} * 4));
   {
+    // Uniform in [-1, 1) from a xorshift (a few hundred MB a second; the
+    // distributions of <random> took seconds a shape).
+    uint32_t st = static_cast<uint32_t>(rng()) | 1u;
+    auto ud = [&st]() {
+      st ^= st << 13;
+      st ^= st >> 17;
+      st ^= st << 5;
+      return static_cast<float>(st >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    };
     std::vector<uint16_t> host(num_blocks * block_stride);
-    std::uniform_real_distribution<float> ud(-1.0f, 1.0f);
-    for (auto& x : host) x = ToBits(ud(rng), Elem::kBF16);
+    for (auto& x : host) x = ToBits(ud(), Elem::kBF16);
     CK(cudaMemcpy(d_pool, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
     host.assign(T * H * D, 0);
-    for (auto& x : host) x = ToBits(ud(rng), Elem::kBF16);
+    for (auto& x : host) x = ToBits(ud(), Elem::kBF16);
     CK(cudaMemcpy(d_q, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
   }
   std::vector<int> qs(batch + 1), ctx(batch, seqlen);
@@ -356,7 +364,27 @@ static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, i
   constexpr size_t kFlushBytes = size_t{256} << 20;
   if (flush == nullptr) CK(cudaMalloc(&flush, kFlushBytes));
   std::vector<float> ms;
-  for (int i = 0; i < 20; ++i) {
+  // PF_SUSTAIN=1: back-to-back calls for about half a second, no flush in
+  // between (the clocks a sustained load runs at); the mean per call.
+  static const bool sustain = std::getenv("PF_SUSTAIN") != nullptr && std::atoi(std::getenv("PF_SUSTAIN")) != 0;
+  if (sustain) {
+    CK(cudaEventRecord(e0));
+    CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float one;
+    CK(cudaEventElapsedTime(&one, e0, e1));
+    const int n = std::max(10, static_cast<int>(500.0f / std::max(one, 0.01f)));
+    for (int i = 0; i < n / 4; ++i) CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < n; ++i) CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float total;
+    CK(cudaEventElapsedTime(&total, e0, e1));
+    ms.push_back(total / n);
+  }
+  for (int i = 0; i < (sustain ? 0 : 20); ++i) {
     CK(cudaMemsetAsync(flush, i, kFlushBytes));
     CK(cudaEventRecord(e0));
     CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
@@ -604,6 +632,7 @@ int main(int argc, char** argv) {
     std::printf("SKIP: no CUDA device\n");
     return 0;
   }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines survive a timeout's kill
   std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
   g_sms = prop.multiProcessorCount;
   if (argc > 1 && std::string(argv[1]) == "dcheck") return DecodeMain(argc, argv, true, false);
@@ -657,22 +686,34 @@ int main(int argc, char** argv) {
   } else {
     for (int v = 0; v < kVariants; ++v) variants.push_back(v);
   }
-  for (int v : variants) {
-    for (int seqlen : {1024, 2048, 4096, 8192, 16384}) {
-      for (bool causal : {true, false}) {
+  // Variants interleaved shape by shape, over PF_ROUNDS rounds (default 1):
+  // clocks drift over a run, so side-by-side numbers compare best.
+  const char* rounds_env = std::getenv("PF_ROUNDS");
+  const int rounds = rounds_env != nullptr ? std::max(1, std::atoi(rounds_env)) : 1;
+  struct Shape {
+    int batch, seqlen, heads, kv_heads, dim, bs;
+    bool causal;
+    const char* note;
+  };
+  std::vector<Shape> shapes;
+  // PF_LONG=1: only the issue's target shapes (head_dim 128, 4k-16k).
+  const bool long_only = std::getenv("PF_LONG") != nullptr && std::atoi(std::getenv("PF_LONG")) != 0;
+  for (int seqlen : {1024, 2048, 4096, 8192, 16384}) {
+    if (long_only && seqlen < 4096) continue;
+    for (bool causal : {true, false}) shapes.push_back({16384 / seqlen, seqlen, 16, 16, 128, 64, causal, ""});
+  }
+  if (!long_only) shapes.push_back({4, 4096, 16, 16, 128, 16, true, ""});
+  if (!long_only) shapes.push_back({4, 4096, 16, 16, 64, 64, true, "  (head_dim 64)"});
+  if (!long_only) shapes.push_back({4, 4096, 32, 8, 128, 16, true, "  (32 heads, gqa 4)"});
+  for (int r = 0; r < rounds; ++r) {
+    for (const Shape& s : shapes) {
+      for (int v : variants) {
         double tf;
-        const int batch = 16384 / seqlen;
-        const double ms = Bench(v, batch, seqlen, 16, 16, 128, 64, causal, &tf);
-        std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f\n", kVariantName[v], seqlen, batch, 64, causal, ms, tf);
+        const double ms = Bench(v, s.batch, s.seqlen, s.heads, s.kv_heads, s.dim, s.bs, s.causal, &tf);
+        std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f%s\n", kVariantName[v], s.seqlen, s.batch, s.bs, s.causal, ms,
+                    tf, s.note);
       }
     }
-    double tf;
-    double ms = Bench(v, 4, 4096, 16, 16, 128, 16, true, &tf);
-    std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f\n", kVariantName[v], 4096, 4, 16, 1, ms, tf);
-    ms = Bench(v, 4, 4096, 16, 16, 64, 64, true, &tf);
-    std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f  (head_dim 64)\n", kVariantName[v], 4096, 4, 64, 1, ms, tf);
-    ms = Bench(v, 4, 4096, 32, 8, 128, 16, true, &tf);
-    std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f  (32 heads, gqa 4)\n", kVariantName[v], 4096, 4, 16, 1, ms, tf);
   }
   return failures == 0 ? 0 : 1;
 }
