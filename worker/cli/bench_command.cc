@@ -54,6 +54,11 @@ struct BenchOptions {
   bool no_transformers = false;
   bool batch_invariant = false;
   bool enforce_eager = false;
+  // --device cuda, the decode steps' sampling (default greedy), and where.
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  int top_k = 0;
+  bool host_sampling = false;
 };
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
@@ -104,16 +109,22 @@ struct RunResult {
   int64_t tokens = 0;                  // generated tokens
 };
 
-// Per-sequence token arrival times of `prompts` run together (greedy,
-// `max_tokens` each, EOS ignored).
+SamplingParams Greedy() {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  return p;
+}
+
+// Per-sequence token arrival times of `prompts` run together (`sampling`,
+// greedy by default; `max_tokens` each, EOS ignored).
 absl::StatusOr<std::vector<std::vector<Clock::time_point>>> RunTimed(Engine& engine,
                                                                      const std::vector<std::vector<int32_t>>& prompts,
-                                                                     int max_tokens) {
+                                                                     int max_tokens,
+                                                                     const SamplingParams& sampling = Greedy()) {
   std::vector<std::shared_ptr<TimingSink>> sinks;
   for (const auto& p : prompts) {
     auto sink = std::make_shared<TimingSink>();
-    GenerateSpec spec{.request_id = "bench", .prompt = p, .params = {}};
-    spec.params.temperature = 0.0f;
+    GenerateSpec spec{.request_id = "bench", .prompt = p, .params = sampling};
     spec.params.max_tokens = max_tokens;
     spec.params.ignore_eos = true;
     RETURN_IF_ERROR(engine.Submit(std::move(spec), sink).status());
@@ -253,6 +264,13 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
   const json hf = TransformersBaselines(opt);  // before our engine takes the memory
   ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(opt.model));
   const ModelConfig config = loaded.config;
+  SamplingParams sampling = Greedy();
+  sampling.temperature = opt.temperature;
+  sampling.top_p = opt.top_p;
+  sampling.top_k = opt.top_k;
+  if (absl::Status st = ValidateSamplingParams(sampling, config.vocab_size); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--temperature/--top-p/--top-k: ", st.message()));
+  }
   EngineConfig ec = base;
   ec.gpu_memory_utilization = opt.gpu_memory_utilization;
   int max_batch = 1;
@@ -275,6 +293,11 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
               {"device", rates.name},
               {"batch_invariant", opt.batch_invariant},
               {"cuda_graphs", !opt.enforce_eager},
+              {"decode_sampling",
+               {{"temperature", opt.temperature},
+                {"top_p", opt.top_p},
+                {"top_k", opt.top_k},
+                {"on", opt.host_sampling ? "host" : "gpu"}}},
               {"bf16_matmul_tflops", rates.bf16_flops / 1e12},
               {"copy_gb_per_s", rates.copy_bytes_per_s / 1e9},
               {"kv_cache_tokens", capacity},
@@ -284,6 +307,10 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
   std::fprintf(table, "tandem bench engine: %s on %s (%s)%s%s\n", opt.model.c_str(), opt.device.c_str(),
                rates.name.c_str(), opt.batch_invariant ? ", batch-invariant" : "",
                opt.enforce_eager ? ", eager (no CUDA graphs)" : "");
+  if (opt.temperature > 0.0f) {
+    std::fprintf(table, "  decode sampling: temperature %g, top_p %g, top_k %d, on the %s\n", opt.temperature,
+                 opt.top_p, opt.top_k, opt.host_sampling ? "host" : "GPU");
+  }
   std::fprintf(table, "  device: bf16 matmul %.0f TFLOP/s, copy %.0f GB/s (read + written); KV cache %lld tokens\n",
                rates.bf16_flops / 1e12, rates.copy_bytes_per_s / 1e9, static_cast<long long>(capacity));
   if (!hf.value("available", false)) {
@@ -331,7 +358,7 @@ absl::Status RunGpuBench(const BenchOptions& opt, const EngineConfig& base) {
     }
     std::vector<std::vector<int32_t>> prompts;
     for (int i = 0; i < batch; ++i) prompts.push_back(RandomPrompt(rng, context, config.vocab_size));
-    ASSIGN_OR_RETURN(auto times, RunTimed(*engine, prompts, steps + 1));
+    ASSIGN_OR_RETURN(auto times, RunTimed(*engine, prompts, steps + 1, sampling));
     const double step = DecodeStepSeconds(times);
     const double bound = (weight_bytes + batch * (context + steps / 2.0) * kv_bytes_per_token) / rates.copy_bytes_per_s;
     const json hf_ms = hf.value("decode_step_ms", json::object()).value(name, json());
@@ -364,6 +391,7 @@ absl::Status RunBench(const BenchOptions& opt) {
     RETURN_IF_ERROR(SelectDevice(opt.device, &ec.runner, &ec.runner_options));
     ec.runner_options.batch_invariant = opt.batch_invariant;
     ec.runner_options.cuda_graphs = !opt.enforce_eager;
+    ec.runner_options.gpu_sampling = !opt.host_sampling;
     return RunGpuBench(opt, ec);
   }
   ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(opt.model));
@@ -481,6 +509,17 @@ void AddBenchCommand(CLI::App& bench) {
   cmd->add_flag("--batch-invariant", opt->batch_invariant, "--device cuda: the batch-invariant mode (tandem worker)");
   cmd->add_flag("--enforce-eager", opt->enforce_eager,
                 "--device cuda: no CUDA graphs for decode steps (tandem worker)");
+  cmd->add_option("--temperature", opt->temperature, "--device cuda: the decode steps' temperature (0: greedy)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 2.0));
+  cmd->add_option("--top-p", opt->top_p, "--device cuda: the decode steps' top_p")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--top-k", opt->top_k, "--device cuda: the decode steps' top_k (0: off)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--host-sampling", opt->host_sampling,
+                "--device cuda: sample every row on the host instead of the GPU (tandem worker)");
   cmd->callback([opt] { ExitWithStatus("bench engine", RunBench(*opt)); });
 }
 

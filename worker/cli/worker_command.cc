@@ -435,6 +435,9 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_flag_function(
       "--enforce-eager", [opt](int64_t) { opt->engine.runner_options.cuda_graphs = false; },
       "--device cuda: launch every decode step's kernels from the host instead of replaying CUDA graphs");
+  cmd->add_flag_function(
+      "--host-sampling", [opt](int64_t) { opt->engine.runner_options.gpu_sampling = false; },
+      "--device cuda: sample rows on the host (SampleToken on threads) instead of the GPU; the same tokens");
   cmd->add_flag("--batch-invariant", opt->engine.runner_options.batch_invariant,
                 "--device cuda: a sequence's tokens do not depend on what it is batched with (single-pass matrix "
                 "products, fixed attention splits; slower decode at small batches)");

@@ -103,6 +103,10 @@ struct RunnerOptions {
   // block-table width (padded rows write nothing and are not sampled),
   // instead of launching each kernel from the host.
   bool cuda_graphs = true;
+  // "cuda" (`--host-sampling` turns it off): rows that are not plain greedy
+  // are sampled on the GPU (gpu_sampler.h) instead of by the host sampler;
+  // the tokens are the same.
+  bool gpu_sampling = true;
 };
 
 class ModelRunner {

@@ -12,6 +12,7 @@
 #include "common/logging.h"
 #include "worker/sampling/philox.h"
 #include "worker/sampling/portable_exp.h"
+#include "worker/sampling/sampling_math.h"
 
 namespace tandem::worker {
 namespace {
@@ -159,12 +160,16 @@ class SamplingOrder {
   }
 
   // Drops all but the first n. REQUIRES: n <= size().
-  void KeepFirst(size_t n) {
-    SortPrefix(n);
-    candidates_.resize(n);
-    size_ = n;
+  bool KeepFirst(int64_t n) {
+    SortPrefix(static_cast<size_t>(n));
+    candidates_.resize(static_cast<size_t>(n));
+    size_ = static_cast<size_t>(n);
     all_listed_ = true;
+    return true;
   }
+  // PickInOrder's interface: every candidate can be read (sorted on demand).
+  bool Has(int64_t /*i*/) const { return true; }
+  double WeightAt(int64_t i) { return WeightAt(static_cast<size_t>(i)); }
 
  private:
   // The first read sorts 64 candidates: a typical top_k (20-50) or the
@@ -251,58 +256,10 @@ int SampleFromProcessed(std::span<const float> logits, const SamplingParams& par
   const float max_logit = MaxLogit(logits);
   if (max_logit == kMinusInfinity) return 0;  // every token masked: as Argmax
   SamplingOrder order(logits, max_logit, params.temperature);
-
-  // Candidates [0, keep) of the order survive the filters, with total weight
-  // kept_total. Sums are a fixed function of the input: over the whole
-  // vocabulary a LaneSum in token-id order, over a prefix of the order one
-  // add after another in that order.
-  size_t keep = order.size();
-  double kept_total = 0.0;
-  if (params.top_k > 0 && static_cast<size_t>(params.top_k) < keep) {
-    keep = static_cast<size_t>(params.top_k);
-    order.KeepFirst(keep);
-    for (size_t i = 0; i < keep; ++i) kept_total += order.WeightAt(i);
-  } else {
-    kept_total = SoftmaxTotal(logits, max_logit, params.temperature);
-  }
-
-  if (params.top_p < 1.0f) {
-    const double target = static_cast<double>(params.top_p) * kept_total;
-    double cumulative = 0.0;
-    for (size_t i = 0; i < keep; ++i) {
-      cumulative += order.WeightAt(i);
-      if (cumulative >= target) {
-        keep = i + 1;
-        kept_total = cumulative;
-        break;
-      }
-    }
-  }
-
-  if (params.min_p > 0.0f) {
-    const double threshold = static_cast<double>(params.min_p) * order.WeightAt(0);
-    double cumulative = order.WeightAt(0);
-    size_t survivors = 1;
-    while (survivors < keep && order.WeightAt(survivors) >= threshold) {
-      cumulative += order.WeightAt(survivors);
-      ++survivors;
-    }
-    if (survivors < keep) {
-      keep = survivors;
-      kept_total = cumulative;
-    }
-  }
-
-  // Inverse CDF: the first token whose cumulative weight exceeds u * total.
-  const double target = uniform * kept_total;
-  double cumulative = 0.0;
-  for (size_t i = 0; i < keep; ++i) {
-    cumulative += order.WeightAt(i);
-    if (cumulative > target) return order.TokenAt(i);
-  }
-  // Only rounding (a total summed in another order exceeding the in-order
-  // sum) reaches here.
-  return order.TokenAt(keep - 1);
+  const int64_t picked =
+      sampling_math::PickInOrder(order, static_cast<int64_t>(order.size()), params.top_k, params.top_p, params.min_p,
+                                 uniform, [&] { return SoftmaxTotal(logits, max_logit, params.temperature); });
+  return order.TokenAt(static_cast<size_t>(picked));  // never -1: the order reads every candidate
 }
 
 }  // namespace

@@ -10,7 +10,9 @@
 // sum is never rounded, which keeps the GPU engine closer to the float32
 // reference. Then the final norm gathers only the rows whose logits are
 // wanted, and the LM head writes their float32 logits: plain greedy rows take
-// their token from an argmax on the GPU, the others' logits rows come to the
+// their token from an argmax on the GPU, the others from the GPU sampler
+// (gpu_sampler.h: penalties, masks, logprobs, top-k/p, min-p, the seeded
+// draw; SampleToken's token bit for bit). Rows it cannot finish come to the
 // host sampler (SampleToken, one row a thread: ParallelSampler).
 //
 // Everything of a step runs on the runner's stream; the step's metadata goes
@@ -42,6 +44,8 @@
 #include "common/status_macros.h"
 #include "kernels/paged_attention.h"
 #include "worker/runner/builtin_runners.h"
+#include "worker/runner/cuda/cuda_buffers.h"
+#include "worker/runner/cuda/gpu_sampler.h"
 #include "worker/runner/cuda/lt_gemm.h"
 #include "worker/runner/cuda/model_kernels.h"
 #include "worker/runner/llama_model.h"
@@ -50,52 +54,10 @@
 namespace tandem::worker {
 namespace {
 
-absl::Status Cuda(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();
-  return absl::InternalError(absl::StrCat("cuda runner: ", what, ": ", cudaGetErrorString(e)));
-}
-absl::Status Launch(int e, const char* what) { return Cuda(static_cast<cudaError_t>(e), what); }
-
-// Device memory, freed with the buffer.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  static absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes, const char* what) {
-    DeviceBuffer b;
-    if (bytes == 0) return b;
-    void* p = nullptr;
-    if (cudaError_t e = cudaMalloc(&p, static_cast<size_t>(bytes)); e != cudaSuccess) {
-      cudaGetLastError();
-      size_t free_bytes = 0, total = 0;
-      cudaMemGetInfo(&free_bytes, &total);
-      return absl::ResourceExhaustedError(
-          absl::StrFormat("cuda runner: cannot allocate %d bytes of device memory for %s (%d of %d bytes free): %s",
-                          bytes, what, free_bytes, total, cudaGetErrorString(e)));
-    }
-    b.ptr_.reset(p);
-    b.bytes_ = bytes;
-    return b;
-  }
-  void* get() const { return ptr_.get(); }
-  int64_t bytes() const { return bytes_; }
-  bool empty() const { return bytes_ == 0; }
-
- private:
-  struct Free {
-    void operator()(void* p) const { cudaFree(p); }
-  };
-  std::unique_ptr<void, Free> ptr_;
-  int64_t bytes_ = 0;
-};
-
-// A device buffer that grows to what a step needs (contents not kept).
-absl::Status Reserve(DeviceBuffer* b, int64_t bytes, const char* what) {
-  if (b->bytes() >= bytes) return absl::OkStatus();
-  *b = DeviceBuffer();
-  ASSIGN_OR_RETURN(*b, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 1 << 16), what));
-  return absl::OkStatus();
-}
+using cuda_util::Cuda;
+using cuda_util::DeviceBuffer;
+using cuda_util::Launch;
+using cuda_util::Reserve;
 
 cuda_ops::SrcType SrcTypeOf(WeightDtype d) {
   switch (d) {
@@ -187,7 +149,8 @@ class CudaRunner final : public ModelRunner {
       : ModelRunner(std::move(config)),
         device_(options.device),
         batch_invariant_(options.batch_invariant),
-        cuda_graphs_(options.cuda_graphs) {}
+        cuda_graphs_(options.cuda_graphs),
+        gpu_sampling_(options.gpu_sampling) {}
 
   ~CudaRunner() override {
     cudaSetDevice(device_);
@@ -347,8 +310,9 @@ class CudaRunner final : public ModelRunner {
   }
 
   // Rows that want the plain greedy token (no penalties, masks or logprobs)
-  // take it from an argmax on the GPU; the others' logits come to the host
-  // sampler (SampleToken), which picks the same token for the first kind.
+  // take it from an argmax on the GPU, the others from the GPU sampler; the
+  // rows it cannot take or finish come to the host sampler (SampleToken),
+  // which would pick the same tokens for all of them.
   absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
                     std::vector<SampledToken>* sampled) override {
     const auto wall_start = std::chrono::steady_clock::now();
@@ -374,13 +338,17 @@ class CudaRunner final : public ModelRunner {
     const size_t vocab = size_t(c.vocab_size);
     if (rows.empty()) return Cuda(cudaStreamSynchronize(stream_), "synchronize");
     greedy_rows_.clear();
+    gpu_rows_.clear();
     host_rows_.clear();
     for (size_t i = 0; i < rows.size(); ++i) {
       const SamplingParams& p = *rows[i].params;
       const bool plain = p.temperature == 0.0f && p.logprobs < 0 && p.repetition_penalty == 1.0f &&
                          p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f &&
                          static_cast<int>(rows[i].output.size()) >= p.min_tokens;
-      (plain ? greedy_rows_ : host_rows_).push_back(static_cast<int>(i));
+      (plain                                                 ? greedy_rows_
+       : gpu_sampling_ && GpuSampler::Takes(p, c.vocab_size) ? gpu_rows_
+                                                             : host_rows_)
+          .push_back(static_cast<int>(i));
     }
     const size_t g = greedy_rows_.size();
     if (g > 0) {
@@ -397,7 +365,8 @@ class CudaRunner final : public ModelRunner {
       RETURN_IF_ERROR(
           Cuda(cudaMemcpyAsync(pinned_ids_, d_ids, g * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_), "ids"));
     }
-    const float* logits = static_cast<const float*>(logits_.get());
+    float* logits = static_cast<float*>(logits_.get());
+    RETURN_IF_ERROR(gpu_sampler_.Enqueue(logits, c.vocab_size, rows, gpu_rows_, c.eos_token_ids, stream_));
     if (host_rows_.size() == rows.size()) {
       RETURN_IF_ERROR(Cuda(
           cudaMemcpyAsync(host_logits_, logits, rows.size() * vocab * sizeof(float), cudaMemcpyDeviceToHost, stream_),
@@ -412,6 +381,19 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
     sampled->resize(rows.size());
     for (size_t j = 0; j < g; ++j) (*sampled)[greedy_rows_[j]].token_id = pinned_ids_[j];
+    // Rows the GPU sampler handed back (a walk past its candidates) join
+    // the host's, from the logits as the kernel left them.
+    const size_t before = host_rows_.size();
+    gpu_sampler_.Finish(rows, sampled, &host_rows_);
+    if (host_rows_.size() > before) {
+      for (size_t k = before; k < host_rows_.size(); ++k) {
+        const int r = host_rows_[k];
+        RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host_logits_ + r * vocab, logits + r * vocab, vocab * sizeof(float),
+                                             cudaMemcpyDeviceToHost, stream_),
+                             "download logits"));
+      }
+      RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
+    }
     // The host rows on the sampler's threads (each row's token is
     // SampleToken's whatever the threads).
     sample_rows_.clear();
@@ -855,6 +837,7 @@ class CudaRunner final : public ModelRunner {
   const int device_;
   const bool batch_invariant_;
   const bool cuda_graphs_;
+  const bool gpu_sampling_;
   const bool use_gemv_ = [] {
     const char* e = std::getenv("TANDEM_GEMV");
     return e != nullptr && std::string_view(e) == "1";
@@ -879,6 +862,8 @@ class CudaRunner final : public ModelRunner {
   // Sampling: which rows take the GPU's greedy pick, and its answers.
   std::vector<int> greedy_rows_, host_rows_;
   ParallelSampler sampler_;
+  GpuSampler gpu_sampler_;
+  std::vector<int> gpu_rows_;
   std::vector<ParallelSampler::Row> sample_rows_;
   // Decode graphs by (batch bucket << 32 | table width), the buffers they
   // hold, the padded step, and while one is captured its planning contexts.

@@ -1,0 +1,39 @@
+// `tandem bench engine`: the decode-sampling flags (--temperature, --top-p,
+// --top-k) refuse values outside their ranges with an error naming the flag,
+// before any model loads.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "tests/testing/worker_process.h"
+
+namespace tandem::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(BenchEngineFlagsTest, BadSamplingFlagsNameTheFlag) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  const std::pair<std::string, std::string> cases[] = {
+      {"--top-p 1.5", "--top-p"},
+      {"--temperature -1", "--temperature"},
+      {"--temperature 3", "--temperature"},
+      {"--top-k -3", "--top-k"},
+      {"--top-p x", "--top-p"},
+  };
+  for (const auto& [flags, name] : cases) {
+    std::string out;
+    const int rc = RunCommand(absl::StrCat(*bin, " bench engine ", flags), &out);
+    ASSERT_NE(rc, -1) << flags;
+    EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << flags << ": " << out;
+    EXPECT_THAT(out, HasSubstr(name)) << flags;
+  }
+}
+
+}  // namespace
+}  // namespace tandem::testing

@@ -1,0 +1,145 @@
+#include "worker/runner/cuda/gpu_sampler.h"
+
+#include <cstring>
+
+#include "worker/sampling/philox.h"
+
+namespace tandem::worker {
+namespace {
+
+size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
+
+}  // namespace
+
+bool GpuSampler::Takes(const SamplingParams& p, int vocab) {
+  return !(p.top_k > cuda_ops::kSampleCandidates && p.top_k < vocab) && p.logprobs <= cuda_ops::kSampleMaxTop;
+}
+
+void GpuSampler::NewList(int vocab) {
+  if (stamp_.size() != static_cast<size_t>(vocab)) {
+    stamp_.assign(static_cast<size_t>(vocab), 0);
+    counts_.assign(static_cast<size_t>(vocab), 0);
+    generation_ = 0;
+  }
+  if (++generation_ == 0) {  // wrapped: every stamp is stale again
+    std::fill(stamp_.begin(), stamp_.end(), 0);
+    generation_ = 1;
+  }
+}
+
+bool GpuSampler::FirstTime(int token) {
+  if (stamp_[static_cast<size_t>(token)] == generation_) return false;
+  stamp_[static_cast<size_t>(token)] = generation_;
+  return true;
+}
+
+absl::Status GpuSampler::Enqueue(float* logits, int vocab, std::span<const RowSampling> rows,
+                                 std::span<const int> which, std::span<const int> eos_token_ids, cudaStream_t stream) {
+  args_.clear();
+  ids_.clear();
+  which_.assign(which.begin(), which.end());
+  if (which.empty()) return absl::OkStatus();
+  auto in_vocab = [vocab](int t) { return t >= 0 && t < vocab; };
+  for (int i : which) {
+    const RowSampling& r = rows[static_cast<size_t>(i)];
+    const SamplingParams& p = *r.params;
+    cuda_ops::SampleRowArgs a;
+    a.logits_row = i;
+    a.temperature = p.temperature;
+    a.top_k = p.top_k;
+    a.top_p = p.top_p;
+    a.min_p = p.min_p;
+    a.repetition_penalty = p.repetition_penalty;
+    a.presence_penalty = p.presence_penalty;
+    a.frequency_penalty = p.frequency_penalty;
+    a.logprobs = p.logprobs;
+    a.uniform = UniformDouble(r.seed, r.prompt.size() + r.output.size());
+    if (p.repetition_penalty != 1.0f) {
+      NewList(vocab);
+      a.rep_begin = static_cast<int>(ids_.size());
+      for (std::span<const int> part : {r.prompt, r.output}) {
+        for (int t : part) {
+          if (in_vocab(t) && FirstTime(t)) ids_.push_back(t);
+        }
+      }
+      a.rep_count = static_cast<int>(ids_.size()) - a.rep_begin;
+    }
+    if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
+      NewList(vocab);
+      std::vector<int32_t> order;
+      for (int t : r.output) {
+        if (!in_vocab(t)) continue;
+        if (FirstTime(t)) {
+          counts_[static_cast<size_t>(t)] = 0;
+          order.push_back(t);
+        }
+        ++counts_[static_cast<size_t>(t)];
+      }
+      a.freq_begin = static_cast<int>(ids_.size());
+      a.freq_count = static_cast<int>(order.size());
+      for (int t : order) {
+        ids_.push_back(t);
+        ids_.push_back(counts_[static_cast<size_t>(t)]);
+      }
+    }
+    if (static_cast<int64_t>(r.output.size()) < p.min_tokens) {
+      a.mask_begin = static_cast<int>(ids_.size());
+      for (int t : p.stop_token_ids) {
+        if (in_vocab(t)) ids_.push_back(t);
+      }
+      if (!p.ignore_eos) {
+        for (int t : eos_token_ids) {
+          if (in_vocab(t)) ids_.push_back(t);
+        }
+      }
+      a.mask_count = static_cast<int>(ids_.size()) - a.mask_begin;
+    }
+    args_.push_back(a);
+  }
+  const size_t n = args_.size();
+  const size_t args_bytes = Align16(n * sizeof(cuda_ops::SampleRowArgs));
+  const size_t ids_bytes = Align16(std::max<size_t>(ids_.size(), 1) * sizeof(int32_t));
+  const size_t out_bytes = n * sizeof(cuda_ops::SampleRowResult);
+  RETURN_IF_ERROR(cuda_util::Reserve(&up_, int64_t(args_bytes + ids_bytes), "sampling arguments (pinned)"));
+  RETURN_IF_ERROR(cuda_util::Reserve(&down_, int64_t(out_bytes), "sampling results (pinned)"));
+  RETURN_IF_ERROR(cuda_util::Reserve(&d_up_, int64_t(args_bytes + ids_bytes), "sampling arguments"));
+  RETURN_IF_ERROR(cuda_util::Reserve(&d_saved_, int64_t(ids_bytes), "sampling saved logits"));
+  RETURN_IF_ERROR(cuda_util::Reserve(&d_out_, int64_t(out_bytes), "sampling results"));
+  auto* up = static_cast<unsigned char*>(up_.get());
+  std::memcpy(up, args_.data(), n * sizeof(cuda_ops::SampleRowArgs));
+  if (!ids_.empty()) std::memcpy(up + args_bytes, ids_.data(), ids_.size() * sizeof(int32_t));
+  auto* d_up = static_cast<unsigned char*>(d_up_.get());
+  RETURN_IF_ERROR(cuda_util::Cuda(
+      cudaMemcpyAsync(d_up, up, args_bytes + ids_.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream),
+      "upload sampling arguments"));
+  RETURN_IF_ERROR(cuda_util::Launch(
+      cuda_ops::LaunchSample(logits, vocab, reinterpret_cast<const cuda_ops::SampleRowArgs*>(d_up), int(n),
+                             reinterpret_cast<const int32_t*>(d_up + args_bytes), static_cast<float*>(d_saved_.get()),
+                             static_cast<cuda_ops::SampleRowResult*>(d_out_.get()), stream),
+      "sample"));
+  return cuda_util::Cuda(cudaMemcpyAsync(down_.get(), d_out_.get(), out_bytes, cudaMemcpyDeviceToHost, stream),
+                         "download sampling results");
+}
+
+void GpuSampler::Finish(std::span<const RowSampling> rows, std::vector<SampledToken>* sampled,
+                        std::vector<int>* host_rows) {
+  const auto* results = static_cast<const cuda_ops::SampleRowResult*>(down_.get());
+  for (size_t j = 0; j < which_.size(); ++j) {
+    const int i = which_[j];
+    const cuda_ops::SampleRowResult& res = results[j];
+    if (res.fallback != 0) {
+      host_rows->push_back(i);
+      continue;
+    }
+    SampledToken& out = (*sampled)[static_cast<size_t>(i)];
+    out.token_id = res.token;
+    out.logprob = 0.0f;
+    out.top_logprobs.clear();
+    if (rows[static_cast<size_t>(i)].params->logprobs >= 0) {
+      out.logprob = res.logprob;
+      for (int k = 0; k < res.num_top; ++k) out.top_logprobs.push_back({res.top_ids[k], res.top_logprobs[k]});
+    }
+  }
+}
+
+}  // namespace tandem::worker
