@@ -12,8 +12,8 @@
 // wanted, and the LM head writes their float32 logits: plain greedy rows take
 // their token from an argmax on the GPU, the others from the GPU sampler
 // (gpu_sampler.h: penalties, masks, logprobs, top-k/p, min-p, the seeded
-// draw; SampleToken's token bit for bit). Rows it cannot finish come to the
-// host sampler (SampleToken, one row a thread: ParallelSampler).
+// draw; SampleToken's token bit for bit), or with --host-sampling the host
+// sampler (SampleToken, one row a thread: ParallelSampler).
 //
 // Everything of a step runs on the runner's stream; the step's metadata goes
 // up in one copy from pinned memory; the step synchronizes where it reads the
@@ -310,9 +310,8 @@ class CudaRunner final : public ModelRunner {
   }
 
   // Rows that want the plain greedy token (no penalties, masks or logprobs)
-  // take it from an argmax on the GPU, the others from the GPU sampler; the
-  // rows it cannot take or finish come to the host sampler (SampleToken),
-  // which would pick the same tokens for all of them.
+  // take it from an argmax on the GPU, the others from the GPU sampler (or,
+  // with --host-sampling, the host sampler: the same tokens).
   absl::Status Step(const BatchInput& in, std::span<const RowSampling> rows, KvStorage& kv,
                     std::vector<SampledToken>* sampled) override {
     const auto wall_start = std::chrono::steady_clock::now();
@@ -345,10 +344,7 @@ class CudaRunner final : public ModelRunner {
       const bool plain = p.temperature == 0.0f && p.logprobs < 0 && p.repetition_penalty == 1.0f &&
                          p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f &&
                          static_cast<int>(rows[i].output.size()) >= p.min_tokens;
-      (plain                                                 ? greedy_rows_
-       : gpu_sampling_ && GpuSampler::Takes(p, c.vocab_size) ? gpu_rows_
-                                                             : host_rows_)
-          .push_back(static_cast<int>(i));
+      (plain ? greedy_rows_ : gpu_sampling_ ? gpu_rows_ : host_rows_).push_back(static_cast<int>(i));
     }
     const size_t g = greedy_rows_.size();
     if (g > 0) {
@@ -381,18 +377,11 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
     sampled->resize(rows.size());
     for (size_t j = 0; j < g; ++j) (*sampled)[greedy_rows_[j]].token_id = pinned_ids_[j];
-    // Rows the GPU sampler handed back (a walk past its candidates) join
-    // the host's, from the logits as the kernel left them.
-    const size_t before = host_rows_.size();
-    gpu_sampler_.Finish(rows, sampled, &host_rows_);
-    if (host_rows_.size() > before) {
-      for (size_t k = before; k < host_rows_.size(); ++k) {
-        const int r = host_rows_[k];
-        RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host_logits_ + r * vocab, logits + r * vocab, vocab * sizeof(float),
-                                             cudaMemcpyDeviceToHost, stream_),
-                             "download logits"));
-      }
+    // Rows whose walk went past the GPU sampler's candidates: its full pass.
+    if (gpu_sampler_.Finish(rows, sampled)) {
+      RETURN_IF_ERROR(gpu_sampler_.EnqueueRest(logits, c.vocab_size, stream_));
       RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
+      gpu_sampler_.Finish(rows, sampled);
     }
     // The host rows on the sampler's threads (each row's token is
     // SampleToken's whatever the threads).

@@ -1,6 +1,8 @@
 #include "worker/runner/cuda/gpu_sampler.h"
 
+#include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "worker/sampling/philox.h"
 
@@ -10,10 +12,6 @@ namespace {
 size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
 }  // namespace
-
-bool GpuSampler::Takes(const SamplingParams& p, int vocab) {
-  return !(p.top_k > cuda_ops::kSampleCandidates && p.top_k < vocab) && p.logprobs <= cuda_ops::kSampleMaxTop;
-}
 
 void GpuSampler::NewList(int vocab) {
   if (stamp_.size() != static_cast<size_t>(vocab)) {
@@ -37,7 +35,7 @@ absl::Status GpuSampler::Enqueue(float* logits, int vocab, std::span<const RowSa
                                  std::span<const int> which, std::span<const int> eos_token_ids, cudaStream_t stream) {
   args_.clear();
   ids_.clear();
-  which_.assign(which.begin(), which.end());
+  slots_.clear();
   if (which.empty()) return absl::OkStatus();
   auto in_vocab = [vocab](int t) { return t >= 0 && t < vocab; };
   for (int i : which) {
@@ -97,7 +95,9 @@ absl::Status GpuSampler::Enqueue(float* logits, int vocab, std::span<const RowSa
     args_.push_back(a);
   }
   const size_t n = args_.size();
+  for (size_t j = 0; j < n; ++j) slots_.push_back(static_cast<int>(j));
   const size_t args_bytes = Align16(n * sizeof(cuda_ops::SampleRowArgs));
+  args_bytes_ = args_bytes;
   const size_t ids_bytes = Align16(std::max<size_t>(ids_.size(), 1) * sizeof(int32_t));
   const size_t out_bytes = n * sizeof(cuda_ops::SampleRowResult);
   RETURN_IF_ERROR(cuda_util::Reserve(&up_, int64_t(args_bytes + ids_bytes), "sampling arguments (pinned)"));
@@ -115,20 +115,21 @@ absl::Status GpuSampler::Enqueue(float* logits, int vocab, std::span<const RowSa
   RETURN_IF_ERROR(cuda_util::Launch(
       cuda_ops::LaunchSample(logits, vocab, reinterpret_cast<const cuda_ops::SampleRowArgs*>(d_up), int(n),
                              reinterpret_cast<const int32_t*>(d_up + args_bytes), static_cast<float*>(d_saved_.get()),
-                             static_cast<cuda_ops::SampleRowResult*>(d_out_.get()), stream),
+                             static_cast<cuda_ops::SampleRowResult*>(d_out_.get()), nullptr, stream),
       "sample"));
   return cuda_util::Cuda(cudaMemcpyAsync(down_.get(), d_out_.get(), out_bytes, cudaMemcpyDeviceToHost, stream),
                          "download sampling results");
 }
 
-void GpuSampler::Finish(std::span<const RowSampling> rows, std::vector<SampledToken>* sampled,
-                        std::vector<int>* host_rows) {
+bool GpuSampler::Finish(std::span<const RowSampling> rows, std::vector<SampledToken>* sampled) {
   const auto* results = static_cast<const cuda_ops::SampleRowResult*>(down_.get());
-  for (size_t j = 0; j < which_.size(); ++j) {
-    const int i = which_[j];
+  std::vector<int> rest;
+  for (size_t j = 0; j < slots_.size(); ++j) {
+    const int slot = slots_[j];
+    const int i = args_[static_cast<size_t>(slot)].logits_row;
     const cuda_ops::SampleRowResult& res = results[j];
     if (res.fallback != 0) {
-      host_rows->push_back(i);
+      rest.push_back(slot);
       continue;
     }
     SampledToken& out = (*sampled)[static_cast<size_t>(i)];
@@ -140,6 +141,38 @@ void GpuSampler::Finish(std::span<const RowSampling> rows, std::vector<SampledTo
       for (int k = 0; k < res.num_top; ++k) out.top_logprobs.push_back({res.top_ids[k], res.top_logprobs[k]});
     }
   }
+  slots_ = std::move(rest);
+  return !slots_.empty();
+}
+
+absl::Status GpuSampler::EnqueueRest(float* logits, int vocab, cudaStream_t stream) {
+  // The arguments of the rows left, over the first ones of the last upload
+  // (the token lists stay where they are).
+  rest_.clear();
+  for (int slot : slots_) rest_.push_back(args_[static_cast<size_t>(slot)]);
+  const int n = static_cast<int>(rest_.size());
+  std::memcpy(up_.get(), rest_.data(), rest_.size() * sizeof(cuda_ops::SampleRowArgs));
+  auto* d_up = static_cast<unsigned char*>(d_up_.get());
+  RETURN_IF_ERROR(cuda_util::Cuda(
+      cudaMemcpyAsync(d_up, up_.get(), rest_.size() * sizeof(cuda_ops::SampleRowArgs), cudaMemcpyHostToDevice, stream),
+      "upload sampling arguments"));
+  const int per_launch = std::min(n, cuda_ops::kSampleFullRows);
+  RETURN_IF_ERROR(
+      cuda_util::Reserve(&d_full_, cuda_ops::SampleFullScratchBytes(vocab, per_launch), "sampling full-order scratch"));
+  const auto* d_args = reinterpret_cast<const cuda_ops::SampleRowArgs*>(d_up);
+  auto* d_out = static_cast<cuda_ops::SampleRowResult*>(d_out_.get());
+  // Launches in turn on one stream: each reuses the scratch after the last.
+  for (int first = 0; first < n; first += per_launch) {
+    RETURN_IF_ERROR(
+        cuda_util::Launch(cuda_ops::LaunchSample(logits, vocab, d_args + first, std::min(per_launch, n - first),
+                                                 reinterpret_cast<const int32_t*>(d_up + args_bytes_),
+                                                 static_cast<float*>(d_saved_.get()), d_out + first,
+                                                 static_cast<unsigned long long*>(d_full_.get()), stream),
+                          "sample (full order)"));
+  }
+  return cuda_util::Cuda(
+      cudaMemcpyAsync(down_.get(), d_out, n * sizeof(cuda_ops::SampleRowResult), cudaMemcpyDeviceToHost, stream),
+      "download sampling results");
 }
 
 }  // namespace tandem::worker

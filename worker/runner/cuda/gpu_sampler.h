@@ -2,10 +2,11 @@
 // Builds each row's arguments and token lists on the host (the distinct
 // tokens of prompt + output for the repetition penalty, the output's counts,
 // the min_tokens mask), uploads them in one copy, launches one CTA per row
-// and reads the results back. Rows it cannot take (top_k above
-// cuda_ops::kSampleCandidates) and rows the kernel hands back (a walk past
-// its candidates) are the host sampler's: it picks the same token from the
-// same logits (SampleToken).
+// and reads the results back. The rows whose walk goes past the first
+// cuda_ops::kSampleCandidates candidates (a flat distribution under top_p,
+// top_k above that) take a second, full pass (their whole vocabulary
+// sorted), kSampleFullRows at a time. Every row gets the host sampler's
+// token (SampleToken) bit for bit.
 //
 // Thread safety: one caller at a time (a runner's step).
 #ifndef TANDEM_WORKER_RUNNER_CUDA_GPU_SAMPLER_H_
@@ -27,9 +28,6 @@ namespace tandem::worker {
 
 class GpuSampler {
  public:
-  // Whether the GPU kernel can take a row with these parameters.
-  static bool Takes(const SamplingParams& p, int vocab);
-
   // Enqueues, on `stream`, the sampling of rows[i] from logits row i of
   // `logits` ([*, vocab], device) for every i in `which` (distinct). The
   // rows' logits come out as the host sampler reads them (sampling_kernels.h).
@@ -37,9 +35,13 @@ class GpuSampler {
   absl::Status Enqueue(float* logits, int vocab, std::span<const RowSampling> rows, std::span<const int> which,
                        std::span<const int> eos_token_ids, cudaStream_t stream);
 
-  // After the stream synchronized: (*sampled)[i] for every row the kernel
-  // sampled; the rows it handed back are appended to *host_rows.
-  void Finish(std::span<const RowSampling> rows, std::vector<SampledToken>* sampled, std::vector<int>* host_rows);
+  // After the stream synchronized: (*sampled)[i] for every row the last
+  // pass sampled. True when rows remain for the full pass: EnqueueRest, a
+  // synchronization and Finish again.
+  bool Finish(std::span<const RowSampling> rows, std::vector<SampledToken>* sampled);
+
+  // Enqueues the full pass of the rows the last Finish left.
+  absl::Status EnqueueRest(float* logits, int vocab, cudaStream_t stream);
 
  private:
   // Distinct in-vocabulary tokens, a generation stamp per vocabulary entry.
@@ -48,12 +50,14 @@ class GpuSampler {
 
   std::vector<cuda_ops::SampleRowArgs> args_;
   std::vector<int32_t> ids_;
-  std::vector<int> which_;
+  std::vector<int> slots_;  // the last pass's results, in order: indices into args_
+  std::vector<cuda_ops::SampleRowArgs> rest_;
+  size_t args_bytes_ = 0;
   std::vector<uint32_t> stamp_;
   std::vector<int32_t> counts_;
   uint32_t generation_ = 0;
   cuda_util::PinnedBuffer up_, down_;
-  cuda_util::DeviceBuffer d_up_, d_saved_, d_out_;
+  cuda_util::DeviceBuffer d_up_, d_saved_, d_out_, d_full_;
 };
 
 }  // namespace tandem::worker

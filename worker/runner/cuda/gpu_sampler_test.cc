@@ -33,8 +33,9 @@ bool SkipWithoutGpu() {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // One row's logits: normal scores with ties, signed zeros and non-finite
-// values sprinkled in (shape: a peaked or a flat distribution).
-std::vector<float> RandomLogits(int vocab, std::mt19937& rng, float scale) {
+// values sprinkled in (shape: a peaked or a flat distribution); a +inf in
+// about a quarter of the rows when `with_inf`.
+std::vector<float> RandomLogits(int vocab, std::mt19937& rng, float scale, bool with_inf = true) {
   std::normal_distribution<float> nd(0.0f, scale);
   std::vector<float> x(static_cast<size_t>(vocab));
   for (float& v : x) v = nd(rng);
@@ -47,6 +48,7 @@ std::vector<float> RandomLogits(int vocab, std::mt19937& rng, float scale) {
   if (vocab > 100) {
     x[static_cast<size_t>(pick(rng))] = std::numeric_limits<float>::quiet_NaN();
     x[static_cast<size_t>(pick(rng))] = -kInf;
+    if (with_inf && rng() % 4 == 0) x[static_cast<size_t>(pick(rng))] = kInf;  // then it takes every draw
   }
   return x;
 }
@@ -102,9 +104,9 @@ class GpuSamplerTest : public ::testing::Test {
     if (d_logits_ != nullptr) cudaFree(d_logits_);
   }
 
-  // Samples every case on the GPU (rows it hands back on the host, from the
-  // logits as the kernel left them) and checks each against SampleToken on
-  // the original row. Returns how many rows came back to the host.
+  // Samples every case on the GPU (the rows the first pass leaves in the
+  // full pass) and checks each against SampleToken on the original row.
+  // Returns how many rows took the full pass.
   int SampleAndCompare(const std::vector<std::vector<float>>& logits, const std::vector<Case>& cases, int vocab,
                        const std::vector<int>& eos) {
     const size_t rows = cases.size();
@@ -114,26 +116,28 @@ class GpuSamplerTest : public ::testing::Test {
     EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&d_logits_), flat.size() * sizeof(float)), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(d_logits_, flat.data(), flat.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
     std::vector<RowSampling> rs;
-    std::vector<int> which, host_rows;
+    std::vector<int> which;
     for (size_t i = 0; i < rows; ++i) {
       rs.push_back(
           {.params = &cases[i].params, .prompt = cases[i].prompt, .output = cases[i].output, .seed = cases[i].seed});
-      (GpuSampler::Takes(cases[i].params, vocab) ? which : host_rows).push_back(static_cast<int>(i));
+      which.push_back(static_cast<int>(i));
     }
-    const size_t not_taken = host_rows.size();
     GpuSampler sampler;
     std::vector<SampledToken> got(rows);
+    for (SampledToken& t : got) t.token_id = -1;
     absl::Status st = sampler.Enqueue(d_logits_, vocab, rs, which, eos, stream_);
     EXPECT_TRUE(st.ok()) << st;
     EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
-    sampler.Finish(rs, &got, &host_rows);
+    int full_rows = 0;
+    if (sampler.Finish(rs, &got)) {
+      for (const SampledToken& t : got) full_rows += t.token_id < 0 ? 1 : 0;
+      st = sampler.EnqueueRest(d_logits_, vocab, stream_);
+      EXPECT_TRUE(st.ok()) << st;
+      EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+      EXPECT_FALSE(sampler.Finish(rs, &got)) << "the full pass leaves no row";
+    }
     std::vector<float> after(flat.size());
     EXPECT_EQ(cudaMemcpy(after.data(), d_logits_, after.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-    for (size_t k = not_taken; k < host_rows.size(); ++k) {  // the fallback rows, as the runner does them
-      const size_t i = static_cast<size_t>(host_rows[k]);
-      std::vector<float> row(after.begin() + i * vocab, after.begin() + (i + 1) * vocab);
-      got[i] = SampleToken(row, cases[i].params, cases[i].prompt, cases[i].output, eos, cases[i].seed);
-    }
     for (size_t i = 0; i < rows; ++i) {
       SCOPED_TRACE(absl::StrCat("row ", i, " temperature ", cases[i].params.temperature, " top_k ",
                                 cases[i].params.top_k, " top_p ", cases[i].params.top_p, " min_p ",
@@ -160,7 +164,7 @@ class GpuSamplerTest : public ::testing::Test {
                     1e-6f * std::max(1.0f, std::fabs(want.top_logprobs[k].logprob)));
       }
     }
-    return static_cast<int>(host_rows.size() - not_taken);
+    return full_rows;
   }
 
   cudaStream_t stream_ = nullptr;
@@ -192,21 +196,28 @@ TEST_F(GpuSamplerTest, SeededDrawsRepeatAndFollowTheSeed) {
   SampleAndCompare(logits, cases, kVocab, {});
 }
 
-// A flat distribution under top_p walks past the kernel's candidates: the
-// row comes back to the host, its logits intact, and gets the same token.
-TEST_F(GpuSamplerTest, AWalkPastTheCandidatesFallsBackToTheHost) {
+// A flat distribution under top_p walks past the first pass's candidates:
+// the full pass sorts the whole vocabulary and gets the same token.
+TEST_F(GpuSamplerTest, AWalkPastTheCandidatesTakesTheFullPass) {
   constexpr int kVocab = 50000;
   std::mt19937 rng(3);
-  std::vector<Case> cases(3);
+  std::vector<Case> cases(40);  // more than one launch of the full pass
   std::vector<std::vector<float>> logits;
   for (Case& c : cases) {
     c.params.temperature = 1.0f;
     c.params.top_p = 0.95f;
     c.seed = rng();
-    logits.push_back(RandomLogits(kVocab, rng, 0.01f));
+    logits.push_back(RandomLogits(kVocab, rng, 0.01f, /*with_inf=*/false));
   }
-  cases[2].params.top_k = 40;  // cut: stays on the GPU
-  EXPECT_EQ(SampleAndCompare(logits, cases, kVocab, {}), 2);
+  cases[2].params.top_k = 40;     // cut within the candidates: the first pass
+  cases[3].params.top_k = 30000;  // beyond them: the full pass
+  cases[3].params.top_p = 1.0f;
+  cases[4].params.min_p = 0.5f;  // a long min_p walk
+  cases[4].params.top_p = 1.0f;
+  cases[5].params.logprobs = 20;
+  cases[5].params.repetition_penalty = 1.5f;
+  cases[5].prompt = {1, 5, 9, 49999};
+  EXPECT_EQ(SampleAndCompare(logits, cases, kVocab, {7}), 39);
 }
 
 }  // namespace

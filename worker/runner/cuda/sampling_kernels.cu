@@ -16,12 +16,17 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kLanes = 8;        // the host's LaneSum lanes
-constexpr int kSumChunk = 2048;  // numerators staged per round (a multiple of kLanes)
+constexpr int kSumChunk = 1024;  // numerators staged per round (a multiple of kLanes)
 
 struct Shared {
   unsigned hist[256];
-  unsigned long long cand[kSampleCandidates];  // order key << 32 | ~id: larger comes first
-  double w[kSampleCandidates];
+  union {
+    struct {
+      unsigned long long cand[kSampleCandidates];  // order key << 32 | ~id: larger comes first
+      double w[kSampleCandidates];
+    };
+    unsigned offs[kWarps][256];  // the full sort's per-warp digit counts, then positions
+  };
   double buf[kSumChunk];
   double lanes[kLanes];
   float red_f[kWarps];
@@ -217,6 +222,72 @@ __device__ int BlockTopOrder(const float* x, int n, int want, Shared& s) {
   return count;
 }
 
+// The full sampling order of x[0, n) (larger first, ties by lower id) in
+// a[0, n), packed as BlockTopOrder's; b is scratch of n. A stable LSD radix
+// sort on the order key, one byte a pass, from a list in id order: each
+// warp owns a contiguous segment and walks it in order, so equal keys keep
+// their id order. (For a walk past kSampleCandidates: a flat distribution.)
+__device__ void FullOrder(const float* x, int n, unsigned long long* a, unsigned long long* b, Shared& s) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int i = tid; i < n; i += kThreads) a[i] = Packed(OrderKey(x[i]), i);
+  const int seg = (n + kWarps - 1) / kWarps;
+  const int begin = min(n, warp * seg), end = min(n, begin + seg);
+  const unsigned lower = (1u << lane) - 1u;
+  for (int shift = 0; shift < 32; shift += 8) {
+    // Descending keys: ascending digits of the complement.
+    auto digit = [shift](unsigned long long v) { return 255u - ((static_cast<unsigned>(v >> 32) >> shift) & 255u); };
+    for (int j = tid; j < kWarps * 256; j += kThreads) (&s.offs[0][0])[j] = 0;
+    __syncthreads();
+    for (int base = begin; base < end; base += 32) {
+      const int i = base + lane;
+      const unsigned d = i < end ? digit(a[i]) : 256u + lane;
+      const unsigned peers = __match_any_sync(0xffffffffu, d);
+      if (i < end && (peers & lower) == 0) s.offs[warp][d] += __popc(peers);
+      __syncwarp();
+    }
+    __syncthreads();
+    if (tid < 256) {
+      unsigned total = 0;
+      for (int w = 0; w < kWarps; ++w) total += s.offs[w][tid];
+      s.hist[tid] = total;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      unsigned run = 0;
+      for (int d = 0; d < 256; ++d) {
+        const unsigned c = s.hist[d];
+        s.hist[d] = run;
+        run += c;
+      }
+    }
+    __syncthreads();
+    if (tid < 256) {
+      unsigned run = s.hist[tid];
+      for (int w = 0; w < kWarps; ++w) {
+        const unsigned c = s.offs[w][tid];
+        s.offs[w][tid] = run;
+        run += c;
+      }
+    }
+    __syncthreads();
+    for (int base = begin; base < end; base += 32) {
+      const int i = base + lane;
+      const unsigned long long v = i < end ? a[i] : 0ull;
+      const unsigned d = i < end ? digit(v) : 256u + lane;
+      const unsigned peers = __match_any_sync(0xffffffffu, d);
+      if (i < end) b[s.offs[warp][d] + __popc(peers & lower)] = v;
+      __syncwarp();
+      if (i < end && (peers & lower) == 0) s.offs[warp][d] += __popc(peers);
+      __syncwarp();
+    }
+    __syncthreads();
+    unsigned long long* t = a;
+    a = b;
+    b = t;
+  }
+  // Four passes: the order is back in the first buffer.
+}
+
 // PickInOrder's view of the sorted candidates.
 struct CandidateOrder {
   const double* w;
@@ -235,8 +306,13 @@ __device__ void ForEachListed(const SampleRowArgs& a, const int32_t* ids, F f) {
   for (int j = threadIdx.x; j < a.mask_count; j += kThreads) f(a.mask_begin + j, ids[a.mask_begin + j]);
 }
 
-__global__ void __launch_bounds__(kThreads) SampleKernel(float* logits, int vocab, const SampleRowArgs* rows,
-                                                         const int32_t* ids, float* saved, SampleRowResult* out) {
+// kFull: the candidates are the whole sorted vocabulary (FullOrder, in
+// `full`: 2 * vocab packed entries per CTA) instead of the first
+// kSampleCandidates; no row falls back.
+template <bool kFull>
+__global__ void __launch_bounds__(kThreads)
+    SampleKernel(float* logits, int vocab, const SampleRowArgs* rows, const int32_t* ids, float* saved,
+                 SampleRowResult* out, unsigned long long* full) {
   __shared__ Shared s;
   const int tid = threadIdx.x;
   const SampleRowArgs a = rows[blockIdx.x];
@@ -297,24 +373,33 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(float* logits, int voca
   } else {
     const float mx = BlockMax(x, vocab, s);
     if (mx != -INFINITY) {
-      const int listed = min(vocab, kSampleCandidates);
+      const int listed = kFull ? vocab : min(vocab, kSampleCandidates);
       const bool cut = a.top_k > 0 && a.top_k < vocab;
       if (cut && a.top_k > listed) {
         fallback = true;
       } else {
-        BlockTopOrder(x, vocab, listed, s);
+        const unsigned long long* cand = s.cand;
+        double* w = s.w;
+        if constexpr (kFull) {
+          unsigned long long* order = full + int64_t{blockIdx.x} * 2 * vocab;
+          FullOrder(x, vocab, order, order + vocab, s);
+          cand = order;
+          w = reinterpret_cast<double*>(order + vocab);
+        } else {
+          BlockTopOrder(x, vocab, listed, s);
+        }
         const double temperature = static_cast<double>(a.temperature);
         for (int i = tid; i < listed; i += kThreads) {
-          const double logit = static_cast<double>(x[PackedId(s.cand[i])]);
-          s.w[i] = sampling_math::SamplingExp(__ddiv_rn(__dsub_rn(logit, static_cast<double>(mx)), temperature));
+          const double logit = static_cast<double>(x[PackedId(cand[i])]);
+          w[i] = sampling_math::SamplingExp(__ddiv_rn(__dsub_rn(logit, static_cast<double>(mx)), temperature));
         }
         const double whole = cut ? 0.0 : WholeTotal(x, vocab, mx, temperature, s);
         __syncthreads();
         if (tid == 0) {
-          CandidateOrder order{s.w, listed};
+          CandidateOrder order{w, listed};
           const int64_t pick =
               sampling_math::PickInOrder(order, vocab, a.top_k, a.top_p, a.min_p, a.uniform, [whole] { return whole; });
-          s.token = pick < 0 ? -1 : PackedId(s.cand[pick]);
+          s.token = pick < 0 ? -1 : PackedId(cand[pick]);
         }
         __syncthreads();
         token = s.token;
@@ -336,9 +421,14 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(float* logits, int voca
 }  // namespace
 
 int LaunchSample(float* logits, int vocab, const SampleRowArgs* rows, int num_rows, const int32_t* ids, float* saved,
-                 SampleRowResult* out, void* stream) {
+                 SampleRowResult* out, unsigned long long* full, void* stream) {
   if (num_rows == 0) return 0;
-  SampleKernel<<<num_rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(logits, vocab, rows, ids, saved, out);
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (full != nullptr) {
+    SampleKernel<true><<<num_rows, kThreads, 0, st>>>(logits, vocab, rows, ids, saved, out, full);
+  } else {
+    SampleKernel<false><<<num_rows, kThreads, 0, st>>>(logits, vocab, rows, ids, saved, out, nullptr);
+  }
   return static_cast<int>(cudaGetLastError());
 }
 

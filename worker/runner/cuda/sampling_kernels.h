@@ -10,8 +10,9 @@
 // The walk reads the first kSampleCandidates candidates of the sampling
 // order (chosen by a radix select, sorted in shared memory). A row whose
 // walk needs more (a flat distribution under top_p, top_k above that) comes
-// back with `fallback` set: the caller samples it on the host from the
-// logits the kernel leaves. Plain structs, no absl (CUDA C++17); the launcher
+// back with `fallback` set; the full pass (`full` scratch given) then sorts
+// its whole vocabulary (a stable radix sort in global memory) and never
+// falls back. Plain structs, no absl (CUDA C++17); the launcher
 // returns the launch's cudaError_t and never synchronizes. The file builds
 // with -fmad=false: no multiply-add contraction, as on the host.
 #ifndef TANDEM_WORKER_RUNNER_CUDA_SAMPLING_KERNELS_H_
@@ -23,6 +24,9 @@ namespace tandem::worker::cuda_ops {
 
 inline constexpr int kSampleCandidates = 1024;
 inline constexpr int kSampleMaxTop = 20;  // kMaxLogprobs
+// Rows per launch of the full pass, and its scratch for `rows` rows.
+inline constexpr int kSampleFullRows = 32;
+inline constexpr int64_t SampleFullScratchBytes(int vocab, int rows) { return int64_t{rows} * 2 * vocab * 8; }
 
 // One row's request, as SamplingParams and the sequence's tokens give it.
 // The token lists live in one int array (`ids`), built on the host: the
@@ -58,9 +62,10 @@ struct SampleRowResult {
 // out[r]. A row is processed in place and left as the host sampler reads it:
 // NaN and +inf replaced, every other logit as it came (the listed tokens'
 // are saved in `saved`, as many floats as `ids` holds, and put back). Rows
-// must be distinct.
+// must be distinct. With `full` (SampleFullScratchBytes(vocab, num_rows)),
+// the full pass.
 int LaunchSample(float* logits, int vocab, const SampleRowArgs* rows, int num_rows, const int32_t* ids, float* saved,
-                 SampleRowResult* out, void* stream);
+                 SampleRowResult* out, unsigned long long* full, void* stream);
 
 }  // namespace tandem::worker::cuda_ops
 
