@@ -101,6 +101,39 @@ TANDEM_HD inline double SamplingExp(double x) {
   return x >= kLowest ? result : 0.0;
 }
 
+// Adds candidates' weights to *cumulative along the order from the first
+// until done(*cumulative) holds after an add: returns that candidate's
+// position, `end` if none, or -1 if the order ran out first. Reads eight
+// weights ahead of the adds (the same adds, in the same order: a GPU
+// thread walking a long order waits on its loads otherwise).
+template <typename Order, typename Done>
+TANDEM_HD int64_t WalkPrefix(Order& order, int64_t end, double* cumulative, Done done) {
+  constexpr int kAhead = 8;
+  double c = *cumulative;
+  int64_t i = 0;
+  for (; i + kAhead <= end && order.Has(i + kAhead - 1); i += kAhead) {
+    double w[kAhead];
+    for (int k = 0; k < kAhead; ++k) w[k] = order.WeightAt(i + k);
+    for (int k = 0; k < kAhead; ++k) {
+      c += w[k];
+      if (done(c)) {
+        *cumulative = c;
+        return i + k;
+      }
+    }
+  }
+  for (; i < end; ++i) {
+    if (!order.Has(i)) return -1;
+    c += order.WeightAt(i);
+    if (done(c)) {
+      *cumulative = c;
+      return i;
+    }
+  }
+  *cumulative = c;
+  return end;
+}
+
 // Step 4 of SampleToken (sampler.h) for temperature > 0, given the
 // candidates in sampling order (larger processed logit first, ties by lower
 // id) with their softmax numerators e^((logit - max) / temperature):
@@ -131,14 +164,11 @@ TANDEM_HD int64_t PickInOrder(Order& order, int64_t size, int top_k, float top_p
   if (top_p < 1.0f) {
     const double target = static_cast<double>(top_p) * kept_total;
     double cumulative = 0.0;
-    for (int64_t i = 0; i < keep; ++i) {
-      if (!order.Has(i)) return -1;
-      cumulative += order.WeightAt(i);
-      if (cumulative >= target) {
-        keep = i + 1;
-        kept_total = cumulative;
-        break;
-      }
+    const int64_t last = WalkPrefix(order, keep, &cumulative, [target](double c) { return c >= target; });
+    if (last < 0) return -1;
+    if (last < keep) {
+      keep = last + 1;
+      kept_total = cumulative;
     }
   }
 
@@ -162,11 +192,8 @@ TANDEM_HD int64_t PickInOrder(Order& order, int64_t size, int top_k, float top_p
   // u * total.
   const double target = uniform * kept_total;
   double cumulative = 0.0;
-  for (int64_t i = 0; i < keep; ++i) {
-    if (!order.Has(i)) return -1;
-    cumulative += order.WeightAt(i);
-    if (cumulative > target) return i;
-  }
+  const int64_t picked = WalkPrefix(order, keep, &cumulative, [target](double c) { return c > target; });
+  if (picked < keep) return picked;  // a candidate, or -1: the order ran out
   // Only rounding (a total summed in another order exceeding the in-order
   // sum) reaches here.
   return order.Has(keep - 1) ? keep - 1 : -1;
