@@ -17,6 +17,10 @@ uint64_t HashBlock(uint64_t parent_hash, std::span<const int32_t> tokens) {
 
 uint64_t HashBytes(const void* data, size_t size) { return XXH3_64bits(data, size); }
 
+// The secret the seed-0 hashes use is the default one (XXH3's seeded secret
+// is the default with the seed added: seed 0 adds nothing).
+void DefaultHashSecret(unsigned char (&secret)[192]) { XXH3_generateSecret_fromSeed(secret, 0); }
+
 std::vector<uint64_t> HashBlocks(uint64_t seed, std::span<const int32_t> tokens, int block_size) {
   std::vector<uint64_t> hashes;
   if (block_size > 0) hashes.reserve(tokens.size() / static_cast<size_t>(block_size));

@@ -23,6 +23,10 @@ uint64_t HashBlock(uint64_t parent_hash, std::span<const int32_t> tokens);
 uint64_t HashBytes(const void* data, size_t size);
 inline uint64_t HashTokens(std::span<const int32_t> tokens) { return HashBytes(tokens.data(), tokens.size_bytes()); }
 
+// The 192-byte default secret of XXH3 (HashBytes's), from the library: what
+// xxh3_portable.h's Hash64 needs to give HashBytes's values (on a GPU).
+void DefaultHashSecret(unsigned char (&secret)[192]);
+
 // Hashes of the first floor(tokens.size() / block_size) full blocks.
 std::vector<uint64_t> HashBlocks(uint64_t seed, std::span<const int32_t> tokens, int block_size);
 

@@ -208,9 +208,11 @@ class Engine {
   // The KV pool's memory and geometry, for registering it with a KV
   // transport. Transports write only into blocks this engine reserved.
   void* kv_data() { return storage_->data(); }
-  // KvStorage::BlockChecksum of the pool. Any thread: the bytes of a block
+  // KvStorage::BlockChecksums of the pool. Any thread: the bytes of blocks
   // the caller holds (a hand-off's) do not change under it.
-  absl::StatusOr<uint64_t> KvBlockChecksum(int32_t block) const { return storage_->BlockChecksum(block); }
+  absl::StatusOr<std::vector<uint64_t>> KvBlockChecksums(std::span<const int32_t> blocks) const {
+    return storage_->BlockChecksums(blocks);
+  }
   const kernels::KvLayout& kv_layout() const { return storage_->layout(); }
   // The pool as a KV transport registers it (its dtype is the layout's, part
   // of the check between workers).

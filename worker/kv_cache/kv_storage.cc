@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/block_hash.h"
+#include "common/status_macros.h"
 
 namespace tandem::worker {
 
@@ -43,16 +44,30 @@ absl::StatusOr<std::unique_ptr<KvStorage>> KvStorage::Create(const kernels::KvLa
   return std::unique_ptr<KvStorage>(new KvStorage(layout, KvMemory{.data = p}, bytes, true));
 }
 
-absl::StatusOr<uint64_t> KvStorage::BlockChecksum(int64_t block) const {
-  if (block < 0 || block >= layout_.num_blocks) {
-    return absl::OutOfRangeError(
-        absl::StrFormat("KV block %d is outside the pool's %d blocks", block, layout_.num_blocks));
-  }
-  if (location_ != MemoryLocation::kHost) {
-    return absl::UnimplementedError("checksums of KV blocks in device memory need the GPU runner's kernel");
+absl::StatusOr<std::vector<uint64_t>> KvStorage::BlockChecksums(std::span<const int32_t> blocks) const {
+  for (int32_t block : blocks) {
+    if (block < 0 || block >= layout_.num_blocks) {
+      return absl::OutOfRangeError(
+          absl::StrFormat("KV block %d is outside the pool's %d blocks", block, layout_.num_blocks));
+    }
   }
   const int64_t bytes = BytesPerBlock(layout_);
-  return HashBytes(static_cast<const unsigned char*>(data_) + block * bytes, static_cast<size_t>(bytes));
+  if (location_ != MemoryLocation::kHost) {
+    if (!checksums_) return absl::UnimplementedError("this device pool's allocator gave no way to checksum its blocks");
+    if (blocks.empty()) return std::vector<uint64_t>();
+    return checksums_(data_, bytes, blocks);
+  }
+  std::vector<uint64_t> sums;
+  sums.reserve(blocks.size());
+  for (int32_t block : blocks) {
+    sums.push_back(HashBytes(static_cast<const unsigned char*>(data_) + block * bytes, static_cast<size_t>(bytes)));
+  }
+  return sums;
+}
+
+absl::StatusOr<uint64_t> KvStorage::BlockChecksum(int32_t block) const {
+  ASSIGN_OR_RETURN(std::vector<uint64_t> sums, BlockChecksums(std::span<const int32_t>(&block, 1)));
+  return sums.at(0);
 }
 
 KvStorage::~KvStorage() {

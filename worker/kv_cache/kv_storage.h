@@ -11,6 +11,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/paged_attention.h"
@@ -21,10 +24,17 @@ namespace tandem::worker {
 enum class MemoryLocation : uint8_t { kHost, kDevice };
 const char* MemoryLocationName(MemoryLocation location);  // "host", "device"
 
+// The checksums (HashBytes's values) of the blocks `blocks` of a pool at
+// `pool`, `block_bytes` each: what a device pool's allocator provides (a GPU
+// kernel); the ids are checked by the caller. Any thread.
+using KvChecksumFn = std::function<absl::StatusOr<std::vector<uint64_t>>(const void* pool, int64_t block_bytes,
+                                                                         std::span<const int32_t> blocks)>;
+
 // Memory an allocator hands a pool.
 struct KvMemory {
   void* data = nullptr;
   MemoryLocation location = MemoryLocation::kHost;
+  KvChecksumFn checksums;  // device memory: how to checksum its blocks
 };
 
 class KvStorage {
@@ -51,10 +61,12 @@ class KvStorage {
   void* data() { return data_; }
   const void* data() const { return data_; }
   int64_t bytes() const { return bytes_; }
-  // A checksum of block `block`'s bytes (the hand-off's integrity check,
-  // common/block_hash.h's HashBytes). Host pools only for now: a device
-  // pool's needs a kernel (the GPU runner's), Unimplemented until then.
-  absl::StatusOr<uint64_t> BlockChecksum(int64_t block) const;
+  // Checksums of blocks' bytes (the hand-off's integrity check,
+  // common/block_hash.h's HashBytes), one per id. A device pool's come from
+  // its allocator's KvChecksumFn (Unimplemented without one); OutOfRange for
+  // an id outside the pool.
+  absl::StatusOr<std::vector<uint64_t>> BlockChecksums(std::span<const int32_t> blocks) const;
+  absl::StatusOr<uint64_t> BlockChecksum(int32_t block) const;
   // The pool as float32 elements on the host (the CPU runner's); null for
   // any other dtype or location.
   float* host_f32() {
@@ -64,10 +76,16 @@ class KvStorage {
 
  private:
   KvStorage(const kernels::KvLayout& layout, KvMemory memory, int64_t bytes, bool owned)
-      : layout_(layout), data_(memory.data), location_(memory.location), bytes_(bytes), owned_(owned) {}
+      : layout_(layout),
+        data_(memory.data),
+        location_(memory.location),
+        checksums_(std::move(memory.checksums)),
+        bytes_(bytes),
+        owned_(owned) {}
   kernels::KvLayout layout_;
   void* data_;
   MemoryLocation location_;
+  KvChecksumFn checksums_;
   int64_t bytes_;
   bool owned_;  // mapped here (else the allocator's)
 };

@@ -54,5 +54,35 @@ TEST(KvStorageTest, ADevicePoolSaysWhereItLives) {
   EXPECT_EQ(none.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+// A device pool's checksums come from its allocator's function, with the
+// pool, the block size and the ids (checked first) as given.
+TEST(KvStorageTest, ADevicePoolsChecksumsComeFromItsAllocator) {
+  const kernels::KvLayout layout = Layout(3);
+  std::vector<char> backing(static_cast<size_t>(layout.total_bytes()));
+  int calls = 0;
+  absl::StatusOr<std::unique_ptr<KvStorage>> kv = KvStorage::Create(layout, [&](int64_t) -> absl::StatusOr<KvMemory> {
+    return KvMemory{.data = backing.data(),
+                    .location = MemoryLocation::kDevice,
+                    .checksums = [&](const void* pool, int64_t block_bytes,
+                                     std::span<const int32_t> blocks) -> absl::StatusOr<std::vector<uint64_t>> {
+                      ++calls;
+                      EXPECT_EQ(pool, backing.data());
+                      EXPECT_EQ(block_bytes, layout.block_bytes());
+                      std::vector<uint64_t> sums;
+                      for (int32_t b : blocks) sums.push_back(1000 + b);
+                      return sums;
+                    }};
+  });
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  const int32_t ids[] = {2, 0, 2};
+  absl::StatusOr<std::vector<uint64_t>> sums = (*kv)->BlockChecksums(ids);
+  ASSERT_TRUE(sums.ok()) << sums.status();
+  EXPECT_EQ(*sums, (std::vector<uint64_t>{1002, 1000, 1002}));
+  EXPECT_EQ(*(*kv)->BlockChecksum(1), 1001u);
+  const int32_t bad[] = {1, 3};
+  EXPECT_EQ((*kv)->BlockChecksums(bad).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(calls, 2);  // the bad ids never reached it
+}
+
 }  // namespace
 }  // namespace tandem::worker

@@ -431,16 +431,19 @@ void KvReceiver::OnPulled(std::shared_ptr<Pull> pull, absl::Status status) {
 }
 
 void KvReceiver::VerifyAndCommit(const std::shared_ptr<Pull>& pull) {
+  std::vector<int32_t> dst;
+  dst.reserve(pull->checksums.size());
+  for (size_t i = 0; i < pull->checksums.size(); ++i) dst.push_back(pull->pairs[i].dst);
+  const absl::StatusOr<std::vector<uint64_t>> sums = engine_->KvBlockChecksums(dst);
+  if (!sums.ok()) {
+    Fail(pull,
+         grpc::Status(grpc::StatusCode::INTERNAL,
+                      absl::StrCat("cannot check the received KV blocks' checksums: ", sums.status().message())),
+         /*fall_back=*/true);
+    return;
+  }
   for (size_t i = 0; i < pull->checksums.size(); ++i) {
-    const absl::StatusOr<uint64_t> sum = engine_->KvBlockChecksum(pull->pairs[i].dst);
-    if (!sum.ok()) {
-      Fail(pull,
-           grpc::Status(grpc::StatusCode::INTERNAL,
-                        absl::StrCat("cannot check the received KV block's checksum: ", sum.status().message())),
-           /*fall_back=*/true);
-      return;
-    }
-    const uint64_t got = *sum;
+    const uint64_t got = (*sums)[i];
     if (got != pull->checksums[i]) {
       ++checksum_failures_;
       Fail(pull,
@@ -836,17 +839,15 @@ void KvSender::Start(Job job, SendDone done_once) {
   // nor sent.
   const size_t skip =
       static_cast<size_t>(job.target.decode_cached_tokens()) / static_cast<size_t>(engine_->config().block_size);
-  if (config_.checksums) {
-    for (size_t i = skip; i < job.prefilled.blocks.size(); ++i) {
-      const absl::StatusOr<uint64_t> sum = engine_->KvBlockChecksum(job.prefilled.blocks[i]);
-      if (!sum.ok()) {
-        // Sent without checksums (the receiver then checks none), said once.
-        static std::once_flag warned;
-        std::call_once(warned, [&] { LOG(WARNING) << "KV hand-offs go without checksums: " << sum.status(); });
-        r.clear_block_checksums();
-        break;
-      }
-      r.add_block_checksums(*sum);
+  if (config_.checksums && skip < job.prefilled.blocks.size()) {
+    const std::span<const int32_t> sent(job.prefilled.blocks.data() + skip, job.prefilled.blocks.size() - skip);
+    const absl::StatusOr<std::vector<uint64_t>> sums = engine_->KvBlockChecksums(sent);
+    if (!sums.ok()) {
+      // Sent without checksums (the receiver then checks none), said once.
+      static std::once_flag warned;
+      std::call_once(warned, [&] { LOG(WARNING) << "KV hand-offs go without checksums: " << sums.status(); });
+    } else {
+      for (uint64_t sum : *sums) r.add_block_checksums(sum);
     }
   }
   std::shared_ptr<tandem::v1::Worker::Stub> stub = StubFor(*target);

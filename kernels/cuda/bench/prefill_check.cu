@@ -710,8 +710,8 @@ int main(int argc, char** argv) {
       for (int v : variants) {
         double tf;
         const double ms = Bench(v, s.batch, s.seqlen, s.heads, s.kv_heads, s.dim, s.bs, s.causal, &tf);
-        std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f%s\n", kVariantName[v], s.seqlen, s.batch, s.bs, s.causal, ms,
-                    tf, s.note);
+        std::printf("%-9s %-8d %-6d %-5d %-8d %10.3f %10.1f%s\n", kVariantName[v], s.seqlen, s.batch, s.bs, s.causal,
+                    ms, tf, s.note);
       }
     }
   }

@@ -35,11 +35,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/block_hash.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/paged_attention.h"
@@ -159,6 +161,7 @@ class CudaRunner final : public ModelRunner {
     DropGraphs();
     gemm_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    if (checksum_stream_ != nullptr) cudaStreamDestroy(checksum_stream_);
     if (host_meta_ != nullptr) cudaFreeHost(host_meta_);
     if (host_logits_ != nullptr) cudaFreeHost(host_logits_);
     if (pinned_rows_ != nullptr) cudaFreeHost(pinned_rows_);
@@ -265,8 +268,47 @@ class CudaRunner final : public ModelRunner {
       // The memset runs on the legacy stream, which the runner's
       // non-blocking stream does not wait for: done before the first step.
       RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "clear the KV cache"));
-      return KvMemory{.data = kv_pool_.get(), .location = MemoryLocation::kDevice};
+      return KvMemory{.data = kv_pool_.get(),
+                      .location = MemoryLocation::kDevice,
+                      .checksums = [this](const void* pool, int64_t block_bytes, std::span<const int32_t> blocks) {
+                        return KvChecksums(pool, block_bytes, blocks);
+                      }};
     };
+  }
+
+  // The pool's block checksums on the GPU (LaunchKvChecksums), on a stream of
+  // their own: called from hand-off threads, between steps' writes of other
+  // blocks (the blocks asked for are a hand-off's and do not change).
+  absl::StatusOr<std::vector<uint64_t>> KvChecksums(const void* pool, int64_t block_bytes,
+                                                    std::span<const int32_t> blocks) {
+    std::lock_guard<std::mutex> lock(checksum_mu_);
+    RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
+    if (checksum_stream_ == nullptr) {
+      unsigned char secret[192];
+      DefaultHashSecret(secret);
+      RETURN_IF_ERROR(Reserve(&checksum_secret_, sizeof(secret), "the checksum secret"));
+      RETURN_IF_ERROR(Cuda(cudaMemcpy(checksum_secret_.get(), secret, sizeof(secret), cudaMemcpyHostToDevice),
+                           "upload the checksum secret"));
+      RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&checksum_stream_, cudaStreamNonBlocking), "the checksum stream"));
+    }
+    const size_t n = blocks.size();
+    const size_t ids_bytes = (n * sizeof(int32_t) + 15) & ~size_t{15};
+    RETURN_IF_ERROR(Reserve(&checksum_io_, int64_t(ids_bytes + n * sizeof(uint64_t)), "block checksums"));
+    auto* d_ids = static_cast<int32_t*>(checksum_io_.get());
+    auto* d_out = reinterpret_cast<uint64_t*>(static_cast<unsigned char*>(checksum_io_.get()) + ids_bytes);
+    std::vector<uint64_t> sums(n);
+    RETURN_IF_ERROR(
+        Cuda(cudaMemcpyAsync(d_ids, blocks.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice, checksum_stream_),
+             "upload block ids"));
+    RETURN_IF_ERROR(Launch(
+        cuda_ops::LaunchKvChecksums(pool, block_bytes, d_ids, static_cast<int>(n),
+                                    static_cast<const unsigned char*>(checksum_secret_.get()), d_out, checksum_stream_),
+        "block checksums"));
+    RETURN_IF_ERROR(
+        Cuda(cudaMemcpyAsync(sums.data(), d_out, n * sizeof(uint64_t), cudaMemcpyDeviceToHost, checksum_stream_),
+             "download block checksums"));
+    RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(checksum_stream_), "block checksums"));
+    return sums;
   }
 
   absl::StatusOr<int64_t> KvBudget(double utilization, int max_batched_tokens, int max_seqs) override {
@@ -835,6 +877,9 @@ class CudaRunner final : public ModelRunner {
   std::vector<AttentionRun> runs_;
   std::vector<int> run_query_starts_;
   cudaStream_t stream_ = nullptr;
+  std::mutex checksum_mu_;
+  cudaStream_t checksum_stream_ = nullptr;      // guarded by checksum_mu_
+  DeviceBuffer checksum_secret_, checksum_io_;  // guarded by checksum_mu_
   DeviceBuffer gemm_workspace_;
   std::unique_ptr<LtGemm> gemm_;
   DeviceBuffer inv_freq_;

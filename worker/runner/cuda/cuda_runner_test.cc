@@ -17,11 +17,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/block_hash.h"
 #include "kernels/paged_attention.h"
 #include "worker/engine/engine.h"
 #include "worker/model/builtin_models.h"
 #include "worker/model/model_loader.h"
 #include "worker/model/safetensors.h"
+#include "worker/runner/cuda/model_kernels.h"
 #include "worker/runner/model_runner.h"
 
 namespace tandem::worker {
@@ -371,6 +373,63 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
       EXPECT_LE(agree.max_diff, 0.1);
     }
   }
+}
+
+// The GPU's block checksums are HashBytes's values: every size class of
+// XXH3 (the short paths on one lane, the long one over a warp; unaligned
+// sizes on one lane), and through a device pool's KvStorage.
+TEST(CudaRunnerTest, DeviceBlockChecksumsMatchTheHostHash) {
+  if (SkipWithoutGpu()) GTEST_SKIP();
+  unsigned char secret[192];
+  DefaultHashSecret(secret);
+  void* d_secret = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_secret, sizeof(secret)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_secret, secret, sizeof(secret), cudaMemcpyHostToDevice), cudaSuccess);
+  std::mt19937 rng(9);
+  for (int64_t block_bytes : {1, 3, 8, 16, 100, 128, 200, 240, 241, 256, 1000, 1024, 1032, 4096, 65544, 2 << 20}) {
+    SCOPED_TRACE(absl::StrCat("block bytes ", block_bytes));
+    const int blocks = 5;
+    std::vector<unsigned char> host(static_cast<size_t>(block_bytes * blocks));
+    for (unsigned char& b : host) b = static_cast<unsigned char>(rng());
+    void* d_pool = nullptr;
+    void* d_io = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_pool, host.size()), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_io, 64 + 8 * 8), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_pool, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    const std::vector<int32_t> ids = {4, 0, 2, 2, 1, 3};
+    ASSERT_EQ(cudaMemcpy(d_io, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    auto* d_out = reinterpret_cast<uint64_t*>(static_cast<char*>(d_io) + 64);
+    ASSERT_EQ(cuda_ops::LaunchKvChecksums(d_pool, block_bytes, static_cast<const int32_t*>(d_io),
+                                          static_cast<int>(ids.size()), static_cast<const unsigned char*>(d_secret),
+                                          d_out, nullptr),
+              0);
+    std::vector<uint64_t> got(ids.size());
+    ASSERT_EQ(cudaMemcpy(got.data(), d_out, got.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (size_t j = 0; j < ids.size(); ++j) {
+      EXPECT_EQ(got[j], HashBytes(host.data() + ids[j] * block_bytes, static_cast<size_t>(block_bytes))) << j;
+    }
+    cudaFree(d_pool);
+    cudaFree(d_io);
+  }
+  cudaFree(d_secret);
+
+  // Through a device pool: what a hand-off checksums.
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runner = MakeRunner("cuda", SmallConfig(), 3);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  std::unique_ptr<KvStorage> kv = Pool(**runner, 6);
+  ASSERT_NE(kv, nullptr);
+  std::vector<unsigned char> bytes(static_cast<size_t>(kv->bytes()));
+  for (unsigned char& b : bytes) b = static_cast<unsigned char>(rng());
+  ASSERT_EQ(cudaMemcpy(kv->data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  const int32_t ids[] = {5, 1, 3};
+  absl::StatusOr<std::vector<uint64_t>> sums = kv->BlockChecksums(ids);
+  ASSERT_TRUE(sums.ok()) << sums.status();
+  const int64_t per_block = kv->layout().block_bytes();
+  for (size_t j = 0; j < 3; ++j) {
+    EXPECT_EQ((*sums)[j], HashBytes(bytes.data() + ids[j] * per_block, static_cast<size_t>(per_block)));
+  }
+  const int32_t bad[] = {6};
+  EXPECT_EQ(kv->BlockChecksums(bad).status().code(), absl::StatusCode::kOutOfRange);
 }
 
 TEST(CudaRunnerTest, RefusesBlockSizesItsKernelsDoNotTake) {

@@ -7,6 +7,7 @@
 #include <cfloat>
 #include <climits>
 
+#include "common/xxh3_portable.h"
 #include "kernels/cuda/common.cuh"
 #include "worker/runner/cuda/model_kernels.h"
 
@@ -289,6 +290,54 @@ __global__ void ArgmaxKernel(const float* logits, const int* rows, int vocab, in
   if (threadIdx.x == 0) out[blockIdx.x] = s_id[0] == INT_MAX ? 0 : s_id[0];
 }
 
+// One warp per block (KvChecksums): lane l owns accumulator l % 8 and
+// stripes l / 8, l / 8 + 4, ... of each 1 KiB block; the four groups' sums
+// meet before the block's scramble (the accumulators only add in between).
+__global__ void KvChecksumKernel(const unsigned char* pool, int64_t block_bytes, const int32_t* blocks, int n,
+                                 const unsigned char* secret_in, uint64_t* out) {
+  namespace x = tandem::xxh3;
+  __shared__ unsigned char secret[x::kSecretSize];
+  for (int i = threadIdx.x; i < x::kSecretSize; i += blockDim.x) secret[i] = secret_in[i];
+  __syncthreads();
+  const int w = static_cast<int>(blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32);
+  const int lane = threadIdx.x % 32;
+  if (w >= n) return;
+  const unsigned char* p = pool + int64_t{blocks[w]} * block_bytes;
+  const size_t len = static_cast<size_t>(block_bytes);
+  if (len <= x::kMidSizeMax || ((reinterpret_cast<uintptr_t>(p) | len) & 7) != 0) {
+    if (lane == 0) out[w] = x::Hash64(p, len, secret);
+    return;
+  }
+  const int i = lane % 8, g = lane / 8;
+  // This lane's accumulator's share of `count` stripes from `base`, summed
+  // over the four groups: its own products and its neighbour's words.
+  auto stripes = [&](const unsigned char* base, int count) {
+    unsigned long long prod = 0, words = 0;
+    for (int s = g; s < count; s += 4) {
+      const unsigned long long word = *reinterpret_cast<const unsigned long long*>(base + s * x::kStripeLen + 8 * i);
+      prod += x::StripeProduct(word, secret + 8 * s, i);
+      words += word;
+    }
+    unsigned long long c = prod + __shfl_xor_sync(0xffffffffu, words, 1);
+    c += __shfl_xor_sync(0xffffffffu, c, 8);
+    c += __shfl_xor_sync(0xffffffffu, c, 16);
+    return c;
+  };
+  unsigned long long acc = x::InitialAcc(i);
+  const size_t full = (len - 1) / x::kBlockLen;
+  for (size_t b = 0; b < full; ++b) {
+    acc += stripes(p + b * x::kBlockLen, x::kStripesPerBlock);
+    acc = x::Scramble(acc, secret, i);
+  }
+  acc += stripes(p + full * x::kBlockLen, static_cast<int>(((len - 1) - x::kBlockLen * full) / x::kStripeLen));
+  // The last stripe (every group computes it; each lane counts it once).
+  const unsigned long long last = *reinterpret_cast<const unsigned long long*>(p + len - x::kStripeLen + 8 * i);
+  acc += x::StripeProduct(last, secret + x::kLastStripeSecret, i) + __shfl_xor_sync(0xffffffffu, last, 1);
+  uint64_t a[8];
+  for (int k = 0; k < 8; ++k) a[k] = __shfl_sync(0xffffffffu, acc, k);
+  if (lane == 0) out[w] = x::MergeAccs(a, secret, len);
+}
+
 constexpr int kThreads = 256;
 constexpr unsigned kMaxGrid = 65535u * 4;  // grid-stride loops beyond this
 
@@ -384,6 +433,15 @@ int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool 
 int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, int32_t* out, void* stream) {
   if (num_rows == 0) return 0;
   ArgmaxKernel<<<num_rows, 1024, 0, S(stream)>>>(logits, rows, vocab, out);
+  return Err();
+}
+
+int LaunchKvChecksums(const void* pool, int64_t block_bytes, const int32_t* blocks, int n, const unsigned char* secret,
+                      uint64_t* out, void* stream) {
+  if (n == 0) return 0;
+  constexpr int kWarpsPerCta = 4;
+  KvChecksumKernel<<<(n + kWarpsPerCta - 1) / kWarpsPerCta, 32 * kWarpsPerCta, 0, S(stream)>>>(
+      static_cast<const unsigned char*>(pool), block_bytes, blocks, n, secret, out);
   return Err();
 }
 

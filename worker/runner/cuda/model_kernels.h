@@ -73,6 +73,13 @@ int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, 
 inline constexpr int kMaxGemvRows = 8;
 int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream);
 
+// out[j] = XXH3-64 of block blocks[j] of `pool` (block_bytes each): the
+// values common/block_hash.h's HashBytes gives on the host (xxh3_portable.h;
+// `secret`: DefaultHashSecret's 192 bytes, in device memory). One warp a
+// block, its eight lanes' accumulators over four stripes at a time.
+int LaunchKvChecksums(const void* pool, int64_t block_bytes, const int32_t* blocks, int n, const unsigned char* secret,
+                      uint64_t* out, void* stream);
+
 // y[r, :] += bias for r < rows (bf16).
 int LaunchAddBias(void* y, int rows, int n, const void* bias, void* stream);
 
