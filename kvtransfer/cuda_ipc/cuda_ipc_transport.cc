@@ -1,0 +1,412 @@
+#include "kvtransfer/cuda_ipc/cuda_ipc_transport.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace tandem::kvtransfer {
+namespace {
+
+constexpr absl::string_view kAddressVersion = "cuda_ipc/1";
+
+absl::Status Cuda(cudaError_t e, absl::string_view what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();
+  return absl::InternalError(absl::StrCat("cuda_ipc: ", what, ": ", cudaGetErrorString(e)));
+}
+
+std::string NewAgentId() {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  return absl::StrFormat("cuda_ipc-%08x-%d-%d", rd(), getpid(), counter.fetch_add(1));
+}
+
+std::string Hex(const std::string& bytes) {
+  std::string out;
+  for (unsigned char c : bytes) absl::StrAppendFormat(&out, "%02x", c);
+  return out;
+}
+
+bool Unhex(absl::string_view hex, std::string* bytes) {
+  if (hex.size() % 2 != 0) return false;
+  bytes->clear();
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    int v = 0;
+    for (int k = 0; k < 2; ++k) {
+      const char c = hex[i + k];
+      const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+      if (d < 0) return false;
+      v = v * 16 + d;
+    }
+    bytes->push_back(static_cast<char>(v));
+  }
+  return true;
+}
+
+// The start of the allocation holding `p` (the driver's cuMemGetAddressRange).
+absl::StatusOr<CUdeviceptr> AllocationBase(const void* p) {
+  using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static const GetRange get = []() -> GetRange {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return nullptr;
+    }
+    return reinterpret_cast<GetRange>(fn);
+  }();
+  if (get == nullptr) return absl::InternalError("cuda_ipc: the driver has no cuMemGetAddressRange");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (get(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) {
+    return absl::InvalidArgumentError("cuda_ipc: the KV pool is not device memory of this process");
+  }
+  return base;
+}
+
+}  // namespace
+
+std::string EncodeCudaIpcAddress(const CudaIpcAddress& a) {
+  return absl::StrCat(kAddressVersion, ";handle=", Hex(a.handle), ";offset=", a.offset, ";pointer=", a.pointer,
+                      ";bus=", a.pci_bus_id, ";boot=", a.boot_id, ";pid=", a.pid);
+}
+
+absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text) {
+  std::vector<absl::string_view> parts = absl::StrSplit(absl::string_view(text), ';');
+  if (parts.empty() || parts[0] != kAddressVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: the peer's address is not a ", kAddressVersion,
+                                                   " address: '", text.substr(0, 40), "'"));
+  }
+  CudaIpcAddress a;
+  bool have_handle = false, have_pointer = false, have_pid = false;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const size_t eq = parts[i].find('=');
+    if (eq == absl::string_view::npos)
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: bad field '", parts[i], "'"));
+    const absl::string_view key = parts[i].substr(0, eq), value = parts[i].substr(eq + 1);
+    bool ok = true;
+    if (key == "handle") {
+      ok = Unhex(value, &a.handle) && a.handle.size() == sizeof(cudaIpcMemHandle_t);
+      have_handle = ok;
+    } else if (key == "offset") {
+      ok = absl::SimpleAtoi(value, &a.offset) && a.offset >= 0;
+    } else if (key == "pointer") {
+      ok = absl::SimpleAtoi(value, &a.pointer);
+      have_pointer = ok;
+    } else if (key == "bus") {
+      a.pci_bus_id = std::string(value);
+    } else if (key == "boot") {
+      a.boot_id = std::string(value);
+    } else if (key == "pid") {
+      ok = absl::SimpleAtoi(value, &a.pid) && a.pid > 0;
+      have_pid = ok;
+    }  // unknown keys: a newer peer's additions
+    if (!ok)
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: bad value of '", key, "' in the peer's address"));
+  }
+  if (!have_handle || !have_pointer || !have_pid || a.pci_bus_id.empty()) {
+    return absl::InvalidArgumentError("cuda_ipc: the peer's address lacks its handle, pointer, pid or bus id");
+  }
+  return a;
+}
+
+std::string HostBootId() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return std::string(absl::StripAsciiWhitespace(id));
+}
+
+CudaIpcTransport::Mapping::~Mapping() {
+  if (opened != nullptr) {
+    cudaSetDevice(device);
+    cudaIpcCloseMemHandle(opened);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::Create(int device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError("--kv-transport cuda_ipc: no CUDA device");
+  }
+  if (device < 0 || device >= count) {
+    return absl::InvalidArgumentError(absl::StrFormat("cuda_ipc: device %d of %d", device, count));
+  }
+  if (absl::Status st = Cuda(cudaSetDevice(device), "cudaSetDevice"); !st.ok()) return st;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t event = nullptr;
+  if (absl::Status st = Cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"); !st.ok()) return st;
+  if (absl::Status st = Cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "event"); !st.ok()) {
+    cudaStreamDestroy(stream);
+    return st;
+  }
+  return std::unique_ptr<CudaIpcTransport>(new CudaIpcTransport(device, stream, event));
+}
+
+CudaIpcTransport::CudaIpcTransport(int device, void* stream, void* event)
+    : device_(device), stream_(stream), event_(event), agent_id_(NewAgentId()) {
+  thread_ = std::thread([this] { CopyLoop(); });
+}
+
+CudaIpcTransport::~CudaIpcTransport() {
+  std::deque<Transfer> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    pending.swap(queue_);
+  }
+  cv_.notify_all();
+  thread_.join();
+  for (Transfer& t : pending) t.done(absl::CancelledError("the transport was destroyed"));
+  peers_.clear();
+  cudaSetDevice(device_);
+  cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+absl::Status CudaIpcTransport::RegisterPool(const PoolLayout& layout, void* base) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (base_ != nullptr) return absl::FailedPreconditionError("a KV pool is already registered");
+  if (base == nullptr || layout.block_bytes <= 0 || layout.num_blocks <= 0) {
+    return absl::InvalidArgumentError("RegisterPool: empty pool");
+  }
+  if (layout.memory_type != MemoryType::kCuda) {
+    return absl::InvalidArgumentError("cuda_ipc moves GPU memory: the KV pool is in host memory");
+  }
+  if (absl::Status st = Cuda(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  absl::StatusOr<CUdeviceptr> alloc = AllocationBase(base);
+  if (!alloc.ok()) return alloc.status();
+  CudaIpcAddress a;
+  cudaIpcMemHandle_t handle;
+  if (absl::Status st = Cuda(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(*alloc)), "cudaIpcGetMemHandle");
+      !st.ok()) {
+    return st;
+  }
+  a.handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  a.offset = static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(base) - *alloc);
+  a.pointer = reinterpret_cast<uint64_t>(base);
+  char bus[32] = {};
+  if (absl::Status st = Cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device_), "cudaDeviceGetPCIBusId"); !st.ok()) {
+    return st;
+  }
+  a.pci_bus_id = bus;
+  a.boot_id = HostBootId();
+  a.pid = getpid();
+  layout_ = layout;
+  layout_.device_id = device_;
+  base_ = static_cast<unsigned char*>(base);
+  address_ = EncodeCudaIpcAddress(a);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PeerInfo> CudaIpcTransport::LocalInfo() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (base_ == nullptr) return absl::FailedPreconditionError("no KV pool registered");
+  return PeerInfo{.agent_id = agent_id_, .backend = "cuda_ipc", .layout = layout_, .address = address_};
+}
+
+absl::Status CudaIpcTransport::AddPeer(const PeerInfo& peer) {
+  if (peer.backend != "cuda_ipc") {
+    return absl::InvalidArgumentError(absl::StrFormat("peer %s speaks %s, not cuda_ipc", peer.agent_id, peer.backend));
+  }
+  absl::StatusOr<CudaIpcAddress> a = DecodeCudaIpcAddress(peer.address);
+  if (!a.ok()) return a.status();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (base_ == nullptr) return absl::FailedPreconditionError("no KV pool registered");
+    if (absl::Status st = CheckCompatible(layout_, peer.layout); !st.ok()) return st;
+  }
+  const std::string boot = HostBootId();
+  if (a->boot_id != boot) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("cuda_ipc reaches GPUs of this host only: peer %s runs on another host (boot id %s, here %s)",
+                        peer.agent_id, a->boot_id, boot));
+  }
+  if (absl::Status st = Cuda(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  int peer_device = -1;
+  if (absl::Status st = Cuda(cudaDeviceGetByPCIBusId(&peer_device, a->pci_bus_id.c_str()), "the peer's GPU");
+      !st.ok()) {
+    return absl::FailedPreconditionError(absl::StrFormat("cuda_ipc: peer %s's GPU %s is not visible here: %s",
+                                                         peer.agent_id, a->pci_bus_id, st.message()));
+  }
+  if (peer_device != device_) {
+    int can = 0;
+    cudaDeviceCanAccessPeer(&can, device_, peer_device);
+    if (can == 0) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "cuda_ipc: GPU %d cannot reach peer %s's GPU %d (no peer access)", device_, peer.agent_id, peer_device));
+    }
+  }
+  auto mapping = std::make_shared<Mapping>();
+  mapping->device = device_;
+  if (a->pid == getpid()) {
+    mapping->base = reinterpret_cast<unsigned char*>(a->pointer);  // a transport of this process
+    if (peer_device != device_) {
+      const cudaError_t e = cudaDeviceEnablePeerAccess(peer_device, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) return Cuda(e, "peer access");
+      cudaGetLastError();
+    }
+  } else {
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, a->handle.data(), sizeof(handle));
+    void* opened = nullptr;
+    if (absl::Status st = Cuda(cudaIpcOpenMemHandle(&opened, handle, cudaIpcMemLazyEnablePeerAccess),
+                               "cudaIpcOpenMemHandle of the peer's pool");
+        !st.ok()) {
+      return absl::UnavailableError(absl::StrCat("cuda_ipc: peer ", peer.agent_id, ": ", st.message()));
+    }
+    mapping->opened = opened;
+    mapping->base = static_cast<unsigned char*>(opened) + a->offset;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  peers_[peer.agent_id] = Peer{peer.layout, std::move(mapping)};  // an old mapping closes with its last transfer
+  return absl::OkStatus();
+}
+
+void CudaIpcTransport::RemovePeer(const std::string& agent_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  peers_.erase(agent_id);
+}
+
+absl::StatusOr<uint64_t> CudaIpcTransport::Push(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                Deadline deadline, TransferDone done) {
+  return Start(agent_id, std::move(blocks), nullptr, deadline, std::move(done), /*push=*/true);
+}
+
+absl::StatusOr<uint64_t> CudaIpcTransport::Pull(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                Deadline deadline, TransferDone done) {
+  return Start(agent_id, std::move(blocks), nullptr, deadline, std::move(done), /*push=*/false);
+}
+
+absl::StatusOr<uint64_t> CudaIpcTransport::PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                     std::shared_ptr<const WriteFence> after, uint64_t tag,
+                                                     Deadline deadline, TransferDone done) {
+  (void)tag;
+  if (after == nullptr) return absl::InvalidArgumentError("PushAfter: no write fence");
+  return Start(agent_id, std::move(blocks), std::move(after), deadline, std::move(done), /*push=*/true);
+}
+
+absl::StatusOr<uint64_t> CudaIpcTransport::Start(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                 std::shared_ptr<const WriteFence> after, Deadline deadline,
+                                                 TransferDone done, bool push) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (base_ == nullptr) return absl::FailedPreconditionError("no KV pool registered");
+  auto peer = peers_.find(agent_id);
+  if (peer == peers_.end()) return absl::NotFoundError(absl::StrFormat("unknown KV transfer peer %s", agent_id));
+  const int64_t local_blocks = layout_.num_blocks, remote_blocks = peer->second.layout.num_blocks;
+  absl::StatusOr<std::vector<CopyRun>> runs =
+      PlanRuns(blocks, layout_.block_bytes, push ? local_blocks : remote_blocks, push ? remote_blocks : local_blocks);
+  if (!runs.ok()) return runs.status();
+  const uint64_t id = next_id_++;
+  queue_.push_back(Transfer{.id = id,
+                            .peer = agent_id,
+                            .push = push,
+                            .runs = std::move(*runs),
+                            .mapping = peer->second.mapping,
+                            .after = std::move(after),
+                            .deadline = deadline,
+                            .done = std::move(done)});
+  lock.unlock();
+  cv_.notify_one();
+  return id;
+}
+
+void CudaIpcTransport::Cancel(uint64_t transfer_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cancelled_[transfer_id] = true;
+}
+
+absl::Status CudaIpcTransport::Run(Transfer& t) {
+  auto stream = static_cast<cudaStream_t>(stream_);
+  // What stops it before anything is issued: cancelled, the peer gone, late.
+  auto check = [&]() -> absl::Status {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cancelled_.contains(t.id)) return absl::CancelledError("transfer cancelled");
+    auto peer = peers_.find(t.peer);
+    if (peer == peers_.end() || peer->second.mapping != t.mapping) {
+      return absl::UnavailableError(absl::StrFormat("peer %s is gone", t.peer));
+    }
+    if (std::chrono::steady_clock::now() > t.deadline)
+      return absl::DeadlineExceededError("KV transfer deadline passed");
+    return absl::OkStatus();
+  };
+  if (absl::Status st = check(); !st.ok()) return st;
+  if (t.after != nullptr) {
+    if (t.after->memory() == MemoryType::kCuda && t.after->cuda_event() != nullptr) {
+      if (absl::Status st =
+              Cuda(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(t.after->cuda_event()), 0), "wait the writes");
+          !st.ok()) {
+        return st;
+      }
+    } else if (absl::Status st = t.after->Wait(t.deadline); !st.ok()) {
+      return st;
+    }
+  }
+  unsigned char* local = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    local = base_;
+  }
+  for (const CopyRun& run : t.runs) {
+    unsigned char* dst = t.push ? t.mapping->base + run.dst_offset : local + run.dst_offset;
+    const unsigned char* src = t.push ? local + run.src_offset : t.mapping->base + run.src_offset;
+    if (absl::Status st =
+            Cuda(cudaMemcpyAsync(dst, src, static_cast<size_t>(run.bytes), cudaMemcpyDeviceToDevice, stream), "copy");
+        !st.ok()) {
+      cudaStreamSynchronize(stream);  // what was issued lands before done
+      return st;
+    }
+  }
+  auto event = static_cast<cudaEvent_t>(event_);
+  if (absl::Status st = Cuda(cudaEventRecord(event, stream), "record"); !st.ok()) {
+    cudaStreamSynchronize(stream);
+    return st;
+  }
+  // Poll: the copies cannot be recalled, so whatever happens meanwhile is
+  // reported once they completed.
+  while (true) {
+    const cudaError_t q = cudaEventQuery(event);
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) return Cuda(q, "the copies");
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return check();
+}
+
+void CudaIpcTransport::CopyLoop() {
+  cudaSetDevice(device_);
+  while (true) {
+    Transfer t;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (stop_) return;
+      t = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    const absl::Status status = Run(t);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_.erase(t.id);
+    }
+    t.mapping.reset();  // the last transfer of a removed peer closes its mapping
+    t.done(status);
+  }
+}
+
+}  // namespace tandem::kvtransfer

@@ -1,0 +1,132 @@
+// CudaIpcTransport (`cuda_ipc`): KV blocks between GPU pools of workers on
+// one host, device to device. The pool's allocation is exported with a CUDA
+// IPC handle; a peer opens it (cudaIpcOpenMemHandle, peer access where the
+// devices differ) and copies byte runs (PlanRuns) with cudaMemcpyAsync on
+// the transport's own stream, so no byte passes through the host. A peer in
+// the same process (two transports of one test) is reached through its
+// pointer directly.
+//
+// Completion: one copy thread takes transfers in order, issues their runs,
+// records an event and polls it. A copy on the GPU cannot be recalled: a
+// transfer cancelled, removed or past its deadline while its copies run
+// reports that error only once they completed, so no byte lands after
+// `done`. PushAfter orders its copies after a kCuda fence on the stream
+// (cudaStreamWaitEvent), without a host wait.
+//
+// The address a peer needs (LocalInfo().address) is CudaIpcAddress, encoded
+// by EncodeCudaIpcAddress: the handle, the pool's offset in its allocation,
+// the device's PCI bus id, the host's boot id (another host is refused) and
+// the process id.
+//
+// Status: built and unit-tested where nvcc exists; not yet registered in
+// TransportRegistry::Builtin (its GPU tests have to pass first).
+//
+// Thread-safe.
+#ifndef TANDEM_KVTRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_H_
+#define TANDEM_KVTRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "kvtransfer/transport.h"
+
+namespace tandem::kvtransfer {
+
+// What a peer needs to reach a pool (the PeerInfo address of cuda_ipc).
+struct CudaIpcAddress {
+  std::string handle;    // the cudaIpcMemHandle_t's 64 bytes
+  int64_t offset = 0;    // of the pool in the exported allocation
+  uint64_t pointer = 0;  // the pool's device address in its own process
+  std::string pci_bus_id;
+  std::string boot_id;  // /proc/sys/kernel/random/boot_id
+  int64_t pid = 0;
+};
+std::string EncodeCudaIpcAddress(const CudaIpcAddress& a);
+// InvalidArgument naming what is malformed.
+absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text);
+// This host's boot id (empty where /proc does not say).
+std::string HostBootId();
+
+class CudaIpcTransport final : public Transport {
+ public:
+  // The transport of device `device`'s pools.
+  static absl::StatusOr<std::unique_ptr<CudaIpcTransport>> Create(int device);
+  static TransportCapabilities Capabilities() { return {.push = true, .pull = true, .memory = {MemoryType::kCuda}}; }
+  ~CudaIpcTransport() override;  // queued transfers finish with Cancelled
+
+  std::string backend() const override { return "cuda_ipc"; }
+  TransportCapabilities capabilities() const override { return Capabilities(); }
+  // `base`: device memory of this transport's device (from cudaMalloc).
+  absl::Status RegisterPool(const PoolLayout& layout, void* base) override;
+  absl::StatusOr<PeerInfo> LocalInfo() const override;
+  absl::Status AddPeer(const PeerInfo& peer) override;
+  void RemovePeer(const std::string& agent_id) override;
+  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
+  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
+  void Cancel(uint64_t transfer_id) override;
+  absl::StatusOr<uint64_t> PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                     std::shared_ptr<const WriteFence> after, uint64_t tag, Deadline deadline,
+                                     TransferDone done) override;
+
+ private:
+  // A peer's pool as this process reaches it; an opened IPC mapping is
+  // closed when the last transfer holding it ends.
+  struct Mapping {
+    unsigned char* base = nullptr;  // the peer's pool here
+    void* opened = nullptr;         // cudaIpcOpenMemHandle's pointer, to close; null in-process
+    int device = 0;
+    ~Mapping();
+  };
+  struct Peer {
+    PoolLayout layout;
+    std::shared_ptr<Mapping> mapping;
+  };
+  struct Transfer {
+    uint64_t id = 0;
+    std::string peer;
+    bool push = false;
+    std::vector<CopyRun> runs;
+    std::shared_ptr<Mapping> mapping;
+    std::shared_ptr<const WriteFence> after;  // null, or a fence to order the copies after
+    Deadline deadline;
+    TransferDone done;
+  };
+
+  CudaIpcTransport(int device, void* stream, void* event);
+  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                 std::shared_ptr<const WriteFence> after, Deadline deadline, TransferDone done,
+                                 bool push);
+  void CopyLoop();
+  // Issues t's copies and waits for them; the transfer's outcome.
+  absl::Status Run(Transfer& t);
+
+  const int device_;
+  void* const stream_;  // cudaStream_t
+  void* const event_;   // cudaEvent_t
+  const std::string agent_id_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  PoolLayout layout_ ABSL_GUARDED_BY(mu_);
+  unsigned char* base_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::string address_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
+  std::deque<Transfer> queue_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, bool> cancelled_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace tandem::kvtransfer
+
+#endif  // TANDEM_KVTRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_H_
