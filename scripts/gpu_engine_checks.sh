@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU engine's checks and benchmark in one go, on a machine with a Hopper
 # GPU, CUDA 13 and torch/transformers (the lent GPU machine):
-#   runner   cuda_runner_test and lt_gemm_test (the cuda runner against the CPU
-#            runner, chunk and batch invariance, --gpu-memory-utilization;
-#            cuBLASLt rows independent of the batch)
+#   runner   cuda_runner_test, lt_gemm_test and gpu_sampler_test (the cuda
+#            runner against the CPU runner, chunk and batch invariance,
+#            --gpu-memory-utilization, device block checksums; cuBLASLt rows
+#            independent of the batch; the GPU sampler's tokens against the
+#            host sampler's)
+#   transfer kvtransfer_cuda_ipc_test (the cuda_ipc KV transport)
 #   grpc     worker_grpc_test with TANDEM_TEST_WORKER_DEVICE=cuda: the worker
 #            tests' aggregated real-engine workers on the GPU runner
 #   reference  tests/reference/gpu_transformers_check.py (against transformers
@@ -16,17 +19,19 @@
 # exits nonzero if any failed. cuBLASLt is found in torch's nvidia packages
 # unless TANDEM_CUBLASLT is set.
 #
-# Usage: gpu_engine_checks.sh BIN_DIR [runner] [grpc] [reference] [bench]
-#   BIN_DIR holds tandem, cuda_runner_test, lt_gemm_test and worker_grpc_test
-#   with lib/ beside them, as scripts/device_bundle.sh packs them:
+# Usage: gpu_engine_checks.sh BIN_DIR [runner] [transfer] [grpc] [reference] [bench]
+#   BIN_DIR holds tandem, cuda_runner_test, lt_gemm_test, gpu_sampler_test,
+#   kvtransfer_cuda_ipc_test and worker_grpc_test with lib/ beside them, as
+#   scripts/device_bundle.sh packs them:
 #     scripts/device_bundle.sh /tmp/gb build/tandem build/worker/runner/cuda_runner_test \
-#       build/worker/runner/lt_gemm_test build/tests/worker_grpc_test
+#       build/worker/runner/lt_gemm_test build/worker/runner/gpu_sampler_test \
+#       build/kvtransfer/kvtransfer_cuda_ipc_test build/tests/worker_grpc_test
 #   and the repository (for the Python scripts) is the working directory.
 set -uo pipefail
 bin=${1:?usage: gpu_engine_checks.sh BIN_DIR [runner] [grpc] [reference] [bench]}
 shift
 steps=("$@")
-((${#steps[@]} > 0)) || steps=(runner grpc reference bench)
+((${#steps[@]} > 0)) || steps=(runner transfer grpc reference bench)
 work=${WORK:-/tmp/tandem_gpu_engine}
 out=${OUT:-$work}
 mkdir -p "$work" "$out"
@@ -58,7 +63,10 @@ for s in "${steps[@]}"; do
   case $s in
     runner)
       step cuda_runner_test "$bin/cuda_runner_test"
-      step lt_gemm_test "$bin/lt_gemm_test" ;;
+      step lt_gemm_test "$bin/lt_gemm_test"
+      step gpu_sampler_test "$bin/gpu_sampler_test" ;;
+    transfer)
+      step kvtransfer_cuda_ipc_test "$bin/kvtransfer_cuda_ipc_test" ;;
     grpc)
       step "worker_grpc_test (cuda)" env TANDEM_BIN="$bin/tandem" TANDEM_TEST_WORKER_DEVICE=cuda \
         "$bin/worker_grpc_test" ;;
