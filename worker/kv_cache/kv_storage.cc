@@ -52,9 +52,9 @@ absl::StatusOr<std::vector<uint64_t>> KvStorage::BlockChecksums(std::span<const 
     }
   }
   const int64_t bytes = BytesPerBlock(layout_);
+  if (blocks.empty()) return std::vector<uint64_t>();
   if (location_ != MemoryLocation::kHost) {
     if (!checksums_) return absl::UnimplementedError("this device pool's allocator gave no way to checksum its blocks");
-    if (blocks.empty()) return std::vector<uint64_t>();
     return checksums_(data_, bytes, blocks);
   }
   std::vector<uint64_t> sums;

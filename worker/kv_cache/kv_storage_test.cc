@@ -48,6 +48,7 @@ TEST(KvStorageTest, ADevicePoolSaysWhereItLives) {
   EXPECT_STREQ(MemoryLocationName((*kv)->location()), "device");
   EXPECT_EQ((*kv)->host_f32(), nullptr);
   EXPECT_EQ((*kv)->BlockChecksum(0).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_TRUE((*kv)->BlockChecksums({}).ok());  // nothing asked: nothing to refuse
   // An allocator that fails is a ResourceExhausted naming the size.
   absl::StatusOr<std::unique_ptr<KvStorage>> none = KvStorage::Create(
       layout, [](int64_t) -> absl::StatusOr<KvMemory> { return absl::ResourceExhaustedError("out of memory"); });

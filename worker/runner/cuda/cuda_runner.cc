@@ -404,7 +404,17 @@ class CudaRunner final : public ModelRunner {
           Cuda(cudaMemcpyAsync(pinned_ids_, d_ids, g * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_), "ids"));
     }
     float* logits = static_cast<float*>(logits_.get());
-    RETURN_IF_ERROR(gpu_sampler_.Enqueue(logits, c.vocab_size, rows, gpu_rows_, c.eos_token_ids, stream_));
+    if (absl::Status st = gpu_sampler_.Enqueue(logits, c.vocab_size, rows, gpu_rows_, c.eos_token_ids, stream_);
+        !st.ok()) {
+      // Its buffers grow with the rows' token lists: without the memory,
+      // the host sampler takes the rows (the same tokens).
+      if (st.code() != absl::StatusCode::kResourceExhausted) return st;
+      static std::once_flag said;
+      std::call_once(said, [&] { LOG(WARNING) << "GPU sampling falls back to the host: " << st; });
+      host_rows_.insert(host_rows_.end(), gpu_rows_.begin(), gpu_rows_.end());
+      gpu_rows_.clear();
+      RETURN_IF_ERROR(gpu_sampler_.Enqueue(logits, c.vocab_size, rows, gpu_rows_, c.eos_token_ids, stream_));
+    }
     if (host_rows_.size() == rows.size()) {
       RETURN_IF_ERROR(Cuda(
           cudaMemcpyAsync(host_logits_, logits, rows.size() * vocab * sizeof(float), cudaMemcpyDeviceToHost, stream_),
@@ -420,10 +430,24 @@ class CudaRunner final : public ModelRunner {
     sampled->resize(rows.size());
     for (size_t j = 0; j < g; ++j) (*sampled)[greedy_rows_[j]].token_id = pinned_ids_[j];
     // Rows whose walk went past the GPU sampler's candidates: its full pass.
+    std::vector<int> late_host_rows;
     if (gpu_sampler_.Finish(rows, sampled)) {
-      RETURN_IF_ERROR(gpu_sampler_.EnqueueRest(logits, c.vocab_size, stream_));
+      if (absl::Status st = gpu_sampler_.EnqueueRest(logits, c.vocab_size, stream_); !st.ok()) {
+        if (st.code() != absl::StatusCode::kResourceExhausted) return st;
+        static std::once_flag said;
+        std::call_once(said, [&] { LOG(WARNING) << "GPU sampling's full pass falls back to the host: " << st; });
+        late_host_rows = gpu_sampler_.PendingRows();  // their logits as the first pass left them
+        for (int r : late_host_rows) {
+          RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host_logits_ + r * vocab, logits + r * vocab, vocab * sizeof(float),
+                                               cudaMemcpyDeviceToHost, stream_),
+                               "download logits"));
+        }
+      }
       RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
-      gpu_sampler_.Finish(rows, sampled);
+      if (late_host_rows.empty() && gpu_sampler_.Finish(rows, sampled)) {
+        return absl::InternalError("cuda runner: the GPU sampler's full pass left rows unsampled");
+      }
+      host_rows_.insert(host_rows_.end(), late_host_rows.begin(), late_host_rows.end());
     }
     // The host rows on the sampler's threads (each row's token is
     // SampleToken's whatever the threads).

@@ -145,6 +145,12 @@ bool GpuSampler::Finish(std::span<const RowSampling> rows, std::vector<SampledTo
   return !slots_.empty();
 }
 
+std::vector<int> GpuSampler::PendingRows() const {
+  std::vector<int> rows;
+  for (int slot : slots_) rows.push_back(args_[static_cast<size_t>(slot)].logits_row);
+  return rows;
+}
+
 absl::Status GpuSampler::EnqueueRest(float* logits, int vocab, cudaStream_t stream) {
   // The arguments of the rows left, over the first ones of the last upload
   // (the token lists stay where they are).

@@ -43,6 +43,10 @@ class GpuSampler {
   // Enqueues the full pass of the rows the last Finish left.
   absl::Status EnqueueRest(float* logits, int vocab, cudaStream_t stream);
 
+  // The rows the last Finish left (its logits rows), for a caller that
+  // samples them another way (EnqueueRest could not get its memory).
+  std::vector<int> PendingRows() const;
+
  private:
   // Distinct in-vocabulary tokens, a generation stamp per vocabulary entry.
   void NewList(int vocab);
