@@ -28,6 +28,31 @@ absl::Status Cuda(cudaError_t e, absl::string_view what) {
   return absl::InternalError(absl::StrCat("cuda_ipc: ", what, ": ", cudaGetErrorString(e)));
 }
 
+// Makes `device` current on this thread for the guard's lifetime.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = -1;
+};
+
+// This process, among the processes of one host (pids repeat across
+// containers): drawn once.
+const std::string& ProcessToken() {
+  static const std::string token = [] {
+    std::random_device rd;
+    return absl::StrFormat("%08x%08x%08x", rd(), rd(), rd());
+  }();
+  return token;
+}
+
 std::string NewAgentId() {
   static std::atomic<uint64_t> counter{0};
   std::random_device rd;
@@ -82,7 +107,7 @@ absl::StatusOr<CUdeviceptr> AllocationBase(const void* p) {
 
 std::string EncodeCudaIpcAddress(const CudaIpcAddress& a) {
   return absl::StrCat(kAddressVersion, ";handle=", Hex(a.handle), ";offset=", a.offset, ";pointer=", a.pointer,
-                      ";bus=", a.pci_bus_id, ";boot=", a.boot_id, ";pid=", a.pid);
+                      ";bus=", a.pci_bus_id, ";boot=", a.boot_id, ";process=", a.process, ";pid=", a.pid);
 }
 
 absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text) {
@@ -92,7 +117,7 @@ absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text) {
                                                    " address: '", text.substr(0, 40), "'"));
   }
   CudaIpcAddress a;
-  bool have_handle = false, have_pointer = false, have_pid = false;
+  bool have_handle = false, have_pointer = false, have_pid = false, have_offset = false;
   for (size_t i = 1; i < parts.size(); ++i) {
     const size_t eq = parts[i].find('=');
     if (eq == absl::string_view::npos)
@@ -104,6 +129,7 @@ absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text) {
       have_handle = ok;
     } else if (key == "offset") {
       ok = absl::SimpleAtoi(value, &a.offset) && a.offset >= 0;
+      have_offset = ok;
     } else if (key == "pointer") {
       ok = absl::SimpleAtoi(value, &a.pointer);
       have_pointer = ok;
@@ -111,6 +137,8 @@ absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text) {
       a.pci_bus_id = std::string(value);
     } else if (key == "boot") {
       a.boot_id = std::string(value);
+    } else if (key == "process") {
+      a.process = std::string(value);
     } else if (key == "pid") {
       ok = absl::SimpleAtoi(value, &a.pid) && a.pid > 0;
       have_pid = ok;
@@ -118,8 +146,9 @@ absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text) {
     if (!ok)
       return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: bad value of '", key, "' in the peer's address"));
   }
-  if (!have_handle || !have_pointer || !have_pid || a.pci_bus_id.empty()) {
-    return absl::InvalidArgumentError("cuda_ipc: the peer's address lacks its handle, pointer, pid or bus id");
+  if (!have_handle || !have_offset || !have_pointer || !have_pid || a.pci_bus_id.empty() || a.process.empty()) {
+    return absl::InvalidArgumentError(
+        "cuda_ipc: the peer's address lacks its handle, offset, pointer, process, pid or bus id");
   }
   return a;
 }
@@ -133,7 +162,7 @@ std::string HostBootId() {
 
 CudaIpcTransport::Mapping::~Mapping() {
   if (opened != nullptr) {
-    cudaSetDevice(device);
+    DeviceGuard guard(device);
     cudaIpcCloseMemHandle(opened);
   }
 }
@@ -147,7 +176,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::Create(int d
   if (device < 0 || device >= count) {
     return absl::InvalidArgumentError(absl::StrFormat("cuda_ipc: device %d of %d", device, count));
   }
-  if (absl::Status st = Cuda(cudaSetDevice(device), "cudaSetDevice"); !st.ok()) return st;
+  DeviceGuard guard(device);
   cudaStream_t stream = nullptr;
   cudaEvent_t event = nullptr;
   if (absl::Status st = Cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"); !st.ok()) return st;
@@ -174,7 +203,7 @@ CudaIpcTransport::~CudaIpcTransport() {
   thread_.join();
   for (Transfer& t : pending) t.done(absl::CancelledError("the transport was destroyed"));
   peers_.clear();
-  cudaSetDevice(device_);
+  DeviceGuard guard(device_);
   cudaEventDestroy(static_cast<cudaEvent_t>(event_));
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
@@ -188,7 +217,14 @@ absl::Status CudaIpcTransport::RegisterPool(const PoolLayout& layout, void* base
   if (layout.memory_type != MemoryType::kCuda) {
     return absl::InvalidArgumentError("cuda_ipc moves GPU memory: the KV pool is in host memory");
   }
-  if (absl::Status st = Cuda(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  DeviceGuard guard(device_);
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, base) != cudaSuccess || attr.type != cudaMemoryTypeDevice ||
+      attr.device != device_) {
+    cudaGetLastError();
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cuda_ipc: the KV pool is not device memory of GPU %d (the transport's)", device_));
+  }
   absl::StatusOr<CUdeviceptr> alloc = AllocationBase(base);
   if (!alloc.ok()) return alloc.status();
   CudaIpcAddress a;
@@ -206,6 +242,7 @@ absl::Status CudaIpcTransport::RegisterPool(const PoolLayout& layout, void* base
   }
   a.pci_bus_id = bus;
   a.boot_id = HostBootId();
+  a.process = ProcessToken();
   a.pid = getpid();
   layout_ = layout;
   layout_.device_id = device_;
@@ -237,7 +274,7 @@ absl::Status CudaIpcTransport::AddPeer(const PeerInfo& peer) {
         absl::StrFormat("cuda_ipc reaches GPUs of this host only: peer %s runs on another host (boot id %s, here %s)",
                         peer.agent_id, a->boot_id, boot));
   }
-  if (absl::Status st = Cuda(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  DeviceGuard guard(device_);
   int peer_device = -1;
   if (absl::Status st = Cuda(cudaDeviceGetByPCIBusId(&peer_device, a->pci_bus_id.c_str()), "the peer's GPU");
       !st.ok()) {
@@ -254,7 +291,7 @@ absl::Status CudaIpcTransport::AddPeer(const PeerInfo& peer) {
   }
   auto mapping = std::make_shared<Mapping>();
   mapping->device = device_;
-  if (a->pid == getpid()) {
+  if (a->process == ProcessToken()) {
     mapping->base = reinterpret_cast<unsigned char*>(a->pointer);  // a transport of this process
     if (peer_device != device_) {
       const cudaError_t e = cudaDeviceEnablePeerAccess(peer_device, 0);
@@ -348,14 +385,24 @@ absl::Status CudaIpcTransport::Run(Transfer& t) {
   if (absl::Status st = check(); !st.ok()) return st;
   if (t.after != nullptr) {
     if (t.after->memory() == MemoryType::kCuda && t.after->cuda_event() != nullptr) {
-      if (absl::Status st =
-              Cuda(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(t.after->cuda_event()), 0), "wait the writes");
-          !st.ok()) {
-        return st;
+      // Polled, not queued on the stream: writes that never finish must not
+      // hold this transfer (or the ones behind it) past its deadline.
+      auto fence = static_cast<cudaEvent_t>(t.after->cuda_event());
+      while (true) {
+        const cudaError_t q = cudaEventQuery(fence);
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) return Cuda(q, "the blocks' writes");
+        if (absl::Status st = check(); !st.ok()) return st;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (stop_) return absl::CancelledError("the transport was destroyed");
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
     } else if (absl::Status st = t.after->Wait(t.deadline); !st.ok()) {
       return st;
     }
+    if (absl::Status st = check(); !st.ok()) return st;
   }
   unsigned char* local = nullptr;
   {
@@ -366,7 +413,7 @@ absl::Status CudaIpcTransport::Run(Transfer& t) {
     unsigned char* dst = t.push ? t.mapping->base + run.dst_offset : local + run.dst_offset;
     const unsigned char* src = t.push ? local + run.src_offset : t.mapping->base + run.src_offset;
     if (absl::Status st =
-            Cuda(cudaMemcpyAsync(dst, src, static_cast<size_t>(run.bytes), cudaMemcpyDeviceToDevice, stream), "copy");
+            Cuda(cudaMemcpyAsync(dst, src, static_cast<size_t>(run.bytes), cudaMemcpyDefault, stream), "copy");
         !st.ok()) {
       cudaStreamSynchronize(stream);  // what was issued lands before done
       return st;
@@ -382,7 +429,10 @@ absl::Status CudaIpcTransport::Run(Transfer& t) {
   while (true) {
     const cudaError_t q = cudaEventQuery(event);
     if (q == cudaSuccess) break;
-    if (q != cudaErrorNotReady) return Cuda(q, "the copies");
+    if (q != cudaErrorNotReady) {
+      cudaStreamSynchronize(stream);  // nothing of it may land after done
+      return Cuda(q, "the copies");
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
   return check();

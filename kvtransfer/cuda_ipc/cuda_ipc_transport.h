@@ -10,13 +10,15 @@
 // records an event and polls it. A copy on the GPU cannot be recalled: a
 // transfer cancelled, removed or past its deadline while its copies run
 // reports that error only once they completed, so no byte lands after
-// `done`. PushAfter orders its copies after a kCuda fence on the stream
-// (cudaStreamWaitEvent), without a host wait.
+// `done`. PushAfter issues its copies once a kCuda fence's event completed
+// (polled by the copy thread, which gives up at the transfer's deadline or
+// on Cancel: writes that never finish hold nothing).
 //
 // The address a peer needs (LocalInfo().address) is CudaIpcAddress, encoded
 // by EncodeCudaIpcAddress: the handle, the pool's offset in its allocation,
 // the device's PCI bus id, the host's boot id (another host is refused) and
-// the process id.
+// a random token of the process (a peer in the same process is reached by
+// pointer), and the process id (for logs).
 //
 // Status: built and unit-tested where nvcc exists; not yet registered in
 // TransportRegistry::Builtin (its GPU tests have to pass first).
@@ -47,7 +49,8 @@ struct CudaIpcAddress {
   uint64_t pointer = 0;  // the pool's device address in its own process
   std::string pci_bus_id;
   std::string boot_id;  // /proc/sys/kernel/random/boot_id
-  int64_t pid = 0;
+  std::string process;  // a random token of the process (pids repeat across containers)
+  int64_t pid = 0;      // for logs
 };
 std::string EncodeCudaIpcAddress(const CudaIpcAddress& a);
 // InvalidArgument naming what is malformed.
