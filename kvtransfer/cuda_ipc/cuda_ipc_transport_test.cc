@@ -1,18 +1,25 @@
 // cuda_ipc: the address codec (no GPU needed), and on a GPU two transports of
 // one process moving scattered blocks both ways against a host reference,
 // ordering a push after a GPU fence, and refusing what they must (another
-// host, unknown peers, bad block ids, a passed deadline). Not covered yet:
-// a peer in another process (cudaIpcOpenMemHandle, the offset, closing the
-// mapping): a child-process case is next, then the disaggregation tests.
+// host, unknown peers, bad block ids, a passed deadline); and a peer in
+// another process (the test binary again, as CudaIpcChildTest): its pool
+// opened through its IPC handle, pulled from, pushed into, and let go.
 #include "kvtransfer/cuda_ipc/cuda_ipc_transport.h"
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -211,6 +218,123 @@ TEST_F(CudaIpcTransportTest, RefusesWhatItMust) {
   t_[0]->RemovePeer(info_[1].agent_id);
   EXPECT_EQ(t_[0]->Push(info_[1].agent_id, {{0, 0}}, later, [](absl::Status) {}).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// The child's side of AnotherProcessesPoolOpensThroughItsHandle: runs only
+// when that test starts this binary with TANDEM_CUDA_IPC_CHILD_DIR set.
+// Serves a pool of 10 blocks whose byte j of block i is (i * 7 + j) & 255,
+// publishes its PeerInfo in DIR/info, waits for DIR/pushed and checks what
+// the parent pushed (blocks 2, 3 and 7 filled with 0xA6, 0xA7, 0xA8), then
+// answers in DIR/result.
+constexpr int kChildBlocks = 10;
+unsigned char ChildByte(int64_t block, int64_t j) { return static_cast<unsigned char>((block * 7 + j) & 255); }
+
+bool WaitForFile(const std::string& path, int seconds) {
+  for (int i = 0; i < seconds * 100; ++i) {
+    if (std::filesystem::exists(path)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+void WriteFile(const std::string& path, const std::string& text) {
+  {
+    std::ofstream out(path + ".tmp");
+    out << text;
+  }
+  std::filesystem::rename(path + ".tmp", path);
+}
+
+TEST(CudaIpcChildTest, ServesAPoolToItsParent) {
+  const char* dir = std::getenv("TANDEM_CUDA_IPC_CHILD_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "the child of AnotherProcessesPoolOpensThroughItsHandle";
+  const PoolLayout layout = Layout(kChildBlocks);
+  absl::StatusOr<std::unique_ptr<CudaIpcTransport>> t = CudaIpcTransport::Create(0);
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::vector<unsigned char> host(static_cast<size_t>(kChildBlocks * layout.block_bytes));
+  for (int64_t i = 0; i < kChildBlocks; ++i) {
+    for (int64_t j = 0; j < layout.block_bytes; ++j) host[i * layout.block_bytes + j] = ChildByte(i, j);
+  }
+  void* pool = nullptr;
+  ASSERT_EQ(cudaMalloc(&pool, host.size()), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(pool, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_TRUE((*t)->RegisterPool(layout, pool).ok());
+  absl::StatusOr<PeerInfo> info = (*t)->LocalInfo();
+  ASSERT_TRUE(info.ok());
+  WriteFile(std::string(dir) + "/info", info->agent_id + "\n" + info->address + "\n");
+  ASSERT_TRUE(WaitForFile(std::string(dir) + "/pushed", 60));
+  std::vector<unsigned char> now(host.size());
+  ASSERT_EQ(cudaMemcpy(now.data(), pool, now.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  std::string result = "ok";
+  for (int64_t i = 0; i < kChildBlocks && result == "ok"; ++i) {
+    const int fill = i == 2 ? 0xA6 : i == 3 ? 0xA7 : i == 7 ? 0xA8 : -1;
+    for (int64_t j = 0; j < layout.block_bytes; ++j) {
+      const unsigned char want = fill >= 0 ? static_cast<unsigned char>(fill) : ChildByte(i, j);
+      if (now[i * layout.block_bytes + j] != want) {
+        result = "block " + std::to_string(i) + " byte " + std::to_string(j) + " differs";
+        break;
+      }
+    }
+  }
+  WriteFile(std::string(dir) + "/result", result);
+  t->reset();
+  cudaFree(pool);
+}
+
+TEST_F(CudaIpcTransportTest, AnotherProcessesPoolOpensThroughItsHandle) {
+  char tmpl[] = "/tmp/tandem-cuda-ipc-test.XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const std::string env_dir = "TANDEM_CUDA_IPC_CHILD_DIR=" + dir;
+  std::vector<std::string> env_strings = {env_dir};
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  std::vector<char*> envp;
+  for (std::string& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string filter = "--gtest_filter=CudaIpcChildTest.*";
+  std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  char* argv[] = {self.data(), filter.data(), nullptr};
+  pid_t child = 0;
+  ASSERT_EQ(posix_spawn(&child, self.c_str(), nullptr, nullptr, argv, envp.data()), 0);
+  ASSERT_TRUE(WaitForFile(dir + "/info", 60)) << "the child published no PeerInfo";
+  std::ifstream in(dir + "/info");
+  PeerInfo peer{.backend = "cuda_ipc", .layout = Layout(kChildBlocks)};
+  std::getline(in, peer.agent_id);
+  std::getline(in, peer.address);
+  ASSERT_TRUE(t_[0]->AddPeer(peer).ok()) << t_[0]->AddPeer(peer);
+  const int64_t bb = Layout(1).block_bytes;
+  const Deadline later = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  // Pull the child's blocks 1, 4, 5 into ours 0, 1, 2.
+  ASSERT_TRUE(Wait([&](TransferDone d) {
+                return t_[0]->Pull(peer.agent_id, {{1, 0}, {4, 1}, {5, 2}}, later, std::move(d));
+              }).ok());
+  std::vector<unsigned char> got = Read(0);
+  const int64_t pulled[] = {1, 4, 5};
+  for (int k = 0; k < 3; ++k) {
+    for (int64_t j = 0; j < bb; ++j) {
+      ASSERT_EQ(got[k * bb + j], ChildByte(pulled[k], j)) << "block " << k << " byte " << j;
+    }
+  }
+  // Push ours 6, 7, 8 (filled 0xA6, 0xA7, 0xA8) into the child's 2, 3, 7.
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_EQ(cudaMemset(static_cast<unsigned char*>(pool_[0]) + (6 + k) * bb, 0xA6 + k, static_cast<size_t>(bb)),
+              cudaSuccess);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_TRUE(Wait([&](TransferDone d) {
+                return t_[0]->Push(peer.agent_id, {{6, 2}, {7, 3}, {8, 7}}, later, std::move(d));
+              }).ok());
+  WriteFile(dir + "/pushed", "");
+  ASSERT_TRUE(WaitForFile(dir + "/result", 60)) << "the child gave no result";
+  std::ifstream result_in(dir + "/result");
+  std::stringstream result;
+  result << result_in.rdbuf();
+  EXPECT_EQ(result.str(), "ok");
+  t_[0]->RemovePeer(peer.agent_id);  // closes the mapping
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child failed";
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
