@@ -16,5 +16,7 @@ int64_t FixedSplitWorkspaceBytes(int, int, int, int, int) { return kErrorWordByt
 absl::Status WriteKvCache(const WriteKvParams&) { return Unavailable(); }
 absl::Status PagedAttention(const PagedAttentionParams&) { return Unavailable(); }
 absl::Status TakeError(void*, void*) { return Unavailable(); }
+absl::Status ReadErrorAsync(void*, int*, void*) { return Unavailable(); }
+absl::Status ErrorFromWord(int, void*, void*) { return Unavailable(); }
 
 }  // namespace tandem::kernels::cuda

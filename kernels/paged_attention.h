@@ -192,6 +192,13 @@ absl::Status PagedAttention(const PagedAttentionParams& params);
 // (a block id or slot outside the pool), as InvalidArgument naming the
 // sequence or token; OK if none. Synchronizes `stream`; clears the word.
 absl::Status TakeError(void* workspace, void* stream);
+// TakeError in two halves, for a caller that synchronizes `stream` anyway:
+// ReadErrorAsync queues the error word's copy into *word (host memory valid
+// until the stream synchronized: pinned for the copy to be asynchronous);
+// once it has, ErrorFromWord(*word, ...) is TakeError's answer (and queues
+// the word's clearing when it was set).
+absl::Status ReadErrorAsync(void* workspace, int* word, void* stream);
+absl::Status ErrorFromWord(int word, void* workspace, void* stream);
 }  // namespace cuda
 
 }  // namespace tandem::kernels

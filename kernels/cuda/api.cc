@@ -276,17 +276,26 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
 }
 
 absl::Status TakeError(void* workspace, void* stream) {
-  if (const char* why = nullptr; !Available(&why)) return absl::FailedPreconditionError(why);
-  auto s = static_cast<cudaStream_t>(stream);
   int word = 0;
-  if (absl::Status st =
-          CudaStatus(cudaMemcpyAsync(&word, workspace, sizeof(word), cudaMemcpyDeviceToHost, s), "read the error word");
-      !st.ok()) {
+  if (absl::Status st = ReadErrorAsync(workspace, &word, stream); !st.ok()) return st;
+  if (absl::Status st = CudaStatus(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "synchronize"); !st.ok()) {
     return st;
   }
-  if (absl::Status st = CudaStatus(cudaStreamSynchronize(s), "synchronize"); !st.ok()) return st;
+  return ErrorFromWord(word, workspace, stream);
+}
+
+absl::Status ReadErrorAsync(void* workspace, int* word, void* stream) {
+  if (const char* why = nullptr; !Available(&why)) return absl::FailedPreconditionError(why);
+  return CudaStatus(
+      cudaMemcpyAsync(word, workspace, sizeof(*word), cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)),
+      "read the error word");
+}
+
+absl::Status ErrorFromWord(int word, void* workspace, void* stream) {
   if (word == 0) return absl::OkStatus();
-  if (absl::Status st = CudaStatus(cudaMemsetAsync(workspace, 0, sizeof(word), s), "clear the error word"); !st.ok()) {
+  if (absl::Status st = CudaStatus(cudaMemsetAsync(workspace, 0, sizeof(word), static_cast<cudaStream_t>(stream)),
+                                   "clear the error word");
+      !st.ok()) {
     return st;
   }
   const int kind = static_cast<unsigned>(word) >> 28;

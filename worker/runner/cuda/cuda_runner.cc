@@ -16,8 +16,10 @@
 // sampler (SampleToken, one row a thread: ParallelSampler).
 //
 // Everything of a step runs on the runner's stream; the step's metadata goes
-// up in one copy from pinned memory; the step synchronizes where it reads the
-// kernels' error word, and again where the sampled ids and host rows arrive.
+// up in one copy from pinned memory; a step synchronizes once, where the
+// sampled ids, the host rows' logits and the kernels' error word arrive
+// together (a second time for rows of the GPU sampler's full pass; the
+// logits-only path synchronizes after the forward pass).
 //
 // Decode steps (every sequence one token, at most kMaxGraphBatch of them)
 // replay a CUDA graph of the forward pass instead (EnqueueGraph): the batch is
@@ -374,10 +376,21 @@ class CudaRunner final : public ModelRunner {
       return absl::InvalidArgumentError(
           absl::StrFormat("%d sampling rows for %d logits rows", rows.size(), in.logits_rows.size()));
     }
-    RETURN_IF_ERROR(Run(in, kv));
+    if (error_word_.empty()) {
+      ASSIGN_OR_RETURN(error_word_, cuda_util::PinnedBuffer::Allocate(64, "the error word"));
+    }
+    int* error_word = static_cast<int*>(error_word_.get());
+    *error_word = 0;
+    RETURN_IF_ERROR(Run(in, kv, error_word));
+    // After the step's synchronization: the forward pass's kernels' error
+    // (a slot or block id past the pool), before any sample is used.
+    auto forward_error = [&] { return kernels::cuda::ErrorFromWord(*error_word, attn_workspace_.get(), stream_); };
     const ModelConfig& c = config();
     const size_t vocab = size_t(c.vocab_size);
-    if (rows.empty()) return Cuda(cudaStreamSynchronize(stream_), "synchronize");
+    if (rows.empty()) {
+      RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
+      return forward_error();
+    }
     greedy_rows_.clear();
     gpu_rows_.clear();
     host_rows_.clear();
@@ -427,6 +440,7 @@ class CudaRunner final : public ModelRunner {
       }
     }
     RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
+    RETURN_IF_ERROR(forward_error());
     sampled->resize(rows.size());
     for (size_t j = 0; j < g; ++j) (*sampled)[greedy_rows_[j]].token_id = pinned_ids_[j];
     // Rows whose walk went past the GPU sampler's candidates: its full pass.
@@ -493,7 +507,10 @@ class CudaRunner final : public ModelRunner {
   static size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
   // One forward pass, its logits rows in logits_ (device) when it returns.
-  absl::Status Run(const BatchInput& in, KvStorage& kv) {
+  // With `error_word` (pinned), the kernels' error word is only queued for
+  // reading into it: the caller synchronizes later (with the samples) and
+  // checks it with kernels::cuda::ErrorFromWord; one synchronization a step.
+  absl::Status Run(const BatchInput& in, KvStorage& kv, int* error_word = nullptr) {
     if (kv.location() != MemoryLocation::kDevice || kv.dtype() != kernels::DType::kBF16) {
       return absl::FailedPreconditionError(
           absl::StrCat("the cuda runner needs a bfloat16 KV pool in device memory, got ",
@@ -518,6 +535,7 @@ class CudaRunner final : public ModelRunner {
       kernels::cuda::TakeError(attn_workspace_.get(), stream_).IgnoreError();
       return st;
     }
+    if (error_word != nullptr) return kernels::cuda::ReadErrorAsync(attn_workspace_.get(), error_word, stream_);
     // Synchronizes the stream; a slot or block id past the pool is an error.
     return kernels::cuda::TakeError(attn_workspace_.get(), stream_);
   }
@@ -904,6 +922,7 @@ class CudaRunner final : public ModelRunner {
   std::mutex checksum_mu_;
   cudaStream_t checksum_stream_ = nullptr;      // guarded by checksum_mu_
   DeviceBuffer checksum_secret_, checksum_io_;  // guarded by checksum_mu_
+  cuda_util::PinnedBuffer error_word_;          // Sample's read of the kernels' error word
   DeviceBuffer gemm_workspace_;
   std::unique_ptr<LtGemm> gemm_;
   DeviceBuffer inv_freq_;

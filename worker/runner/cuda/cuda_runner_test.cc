@@ -375,6 +375,47 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
   }
 }
 
+// A step whose kernels find a slot or block id outside the pool is an
+// InvalidArgument naming it (the error word read with the samples, one
+// synchronization a step), and the next step starts clean.
+TEST(CudaRunnerTest, AKernelErrorFailsItsStepAndNotTheNext) {
+  if (SkipWithoutGpu()) GTEST_SKIP();
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runner = MakeRunner("cuda", SmallConfig(), 5);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  std::unique_ptr<KvStorage> kv = Pool(**runner, 4);
+  ASSERT_NE(kv, nullptr);
+  SamplingParams params;
+  params.temperature = 0.0f;
+  const std::vector<int> prompt = {1, 2, 3, 4, 5, 6};
+  auto step = [&](int64_t bad_slot, int bad_block) {
+    BatchInput in;
+    in.Clear();
+    for (int t = 0; t < 6; ++t) {
+      in.tokens.push_back(prompt[t]);
+      in.positions.push_back(t);
+      in.slot_mapping.push_back(t == 3 && bad_slot >= 0 ? bad_slot : t);
+    }
+    in.logits_rows = {5};
+    in.query_start = {0, 6};
+    in.context_lens = {6};
+    in.prefilling = {1};
+    in.max_blocks_per_seq = 1;
+    in.block_tables = {bad_block};
+    in.prefill_tokens = 6;
+    std::vector<RowSampling> rows = {{.params = &params, .prompt = prompt, .position = 6}};
+    std::vector<SampledToken> out;
+    return (*runner)->Step(in, rows, *kv, &out);
+  };
+  absl::Status bad = step(/*bad_slot=*/4 * 16 + 3, 0);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_THAT(std::string(bad.message()), ::testing::HasSubstr("slot outside the pool"));
+  EXPECT_TRUE(step(-1, 0).ok());
+  bad = step(-1, /*bad_block=*/9);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_THAT(std::string(bad.message()), ::testing::HasSubstr("block id outside the pool"));
+  EXPECT_TRUE(step(-1, 0).ok());
+}
+
 // The GPU's block checksums are HashBytes's values: every size class of
 // XXH3 (the short paths on one lane, the long one over a warp; unaligned
 // sizes on one lane), and through a device pool's KvStorage.
