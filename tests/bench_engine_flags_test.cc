@@ -1,6 +1,7 @@
 // `tandem bench engine`: the decode-sampling flags (--temperature, --top-p,
 // --top-k) refuse values outside their ranges with an error naming the flag,
-// before any model loads.
+// before any model loads. `tandem bench transfer`: an unknown backend names
+// the flag; cuda_ipc without a GPU says so (its forked target reports it).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -9,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/paged_attention.h"
 #include "tests/testing/worker_process.h"
 
 namespace tandem::testing {
@@ -33,6 +35,20 @@ TEST(BenchEngineFlagsTest, BadSamplingFlagsNameTheFlag) {
     EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << flags << ": " << out;
     EXPECT_THAT(out, HasSubstr(name)) << flags;
   }
+}
+
+TEST(BenchEngineFlagsTest, TransferBackendsThatCannotRunSayWhy) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  std::string out;
+  int rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend nccl"), &out);
+  EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
+  EXPECT_THAT(out, HasSubstr("--backend nccl"));
+  const char* why = nullptr;
+  if (kernels::cuda::Available(&why)) return;  // a GPU runs it (scripts/gpu_engine_checks.sh)
+  rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend cuda_ipc --max-blocks 1"), &out);
+  EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
+  EXPECT_THAT(out, HasSubstr("cuda_ipc"));
 }
 
 }  // namespace

@@ -171,7 +171,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::Create(int d
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     cudaGetLastError();
-    return absl::FailedPreconditionError("--kv-transport cuda_ipc: no CUDA device");
+    return absl::FailedPreconditionError("cuda_ipc: no CUDA device");
   }
   if (device < 0 || device >= count) {
     return absl::InvalidArgumentError(absl::StrFormat("cuda_ipc: device %d of %d", device, count));

@@ -13,6 +13,11 @@
 //
 // --backend loopback runs two in-process LoopbackTransports instead (no
 // second process), as a baseline of the interface's own overhead.
+//
+// --backend cuda_ipc moves blocks between two processes' GPU pools on one
+// device (CUDA IPC), against a device-to-device copy of the same blocks
+// within the initiator's GPU in the same run (the baseline column then holds
+// that copy's rate, bytes counted once).
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +27,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -34,6 +40,11 @@
 #include "worker/cli/commands.h"
 #ifdef TANDEM_HAVE_UCX
 #include "kvtransfer/ucx/ucx_transport.h"
+#endif
+#ifdef TANDEM_HAVE_CUDA_IPC
+#include <cuda_runtime_api.h>
+
+#include "kvtransfer/cuda_ipc/cuda_ipc_transport.h"
 #endif
 
 namespace tandem::worker {
@@ -124,16 +135,32 @@ struct Row {
   double memcpy_seconds;  // median
 };
 
-// The measurement, given a connected initiator whose pool is `src`.
-absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, uint8_t* src, const PoolLayout& layout,
-                                         const TransferBenchOptions& opt) {
+// The same-run baseline: seconds to copy `pairs`' blocks (src -> dst) the
+// plain way (memcpy on the host; a device copy for GPU pools).
+using Baseline = std::function<absl::StatusOr<double>(const std::vector<BlockPair>& pairs)>;
+
+// memcpy from the pool `src` into ordinary pre-faulted memory, which lives as
+// long as the returned function.
+absl::StatusOr<Baseline> HostCopyBaseline(uint8_t* src, const PoolLayout& layout) {
   const int64_t bb = layout.block_bytes;
-  // The memcpy baseline's destination: ordinary pre-faulted memory.
-  void* dst_mem = mmap(nullptr, static_cast<size_t>(layout.num_blocks * bb), PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const size_t bytes = static_cast<size_t>(layout.num_blocks * bb);
+  void* dst_mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (dst_mem == MAP_FAILED) return absl::ResourceExhaustedError("mmap of the memcpy buffer");
-  uint8_t* dst = static_cast<uint8_t*>(dst_mem);
-  std::memset(dst, 1, static_cast<size_t>(layout.num_blocks * bb));
+  std::memset(dst_mem, 1, bytes);
+  std::shared_ptr<uint8_t> dst(static_cast<uint8_t*>(dst_mem), [bytes](uint8_t* p) { munmap(p, bytes); });
+  return Baseline([src, dst, bb](const std::vector<BlockPair>& pairs) -> absl::StatusOr<double> {
+    const Clock::time_point c0 = Clock::now();
+    for (const BlockPair& p : pairs) {
+      std::memcpy(dst.get() + int64_t{p.dst} * bb, src + int64_t{p.src} * bb, static_cast<size_t>(bb));
+    }
+    return std::chrono::duration<double>(Clock::now() - c0).count();
+  });
+}
+
+// The measurement, given a connected initiator and the baseline.
+absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, const Baseline& baseline,
+                                         const PoolLayout& layout, const TransferBenchOptions& opt) {
+  const int64_t bb = layout.block_bytes;
 
   const std::vector<int32_t> perm = PeerBlockOrder(layout, opt);
 
@@ -155,16 +182,16 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
         break;
       }
       push.push_back(*s);
-      const Clock::time_point c0 = Clock::now();
-      for (const BlockPair& p : pairs) {
-        std::memcpy(dst + int64_t{p.dst} * bb, src + int64_t{p.src} * bb, static_cast<size_t>(bb));
+      absl::StatusOr<double> c = baseline(pairs);
+      if (!c.ok()) {
+        status = c.status();
+        break;
       }
-      copy.push_back(std::chrono::duration<double>(Clock::now() - c0).count());
+      copy.push_back(*c);
     }
     if (!status.ok()) break;
     rows.push_back(Row{n, n * bb, Median(push), *std::min_element(push.begin(), push.end()), Median(copy)});
   }
-  munmap(dst_mem, static_cast<size_t>(layout.num_blocks * bb));
   RETURN_IF_ERROR(status);
   return rows;
 }
@@ -172,9 +199,10 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
 // Checks that the benchmark moved real bytes. Push: pulls back the peer
 // block that local block 0 went to (perm[0]) and compares. Pull: local
 // block 0 must now hold the peer's block perm[0] (both pools were filled the
-// same way).
-absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool, const PoolLayout& layout,
-                           const TransferBenchOptions& opt) {
+// same way). `read_block` copies a local block to the host.
+absl::Status CheckOneBlock(Transport& t, const std::string& peer,
+                           const std::function<absl::Status(int32_t block, uint8_t* out)>& read_block,
+                           const PoolLayout& layout, const TransferBenchOptions& opt) {
   const bool pull = opt.op == "pull";
   const std::vector<int32_t> perm = PeerBlockOrder(layout, opt);
   const size_t bytes = static_cast<size_t>(layout.block_bytes);
@@ -189,19 +217,29 @@ absl::Status CheckOneBlock(Transport& t, const std::string& peer, uint8_t* pool,
                      }).status());
     RETURN_IF_ERROR(done.get_future().get());
   }
-  if (std::memcmp(pool + check * layout.block_bytes, want.data(), bytes) != 0) {
+  std::vector<uint8_t> got(bytes);
+  RETURN_IF_ERROR(read_block(check, got.data()));
+  if (std::memcmp(got.data(), want.data(), bytes) != 0) {
     return absl::DataLossError("a transferred block differs from its source");
   }
   return absl::OkStatus();
 }
 
+std::function<absl::Status(int32_t, uint8_t*)> HostBlocks(const uint8_t* pool, const PoolLayout& layout) {
+  return [pool, bb = layout.block_bytes](int32_t block, uint8_t* out) {
+    std::memcpy(out, pool + int64_t{block} * bb, static_cast<size_t>(bb));
+    return absl::OkStatus();
+  };
+}
+
 void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
   const std::string name = opt.backend == "ucx" ? "ucx/" + opt.tls : opt.backend;
+  const bool gpu = opt.backend == "cuda_ipc";
   if (!opt.json) {
-    std::printf("KV %s %s, 2 MiB blocks (Llama-3-8B, 16 tokens), median of %d; GB/s = 1e9 B/s\n", opt.op.c_str(),
-                name.c_str(), opt.repeats);
-    std::printf("%7s %7s %10s %10s %9s %12s %8s\n", "blocks", "MiB", "lat_ms", "min_ms", "GB/s", "memcpy_GB/s",
-                "ratio");
+    std::printf("KV %s %s, 2 MiB blocks (Llama-3-8B, 16 tokens), median of %d; GB/s = 1e9 B/s%s\n", opt.op.c_str(),
+                name.c_str(), opt.repeats, gpu ? "; baseline: a device-to-device copy of the same blocks" : "");
+    std::printf("%7s %7s %10s %10s %9s %12s %8s\n", "blocks", "MiB", "lat_ms", "min_ms", "GB/s",
+                gpu ? "d2d_GB/s" : "memcpy_GB/s", "ratio");
   }
   for (const Row& r : rows) {
     const double gbps = r.bytes / r.seconds / 1e9, memcpy_gbps = r.bytes / r.memcpy_seconds / 1e9;
@@ -213,6 +251,7 @@ void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
                           {"seconds", r.seconds},
                           {"min_seconds", r.min_seconds},
                           {"gbps", gbps},
+                          {"baseline", gpu ? "device_copy" : "memcpy"},
                           {"memcpy_gbps", memcpy_gbps},
                           {"ratio_to_memcpy", gbps / memcpy_gbps}};
       std::printf("%s\n", j.dump().c_str());
@@ -235,13 +274,14 @@ absl::Status RunLoopback(const TransferBenchOptions& opt) {
   RETURN_IF_ERROR(b.RegisterPool(layout, pool_b.data()));
   ASSIGN_OR_RETURN(PeerInfo b_info, b.LocalInfo());
   RETURN_IF_ERROR(a.AddPeer(b_info));
-  ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(a, b_info.agent_id, pool_a.data(), layout, opt));
-  RETURN_IF_ERROR(CheckOneBlock(a, b_info.agent_id, pool_a.data(), layout, opt));
+  ASSIGN_OR_RETURN(Baseline baseline, HostCopyBaseline(pool_a.data(), layout));
+  ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(a, b_info.agent_id, baseline, layout, opt));
+  RETURN_IF_ERROR(CheckOneBlock(a, b_info.agent_id, HostBlocks(pool_a.data(), layout), layout, opt));
   Print(rows, opt);
   return absl::OkStatus();
 }
 
-#ifdef TANDEM_HAVE_UCX
+#if defined(TANDEM_HAVE_UCX) || defined(TANDEM_HAVE_CUDA_IPC)
 // Length-prefixed messages over the pipes between the two processes.
 absl::Status WriteMessage(int fd, const std::string& bytes) {
   uint32_t n = static_cast<uint32_t>(bytes.size());
@@ -275,6 +315,9 @@ absl::StatusOr<std::string> ReadMessage(int fd) {
   return bytes;
 }
 
+#endif
+
+#ifdef TANDEM_HAVE_UCX
 kvtransfer::UcxOptions UcxOptionsFor(const TransferBenchOptions& opt) {
   kvtransfer::UcxOptions o;
   o.transports = opt.tls;
@@ -342,8 +385,9 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
     if (encoded.empty()) return absl::UnavailableError("the target process failed to start");
     ASSIGN_OR_RETURN(PeerInfo peer, kvtransfer::DecodePeerInfo(encoded));
     RETURN_IF_ERROR(t->AddPeer(peer));
-    ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(*t, peer.agent_id, pool, layout, opt));
-    RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, pool, layout, opt));
+    ASSIGN_OR_RETURN(Baseline baseline, HostCopyBaseline(pool, layout));
+    ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(*t, peer.agent_id, baseline, layout, opt));
+    RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, HostBlocks(pool, layout), layout, opt));
     Print(rows, opt);
     return absl::OkStatus();
   }();
@@ -358,6 +402,120 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
 }
 #endif  // TANDEM_HAVE_UCX
 
+#ifdef TANDEM_HAVE_CUDA_IPC
+PoolLayout GpuLayout(const TransferBenchOptions& opt) {
+  PoolLayout l = LlamaLayout(opt.max_blocks);
+  l.memory_type = kvtransfer::MemoryType::kCuda;
+  l.device_id = 0;
+  return l;
+}
+
+// A pool of `layout` on GPU 0, filled as FillPool fills host pools. Lives
+// until the process exits.
+absl::StatusOr<uint8_t*> DevicePool(const PoolLayout& layout) {
+  const size_t bytes = static_cast<size_t>(layout.num_blocks * layout.block_bytes);
+  void* p = nullptr;
+  if (cudaMalloc(&p, bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrFormat("cudaMalloc of a %d-byte bench pool failed", bytes));
+  }
+  std::vector<uint8_t> host(bytes);
+  FillPool(host.data(), layout);
+  if (cudaMemcpy(p, host.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError("filling the bench pool failed");
+  }
+  return static_cast<uint8_t*>(p);
+}
+
+// The target: its GPU pool's agent id and address up the pipe ("!" and the
+// reason if it cannot), then waits for EOF.
+int RunCudaIpcTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
+  std::unique_ptr<kvtransfer::CudaIpcTransport> keep;
+  absl::Status st = [&]() -> absl::Status {
+    const PoolLayout layout = GpuLayout(opt);
+    ASSIGN_OR_RETURN(keep, kvtransfer::CudaIpcTransport::Create(0));
+    ASSIGN_OR_RETURN(uint8_t * pool, DevicePool(layout));
+    RETURN_IF_ERROR(keep->RegisterPool(layout, pool));
+    ASSIGN_OR_RETURN(PeerInfo info, keep->LocalInfo());
+    return WriteMessage(to_parent, info.agent_id + "\n" + info.address);
+  }();
+  if (!st.ok()) {
+    (void)WriteMessage(to_parent, "!" + std::string(st.message()));
+    return 1;
+  }
+  char c;
+  while (read(from_parent, &c, 1) > 0) {
+  }
+  return 0;
+}
+
+absl::Status RunCudaIpc(const TransferBenchOptions& opt) {
+  int down[2], up[2];
+  if (pipe(down) != 0 || pipe(up) != 0) return absl::InternalError("pipe failed");
+  std::fflush(stdout);
+  const pid_t pid = fork();  // before this process touches CUDA
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    close(down[1]);
+    close(up[0]);
+    _exit(RunCudaIpcTarget(opt, up[1], down[0]));
+  }
+  close(down[0]);
+  close(up[1]);
+  absl::Status st = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(std::string message, ReadMessage(up[0]));
+    if (!message.empty() && message[0] == '!') {
+      return absl::FailedPreconditionError(absl::StrCat("--backend cuda_ipc: ", message.substr(1)));
+    }
+    const size_t nl = message.find('\n');
+    if (nl == std::string::npos) return absl::UnavailableError("the target process sent no address");
+    const PoolLayout layout = GpuLayout(opt);
+    const PeerInfo peer{
+        .agent_id = message.substr(0, nl), .backend = "cuda_ipc", .layout = layout, .address = message.substr(nl + 1)};
+    ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::CudaIpcTransport> t, kvtransfer::CudaIpcTransport::Create(0));
+    ASSIGN_OR_RETURN(uint8_t * pool, DevicePool(layout));
+    RETURN_IF_ERROR(t->RegisterPool(layout, pool));
+    RETURN_IF_ERROR(t->AddPeer(peer));
+    // The baseline: the same blocks copied device to device within this GPU.
+    ASSIGN_OR_RETURN(uint8_t * scratch, DevicePool(layout));
+    cudaStream_t stream = nullptr;
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+      return absl::InternalError("cudaStreamCreate failed");
+    }
+    const int64_t bb = layout.block_bytes;
+    Baseline baseline = [&](const std::vector<BlockPair>& pairs) -> absl::StatusOr<double> {
+      const Clock::time_point c0 = Clock::now();
+      for (const BlockPair& p : pairs) {
+        if (cudaMemcpyAsync(scratch + int64_t{p.dst} * bb, pool + int64_t{p.src} * bb, static_cast<size_t>(bb),
+                            cudaMemcpyDeviceToDevice, stream) != cudaSuccess) {
+          return absl::InternalError("the baseline's device copy failed");
+        }
+      }
+      if (cudaStreamSynchronize(stream) != cudaSuccess) return absl::InternalError("the baseline's copy failed");
+      return std::chrono::duration<double>(Clock::now() - c0).count();
+    };
+    auto read_block = [&](int32_t block, uint8_t* out) {
+      return cudaMemcpy(out, pool + int64_t{block} * bb, static_cast<size_t>(bb), cudaMemcpyDeviceToHost) == cudaSuccess
+                 ? absl::OkStatus()
+                 : absl::InternalError("reading a block back failed");
+    };
+    ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(*t, peer.agent_id, baseline, layout, opt));
+    RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, read_block, layout, opt));
+    Print(rows, opt);
+    return absl::OkStatus();
+  }();
+  close(down[1]);  // the target exits on EOF
+  close(up[0]);
+  int wstatus = 0;
+  waitpid(pid, &wstatus, 0);
+  if (st.ok() && !(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0)) {
+    return absl::InternalError("the target process failed");
+  }
+  return st;
+}
+#endif  // TANDEM_HAVE_CUDA_IPC
+
 absl::Status RunTransferBench(const TransferBenchOptions& opt) {
   if (opt.max_blocks < 1 || opt.repeats < 1) {
     return absl::InvalidArgumentError("--max-blocks and --repeats must be >= 1");
@@ -369,8 +527,15 @@ absl::Status RunTransferBench(const TransferBenchOptions& opt) {
     return absl::InvalidArgumentError(absl::StrFormat("--op %s: want pull or push", opt.op));
   }
   if (opt.backend == "loopback") return RunLoopback(opt);
+  if (opt.backend == "cuda_ipc") {
+#ifdef TANDEM_HAVE_CUDA_IPC
+    return RunCudaIpc(opt);
+#else
+    return absl::UnimplementedError("--backend cuda_ipc: this tandem was built without CUDA");
+#endif
+  }
   if (opt.backend != "ucx") {
-    return absl::InvalidArgumentError(absl::StrFormat("--backend %s: want ucx or loopback", opt.backend));
+    return absl::InvalidArgumentError(absl::StrFormat("--backend %s: want ucx, cuda_ipc or loopback", opt.backend));
   }
 #ifdef TANDEM_HAVE_UCX
   if (opt.tls != "shm" && opt.tls != "tcp") {
@@ -389,7 +554,7 @@ void AddTransferBenchCommand(CLI::App& bench) {
   CLI::App* cmd =
       bench.add_subcommand("transfer", "KV-block transfer bandwidth/latency between two processes vs memcpy");
   cmd->add_option("--op", opt->op, "pull (what a decode worker does in disaggregation) or push")->capture_default_str();
-  cmd->add_option("--backend", opt->backend, "ucx or loopback")->capture_default_str();
+  cmd->add_option("--backend", opt->backend, "ucx, cuda_ipc (GPU pools, one host) or loopback")->capture_default_str();
   cmd->add_option("--tls", opt->tls, "UCX transports: shm or tcp (tcp over lo)")->capture_default_str();
   cmd->add_option("--pool", opt->pool, "UCX pools: ucx (allocated by UCX, shareable) or mmap (anonymous, registered)")
       ->capture_default_str();
