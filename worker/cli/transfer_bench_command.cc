@@ -315,6 +315,33 @@ absl::StatusOr<std::string> ReadMessage(int fd) {
   return bytes;
 }
 
+// Runs `target(to_parent, from_parent)` in a forked process (before this
+// one touches UCX or CUDA) and `initiator(from_target)` here; the target
+// exits on EOF of its pipe, and a target that failed fails the run.
+absl::Status WithTargetProcess(const std::function<int(int to_parent, int from_parent)>& target,
+                               const std::function<absl::Status(int from_target)>& initiator) {
+  int down[2], up[2];
+  if (pipe(down) != 0 || pipe(up) != 0) return absl::InternalError("pipe failed");
+  std::fflush(stdout);
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    close(down[1]);
+    close(up[0]);
+    _exit(target(up[1], down[0]));
+  }
+  close(down[0]);
+  close(up[1]);
+  absl::Status st = initiator(up[0]);
+  close(down[1]);  // the target exits on EOF
+  close(up[0]);
+  int wstatus = 0;
+  waitpid(pid, &wstatus, 0);
+  if (st.ok() && !(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0)) {
+    return absl::InternalError("the target process failed");
+  }
+  return st;
+}
 #endif
 
 #ifdef TANDEM_HAVE_UCX
@@ -362,26 +389,15 @@ int RunTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
 }
 
 absl::Status RunUcx(const TransferBenchOptions& opt) {
-  int down[2], up[2];
-  if (pipe(down) != 0 || pipe(up) != 0) return absl::InternalError("pipe failed");
-  std::fflush(stdout);
-  const pid_t pid = fork();
-  if (pid < 0) return absl::InternalError("fork failed");
-  if (pid == 0) {
-    close(down[1]);
-    close(up[0]);
-    _exit(RunTarget(opt, up[1], down[0]));
-  }
-  close(down[0]);
-  close(up[1]);
-  absl::Status st = [&]() -> absl::Status {
+  auto target = [&opt](int to_parent, int from_parent) { return RunTarget(opt, to_parent, from_parent); };
+  return WithTargetProcess(target, [&](int from_target) -> absl::Status {
     const PoolLayout layout = LlamaLayout(opt.max_blocks);
     ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::UcxTransport> t, kvtransfer::UcxTransport::Create(UcxOptionsFor(opt)));
     ASSIGN_OR_RETURN(void* mem, AllocateBenchPool(*t, layout, opt));
     uint8_t* pool = static_cast<uint8_t*>(mem);
     FillPool(pool, layout);
     RETURN_IF_ERROR(t->RegisterPool(layout, pool));
-    ASSIGN_OR_RETURN(std::string encoded, ReadMessage(up[0]));
+    ASSIGN_OR_RETURN(std::string encoded, ReadMessage(from_target));
     if (encoded.empty()) return absl::UnavailableError("the target process failed to start");
     ASSIGN_OR_RETURN(PeerInfo peer, kvtransfer::DecodePeerInfo(encoded));
     RETURN_IF_ERROR(t->AddPeer(peer));
@@ -390,15 +406,7 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
     RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, HostBlocks(pool, layout), layout, opt));
     Print(rows, opt);
     return absl::OkStatus();
-  }();
-  close(down[1]);  // the target exits on EOF
-  close(up[0]);
-  int wstatus = 0;
-  waitpid(pid, &wstatus, 0);
-  if (st.ok() && !(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0)) {
-    return absl::InternalError("the target process failed");
-  }
-  return st;
+  });
 }
 #endif  // TANDEM_HAVE_UCX
 
@@ -451,20 +459,9 @@ int RunCudaIpcTarget(const TransferBenchOptions& opt, int to_parent, int from_pa
 }
 
 absl::Status RunCudaIpc(const TransferBenchOptions& opt) {
-  int down[2], up[2];
-  if (pipe(down) != 0 || pipe(up) != 0) return absl::InternalError("pipe failed");
-  std::fflush(stdout);
-  const pid_t pid = fork();  // before this process touches CUDA
-  if (pid < 0) return absl::InternalError("fork failed");
-  if (pid == 0) {
-    close(down[1]);
-    close(up[0]);
-    _exit(RunCudaIpcTarget(opt, up[1], down[0]));
-  }
-  close(down[0]);
-  close(up[1]);
-  absl::Status st = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(std::string message, ReadMessage(up[0]));
+  auto target = [&opt](int to_parent, int from_parent) { return RunCudaIpcTarget(opt, to_parent, from_parent); };
+  return WithTargetProcess(target, [&](int from_target) -> absl::Status {
+    ASSIGN_OR_RETURN(std::string message, ReadMessage(from_target));
     if (!message.empty() && message[0] == '!') {
       return absl::FailedPreconditionError(absl::StrCat("--backend cuda_ipc: ", message.substr(1)));
     }
@@ -504,15 +501,7 @@ absl::Status RunCudaIpc(const TransferBenchOptions& opt) {
     RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, read_block, layout, opt));
     Print(rows, opt);
     return absl::OkStatus();
-  }();
-  close(down[1]);  // the target exits on EOF
-  close(up[0]);
-  int wstatus = 0;
-  waitpid(pid, &wstatus, 0);
-  if (st.ok() && !(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0)) {
-    return absl::InternalError("the target process failed");
-  }
-  return st;
+  });
 }
 #endif  // TANDEM_HAVE_CUDA_IPC
 
