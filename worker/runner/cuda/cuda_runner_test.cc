@@ -23,6 +23,7 @@
 #include "worker/model/builtin_models.h"
 #include "worker/model/model_loader.h"
 #include "worker/model/safetensors.h"
+#include "worker/runner/cuda/gpu_test_support.h"
 #include "worker/runner/cuda/model_kernels.h"
 #include "worker/runner/model_runner.h"
 
@@ -83,15 +84,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> MakeRunner(const std::string& name,
   o.batch_invariant = batch_invariant;
   o.cuda_graphs = cuda_graphs;
   return ModelRunnerRegistry::Builtin().Create(name, config, std::make_shared<Bf16Source>(config, seed), o);
-}
-
-bool SkipWithoutGpu() {
-  const char* why = nullptr;
-  if (!kernels::cuda::Available(&why)) {
-    std::printf("skipped: %s\n", why);
-    return true;
-  }
-  return false;
 }
 
 ModelConfig SmallConfig() {

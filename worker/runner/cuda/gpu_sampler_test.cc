@@ -16,19 +16,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/paged_attention.h"
+#include "worker/runner/cuda/gpu_test_support.h"
 #include "worker/sampling/sampler.h"
 
 namespace tandem::worker {
 namespace {
-
-bool SkipWithoutGpu() {
-  const char* why = nullptr;
-  if (!kernels::cuda::Available(&why)) {
-    std::printf("skipped: %s\n", why);
-    return true;
-  }
-  return false;
-}
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
