@@ -27,6 +27,10 @@ TEST(BenchEngineFlagsTest, BadSamplingFlagsNameTheFlag) {
       {"--temperature 3", "--temperature"},
       {"--top-k -3", "--top-k"},
       {"--top-p x", "--top-p"},
+      // GPU-only switches on the CPU bench are refused, not ignored.
+      {"--device cpu --temperature 0.5", "--temperature"},
+      {"--device cpu --host-sampling", "--host-sampling"},
+      {"--device cpu --enforce-eager", "--enforce-eager"},
   };
   for (const auto& [flags, name] : cases) {
     std::string out;

@@ -394,6 +394,18 @@ absl::Status RunBench(const BenchOptions& opt) {
     ec.runner_options.gpu_sampling = !opt.host_sampling;
     return RunGpuBench(opt, ec);
   }
+  // The GPU bench's switches would be ignored here: refused, by name.
+  const std::pair<bool, const char*> gpu_only[] = {
+      {opt.batch_invariant, "--batch-invariant"},
+      {opt.enforce_eager, "--enforce-eager"},
+      {opt.host_sampling, "--host-sampling"},
+      {opt.temperature != 0.0f, "--temperature"},
+      {opt.top_p != 1.0f, "--top-p"},
+      {opt.top_k != 0, "--top-k"},
+  };
+  for (const auto& [set, flag] : gpu_only) {
+    if (set) return absl::InvalidArgumentError(absl::StrCat(flag, " applies to --device cuda only"));
+  }
   ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel(opt.model));
   const ModelConfig config = loaded.config;
   EngineConfig ec;
