@@ -106,6 +106,14 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(out.find("--device cuda serves --role both for now"), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport nccl", &out), 0);
   EXPECT_NE(out.find("--kv-transport must be none or one of ucx, got 'nccl'"), std::string::npos) << out;
+  // The GPU runner's switches on a CPU (or simulated) worker: refused, not ignored.
+  for (const std::string flag : {"--host-sampling", "--enforce-eager", "--batch-invariant"}) {
+    EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure " + flag, &out), 0);
+    EXPECT_NE(out.find(flag + " applies to --device cuda only (this worker runs on --device cpu)"), std::string::npos)
+        << out;
+  }
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --engine sim --host-sampling", &out), 0);
+  EXPECT_NE(out.find("--host-sampling applies to --device cuda only"), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --gpu-memory-utilization 1.5", &out), 0);
   EXPECT_NE(out.find("--gpu-memory-utilization must be in (0, 1], got 1.5"), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --model builtin:tiny --gpu-memory-utilization 0.5", &out),

@@ -225,6 +225,19 @@ absl::Status RunWorker(WorkerOptions opt) {
   const bool kv_memory_given = !opt.kv_cache_memory.empty();
   ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(kv_memory_given ? opt.kv_cache_memory : "256MiB"));
   opt.engine.enable_prefix_caching = !opt.no_prefix_caching;
+  // The GPU runner's switches would be ignored elsewhere: refused, by name.
+  if (opt.device.rfind("cuda", 0) != 0) {
+    const RunnerOptions& r = opt.engine.runner_options;
+    const std::pair<bool, const char*> gpu_only[] = {{!r.cuda_graphs, "--enforce-eager"},
+                                                     {r.batch_invariant, "--batch-invariant"},
+                                                     {!r.gpu_sampling, "--host-sampling"}};
+    for (const auto& [set, flag] : gpu_only) {
+      if (set) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s applies to --device cuda only (this worker runs on --device %s)", flag, opt.device));
+      }
+    }
+  }
   // The runner: "real" is the forward pass on --device, "sim" the timing model.
   if (opt.engine_kind == "sim") {
     if (opt.device != "cpu") {
