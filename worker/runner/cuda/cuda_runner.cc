@@ -319,6 +319,11 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Cuda(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
     const int64_t used = int64_t(total) - int64_t(free_bytes);  // weights, context, other processes
     int64_t activations = ActivationBytes(max_batched_tokens, std::min(max_seqs, max_batched_tokens));
+    if (gpu_sampling_) {
+      // The GPU sampler's full pass (its other buffers grow with the rows'
+      // token lists and fall back to the host sampler when they cannot).
+      activations += cuda_ops::SampleFullScratchBytes(config().vocab_size, cuda_ops::kSampleFullRows);
+    }
     if (batch_invariant_) {
       // Fixed decode splits: every row's partials over the longest context.
       activations += kernels::cuda::FixedSplitWorkspaceBytes(std::min(max_seqs, max_batched_tokens), config().num_heads,
