@@ -434,9 +434,7 @@ void KvReceiver::VerifyAndCommit(const std::shared_ptr<Pull>& pull) {
   std::vector<int32_t> dst;
   dst.reserve(pull->checksums.size());
   for (size_t i = 0; i < pull->checksums.size(); ++i) dst.push_back(pull->pairs[i].dst);
-  // Sent without checksums: nothing to check (and nothing asked of the pool).
-  const absl::StatusOr<std::vector<uint64_t>> sums =
-      dst.empty() ? absl::StatusOr<std::vector<uint64_t>>(std::vector<uint64_t>()) : engine_->KvBlockChecksums(dst);
+  const absl::StatusOr<std::vector<uint64_t>> sums = engine_->KvBlockChecksums(dst);  // none asked: none
   if (!sums.ok()) {
     Fail(pull,
          grpc::Status(grpc::StatusCode::INTERNAL,

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -26,6 +27,9 @@ inline absl::Status Cuda(cudaError_t e, const char* what) {
   return absl::InternalError(absl::StrCat("cuda runner: ", what, ": ", cudaGetErrorString(e)));
 }
 inline absl::Status Launch(int e, const char* what) { return Cuda(static_cast<cudaError_t>(e), what); }
+
+// n rounded up to 16 (the offsets of packed uploads).
+inline size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
 // Device memory (or, `pinned`, page-locked host memory), freed with the buffer.
 template <bool kPinned>

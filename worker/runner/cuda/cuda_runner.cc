@@ -58,6 +58,7 @@
 namespace tandem::worker {
 namespace {
 
+using cuda_util::Align16;
 using cuda_util::Cuda;
 using cuda_util::DeviceBuffer;
 using cuda_util::Launch;
@@ -164,10 +165,6 @@ class CudaRunner final : public ModelRunner {
     gemm_.reset();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
     if (checksum_stream_ != nullptr) cudaStreamDestroy(checksum_stream_);
-    if (host_meta_ != nullptr) cudaFreeHost(host_meta_);
-    if (host_logits_ != nullptr) cudaFreeHost(host_logits_);
-    if (pinned_rows_ != nullptr) cudaFreeHost(pinned_rows_);
-    if (pinned_ids_ != nullptr) cudaFreeHost(pinned_ids_);
   }
 
   absl::Status Init(const TensorSource& tensors) {
@@ -294,7 +291,7 @@ class CudaRunner final : public ModelRunner {
       RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&checksum_stream_, cudaStreamNonBlocking), "the checksum stream"));
     }
     const size_t n = blocks.size();
-    const size_t ids_bytes = (n * sizeof(int32_t) + 15) & ~size_t{15};
+    const size_t ids_bytes = Align16(n * sizeof(int32_t));
     RETURN_IF_ERROR(Reserve(&checksum_io_, int64_t(ids_bytes + n * sizeof(uint64_t)), "block checksums"));
     auto* d_ids = static_cast<int32_t*>(checksum_io_.get());
     auto* d_out = reinterpret_cast<uint64_t*>(static_cast<unsigned char*>(checksum_io_.get()) + ids_bytes);
@@ -408,20 +405,37 @@ class CudaRunner final : public ModelRunner {
     }
     const size_t g = greedy_rows_.size();
     if (g > 0) {
-      RETURN_IF_ERROR(ReservePinned(g));
-      std::memcpy(pinned_rows_, greedy_rows_.data(), g * sizeof(int));
+      RETURN_IF_ERROR(Reserve(&pinned_rows_, int64_t(g * sizeof(int)), "pinned rows"));
+      RETURN_IF_ERROR(Reserve(&pinned_ids_, int64_t(g * sizeof(int32_t)), "pinned ids"));
+      std::memcpy(pinned_rows_.get(), greedy_rows_.data(), g * sizeof(int));
       RETURN_IF_ERROR(Reserve(&sample_meta_, int64_t(g) * 8, "sampling"));
       int* d_rows = static_cast<int*>(sample_meta_.get());
       int32_t* d_ids = reinterpret_cast<int32_t*>(d_rows + g);
       RETURN_IF_ERROR(
-          Cuda(cudaMemcpyAsync(d_rows, pinned_rows_, g * sizeof(int), cudaMemcpyHostToDevice, stream_), "upload rows"));
+          Cuda(cudaMemcpyAsync(d_rows, pinned_rows_.get(), g * sizeof(int), cudaMemcpyHostToDevice, stream_),
+               "upload rows"));
       RETURN_IF_ERROR(Launch(cuda_ops::LaunchArgmax(static_cast<const float*>(logits_.get()), d_rows, int(g),
                                                     c.vocab_size, d_ids, stream_),
                              "argmax"));
       RETURN_IF_ERROR(
-          Cuda(cudaMemcpyAsync(pinned_ids_, d_ids, g * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_), "ids"));
+          Cuda(cudaMemcpyAsync(pinned_ids_.get(), d_ids, g * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_), "ids"));
     }
     float* logits = static_cast<float*>(logits_.get());
+    float* host_logits = static_cast<float*>(host_logits_.get());
+    // The host sampler's rows' logits (every row's in one copy when all are).
+    auto download = [&](std::span<const int> which) -> absl::Status {
+      if (which.size() == rows.size()) {
+        return Cuda(
+            cudaMemcpyAsync(host_logits, logits, rows.size() * vocab * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+            "download logits");
+      }
+      for (int r : which) {
+        RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host_logits + r * vocab, logits + r * vocab, vocab * sizeof(float),
+                                             cudaMemcpyDeviceToHost, stream_),
+                             "download logits"));
+      }
+      return absl::OkStatus();
+    };
     if (absl::Status st = gpu_sampler_.Enqueue(logits, c.vocab_size, rows, gpu_rows_, c.eos_token_ids, stream_);
         !st.ok()) {
       // Its buffers grow with the rows' token lists: without the memory,
@@ -431,23 +445,13 @@ class CudaRunner final : public ModelRunner {
       std::call_once(said, [&] { LOG(WARNING) << "GPU sampling falls back to the host: " << st; });
       host_rows_.insert(host_rows_.end(), gpu_rows_.begin(), gpu_rows_.end());
       gpu_rows_.clear();
-      RETURN_IF_ERROR(gpu_sampler_.Enqueue(logits, c.vocab_size, rows, gpu_rows_, c.eos_token_ids, stream_));
     }
-    if (host_rows_.size() == rows.size()) {
-      RETURN_IF_ERROR(Cuda(
-          cudaMemcpyAsync(host_logits_, logits, rows.size() * vocab * sizeof(float), cudaMemcpyDeviceToHost, stream_),
-          "download logits"));
-    } else {
-      for (int r : host_rows_) {
-        RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host_logits_ + r * vocab, logits + r * vocab, vocab * sizeof(float),
-                                             cudaMemcpyDeviceToHost, stream_),
-                             "download logits"));
-      }
-    }
+    RETURN_IF_ERROR(download(host_rows_));
     RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
     RETURN_IF_ERROR(forward_error());
     sampled->resize(rows.size());
-    for (size_t j = 0; j < g; ++j) (*sampled)[greedy_rows_[j]].token_id = pinned_ids_[j];
+    const auto* greedy_ids = static_cast<const int32_t*>(pinned_ids_.get());
+    for (size_t j = 0; j < g; ++j) (*sampled)[greedy_rows_[j]].token_id = greedy_ids[j];
     // Rows whose walk went past the GPU sampler's candidates: its full pass.
     std::vector<int> late_host_rows;
     if (gpu_sampler_.Finish(rows, sampled)) {
@@ -456,11 +460,7 @@ class CudaRunner final : public ModelRunner {
         static std::once_flag said;
         std::call_once(said, [&] { LOG(WARNING) << "GPU sampling's full pass falls back to the host: " << st; });
         late_host_rows = gpu_sampler_.PendingRows();  // their logits as the first pass left them
-        for (int r : late_host_rows) {
-          RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(host_logits_ + r * vocab, logits + r * vocab, vocab * sizeof(float),
-                                               cudaMemcpyDeviceToHost, stream_),
-                               "download logits"));
-        }
+        RETURN_IF_ERROR(download(late_host_rows));
       }
       RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "synchronize"));
       if (late_host_rows.empty() && gpu_sampler_.Finish(rows, sampled)) {
@@ -473,7 +473,7 @@ class CudaRunner final : public ModelRunner {
     sample_rows_.clear();
     for (int i : host_rows_) {
       const RowSampling& r = rows[i];
-      sample_rows_.push_back({.logits = std::span<float>(host_logits_ + i * vocab, vocab),
+      sample_rows_.push_back({.logits = std::span<float>(host_logits + i * vocab, vocab),
                               .params = r.params,
                               .prompt = r.prompt,
                               .output = r.output,
@@ -489,27 +489,10 @@ class CudaRunner final : public ModelRunner {
   }
 
  private:
-  absl::Status ReservePinned(size_t rows) {
-    if (pinned_rows_capacity_ >= rows) return absl::OkStatus();
-    if (pinned_rows_ != nullptr) cudaFreeHost(pinned_rows_);
-    if (pinned_ids_ != nullptr) cudaFreeHost(pinned_ids_);
-    pinned_rows_ = nullptr;
-    pinned_ids_ = nullptr;
-    pinned_rows_capacity_ = 0;
-    const size_t capacity = std::max<size_t>(rows, 1024);
-    RETURN_IF_ERROR(
-        Cuda(cudaMallocHost(reinterpret_cast<void**>(&pinned_rows_), capacity * sizeof(int)), "pinned rows"));
-    RETURN_IF_ERROR(
-        Cuda(cudaMallocHost(reinterpret_cast<void**>(&pinned_ids_), capacity * sizeof(int32_t)), "pinned ids"));
-    pinned_rows_capacity_ = capacity;  // only once both exist
-    return absl::OkStatus();
-  }
-
   // Metadata offsets in the packed upload (bytes, 16-aligned).
   struct MetaLayout {
     size_t tokens, positions, slots, query_start, context_lens, block_tables, logits_rows, run_query_starts, total;
   };
-  static size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
 
   // One forward pass, its logits rows in logits_ (device) when it returns.
   // With `error_word` (pinned), the kernels' error word is only queued for
@@ -588,17 +571,12 @@ class CudaRunner final : public ModelRunner {
     }
     m.run_query_starts = place(run_query_starts_.size() * sizeof(int));
     m.total = at;
-    if (host_meta_bytes_ < m.total) {
+    if (host_meta_.bytes() < int64_t(m.total)) {
       // The previous step's copy has finished: every step ends synchronized.
-      if (host_meta_ != nullptr) cudaFreeHost(host_meta_);
-      host_meta_ = nullptr;
-      host_meta_bytes_ = 0;
-      const size_t bytes = std::max<size_t>(m.total * 2, 1 << 16);
-      RETURN_IF_ERROR(Cuda(cudaMallocHost(&host_meta_, bytes), "pinned metadata buffer"));
-      host_meta_bytes_ = bytes;
+      RETURN_IF_ERROR(Reserve(&host_meta_, int64_t(m.total) * 2, "pinned metadata buffer"));
     }
-    RETURN_IF_ERROR(Reserve(&meta_, int64_t(host_meta_bytes_), "step metadata"));
-    char* h = static_cast<char*>(host_meta_);
+    RETURN_IF_ERROR(Reserve(&meta_, host_meta_.bytes(), "step metadata"));
+    char* h = static_cast<char*>(host_meta_.get());
     auto put = [&](size_t off, const auto& v) { std::memcpy(h + off, v.data(), v.size() * sizeof(v[0])); };
     put(m.tokens, in.tokens);
     put(m.positions, in.positions);
@@ -608,8 +586,8 @@ class CudaRunner final : public ModelRunner {
     put(m.block_tables, in.block_tables);
     put(m.logits_rows, in.logits_rows);
     put(m.run_query_starts, run_query_starts_);
-    RETURN_IF_ERROR(
-        Cuda(cudaMemcpyAsync(meta_.get(), host_meta_, m.total, cudaMemcpyHostToDevice, stream_), "upload metadata"));
+    RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(meta_.get(), host_meta_.get(), m.total, cudaMemcpyHostToDevice, stream_),
+                         "upload metadata"));
     meta_layout_ = m;
     return absl::OkStatus();
   }
@@ -644,15 +622,7 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Reserve(&last_, int64_t{std::max(R, 1)} * c.hidden_size * 2, "activations"));
     const int64_t logits_bytes = int64_t{std::max(R, 1)} * c.vocab_size * int64_t{sizeof(float)};
     RETURN_IF_ERROR(Reserve(&logits_, logits_bytes, "logits"));
-    if (host_logits_bytes_ < logits_bytes) {
-      if (host_logits_ != nullptr) cudaFreeHost(host_logits_);
-      host_logits_ = nullptr;
-      host_logits_bytes_ = 0;
-      void* p = nullptr;
-      RETURN_IF_ERROR(Cuda(cudaMallocHost(&p, size_t(logits_bytes)), "pinned logits buffer"));
-      host_logits_ = static_cast<float*>(p);
-      host_logits_bytes_ = logits_bytes;
-    }
+    RETURN_IF_ERROR(Reserve(&host_logits_, logits_bytes, "pinned logits buffer"));
     int64_t ws = kernels::cuda::kErrorWordBytes;
     for (const AttentionRun& r : runs_) {  // (a graph's run has its width's longest context)
       ws = std::max(ws, r.decode && batch_invariant_
@@ -935,12 +905,10 @@ class CudaRunner final : public ModelRunner {
   int64_t weight_bytes_ = 0;
   DeviceBuffer kv_pool_;
   // Per step, grown as needed.
-  void* host_meta_ = nullptr;  // pinned
-  size_t host_meta_bytes_ = 0;
+  cuda_util::PinnedBuffer host_meta_;
   MetaLayout meta_layout_{};
   DeviceBuffer meta_, x_, h_, qkv_, attn_, gu_, act_, last_, logits_, attn_workspace_;
-  float* host_logits_ = nullptr;  // pinned
-  int64_t host_logits_bytes_ = 0;
+  cuda_util::PinnedBuffer host_logits_;
   // Sampling: which rows take the GPU's greedy pick, and its answers.
   std::vector<int> greedy_rows_, host_rows_;
   ParallelSampler sampler_;
@@ -954,9 +922,7 @@ class CudaRunner final : public ModelRunner {
   BatchInput graph_in_;
   std::vector<int> graph_contexts_;
   DeviceBuffer sample_meta_;
-  int* pinned_rows_ = nullptr;
-  int32_t* pinned_ids_ = nullptr;
-  size_t pinned_rows_capacity_ = 0;
+  cuda_util::PinnedBuffer pinned_rows_, pinned_ids_;  // the greedy rows and their argmax ids
 };
 
 }  // namespace

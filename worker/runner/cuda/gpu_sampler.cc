@@ -7,12 +7,6 @@
 #include "worker/sampling/philox.h"
 
 namespace tandem::worker {
-namespace {
-
-size_t Align16(size_t n) { return (n + 15) & ~size_t{15}; }
-
-}  // namespace
-
 void GpuSampler::NewList(int vocab) {
   if (stamp_.size() != static_cast<size_t>(vocab)) {
     stamp_.assign(static_cast<size_t>(vocab), 0);
@@ -95,16 +89,17 @@ absl::Status GpuSampler::Enqueue(float* logits, int vocab, std::span<const RowSa
     args_.push_back(a);
   }
   const size_t n = args_.size();
-  for (size_t j = 0; j < n; ++j) slots_.push_back(static_cast<int>(j));
-  const size_t args_bytes = Align16(n * sizeof(cuda_ops::SampleRowArgs));
+  const size_t args_bytes = cuda_util::Align16(n * sizeof(cuda_ops::SampleRowArgs));
   args_bytes_ = args_bytes;
-  const size_t ids_bytes = Align16(std::max<size_t>(ids_.size(), 1) * sizeof(int32_t));
+  const size_t ids_bytes = cuda_util::Align16(std::max<size_t>(ids_.size(), 1) * sizeof(int32_t));
   const size_t out_bytes = n * sizeof(cuda_ops::SampleRowResult);
   RETURN_IF_ERROR(cuda_util::Reserve(&up_, int64_t(args_bytes + ids_bytes), "sampling arguments (pinned)"));
   RETURN_IF_ERROR(cuda_util::Reserve(&down_, int64_t(out_bytes), "sampling results (pinned)"));
   RETURN_IF_ERROR(cuda_util::Reserve(&d_up_, int64_t(args_bytes + ids_bytes), "sampling arguments"));
   RETURN_IF_ERROR(cuda_util::Reserve(&d_saved_, int64_t(ids_bytes), "sampling saved logits"));
   RETURN_IF_ERROR(cuda_util::Reserve(&d_out_, int64_t(out_bytes), "sampling results"));
+  // Only now, with every buffer in hand, are the rows this sampler's to finish.
+  for (size_t j = 0; j < n; ++j) slots_.push_back(static_cast<int>(j));
   auto* up = static_cast<unsigned char*>(up_.get());
   std::memcpy(up, args_.data(), n * sizeof(cuda_ops::SampleRowArgs));
   if (!ids_.empty()) std::memcpy(up + args_bytes, ids_.data(), ids_.size() * sizeof(int32_t));

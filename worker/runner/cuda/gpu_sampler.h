@@ -31,7 +31,9 @@ class GpuSampler {
   // Enqueues, on `stream`, the sampling of rows[i] from logits row i of
   // `logits` ([*, vocab], device) for every i in `which` (distinct). The
   // rows' logits come out as the host sampler reads them (sampling_kernels.h).
-  // The results are Finish's once the stream has synchronized.
+  // The results are Finish's once the stream has synchronized. On an error
+  // nothing is enqueued and no row is pending (ResourceExhausted: its
+  // buffers could not grow; the caller may sample the rows elsewhere).
   absl::Status Enqueue(float* logits, int vocab, std::span<const RowSampling> rows, std::span<const int> which,
                        std::span<const int> eos_token_ids, cudaStream_t stream);
 
