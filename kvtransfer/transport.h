@@ -198,6 +198,8 @@ struct TransportOptions {
   // the network devices for tcp (UcxOptions).
   std::string transports = "auto";
   std::string net_devices;
+  // cuda_ipc: the GPU whose pool it moves (the worker's --device cuda:N).
+  int device = 0;
 };
 
 class TransportRegistry {
@@ -214,9 +216,10 @@ class TransportRegistry {
   const TransportCapabilities* Capabilities(std::string_view name) const;
   std::vector<std::string> names() const;
 
-  // The backends a worker can use across processes: "ucx" (an error naming
-  // the build option where this binary has no UCX). The in-process loopback
-  // is for tests and is not here.
+  // The backends a worker can use across processes: "ucx" (host pools; an
+  // error naming the build option where this binary has no UCX) and
+  // "cuda_ipc" (GPU pools of one host; an error where this binary was built
+  // without CUDA). The in-process loopback is for tests and is not here.
   static const TransportRegistry& Builtin();
 
  private:

@@ -21,7 +21,7 @@ PoolLayout Layout() {
 
 TEST(TransportRegistryTest, BuiltinTransportsByNameWithTheirCapabilities) {
   const TransportRegistry& r = TransportRegistry::Builtin();
-  EXPECT_EQ(r.names(), std::vector<std::string>{"ucx"});
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"cuda_ipc", "ucx"}));
   const TransportCapabilities* ucx = r.Capabilities("ucx");
   ASSERT_NE(ucx, nullptr);
   EXPECT_TRUE(ucx->push);
@@ -29,12 +29,19 @@ TEST(TransportRegistryTest, BuiltinTransportsByNameWithTheirCapabilities) {
   EXPECT_FALSE(ucx->needs_pairing);
   EXPECT_TRUE(ucx->Moves(MemoryType::kHost));
   EXPECT_FALSE(ucx->Moves(MemoryType::kCuda));  // Debian's UCX has no CUDA transports
+  const TransportCapabilities* cuda_ipc = r.Capabilities("cuda_ipc");
+  ASSERT_NE(cuda_ipc, nullptr);
+  EXPECT_TRUE(cuda_ipc->push);
+  EXPECT_TRUE(cuda_ipc->pull);
+  EXPECT_FALSE(cuda_ipc->needs_pairing);
+  EXPECT_TRUE(cuda_ipc->Moves(MemoryType::kCuda));
+  EXPECT_FALSE(cuda_ipc->Moves(MemoryType::kHost));
   EXPECT_EQ(r.Capabilities("nccl"), nullptr);
   absl::StatusOr<std::unique_ptr<Transport>> bad = r.Create("nccl", {});
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.status().message()),
-              ::testing::HasSubstr("--kv-transport must be none or one of ucx, got 'nccl'"));
+              ::testing::HasSubstr("--kv-transport must be none or one of cuda_ipc, ucx, got 'nccl'"));
 }
 
 TEST(TransportRegistryTest, ARegistryCreatesWhatWasRegistered) {

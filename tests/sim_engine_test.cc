@@ -102,10 +102,12 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(out.find("--device cuda keeps the KV cache in GPU memory, which --kv-transport ucx cannot move"),
             std::string::npos)
       << out;
-  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --device cuda --role prefill", &out), 0);
-  EXPECT_NE(out.find("--device cuda serves --role both for now"), std::string::npos) << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --role prefill --kv-transport cuda_ipc", &out), 0);
+  EXPECT_NE(out.find("--kv-transport cuda_ipc moves GPU memory, and --device cpu keeps the KV cache in host memory"),
+            std::string::npos)
+      << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport nccl", &out), 0);
-  EXPECT_NE(out.find("--kv-transport must be none or one of ucx, got 'nccl'"), std::string::npos) << out;
+  EXPECT_NE(out.find("--kv-transport must be none or one of cuda_ipc, ucx, got 'nccl'"), std::string::npos) << out;
   // The GPU runner's switches on a CPU (or simulated) worker: refused, not ignored.
   for (const std::string flag : {"--host-sampling", "--enforce-eager", "--batch-invariant"}) {
     EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure " + flag, &out), 0);

@@ -342,13 +342,20 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
       {"--kv-cache-memory 5lots", "--kv-cache-memory: '5lots' is not a size"},
       {"--device tpu", "--device must be cpu, cuda or cuda:N, got 'tpu'"},
       {"--device cuda:x", "--device must be cpu, cuda or cuda:N, got 'cuda:x'"},
-      {"--device cuda --prefill 1 --decode 1",
-       "--device cuda: GPU workers cannot hand KV blocks to each other yet; serve with --aggregated K"},
+      {"--device cuda --prefill 1 --decode 1 --kv-transport ucx",
+       "--kv-transport ucx cannot move the KV cache of cuda workers (GPU memory): use --kv-transport cuda_ipc"},
+      {"--prefill 1 --decode 1 --kv-transport cuda_ipc",
+       "--kv-transport cuda_ipc cannot move the KV cache of cpu workers (host memory): use --kv-transport ucx"},
+      {"--prefill 1 --decode 1 --kv-transport nccl", "--kv-transport must be ucx or cuda_ipc, got 'nccl'"},
+      {"--aggregated 1 --kv-transport ucx", "--kv-transport is for disaggregated clusters"},
+      {"--gpu-memory-utilization 0.5", "--gpu-memory-utilization is for GPU workers"},
+      {"--device cuda:0 --gpu-memory-utilization 1.5", "--gpu-memory-utilization must be in (0, 1], got 1.5"},
   };
   std::vector<Case> all = cases;
   if (!kernels::cuda::Available()) {
     // Without a GPU (CI), GPU workers are refused before any starts.
     all.push_back({"--device cuda --aggregated 2", "--device cuda: "});
+    all.push_back({"--device cuda:0 --prefill 1 --decode 1", "--device cuda:0: "});
   }
   for (const Case& c : all) {
     std::string out;

@@ -4,10 +4,13 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -16,6 +19,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kvtransfer/cuda_ipc/copy_runs.h"
 
 namespace tandem::kvtransfer {
 namespace {
@@ -51,6 +57,34 @@ const std::string& ProcessToken() {
     return absl::StrFormat("%08x%08x%08x", rd(), rd(), rd());
   }();
   return token;
+}
+
+// A process's start time in clock ticks after boot (field 22 of
+// /proc/PID/stat); 0 where the process has exited (a zombie included) or
+// /proc does not say.
+uint64_t ProcessStartTime(int64_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string stat;
+  if (!std::getline(in, stat)) return 0;
+  const size_t comm_end = stat.rfind(')');  // the command may hold spaces and parentheses
+  if (comm_end == std::string::npos) return 0;
+  std::vector<absl::string_view> fields =
+      absl::StrSplit(absl::string_view(stat).substr(comm_end + 1), ' ', absl::SkipEmpty());
+  uint64_t start = 0;
+  // fields[0] is field 3 (the state): field 22 is fields[19].
+  if (fields.size() < 20 || !absl::SimpleAtoi(fields[19], &start)) return 0;
+  if (fields[0] == "Z" || fields[0] == "X") return 0;  // exited, not yet reaped
+  return start;
+}
+
+// This process's pid namespace ("pid:[4026531836]"); empty where unknown.
+const std::string& PidNamespace() {
+  static const std::string ns = [] {
+    std::error_code ec;
+    std::string link = std::filesystem::read_symlink("/proc/self/ns/pid", ec).string();
+    return ec ? std::string() : link;
+  }();
+  return ns;
 }
 
 std::string NewAgentId() {
@@ -107,7 +141,8 @@ absl::StatusOr<CUdeviceptr> AllocationBase(const void* p) {
 
 std::string EncodeCudaIpcAddress(const CudaIpcAddress& a) {
   return absl::StrCat(kAddressVersion, ";handle=", Hex(a.handle), ";offset=", a.offset, ";pointer=", a.pointer,
-                      ";bus=", a.pci_bus_id, ";boot=", a.boot_id, ";process=", a.process, ";pid=", a.pid);
+                      ";bus=", a.pci_bus_id, ";boot=", a.boot_id, ";process=", a.process, ";pid=", a.pid,
+                      ";pidns=", a.pid_namespace, ";start=", a.start_time);
 }
 
 absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text) {
@@ -142,6 +177,10 @@ absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text) {
     } else if (key == "pid") {
       ok = absl::SimpleAtoi(value, &a.pid) && a.pid > 0;
       have_pid = ok;
+    } else if (key == "pidns") {
+      a.pid_namespace = std::string(value);
+    } else if (key == "start") {
+      ok = absl::SimpleAtoi(value, &a.start_time);
     }  // unknown keys: a newer peer's additions
     if (!ok)
       return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: bad value of '", key, "' in the peer's address"));
@@ -184,11 +223,16 @@ absl::StatusOr<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::Create(int d
     cudaStreamDestroy(stream);
     return st;
   }
-  return std::unique_ptr<CudaIpcTransport>(new CudaIpcTransport(device, stream, event));
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
+    cudaGetLastError();
+    sms = 16;
+  }
+  return std::unique_ptr<CudaIpcTransport>(new CudaIpcTransport(device, stream, event, 4 * sms));
 }
 
-CudaIpcTransport::CudaIpcTransport(int device, void* stream, void* event)
-    : device_(device), stream_(stream), event_(event), agent_id_(NewAgentId()) {
+CudaIpcTransport::CudaIpcTransport(int device, void* stream, void* event, int max_ctas)
+    : device_(device), stream_(stream), event_(event), agent_id_(NewAgentId()), max_ctas_(max_ctas) {
   thread_ = std::thread([this] { CopyLoop(); });
 }
 
@@ -204,6 +248,8 @@ CudaIpcTransport::~CudaIpcTransport() {
   for (Transfer& t : pending) t.done(absl::CancelledError("the transport was destroyed"));
   peers_.clear();
   DeviceGuard guard(device_);
+  if (chunks_device_ != nullptr) cudaFree(chunks_device_);
+  if (chunks_host_ != nullptr) cudaFreeHost(chunks_host_);
   cudaEventDestroy(static_cast<cudaEvent_t>(event_));
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
@@ -244,6 +290,8 @@ absl::Status CudaIpcTransport::RegisterPool(const PoolLayout& layout, void* base
   a.boot_id = HostBootId();
   a.process = ProcessToken();
   a.pid = getpid();
+  a.pid_namespace = PidNamespace();
+  a.start_time = ProcessStartTime(a.pid);
   layout_ = layout;
   layout_.device_id = device_;
   base_ = static_cast<unsigned char*>(base);
@@ -310,8 +358,14 @@ absl::Status CudaIpcTransport::AddPeer(const PeerInfo& peer) {
     mapping->opened = opened;
     mapping->base = static_cast<unsigned char*>(opened) + a->offset;
   }
+  // Watched: a process of this pid namespace (pids mean the same here).
+  const bool watch = a->process != ProcessToken() && !a->pid_namespace.empty() && a->pid_namespace == PidNamespace() &&
+                     a->start_time != 0;
   std::lock_guard<std::mutex> lock(mu_);
-  peers_[peer.agent_id] = Peer{peer.layout, std::move(mapping)};  // an old mapping closes with its last transfer
+  // An old mapping closes with its last transfer.
+  peers_[peer.agent_id] = Peer{
+      .layout = peer.layout, .mapping = std::move(mapping), .pid = a->pid, .start_time = watch ? a->start_time : 0};
+  exited_.erase(peer.agent_id);
   return absl::OkStatus();
 }
 
@@ -344,7 +398,10 @@ absl::StatusOr<uint64_t> CudaIpcTransport::Start(const std::string& agent_id, st
   std::unique_lock<std::mutex> lock(mu_);
   if (base_ == nullptr) return absl::FailedPreconditionError("no KV pool registered");
   auto peer = peers_.find(agent_id);
-  if (peer == peers_.end()) return absl::NotFoundError(absl::StrFormat("unknown KV transfer peer %s", agent_id));
+  if (peer == peers_.end()) {
+    if (exited_.contains(agent_id)) return ExitedError(agent_id);
+    return absl::NotFoundError(absl::StrFormat("unknown KV transfer peer %s", agent_id));
+  }
   const int64_t local_blocks = layout_.num_blocks, remote_blocks = peer->second.layout.num_blocks;
   absl::StatusOr<std::vector<CopyRun>> runs =
       PlanRuns(blocks, layout_.block_bytes, push ? local_blocks : remote_blocks, push ? remote_blocks : local_blocks);
@@ -376,6 +433,7 @@ absl::Status CudaIpcTransport::Run(Transfer& t) {
     if (cancelled_.contains(t.id)) return absl::CancelledError("transfer cancelled");
     auto peer = peers_.find(t.peer);
     if (peer == peers_.end() || peer->second.mapping != t.mapping) {
+      if (exited_.contains(t.peer)) return ExitedError(t.peer);
       return absl::UnavailableError(absl::StrFormat("peer %s is gone", t.peer));
     }
     if (std::chrono::steady_clock::now() > t.deadline)
@@ -409,15 +467,9 @@ absl::Status CudaIpcTransport::Run(Transfer& t) {
     std::lock_guard<std::mutex> lock(mu_);
     local = base_;
   }
-  for (const CopyRun& run : t.runs) {
-    unsigned char* dst = t.push ? t.mapping->base + run.dst_offset : local + run.dst_offset;
-    const unsigned char* src = t.push ? local + run.src_offset : t.mapping->base + run.src_offset;
-    if (absl::Status st =
-            Cuda(cudaMemcpyAsync(dst, src, static_cast<size_t>(run.bytes), cudaMemcpyDefault, stream), "copy");
-        !st.ok()) {
-      cudaStreamSynchronize(stream);  // what was issued lands before done
-      return st;
-    }
+  if (absl::Status st = IssueCopies(t, local); !st.ok()) {
+    cudaStreamSynchronize(stream);  // what was issued lands before done
+    return st;
   }
   auto event = static_cast<cudaEvent_t>(event_);
   if (absl::Status st = Cuda(cudaEventRecord(event, stream), "record"); !st.ok()) {
@@ -425,30 +477,128 @@ absl::Status CudaIpcTransport::Run(Transfer& t) {
     return st;
   }
   // Poll: the copies cannot be recalled, so whatever happens meanwhile is
-  // reported once they completed.
-  while (true) {
+  // reported once they completed. Yielding first: most transfers take tens
+  // of microseconds, which a sleep would double.
+  for (int polls = 0;; ++polls) {
     const cudaError_t q = cudaEventQuery(event);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) {
       cudaStreamSynchronize(stream);  // nothing of it may land after done
       return Cuda(q, "the copies");
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (polls < 2000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
   }
   return check();
 }
 
+absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* local) {
+  auto stream = static_cast<cudaStream_t>(stream_);
+  auto ends = [&](const CopyRun& run) {
+    unsigned char* dst = t.push ? t.mapping->base + run.dst_offset : local + run.dst_offset;
+    const unsigned char* src = t.push ? local + run.src_offset : t.mapping->base + run.src_offset;
+    return std::pair{src, dst};
+  };
+  std::vector<cuda_ipc::CopyChunk> chunks;
+  bool aligned = true;
+  for (const CopyRun& run : t.runs) {
+    const auto [src, dst] = ends(run);
+    if (!cuda_ipc::AppendChunks(reinterpret_cast<uint64_t>(src), reinterpret_cast<uint64_t>(dst), run.bytes, &chunks)) {
+      aligned = false;
+      break;
+    }
+  }
+  if (!aligned) {
+    for (const CopyRun& run : t.runs) {
+      const auto [src, dst] = ends(run);
+      RETURN_IF_ERROR(
+          Cuda(cudaMemcpyAsync(dst, src, static_cast<size_t>(run.bytes), cudaMemcpyDefault, stream), "copy"));
+    }
+    return absl::OkStatus();
+  }
+  if (chunks.empty()) return absl::OkStatus();
+  const int64_t n = static_cast<int64_t>(chunks.size());
+  if (n > chunks_capacity_) {
+    // The previous transfer completed (one at a time): both buffers are free.
+    const int64_t capacity = std::max<int64_t>(n, 2 * chunks_capacity_);
+    if (chunks_device_ != nullptr) cudaFree(chunks_device_);
+    if (chunks_host_ != nullptr) cudaFreeHost(chunks_host_);
+    chunks_device_ = chunks_host_ = nullptr;
+    chunks_capacity_ = 0;
+    const size_t bytes = static_cast<size_t>(capacity) * sizeof(cuda_ipc::CopyChunk);
+    RETURN_IF_ERROR(Cuda(cudaMalloc(&chunks_device_, bytes), "the copy descriptors"));
+    RETURN_IF_ERROR(Cuda(cudaMallocHost(&chunks_host_, bytes), "the copy descriptors"));
+    chunks_capacity_ = capacity;
+  }
+  const size_t bytes = chunks.size() * sizeof(cuda_ipc::CopyChunk);
+  std::memcpy(chunks_host_, chunks.data(), bytes);
+  RETURN_IF_ERROR(
+      Cuda(cudaMemcpyAsync(chunks_device_, chunks_host_, bytes, cudaMemcpyHostToDevice, stream), "the descriptors"));
+  return Cuda(cuda_ipc::LaunchCopyChunks(static_cast<const cuda_ipc::CopyChunk*>(chunks_device_), static_cast<int>(n),
+                                         max_ctas_, stream),
+              "the copy kernel");
+}
+
+absl::Status CudaIpcTransport::ExitedError(const std::string& agent_id) const {
+  return absl::UnavailableError(absl::StrFormat(
+      "KV transfer peer %s: its process (pid %d) exited, and its pool was let go", agent_id, exited_.at(agent_id)));
+}
+
+void CudaIpcTransport::SweepDeadPeers() {
+  struct Watched {
+    std::string agent;
+    int64_t pid;
+    uint64_t start;
+    std::shared_ptr<Mapping> mapping;
+  };
+  std::vector<Watched> watched;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [agent, peer] : peers_) {
+      if (peer.start_time != 0) watched.push_back({agent, peer.pid, peer.start_time, peer.mapping});
+    }
+  }
+  std::vector<Watched> dead;
+  for (Watched& w : watched) {
+    if (ProcessStartTime(w.pid) != w.start) dead.push_back(std::move(w));  // gone, or the pid reused
+  }
+  if (dead.empty()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (exited_.size() > 4096) exited_.clear();  // only for the error's wording
+  for (const Watched& w : dead) {
+    auto it = peers_.find(w.agent);
+    if (it == peers_.end() || it->second.mapping != w.mapping) continue;  // removed or re-added meanwhile
+    peers_.erase(it);
+    exited_[w.agent] = w.pid;
+    LOG(WARNING) << "cuda_ipc: KV transfer peer " << w.agent << " (pid " << w.pid
+                 << ") exited: its pool is unmapped once its transfers end";
+  }
+}
+
 void CudaIpcTransport::CopyLoop() {
   cudaSetDevice(device_);
+  constexpr auto kSweepEvery = std::chrono::seconds(1);
+  auto last_sweep = std::chrono::steady_clock::now();
   while (true) {
-    Transfer t;
+    std::optional<Transfer> next;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      cv_.wait_for(lock, kSweepEvery, [&] { return stop_ || !queue_.empty(); });
       if (stop_) return;
-      t = std::move(queue_.front());
-      queue_.pop_front();
+      if (!queue_.empty()) {
+        next = std::move(queue_.front());
+        queue_.pop_front();
+      }
     }
+    if (std::chrono::steady_clock::now() - last_sweep >= kSweepEvery) {
+      SweepDeadPeers();
+      last_sweep = std::chrono::steady_clock::now();
+    }
+    if (!next.has_value()) continue;
+    Transfer& t = *next;
     const absl::Status status = Run(t);
     {
       std::lock_guard<std::mutex> lock(mu_);

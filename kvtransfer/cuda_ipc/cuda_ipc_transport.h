@@ -6,8 +6,9 @@
 // the same process (two transports of one test) is reached through its
 // pointer directly.
 //
-// Completion: one copy thread takes transfers in order, issues their runs,
-// records an event and polls it. A copy on the GPU cannot be recalled: a
+// Completion: one copy thread takes transfers in order, issues their runs
+// (one kernel for all, copy_runs.h; cudaMemcpyAsync a run where a run is not
+// 16-byte aligned), records an event and polls it. A copy on the GPU cannot be recalled: a
 // transfer cancelled, removed or past its deadline while its copies run
 // reports that error only once they completed, so no byte lands after
 // `done`. PushAfter issues its copies once a kCuda fence's event completed
@@ -18,10 +19,16 @@
 // by EncodeCudaIpcAddress: the handle, the pool's offset in its allocation,
 // the device's PCI bus id, the host's boot id (another host is refused) and
 // a random token of the process (a peer in the same process is reached by
-// pointer), and the process id (for logs).
+// pointer), and the process id, pid namespace and start time.
 //
-// Status: built and unit-tested where nvcc exists; not yet registered in
-// TransportRegistry::Builtin (its GPU tests have to pass first).
+// A dead peer: its pool's memory stays allocated while this process maps
+// it, so a crashed worker's GPU memory would outlive it and starve its
+// restart. The copy thread checks every second whether the processes of its
+// peers (those of its pid namespace) still run; a dead one's peer entry goes
+// (its mapping is closed once its last transfer ended) and transfers to it
+// are refused with Unavailable, naming the exit. Peers of another pid
+// namespace are let go by RemovePeer only (the worker's PeerSet: a lost or
+// idle peer).
 //
 // Thread-safe.
 #ifndef TANDEM_KVTRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_H_
@@ -50,7 +57,12 @@ struct CudaIpcAddress {
   std::string pci_bus_id;
   std::string boot_id;  // /proc/sys/kernel/random/boot_id
   std::string process;  // a random token of the process (pids repeat across containers)
-  int64_t pid = 0;      // for logs
+  int64_t pid = 0;      // for logs, and the liveness check
+  // The process's pid namespace (/proc/self/ns/pid) and start time (ticks
+  // after boot, /proc/PID/stat): a peer of the same namespace is known dead
+  // when its pid is gone or started at another time. Empty / 0: not known.
+  std::string pid_namespace;
+  uint64_t start_time = 0;
 };
 std::string EncodeCudaIpcAddress(const CudaIpcAddress& a);
 // InvalidArgument naming what is malformed.
@@ -93,6 +105,8 @@ class CudaIpcTransport final : public Transport {
   struct Peer {
     PoolLayout layout;
     std::shared_ptr<Mapping> mapping;
+    int64_t pid = 0;          // watched where start_time != 0
+    uint64_t start_time = 0;  // of a process of this pid namespace, else 0
   };
   struct Transfer {
     uint64_t id = 0;
@@ -105,18 +119,29 @@ class CudaIpcTransport final : public Transport {
     TransferDone done;
   };
 
-  CudaIpcTransport(int device, void* stream, void* event);
+  CudaIpcTransport(int device, void* stream, void* event, int max_ctas);
   absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks,
                                  std::shared_ptr<const WriteFence> after, Deadline deadline, TransferDone done,
                                  bool push);
   void CopyLoop();
+  // Drops the peers whose processes are known to have exited.
+  void SweepDeadPeers();
+  // Unavailable, naming the exit of `agent_id` (in exited_).
+  absl::Status ExitedError(const std::string& agent_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Issues t's copies and waits for them; the transfer's outcome.
   absl::Status Run(Transfer& t);
+  // Issues t's runs on the stream (kernel or cudaMemcpyAsync).
+  absl::Status IssueCopies(const Transfer& t, unsigned char* local);
 
   const int device_;
   void* const stream_;  // cudaStream_t
   void* const event_;   // cudaEvent_t
   const std::string agent_id_;
+  const int max_ctas_;  // of the copy kernel
+  // The copy thread's: chunk descriptors (pinned) and their device copy.
+  void* chunks_host_ = nullptr;
+  void* chunks_device_ = nullptr;
+  int64_t chunks_capacity_ = 0;  // descriptors each holds
   mutable std::mutex mu_;
   std::condition_variable cv_;
   PoolLayout layout_ ABSL_GUARDED_BY(mu_);
@@ -125,6 +150,7 @@ class CudaIpcTransport final : public Transport {
   absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
   std::deque<Transfer> queue_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, bool> cancelled_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int64_t> exited_ ABSL_GUARDED_BY(mu_);  // dead peers' pids, by agent id
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

@@ -3,7 +3,8 @@
 // ordering a push after a GPU fence, and refusing what they must (another
 // host, unknown peers, bad block ids, a passed deadline); and a peer in
 // another process (the test binary again, as CudaIpcChildTest): its pool
-// opened through its IPC handle, pulled from, pushed into, and let go.
+// opened through its IPC handle, pulled from, pushed into, and let go once
+// the child exited.
 #include "kvtransfer/cuda_ipc/cuda_ipc_transport.h"
 
 #include <cuda_runtime_api.h>
@@ -36,6 +37,8 @@ TEST(CudaIpcAddressTest, RoundTripsAndRefusesMalformedAddresses) {
   a.boot_id = "4f1c8a5e-7d1e-4b3a-9c1b-0a1b2c3d4e5f";
   a.process = "0123456789abcdef01234567";
   a.pid = 4242;
+  a.pid_namespace = "pid:[4026531836]";
+  a.start_time = 987654321;
   absl::StatusOr<CudaIpcAddress> b = DecodeCudaIpcAddress(EncodeCudaIpcAddress(a));
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->handle, a.handle);
@@ -45,6 +48,8 @@ TEST(CudaIpcAddressTest, RoundTripsAndRefusesMalformedAddresses) {
   EXPECT_EQ(b->boot_id, a.boot_id);
   EXPECT_EQ(b->process, a.process);
   EXPECT_EQ(b->pid, a.pid);
+  EXPECT_EQ(b->pid_namespace, a.pid_namespace);
+  EXPECT_EQ(b->start_time, a.start_time);
   const std::string good = EncodeCudaIpcAddress(a);
   for (const std::string& bad :
        {std::string(""), std::string("ucx/1;handle=00"), good.substr(0, 30),
@@ -56,7 +61,7 @@ TEST(CudaIpcAddressTest, RoundTripsAndRefusesMalformedAddresses) {
   EXPECT_FALSE(HostBootId().empty());
 }
 
-PoolLayout Layout(int64_t blocks) {
+PoolLayout Layout(int64_t blocks, int64_t block_bytes = 2 * 2 * 2 * 64 * 16 * 2) {
   return PoolLayout{.model = "m",
                     .dtype = "bfloat16",
                     .num_layers = 2,
@@ -64,7 +69,7 @@ PoolLayout Layout(int64_t blocks) {
                     .head_dim = 64,
                     .block_size = 16,
                     .num_blocks = blocks,
-                    .block_bytes = 2 * 2 * 2 * 64 * 16 * 2,
+                    .block_bytes = block_bytes,
                     .memory_type = MemoryType::kCuda,
                     .device_id = 0};
 }
@@ -81,7 +86,7 @@ class CudaIpcTransportTest : public ::testing::Test {
       absl::StatusOr<std::unique_ptr<CudaIpcTransport>> t = CudaIpcTransport::Create(0);
       ASSERT_TRUE(t.ok()) << t.status();
       t_[k] = *std::move(t);
-      const PoolLayout layout = Layout(k == 0 ? 12 : 9);
+      const PoolLayout layout = Layout(k == 0 ? 12 : 9, BlockBytes());
       bytes_[k] = layout.num_blocks * layout.block_bytes;
       ASSERT_EQ(cudaMalloc(&pool_[k], static_cast<size_t>(bytes_[k])), cudaSuccess);
       host_[k].resize(static_cast<size_t>(bytes_[k]));
@@ -103,6 +108,7 @@ class CudaIpcTransportTest : public ::testing::Test {
     for (auto& t : t_) t.reset();
     for (void* p : pool_) cudaFree(p);
   }
+  virtual int64_t BlockBytes() const { return Layout(1).block_bytes; }
 
   // Runs a transfer to its end; its status.
   static absl::Status Wait(const std::function<absl::StatusOr<uint64_t>(TransferDone)>& start) {
@@ -117,6 +123,26 @@ class CudaIpcTransportTest : public ::testing::Test {
     return out;
   }
 
+  // Pushes and pulls scattered blocks both ways, against the host copies.
+  void PushAndPullScattered() {
+    const int64_t bb = BlockBytes();
+    const Deadline later = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    // Push 0's blocks {3, 4, 5, 11} into 1's {0, 1, 2, 8} (one merged run and one single).
+    const std::vector<BlockPair> push = {{3, 0}, {4, 1}, {5, 2}, {11, 8}};
+    ASSERT_TRUE(Wait([&](TransferDone d) { return t_[0]->Push(info_[1].agent_id, push, later, std::move(d)); }).ok());
+    for (const BlockPair& p : push) {
+      std::copy_n(host_[0].begin() + p.src * bb, bb, host_[1].begin() + p.dst * bb);
+    }
+    EXPECT_EQ(Read(1), host_[1]);
+    // Pull 1's {8, 2} into 0's {0, 7}.
+    const std::vector<BlockPair> pull = {{8, 0}, {2, 7}};
+    ASSERT_TRUE(Wait([&](TransferDone d) { return t_[0]->Pull(info_[1].agent_id, pull, later, std::move(d)); }).ok());
+    for (const BlockPair& p : pull) {
+      std::copy_n(host_[1].begin() + p.src * bb, bb, host_[0].begin() + p.dst * bb);
+    }
+    EXPECT_EQ(Read(0), host_[0]);
+  }
+
   std::mt19937 rng_{3};
   std::unique_ptr<CudaIpcTransport> t_[2];
   void* pool_[2] = {nullptr, nullptr};
@@ -125,24 +151,17 @@ class CudaIpcTransportTest : public ::testing::Test {
   PeerInfo info_[2];
 };
 
-TEST_F(CudaIpcTransportTest, PushAndPullMoveScatteredBlocks) {
-  const int64_t bb = Layout(1).block_bytes;
-  const Deadline later = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  // Push 0's blocks {3, 4, 5, 11} into 1's {0, 1, 2, 8} (one merged run and one single).
-  const std::vector<BlockPair> push = {{3, 0}, {4, 1}, {5, 2}, {11, 8}};
-  ASSERT_TRUE(Wait([&](TransferDone d) { return t_[0]->Push(info_[1].agent_id, push, later, std::move(d)); }).ok());
-  for (const BlockPair& p : push) {
-    std::copy_n(host_[0].begin() + p.src * bb, bb, host_[1].begin() + p.dst * bb);
-  }
-  EXPECT_EQ(Read(1), host_[1]);
-  // Pull 1's {8, 2} into 0's {0, 7}.
-  const std::vector<BlockPair> pull = {{8, 0}, {2, 7}};
-  ASSERT_TRUE(Wait([&](TransferDone d) { return t_[0]->Pull(info_[1].agent_id, pull, later, std::move(d)); }).ok());
-  for (const BlockPair& p : pull) {
-    std::copy_n(host_[1].begin() + p.src * bb, bb, host_[0].begin() + p.dst * bb);
-  }
-  EXPECT_EQ(Read(0), host_[0]);
-}
+TEST_F(CudaIpcTransportTest, PushAndPullMoveScatteredBlocks) { PushAndPullScattered(); }
+
+// Other block sizes: runs cut into several of the copy kernel's chunks
+// (300,000-byte blocks, a 900,000-byte run), and blocks of a size that is no
+// multiple of 16 (cudaMemcpyAsync a run instead of the kernel).
+class CudaIpcBlockBytesTest : public CudaIpcTransportTest, public ::testing::WithParamInterface<int64_t> {
+ protected:
+  int64_t BlockBytes() const override { return GetParam(); }
+};
+TEST_P(CudaIpcBlockBytesTest, PushAndPullMoveScatteredBlocks) { PushAndPullScattered(); }
+INSTANTIATE_TEST_SUITE_P(Sizes, CudaIpcBlockBytesTest, ::testing::Values(int64_t{300000}, int64_t{16008}, int64_t{16}));
 
 // A fence of GPU writes on another stream: the push's copies wait on it.
 TEST_F(CudaIpcTransportTest, PushAfterAGpuFenceCopiesTheWrittenBytes) {
@@ -330,10 +349,22 @@ TEST_F(CudaIpcTransportTest, AnotherProcessesPoolOpensThroughItsHandle) {
   std::stringstream result;
   result << result_in.rdbuf();
   EXPECT_EQ(result.str(), "ok");
-  t_[0]->RemovePeer(peer.agent_id);  // closes the mapping
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child failed";
+  // The child exited: within a few seconds its pool is let go (its memory
+  // would otherwise stay allocated while mapped here) and transfers to it
+  // are refused, naming the exit.
+  absl::Status after_exit;
+  for (int i = 0; i < 50; ++i) {
+    const Deadline soon = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    after_exit = Wait([&](TransferDone d) { return t_[0]->Pull(peer.agent_id, {{1, 0}}, soon, std::move(d)); });
+    if (!after_exit.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(after_exit.code(), absl::StatusCode::kUnavailable) << after_exit;
+  EXPECT_NE(std::string(after_exit.message()).find("exited"), std::string::npos) << after_exit;
+  t_[0]->RemovePeer(peer.agent_id);  // a peer already let go: nothing to do
   std::filesystem::remove_all(dir);
 }
 

@@ -60,6 +60,7 @@
 #include "common/signals.h"
 #include "common/status_macros.h"
 #include "kernels/paged_attention.h"
+#include "kvtransfer/transport.h"
 #include "orchestrator/cli/router_command.h"
 #include "orchestrator/config/router_config.h"
 #include "orchestrator/http/http_server.h"
@@ -88,11 +89,13 @@ struct UpOptions {
   std::string kv_cache_memory;
   std::vector<std::string> worker_args;
   std::string run_dir;
-  std::string engine;     // empty: the workers' default (real)
-  std::string device;     // empty: cpu; cuda: worker k on cuda:k; cuda:N: all on N
-  int max_restarts = 5;   // per worker, in a row; 0: a dead worker stops the cluster
-  bool insecure = false;  // plain TCP between router and workers
-  std::string api_key;    // empty: $TANDEM_API_KEY, if set
+  std::string engine;                 // empty: the workers' default (real)
+  std::string device;                 // empty: cpu; cuda: worker k on cuda:k; cuda:N: all on N
+  std::string kv_transport;           // split clusters; empty: ucx on the CPU, cuda_ipc on GPUs
+  double gpu_memory_utilization = 0;  // each GPU worker's share; 0: 0.9 split among a GPU's workers
+  int max_restarts = 5;               // per worker, in a row; 0: a dead worker stops the cluster
+  bool insecure = false;              // plain TCP between router and workers
+  std::string api_key;                // empty: $TANDEM_API_KEY, if set
 };
 
 // A directory removed (with its contents) when this goes out of scope.
@@ -400,20 +403,43 @@ absl::Status Up(UpOptions opt) {
       if (p->has_value()) (*p)->policy = PolicyConfig{.name = opt.policy};
     }
   }
-  if (!opt.device.empty() && opt.device != "cpu") {
+  const bool gpu = !opt.device.empty() && opt.device != "cpu";
+  if (gpu) {
     std::string runner;
     worker::RunnerOptions ro;
     if (absl::Status s = worker::SelectDevice(opt.device, &runner, &ro); !s.ok()) return s;
-    if (split) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--device %s: GPU workers cannot hand KV blocks to each other yet; serve with --aggregated K", opt.device));
+  }
+  // The split's KV transport: one that moves the workers' pools (GPU or host memory).
+  const std::string kv_transport = !opt.kv_transport.empty() ? opt.kv_transport : gpu ? "cuda_ipc" : "ucx";
+  if (split) {
+    const kvtransfer::TransportCapabilities* caps = kvtransfer::TransportRegistry::Builtin().Capabilities(kv_transport);
+    if (caps == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--kv-transport must be ucx or cuda_ipc, got '%s'", opt.kv_transport));
     }
+    const kvtransfer::MemoryType pools = gpu ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost;
+    if (!caps->Moves(pools)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--kv-transport %s cannot move the KV cache of %s workers (%s memory): use --kv-transport %s",
+                          kv_transport, gpu ? opt.device : "cpu", gpu ? "GPU" : "host", gpu ? "cuda_ipc" : "ucx"));
+    }
+  } else if (!opt.kv_transport.empty()) {
+    return absl::InvalidArgumentError("--kv-transport is for disaggregated clusters (--prefill P --decode D)");
+  }
+  if (opt.gpu_memory_utilization != 0 &&
+      (!gpu || !(opt.gpu_memory_utilization > 0 && opt.gpu_memory_utilization <= 1))) {
+    return absl::InvalidArgumentError(
+        gpu ? absl::StrFormat("--gpu-memory-utilization must be in (0, 1], got %g", opt.gpu_memory_utilization)
+            : std::string("--gpu-memory-utilization is for GPU workers (--device cuda or cuda:N)"));
+  }
+  if (gpu) {
     if (const char* why = nullptr; !kernels::cuda::Available(&why)) {
       return absl::FailedPreconditionError(absl::StrFormat("--device %s: %s", opt.device, why));
     }
   }
   const int num_decode = split ? opt.decode : (opt.aggregated > 0 ? opt.aggregated : opt.decode);
   const int num_prefill = split ? opt.prefill : 0;
+  const int num_workers = num_decode + num_prefill;
   if (num_decode < 1 || num_prefill < 0 || (split && num_prefill < 1)) {
     return absl::InvalidArgumentError(
         "a cluster needs at least one decode (or aggregated) worker, and one prefill worker when "
@@ -489,7 +515,8 @@ absl::Status Up(UpOptions opt) {
     argv.insert(argv.end(), worker_trust.begin(), worker_trust.end());
     argv.insert(argv.end(), {"--served-model-name", config.model.served_name});
     if (split) {
-      for (const char* a : {"--kv-transport", "ucx", "--kv-transport-tls", "shm"}) argv.push_back(a);
+      argv.insert(argv.end(), {"--kv-transport", kv_transport});
+      if (kv_transport == "ucx") argv.insert(argv.end(), {"--kv-transport-tls", "shm"});
     }
     if (opt.worker_threads > 0) {
       argv.push_back("--threads");
@@ -507,6 +534,13 @@ absl::Status Up(UpOptions opt) {
       // "cuda": one GPU per worker, in order.
       argv.push_back("--device");
       argv.push_back(opt.device == "cuda" ? absl::StrCat("cuda:", slot.index) : opt.device);
+      // The GPU's memory shared among the workers on it (vLLM's meaning of
+      // the utilization: each worker's own share).
+      if (opt.gpu_memory_utilization > 0 || opt.kv_cache_memory.empty()) {
+        const int sharing = opt.device == "cuda" ? 1 : num_workers;
+        const double share = opt.gpu_memory_utilization > 0 ? opt.gpu_memory_utilization : 0.9 / sharing;
+        argv.insert(argv.end(), {"--gpu-memory-utilization", absl::StrFormat("%.4f", share)});
+      }
     }
     argv.insert(argv.end(), opt.worker_args.begin(), opt.worker_args.end());
     ASSIGN_OR_RETURN(std::unique_ptr<Child> c, Spawn(slot.name, argv));
@@ -677,9 +711,13 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_option("--engine", opt->engine,
                   "Workers' engine: real, or sim (a simulator for routing experiments; "
                   "see tandem worker --help)");
-  cmd->add_option("--device", opt->device,
-                  "Workers' device: cpu, cuda (worker k on GPU k) or cuda:N (all on GPU N); GPU workers need "
-                  "--aggregated K");
+  cmd->add_option("--device", opt->device, "Workers' device: cpu, cuda (worker k on GPU k) or cuda:N (all on GPU N)");
+  cmd->add_option("--kv-transport", opt->kv_transport,
+                  "Disaggregated clusters' KV transport: ucx (host memory) or cuda_ipc (GPU memory, one host); "
+                  "default: the one for --device");
+  cmd->add_option("--gpu-memory-utilization", opt->gpu_memory_utilization,
+                  "GPU workers: each worker's share of its GPU's memory (default: 0.9 divided among the workers "
+                  "on one GPU, unless --kv-cache-memory is given)");
   cmd->add_option("--worker-arg", opt->worker_args, "Extra flag for every worker (repeatable)");
   cmd->add_option("--run-dir", opt->run_dir, "Where addresses and the router config go");
   cmd->add_option("--max-restarts", opt->max_restarts,

@@ -22,6 +22,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 extern char** environ;
 
@@ -186,9 +187,10 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(const std::v
   if (!trust_given) argv.push_back("--insecure");
   argv.insert(argv.end(), flags.begin(), flags.end());
   // TANDEM_TEST_WORKER_DEVICE=cuda (on the GPU machine): the worker tests'
-  // aggregated real-engine workers run on the GPU runner, so the same gRPC
-  // tests drive it (simulated and disaggregated workers stay as they are:
-  // GPU workers hand no KV blocks over UCX).
+  // real-engine workers run on the GPU runner, so the same gRPC tests drive
+  // it, with TANDEM_TEST_WORKER_ARGS (space-separated flags, e.g.
+  // --batch-invariant) added. Simulated workers and workers of
+  // --kv-transport ucx (host memory only) stay on the CPU.
   if (const char* device = std::getenv("TANDEM_TEST_WORKER_DEVICE"); device != nullptr && *device != '\0') {
     auto has = [&](const std::string& flag, const std::string& value) {
       for (size_t i = 0; i < flags.size(); ++i) {
@@ -201,8 +203,11 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(const std::v
     const bool named = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
       return f == "--device" || f.rfind("--device=", 0) == 0;
     });
-    if (!named && !has("--engine", "sim") && !has("--role", "prefill") && !has("--role", "decode")) {
+    if (!named && !has("--engine", "sim") && !has("--kv-transport", "ucx")) {
       argv.insert(argv.end(), {"--device", device});
+      if (const char* extra = std::getenv("TANDEM_TEST_WORKER_ARGS"); extra != nullptr) {
+        for (absl::string_view a : absl::StrSplit(extra, ' ', absl::SkipEmpty())) argv.emplace_back(a);
+      }
       // Several test workers share the GPU: each keeps the host's default
       // KV size unless the test gives one (a GPU worker's own default is
       // 0.9 of the GPU, which leaves no room for a second).

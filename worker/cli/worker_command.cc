@@ -81,9 +81,11 @@ struct KvTransport {
 
 absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
   if (opt.kv_transport == "none") return KvTransport{};
-  ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::Transport> t,
-                   kvtransfer::TransportRegistry::Builtin().Create(
-                       opt.kv_transport, {.transports = opt.kv_transport_tls, .net_devices = opt.kv_net_devices}));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<kvtransfer::Transport> t,
+      kvtransfer::TransportRegistry::Builtin().Create(opt.kv_transport, {.transports = opt.kv_transport_tls,
+                                                                         .net_devices = opt.kv_net_devices,
+                                                                         .device = opt.engine.runner_options.device}));
   KvStorage::Allocator allocate;
   if (t->capabilities().own_pool_memory) {
     kvtransfer::Transport* raw = t.get();
@@ -248,28 +250,29 @@ absl::Status RunWorker(WorkerOptions opt) {
     opt.engine.runner_options.sim = opt.sim;
   } else if (opt.engine_kind == "real") {
     RETURN_IF_ERROR(SelectDevice(opt.device, &opt.engine.runner, &opt.engine.runner_options));
-    // Checked here, before the model loads: a GPU pool needs a transport that
-    // moves device memory, and none does yet (issue 21).
-    if (opt.engine.runner != "cpu" && opt.kv_transport != "none") {
+    // Checked here, before the model loads: the transport must move the
+    // memory the pool is in (a GPU's, or the host's).
+    if (opt.kv_transport != "none") {
       const kvtransfer::TransportCapabilities* caps =
           kvtransfer::TransportRegistry::Builtin().Capabilities(opt.kv_transport);
-      if (caps != nullptr && !caps->Moves(kvtransfer::MemoryType::kCuda)) {
+      const bool gpu = opt.engine.runner != "cpu";
+      if (caps != nullptr && gpu && !caps->Moves(kvtransfer::MemoryType::kCuda)) {
         return absl::InvalidArgumentError(
-            absl::StrFormat("--device %s keeps the KV cache in GPU memory, which --kv-transport %s cannot move "
-                            "(GPU-to-GPU KV transfer is not built yet): use --kv-transport none",
+            absl::StrFormat("--device %s keeps the KV cache in GPU memory, which --kv-transport %s cannot move: use "
+                            "--kv-transport cuda_ipc (GPUs of one host) or none",
                             opt.device, opt.kv_transport));
+      }
+      if (caps != nullptr && !gpu && !caps->Moves(kvtransfer::MemoryType::kHost)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("--kv-transport %s moves GPU memory, and --device %s keeps the KV cache in host memory: "
+                            "use --kv-transport ucx, or --device cuda",
+                            opt.kv_transport, opt.device));
       }
     }
     // A GPU worker's KV cache takes what the weights and activations leave of
     // 0.9 of the GPU's memory (vLLM's default), unless a size is given.
     if (opt.engine.runner != "cpu" && !kv_memory_given && opt.engine.gpu_memory_utilization == 0) {
       opt.engine.gpu_memory_utilization = 0.9;
-    }
-    if (opt.engine.runner != "cpu" && role != WorkerRole::kBoth) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--device %s serves --role both for now: GPU workers cannot hand KV blocks to each other yet (got --role "
-          "%s)",
-          opt.device, opt.role));
     }
   } else {
     return absl::InvalidArgumentError(absl::StrFormat("--engine must be real or sim, got '%s'", opt.engine_kind));
@@ -456,7 +459,7 @@ void AddWorkerCommand(CLI::App& app) {
                 "products, fixed attention splits; slower decode at small batches)");
   cmd->add_option("--device", opt->device,
                   "Where the model runs: cpu, cuda (GPU 0) or cuda:N (bfloat16 weights and KV cache in GPU memory; "
-                  "needs --kv-transport none for now)")
+                  "--kv-transport cuda_ipc or none)")
       ->capture_default_str();
   cmd->add_option("--sim-step-ms", opt->sim.step_ms, "sim: fixed cost of a step (ms)")->capture_default_str();
   cmd->add_option("--sim-prefill-us-per-token", opt->sim.prefill_us_per_token,
@@ -481,7 +484,9 @@ void AddWorkerCommand(CLI::App& app) {
                   "Context limit (0: the model's; with --engine sim it may exceed it)")
       ->capture_default_str();
   cmd->add_flag("--no-prefix-caching", opt->no_prefix_caching, "Disable the prefix cache");
-  cmd->add_option("--kv-transport", opt->kv_transport, "KV block transport between workers: none or ucx")
+  cmd->add_option("--kv-transport", opt->kv_transport,
+                  "KV block transport between workers: none, ucx (host memory, across hosts) or cuda_ipc (GPU "
+                  "memory, GPUs of one host)")
       ->capture_default_str();
   cmd->add_option("--kv-transport-tls", opt->kv_transport_tls, "UCX transports: auto, shm (one host) or tcp")
       ->capture_default_str();

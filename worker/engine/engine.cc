@@ -75,8 +75,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     allocator = pool_allocator;
   } else if (pool_allocator) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "the %s runner keeps its KV cache in device memory, which the KV transport (UCX, host memory) cannot send: "
-        "run it with --kv-transport none (GPU-to-GPU KV transfer is not built yet)",
+        "the %s runner keeps its KV cache in device memory, which a KV transport of host memory (UCX) cannot send: "
+        "use --kv-transport cuda_ipc or none",
         runner->name()));
   }
   // A host pool is mapped lazily (pages arrive as blocks are first written),
@@ -131,6 +131,7 @@ Engine::~Engine() { Stop(); }
 
 kvtransfer::PoolLayout Engine::pool_layout() const {
   const kernels::KvLayout& l = storage_->layout();
+  const bool device = storage_->location() == MemoryLocation::kDevice;
   return kvtransfer::PoolLayout{.model = model_name_,
                                 .dtype = kernels::DTypeName(l.dtype),
                                 .num_layers = l.num_layers,
@@ -138,7 +139,9 @@ kvtransfer::PoolLayout Engine::pool_layout() const {
                                 .head_dim = l.head_dim,
                                 .block_size = l.block_size,
                                 .num_blocks = l.num_blocks,
-                                .block_bytes = KvStorage::BytesPerBlock(l)};
+                                .block_bytes = KvStorage::BytesPerBlock(l),
+                                .memory_type = device ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost,
+                                .device_id = device ? config_.runner_options.device : -1};
 }
 
 void Engine::Start() {

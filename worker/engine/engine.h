@@ -41,10 +41,11 @@ namespace tandem::worker {
 struct EngineConfig {
   int block_size = 16;                   // tokens per KV block
   int64_t kv_cache_bytes = 256ll << 20;  // memory budget of the KV pool
-  // A GPU runner: when > 0, the KV pool takes what is left of this fraction
-  // of the device's memory after the weights, the step's activations at
-  // max_batched_tokens and what else the device holds (vLLM's
-  // --gpu-memory-utilization), instead of kv_cache_bytes. In (0, 1].
+  // A GPU runner: when > 0, the KV pool takes what is left of this worker's
+  // fraction of the device's memory after its weights and the step's
+  // activations at max_batched_tokens, within what the device has free
+  // (vLLM's --gpu-memory-utilization: two workers on one GPU take 0.45
+  // each), instead of kv_cache_bytes. In (0, 1].
   double gpu_memory_utilization = 0;
   int max_batched_tokens = 2048;  // tokens per step (prefill chunk budget)
   int max_running = 256;          // sequences decoding at once

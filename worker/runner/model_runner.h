@@ -131,8 +131,9 @@ class ModelRunner {
   // runner's device memory, owned by the runner, which outlives the pool).
   virtual KvStorage::Allocator KvAllocator() { return nullptr; }
   // The bytes a KV pool may take so that this process's use of the device
-  // stays within `utilization` of its memory, counting the weights, what the
-  // device already holds and a step's activations at `max_batched_tokens`
+  // stays within `utilization` of its memory (its own share: other
+  // processes' memory counts only where it leaves less free), counting the
+  // weights and a step's activations at `max_batched_tokens`
   // tokens and `max_seqs` sequences. ResourceExhausted naming what was
   // needed and what was free when nothing is left; FailedPrecondition for a
   // runner without a device.

@@ -179,10 +179,11 @@ class CudaRunner final : public ModelRunner {
           "--device cuda:%d: this machine has %d CUDA device(s) (cuda:0..cuda:%d)", device_, count, count - 1));
     }
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
-    if (batch_invariant_ && c.head_dim != 64 && c.head_dim != 128) {
-      // Other head sizes fall back to split-KV for prompts, planned per step.
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--batch-invariant needs head_dim 64 or 128 (the prefill attention kernel's); the model has %d", c.head_dim));
+    {
+      // What this process takes from here on is its own (KvBudget).
+      size_t free_bytes = 0, total = 0;
+      RETURN_IF_ERROR(Cuda(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
+      free_at_init_ = int64_t(free_bytes);
     }
     if (c.hidden_size % 8 != 0 || c.intermediate_size % 8 != 0 || c.head_dim % 8 != 0 || c.head_dim > 256) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -314,7 +315,11 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
     size_t free_bytes = 0, total = 0;
     RETURN_IF_ERROR(Cuda(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
-    const int64_t used = int64_t(total) - int64_t(free_bytes);  // weights, context, other processes
+    // The utilization is this worker's share (vLLM's meaning): several
+    // workers on one GPU take 0.45 each, say. What it uses: what it
+    // allocated since its start (weights, workspaces; at least the weights,
+    // should another process have freed memory meanwhile).
+    const int64_t used = std::max(free_at_init_ - int64_t(free_bytes), weight_bytes_);
     int64_t activations = ActivationBytes(max_batched_tokens, std::min(max_seqs, max_batched_tokens));
     if (gpu_sampling_) {
       // The GPU sampler's full pass (its other buffers grow with the rows'
@@ -322,22 +327,26 @@ class CudaRunner final : public ModelRunner {
       activations += cuda_ops::SampleFullScratchBytes(config().vocab_size, cuda_ops::kSampleFullRows);
     }
     if (batch_invariant_) {
-      // Fixed decode splits: every row's partials over the longest context.
-      activations += kernels::cuda::FixedSplitWorkspaceBytes(std::min(max_seqs, max_batched_tokens), config().num_heads,
-                                                             config().head_dim, config().max_position_embeddings,
-                                                             kDecodeKeysPerSplit);
+      // Fixed splits: every row's partials over the longest context (decode
+      // rows; prompt rows too where the prefill kernel does not take the
+      // head size).
+      const int rows = PrefillKernelTakes() ? std::min(max_seqs, max_batched_tokens) : max_batched_tokens;
+      activations += kernels::cuda::FixedSplitWorkspaceBytes(rows, config().num_heads, config().head_dim,
+                                                             config().max_position_embeddings, kDecodeKeysPerSplit);
     }
     const int64_t allowed = static_cast<int64_t>(utilization * double(total));
-    const int64_t budget = allowed - used - activations;
+    // And no more than the device has free (other processes' memory).
+    const int64_t budget = std::min(allowed - used, int64_t(free_bytes)) - activations;
     if (budget <= 0) {
       return absl::ResourceExhaustedError(absl::StrFormat(
-          "--gpu-memory-utilization %g allows %d bytes of cuda:%d's %d, but %d are in use (%d of them this "
-          "model's weights) and a step's activations at %d tokens need %d more: nothing is left for the KV cache "
-          "(raise the utilization, lower --max-batched-tokens, or use a smaller model)",
-          utilization, allowed, device_, total, used, weight_bytes_, max_batched_tokens, activations));
+          "--gpu-memory-utilization %g allows this worker %d bytes of cuda:%d's %d; it uses %d (%d of them this "
+          "model's weights), %d are free, and a step's activations at %d tokens need %d: nothing is left for the "
+          "KV cache (raise the utilization, lower --max-batched-tokens, or use a smaller model)",
+          utilization, allowed, device_, total, used, weight_bytes_, free_bytes, max_batched_tokens, activations));
     }
     LOG(INFO) << "cuda runner: KV cache of " << budget << " bytes (" << utilization << " of " << total
-              << " bytes; in use " << used << ", activations " << activations << ")";
+              << " bytes; this worker uses " << used << ", " << free_bytes << " free, activations " << activations
+              << ")";
     return budget;
   }
 
@@ -625,10 +634,9 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Reserve(&host_logits_, logits_bytes, "pinned logits buffer"));
     int64_t ws = kernels::cuda::kErrorWordBytes;
     for (const AttentionRun& r : runs_) {  // (a graph's run has its width's longest context)
-      ws = std::max(ws, r.decode && batch_invariant_
-                            ? kernels::cuda::FixedSplitWorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim,
-                                                                      r.max_context, kDecodeKeysPerSplit)
-                            : kernels::cuda::WorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim));
+      ws = std::max(ws, FixedSplits(r) ? kernels::cuda::FixedSplitWorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim,
+                                                                                 r.max_context, kDecodeKeysPerSplit)
+                                       : kernels::cuda::WorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim));
     }
     if (attn_workspace_.bytes() < ws) {
       RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace"));
@@ -747,10 +755,12 @@ class CudaRunner final : public ModelRunner {
   }
 
   // One layer's attention, a call per run of alike sequences: decoding ones
-  // through the split-KV kernel with fixed splits, prefilling ones (whatever
-  // their chunk's length) through the prefill kernel. Either way a row's
-  // result depends neither on the other sequences of the step nor on how its
-  // prompt was chunked.
+  // through the split-KV kernel, prefilling ones (whatever their chunk's
+  // length) through the prefill kernel, or, with --batch-invariant, through
+  // the split-KV kernel with fixed splits where the prefill kernel does not
+  // take the head size. With --batch-invariant a row's result depends
+  // neither on the other sequences of the step nor on how its prompt was
+  // chunked.
   absl::Status Attention(const BatchInput& in, kernels::PagedAttentionParams p) {
     const ModelConfig& c = config();
     const int qkv_size = c.q_size() + 2 * c.kv_size();
@@ -766,8 +776,8 @@ class CudaRunner final : public ModelRunner {
       // block tables hold (the device reads each sequence's own).
       p.host_context_lens =
           graph_contexts_.empty() ? in.context_lens.data() + r.first_seq : graph_contexts_.data() + r.first_seq;
-      p.keys_per_split = r.decode && batch_invariant_ ? kDecodeKeysPerSplit : 0;
-      p.kernel = r.decode ? kernels::AttentionKernel::kSplitKv : kernels::AttentionKernel::kPrefill;
+      p.keys_per_split = FixedSplits(r) ? kDecodeKeysPerSplit : 0;
+      p.kernel = r.decode || FixedSplits(r) ? kernels::AttentionKernel::kSplitKv : kernels::AttentionKernel::kPrefill;
       RETURN_IF_ERROR(kernels::PagedAttention(p));
     }
     return absl::OkStatus();
@@ -876,6 +886,13 @@ class CudaRunner final : public ModelRunner {
     size_t query_start_index = 0;  // into run_query_starts_
     int max_context = 0;
   };
+  // The prefill kernel's head sizes.
+  bool PrefillKernelTakes() const { return config().head_dim == 64 || config().head_dim == 128; }
+  // A run whose keys are split in fixed runs of kDecodeKeysPerSplit
+  // (--batch-invariant): decoding ones, and prompts of head sizes the
+  // prefill kernel does not take.
+  bool FixedSplits(const AttentionRun& r) const { return batch_invariant_ && (r.decode || !PrefillKernelTakes()); }
+
   // Decode attention splits each sequence's keys in runs of this many,
   // whatever the batch (see PagedAttentionParams::keys_per_split).
   static constexpr int kDecodeKeysPerSplit = 512;
@@ -903,6 +920,7 @@ class CudaRunner final : public ModelRunner {
   DeviceBuffer inv_freq_;
   ModelWeightsOf<DeviceBuffer> w_;
   int64_t weight_bytes_ = 0;
+  int64_t free_at_init_ = 0;  // the device's free bytes when Init began
   DeviceBuffer kv_pool_;
   // Per step, grown as needed.
   cuda_util::PinnedBuffer host_meta_;
