@@ -110,6 +110,75 @@ TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
   for (const auto& [pid, cmdline] : children) EXPECT_FALSE(Alive(pid)) << cmdline;
 }
 
+// On a GPU (the GPU machine; skipped elsewhere): one GPU shared by a prefill
+// and a decode worker, the KV moving over cuda_ipc, each worker taking half
+// of 0.9 of the GPU's memory, serves the same greedy completions as one
+// aggregated worker on that GPU (--batch-invariant: a sequence's tokens do
+// not depend on its batch).
+TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
+  const char* why = nullptr;
+  if (!kernels::cuda::Available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
+  const std::vector<std::string> prompts = {"The capital of France is", "def fib(n):", "Once upon a time",
+                                            "1, 2, 3, 4,"};
+  // The completions of `prompts` (greedy, 24 tokens), and the workers that
+  // served them.
+  auto complete = [&](const std::string& url, std::set<std::string>* prefill, std::set<std::string>* decode) {
+    std::vector<std::string> texts;
+    for (const std::string& prompt : prompts) {
+      const nlohmann::json body = {
+          {"model", "builtin:small"}, {"prompt", prompt}, {"max_tokens", 24}, {"temperature", 0}, {"ignore_eos", true}};
+      const HttpResponse r = HttpPost(url, "/v1/completions", body.dump());
+      EXPECT_EQ(r.status, 200) << r.body;
+      if (r.status != 200) return texts;
+      const nlohmann::json j = nlohmann::json::parse(r.body);
+      texts.push_back(j["choices"][0]["text"].get<std::string>());
+      EXPECT_EQ(j["usage"]["completion_tokens"], 24) << r.body;
+      prefill->insert(r.Header("x-tandem-prefill-worker"));
+      decode->insert(r.Header("x-tandem-decode-worker"));
+    }
+    return texts;
+  };
+  auto stop = [&] {
+    up_->Signal(SIGINT);
+    absl::StatusOr<int> status = up_->Wait(seconds(60));
+    ASSERT_TRUE(status.ok()) << "tandem up did not stop after SIGINT";
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
+    up_.reset();
+  };
+  const std::vector<std::string> common = {"--device",      "cuda:0",     "--model",
+                                           "builtin:small", "--insecure", "--worker-arg=--batch-invariant"};
+  std::vector<std::string> split = {"--prefill", "1", "--decode", "1"};
+  split.insert(split.end(), common.begin(), common.end());
+  const std::string split_url = Start(split);
+  ASSERT_FALSE(split_url.empty());
+  int workers = 0;
+  for (const auto& [pid, cmdline] : ChildrenOf(up_->pid())) {
+    if (cmdline.find(" worker ") == std::string::npos) continue;
+    ++workers;
+    EXPECT_THAT(cmdline, HasSubstr("--kv-transport cuda_ipc")) << cmdline;
+    EXPECT_THAT(cmdline, HasSubstr("--device cuda:0")) << cmdline;
+    EXPECT_THAT(cmdline, HasSubstr("--gpu-memory-utilization 0.4500")) << cmdline;
+  }
+  EXPECT_EQ(workers, 2);
+  std::set<std::string> split_prefill, split_decode;
+  const std::vector<std::string> split_texts = complete(split_url, &split_prefill, &split_decode);
+  EXPECT_EQ(split_prefill.size(), 1u);
+  EXPECT_EQ(split_decode.size(), 1u);
+  EXPECT_NE(*split_prefill.begin(), *split_decode.begin()) << "the prefill ran on the decode worker";
+  stop();
+  std::filesystem::remove(dir_ + "/url");  // else the next Start reads this cluster's URL
+  std::filesystem::remove_all(dir_ + "/run");
+
+  std::vector<std::string> aggregated = {"--aggregated", "1"};
+  aggregated.insert(aggregated.end(), common.begin(), common.end());
+  const std::string agg_url = Start(aggregated);
+  ASSERT_FALSE(agg_url.empty());
+  std::set<std::string> agg_prefill, agg_decode;
+  EXPECT_EQ(complete(agg_url, &agg_prefill, &agg_decode), split_texts);
+  EXPECT_EQ(agg_prefill, agg_decode);
+  stop();
+}
+
 TEST_F(UpCommandTest, DefaultClusterRunsOverMutualTlsWithAThrowawayCa) {
   const std::string url = Start({});
   ASSERT_FALSE(url.empty());

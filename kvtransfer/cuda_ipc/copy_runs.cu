@@ -1,35 +1,52 @@
 #include "kvtransfer/cuda_ipc/copy_runs.h"
 
+#include <algorithm>
+
 namespace tandem::kvtransfer::cuda_ipc {
 namespace {
 
 constexpr int kThreads = 512;
 constexpr int kUnroll = 4;  // loads in flight a thread before its stores
 
+__device__ __forceinline__ void CopyChunkBody(const CopyChunk& chunk) {
+  const uint4* src = reinterpret_cast<const uint4*>(chunk.src);
+  uint4* dst = reinterpret_cast<uint4*>(chunk.dst);
+  const int64_t vecs = static_cast<int64_t>(chunk.bytes / sizeof(uint4));
+  int64_t i = threadIdx.x;
+  for (; i + (kUnroll - 1) * kThreads < vecs; i += kUnroll * kThreads) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(src + i + u * kThreads);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) __stcs(dst + i + u * kThreads, v[u]);
+  }
+  for (; i < vecs; i += kThreads) __stcs(dst + i, __ldcs(src + i));
+}
+
 __global__ void __launch_bounds__(kThreads) CopyChunksKernel(const CopyChunk* __restrict__ chunks, int n) {
+  // One read of each descriptor a CTA (they may be in host memory).
+  __shared__ CopyChunk chunk;
   for (int c = blockIdx.x; c < n; c += gridDim.x) {
-    const CopyChunk chunk = chunks[c];
-    const uint4* src = reinterpret_cast<const uint4*>(chunk.src);
-    uint4* dst = reinterpret_cast<uint4*>(chunk.dst);
-    const int64_t vecs = static_cast<int64_t>(chunk.bytes / sizeof(uint4));
-    int64_t i = threadIdx.x;
-    for (; i + (kUnroll - 1) * kThreads < vecs; i += kUnroll * kThreads) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(src + i + u * kThreads);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) __stcs(dst + i + u * kThreads, v[u]);
-    }
-    for (; i < vecs; i += kThreads) __stcs(dst + i, __ldcs(src + i));
+    if (threadIdx.x == 0) chunk = chunks[c];
+    __syncthreads();
+    CopyChunkBody(chunk);
+    __syncthreads();  // all done with it before the next is read
   }
 }
 
 }  // namespace
 
-bool AppendChunks(uint64_t src, uint64_t dst, int64_t bytes, std::vector<CopyChunk>* out) {
-  if (src % 16 != 0 || dst % 16 != 0 || bytes < 0 || bytes % 16 != 0) return false;
-  for (int64_t at = 0; at < bytes; at += kCopyChunkBytes) {
-    const int64_t n = bytes - at < kCopyChunkBytes ? bytes - at : kCopyChunkBytes;
+int64_t ChunkBytesFor(int64_t total_bytes, int max_ctas) {
+  const int64_t per_cta = (total_bytes / std::max(max_ctas, 1) + 15) / 16 * 16;
+  return std::clamp(per_cta, kMinChunkBytes, kMaxChunkBytes);
+}
+
+bool AppendChunks(uint64_t src, uint64_t dst, int64_t bytes, int64_t chunk_bytes, std::vector<CopyChunk>* out) {
+  if (src % 16 != 0 || dst % 16 != 0 || bytes < 0 || bytes % 16 != 0 || chunk_bytes <= 0 || chunk_bytes % 16 != 0) {
+    return false;
+  }
+  for (int64_t at = 0; at < bytes; at += chunk_bytes) {
+    const int64_t n = std::min(bytes - at, chunk_bytes);
     out->push_back(CopyChunk{src + uint64_t(at), dst + uint64_t(at), uint64_t(n)});
   }
   return true;
@@ -37,8 +54,7 @@ bool AppendChunks(uint64_t src, uint64_t dst, int64_t bytes, std::vector<CopyChu
 
 cudaError_t LaunchCopyChunks(const CopyChunk* chunks, int n, int max_ctas, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  const int ctas = n < max_ctas ? n : max_ctas;
-  CopyChunksKernel<<<ctas, kThreads, 0, stream>>>(chunks, n);
+  CopyChunksKernel<<<std::min(n, max_ctas), kThreads, 0, stream>>>(chunks, n);
   return cudaGetLastError();
 }
 

@@ -248,7 +248,6 @@ CudaIpcTransport::~CudaIpcTransport() {
   for (Transfer& t : pending) t.done(absl::CancelledError("the transport was destroyed"));
   peers_.clear();
   DeviceGuard guard(device_);
-  if (chunks_device_ != nullptr) cudaFree(chunks_device_);
   if (chunks_host_ != nullptr) cudaFreeHost(chunks_host_);
   cudaEventDestroy(static_cast<cudaEvent_t>(event_));
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
@@ -502,11 +501,15 @@ absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* loc
     const unsigned char* src = t.push ? local + run.src_offset : t.mapping->base + run.src_offset;
     return std::pair{src, dst};
   };
+  int64_t total = 0;
+  for (const CopyRun& run : t.runs) total += run.bytes;
+  const int64_t chunk_bytes = cuda_ipc::ChunkBytesFor(total, max_ctas_);
   std::vector<cuda_ipc::CopyChunk> chunks;
   bool aligned = true;
   for (const CopyRun& run : t.runs) {
     const auto [src, dst] = ends(run);
-    if (!cuda_ipc::AppendChunks(reinterpret_cast<uint64_t>(src), reinterpret_cast<uint64_t>(dst), run.bytes, &chunks)) {
+    if (!cuda_ipc::AppendChunks(reinterpret_cast<uint64_t>(src), reinterpret_cast<uint64_t>(dst), run.bytes,
+                                chunk_bytes, &chunks)) {
       aligned = false;
       break;
     }
@@ -522,21 +525,19 @@ absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* loc
   if (chunks.empty()) return absl::OkStatus();
   const int64_t n = static_cast<int64_t>(chunks.size());
   if (n > chunks_capacity_) {
-    // The previous transfer completed (one at a time): both buffers are free.
+    // The previous transfer completed (one at a time): the buffer is free.
     const int64_t capacity = std::max<int64_t>(n, 2 * chunks_capacity_);
-    if (chunks_device_ != nullptr) cudaFree(chunks_device_);
     if (chunks_host_ != nullptr) cudaFreeHost(chunks_host_);
-    chunks_device_ = chunks_host_ = nullptr;
+    chunks_host_ = chunks_device_ = nullptr;
     chunks_capacity_ = 0;
     const size_t bytes = static_cast<size_t>(capacity) * sizeof(cuda_ipc::CopyChunk);
-    RETURN_IF_ERROR(Cuda(cudaMalloc(&chunks_device_, bytes), "the copy descriptors"));
-    RETURN_IF_ERROR(Cuda(cudaMallocHost(&chunks_host_, bytes), "the copy descriptors"));
+    RETURN_IF_ERROR(
+        Cuda(cudaHostAlloc(&chunks_host_, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "the copy descriptors"));
+    RETURN_IF_ERROR(Cuda(cudaHostGetDevicePointer(&chunks_device_, chunks_host_, 0), "the copy descriptors"));
     chunks_capacity_ = capacity;
   }
-  const size_t bytes = chunks.size() * sizeof(cuda_ipc::CopyChunk);
-  std::memcpy(chunks_host_, chunks.data(), bytes);
-  RETURN_IF_ERROR(
-      Cuda(cudaMemcpyAsync(chunks_device_, chunks_host_, bytes, cudaMemcpyHostToDevice, stream), "the descriptors"));
+  // The kernel reads them from host memory, once a CTA each: no upload.
+  std::memcpy(chunks_host_, chunks.data(), chunks.size() * sizeof(cuda_ipc::CopyChunk));
   return Cuda(cuda_ipc::LaunchCopyChunks(static_cast<const cuda_ipc::CopyChunk*>(chunks_device_), static_cast<int>(n),
                                          max_ctas_, stream),
               "the copy kernel");

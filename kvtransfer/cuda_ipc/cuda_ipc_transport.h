@@ -138,10 +138,11 @@ class CudaIpcTransport final : public Transport {
   void* const event_;   // cudaEvent_t
   const std::string agent_id_;
   const int max_ctas_;  // of the copy kernel
-  // The copy thread's: chunk descriptors (pinned) and their device copy.
+  // The copy thread's: the kernel's chunk descriptors in mapped pinned
+  // memory, and the device's address of it.
   void* chunks_host_ = nullptr;
   void* chunks_device_ = nullptr;
-  int64_t chunks_capacity_ = 0;  // descriptors each holds
+  int64_t chunks_capacity_ = 0;  // descriptors it holds
   mutable std::mutex mu_;
   std::condition_variable cv_;
   PoolLayout layout_ ABSL_GUARDED_BY(mu_);
