@@ -48,6 +48,9 @@ TEST(BenchEngineFlagsTest, TransferBackendsThatCannotRunSayWhy) {
   int rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend nccl"), &out);
   EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
   EXPECT_THAT(out, HasSubstr("--backend nccl"));
+  rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend loopback --target-device 1"), &out);
+  EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
+  EXPECT_THAT(out, HasSubstr("--target-device is for --backend cuda_ipc"));
   const char* why = nullptr;
   if (kernels::cuda::Available(&why)) return;  // a GPU runs it (scripts/gpu_engine_checks.sh)
   rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend cuda_ipc --max-blocks 1"), &out);

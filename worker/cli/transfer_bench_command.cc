@@ -66,6 +66,7 @@ struct TransferBenchOptions {
   int max_blocks = 256;
   int repeats = 5;
   bool json = false;
+  int target_device = 0;  // cuda_ipc: the target process's GPU (the initiator's is 0)
 };
 
 // Llama-3-8B: 32 layers, 8 KV heads, head dim 128, fp16, K and V.
@@ -442,17 +443,21 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
 #endif  // TANDEM_HAVE_UCX
 
 #ifdef TANDEM_HAVE_CUDA_IPC
-PoolLayout GpuLayout(const TransferBenchOptions& opt) {
+PoolLayout GpuLayout(const TransferBenchOptions& opt, int device) {
   PoolLayout l = LlamaLayout(opt.max_blocks);
   l.memory_type = kvtransfer::MemoryType::kCuda;
-  l.device_id = 0;
+  l.device_id = device;
   return l;
 }
 
-// A pool of `layout` on GPU 0, filled as FillPool fills host pools. Lives
+// A pool of `layout` on its GPU, filled as FillPool fills host pools. Lives
 // until the process exits.
 absl::StatusOr<uint8_t*> DevicePool(const PoolLayout& layout) {
   const size_t bytes = static_cast<size_t>(layout.num_blocks * layout.block_bytes);
+  if (cudaSetDevice(layout.device_id) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InvalidArgumentError(absl::StrFormat("--target-device %d: no such GPU", layout.device_id));
+  }
   void* p = nullptr;
   if (cudaMalloc(&p, bytes) != cudaSuccess) {
     cudaGetLastError();
@@ -472,8 +477,8 @@ absl::StatusOr<uint8_t*> DevicePool(const PoolLayout& layout) {
 int RunCudaIpcTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
   std::unique_ptr<kvtransfer::CudaIpcTransport> keep;
   absl::Status st = [&]() -> absl::Status {
-    const PoolLayout layout = GpuLayout(opt);
-    ASSIGN_OR_RETURN(keep, kvtransfer::CudaIpcTransport::Create(0));
+    const PoolLayout layout = GpuLayout(opt, opt.target_device);
+    ASSIGN_OR_RETURN(keep, kvtransfer::CudaIpcTransport::Create(opt.target_device));
     ASSIGN_OR_RETURN(uint8_t * pool, DevicePool(layout));
     RETURN_IF_ERROR(keep->RegisterPool(layout, pool));
     ASSIGN_OR_RETURN(PeerInfo info, keep->LocalInfo());
@@ -498,9 +503,11 @@ absl::Status RunCudaIpc(const TransferBenchOptions& opt) {
     }
     const size_t nl = message.find('\n');
     if (nl == std::string::npos) return absl::UnavailableError("the target process sent no address");
-    const PoolLayout layout = GpuLayout(opt);
-    const PeerInfo peer{
-        .agent_id = message.substr(0, nl), .backend = "cuda_ipc", .layout = layout, .address = message.substr(nl + 1)};
+    const PoolLayout layout = GpuLayout(opt, 0);
+    const PeerInfo peer{.agent_id = message.substr(0, nl),
+                        .backend = "cuda_ipc",
+                        .layout = GpuLayout(opt, opt.target_device),
+                        .address = message.substr(nl + 1)};
     ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::CudaIpcTransport> t, kvtransfer::CudaIpcTransport::Create(0));
     ASSIGN_OR_RETURN(uint8_t * pool, DevicePool(layout));
     RETURN_IF_ERROR(t->RegisterPool(layout, pool));
@@ -557,6 +564,10 @@ absl::Status RunTransferBench(const TransferBenchOptions& opt) {
   if (opt.op != "pull" && opt.op != "push") {
     return absl::InvalidArgumentError(absl::StrFormat("--op %s: want pull or push", opt.op));
   }
+  if (opt.target_device != 0 && opt.backend != "cuda_ipc") {
+    return absl::InvalidArgumentError("--target-device is for --backend cuda_ipc");
+  }
+  if (opt.target_device < 0) return absl::InvalidArgumentError("--target-device must be >= 0");
   if (opt.backend == "loopback") return RunLoopback(opt);
   if (opt.backend == "cuda_ipc") {
 #ifdef TANDEM_HAVE_CUDA_IPC
@@ -595,6 +606,10 @@ void AddTransferBenchCommand(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_option("--repeats", opt->repeats, "Timed repeats per size (median)")->capture_default_str();
   cmd->add_flag("--json", opt->json, "One JSON object per size");
+  cmd->add_option("--target-device", opt->target_device,
+                  "cuda_ipc: the GPU of the target process's pool (the initiator's is GPU 0; another GPU is "
+                  "reached by peer access)")
+      ->capture_default_str();
   cmd->callback([opt] { ExitWithStatus("bench transfer", RunTransferBench(*opt)); });
 }
 
