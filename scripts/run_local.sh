@@ -4,10 +4,11 @@
 # OpenAI-compatible router on 127.0.0.1:PORT -- started by `tandem up`, which
 # prints a ready-to-paste curl command and stops everything on Ctrl-C.
 # TANDEM_MODEL picks another model (a Hugging Face checkpoint directory).
-# Where Hopper GPUs exist (nvidia-smi reports compute capability 9.0), one
-# aggregated GPU worker per GPU serves instead (GPU workers do not hand KV
-# blocks to each other yet); TANDEM_DEVICE=cpu keeps the CPU cluster,
-# TANDEM_DEVICE=cuda asks for the GPUs.
+# Where Hopper GPUs exist (nvidia-smi reports compute capability 9.0), GPU
+# workers serve instead, one per GPU: with two or more GPUs half of them
+# prefill and the rest decode (the KV moves GPU to GPU over cuda_ipc), with
+# one GPU a single aggregated worker. TANDEM_DEVICE=cpu keeps the CPU
+# cluster, TANDEM_DEVICE=cuda asks for the GPUs.
 set -euo pipefail
 TANDEM=${1:-build/tandem}
 PORT=${2:-8000}
@@ -19,8 +20,11 @@ if [[ $DEVICE != cpu ]] && command -v nvidia-smi >/dev/null; then
 fi
 case $DEVICE in
   auto | cuda)
-    if ((gpus > 0)); then
-      exec "$TANDEM" up --model "$MODEL" --port "$PORT" --device cuda --aggregated "$gpus"
+    if ((gpus > 1)); then
+      exec "$TANDEM" up --model "$MODEL" --port "$PORT" --device cuda --prefill $((gpus / 2)) \
+        --decode $((gpus - gpus / 2))
+    elif ((gpus == 1)); then
+      exec "$TANDEM" up --model "$MODEL" --port "$PORT" --device cuda --aggregated 1
     elif [[ $DEVICE == cuda ]]; then
       echo "make run: TANDEM_DEVICE=cuda but nvidia-smi reports no Hopper GPU (compute capability 9.0)" >&2
       exit 2
