@@ -11,6 +11,8 @@ bool Available(const char** why) {
   if (why != nullptr) *why = kWhy;
   return false;
 }
+int DeviceCount() { return 0; }
+bool CanAccessPeer(int, int) { return false; }
 int64_t WorkspaceBytes(int, int, int, int) { return kErrorWordBytes; }
 int64_t FixedSplitWorkspaceBytes(int, int, int, int, int) { return kErrorWordBytes; }
 absl::Status WriteKvCache(const WriteKvParams&) { return Unavailable(); }

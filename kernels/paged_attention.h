@@ -175,6 +175,11 @@ namespace cuda {
 // True when this binary has the CUDA kernels and a device of compute
 // capability 9.0 is present; otherwise `why` (if given) says what is missing.
 bool Available(const char** why = nullptr);
+// The CUDA devices this process sees (0 without CUDA), and whether device
+// `from` can read and write device `to`'s memory (peer access; true for a
+// device and itself).
+int DeviceCount();
+bool CanAccessPeer(int from, int to);
 // Bytes of device workspace for a PagedAttention call of up to `num_tokens`
 // query tokens to split each row's keys up to `max_splits` ways (split-KV
 // partial outputs and their softmax statistics, plus the error word). A call

@@ -6,7 +6,9 @@
 #            --gpu-memory-utilization, device block checksums; cuBLASLt rows
 #            independent of the batch; the GPU sampler's tokens against the
 #            host sampler's)
-#   transfer kvtransfer_cuda_ipc_test (the cuda_ipc KV transport)
+#   transfer kvtransfer_cuda_ipc_test (the cuda_ipc KV transport), then
+#            disagg_grpc_test on GPU workers over cuda_ipc (--batch-invariant)
+#            and up_command_test's GPU split cluster through the router
 #   grpc     worker_grpc_test with TANDEM_TEST_WORKER_DEVICE=cuda: the worker
 #            tests' aggregated real-engine workers on the GPU runner
 #   reference  tests/reference/gpu_transformers_check.py (against transformers
@@ -21,11 +23,13 @@
 #
 # Usage: gpu_engine_checks.sh BIN_DIR [runner] [transfer] [grpc] [reference] [bench]
 #   BIN_DIR holds tandem, cuda_runner_test, lt_gemm_test, gpu_sampler_test,
-#   kvtransfer_cuda_ipc_test and worker_grpc_test with lib/ beside them, as
-#   scripts/device_bundle.sh packs them:
+#   kvtransfer_cuda_ipc_test, disagg_grpc_test, up_command_test and
+#   worker_grpc_test with lib/ beside them, as scripts/device_bundle.sh packs
+#   them:
 #     scripts/device_bundle.sh /tmp/gb build/tandem build/worker/runner/cuda_runner_test \
 #       build/worker/runner/lt_gemm_test build/worker/runner/gpu_sampler_test \
-#       build/kvtransfer/kvtransfer_cuda_ipc_test build/tests/worker_grpc_test
+#       build/kvtransfer/kvtransfer_cuda_ipc_test build/tests/disagg_grpc_test \
+#       build/tests/up_command_test build/tests/worker_grpc_test
 #   and the repository (for the Python scripts) is the working directory.
 set -uo pipefail
 bin=${1:?usage: gpu_engine_checks.sh BIN_DIR [runner] [grpc] [reference] [bench]}
@@ -66,7 +70,11 @@ for s in "${steps[@]}"; do
       step lt_gemm_test "$bin/lt_gemm_test"
       step gpu_sampler_test "$bin/gpu_sampler_test" ;;
     transfer)
-      step kvtransfer_cuda_ipc_test "$bin/kvtransfer_cuda_ipc_test" ;;
+      step kvtransfer_cuda_ipc_test "$bin/kvtransfer_cuda_ipc_test"
+      step "disagg_grpc_test (cuda, cuda_ipc)" env TANDEM_BIN="$bin/tandem" TANDEM_TEST_WORKER_DEVICE=cuda \
+        TANDEM_TEST_KV_TRANSPORT=cuda_ipc TANDEM_TEST_WORKER_ARGS=--batch-invariant "$bin/disagg_grpc_test"
+      step "up_command_test (GPU split cluster)" env TANDEM_BIN="$bin/tandem" "$bin/up_command_test" \
+        --gtest_filter='*Gpu*' ;;
     grpc)
       step "worker_grpc_test (cuda)" env TANDEM_BIN="$bin/tandem" TANDEM_TEST_WORKER_DEVICE=cuda \
         "$bin/worker_grpc_test" ;;

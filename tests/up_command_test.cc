@@ -88,7 +88,8 @@ class UpCommandTest : public ::testing::Test {
 };
 
 TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
-  const std::string url = Start({"--aggregated", "2", "--policy", "round_robin"});
+  // --device cpu, named: the workers get no GPU flags.
+  const std::string url = Start({"--aggregated", "2", "--policy", "round_robin", "--device", "cpu"});
   ASSERT_FALSE(url.empty());
   const std::vector<std::pair<pid_t, std::string>> children = ChildrenOf(up_->pid());
   ASSERT_EQ(children.size(), 3u) << "two workers and a router";
@@ -157,7 +158,7 @@ TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
     ++workers;
     EXPECT_THAT(cmdline, HasSubstr("--kv-transport cuda_ipc")) << cmdline;
     EXPECT_THAT(cmdline, HasSubstr("--device cuda:0")) << cmdline;
-    EXPECT_THAT(cmdline, HasSubstr("--gpu-memory-utilization 0.4500")) << cmdline;
+    EXPECT_THAT(cmdline, HasSubstr("--gpu-memory-utilization 0.45")) << cmdline;
   }
   EXPECT_EQ(workers, 2);
   std::set<std::string> split_prefill, split_decode;
@@ -165,6 +166,19 @@ TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
   EXPECT_EQ(split_prefill.size(), 1u);
   EXPECT_EQ(split_decode.size(), 1u);
   EXPECT_NE(*split_prefill.begin(), *split_decode.begin()) << "the prefill ran on the decode worker";
+  {
+    // The KV moved GPU to GPU for every request (a failed transfer would
+    // fall back to a local prefill, with the same text).
+    auto decode = tandem::v1::Worker::NewStub(
+        grpc::CreateChannel(*split_decode.begin(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    tandem::v1::LoadReport load;
+    ASSERT_TRUE(decode->GetLoad(&ctx, tandem::v1::LoadRequest(), &load).ok());
+    EXPECT_EQ(load.kv_pulls(), static_cast<int64_t>(prompts.size())) << "the KV did not move between the workers";
+    EXPECT_GT(load.kv_bytes_pulled(), 0);
+    EXPECT_EQ(load.local_prefill_fallbacks(), 0);
+  }
   stop();
   std::filesystem::remove(dir_ + "/url");  // else the next Start reads this cluster's URL
   std::filesystem::remove_all(dir_ + "/run");
@@ -419,12 +433,19 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
       {"--aggregated 1 --kv-transport ucx", "--kv-transport is for disaggregated clusters"},
       {"--gpu-memory-utilization 0.5", "--gpu-memory-utilization is for GPU workers"},
       {"--device cuda:0 --gpu-memory-utilization 1.5", "--gpu-memory-utilization must be in (0, 1], got 1.5"},
+      {"--device cuda:0 --gpu-memory-utilization 0.5 --kv-cache-memory 1GiB",
+       "--gpu-memory-utilization and --kv-cache-memory exclude each other"},
   };
   std::vector<Case> all = cases;
   if (!kernels::cuda::Available()) {
     // Without a GPU (CI), GPU workers are refused before any starts.
     all.push_back({"--device cuda --aggregated 2", "--device cuda: "});
     all.push_back({"--device cuda:0 --prefill 1 --decode 1", "--device cuda:0: "});
+  } else {
+    // On a GPU: more workers than GPUs, and shares that add up past one GPU.
+    all.push_back({"--device cuda --aggregated 64", "--device cuda: 64 workers need GPUs 0..63, and this machine has"});
+    all.push_back({"--device cuda:0 --prefill 1 --decode 1 --gpu-memory-utilization 0.6",
+                   "--gpu-memory-utilization 0.6 for each of 2 workers on GPU 0 is more than the whole GPU"});
   }
   for (const Case& c : all) {
     std::string out;

@@ -129,6 +129,25 @@ bool Available(const char** why) {
   return d.ok;
 }
 
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+bool CanAccessPeer(int from, int to) {
+  if (from == to) return from >= 0 && from < DeviceCount();
+  int can = 0;
+  if (cudaDeviceCanAccessPeer(&can, from, to) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return can != 0;
+}
+
 int64_t WorkspaceBytes(int num_tokens, int num_heads, int head_dim, int max_splits) {
   const int useful = internal::MaxUsefulSplits(num_tokens, Device().ok ? Device().num_sms : 0);
   return kErrorWordBytes +

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -60,21 +62,42 @@ const std::string& ProcessToken() {
 }
 
 // A process's start time in clock ticks after boot (field 22 of
-// /proc/PID/stat); 0 where the process has exited (a zombie included) or
-// /proc does not say.
-uint64_t ProcessStartTime(int64_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
-  std::string stat;
-  if (!std::getline(in, stat)) return 0;
+// /proc/PID/stat); 0 where the process has exited (no such pid, or a zombie
+// not yet reaped); nullopt where /proc does not say (out of file
+// descriptors, a /proc that hides other users' processes, a malformed
+// line): unknown, never taken for an exit.
+std::optional<uint64_t> ProcessStartTime(const std::string& pid) {
+  const std::string path = absl::StrCat("/proc/", pid, "/stat");
+  FILE* f = std::fopen(path.c_str(), "re");
+  if (f == nullptr) {
+    if (errno == ENOENT || errno == ESRCH) return uint64_t{0};
+    return std::nullopt;
+  }
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  const bool failed = std::ferror(f) != 0;
+  const int read_errno = errno;
+  std::fclose(f);
+  if (failed) return read_errno == ESRCH ? std::optional<uint64_t>(0) : std::nullopt;  // exited while read
+  const absl::string_view stat(buf, n);
   const size_t comm_end = stat.rfind(')');  // the command may hold spaces and parentheses
-  if (comm_end == std::string::npos) return 0;
-  std::vector<absl::string_view> fields =
-      absl::StrSplit(absl::string_view(stat).substr(comm_end + 1), ' ', absl::SkipEmpty());
+  if (comm_end == absl::string_view::npos) return std::nullopt;
+  std::vector<absl::string_view> fields = absl::StrSplit(stat.substr(comm_end + 1), ' ', absl::SkipEmpty());
   uint64_t start = 0;
   // fields[0] is field 3 (the state): field 22 is fields[19].
-  if (fields.size() < 20 || !absl::SimpleAtoi(fields[19], &start)) return 0;
-  if (fields[0] == "Z" || fields[0] == "X") return 0;  // exited, not yet reaped
+  if (fields.size() < 20 || !absl::SimpleAtoi(fields[19], &start)) return std::nullopt;
+  if (fields[0] == "Z" || fields[0] == "X") return uint64_t{0};  // exited, not yet reaped
   return start;
+}
+std::optional<uint64_t> ProcessStartTime(int64_t pid) { return ProcessStartTime(absl::StrCat(pid)); }
+
+// This process's start time, 0 where unknown: /proc/self must be this
+// process (a /proc mounted from another pid namespace names another).
+uint64_t OwnStartTime() {
+  std::error_code ec;
+  const std::string self = std::filesystem::read_symlink("/proc/self", ec).string();
+  if (ec || self != absl::StrCat(getpid())) return 0;
+  return ProcessStartTime(self).value_or(0);
 }
 
 // This process's pid namespace ("pid:[4026531836]"); empty where unknown.
@@ -115,8 +138,9 @@ bool Unhex(absl::string_view hex, std::string* bytes) {
   return true;
 }
 
-// The start of the allocation holding `p` (the driver's cuMemGetAddressRange).
-absl::StatusOr<CUdeviceptr> AllocationBase(const void* p) {
+// The start and size of the allocation holding `p` (the driver's
+// cuMemGetAddressRange).
+absl::StatusOr<std::pair<CUdeviceptr, size_t>> AllocationRange(const void* p) {
   using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
   static const GetRange get = []() -> GetRange {
     void* fn = nullptr;
@@ -134,7 +158,7 @@ absl::StatusOr<CUdeviceptr> AllocationBase(const void* p) {
   if (get(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) {
     return absl::InvalidArgumentError("cuda_ipc: the KV pool is not device memory of this process");
   }
-  return base;
+  return std::pair{base, size};
 }
 
 }  // namespace
@@ -270,16 +294,17 @@ absl::Status CudaIpcTransport::RegisterPool(const PoolLayout& layout, void* base
     return absl::InvalidArgumentError(
         absl::StrFormat("cuda_ipc: the KV pool is not device memory of GPU %d (the transport's)", device_));
   }
-  absl::StatusOr<CUdeviceptr> alloc = AllocationBase(base);
-  if (!alloc.ok()) return alloc.status();
+  absl::StatusOr<std::pair<CUdeviceptr, size_t>> range = AllocationRange(base);
+  if (!range.ok()) return range.status();
+  const CUdeviceptr alloc = range->first;
   CudaIpcAddress a;
   cudaIpcMemHandle_t handle;
-  if (absl::Status st = Cuda(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(*alloc)), "cudaIpcGetMemHandle");
+  if (absl::Status st = Cuda(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(alloc)), "cudaIpcGetMemHandle");
       !st.ok()) {
     return st;
   }
   a.handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
-  a.offset = static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(base) - *alloc);
+  a.offset = static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(base) - alloc);
   a.pointer = reinterpret_cast<uint64_t>(base);
   char bus[32] = {};
   if (absl::Status st = Cuda(cudaDeviceGetPCIBusId(bus, sizeof(bus), device_), "cudaDeviceGetPCIBusId"); !st.ok()) {
@@ -290,7 +315,7 @@ absl::Status CudaIpcTransport::RegisterPool(const PoolLayout& layout, void* base
   a.process = ProcessToken();
   a.pid = getpid();
   a.pid_namespace = PidNamespace();
-  a.start_time = ProcessStartTime(a.pid);
+  a.start_time = OwnStartTime();
   layout_ = layout;
   layout_.device_id = device_;
   base_ = static_cast<unsigned char*>(base);
@@ -336,36 +361,62 @@ absl::Status CudaIpcTransport::AddPeer(const PeerInfo& peer) {
           "cuda_ipc: GPU %d cannot reach peer %s's GPU %d (no peer access)", device_, peer.agent_id, peer_device));
     }
   }
+  ASSIGN_OR_RETURN(std::shared_ptr<Mapping> mapping, OpenMapping(*a, peer.agent_id, peer.layout, peer_device));
+  // Watched: a process of this pid namespace (pids mean the same here), as
+  // this process sees it now (a /proc of another namespace, or one that
+  // hides other users' processes, makes it unwatched).
+  const bool watch = a->process != ProcessToken() && !a->pid_namespace.empty() && a->pid_namespace == PidNamespace() &&
+                     a->start_time != 0 && ProcessStartTime(a->pid) == std::optional<uint64_t>(a->start_time);
+  std::lock_guard<std::mutex> lock(mu_);
+  // An old mapping closes with its last transfer.
+  peers_[peer.agent_id] = Peer{.layout = peer.layout,
+                               .mapping = std::move(mapping),
+                               .address = *a,
+                               .device = peer_device,
+                               .pid = a->pid,
+                               .start_time = watch ? a->start_time : 0,
+                               .last_used = std::chrono::steady_clock::now()};
+  exited_.erase(peer.agent_id);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<CudaIpcTransport::Mapping>> CudaIpcTransport::OpenMapping(const CudaIpcAddress& a,
+                                                                                         const std::string& agent_id,
+                                                                                         const PoolLayout& layout,
+                                                                                         int peer_device) {
+  DeviceGuard guard(device_);
   auto mapping = std::make_shared<Mapping>();
   mapping->device = device_;
-  if (a->process == ProcessToken()) {
-    mapping->base = reinterpret_cast<unsigned char*>(a->pointer);  // a transport of this process
+  if (a.process == ProcessToken()) {
+    mapping->base = reinterpret_cast<unsigned char*>(a.pointer);  // a transport of this process
     if (peer_device != device_) {
       const cudaError_t e = cudaDeviceEnablePeerAccess(peer_device, 0);
       if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) return Cuda(e, "peer access");
       cudaGetLastError();
     }
-  } else {
-    cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, a->handle.data(), sizeof(handle));
-    void* opened = nullptr;
-    if (absl::Status st = Cuda(cudaIpcOpenMemHandle(&opened, handle, cudaIpcMemLazyEnablePeerAccess),
-                               "cudaIpcOpenMemHandle of the peer's pool");
-        !st.ok()) {
-      return absl::UnavailableError(absl::StrCat("cuda_ipc: peer ", peer.agent_id, ": ", st.message()));
-    }
-    mapping->opened = opened;
-    mapping->base = static_cast<unsigned char*>(opened) + a->offset;
+    return mapping;
   }
-  // Watched: a process of this pid namespace (pids mean the same here).
-  const bool watch = a->process != ProcessToken() && !a->pid_namespace.empty() && a->pid_namespace == PidNamespace() &&
-                     a->start_time != 0;
-  std::lock_guard<std::mutex> lock(mu_);
-  // An old mapping closes with its last transfer.
-  peers_[peer.agent_id] = Peer{
-      .layout = peer.layout, .mapping = std::move(mapping), .pid = a->pid, .start_time = watch ? a->start_time : 0};
-  exited_.erase(peer.agent_id);
-  return absl::OkStatus();
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, a.handle.data(), sizeof(handle));
+  void* opened = nullptr;
+  if (absl::Status st = Cuda(cudaIpcOpenMemHandle(&opened, handle, cudaIpcMemLazyEnablePeerAccess),
+                             "cudaIpcOpenMemHandle of the peer's pool");
+      !st.ok()) {
+    return absl::UnavailableError(absl::StrCat("cuda_ipc: peer ", agent_id, ": ", st.message()));
+  }
+  mapping->opened = opened;
+  mapping->base = static_cast<unsigned char*>(opened) + a.offset;
+  // The pool the peer claims must lie within what its handle maps: a copy
+  // past it would fault and take this process's CUDA context with it.
+  absl::StatusOr<std::pair<CUdeviceptr, size_t>> range = AllocationRange(opened);
+  if (!range.ok()) return range.status();
+  const uint64_t end = uint64_t(a.offset) + uint64_t(layout.num_blocks) * uint64_t(layout.block_bytes);
+  if (range->first != reinterpret_cast<CUdeviceptr>(opened) || end > range->second) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cuda_ipc: peer %s claims a pool of %d blocks of %d bytes at offset %d, past its %d-byte allocation", agent_id,
+        layout.num_blocks, layout.block_bytes, a.offset, range->second));
+  }
+  return mapping;
 }
 
 void CudaIpcTransport::RemovePeer(const std::string& agent_id) {
@@ -401,6 +452,20 @@ absl::StatusOr<uint64_t> CudaIpcTransport::Start(const std::string& agent_id, st
     if (exited_.contains(agent_id)) return ExitedError(agent_id);
     return absl::NotFoundError(absl::StrFormat("unknown KV transfer peer %s", agent_id));
   }
+  if (peer->second.mapping == nullptr) {
+    // Closed for idleness: reopened (outside the lock: the driver call
+    // takes a while), unless someone else did meanwhile.
+    const Peer closed = peer->second;
+    lock.unlock();
+    absl::StatusOr<std::shared_ptr<Mapping>> reopened =
+        OpenMapping(closed.address, agent_id, closed.layout, closed.device);
+    lock.lock();
+    if (!reopened.ok()) return reopened.status();
+    peer = peers_.find(agent_id);
+    if (peer == peers_.end()) return absl::UnavailableError(absl::StrFormat("peer %s is gone", agent_id));
+    if (peer->second.mapping == nullptr) peer->second.mapping = *std::move(reopened);
+  }
+  peer->second.last_used = std::chrono::steady_clock::now();
   const int64_t local_blocks = layout_.num_blocks, remote_blocks = peer->second.layout.num_blocks;
   absl::StatusOr<std::vector<CopyRun>> runs =
       PlanRuns(blocks, layout_.block_bytes, push ? local_blocks : remote_blocks, push ? remote_blocks : local_blocks);
@@ -421,7 +486,10 @@ absl::StatusOr<uint64_t> CudaIpcTransport::Start(const std::string& agent_id, st
 
 void CudaIpcTransport::Cancel(uint64_t transfer_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  cancelled_[transfer_id] = true;
+  // Only a transfer queued or running (ids of ended ones would pile up).
+  const bool live = transfer_id == running_id_ ||
+                    std::any_of(queue_.begin(), queue_.end(), [&](const Transfer& t) { return t.id == transfer_id; });
+  if (live) cancelled_[transfer_id] = true;
 }
 
 absl::Status CudaIpcTransport::Run(Transfer& t) {
@@ -517,14 +585,15 @@ absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* loc
       break;
     }
   }
-  if (!aligned) {
+  auto copy_each_run = [&]() -> absl::Status {
     for (const CopyRun& run : t.runs) {
       const auto [src, dst] = ends(run);
       RETURN_IF_ERROR(
           Cuda(cudaMemcpyAsync(dst, src, static_cast<size_t>(run.bytes), cudaMemcpyDefault, stream), "copy"));
     }
     return absl::OkStatus();
-  }
+  };
+  if (!aligned || !kernel_ok_) return copy_each_run();
   if (chunks.empty()) return absl::OkStatus();
   const int64_t n = static_cast<int64_t>(chunks.size());
   if (n > chunks_capacity_) {
@@ -541,9 +610,17 @@ absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* loc
   }
   // The kernel reads them from host memory, once a CTA each: no upload.
   std::memcpy(chunks_host_, chunks.data(), chunks.size() * sizeof(cuda_ipc::CopyChunk));
-  return Cuda(cuda_ipc::LaunchCopyChunks(static_cast<const cuda_ipc::CopyChunk*>(chunks_device_), static_cast<int>(n),
-                                         max_ctas_, stream),
-              "the copy kernel");
+  cudaGetLastError();  // an earlier call's error is not the launch's
+  const cudaError_t launched = cuda_ipc::LaunchCopyChunks(static_cast<const cuda_ipc::CopyChunk*>(chunks_device_),
+                                                          static_cast<int>(n), max_ctas_, stream);
+  if (launched == cudaErrorNoKernelImageForDevice || launched == cudaErrorInvalidDeviceFunction) {
+    // Built for Hopper (sm_90a) only: another GPU copies run by run.
+    LOG(WARNING) << "cuda_ipc: the copy kernel does not run on GPU " << device_ << " (" << cudaGetErrorString(launched)
+                 << "): copying a cudaMemcpyAsync a run";
+    kernel_ok_ = false;
+    return copy_each_run();
+  }
+  return Cuda(launched, "the copy kernel");
 }
 
 absl::Status CudaIpcTransport::ExitedError(const std::string& agent_id) const {
@@ -551,7 +628,7 @@ absl::Status CudaIpcTransport::ExitedError(const std::string& agent_id) const {
       "KV transfer peer %s: its process (pid %d) exited, and its pool was let go", agent_id, exited_.at(agent_id)));
 }
 
-void CudaIpcTransport::SweepDeadPeers() {
+void CudaIpcTransport::SweepPeers() {
   struct Watched {
     std::string agent;
     int64_t pid;
@@ -559,15 +636,26 @@ void CudaIpcTransport::SweepDeadPeers() {
     std::shared_ptr<Mapping> mapping;
   };
   std::vector<Watched> watched;
+  std::vector<std::shared_ptr<Mapping>> idle;  // closed here, outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [agent, peer] : peers_) {
-      if (peer.start_time != 0) watched.push_back({agent, peer.pid, peer.start_time, peer.mapping});
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& [agent, peer] : peers_) {
+      if (peer.start_time != 0) {
+        watched.push_back({agent, peer.pid, peer.start_time, peer.mapping});
+      } else if (peer.mapping != nullptr && peer.mapping->opened != nullptr && peer.mapping.use_count() == 1 &&
+                 now - peer.last_used > kIdleClose) {
+        // Unwatched and unused: let its memory go should the peer be dead.
+        idle.push_back(std::move(peer.mapping));
+      }
     }
   }
+  idle.clear();
   std::vector<Watched> dead;
   for (Watched& w : watched) {
-    if (ProcessStartTime(w.pid) != w.start) dead.push_back(std::move(w));  // gone, or the pid reused
+    // Gone, or its pid reused by another process; unknown is not dead.
+    const std::optional<uint64_t> now = ProcessStartTime(w.pid);
+    if (now.has_value() && *now != w.start) dead.push_back(std::move(w));
   }
   if (dead.empty()) return;
   std::lock_guard<std::mutex> lock(mu_);
@@ -598,15 +686,20 @@ void CudaIpcTransport::CopyLoop() {
       }
     }
     if (std::chrono::steady_clock::now() - last_sweep >= kSweepEvery) {
-      SweepDeadPeers();
+      SweepPeers();
       last_sweep = std::chrono::steady_clock::now();
     }
     if (!next.has_value()) continue;
     Transfer& t = *next;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_id_ = t.id;
+    }
     const absl::Status status = Run(t);
     {
       std::lock_guard<std::mutex> lock(mu_);
       cancelled_.erase(t.id);
+      running_id_ = 0;
     }
     t.mapping.reset();  // the last transfer of a removed peer closes its mapping
     t.done(status);

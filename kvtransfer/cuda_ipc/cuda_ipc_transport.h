@@ -26,9 +26,11 @@
 // restart. The copy thread checks every second whether the processes of its
 // peers (those of its pid namespace) still run; a dead one's peer entry goes
 // (its mapping is closed once its last transfer ended) and transfers to it
-// are refused with Unavailable, naming the exit. Peers of another pid
-// namespace are let go by RemovePeer only (the worker's PeerSet: a lost or
-// idle peer).
+// are refused with Unavailable, naming the exit. The process of a peer in
+// another pid namespace cannot be watched: its mapping is closed once no
+// transfer used it for a minute and reopened by the next transfer (which
+// fails, Unavailable, if the peer is gone), so a dead peer's memory is held
+// for a minute at most.
 //
 // Thread-safe.
 #ifndef TANDEM_KVTRANSFER_CUDA_IPC_CUDA_IPC_TRANSPORT_H_
@@ -104,9 +106,12 @@ class CudaIpcTransport final : public Transport {
   };
   struct Peer {
     PoolLayout layout;
-    std::shared_ptr<Mapping> mapping;
+    std::shared_ptr<Mapping> mapping;  // null while closed for idleness (reopened by the next transfer)
+    CudaIpcAddress address;
+    int device = 0;           // the peer's GPU, as this process numbers them
     int64_t pid = 0;          // watched where start_time != 0
     uint64_t start_time = 0;  // of a process of this pid namespace, else 0
+    std::chrono::steady_clock::time_point last_used;
   };
   struct Transfer {
     uint64_t id = 0;
@@ -124,8 +129,12 @@ class CudaIpcTransport final : public Transport {
                                  std::shared_ptr<const WriteFence> after, Deadline deadline, TransferDone done,
                                  bool push);
   void CopyLoop();
-  // Drops the peers whose processes are known to have exited.
-  void SweepDeadPeers();
+  // Drops the peers whose processes are known to have exited, and closes
+  // the mappings of unwatched peers idle for kIdleClose.
+  void SweepPeers();
+  // Opens (or, in this process, points at) the pool of the peer at `a`.
+  absl::StatusOr<std::shared_ptr<Mapping>> OpenMapping(const CudaIpcAddress& a, const std::string& agent_id,
+                                                       const PoolLayout& layout, int peer_device);
   // Unavailable, naming the exit of `agent_id` (in exited_).
   absl::Status ExitedError(const std::string& agent_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Issues t's copies and waits for them; the transfer's outcome.
@@ -138,6 +147,8 @@ class CudaIpcTransport final : public Transport {
   void* const event_;   // cudaEvent_t
   const std::string agent_id_;
   const int max_ctas_;  // of the copy kernel
+  // An unwatched peer's mapping unused this long is closed (SweepPeers).
+  static constexpr std::chrono::seconds kIdleClose{60};
   // The copy thread's: the kernel's chunk descriptors in mapped pinned
   // memory, and the device's address of it.
   void* chunks_host_ = nullptr;
@@ -153,6 +164,8 @@ class CudaIpcTransport final : public Transport {
   absl::flat_hash_map<uint64_t, bool> cancelled_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int64_t> exited_ ABSL_GUARDED_BY(mu_);  // dead peers' pids, by agent id
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t running_id_ ABSL_GUARDED_BY(mu_) = 0;  // the copy thread's transfer, 0 when none
+  bool kernel_ok_ = true;  // the copy thread's: false once the copy kernel cannot run on this GPU
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -154,14 +154,17 @@ class CudaIpcTransportTest : public ::testing::Test {
 TEST_F(CudaIpcTransportTest, PushAndPullMoveScatteredBlocks) { PushAndPullScattered(); }
 
 // Other block sizes: runs cut into several of the copy kernel's chunks
-// (300,000-byte blocks, a 900,000-byte run), and blocks of a size that is no
-// multiple of 16 (cudaMemcpyAsync a run instead of the kernel).
+// (300,000-byte blocks, a 900,000-byte run), blocks of a size that is no
+// multiple of 16 (cudaMemcpyAsync a run instead of the kernel), and 48 MiB
+// blocks (a 192 MiB push: 256 KiB chunks through the unrolled loop, more
+// chunks than CTAs, so a CTA takes several descriptors in turn).
 class CudaIpcBlockBytesTest : public CudaIpcTransportTest, public ::testing::WithParamInterface<int64_t> {
  protected:
   int64_t BlockBytes() const override { return GetParam(); }
 };
 TEST_P(CudaIpcBlockBytesTest, PushAndPullMoveScatteredBlocks) { PushAndPullScattered(); }
-INSTANTIATE_TEST_SUITE_P(Sizes, CudaIpcBlockBytesTest, ::testing::Values(int64_t{300000}, int64_t{16008}, int64_t{16}));
+INSTANTIATE_TEST_SUITE_P(Sizes, CudaIpcBlockBytesTest,
+                         ::testing::Values(int64_t{300000}, int64_t{16008}, int64_t{16}, int64_t{48} << 20));
 
 // A fence of GPU writes on another stream: the push's copies wait on it.
 TEST_F(CudaIpcTransportTest, PushAfterAGpuFenceCopiesTheWrittenBytes) {
@@ -343,6 +346,13 @@ TEST_F(CudaIpcTransportTest, AnotherProcessesPoolOpensThroughItsHandle) {
   ASSERT_TRUE(Wait([&](TransferDone d) {
                 return t_[0]->Push(peer.agent_id, {{6, 2}, {7, 3}, {8, 7}}, later, std::move(d));
               }).ok());
+  // Past the dead-peer sweep's period the live child is still a peer.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  const Deadline again = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  EXPECT_TRUE(Wait([&](TransferDone d) {
+                return t_[0]->Pull(peer.agent_id, {{1, 0}}, again, std::move(d));
+              }).ok())
+      << "a live peer was taken for dead";
   WriteFile(dir + "/pushed", "");
   ASSERT_TRUE(WaitForFile(dir + "/result", 60)) << "the child gave no result";
   std::ifstream result_in(dir + "/result");

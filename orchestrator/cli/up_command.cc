@@ -404,10 +404,10 @@ absl::Status Up(UpOptions opt) {
     }
   }
   const bool gpu = !opt.device.empty() && opt.device != "cpu";
+  worker::RunnerOptions gpu_options;  // the device's index for cuda:N
   if (gpu) {
     std::string runner;
-    worker::RunnerOptions ro;
-    if (absl::Status s = worker::SelectDevice(opt.device, &runner, &ro); !s.ok()) return s;
+    if (absl::Status s = worker::SelectDevice(opt.device, &runner, &gpu_options); !s.ok()) return s;
   }
   // The split's KV transport: one that moves the workers' pools (GPU or host memory).
   const std::string kv_transport = !opt.kv_transport.empty() ? opt.kv_transport : gpu ? "cuda_ipc" : "ucx";
@@ -432,10 +432,9 @@ absl::Status Up(UpOptions opt) {
         gpu ? absl::StrFormat("--gpu-memory-utilization must be in (0, 1], got %g", opt.gpu_memory_utilization)
             : std::string("--gpu-memory-utilization is for GPU workers (--device cuda or cuda:N)"));
   }
-  if (gpu) {
-    if (const char* why = nullptr; !kernels::cuda::Available(&why)) {
-      return absl::FailedPreconditionError(absl::StrFormat("--device %s: %s", opt.device, why));
-    }
+  if (opt.gpu_memory_utilization != 0 && !opt.kv_cache_memory.empty()) {
+    return absl::InvalidArgumentError(
+        "--gpu-memory-utilization and --kv-cache-memory exclude each other (a share of the GPU, or a KV size)");
   }
   const int num_decode = split ? opt.decode : (opt.aggregated > 0 ? opt.aggregated : opt.decode);
   const int num_prefill = split ? opt.prefill : 0;
@@ -444,6 +443,38 @@ absl::Status Up(UpOptions opt) {
     return absl::InvalidArgumentError(
         "a cluster needs at least one decode (or aggregated) worker, and one prefill worker when "
         "disaggregated");
+  }
+  // Workers that share one GPU (--device cuda:N), and each one's share of it.
+  const int gpu_sharing = opt.device == "cuda" ? 1 : num_workers;
+  const double gpu_share = opt.gpu_memory_utilization > 0 ? opt.gpu_memory_utilization : 0.9 / gpu_sharing;
+  if (gpu) {
+    if (const char* why = nullptr; !kernels::cuda::Available(&why)) {
+      return absl::FailedPreconditionError(absl::StrFormat("--device %s: %s", opt.device, why));
+    }
+    // Every worker's GPU exists, and a split's GPUs reach each other.
+    const int first = opt.device == "cuda" ? 0 : gpu_options.device;
+    const int last = opt.device == "cuda" ? num_workers - 1 : gpu_options.device;
+    const int count = kernels::cuda::DeviceCount();
+    if (last >= count) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--device %s: %d workers need GPUs 0..%d, and this machine has %d (use --device cuda:N to share one)",
+          opt.device, num_workers, last, count));
+    }
+    for (int a = first; split && a <= last; ++a) {
+      for (int b = first; b <= last; ++b) {
+        if (!kernels::cuda::CanAccessPeer(a, b)) {
+          return absl::FailedPreconditionError(absl::StrFormat(
+              "--device %s: GPU %d cannot reach GPU %d's memory (no peer access), so cuda_ipc cannot move KV "
+              "between their workers: use --device cuda:N (one GPU) or --aggregated K",
+              opt.device, a, b));
+        }
+      }
+    }
+    if (opt.gpu_memory_utilization > 0 && gpu_share * gpu_sharing > 1.0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--gpu-memory-utilization %g for each of %d workers on GPU %s is more than the whole GPU",
+                          gpu_share, gpu_sharing, opt.device.substr(5)));
+    }
   }
   RETURN_IF_ERROR(CheckBeforeStarting(opt, config));
 
@@ -534,13 +565,11 @@ absl::Status Up(UpOptions opt) {
       // "cuda": one GPU per worker, in order.
       argv.push_back("--device");
       argv.push_back(opt.device == "cuda" ? absl::StrCat("cuda:", slot.index) : opt.device);
+    }
+    if (gpu && opt.kv_cache_memory.empty()) {
       // The GPU's memory shared among the workers on it (vLLM's meaning of
       // the utilization: each worker's own share).
-      if (opt.gpu_memory_utilization > 0 || opt.kv_cache_memory.empty()) {
-        const int sharing = opt.device == "cuda" ? 1 : num_workers;
-        const double share = opt.gpu_memory_utilization > 0 ? opt.gpu_memory_utilization : 0.9 / sharing;
-        argv.insert(argv.end(), {"--gpu-memory-utilization", absl::StrFormat("%.4f", share)});
-      }
+      argv.insert(argv.end(), {"--gpu-memory-utilization", absl::StrFormat("%g", gpu_share)});
     }
     argv.insert(argv.end(), opt.worker_args.begin(), opt.worker_args.end());
     ASSIGN_OR_RETURN(std::unique_ptr<Child> c, Spawn(slot.name, argv));

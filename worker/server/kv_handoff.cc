@@ -394,6 +394,13 @@ void KvReceiver::StartPull(const tandem::v1::KvReadyRequest& req, Deadline call_
   absl::StatusOr<uint64_t> transfer = transport_->Pull(pull->agent_id, pull->pairs, EndBefore(call_deadline),
                                                        [this, pull](absl::Status s) { OnPulled(pull, std::move(s)); });
   if (!transfer.ok()) {
+    // A peer the transport no longer has (it exited, or was let go): lost,
+    // so the next transfer with this agent joins it afresh.
+    if (transfer.status().code() == absl::StatusCode::kUnavailable ||
+        transfer.status().code() == absl::StatusCode::kNotFound) {
+      peers_->Release(pull->agent_id, /*lost=*/true);
+      pull->peer_held = false;
+    }
     Fail(pull,
          grpc::Status(grpc::StatusCode::ABORTED,
                       absl::StrCat("cannot start the KV pull: ", transfer.status().message())),
@@ -1011,7 +1018,8 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
       transport_->PushAfter(p->agent, std::move(pairs), std::move(written), p->job.target.reservation_id(),
                             push_deadline, [this, p](absl::Status s) { OnPushed(p, std::move(s)); });
   if (!transfer.ok()) {
-    peers_->Release(p->agent, transfer.status().code() == absl::StatusCode::kUnavailable);
+    peers_->Release(p->agent, transfer.status().code() == absl::StatusCode::kUnavailable ||
+                                  transfer.status().code() == absl::StatusCode::kNotFound);
     engine_->ReleasePrefilled(id);
     SendPushed(p, absl::StrCat("cannot start the push: ", transfer.status().message()));
     EndPush();

@@ -335,8 +335,11 @@ class CudaRunner final : public ModelRunner {
                                                              config().max_position_embeddings, kDecodeKeysPerSplit);
     }
     const int64_t allowed = static_cast<int64_t>(utilization * double(total));
-    // And no more than the device has free (other processes' memory).
-    const int64_t budget = std::min(allowed - used, int64_t(free_bytes)) - activations;
+    // And no more than the device has free (other processes' memory), less
+    // a reserve for what is allocated later (CUDA graphs, checksum buffers,
+    // the sampler's and the attention workspace's growth).
+    constexpr int64_t kFreeReserve = int64_t{1} << 30;
+    const int64_t budget = std::min(allowed - used, int64_t(free_bytes) - kFreeReserve) - activations;
     if (budget <= 0) {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "--gpu-memory-utilization %g allows this worker %d bytes of cuda:%d's %d; it uses %d (%d of them this "
