@@ -169,8 +169,8 @@ TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
   {
     // The KV moved GPU to GPU for every request (a failed transfer would
     // fall back to a local prefill, with the same text).
-    auto decode = tandem::v1::Worker::NewStub(
-        grpc::CreateChannel(*split_decode.begin(), grpc::InsecureChannelCredentials()));
+    auto decode =
+        tandem::v1::Worker::NewStub(grpc::CreateChannel(*split_decode.begin(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
     tandem::v1::LoadReport load;

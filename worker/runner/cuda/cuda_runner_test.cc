@@ -502,7 +502,7 @@ TEST(CudaRunnerTest, GpuMemoryUtilizationSizesThePoolAndSaysWhenNothingIsLeft) {
   ASSERT_EQ(cudaMemGetInfo(&free_after, &total), cudaSuccess);
   std::printf("pool %lld bytes; device in use %lld of %lld\n", static_cast<long long>(pool),
               static_cast<long long>(total - free_after), static_cast<long long>(total));
-  EXPECT_GT(pool, int64_t(total) / 8);                               // most of the quarter
+  EXPECT_GT(pool, int64_t(total) / 8);                                        // most of the quarter
   EXPECT_LE(int64_t(free_before) - int64_t(free_after), int64_t(total) / 4);  // and within it
   // A second worker's share beside it (the utilization is each one's own).
   absl::StatusOr<std::unique_ptr<Engine>> second = Engine::Create(c, *model);
