@@ -6,11 +6,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <random>
@@ -22,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/logging.h"
+#include "common/process_info.h"
 #include "common/status_macros.h"
 #include "kvtransfer/cuda_ipc/copy_runs.h"
 
@@ -59,55 +57,6 @@ const std::string& ProcessToken() {
     return absl::StrFormat("%08x%08x%08x", rd(), rd(), rd());
   }();
   return token;
-}
-
-// A process's start time in clock ticks after boot (field 22 of
-// /proc/PID/stat); 0 where the process has exited (no such pid, or a zombie
-// not yet reaped); nullopt where /proc does not say (out of file
-// descriptors, a /proc that hides other users' processes, a malformed
-// line): unknown, never taken for an exit.
-std::optional<uint64_t> ProcessStartTime(const std::string& pid) {
-  const std::string path = absl::StrCat("/proc/", pid, "/stat");
-  FILE* f = std::fopen(path.c_str(), "re");
-  if (f == nullptr) {
-    if (errno == ENOENT || errno == ESRCH) return uint64_t{0};
-    return std::nullopt;
-  }
-  char buf[1024];
-  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  const bool failed = std::ferror(f) != 0;
-  const int read_errno = errno;
-  std::fclose(f);
-  if (failed) return read_errno == ESRCH ? std::optional<uint64_t>(0) : std::nullopt;  // exited while read
-  const absl::string_view stat(buf, n);
-  const size_t comm_end = stat.rfind(')');  // the command may hold spaces and parentheses
-  if (comm_end == absl::string_view::npos) return std::nullopt;
-  std::vector<absl::string_view> fields = absl::StrSplit(stat.substr(comm_end + 1), ' ', absl::SkipEmpty());
-  uint64_t start = 0;
-  // fields[0] is field 3 (the state): field 22 is fields[19].
-  if (fields.size() < 20 || !absl::SimpleAtoi(fields[19], &start)) return std::nullopt;
-  if (fields[0] == "Z" || fields[0] == "X") return uint64_t{0};  // exited, not yet reaped
-  return start;
-}
-std::optional<uint64_t> ProcessStartTime(int64_t pid) { return ProcessStartTime(absl::StrCat(pid)); }
-
-// This process's start time, 0 where unknown: /proc/self must be this
-// process (a /proc mounted from another pid namespace names another).
-uint64_t OwnStartTime() {
-  std::error_code ec;
-  const std::string self = std::filesystem::read_symlink("/proc/self", ec).string();
-  if (ec || self != absl::StrCat(getpid())) return 0;
-  return ProcessStartTime(self).value_or(0);
-}
-
-// This process's pid namespace ("pid:[4026531836]"); empty where unknown.
-const std::string& PidNamespace() {
-  static const std::string ns = [] {
-    std::error_code ec;
-    std::string link = std::filesystem::read_symlink("/proc/self/ns/pid", ec).string();
-    return ec ? std::string() : link;
-  }();
-  return ns;
 }
 
 std::string NewAgentId() {
