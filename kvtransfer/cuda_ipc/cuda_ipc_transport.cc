@@ -190,22 +190,29 @@ absl::StatusOr<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::Create(int d
   }
   DeviceGuard guard(device);
   cudaStream_t stream = nullptr;
-  cudaEvent_t event = nullptr;
   if (absl::Status st = Cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"); !st.ok()) return st;
-  if (absl::Status st = Cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "event"); !st.ok()) {
-    cudaStreamDestroy(stream);
-    return st;
+  std::vector<Slot> slots(kMaxInFlight);
+  for (Slot& s : slots) {
+    cudaEvent_t event = nullptr;
+    if (absl::Status st = Cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "event"); !st.ok()) {
+      for (Slot& made : slots) {
+        if (made.event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(made.event));
+      }
+      cudaStreamDestroy(stream);
+      return st;
+    }
+    s.event = event;
   }
   int sms = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
     cudaGetLastError();
     sms = 16;
   }
-  return std::unique_ptr<CudaIpcTransport>(new CudaIpcTransport(device, stream, event, 4 * sms));
+  return std::unique_ptr<CudaIpcTransport>(new CudaIpcTransport(device, stream, std::move(slots), 4 * sms));
 }
 
-CudaIpcTransport::CudaIpcTransport(int device, void* stream, void* event, int max_ctas)
-    : device_(device), stream_(stream), event_(event), agent_id_(NewAgentId()), max_ctas_(max_ctas) {
+CudaIpcTransport::CudaIpcTransport(int device, void* stream, std::vector<Slot> slots, int max_ctas)
+    : device_(device), stream_(stream), agent_id_(NewAgentId()), max_ctas_(max_ctas), slots_(std::move(slots)) {
   thread_ = std::thread([this] { CopyLoop(); });
 }
 
@@ -221,8 +228,10 @@ CudaIpcTransport::~CudaIpcTransport() {
   for (Transfer& t : pending) t.done(absl::CancelledError("the transport was destroyed"));
   peers_.clear();
   DeviceGuard guard(device_);
-  if (chunks_host_ != nullptr) cudaFreeHost(chunks_host_);
-  cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  for (Slot& s : slots_) {
+    if (s.chunks_host != nullptr) cudaFreeHost(s.chunks_host);
+    cudaEventDestroy(static_cast<cudaEvent_t>(s.event));
+  }
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
@@ -436,27 +445,27 @@ absl::StatusOr<uint64_t> CudaIpcTransport::Start(const std::string& agent_id, st
 void CudaIpcTransport::Cancel(uint64_t transfer_id) {
   std::lock_guard<std::mutex> lock(mu_);
   // Only a transfer queued or running (ids of ended ones would pile up).
-  const bool live = transfer_id == running_id_ ||
+  const bool live = in_flight_.contains(transfer_id) ||
                     std::any_of(queue_.begin(), queue_.end(), [&](const Transfer& t) { return t.id == transfer_id; });
   if (live) cancelled_[transfer_id] = true;
 }
 
-absl::Status CudaIpcTransport::Run(Transfer& t) {
+absl::Status CudaIpcTransport::CheckLive(const Transfer& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cancelled_.contains(t.id)) return absl::CancelledError("transfer cancelled");
+  auto peer = peers_.find(t.peer);
+  if (peer == peers_.end() || peer->second.mapping != t.mapping) {
+    if (exited_.contains(t.peer)) return ExitedError(t.peer);
+    return absl::UnavailableError(absl::StrFormat("peer %s is gone", t.peer));
+  }
+  if (std::chrono::steady_clock::now() > t.deadline) return absl::DeadlineExceededError("KV transfer deadline passed");
+  return absl::OkStatus();
+}
+
+absl::Status CudaIpcTransport::Issue(Transfer& t, Slot& slot) {
   auto stream = static_cast<cudaStream_t>(stream_);
   // What stops it before anything is issued: cancelled, the peer gone, late.
-  auto check = [&]() -> absl::Status {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (cancelled_.contains(t.id)) return absl::CancelledError("transfer cancelled");
-    auto peer = peers_.find(t.peer);
-    if (peer == peers_.end() || peer->second.mapping != t.mapping) {
-      if (exited_.contains(t.peer)) return ExitedError(t.peer);
-      return absl::UnavailableError(absl::StrFormat("peer %s is gone", t.peer));
-    }
-    if (std::chrono::steady_clock::now() > t.deadline)
-      return absl::DeadlineExceededError("KV transfer deadline passed");
-    return absl::OkStatus();
-  };
-  if (absl::Status st = check(); !st.ok()) return st;
+  RETURN_IF_ERROR(CheckLive(t));
   if (t.after != nullptr) {
     if (t.after->memory() == MemoryType::kCuda && t.after->cuda_event() != nullptr) {
       // Polled, not queued on the stream: writes that never finish must not
@@ -466,55 +475,30 @@ absl::Status CudaIpcTransport::Run(Transfer& t) {
         const cudaError_t q = cudaEventQuery(fence);
         if (q == cudaSuccess) break;
         if (q != cudaErrorNotReady) return Cuda(q, "the blocks' writes");
-        if (absl::Status st = check(); !st.ok()) return st;
+        RETURN_IF_ERROR(CheckLive(t));
         {
           std::lock_guard<std::mutex> lock(mu_);
           if (stop_) return absl::CancelledError("the transport was destroyed");
         }
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
-    } else if (absl::Status st = t.after->Wait(t.deadline); !st.ok()) {
-      return st;
+    } else {
+      RETURN_IF_ERROR(t.after->Wait(t.deadline));
     }
-    if (absl::Status st = check(); !st.ok()) return st;
+    RETURN_IF_ERROR(CheckLive(t));
   }
   unsigned char* local = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     local = base_;
   }
-  if (absl::Status st = IssueCopies(t, local); !st.ok()) {
-    cudaStreamSynchronize(stream);  // what was issued lands before done
-    return st;
-  }
-  auto event = static_cast<cudaEvent_t>(event_);
-  if (absl::Status st = Cuda(cudaEventRecord(event, stream), "record"); !st.ok()) {
-    cudaStreamSynchronize(stream);
-    return st;
-  }
-  // Poll: the copies cannot be recalled, so whatever happens meanwhile is
-  // reported once they completed. Yielding between polls for the first 2 ms
-  // (a 4k-token prompt's copy takes 0.5 ms on one GPU, 1.6 ms across
-  // NVLink; a 20 us sleep oversleeps by tens of microseconds, which cost
-  // 40% at 128 MiB on an H100), then sleeping between polls.
-  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
-  while (true) {
-    const cudaError_t q = cudaEventQuery(event);
-    if (q == cudaSuccess) break;
-    if (q != cudaErrorNotReady) {
-      cudaStreamSynchronize(stream);  // nothing of it may land after done
-      return Cuda(q, "the copies");
-    }
-    if (std::chrono::steady_clock::now() < spin_until) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
-  }
-  return check();
+  absl::Status st = IssueCopies(t, local, slot);
+  if (st.ok()) st = Cuda(cudaEventRecord(static_cast<cudaEvent_t>(slot.event), stream), "record");
+  if (!st.ok()) cudaStreamSynchronize(stream);  // what was issued lands before done
+  return st;
 }
 
-absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* local) {
+absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* local, Slot& slot) {
   auto stream = static_cast<cudaStream_t>(stream_);
   auto ends = [&](const CopyRun& run) {
     unsigned char* dst = t.push ? t.mapping->base + run.dst_offset : local + run.dst_offset;
@@ -545,22 +529,22 @@ absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* loc
   if (!aligned || !kernel_ok_) return copy_each_run();
   if (chunks.empty()) return absl::OkStatus();
   const int64_t n = static_cast<int64_t>(chunks.size());
-  if (n > chunks_capacity_) {
-    // The previous transfer completed (one at a time): the buffer is free.
-    const int64_t capacity = std::max<int64_t>(n, 2 * chunks_capacity_);
-    if (chunks_host_ != nullptr) cudaFreeHost(chunks_host_);
-    chunks_host_ = chunks_device_ = nullptr;
-    chunks_capacity_ = 0;
+  if (n > slot.capacity) {
+    // The slot is free: its last transfer completed.
+    const int64_t capacity = std::max<int64_t>(n, 2 * slot.capacity);
+    if (slot.chunks_host != nullptr) cudaFreeHost(slot.chunks_host);
+    slot.chunks_host = slot.chunks_device = nullptr;
+    slot.capacity = 0;
     const size_t bytes = static_cast<size_t>(capacity) * sizeof(cuda_ipc::CopyChunk);
-    RETURN_IF_ERROR(
-        Cuda(cudaHostAlloc(&chunks_host_, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "the copy descriptors"));
-    RETURN_IF_ERROR(Cuda(cudaHostGetDevicePointer(&chunks_device_, chunks_host_, 0), "the copy descriptors"));
-    chunks_capacity_ = capacity;
+    RETURN_IF_ERROR(Cuda(cudaHostAlloc(&slot.chunks_host, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+                         "the copy descriptors"));
+    RETURN_IF_ERROR(Cuda(cudaHostGetDevicePointer(&slot.chunks_device, slot.chunks_host, 0), "the copy descriptors"));
+    slot.capacity = capacity;
   }
   // The kernel reads them from host memory, once a CTA each: no upload.
-  std::memcpy(chunks_host_, chunks.data(), chunks.size() * sizeof(cuda_ipc::CopyChunk));
+  std::memcpy(slot.chunks_host, chunks.data(), chunks.size() * sizeof(cuda_ipc::CopyChunk));
   cudaGetLastError();  // an earlier call's error is not the launch's
-  const cudaError_t launched = cuda_ipc::LaunchCopyChunks(static_cast<const cuda_ipc::CopyChunk*>(chunks_device_),
+  const cudaError_t launched = cuda_ipc::LaunchCopyChunks(static_cast<const cuda_ipc::CopyChunk*>(slot.chunks_device),
                                                           static_cast<int>(n), max_ctas_, stream);
   if (launched == cudaErrorNoKernelImageForDevice || launched == cudaErrorInvalidDeviceFunction) {
     // Built for Hopper (sm_90a) only: another GPU copies run by run.
@@ -623,35 +607,81 @@ void CudaIpcTransport::CopyLoop() {
   cudaSetDevice(device_);
   constexpr auto kSweepEvery = std::chrono::seconds(1);
   auto last_sweep = std::chrono::steady_clock::now();
+  struct Flying {
+    Transfer t;
+    Slot* slot;
+    std::chrono::steady_clock::time_point issued;
+  };
+  std::deque<Flying> flying;  // issued, in stream order
+  std::vector<Slot*> free_slots;
+  for (Slot& s : slots_) free_slots.push_back(&s);
+  // Ends `t`: its id forgotten, its mapping let go (the last transfer of a
+  // removed peer closes it), `done` called.
+  auto finish = [this](Transfer& t, const absl::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_.erase(t.id);
+      in_flight_.erase(t.id);
+    }
+    t.mapping.reset();
+    t.done(status);
+  };
   while (true) {
     std::optional<Transfer> next;
+    bool stopping = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, kSweepEvery, [&] { return stop_ || !queue_.empty(); });
-      if (stop_) return;
-      if (!queue_.empty()) {
+      // Nothing in flight: sleep until work comes (or the sweep is due).
+      if (flying.empty()) cv_.wait_for(lock, kSweepEvery, [&] { return stop_ || !queue_.empty(); });
+      stopping = stop_;
+      if (!stopping && !queue_.empty() && !free_slots.empty()) {
         next = std::move(queue_.front());
         queue_.pop_front();
+        in_flight_.insert(next->id);
       }
     }
+    if (stopping && flying.empty()) return;  // the queue's transfers end in the destructor
     if (std::chrono::steady_clock::now() - last_sweep >= kSweepEvery) {
       SweepPeers();
       last_sweep = std::chrono::steady_clock::now();
     }
-    if (!next.has_value()) continue;
-    Transfer& t = *next;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      running_id_ = t.id;
+    if (next.has_value()) {
+      Slot* slot = free_slots.back();
+      if (absl::Status st = Issue(*next, *slot); !st.ok()) {
+        finish(*next, st);
+      } else {
+        free_slots.pop_back();
+        flying.push_back(Flying{std::move(*next), slot, std::chrono::steady_clock::now()});
+      }
+      continue;  // more to issue before polling
     }
-    const absl::Status status = Run(t);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cancelled_.erase(t.id);
-      running_id_ = 0;
+    if (flying.empty()) continue;
+    // Poll the oldest: the copies cannot be recalled, so whatever happens
+    // meanwhile is reported once they completed. Yielding between polls for
+    // the first 2 ms (a 4k-token prompt's copy takes 0.5 ms on one GPU, 1.6
+    // ms across NVLink; a 20 us sleep oversleeps by tens of microseconds,
+    // which cost 40% at 128 MiB on an H100), then sleeping between polls.
+    Flying& f = flying.front();
+    const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(f.slot->event));
+    if (q == cudaErrorNotReady) {
+      if (std::chrono::steady_clock::now() - f.issued < std::chrono::milliseconds(2)) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      continue;
     }
-    t.mapping.reset();  // the last transfer of a removed peer closes its mapping
-    t.done(status);
+    absl::Status status;
+    if (q != cudaSuccess) {
+      cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));  // nothing of it may land after done
+      status = Cuda(q, "the copies");
+    } else {
+      status = CheckLive(f.t);
+    }
+    Flying done = std::move(f);
+    flying.pop_front();
+    free_slots.push_back(done.slot);
+    finish(done.t, status);
   }
 }
 

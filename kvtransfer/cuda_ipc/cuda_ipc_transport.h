@@ -6,9 +6,11 @@
 // the same process (two transports of one test) is reached through its
 // pointer directly.
 //
-// Completion: one copy thread takes transfers in order, issues their runs
+// Completion: one copy thread takes transfers in order and issues their runs
 // (one kernel for all, copy_runs.h; cudaMemcpyAsync a run where a run is not
-// 16-byte aligned), records an event and polls it. A copy on the GPU cannot be recalled: a
+// 16-byte aligned) and an event each on the transport's stream, up to
+// kMaxInFlight transfers ahead of the oldest one's completion, which it
+// polls (the stream completes them in order). A copy on the GPU cannot be recalled: a
 // transfer cancelled, removed or past its deadline while its copies run
 // reports that error only once they completed, so no byte lands after
 // `done`. PushAfter issues its copies once a kCuda fence's event completed
@@ -43,9 +45,11 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "kvtransfer/transport.h"
 
@@ -124,7 +128,17 @@ class CudaIpcTransport final : public Transport {
     TransferDone done;
   };
 
-  CudaIpcTransport(int device, void* stream, void* event, int max_ctas);
+  // A transfer issued and not yet complete: its event and the descriptors
+  // its kernel reads (mapped pinned memory), reused by later transfers.
+  struct Slot {
+    void* event = nullptr;  // cudaEvent_t
+    void* chunks_host = nullptr;
+    void* chunks_device = nullptr;
+    int64_t capacity = 0;  // descriptors it holds
+  };
+  static constexpr int kMaxInFlight = 4;
+
+  CudaIpcTransport(int device, void* stream, std::vector<Slot> slots, int max_ctas);
   absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks,
                                  std::shared_ptr<const WriteFence> after, Deadline deadline, TransferDone done,
                                  bool push);
@@ -137,23 +151,22 @@ class CudaIpcTransport final : public Transport {
                                                        const PoolLayout& layout, int peer_device);
   // Unavailable, naming the exit of `agent_id` (in exited_).
   absl::Status ExitedError(const std::string& agent_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Issues t's copies and waits for them; the transfer's outcome.
-  absl::Status Run(Transfer& t);
+  // OK while `t` may still proceed: not cancelled, its peer's mapping the
+  // same, its deadline ahead.
+  absl::Status CheckLive(const Transfer& t);
+  // Waits for t's fence, issues its copies and records slot.event; an error
+  // means nothing of it lands after the return.
+  absl::Status Issue(Transfer& t, Slot& slot);
   // Issues t's runs on the stream (kernel or cudaMemcpyAsync).
-  absl::Status IssueCopies(const Transfer& t, unsigned char* local);
+  absl::Status IssueCopies(const Transfer& t, unsigned char* local, Slot& slot);
 
   const int device_;
   void* const stream_;  // cudaStream_t
-  void* const event_;   // cudaEvent_t
   const std::string agent_id_;
   const int max_ctas_;  // of the copy kernel
   // An unwatched peer's mapping unused this long is closed (SweepPeers).
   static constexpr std::chrono::seconds kIdleClose{60};
-  // The copy thread's: the kernel's chunk descriptors in mapped pinned
-  // memory, and the device's address of it.
-  void* chunks_host_ = nullptr;
-  void* chunks_device_ = nullptr;
-  int64_t chunks_capacity_ = 0;  // descriptors it holds
+  std::vector<Slot> slots_;  // the copy thread's (and the destructor's, after it ended)
   mutable std::mutex mu_;
   std::condition_variable cv_;
   PoolLayout layout_ ABSL_GUARDED_BY(mu_);
@@ -164,7 +177,7 @@ class CudaIpcTransport final : public Transport {
   absl::flat_hash_map<uint64_t, bool> cancelled_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int64_t> exited_ ABSL_GUARDED_BY(mu_);  // dead peers' pids, by agent id
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t running_id_ ABSL_GUARDED_BY(mu_) = 0;  // the copy thread's transfer, 0 when none
+  absl::flat_hash_set<uint64_t> in_flight_ ABSL_GUARDED_BY(mu_);  // issued, not yet done
   bool kernel_ok_ = true;  // the copy thread's: false once the copy kernel cannot run on this GPU
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

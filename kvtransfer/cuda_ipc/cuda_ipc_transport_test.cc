@@ -166,6 +166,55 @@ TEST_P(CudaIpcBlockBytesTest, PushAndPullMoveScatteredBlocks) { PushAndPullScatt
 INSTANTIATE_TEST_SUITE_P(Sizes, CudaIpcBlockBytesTest,
                          ::testing::Values(int64_t{300000}, int64_t{16008}, int64_t{16}, int64_t{48} << 20));
 
+// Many transfers at once (more than the copy thread keeps in flight): every
+// one lands, and each reports its own outcome, a cancelled one among them.
+TEST_F(CudaIpcTransportTest, ManyTransfersAtOnceAllLand) {
+  const int64_t bb = Layout(1).block_bytes;
+  const Deadline later = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  constexpr int kTransfers = 9;  // pool 1's blocks 8..0 into pool 0's 0..8, one transfer each
+  std::vector<std::promise<absl::Status>> done(kTransfers);
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < kTransfers; ++i) {
+    absl::StatusOr<uint64_t> id = t_[0]->Pull(info_[1].agent_id, {{kTransfers - 1 - i, i}}, later,
+                                              [&done, i](absl::Status s) { done[i].set_value(s); });
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  for (int i = 0; i < kTransfers; ++i) {
+    EXPECT_TRUE(done[i].get_future().get().ok()) << "transfer " << i;
+    std::copy_n(host_[1].begin() + (kTransfers - 1 - i) * bb, bb, host_[0].begin() + i * bb);
+  }
+  EXPECT_EQ(Read(0), host_[0]);
+  // A transfer cancelled before the copy thread took it ends Cancelled (the
+  // first ones hold the copy thread behind a fence that is never released
+  // before the cancel).
+  struct HeldFence final : WriteFence {
+    std::shared_future<void> open;
+    MemoryType memory() const override { return MemoryType::kHost; }
+    absl::Status Wait(Deadline) const override {
+      open.wait();
+      return absl::OkStatus();
+    }
+  };
+  std::promise<void> release;
+  auto fence = std::make_shared<HeldFence>();
+  fence->open = release.get_future().share();
+  std::promise<absl::Status> held, cancelled;
+  ASSERT_TRUE(
+      t_[0]
+          ->PushAfter(info_[1].agent_id, {{0, 0}}, fence, 1, later, [&held](absl::Status s) { held.set_value(s); })
+          .ok());
+  absl::StatusOr<uint64_t> victim =
+      t_[0]->Pull(info_[1].agent_id, {{1, 1}}, later, [&cancelled](absl::Status s) { cancelled.set_value(s); });
+  ASSERT_TRUE(victim.ok());
+  t_[0]->Cancel(*victim);
+  release.set_value();
+  EXPECT_TRUE(held.get_future().get().ok());
+  EXPECT_EQ(cancelled.get_future().get().code(), absl::StatusCode::kCancelled);
+  t_[0]->Cancel(*victim);    // ended: ignored
+  t_[0]->Cancel(987654321);  // never was: ignored
+}
+
 // A fence of GPU writes on another stream: the push's copies wait on it.
 TEST_F(CudaIpcTransportTest, PushAfterAGpuFenceCopiesTheWrittenBytes) {
   struct EventFence final : WriteFence {
