@@ -16,7 +16,8 @@
 #   bench    `tandem export-model --preset llama-3.1-8b` (once, into $WORK) and
 #            `tandem bench engine --device cuda` on it (BENCH_ENGINE_ARGS: more
 #            options, e.g. --prefill-lens 8192), transformers in the same
-#            run; the JSON in $OUT (or $WORK)
+#            run; the JSON in $OUT (or $WORK); then `tandem bench transfer
+#            --backend cuda_ipc`, pull and push
 # Steps run in the order given (default: all); every step runs, and the script
 # exits nonzero if any failed. cuBLASLt is found in torch's nvidia packages
 # unless TANDEM_CUBLASLT is set.
@@ -32,7 +33,7 @@
 #       build/tests/up_command_test build/tests/worker_grpc_test
 #   and the repository (for the Python scripts) is the working directory.
 set -uo pipefail
-bin=${1:?usage: gpu_engine_checks.sh BIN_DIR [runner] [grpc] [reference] [bench]}
+bin=${1:?usage: gpu_engine_checks.sh BIN_DIR [runner] [transfer] [grpc] [reference] [bench]}
 shift
 steps=("$@")
 ((${#steps[@]} > 0)) || steps=(runner transfer grpc reference bench)
@@ -87,9 +88,12 @@ for s in "${steps[@]}"; do
       fi
       step "bench engine" bash -c "'$bin/tandem' bench engine --device cuda --model '$work/llama-3.1-8b' \
         --transformers-script scripts/bench_engine_transformers.py ${BENCH_ENGINE_ARGS:-} \
-        --json >'$out/bench_engine_cuda.json'" ;;
+        --json >'$out/bench_engine_cuda.json'"
+      for op in pull push; do
+        step "bench transfer cuda_ipc ($op)" "$bin/tandem" bench transfer --backend cuda_ipc --op "$op" --repeats 9
+      done ;;
     *)
-      echo "unknown step '$s' (runner, grpc, reference, bench)" >&2
+      echo "unknown step '$s' (runner, transfer, grpc, reference, bench)" >&2
       failed+=("$s") ;;
   esac
 done
