@@ -83,6 +83,8 @@ class UpCommandTest : public ::testing::Test {
     return *url;
   }
 
+  void SplitServesLikeAggregated(const std::string& device);
+
   std::string dir_;
   std::unique_ptr<ChildProcess> up_;
 };
@@ -111,14 +113,13 @@ TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
   for (const auto& [pid, cmdline] : children) EXPECT_FALSE(Alive(pid)) << cmdline;
 }
 
-// On a GPU (the GPU machine; skipped elsewhere): one GPU shared by a prefill
-// and a decode worker, the KV moving over cuda_ipc, each worker taking half
-// of 0.9 of the GPU's memory, serves the same greedy completions as one
-// aggregated worker on that GPU (--batch-invariant: a sequence's tokens do
-// not depend on its batch).
-TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
-  const char* why = nullptr;
-  if (!kernels::cuda::Available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
+// On GPUs (the GPU machine; skipped elsewhere): a prefill and a decode
+// worker on `device` (cuda:0: one GPU shared, each worker taking half of 0.9
+// of its memory; cuda: GPUs 0 and 1, 0.9 each, the KV crossing by peer
+// access), the KV moving over cuda_ipc, serve the same greedy completions
+// as one aggregated worker on GPU 0 (--batch-invariant: a sequence's tokens
+// do not depend on its batch).
+void UpCommandTest::SplitServesLikeAggregated(const std::string& device) {
   const std::vector<std::string> prompts = {"The capital of France is", "def fib(n):", "Once upon a time",
                                             "1, 2, 3, 4,"};
   // The completions of `prompts` (greedy, 24 tokens), and the workers that
@@ -146,21 +147,25 @@ TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
     EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
     up_.reset();
   };
-  const std::vector<std::string> common = {"--device",      "cuda:0",     "--model",
-                                           "builtin:small", "--insecure", "--worker-arg=--batch-invariant"};
-  std::vector<std::string> split = {"--prefill", "1", "--decode", "1"};
+  const std::vector<std::string> common = {"--model", "builtin:small", "--insecure", "--worker-arg=--batch-invariant"};
+  std::vector<std::string> split = {"--prefill", "1", "--decode", "1", "--device", device};
   split.insert(split.end(), common.begin(), common.end());
   const std::string split_url = Start(split);
   ASSERT_FALSE(split_url.empty());
-  int workers = 0;
+  std::set<std::string> devices;
   for (const auto& [pid, cmdline] : ChildrenOf(up_->pid())) {
     if (cmdline.find(" worker ") == std::string::npos) continue;
-    ++workers;
     EXPECT_THAT(cmdline, HasSubstr("--kv-transport cuda_ipc")) << cmdline;
-    EXPECT_THAT(cmdline, HasSubstr("--device cuda:0")) << cmdline;
-    EXPECT_THAT(cmdline, HasSubstr("--gpu-memory-utilization 0.45")) << cmdline;
+    EXPECT_THAT(cmdline,
+                HasSubstr(device == "cuda" ? "--gpu-memory-utilization 0.9 " : "--gpu-memory-utilization 0.45 "))
+        << cmdline;
+    const size_t at = cmdline.find("--device ");
+    if (at != std::string::npos) devices.insert(cmdline.substr(at, cmdline.find(' ', at + 9) - at));
   }
-  EXPECT_EQ(workers, 2);
+  const std::set<std::string> want_devices = device == "cuda"
+                                                 ? std::set<std::string>{"--device cuda:0", "--device cuda:1"}
+                                                 : std::set<std::string>{"--device cuda:0"};
+  EXPECT_EQ(devices, want_devices);
   std::set<std::string> split_prefill, split_decode;
   const std::vector<std::string> split_texts = complete(split_url, &split_prefill, &split_decode);
   EXPECT_EQ(split_prefill.size(), 1u);
@@ -183,7 +188,7 @@ TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
   std::filesystem::remove(dir_ + "/url");  // else the next Start reads this cluster's URL
   std::filesystem::remove_all(dir_ + "/run");
 
-  std::vector<std::string> aggregated = {"--aggregated", "1"};
+  std::vector<std::string> aggregated = {"--aggregated", "1", "--device", "cuda:0"};
   aggregated.insert(aggregated.end(), common.begin(), common.end());
   const std::string agg_url = Start(aggregated);
   ASSERT_FALSE(agg_url.empty());
@@ -191,6 +196,19 @@ TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
   EXPECT_EQ(complete(agg_url, &agg_prefill, &agg_decode), split_texts);
   EXPECT_EQ(agg_prefill, agg_decode);
   stop();
+}
+
+TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
+  const char* why = nullptr;
+  if (!kernels::cuda::Available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
+  SplitServesLikeAggregated("cuda:0");
+}
+
+TEST_F(UpCommandTest, TwoGpuSplitClusterServesLikeAnAggregatedOne) {
+  const char* why = nullptr;
+  if (!kernels::cuda::Available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
+  if (kernels::cuda::DeviceCount() < 2) GTEST_SKIP() << "one GPU";
+  SplitServesLikeAggregated("cuda");
 }
 
 TEST_F(UpCommandTest, DefaultClusterRunsOverMutualTlsWithAThrowawayCa) {
