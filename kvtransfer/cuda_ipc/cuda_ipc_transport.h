@@ -1,19 +1,19 @@
 // CudaIpcTransport (`cuda_ipc`): KV blocks between GPU pools of workers on
 // one host, device to device. The pool's allocation is exported with a CUDA
 // IPC handle; a peer opens it (cudaIpcOpenMemHandle, peer access where the
-// devices differ) and copies byte runs (PlanRuns) with cudaMemcpyAsync on
-// the transport's own stream, so no byte passes through the host. A peer in
-// the same process (two transports of one test) is reached through its
-// pointer directly.
+// devices differ) and copies byte runs (PlanRuns) device to device on the
+// transport's own stream, so no byte passes through the host. A peer in the
+// same process (two transports of one test) is reached through its pointer
+// directly.
 //
 // Completion: one copy thread takes transfers in order and issues their runs
 // (one kernel for all, copy_runs.h; cudaMemcpyAsync a run where a run is not
-// 16-byte aligned) and an event each on the transport's stream, up to
-// kMaxInFlight transfers ahead of the oldest one's completion, which it
-// polls (the stream completes them in order). A copy on the GPU cannot be recalled: a
-// transfer cancelled, removed or past its deadline while its copies run
-// reports that error only once they completed, so no byte lands after
-// `done`. PushAfter issues its copies once a kCuda fence's event completed
+// 16-byte aligned or the kernel cannot run) and an event each on the
+// transport's stream, up to kMaxInFlight transfers ahead of the oldest one's
+// completion, which it polls (the stream completes them in order). A copy on
+// the GPU cannot be recalled: a transfer cancelled, removed or past its
+// deadline while its copies run reports that error only once they
+// completed, so no byte lands after `done`. PushAfter issues its copies once a kCuda fence's event completed
 // (polled by the copy thread, which gives up at the transfer's deadline or
 // on Cancel: writes that never finish hold nothing).
 //
