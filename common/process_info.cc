@@ -53,6 +53,17 @@ uint64_t OwnStartTime() {
   return StartTimeAt("/proc/" + self).value_or(0);
 }
 
+std::string HostBootId() {
+  FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "re");
+  if (f == nullptr) return "";
+  char buf[64] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  std::string id(buf, n);
+  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+  return id;
+}
+
 const std::string& PidNamespace() {
   static const std::string ns = [] {
     std::error_code ec;

@@ -24,6 +24,10 @@ uint64_t OwnStartTime();
 // This process's pid namespace ("pid:[4026531836]"); empty where unknown.
 const std::string& PidNamespace();
 
+// This host's boot id (/proc/sys/kernel/random/boot_id: the same for every
+// process and container of one boot); empty where /proc does not say.
+std::string HostBootId();
+
 }  // namespace tandem
 
 #endif  // TANDEM_COMMON_PROCESS_INFO_H_

@@ -46,6 +46,7 @@ TEST(ProcessStartTimeTest, TellsARunningProcessFromAnExitedOne) {
   EXPECT_GT(*own, 0u);
   EXPECT_EQ(OwnStartTime(), *own);
   EXPECT_FALSE(PidNamespace().empty());
+  EXPECT_EQ(HostBootId().size(), 36u) << HostBootId();  // a UUID
 
   // A command name with the separators the parser must not split on.
   const pid_t pid = Child("a) b (c) Z 1");

@@ -131,6 +131,10 @@ class Transport {
 
   virtual std::string backend() const = 0;
   virtual TransportCapabilities capabilities() const = 0;
+  // Where it reaches: peers whose transports report the same non-empty
+  // domain, and only those ("host:<boot id>" for transports of one host);
+  // empty: any peer it can dial.
+  virtual std::string Domain() const { return ""; }
 
   // Memory of the transport's own for the pool, `bytes` zero-filled, owned
   // by the transport and valid for its lifetime (pass it to RegisterPool), or

@@ -521,5 +521,52 @@ TEST_F(RouterPolicyTest, AutoDisaggregationWithoutKvEventsWeighsWhatWasRoutedBef
   EXPECT_EQ(r.http.Header("x-tandem-prefill-worker"), decode->address());
 }
 
+// Workers whose KV transports reach only part of the cluster (--kv-domain:
+// two racks, and a decode worker no prefill worker reaches): every request
+// is prefilled in its decode worker's domain, or by the decode worker itself
+// where no prefill worker shares it; the skips are counted and explained.
+TEST_F(RouterPolicyTest, PrefillWorkersArePairedWithinTheDecodeWorkersKvDomain) {
+  WorkerProcess* prefill_a = StartPrefill({"--kv-domain", "rack-a"});
+  WorkerProcess* prefill_b = StartPrefill({"--kv-domain", "rack-b"});
+  WorkerProcess* decode_a = StartDecode({"--kv-domain", "rack-a"});
+  WorkerProcess* decode_b = StartDecode({"--kv-domain", "rack-b"});
+  WorkerProcess* decode_c = StartDecode({"--kv-domain", "rack-c"});
+  ASSERT_TRUE(prefill_a && prefill_b && decode_a && decode_b && decode_c);
+  ASSERT_NE(StartRouter({.prefill = {prefill_a->address(), prefill_b->address()},
+                         .decode = {decode_a->address(), decode_b->address(), decode_c->address()},
+                         .mode = "always",
+                         .policy = "round_robin"}),
+            nullptr);
+  const std::map<std::string, std::string> partner = {{decode_a->address(), prefill_a->address()},
+                                                      {decode_b->address(), prefill_b->address()},
+                                                      {decode_c->address(), decode_c->address()}};
+  std::map<std::string, int> served;
+  for (int i = 0; i < 12; ++i) {
+    Reply r = Post("/v1/completions", Completion(PromptIds(i, 40, 0)));
+    ASSERT_EQ(r.http.status, 200) << r.http.body;
+    const std::string decode = DecodeWorker(r.http);
+    ++served[decode];
+    ASSERT_EQ(partner.count(decode), 1u) << decode;
+    EXPECT_EQ(r.http.Header("x-tandem-prefill-worker"), partner.at(decode)) << "request " << i;
+  }
+  EXPECT_EQ(served.size(), 3u);
+  EXPECT_GE(Metric("tandem_router_kv_domain_skips_total").value_or(0), 8);  // 2 a request to a, b; 2 to c
+  // Explained: the prefill workers passed over, and why.
+  for (int i = 0; i < 3; ++i) {
+    Reply r = Post("/v1/completions", Completion(PromptIds(100 + i, 40, 0)), {{"x-tandem-explain", "1"}});
+    ASSERT_EQ(r.http.status, 200) << r.http.body;
+    const json route = json::parse(r.http.Header("x-tandem-route"), nullptr, false);
+    ASSERT_TRUE(route.is_array()) << r.http.Header("x-tandem-route");
+    bool explained = false;
+    for (const json& d : route) {
+      if (d.contains("skipped")) {
+        explained = true;
+        EXPECT_THAT(d["why"].get<std::string>(), ::testing::HasSubstr("kv_domain: the decode worker's is rack-")) << d;
+      }
+    }
+    EXPECT_TRUE(explained) << route;
+  }
+}
+
 }  // namespace
 }  // namespace tandem::testing

@@ -165,13 +165,6 @@ absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text) {
   return a;
 }
 
-std::string HostBootId() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(in, id);
-  return std::string(absl::StripAsciiWhitespace(id));
-}
-
 CudaIpcTransport::Mapping::~Mapping() {
   if (opened != nullptr) {
     DeviceGuard guard(device);

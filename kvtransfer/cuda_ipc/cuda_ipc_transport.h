@@ -51,6 +51,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "common/process_info.h"
 #include "kvtransfer/transport.h"
 
 namespace tandem::kvtransfer {
@@ -73,8 +74,6 @@ struct CudaIpcAddress {
 std::string EncodeCudaIpcAddress(const CudaIpcAddress& a);
 // InvalidArgument naming what is malformed.
 absl::StatusOr<CudaIpcAddress> DecodeCudaIpcAddress(const std::string& text);
-// This host's boot id (empty where /proc does not say).
-std::string HostBootId();
 
 class CudaIpcTransport final : public Transport {
  public:
@@ -84,6 +83,7 @@ class CudaIpcTransport final : public Transport {
   ~CudaIpcTransport() override;  // queued transfers finish with Cancelled
 
   std::string backend() const override { return "cuda_ipc"; }
+  std::string Domain() const override { return "host:" + HostBootId(); }
   TransportCapabilities capabilities() const override { return Capabilities(); }
   // `base`: device memory of this transport's device (from cudaMalloc).
   absl::Status RegisterPool(const PoolLayout& layout, void* base) override;

@@ -57,6 +57,7 @@ class FaultInjectingTransport final : public Transport {
 
   std::string backend() const override { return inner_->backend(); }
   TransportCapabilities capabilities() const override { return inner_->capabilities(); }
+  std::string Domain() const override { return inner_->Domain(); }
   absl::StatusOr<void*> AllocatePool(int64_t bytes) override { return inner_->AllocatePool(bytes); }
   absl::Status RegisterPool(const PoolLayout& layout, void* base) override;
   absl::StatusOr<PeerInfo> LocalInfo() const override { return inner_->LocalInfo(); }

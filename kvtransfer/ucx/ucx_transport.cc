@@ -22,6 +22,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
+#include "common/process_info.h"
 #include "common/status_macros.h"
 #include "common/thread_util.h"
 
@@ -904,10 +905,12 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOpti
   }
   auto impl = std::make_unique<Impl>(options);
   RETURN_IF_ERROR(impl->Start());
-  return std::unique_ptr<UcxTransport>(new UcxTransport(std::move(impl)));
+  const std::string domain = options.transports == "shm" ? "host:" + HostBootId() : "";
+  return std::unique_ptr<UcxTransport>(new UcxTransport(std::move(impl), domain));
 }
 
-UcxTransport::UcxTransport(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+UcxTransport::UcxTransport(std::unique_ptr<Impl> impl, std::string domain)
+    : impl_(std::move(impl)), domain_(std::move(domain)) {}
 UcxTransport::~UcxTransport() = default;
 
 absl::Status UcxTransport::RegisterPool(const PoolLayout& layout, void* base) {

@@ -74,6 +74,8 @@ class UcxTransport final : public Transport {
   ~UcxTransport() override;
 
   std::string backend() const override { return "ucx"; }
+  // Shared memory only ("shm"): this host; otherwise any peer it can dial.
+  std::string Domain() const override { return domain_; }
   TransportCapabilities capabilities() const override { return Capabilities(); }
   static TransportCapabilities Capabilities() {
     return {.push = true, .pull = true, .own_pool_memory = true, .memory = {MemoryType::kHost}};
@@ -98,8 +100,9 @@ class UcxTransport final : public Transport {
   class Impl;
 
  private:
-  explicit UcxTransport(std::unique_ptr<Impl> impl);
+  UcxTransport(std::unique_ptr<Impl> impl, std::string domain);
   std::unique_ptr<Impl> impl_;
+  const std::string domain_;
 };
 
 // A byte encoding of a whole PeerInfo (layout included), for exchanges that

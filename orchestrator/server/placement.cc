@@ -158,6 +158,9 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
   const RouterConfig& cfg = *rs->config;
   RouteRequest rr{.tokens = tokens, .session_id = call.session_id};
   nlohmann::json explained = nlohmann::json::array();  // one decision per pool (x-tandem-explain)
+  // The decode worker's KV domain once it is chosen: prefill workers of
+  // another domain cannot hand it their KV and are passed over.
+  std::string pair_domain;
   // The chosen worker, and the prompt tokens the policy expects it to hold.
   auto pick = [&](PoolRole role, int64_t* cached_tokens) -> absl::StatusOr<std::shared_ptr<WorkerClient>> {
     const Clock::time_point start = Clock::now();
@@ -184,6 +187,25 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
                                                "routing around it"));
       }
     }
+    if (role == PoolRole::kPrefill && !pair_domain.empty()) {
+      nlohmann::json skipped = nlohmann::json::array();
+      for (size_t i = 0; i < workers.size(); ++i) {
+        const std::optional<tandem::v1::ModelInfo> info = workers[i]->model_info();
+        if (!views[i].healthy || !info.has_value() || info->kv_domain().empty() || info->kv_domain() == pair_domain) {
+          continue;
+        }
+        views[i].healthy = false;
+        metrics_.kv_domain_skips.WithLabels({}).Inc();
+        skipped.push_back(workers[i]->address());
+      }
+      if (call.explain && !skipped.empty()) {
+        explained.push_back({{"pool", "prefill"},
+                             {"why", absl::StrFormat("kv_domain: the decode worker's is %s; these prefill workers' "
+                                                     "KV cannot reach it",
+                                                     pair_domain)},
+                             {"skipped", skipped}});
+      }
+    }
     RoutingPolicy& policy = *rs->policy[static_cast<int>(role)];
     rr.cached_tokens = cached_tokens;
     RouteExplanation why;
@@ -206,6 +228,9 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
   int64_t decode_cached = 0;
   ASSIGN_OR_RETURN(std::shared_ptr<WorkerClient> decode, pick(PoolRole::kDecode, &decode_cached));
   Placement p{.decode = decode, .decode_cached_tokens = decode_cached};
+  if (std::optional<tandem::v1::ModelInfo> info = decode->model_info(); info.has_value()) {
+    pair_domain = info->kv_domain();
+  }
   // Every return with a placement: the decision goes to /dashboard's recent
   // list; when asked, the explanation goes with the placement and into the
   // log as one line.

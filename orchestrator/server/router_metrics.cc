@@ -98,7 +98,12 @@ RouterMetrics::RouterMetrics(MetricsRegistry& r)
       kv_full_skips(r.AddCounter("tandem_router_kv_full_skips_total",
                                  "Routing decisions that passed over a worker whose last load "
                                  "report had every KV block in use, by pool.",
-                                 {"pool"})) {}
+                                 {"pool"})),
+      kv_domain_skips(r.AddCounter("tandem_router_kv_domain_skips_total",
+                                   "Prefill workers passed over because their KV cannot reach the chosen "
+                                   "decode worker's (another kv_domain: another host for cuda_ipc or UCX "
+                                   "over shared memory).",
+                                   {})) {}
 
 void RegisterRouterGauges(MetricsRegistry& registry, const RouterGaugeSources& sources) {
   Cluster* cluster = sources.cluster;

@@ -45,6 +45,7 @@ struct RouterMetrics {
   CounterFamily& rate_limited;
   CounterFamily& refusals;
   CounterFamily& kv_full_skips;
+  CounterFamily& kv_domain_skips;
 };
 
 struct RouterGaugeSources {

@@ -63,6 +63,7 @@ struct WorkerOptions {
   std::string kv_delivery = "pull";              // pull or push (KvHandoffConfig::push)
   int kv_quarantine_ms = 2000;                   // decode: a failed transfer's blocks stay unused this long
   std::string kv_fault;                          // testing: faults injected into the KV transport
+  std::string kv_domain;                         // "": the transport's (ModelInfo.kv_domain)
   std::string engine_kind = "real";              // real, or sim (simulated compute, for routing experiments)
   std::string device = "cpu";                    // real: cpu, cuda or cuda:N
   SimTiming sim;                                 // --engine sim's timing model
@@ -223,6 +224,12 @@ absl::Status RunWorker(WorkerOptions opt) {
   }
   opt.engine.local_prefill_fallback = opt.kv_fallback == "local";
   if (opt.kv_quarantine_ms < 0) return absl::InvalidArgumentError("--kv-quarantine-ms must be >= 0");
+  if (opt.kv_domain.size() > 128 ||
+      opt.kv_domain.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-") !=
+          std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--kv-domain must be at most 128 letters, digits and . _ : -, got '%s'", opt.kv_domain));
+  }
   opt.engine.transfer_quarantine_s = opt.kv_quarantine_ms / 1000.0;
   const bool kv_memory_given = !opt.kv_cache_memory.empty();
   ASSIGN_OR_RETURN(opt.engine.kv_cache_bytes, ParseByteSize(kv_memory_given ? opt.kv_cache_memory : "256MiB"));
@@ -306,7 +313,10 @@ absl::Status RunWorker(WorkerOptions opt) {
                            .max_reserved_blocks_per_caller = caller_cap,
                            .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
                            .checksums = !opt.no_kv_checksums,
-                           .push = opt.kv_delivery == "push"};
+                           .push = opt.kv_delivery == "push",
+                           .domain = !opt.kv_domain.empty() ? opt.kv_domain
+                                     : transport != nullptr ? transport->Domain()
+                                                            : std::string()};
   // The standard grpc.health.v1 service (SERVING; NOT_SERVING once draining),
   // for load balancers and Kubernetes' gRPC probes where TLS is off.
   grpc::EnableDefaultHealthCheckService(true);
@@ -534,6 +544,10 @@ void AddWorkerCommand(CLI::App& app) {
                   "is pulled)")
       ->check(CLI::IsMember({"pull", "push"}))
       ->capture_default_str();
+  cmd->add_option("--kv-domain", opt->kv_domain,
+                  "Where this worker's KV reaches, for the router's pairing of prefill and decode workers: only "
+                  "workers of one domain hand each other KV (e.g. a rack or an NVLink domain; letters, digits and "
+                  ". _ : -). Default: the transport's (this host for cuda_ipc and UCX over shm; none over tcp)");
   cmd->add_option("--kv-fault", opt->kv_fault,
                   "Testing: inject KV transport faults (drop, corrupt, fail_submit, fail_pair, delay_ms=N, "
                   "fail_after_blocks=N; comma-separated)")

@@ -104,6 +104,9 @@ struct KvHandoffConfig {
   // Prefill: a reservation that offers a pool of this transport is pushed
   // to; others are pulled as before.
   bool push = false;
+  // Where this worker's KV reaches (ModelInfo.kv_domain): --kv-domain, or
+  // the transport's Domain().
+  std::string domain;
 };
 
 // Counters of the degraded and normal paths, for the load report.

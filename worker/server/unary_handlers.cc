@@ -40,6 +40,7 @@ void HandleGetModelInfo(WorkerService& worker, const grpc::ServerContext& ctx,
   r->set_block_hash_seed(engine.config().block_hash_seed);
   r->set_max_batched_tokens(engine.config().max_batched_tokens);
   r->set_tokenizer_sha256(engine.tokenizer_sha256());
+  r->set_kv_domain(worker.kv_domain());
   finish(grpc::Status::OK);
 }
 

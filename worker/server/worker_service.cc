@@ -28,6 +28,7 @@ WorkerService::WorkerService(Engine* engine, WorkerRole role, grpc::ServerComple
       cq_(cq),
       role_(role),
       instance_id_(NewInstanceId()),
+      kv_domain_(kv.domain),
       security_(std::move(security)),
       kv_handoff_(engine_, role_, transport, instance_id_, kv, cq_, security_.channels, security_.kv_peer_allow) {}
 

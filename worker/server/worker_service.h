@@ -92,6 +92,7 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   Engine* engine() const { return engine_; }
   WorkerRole role() const { return role_; }
   const std::string& instance_id() const { return instance_id_; }
+  const std::string& kv_domain() const { return kv_domain_; }
   KvHandoff& kv_handoff() { return kv_handoff_; }
   // Calls refused by Authorize so far (LoadReport.calls_denied).
   int64_t calls_denied() const { return calls_denied_.load(); }
@@ -109,6 +110,7 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   const WorkerRole role_;
   std::atomic<bool> draining_{false};
   const std::string instance_id_;
+  const std::string kv_domain_;
   const WorkerSecurity security_;
   std::atomic<int64_t> calls_denied_{0};
   KvHandoff kv_handoff_;
