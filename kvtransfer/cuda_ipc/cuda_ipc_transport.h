@@ -83,7 +83,10 @@ class CudaIpcTransport final : public Transport {
   ~CudaIpcTransport() override;  // queued transfers finish with Cancelled
 
   std::string backend() const override { return "cuda_ipc"; }
-  std::string Domain() const override { return "host:" + HostBootId(); }
+  std::string Domain() const override {
+    const std::string boot = HostBootId();
+    return boot.empty() ? "" : "host:" + boot;
+  }
   TransportCapabilities capabilities() const override { return Capabilities(); }
   // `base`: device memory of this transport's device (from cudaMalloc).
   absl::Status RegisterPool(const PoolLayout& layout, void* base) override;

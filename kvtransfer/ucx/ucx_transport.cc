@@ -905,7 +905,8 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const UcxOpti
   }
   auto impl = std::make_unique<Impl>(options);
   RETURN_IF_ERROR(impl->Start());
-  const std::string domain = options.transports == "shm" ? "host:" + HostBootId() : "";
+  const std::string boot = HostBootId();
+  const std::string domain = options.transports == "shm" && !boot.empty() ? "host:" + boot : "";
   return std::unique_ptr<UcxTransport>(new UcxTransport(std::move(impl), domain));
 }
 

@@ -172,21 +172,8 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
       views.push_back(w->View());
       if (exclude.count(w->address()) != 0) views.back().healthy = false;
     }
-    // KV awareness: a worker whose last load report had every KV block in
-    // use (none free, none cached to evict) could only queue the request or
-    // preempt another; it is passed over while a healthy peer has room.
-    auto full = [](const WorkerView& v) { return v.healthy && v.total_blocks > 0 && v.used_blocks >= v.total_blocks; };
-    const bool any_room =
-        std::any_of(views.begin(), views.end(), [&](const WorkerView& v) { return v.healthy && !full(v); });
-    for (WorkerView& v : views) {
-      if (any_room && full(v)) {
-        v.healthy = false;
-        metrics_.kv_full_skips.WithLabels({PoolRoleName(role)}).Inc();
-        warnings_.Warn("kv_full", absl::StrCat("worker ", v.id,
-                                               " reports no free KV block: "
-                                               "routing around it"));
-      }
-    }
+    // Domains first: a full worker is passed over only while a peer the
+    // request could use has room.
     if (role == PoolRole::kPrefill && !pair_domain.empty()) {
       nlohmann::json skipped = nlohmann::json::array();
       for (size_t i = 0; i < workers.size(); ++i) {
@@ -204,6 +191,21 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
                                                      "KV cannot reach it",
                                                      pair_domain)},
                              {"skipped", skipped}});
+      }
+    }
+    // KV awareness: a worker whose last load report had every KV block in
+    // use (none free, none cached to evict) could only queue the request or
+    // preempt another; it is passed over while a healthy peer has room.
+    auto full = [](const WorkerView& v) { return v.healthy && v.total_blocks > 0 && v.used_blocks >= v.total_blocks; };
+    const bool any_room =
+        std::any_of(views.begin(), views.end(), [&](const WorkerView& v) { return v.healthy && !full(v); });
+    for (WorkerView& v : views) {
+      if (any_room && full(v)) {
+        v.healthy = false;
+        metrics_.kv_full_skips.WithLabels({PoolRoleName(role)}).Inc();
+        warnings_.Warn("kv_full", absl::StrCat("worker ", v.id,
+                                               " reports no free KV block: "
+                                               "routing around it"));
       }
     }
     RoutingPolicy& policy = *rs->policy[static_cast<int>(role)];
