@@ -101,6 +101,11 @@ std::optional<tandem::v1::ModelInfo> WorkerClient::model_info() const {
   return model_info_;
 }
 
+std::string WorkerClient::kv_domain() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return model_info_.has_value() ? model_info_->kv_domain() : std::string();
+}
+
 std::string WorkerClient::incompatibility() const {
   std::lock_guard<std::mutex> lock(mu_);
   return incompatibility_;

@@ -77,6 +77,9 @@ class WorkerClient {
   void SetLoad(const tandem::v1::LoadReport& load);
   void SetModelInfo(const tandem::v1::ModelInfo& info);
   std::optional<tandem::v1::ModelInfo> model_info() const;
+  // Its ModelInfo's kv_domain ("" before the model info came): what routing
+  // reads per request, without copying the whole ModelInfo.
+  std::string kv_domain() const;
   // The last LoadReport of a health check; nullopt before the first.
   std::optional<tandem::v1::LoadReport> last_load() const;
   // Why the worker cannot serve in this cluster (compatibility.h), as the

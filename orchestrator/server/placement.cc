@@ -177,10 +177,9 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     if (role == PoolRole::kPrefill && !pair_domain.empty()) {
       nlohmann::json skipped = nlohmann::json::array();
       for (size_t i = 0; i < workers.size(); ++i) {
-        const std::optional<tandem::v1::ModelInfo> info = workers[i]->model_info();
-        if (!views[i].healthy || !info.has_value() || info->kv_domain().empty() || info->kv_domain() == pair_domain) {
-          continue;
-        }
+        if (!views[i].healthy) continue;
+        const std::string domain = workers[i]->kv_domain();
+        if (domain.empty() || domain == pair_domain) continue;
         views[i].healthy = false;
         metrics_.kv_domain_skips.WithLabels({}).Inc();
         skipped.push_back(workers[i]->address());
@@ -230,9 +229,7 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
   int64_t decode_cached = 0;
   ASSIGN_OR_RETURN(std::shared_ptr<WorkerClient> decode, pick(PoolRole::kDecode, &decode_cached));
   Placement p{.decode = decode, .decode_cached_tokens = decode_cached};
-  if (std::optional<tandem::v1::ModelInfo> info = decode->model_info(); info.has_value()) {
-    pair_domain = info->kv_domain();
-  }
+  pair_domain = decode->kv_domain();
   // Every return with a placement: the decision goes to /dashboard's recent
   // list; when asked, the explanation goes with the placement and into the
   // log as one line.
