@@ -92,6 +92,12 @@ constexpr int kOptLazyRescale = 8;
 // frees the Q buffer as soon as the item starts and reads 16 KB less
 // shared memory per tile and warpgroup.
 constexpr int kOptQRegs = 16;
+// kOptCrossItem (PrefillFa3Kernel, persistent): no drain at an item
+// boundary. A consumer issues the next item's first QK^T together with the
+// current item's last PV, runs the next item's first softmax under that PV,
+// then writes the current item's rows (in place of the rescale of O). Not
+// with kOptQRegs.
+constexpr int kOptCrossItem = 32;
 
 // The epilogue of the wgmma kernels: the row sums reduced over the four
 // lanes of a row, the output normalised and stored (rows past `rows` are not
@@ -111,17 +117,13 @@ __device__ __forceinline__ void StoreRows(T* out, int64_t out_stride, const floa
   const int first_bad_key = bad ? bad_block * block_size : 0;
   const bool zero_a = bad && (!causal || pos_a >= first_bad_key);
   const bool zero_b = bad && (!causal || pos_b >= first_bad_key);
+  // One pointer a row (the columns are immediate offsets from it).
+  uint32_t* const out_a = reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + 2 * t);
+  uint32_t* const out_b = reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + 2 * t);
 #pragma unroll
   for (int i = 0; i < kD / 8; ++i) {
-    const int col = i * 8 + 2 * t;
-    if (row_a < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_a} * out_stride + col) =
-          zero_a ? 0u : Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
-    }
-    if (row_b < rows) {
-      *reinterpret_cast<uint32_t*>(out + int64_t{row_b} * out_stride + col) =
-          zero_b ? 0u : Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
-    }
+    if (row_a < rows) out_a[i * 4] = zero_a ? 0u : Pack2<T>(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
+    if (row_b < rows) out_b[i * 4] = zero_b ? 0u : Pack2<T>(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
   }
 }
 
@@ -394,6 +396,8 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
   constexpr bool kPersistent = (kOpt & kOptPersistent) != 0;
   constexpr bool kLazy = (kOpt & kOptLazyRescale) != 0;
   constexpr bool kQRegs = (kOpt & kOptQRegs) != 0;
+  constexpr bool kCross = (kOpt & kOptCrossItem) != 0 && kPersistent;
+  static_assert(!(kCross && kQRegs), "kOptCrossItem keeps Q in shared memory");
   // A work item (128 query rows of one head and sequence) as the producer
   // publishes it with its Q buffer; n_keys < 0: no more items.
   struct Item {
@@ -600,8 +604,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     wgmma::Commit();
   };
   // O += P V with the V tile in V stage `stage` (issued, committed).
-  auto issue_pv = [&](int stage) {
-    const uint32_t cV = sV + stage * kTileBytes;
+  auto issue_pv_at = [&](uint32_t cV) {
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) {
       const uint64_t dv = Desc(cV + kk * 16 * 128, kN * 128, 1024);
@@ -613,6 +616,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     }
     wgmma::Commit();
   };
+  auto issue_pv = [&](int stage) { issue_pv_at(sV + stage * kTileBytes); };
   // Registers written outside wgmma stay ordered before the next fence.
   auto fence_operands = [&]() {
     wgmma::FenceRegs(o);
@@ -687,59 +691,27 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     }
   };
 
-  if (wg == 1) NamedArrive(1, 256);  // warpgroup 0 issues first
-  int gt = 0;                        // K/V tiles consumed so far (ring position)
-  for (int n = 0;; ++n) {
-    const int slot = n & 1;
-    MbarWait(qfull + 8 * slot, (n / 2) & 1);
-    const Item item = sm_item[slot];
-    if (item.n_keys < 0) break;
+  // The item in Q buffer `slot`: its fields for the masks; returns its
+  // output rows.
+  auto open_item = [&](const Item& item, int slot) -> T* {
     pos0 = item.pos0;
     pos_a = pos0 + row_a;
     pos_b = pos0 + row_b;
     n_keys = item.n_keys;
     sQwg = sQ0 + slot * (kM * kRowBytes) + wg * (64 * kRowBytes);
-    const int q_begin = __ldg(&a.query_start[item.s]);
-    T* out = static_cast<T*>(a.out) + int64_t{q_begin + item.m0} * out_stride + int64_t{item.h} * kD;
-    if (n_keys == 0) {  // a bad first block, or no key at all: zero rows
-      MbarArrive(qempty + 8 * slot);
-      for (int c = tid; c < item.rows * kChunks; c += 256) {
-        *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) = make_uint4(0, 0, 0, 0);
-      }
-      continue;
+    return static_cast<T*>(a.out) + int64_t{__ldg(&a.query_start[item.s]) + item.m0} * out_stride +
+           int64_t{item.h} * kD;
+  };
+  // An item with no key (a bad first block, or none at all): zero rows.
+  auto zero_rows = [&](const Item& item, T* out, int slot) {
+    MbarArrive(qempty + 8 * slot);
+    for (int c = tid; c < item.rows * kChunks; c += 256) {
+      *reinterpret_cast<uint4*>(out + int64_t{c / kChunks} * out_stride + (c % kChunks) * 8) = make_uint4(0, 0, 0, 0);
     }
-    const int n_tiles = (n_keys + kN - 1) / kN;
-    if constexpr (kQRegs) {
-      // This warp's 16 rows, as wgmma's A fragments (lanes 16-31 the upper 8 columns of each 16).
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        LdMatrixX4(sQwg + PanelOffset<kD>(64, warp * 16 + (lane & 15), kk * 2 + (lane >> 4)), qf[kk]);
-      }
-      MbarArrive(qempty + 8 * slot);
-    }
-#pragma unroll
-    for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
-    m_a = m_b = -INFINITY;
-    l_a = l_b = 0.0f;
-
-    // The first tile (the last keys): its product alone.
-    {
-      const int stage = gt % kStages;
-      MbarWait(fullk + 8 * stage, (gt / kStages) & 1);
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      NamedSync(1 + wg, 256);
-      wgmma::Fence();
-      issue_qk(stage);
-      NamedArrive(2 - wg, 256);
-      wgmma::Wait<0>();
-      wgmma::FenceRegs(p);
-      fence_q();
-      MbarArrive(emptyk + 8 * stage);
-      softmax((n_tiles - 1) * kN);
-      pack_p();
-    }
-
-    // Tile it's QK^T and tile it-1's PV together; it's softmax under that PV.
+  };
+  // Tiles 1 .. n_tiles - 1 of the item whose first tile is at ring position
+  // gt: tile it's QK^T and tile it-1's PV together, it's softmax under that PV.
+  auto middle_tiles = [&](int gt, int n_tiles) {
     for (int it = 1; it < n_tiles; ++it) {
       const int r = gt + it;
       const int stage = r % kStages, pstage = (r - 1) % kStages;
@@ -771,23 +743,135 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
       }
       pack_p();
     }
-    if constexpr (!kQRegs) MbarArrive(qempty + 8 * slot);  // every QK^T of the item is done: its Q buffer is free
-    {
-      // PV of the last tile.
-      const int r = gt + n_tiles - 1;
-      const int pstage = r % kStages;
-      MbarWait(fullv + 8 * pstage, (r / kStages) & 1);
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      fence_operands();
-      wgmma::Fence();
-      issue_pv(pstage);
-      wgmma::Wait<0>();
-      fence_operands();
-      MbarArrive(emptyv + 8 * pstage);
+  };
+  // The PV of the tile at ring position r, alone (an item's last).
+  auto last_pv = [&](int r) {
+    const int pstage = r % kStages;
+    MbarWait(fullv + 8 * pstage, (r / kStages) & 1);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_operands();
+    wgmma::Fence();
+    issue_pv(pstage);
+    wgmma::Wait<0>();
+    fence_operands();
+    MbarArrive(emptyv + 8 * pstage);
+  };
+
+  if (wg == 1) NamedArrive(1, 256);  // warpgroup 0 issues first
+  int gt = 0;                        // K/V tiles consumed so far (ring position)
+  if constexpr (kCross) {
+    // An item's first QK^T goes with the previous item's last PV (that
+    // item's rows are written after it, in place of the rescale of O). With
+    // no previous item the PV is a dummy that reads this item's Q buffer as
+    // its V (landed and not written meanwhile) and P as it is: O is zeroed
+    // after it. One code path for every turn, so ptxas keeps the products
+    // asynchronous.
+    bool pending = false;  // the previous item's last PV and rows are still to do
+    T* p_out = nullptr;
+    int p_rows = 0, p_bad = INT_MAX, p_pos_a = 0, p_pos_b = 0, p_r = 0;
+    for (int n = 0;; ++n) {
+      const int slot = n & 1;
+      MbarWait(qfull + 8 * slot, (n / 2) & 1);
+      const Item item = sm_item[slot];
+      if (item.n_keys < 0) break;
+      T* const out = open_item(item, slot);
+      if (n_keys == 0) {
+        zero_rows(item, out, slot);
+        continue;
+      }
+      const int n_tiles = (n_keys + kN - 1) / kN;
+      {
+        const int stage = gt % kStages, pstage = p_r % kStages;
+        MbarWait(fullk + 8 * stage, (gt / kStages) & 1);
+        if (pending) MbarWait(fullv + 8 * pstage, (p_r / kStages) & 1);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        NamedSync(1 + wg, 256);
+        fence_operands();
+        wgmma::Fence();
+        issue_qk(stage);
+        issue_pv_at(pending ? sV + pstage * kTileBytes : sQ0 + slot * (kM * kRowBytes));
+        NamedArrive(2 - wg, 256);
+        wgmma::Wait<1>();
+        wgmma::FenceRegs(p);
+        MbarArrive(emptyk + 8 * stage);
+        const float p_l_a = l_a, p_l_b = l_b;
+        m_a = m_b = -INFINITY;
+        l_a = l_b = 0.0f;
+        softmax((n_tiles - 1) * kN);
+        wgmma::Wait<0>();
+        fence_operands();
+        if (pending) MbarArrive(emptyv + 8 * pstage);
+        pack_p();
+        if (pending) {
+          StoreRows<T, kD>(p_out, out_stride, o, p_l_a, p_l_b, row_a, row_b, p_rows, t, p_pos_a, p_pos_b, p_bad,
+                           a.pool.block_size, a.causal);
+        }
+#pragma unroll
+        for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+      }
+      middle_tiles(gt, n_tiles);
+      MbarArrive(qempty + 8 * slot);  // every QK^T of the item is done: its Q buffer is free
+      pending = true;
+      p_out = out;
+      p_rows = item.rows;
+      p_bad = item.first_bad;
+      p_pos_a = pos_a;
+      p_pos_b = pos_b;
+      p_r = gt + n_tiles - 1;
+      gt += n_tiles;
     }
-    gt += n_tiles;
-    StoreRows<T, kD>(out, out_stride, o, l_a, l_b, row_a, row_b, item.rows, t, pos_a, pos_b, item.first_bad,
-                     a.pool.block_size, a.causal);
+    if (pending) {
+      last_pv(p_r);
+      StoreRows<T, kD>(p_out, out_stride, o, l_a, l_b, row_a, row_b, p_rows, t, p_pos_a, p_pos_b, p_bad,
+                       a.pool.block_size, a.causal);
+    }
+  } else {
+    for (int n = 0;; ++n) {
+      const int slot = n & 1;
+      MbarWait(qfull + 8 * slot, (n / 2) & 1);
+      const Item item = sm_item[slot];
+      if (item.n_keys < 0) break;
+      T* const out = open_item(item, slot);
+      if (n_keys == 0) {
+        zero_rows(item, out, slot);
+        continue;
+      }
+      const int n_tiles = (n_keys + kN - 1) / kN;
+      if constexpr (kQRegs) {
+        // This warp's 16 rows, as wgmma's A fragments (lanes 16-31 the upper 8 columns of each 16).
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          LdMatrixX4(sQwg + PanelOffset<kD>(64, warp * 16 + (lane & 15), kk * 2 + (lane >> 4)), qf[kk]);
+        }
+        MbarArrive(qempty + 8 * slot);
+      }
+#pragma unroll
+      for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+      m_a = m_b = -INFINITY;
+      l_a = l_b = 0.0f;
+      {
+        // The first tile (the last keys): its product alone.
+        const int stage = gt % kStages;
+        MbarWait(fullk + 8 * stage, (gt / kStages) & 1);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        NamedSync(1 + wg, 256);
+        wgmma::Fence();
+        issue_qk(stage);
+        NamedArrive(2 - wg, 256);
+        wgmma::Wait<0>();
+        wgmma::FenceRegs(p);
+        fence_q();
+        MbarArrive(emptyk + 8 * stage);
+        softmax((n_tiles - 1) * kN);
+        pack_p();
+      }
+      middle_tiles(gt, n_tiles);
+      if constexpr (!kQRegs) MbarArrive(qempty + 8 * slot);  // every QK^T of the item is done: its Q buffer is free
+      last_pv(gt + n_tiles - 1);
+      gt += n_tiles;
+      StoreRows<T, kD>(out, out_stride, o, l_a, l_b, row_a, row_b, item.rows, t, pos_a, pos_b, item.first_bad,
+                       a.pool.block_size, a.causal);
+    }
   }
   // Warpgroup 1's last arrival on barrier 1 (after its last product, or
   // the first one if there was none) has no turn of warpgroup 0 to take.
@@ -849,17 +933,27 @@ int LaunchTypedDim(const AttnArgs& a, cudaStream_t stream, int variant) {
       return LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptLazyRescale>(a, stream);
     case 6:  // the default with Q in registers
       return LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptQRegs>(a, stream);
+    case 7:    // the default with a drain at every item boundary
+    case 8: {  // the default with none
+      const bool lazy = kD == 128 && a.pool.block_size == 16;
+      if (variant == 8) {
+        return lazy ? LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptLazyRescale | kOptCrossItem>(a, stream)
+                    : LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptCrossItem>(a, stream);
+      }
+      return lazy ? LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptLazyRescale>(a, stream)
+                  : LaunchFa3<T, kD, kOptTma | kOptPersistent>(a, stream);
+    }
     default:
       // Every query count takes the same kernel (a short chunk wastes half
       // of a 128-row CTA) so that a row's arithmetic does not depend on how
       // its prompt was chunked: one-pass, chunked and token-by-token prefill
-      // give the same bits. Pages of 16 (the engine's default) take the lazy
-      // rescale: +4-5% there on an H100, 0.5-1.5% slower at page 64 and 4%
-      // at head_dim 64 (NOTES.md, 2026-11-28).
-      if (kD == 128 && a.pool.block_size == 16) {
-        return LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptLazyRescale>(a, stream);
-      }
-      return LaunchFa3<T, kD, kOptTma | kOptPersistent>(a, stream);
+      // give the same bits (the options below change the order of the work,
+      // never a row's arithmetic). Pages of 16 (the engine's default) take
+      // the lazy rescale: +4-5% there on an H100, 0.5-1.5% slower at page 64
+      // and 4% at head_dim 64 (NOTES.md, 2026-11-28). From 2048 keys the item
+      // boundaries do not drain (kOptCrossItem): +1-2% at 4k-16k, equal at
+      // 2k, 1-1.5% slower at 1k (H200, NOTES.md, 2026-11-28 morning).
+      return LaunchTypedDim<T, kD>(a, stream, a.max_context >= 2048 ? 8 : 7);
   }
 }
 

@@ -7,7 +7,7 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I. -lcuda \
 //     kernels/cuda/prefill.cu kernels/cuda/split_kv.cu kernels/cuda/bench/prefill_check.cu -o prefill_check
 //   ./prefill_check            # correctness cases, then the benchmark table
-//   ./prefill_check check      # correctness only; `bench`: the table only
+//   ./prefill_check check [V,..] # correctness only (those variants); `bench`: the table only
 //   ./prefill_check dcheck     # the decode variants' correctness
 //   ./prefill_check dbench 0,2 # the decode variants' timings (GPU time from a
 //                              # cold L2, and back-to-back call time)
@@ -33,15 +33,17 @@
 
 using namespace tandem::kernels::cuda::internal;
 namespace tandem::kernels::cuda::internal {
-int LaunchPrefillVariant(const AttnArgs& a, void* stream,
-                         int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads, 4 grid
+int LaunchPrefillVariant(
+    const AttnArgs& a, void* stream,
+    int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads, 4 grid, ... (kVariantName)
 }
-static const char* kVariantName[] = {"fa3", "ws", "fa3:cp.async", "fa3:noload", "fa3:grid", "fa3:lazy", "fa3:qregs"};
+static const char* kVariantName[] = {"fa3",      "ws",        "fa3:cp.async", "fa3:noload", "fa3:grid",
+                                     "fa3:lazy", "fa3:qregs", "fa3:drain",    "fa3:xitem"};
 static const char* kDecodeName[] = {"stream", "cuda-core"};  // LaunchSplitKvVariant's variants
 static int g_rounds = 3;                                     // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;                            // dbench: blocks in order instead of shuffled
 static std::string DecodeName(int v) { return kDecodeName[v]; }
-static const int kVariants = 7;
+static const int kVariants = 9;
 static bool Checked(int v) { return v != 3; }  // variant 3 skips loads (timing only)
 
 #define CK(x)                                                                                 \
@@ -661,10 +663,22 @@ int main(int argc, char** argv) {
         {"d64 bs16 long noncausal", B, 64, 16, 1, 4, false, {600, 257}, {1300, 257}},
         {"f16 d128 bs32 long bad mid", F, 128, 32, 1, 1, true, {900}, {900}, 0, 20},
     };
+    // Each case twice: on the device's SM count, and as if it had 2 SMs
+    // (the persistent kernels' CTAs then run many items each: the item
+    // boundaries, zero-row items and bad blocks between items).
+    // `check 0,7`: only those variants.
+    const std::vector<int> only = check_only && argc > 2 ? ParseList(argv[2]) : std::vector<int>{};
+    const int sms = g_sms;
     for (int v = 0; v < kVariants; ++v) {
-      if (!Checked(v)) continue;
-      for (const Case& c : cases) failures += RunCase(c, v) ? 0 : 1;
+      if (!Checked(v) || (!only.empty() && std::find(only.begin(), only.end(), v) == only.end())) continue;
+      for (const Case& c : cases) {
+        for (int s : {sms, 2}) {
+          g_sms = s;
+          failures += RunCase(c, v) ? 0 : 1;
+        }
+      }
     }
+    g_sms = sms;
     std::printf("%d case(s) failed\n", failures);
   }
   if (check_only) return failures == 0 ? 0 : 1;
