@@ -557,14 +557,29 @@ TEST_F(RouterPolicyTest, PrefillWorkersArePairedWithinTheDecodeWorkersKvDomain) 
     ASSERT_EQ(r.http.status, 200) << r.http.body;
     const json route = json::parse(r.http.Header("x-tandem-route"), nullptr, false);
     ASSERT_TRUE(route.is_array()) << r.http.Header("x-tandem-route");
+    const bool lone = DecodeWorker(r.http) == decode_c->address();
     bool explained = false;
+    int candidates_skipped = 0;
     for (const json& d : route) {
       if (d.contains("skipped")) {
         explained = true;
-        EXPECT_THAT(d["why"].get<std::string>(), ::testing::HasSubstr("kv_domain: the decode worker's is rack-")) << d;
+        const std::string why = d["why"].get<std::string>();
+        EXPECT_THAT(why, ::testing::HasSubstr("kv_domain: the decode worker's is rack-")) << d;
+        EXPECT_EQ(why.find("none left: the decode worker prefills") != std::string::npos, lone) << d;
+      }
+      // Each prefill candidate passed over says why: its domain, not a
+      // full KV cache.
+      if (d.value("pool", "") == "prefill" && d.contains("candidates")) {
+        for (const json& c : d["candidates"]) {
+          if (!c.contains("skipped")) continue;
+          ++candidates_skipped;
+          EXPECT_THAT(c["skipped"].get<std::string>(), ::testing::HasSubstr("kv_domain rack-")) << c;
+          EXPECT_THAT(c["skipped"].get<std::string>(), ::testing::HasSubstr("cannot reach the decode worker's")) << c;
+        }
       }
     }
     EXPECT_TRUE(explained) << route;
+    EXPECT_EQ(candidates_skipped, lone ? 2 : 1) << route;
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/process_info.h"
 #include "tests/testing/worker_client.h"
 #include "tests/testing/worker_process.h"
 #include "tests/testing/worker_test.h"
@@ -84,6 +85,26 @@ TEST_F(SimEngineTest, DisaggregatesLikeTheRealEngine) {
   WorkerProcess* both = StartWorker({"--engine", "sim", "--sim-step-ms", "1"});
   ASSERT_NE(both, nullptr);
   EXPECT_EQ(Generate(both->stub(), req).tokens, joined.tokens);
+}
+
+// ModelInfo.kv_domain: the transport's (UCX over shm reaches this host),
+// --kv-domain's over a transport that reaches any host (tcp), and both
+// where the transport is bound to its host: two hosts named one rack are
+// never paired over shared memory.
+TEST_F(SimEngineTest, KvDomainNarrowsToTheTransportsHost) {
+  const std::string boot = HostBootId();
+  ASSERT_FALSE(boot.empty());
+  const std::vector<std::string> sim = {"--engine", "sim", "--role", "prefill", "--kv-transport", "ucx"};
+  auto domain_of = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = sim;
+    args.insert(args.end(), extra.begin(), extra.end());
+    WorkerProcess* w = StartWorker(args);
+    return w == nullptr ? std::string("(no worker)") : GetModelInfo(w->stub()).kv_domain();
+  };
+  EXPECT_EQ(domain_of({"--kv-transport-tls", "shm"}), "host:" + boot);
+  EXPECT_EQ(domain_of({"--kv-transport-tls", "tcp"}), "");
+  EXPECT_EQ(domain_of({"--kv-transport-tls", "tcp", "--kv-domain", "rack-a"}), "rack-a");
+  EXPECT_EQ(domain_of({"--kv-transport-tls", "shm", "--kv-domain", "rack-a"}), "rack-a/host:" + boot);
 }
 
 TEST_F(SimEngineTest, RejectsBadFlags) {

@@ -41,8 +41,8 @@ std::string RefusedWorkers(const std::vector<std::shared_ptr<WorkerClient>>& wor
 // what the policy weighed (eligible, matched prefix blocks, score).
 nlohmann::json ExplainDecision(const char* pool, const std::string& policy, const std::vector<WorkerView>& views,
                                const std::vector<std::shared_ptr<WorkerClient>>& workers,
-                               const std::set<std::string>& exclude, const RouteExplanation& why,
-                               std::optional<size_t> chosen) {
+                               const std::set<std::string>& exclude, const std::vector<std::string>& passed_over,
+                               const RouteExplanation& why, std::optional<size_t> chosen) {
   nlohmann::json candidates = nlohmann::json::array();
   for (size_t i = 0; i < views.size(); ++i) {
     const WorkerView& v = views[i];
@@ -54,8 +54,8 @@ nlohmann::json ExplainDecision(const char* pool, const std::string& policy, cons
                         {"prefill_tokens_queued", v.prefill_tokens_in_flight}};
     if (exclude.count(v.id) != 0) {
       c["skipped"] = "already tried by this request";
-    } else if (workers[i]->healthy() && !v.healthy) {
-      c["skipped"] = "no free KV block";
+    } else if (!passed_over[i].empty()) {
+      c["skipped"] = passed_over[i];
     }
     if (i < why.candidates.size()) {
       const RouteExplanation::Candidate& e = why.candidates[i];
@@ -160,7 +160,7 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
   nlohmann::json explained = nlohmann::json::array();  // one decision per pool (x-tandem-explain)
   // The decode worker's KV domain once it is chosen: prefill workers of
   // another domain cannot hand it their KV and are passed over.
-  std::string pair_domain;
+  std::string pair_domain, pair_address;
   // The chosen worker, and the prompt tokens the policy expects it to hold.
   auto pick = [&](PoolRole role, int64_t* cached_tokens) -> absl::StatusOr<std::shared_ptr<WorkerClient>> {
     const Clock::time_point start = Clock::now();
@@ -172,23 +172,38 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
       views.push_back(w->View());
       if (exclude.count(w->address()) != 0) views.back().healthy = false;
     }
+    // Why a healthy worker was passed over (x-tandem-explain), by index.
+    std::vector<std::string> passed_over(workers.size());
     // Domains first: a full worker is passed over only while a peer the
     // request could use has room.
     if (role == PoolRole::kPrefill && !pair_domain.empty()) {
       nlohmann::json skipped = nlohmann::json::array();
+      bool any_left = false;
       for (size_t i = 0; i < workers.size(); ++i) {
         if (!views[i].healthy) continue;
         const std::string domain = workers[i]->kv_domain();
-        if (domain.empty() || domain == pair_domain) continue;
+        if (domain.empty() || domain == pair_domain) {
+          any_left = true;
+          continue;
+        }
         views[i].healthy = false;
         metrics_.kv_domain_skips.WithLabels({}).Inc();
         skipped.push_back(workers[i]->address());
+        passed_over[i] = absl::StrFormat("kv_domain %s: its KV cannot reach the decode worker's (%s)", domain,
+                                         pair_domain);
+      }
+      if (!skipped.empty() && !any_left) {
+        warnings_.Warn("kv_domain_unpaired",
+                       absl::StrFormat("no healthy prefill worker shares kv_domain %s with decode worker %s: its "
+                                       "requests are prefilled locally",
+                                       pair_domain, pair_address));
       }
       if (call.explain && !skipped.empty()) {
         explained.push_back({{"pool", "prefill"},
                              {"why", absl::StrFormat("kv_domain: the decode worker's is %s; these prefill workers' "
-                                                     "KV cannot reach it",
-                                                     pair_domain)},
+                                                     "KV cannot reach it%s",
+                                                     pair_domain,
+                                                     any_left ? "" : " (none left: the decode worker prefills)")},
                              {"skipped", skipped}});
       }
     }
@@ -198,9 +213,11 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     auto full = [](const WorkerView& v) { return v.healthy && v.total_blocks > 0 && v.used_blocks >= v.total_blocks; };
     const bool any_room =
         std::any_of(views.begin(), views.end(), [&](const WorkerView& v) { return v.healthy && !full(v); });
-    for (WorkerView& v : views) {
+    for (size_t i = 0; i < views.size(); ++i) {
+      WorkerView& v = views[i];
       if (any_room && full(v)) {
         v.healthy = false;
+        passed_over[i] = "no free KV block";
         metrics_.kv_full_skips.WithLabels({PoolRoleName(role)}).Inc();
         warnings_.Warn("kv_full", absl::StrCat("worker ", v.id,
                                                " reports no free KV block: "
@@ -213,8 +230,8 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     rr.explain = call.explain ? &why : nullptr;
     absl::StatusOr<size_t> i = policy.Pick(rr, views);
     if (call.explain) {
-      explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, exclude, why,
-                                          i.ok() ? std::optional<size_t>(*i) : std::nullopt));
+      explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, exclude, passed_over,
+                                          why, i.ok() ? std::optional<size_t>(*i) : std::nullopt));
     }
     metrics_.decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
     metrics_.decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
@@ -230,6 +247,7 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
   ASSIGN_OR_RETURN(std::shared_ptr<WorkerClient> decode, pick(PoolRole::kDecode, &decode_cached));
   Placement p{.decode = decode, .decode_cached_tokens = decode_cached};
   pair_domain = decode->kv_domain();
+  pair_address = decode->address();
   // Every return with a placement: the decision goes to /dashboard's recent
   // list; when asked, the explanation goes with the placement and into the
   // log as one line.

@@ -108,6 +108,16 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
 
 // Who may call this worker and whom it dials: mutual TLS from --tls-*, or
 // --insecure by name (never by omission).
+// ModelInfo.kv_domain: --kv-domain, the transport's own domain, or both
+// where the transport reaches only its host (cuda_ipc, UCX over shm): two
+// hosts named one rack must not be paired over a transport that cannot
+// leave either, so the named domain narrows to "NAME/host:<boot id>".
+std::string KvDomain(const std::string& flag, const std::string& transport_domain) {
+  if (flag.empty()) return transport_domain;
+  if (transport_domain.empty()) return flag;
+  return absl::StrCat(flag, "/", transport_domain);
+}
+
 absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt, std::optional<tls::TlsMaterial>* material) {
   const bool tls_given = !opt.tls_ca.empty() || !opt.tls_cert.empty() || !opt.tls_key.empty();
   if (opt.insecure && tls_given) {
@@ -314,9 +324,7 @@ absl::Status RunWorker(WorkerOptions opt) {
                            .hold_timeout = std::chrono::milliseconds(opt.kv_hold_timeout_ms),
                            .checksums = !opt.no_kv_checksums,
                            .push = opt.kv_delivery == "push",
-                           .domain = !opt.kv_domain.empty() ? opt.kv_domain
-                                     : transport != nullptr ? transport->Domain()
-                                                            : std::string()};
+                           .domain = KvDomain(opt.kv_domain, transport != nullptr ? transport->Domain() : "")};
   // The standard grpc.health.v1 service (SERVING; NOT_SERVING once draining),
   // for load balancers and Kubernetes' gRPC probes where TLS is off.
   grpc::EnableDefaultHealthCheckService(true);
@@ -547,7 +555,8 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_option("--kv-domain", opt->kv_domain,
                   "Where this worker's KV reaches, for the router's pairing of prefill and decode workers: only "
                   "workers of one domain hand each other KV (e.g. a rack or an NVLink domain; letters, digits and "
-                  ". _ : -). Default: the transport's (this host for cuda_ipc and UCX over shm; none over tcp)");
+                  ". _ : -). Default: the transport's (this host for cuda_ipc and UCX over shm; none over tcp); "
+                  "with a transport bound to one host, the named domain is narrowed to this host within it");
   cmd->add_option("--kv-fault", opt->kv_fault,
                   "Testing: inject KV transport faults (drop, corrupt, fail_submit, fail_pair, delay_ms=N, "
                   "fail_after_blocks=N; comma-separated)")

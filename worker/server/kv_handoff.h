@@ -104,8 +104,9 @@ struct KvHandoffConfig {
   // Prefill: a reservation that offers a pool of this transport is pushed
   // to; others are pulled as before.
   bool push = false;
-  // Where this worker's KV reaches (ModelInfo.kv_domain): --kv-domain, or
-  // the transport's Domain().
+  // Where this worker's KV reaches (ModelInfo.kv_domain): --kv-domain, the
+  // transport's Domain(), or both ("rack-a/host:<boot id>": a transport
+  // bound to one host narrows a named domain to that host).
   std::string domain;
 };
 
