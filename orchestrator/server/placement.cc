@@ -189,8 +189,8 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
         views[i].healthy = false;
         metrics_.kv_domain_skips.WithLabels({}).Inc();
         skipped.push_back(workers[i]->address());
-        passed_over[i] = absl::StrFormat("kv_domain %s: its KV cannot reach the decode worker's (%s)", domain,
-                                         pair_domain);
+        passed_over[i] =
+            absl::StrFormat("kv_domain %s: its KV cannot reach the decode worker's (%s)", domain, pair_domain);
       }
       if (!skipped.empty() && !any_left) {
         warnings_.Warn("kv_domain_unpaired",
@@ -199,12 +199,12 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
                                        pair_domain, pair_address));
       }
       if (call.explain && !skipped.empty()) {
-        explained.push_back({{"pool", "prefill"},
-                             {"why", absl::StrFormat("kv_domain: the decode worker's is %s; these prefill workers' "
-                                                     "KV cannot reach it%s",
-                                                     pair_domain,
-                                                     any_left ? "" : " (none left: the decode worker prefills)")},
-                             {"skipped", skipped}});
+        explained.push_back(
+            {{"pool", "prefill"},
+             {"why", absl::StrFormat("kv_domain: the decode worker's is %s; these prefill workers' "
+                                     "KV cannot reach it%s",
+                                     pair_domain, any_left ? "" : " (none left: the decode worker prefills)")},
+             {"skipped", skipped}});
       }
     }
     // KV awareness: a worker whose last load report had every KV block in
@@ -230,8 +230,8 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     rr.explain = call.explain ? &why : nullptr;
     absl::StatusOr<size_t> i = policy.Pick(rr, views);
     if (call.explain) {
-      explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, exclude, passed_over,
-                                          why, i.ok() ? std::optional<size_t>(*i) : std::nullopt));
+      explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, exclude, passed_over, why,
+                                          i.ok() ? std::optional<size_t>(*i) : std::nullopt));
     }
     metrics_.decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
     metrics_.decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
