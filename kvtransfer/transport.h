@@ -117,6 +117,9 @@ class WriteFence {
   // kCuda: the cudaEvent_t recorded after the writes, for a GPU transport to
   // order its copies after on a stream of its own (no host wait); else null.
   virtual void* cuda_event() const { return nullptr; }
+  // True where the writes are known to have completed; never blocks (false:
+  // not known, Wait decides).
+  virtual bool Completed() const { return false; }
 };
 
 // A fence whose writes have completed (host memory; or a step that ended in

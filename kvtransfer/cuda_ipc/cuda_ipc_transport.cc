@@ -47,6 +47,16 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
+// True where the writes behind `fence` (if any) are known to have completed;
+// never blocks (a host fence's Wait may, whatever its deadline).
+bool FenceDone(const WriteFence* fence) {
+  if (fence == nullptr || fence->Completed()) return true;
+  if (fence->memory() == MemoryType::kCuda && fence->cuda_event() != nullptr) {
+    return cudaEventQuery(static_cast<cudaEvent_t>(fence->cuda_event())) == cudaSuccess;
+  }
+  return false;
+}
+
 // This process, among the processes of one host (pids repeat across
 // containers): drawn once.
 const std::string& ProcessToken() {
@@ -204,6 +214,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::Create(int d
 
 CudaIpcTransport::CudaIpcTransport(int device, void* stream, std::vector<Slot> slots, int max_ctas)
     : device_(device), stream_(stream), agent_id_(NewAgentId()), max_ctas_(max_ctas), slots_(std::move(slots)) {
+  for (Slot& s : slots_) free_slots_.push_back(&s);
   thread_ = std::thread([this] { CopyLoop(); });
 }
 
@@ -420,16 +431,31 @@ absl::StatusOr<uint64_t> CudaIpcTransport::Start(const std::string& agent_id, st
       PlanRuns(blocks, layout_.block_bytes, push ? local_blocks : remote_blocks, push ? remote_blocks : local_blocks);
   if (!runs.ok()) return runs.status();
   const uint64_t id = next_id_++;
-  queue_.push_back(Transfer{.id = id,
-                            .peer = agent_id,
-                            .push = push,
-                            .runs = std::move(*runs),
-                            .mapping = peer->second.mapping,
-                            .after = std::move(after),
-                            .deadline = deadline,
-                            .done = std::move(done)});
+  Transfer t{.id = id,
+             .peer = agent_id,
+             .push = push,
+             .runs = std::move(*runs),
+             .mapping = peer->second.mapping,
+             .after = std::move(after),
+             .deadline = deadline,
+             .done = std::move(done)};
+  // Nothing to wait for, nothing queued before it, a slot free, time left:
+  // issued on this thread, without the copy thread's wake-up (a transfer's
+  // fixed cost at 16 MiB was ~30 us against ~20 us of copying). A passed
+  // deadline goes the copy thread's way, which moves nothing.
+  if (!queue_.empty() || free_slots_.empty() || std::chrono::steady_clock::now() >= deadline ||
+      !FenceDone(t.after.get())) {
+    queue_.push_back(std::move(t));
+    lock.unlock();
+    cv_.notify_one();
+    return id;
+  }
+  Slot* slot = free_slots_.back();
+  free_slots_.pop_back();
+  in_flight_.insert(id);
   lock.unlock();
-  cv_.notify_one();
+  DeviceGuard guard(device_);
+  Launch(std::move(t), slot);
   return id;
 }
 
@@ -453,8 +479,7 @@ absl::Status CudaIpcTransport::CheckLive(const Transfer& t) {
   return absl::OkStatus();
 }
 
-absl::Status CudaIpcTransport::Issue(Transfer& t, Slot& slot) {
-  auto stream = static_cast<cudaStream_t>(stream_);
+absl::Status CudaIpcTransport::WaitFence(const Transfer& t) {
   // What stops it before anything is issued: cancelled, the peer gone, late.
   RETURN_IF_ERROR(CheckLive(t));
   if (t.after != nullptr) {
@@ -478,15 +503,31 @@ absl::Status CudaIpcTransport::Issue(Transfer& t, Slot& slot) {
     }
     RETURN_IF_ERROR(CheckLive(t));
   }
+  return absl::OkStatus();
+}
+
+void CudaIpcTransport::Launch(Transfer t, Slot* slot) {
+  auto stream = static_cast<cudaStream_t>(stream_);
+  std::lock_guard<std::mutex> issuing(issue_mu_);
   unsigned char* local = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     local = base_;
   }
-  absl::Status st = IssueCopies(t, local, slot);
-  if (st.ok()) st = Cuda(cudaEventRecord(static_cast<cudaEvent_t>(slot.event), stream), "record");
+  absl::Status st = IssueCopies(t, local, *slot);
+  if (st.ok()) st = Cuda(cudaEventRecord(static_cast<cudaEvent_t>(slot->event), stream), "record");
   if (!st.ok()) cudaStreamSynchronize(stream);  // what was issued lands before done
-  return st;
+  {
+    // Still under issue_mu_: flying_ keeps the stream's order.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (st.ok()) {
+      flying_.push_back(Flying{std::move(t), slot, std::chrono::steady_clock::now()});
+    } else {
+      free_slots_.push_back(slot);
+      failed_.emplace_back(std::move(t), std::move(st));
+    }
+  }
+  cv_.notify_one();
 }
 
 absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* local, Slot& slot) {
@@ -598,14 +639,6 @@ void CudaIpcTransport::CopyLoop() {
   cudaSetDevice(device_);
   constexpr auto kSweepEvery = std::chrono::seconds(1);
   auto last_sweep = std::chrono::steady_clock::now();
-  struct Flying {
-    Transfer t;
-    Slot* slot;
-    std::chrono::steady_clock::time_point issued;
-  };
-  std::deque<Flying> flying;  // issued, in stream order
-  std::vector<Slot*> free_slots;
-  for (Slot& s : slots_) free_slots.push_back(&s);
   // Ends `t`: its id forgotten, its mapping let go (the last transfer of a
   // removed peer closes it), `done` called.
   auto finish = [this](Transfer& t, const absl::Status& status) {
@@ -619,60 +652,79 @@ void CudaIpcTransport::CopyLoop() {
   };
   while (true) {
     std::optional<Transfer> next;
-    bool stopping = false;
+    Slot* slot = nullptr;
+    std::deque<std::pair<Transfer, absl::Status>> failed;
+    bool stopping = false, idle = false;
+    void* oldest = nullptr;  // the oldest issued transfer's event
+    std::chrono::steady_clock::time_point issued;
     {
       std::unique_lock<std::mutex> lock(mu_);
       // Nothing in flight: sleep until work comes (or the sweep is due).
-      if (flying.empty()) cv_.wait_for(lock, kSweepEvery, [&] { return stop_ || !queue_.empty(); });
+      if (flying_.empty() && failed_.empty()) {
+        cv_.wait_for(lock, kSweepEvery,
+                     [&] { return stop_ || !queue_.empty() || !flying_.empty() || !failed_.empty(); });
+      }
       stopping = stop_;
-      if (!stopping && !queue_.empty() && !free_slots.empty()) {
+      failed.swap(failed_);
+      if (!stopping && !queue_.empty() && !free_slots_.empty()) {
         next = std::move(queue_.front());
         queue_.pop_front();
+        slot = free_slots_.back();
+        free_slots_.pop_back();
         in_flight_.insert(next->id);
       }
+      idle = flying_.empty();
+      if (!idle) {
+        oldest = flying_.front().slot->event;
+        issued = flying_.front().issued;
+      }
     }
-    if (stopping && flying.empty()) return;  // the queue's transfers end in the destructor
+    for (auto& [t, status] : failed) finish(t, status);
+    if (stopping && idle && !next.has_value()) return;  // the queue's transfers end in the destructor
     if (std::chrono::steady_clock::now() - last_sweep >= kSweepEvery) {
       SweepPeers();
       last_sweep = std::chrono::steady_clock::now();
     }
     if (next.has_value()) {
-      Slot* slot = free_slots.back();
-      if (absl::Status st = Issue(*next, *slot); !st.ok()) {
+      if (absl::Status st = WaitFence(*next); !st.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          free_slots_.push_back(slot);
+        }
         finish(*next, st);
       } else {
-        free_slots.pop_back();
-        flying.push_back(Flying{std::move(*next), slot, std::chrono::steady_clock::now()});
+        Launch(std::move(*next), slot);
       }
       continue;  // more to issue before polling
     }
-    if (flying.empty()) continue;
+    if (idle) continue;
     // Poll the oldest: the copies cannot be recalled, so whatever happens
     // meanwhile is reported once they completed. Yielding between polls for
     // the first 2 ms (a 4k-token prompt's copy takes 0.5 ms on one GPU, 1.6
     // ms across NVLink; a 20 us sleep oversleeps by tens of microseconds,
     // which cost 40% at 128 MiB on an H100), then sleeping between polls.
-    Flying& f = flying.front();
-    const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(f.slot->event));
+    // Only this thread takes from flying_, so its front stays the same.
+    const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(oldest));
     if (q == cudaErrorNotReady) {
-      if (std::chrono::steady_clock::now() - f.issued < std::chrono::milliseconds(2)) {
+      if (std::chrono::steady_clock::now() - issued < std::chrono::milliseconds(2)) {
         std::this_thread::yield();
       } else {
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
       continue;
     }
-    absl::Status status;
     if (q != cudaSuccess) {
+      std::lock_guard<std::mutex> issuing(issue_mu_);
       cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));  // nothing of it may land after done
-      status = Cuda(q, "the copies");
-    } else {
-      status = CheckLive(f.t);
     }
-    Flying done = std::move(f);
-    flying.pop_front();
-    free_slots.push_back(done.slot);
-    finish(done.t, status);
+    Flying done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done = std::move(flying_.front());
+      flying_.pop_front();
+      free_slots_.push_back(done.slot);
+    }
+    finish(done.t, q != cudaSuccess ? Cuda(q, "the copies") : CheckLive(done.t));
   }
 }
 
