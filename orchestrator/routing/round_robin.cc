@@ -1,5 +1,6 @@
 #include "orchestrator/routing/round_robin.h"
 
+#include "absl/hash/hash.h"
 #include "common/status_macros.h"
 #include "orchestrator/routing/policy_internal.h"
 
@@ -13,7 +14,11 @@ absl::StatusOr<std::unique_ptr<RoutingPolicy>> RoundRobinPolicy::Create(const Po
 absl::StatusOr<size_t> RoundRobinPolicy::Pick(const RouteRequest& /*req*/, std::span<const WorkerView> workers) {
   const size_t healthy = routing_internal::CountHealthy(workers);
   if (healthy == 0) return routing_internal::NoHealthyWorker(name(), workers.size());
-  const uint64_t turn = next_.fetch_add(1, std::memory_order_relaxed);
+  size_t set = 0;
+  for (const WorkerView& w : workers) {
+    if (w.healthy) set = absl::HashOf(set, w.id);
+  }
+  const uint64_t turn = next_[set % kCursors].fetch_add(1, std::memory_order_relaxed);
   return routing_internal::NthHealthy(workers, turn % healthy);
 }
 

@@ -1,12 +1,17 @@
 // round_robin: the healthy workers in turn. Unhealthy workers are skipped
 // without giving their turn to their neighbour: the cursor counts picks and
 // indexes the healthy workers, so each healthy worker gets 1/h of the picks.
-// No parameters.
+// Each set of healthy workers has a cursor of its own (one of kCursors, by
+// a hash of their ids): the router offers a prefill pick only the workers
+// of the decode worker's KV domain, and with one cursor for all, picks that
+// alternate between two domains of two workers each would always land on
+// the same worker of each. No parameters.
 //
-// Thread safety: Pick is lock-free (one atomic counter).
+// Thread safety: Pick is lock-free (atomic counters).
 #ifndef TANDEM_ORCHESTRATOR_ROUTING_ROUND_ROBIN_H_
 #define TANDEM_ORCHESTRATOR_ROUTING_ROUND_ROBIN_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -23,7 +28,8 @@ class RoundRobinPolicy : public RoutingPolicy {
   absl::StatusOr<size_t> Pick(const RouteRequest& req, std::span<const WorkerView> workers) override;
 
  private:
-  std::atomic<uint64_t> next_{0};
+  static constexpr size_t kCursors = 64;  // sets that share a slot share a cursor
+  std::array<std::atomic<uint64_t>, kCursors> next_{};
 };
 
 }  // namespace tandem::router

@@ -203,6 +203,20 @@ TEST(RoundRobinTest, SkipsUnhealthyEvenly) {
               ::testing::ElementsAre(::testing::Pair(0, 100), ::testing::Pair(2, 100), ::testing::Pair(3, 100)));
 }
 
+// Picks offered alternately two disjoint sets (the prefill workers of two
+// KV domains, the others marked unhealthy): each set takes its turns on its
+// own, so every worker of each gets its share.
+TEST(RoundRobinTest, DisjointCandidateSetsEachCycle) {
+  auto policy = Make("round_robin");
+  auto a = Workers(4), b = Workers(4);
+  a[2].healthy = a[3].healthy = false;  // domain a: workers 0 and 1
+  b[0].healthy = b[1].healthy = false;  // domain b: workers 2 and 3
+  std::map<size_t, int> counts;
+  for (int i = 0; i < 400; ++i) ++counts[MustPick(*policy, i % 2 == 0 ? a : b)];
+  EXPECT_THAT(counts, ::testing::ElementsAre(::testing::Pair(0, 100), ::testing::Pair(1, 100), ::testing::Pair(2, 100),
+                                             ::testing::Pair(3, 100)));
+}
+
 // ---- random --------------------------------------------------------------
 
 TEST(RandomTest, UniformOverHealthyWorkers) {
