@@ -562,7 +562,7 @@ TEST_F(BenchCommandTest, SharedPrefixOnSimulatedWorkersReportsEverything) {
   // --save-detailed: every request, in send order, adding up to the totals.
   ASSERT_TRUE(j.contains("requests") && j["requests"].is_array()) << out;
   ASSERT_EQ(j["requests"].size(), 40u);
-  int64_t cached = 0, gaps = 0;
+  int64_t cached = 0, gaps = 0, textless = 0;
   double last_sent = 0;
   for (const nlohmann::json& r : j["requests"]) {
     EXPECT_TRUE(r["ok"].get<bool>());
@@ -570,12 +570,21 @@ TEST_F(BenchCommandTest, SharedPrefixOnSimulatedWorkersReportsEverything) {
     EXPECT_EQ(r["output_tokens"], 8);
     EXPECT_GE(r["sent_s"].get<double>(), last_sent);
     last_sent = r["sent_s"].get<double>();
+    cached += r["cached_tokens"].get<int64_t>();
+    if (r["ttft_ms"].is_null()) {
+      // The simulator's tokens are random ids; eight that decode to no text
+      // (special or partial-byte tokens) give no token-bearing chunk, and a
+      // TTFT measured on text is then undefined (null, never 0).
+      EXPECT_TRUE(r["itl_ms"].empty()) << r;
+      ++textless;
+      continue;
+    }
     EXPECT_GT(r["ttft_ms"].get<double>(), 0);
     EXPECT_GE(r["e2e_ms"].get<double>(), r["ttft_ms"].get<double>());
     EXPECT_LE(r["itl_ms"].size(), 7u);  // chunks may carry several tokens
     gaps += static_cast<int64_t>(r["itl_ms"].size());
-    cached += r["cached_tokens"].get<int64_t>();
   }
+  EXPECT_LE(textless, 4);
   EXPECT_EQ(gaps, j["itl_ms"]["count"].get<int64_t>());
   EXPECT_EQ(cached, j["total_cached_tokens"].get<int64_t>());
   EXPECT_GT(cached, 0);
