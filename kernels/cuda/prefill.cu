@@ -774,6 +774,13 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     bool pending = false;  // the previous item's last PV and rows are still to do
     T* p_out = nullptr;
     int p_rows = 0, p_bad = INT_MAX, p_pos_a = 0, p_pos_b = 0, p_r = 0;
+    // What the first dummy PV reads and the first turn saves (its result is
+    // discarded: defined all the same).
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+    l_a = l_b = 0.0f;
     for (int n = 0;; ++n) {
       const int slot = n & 1;
       MbarWait(qfull + 8 * slot, (n / 2) & 1);
@@ -940,13 +947,14 @@ int LaunchTypedDim(const AttnArgs& a, cudaStream_t stream, int variant) {
       return LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptQRegs>(a, stream);
     case 7:    // the default with a drain at every item boundary
     case 8: {  // the default with none
-      const bool lazy = kD == 128 && a.pool.block_size == 16;
-      if (variant == 8) {
-        return lazy ? LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptLazyRescale | kOptCrossItem>(a, stream)
-                    : LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptCrossItem>(a, stream);
+      constexpr int kBase = kOptTma | kOptPersistent;
+      if constexpr (kD == 128) {  // the lazy rescale: head_dim 128 at pages of 16
+        if (a.pool.block_size == 16) {
+          return variant == 8 ? LaunchFa3<T, kD, kBase | kOptLazyRescale | kOptCrossItem>(a, stream)
+                              : LaunchFa3<T, kD, kBase | kOptLazyRescale>(a, stream);
+        }
       }
-      return lazy ? LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptLazyRescale>(a, stream)
-                  : LaunchFa3<T, kD, kOptTma | kOptPersistent>(a, stream);
+      return variant == 8 ? LaunchFa3<T, kD, kBase | kOptCrossItem>(a, stream) : LaunchFa3<T, kD, kBase>(a, stream);
     }
     default:
       // Every query count takes the same kernel (a short chunk wastes half

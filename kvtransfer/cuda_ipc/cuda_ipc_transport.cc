@@ -32,11 +32,35 @@ absl::Status Cuda(cudaError_t e, absl::string_view what) {
   return absl::InternalError(absl::StrCat("cuda_ipc: ", what, ": ", cudaGetErrorString(e)));
 }
 
-// Makes `device` current on this thread for the guard's lifetime.
+// Whether this thread has a current CUDA context (the driver's
+// cuCtxGetCurrent; true where it cannot be asked). A thread that never used
+// CUDA reports device 0 all the same.
+bool ThreadHasContext() {
+  using GetCurrent = CUresult (*)(CUcontext*);
+  static const GetCurrent get = []() -> GetCurrent {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return nullptr;
+    }
+    return reinterpret_cast<GetCurrent>(fn);
+  }();
+  CUcontext ctx = nullptr;
+  return get == nullptr || get(&ctx) != CUDA_SUCCESS || ctx != nullptr;
+}
+
+// Makes `device` current on this thread for the guard's lifetime. Nothing
+// is restored on a thread that had no context: setting its "device 0" back
+// would create a context on GPU 0 (since CUDA 12), memory on another
+// worker's GPU for a worker of cuda:1 called from a gRPC thread.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    int current = -1;
+    const bool known = cudaGetDevice(&current) == cudaSuccess;
+    if (known && current == device) return;  // already current: nothing to set or restore
+    if (known && ThreadHasContext()) previous_ = current;
     cudaSetDevice(device);
   }
   ~DeviceGuard() {
@@ -228,6 +252,20 @@ CudaIpcTransport::~CudaIpcTransport() {
   cv_.notify_all();
   thread_.join();
   for (Transfer& t : pending) t.done(absl::CancelledError("the transport was destroyed"));
+  // A caller's transfer issued while the copy thread was ending (Start
+  // checked stop_ before it was set): waited for, then ended here.
+  std::deque<Flying> flying;
+  std::deque<std::pair<Transfer, absl::Status>> failed;
+  {
+    std::lock_guard<std::mutex> issuing(issue_mu_);
+    DeviceGuard guard(device_);
+    cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+    std::lock_guard<std::mutex> lock(mu_);
+    flying.swap(flying_);
+    failed.swap(failed_);
+  }
+  for (Flying& f : flying) f.t.done(absl::CancelledError("the transport was destroyed"));
+  for (auto& [t, status] : failed) t.done(status);
   peers_.clear();
   DeviceGuard guard(device_);
   for (Slot& s : slots_) {
@@ -406,6 +444,7 @@ absl::StatusOr<uint64_t> CudaIpcTransport::Start(const std::string& agent_id, st
                                                  std::shared_ptr<const WriteFence> after, Deadline deadline,
                                                  TransferDone done, bool push) {
   std::unique_lock<std::mutex> lock(mu_);
+  if (stop_) return absl::CancelledError("the transport is being destroyed");
   if (base_ == nullptr) return absl::FailedPreconditionError("no KV pool registered");
   auto peer = peers_.find(agent_id);
   if (peer == peers_.end()) {
@@ -439,11 +478,12 @@ absl::StatusOr<uint64_t> CudaIpcTransport::Start(const std::string& agent_id, st
              .after = std::move(after),
              .deadline = deadline,
              .done = std::move(done)};
-  // Nothing to wait for, nothing queued before it, a slot free, time left:
-  // issued on this thread, without the copy thread's wake-up (a transfer's
+  // Nothing to wait for, nothing queued before it (nor taken from the queue
+  // and not yet issued: transfers start in Start's order), a slot free, time
+  // left: issued on this thread, without the copy thread's wake-up (a transfer's
   // fixed cost at 16 MiB was ~30 us against ~20 us of copying). A passed
   // deadline goes the copy thread's way, which moves nothing.
-  if (!queue_.empty() || free_slots_.empty() || std::chrono::steady_clock::now() >= deadline ||
+  if (!queue_.empty() || draining_queue_ || free_slots_.empty() || std::chrono::steady_clock::now() >= deadline ||
       !FenceDone(t.after.get())) {
     queue_.push_back(std::move(t));
     lock.unlock();
@@ -661,8 +701,9 @@ void CudaIpcTransport::CopyLoop() {
       std::unique_lock<std::mutex> lock(mu_);
       // Nothing in flight: sleep until work comes (or the sweep is due).
       if (flying_.empty() && failed_.empty()) {
-        cv_.wait_for(lock, kSweepEvery,
-                     [&] { return stop_ || !queue_.empty() || !flying_.empty() || !failed_.empty(); });
+        cv_.wait_for(lock, kSweepEvery, [&] {
+          return stop_ || (!queue_.empty() && !free_slots_.empty()) || !flying_.empty() || !failed_.empty();
+        });
       }
       stopping = stop_;
       failed.swap(failed_);
@@ -672,6 +713,7 @@ void CudaIpcTransport::CopyLoop() {
         slot = free_slots_.back();
         free_slots_.pop_back();
         in_flight_.insert(next->id);
+        draining_queue_ = true;
       }
       idle = flying_.empty();
       if (!idle) {
@@ -690,10 +732,13 @@ void CudaIpcTransport::CopyLoop() {
         {
           std::lock_guard<std::mutex> lock(mu_);
           free_slots_.push_back(slot);
+          draining_queue_ = false;
         }
         finish(*next, st);
       } else {
         Launch(std::move(*next), slot);
+        std::lock_guard<std::mutex> lock(mu_);
+        draining_queue_ = false;
       }
       continue;  // more to issue before polling
     }

@@ -201,6 +201,9 @@ class CudaIpcTransport final : public Transport {
   std::vector<Slot*> free_slots_ ABSL_GUARDED_BY(mu_);
   std::deque<Flying> flying_ ABSL_GUARDED_BY(mu_);  // issued, in stream order (the copy thread polls the front)
   std::deque<std::pair<Transfer, absl::Status>> failed_ ABSL_GUARDED_BY(mu_);  // for the copy thread to finish
+  // The copy thread holds a transfer taken from queue_ (waiting for its
+  // fence, or issuing it): callers queue behind it.
+  bool draining_queue_ ABSL_GUARDED_BY(mu_) = false;
   bool kernel_ok_ ABSL_GUARDED_BY(issue_mu_) = true;  // false once the copy kernel cannot run on this GPU
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

@@ -251,10 +251,20 @@ TEST_F(CudaIpcTransportTest, PushAfterAGpuFenceCopiesTheWrittenBytes) {
           ->PushAfter(info_[1].agent_id, {{6, 4}}, fence, 1, later, [&pushed](absl::Status s) { pushed.set_value(s); })
           .ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the copy thread sees the fence pending
+  // Transfers start in the order they were asked for: a pull of the block
+  // the push writes, asked for while the push waits on its fence, waits
+  // behind it (it has nothing to wait for itself and a slot is free, so it
+  // would otherwise be issued at once, from this thread).
+  std::promise<absl::Status> pulled;
+  ASSERT_TRUE(t_[0]->Pull(info_[1].agent_id, {{4, 7}}, later, [&pulled](absl::Status s) { pulled.set_value(s); }).ok());
   release = true;
   ASSERT_TRUE(pushed.get_future().get().ok());
+  ASSERT_TRUE(pulled.get_future().get().ok());
   std::vector<unsigned char> got = Read(1);
   EXPECT_EQ(std::vector<unsigned char>(got.begin() + 4 * bb, got.begin() + 5 * bb),
+            std::vector<unsigned char>(static_cast<size_t>(bb), 0x5a));
+  std::vector<unsigned char> back = Read(0);
+  EXPECT_EQ(std::vector<unsigned char>(back.begin() + 7 * bb, back.begin() + 8 * bb),
             std::vector<unsigned char>(static_cast<size_t>(bb), 0x5a));
   cudaEventDestroy(fence->event);
   cudaStreamDestroy(writer);
