@@ -251,6 +251,7 @@ CudaIpcTransport::~CudaIpcTransport() {
   }
   cv_.notify_all();
   thread_.join();
+  DeviceGuard guard(device_);
   for (Transfer& t : pending) t.done(absl::CancelledError("the transport was destroyed"));
   // A caller's transfer issued while the copy thread was ending (Start
   // checked stop_ before it was set): waited for, then ended here.
@@ -258,7 +259,6 @@ CudaIpcTransport::~CudaIpcTransport() {
   std::deque<std::pair<Transfer, absl::Status>> failed;
   {
     std::lock_guard<std::mutex> issuing(issue_mu_);
-    DeviceGuard guard(device_);
     cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
     std::lock_guard<std::mutex> lock(mu_);
     flying.swap(flying_);
@@ -267,7 +267,6 @@ CudaIpcTransport::~CudaIpcTransport() {
   for (Flying& f : flying) f.t.done(absl::CancelledError("the transport was destroyed"));
   for (auto& [t, status] : failed) t.done(status);
   peers_.clear();
-  DeviceGuard guard(device_);
   for (Slot& s : slots_) {
     if (s.chunks_host != nullptr) cudaFreeHost(s.chunks_host);
     cudaEventDestroy(static_cast<cudaEvent_t>(s.event));

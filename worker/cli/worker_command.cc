@@ -106,8 +106,6 @@ absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
   return KvTransport{.transport = std::move(t), .pool_allocator = std::move(allocate)};
 }
 
-// Who may call this worker and whom it dials: mutual TLS from --tls-*, or
-// --insecure by name (never by omission).
 // ModelInfo.kv_domain: --kv-domain, the transport's own domain, or both
 // where the transport reaches only its host (cuda_ipc, UCX over shm): two
 // hosts named one rack must not be paired over a transport that cannot
@@ -118,6 +116,8 @@ std::string KvDomain(const std::string& flag, const std::string& transport_domai
   return absl::StrCat(flag, "/", transport_domain);
 }
 
+// Who may call this worker and whom it dials: mutual TLS from --tls-*, or
+// --insecure by name (never by omission).
 absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt, std::optional<tls::TlsMaterial>* material) {
   const bool tls_given = !opt.tls_ca.empty() || !opt.tls_cert.empty() || !opt.tls_key.empty();
   if (opt.insecure && tls_given) {
