@@ -21,7 +21,7 @@ PoolLayout Layout() {
 
 TEST(TransportRegistryTest, BuiltinTransportsByNameWithTheirCapabilities) {
   const TransportRegistry& r = TransportRegistry::Builtin();
-  EXPECT_EQ(r.names(), (std::vector<std::string>{"cuda_ipc", "ucx"}));
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"cuda_ipc", "ucx", "ucx_staged"}));
   const TransportCapabilities* ucx = r.Capabilities("ucx");
   ASSERT_NE(ucx, nullptr);
   EXPECT_TRUE(ucx->push);
@@ -36,12 +36,20 @@ TEST(TransportRegistryTest, BuiltinTransportsByNameWithTheirCapabilities) {
   EXPECT_FALSE(cuda_ipc->needs_pairing);
   EXPECT_TRUE(cuda_ipc->Moves(MemoryType::kCuda));
   EXPECT_FALSE(cuda_ipc->Moves(MemoryType::kHost));
+  // Send/receive through host staging: GPU pools across hosts.
+  const TransportCapabilities* staged = r.Capabilities("ucx_staged");
+  ASSERT_NE(staged, nullptr);
+  EXPECT_TRUE(staged->push);
+  EXPECT_FALSE(staged->pull);
+  EXPECT_TRUE(staged->needs_pairing);
+  EXPECT_TRUE(staged->Moves(MemoryType::kCuda));
+  EXPECT_TRUE(staged->Moves(MemoryType::kHost));
   EXPECT_EQ(r.Capabilities("nccl"), nullptr);
   absl::StatusOr<std::unique_ptr<Transport>> bad = r.Create("nccl", {});
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.status().message()),
-              ::testing::HasSubstr("--kv-transport must be none or one of cuda_ipc, ucx, got 'nccl'"));
+              ::testing::HasSubstr("--kv-transport must be none or one of cuda_ipc, ucx, ucx_staged, got 'nccl'"));
 }
 
 TEST(TransportRegistryTest, ARegistryCreatesWhatWasRegistered) {

@@ -131,7 +131,7 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(out.find("--kv-domain must be at most 128 letters, digits and . _ : -, got 'rack 1'"), std::string::npos)
       << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport nccl", &out), 0);
-  EXPECT_NE(out.find("--kv-transport must be none or one of cuda_ipc, ucx, got 'nccl'"), std::string::npos) << out;
+  EXPECT_NE(out.find("--kv-transport must be none or one of cuda_ipc, ucx, ucx_staged, got 'nccl'"), std::string::npos) << out;
   // The GPU runner's switches on a CPU (or simulated) worker: refused, not ignored.
   for (const std::string flag : {"--host-sampling", "--enforce-eager", "--batch-invariant"}) {
     EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure " + flag, &out), 0);

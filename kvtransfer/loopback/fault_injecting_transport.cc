@@ -48,7 +48,7 @@ FaultInjectingTransport::~FaultInjectingTransport() {
   }
   cv_.notify_all();
   timer_.join();
-  for (auto& [id, h] : held) h.done(absl::CancelledError("the transport was destroyed"));
+  for (auto& [id, h] : held) h.request.done(absl::CancelledError("the transport was destroyed"));
 }
 
 void FaultInjectingTransport::SetFaults(const Faults& faults) {
@@ -71,22 +71,39 @@ absl::Status FaultInjectingTransport::RegisterPool(const PoolLayout& layout, voi
 
 absl::StatusOr<uint64_t> FaultInjectingTransport::Push(const std::string& agent_id, std::vector<BlockPair> blocks,
                                                        Deadline deadline, TransferDone done) {
-  return Start(agent_id, std::move(blocks), deadline, std::move(done), true);
+  return Start(Request{agent_id, std::move(blocks), deadline, std::move(done), Op::kPush});
 }
 
 absl::StatusOr<uint64_t> FaultInjectingTransport::Pull(const std::string& agent_id, std::vector<BlockPair> blocks,
                                                        Deadline deadline, TransferDone done) {
-  return Start(agent_id, std::move(blocks), deadline, std::move(done), false);
+  return Start(Request{agent_id, std::move(blocks), deadline, std::move(done), Op::kPull});
 }
 
-absl::StatusOr<uint64_t> FaultInjectingTransport::Forward(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                                          Deadline deadline, TransferDone done, bool push) {
-  return push ? inner_->Push(agent_id, std::move(blocks), deadline, std::move(done))
-              : inner_->Pull(agent_id, std::move(blocks), deadline, std::move(done));
+absl::StatusOr<uint64_t> FaultInjectingTransport::PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                            std::shared_ptr<const WriteFence> after, uint64_t tag,
+                                                            Deadline deadline, TransferDone done) {
+  if (!inner_->capabilities().needs_pairing) {
+    return Transport::PushAfter(agent_id, std::move(blocks), std::move(after), tag, deadline, std::move(done));
+  }
+  if (after == nullptr) return absl::InvalidArgumentError("PushAfter: no write fence");
+  return Start(Request{agent_id, std::move(blocks), deadline, std::move(done), Op::kPushAfter, tag, std::move(after)});
 }
 
-absl::StatusOr<uint64_t> FaultInjectingTransport::Start(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                                        Deadline deadline, TransferDone done, bool push) {
+absl::StatusOr<uint64_t> FaultInjectingTransport::Forward(Request r) {
+  switch (r.op) {
+    case Op::kPush:
+      return inner_->Push(r.agent_id, std::move(r.blocks), r.deadline, std::move(r.done));
+    case Op::kPull:
+      return inner_->Pull(r.agent_id, std::move(r.blocks), r.deadline, std::move(r.done));
+    case Op::kPushAfter:
+      break;
+  }
+  return inner_->PushAfter(r.agent_id, std::move(r.blocks), std::move(r.after), r.tag, r.deadline, std::move(r.done));
+}
+
+absl::StatusOr<uint64_t> FaultInjectingTransport::Start(Request r) {
+  std::vector<BlockPair>& blocks = r.blocks;
+  TransferDone& done = r.done;
   Faults f;
   int64_t num_blocks;
   {
@@ -106,13 +123,10 @@ absl::StatusOr<uint64_t> FaultInjectingTransport::Start(const std::string& agent
       inner(st.ok() ? absl::UnavailableError("injected: peer lost mid-transfer") : st);
     };
   }
-  if (!f.drop && f.delay.count() == 0) {
-    return Forward(agent_id, std::move(blocks), deadline, std::move(done), push);
-  }
+  if (!f.drop && f.delay.count() == 0) return Forward(std::move(r));
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t id = next_id_++;
-  held_[id] = Held{
-      agent_id, std::move(blocks), deadline, std::move(done), push, f.drop, std::chrono::steady_clock::now() + f.delay};
+  held_[id] = Held{std::move(r), f.drop, std::chrono::steady_clock::now() + f.delay};
   cv_.notify_all();
   return id;
 }
@@ -124,7 +138,7 @@ void FaultInjectingTransport::Cancel(uint64_t transfer_id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto h = held_.find(transfer_id);
     if (h != held_.end()) {
-      done = std::move(h->second.done);
+      done = std::move(h->second.request.done);
       held_.erase(h);
     } else {
       auto i = inner_ids_.find(transfer_id);
@@ -145,10 +159,11 @@ void FaultInjectingTransport::TimerLoop() {
     auto next = now + std::chrono::hours(1);
     for (auto it = held_.begin(); it != held_.end();) {
       Held& h = it->second;
-      const bool expired = now >= h.deadline;
+      const Deadline deadline = h.request.deadline;
+      const bool expired = now >= deadline;
       const bool released = !h.dropped && now >= h.release;
       if (!expired && !released) {
-        next = std::min(next, h.dropped ? h.deadline : std::min(h.deadline, h.release));
+        next = std::min(next, h.dropped ? deadline : std::min(deadline, h.release));
         ++it;
         continue;
       }
@@ -156,11 +171,13 @@ void FaultInjectingTransport::TimerLoop() {
       Held taken = std::move(h);
       it = held_.erase(it);
       lock.unlock();
+      Request& r = taken.request;
       if (expired) {
-        taken.done(absl::DeadlineExceededError("KV transfer deadline passed"));
+        r.done(absl::DeadlineExceededError("KV transfer deadline passed"));
       } else {
         // The caller cancels by our id: map it to the inner id until done.
-        TransferDone forget = [this, id, done = taken.done](absl::Status st) {
+        TransferDone done = r.done;
+        r.done = [this, id, done](absl::Status st) {
           {
             std::lock_guard<std::mutex> l(mu_);
             inner_ids_.erase(id);
@@ -169,15 +186,14 @@ void FaultInjectingTransport::TimerLoop() {
         };
         absl::Status refused;
         {
-          std::lock_guard<std::mutex> l(mu_);  // `forget` cannot run before the id is mapped
-          absl::StatusOr<uint64_t> inner =
-              Forward(taken.agent_id, std::move(taken.blocks), taken.deadline, std::move(forget), taken.push);
+          std::lock_guard<std::mutex> l(mu_);  // `r.done` cannot run before the id is mapped
+          absl::StatusOr<uint64_t> inner = Forward(std::move(r));
           if (inner.ok())
             inner_ids_[id] = *inner;
           else
             refused = inner.status();
         }
-        if (!refused.ok()) taken.done(refused);
+        if (!refused.ok()) done(refused);
       }
       lock.lock();
       it = held_.begin();  // the map may have changed while unlocked

@@ -12,8 +12,11 @@
 //              gets Unavailable ("peer lost mid-transfer");
 //   - fail_submit: Push/Pull return Unavailable at once;
 //   - fail_pair: Pair returns Unavailable at once.
-// PushAfter (the Transport default) waits for its fence, then Push: every
-// fault applies to it.
+// PushAfter over a one-sided backend (the Transport default) waits for its
+// fence, then Push; over a send/receive backend it goes to the backend's
+// PushAfter (its Receive is the peer's). Every fault applies to it either
+// way (fail_after_blocks sends the first N pairs, so the receiver misses
+// the rest).
 // Faults apply to the transfers started after SetFaults.
 //
 // Thread-safe.
@@ -70,26 +73,34 @@ class FaultInjectingTransport final : public Transport {
   void Cancel(uint64_t transfer_id) override;
   absl::StatusOr<std::string> Pair(const PeerInfo& peer, PairRole role, std::string_view offer, Deadline deadline,
                                    TransferDone done) override;
+  absl::StatusOr<uint64_t> PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                     std::shared_ptr<const WriteFence> after, uint64_t tag, Deadline deadline,
+                                     TransferDone done) override;
   absl::StatusOr<uint64_t> Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
                                    Deadline deadline, TransferDone done) override {
     return inner_->Receive(agent_id, std::move(blocks), tag, deadline, std::move(done));
   }
 
  private:
-  // A transfer the wrapper holds: dropped (until deadline/cancel) or delayed.
-  struct Held {
+  enum class Op { kPush, kPull, kPushAfter };
+  // What a transfer is, past its faults.
+  struct Request {
     std::string agent_id;
     std::vector<BlockPair> blocks;
     Deadline deadline;
     TransferDone done;
-    bool push;
+    Op op = Op::kPush;
+    uint64_t tag = 0;                         // kPushAfter
+    std::shared_ptr<const WriteFence> after;  // kPushAfter
+  };
+  // A transfer the wrapper holds: dropped (until deadline/cancel) or delayed.
+  struct Held {
+    Request request;
     bool dropped;
     std::chrono::steady_clock::time_point release;  // delayed: when to start it
   };
-  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
-                                 TransferDone done, bool push);
-  absl::StatusOr<uint64_t> Forward(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
-                                   TransferDone done, bool push);
+  absl::StatusOr<uint64_t> Start(Request r);
+  absl::StatusOr<uint64_t> Forward(Request r);
   void TimerLoop();
 
   const std::unique_ptr<Transport> inner_;

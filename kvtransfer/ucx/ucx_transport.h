@@ -32,16 +32,38 @@
 // any host memory (slower over shared memory: copies go through the peer).
 // Host memory only: Debian's UCX has no CUDA support.
 //
+// Staged mode (UcxOptions::staged, backend "ucx_staged"): two-sided, for
+// pools UCX cannot register (GPU memory, where UCX has no CUDA transports).
+// The pool itself is never registered: each side owns a ring of host
+// staging slots (StagingCopier::AllocateStaging, pinned for a GPU, else
+// UCX-allocated). The sender (PushAfter, once the write fence completed)
+// gathers a chunk of blocks into a free slot through the copier and sends
+// the slot with ucp_tag_send_nbx, tag = (the receiver's tag, chunk index),
+// while the next chunk's gather runs; the slot is free again once the send
+// completed. The receiver's progress thread probes arrived messages
+// (ucp_tag_probe_nb), receives each one that a posted Receive expects into
+// a free slot, scatters it into the pool's blocks through the copier, and
+// frees the slot. Receiving by probe means a slot is never held waiting for
+// a message, so any number of concurrent transfers in either direction
+// progress with a fixed number of slots. A message whose Receive is not
+// posted is held (UCX keeps a rendezvous message's data at the sender) for
+// kUnmatchedGrace, then received and dropped, as are those of a Receive that
+// ended in an error. Both sides compute the same chunks: pairs
+// [i * k, (i + 1) * k) for k = the smaller of the two sides' blocks a slot.
+// Pull and plain Push are refused (the receiver must take part).
+//
 // Thread-safe.
 #ifndef TANDEM_KVTRANSFER_UCX_UCX_TRANSPORT_H_
 #define TANDEM_KVTRANSFER_UCX_UCX_TRANSPORT_H_
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "kvtransfer/staging/staging_copier.h"
 #include "kvtransfer/transport.h"
 
 namespace tandem::kvtransfer {
@@ -62,6 +84,16 @@ struct UcxOptions {
   std::chrono::milliseconds max_transfer_time{60000};
   // UCX operations one transfer keeps posted at once.
   int max_outstanding_ops = 64;
+
+  // Staged send/receive ("ucx_staged"): pools of any memory `make_copier`
+  // moves, through `staging_slots` host slots of `staging_slot_bytes`
+  // (rounded down to whole blocks, at least one block) on each side.
+  bool staged = false;
+  int64_t staging_slot_bytes = int64_t{4} << 20;
+  int staging_slots = 8;
+  // The copier for a pool of `layout` (called once, by RegisterPool, on the
+  // progress thread). Null: host pools only, with memcpy.
+  std::function<absl::StatusOr<std::unique_ptr<StagingCopier>>(const PoolLayout&)> make_copier;
 };
 
 class UcxTransport final : public Transport {
@@ -73,12 +105,16 @@ class UcxTransport final : public Transport {
   // REQUIRES: not called from a `done` callback (that runs on the thread it joins).
   ~UcxTransport() override;
 
-  std::string backend() const override { return "ucx"; }
+  std::string backend() const override { return staged_ ? "ucx_staged" : "ucx"; }
   // Shared memory only ("shm"): this host; otherwise any peer it can dial.
   std::string Domain() const override { return domain_; }
-  TransportCapabilities capabilities() const override { return Capabilities(); }
+  TransportCapabilities capabilities() const override { return staged_ ? StagedCapabilities() : Capabilities(); }
   static TransportCapabilities Capabilities() {
     return {.push = true, .pull = true, .own_pool_memory = true, .memory = {MemoryType::kHost}};
+  }
+  // Host pools always; GPU pools where the copier factory makes a CUDA copier.
+  static TransportCapabilities StagedCapabilities() {
+    return {.push = true, .needs_pairing = true, .memory = {MemoryType::kHost, MemoryType::kCuda}};
   }
   absl::Status RegisterPool(const PoolLayout& layout, void* base) override;
   absl::StatusOr<PeerInfo> LocalInfo() const override;
@@ -89,6 +125,12 @@ class UcxTransport final : public Transport {
   absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
                                 TransferDone done) override;
   void Cancel(uint64_t transfer_id) override;
+  // Staged mode only (elsewhere the defaults: wait, then Push; Unimplemented).
+  absl::StatusOr<uint64_t> PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                     std::shared_ptr<const WriteFence> after, uint64_t tag, Deadline deadline,
+                                     TransferDone done) override;
+  absl::StatusOr<uint64_t> Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
+                                   Deadline deadline, TransferDone done) override;
 
   // Lets UCX allocate `bytes` of host memory (UCP_MEM_MAP_ALLOCATE: a shared
   // segment peers on this host can map), zero-filled, owned by this
@@ -100,9 +142,10 @@ class UcxTransport final : public Transport {
   class Impl;
 
  private:
-  UcxTransport(std::unique_ptr<Impl> impl, std::string domain);
+  UcxTransport(std::unique_ptr<Impl> impl, std::string domain, bool staged);
   std::unique_ptr<Impl> impl_;
   const std::string domain_;
+  const bool staged_;
 };
 
 // A byte encoding of a whole PeerInfo (layout included), for exchanges that

@@ -9,8 +9,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <map>
 #include <numeric>
 #include <random>
+#include <span>
 #include <sstream>
 
 #include "absl/container/flat_hash_set.h"
@@ -468,6 +470,342 @@ TEST(PeerInfoEncodingTest, RoundTrips) {
   EXPECT_EQ(back->layout.device_id, -1);
   EXPECT_FALSE(DecodePeerInfo("junk").ok());
 }
+
+// ---- Staged send/receive (ucx_staged).
+
+// Slots of two blocks, three a side: most transfers below span several
+// chunks and wait for slots.
+UcxOptions StagedOptions(const std::string& tls) {
+  UcxOptions o = Options(tls);
+  o.staged = true;
+  o.staging_slot_bytes = 2 * kBlockBytes;
+  o.staging_slots = 3;
+  return o;
+}
+
+// A staged side over heap memory (staging needs no UCX-registered pool).
+struct StagedSide {
+  std::unique_ptr<UcxTransport> t;
+  std::vector<uint8_t> heap;
+  uint8_t* pool = nullptr;
+  std::string id;
+};
+
+absl::StatusOr<std::unique_ptr<StagedSide>> MakeStagedSide(UcxOptions options, int64_t blocks, uint32_t seed) {
+  auto s = std::make_unique<StagedSide>();
+  absl::StatusOr<std::unique_ptr<UcxTransport>> t = UcxTransport::Create(options);
+  if (!t.ok()) return t.status();
+  s->t = std::move(*t);
+  s->heap.assign(static_cast<size_t>(blocks * kBlockBytes), 0);
+  s->pool = s->heap.data();
+  FillPool(s->pool, blocks, seed);
+  if (absl::Status st = s->t->RegisterPool(Layout(blocks), s->pool); !st.ok()) return st;
+  s->id = s->t->LocalInfo()->agent_id;
+  return s;
+}
+
+// Pairs both sides (the default Pair: each adds the other).
+void Join(StagedSide& a, StagedSide& b) {
+  const auto deadline = Clock::now() + milliseconds(1000);
+  ASSERT_TRUE(a.t->Pair(*b.t->LocalInfo(), PairRole::kInitiator, "", deadline, [](absl::Status) {}).ok());
+  ASSERT_TRUE(b.t->Pair(*a.t->LocalInfo(), PairRole::kResponder, "", deadline, [](absl::Status) {}).ok());
+}
+
+// `done` of one transfer, checked to come exactly once.
+struct Outcome {
+  std::shared_ptr<std::atomic<int>> calls = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<std::promise<absl::Status>> promise = std::make_shared<std::promise<absl::Status>>();
+  std::shared_future<absl::Status> future = promise->get_future().share();
+  TransferDone Done() const {
+    return [calls = calls, promise = promise](absl::Status st) {
+      if (calls->fetch_add(1) == 0) promise->set_value(std::move(st));
+    };
+  }
+  absl::Status Get(milliseconds timeout = milliseconds(15000)) const {
+    if (future.wait_for(timeout) != std::future_status::ready) return absl::InternalError("done never came");
+    return future.get();
+  }
+};
+
+absl::StatusOr<Outcome> StartReceive(StagedSide& r, const std::string& from, std::vector<BlockPair> pairs, uint64_t tag,
+                                     milliseconds timeout = milliseconds(10000)) {
+  Outcome o;
+  absl::StatusOr<uint64_t> id = r.t->Receive(from, std::move(pairs), tag, Clock::now() + timeout, o.Done());
+  if (!id.ok()) return id.status();
+  return o;
+}
+
+absl::StatusOr<Outcome> StartSend(StagedSide& s, const std::string& to, std::vector<BlockPair> pairs, uint64_t tag,
+                                  milliseconds timeout = milliseconds(10000),
+                                  std::shared_ptr<const WriteFence> after = CompletedFence()) {
+  Outcome o;
+  absl::StatusOr<uint64_t> id =
+      s.t->PushAfter(to, std::move(pairs), std::move(after), tag, Clock::now() + timeout, o.Done());
+  if (!id.ok()) return id.status();
+  return o;
+}
+
+class UcxStagedTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(UcxStagedTest, SendAndReceiveScatteredBlocksInManyChunks) {
+  SKIP_WITHOUT_UCX();
+  auto a = MakeStagedSide(StagedOptions(GetParam()), 48, kParentSeed);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = MakeStagedSide(StagedOptions(GetParam()), 40, kChildSeed);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ((*a)->t->backend(), "ucx_staged");
+  EXPECT_TRUE((*a)->t->capabilities().needs_pairing);
+  EXPECT_FALSE((*a)->t->capabilities().pull);
+  Join(**a, **b);
+  // 24 blocks, two a chunk: 12 chunks through 3 slots a side.
+  std::vector<BlockPair> pairs = Scattered(20, 48, 40, 7);
+  auto recv = StartReceive(**b, (*a)->id, pairs, 77);
+  ASSERT_TRUE(recv.ok()) << recv.status();
+  auto send = StartSend(**a, (*b)->id, pairs, 77);
+  ASSERT_TRUE(send.ok()) << send.status();
+  EXPECT_TRUE(send->Get().ok());
+  EXPECT_TRUE(recv->Get().ok());
+  absl::flat_hash_set<int32_t> written;
+  for (const BlockPair& p : pairs) {
+    EXPECT_TRUE(BlockHolds((*b)->pool, p.dst, kParentSeed, p.src)) << "dst " << p.dst;
+    written.insert(p.dst);
+  }
+  for (int32_t d = 0; d < 40; ++d) {
+    if (!written.contains(d)) {
+      EXPECT_TRUE(BlockHolds((*b)->pool, d, kChildSeed, d)) << d;
+    }
+  }
+  std::this_thread::sleep_for(milliseconds(20));
+  EXPECT_EQ(send->calls->load(), 1);
+  EXPECT_EQ(recv->calls->load(), 1);
+}
+
+// More transfers than slots, in both directions at once, receives posted
+// before and after their sends started: none waits on another's slot.
+TEST_P(UcxStagedTest, ManyConcurrentTransfersBothWaysAllComplete) {
+  SKIP_WITHOUT_UCX();
+  auto a = MakeStagedSide(StagedOptions(GetParam()), 64, kParentSeed);
+  auto b = MakeStagedSide(StagedOptions(GetParam()), 64, kChildSeed);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Join(**a, **b);
+  std::vector<Outcome> outcomes;
+  for (int i = 0; i < 8; ++i) {
+    // a -> b: a's blocks 4i..4i+3 into b's 32+4i..; b -> a: b's 4i.. into a's 32+4i...
+    std::vector<BlockPair> pairs;
+    for (int j = 0; j < 4; ++j) pairs.push_back({4 * i + j, 32 + 4 * i + (3 - j)});
+    StagedSide& from = i % 2 == 0 ? **a : **b;
+    StagedSide& to = i % 2 == 0 ? **b : **a;
+    const uint64_t tag = 1000 + i;
+    if (i % 4 < 2) {
+      auto r = StartReceive(to, from.id, pairs, tag);
+      auto s = StartSend(from, to.id, pairs, tag);
+      ASSERT_TRUE(r.ok() && s.ok());
+      outcomes.push_back(*r);
+      outcomes.push_back(*s);
+    } else {
+      auto s = StartSend(from, to.id, pairs, tag);
+      ASSERT_TRUE(s.ok());
+      std::this_thread::sleep_for(milliseconds(5));
+      auto r = StartReceive(to, from.id, pairs, tag);
+      ASSERT_TRUE(r.ok());
+      outcomes.push_back(*r);
+      outcomes.push_back(*s);
+    }
+  }
+  for (const Outcome& o : outcomes) {
+    const absl::Status st = o.Get();
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  for (int i = 0; i < 8; ++i) {
+    const uint8_t* dst = i % 2 == 0 ? (*b)->pool : (*a)->pool;
+    const uint32_t seed = i % 2 == 0 ? kParentSeed : kChildSeed;
+    for (int j = 0; j < 4; ++j) EXPECT_TRUE(BlockHolds(dst, 32 + 4 * i + (3 - j), seed, 4 * i + j)) << i << " " << j;
+  }
+}
+
+TEST_P(UcxStagedTest, ErrorsBeforeStartAreReturned) {
+  SKIP_WITHOUT_UCX();
+  auto a = MakeStagedSide(StagedOptions(GetParam()), 8, kParentSeed);
+  auto b = MakeStagedSide(StagedOptions(GetParam()), 4, kChildSeed);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto never = [](absl::Status) { ADD_FAILURE() << "done called"; };
+  const auto later = Clock::now() + milliseconds(1000);
+  // Not paired yet.
+  EXPECT_EQ((*b)->t->Receive((*a)->id, {{0, 0}}, 1, later, never).status().code(), absl::StatusCode::kNotFound);
+  Join(**a, **b);
+  EXPECT_EQ((*a)->t->Push((*b)->id, {{0, 0}}, later, never).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*a)->t->Pull((*b)->id, {{0, 0}}, later, never).status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ((*a)->t->PushAfter((*b)->id, {}, CompletedFence(), 1, later, never).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*a)->t->PushAfter((*b)->id, {{0, 4}}, CompletedFence(), 1, later, never).status().code(),
+            absl::StatusCode::kInvalidArgument);  // b has 4 blocks
+  EXPECT_EQ((*b)->t->Receive((*a)->id, {{9, 0}}, 1, later, never).status().code(),
+            absl::StatusCode::kInvalidArgument);  // a has 8 blocks
+  // A GPU fence on a host pool.
+  class GpuFence final : public WriteFence {
+   public:
+    MemoryType memory() const override { return MemoryType::kCuda; }
+    absl::Status Wait(Deadline) const override { return absl::OkStatus(); }
+  };
+  EXPECT_EQ((*a)->t->PushAfter((*b)->id, {{0, 0}}, std::make_shared<GpuFence>(), 1, later, never).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // One receive a tag.
+  auto first = StartReceive(**b, (*a)->id, {{0, 0}}, 5, milliseconds(200));
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ((*b)->t->Receive((*a)->id, {{1, 1}}, 5, later, never).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(first->Get().code(), absl::StatusCode::kDeadlineExceeded);
+  // A one-sided peer is not a staged one.
+  auto plain = MakeSide(GetParam(), 8, kParentSeed);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*a)->t->AddPeer(*plain->t->LocalInfo()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(plain->t->AddPeer(*(*a)->t->LocalInfo()).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A receive that ends (deadline, cancel) gives its slots back; its sender's
+// late chunks are dropped, and the next transfer under a new tag works.
+TEST_P(UcxStagedTest, EndedReceivesDropLateChunksAndLeakNoSlot) {
+  SKIP_WITHOUT_UCX();
+  auto a = MakeStagedSide(StagedOptions(GetParam()), 32, kParentSeed);
+  auto b = MakeStagedSide(StagedOptions(GetParam()), 32, kChildSeed);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Join(**a, **b);
+  std::vector<BlockPair> pairs;
+  for (int j = 0; j < 12; ++j) pairs.push_back({j, 31 - j});
+  // Deadline: nothing is sent before it passes.
+  auto late = StartReceive(**b, (*a)->id, pairs, 10, milliseconds(100));
+  ASSERT_TRUE(late.ok());
+  EXPECT_EQ(late->Get().code(), absl::StatusCode::kDeadlineExceeded);
+  // Cancel.
+  absl::StatusOr<Outcome> cancelled = Outcome();
+  absl::StatusOr<uint64_t> id =
+      (*b)->t->Receive((*a)->id, pairs, 11, Clock::now() + milliseconds(10000), cancelled->Done());
+  ASSERT_TRUE(id.ok());
+  (*b)->t->Cancel(*id);
+  EXPECT_EQ(cancelled->Get().code(), absl::StatusCode::kCancelled);
+  // The senders of both tags: their chunks are taken and dropped, so the
+  // sends complete; b's blocks are untouched.
+  for (uint64_t tag : {10, 11}) {
+    auto s = StartSend(**a, (*b)->id, pairs, tag);
+    ASSERT_TRUE(s.ok());
+    EXPECT_TRUE(s->Get().ok()) << tag;
+  }
+  for (const BlockPair& p : pairs) EXPECT_TRUE(BlockHolds((*b)->pool, p.dst, kChildSeed, p.dst));
+  // Every slot is back: a transfer needing all of them, twice over, works.
+  for (uint64_t tag : {12, 13}) {
+    auto r = StartReceive(**b, (*a)->id, pairs, tag);
+    auto s = StartSend(**a, (*b)->id, pairs, tag);
+    ASSERT_TRUE(r.ok() && s.ok());
+    EXPECT_TRUE(s->Get().ok());
+    EXPECT_TRUE(r->Get().ok());
+  }
+  for (const BlockPair& p : pairs) EXPECT_TRUE(BlockHolds((*b)->pool, p.dst, kParentSeed, p.src));
+}
+
+// Both sides must name the same blocks: a receive expecting fewer fails
+// with DataLoss and writes nothing it was not asked to.
+TEST_P(UcxStagedTest, DifferentBlockListsFailTheReceiveWithDataLoss) {
+  SKIP_WITHOUT_UCX();
+  auto a = MakeStagedSide(StagedOptions(GetParam()), 16, kParentSeed);
+  auto b = MakeStagedSide(StagedOptions(GetParam()), 16, kChildSeed);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Join(**a, **b);
+  // Three blocks sent (chunks of 2 and 1), two expected (one chunk of 2).
+  auto r = StartReceive(**b, (*a)->id, {{0, 5}, {1, 6}}, 20);
+  auto s = StartSend(**a, (*b)->id, {{0, 5}, {1, 6}, {2, 7}}, 20);
+  ASSERT_TRUE(r.ok() && s.ok());
+  const absl::Status got = r->Get();
+  // The first chunk may land before the extra one arrives.
+  if (!got.ok()) {
+    EXPECT_EQ(got.code(), absl::StatusCode::kDataLoss) << got;
+  }
+  s->Get().IgnoreError();
+  EXPECT_TRUE(BlockHolds((*b)->pool, 7, kChildSeed, 7));
+  // Odd sizes: one block sent where a chunk of two is expected.
+  auto r2 = StartReceive(**b, (*a)->id, {{0, 8}, {1, 9}}, 21);
+  auto s2 = StartSend(**a, (*b)->id, {{0, 8}}, 21);
+  ASSERT_TRUE(r2.ok() && s2.ok());
+  EXPECT_EQ(r2->Get().code(), absl::StatusCode::kDataLoss);
+  s2->Get().IgnoreError();
+}
+
+// The copier seam: a slow copier (copies complete a few polls later, as a
+// GPU's do) and a failing one.
+class FakeCopier final : public StagingCopier {
+ public:
+  FakeCopier(int polls, bool fail_starts) : polls_(polls), fail_starts_(fail_starts) {}
+  MemoryType memory() const override { return MemoryType::kHost; }
+  bool Ready(const WriteFence& fence) const override { return fence.Completed(); }
+  absl::StatusOr<uint64_t> Start(Direction direction, uint8_t* pool, uint8_t* staging,
+                                 std::span<const CopyRun> runs) override {
+    if (fail_starts_ && direction == Direction::kFromStaging) return absl::InternalError("injected copy failure");
+    const bool to = direction == Direction::kToStaging;
+    for (const CopyRun& r : runs) {
+      std::memcpy((to ? staging : pool) + r.dst_offset, (to ? pool : staging) + r.src_offset,
+                  static_cast<size_t>(r.bytes));
+    }
+    left_[++next_] = polls_;
+    return next_;
+  }
+  absl::StatusOr<bool> Poll(uint64_t ticket) override {
+    int& left = left_.at(ticket);
+    if (left-- > 0) return false;
+    left_.erase(ticket);
+    return true;
+  }
+
+ private:
+  const int polls_;
+  const bool fail_starts_;
+  std::map<uint64_t, int> left_;
+  uint64_t next_ = 0;
+};
+
+TEST_P(UcxStagedTest, SlowAndFailingCopiers) {
+  SKIP_WITHOUT_UCX();
+  UcxOptions slow = StagedOptions(GetParam());
+  slow.make_copier = [](const PoolLayout&) -> absl::StatusOr<std::unique_ptr<StagingCopier>> {
+    return std::make_unique<FakeCopier>(3, false);
+  };
+  UcxOptions failing = StagedOptions(GetParam());
+  failing.make_copier = [](const PoolLayout&) -> absl::StatusOr<std::unique_ptr<StagingCopier>> {
+    return std::make_unique<FakeCopier>(0, true);
+  };
+  auto a = MakeStagedSide(slow, 32, kParentSeed);
+  auto b = MakeStagedSide(slow, 32, kChildSeed);
+  auto c = MakeStagedSide(failing, 32, kChildSeed);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  Join(**a, **b);
+  Join(**a, **c);
+  std::vector<BlockPair> pairs;
+  for (int j = 0; j < 9; ++j) pairs.push_back({j, 20 - 2 * j});
+  auto r = StartReceive(**b, (*a)->id, pairs, 30);
+  auto s = StartSend(**a, (*b)->id, pairs, 30);
+  ASSERT_TRUE(r.ok() && s.ok());
+  EXPECT_TRUE(s->Get().ok());
+  EXPECT_TRUE(r->Get().ok());
+  for (const BlockPair& p : pairs) EXPECT_TRUE(BlockHolds((*b)->pool, p.dst, kParentSeed, p.src));
+  // c's scatters fail: its receive fails with the copier's error, twice (slots come back).
+  for (uint64_t tag : {31, 32}) {
+    auto rc = StartReceive(**c, (*a)->id, pairs, tag);
+    auto sc = StartSend(**a, (*c)->id, pairs, tag);
+    ASSERT_TRUE(rc.ok() && sc.ok());
+    const absl::Status st = rc->Get();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+    EXPECT_NE(st.message().find("injected copy failure"), std::string::npos) << st;
+    sc->Get().IgnoreError();
+  }
+  // A copier for the wrong memory is refused at RegisterPool.
+  UcxOptions wrong = StagedOptions(GetParam());
+  wrong.make_copier = [](const PoolLayout&) -> absl::StatusOr<std::unique_ptr<StagingCopier>> {
+    return absl::UnimplementedError("no copier for this pool");
+  };
+  absl::StatusOr<std::unique_ptr<UcxTransport>> t = UcxTransport::Create(wrong);
+  ASSERT_TRUE(t.ok());
+  std::vector<uint8_t> heap(4 * kBlockBytes);
+  EXPECT_EQ((*t)->RegisterPool(Layout(4), heap.data()).code(), absl::StatusCode::kUnimplemented);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tls, UcxStagedTest, ::testing::Values("shm", "tcp"));
 
 }  // namespace
 }  // namespace tandem::kvtransfer

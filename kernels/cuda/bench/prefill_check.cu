@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -324,7 +325,13 @@ static bool RunCase(const Case& c, int variant, bool decode = false, int kps = 0
 
 // Causal (or full) prefill of `batch` sequences of `seqlen` tokens, H heads,
 // head_dim 128, bf16; returns the median ms of `iters` launches.
-static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, int bs, bool causal, double* tflops) {
+static  // Seconds since the epoch (wall clock), for lining runs up with samplers.
+    double
+    WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, int bs, bool causal, double* tflops) {
   const int blocks_per_seq = (seqlen + bs - 1) / bs;
   const int num_blocks = batch * blocks_per_seq;
   const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride, block_stride = 2 * kv_stride;
@@ -379,7 +386,9 @@ static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, i
   std::vector<float> ms;
   // PF_SUSTAIN=1: back-to-back calls for about half a second, no flush in
   // between (the clocks a sustained load runs at); the mean per call.
-  static const bool sustain = std::getenv("PF_SUSTAIN") != nullptr && std::atoi(std::getenv("PF_SUSTAIN")) != 0;
+  // PF_SUSTAIN=N > 1: for about N ms (power sampling needs seconds).
+  static const int sustain_ms = std::getenv("PF_SUSTAIN") != nullptr ? std::atoi(std::getenv("PF_SUSTAIN")) : 0;
+  static const bool sustain = sustain_ms != 0;
   if (sustain) {
     CK(cudaEventRecord(e0));
     CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
@@ -387,15 +396,19 @@ static double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, i
     CK(cudaEventSynchronize(e1));
     float one;
     CK(cudaEventElapsedTime(&one, e0, e1));
-    const int n = std::max(10, static_cast<int>(500.0f / std::max(one, 0.01f)));
+    const int n = std::max(10, static_cast<int>((sustain_ms > 1 ? sustain_ms : 500) / std::max(one, 0.01f)));
     for (int i = 0; i < n / 4; ++i) CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
     CK(cudaEventRecord(e0));
+    CK(cudaEventSynchronize(e0));
+    const double wall0 = WallSeconds();
     for (int i = 0; i < n; ++i) CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant)));
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float total;
     CK(cudaEventElapsedTime(&total, e0, e1));
     ms.push_back(total / n);
+    // The window's wall-clock times, to line up with sampled power.
+    if (sustain_ms > 1) std::printf("sustain-window %.3f %.3f\n", wall0, WallSeconds());
   }
   for (int i = 0; i < (sustain ? 0 : 20); ++i) {
     CK(cudaMemsetAsync(flush, i, kFlushBytes));
