@@ -41,6 +41,22 @@ TEST(BenchEngineFlagsTest, BadSamplingFlagsNameTheFlag) {
   }
 }
 
+// ucx_staged between two processes over shared memory and over tcp: the
+// bench posts the receiver's half, pushes, checks a block, prints its rows.
+TEST(BenchEngineFlagsTest, StagedTransferRunsBetweenTwoProcesses) {
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  for (const char* tls : {"shm", "tcp"}) {
+    std::string out;
+    const int rc = RunCommand(
+        absl::StrCat(*bin, " bench transfer --backend ucx_staged --op push --tls ", tls, " --max-blocks 4 --repeats 1"),
+        &out);
+    ASSERT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << out;
+    EXPECT_THAT(out, HasSubstr(absl::StrCat("KV push ucx_staged/", tls, " (host pools)")));
+    EXPECT_THAT(out, HasSubstr("\n      4       8 "));  // the 4-block row
+  }
+}
+
 TEST(BenchEngineFlagsTest, TransferBackendsThatCannotRunSayWhy) {
   absl::StatusOr<std::string> bin = TandemBinary();
   ASSERT_TRUE(bin.ok()) << bin.status();
@@ -51,6 +67,12 @@ TEST(BenchEngineFlagsTest, TransferBackendsThatCannotRunSayWhy) {
   rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend loopback --target-device 1"), &out);
   EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
   EXPECT_THAT(out, HasSubstr("--target-device is for --backend cuda_ipc"));
+  rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend ucx_staged --op pull"), &out);
+  EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
+  EXPECT_THAT(out, HasSubstr("--backend ucx_staged only pushes"));
+  rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend ucx_staged --op push --pool ucx"), &out);
+  EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
+  EXPECT_THAT(out, HasSubstr("--pool ucx: want mmap or cuda"));
   const char* why = nullptr;
   if (kernels::cuda::Available(&why)) return;  // a GPU runs it (scripts/gpu_engine_checks.sh)
   rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend cuda_ipc --max-blocks 1"), &out);

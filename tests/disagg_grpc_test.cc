@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -47,22 +48,29 @@ class DisaggGrpcTest : public WorkerTest {
     const char* t = std::getenv("TANDEM_TEST_KV_TRANSPORT");
     return t != nullptr && *t != '\0' ? t : "ucx";
   }
+  // ucx_staged sends and receives: its workers push (--kv-delivery push,
+  // whether or not a test asks for it).
+  static bool TwoSided() { return KvTransport() == "ucx_staged"; }
   static std::vector<std::string> TransportFlags() {
     const std::string t = KvTransport();
-    if (t == "ucx") return {"--kv-transport", "ucx", "--kv-transport-tls", "shm"};
+    if (t == "ucx" || t == "ucx_staged") return {"--kv-transport", t, "--kv-transport-tls", "shm"};
     return {"--kv-transport", t};
+  }
+  static std::vector<std::string> DeliveryFlags(const std::vector<std::string>& extra) {
+    if (!TwoSided() || std::find(extra.begin(), extra.end(), "--kv-delivery") != extra.end()) return {};
+    return {"--kv-delivery", "push"};
   }
   // One KV block of the split's workers (bfloat16 on a GPU).
   static int64_t SplitBytesPerBlock() { return KvTransport() == "ucx" ? kBytesPerBlock : AggregatedBytesPerBlock(); }
   WorkerProcess* StartPrefill(std::vector<std::string> extra = {}) {
     std::vector<std::string> flags = {"--kv-cache-memory", "8MiB", "--role", "prefill", "--kv-hold-timeout-ms", "3000"};
-    for (const std::vector<std::string>& more : {TransportFlags(), extra})
+    for (const std::vector<std::string>& more : {TransportFlags(), DeliveryFlags(extra), extra})
       flags.insert(flags.end(), more.begin(), more.end());
     return StartWorker(flags);
   }
   WorkerProcess* StartDecode(std::vector<std::string> extra = {}) {
     std::vector<std::string> flags = {"--kv-cache-memory", "8MiB", "--role", "decode", "--kv-quarantine-ms", "300"};
-    for (const std::vector<std::string>& more : {TransportFlags(), extra})
+    for (const std::vector<std::string>& more : {TransportFlags(), DeliveryFlags(extra), extra})
       flags.insert(flags.end(), more.begin(), more.end());
     return StartWorker(flags);
   }
@@ -994,6 +1002,77 @@ TEST_F(DisaggGrpcTest, AStoppingPusherTellsTheDecodeWorker) {
   EXPECT_EQ(load.local_prefill_fallbacks(), 1);
   EXPECT_EQ(load.expired_reservations(), 0);
   EXPECT_EQ(load.kv_pushes_received(), 0);
+}
+
+// Send/receive transports (TANDEM_TEST_KV_TRANSPORT=ucx_staged): the
+// decode worker's Receive, posted at the JOIN, sees the pusher die (its
+// process gone) and prefills locally at once, not at the reservation's
+// deadline; a new prefill worker then pushes to it.
+TEST_F(DisaggGrpcTest, AKilledPusherIsNoticedByTheReceiveAtOnce) {
+  if (!TwoSided()) GTEST_SKIP() << "for send/receive transports (TANDEM_TEST_KV_TRANSPORT=ucx_staged)";
+  WorkerProcess* prefill = StartPrefill({"--kv-delivery", "push", "--kv-fault", "delay_ms=3000"});
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = SampledRequest(MakePrompt(46, 120), 10, 3);
+  ReceiveStream receive(decode->stub(), req, /*timeout_ms=*/30000);
+  ASSERT_TRUE(receive.reserved());
+  Output p;
+  std::jthread send(
+      [&] { p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive.reservation()), seconds(20)); });
+  std::this_thread::sleep_for(milliseconds(800));  // joined; the push held back by the delay
+  const auto killed = std::chrono::steady_clock::now();
+  Kill(prefill);
+  send.join();
+  const Output d = receive.Finish();
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, seconds(5)) << "the decode worker waited for its deadline";
+  EXPECT_TRUE(d.status.ok()) << d.status.error_message();
+  const Output reference = Aggregated(req);
+  if (!d.includes_first_token) {
+    std::vector<int32_t> tail(reference.tokens.begin() + 1, reference.tokens.end());
+    EXPECT_EQ(d.tokens, tail);
+  } else {
+    ExpectSameOutput(d, reference, "prefilled locally");
+  }
+  const v1::LoadReport dl = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(dl.local_prefill_fallbacks(), 1);
+  EXPECT_EQ(dl.expired_reservations(), 0);
+  WorkerProcess* prefill2 = StartPrefill({"--kv-delivery", "push"});
+  ASSERT_NE(prefill2, nullptr);
+  const v1::GenerateRequest next = GreedyRequest(MakePrompt(47, 60), 8);
+  ExpectSameOutput(RunSplit(*prefill2, *decode, next).combined, Aggregated(next), "after the kill");
+  EXPECT_EQ(ExpectIdle(decode->stub(), "decode").kv_pushes_received(), 1);
+  ExpectIdle(prefill2->stub(), "prefill");
+}
+
+// The other way round: the receiver killed after it joined; the push fails
+// (its peer gone), the prefill worker frees its blocks and pushes to a new
+// decode worker.
+TEST_F(DisaggGrpcTest, AKilledReceiverFailsThePushAndFreesTheBlocks) {
+  if (!TwoSided()) GTEST_SKIP() << "for send/receive transports (TANDEM_TEST_KV_TRANSPORT=ucx_staged)";
+  WorkerProcess* prefill = StartPrefill({"--kv-delivery", "push", "--kv-fault", "delay_ms=1500"});
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
+  ASSERT_TRUE(prefill && decode);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(48, 120), 10);
+  auto receive = std::make_unique<ReceiveStream>(decode->stub(), req);
+  ASSERT_TRUE(receive->reserved());
+  Output p;
+  std::jthread send(
+      [&] { p = Generate(prefill->stub(), SendRequest(req, decode->address(), receive->reservation()), seconds(20)); });
+  std::this_thread::sleep_for(milliseconds(600));
+  Kill(decode);
+  send.join();
+  EXPECT_TRUE(p.status.ok()) << p.status.error_message();
+  EXPECT_EQ(p.tokens.size(), 1u);
+  EXPECT_NE(p.kv_transfer_error, "");
+  EXPECT_FALSE(receive->Finish().status.ok());
+  receive.reset();
+  ExpectIdle(prefill->stub(), "prefill", seconds(10));
+  WorkerProcess* decode2 = StartDecode({"--kv-delivery", "push"});
+  ASSERT_NE(decode2, nullptr);
+  const v1::GenerateRequest next = GreedyRequest(MakePrompt(49, 60), 8);
+  ExpectSameOutput(RunSplit(*prefill, *decode2, next).combined, Aggregated(next), "after the kill");
+  EXPECT_EQ(ExpectIdle(prefill->stub(), "prefill").kv_pushes(), 1);
+  ExpectIdle(decode2->stub(), "decode");
 }
 
 // The JOIN / PUSHED protocol driven by hand against a push-mode decode

@@ -131,7 +131,8 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(out.find("--kv-domain must be at most 128 letters, digits and . _ : -, got 'rack 1'"), std::string::npos)
       << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport nccl", &out), 0);
-  EXPECT_NE(out.find("--kv-transport must be none or one of cuda_ipc, ucx, ucx_staged, got 'nccl'"), std::string::npos) << out;
+  EXPECT_NE(out.find("--kv-transport must be none or one of cuda_ipc, ucx, ucx_staged, got 'nccl'"), std::string::npos)
+      << out;
   // The GPU runner's switches on a CPU (or simulated) worker: refused, not ignored.
   for (const std::string flag : {"--host-sampling", "--enforce-eager", "--batch-invariant"}) {
     EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure " + flag, &out), 0);
@@ -150,6 +151,11 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-delivery push", &out), 0);
   EXPECT_NE(out.find("--kv-delivery push needs a --kv-transport that writes into a peer's pool (got --kv-transport "
                      "none)"),
+            std::string::npos)
+      << out;
+  // A send/receive transport takes part on the receiving side only in the push handshake.
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --role decode --kv-transport ucx_staged", &out), 0);
+  EXPECT_NE(out.find("--kv-transport ucx_staged sends and receives in pairs: it needs --kv-delivery push (got pull)"),
             std::string::npos)
       << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-delivery shove", &out), 0);

@@ -89,6 +89,15 @@ absl::StatusOr<uint64_t> FaultInjectingTransport::PushAfter(const std::string& a
   return Start(Request{agent_id, std::move(blocks), deadline, std::move(done), Op::kPushAfter, tag, std::move(after)});
 }
 
+absl::StatusOr<uint64_t> FaultInjectingTransport::Receive(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                          uint64_t tag, Deadline deadline, TransferDone done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (faults_.fail_submit) return absl::UnavailableError("injected: peer unreachable");
+  }
+  return inner_->Receive(agent_id, std::move(blocks), tag, deadline, std::move(done));
+}
+
 absl::StatusOr<uint64_t> FaultInjectingTransport::Forward(Request r) {
   switch (r.op) {
     case Op::kPush:

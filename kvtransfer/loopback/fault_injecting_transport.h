@@ -76,10 +76,9 @@ class FaultInjectingTransport final : public Transport {
   absl::StatusOr<uint64_t> PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
                                      std::shared_ptr<const WriteFence> after, uint64_t tag, Deadline deadline,
                                      TransferDone done) override;
+  // fail_submit refuses it (Unavailable); the other faults act on the sender.
   absl::StatusOr<uint64_t> Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
-                                   Deadline deadline, TransferDone done) override {
-    return inner_->Receive(agent_id, std::move(blocks), tag, deadline, std::move(done));
-  }
+                                   Deadline deadline, TransferDone done) override;
 
  private:
   enum class Op { kPush, kPull, kPushAfter };

@@ -60,9 +60,11 @@ using kvtransfer::Transport;
 struct TransferBenchOptions {
   std::string backend = "ucx";
   std::string tls = "shm";
-  std::string op = "pull";   // pull: what the decode worker does; push
-  std::string pool = "ucx";  // ucx: allocated by UCX (shareable); mmap: anonymous, registered
-  bool sequential = false;   // peer block ids in order: one merged run per transfer
+  std::string op = "pull";  // pull: what the decode worker does; push
+  // ucx: allocated by UCX (shareable); mmap: anonymous, registered; cuda:
+  // GPU memory (ucx_staged). "": the backend's default (ucx; ucx_staged: mmap).
+  std::string pool;
+  bool sequential = false;  // peer block ids in order: one merged run per transfer
   int max_blocks = 256;
   int repeats = 5;
   bool json = false;
@@ -129,6 +131,15 @@ absl::StatusOr<double> TimedTransfer(Transport& t, const std::string& peer, cons
   return seconds;
 }
 
+// One timed transfer of `pairs`: post -> every byte at the destination.
+using Timed = std::function<absl::StatusOr<double>(const std::vector<BlockPair>& pairs)>;
+
+Timed OneSided(Transport& t, const std::string& peer, const TransferBenchOptions& opt) {
+  return [&t, peer, pull = opt.op == "pull"](const std::vector<BlockPair>& pairs) {
+    return TimedTransfer(t, peer, pairs, pull);
+  };
+}
+
 struct Row {
   int blocks;
   int64_t bytes;
@@ -162,9 +173,8 @@ absl::StatusOr<Baseline> HostCopyBaseline(uint8_t* src, const PoolLayout& layout
 
 // The measurement, given a connected initiator and the baseline (and a
 // second one, where given).
-absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, const Baseline& baseline,
-                                         const PoolLayout& layout, const TransferBenchOptions& opt,
-                                         const Baseline* second = nullptr) {
+absl::StatusOr<std::vector<Row>> Measure(const Timed& timed, const Baseline& baseline, const PoolLayout& layout,
+                                         const TransferBenchOptions& opt, const Baseline* second = nullptr) {
   const int64_t bb = layout.block_bytes;
 
   const std::vector<int32_t> perm = PeerBlockOrder(layout, opt);
@@ -175,13 +185,13 @@ absl::StatusOr<std::vector<Row>> Measure(Transport& t, const std::string& peer, 
   for (int n = 1; n <= opt.max_blocks; n *= 2) {
     const std::vector<BlockPair> pairs = PairsFor(n, perm, pull);
     std::vector<double> push, copy, copy2;
-    absl::StatusOr<double> warm = TimedTransfer(t, peer, pairs, pull);
+    absl::StatusOr<double> warm = timed(pairs);
     if (!warm.ok()) {
       status = warm.status();
       break;
     }
     for (int r = 0; r < opt.repeats; ++r) {
-      absl::StatusOr<double> s = TimedTransfer(t, peer, pairs, pull);
+      absl::StatusOr<double> s = timed(pairs);
       if (!s.ok()) {
         status = s.status();
         break;
@@ -247,15 +257,20 @@ std::function<absl::Status(int32_t, uint8_t*)> HostBlocks(const uint8_t* pool, c
 }
 
 void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
-  const std::string name = opt.backend == "ucx" ? "ucx/" + opt.tls : opt.backend;
-  const bool gpu = opt.backend == "cuda_ipc";
+  const bool gpu = opt.backend == "cuda_ipc" || opt.pool == "cuda";
+  const std::string name = opt.backend == "ucx" ? "ucx/" + opt.tls
+                           : opt.backend == "ucx_staged"
+                               ? absl::StrCat("ucx_staged/", opt.tls, gpu ? " (GPU pools)" : " (host pools)")
+                               : opt.backend;
   if (!opt.json) {
     std::printf("KV %s %s, 2 MiB blocks (Llama-3-8B, 16 tokens), median of %d; GB/s = 1e9 B/s%s\n", opt.op.c_str(),
                 name.c_str(), opt.repeats,
-                gpu ? "; baselines: the same blocks copied device to device one cudaMemcpyAsync each (blocks_), "
+                opt.backend == "cuda_ipc"
+                    ? "; baselines: the same blocks copied device to device one cudaMemcpyAsync each (blocks_), "
                       "and one copy of as many contiguous bytes (copy_)"
-                    : "");
-    if (gpu) {
+                : gpu ? "; baseline: one device-to-device copy of as many contiguous bytes (memcpy_ column)"
+                      : "");
+    if (opt.backend == "cuda_ipc") {
       std::printf("%7s %7s %10s %10s %9s %12s %8s %12s %8s\n", "blocks", "MiB", "lat_ms", "min_ms", "GB/s",
                   "blocks_GB/s", "ratio", "copy_GB/s", "ratio");
     } else {
@@ -307,7 +322,7 @@ absl::Status RunLoopback(const TransferBenchOptions& opt) {
   ASSIGN_OR_RETURN(PeerInfo b_info, b.LocalInfo());
   RETURN_IF_ERROR(a.AddPeer(b_info));
   ASSIGN_OR_RETURN(Baseline baseline, HostCopyBaseline(pool_a.data(), layout));
-  ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(a, b_info.agent_id, baseline, layout, opt));
+  ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(OneSided(a, b_info.agent_id, opt), baseline, layout, opt));
   RETURN_IF_ERROR(CheckOneBlock(a, b_info.agent_id, HostBlocks(pool_a.data(), layout), layout, opt));
   Print(rows, opt);
   return absl::OkStatus();
@@ -351,7 +366,8 @@ absl::StatusOr<std::string> ReadMessage(int fd) {
 // one touches UCX or CUDA) and `initiator(from_target)` here; the target
 // exits on EOF of its pipe, and a target that failed fails the run.
 absl::Status WithTargetProcess(const std::function<int(int to_parent, int from_parent)>& target,
-                               const std::function<absl::Status(int from_target)>& initiator) {
+                               const std::function<absl::Status(int from_target)>& initiator,
+                               int* to_target = nullptr) {
   int down[2], up[2];
   if (pipe(down) != 0 || pipe(up) != 0) return absl::InternalError("pipe failed");
   std::fflush(stdout);
@@ -364,6 +380,7 @@ absl::Status WithTargetProcess(const std::function<int(int to_parent, int from_p
   }
   close(down[0]);
   close(up[1]);
+  if (to_target != nullptr) *to_target = down[1];
   absl::Status st = initiator(up[0]);
   close(down[1]);  // the target exits on EOF
   close(up[0]);
@@ -434,7 +451,7 @@ absl::Status RunUcx(const TransferBenchOptions& opt) {
     ASSIGN_OR_RETURN(PeerInfo peer, kvtransfer::DecodePeerInfo(encoded));
     RETURN_IF_ERROR(t->AddPeer(peer));
     ASSIGN_OR_RETURN(Baseline baseline, HostCopyBaseline(pool, layout));
-    ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(*t, peer.agent_id, baseline, layout, opt));
+    ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(OneSided(*t, peer.agent_id, opt), baseline, layout, opt));
     RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, HostBlocks(pool, layout), layout, opt));
     Print(rows, opt);
     return absl::OkStatus();
@@ -470,6 +487,32 @@ absl::StatusOr<uint8_t*> DevicePool(const PoolLayout& layout) {
     return absl::InternalError("filling the bench pool failed");
   }
   return static_cast<uint8_t*>(p);
+}
+
+// The same number of bytes as `pairs` in one device-to-device copy from
+// `pool` into `scratch` (what the device's copy bandwidth allows).
+absl::StatusOr<Baseline> DeviceCopyBaseline(uint8_t* pool, uint8_t* scratch, const PoolLayout& layout) {
+  cudaStream_t raw = nullptr;
+  if (cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) != cudaSuccess) {
+    return absl::InternalError("cudaStreamCreate failed");
+  }
+  std::shared_ptr<CUstream_st> stream(raw, [](cudaStream_t s) { cudaStreamDestroy(s); });
+  return Baseline([pool, scratch, stream, bb = layout.block_bytes](const std::vector<BlockPair>& pairs) {
+    const Clock::time_point c0 = Clock::now();
+    if (cudaMemcpyAsync(scratch, pool, static_cast<size_t>(int64_t(pairs.size()) * bb), cudaMemcpyDeviceToDevice,
+                        stream.get()) != cudaSuccess ||
+        cudaStreamSynchronize(stream.get()) != cudaSuccess) {
+      return absl::StatusOr<double>(absl::InternalError("the baseline's device copy failed"));
+    }
+    return absl::StatusOr<double>(std::chrono::duration<double>(Clock::now() - c0).count());
+  });
+}
+
+absl::Status ReadDeviceBlock(const uint8_t* pool, const PoolLayout& layout, int32_t block, uint8_t* out) {
+  const int64_t bb = layout.block_bytes;
+  return cudaMemcpy(out, pool + int64_t{block} * bb, static_cast<size_t>(bb), cudaMemcpyDeviceToHost) == cudaSuccess
+             ? absl::OkStatus()
+             : absl::InternalError("reading a block back failed");
 }
 
 // The target: its GPU pool's agent id and address up the pipe ("!" and the
@@ -515,6 +558,7 @@ absl::Status RunCudaIpc(const TransferBenchOptions& opt) {
     // The baseline: the same number of bytes in one device-to-device copy
     // within this GPU (what the device's copy bandwidth allows).
     ASSIGN_OR_RETURN(uint8_t * scratch, DevicePool(layout));
+    ASSIGN_OR_RETURN(Baseline baseline, DeviceCopyBaseline(pool, scratch, layout));
     cudaStream_t stream = nullptr;
     if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
       return absl::InternalError("cudaStreamCreate failed");
@@ -532,21 +576,8 @@ absl::Status RunCudaIpc(const TransferBenchOptions& opt) {
       if (cudaStreamSynchronize(stream) != cudaSuccess) return absl::InternalError("the baseline's copy failed");
       return std::chrono::duration<double>(Clock::now() - c0).count();
     };
-    Baseline baseline = [&](const std::vector<BlockPair>& pairs) -> absl::StatusOr<double> {
-      const Clock::time_point c0 = Clock::now();
-      if (cudaMemcpyAsync(scratch, pool, static_cast<size_t>(int64_t(pairs.size()) * bb), cudaMemcpyDeviceToDevice,
-                          stream) != cudaSuccess) {
-        return absl::InternalError("the baseline's device copy failed");
-      }
-      if (cudaStreamSynchronize(stream) != cudaSuccess) return absl::InternalError("the baseline's copy failed");
-      return std::chrono::duration<double>(Clock::now() - c0).count();
-    };
-    auto read_block = [&](int32_t block, uint8_t* out) {
-      return cudaMemcpy(out, pool + int64_t{block} * bb, static_cast<size_t>(bb), cudaMemcpyDeviceToHost) == cudaSuccess
-                 ? absl::OkStatus()
-                 : absl::InternalError("reading a block back failed");
-    };
-    ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(*t, peer.agent_id, baseline, layout, opt, &blocks));
+    auto read_block = [&](int32_t block, uint8_t* out) { return ReadDeviceBlock(pool, layout, block, out); };
+    ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(OneSided(*t, peer.agent_id, opt), baseline, layout, opt, &blocks));
     RETURN_IF_ERROR(CheckOneBlock(*t, peer.agent_id, read_block, layout, opt));
     Print(rows, opt);
     return absl::OkStatus();
@@ -554,12 +585,159 @@ absl::Status RunCudaIpc(const TransferBenchOptions& opt) {
 }
 #endif  // TANDEM_HAVE_CUDA_IPC
 
-absl::Status RunTransferBench(const TransferBenchOptions& opt) {
+#ifdef TANDEM_HAVE_UCX
+// --backend ucx_staged: send/receive through host staging. Pools are host
+// memory (--pool mmap) or GPU memory (--pool cuda, GPU 0 on both sides).
+// Per transfer the initiator asks the target to post its Receive ("N TAG"
+// down the pipe, "ok" back), then pushes; the time runs from the push to
+// the target's word that its Receive ended ("done", or "!" and the error),
+// so it covers every byte landing in the target's pool.
+struct StagedPool {
+  PoolLayout layout;
+  uint8_t* base = nullptr;
+};
+
+absl::StatusOr<StagedPool> MakeStagedPool(const TransferBenchOptions& opt) {
+  StagedPool p{LlamaLayout(opt.max_blocks)};
+  if (opt.pool == "cuda") {
+#ifdef TANDEM_HAVE_CUDA_IPC
+    p.layout.memory_type = kvtransfer::MemoryType::kCuda;
+    p.layout.device_id = 0;
+    ASSIGN_OR_RETURN(p.base, DevicePool(p.layout));
+    return p;
+#else
+    return absl::UnimplementedError("--pool cuda: this tandem was built without CUDA");
+#endif
+  }
+  const size_t bytes = static_cast<size_t>(p.layout.num_blocks * p.layout.block_bytes);
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return absl::ResourceExhaustedError("mmap of the pool failed");
+  p.base = static_cast<uint8_t*>(mem);
+  FillPool(p.base, p.layout);
+  return p;
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> StagedTransport(const TransferBenchOptions& opt, const StagedPool& pool) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Transport> t,
+                   kvtransfer::TransportRegistry::Builtin().Create("ucx_staged", {.transports = opt.tls}));
+  RETURN_IF_ERROR(t->RegisterPool(pool.layout, pool.base));
+  return t;
+}
+
+absl::Status ReadStagedBlock(const StagedPool& pool, int32_t block, uint8_t* out) {
+#ifdef TANDEM_HAVE_CUDA_IPC
+  if (pool.layout.memory_type == kvtransfer::MemoryType::kCuda)
+    return ReadDeviceBlock(pool.base, pool.layout, block, out);
+#endif
+  HostBlocks(pool.base, pool.layout)(block, out);
+  return absl::OkStatus();
+}
+
+int RunStagedTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
+  std::unique_ptr<Transport> t;
+  absl::Status st = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(StagedPool pool, MakeStagedPool(opt));
+    ASSIGN_OR_RETURN(t, StagedTransport(opt, pool));
+    ASSIGN_OR_RETURN(PeerInfo info, t->LocalInfo());
+    RETURN_IF_ERROR(WriteMessage(to_parent, kvtransfer::EncodePeerInfo(info)));
+    ASSIGN_OR_RETURN(std::string encoded, ReadMessage(from_parent));
+    ASSIGN_OR_RETURN(PeerInfo initiator, kvtransfer::DecodePeerInfo(encoded));
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    RETURN_IF_ERROR(t->Pair(initiator, kvtransfer::PairRole::kResponder, "", deadline, [](absl::Status) {}).status());
+    const std::vector<int32_t> perm = PeerBlockOrder(pool.layout, opt);
+    while (true) {
+      absl::StatusOr<std::string> ask = ReadMessage(from_parent);
+      if (!ask.ok()) return absl::OkStatus();  // the initiator is done
+      if (*ask == "check") {
+        // Push: the initiator's block 0 went to perm[0].
+        std::vector<uint8_t> want(static_cast<size_t>(pool.layout.block_bytes)), got(want.size());
+        FillBlock(want.data(), 0, pool.layout.block_bytes);
+        RETURN_IF_ERROR(ReadStagedBlock(pool, perm[0], got.data()));
+        RETURN_IF_ERROR(WriteMessage(to_parent, want == got ? "ok" : "!a pushed block differs from its source"));
+        continue;
+      }
+      int n = 0;
+      unsigned long long tag = 0;
+      if (std::sscanf(ask->c_str(), "%d %llu", &n, &tag) != 2) return absl::InternalError("a malformed request");
+      absl::StatusOr<uint64_t> id =
+          t->Receive(initiator.agent_id, PairsFor(n, perm, /*pull=*/false), tag,
+                     Clock::now() + std::chrono::seconds(60), [to_parent](absl::Status done) {
+                       (void)WriteMessage(to_parent, done.ok() ? "done" : "!" + std::string(done.message()));
+                     });
+      RETURN_IF_ERROR(WriteMessage(to_parent, id.ok() ? "ok" : "!" + std::string(id.status().message())));
+    }
+  }();
+  if (!st.ok()) {
+    std::fprintf(stderr, "tandem bench transfer (target): %s\n", st.ToString().c_str());
+    (void)WriteMessage(to_parent, "");
+    return 1;
+  }
+  return 0;
+}
+
+absl::Status RunStaged(const TransferBenchOptions& opt) {
+  auto target = [&opt](int to_parent, int from_parent) { return RunStagedTarget(opt, to_parent, from_parent); };
+  int to_target = -1;
+  auto initiator = [&](int from_target) -> absl::Status {
+    ASSIGN_OR_RETURN(StagedPool pool, MakeStagedPool(opt));
+    ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, StagedTransport(opt, pool));
+    ASSIGN_OR_RETURN(std::string encoded, ReadMessage(from_target));
+    if (encoded.empty()) return absl::UnavailableError("the target process failed to start");
+    ASSIGN_OR_RETURN(PeerInfo peer, kvtransfer::DecodePeerInfo(encoded));
+    RETURN_IF_ERROR(
+        t->Pair(peer, kvtransfer::PairRole::kInitiator, "", Clock::now() + std::chrono::seconds(10), [](absl::Status) {
+         }).status());
+    ASSIGN_OR_RETURN(PeerInfo local, t->LocalInfo());
+    RETURN_IF_ERROR(WriteMessage(to_target, kvtransfer::EncodePeerInfo(local)));
+    uint64_t tag = 0;
+    Timed timed = [&](const std::vector<BlockPair>& pairs) -> absl::StatusOr<double> {
+      RETURN_IF_ERROR(WriteMessage(to_target, absl::StrFormat("%d %d", pairs.size(), ++tag)));
+      ASSIGN_OR_RETURN(std::string posted, ReadMessage(from_target));
+      if (posted != "ok") return absl::InternalError(absl::StrCat("the target's Receive: ", posted));
+      std::promise<absl::Status> sent;
+      const Clock::time_point start = Clock::now();
+      RETURN_IF_ERROR(t->PushAfter(peer.agent_id, pairs, kvtransfer::CompletedFence(), tag,
+                                   start + std::chrono::seconds(60),
+                                   [&sent](absl::Status st) { sent.set_value(std::move(st)); })
+                          .status());
+      RETURN_IF_ERROR(sent.get_future().get());
+      ASSIGN_OR_RETURN(std::string received, ReadMessage(from_target));
+      const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      if (received != "done") return absl::InternalError(absl::StrCat("the target's Receive: ", received));
+      return seconds;
+    };
+    Baseline baseline;
+    if (pool.layout.memory_type == kvtransfer::MemoryType::kCuda) {
+#ifdef TANDEM_HAVE_CUDA_IPC
+      ASSIGN_OR_RETURN(uint8_t * scratch, DevicePool(pool.layout));
+      ASSIGN_OR_RETURN(baseline, DeviceCopyBaseline(pool.base, scratch, pool.layout));
+#endif
+    } else {
+      ASSIGN_OR_RETURN(baseline, HostCopyBaseline(pool.base, pool.layout));
+    }
+    ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(timed, baseline, pool.layout, opt));
+    RETURN_IF_ERROR(WriteMessage(to_target, "check"));
+    ASSIGN_OR_RETURN(std::string checked, ReadMessage(from_target));
+    if (checked != "ok") return absl::DataLossError(absl::StrCat("ucx_staged: ", checked));
+    Print(rows, opt);
+    return absl::OkStatus();
+  };
+  return WithTargetProcess(target, initiator, &to_target);
+}
+#endif  // TANDEM_HAVE_UCX
+
+absl::Status RunTransferBench(TransferBenchOptions opt) {
+  if (opt.pool.empty()) opt.pool = opt.backend == "ucx_staged" ? "mmap" : "ucx";
   if (opt.max_blocks < 1 || opt.repeats < 1) {
     return absl::InvalidArgumentError("--max-blocks and --repeats must be >= 1");
   }
-  if (opt.pool != "ucx" && opt.pool != "mmap") {
-    return absl::InvalidArgumentError(absl::StrFormat("--pool %s: want ucx or mmap", opt.pool));
+  const bool staged = opt.backend == "ucx_staged";
+  if (staged ? opt.pool != "mmap" && opt.pool != "cuda" : opt.pool != "ucx" && opt.pool != "mmap") {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--pool %s: want %s", opt.pool, staged ? "mmap or cuda (ucx_staged pools)" : "ucx or mmap"));
+  }
+  if (staged && opt.op != "push") {
+    return absl::InvalidArgumentError("--backend ucx_staged only pushes (the receiver takes part): --op push");
   }
   if (opt.op != "pull" && opt.op != "push") {
     return absl::InvalidArgumentError(absl::StrFormat("--op %s: want pull or push", opt.op));
@@ -576,14 +754,15 @@ absl::Status RunTransferBench(const TransferBenchOptions& opt) {
     return absl::UnimplementedError("--backend cuda_ipc: this tandem was built without CUDA");
 #endif
   }
-  if (opt.backend != "ucx") {
-    return absl::InvalidArgumentError(absl::StrFormat("--backend %s: want ucx, cuda_ipc or loopback", opt.backend));
+  if (opt.backend != "ucx" && !staged) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--backend %s: want ucx, ucx_staged, cuda_ipc or loopback", opt.backend));
   }
 #ifdef TANDEM_HAVE_UCX
   if (opt.tls != "shm" && opt.tls != "tcp") {
     return absl::InvalidArgumentError(absl::StrFormat("--tls %s: want shm or tcp", opt.tls));
   }
-  return RunUcx(opt);
+  return staged ? RunStaged(opt) : RunUcx(opt);
 #else
   return absl::UnimplementedError("this tandem was built without UCX (TANDEM_WITH_UCX=OFF)");
 #endif
@@ -596,9 +775,14 @@ void AddTransferBenchCommand(CLI::App& bench) {
   CLI::App* cmd =
       bench.add_subcommand("transfer", "KV-block transfer bandwidth/latency between two processes vs memcpy");
   cmd->add_option("--op", opt->op, "pull (what a decode worker does in disaggregation) or push")->capture_default_str();
-  cmd->add_option("--backend", opt->backend, "ucx, cuda_ipc (GPU pools, one host) or loopback")->capture_default_str();
+  cmd->add_option("--backend", opt->backend,
+                  "ucx, ucx_staged (send/receive through host staging; push), cuda_ipc (GPU pools, one host) or "
+                  "loopback")
+      ->capture_default_str();
   cmd->add_option("--tls", opt->tls, "UCX transports: shm or tcp (tcp over lo)")->capture_default_str();
-  cmd->add_option("--pool", opt->pool, "UCX pools: ucx (allocated by UCX, shareable) or mmap (anonymous, registered)")
+  cmd->add_option("--pool", opt->pool,
+                  "UCX pools: ucx (allocated by UCX, shareable) or mmap (anonymous, registered); ucx_staged: mmap "
+                  "(host) or cuda (GPU 0)")
       ->capture_default_str();
   cmd->add_flag("--sequential", opt->sequential,
                 "Peer block ids in order (one merged run) instead of a random permutation");

@@ -218,14 +218,16 @@ absl::Status RunWorker(WorkerOptions opt) {
   if (opt.kv_reserve_max_blocks_per_caller < 0) {
     return absl::InvalidArgumentError("--kv-reserve-max-blocks-per-caller must be >= 0 (0: half the KV pool)");
   }
+  const kvtransfer::TransportCapabilities* caps =
+      kvtransfer::TransportRegistry::Builtin().Capabilities(opt.kv_transport);
+  if (caps != nullptr && caps->needs_pairing && opt.kv_delivery != "push") {
+    // The receiver takes part in every transfer: only the push handshake
+    // (JOIN / PUSHED) has it post its receive.
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--kv-transport %s sends and receives in pairs: it needs --kv-delivery push (got %s)",
+                        opt.kv_transport, opt.kv_delivery));
+  }
   if (opt.kv_delivery == "push") {
-    const kvtransfer::TransportCapabilities* caps =
-        kvtransfer::TransportRegistry::Builtin().Capabilities(opt.kv_transport);
-    if (caps != nullptr && caps->needs_pairing) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "--kv-transport %s sends and receives in pairs, which the workers' push delivery does not do yet",
-          opt.kv_transport));
-    }
     if (caps == nullptr || !caps->push) {  // "none" has no capabilities
       return absl::InvalidArgumentError(absl::StrFormat(
           "--kv-delivery push needs a --kv-transport that writes into a peer's pool (got --kv-transport %s)",

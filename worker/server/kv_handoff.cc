@@ -96,6 +96,7 @@ struct KvReceiver::Pull {
   std::vector<uint64_t> checksums;  // per pair, or empty
   bool peer_held = false;           // peers_->Acquire counted this pull
   bool pushed = false;              // the sender pushed the blocks (KvReady PUSHED)
+  kvtransfer::PeerInfo source;      // JOIN over a send/receive transport: the sender's pool
   steady_clock::time_point started;
   steady_clock::duration took{};  // submit -> completion
   SampledToken first;
@@ -544,10 +545,21 @@ void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, Deadline call_deadl
     Fail(pull, ToGrpcStatus(local.status()), /*fall_back=*/true);
     return;
   }
+  pull->source = FromProto(req.source());
   // Pinned before the answer: no write is sent before it.
   engine_->PinReservation(
       pull->engine_id, until,
       [this, pull, until, cached_blocks, local = *std::move(local), blocks = std::move(blocks)](absl::Status pinned) {
+        if (pinned.ok() && transport_->capabilities().needs_pairing) {
+          // The receiving half goes up before the answer lets the sender start.
+          if (absl::Status posted = PostReceive(pull, until); !posted.ok()) {
+            Fail(pull,
+                 grpc::Status(grpc::StatusCode::ABORTED,
+                              absl::StrCat("cannot receive the pushed KV: ", posted.message())),
+                 /*fall_back=*/true);
+            return;
+          }
+        }
         if (!pinned.ok()) {
           {
             std::lock_guard<std::mutex> lock(mu_);
@@ -628,21 +640,118 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
     e.state = State::kPulling;  // verifying (a second PUSHED is ALREADY_EXISTS)
   }
   pull->Bind(req, response, std::move(done));
-  if (!req.sender_error().empty()) {
+  // A send/receive transport's Receive: still running, or how it ended.
+  absl::Status received;  // a one-sided push: the sender's word is the evidence
+  uint64_t receive_running = 0;
+  bool wait = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(pull->reservation_id);
+    if (it != entries_.end() && it->second.receiving) {
+      Entry& e = it->second;
+      if (!e.received) {
+        receive_running = e.transfer_id;
+        // Committed once the bytes landed (OnReceived), unless it fails below.
+        wait = req.sender_error().empty() && !missing_checksums;
+        if (wait) e.pushed = pull;
+      } else {
+        received = e.receive_status;
+      }
+    }
+  }
+  if (!req.sender_error().empty() || missing_checksums) {
+    if (receive_running != 0) transport_->Cancel(receive_running);
+    if (!req.sender_error().empty()) {
+      Fail(pull,
+           grpc::Status(StatusCode::ABORTED,
+                        absl::StrCat("the prefill worker could not push the KV: ", req.sender_error())),
+           /*fall_back=*/true);
+    } else {
+      Fail(pull,
+           grpc::Status(StatusCode::INVALID_ARGUMENT,
+                        "KvReady PUSHED carries no block_checksums: pushed KV is committed only once verified"),
+           /*fall_back=*/true);
+    }
+    return;
+  }
+  if (wait) return;
+  verifier_.Post([this, pull, received] { CommitPushed(pull, received); });
+}
+
+absl::Status KvReceiver::PostReceive(const std::shared_ptr<Pull>& join, Deadline until) {
+  RETURN_IF_ERROR(peers_->Acquire(join->source, kvtransfer::PairRole::kResponder));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(join->reservation_id);
+    if (it == entries_.end()) {
+      peers_->Release(join->agent_id, /*lost=*/false);
+      return absl::NotFoundError("the reservation ended before its receive was posted");
+    }
+    it->second.receiving = true;  // before Receive: its end may come at once
+  }
+  absl::StatusOr<uint64_t> receive =
+      transport_->Receive(join->agent_id, join->pairs, join->reservation_id, until,
+                          [this, join](absl::Status s) { OnReceived(join, std::move(s)); });
+  bool cancel = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(join->reservation_id);
+    if (!receive.ok()) {
+      if (it != entries_.end()) it->second.receiving = false;
+    } else if (it == entries_.end()) {
+      cancel = true;
+    } else if (!it->second.received) {
+      it->second.transfer_id = *receive;
+    }
+  }
+  if (!receive.ok()) {
+    peers_->Release(join->agent_id, receive.status().code() == absl::StatusCode::kUnavailable ||
+                                        receive.status().code() == absl::StatusCode::kNotFound);
+    return receive.status();
+  }
+  if (cancel) transport_->Cancel(*receive);
+  return absl::OkStatus();
+}
+
+void KvReceiver::OnReceived(const std::shared_ptr<Pull>& join, absl::Status status) {
+  peers_->Release(join->agent_id, status.code() == absl::StatusCode::kUnavailable);
+  std::shared_ptr<Pull> pushed;
+  bool fall_back = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(join->reservation_id);
+    if (it == entries_.end()) return;  // ended meanwhile (a fallback, a cancel, its deadline)
+    Entry& e = it->second;
+    e.received = true;
+    e.receive_status = status;
+    e.transfer_id = 0;
+    pushed = std::move(e.pushed);
+    fall_back = !status.ok() && pushed == nullptr && e.state == State::kJoined;
+  }
+  if (pushed != nullptr) {
+    verifier_.Post([this, pushed, status] { CommitPushed(pushed, status); });
+    return;
+  }
+  if (fall_back) {
+    // The bytes will not come: prefill locally now, not at the reservation's
+    // deadline (a PUSHED still on its way then finds nothing).
+    auto ended = std::make_shared<Pull>(*join);
+    ended->response = nullptr;
+    ended->done = [](grpc::Status) {};
+    Fail(ended,
+         grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("receiving the pushed KV failed: ", status.message())),
+         /*fall_back=*/true);
+  }
+}
+
+void KvReceiver::CommitPushed(const std::shared_ptr<Pull>& pull, const absl::Status& received) {
+  if (!received.ok()) {
     Fail(pull,
-         grpc::Status(StatusCode::ABORTED,
-                      absl::StrCat("the prefill worker could not push the KV: ", req.sender_error())),
+         grpc::Status(grpc::StatusCode::ABORTED, absl::StrCat("receiving the pushed KV failed: ", received.message())),
          /*fall_back=*/true);
     return;
   }
-  if (missing_checksums) {
-    Fail(pull,
-         grpc::Status(StatusCode::INVALID_ARGUMENT,
-                      "KvReady PUSHED carries no block_checksums: pushed KV is committed only once verified"),
-         /*fall_back=*/true);
-    return;
-  }
-  verifier_.Post([this, pull] { VerifyAndCommit(pull); });
+  VerifyAndCommit(pull);
 }
 
 void KvReceiver::Fail(const std::shared_ptr<Pull>& pull, grpc::Status status, bool fall_back) {

@@ -198,14 +198,21 @@ class KvReceiver {
   // kJoined: a push was joined (the blocks pinned); kPulling: a pull is in
   // flight, or pushed KV is being verified.
   enum class State { kWaiting, kPulling, kJoined };
+  struct Pull;
   struct Entry {
     Waiting waiting;
     std::string token;
     State state = State::kWaiting;
-    uint64_t transfer_id = 0;  // kPulling, once started
+    uint64_t transfer_id = 0;  // kPulling, once started; a send/receive transport's Receive while it runs
     std::string pusher;        // kJoined: the agent that joined
+    // A send/receive transport (ucx_staged): the JOIN posted a Receive,
+    // which has ended once `received` (with `receive_status`); a PUSHED
+    // that came before that waits here.
+    bool receiving = false;
+    bool received = false;
+    absl::Status receive_status;
+    std::shared_ptr<Pull> pushed;
   };
-  struct Pull;
   // The phases (KvReady dispatches).
   void StartPull(const tandem::v1::KvReadyRequest& req, Deadline call_deadline, tandem::v1::KvReadyResponse* response,
                  std::function<void(grpc::Status)> done);
@@ -230,6 +237,13 @@ class KvReceiver {
   // cannot come from there (FailedPrecondition).
   absl::Status CheckSource(const tandem::v1::KvReadyRequest& req) const;
   void OnPulled(std::shared_ptr<Pull> pull, absl::Status status);
+  // A send/receive transport: the JOIN's Receive, posted before its answer
+  // (the peer joined as the responder). Its end: OnReceived.
+  absl::Status PostReceive(const std::shared_ptr<Pull>& join, Deadline until);
+  void OnReceived(const std::shared_ptr<Pull>& join, absl::Status status);
+  // Verifies and commits pushed KV once its bytes are known to have landed
+  // (`received`: OK for a one-sided push, the Receive's end otherwise).
+  void CommitPushed(const std::shared_ptr<Pull>& pull, const absl::Status& received);
   // Verifies the received blocks' checksums and commits, or falls back
   // (the verifier's thread).
   void VerifyAndCommit(const std::shared_ptr<Pull>& pull);

@@ -9,21 +9,34 @@ using std::chrono::steady_clock;
 PeerSet::PeerSet(kvtransfer::Transport* transport, size_t max_idle, steady_clock::duration idle_after)
     : transport_(transport), max_idle_(max_idle), idle_after_(idle_after) {}
 
-absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer) {
+absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::PairRole role) {
   const auto now = steady_clock::now();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(peer.agent_id);
   if (it == peers_.end()) {
-    if (transport_->capabilities().needs_pairing) {
+    // Joined inline: `done` before Pair returns (it may run later, on
+    // another thread, for a transport that pairs through the offer).
+    struct Joined {
+      std::mutex mu;
+      bool called = false;
+      absl::Status status;
+    };
+    auto joined = std::make_shared<Joined>();
+    absl::StatusOr<std::string> offer =
+        transport_->Pair(peer, role, /*offer=*/"", now + std::chrono::seconds(10), [joined](absl::Status st) {
+          std::lock_guard<std::mutex> l(joined->mu);
+          joined->called = true;
+          joined->status = std::move(st);
+        });
+    if (!offer.ok()) return offer.status();
+    std::lock_guard<std::mutex> l(joined->mu);
+    if (!joined->called || !offer->empty()) {
+      transport_->RemovePeer(peer.agent_id);
       return absl::UnimplementedError(
           absl::StrCat("the ", transport_->backend(),
-                       " transport sends and receives in pairs; peers are joined here for one-sided transports only"));
+                       " transport pairs through an offer carried to the peer, which the workers do not do yet"));
     }
-    // One-sided backends join inline (done before Pair returns); the offer
-    // is for send/receive backends, which the worker refuses at start.
-    absl::StatusOr<std::string> joined = transport_->Pair(peer, kvtransfer::PairRole::kInitiator, /*offer=*/"",
-                                                          now + std::chrono::seconds(10), [](absl::Status) {});
-    if (!joined.ok()) return joined.status();
+    if (!joined->status.ok()) return joined->status;
     it = peers_.emplace(peer.agent_id, Use{}).first;
   }
   ++it->second.transfers;

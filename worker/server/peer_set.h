@@ -1,9 +1,12 @@
 // PeerSet: the peers a worker's KV transport is connected to, shared by the
 // transfers that use them (the decode side's pulls and the prefill side's
 // pushes). A peer is joined once per agent id (the first transfer that
-// needs it), by Transport::Pair as the initiator: for the one-sided
-// backends (the only ones the worker runs) that is AddPeer, and the
-// pairing offer stays empty. Each transfer in flight is counted; a peer
+// needs it), by Transport::Pair (the prefill side as the initiator, the
+// decode side as the responder): AddPeer for the one-sided backends and for
+// ucx_staged, whose pairing completes before Pair returns and whose offer
+// is empty. A transport that completes its pairing later, through an offer
+// carried to the peer (NCCL's communicator), is refused: the workers do not
+// carry offers yet. Each transfer in flight is counted; a peer
 // reported lost is removed once its transfers ended (a restarted worker
 // comes back under a new agent id); beyond `max_idle` peers, those idle for
 // `idle_after` are removed when the next one is added.
@@ -32,7 +35,7 @@ class PeerSet {
   // Joins `peer` unless it is joined already, and counts a transfer with
   // it: Release must follow. The transport's Pair error otherwise (nothing
   // is counted).
-  absl::Status Acquire(const kvtransfer::PeerInfo& peer);
+  absl::Status Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::PairRole role = kvtransfer::PairRole::kInitiator);
   // Ends a transfer counted by Acquire; `lost`: the peer is gone (removed
   // once its last transfer ended). Unknown agents are ignored.
   void Release(const std::string& agent_id, bool lost);

@@ -105,11 +105,22 @@ TEST(PeerSetTest, APeerIsJoinedByPairAndARefusedPairingCountsNothing) {
   set.Release(f.Info(0).agent_id, /*lost=*/false);
 }
 
-// A transport that sends and receives in pairs (as NCCL will): its Pair
-// completes later, through the offer exchange, which PeerSet does not do.
+// A transport that sends and receives in pairs. `inline_pairing`: its Pair
+// completes before returning (as ucx_staged's); else later, through the
+// offer exchange (as NCCL's will), which PeerSet does not do.
 class PairedTransport final : public kvtransfer::Transport {
  public:
-  explicit PairedTransport(kvtransfer::Transport* inner) : inner_(inner) {}
+  PairedTransport(kvtransfer::Transport* inner, bool inline_pairing) : inner_(inner), inline_(inline_pairing) {}
+  absl::StatusOr<std::string> Pair(const kvtransfer::PeerInfo& peer, kvtransfer::PairRole role, std::string_view offer,
+                                   kvtransfer::Deadline deadline, kvtransfer::TransferDone done) override {
+    roles.push_back(role);
+    if (inline_) return kvtransfer::Transport::Pair(peer, role, offer, deadline, std::move(done));
+    if (absl::Status st = AddPeer(peer); !st.ok()) return st;
+    later = std::move(done);
+    return std::string("an offer for the peer");
+  }
+  std::vector<kvtransfer::PairRole> roles;
+  kvtransfer::TransferDone later;
   std::string backend() const override { return "paired"; }
   kvtransfer::TransportCapabilities capabilities() const override {
     kvtransfer::TransportCapabilities c = inner_->capabilities();
@@ -134,16 +145,36 @@ class PairedTransport final : public kvtransfer::Transport {
 
  private:
   kvtransfer::Transport* const inner_;
+  const bool inline_;
 };
 
-TEST(PeerSetTest, ATransportThatPairsIsRefusedNotHalfJoined) {
+TEST(PeerSetTest, ATransportThatPairsLaterIsRefusedNotHalfJoined) {
   Fleet f(1);
-  PairedTransport paired(&f.local);
+  PairedTransport paired(&f.local, /*inline_pairing=*/false);
   PeerSet set(&paired);
   absl::Status st = set.Acquire(f.Info(0));
   EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
   EXPECT_EQ(set.size(), 0u);
   EXPECT_FALSE(f.Connected(0));
+  paired.later(absl::OkStatus());  // a pairing that completes afterwards changes nothing
+  EXPECT_EQ(set.size(), 0u);
+}
+
+TEST(PeerSetTest, ATransportThatPairsInlineJoinsInTheGivenRole) {
+  Fleet f(2);
+  PairedTransport paired(&f.local, /*inline_pairing=*/true);
+  PeerSet set(&paired);
+  ASSERT_TRUE(set.Acquire(f.Info(0)).ok());
+  ASSERT_TRUE(set.Acquire(f.Info(1), kvtransfer::PairRole::kResponder).ok());
+  ASSERT_TRUE(set.Acquire(f.Info(1), kvtransfer::PairRole::kResponder).ok());  // joined once
+  EXPECT_EQ(paired.roles,
+            (std::vector<kvtransfer::PairRole>{kvtransfer::PairRole::kInitiator, kvtransfer::PairRole::kResponder}));
+  EXPECT_TRUE(f.Connected(0));
+  EXPECT_TRUE(f.Connected(1));
+  EXPECT_EQ(set.in_flight(f.Info(1).agent_id), 2);
+  set.Release(f.Info(0).agent_id, false);
+  set.Release(f.Info(1).agent_id, false);
+  set.Release(f.Info(1).agent_id, false);
 }
 
 TEST(PeerSetTest, BeyondTheLimitIdlePeersAreRemoved) {
