@@ -196,5 +196,82 @@ TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
   EXPECT_EQ(s.local_prefill_fallbacks(), 1);
 }
 
+// The same two namespaces over ucx_staged (send/receive through host
+// staging, the path GPU pools take between hosts whose UCX has no CUDA
+// transports): pushes across the veth pair match one worker's outputs, and
+// a prefill worker killed after the JOIN makes the decode worker prefill
+// locally at once.
+TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxStaged) {
+  if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root; this test runs as uid " << geteuid();
+  std::string why;
+  std::unique_ptr<Topology> topo = Topology::Create(&why);
+  if (topo == nullptr) GTEST_SKIP() << "cannot build the two-namespace topology: " << why;
+  const std::vector<std::string> common = {"--model",       "builtin:tiny", "--kv-cache-memory",  "8MiB",
+                                           "--host",        "0.0.0.0",      "--kv-transport",     "ucx_staged",
+                                           "--kv-delivery", "push",         "--kv-transport-tls", "tcp"};
+  auto flags = [&](std::vector<std::string> extra) {
+    std::vector<std::string> f = common;
+    f.insert(f.end(), extra.begin(), extra.end());
+    return f;
+  };
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> prefill =
+      WorkerProcess::Start(flags({"--role", "prefill", "--kv-hold-timeout-ms", "3000", "--kv-peer-allow", "any"}),
+                           seconds(30), topo->Launch(true));
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> decode =
+      WorkerProcess::Start(flags({"--role", "decode", "--kv-quarantine-ms", "300"}), seconds(30), topo->Launch(false));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> aggregated =
+      WorkerProcess::Start({"--model", "builtin:tiny", "--kv-cache-memory", "8MiB"});
+  ASSERT_TRUE(aggregated.ok()) << aggregated.status();
+
+  const int64_t rx_before = topo->DecodePairRxBytes();
+  const int lengths[] = {5, 16, 70, 130, 257, 33};
+  std::vector<v1::GenerateRequest> reqs;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> prompt = MakePrompt(700 + i, lengths[i]);
+    reqs.push_back(i % 2 ? SampledRequest(prompt, 12, 60 + i) : GreedyRequest(prompt, 12));
+    reqs.back().mutable_sampling()->set_ignore_eos(true);
+  }
+  const std::vector<Split> got =
+      RunDisaggregatedConcurrently((*prefill)->stub(), (*decode)->stub(), topo->DecodeOnPair((*decode)->port()), reqs);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const std::string what = absl::StrCat("request ", i);
+    EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
+    ExpectSameOutput(got[i].combined, Generate((*aggregated)->stub(), reqs[i]), what);
+  }
+  const v1::LoadReport d = ExpectIdle((*decode)->stub(), "decode");
+  EXPECT_EQ(d.kv_pushes_received(), 6);
+  EXPECT_EQ(d.local_prefill_fallbacks(), 0);
+  const v1::LoadReport p = ExpectIdle((*prefill)->stub(), "prefill");
+  EXPECT_EQ(p.kv_pushes(), 6);
+  EXPECT_GE(topo->DecodePairRxBytes() - rx_before, p.kv_bytes_pushed());
+
+  // The pusher killed while its push is held back (a delay fault).
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> slow_prefill =
+      WorkerProcess::Start(flags({"--role", "prefill", "--kv-hold-timeout-ms", "5000", "--kv-peer-allow", "any",
+                                  "--kv-fault", "delay_ms=3000"}),
+                           seconds(30), topo->Launch(true));
+  ASSERT_TRUE(slow_prefill.ok()) << slow_prefill.status();
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(800, 90), 8);
+  ReceiveStream receive((*decode)->stub(), req, /*timeout_ms=*/30000);
+  ASSERT_TRUE(receive.reserved());
+  std::jthread send([&] {
+    Generate((*slow_prefill)->stub(), SendRequest(req, topo->DecodeOnPair((*decode)->port()), receive.reservation()),
+             seconds(20));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));  // joined, the push held back
+  const auto killed = std::chrono::steady_clock::now();
+  ::kill((*slow_prefill)->pid(), SIGKILL);
+  send.join();
+  Output out = receive.Finish();
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, seconds(10)) << "the decode worker waited for its deadline";
+  EXPECT_TRUE(out.status.ok()) << out.status.error_message();
+  const Output reference = Generate((*aggregated)->stub(), req);
+  EXPECT_EQ(out.tokens.size() + (out.includes_first_token ? 0 : 1), reference.tokens.size());
+  const v1::LoadReport s = ExpectIdle((*decode)->stub(), "decode after the kill", seconds(15));
+  EXPECT_EQ(s.local_prefill_fallbacks(), 1);
+}
+
 }  // namespace
 }  // namespace tandem
