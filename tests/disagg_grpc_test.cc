@@ -1075,6 +1075,41 @@ TEST_F(DisaggGrpcTest, AKilledReceiverFailsThePushAndFreesTheBlocks) {
   ExpectIdle(decode2->stub(), "decode");
 }
 
+// A transport that pairs through an offer (the fault injector's
+// offer_pairing, shaped as NCCL's communicator id): the prefill worker's
+// JOIN carries its offer and the decode worker pairs with it. A prefill
+// worker that offers nothing is refused at the JOIN (its pairing fails on
+// the decode side), and the request falls back at once.
+TEST_F(DisaggGrpcTest, APairingOfferTravelsInTheJoin) {
+  if (!TwoSided()) GTEST_SKIP() << "for send/receive transports (TANDEM_TEST_KV_TRANSPORT=ucx_staged)";
+  WorkerProcess* prefill = StartPrefill({"--kv-delivery", "push", "--kv-fault", "offer_pairing"});
+  WorkerProcess* decode = StartDecode({"--kv-delivery", "push", "--kv-fault", "offer_pairing"});
+  ASSERT_TRUE(prefill && decode);
+  for (int i = 0; i < 2; ++i) {  // the second reuses the pairing
+    const v1::GenerateRequest req = GreedyRequest(MakePrompt(50 + i, 70), 6);
+    Split s = RunSplit(*prefill, *decode, req);
+    EXPECT_EQ(s.prefill.kv_transfer_error, "") << i;
+    ExpectSameOutput(s.combined, Aggregated(req), absl::StrCat("request ", i));
+  }
+  v1::LoadReport d = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(d.kv_pushes_received(), 2);
+  EXPECT_EQ(d.local_prefill_fallbacks(), 0);
+  ExpectIdle(prefill->stub(), "prefill");
+
+  WorkerProcess* silent = StartPrefill({"--kv-delivery", "push"});
+  ASSERT_NE(silent, nullptr);
+  const v1::GenerateRequest req = GreedyRequest(MakePrompt(52, 70), 6);
+  const auto sent = std::chrono::steady_clock::now();
+  Split s = RunSplit(*silent, *decode, req, /*timeout_ms=*/30000);
+  EXPECT_LT(std::chrono::steady_clock::now() - sent, seconds(10)) << "fell back at the deadline, not at once";
+  EXPECT_THAT(s.prefill.kv_transfer_error, HasSubstr("offer"));
+  ExpectSameOutput(s.combined, Aggregated(req), "no offer");
+  d = ExpectIdle(decode->stub(), "decode");
+  EXPECT_EQ(d.local_prefill_fallbacks(), 1);
+  EXPECT_EQ(d.kv_pushes_received(), 2);
+  ExpectIdle(silent->stub(), "prefill without an offer");
+}
+
 // The JOIN / PUSHED protocol driven by hand against a push-mode decode
 // worker: each bad call gets its status and leaves the reservation as it
 // was; a joined reservation's blocks stay pinned past its cancellation
@@ -1130,6 +1165,12 @@ TEST_F(DisaggGrpcTest, JoinAndPushedCallsAreCheckedAndPinsOutliveACancel) {
   k = describe(r, v1::KvReadyRequest::PUSHED);
   k.set_join_timeout_ms(5);
   EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "join_timeout_ms on PUSHED";
+  k = describe(r, v1::KvReadyRequest::PUSHED);
+  k.set_pair_offer("x");
+  EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "pair_offer on PUSHED";
+  k = describe(r, v1::KvReadyRequest::JOIN);
+  k.set_pair_offer(std::string(5000, 'x'));
+  EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "a 5000-byte pair_offer";
   k = describe(r, static_cast<v1::KvReadyRequest::Phase>(7));
   EXPECT_EQ(call(decode, k).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "phase 7";
   k = describe(r, v1::KvReadyRequest::JOIN);

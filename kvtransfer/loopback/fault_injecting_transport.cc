@@ -5,6 +5,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 
 namespace tandem::kvtransfer {
 
@@ -22,6 +23,8 @@ absl::StatusOr<Faults> ParseFaults(absl::string_view spec) {
       f.fail_submit = true;
     } else if (kv.first == "fail_pair" && kv.second.empty()) {
       f.fail_pair = true;
+    } else if (kv.first == "offer_pairing" && kv.second.empty()) {
+      f.offer_pairing = true;
     } else if (kv.first == "delay_ms" && has_value) {
       f.delay = std::chrono::milliseconds(value);
     } else if (kv.first == "fail_after_blocks" && has_value) {
@@ -29,7 +32,7 @@ absl::StatusOr<Faults> ParseFaults(absl::string_view spec) {
     } else {
       return absl::InvalidArgumentError(absl::StrCat("bad fault '", item,
                                                      "': expected drop, corrupt, fail_submit, fail_pair, "
-                                                     "delay_ms=N or fail_after_blocks=N"));
+                                                     "offer_pairing, delay_ms=N or fail_after_blocks=N"));
     }
   }
   return f;
@@ -214,11 +217,30 @@ void FaultInjectingTransport::TimerLoop() {
 
 absl::StatusOr<std::string> FaultInjectingTransport::Pair(const PeerInfo& peer, PairRole role, std::string_view offer,
                                                           Deadline deadline, TransferDone done) {
+  bool offers = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (faults_.fail_pair) return absl::UnavailableError("injected: pairing with the peer failed");
+    offers = faults_.offer_pairing;
   }
-  return inner_->Pair(peer, role, offer, deadline, std::move(done));
+  if (!offers) return inner_->Pair(peer, role, offer, deadline, std::move(done));
+  const std::string kOffer = "tandem-offer:";
+  if (role == PairRole::kResponder) {
+    if (offer != kOffer + peer.agent_id) {
+      return absl::UnavailableError(
+          absl::StrCat("injected: pairing without the initiator's offer (got '", std::string(offer), "')"));
+    }
+    return inner_->Pair(peer, role, "", deadline, std::move(done));
+  }
+  ASSIGN_OR_RETURN(PeerInfo local, inner_->LocalInfo());
+  absl::StatusOr<std::string> joined = inner_->Pair(peer, role, "", deadline, [](absl::Status) {});
+  if (!joined.ok()) return joined.status();
+  // Completes later, as a communicator does once both sides joined.
+  std::thread([done = std::move(done)] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    done(absl::OkStatus());
+  }).detach();
+  return kOffer + local.agent_id;
 }
 
 }  // namespace tandem::kvtransfer

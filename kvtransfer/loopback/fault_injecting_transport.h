@@ -11,7 +11,13 @@
 //   - fail_after_blocks = N: only the first N pairs are copied, then `done`
 //              gets Unavailable ("peer lost mid-transfer");
 //   - fail_submit: Push/Pull return Unavailable at once;
-//   - fail_pair: Pair returns Unavailable at once.
+//   - fail_pair: Pair returns Unavailable at once;
+//   - offer_pairing: not a fault but the shape of a transport that pairs
+//              through an offer (as NCCL's communicator id): the
+//              initiator's Pair gives the offer "tandem-offer:<its agent>"
+//              and completes 50 ms later; the responder's Pair fails
+//              (Unavailable) unless it is handed exactly that offer. Both
+//              workers of a pair take it.
 // PushAfter over a one-sided backend (the Transport default) waits for its
 // fence, then Push; over a send/receive backend it goes to the backend's
 // PushAfter (its Receive is the peer's). Every fault applies to it either
@@ -43,9 +49,10 @@ struct Faults {
   int fail_after_blocks = -1;  // -1: off
   bool fail_submit = false;
   bool fail_pair = false;
+  bool offer_pairing = false;
 };
 
-// Parses "drop", "corrupt", "fail_submit", "fail_pair", "delay_ms=N", "fail_after_blocks=N",
+// Parses "drop", "corrupt", "fail_submit", "fail_pair", "offer_pairing", "delay_ms=N", "fail_after_blocks=N",
 // comma-separated (e.g. "delay_ms=200,corrupt"); "" is no fault.
 absl::StatusOr<Faults> ParseFaults(absl::string_view spec);
 

@@ -69,6 +69,8 @@ bool SameToken(const std::string& a, const std::string& b) {
 
 // KvReady PUSHED's sender_error is at most this long.
 constexpr size_t kMaxSenderError = 1024;
+// KvReady JOIN's pair_offer is at most this long.
+constexpr size_t kMaxPairOffer = 4096;
 
 // The latest end of work that must end before `deadline`, which arrived as
 // a duration (late by the network's latency): a tenth of the time left, at
@@ -97,6 +99,7 @@ struct KvReceiver::Pull {
   bool peer_held = false;           // peers_->Acquire counted this pull
   bool pushed = false;              // the sender pushed the blocks (KvReady PUSHED)
   kvtransfer::PeerInfo source;      // JOIN over a send/receive transport: the sender's pool
+  std::string pair_offer;           // and its pairing offer (KvReadyRequest.pair_offer)
   steady_clock::time_point started;
   steady_clock::duration took{};  // submit -> completion
   SampledToken first;
@@ -258,6 +261,15 @@ void KvReceiver::KvReady(const tandem::v1::KvReadyRequest& req, Deadline call_de
   }
   if (!req.sender_error().empty() && phase != KvReadyRequest::PUSHED) {
     done(grpc::Status(StatusCode::INVALID_ARGUMENT, "KvReady sender_error is for phase PUSHED only"));
+    return;
+  }
+  if (!req.pair_offer().empty() && phase != KvReadyRequest::JOIN) {
+    done(grpc::Status(StatusCode::INVALID_ARGUMENT, "KvReady pair_offer is for phase JOIN only"));
+    return;
+  }
+  if (req.pair_offer().size() > kMaxPairOffer) {
+    done(grpc::Status(StatusCode::INVALID_ARGUMENT, absl::StrFormat("KvReady pair_offer holds %d bytes; at most %d",
+                                                                    req.pair_offer().size(), kMaxPairOffer)));
     return;
   }
   if (phase == KvReadyRequest::JOIN && req.block_checksums_size() != 0) {
@@ -546,6 +558,7 @@ void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, Deadline call_deadl
     return;
   }
   pull->source = FromProto(req.source());
+  pull->pair_offer = req.pair_offer();
   // Pinned before the answer: no write is sent before it.
   engine_->PinReservation(
       pull->engine_id, until,
@@ -679,7 +692,7 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
 }
 
 absl::Status KvReceiver::PostReceive(const std::shared_ptr<Pull>& join, Deadline until) {
-  RETURN_IF_ERROR(peers_->Acquire(join->source, kvtransfer::PairRole::kResponder));
+  RETURN_IF_ERROR(peers_->Acquire(join->source, kvtransfer::PairRole::kResponder, join->pair_offer));
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(join->reservation_id);
@@ -860,6 +873,7 @@ struct KvSender::PushJob {
   steady_clock::time_point join_sent, push_started;
   steady_clock::duration took{};  // the push
   std::string agent;              // the decode pool's, once joined
+  bool peer_held = false;         // peers_->Acquire counted it (before the JOIN where the transport pairs)
   int32_t blocks = 0;             // pushed
   int64_t bytes = 0;
   uint64_t transfer = 0;    // guarded by calls_mu_ from the push on
@@ -987,9 +1001,30 @@ void KvSender::Start(Job job, SendDone done_once) {
     join->ctx.set_deadline(CallDeadline(deadline));
     p->job = std::move(job);
     p->done = done;
+    if (transport_->capabilities().needs_pairing) {
+      // A send/receive transport pairs before the JOIN, which carries the
+      // offer to the decode worker (it pairs as the responder when it serves
+      // the JOIN); the forwarded pool is only paired with: the JOIN's answer
+      // must name that pool, and decides where the bytes go.
+      const kvtransfer::PeerInfo dest = FromProto(offer.destination());
+      std::string pair_offer;
+      if (absl::Status paired = peers_->Acquire(dest, kvtransfer::PairRole::kInitiator, "", &pair_offer);
+          !paired.ok()) {
+        engine_->ReleasePrefilled(id);
+        SendPushed(p, absl::StrFormat("KV not pushed to %s: pairing with its pool failed: %s", r.decode_instance_id(),
+                                      paired.message()));
+        return;
+      }
+      p->peer_held = true;
+      p->agent = dest.agent_id;
+      join->request.set_pair_offer(pair_offer);
+    }
     p->join_sent = steady_clock::now();
     if (!CallKvReady(stub, join, [this, p, join](const grpc::Status& s) { OnJoined(p, join->response, s); })) {
-      fail_unsent("the worker is shutting down");
+      if (p->peer_held) peers_->Release(p->agent, /*lost=*/false);
+      engine_->ReleasePrefilled(id);
+      ++handoff_failures_;
+      (*done)("the worker is shutting down", tandem::v1::KvReadyResponse());
     }
     return;
   }
@@ -1029,6 +1064,10 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
                         const grpc::Status& status) {
   const uint64_t id = p->job.prefilled.id;
   const std::string& instance = p->described.decode_instance_id();
+  if (!status.ok() && p->peer_held) {
+    peers_->Release(p->agent, /*lost=*/false);
+    p->peer_held = false;
+  }
   if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
     // The decode worker takes no push (or not from this pool): offer the
     // pull instead; it answers that as it would have without the JOIN.
@@ -1062,6 +1101,9 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
   std::string bad;
   if (!joined.has_destination() || joined.destination().backend() != transport_->backend()) {
     bad = "its JOIN answer names no pool of this worker's transport";
+  } else if (p->peer_held && joined.destination().agent_id() != p->agent) {
+    bad = absl::StrFormat("its JOIN answer names pool %s, not the one paired with (%s)",
+                          joined.destination().agent_id(), p->agent);
   } else if (joined.destination_cached_blocks() != skip) {
     // The checksums cover what the forwarded reservation said was missing.
     bad = absl::StrFormat("its JOIN answer holds %d of the prompt's blocks cached; the reservation said %d",
@@ -1095,12 +1137,17 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
   if (bad.empty() && push_deadline <= steady_clock::now()) {
     bad = absl::StrFormat("its pin (%d ms) leaves no time to push", joined.pinned_ms());
   }
-  if (bad.empty()) {
+  if (bad.empty() && !p->peer_held) {
     if (absl::Status joined_peer = peers_->Acquire(dest); !joined_peer.ok()) {
       bad = absl::StrCat("cannot join the decode worker's pool: ", joined_peer.message());
+    } else {
+      p->peer_held = true;
+      p->agent = dest.agent_id;
     }
   }
   if (!bad.empty()) {
+    if (p->peer_held) peers_->Release(p->agent, /*lost=*/false);
+    p->peer_held = false;
     engine_->ReleasePrefilled(id);
     SendPushed(p, absl::StrFormat("KV not pushed to %s: %s", instance, bad));
     return;
@@ -1112,12 +1159,11 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
     stopping = stopping_;
   }
   if (stopping) {
-    peers_->Release(dest.agent_id, /*lost=*/false);
+    peers_->Release(p->agent, /*lost=*/false);
     engine_->ReleasePrefilled(id);
     SendPushed(p, "the prefill worker is shutting down");
     return;
   }
-  p->agent = dest.agent_id;
   p->blocks = static_cast<int32_t>(pairs.size());
   p->bytes = static_cast<int64_t>(pairs.size()) * engine_->pool_layout().block_bytes;
   p->push_started = steady_clock::now();

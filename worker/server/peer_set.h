@@ -3,10 +3,13 @@
 // pushes). A peer is joined once per agent id (the first transfer that
 // needs it), by Transport::Pair (the prefill side as the initiator, the
 // decode side as the responder): AddPeer for the one-sided backends and for
-// ucx_staged, whose pairing completes before Pair returns and whose offer
-// is empty. A transport that completes its pairing later, through an offer
-// carried to the peer (NCCL's communicator), is refused: the workers do not
-// carry offers yet. Each transfer in flight is counted; a peer
+// ucx_staged, whose pairing completes before Pair returns with no offer. A
+// transport that pairs through an offer (NCCL's communicator id: the
+// initiator's Pair gives one, the responder's takes it, both complete
+// later) is joined when the caller carries the offer (the prefill worker's
+// JOIN); a pairing that completes with an error later fails the peer's next
+// Acquire, and the peer is joined afresh once its transfers ended. Each
+// transfer in flight is counted; a peer
 // reported lost is removed once its transfers ended (a restarted worker
 // comes back under a new agent id); beyond `max_idle` peers, those idle for
 // `idle_after` are removed when the next one is added.
@@ -18,8 +21,10 @@
 #include <chrono>
 #include <cstddef>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -34,8 +39,13 @@ class PeerSet {
 
   // Joins `peer` unless it is joined already, and counts a transfer with
   // it: Release must follow. The transport's Pair error otherwise (nothing
-  // is counted).
-  absl::Status Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::PairRole role = kvtransfer::PairRole::kInitiator);
+  // is counted). `offer`: the peer's offer (a responder's). `offer_out`:
+  // where the initiator's offer goes for the caller to carry to the peer
+  // ("" when the peer was joined already or its transport needs none);
+  // null: the caller carries none, and a transport that needs one is
+  // refused (Unimplemented).
+  absl::Status Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::PairRole role = kvtransfer::PairRole::kInitiator,
+                       std::string_view offer = "", std::string* offer_out = nullptr);
   // Ends a transfer counted by Acquire; `lost`: the peer is gone (removed
   // once its last transfer ended). Unknown agents are ignored.
   void Release(const std::string& agent_id, bool lost);
@@ -45,9 +55,17 @@ class PeerSet {
   int in_flight(const std::string& agent_id) const;
 
  private:
+  // A pairing's outcome, set by the transport's `done` (maybe after Pair
+  // returned).
+  struct Pairing {
+    std::mutex mu;
+    bool called = false;
+    absl::Status status;
+  };
   struct Use {
     int transfers = 0;  // in flight
     std::chrono::steady_clock::time_point last_used;
+    std::shared_ptr<Pairing> pairing;  // null: completed when it was joined
   };
   kvtransfer::Transport* const transport_;
   const size_t max_idle_;

@@ -160,6 +160,34 @@ TEST(PeerSetTest, ATransportThatPairsLaterIsRefusedNotHalfJoined) {
   EXPECT_EQ(set.size(), 0u);
 }
 
+// With a caller that carries the offer (the prefill worker's JOIN), a
+// pairing that completes later is joined at once; one that then fails is
+// joined afresh by the next Acquire once no transfer uses it.
+TEST(PeerSetTest, AnOfferCarriedByTheCallerJoinsAndAFailedPairingIsRedone) {
+  Fleet f(1);
+  PairedTransport paired(&f.local, /*inline_pairing=*/false);
+  PeerSet set(&paired);
+  std::string offer = "stale";
+  ASSERT_TRUE(set.Acquire(f.Info(0), kvtransfer::PairRole::kInitiator, "", &offer).ok());
+  EXPECT_EQ(offer, "an offer for the peer");
+  EXPECT_TRUE(f.Connected(0));
+  // Joined: the next transfer carries no new offer.
+  ASSERT_TRUE(set.Acquire(f.Info(0), kvtransfer::PairRole::kInitiator, "", &offer).ok());
+  EXPECT_EQ(offer, "");
+  EXPECT_EQ(paired.roles.size(), 1u);
+  // The pairing fails afterwards: refused while transfers use the peer ...
+  paired.later(absl::UnavailableError("the peer never joined"));
+  EXPECT_EQ(set.Acquire(f.Info(0), kvtransfer::PairRole::kInitiator, "", &offer).code(),
+            absl::StatusCode::kUnavailable);
+  set.Release(f.Info(0).agent_id, false);
+  set.Release(f.Info(0).agent_id, false);
+  // ... and paired afresh once none does.
+  ASSERT_TRUE(set.Acquire(f.Info(0), kvtransfer::PairRole::kInitiator, "", &offer).ok());
+  EXPECT_EQ(offer, "an offer for the peer");
+  EXPECT_EQ(paired.roles.size(), 2u);
+  set.Release(f.Info(0).agent_id, false);
+}
+
 TEST(PeerSetTest, ATransportThatPairsInlineJoinsInTheGivenRole) {
   Fleet f(2);
   PairedTransport paired(&f.local, /*inline_pairing=*/true);
