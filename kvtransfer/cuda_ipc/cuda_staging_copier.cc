@@ -76,6 +76,7 @@ class CudaStagingCopier final : public StagingCopier {
                                                  to ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, stream),
                                  "cudaMemcpyAsync");
           !st.ok()) {
+        cudaStreamSynchronize(stream);  // nothing of it runs on after the error
         return st;
       }
     }

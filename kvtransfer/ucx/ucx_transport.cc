@@ -280,7 +280,7 @@ class UcxTransport::Impl {
     absl::Status status;
     std::string rkey;
     RunSync([&] {
-      if (pool_memh_ != nullptr) {  // a concurrent RegisterPool won
+      if (pool_memh_ != nullptr || copier_ != nullptr) {  // a concurrent RegisterPool won
         status = absl::FailedPreconditionError("a KV pool is already registered");
         return;
       }
@@ -522,6 +522,7 @@ class UcxTransport::Impl {
     int slot;
     uint64_t xfer;  // 0 for kDiscard
     int64_t chunk = 0;
+    std::string peer;         // sends: the agent it goes to
     uint64_t ticket = 0;      // copier stages
     void* request = nullptr;  // UCX stages, while UCX holds it
     ucs_status_t result = UCS_OK;
@@ -838,6 +839,11 @@ class UcxTransport::Impl {
       status = PeerGone(*conn);
     }
     if (!status.ok()) {
+      if (x->kind == Kind::kRecv) {  // as Finish does: its tag's chunks are dropped
+        dead_tags_[x->tag] = Clock::now() + kDeadTagMemory;
+        std::lock_guard<std::mutex> lock(mu_);
+        receive_tags_.erase(x->tag);
+      }
       completions_.emplace_back(std::move(x->done), std::move(status));
       return;
     }
@@ -934,19 +940,21 @@ class UcxTransport::Impl {
   // Ends `x` now. If UCX still has operations of it in flight, the peer's
   // endpoint is force-closed so none of them lands later, and re-created.
   void Abort(Xfer& x, absl::Status status) {
-    if (x.kind == Kind::kRecv) {
-      // Nothing of a receive goes through an endpoint: its messages still
-      // in UCX are cancelled (their slots come back when UCX says so).
-      for (SlotOp* op : in_ucx_) {
-        if (op->xfer == x.id && op->request != nullptr) ucp_request_cancel(worker_, op->request);
+    if (x.kind == Kind::kRecv || x.kind == Kind::kSend) {
+      // A staged transfer ends alone: its chunks still in UCX keep their
+      // slots until UCX completes them (a receive's are cancelled where UCX
+      // can; a late chunk of a send is dropped by the receiver, whose
+      // Receive has ended too or fails on its checksums), and the endpoint,
+      // which other transfers share, stays. Slots of sends to a peer found
+      // gone are taken back by StagedProgress.
+      if (x.kind == Kind::kRecv) {
+        const std::vector<SlotOp*> ops(in_ucx_.begin(), in_ucx_.end());
+        for (SlotOp* op : ops) {
+          if (op->xfer == x.id && op->request != nullptr) ucp_request_cancel(worker_, op->request);
+        }
       }
       Finish(x, std::move(status));
       return;
-    }
-    if (x.kind == Kind::kSend) {
-      for (SlotOp* op : in_ucx_) {
-        if (op->xfer == x.id && op->request != nullptr) ucp_request_cancel(worker_, op->request);
-      }
     }
     const bool in_flight = x.outstanding > 0;
     const std::string peer = x.peer;
@@ -1120,6 +1128,7 @@ class UcxTransport::Impl {
                                                            .slot = slot,
                                                            .xfer = x.id,
                                                            .chunk = x.next_chunk,
+                                                           .peer = x.peer,
                                                            .ticket = *ticket}));
         ++x.next_chunk;
       }
@@ -1229,7 +1238,7 @@ class UcxTransport::Impl {
       auto r = receiving_.find(tag);
       if (r == receiving_.end()) {
         auto dead = dead_tags_.find(tag);
-        if ((dead != dead_tags_.end() && now < dead->second) || now - it->at >= kUnmatchedGrace) {
+        if ((dead != dead_tags_.end() && now < dead->second) || now - it->at >= kUnmatchedGrace || shutting_down_) {
           PostReceive(*it, 0, 0);
           it = arrived_.erase(it);
           busy = true;
@@ -1278,7 +1287,7 @@ class UcxTransport::Impl {
       std::unique_ptr<SlotOp> op(raw);
       Xfer* x = FindXfer(op->xfer);
       if (op->stage == SlotOp::Stage::kSend) {
-        FreeSlot(op->slot);
+        if (op->slot >= 0) FreeSlot(op->slot);  // < 0: taken back already
         if (x == nullptr) continue;
         --x->outstanding;
         if (op->result == UCS_OK) {
@@ -1358,6 +1367,7 @@ class UcxTransport::Impl {
     const Clock::time_point now = Clock::now();
     const bool check = now >= next_liveness_check_;
     if (check) next_liveness_check_ = now + kLivenessPeriod;
+    if (check) ReclaimSendSlots();
     std::vector<uint64_t> ids;
     for (const auto& [id, x] : xfers_) {
       const bool waiting_send =
@@ -1382,6 +1392,20 @@ class UcxTransport::Impl {
     return busy;
   }
 
+  // A send whose transfer ended and whose peer is gone (its process exited,
+  // UCX lost it, or it was removed) may never complete in UCX (a rendezvous
+  // to a dead peer survives even a forced endpoint close): its slot, which
+  // UCX only reads, is taken back rather than lost for good.
+  void ReclaimSendSlots() {
+    for (SlotOp* op : in_ucx_) {
+      if (op->stage != SlotOp::Stage::kSend || op->slot < 0 || FindXfer(op->xfer) != nullptr) continue;
+      Conn* conn = FindConn(op->peer);
+      if (conn != nullptr && PeerGone(*conn).ok()) continue;
+      FreeSlot(op->slot);
+      op->slot = -1;
+    }
+  }
+
   // Whether the loop should keep polling without sleeping: staged copies or
   // operations in flight, or a staged send under way.
   bool StagedActive() const {
@@ -1397,15 +1421,19 @@ class UcxTransport::Impl {
       std::vector<uint64_t> ids;
       for (const auto& [id, x] : xfers_) ids.push_back(id);
       for (uint64_t id : ids) Finish(*xfers_[id], absl::CancelledError("the transport was destroyed"));
-      for (SlotOp* op : in_ucx_) ucp_request_cancel(worker_, op->request);
+      shutting_down_ = true;  // whatever arrives now is dropped
+      const std::vector<SlotOp*> ops(in_ucx_.begin(), in_ucx_.end());
+      for (SlotOp* op : ops) ucp_request_cancel(worker_, op->request);
       for (auto& [id, conn] : conns_) CloseEp(*conn);
       conns_.clear();
       const auto give_up = Clock::now() + std::chrono::seconds(2);
-      while ((!closing_.empty() || !in_ucx_.empty() || !copying_.empty()) && Clock::now() < give_up) {
+      while ((!closing_.empty() || !in_ucx_.empty() || !copying_.empty() || !arrived_.empty()) &&
+             Clock::now() < give_up) {
         ucp_worker_progress(worker_);
         ReapClosedEndpoints();
         HandleFinishedSlotOps();
         PollCopies();
+        if (copier_ != nullptr) DispatchArrived();
       }
       HandleFinishedSlotOps();
       // Endpoints UCX opened by itself (to answer a peer's connection) may
@@ -1506,6 +1534,7 @@ class UcxTransport::Impl {
   absl::flat_hash_map<uint64_t, uint64_t> receiving_;           // tag -> staged receive in flight
   absl::flat_hash_map<uint64_t, Clock::time_point> dead_tags_;  // tag -> until when it is dropped
   bool slot_freed_ = false;
+  bool shutting_down_ = false;
   Clock::time_point next_liveness_check_;
 };
 

@@ -809,6 +809,33 @@ TEST_P(UcxStagedTest, SlowAndFailingCopiers) {
   EXPECT_EQ((*t)->RegisterPool(Layout(4), heap.data()).code(), absl::StatusCode::kUnimplemented);
 }
 
+// A send whose transfer ended while its chunks wait at a peer that never
+// takes them keeps its slots only while that peer is joined: once the peer
+// is removed, the slots come back and other transfers use them.
+TEST_P(UcxStagedTest, SlotsOfSendsToARemovedPeerComeBack) {
+  SKIP_WITHOUT_UCX();
+  auto a = MakeStagedSide(StagedOptions(GetParam()), 32, kParentSeed);
+  auto b = MakeStagedSide(StagedOptions(GetParam()), 32, kChildSeed);
+  auto c = MakeStagedSide(StagedOptions(GetParam()), 32, kChildSeed);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  Join(**a, **b);
+  Join(**a, **c);
+  std::vector<BlockPair> pairs;
+  for (int j = 0; j < 8; ++j) pairs.push_back({j, j});
+  // b posts no Receive: a's chunks wait there (held as unmatched) and a's
+  // push ends at its deadline with both send slots in UCX.
+  auto stuck = StartSend(**a, (*b)->id, pairs, 40, milliseconds(300));
+  ASSERT_TRUE(stuck.ok());
+  EXPECT_EQ(stuck->Get().code(), absl::StatusCode::kDeadlineExceeded);
+  (*a)->t->RemovePeer((*b)->id);
+  auto r = StartReceive(**c, (*a)->id, pairs, 41, milliseconds(3000));
+  auto s = StartSend(**a, (*c)->id, pairs, 41, milliseconds(3000));
+  ASSERT_TRUE(r.ok() && s.ok());
+  EXPECT_TRUE(s->Get().ok());
+  EXPECT_TRUE(r->Get().ok());
+  for (const BlockPair& p : pairs) EXPECT_TRUE(BlockHolds((*c)->pool, p.dst, kParentSeed, p.src));
+}
+
 INSTANTIATE_TEST_SUITE_P(Tls, UcxStagedTest, ::testing::Values("shm", "tcp"));
 
 }  // namespace

@@ -176,6 +176,13 @@ KvReceiver::Handle KvReceiver::Add(Waiting waiting) {
 }
 
 void KvReceiver::EraseLocked(std::map<uint64_t, Entry>::iterator it) {
+  // A PUSHED waiting for its Receive's end gets its answer now.
+  if (std::shared_ptr<Pull> pushed = std::move(it->second.pushed)) {
+    ++pull_failures_;
+    verifier_.Post([pushed] {
+      pushed->done(grpc::Status(grpc::StatusCode::ABORTED, "the reservation ended while its KV was moving"));
+    });
+  }
   const Waiting& w = it->second.waiting;
   if (w.charged_blocks > 0) {
     auto c = charged_.find(w.caller);
@@ -657,10 +664,12 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
   absl::Status received;  // a one-sided push: the sender's word is the evidence
   uint64_t receive_running = 0;
   bool wait = false;
+  bool ended = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(pull->reservation_id);
-    if (it != entries_.end() && it->second.receiving) {
+    ended = it == entries_.end();
+    if (!ended && it->second.receiving) {
       Entry& e = it->second;
       if (!e.received) {
         receive_running = e.transfer_id;
@@ -688,6 +697,13 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
     return;
   }
   if (wait) return;
+  if (ended && transport_->capabilities().needs_pairing) {
+    // Ended meanwhile (its Receive failed, a cancel): the bytes were not
+    // seen to land, so nothing is verified.
+    ++pull_failures_;
+    pull->done(grpc::Status(StatusCode::ABORTED, "the reservation ended while its KV was moving"));
+    return;
+  }
   verifier_.Post([this, pull, received] { CommitPushed(pull, received); });
 }
 
@@ -740,6 +756,8 @@ void KvReceiver::OnReceived(const std::shared_ptr<Pull>& join, absl::Status stat
     e.transfer_id = 0;
     pushed = std::move(e.pushed);
     fall_back = !status.ok() && pushed == nullptr && e.state == State::kJoined;
+    // Ours to end: a PUSHED from now on is ALREADY_EXISTS.
+    if (fall_back) e.state = State::kPulling;
   }
   if (pushed != nullptr) {
     verifier_.Post([this, pushed, status] { CommitPushed(pushed, status); });

@@ -1,5 +1,7 @@
 #include "worker/server/peer_set.h"
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace tandem::worker {
@@ -13,66 +15,93 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::Pair
                               std::string* offer_out) {
   const auto now = steady_clock::now();
   if (offer_out != nullptr) offer_out->clear();
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = peers_.find(peer.agent_id);
-  if (it != peers_.end() && it->second.pairing != nullptr) {
-    // A pairing that completed with an error since: the peer is joined
-    // afresh (now, if no transfer uses it).
-    absl::Status failed;
-    {
-      std::lock_guard<std::mutex> l(it->second.pairing->mu);
-      if (it->second.pairing->called) failed = it->second.pairing->status;
+  // The common case: joined, and its pairing (if it completes later) has
+  // not failed.
+  auto healthy = [&](const Use& use) {
+    if (use.pairing == nullptr) return true;
+    std::lock_guard<std::mutex> l(use.pairing->mu);
+    return !use.pairing->called || use.pairing->status.ok();
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(peer.agent_id);
+    if (it != peers_.end() && healthy(it->second)) {
+      ++it->second.transfers;
+      it->second.last_used = now;
+      return absl::OkStatus();
     }
-    if (!failed.ok()) {
-      if (it->second.transfers > 0) return failed;
-      transport_->RemovePeer(peer.agent_id);
+  }
+  // Pairing and removals call the transport, which may wait on its own
+  // thread; that thread calls Release from transfers' `done`: never under
+  // mu_, and one at a time (pair_mu_, which Release does not take).
+  std::lock_guard<std::mutex> pairing_lock(pair_mu_);
+  std::vector<std::string> remove;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    remove.swap(removed_);
+    auto it = peers_.find(peer.agent_id);
+    if (it != peers_.end()) {
+      if (healthy(it->second)) {  // joined meanwhile by another caller
+        ++it->second.transfers;
+        it->second.last_used = now;
+        return absl::OkStatus();
+      }
+      // A pairing that completed with an error since: joined afresh, once
+      // no transfer uses it.
+      if (it->second.transfers > 0) {
+        std::lock_guard<std::mutex> l(it->second.pairing->mu);
+        return it->second.pairing->status;
+      }
       peers_.erase(it);
-      it = peers_.end();
+      remove.push_back(peer.agent_id);
     }
   }
-  if (it == peers_.end()) {
-    auto pairing = std::make_shared<Pairing>();
-    absl::StatusOr<std::string> given =
-        transport_->Pair(peer, role, offer, now + std::chrono::seconds(10), [pairing](absl::Status st) {
-          std::lock_guard<std::mutex> l(pairing->mu);
-          pairing->called = true;
-          pairing->status = std::move(st);
-        });
-    if (!given.ok()) return given.status();
-    bool completed = false;
-    absl::Status completed_with;
-    {
-      std::lock_guard<std::mutex> l(pairing->mu);
-      completed = pairing->called;
-      completed_with = pairing->status;
-    }
-    if (!completed_with.ok()) {
-      transport_->RemovePeer(peer.agent_id);
-      return completed_with;
-    }
-    // An initiator whose pairing needs its offer carried (or completes
-    // later) needs a caller that carries it.
-    if (role == kvtransfer::PairRole::kInitiator && offer_out == nullptr && (!given->empty() || !completed)) {
-      transport_->RemovePeer(peer.agent_id);
-      return absl::UnimplementedError(
-          absl::StrCat("the ", transport_->backend(),
-                       " transport pairs through an offer carried to the peer, and none is carried here"));
-    }
-    if (offer_out != nullptr) *offer_out = *std::move(given);
-    it = peers_.emplace(peer.agent_id, Use{.pairing = completed ? nullptr : pairing}).first;
+  for (const std::string& agent : remove) transport_->RemovePeer(agent);
+  auto pairing = std::make_shared<Pairing>();
+  absl::StatusOr<std::string> given =
+      transport_->Pair(peer, role, offer, now + std::chrono::seconds(10), [pairing](absl::Status st) {
+        std::lock_guard<std::mutex> l(pairing->mu);
+        pairing->called = true;
+        pairing->status = std::move(st);
+      });
+  if (!given.ok()) return given.status();
+  bool completed = false;
+  absl::Status completed_with;
+  {
+    std::lock_guard<std::mutex> l(pairing->mu);
+    completed = pairing->called;
+    completed_with = pairing->status;
   }
-  ++it->second.transfers;
-  it->second.last_used = now;
-  if (peers_.size() > max_idle_) {
-    for (auto p = peers_.begin(); p != peers_.end();) {
-      if (p->second.transfers == 0 && now - p->second.last_used > idle_after_) {
-        transport_->RemovePeer(p->first);
-        p = peers_.erase(p);
-      } else {
-        ++p;
+  if (!completed_with.ok()) {
+    transport_->RemovePeer(peer.agent_id);
+    return completed_with;
+  }
+  // An initiator whose pairing needs its offer carried (or completes later)
+  // needs a caller that carries it.
+  if (role == kvtransfer::PairRole::kInitiator && offer_out == nullptr && (!given->empty() || !completed)) {
+    transport_->RemovePeer(peer.agent_id);
+    return absl::UnimplementedError(
+        absl::StrCat("the ", transport_->backend(),
+                     " transport pairs through an offer carried to the peer, and none is carried here"));
+  }
+  if (offer_out != nullptr) *offer_out = *std::move(given);
+  remove.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Use& use = peers_[peer.agent_id];
+    use = Use{.transfers = 1, .last_used = now, .pairing = completed ? nullptr : pairing};
+    if (peers_.size() > max_idle_) {
+      for (auto p = peers_.begin(); p != peers_.end();) {
+        if (p->second.transfers == 0 && now - p->second.last_used > idle_after_) {
+          remove.push_back(p->first);
+          p = peers_.erase(p);
+        } else {
+          ++p;
+        }
       }
     }
   }
+  for (const std::string& agent : remove) transport_->RemovePeer(agent);
   return absl::OkStatus();
 }
 
@@ -84,7 +113,9 @@ void PeerSet::Release(const std::string& agent_id, bool lost) {
   it->second.last_used = steady_clock::now();
   if (lost) it->second.last_used = {};  // idle since forever: the first to go
   if (lost && it->second.transfers == 0) {
-    transport_->RemovePeer(agent_id);
+    // Removed from the transport by the next Acquire that pairs (Release
+    // runs on the transport's own thread too, and calls nothing of it).
+    removed_.push_back(agent_id);
     peers_.erase(it);
   }
 }

@@ -9,10 +9,13 @@
 // later) is joined when the caller carries the offer (the prefill worker's
 // JOIN); a pairing that completes with an error later fails the peer's next
 // Acquire, and the peer is joined afresh once its transfers ended. Each
-// transfer in flight is counted; a peer
-// reported lost is removed once its transfers ended (a restarted worker
-// comes back under a new agent id); beyond `max_idle` peers, those idle for
-// `idle_after` are removed when the next one is added.
+// transfer in flight is counted; a peer reported lost is forgotten once its
+// transfers ended, and removed from the transport by the next pairing (a
+// restarted worker comes back under a new agent id); beyond `max_idle`
+// peers, those idle for `idle_after` are removed when the next one is
+// added. The transport is called outside the set's lock and never from
+// Release, which the transport's own thread calls from `done`: a pairing
+// waits on that thread.
 //
 // Thread-safe.
 #ifndef TANDEM_WORKER_SERVER_PEER_SET_H_
@@ -25,6 +28,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -70,8 +74,10 @@ class PeerSet {
   kvtransfer::Transport* const transport_;
   const size_t max_idle_;
   const std::chrono::steady_clock::duration idle_after_;
+  std::mutex pair_mu_;  // pairings and removals, one at a time, never under mu_
   mutable std::mutex mu_;
   std::map<std::string, Use> peers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> removed_ ABSL_GUARDED_BY(mu_);  // lost, to be removed from the transport
 };
 
 }  // namespace tandem::worker

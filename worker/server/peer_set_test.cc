@@ -66,7 +66,7 @@ TEST(PeerSetTest, AddsAPeerOnceAndCountsItsTransfers) {
 }
 
 TEST(PeerSetTest, ALostPeerGoesOnceItsLastTransferEnded) {
-  Fleet f(1);
+  Fleet f(2);
   PeerSet set(&f.local);
   ASSERT_TRUE(set.Acquire(f.Info(0)).ok());
   ASSERT_TRUE(set.Acquire(f.Info(0)).ok());
@@ -75,7 +75,14 @@ TEST(PeerSetTest, ALostPeerGoesOnceItsLastTransferEnded) {
   EXPECT_TRUE(f.Connected(0));
   set.Release(f.Info(0).agent_id, /*lost=*/true);
   EXPECT_EQ(set.size(), 0u);
+  // Release (which runs on the transport's thread) calls nothing of the
+  // transport: the next pairing removes the peer from it.
+  ASSERT_TRUE(set.Acquire(f.Info(1)).ok());
   EXPECT_FALSE(f.Connected(0));
+  EXPECT_TRUE(f.Connected(1));
+  // Joined afresh when it comes back.
+  ASSERT_TRUE(set.Acquire(f.Info(0)).ok());
+  EXPECT_TRUE(f.Connected(0));
 }
 
 TEST(PeerSetTest, AnIncompatiblePeerIsNotCounted) {
