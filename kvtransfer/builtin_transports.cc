@@ -37,6 +37,8 @@ const TransportRegistry& TransportRegistry::Builtin() {
                   ucx.transports = o.transports;
                   ucx.net_devices = o.net_devices;
                   ucx.staged = true;
+                  ucx.staging_slots = o.staging_slots;
+                  ucx.staging_slot_bytes = o.staging_slot_bytes;
                   ucx.make_copier = [](const PoolLayout& layout) -> absl::StatusOr<std::unique_ptr<StagingCopier>> {
                     if (layout.memory_type == MemoryType::kHost) return NewHostStagingCopier();
 #ifdef TANDEM_HAVE_CUDA_IPC

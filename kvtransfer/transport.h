@@ -207,6 +207,9 @@ struct TransportOptions {
   std::string net_devices;
   // cuda_ipc: the GPU whose pool it moves (the worker's --device cuda:N).
   int device = 0;
+  // ucx_staged: the staging ring on each side (UcxOptions).
+  int staging_slots = 8;
+  int64_t staging_slot_bytes = int64_t{4} << 20;
 };
 
 class TransportRegistry {

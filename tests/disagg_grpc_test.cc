@@ -53,7 +53,13 @@ class DisaggGrpcTest : public WorkerTest {
   static bool TwoSided() { return KvTransport() == "ucx_staged"; }
   static std::vector<std::string> TransportFlags() {
     const std::string t = KvTransport();
-    if (t == "ucx" || t == "ucx_staged") return {"--kv-transport", t, "--kv-transport-tls", "shm"};
+    if (t == "ucx") return {"--kv-transport", t, "--kv-transport-tls", "shm"};
+    // A small ring (three 64 KiB slots: five of the tiny model's blocks a
+    // chunk), so most hand-offs are several chunks and wait for slots.
+    if (t == "ucx_staged") {
+      return {"--kv-transport",     t,   "--kv-transport-tls",     "shm",
+              "--kv-staging-slots", "3", "--kv-staging-slot-size", "64KiB"};
+    }
     return {"--kv-transport", t};
   }
   static std::vector<std::string> DeliveryFlags(const std::vector<std::string>& extra) {

@@ -158,6 +158,20 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(out.find("--kv-transport ucx_staged sends and receives in pairs: it needs --kv-delivery push (got pull)"),
             std::string::npos)
       << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport ucx --kv-staging-slots 4", &out), 0);
+  EXPECT_NE(out.find("--kv-staging-slots and --kv-staging-slot-size apply to --kv-transport ucx_staged only"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport ucx_staged --kv-delivery push "
+                              "--kv-staging-slots 1",
+                       &out),
+            0);
+  EXPECT_NE(out.find("--kv-staging-slots must be in [2, 1024]"), std::string::npos) << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport ucx_staged --kv-delivery push "
+                              "--kv-staging-slot-size lots",
+                       &out),
+            0);
+  EXPECT_NE(out.find("--kv-staging-slot-size: "), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-delivery shove", &out), 0);
   EXPECT_NE(out.find("--kv-delivery"), std::string::npos) << out;
 }

@@ -69,6 +69,8 @@ struct TransferBenchOptions {
   int repeats = 5;
   bool json = false;
   int target_device = 0;  // cuda_ipc: the target process's GPU (the initiator's is 0)
+  int staging_slots = 8;  // ucx_staged
+  int staging_slot_mib = 4;
 };
 
 // Llama-3-8B: 32 layers, 8 KV heads, head dim 128, fp16, K and V.
@@ -619,7 +621,10 @@ absl::StatusOr<StagedPool> MakeStagedPool(const TransferBenchOptions& opt) {
 
 absl::StatusOr<std::unique_ptr<Transport>> StagedTransport(const TransferBenchOptions& opt, const StagedPool& pool) {
   ASSIGN_OR_RETURN(std::unique_ptr<Transport> t,
-                   kvtransfer::TransportRegistry::Builtin().Create("ucx_staged", {.transports = opt.tls}));
+                   kvtransfer::TransportRegistry::Builtin().Create(
+                       "ucx_staged", {.transports = opt.tls,
+                                      .staging_slots = opt.staging_slots,
+                                      .staging_slot_bytes = int64_t{opt.staging_slot_mib} << 20}));
   RETURN_IF_ERROR(t->RegisterPool(pool.layout, pool.base));
   return t;
 }
@@ -736,6 +741,12 @@ absl::Status RunTransferBench(TransferBenchOptions opt) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--pool %s: want %s", opt.pool, staged ? "mmap or cuda (ucx_staged pools)" : "ucx or mmap"));
   }
+  if (opt.staging_slots < 2 || opt.staging_slot_mib < 2) {
+    return absl::InvalidArgumentError("--staging-slots and --staging-slot-mib must be >= 2");
+  }
+  if (!staged && (opt.staging_slots != 8 || opt.staging_slot_mib != 4)) {
+    return absl::InvalidArgumentError("--staging-slots and --staging-slot-mib are for --backend ucx_staged");
+  }
   if (staged && opt.op != "push") {
     return absl::InvalidArgumentError("--backend ucx_staged only pushes (the receiver takes part): --op push");
   }
@@ -790,6 +801,10 @@ void AddTransferBenchCommand(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_option("--repeats", opt->repeats, "Timed repeats per size (median)")->capture_default_str();
   cmd->add_flag("--json", opt->json, "One JSON object per size");
+  cmd->add_option("--staging-slots", opt->staging_slots, "ucx_staged: staging slots on each side")
+      ->capture_default_str();
+  cmd->add_option("--staging-slot-mib", opt->staging_slot_mib, "ucx_staged: MiB a staging slot (whole 2 MiB blocks)")
+      ->capture_default_str();
   cmd->add_option("--target-device", opt->target_device,
                   "cuda_ipc: the GPU of the target process's pool (the initiator's is GPU 0; another GPU is "
                   "reached by peer access)")

@@ -61,6 +61,9 @@ struct WorkerOptions {
   std::string kv_fallback = "local";             // decode, KV never came: local (prefill here) or error
   bool no_kv_checksums = false;                  // prefill: send no per-block checksums
   std::string kv_delivery = "pull";              // pull or push (KvHandoffConfig::push)
+  int kv_staging_slots = 8;                      // ucx_staged: slots of the staging ring
+  std::string kv_staging_slot_size = "4MiB";     // ucx_staged: bytes a slot
+  int64_t kv_staging_slot_bytes = 0;             // parsed from kv_staging_slot_size
   int kv_quarantine_ms = 2000;                   // decode: a failed transfer's blocks stay unused this long
   std::string kv_fault;                          // testing: faults injected into the KV transport
   std::string kv_domain;                         // "": the transport's (ModelInfo.kv_domain)
@@ -82,11 +85,13 @@ struct KvTransport {
 
 absl::StatusOr<KvTransport> MakeKvTransport(const WorkerOptions& opt) {
   if (opt.kv_transport == "none") return KvTransport{};
-  ASSIGN_OR_RETURN(
-      std::unique_ptr<kvtransfer::Transport> t,
-      kvtransfer::TransportRegistry::Builtin().Create(opt.kv_transport, {.transports = opt.kv_transport_tls,
-                                                                         .net_devices = opt.kv_net_devices,
-                                                                         .device = opt.engine.runner_options.device}));
+  ASSIGN_OR_RETURN(std::unique_ptr<kvtransfer::Transport> t,
+                   kvtransfer::TransportRegistry::Builtin().Create(opt.kv_transport,
+                                                                   {.transports = opt.kv_transport_tls,
+                                                                    .net_devices = opt.kv_net_devices,
+                                                                    .device = opt.engine.runner_options.device,
+                                                                    .staging_slots = opt.kv_staging_slots,
+                                                                    .staging_slot_bytes = opt.kv_staging_slot_bytes}));
   KvStorage::Allocator allocate;
   if (t->capabilities().own_pool_memory) {
     kvtransfer::Transport* raw = t.get();
@@ -226,6 +231,22 @@ absl::Status RunWorker(WorkerOptions opt) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--kv-transport %s sends and receives in pairs: it needs --kv-delivery push (got %s)",
                         opt.kv_transport, opt.kv_delivery));
+  }
+  if (absl::StatusOr<int64_t> slot = ParseByteSize(opt.kv_staging_slot_size); slot.ok()) {
+    opt.kv_staging_slot_bytes = *slot;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--kv-staging-slot-size: ", slot.status().message()));
+  }
+  if ((opt.kv_staging_slots != 8 || opt.kv_staging_slot_bytes != (int64_t{4} << 20)) &&
+      opt.kv_transport != "ucx_staged") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--kv-staging-slots and --kv-staging-slot-size apply to --kv-transport ucx_staged only (got --kv-transport %s)",
+        opt.kv_transport));
+  }
+  if (opt.kv_staging_slots < 2 || opt.kv_staging_slots > 1024 || opt.kv_staging_slot_bytes < (int64_t{64} << 10)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--kv-staging-slots must be in [2, 1024] and --kv-staging-slot-size at least 64KiB (got %d, %s)",
+        opt.kv_staging_slots, opt.kv_staging_slot_size));
   }
   if (opt.kv_delivery == "push") {
     if (caps == nullptr || !caps->push) {  // "none" has no capabilities
@@ -505,13 +526,20 @@ void AddWorkerCommand(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--no-prefix-caching", opt->no_prefix_caching, "Disable the prefix cache");
   cmd->add_option("--kv-transport", opt->kv_transport,
-                  "KV block transport between workers: none, ucx (host memory, across hosts) or cuda_ipc (GPU "
-                  "memory, GPUs of one host)")
+                  "KV block transport between workers: none, ucx (host memory, across hosts), ucx_staged (any "
+                  "pool through host staging, send/receive: GPU memory across hosts; needs --kv-delivery push) or "
+                  "cuda_ipc (GPU memory, GPUs of one host)")
       ->capture_default_str();
   cmd->add_option("--kv-transport-tls", opt->kv_transport_tls, "UCX transports: auto, shm (one host) or tcp")
       ->capture_default_str();
   cmd->add_option("--kv-net-devices", opt->kv_net_devices,
                   "UCX tcp: network devices, e.g. eth0 (default: $UCX_NET_DEVICES, else lo)");
+  cmd->add_option("--kv-staging-slots", opt->kv_staging_slots,
+                  "ucx_staged: host staging slots on each side (at least 2: sends keep one for receives)")
+      ->capture_default_str();
+  cmd->add_option("--kv-staging-slot-size", opt->kv_staging_slot_size,
+                  "ucx_staged: bytes a staging slot (whole KV blocks; at least one block, at least 64KiB)")
+      ->capture_default_str();
   cmd->add_option("--kv-receive-timeout-ms", opt->kv_receive_timeout_ms,
                   "Decode: how long a reservation waits for its KV (unless the request says)")
       ->capture_default_str();
