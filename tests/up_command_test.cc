@@ -83,7 +83,8 @@ class UpCommandTest : public ::testing::Test {
     return *url;
   }
 
-  void SplitServesLikeAggregated(const std::string& device);
+  // `kv_transport`: "" for the default of the device.
+  void SplitServesLikeAggregated(const std::string& device, const std::string& kv_transport = "");
 
   std::string dir_;
   std::unique_ptr<ChildProcess> up_;
@@ -119,7 +120,9 @@ TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
 // access), the KV moving over cuda_ipc, serve the same greedy completions
 // as one aggregated worker on GPU 0 (--batch-invariant: a sequence's tokens
 // do not depend on its batch).
-void UpCommandTest::SplitServesLikeAggregated(const std::string& device) {
+void UpCommandTest::SplitServesLikeAggregated(const std::string& device, const std::string& kv_transport) {
+  const bool gpu = device != "cpu";
+  const bool staged = kv_transport == "ucx_staged";
   const std::vector<std::string> prompts = {"The capital of France is", "def fib(n):", "Once upon a time",
                                             "1, 2, 3, 4,"};
   // The completions of `prompts` (greedy, 24 tokens), and the workers that
@@ -147,15 +150,21 @@ void UpCommandTest::SplitServesLikeAggregated(const std::string& device) {
     EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "wait status " << *status;
     up_.reset();
   };
-  const std::vector<std::string> common = {"--model", "builtin:small", "--insecure", "--worker-arg=--batch-invariant"};
+  std::vector<std::string> common = {"--model", "builtin:small", "--insecure"};
+  if (gpu) common.push_back("--worker-arg=--batch-invariant");
   std::vector<std::string> split = {"--prefill", "1", "--decode", "1", "--device", device};
+  if (!kv_transport.empty()) split.insert(split.end(), {"--kv-transport", kv_transport});
   split.insert(split.end(), common.begin(), common.end());
   const std::string split_url = Start(split);
   ASSERT_FALSE(split_url.empty());
   std::set<std::string> devices;
   for (const auto& [pid, cmdline] : ChildrenOf(up_->pid())) {
     if (cmdline.find(" worker ") == std::string::npos) continue;
-    EXPECT_THAT(cmdline, HasSubstr("--kv-transport cuda_ipc")) << cmdline;
+    EXPECT_THAT(cmdline, HasSubstr(staged ? "--kv-transport ucx_staged" : "--kv-transport cuda_ipc")) << cmdline;
+    if (staged) {
+      EXPECT_THAT(cmdline, HasSubstr("--kv-delivery push")) << cmdline;  // send/receive: push only
+    }
+    if (!gpu) continue;
     EXPECT_THAT(cmdline,
                 HasSubstr(device == "cuda" ? "--gpu-memory-utilization 0.9 " : "--gpu-memory-utilization 0.45 "))
         << cmdline;
@@ -164,7 +173,8 @@ void UpCommandTest::SplitServesLikeAggregated(const std::string& device) {
   }
   const std::set<std::string> want_devices = device == "cuda"
                                                  ? std::set<std::string>{"--device cuda:0", "--device cuda:1"}
-                                                 : std::set<std::string>{"--device cuda:0"};
+                                             : device == "cpu" ? std::set<std::string>{}  // not looked at
+                                                               : std::set<std::string>{"--device cuda:0"};
   EXPECT_EQ(devices, want_devices);
   std::set<std::string> split_prefill, split_decode;
   const std::vector<std::string> split_texts = complete(split_url, &split_prefill, &split_decode);
@@ -180,15 +190,18 @@ void UpCommandTest::SplitServesLikeAggregated(const std::string& device) {
     ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
     tandem::v1::LoadReport load;
     ASSERT_TRUE(decode->GetLoad(&ctx, tandem::v1::LoadRequest(), &load).ok());
-    EXPECT_EQ(load.kv_pulls(), static_cast<int64_t>(prompts.size())) << "the KV did not move between the workers";
-    EXPECT_GT(load.kv_bytes_pulled(), 0);
+    EXPECT_EQ(staged ? load.kv_pushes_received() : load.kv_pulls(), static_cast<int64_t>(prompts.size()))
+        << "the KV did not move between the workers";
+    if (!staged) {
+      EXPECT_GT(load.kv_bytes_pulled(), 0);
+    }
     EXPECT_EQ(load.local_prefill_fallbacks(), 0);
   }
   stop();
   std::filesystem::remove(dir_ + "/url");  // else the next Start reads this cluster's URL
   std::filesystem::remove_all(dir_ + "/run");
 
-  std::vector<std::string> aggregated = {"--aggregated", "1", "--device", "cuda:0"};
+  std::vector<std::string> aggregated = {"--aggregated", "1", "--device", gpu ? "cuda:0" : "cpu"};
   aggregated.insert(aggregated.end(), common.begin(), common.end());
   const std::string agg_url = Start(aggregated);
   ASSERT_FALSE(agg_url.empty());
@@ -202,6 +215,19 @@ TEST_F(UpCommandTest, GpuSplitClusterServesLikeAnAggregatedOne) {
   const char* why = nullptr;
   if (!kernels::cuda::Available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
   SplitServesLikeAggregated("cuda:0");
+}
+
+// Send/receive through host staging (GPU pools across hosts; here one GPU
+// and shared memory): up makes the workers push.
+TEST_F(UpCommandTest, GpuSplitClusterOverUcxStagedServesLikeAnAggregatedOne) {
+  const char* why = nullptr;
+  if (!kernels::cuda::Available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
+  SplitServesLikeAggregated("cuda:0", "ucx_staged");
+}
+
+// The same on CPU workers (host pools staged with memcpy).
+TEST_F(UpCommandTest, SplitClusterOverUcxStagedServesLikeAnAggregatedOne) {
+  SplitServesLikeAggregated("cpu", "ucx_staged");
 }
 
 TEST_F(UpCommandTest, TwoGpuSplitClusterServesLikeAnAggregatedOne) {
@@ -447,7 +473,7 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
        "--kv-transport ucx cannot move the KV cache of cuda workers (GPU memory): use --kv-transport cuda_ipc"},
       {"--prefill 1 --decode 1 --kv-transport cuda_ipc",
        "--kv-transport cuda_ipc cannot move the KV cache of cpu workers (host memory): use --kv-transport ucx"},
-      {"--prefill 1 --decode 1 --kv-transport nccl", "--kv-transport must be ucx or cuda_ipc, got 'nccl'"},
+      {"--prefill 1 --decode 1 --kv-transport nccl", "--kv-transport must be ucx, ucx_staged or cuda_ipc, got 'nccl'"},
       {"--aggregated 1 --kv-transport ucx", "--kv-transport is for disaggregated clusters"},
       {"--gpu-memory-utilization 0.5", "--gpu-memory-utilization is for GPU workers"},
       {"--device cuda:0 --gpu-memory-utilization 1.5", "--gpu-memory-utilization must be in (0, 1], got 1.5"},

@@ -415,7 +415,7 @@ absl::Status Up(UpOptions opt) {
     const kvtransfer::TransportCapabilities* caps = kvtransfer::TransportRegistry::Builtin().Capabilities(kv_transport);
     if (caps == nullptr) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("--kv-transport must be ucx or cuda_ipc, got '%s'", opt.kv_transport));
+          absl::StrFormat("--kv-transport must be ucx, ucx_staged or cuda_ipc, got '%s'", opt.kv_transport));
     }
     const kvtransfer::MemoryType pools = gpu ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost;
     if (!caps->Moves(pools)) {
@@ -547,7 +547,14 @@ absl::Status Up(UpOptions opt) {
     argv.insert(argv.end(), {"--served-model-name", config.model.served_name});
     if (split) {
       argv.insert(argv.end(), {"--kv-transport", kv_transport});
-      if (kv_transport == "ucx") argv.insert(argv.end(), {"--kv-transport-tls", "shm"});
+      if (kv_transport == "ucx" || kv_transport == "ucx_staged") {
+        argv.insert(argv.end(), {"--kv-transport-tls", "shm"});
+      }
+      // A send/receive transport takes part on both sides only through the
+      // push handshake.
+      const kvtransfer::TransportCapabilities* caps =
+          kvtransfer::TransportRegistry::Builtin().Capabilities(kv_transport);
+      if (caps != nullptr && caps->needs_pairing) argv.insert(argv.end(), {"--kv-delivery", "push"});
     }
     if (opt.worker_threads > 0) {
       argv.push_back("--threads");
@@ -742,8 +749,8 @@ void AddUpCommand(CLI::App& app) {
                   "see tandem worker --help)");
   cmd->add_option("--device", opt->device, "Workers' device: cpu, cuda (worker k on GPU k) or cuda:N (all on GPU N)");
   cmd->add_option("--kv-transport", opt->kv_transport,
-                  "Disaggregated clusters' KV transport: ucx (host memory) or cuda_ipc (GPU memory, one host); "
-                  "default: the one for --device");
+                  "Disaggregated clusters' KV transport: ucx (host memory), ucx_staged (any memory through host "
+                  "staging; the workers push) or cuda_ipc (GPU memory, one host); default: the one for --device");
   cmd->add_option("--gpu-memory-utilization", opt->gpu_memory_utilization,
                   "GPU workers: each worker's share of its GPU's memory (default: 0.9 divided among the workers "
                   "on one GPU, unless --kv-cache-memory is given)");
