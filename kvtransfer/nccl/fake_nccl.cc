@@ -1,0 +1,158 @@
+// The in-process fake of NcclApi (nccl_api.h): communicators of one fabric
+// by unique id, groups matched in posting order per direction, host memory
+// moved with memcpy when a send group meets its receive group.
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "kvtransfer/nccl/nccl_api.h"
+
+namespace tandem::kvtransfer {
+
+class FakeNcclFabric {
+ public:
+  struct Group {
+    bool send = false;
+    std::vector<NcclApi::Buffer> buffers;
+    bool done = false;
+  };
+  struct Pair {
+    bool joined[2] = {false, false};
+    absl::Status failed;                              // set once: every ticket of the pair fails
+    std::deque<std::shared_ptr<Group>> posted[2][2];  // [rank][send]
+  };
+  std::mutex mu;
+  std::map<std::string, std::shared_ptr<Pair>> pairs;
+
+  // Moves what both sides of a direction have posted. REQUIRES: mu held.
+  static void Match(Pair& p) {
+    for (int from = 0; from < 2; ++from) {
+      auto& sends = p.posted[from][1];
+      auto& recvs = p.posted[1 - from][0];
+      while (p.failed.ok() && !sends.empty() && !recvs.empty()) {
+        std::shared_ptr<Group> s = sends.front(), r = recvs.front();
+        sends.pop_front();
+        recvs.pop_front();
+        if (s->buffers.size() != r->buffers.size()) {
+          p.failed = absl::InternalError(absl::StrFormat("fake NCCL: a group of %d sends met a group of %d receives",
+                                                         s->buffers.size(), r->buffers.size()));
+          return;
+        }
+        for (size_t i = 0; i < s->buffers.size(); ++i) {
+          if (s->buffers[i].bytes != r->buffers[i].bytes) {
+            p.failed = absl::InternalError(absl::StrFormat("fake NCCL: a %d-byte send met a %d-byte receive",
+                                                           s->buffers[i].bytes, r->buffers[i].bytes));
+            return;
+          }
+          std::memcpy(r->buffers[i].data, s->buffers[i].data, static_cast<size_t>(s->buffers[i].bytes));
+        }
+        s->done = r->done = true;
+      }
+    }
+  }
+};
+
+namespace {
+
+class FakeNccl final : public NcclApi {
+ public:
+  explicit FakeNccl(std::shared_ptr<FakeNcclFabric> fabric) : fabric_(std::move(fabric)) {}
+
+  absl::StatusOr<std::string> UniqueId() override {
+    static std::atomic<uint64_t> counter{0};
+    std::string id(kUniqueIdBytes, '\0');
+    std::mt19937_64 rng(std::random_device{}() ^ counter.fetch_add(1));
+    for (char& c : id) c = static_cast<char>(rng());
+    return id;
+  }
+
+  absl::StatusOr<void*> InitRank(std::string_view unique_id, int rank, int device) override {
+    (void)device;
+    if (unique_id.size() != kUniqueIdBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("NCCL unique id of %d bytes, want %d", unique_id.size(), kUniqueIdBytes));
+    }
+    if (rank != 0 && rank != 1) return absl::InvalidArgumentError(absl::StrFormat("NCCL rank %d of 2", rank));
+    std::lock_guard<std::mutex> lock(fabric_->mu);
+    std::shared_ptr<FakeNcclFabric::Pair>& pair = fabric_->pairs[std::string(unique_id)];
+    if (pair == nullptr) pair = std::make_shared<FakeNcclFabric::Pair>();
+    if (pair->joined[rank]) return absl::AlreadyExistsError(absl::StrFormat("rank %d joined this id already", rank));
+    pair->joined[rank] = true;
+    return static_cast<void*>(new Comm{pair, rank, {}, 0});
+  }
+
+  absl::StatusOr<bool> Ready(void* handle) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    std::lock_guard<std::mutex> lock(fabric_->mu);
+    if (!c.pair->failed.ok()) return c.pair->failed;
+    return c.pair->joined[0] && c.pair->joined[1];
+  }
+
+  absl::StatusOr<uint64_t> Group(void* handle, bool send, std::span<const Buffer> buffers) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    std::lock_guard<std::mutex> lock(fabric_->mu);
+    if (!c.pair->failed.ok()) return c.pair->failed;
+    if (!(c.pair->joined[0] && c.pair->joined[1])) {
+      return absl::FailedPreconditionError("NCCL group on a communicator not ready");
+    }
+    auto group = std::make_shared<FakeNcclFabric::Group>();
+    group->send = send;
+    group->buffers.assign(buffers.begin(), buffers.end());
+    c.pair->posted[c.rank][send ? 1 : 0].push_back(group);
+    const uint64_t ticket = ++c.next_ticket;
+    c.tickets[ticket] = group;
+    FakeNcclFabric::Match(*c.pair);
+    return ticket;
+  }
+
+  absl::StatusOr<bool> Done(void* handle, uint64_t ticket) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    std::lock_guard<std::mutex> lock(fabric_->mu);
+    auto it = c.tickets.find(ticket);
+    if (it == c.tickets.end()) return absl::InvalidArgumentError("unknown NCCL ticket");
+    if (!c.pair->failed.ok()) {
+      c.tickets.erase(it);
+      return c.pair->failed;
+    }
+    if (!it->second->done) return false;
+    c.tickets.erase(it);
+    return true;
+  }
+
+  void Abort(void* handle) override {
+    auto* c = static_cast<Comm*>(handle);
+    {
+      std::lock_guard<std::mutex> lock(fabric_->mu);
+      if (c->pair->failed.ok()) {
+        c->pair->failed = absl::UnavailableError(absl::StrFormat("NCCL communicator aborted by rank %d", c->rank));
+      }
+    }
+    delete c;
+  }
+
+  void Destroy(void* handle) override { delete static_cast<Comm*>(handle); }
+
+ private:
+  struct Comm {
+    std::shared_ptr<FakeNcclFabric::Pair> pair;
+    int rank;
+    std::map<uint64_t, std::shared_ptr<FakeNcclFabric::Group>> tickets;
+    uint64_t next_ticket;
+  };
+  const std::shared_ptr<FakeNcclFabric> fabric_;
+};
+
+}  // namespace
+
+std::shared_ptr<FakeNcclFabric> NewFakeNcclFabric() { return std::make_shared<FakeNcclFabric>(); }
+
+std::unique_ptr<NcclApi> NewFakeNccl(std::shared_ptr<FakeNcclFabric> fabric) {
+  return std::make_unique<FakeNccl>(std::move(fabric));
+}
+
+}  // namespace tandem::kvtransfer

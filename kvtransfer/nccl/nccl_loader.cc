@@ -1,0 +1,225 @@
+// LoadNccl (nccl_api.h): the real NCCL, dlopen'd, over the CUDA runtime's
+// streams and events. Built where nccl.h is (the CUDA toolkit's); elsewhere
+// LoadNccl says so.
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kvtransfer/nccl/nccl_api.h"
+
+#ifdef TANDEM_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <thread>
+#endif
+
+namespace tandem::kvtransfer {
+
+#ifdef TANDEM_HAVE_NCCL
+namespace {
+
+struct Syms {
+  ncclResult_t (*GetVersion)(int*);
+  ncclResult_t (*GetUniqueId)(ncclUniqueId*);
+  ncclResult_t (*CommInitRankConfig)(ncclComm_t*, int, ncclUniqueId, int, ncclConfig_t*);
+  ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t*);
+  ncclResult_t (*GroupStart)();
+  ncclResult_t (*GroupEnd)();
+  ncclResult_t (*Send)(const void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+  ncclResult_t (*Recv)(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+  ncclResult_t (*CommAbort)(ncclComm_t);
+  const char* (*GetErrorString)(ncclResult_t);
+};
+
+class RealNccl final : public NcclApi {
+ public:
+  explicit RealNccl(Syms s) : s_(s) {}
+
+  absl::StatusOr<std::string> UniqueId() override {
+    ncclUniqueId id;
+    if (ncclResult_t r = s_.GetUniqueId(&id); r != ncclSuccess) return Error("ncclGetUniqueId", r);
+    return std::string(id.internal, sizeof(id.internal));
+  }
+
+  absl::StatusOr<void*> InitRank(std::string_view unique_id, int rank, int device) override {
+    if (unique_id.size() != kUniqueIdBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("NCCL unique id of %d bytes, want %d", unique_id.size(), kUniqueIdBytes));
+    }
+    if (rank != 0 && rank != 1) return absl::InvalidArgumentError(absl::StrFormat("NCCL rank %d of 2", rank));
+    if (cudaSetDevice(device) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrFormat("NCCL on GPU %d: no such device", device));
+    }
+    auto comm = std::make_unique<Comm>();
+    comm->rank = rank;
+    comm->device = device;
+    if (cudaStreamCreateWithFlags(&comm->stream, cudaStreamNonBlocking) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError("cudaStreamCreate for NCCL failed");
+    }
+    ncclUniqueId id;
+    std::memcpy(id.internal, unique_id.data(), kUniqueIdBytes);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // every call returns at once; Ready and Done poll
+    const ncclResult_t r = s_.CommInitRankConfig(&comm->comm, 2, id, rank, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      cudaStreamDestroy(comm->stream);
+      return Error("ncclCommInitRankConfig", r);
+    }
+    return static_cast<void*>(comm.release());
+  }
+
+  absl::StatusOr<bool> Ready(void* handle) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    ncclResult_t state = ncclSuccess;
+    if (ncclResult_t r = s_.CommGetAsyncError(c.comm, &state); r != ncclSuccess) {
+      return Error("ncclCommGetAsyncError", r);
+    }
+    if (state == ncclInProgress) return false;
+    if (state != ncclSuccess) return Error("the NCCL communicator", state);
+    return true;
+  }
+
+  absl::StatusOr<uint64_t> Group(void* handle, bool send, std::span<const Buffer> buffers) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    cudaSetDevice(c.device);
+    if (ncclResult_t r = s_.GroupStart(); r != ncclSuccess) return Error("ncclGroupStart", r);
+    const int peer = 1 - c.rank;
+    for (const Buffer& b : buffers) {
+      const ncclResult_t r = send ? s_.Send(b.data, static_cast<size_t>(b.bytes), ncclInt8, peer, c.comm, c.stream)
+                                  : s_.Recv(b.data, static_cast<size_t>(b.bytes), ncclInt8, peer, c.comm, c.stream);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        s_.GroupEnd();
+        return Error(send ? "ncclSend" : "ncclRecv", r);
+      }
+    }
+    const ncclResult_t r = s_.GroupEnd();
+    if (r != ncclSuccess && r != ncclInProgress) return Error("ncclGroupEnd", r);
+    // A non-blocking communicator may still be enqueueing the group (its
+    // first use of a peer connects to it, which needs the peer's group):
+    // Done records the completion event once the state says enqueued.
+    c.events[++c.next_ticket] = nullptr;
+    if (r == ncclSuccess) {
+      if (absl::Status st = Record(c, c.next_ticket); !st.ok()) return st;
+    }
+    return c.next_ticket;
+  }
+
+  absl::StatusOr<bool> Done(void* handle, uint64_t ticket) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    auto it = c.events.find(ticket);
+    if (it == c.events.end()) return absl::InvalidArgumentError("unknown NCCL ticket");
+    ncclResult_t state = ncclSuccess;
+    if (s_.CommGetAsyncError(c.comm, &state) != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
+      if (it->second != nullptr) cudaEventDestroy(it->second);
+      c.events.erase(it);
+      return Error("the NCCL communicator", state);
+    }
+    if (it->second == nullptr) {  // still being enqueued
+      if (state == ncclInProgress) return false;
+      if (absl::Status st = Record(c, ticket); !st.ok()) return st;
+    }
+    const cudaError_t e = cudaEventQuery(it->second);
+    if (e == cudaErrorNotReady) return false;
+    cudaEventDestroy(it->second);
+    c.events.erase(it);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError(absl::StrCat("an NCCL group failed on the GPU: ", cudaGetErrorString(e)));
+    }
+    return true;
+  }
+
+  void Abort(void* handle) override { End(static_cast<Comm*>(handle)); }
+  // Abort frees a non-blocking communicator at once, whatever it was doing.
+  void Destroy(void* handle) override { End(static_cast<Comm*>(handle)); }
+
+ private:
+  struct Comm {
+    ncclComm_t comm = nullptr;
+    int rank = 0;
+    int device = 0;
+    cudaStream_t stream = nullptr;
+    std::map<uint64_t, cudaEvent_t> events;
+    uint64_t next_ticket = 0;
+  };
+
+  // The completion event of `ticket`'s group, now on the stream.
+  absl::Status Record(Comm& c, uint64_t ticket) {
+    cudaSetDevice(c.device);
+    cudaEvent_t event = nullptr;
+    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventRecord(event, c.stream) != cudaSuccess) {
+      cudaGetLastError();
+      if (event != nullptr) cudaEventDestroy(event);
+      c.events.erase(ticket);
+      return absl::InternalError("recording the NCCL group's event failed");
+    }
+    c.events[ticket] = event;
+    return absl::OkStatus();
+  }
+
+  void End(Comm* c) {
+    cudaSetDevice(c->device);
+    if (c->comm != nullptr) s_.CommAbort(c->comm);
+    for (auto& [ticket, event] : c->events) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
+    if (c->stream != nullptr) cudaStreamDestroy(c->stream);
+    delete c;
+  }
+
+  absl::Status Error(const char* what, ncclResult_t r) const {
+    return absl::UnavailableError(absl::StrCat(what, ": ", s_.GetErrorString(r)));
+  }
+
+  const Syms s_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NcclApi>> LoadNccl() {
+  const char* env = std::getenv("TANDEM_NCCL");
+  const std::string path = env != nullptr && *env != '\0' ? env : "libnccl.so.2";
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot load NCCL (", path, ": ", dlerror(),
+                                               "); put libnccl.so.2's directory on LD_LIBRARY_PATH or set "
+                                               "TANDEM_NCCL to its path"));
+  }
+  Syms s{};
+  auto sym = [&](const char* name, auto* fn) {
+    *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(dlsym(lib, name));
+    return *fn != nullptr;
+  };
+  if (!sym("ncclGetVersion", &s.GetVersion) || !sym("ncclGetUniqueId", &s.GetUniqueId) ||
+      !sym("ncclCommInitRankConfig", &s.CommInitRankConfig) || !sym("ncclCommGetAsyncError", &s.CommGetAsyncError) ||
+      !sym("ncclGroupStart", &s.GroupStart) || !sym("ncclGroupEnd", &s.GroupEnd) || !sym("ncclSend", &s.Send) ||
+      !sym("ncclRecv", &s.Recv) || !sym("ncclCommAbort", &s.CommAbort) ||
+      !sym("ncclGetErrorString", &s.GetErrorString)) {
+    return absl::UnavailableError(absl::StrCat(path, " lacks a function tandem needs (NCCL 2.19 or later)"));
+  }
+  int version = 0;
+  s.GetVersion(&version);
+  if (version < 21900) {
+    return absl::UnavailableError(
+        absl::StrFormat("%s is NCCL %d; tandem needs 2.19 or later (non-blocking communicators)", path, version));
+  }
+  return std::unique_ptr<NcclApi>(new RealNccl(s));
+}
+
+#else
+
+absl::StatusOr<std::unique_ptr<NcclApi>> LoadNccl() {
+  return absl::UnimplementedError("this tandem was built without the CUDA toolkit's nccl.h (no NCCL)");
+}
+
+#endif
+
+}  // namespace tandem::kvtransfer
