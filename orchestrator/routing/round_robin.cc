@@ -18,7 +18,12 @@ absl::StatusOr<size_t> RoundRobinPolicy::Pick(const RouteRequest& /*req*/, std::
   for (const WorkerView& w : workers) {
     if (w.healthy) set = absl::HashOf(set, w.id);
   }
-  const uint64_t turn = next_[set % kCursors].fetch_add(1, std::memory_order_relaxed);
+  uint64_t turn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (next_.size() >= kMaxSets && !next_.contains(set)) next_.clear();
+    turn = next_[set]++;
+  }
   return routing_internal::NthHealthy(workers, turn % healthy);
 }
 
