@@ -59,16 +59,18 @@ absl::StatusOr<std::vector<CopyRun>> PlanRuns(std::span<const BlockPair> blocks,
       return absl::InvalidArgumentError(
           absl::StrFormat("block pair %d: destination block %d is written twice", i, b.dst));
     }
-    const int64_t src = int64_t{b.src} * block_bytes;
-    const int64_t dst = int64_t{b.dst} * block_bytes;
-    if (!runs.empty() && runs.back().src_offset + runs.back().bytes == src &&
-        runs.back().dst_offset + runs.back().bytes == dst) {
-      runs.back().bytes += block_bytes;
-    } else {
-      runs.push_back({src, dst, block_bytes});
-    }
+    AppendRun(runs, {int64_t{b.src} * block_bytes, int64_t{b.dst} * block_bytes, block_bytes});
   }
   return runs;
+}
+
+void AppendRun(std::vector<CopyRun>& runs, const CopyRun& run) {
+  if (!runs.empty() && runs.back().src_offset + runs.back().bytes == run.src_offset &&
+      runs.back().dst_offset + runs.back().bytes == run.dst_offset) {
+    runs.back().bytes += run.bytes;
+  } else {
+    runs.push_back(run);
+  }
 }
 
 bool TransportCapabilities::Moves(MemoryType m) const {

@@ -83,6 +83,10 @@ struct CopyRun {
   int64_t bytes;
 };
 
+// Appends a run to `runs`, merged into the last one where the two are
+// contiguous on both sides.
+void AppendRun(std::vector<CopyRun>& runs, const CopyRun& run);
+
 // Expands `blocks` (in order) to byte runs of block_bytes each and merges
 // neighbours that are contiguous on both sides. InvalidArgument for a block id
 // outside [0, src_blocks) or [0, dst_blocks), or a destination used twice.

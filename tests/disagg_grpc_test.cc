@@ -92,6 +92,19 @@ class DisaggGrpcTest : public WorkerTest {
 
   Output Aggregated(const v1::GenerateRequest& req) { return Generate(aggregated_->stub(), req); }
 
+  // The decode side's output of `req` after its KV did not arrive: the
+  // reference's tokens after the first (it went on from the prefill
+  // worker's first token), or all of them (it prefilled locally).
+  void ExpectFallbackOutput(const Output& d, const v1::GenerateRequest& req) {
+    const Output reference = Aggregated(req);
+    if (!d.includes_first_token) {
+      std::vector<int32_t> tail(reference.tokens.begin() + 1, reference.tokens.end());
+      EXPECT_EQ(d.tokens, tail);
+    } else {
+      ExpectSameOutput(d, reference, "prefilled locally");
+    }
+  }
+
   // Waits until `decode` has a KV pull submitted to its transport.
   static void ExpectPullInFlight(WorkerProcess& decode) {
     ASSERT_TRUE(WaitForPullInFlight(decode.stub())) << "no KV pull started on the decode worker";
@@ -997,13 +1010,7 @@ TEST_F(DisaggGrpcTest, AStoppingPusherTellsTheDecodeWorker) {
   EXPECT_LT(std::chrono::steady_clock::now() - stopped, seconds(10)) << "the decode worker waited for its deadline";
   EXPECT_TRUE(d.status.ok()) << d.status.error_message();
   send.join();
-  const Output reference = Aggregated(req);
-  if (!d.includes_first_token) {
-    std::vector<int32_t> tail(reference.tokens.begin() + 1, reference.tokens.end());
-    EXPECT_EQ(d.tokens, tail);
-  } else {
-    ExpectSameOutput(d, reference, "prefilled locally");
-  }
+  ExpectFallbackOutput(d, req);
   const v1::LoadReport load = ExpectIdle(decode->stub(), "decode");
   EXPECT_EQ(load.local_prefill_fallbacks(), 1);
   EXPECT_EQ(load.expired_reservations(), 0);
@@ -1032,13 +1039,7 @@ TEST_F(DisaggGrpcTest, AKilledPusherIsNoticedByTheReceiveAtOnce) {
   const Output d = receive.Finish();
   EXPECT_LT(std::chrono::steady_clock::now() - killed, seconds(5)) << "the decode worker waited for its deadline";
   EXPECT_TRUE(d.status.ok()) << d.status.error_message();
-  const Output reference = Aggregated(req);
-  if (!d.includes_first_token) {
-    std::vector<int32_t> tail(reference.tokens.begin() + 1, reference.tokens.end());
-    EXPECT_EQ(d.tokens, tail);
-  } else {
-    ExpectSameOutput(d, reference, "prefilled locally");
-  }
+  ExpectFallbackOutput(d, req);
   const v1::LoadReport dl = ExpectIdle(decode->stub(), "decode");
   EXPECT_EQ(dl.local_prefill_fallbacks(), 1);
   EXPECT_EQ(dl.expired_reservations(), 0);

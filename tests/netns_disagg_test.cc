@@ -119,69 +119,94 @@ class Topology {
       ctl_root_d_;
 };
 
-TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
-  if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root; this test runs as uid " << geteuid();
-  std::string why;
-  std::unique_ptr<Topology> topo = Topology::Create(&why);
-  if (topo == nullptr) GTEST_SKIP() << "cannot build the two-namespace topology: " << why;
+// The two namespaces, and workers in them over one KV transport.
+class NetnsDisaggTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root; this test runs as uid " << geteuid();
+    std::string why;
+    topo_ = Topology::Create(&why);
+    if (topo_ == nullptr) GTEST_SKIP() << "cannot build the two-namespace topology: " << why;
+  }
 
-  const std::vector<std::string> common = {
-      "--model",        "builtin:tiny", "--kv-cache-memory",  "8MiB", "--host", "0.0.0.0",
-      "--kv-transport", "ucx",          "--kv-transport-tls", "tcp"};
-  auto flags = [&](std::vector<std::string> extra) {
-    std::vector<std::string> f = common;
-    f.insert(f.end(), extra.begin(), extra.end());
-    return f;
-  };
-  absl::StatusOr<std::unique_ptr<WorkerProcess>> prefill = WorkerProcess::Start(
-      // Insecure: the decode worker's address is in another namespace, off
-      // loopback, so the prefill worker must be allowed to dial it.
-      flags({"--role", "prefill", "--kv-hold-timeout-ms", "3000", "--kv-peer-allow", "any"}), seconds(30),
-      topo->Launch(true));
+  // A worker of the tiny model in the prefill (or the decode) namespace,
+  // listening on every address, with `transport_` and `extra`.
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> StartIn(bool prefill_ns, const std::vector<std::string>& extra) {
+    std::vector<std::string> flags = {"--model", "builtin:tiny", "--kv-cache-memory", "8MiB", "--host", "0.0.0.0"};
+    flags.insert(flags.end(), transport_.begin(), transport_.end());
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return WorkerProcess::Start(flags, seconds(30), topo_->Launch(prefill_ns));
+  }
+  // Insecure: the decode worker's address is in another namespace, off
+  // loopback, so the prefill worker must be allowed to dial it.
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> StartPrefill(std::vector<std::string> extra = {},
+                                                              const std::string& hold_timeout_ms = "3000") {
+    std::vector<std::string> flags = {"--role",        "prefill",         "--kv-hold-timeout-ms",
+                                      hold_timeout_ms, "--kv-peer-allow", "any"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return StartIn(true, flags);
+  }
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> StartDecode(std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {"--role", "decode", "--kv-quarantine-ms", "300"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return StartIn(false, flags);
+  }
+
+  // Six concurrent requests of mixed lengths (prompts MakePrompt(seed + i),
+  // odd ones sampled with seed sample_seed + i) split between `prefill` and
+  // `decode` across the pair: each matches `aggregated`'s output.
+  void RunMixedRequests(WorkerProcess& prefill, WorkerProcess& decode, WorkerProcess& aggregated, uint32_t seed,
+                        uint32_t sample_seed) {
+    const int lengths[] = {5, 16, 70, 130, 257, 33};
+    std::vector<v1::GenerateRequest> reqs;
+    for (int i = 0; i < 6; ++i) {
+      std::vector<int32_t> prompt = MakePrompt(seed + i, lengths[i]);
+      reqs.push_back(i % 2 ? SampledRequest(prompt, 12, sample_seed + i) : GreedyRequest(prompt, 12));
+      reqs.back().mutable_sampling()->set_ignore_eos(true);
+    }
+    const std::vector<Split> got =
+        RunDisaggregatedConcurrently(prefill.stub(), decode.stub(), topo_->DecodeOnPair(decode.port()), reqs);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const std::string what = absl::StrCat("request ", i);
+      EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
+      ExpectSameOutput(got[i].combined, Generate(aggregated.stub(), reqs[i]), what);
+    }
+  }
+
+  std::unique_ptr<Topology> topo_;
+  std::vector<std::string> transport_;
+};
+
+TEST_F(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
+  transport_ = {"--kv-transport", "ucx", "--kv-transport-tls", "tcp"};
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> prefill = StartPrefill();
   ASSERT_TRUE(prefill.ok()) << prefill.status();
-  absl::StatusOr<std::unique_ptr<WorkerProcess>> decode =
-      WorkerProcess::Start(flags({"--role", "decode", "--kv-quarantine-ms", "300"}), seconds(30), topo->Launch(false));
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> decode = StartDecode();
   ASSERT_TRUE(decode.ok()) << decode.status();
   absl::StatusOr<std::unique_ptr<WorkerProcess>> aggregated =
       WorkerProcess::Start({"--model", "builtin:tiny", "--kv-cache-memory", "8MiB"});
   ASSERT_TRUE(aggregated.ok()) << aggregated.status();
-  const std::string decode_on_pair = topo->DecodeOnPair((*decode)->port());
 
   // Concurrent requests of mixed lengths match one worker's outputs.
-  const int64_t rx_before = topo->DecodePairRxBytes();
-  const int lengths[] = {5, 16, 70, 130, 257, 33};
-  std::vector<v1::GenerateRequest> reqs;
-  for (int i = 0; i < 6; ++i) {
-    std::vector<int32_t> prompt = MakePrompt(500 + i, lengths[i]);
-    reqs.push_back(i % 2 ? SampledRequest(prompt, 12, 40 + i) : GreedyRequest(prompt, 12));
-    reqs.back().mutable_sampling()->set_ignore_eos(true);
-  }
-  const std::vector<Split> got =
-      RunDisaggregatedConcurrently((*prefill)->stub(), (*decode)->stub(), decode_on_pair, reqs);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    const std::string what = absl::StrCat("request ", i);
-    EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
-    ExpectSameOutput(got[i].combined, Generate((*aggregated)->stub(), reqs[i]), what);
-  }
+  const int64_t rx_before = topo_->DecodePairRxBytes();
+  RunMixedRequests(**prefill, **decode, **aggregated, 500, 40);
   const v1::LoadReport d = ExpectIdle((*decode)->stub(), "decode");
   EXPECT_EQ(d.kv_pulls(), 6);
   EXPECT_EQ(d.local_prefill_fallbacks(), 0);
   ExpectIdle((*prefill)->stub(), "prefill");
   // The KV crossed the pair (the decode end received at least its bytes).
-  EXPECT_GE(topo->DecodePairRxBytes() - rx_before, d.kv_bytes_pulled());
+  EXPECT_GE(topo_->DecodePairRxBytes() - rx_before, d.kv_bytes_pulled());
 
   // The prefill worker dies while the decode worker's pull is held back (a
   // delay fault): over tcp the pull fails, the decode worker prefills locally
   // and frees everything.
-  absl::StatusOr<std::unique_ptr<WorkerProcess>> slow_decode =
-      WorkerProcess::Start(flags({"--role", "decode", "--kv-quarantine-ms", "300", "--kv-fault", "delay_ms=1000"}),
-                           seconds(30), topo->Launch(false));
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> slow_decode = StartDecode({"--kv-fault", "delay_ms=1000"});
   ASSERT_TRUE(slow_decode.ok()) << slow_decode.status();
   const v1::GenerateRequest req = GreedyRequest(MakePrompt(600, 90), 8);
   ReceiveStream receive((*slow_decode)->stub(), req, /*timeout_ms=*/10000);
   ASSERT_TRUE(receive.reserved());
   std::jthread send([&] {
-    Generate((*prefill)->stub(), SendRequest(req, topo->DecodeOnPair((*slow_decode)->port()), receive.reservation()),
+    Generate((*prefill)->stub(), SendRequest(req, topo_->DecodeOnPair((*slow_decode)->port()), receive.reservation()),
              seconds(20));
   });
   // The pull is under way (held by the delay): kill the prefill worker.
@@ -201,63 +226,34 @@ TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxTcp) {
 // transports): pushes across the veth pair match one worker's outputs, and
 // a prefill worker killed after the JOIN makes the decode worker prefill
 // locally at once.
-TEST(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxStaged) {
-  if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root; this test runs as uid " << geteuid();
-  std::string why;
-  std::unique_ptr<Topology> topo = Topology::Create(&why);
-  if (topo == nullptr) GTEST_SKIP() << "cannot build the two-namespace topology: " << why;
-  const std::vector<std::string> common = {"--model",       "builtin:tiny", "--kv-cache-memory",  "8MiB",
-                                           "--host",        "0.0.0.0",      "--kv-transport",     "ucx_staged",
-                                           "--kv-delivery", "push",         "--kv-transport-tls", "tcp"};
-  auto flags = [&](std::vector<std::string> extra) {
-    std::vector<std::string> f = common;
-    f.insert(f.end(), extra.begin(), extra.end());
-    return f;
-  };
-  absl::StatusOr<std::unique_ptr<WorkerProcess>> prefill =
-      WorkerProcess::Start(flags({"--role", "prefill", "--kv-hold-timeout-ms", "3000", "--kv-peer-allow", "any"}),
-                           seconds(30), topo->Launch(true));
+TEST_F(NetnsDisaggTest, WorkersInSeparateNamespacesOverUcxStaged) {
+  transport_ = {"--kv-transport", "ucx_staged", "--kv-delivery", "push", "--kv-transport-tls", "tcp"};
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> prefill = StartPrefill();
   ASSERT_TRUE(prefill.ok()) << prefill.status();
-  absl::StatusOr<std::unique_ptr<WorkerProcess>> decode =
-      WorkerProcess::Start(flags({"--role", "decode", "--kv-quarantine-ms", "300"}), seconds(30), topo->Launch(false));
+  absl::StatusOr<std::unique_ptr<WorkerProcess>> decode = StartDecode();
   ASSERT_TRUE(decode.ok()) << decode.status();
   absl::StatusOr<std::unique_ptr<WorkerProcess>> aggregated =
       WorkerProcess::Start({"--model", "builtin:tiny", "--kv-cache-memory", "8MiB"});
   ASSERT_TRUE(aggregated.ok()) << aggregated.status();
 
-  const int64_t rx_before = topo->DecodePairRxBytes();
-  const int lengths[] = {5, 16, 70, 130, 257, 33};
-  std::vector<v1::GenerateRequest> reqs;
-  for (int i = 0; i < 6; ++i) {
-    std::vector<int32_t> prompt = MakePrompt(700 + i, lengths[i]);
-    reqs.push_back(i % 2 ? SampledRequest(prompt, 12, 60 + i) : GreedyRequest(prompt, 12));
-    reqs.back().mutable_sampling()->set_ignore_eos(true);
-  }
-  const std::vector<Split> got =
-      RunDisaggregatedConcurrently((*prefill)->stub(), (*decode)->stub(), topo->DecodeOnPair((*decode)->port()), reqs);
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    const std::string what = absl::StrCat("request ", i);
-    EXPECT_EQ(got[i].prefill.kv_transfer_error, "") << what;
-    ExpectSameOutput(got[i].combined, Generate((*aggregated)->stub(), reqs[i]), what);
-  }
+  const int64_t rx_before = topo_->DecodePairRxBytes();
+  RunMixedRequests(**prefill, **decode, **aggregated, 700, 60);
   const v1::LoadReport d = ExpectIdle((*decode)->stub(), "decode");
   EXPECT_EQ(d.kv_pushes_received(), 6);
   EXPECT_EQ(d.local_prefill_fallbacks(), 0);
   const v1::LoadReport p = ExpectIdle((*prefill)->stub(), "prefill");
   EXPECT_EQ(p.kv_pushes(), 6);
-  EXPECT_GE(topo->DecodePairRxBytes() - rx_before, p.kv_bytes_pushed());
+  EXPECT_GE(topo_->DecodePairRxBytes() - rx_before, p.kv_bytes_pushed());
 
   // The pusher killed while its push is held back (a delay fault).
   absl::StatusOr<std::unique_ptr<WorkerProcess>> slow_prefill =
-      WorkerProcess::Start(flags({"--role", "prefill", "--kv-hold-timeout-ms", "5000", "--kv-peer-allow", "any",
-                                  "--kv-fault", "delay_ms=3000"}),
-                           seconds(30), topo->Launch(true));
+      StartPrefill({"--kv-fault", "delay_ms=3000"}, /*hold_timeout_ms=*/"5000");
   ASSERT_TRUE(slow_prefill.ok()) << slow_prefill.status();
   const v1::GenerateRequest req = GreedyRequest(MakePrompt(800, 90), 8);
   ReceiveStream receive((*decode)->stub(), req, /*timeout_ms=*/30000);
   ASSERT_TRUE(receive.reserved());
   std::jthread send([&] {
-    Generate((*slow_prefill)->stub(), SendRequest(req, topo->DecodeOnPair((*decode)->port()), receive.reservation()),
+    Generate((*slow_prefill)->stub(), SendRequest(req, topo_->DecodeOnPair((*decode)->port()), receive.reservation()),
              seconds(20));
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(800));  // joined, the push held back

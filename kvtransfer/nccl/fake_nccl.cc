@@ -17,7 +17,6 @@ namespace tandem::kvtransfer {
 class FakeNcclFabric {
  public:
   struct Group {
-    bool send = false;
     std::vector<NcclApi::Buffer> buffers;
     bool done = false;
   };
@@ -101,7 +100,6 @@ class FakeNccl final : public NcclApi {
       return absl::FailedPreconditionError("NCCL group on a communicator not ready");
     }
     auto group = std::make_shared<FakeNcclFabric::Group>();
-    group->send = send;
     group->buffers.assign(buffers.begin(), buffers.end());
     c.pair->posted[c.rank][send ? 1 : 0].push_back(group);
     const uint64_t ticket = ++c.next_ticket;

@@ -38,13 +38,7 @@ std::vector<CopyRun> StagingRuns(std::span<const BlockPair> pairs, int64_t block
   for (size_t i = 0; i < pairs.size(); ++i) {
     const int64_t slot = static_cast<int64_t>(i) * block_bytes;
     const int64_t pool = static_cast<int64_t>(to ? pairs[i].src : pairs[i].dst) * block_bytes;
-    const CopyRun run{.src_offset = to ? pool : slot, .dst_offset = to ? slot : pool, .bytes = block_bytes};
-    if (!runs.empty() && runs.back().src_offset + runs.back().bytes == run.src_offset &&
-        runs.back().dst_offset + runs.back().bytes == run.dst_offset) {
-      runs.back().bytes += block_bytes;
-    } else {
-      runs.push_back(run);
-    }
+    AppendRun(runs, {.src_offset = to ? pool : slot, .dst_offset = to ? slot : pool, .bytes = block_bytes});
   }
   return runs;
 }

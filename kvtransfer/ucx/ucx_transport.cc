@@ -396,7 +396,6 @@ class UcxTransport::Impl {
     }
     auto xfer = std::make_shared<Xfer>();
     xfer->peer = agent_id;
-    xfer->push = push;
     xfer->kind = push ? Kind::kPut : Kind::kGet;
     xfer->deadline = std::min(deadline, Clock::now() + options_.max_transfer_time);
     uint64_t id;
@@ -433,7 +432,6 @@ class UcxTransport::Impl {
     auto xfer = std::make_shared<Xfer>();
     xfer->peer = agent_id;
     xfer->kind = send ? Kind::kSend : Kind::kRecv;
-    xfer->push = send;
     xfer->tag = tag & kTransferTagMask;
     xfer->after = std::move(after);
     xfer->deadline = std::min(deadline, Clock::now() + options_.max_transfer_time);
@@ -486,7 +484,7 @@ class UcxTransport::Impl {
     uint64_t id = 0;
     std::string peer;
     Kind kind = Kind::kPut;
-    bool push = true;  // kPut and kSend
+    bool push() const { return kind == Kind::kPut || kind == Kind::kSend; }
     std::vector<CopyRun> runs;
     size_t next = 0;      // first run not posted yet
     int outstanding = 0;  // UCX requests in flight
@@ -883,7 +881,7 @@ class UcxTransport::Impl {
       p.user_data = op;
       p.memh = pool_memh_;
       ucs_status_ptr_t r;
-      if (x.push) {
+      if (x.push()) {
         r = ucp_put_nbx(conn->ep, pool_base_ + run.src_offset, static_cast<size_t>(run.bytes),
                         conn->address.base + static_cast<uint64_t>(run.dst_offset), conn->rkey, &p);
       } else {
@@ -897,7 +895,7 @@ class UcxTransport::Impl {
       }
       delete op;
       if (UCS_PTR_IS_ERR(r)) {
-        Abort(x, UcxError(x.push ? "ucp_put_nbx" : "ucp_get_nbx", UCS_PTR_STATUS(r)));
+        Abort(x, UcxError(x.push() ? "ucp_put_nbx" : "ucp_get_nbx", UCS_PTR_STATUS(r)));
         return;
       }
     }
@@ -908,7 +906,7 @@ class UcxTransport::Impl {
   // Every operation of `x` is posted: a push flushes the endpoint (once),
   // and `x` finishes when nothing of it is outstanding.
   void Complete(Xfer& x, Conn& conn) {
-    if (x.push && !x.flush_posted) {
+    if (x.push() && !x.flush_posted) {
       // Remote completion of every put: done(OK) may not come before it.
       x.flush_posted = true;
       auto* op = new OpCtx{this, x.id, true};
@@ -928,8 +926,8 @@ class UcxTransport::Impl {
         x.flush_done = true;
       }
     }
-    if (x.outstanding > 0 || (x.push && !x.flush_done)) return;
-    absl::Status gone = x.kind == Kind::kRecv ? absl::OkStatus() : PeerGone(conn);
+    if (x.outstanding > 0 || (x.push() && !x.flush_done)) return;
+    absl::Status gone = PeerGone(conn);
     if (!gone.ok()) {
       Finish(x, gone);
       return;
@@ -1135,14 +1133,9 @@ class UcxTransport::Impl {
       if (x.chunks_done == x.num_chunks) Complete(x, *conn);
       return;
     }
-    if (x.chunks_done == x.num_chunks) {
-      Conn* conn = FindConn(x.peer);
-      if (conn != nullptr) {
-        Complete(x, *conn);
-      } else {
-        Finish(x, absl::OkStatus());
-      }
-    }
+    // A receive is done once every chunk is in the pool, whatever became
+    // of its sender since.
+    if (x.chunks_done == x.num_chunks) Finish(x, absl::OkStatus());
   }
 
   int64_t ChunkBytes(const Xfer& x, int64_t chunk) const {

@@ -69,8 +69,9 @@ struct TransferBenchOptions {
   int repeats = 5;
   bool json = false;
   int target_device = 0;  // cuda_ipc: the target process's GPU (the initiator's is 0)
-  int staging_slots = 8;  // ucx_staged
-  int staging_slot_mib = 4;
+  // ucx_staged's ring; the defaults are the transport's.
+  int staging_slots = kvtransfer::TransportOptions{}.staging_slots;
+  int staging_slot_mib = static_cast<int>(kvtransfer::TransportOptions{}.staging_slot_bytes >> 20);
 };
 
 // Llama-3-8B: 32 layers, 8 KV heads, head dim 128, fp16, K and V.
@@ -414,6 +415,15 @@ absl::StatusOr<void*> AllocateBenchPool(kvtransfer::UcxTransport& t, const PoolL
   return p;
 }
 
+// A UCX target process's exit code: a failure is printed, and told to the
+// initiator (which waits for a PeerInfo) as an empty message.
+int TargetExit(const absl::Status& st, int to_parent) {
+  if (st.ok()) return 0;
+  std::fprintf(stderr, "tandem bench transfer (target): %s\n", st.ToString().c_str());
+  (void)WriteMessage(to_parent, "");
+  return 1;
+}
+
 // The target process: a UCX-allocated pool, its PeerInfo up the pipe, then
 // progress (on the transport's thread) until the initiator closes the pipe.
 int RunTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
@@ -430,13 +440,7 @@ int RunTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
     }
     return absl::OkStatus();
   }();
-  if (!st.ok()) {
-    std::fprintf(stderr, "tandem bench transfer (target): %s\n", st.ToString().c_str());
-    // Tell the initiator, which is waiting for a PeerInfo.
-    (void)WriteMessage(to_parent, "");
-    return 1;
-  }
-  return 0;
+  return TargetExit(st, to_parent);
 }
 
 absl::Status RunUcx(const TransferBenchOptions& opt) {
@@ -634,8 +638,7 @@ absl::Status ReadStagedBlock(const StagedPool& pool, int32_t block, uint8_t* out
   if (pool.layout.memory_type == kvtransfer::MemoryType::kCuda)
     return ReadDeviceBlock(pool.base, pool.layout, block, out);
 #endif
-  HostBlocks(pool.base, pool.layout)(block, out);
-  return absl::OkStatus();
+  return HostBlocks(pool.base, pool.layout)(block, out);
 }
 
 int RunStagedTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
@@ -672,12 +675,7 @@ int RunStagedTarget(const TransferBenchOptions& opt, int to_parent, int from_par
       RETURN_IF_ERROR(WriteMessage(to_parent, id.ok() ? "ok" : "!" + std::string(id.status().message())));
     }
   }();
-  if (!st.ok()) {
-    std::fprintf(stderr, "tandem bench transfer (target): %s\n", st.ToString().c_str());
-    (void)WriteMessage(to_parent, "");
-    return 1;
-  }
-  return 0;
+  return TargetExit(st, to_parent);
 }
 
 absl::Status RunStaged(const TransferBenchOptions& opt) {
@@ -744,7 +742,8 @@ absl::Status RunTransferBench(TransferBenchOptions opt) {
   if (opt.staging_slots < 2 || opt.staging_slot_mib < 2) {
     return absl::InvalidArgumentError("--staging-slots and --staging-slot-mib must be >= 2");
   }
-  if (!staged && (opt.staging_slots != 8 || opt.staging_slot_mib != 4)) {
+  const TransferBenchOptions defaults;
+  if (!staged && (opt.staging_slots != defaults.staging_slots || opt.staging_slot_mib != defaults.staging_slot_mib)) {
     return absl::InvalidArgumentError("--staging-slots and --staging-slot-mib are for --backend ucx_staged");
   }
   if (staged && opt.op != "push") {

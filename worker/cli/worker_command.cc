@@ -61,15 +61,16 @@ struct WorkerOptions {
   std::string kv_fallback = "local";             // decode, KV never came: local (prefill here) or error
   bool no_kv_checksums = false;                  // prefill: send no per-block checksums
   std::string kv_delivery = "pull";              // pull or push (KvHandoffConfig::push)
-  int kv_staging_slots = 8;                      // ucx_staged: slots of the staging ring
-  std::string kv_staging_slot_size = "4MiB";     // ucx_staged: bytes a slot
-  int64_t kv_staging_slot_bytes = 0;             // parsed from kv_staging_slot_size
-  int kv_quarantine_ms = 2000;                   // decode: a failed transfer's blocks stay unused this long
-  std::string kv_fault;                          // testing: faults injected into the KV transport
-  std::string kv_domain;                         // "": the transport's (ModelInfo.kv_domain)
-  std::string engine_kind = "real";              // real, or sim (simulated compute, for routing experiments)
-  std::string device = "cpu";                    // real: cpu, cuda or cuda:N
-  SimTiming sim;                                 // --engine sim's timing model
+  int kv_staging_slots = kvtransfer::TransportOptions{}.staging_slots;  // ucx_staged: slots of the staging ring
+  std::string kv_staging_slot_size =  // ucx_staged: bytes a slot (the transport's default, whole MiB)
+      absl::StrCat(kvtransfer::TransportOptions{}.staging_slot_bytes >> 20, "MiB");
+  int64_t kv_staging_slot_bytes = 0;  // parsed from kv_staging_slot_size
+  int kv_quarantine_ms = 2000;        // decode: a failed transfer's blocks stay unused this long
+  std::string kv_fault;               // testing: faults injected into the KV transport
+  std::string kv_domain;              // "": the transport's (ModelInfo.kv_domain)
+  std::string engine_kind = "real";   // real, or sim (simulated compute, for routing experiments)
+  std::string device = "cpu";         // real: cpu, cuda or cuda:N
+  SimTiming sim;                      // --engine sim's timing model
   EngineConfig engine;
 };
 
@@ -237,7 +238,9 @@ absl::Status RunWorker(WorkerOptions opt) {
   } else {
     return absl::InvalidArgumentError(absl::StrCat("--kv-staging-slot-size: ", slot.status().message()));
   }
-  if ((opt.kv_staging_slots != 8 || opt.kv_staging_slot_bytes != (int64_t{4} << 20)) &&
+  const kvtransfer::TransportOptions transport_defaults;
+  if ((opt.kv_staging_slots != transport_defaults.staging_slots ||
+       opt.kv_staging_slot_bytes != transport_defaults.staging_slot_bytes) &&
       opt.kv_transport != "ucx_staged") {
     return absl::InvalidArgumentError(absl::StrFormat(
         "--kv-staging-slots and --kv-staging-slot-size apply to --kv-transport ucx_staged only (got --kv-transport %s)",

@@ -660,10 +660,19 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
     e.state = State::kPulling;  // verifying (a second PUSHED is ALREADY_EXISTS)
   }
   pull->Bind(req, response, std::move(done));
+  // A PUSHED that delivers nothing usable falls back at once.
+  grpc::Status refused = grpc::Status::OK;
+  if (!req.sender_error().empty()) {
+    refused = grpc::Status(StatusCode::ABORTED,
+                           absl::StrCat("the prefill worker could not push the KV: ", req.sender_error()));
+  } else if (missing_checksums) {
+    refused = grpc::Status(StatusCode::INVALID_ARGUMENT,
+                           "KvReady PUSHED carries no block_checksums: pushed KV is committed only once verified");
+  }
   // A send/receive transport's Receive: still running, or how it ended.
   absl::Status received;  // a one-sided push: the sender's word is the evidence
-  uint64_t receive_running = 0;
-  bool wait = false;
+  bool running = false;
+  uint64_t receive_id = 0;
   bool ended = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -671,32 +680,22 @@ void KvReceiver::Pushed(const tandem::v1::KvReadyRequest& req, tandem::v1::KvRea
     ended = it == entries_.end();
     if (!ended && it->second.receiving) {
       Entry& e = it->second;
-      if (!e.received) {
-        receive_running = e.transfer_id;
-        // Committed once the bytes landed (OnReceived), unless it fails below.
-        wait = req.sender_error().empty() && !missing_checksums;
-        if (wait) e.pushed = pull;
+      running = !e.received;
+      if (running) {
+        receive_id = e.transfer_id;
+        // Committed once the bytes landed (OnReceived).
+        if (refused.ok()) e.pushed = pull;
       } else {
         received = e.receive_status;
       }
     }
   }
-  if (!req.sender_error().empty() || missing_checksums) {
-    if (receive_running != 0) transport_->Cancel(receive_running);
-    if (!req.sender_error().empty()) {
-      Fail(pull,
-           grpc::Status(StatusCode::ABORTED,
-                        absl::StrCat("the prefill worker could not push the KV: ", req.sender_error())),
-           /*fall_back=*/true);
-    } else {
-      Fail(pull,
-           grpc::Status(StatusCode::INVALID_ARGUMENT,
-                        "KvReady PUSHED carries no block_checksums: pushed KV is committed only once verified"),
-           /*fall_back=*/true);
-    }
+  if (!refused.ok()) {
+    if (running && receive_id != 0) transport_->Cancel(receive_id);
+    Fail(pull, std::move(refused), /*fall_back=*/true);
     return;
   }
-  if (wait) return;
+  if (running) return;  // OnReceived goes on
   if (ended && transport_->capabilities().needs_pairing) {
     // Ended meanwhile (its Receive failed, a cancel): the bytes were not
     // seen to land, so nothing is verified.
