@@ -614,6 +614,26 @@ TEST(CudaAttentionTest, SmallPrefillTiles) {
   RunCase({.seqs = {{70, 500}, {129, 129}}, .group = 4, .head_dim = 64, .block_size = 64, .causal = false, .seed = 16});
 }
 
+TEST(CudaAttentionTest, SmallLongKeyTiles) {
+  SKIP_WITHOUT_GPU();
+  // Non-causal at head_dim 128 from 8192 keys: 176-key tiles, loaded as
+  // pieces of pages (16-64 keys each at pages of 64), one Q buffer; pages of
+  // 16 take the lazy rescale as well.
+  RunCase({.seqs = {{3, 8300}, {1, 9000}, {130, 8192}},
+           .group = 2,
+           .head_dim = 128,
+           .block_size = 64,
+           .causal = false,
+           .seed = 17});
+  RunCase({.seqs = {{2, 8200}, {1, 33}},
+           .group = 4,
+           .head_dim = 128,
+           .block_size = 16,
+           .causal = false,
+           .dtype = DType::kF16,
+           .seed = 18});
+}
+
 TEST(CudaAttentionTest, SmallSplitKv) {
   SKIP_WITHOUT_GPU();
   // Long enough for several KV splits and their merge.
@@ -814,6 +834,11 @@ TEST(CudaAttentionTest, SmallBadBlockId) {
   // 80-95): rows 0-79 computed, the rest zero.
   RunBadBlockCase({.seqs = {{150, 150}, {20, 300}}, .group = 1, .head_dim = 128, .block_size = 16, .seed = 23}, 0, 5,
                   3);
+  // Non-causal past 8192 keys (176-key tiles): every row of the sequence
+  // reaches the bad block, the other sequence is right.
+  RunBadBlockCase(
+      {.seqs = {{2, 9000}, {3, 8500}}, .group = 2, .head_dim = 128, .block_size = 32, .causal = false, .seed = 24}, 1,
+      70, 2);
 }
 
 TEST(CudaAttentionTest, BadBlockIdWithSplitKv) {

@@ -379,6 +379,13 @@ __device__ __forceinline__ void FenceRegsU(uint32_t (&d)[kN]) {
   for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 
+// The pool's tensor maps for PrefillFa3Kernel: box[j] reads 16 * (j + 1)
+// slots of one page (a key tile is loaded as its pieces within pages; only
+// the sizes a launch can meet are encoded).
+struct PoolMaps {
+  CUtensorMap box[4];
+};
+
 // The FlashAttention-3 recipe (the file comment describes it). kOpt:
 // kOptTma loads whole pages with TMA (the default); without it every tile
 // is gathered with cp.async (for comparison). Every consumer runs every key
@@ -387,10 +394,10 @@ __device__ __forceinline__ void FenceRegsU(uint32_t (&d)[kN]) {
 // peeled off the loop so that the loop's wgmma waits are uniform (a branch
 // between issue and wait makes ptxas serialize the products). Same contract
 // (grid, masks, bad block ids, zero rows) as PrefillWsKernel.
-template <typename T, int kD, int kOpt>
-__global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __grid_constant__ CUtensorMap pool_map,
+template <typename T, int kD, int kOpt, int kN>
+__global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __grid_constant__ PoolMaps maps,
                                                            int tiles_x, int num_items, unsigned* sched) {
-  constexpr int kN = 128;
+  static_assert(kN == 128 || (kN == 176 && kD == 128), "key tiles of 128, or 176 at head_dim 128");
   constexpr int kM = 128;
   constexpr int kChunks = kD / 8;
   constexpr int kRowBytes = kD * 2;
@@ -403,6 +410,17 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
   constexpr bool kQRegs = (kOpt & kOptQRegs) != 0;
   constexpr bool kCross = (kOpt & kOptCrossItem) != 0 && kPersistent;
   static_assert(!(kCross && kQRegs), "kOptCrossItem keeps Q in shared memory");
+  static_assert(!(kQRegs && kN != 128), "kOptQRegs has no registers to spare past 128-key tiles");
+  // 176-key tiles: K and V stages of 44 KB leave room for one Q buffer, and
+  // the consumers take 240 registers (S of the next tile, P and O live
+  // together: 196 a thread; 20 bytes of spills at 240, 88 at 232).
+  constexpr int kQBufs = kN == 128 ? 2 : 1;
+  constexpr int kProducerRegs = kN == 128 ? 56 : 24;
+  constexpr int kConsumerRegs = kN == 128 ? 224 : 240;
+  // setmaxnreg.inc waits until the CTA's pool holds the registers: all
+  // there is is what the launch gave, 168 a thread (65536 / 384, rounded
+  // down to 8); asking for more hangs the consumers.
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * 384, "setmaxnreg beyond the CTA's registers");
   // A work item (128 query rows of one head and sequence) as the producer
   // publishes it with its Q buffer; n_keys < 0: no more items.
   struct Item {
@@ -414,7 +432,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
   // full_k[2], empty_k[2], full_v[2], empty_v[2], q_full[2], q_empty[2]
   __shared__ __align__(8) uint64_t bars[4 * kStages + 4];
   const uint32_t sQ0 = (SmemAddr(smem) + 1023) & ~1023u;  // Q buffer i at sQ0 + i * kM * kRowBytes
-  const uint32_t sK = sQ0 + 2 * kM * kRowBytes;           // K stage i at sK + i * tile
+  const uint32_t sK = sQ0 + kQBufs * kM * kRowBytes;      // K stage i at sK + i * tile
   const uint32_t sV = sK + kStages * kTileBytes;          // V stage i at sV + i * tile
   const uint32_t fullk = SmemAddr(&bars[0]), emptyk = fullk + 8 * kStages;
   const uint32_t fullv = emptyk + 8 * kStages, emptyv = fullv + 8 * kStages;
@@ -444,7 +462,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     // Producer: per item, its block ids checked, Q into a free Q buffer and
     // the item published; then K and V of each tile (last tile first) into
     // their rings, whose positions run on across items.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
     const int ptid = tid - 256;
     const T* pool = static_cast<const T*>(a.pool.kv);
     // The next item: this CTA's one (grid mode), or the work counter's.
@@ -464,7 +482,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     };
     int gt = 0;  // K/V tiles loaded so far (ring position)
     for (int n = 0;; ++n) {
-      const int slot = n & 1;
+      const int slot = n % kQBufs;
       Item item{};
       int w = grab();
       for (; w < num_items; w = grab()) {
@@ -484,7 +502,6 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
         }
         // Past this sequence's queries (the host knows only max_q_len).
       }
-      if (n >= 2) MbarWait(qempty + 8 * slot, ((n / 2) - 1) & 1);
       const bool done = w >= num_items;
       const int32_t* table = a.block_tables + int64_t{item.s} * a.max_blocks_per_seq;
       if (!done) {
@@ -503,6 +520,9 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
           item.n_keys = min(item.n_keys, item.first_bad << bs_shift);
         }
         item.n_keys = max(item.n_keys, 0);
+        // The Q buffer's previous item has done its last QK^T (after the
+        // block scan: with one Q buffer this wait is on the item boundary).
+        if (n >= kQBufs) MbarWait(qempty + 8 * slot, ((n / kQBufs) - 1) & 1);
         const int q_begin = __ldg(&a.query_start[item.s]);
         const T* q = static_cast<const T*>(a.q) + int64_t{q_begin + item.m0} * a.q_stride + int64_t{item.h} * kD;
         const uint32_t sQ = sQ0 + slot * (kM * kRowBytes);
@@ -513,6 +533,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
                     ok ? q + int64_t{r} * a.q_stride + ch * 8 : q, ok ? 16 : 0);
         }
       } else {
+        if (n >= kQBufs) MbarWait(qempty + 8 * slot, ((n / kQBufs) - 1) & 1);
         item.n_keys = -1;
       }
       MbarArriveOnCpAsync(qfull + 8 * slot);
@@ -534,21 +555,27 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
           const uint32_t full = (kv == 0 ? fullk : fullv) + 8 * stage;
           if ((kOpt & kOptTma) && it > 0) {
             // Every tile after the item's first (the last keys, maybe a
-            // partial page: cp.async zero-fills past the context) is whole
-            // pages. Thread 0's arrival carries the expected bytes; lane pg
-            // of the first warp issues page pg's boxes (a box that lands
-            // before the expectation only drives the count negative: the
-            // phase cannot end before thread 0 arrives).
+            // partial page: cp.async zero-fills past the context) is keys
+            // below the context. Thread 0's arrival carries the expected
+            // bytes; thread pc issues the boxes of the tile's piece within
+            // its pc-th page (whole pages for 128-key tiles; a 176-key tile
+            // meets up to four pieces of 16-64 keys at pages of 64). A box
+            // that lands before the expectation only drives the count
+            // negative: the phase cannot end before thread 0 arrives.
             if (ptid == 0) {
               MbarArriveExpectTx(full, kTileBytes);
             } else {
               MbarArrive(full);
             }
-            if (ptid < (kN >> bs_shift)) {
-              const int32_t block = __ldg(&table[((tile * kN) >> bs_shift) + ptid]);
+            const int k0 = tile * kN;
+            const int b = (k0 >> bs_shift) + ptid;
+            const int first = max(k0, b << bs_shift), end = min(k0 + kN, (b + 1) << bs_shift);
+            if (first < end) {
+              const int32_t block = __ldg(&table[b]);
+              const CUtensorMap* map = &maps.box[((end - first) >> 4) - 1];
 #pragma unroll
               for (int c = 0; c < kD / 64; ++c) {
-                TmaLoadBox(dst + c * kKPanel + (ptid << bs_shift) * 128, &pool_map, c * 64, 0, kv_head, kv, block,
+                TmaLoadBox(dst + c * kKPanel + (first - k0) * 128, map, c * 64, first & bs_mask, kv_head, kv, block,
                            full);
               }
             }
@@ -578,7 +605,7 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
   }
 
   // Consumers.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
   const int g = lane / 4, t = lane % 4;
   const int wrow0 = wg * 64;
   const int row_a = wrow0 + warp * 16 + g, row_b = row_a + 8;
@@ -600,10 +627,13 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       const uint64_t dk = Desc(cK + (kk / 4) * kKPanel + (kk % 4) * 32, 16, 1024);
+      const uint64_t dq = Desc(sQwg + (kk / 4) * kQPanel + (kk % 4) * 32, 16, 1024);
       if constexpr (kQRegs) {
         wgmma::RS128<T, 0>(p, qf[kk], dk, kk > 0);
+      } else if constexpr (kN == 176) {
+        wgmma::SS176<T>(p, dq, dk, kk > 0);
       } else {
-        wgmma::SS128<T>(p, Desc(sQwg + (kk / 4) * kQPanel + (kk % 4) * 32, 16, 1024), dk, kk > 0);
+        wgmma::SS128<T>(p, dq, dk, kk > 0);
       }
     }
     wgmma::Commit();
@@ -767,8 +797,8 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
   if constexpr (kCross) {
     // An item's first QK^T goes with the previous item's last PV (that
     // item's rows are written after it, in place of the rescale of O). With
-    // no previous item the PV is a dummy that reads this item's Q buffer as
-    // its V (landed and not written meanwhile) and P as it is: O is zeroed
+    // no previous item the PV is a dummy that reads this item's first V tile
+    // (landed; released by its real PV later) with P as it is: O is zeroed
     // after it. One code path for every turn, so ptxas keeps the products
     // asynchronous.
     bool pending = false;  // the previous item's last PV and rows are still to do
@@ -782,8 +812,8 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     for (int kk = 0; kk < kN / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
     l_a = l_b = 0.0f;
     for (int n = 0;; ++n) {
-      const int slot = n & 1;
-      MbarWait(qfull + 8 * slot, (n / 2) & 1);
+      const int slot = n % kQBufs;
+      MbarWait(qfull + 8 * slot, (n / kQBufs) & 1);
       const Item item = sm_item[slot];
       if (item.n_keys < 0) break;
       T* const out = open_item(item, slot);
@@ -793,15 +823,16 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
       }
       const int n_tiles = (n_keys + kN - 1) / kN;
       {
-        const int stage = gt % kStages, pstage = p_r % kStages;
+        const int vr = pending ? p_r : gt;  // the V tile the (maybe dummy) PV reads
+        const int stage = gt % kStages, pstage = vr % kStages;
         MbarWait(fullk + 8 * stage, (gt / kStages) & 1);
-        if (pending) MbarWait(fullv + 8 * pstage, (p_r / kStages) & 1);
+        MbarWait(fullv + 8 * pstage, (vr / kStages) & 1);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         NamedSync(1 + wg, 256);
         fence_operands();
         wgmma::Fence();
         issue_qk(stage);
-        issue_pv_at(pending ? sV + pstage * kTileBytes : sQ0 + slot * (kM * kRowBytes));
+        issue_pv(pstage);
         NamedArrive(2 - wg, 256);
         wgmma::Wait<1>();
         wgmma::FenceRegs(p);
@@ -839,8 +870,8 @@ __global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __g
     }
   } else {
     for (int n = 0;; ++n) {
-      const int slot = n & 1;
-      MbarWait(qfull + 8 * slot, (n / 2) & 1);
+      const int slot = n % kQBufs;
+      MbarWait(qfull + 8 * slot, (n / kQBufs) & 1);
       const Item item = sm_item[slot];
       if (item.n_keys < 0) break;
       T* const out = open_item(item, slot);
@@ -903,16 +934,23 @@ int LaunchWs(const AttnArgs& a, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, int kD, int kOpt>
+template <typename T, int kD, int kOpt, int kN = 128>
 int LaunchFa3(const AttnArgs& a, cudaStream_t stream) {
-  constexpr int kSmem = (2 * 128 + 2 * 2 * 128) * kD * 2 + 1024;  // two Q buffers + two K and two V stages + alignment
-  auto* kernel = PrefillFa3Kernel<T, kD, kOpt>;
+  // Q buffers (two, or one with 176-key tiles) + two K and two V stages + alignment.
+  constexpr int kSmem = ((kN == 128 ? 2 : 1) * 128 + 2 * 2 * kN) * kD * 2 + 1024;
+  auto* kernel = PrefillFa3Kernel<T, kD, kOpt, kN>;
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) return static_cast<int>(attr);
-  CUtensorMap map{};
+  PoolMaps maps{};
   if constexpr ((kOpt & kOptTma) != 0) {
-    // A 256-byte L2 promotion (the decode kernel's 128 measured the same here).
-    if (!EncodePoolMap(a, a.pool.block_size, &map, 3)) return LaunchFa3<T, kD, kOpt & ~kOptTma>(a, stream);
+    // The box sizes the tiles' pieces can have: whole pages where a tile
+    // is whole pages, else every multiple of 16 up to a page. A 256-byte L2
+    // promotion (the decode kernel's 128 measured the same here).
+    const int page = a.pool.block_size;
+    for (int j = 0; j < page / 16; ++j) {
+      if (kN % page == 0 && 16 * (j + 1) != page) continue;
+      if (!EncodePoolMap(a, 16 * (j + 1), &maps.box[j], 3)) return LaunchFa3<T, kD, kOpt & ~kOptTma, kN>(a, stream);
+    }
   }
   const int tiles_x = (a.max_q_len + 127) / 128;
   const int64_t items = int64_t{tiles_x} * a.num_heads * a.num_seqs;
@@ -922,12 +960,27 @@ int LaunchFa3(const AttnArgs& a, cudaStream_t stream) {
     // past the error word (the kernel leaves them zero).
     unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
     const int grid = static_cast<int>(std::min<int64_t>(items, a.num_sms > 0 ? a.num_sms : 132));
-    kernel<<<grid, 384, kSmem, stream>>>(a, map, tiles_x, static_cast<int>(items), sched);
+    kernel<<<grid, 384, kSmem, stream>>>(a, maps, tiles_x, static_cast<int>(items), sched);
   } else {
     const dim3 grid(tiles_x, a.num_heads, a.num_seqs);
-    kernel<<<grid, 384, kSmem, stream>>>(a, map, tiles_x, static_cast<int>(items), nullptr);
+    kernel<<<grid, 384, kSmem, stream>>>(a, maps, tiles_x, static_cast<int>(items), nullptr);
   }
   return static_cast<int>(cudaGetLastError());
+}
+
+// PrefillFa3Kernel, persistent, with TMA loads, the lazy rescale where it
+// pays (head_dim 128 at pages of 16), and no drain at item boundaries if
+// `cross`.
+template <typename T, int kD, int kN>
+int LaunchTuned(const AttnArgs& a, cudaStream_t stream, bool cross) {
+  constexpr int kBase = kOptTma | kOptPersistent;
+  if constexpr (kD == 128) {
+    if (a.pool.block_size == 16) {
+      return cross ? LaunchFa3<T, kD, kBase | kOptLazyRescale | kOptCrossItem, kN>(a, stream)
+                   : LaunchFa3<T, kD, kBase | kOptLazyRescale, kN>(a, stream);
+    }
+  }
+  return cross ? LaunchFa3<T, kD, kBase | kOptCrossItem, kN>(a, stream) : LaunchFa3<T, kD, kBase, kN>(a, stream);
 }
 
 template <typename T, int kD>
@@ -945,17 +998,15 @@ int LaunchTypedDim(const AttnArgs& a, cudaStream_t stream, int variant) {
       return LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptLazyRescale>(a, stream);
     case 6:  // the default with Q in registers
       return LaunchFa3<T, kD, kOptTma | kOptPersistent | kOptQRegs>(a, stream);
-    case 7:    // the default with a drain at every item boundary
-    case 8: {  // the default with none
-      constexpr int kBase = kOptTma | kOptPersistent;
-      if constexpr (kD == 128) {  // the lazy rescale: head_dim 128 at pages of 16
-        if (a.pool.block_size == 16) {
-          return variant == 8 ? LaunchFa3<T, kD, kBase | kOptLazyRescale | kOptCrossItem>(a, stream)
-                              : LaunchFa3<T, kD, kBase | kOptLazyRescale>(a, stream);
-        }
+    case 7:  // the default with a drain at every item boundary
+    case 8:  // the default with none
+      return LaunchTuned<T, kD, 128>(a, stream, variant == 8);
+    case 9:  // the default with 176-key tiles where not causal at head_dim 128
+    case 10:
+      if constexpr (kD == 128) {
+        if (!a.causal) return LaunchTuned<T, kD, 176>(a, stream, variant == 10);
       }
-      return variant == 8 ? LaunchFa3<T, kD, kBase | kOptCrossItem>(a, stream) : LaunchFa3<T, kD, kBase>(a, stream);
-    }
+      return LaunchTuned<T, kD, 128>(a, stream, variant == 10);
     default:
       // Every query count takes the same kernel (a short chunk wastes half
       // of a 128-row CTA) so that a row's arithmetic does not depend on how
@@ -966,6 +1017,13 @@ int LaunchTypedDim(const AttnArgs& a, cudaStream_t stream, int variant) {
       // and 4% at head_dim 64 (NOTES.md, 2026-11-28). From 2048 keys the item
       // boundaries do not drain (kOptCrossItem): +1-2% at 4k-16k, equal at
       // 2k, 1-1.5% slower at 1k (H200, NOTES.md, 2026-11-28 morning).
+      // Non-causal at head_dim 128 from 8192 keys takes 176-key tiles
+      // (9% fewer instructions, +1.2% at 8k and even at 16k on an H200;
+      // 0.8% slower at 4k, whose 24th tile holds 48 keys: NOTES.md,
+      // 2026-11-28 fifth session). Causal rows, the engine's, never do.
+      if constexpr (kD == 128) {
+        if (!a.causal && a.max_context >= 8192) return LaunchTypedDim<T, kD>(a, stream, 10);
+      }
       return LaunchTypedDim<T, kD>(a, stream, a.max_context >= 2048 ? 8 : 7);
   }
 }

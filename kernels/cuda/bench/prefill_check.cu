@@ -39,12 +39,13 @@ int LaunchPrefillVariant(
     int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads, 4 grid, ... (kVariantName)
 }
 static const char* kVariantName[] = {"fa3",      "ws",        "fa3:cp.async", "fa3:noload", "fa3:grid",
-                                     "fa3:lazy", "fa3:qregs", "fa3:drain",    "fa3:xitem"};
+                                     "fa3:lazy", "fa3:qregs", "fa3:drain",    "fa3:xitem",
+                                     "fa3:176:drain", "fa3:176:xitem"};
 static const char* kDecodeName[] = {"stream", "cuda-core"};  // LaunchSplitKvVariant's variants
 static int g_rounds = 3;                                     // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;                            // dbench: blocks in order instead of shuffled
 static std::string DecodeName(int v) { return kDecodeName[v]; }
-static const int kVariants = 9;
+static const int kVariants = 11;
 static bool Checked(int v) { return v != 3; }  // variant 3 skips loads (timing only)
 
 #define CK(x)                                                                                 \
@@ -264,13 +265,13 @@ static bool RunCase(const Case& c, int variant, bool decode = false, int kps = 0
     std::vector<uint16_t> again(out.size());
     CK(cudaMemcpy(again.data(), d_out, again.size() * 2, cudaMemcpyDeviceToHost));
     same_again = again == out;
-  } else if (variant == 7 || variant == 8) {
+  } else if (variant >= 7 && variant <= 10) {
     // The drained and the cross-item item boundary change the order of the
     // work, never a row's arithmetic: the same bits (the default picks one
     // or the other by context length, and chunked prefill must equal one
     // pass).
     CK(cudaMemset(d_out, 0xff, int64_t{T} * H * D * 2));
-    CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant == 7 ? 8 : 7)));
+    CK(static_cast<cudaError_t>(LaunchPrefillVariant(a, nullptr, variant % 2 == 1 ? variant + 1 : variant - 1)));
     CK(cudaDeviceSynchronize());
     std::vector<uint16_t> other(out.size());
     CK(cudaMemcpy(other.data(), d_out, other.size() * 2, cudaMemcpyDeviceToHost));
@@ -688,6 +689,10 @@ int main(int argc, char** argv) {
         {"f16 d128 bs32 long bad mid", F, 128, 32, 1, 1, true, {900}, {900}, 0, 20},
         {"d128 bs64 prefix past 2k (cross-item)", B, 128, 64, 2, 2, true, {300, 1100}, {2600, 2100}},
         {"d64 bs16 2k noncausal (cross-item)", B, 64, 16, 1, 2, false, {700}, {2300}},
+        // Non-causal at head_dim 128 (176-key tiles: pieces of pages, one Q buffer).
+        {"d128 bs64 noncausal ragged", B, 128, 64, 2, 2, false, {177, 300, 1, 129, 40}, {353, 700, 176, 1000, 64}},
+        {"f16 d128 bs32 noncausal past 2k", F, 128, 32, 1, 4, false, {260, 90}, {2600, 2111}},
+        {"d128 bs64 noncausal bad mid", B, 128, 64, 2, 1, false, {200, 50}, {900, 50}, 0, 5},
     };
     // Each case twice: on the device's SM count, and as if it had 2 SMs
     // (the persistent kernels' CTAs then run many items each: the item
