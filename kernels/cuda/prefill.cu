@@ -395,8 +395,8 @@ struct PoolMaps {
 // between issue and wait makes ptxas serialize the products). Same contract
 // (grid, masks, bad block ids, zero rows) as PrefillWsKernel.
 template <typename T, int kD, int kOpt, int kN>
-__global__ void __launch_bounds__(384, 1) PrefillFa3Kernel(AttnArgs a, const __grid_constant__ PoolMaps maps,
-                                                           int tiles_x, int num_items, unsigned* sched) {
+__global__ void __launch_bounds__(384, 1)
+    PrefillFa3Kernel(AttnArgs a, const __grid_constant__ PoolMaps maps, int tiles_x, int num_items, unsigned* sched) {
   static_assert(kN == 128 || (kN == 176 && kD == 128), "key tiles of 128, or 176 at head_dim 128");
   constexpr int kM = 128;
   constexpr int kChunks = kD / 8;

@@ -38,9 +38,9 @@ int LaunchPrefillVariant(
     const AttnArgs& a, void* stream,
     int variant);  // prefill.cu: 0 default, 1 ws, 2 cp.async, 3 no loads, 4 grid, ... (kVariantName)
 }
-static const char* kVariantName[] = {"fa3",      "ws",        "fa3:cp.async", "fa3:noload", "fa3:grid",
-                                     "fa3:lazy", "fa3:qregs", "fa3:drain",    "fa3:xitem",
-                                     "fa3:176:drain", "fa3:176:xitem"};
+static const char* kVariantName[] = {"fa3",          "ws",        "fa3:cp.async", "fa3:noload", "fa3:grid",
+                                     "fa3:lazy",     "fa3:qregs", "fa3:drain",    "fa3:xitem",  "fa3:176:drain",
+                                     "fa3:176:xitem"};
 static const char* kDecodeName[] = {"stream", "cuda-core"};  // LaunchSplitKvVariant's variants
 static int g_rounds = 3;                                     // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;                            // dbench: blocks in order instead of shuffled
