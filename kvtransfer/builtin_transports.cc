@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kvtransfer/nccl/nccl_transport.h"
 #include "kvtransfer/transport.h"
 #ifdef TANDEM_HAVE_UCX
 #include "kvtransfer/ucx/ucx_transport.h"
@@ -80,6 +81,15 @@ const TransportRegistry& TransportRegistry::Builtin() {
       return absl::UnimplementedError("--kv-transport cuda_ipc: this tandem was built without CUDA (no nvcc)");
     });
 #endif
+    // GPU pools on two different GPUs, by NCCL send/receive (libnccl.so.2
+    // loaded at run time: an error naming TANDEM_NCCL where it is not found).
+    r->Register("nccl", NcclTransport::Capabilities(),
+                [](const TransportOptions& o) -> absl::StatusOr<std::unique_ptr<Transport>> {
+                  absl::StatusOr<std::unique_ptr<NcclTransport>> t = NcclTransport::Create({.device = o.device});
+                  if (!t.ok()) return absl::Status(t.status().code(), absl::StrCat("--kv-transport nccl: ",
+                                                                                    t.status().message()));
+                  return std::unique_ptr<Transport>(*std::move(t));
+                });
     return r;
   }();
   return *registry;

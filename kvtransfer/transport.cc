@@ -1,6 +1,10 @@
 #include "kvtransfer/transport.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <random>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -71,6 +75,12 @@ void AppendRun(std::vector<CopyRun>& runs, const CopyRun& run) {
   } else {
     runs.push_back(run);
   }
+}
+
+std::string NewAgentId(std::string_view backend) {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  return absl::StrFormat("%s-%d-%08x%08x-%d", backend, getpid(), rd(), rd(), counter.fetch_add(1));
 }
 
 bool TransportCapabilities::Moves(MemoryType m) const {

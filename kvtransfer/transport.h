@@ -202,6 +202,10 @@ class Transport {
                                            Deadline deadline, TransferDone done);
 };
 
+// A fresh agent id for a transport instance of `backend`: unique across
+// processes and restarts ("<backend>-<pid>-<random>-<counter>").
+std::string NewAgentId(std::string_view backend);
+
 // The transports by name: `tandem worker --kv-transport NAME` and the
 // benchmarks create them here, with what each can do.
 struct TransportOptions {

@@ -91,12 +91,6 @@ const std::string& ProcessToken() {
   return token;
 }
 
-std::string NewAgentId() {
-  static std::atomic<uint64_t> counter{0};
-  std::random_device rd;
-  return absl::StrFormat("cuda_ipc-%08x-%d-%d", rd(), getpid(), counter.fetch_add(1));
-}
-
 std::string Hex(const std::string& bytes) {
   std::string out;
   for (unsigned char c : bytes) absl::StrAppendFormat(&out, "%02x", c);
@@ -237,7 +231,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::Create(int d
 }
 
 CudaIpcTransport::CudaIpcTransport(int device, void* stream, std::vector<Slot> slots, int max_ctas)
-    : device_(device), stream_(stream), agent_id_(NewAgentId()), max_ctas_(max_ctas), slots_(std::move(slots)) {
+    : device_(device), stream_(stream), agent_id_(NewAgentId("cuda_ipc")), max_ctas_(max_ctas), slots_(std::move(slots)) {
   for (Slot& s : slots_) free_slots_.push_back(&s);
   thread_ = std::thread([this] { CopyLoop(); });
 }

@@ -9,12 +9,6 @@
 namespace tandem::kvtransfer {
 namespace {
 
-std::string NewAgentId() {
-  static std::atomic<uint64_t> counter{0};
-  std::random_device rd;
-  return absl::StrFormat("loopback-%08x-%d", rd(), counter.fetch_add(1));
-}
-
 }  // namespace
 
 void LoopbackFabric::Register(const std::string& agent_id, const Pool& pool) {
@@ -34,7 +28,7 @@ std::shared_ptr<const LoopbackFabric::Pool> LoopbackFabric::Find(const std::stri
 }
 
 LoopbackTransport::LoopbackTransport(std::shared_ptr<LoopbackFabric> fabric)
-    : fabric_(std::move(fabric)), agent_id_(NewAgentId()) {
+    : fabric_(std::move(fabric)), agent_id_(NewAgentId("loopback")) {
   thread_ = std::thread([this] { CopyLoop(); });
 }
 

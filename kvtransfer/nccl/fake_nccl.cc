@@ -1,6 +1,7 @@
 // The in-process fake of NcclApi (nccl_api.h): communicators of one fabric
-// by unique id, groups matched in posting order per direction, host memory
-// moved with memcpy when a send group meets its receive group.
+// by unique id, sends and receives matched one by one in posting order per
+// direction (a group is done when all its buffers met theirs), host memory
+// moved with memcpy.
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -18,12 +19,17 @@ class FakeNcclFabric {
  public:
   struct Group {
     std::vector<NcclApi::Buffer> buffers;
-    bool done = false;
+    size_t unmatched = 0;
+  };
+  struct Op {
+    std::shared_ptr<Group> group;
+    size_t index;
+    const NcclApi::Buffer& buffer() const { return group->buffers[index]; }
   };
   struct Pair {
     bool joined[2] = {false, false};
-    absl::Status failed;                              // set once: every ticket of the pair fails
-    std::deque<std::shared_ptr<Group>> posted[2][2];  // [rank][send]
+    absl::Status failed;          // set once: every ticket of the pair fails
+    std::deque<Op> posted[2][2];  // [rank][send]
   };
   std::mutex mu;
   std::map<std::string, std::shared_ptr<Pair>> pairs;
@@ -34,23 +40,17 @@ class FakeNcclFabric {
       auto& sends = p.posted[from][1];
       auto& recvs = p.posted[1 - from][0];
       while (p.failed.ok() && !sends.empty() && !recvs.empty()) {
-        std::shared_ptr<Group> s = sends.front(), r = recvs.front();
+        const Op s = sends.front(), r = recvs.front();
         sends.pop_front();
         recvs.pop_front();
-        if (s->buffers.size() != r->buffers.size()) {
-          p.failed = absl::InternalError(absl::StrFormat("fake NCCL: a group of %d sends met a group of %d receives",
-                                                         s->buffers.size(), r->buffers.size()));
+        if (s.buffer().bytes != r.buffer().bytes) {
+          p.failed = absl::InternalError(absl::StrFormat("fake NCCL: a %d-byte send met a %d-byte receive",
+                                                         s.buffer().bytes, r.buffer().bytes));
           return;
         }
-        for (size_t i = 0; i < s->buffers.size(); ++i) {
-          if (s->buffers[i].bytes != r->buffers[i].bytes) {
-            p.failed = absl::InternalError(absl::StrFormat("fake NCCL: a %d-byte send met a %d-byte receive",
-                                                           s->buffers[i].bytes, r->buffers[i].bytes));
-            return;
-          }
-          std::memcpy(r->buffers[i].data, s->buffers[i].data, static_cast<size_t>(s->buffers[i].bytes));
-        }
-        s->done = r->done = true;
+        std::memcpy(r.buffer().data, s.buffer().data, static_cast<size_t>(s.buffer().bytes));
+        --s.group->unmatched;
+        --r.group->unmatched;
       }
     }
   }
@@ -101,7 +101,8 @@ class FakeNccl final : public NcclApi {
     }
     auto group = std::make_shared<FakeNcclFabric::Group>();
     group->buffers.assign(buffers.begin(), buffers.end());
-    c.pair->posted[c.rank][send ? 1 : 0].push_back(group);
+    group->unmatched = buffers.size();
+    for (size_t i = 0; i < buffers.size(); ++i) c.pair->posted[c.rank][send ? 1 : 0].push_back({group, i});
     const uint64_t ticket = ++c.next_ticket;
     c.tickets[ticket] = group;
     FakeNcclFabric::Match(*c.pair);
@@ -117,7 +118,7 @@ class FakeNccl final : public NcclApi {
       c.tickets.erase(it);
       return c.pair->failed;
     }
-    if (!it->second->done) return false;
+    if (it->second->unmatched > 0) return false;
     c.tickets.erase(it);
     return true;
   }
@@ -134,6 +135,25 @@ class FakeNccl final : public NcclApi {
   }
 
   void Destroy(void* handle) override { delete static_cast<Comm*>(handle); }
+
+  absl::StatusOr<bool> Idle(void* handle) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    std::lock_guard<std::mutex> lock(fabric_->mu);
+    if (!c.pair->failed.ok()) return c.pair->failed;
+    return true;  // a group is matched as far as it can be when posted
+  }
+  absl::StatusOr<void*> Alloc(int, int64_t bytes) override { return static_cast<void*>(new uint8_t[bytes]()); }
+  void Free(int, void* buffer) override { delete[] static_cast<uint8_t*>(buffer); }
+  absl::Status Write(void*, void* buffer, const void* src, int64_t bytes) override {
+    std::memcpy(buffer, src, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+  absl::Status Read(void*, void* dst, const void* buffer, int64_t bytes) override {
+    std::memcpy(dst, buffer, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> EventDone(void*) override { return true; }
+  std::string DeviceBusId(int) override { return ""; }
 
  private:
   struct Comm {

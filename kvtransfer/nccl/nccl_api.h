@@ -9,8 +9,9 @@
 // and 1), created non-blocking so that no call waits past a deadline: Ready
 // polls its creation, Done a transfer's completion, and both report the
 // communicator's asynchronous error. NCCL matches a pair's sends and
-// receives by the order they are posted in (no tags): both sides must post
-// a pair's transfers in the same order.
+// receives one by one in the order they are posted (no tags; group
+// boundaries need not agree): both sides must post a pair's buffers in the
+// same order and sizes.
 //
 // Thread safety: an instance may be used from any thread; one communicator
 // from one thread at a time.
@@ -50,11 +51,14 @@ class NcclApi {
   // ended it otherwise.
   virtual absl::StatusOr<bool> Ready(void* comm) = 0;
   // Posts one group of sends (or receives) of `buffers`, in order, to (from)
-  // the other rank; returns a ticket for Done. The comm must be Ready, and
-  // the previous group's Done must have been polled to true first (a
-  // non-blocking communicator takes no call while it enqueues a group; the
-  // first group to a peer enqueues only once the peer posts its own).
+  // the other rank; returns a ticket for Done. The comm must be Ready and
+  // Idle (a non-blocking communicator takes no call while it enqueues a
+  // group; the first group to a peer enqueues only once the peer posts its
+  // own).
   virtual absl::StatusOr<uint64_t> Group(void* comm, bool send, std::span<const Buffer> buffers) = 0;
+  // True when the comm takes a call: its last group is enqueued (not
+  // necessarily done); the communicator's error otherwise.
+  virtual absl::StatusOr<bool> Idle(void* comm) = 0;
   // True once the group's bytes moved; false while they move; the
   // communicator's error otherwise (a failed communicator fails every
   // ticket of it).
@@ -64,6 +68,21 @@ class NcclApi {
   virtual void Abort(void* comm) = 0;
   // Ends a communicator with nothing in flight; the handle is gone after.
   virtual void Destroy(void* comm) = 0;
+
+  // Small buffers on `device` that groups send and receive (transfer
+  // headers): device memory (the fake: host memory).
+  virtual absl::StatusOr<void*> Alloc(int device, int64_t bytes) = 0;
+  virtual void Free(int device, void* buffer) = 0;
+  // Host bytes into such a buffer, ordered before the comm's next group.
+  virtual absl::Status Write(void* comm, void* buffer, const void* src, int64_t bytes) = 0;
+  // Its bytes (landed by a group that is Done) into host memory; blocks
+  // while the copy runs.
+  virtual absl::Status Read(void* comm, void* dst, const void* buffer, int64_t bytes) = 0;
+  // True once a cudaEvent_t (a write fence's) completed; the fake: always.
+  virtual absl::StatusOr<bool> EventDone(void* event) = 0;
+  // The GPU's PCI bus id ("" where not known, as in the fake): two ranks
+  // must be two GPUs.
+  virtual std::string DeviceBusId(int device) = 0;
 };
 
 // The real NCCL: libnccl.so.2 from $TANDEM_NCCL (a path) or the loader's

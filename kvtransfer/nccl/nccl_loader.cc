@@ -16,6 +16,7 @@
 #include <cstring>
 #include <map>
 #include <thread>
+#include <vector>
 #endif
 
 namespace tandem::kvtransfer {
@@ -134,6 +135,76 @@ class RealNccl final : public NcclApi {
       return absl::InternalError(absl::StrCat("an NCCL group failed on the GPU: ", cudaGetErrorString(e)));
     }
     return true;
+  }
+
+  absl::StatusOr<bool> Idle(void* handle) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    ncclResult_t state = ncclSuccess;
+    if (ncclResult_t r = s_.CommGetAsyncError(c.comm, &state); r != ncclSuccess) {
+      return Error("ncclCommGetAsyncError", r);
+    }
+    if (state == ncclInProgress) return false;
+    if (state != ncclSuccess) return Error("the NCCL communicator", state);
+    // Every group is enqueued now: their events can go on the stream.
+    std::vector<uint64_t> pending;
+    for (const auto& [ticket, event] : c.events) {
+      if (event == nullptr) pending.push_back(ticket);
+    }
+    for (uint64_t ticket : pending) {
+      if (absl::Status st = Record(c, ticket); !st.ok()) return st;
+    }
+    return true;
+  }
+
+  absl::StatusOr<void*> Alloc(int device, int64_t bytes) override {
+    void* p = nullptr;
+    if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&p, static_cast<size_t>(bytes)) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrFormat("cudaMalloc of %d bytes on GPU %d failed", bytes, device));
+    }
+    return p;
+  }
+  void Free(int device, void* buffer) override {
+    cudaSetDevice(device);
+    cudaFree(buffer);
+  }
+  absl::Status Write(void* handle, void* buffer, const void* src, int64_t bytes) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    cudaSetDevice(c.device);
+    // Pageable source: the call returns once the bytes are staged.
+    if (cudaMemcpyAsync(buffer, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, c.stream) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError("copying an NCCL header to the GPU failed");
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Read(void* handle, void* dst, const void* buffer, int64_t bytes) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    cudaSetDevice(c.device);
+    if (cudaMemcpyAsync(dst, buffer, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, c.stream) != cudaSuccess ||
+        cudaStreamSynchronize(c.stream) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError("reading an NCCL header from the GPU failed");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<bool> EventDone(void* event) override {
+    const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    if (q == cudaErrorNotReady) return false;
+    if (q != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError(absl::StrCat("the blocks' writes failed on the GPU: ", cudaGetErrorString(q)));
+    }
+    return true;
+  }
+  std::string DeviceBusId(int device) override {
+    char id[32] = {0};
+    if (cudaDeviceGetPCIBusId(id, sizeof(id), device) != cudaSuccess) {
+      cudaGetLastError();
+      return "";
+    }
+    return id;
   }
 
   void Abort(void* handle) override { End(static_cast<Comm*>(handle)); }

@@ -159,12 +159,6 @@ bool ProcessAlive(uint64_t pid) {
   return state != 'Z' && state != 'X';
 }
 
-std::string NewAgentId() {
-  static std::atomic<uint64_t> counter{0};
-  std::random_device rd;
-  return absl::StrFormat("ucx-%d-%08x%08x-%d", getpid(), rd(), rd(), counter.fetch_add(1));
-}
-
 absl::Status UcxError(std::string_view what, ucs_status_t status) {
   return absl::UnavailableError(absl::StrFormat("%s: %s", what, ucs_status_string(status)));
 }
@@ -191,7 +185,7 @@ constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
 class UcxTransport::Impl {
  public:
   explicit Impl(const UcxOptions& options)
-      : options_(options), agent_id_(NewAgentId()), peer_mode_(options.transports == "tcp") {}
+      : options_(options), agent_id_(NewAgentId("ucx")), peer_mode_(options.transports == "tcp") {}
 
   ~Impl() {
     {

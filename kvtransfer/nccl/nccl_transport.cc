@@ -1,0 +1,515 @@
+#include "kvtransfer/nccl/nccl_transport.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/process_info.h"
+#include "common/status_macros.h"
+
+namespace tandem::kvtransfer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// LocalInfo().address: "boot=<host boot id>;bus=<PCI bus id>" (either may be
+// empty: not known).
+struct NcclAddress {
+  std::string boot;
+  std::string bus;
+};
+NcclAddress DecodeAddress(absl::string_view text) {
+  NcclAddress a;
+  for (absl::string_view field : absl::StrSplit(text, ';', absl::SkipEmpty())) {
+    if (absl::ConsumePrefix(&field, "boot=")) a.boot = std::string(field);
+    if (absl::ConsumePrefix(&field, "bus=")) a.bus = std::string(field);
+  }
+  return a;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NcclTransport>> NcclTransport::Create(NcclOptions options) {
+  std::shared_ptr<NcclApi> api = options.api;
+  if (api == nullptr) {
+    ASSIGN_OR_RETURN(std::unique_ptr<NcclApi> loaded, LoadNccl());
+    api = std::move(loaded);
+  }
+  if (options.device < 0) return absl::InvalidArgumentError(absl::StrFormat("NCCL on GPU %d", options.device));
+  return std::unique_ptr<NcclTransport>(new NcclTransport(std::move(options), std::move(api)));
+}
+
+NcclTransport::NcclTransport(NcclOptions options, std::shared_ptr<NcclApi> api)
+    : options_(std::move(options)),
+      api_(std::move(api)),
+      agent_id_(NewAgentId("nccl")),
+      bus_id_(api_->DeviceBusId(options_.device)) {
+  thread_ = std::thread([this] { ProgressLoop(); });
+}
+
+NcclTransport::~NcclTransport() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  Finished finished;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, comm] : comms_) {
+      FailComm(key.first, comm, absl::CancelledError("the NCCL transport was destroyed"), finished);
+    }
+    comms_.clear();
+  }
+  for (auto& [done, st] : finished) done(absl::CancelledError(st.message()));
+}
+
+TransportCapabilities NcclTransport::capabilities() const {
+  TransportCapabilities c = Capabilities();
+  if (options_.host_pools) c.memory = {MemoryType::kHost};
+  return c;
+}
+
+absl::Status NcclTransport::RegisterPool(const PoolLayout& layout, void* base) {
+  if (base == nullptr) return absl::InvalidArgumentError("RegisterPool: null pool");
+  if (options_.host_pools) {
+    if (layout.memory_type != MemoryType::kHost) {
+      return absl::InvalidArgumentError("this NCCL transport (host pools, over a fake NCCL) takes a host pool");
+    }
+  } else if (layout.memory_type != MemoryType::kCuda || layout.device_id != options_.device) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--kv-transport nccl moves a GPU pool on GPU %d; this pool is %s", options_.device,
+                        layout.memory_type == MemoryType::kCuda ? absl::StrCat("on GPU ", layout.device_id)
+                                                                : std::string("in host memory")));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (base_ != nullptr) return absl::FailedPreconditionError("a pool is already registered");
+  layout_ = layout;
+  base_ = static_cast<unsigned char*>(base);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PeerInfo> NcclTransport::LocalInfo() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (base_ == nullptr) return absl::FailedPreconditionError("LocalInfo before RegisterPool");
+  return PeerInfo{.agent_id = agent_id_,
+                  .backend = "nccl",
+                  .layout = layout_,
+                  .address = absl::StrCat("boot=", HostBootId(), ";bus=", bus_id_)};
+}
+
+absl::Status NcclTransport::AddPeer(const PeerInfo& peer) {
+  if (peer.backend != "nccl") {
+    return absl::InvalidArgumentError(absl::StrCat("peer ", peer.agent_id, " runs the ", peer.backend,
+                                                   " transport; this worker runs nccl"));
+  }
+  const NcclAddress there = DecodeAddress(peer.address);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (base_ == nullptr) return absl::FailedPreconditionError("AddPeer before RegisterPool");
+  RETURN_IF_ERROR(CheckCompatible(layout_, peer.layout));
+  if (!bus_id_.empty() && there.bus == bus_id_ && !there.boot.empty() && there.boot == HostBootId()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("peer ", peer.agent_id, "'s pool is on this worker's GPU (", bus_id_,
+                     "): NCCL joins two different GPUs; use --kv-transport cuda_ipc on one GPU"));
+  }
+  peers_[peer.agent_id] = peer;
+  return absl::OkStatus();
+}
+
+void NcclTransport::RemovePeer(const std::string& agent_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_.erase(agent_id);
+    for (auto& [key, comm] : comms_) {
+      if (key.first == agent_id && comm.doomed.ok()) comm.doomed = absl::UnavailableError("the peer was removed");
+    }
+  }
+  cv_.notify_all();
+}
+
+absl::StatusOr<uint64_t> NcclTransport::Push(const std::string&, std::vector<BlockPair>, Deadline, TransferDone) {
+  return absl::FailedPreconditionError(
+      "the nccl transport sends what its peer receives: PushAfter with the tag of the peer's Receive");
+}
+
+absl::StatusOr<uint64_t> NcclTransport::Pull(const std::string&, std::vector<BlockPair>, Deadline, TransferDone) {
+  return absl::UnimplementedError("the nccl transport cannot pull: its peer pushes (send/receive)");
+}
+
+void NcclTransport::Cancel(uint64_t transfer_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = xfers_.find(transfer_id);
+    if (it == xfers_.end()) return;
+    it->second.cancelled = true;
+  }
+  cv_.notify_all();
+}
+
+absl::StatusOr<std::string> NcclTransport::Pair(const PeerInfo& peer, PairRole role, std::string_view offer,
+                                                Deadline deadline, TransferDone done) {
+  if (Clock::now() >= deadline) return absl::DeadlineExceededError("pairing: the deadline passed before it started");
+  RETURN_IF_ERROR(AddPeer(peer));
+  const int rank = role == PairRole::kInitiator ? 0 : 1;
+  std::string id;
+  if (rank == 0) {
+    if (!offer.empty()) return absl::InvalidArgumentError("NCCL pairing: the initiator takes no offer");
+    ASSIGN_OR_RETURN(id, api_->UniqueId());
+  } else {
+    if (offer.size() != NcclApi::kUniqueIdBytes) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "NCCL pairing offer of %d bytes from %s; want the %d bytes of the initiator's ncclUniqueId", offer.size(),
+          peer.agent_id, NcclApi::kUniqueIdBytes));
+    }
+    id = std::string(offer);
+  }
+  ASSIGN_OR_RETURN(void* handle, api_->InitRank(id, rank, options_.device));
+  absl::StatusOr<void*> headers = api_->Alloc(options_.device, rank == 0 ? kHeaderRing * sizeof(Header) : sizeof(Header));
+  if (!headers.ok()) {
+    api_->Abort(handle);
+    return headers.status();
+  }
+  Finished finished;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const CommKey key{peer.agent_id, rank};
+    if (auto old = comms_.find(key); old != comms_.end()) {
+      FailComm(peer.agent_id, old->second, absl::UnavailableError("replaced by a new pairing"), finished);
+      comms_.erase(old);
+    }
+    Comm& c = comms_[key];
+    c.handle = handle;
+    c.rank = rank;
+    c.pair_deadline = deadline;
+    c.pairing.push_back(std::move(done));
+    c.headers = *headers;
+  }
+  cv_.notify_all();
+  for (auto& [d, st] : finished) d(st);
+  return rank == 0 ? id : std::string();
+}
+
+absl::StatusOr<uint64_t> NcclTransport::PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                  std::shared_ptr<const WriteFence> after, uint64_t tag,
+                                                  Deadline deadline, TransferDone done) {
+  if (after == nullptr) return absl::InvalidArgumentError("PushAfter: no write fence");
+  return Start(agent_id, std::move(blocks), std::move(after), tag, deadline, std::move(done), /*send=*/true);
+}
+
+absl::StatusOr<uint64_t> NcclTransport::Receive(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                                uint64_t tag, Deadline deadline, TransferDone done) {
+  return Start(agent_id, std::move(blocks), nullptr, tag, deadline, std::move(done), /*send=*/false);
+}
+
+absl::StatusOr<uint64_t> NcclTransport::Start(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                              std::shared_ptr<const WriteFence> after, uint64_t tag,
+                                              Deadline deadline, TransferDone done, bool send) {
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (base_ == nullptr) return absl::FailedPreconditionError("no pool registered");
+    auto peer = peers_.find(agent_id);
+    if (peer == peers_.end()) return absl::NotFoundError(absl::StrCat("unknown NCCL peer ", agent_id));
+    auto comm = comms_.find(CommKey{agent_id, send ? 0 : 1});
+    if (comm == comms_.end() || !comm->second.doomed.ok()) {
+      return absl::FailedPreconditionError(absl::StrFormat("no NCCL pairing with %s as the %s side (Pair %s first)",
+                                                           agent_id, send ? "sending" : "receiving",
+                                                           send ? "as the initiator" : "as the responder"));
+    }
+    Comm& c = comm->second;
+    const int64_t local_blocks = layout_.num_blocks, remote_blocks = peer->second.layout.num_blocks;
+    ASSIGN_OR_RETURN(std::vector<CopyRun> runs, PlanRuns(blocks, layout_.block_bytes, send ? local_blocks : remote_blocks,
+                                                          send ? remote_blocks : local_blocks));
+    if (!send && c.receives.contains(tag)) {
+      return absl::AlreadyExistsError(absl::StrFormat("a receive for tag %d from %s is open", tag, agent_id));
+    }
+    id = next_id_++;
+    Xfer& x = xfers_[id];
+    x.id = id;
+    x.peer = agent_id;
+    x.send = send;
+    x.tag = tag;
+    for (const CopyRun& r : runs) x.bytes += r.bytes;
+    x.runs = std::move(runs);
+    x.after = std::move(after);
+    x.deadline = deadline;
+    x.done = std::move(done);
+    if (send) {
+      c.pending.push_back(id);
+    } else {
+      c.receives[tag] = id;
+    }
+  }
+  cv_.notify_all();
+  return id;
+}
+
+void NcclTransport::ProgressLoop() {
+  while (true) {
+    Finished finished;
+    bool flying = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_) return;
+      flying = Step(finished);
+      if (!flying && finished.empty()) {
+        // Nothing on the wire: wake for new work, or to check the deadlines
+        // of what waits (a pairing, a fence, a receive's push).
+        cv_.wait_for(lock, std::chrono::milliseconds(2));
+        continue;
+      }
+    }
+    for (auto& [done, st] : finished) done(std::move(st));
+    if (flying && finished.empty()) std::this_thread::sleep_for(std::chrono::microseconds(10));
+  }
+}
+
+bool NcclTransport::Step(Finished& finished) {
+  bool flying = false;
+  for (auto it = comms_.begin(); it != comms_.end();) {
+    absl::Status st = Advance(it->first.first, it->second, finished, &flying);
+    if (!st.ok()) {
+      FailComm(it->first.first, it->second, st, finished);
+      it = comms_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return flying;
+}
+
+absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& finished, bool* flying) {
+  const auto now = Clock::now();
+  if (!c.doomed.ok()) return c.doomed;
+  if (!c.ready) {
+    ASSIGN_OR_RETURN(bool ready, api_->Ready(c.handle));
+    if (!ready) {
+      if (now >= c.pair_deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrFormat("NCCL pairing with %s did not complete by its deadline (did the peer join?)", peer));
+      }
+      *flying = true;
+      return absl::OkStatus();
+    }
+    c.ready = true;
+    for (TransferDone& d : c.pairing) finished.emplace_back(std::move(d), absl::OkStatus());
+    c.pairing.clear();
+  }
+  // Groups that ended, in stream order.
+  while (!c.flights.empty()) {
+    ASSIGN_OR_RETURN(bool done, api_->Done(c.handle, c.flights.front().ticket));
+    if (!done) break;
+    const Flight f = c.flights.front();
+    c.flights.pop_front();
+    if (f.xfer == 0) {
+      c.header_posted = false;
+      RETURN_IF_ERROR(TakeHeader(c));
+      continue;
+    }
+    const Xfer& x = xfers_.at(f.xfer);
+    if (!x.send) c.receives.erase(x.tag);
+    Finish(f.xfer, x.cancelled ? absl::CancelledError("cancelled; its bytes had moved already") : absl::OkStatus(),
+           finished);
+  }
+  // A transfer past its deadline on the wire: only an abort ends it.
+  for (const Flight& f : c.flights) {
+    if (f.xfer != 0 && now >= xfers_.at(f.xfer).deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("an NCCL transfer with %s passed its deadline while its bytes moved", peer));
+    }
+  }
+  if (c.awaiting != 0 && now >= xfers_.at(c.awaiting).deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrFormat("an NCCL receive from %s passed its deadline as its push arrived", peer));
+  }
+  // Transfers not posted yet end here when cancelled or late.
+  auto unposted_end = [&](const Xfer& x) -> absl::Status {
+    if (x.cancelled) return absl::CancelledError("cancelled before its bytes moved");
+    if (now >= x.deadline) {
+      return absl::DeadlineExceededError(x.send ? "the push did not start by its deadline (the blocks' writes, or the "
+                                                  "pairing, were not done)"
+                                                : "no push for this receive came by its deadline");
+    }
+    return absl::OkStatus();
+  };
+  if (c.rank == 0) {
+    for (auto it = c.pending.begin(); it != c.pending.end();) {
+      absl::Status end = unposted_end(xfers_.at(*it));
+      if (end.ok()) {
+        ++it;
+        continue;
+      }
+      const uint64_t id = *it;
+      it = c.pending.erase(it);
+      Finish(id, std::move(end), finished);
+    }
+    RETURN_IF_ERROR(PostSends(c, finished));
+  } else {
+    for (auto it = c.receives.begin(); it != c.receives.end();) {
+      const Xfer& x = xfers_.at(it->second);
+      absl::Status end = x.posted || x.id == c.awaiting ? absl::OkStatus() : unposted_end(x);
+      if (end.ok()) {
+        ++it;
+        continue;
+      }
+      const uint64_t id = it->second;
+      c.ended.push_back(it->first);
+      if (c.ended.size() > kEndedTags) c.ended.pop_front();
+      c.receives.erase(it++);
+      Finish(id, std::move(end), finished);
+    }
+    if (c.parked) RETURN_IF_ERROR(ClaimParked(c));
+    RETURN_IF_ERROR(PostReceives(c, finished));
+  }
+  if (!c.flights.empty() || c.parked) *flying = true;
+  return absl::OkStatus();
+}
+
+absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
+  for (auto it = c.pending.begin(); it != c.pending.end() && c.flights.size() < kMaxInFlight;) {
+    Xfer& x = xfers_.at(*it);
+    if (x.after != nullptr) {
+      absl::StatusOr<bool> written = true;
+      if (!x.after->Completed()) {
+        if (x.after->memory() == MemoryType::kCuda && x.after->cuda_event() != nullptr) {
+          written = api_->EventDone(x.after->cuda_event());
+        } else {
+          written = x.after->Wait(Clock::now()).ok();
+        }
+      }
+      if (!written.ok()) {
+        const uint64_t id = *it;
+        it = c.pending.erase(it);
+        Finish(id, written.status(), finished);
+        continue;
+      }
+      if (!*written) {
+        ++it;
+        continue;
+      }
+      x.after = nullptr;
+    }
+    ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
+    if (!idle) return absl::OkStatus();
+    const Header h{.magic = kMagic, .runs = static_cast<uint32_t>(x.runs.size()), .tag = x.tag, .bytes = x.bytes};
+    auto* slot = static_cast<unsigned char*>(c.headers) + (c.headers_sent % kHeaderRing) * sizeof(Header);
+    RETURN_IF_ERROR(api_->Write(c.handle, slot, &h, sizeof(h)));
+    ++c.headers_sent;
+    std::vector<NcclApi::Buffer> buffers{{slot, static_cast<int64_t>(sizeof(Header))}};
+    for (const CopyRun& r : x.runs) buffers.push_back({base_ + r.src_offset, r.bytes});
+    ASSIGN_OR_RETURN(uint64_t ticket, api_->Group(c.handle, /*send=*/true, buffers));
+    x.posted = true;
+    c.flights.push_back({ticket, x.id});
+    it = c.pending.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclTransport::PostReceives(Comm& c, Finished& finished) {
+  // The receives of the push whose header landed, then the next header's:
+  // the order the sender's buffers come in.
+  while (c.awaiting != 0 || (!c.header_posted && !c.parked)) {
+    ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
+    if (!idle) return absl::OkStatus();
+    if (c.awaiting != 0) {
+      Xfer& x = xfers_.at(c.awaiting);
+      c.awaiting = 0;
+      if (x.runs.empty()) {
+        c.receives.erase(x.tag);
+        Finish(x.id, x.cancelled ? absl::CancelledError("cancelled") : absl::OkStatus(), finished);
+        continue;
+      }
+      std::vector<NcclApi::Buffer> buffers;
+      for (const CopyRun& r : x.runs) buffers.push_back({base_ + r.dst_offset, r.bytes});
+      ASSIGN_OR_RETURN(uint64_t ticket, api_->Group(c.handle, /*send=*/false, buffers));
+      x.posted = true;
+      c.flights.push_back({ticket, x.id});
+      continue;
+    }
+    const NcclApi::Buffer header[] = {{static_cast<uint8_t*>(c.headers), static_cast<int64_t>(sizeof(Header))}};
+    ASSIGN_OR_RETURN(uint64_t ticket, api_->Group(c.handle, /*send=*/false, header));
+    c.header_posted = true;
+    c.flights.push_back({ticket, 0});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclTransport::TakeHeader(Comm& c) {
+  Header h{};
+  RETURN_IF_ERROR(api_->Read(c.handle, &h, c.headers, sizeof(h)));
+  if (h.magic != kMagic) return absl::InternalError("a malformed NCCL push header");
+  c.parked = h;
+  c.parked_at = Clock::now();
+  return ClaimParked(c);
+}
+
+absl::Status NcclTransport::ClaimParked(Comm& c) {
+  const Header h = *c.parked;
+  if (std::find(c.ended.begin(), c.ended.end(), h.tag) != c.ended.end()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "a push for tag %d, which no receive here expects (it ended: its deadline or a cancel)", h.tag));
+  }
+  auto it = c.receives.find(h.tag);
+  if (it == c.receives.end() || xfers_.at(it->second).posted) {
+    if (Clock::now() - c.parked_at < kUnmatchedGrace) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrFormat("a push for tag %d, which no receive here claimed in %d s",
+                                                         h.tag, kUnmatchedGrace.count()));
+  }
+  c.parked.reset();
+  const Xfer& x = xfers_.at(it->second);
+  if (h.runs != x.runs.size() || h.bytes != x.bytes) {
+    return absl::InternalError(absl::StrFormat("a push of %d runs (%d bytes) for tag %d, whose receive expects %d runs "
+                                               "(%d bytes): the two sides' block lists differ",
+                                               h.runs, h.bytes, h.tag, x.runs.size(), x.bytes));
+  }
+  c.awaiting = x.id;
+  return absl::OkStatus();
+}
+
+void NcclTransport::FailComm(const std::string& peer, Comm& c, const absl::Status& why, Finished& finished) {
+  const auto now = Clock::now();
+  for (TransferDone& d : c.pairing) finished.emplace_back(std::move(d), why);
+  c.pairing.clear();
+  std::vector<uint64_t> ids(c.pending.begin(), c.pending.end());
+  for (const auto& [tag, id] : c.receives) ids.push_back(id);
+  for (const Flight& f : c.flights) {
+    if (f.xfer != 0) ids.push_back(f.xfer);
+  }
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  for (uint64_t id : ids) {
+    const Xfer& x = xfers_.at(id);
+    absl::Status st;
+    if (x.cancelled) {
+      st = absl::CancelledError(absl::StrCat("cancelled; the NCCL communicator ended: ", why.message()));
+    } else if (why.code() == absl::StatusCode::kDeadlineExceeded && now >= x.deadline) {
+      st = why;
+    } else if (why.code() == absl::StatusCode::kCancelled) {
+      st = why;
+    } else {
+      st = absl::UnavailableError(absl::StrCat("the NCCL communicator with ", peer, " ended: ", why.message()));
+    }
+    Finish(id, std::move(st), finished);
+  }
+  c.pending.clear();
+  c.receives.clear();
+  c.flights.clear();
+  if (c.handle != nullptr) api_->Abort(c.handle);
+  if (c.headers != nullptr) api_->Free(options_.device, c.headers);
+  c.handle = nullptr;
+  c.headers = nullptr;
+}
+
+void NcclTransport::Finish(uint64_t id, absl::Status st, Finished& finished) {
+  auto it = xfers_.find(id);
+  if (it == xfers_.end()) return;
+  finished.emplace_back(std::move(it->second.done), std::move(st));
+  xfers_.erase(it);
+}
+
+}  // namespace tandem::kvtransfer

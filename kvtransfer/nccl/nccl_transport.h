@@ -1,0 +1,196 @@
+// NcclTransport (`nccl`, issue 24): KV blocks between the GPU pools of
+// workers on two different GPUs, by NCCL send/receive, never through the
+// host. A send/receive backend (needs_pairing): the decode worker posts
+// Receive(tag = reservation) while it serves the JOIN, the prefill worker
+// PushAfter(tag) once the JOIN's answer came and the prefill's writes are
+// done.
+//
+// Pairing: one communicator per peer and direction, of two ranks: 0 the
+// pushing side (Pair(kInitiator): its offer is a fresh ncclUniqueId, which
+// the JOIN carries) and 1 the receiving side (Pair(kResponder) with that
+// offer). Created non-blocking; each side polls it to its pairing deadline
+// (past it: aborted, DeadlineExceeded). Reused by every transfer until the
+// peer is removed or the communicator fails; the next Pair then builds a
+// new one. Both pools on one GPU: refused (NCCL's ranks are two devices;
+// cuda_ipc serves one GPU).
+//
+// Order: NCCL matches a pair's sends and receives one by one in posting
+// order, but two workers see concurrent hand-offs in different orders. So
+// a push is one group of a 32-byte header (its tag, run count and bytes)
+// followed by its runs (PlanRuns of its block pairs), posted as soon as its
+// fence completed, in any order; the receiver keeps one header receive
+// posted, reads each header that lands, posts the receives of the
+// Receive(tag) it names (the same runs: both sides expand the same block
+// pairs), then the next header receive. A header whose Receive is not
+// posted yet waits for it up to kUnmatchedGrace (the pair's later pushes
+// queue behind it). A push for a Receive that ended (its deadline, a
+// cancel), one unclaimed past the grace, or one whose sizes differ cannot
+// be drained, so the communicator is aborted: every transfer on it fails
+// (Unavailable) and the next pairing builds a new one.
+//
+// Completion: one progress thread polls the communicators (their groups'
+// events and asynchronous errors, NcclApi::Done). A transfer past its
+// deadline before it was posted ends with DeadlineExceeded; one in flight
+// aborts its communicator (bytes on the wire cannot be recalled: the abort
+// ends them). Cancel of a posted transfer reports Cancelled once its group
+// ended. So no byte lands after `done`. The progress thread makes every
+// NCCL call but creation (a header's read blocks it for one small copy).
+//
+// Thread-safe.
+#ifndef TANDEM_KVTRANSFER_NCCL_NCCL_TRANSPORT_H_
+#define TANDEM_KVTRANSFER_NCCL_NCCL_TRANSPORT_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "kvtransfer/nccl/nccl_api.h"
+#include "kvtransfer/transport.h"
+
+namespace tandem::kvtransfer {
+
+struct NcclOptions {
+  int device = 0;                  // the GPU of the pool (the worker's --device cuda:N)
+  std::shared_ptr<NcclApi> api;    // null: LoadNccl()
+  bool host_pools = false;         // pools in host memory (the fake NCCL moves those; tests)
+};
+
+class NcclTransport final : public Transport {
+ public:
+  static absl::StatusOr<std::unique_ptr<NcclTransport>> Create(NcclOptions options);
+  static TransportCapabilities Capabilities() {
+    return {.push = true, .needs_pairing = true, .memory = {MemoryType::kCuda}};
+  }
+  ~NcclTransport() override;  // transfers still open finish with Cancelled; communicators are aborted
+
+  std::string backend() const override { return "nccl"; }
+  TransportCapabilities capabilities() const override;
+  absl::Status RegisterPool(const PoolLayout& layout, void* base) override;
+  absl::StatusOr<PeerInfo> LocalInfo() const override;
+  absl::Status AddPeer(const PeerInfo& peer) override;
+  // Aborts its communicators: their transfers finish with Unavailable.
+  void RemovePeer(const std::string& agent_id) override;
+  // FailedPrecondition: a push needs the peer's Receive (PushAfter with its tag).
+  absl::StatusOr<uint64_t> Push(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
+  // Unimplemented: NCCL moves what the sender sends.
+  absl::StatusOr<uint64_t> Pull(const std::string& agent_id, std::vector<BlockPair> blocks, Deadline deadline,
+                                TransferDone done) override;
+  void Cancel(uint64_t transfer_id) override;
+  absl::StatusOr<std::string> Pair(const PeerInfo& peer, PairRole role, std::string_view offer, Deadline deadline,
+                                   TransferDone done) override;
+  absl::StatusOr<uint64_t> PushAfter(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                     std::shared_ptr<const WriteFence> after, uint64_t tag, Deadline deadline,
+                                     TransferDone done) override;
+  absl::StatusOr<uint64_t> Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
+                                   Deadline deadline, TransferDone done) override;
+
+  // The header a push sends before its runs.
+  struct Header {
+    uint32_t magic;
+    uint32_t runs;
+    uint64_t tag;
+    int64_t bytes;
+    uint64_t reserved;
+  };
+  static_assert(sizeof(Header) == 32);
+
+ private:
+  struct Xfer {
+    uint64_t id = 0;
+    std::string peer;
+    bool send = false;
+    uint64_t tag = 0;
+    std::vector<CopyRun> runs;
+    int64_t bytes = 0;
+    std::shared_ptr<const WriteFence> after;  // send: null once it completed
+    Deadline deadline;
+    TransferDone done;
+    bool posted = false;
+    bool cancelled = false;
+  };
+  struct Flight {
+    uint64_t ticket = 0;
+    uint64_t xfer = 0;  // 0: the receiver's header receive
+  };
+  // The communicator with one peer in one direction (rank 0 sends).
+  struct Comm {
+    void* handle = nullptr;
+    int rank = 0;
+    bool ready = false;
+    Deadline pair_deadline;
+    std::vector<TransferDone> pairing;  // Pair's dones, until ready
+    absl::Status doomed;                // set: the progress thread aborts it with this
+    std::deque<uint64_t> pending;       // rank 0: pushes not yet posted, in PushAfter order
+    absl::flat_hash_map<uint64_t, uint64_t> receives;  // rank 1: tag -> transfer, until it ends
+    std::deque<Flight> flights;         // posted groups, in stream order
+    void* headers = nullptr;            // rank 0: kHeaderRing headers; rank 1: one
+    uint64_t headers_sent = 0;          // rank 0: ring position
+    bool header_posted = false;         // rank 1: a header receive is posted
+    uint64_t awaiting = 0;              // rank 1: its header landed, its receives are to post
+    std::optional<Header> parked;       // rank 1: a landed header whose Receive is not posted yet
+    std::chrono::steady_clock::time_point parked_at;
+    std::deque<uint64_t> ended;         // rank 1: tags of receives that ended unposted (the last kEndedTags)
+  };
+  using CommKey = std::pair<std::string, int>;  // peer agent id, this side's rank
+  using Finished = std::vector<std::pair<TransferDone, absl::Status>>;
+
+  static constexpr int kHeaderRing = 64;
+  static constexpr size_t kMaxInFlight = 16;  // a pair's pushes posted and not yet done
+  static constexpr std::chrono::seconds kUnmatchedGrace{2};
+  static constexpr size_t kEndedTags = 256;
+  static constexpr uint32_t kMagic = 0x4b564e43;  // "CNVK"
+
+  NcclTransport(NcclOptions options, std::shared_ptr<NcclApi> api);
+  void ProgressLoop();
+  // One pass over every communicator; true while any has work in flight.
+  bool Step(Finished& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Advance(const std::string& peer, Comm& c, Finished& finished, bool* flying)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PostSends(Comm& c, Finished& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PostReceives(Comm& c, Finished& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A landed header: parks it for its Receive (one that ended, or other
+  // sizes: the error that aborts the communicator).
+  absl::Status TakeHeader(Comm& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The parked header's Receive, if posted now (or the error past the grace).
+  absl::Status ClaimParked(Comm& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends `c` (aborted): its pairing and transfers finish (DeadlineExceeded
+  // for those past their deadline, else Unavailable naming `why`).
+  void FailComm(const std::string& peer, Comm& c, const absl::Status& why, Finished& finished)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Finish(uint64_t id, absl::Status st, Finished& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks blocks and peer for a PushAfter or Receive and registers it.
+  absl::StatusOr<uint64_t> Start(const std::string& agent_id, std::vector<BlockPair> blocks,
+                                 std::shared_ptr<const WriteFence> after, uint64_t tag, Deadline deadline,
+                                 TransferDone done, bool send);
+
+  const NcclOptions options_;
+  const std::shared_ptr<NcclApi> api_;
+  const std::string agent_id_;
+  const std::string bus_id_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  PoolLayout layout_ ABSL_GUARDED_BY(mu_);
+  unsigned char* base_ ABSL_GUARDED_BY(mu_) = nullptr;
+  absl::flat_hash_map<std::string, PeerInfo> peers_ ABSL_GUARDED_BY(mu_);
+  std::map<CommKey, Comm> comms_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, Xfer> xfers_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace tandem::kvtransfer
+
+#endif  // TANDEM_KVTRANSFER_NCCL_NCCL_TRANSPORT_H_

@@ -1,0 +1,335 @@
+// NcclTransport over the fake NCCL (host pools): pairing, pushes matched to
+// receives by their headers whatever order either side starts them in,
+// fences, deadlines, cancels, peer removal, the aborts that end a pair, and
+// the refusals. The real library between two GPUs: docs/plans/issue-24-nccl.md.
+#include "kvtransfer/nccl/nccl_transport.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+namespace tandem::kvtransfer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr int kBlocks = 32;
+constexpr int64_t kBlockBytes = 256;
+
+PoolLayout Layout() {
+  return PoolLayout{.model = "m",
+                    .dtype = "bfloat16",
+                    .num_layers = 1,
+                    .num_kv_heads = 1,
+                    .head_dim = 64,
+                    .block_size = 2,
+                    .num_blocks = kBlocks,
+                    .block_bytes = kBlockBytes,
+                    .memory_type = MemoryType::kHost};
+}
+
+// A `done` to wait for.
+class Waiter {
+ public:
+  TransferDone Callback() {
+    return [this](absl::Status st) { promise_.set_value(std::move(st)); };
+  }
+  absl::Status Wait(milliseconds limit = milliseconds(5000)) {
+    if (future_.wait_for(limit) != std::future_status::ready) return absl::DeadlineExceededError("done never came");
+    return future_.get();
+  }
+  bool Called() { return future_.wait_for(milliseconds(0)) == std::future_status::ready; }
+
+ private:
+  std::promise<absl::Status> promise_;
+  std::future<absl::Status> future_ = promise_.get_future();
+};
+
+// A write fence the test completes.
+class ManualFence final : public WriteFence {
+ public:
+  MemoryType memory() const override { return MemoryType::kHost; }
+  absl::Status Wait(Deadline deadline) const override {
+    while (!done.load()) {
+      if (Clock::now() >= deadline) return absl::DeadlineExceededError("writes not done");
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    return absl::OkStatus();
+  }
+  bool Completed() const override { return done.load(); }
+  std::atomic<bool> done{false};
+};
+
+class NcclTransportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fabric_ = NewFakeNcclFabric();
+    for (int i = 0; i < 2; ++i) {
+      pool_[i].resize(kBlocks * kBlockBytes);
+      std::iota(pool_[i].begin(), pool_[i].end(), static_cast<uint8_t>(i == 0 ? 1 : 0));
+      if (i == 1) std::fill(pool_[i].begin(), pool_[i].end(), 0);
+      t_[i] = MakeTransport();
+      ASSERT_TRUE(t_[i]->RegisterPool(Layout(), pool_[i].data()).ok());
+    }
+  }
+  std::unique_ptr<NcclTransport> MakeTransport() {
+    absl::StatusOr<std::unique_ptr<NcclTransport>> t = NcclTransport::Create(
+        {.device = 0, .api = std::shared_ptr<NcclApi>(NewFakeNccl(fabric_)), .host_pools = true});
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.ok() ? *std::move(t) : nullptr;
+  }
+  PeerInfo Info(int i) { return *t_[i]->LocalInfo(); }
+  static Deadline In(int ms) { return Clock::now() + milliseconds(ms); }
+  // Transport 0 pairs as the initiator (the pushing side), 1 as the responder.
+  void PairUp() {
+    Waiter a, b;
+    absl::StatusOr<std::string> offer = t_[0]->Pair(Info(1), PairRole::kInitiator, "", In(5000), a.Callback());
+    ASSERT_TRUE(offer.ok()) << offer.status();
+    EXPECT_EQ(offer->size(), NcclApi::kUniqueIdBytes);
+    absl::StatusOr<std::string> answer = t_[1]->Pair(Info(0), PairRole::kResponder, *offer, In(5000), b.Callback());
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_TRUE(a.Wait().ok());
+    EXPECT_TRUE(b.Wait().ok());
+  }
+  std::vector<uint8_t> Block(int side, int id) {
+    return {pool_[side].begin() + id * kBlockBytes, pool_[side].begin() + (id + 1) * kBlockBytes};
+  }
+  absl::StatusOr<uint64_t> Push(std::vector<BlockPair> pairs, uint64_t tag, Waiter& w,
+                                std::shared_ptr<const WriteFence> fence = CompletedFence(), int ms = 5000) {
+    return t_[0]->PushAfter(Info(1).agent_id, std::move(pairs), std::move(fence), tag, In(ms), w.Callback());
+  }
+  absl::StatusOr<uint64_t> Receive(std::vector<BlockPair> pairs, uint64_t tag, Waiter& w, int ms = 5000) {
+    return t_[1]->Receive(Info(0).agent_id, std::move(pairs), tag, In(ms), w.Callback());
+  }
+
+  std::shared_ptr<FakeNcclFabric> fabric_;
+  std::vector<uint8_t> pool_[2];
+  std::unique_ptr<NcclTransport> t_[2];
+};
+
+TEST_F(NcclTransportTest, PushesBlocksIntoTheReceiversBlocks) {
+  PairUp();
+  const std::vector<BlockPair> pairs = {{1, 5}, {2, 6}, {3, 7}, {9, 0}};
+  Waiter r, p;
+  ASSERT_TRUE(Receive(pairs, 7, r).ok());
+  ASSERT_TRUE(Push(pairs, 7, p).ok());
+  EXPECT_TRUE(p.Wait().ok());
+  EXPECT_TRUE(r.Wait().ok());
+  for (const BlockPair& b : pairs) EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << "block " << b.dst;
+  EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));  // not a destination
+}
+
+// The receives are posted in one order, the pushes start in the reverse:
+// each push's header finds its own receive.
+TEST_F(NcclTransportTest, ConcurrentPushesFindTheirReceivesInAnyOrder) {
+  PairUp();
+  constexpr int kN = 8;
+  Waiter r[kN], p[kN];
+  auto pairs = [](int i) { return std::vector<BlockPair>{{i, 2 * i}, {i + 8, 2 * i + 1}}; };
+  for (int i = 0; i < kN; ++i) ASSERT_TRUE(Receive(pairs(i), 100 + i, r[i]).ok());
+  for (int i = kN - 1; i >= 0; --i) ASSERT_TRUE(Push(pairs(i), 100 + i, p[i]).ok());
+  for (int i = 0; i < kN; ++i) {
+    EXPECT_TRUE(p[i].Wait().ok()) << i;
+    EXPECT_TRUE(r[i].Wait().ok()) << i;
+    for (const BlockPair& b : pairs(i)) EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << "transfer " << i;
+  }
+}
+
+// A push posted before its receive waits for it (the header lands when the
+// receiver's header receive is up; the receive then finds it).
+TEST_F(NcclTransportTest, APushBeforeItsReceiveWaitsForIt) {
+  PairUp();
+  Waiter r, p;
+  ASSERT_TRUE(Push({{4, 4}}, 3, p).ok());
+  std::this_thread::sleep_for(milliseconds(30));
+  ASSERT_TRUE(Receive({{4, 4}}, 3, r).ok());
+  EXPECT_TRUE(p.Wait().ok());
+  EXPECT_TRUE(r.Wait().ok());
+  EXPECT_EQ(Block(1, 4), Block(0, 4));
+}
+
+TEST_F(NcclTransportTest, APushStartsOnlyOnceItsFenceCompleted) {
+  PairUp();
+  auto fence = std::make_shared<ManualFence>();
+  Waiter r, p;
+  ASSERT_TRUE(Receive({{2, 3}}, 1, r).ok());
+  ASSERT_TRUE(Push({{2, 3}}, 1, p, fence).ok());
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_FALSE(p.Called());
+  EXPECT_FALSE(r.Called());
+  EXPECT_EQ(Block(1, 3), std::vector<uint8_t>(kBlockBytes, 0));
+  fence->done = true;
+  EXPECT_TRUE(p.Wait().ok());
+  EXPECT_TRUE(r.Wait().ok());
+  EXPECT_EQ(Block(1, 3), Block(0, 2));
+}
+
+// A receive whose push never comes ends at its deadline; the pair goes on.
+TEST_F(NcclTransportTest, AReceiveWithoutItsPushEndsAtItsDeadline) {
+  PairUp();
+  Waiter lonely;
+  ASSERT_TRUE(Receive({{1, 1}}, 50, lonely, /*ms=*/80).ok());
+  EXPECT_EQ(lonely.Wait().code(), absl::StatusCode::kDeadlineExceeded);
+  Waiter r, p;
+  ASSERT_TRUE(Receive({{6, 6}}, 51, r).ok());
+  ASSERT_TRUE(Push({{6, 6}}, 51, p).ok());
+  EXPECT_TRUE(p.Wait().ok());
+  EXPECT_TRUE(r.Wait().ok());
+  EXPECT_EQ(Block(1, 6), Block(0, 6));
+}
+
+// A fence that never completes holds its push to its deadline only; a
+// cancel ends a push not yet started at once.
+TEST_F(NcclTransportTest, PushesNotStartedEndAtTheirDeadlineOrCancel) {
+  PairUp();
+  auto never = std::make_shared<ManualFence>();
+  Waiter late, cancelled;
+  ASSERT_TRUE(Push({{1, 1}}, 8, late, never, /*ms=*/80).ok());
+  absl::StatusOr<uint64_t> id = Push({{2, 2}}, 9, cancelled, never);
+  ASSERT_TRUE(id.ok());
+  t_[0]->Cancel(*id);
+  EXPECT_EQ(cancelled.Wait().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(late.Wait().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+// A push for a receive that ended (cancelled here) cannot be drained: the
+// pair's communicator is aborted, failing what else was open on it, and a
+// new pairing works.
+TEST_F(NcclTransportTest, APushForAnEndedReceiveAbortsThePair) {
+  PairUp();
+  Waiter gone, other, p;
+  absl::StatusOr<uint64_t> id = Receive({{1, 1}}, 20, gone);
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(Receive({{2, 2}}, 21, other).ok());
+  t_[1]->Cancel(*id);
+  EXPECT_EQ(gone.Wait().code(), absl::StatusCode::kCancelled);
+  ASSERT_TRUE(Push({{1, 1}}, 20, p).ok());
+  const absl::Status pushed = p.Wait();
+  EXPECT_EQ(pushed.code(), absl::StatusCode::kUnavailable) << pushed;
+  const absl::Status received = other.Wait();
+  EXPECT_EQ(received.code(), absl::StatusCode::kUnavailable) << received;
+  EXPECT_NE(received.message().find("no receive here expects"), std::string::npos) << received;
+  EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
+  // Pushing again needs a new pairing.
+  Waiter refused;
+  EXPECT_EQ(Push({{2, 2}}, 21, refused).status().code(), absl::StatusCode::kFailedPrecondition);
+  PairUp();
+  Waiter r, p2;
+  ASSERT_TRUE(Receive({{2, 2}}, 22, r).ok());
+  ASSERT_TRUE(Push({{2, 2}}, 22, p2).ok());
+  EXPECT_TRUE(p2.Wait().ok());
+  EXPECT_TRUE(r.Wait().ok());
+  EXPECT_EQ(Block(1, 2), Block(0, 2));
+}
+
+// A header no receive claims: the pair's later pushes cannot pass it, so
+// past the grace the communicator is aborted.
+TEST_F(NcclTransportTest, APushNoReceiveClaimsAbortsThePairAfterTheGrace) {
+  PairUp();
+  Waiter p;
+  const auto start = Clock::now();
+  ASSERT_TRUE(Push({{1, 1}}, 77, p, CompletedFence(), /*ms=*/10000).ok());
+  const absl::Status st = p.Wait(milliseconds(8000));
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;  // the receiver aborted the communicator
+  EXPECT_GE(Clock::now() - start, milliseconds(1900));
+}
+
+// Block lists that differ between the sides (a bug on one of them) are
+// caught by the header before a byte is received.
+TEST_F(NcclTransportTest, BlockListsThatDifferAbortBeforeAnyByteLands) {
+  PairUp();
+  Waiter r, p;
+  ASSERT_TRUE(Receive({{1, 1}, {2, 2}}, 5, r).ok());
+  ASSERT_TRUE(Push({{1, 1}, {2, 2}, {3, 3}}, 5, p).ok());
+  const absl::Status received = r.Wait();
+  EXPECT_EQ(received.code(), absl::StatusCode::kUnavailable) << received;
+  EXPECT_NE(received.message().find("block lists differ"), std::string::npos) << received;
+  EXPECT_FALSE(p.Wait().ok());
+  EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
+  EXPECT_EQ(Block(1, 2), std::vector<uint8_t>(kBlockBytes, 0));
+}
+
+TEST_F(NcclTransportTest, RemovingThePeerFailsItsOpenTransfers) {
+  PairUp();
+  Waiter r;
+  ASSERT_TRUE(Receive({{1, 1}}, 1, r).ok());
+  t_[1]->RemovePeer(Info(0).agent_id);
+  EXPECT_EQ(r.Wait().code(), absl::StatusCode::kUnavailable);
+  Waiter again;
+  EXPECT_EQ(Receive({{1, 1}}, 2, again).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(NcclTransportTest, APairingThePeerNeverJoinsEndsAtItsDeadline) {
+  Waiter a;
+  ASSERT_TRUE(t_[0]->Pair(Info(1), PairRole::kInitiator, "", In(80), a.Callback()).ok());
+  const absl::Status st = a.Wait();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+}
+
+TEST_F(NcclTransportTest, DestroyingTheTransportEndsItsTransfers) {
+  PairUp();
+  Waiter r;
+  ASSERT_TRUE(Receive({{1, 1}}, 1, r).ok());
+  t_[1].reset();
+  EXPECT_EQ(r.Wait().code(), absl::StatusCode::kCancelled);
+}
+
+TEST_F(NcclTransportTest, Refusals) {
+  Waiter w;
+  // Before any pairing.
+  EXPECT_EQ(Push({{1, 1}}, 1, w).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(t_[0]->Push(Info(1).agent_id, {{1, 1}}, In(100), w.Callback()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t_[0]->Pull(Info(1).agent_id, {{1, 1}}, In(100), w.Callback()).status().code(),
+            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(t_[0]->Pair(Info(1), PairRole::kInitiator, "offer", In(100), w.Callback()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t_[1]->Pair(Info(0), PairRole::kResponder, "short", In(100), w.Callback()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  PeerInfo other = Info(1);
+  other.backend = "ucx";
+  EXPECT_EQ(t_[0]->AddPeer(other).code(), absl::StatusCode::kInvalidArgument);
+  other = Info(1);
+  other.layout.block_bytes = 512;
+  EXPECT_FALSE(t_[0]->AddPeer(other).ok());
+  PoolLayout gpu = Layout();
+  gpu.memory_type = MemoryType::kCuda;
+  std::vector<uint8_t> spare(16);
+  EXPECT_EQ(MakeTransport()->RegisterPool(gpu, spare.data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t_[0]->RegisterPool(Layout(), pool_[0].data()).code(), absl::StatusCode::kFailedPrecondition);
+  // Paired: the wrong side, bad blocks, a tag twice.
+  PairUp();
+  EXPECT_EQ(t_[1]->PushAfter(Info(0).agent_id, {{1, 1}}, CompletedFence(), 1, In(100), w.Callback()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Push({{kBlocks, 1}}, 1, w).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Push({{1, 1}}, 1, w, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  Waiter first, second;
+  ASSERT_TRUE(Receive({{1, 1}}, 4, first, /*ms=*/50).ok());
+  EXPECT_EQ(Receive({{2, 2}}, 4, second).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(first.Wait().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(NcclRegistryTest, BuiltinHasNcclAsASendReceiveGpuBackend) {
+  const TransportCapabilities* caps = TransportRegistry::Builtin().Capabilities("nccl");
+  ASSERT_NE(caps, nullptr);
+  EXPECT_TRUE(caps->needs_pairing);
+  EXPECT_TRUE(caps->push);
+  EXPECT_FALSE(caps->pull);
+  EXPECT_TRUE(caps->Moves(MemoryType::kCuda));
+  EXPECT_FALSE(caps->Moves(MemoryType::kHost));
+  absl::StatusOr<std::unique_ptr<Transport>> t = TransportRegistry::Builtin().Create("nccl", {});
+  if (!t.ok()) {
+    EXPECT_NE(t.status().message().find("--kv-transport nccl"), std::string::npos) << t.status();
+  } else {
+    EXPECT_EQ((*t)->backend(), "nccl");
+  }
+}
+
+}  // namespace
+}  // namespace tandem::kvtransfer
