@@ -86,8 +86,8 @@ const TransportRegistry& TransportRegistry::Builtin() {
     r->Register("nccl", NcclTransport::Capabilities(),
                 [](const TransportOptions& o) -> absl::StatusOr<std::unique_ptr<Transport>> {
                   absl::StatusOr<std::unique_ptr<NcclTransport>> t = NcclTransport::Create({.device = o.device});
-                  if (!t.ok()) return absl::Status(t.status().code(), absl::StrCat("--kv-transport nccl: ",
-                                                                                    t.status().message()));
+                  if (!t.ok())
+                    return absl::Status(t.status().code(), absl::StrCat("--kv-transport nccl: ", t.status().message()));
                   return std::unique_ptr<Transport>(*std::move(t));
                 });
     return r;

@@ -58,6 +58,25 @@ TEST(BenchEngineFlagsTest, StagedTransferRunsBetweenTwoProcesses) {
   }
 }
 
+// nccl between two GPUs (skipped with fewer, or where libnccl.so.2 cannot
+// be loaded: set TANDEM_NCCL): pairs through the offer, pushes, checks a
+// block, prints its rows against cudaMemcpyPeer.
+TEST(BenchEngineFlagsTest, NcclTransferRunsBetweenTwoGpus) {
+  const char* why = nullptr;
+  if (!kernels::cuda::Available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
+  if (kernels::cuda::DeviceCount() < 2) GTEST_SKIP() << "one GPU";
+  absl::StatusOr<std::string> bin = TandemBinary();
+  ASSERT_TRUE(bin.ok()) << bin.status();
+  std::string out;
+  const int rc =
+      RunCommand(absl::StrCat(*bin, " bench transfer --backend nccl --op push --max-blocks 8 --repeats 2"), &out);
+  if (out.find("cannot load NCCL") != std::string::npos) GTEST_SKIP() << out;
+  ASSERT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << out;
+  EXPECT_THAT(out, HasSubstr("KV push nccl (GPU 0 -> GPU 1)"));
+  EXPECT_THAT(out, HasSubstr("cudaMemcpyPeer"));
+  EXPECT_THAT(out, HasSubstr("\n      8      16 "));  // the 8-block row
+}
+
 TEST(BenchEngineFlagsTest, TransferBackendsThatCannotRunSayWhy) {
   absl::StatusOr<std::string> bin = TandemBinary();
   ASSERT_TRUE(bin.ok()) << bin.status();
@@ -67,7 +86,16 @@ TEST(BenchEngineFlagsTest, TransferBackendsThatCannotRunSayWhy) {
   EXPECT_THAT(out, HasSubstr("--backend nccl"));
   rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend loopback --target-device 1"), &out);
   EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
-  EXPECT_THAT(out, HasSubstr("--target-device is for --backend cuda_ipc"));
+  EXPECT_THAT(out, HasSubstr("--target-device is for --backend cuda_ipc or nccl"));
+  rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend nccl --op push --target-device 0"), &out);
+  EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
+  EXPECT_THAT(out, HasSubstr("--backend nccl joins two GPUs: --target-device must not be 0"));
+  rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend nccl --op push --pool mmap"), &out);
+  EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
+  EXPECT_THAT(out, HasSubstr("--pool mmap: want cuda (nccl moves GPU pools)"));
+  rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend cuda_ipc --target-device -2"), &out);
+  EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
+  EXPECT_THAT(out, HasSubstr("--target-device must be >= 0"));
   rc = RunCommand(absl::StrCat(*bin, " bench transfer --backend ucx_staged --op pull"), &out);
   EXPECT_TRUE(rc != -1 && WIFEXITED(rc) && WEXITSTATUS(rc) != 0) << out;
   EXPECT_THAT(out, HasSubstr("--backend ucx_staged only pushes"));

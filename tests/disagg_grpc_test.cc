@@ -48,9 +48,10 @@ class DisaggGrpcTest : public WorkerTest {
     const char* t = std::getenv("TANDEM_TEST_KV_TRANSPORT");
     return t != nullptr && *t != '\0' ? t : "ucx";
   }
-  // ucx_staged sends and receives: its workers push (--kv-delivery push,
-  // whether or not a test asks for it).
-  static bool TwoSided() { return KvTransport() == "ucx_staged"; }
+  // ucx_staged and nccl send and receive: their workers push (--kv-delivery
+  // push, whether or not a test asks for it). nccl runs with
+  // TANDEM_TEST_WORKER_DEVICE=cuda:by-role (two GPUs).
+  static bool TwoSided() { return KvTransport() == "ucx_staged" || KvTransport() == "nccl"; }
   static std::vector<std::string> TransportFlags() {
     const std::string t = KvTransport();
     if (t == "ucx") return {"--kv-transport", t, "--kv-transport-tls", "shm"};

@@ -122,7 +122,8 @@ TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
 // do not depend on its batch).
 void UpCommandTest::SplitServesLikeAggregated(const std::string& device, const std::string& kv_transport) {
   const bool gpu = device != "cpu";
-  const bool staged = kv_transport == "ucx_staged";
+  // Send/receive transports: the workers push.
+  const bool staged = kv_transport == "ucx_staged" || kv_transport == "nccl";
   const std::vector<std::string> prompts = {"The capital of France is", "def fib(n):", "Once upon a time",
                                             "1, 2, 3, 4,"};
   // The completions of `prompts` (greedy, 24 tokens), and the workers that
@@ -160,7 +161,7 @@ void UpCommandTest::SplitServesLikeAggregated(const std::string& device, const s
   std::set<std::string> devices;
   for (const auto& [pid, cmdline] : ChildrenOf(up_->pid())) {
     if (cmdline.find(" worker ") == std::string::npos) continue;
-    EXPECT_THAT(cmdline, HasSubstr(staged ? "--kv-transport ucx_staged" : "--kv-transport cuda_ipc")) << cmdline;
+    EXPECT_THAT(cmdline, HasSubstr("--kv-transport " + (kv_transport.empty() ? "cuda_ipc" : kv_transport))) << cmdline;
     if (staged) {
       EXPECT_THAT(cmdline, HasSubstr("--kv-delivery push")) << cmdline;  // send/receive: push only
     }
@@ -235,6 +236,15 @@ TEST_F(UpCommandTest, TwoGpuSplitClusterServesLikeAnAggregatedOne) {
   if (!kernels::cuda::Available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
   if (kernels::cuda::DeviceCount() < 2) GTEST_SKIP() << "one GPU";
   SplitServesLikeAggregated("cuda");
+}
+
+// Two GPUs with the KV moving over NCCL (libnccl.so.2 on the loader path or
+// $TANDEM_NCCL; the GPU machine has torch's).
+TEST_F(UpCommandTest, TwoGpuSplitClusterOverNcclServesLikeAnAggregatedOne) {
+  const char* why = nullptr;
+  if (!kernels::cuda::Available(&why)) GTEST_SKIP() << "no usable GPU: " << why;
+  if (kernels::cuda::DeviceCount() < 2) GTEST_SKIP() << "one GPU";
+  SplitServesLikeAggregated("cuda", "nccl");
 }
 
 TEST_F(UpCommandTest, DefaultClusterRunsOverMutualTlsWithAThrowawayCa) {
@@ -473,7 +483,12 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
        "--kv-transport ucx cannot move the KV cache of cuda workers (GPU memory): use --kv-transport cuda_ipc"},
       {"--prefill 1 --decode 1 --kv-transport cuda_ipc",
        "--kv-transport cuda_ipc cannot move the KV cache of cpu workers (host memory): use --kv-transport ucx"},
-      {"--prefill 1 --decode 1 --kv-transport nccl", "--kv-transport must be ucx, ucx_staged or cuda_ipc, got 'nccl'"},
+      {"--prefill 1 --decode 1 --kv-transport gloo",
+       "--kv-transport must be ucx, ucx_staged, cuda_ipc or nccl, got 'gloo'"},
+      {"--prefill 1 --decode 1 --kv-transport nccl",
+       "--kv-transport nccl joins the prefill and decode workers' GPUs, which must differ: --device cuda (worker k on "
+       "GPU k), not cpu"},
+      {"--device cuda:0 --prefill 1 --decode 1 --kv-transport nccl", "--device cuda (worker k on GPU k), not cuda:0"},
       {"--aggregated 1 --kv-transport ucx", "--kv-transport is for disaggregated clusters"},
       {"--gpu-memory-utilization 0.5", "--gpu-memory-utilization is for GPU workers"},
       {"--device cuda:0 --gpu-memory-utilization 1.5", "--gpu-memory-utilization must be in (0, 1], got 1.5"},

@@ -231,7 +231,11 @@ absl::StatusOr<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::Create(int d
 }
 
 CudaIpcTransport::CudaIpcTransport(int device, void* stream, std::vector<Slot> slots, int max_ctas)
-    : device_(device), stream_(stream), agent_id_(NewAgentId("cuda_ipc")), max_ctas_(max_ctas), slots_(std::move(slots)) {
+    : device_(device),
+      stream_(stream),
+      agent_id_(NewAgentId("cuda_ipc")),
+      max_ctas_(max_ctas),
+      slots_(std::move(slots)) {
   for (Slot& s : slots_) free_slots_.push_back(&s);
   thread_ = std::thread([this] { CopyLoop(); });
 }

@@ -7,9 +7,7 @@
 #include "absl/strings/str_format.h"
 
 namespace tandem::kvtransfer {
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 void LoopbackFabric::Register(const std::string& agent_id, const Pool& pool) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -44,8 +44,8 @@ class FakeNcclFabric {
         sends.pop_front();
         recvs.pop_front();
         if (s.buffer().bytes != r.buffer().bytes) {
-          p.failed = absl::InternalError(absl::StrFormat("fake NCCL: a %d-byte send met a %d-byte receive",
-                                                         s.buffer().bytes, r.buffer().bytes));
+          p.failed = absl::InternalError(
+              absl::StrFormat("fake NCCL: a %d-byte send met a %d-byte receive", s.buffer().bytes, r.buffer().bytes));
           return;
         }
         std::memcpy(r.buffer().data, s.buffer().data, static_cast<size_t>(s.buffer().bytes));

@@ -1,9 +1,12 @@
 #include "kvtransfer/nccl/nccl_transport.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -16,17 +19,25 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// LocalInfo().address: "boot=<host boot id>;bus=<PCI bus id>" (either may be
-// empty: not known).
+// LocalInfo().address: "boot=<host boot id>;bus=<PCI bus id>;pid=<pid>;
+// pidns=<pid namespace>;start=<start time>" (any may be empty or 0: not
+// known). The process fields let a peer of the same host and pid namespace
+// see this process exit.
 struct NcclAddress {
   std::string boot;
   std::string bus;
+  int64_t pid = 0;
+  std::string pidns;
+  uint64_t start = 0;
 };
 NcclAddress DecodeAddress(absl::string_view text) {
   NcclAddress a;
   for (absl::string_view field : absl::StrSplit(text, ';', absl::SkipEmpty())) {
     if (absl::ConsumePrefix(&field, "boot=")) a.boot = std::string(field);
     if (absl::ConsumePrefix(&field, "bus=")) a.bus = std::string(field);
+    if (absl::ConsumePrefix(&field, "pid=") && !absl::SimpleAtoi(field, &a.pid)) a.pid = 0;
+    if (absl::ConsumePrefix(&field, "pidns=")) a.pidns = std::string(field);
+    if (absl::ConsumePrefix(&field, "start=") && !absl::SimpleAtoi(field, &a.start)) a.start = 0;
   }
   return a;
 }
@@ -100,13 +111,14 @@ absl::StatusOr<PeerInfo> NcclTransport::LocalInfo() const {
   return PeerInfo{.agent_id = agent_id_,
                   .backend = "nccl",
                   .layout = layout_,
-                  .address = absl::StrCat("boot=", HostBootId(), ";bus=", bus_id_)};
+                  .address = absl::StrCat("boot=", HostBootId(), ";bus=", bus_id_, ";pid=", getpid(),
+                                          ";pidns=", PidNamespace(), ";start=", OwnStartTime())};
 }
 
 absl::Status NcclTransport::AddPeer(const PeerInfo& peer) {
   if (peer.backend != "nccl") {
-    return absl::InvalidArgumentError(absl::StrCat("peer ", peer.agent_id, " runs the ", peer.backend,
-                                                   " transport; this worker runs nccl"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer ", peer.agent_id, " runs the ", peer.backend, " transport; this worker runs nccl"));
   }
   const NcclAddress there = DecodeAddress(peer.address);
   std::lock_guard<std::mutex> lock(mu_);
@@ -117,7 +129,13 @@ absl::Status NcclTransport::AddPeer(const PeerInfo& peer) {
         absl::StrCat("peer ", peer.agent_id, "'s pool is on this worker's GPU (", bus_id_,
                      "): NCCL joins two different GPUs; use --kv-transport cuda_ipc on one GPU"));
   }
-  peers_[peer.agent_id] = peer;
+  Peer& p = peers_[peer.agent_id];
+  p.info = peer;
+  // Watched where its exit can be seen: this host, this pid namespace.
+  const bool watchable = !there.boot.empty() && there.boot == HostBootId() && !there.pidns.empty() &&
+                         there.pidns == PidNamespace() && there.pid > 0 && there.start != 0;
+  p.pid = watchable ? there.pid : 0;
+  p.start = watchable ? there.start : 0;
   return absl::OkStatus();
 }
 
@@ -162,14 +180,15 @@ absl::StatusOr<std::string> NcclTransport::Pair(const PeerInfo& peer, PairRole r
     ASSIGN_OR_RETURN(id, api_->UniqueId());
   } else {
     if (offer.size() != NcclApi::kUniqueIdBytes) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "NCCL pairing offer of %d bytes from %s; want the %d bytes of the initiator's ncclUniqueId", offer.size(),
-          peer.agent_id, NcclApi::kUniqueIdBytes));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("NCCL pairing offer of %d bytes from %s; want the %d bytes of the initiator's ncclUniqueId",
+                          offer.size(), peer.agent_id, NcclApi::kUniqueIdBytes));
     }
     id = std::string(offer);
   }
   ASSIGN_OR_RETURN(void* handle, api_->InitRank(id, rank, options_.device));
-  absl::StatusOr<void*> headers = api_->Alloc(options_.device, rank == 0 ? kHeaderRing * sizeof(Header) : sizeof(Header));
+  absl::StatusOr<void*> headers =
+      api_->Alloc(options_.device, rank == 0 ? kHeaderRing * sizeof(Header) : sizeof(Header));
   if (!headers.ok()) {
     api_->Abort(handle);
     return headers.status();
@@ -207,8 +226,8 @@ absl::StatusOr<uint64_t> NcclTransport::Receive(const std::string& agent_id, std
 }
 
 absl::StatusOr<uint64_t> NcclTransport::Start(const std::string& agent_id, std::vector<BlockPair> blocks,
-                                              std::shared_ptr<const WriteFence> after, uint64_t tag,
-                                              Deadline deadline, TransferDone done, bool send) {
+                                              std::shared_ptr<const WriteFence> after, uint64_t tag, Deadline deadline,
+                                              TransferDone done, bool send) {
   uint64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -222,9 +241,10 @@ absl::StatusOr<uint64_t> NcclTransport::Start(const std::string& agent_id, std::
                                                            send ? "as the initiator" : "as the responder"));
     }
     Comm& c = comm->second;
-    const int64_t local_blocks = layout_.num_blocks, remote_blocks = peer->second.layout.num_blocks;
-    ASSIGN_OR_RETURN(std::vector<CopyRun> runs, PlanRuns(blocks, layout_.block_bytes, send ? local_blocks : remote_blocks,
-                                                          send ? remote_blocks : local_blocks));
+    const int64_t local_blocks = layout_.num_blocks, remote_blocks = peer->second.info.layout.num_blocks;
+    ASSIGN_OR_RETURN(std::vector<CopyRun> runs,
+                     PlanRuns(blocks, layout_.block_bytes, send ? local_blocks : remote_blocks,
+                              send ? remote_blocks : local_blocks));
     if (!send && c.receives.contains(tag)) {
       return absl::AlreadyExistsError(absl::StrFormat("a receive for tag %d from %s is open", tag, agent_id));
     }
@@ -271,6 +291,25 @@ void NcclTransport::ProgressLoop() {
 
 bool NcclTransport::Step(Finished& finished) {
   bool flying = false;
+  if (const auto now = Clock::now(); now >= next_watch_) {
+    next_watch_ = now + kWatchEvery;
+    // A peer process of this host that exited: NCCL may not notice for
+    // long (or ever), so its communicators end here.
+    for (auto it = peers_.begin(); it != peers_.end();) {
+      const Peer& p = it->second;
+      const std::optional<uint64_t> start = p.start != 0 ? ProcessStartTime(p.pid) : std::nullopt;
+      if (!start.has_value() || *start == p.start) {
+        ++it;
+        continue;
+      }
+      for (auto& [key, comm] : comms_) {
+        if (key.first == it->first && comm.doomed.ok()) {
+          comm.doomed = absl::UnavailableError(absl::StrFormat("the peer's process (pid %d) exited", p.pid));
+        }
+      }
+      peers_.erase(it++);
+    }
+  }
   for (auto it = comms_.begin(); it != comms_.end();) {
     absl::Status st = Advance(it->first.first, it->second, finished, &flying);
     if (!st.ok()) {
@@ -457,15 +496,16 @@ absl::Status NcclTransport::ClaimParked(Comm& c) {
   auto it = c.receives.find(h.tag);
   if (it == c.receives.end() || xfers_.at(it->second).posted) {
     if (Clock::now() - c.parked_at < kUnmatchedGrace) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrFormat("a push for tag %d, which no receive here claimed in %d s",
-                                                         h.tag, kUnmatchedGrace.count()));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("a push for tag %d, which no receive here claimed in %d s", h.tag, kUnmatchedGrace.count()));
   }
   c.parked.reset();
   const Xfer& x = xfers_.at(it->second);
   if (h.runs != x.runs.size() || h.bytes != x.bytes) {
-    return absl::InternalError(absl::StrFormat("a push of %d runs (%d bytes) for tag %d, whose receive expects %d runs "
-                                               "(%d bytes): the two sides' block lists differ",
-                                               h.runs, h.bytes, h.tag, x.runs.size(), x.bytes));
+    return absl::InternalError(
+        absl::StrFormat("a push of %d runs (%d bytes) for tag %d, whose receive expects %d runs "
+                        "(%d bytes): the two sides' block lists differ",
+                        h.runs, h.bytes, h.tag, x.runs.size(), x.bytes));
   }
   c.awaiting = x.id;
   return absl::OkStatus();

@@ -36,6 +36,11 @@
 // ended. So no byte lands after `done`. The progress thread makes every
 // NCCL call but creation (a header's read blocks it for one small copy).
 //
+// A dead peer: NCCL may not report a peer process's death for long, so a
+// peer of this host and pid namespace is watched (/proc, every 200 ms) and
+// its communicators end (Unavailable, naming the exit) when it is gone;
+// elsewhere transfers end at their deadlines.
+//
 // Thread-safe.
 #ifndef TANDEM_KVTRANSFER_NCCL_NCCL_TRANSPORT_H_
 #define TANDEM_KVTRANSFER_NCCL_NCCL_TRANSPORT_H_
@@ -61,9 +66,9 @@
 namespace tandem::kvtransfer {
 
 struct NcclOptions {
-  int device = 0;                  // the GPU of the pool (the worker's --device cuda:N)
-  std::shared_ptr<NcclApi> api;    // null: LoadNccl()
-  bool host_pools = false;         // pools in host memory (the fake NCCL moves those; tests)
+  int device = 0;                // the GPU of the pool (the worker's --device cuda:N)
+  std::shared_ptr<NcclApi> api;  // null: LoadNccl()
+  bool host_pools = false;       // pools in host memory (the fake NCCL moves those; tests)
 };
 
 class NcclTransport final : public Transport {
@@ -130,18 +135,18 @@ class NcclTransport final : public Transport {
     int rank = 0;
     bool ready = false;
     Deadline pair_deadline;
-    std::vector<TransferDone> pairing;  // Pair's dones, until ready
-    absl::Status doomed;                // set: the progress thread aborts it with this
-    std::deque<uint64_t> pending;       // rank 0: pushes not yet posted, in PushAfter order
+    std::vector<TransferDone> pairing;                 // Pair's dones, until ready
+    absl::Status doomed;                               // set: the progress thread aborts it with this
+    std::deque<uint64_t> pending;                      // rank 0: pushes not yet posted, in PushAfter order
     absl::flat_hash_map<uint64_t, uint64_t> receives;  // rank 1: tag -> transfer, until it ends
-    std::deque<Flight> flights;         // posted groups, in stream order
-    void* headers = nullptr;            // rank 0: kHeaderRing headers; rank 1: one
-    uint64_t headers_sent = 0;          // rank 0: ring position
-    bool header_posted = false;         // rank 1: a header receive is posted
-    uint64_t awaiting = 0;              // rank 1: its header landed, its receives are to post
-    std::optional<Header> parked;       // rank 1: a landed header whose Receive is not posted yet
+    std::deque<Flight> flights;                        // posted groups, in stream order
+    void* headers = nullptr;                           // rank 0: kHeaderRing headers; rank 1: one
+    uint64_t headers_sent = 0;                         // rank 0: ring position
+    bool header_posted = false;                        // rank 1: a header receive is posted
+    uint64_t awaiting = 0;                             // rank 1: its header landed, its receives are to post
+    std::optional<Header> parked;                      // rank 1: a landed header whose Receive is not posted yet
     std::chrono::steady_clock::time_point parked_at;
-    std::deque<uint64_t> ended;         // rank 1: tags of receives that ended unposted (the last kEndedTags)
+    std::deque<uint64_t> ended;  // rank 1: tags of receives that ended unposted (the last kEndedTags)
   };
   using CommKey = std::pair<std::string, int>;  // peer agent id, this side's rank
   using Finished = std::vector<std::pair<TransferDone, absl::Status>>;
@@ -183,7 +188,14 @@ class NcclTransport final : public Transport {
   std::condition_variable cv_;
   PoolLayout layout_ ABSL_GUARDED_BY(mu_);
   unsigned char* base_ ABSL_GUARDED_BY(mu_) = nullptr;
-  absl::flat_hash_map<std::string, PeerInfo> peers_ ABSL_GUARDED_BY(mu_);
+  struct Peer {
+    PeerInfo info;
+    int64_t pid = 0;     // watched for its exit where start != 0
+    uint64_t start = 0;  // the process's start time
+  };
+  static constexpr std::chrono::milliseconds kWatchEvery{200};
+  absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point next_watch_ ABSL_GUARDED_BY(mu_);
   std::map<CommKey, Comm> comms_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Xfer> xfers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -5,6 +5,9 @@
 #include "kvtransfer/nccl/nccl_transport.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -12,6 +15,9 @@
 #include <numeric>
 #include <thread>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/process_info.h"
 
 namespace tandem::kvtransfer {
 namespace {
@@ -79,8 +85,8 @@ class NcclTransportTest : public ::testing::Test {
     }
   }
   std::unique_ptr<NcclTransport> MakeTransport() {
-    absl::StatusOr<std::unique_ptr<NcclTransport>> t = NcclTransport::Create(
-        {.device = 0, .api = std::shared_ptr<NcclApi>(NewFakeNccl(fabric_)), .host_pools = true});
+    absl::StatusOr<std::unique_ptr<NcclTransport>> t =
+        NcclTransport::Create({.device = 0, .api = std::shared_ptr<NcclApi>(NewFakeNccl(fabric_)), .host_pools = true});
     EXPECT_TRUE(t.ok()) << t.status();
     return t.ok() ? *std::move(t) : nullptr;
   }
@@ -263,6 +269,34 @@ TEST_F(NcclTransportTest, RemovingThePeerFailsItsOpenTransfers) {
   EXPECT_EQ(r.Wait().code(), absl::StatusCode::kUnavailable);
   Waiter again;
   EXPECT_EQ(Receive({{1, 1}}, 2, again).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A peer process of this host that exits ends its communicators at once
+// (NCCL itself may never say): here a pairing with a process killed while
+// it waited.
+TEST_F(NcclTransportTest, APeerProcessThatExitsEndsItsCommunicators) {
+  if (PidNamespace().empty() || OwnStartTime() == 0 || HostBootId().empty()) GTEST_SKIP() << "/proc does not say";
+  const pid_t child = fork();
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  std::optional<uint64_t> start = ProcessStartTime(child);
+  ASSERT_TRUE(start.has_value() && *start != 0);
+  PeerInfo peer = Info(0);
+  peer.agent_id = "nccl-peer-that-exits";
+  peer.address = absl::StrCat("boot=", HostBootId(), ";bus=;pid=", child, ";pidns=", PidNamespace(), ";start=", *start);
+  std::shared_ptr<NcclApi> ids(NewFakeNccl(fabric_));
+  Waiter w;
+  ASSERT_TRUE(t_[1]->Pair(peer, PairRole::kResponder, *ids->UniqueId(), In(20000), w.Callback()).ok());
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_FALSE(w.Called());  // alive: still pairing
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  const absl::Status st = w.Wait(milliseconds(3000));
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+  EXPECT_NE(st.message().find("exited"), std::string::npos) << st;
 }
 
 TEST_F(NcclTransportTest, APairingThePeerNeverJoinsEndsAtItsDeadline) {

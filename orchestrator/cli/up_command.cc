@@ -404,6 +404,12 @@ absl::Status Up(UpOptions opt) {
     }
   }
   const bool gpu = !opt.device.empty() && opt.device != "cpu";
+  if (split && opt.kv_transport == "nccl" && opt.device != "cuda") {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--kv-transport nccl joins the prefill and decode workers' GPUs, which must differ: --device cuda (worker k "
+        "on GPU k), not %s",
+        gpu ? opt.device : "cpu"));
+  }
   worker::RunnerOptions gpu_options;  // the device's index for cuda:N
   if (gpu) {
     std::string runner;
@@ -415,7 +421,7 @@ absl::Status Up(UpOptions opt) {
     const kvtransfer::TransportCapabilities* caps = kvtransfer::TransportRegistry::Builtin().Capabilities(kv_transport);
     if (caps == nullptr) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("--kv-transport must be ucx, ucx_staged or cuda_ipc, got '%s'", opt.kv_transport));
+          absl::StrFormat("--kv-transport must be ucx, ucx_staged, cuda_ipc or nccl, got '%s'", opt.kv_transport));
     }
     const kvtransfer::MemoryType pools = gpu ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost;
     if (!caps->Moves(pools)) {
@@ -750,7 +756,8 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_option("--device", opt->device, "Workers' device: cpu, cuda (worker k on GPU k) or cuda:N (all on GPU N)");
   cmd->add_option("--kv-transport", opt->kv_transport,
                   "Disaggregated clusters' KV transport: ucx (host memory), ucx_staged (any memory through host "
-                  "staging; the workers push) or cuda_ipc (GPU memory, one host); default: the one for --device");
+                  "staging; the workers push), cuda_ipc (GPU memory, one host) or nccl (GPU memory, worker k on GPU "
+                  "k with --device cuda; the workers push); default: the one for --device");
   cmd->add_option("--gpu-memory-utilization", opt->gpu_memory_utilization,
                   "GPU workers: each worker's share of its GPU's memory (default: 0.9 divided among the workers "
                   "on one GPU, unless --kv-cache-memory is given)");

@@ -191,7 +191,9 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(const std::v
   // it, with TANDEM_TEST_WORKER_ARGS (space-separated flags, e.g.
   // --batch-invariant) added. Simulated workers and workers of
   // --kv-transport ucx (host memory only) stay on the CPU.
-  if (const char* device = std::getenv("TANDEM_TEST_WORKER_DEVICE"); device != nullptr && *device != '\0') {
+  // TANDEM_TEST_WORKER_DEVICE=cuda:by-role: decode workers on GPU 1, the
+  // others on GPU 0 (a split over NCCL joins two GPUs).
+  if (const char* env = std::getenv("TANDEM_TEST_WORKER_DEVICE"); env != nullptr && *env != '\0') {
     auto has = [&](const std::string& flag, const std::string& value) {
       for (size_t i = 0; i < flags.size(); ++i) {
         if (flags[i] == flag + "=" + value || (flags[i] == flag && i + 1 < flags.size() && flags[i + 1] == value)) {
@@ -203,6 +205,8 @@ absl::StatusOr<std::unique_ptr<WorkerProcess>> WorkerProcess::Start(const std::v
     const bool named = std::any_of(flags.begin(), flags.end(), [](const std::string& f) {
       return f == "--device" || f.rfind("--device=", 0) == 0;
     });
+    std::string device = env;
+    if (device == "cuda:by-role") device = has("--role", "decode") ? "cuda:1" : "cuda:0";
     if (!named && !has("--engine", "sim") && !has("--kv-transport", "ucx")) {
       argv.insert(argv.end(), {"--device", device});
       if (const char* extra = std::getenv("TANDEM_TEST_WORKER_ARGS"); extra != nullptr) {

@@ -68,11 +68,20 @@ struct TransferBenchOptions {
   int max_blocks = 256;
   int repeats = 5;
   bool json = false;
-  int target_device = 0;  // cuda_ipc: the target process's GPU (the initiator's is 0)
+  // cuda_ipc and nccl: the target process's GPU (the initiator's is 0);
+  // unset: cuda_ipc 0, nccl 1.
+  int target_device = 0;
+  bool target_device_set = false;
   // ucx_staged's ring; the defaults are the transport's.
   int staging_slots = kvtransfer::TransportOptions{}.staging_slots;
   int staging_slot_mib = static_cast<int>(kvtransfer::TransportOptions{}.staging_slot_bytes >> 20);
 };
+
+// The target's GPU for the send/receive backends (nccl needs two;
+// ucx_staged's GPU pools share GPU 0).
+int TargetDevice(const TransferBenchOptions& opt) {
+  return opt.backend != "nccl" ? 0 : opt.target_device_set ? opt.target_device : 1;
+}
 
 // Llama-3-8B: 32 layers, 8 KV heads, head dim 128, fp16, K and V.
 PoolLayout LlamaLayout(int64_t num_blocks) {
@@ -261,18 +270,21 @@ std::function<absl::Status(int32_t, uint8_t*)> HostBlocks(const uint8_t* pool, c
 
 void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
   const bool gpu = opt.backend == "cuda_ipc" || opt.pool == "cuda";
+  const bool nccl = opt.backend == "nccl";
   const std::string name = opt.backend == "ucx" ? "ucx/" + opt.tls
                            : opt.backend == "ucx_staged"
                                ? absl::StrCat("ucx_staged/", opt.tls, gpu ? " (GPU pools)" : " (host pools)")
-                               : opt.backend;
+                           : nccl ? absl::StrFormat("nccl (GPU 0 -> GPU %d)", TargetDevice(opt))
+                                  : opt.backend;
   if (!opt.json) {
     std::printf("KV %s %s, 2 MiB blocks (Llama-3-8B, 16 tokens), median of %d; GB/s = 1e9 B/s%s\n", opt.op.c_str(),
                 name.c_str(), opt.repeats,
                 opt.backend == "cuda_ipc"
                     ? "; baselines: the same blocks copied device to device one cudaMemcpyAsync each (blocks_), "
                       "and one copy of as many contiguous bytes (copy_)"
-                : gpu ? "; baseline: one device-to-device copy of as many contiguous bytes (memcpy_ column)"
-                      : "");
+                : nccl ? "; baseline: cudaMemcpyPeer of as many contiguous bytes between the two GPUs (memcpy_ column)"
+                : gpu  ? "; baseline: one device-to-device copy of as many contiguous bytes (memcpy_ column)"
+                       : "");
     if (opt.backend == "cuda_ipc") {
       std::printf("%7s %7s %10s %10s %9s %12s %8s %12s %8s\n", "blocks", "MiB", "lat_ms", "min_ms", "GB/s",
                   "blocks_GB/s", "ratio", "copy_GB/s", "ratio");
@@ -291,7 +303,9 @@ void Print(const std::vector<Row>& rows, const TransferBenchOptions& opt) {
                           {"seconds", r.seconds},
                           {"min_seconds", r.min_seconds},
                           {"gbps", gbps},
-                          {"baseline", gpu ? "device_copy" : "memcpy"},
+                          {"baseline", nccl  ? "peer_copy"
+                                       : gpu ? "device_copy"
+                                             : "memcpy"},
                           {"memcpy_gbps", memcpy_gbps},
                           {"ratio_to_memcpy", gbps / memcpy_gbps}};
       if (r.blocks_seconds > 0) {
@@ -394,6 +408,15 @@ absl::Status WithTargetProcess(const std::function<int(int to_parent, int from_p
   }
   return st;
 }
+
+// A target process's exit code: a failure is printed, and told to the
+// initiator (which waits for a PeerInfo) as an empty message.
+int TargetExit(const absl::Status& st, int to_parent) {
+  if (st.ok()) return 0;
+  std::fprintf(stderr, "tandem bench transfer (target): %s\n", st.ToString().c_str());
+  (void)WriteMessage(to_parent, "");
+  return 1;
+}
 #endif
 
 #ifdef TANDEM_HAVE_UCX
@@ -413,15 +436,6 @@ absl::StatusOr<void*> AllocateBenchPool(kvtransfer::UcxTransport& t, const PoolL
   void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return absl::ResourceExhaustedError("mmap of the pool failed");
   return p;
-}
-
-// A UCX target process's exit code: a failure is printed, and told to the
-// initiator (which waits for a PeerInfo) as an empty message.
-int TargetExit(const absl::Status& st, int to_parent) {
-  if (st.ok()) return 0;
-  std::fprintf(stderr, "tandem bench transfer (target): %s\n", st.ToString().c_str());
-  (void)WriteMessage(to_parent, "");
-  return 1;
 }
 
 // The target process: a UCX-allocated pool, its PeerInfo up the pipe, then
@@ -496,18 +510,24 @@ absl::StatusOr<uint8_t*> DevicePool(const PoolLayout& layout) {
 }
 
 // The same number of bytes as `pairs` in one device-to-device copy from
-// `pool` into `scratch` (what the device's copy bandwidth allows).
-absl::StatusOr<Baseline> DeviceCopyBaseline(uint8_t* pool, uint8_t* scratch, const PoolLayout& layout) {
+// `pool` (on `pool_device`) into `scratch` (on `scratch_device`): what the
+// device's copy bandwidth allows, or, across two GPUs, cudaMemcpyPeer.
+absl::StatusOr<Baseline> DeviceCopyBaseline(uint8_t* pool, int pool_device, uint8_t* scratch, int scratch_device,
+                                            const PoolLayout& layout) {
+  cudaSetDevice(pool_device);
   cudaStream_t raw = nullptr;
   if (cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) != cudaSuccess) {
     return absl::InternalError("cudaStreamCreate failed");
   }
   std::shared_ptr<CUstream_st> stream(raw, [](cudaStream_t s) { cudaStreamDestroy(s); });
-  return Baseline([pool, scratch, stream, bb = layout.block_bytes](const std::vector<BlockPair>& pairs) {
+  return Baseline([=, bb = layout.block_bytes](const std::vector<BlockPair>& pairs) {
+    const size_t bytes = static_cast<size_t>(int64_t(pairs.size()) * bb);
     const Clock::time_point c0 = Clock::now();
-    if (cudaMemcpyAsync(scratch, pool, static_cast<size_t>(int64_t(pairs.size()) * bb), cudaMemcpyDeviceToDevice,
-                        stream.get()) != cudaSuccess ||
-        cudaStreamSynchronize(stream.get()) != cudaSuccess) {
+    const cudaError_t issued =
+        pool_device == scratch_device
+            ? cudaMemcpyAsync(scratch, pool, bytes, cudaMemcpyDeviceToDevice, stream.get())
+            : cudaMemcpyPeerAsync(scratch, scratch_device, pool, pool_device, bytes, stream.get());
+    if (issued != cudaSuccess || cudaStreamSynchronize(stream.get()) != cudaSuccess) {
       return absl::StatusOr<double>(absl::InternalError("the baseline's device copy failed"));
     }
     return absl::StatusOr<double>(std::chrono::duration<double>(Clock::now() - c0).count());
@@ -564,7 +584,7 @@ absl::Status RunCudaIpc(const TransferBenchOptions& opt) {
     // The baseline: the same number of bytes in one device-to-device copy
     // within this GPU (what the device's copy bandwidth allows).
     ASSIGN_OR_RETURN(uint8_t * scratch, DevicePool(layout));
-    ASSIGN_OR_RETURN(Baseline baseline, DeviceCopyBaseline(pool, scratch, layout));
+    ASSIGN_OR_RETURN(Baseline baseline, DeviceCopyBaseline(pool, 0, scratch, 0, layout));
     cudaStream_t stream = nullptr;
     if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
       return absl::InternalError("cudaStreamCreate failed");
@@ -591,27 +611,31 @@ absl::Status RunCudaIpc(const TransferBenchOptions& opt) {
 }
 #endif  // TANDEM_HAVE_CUDA_IPC
 
-#ifdef TANDEM_HAVE_UCX
-// --backend ucx_staged: send/receive through host staging. Pools are host
-// memory (--pool mmap) or GPU memory (--pool cuda, GPU 0 on both sides).
-// Per transfer the initiator asks the target to post its Receive ("N TAG"
-// down the pipe, "ok" back), then pushes; the time runs from the push to
-// the target's word that its Receive ended ("done", or "!" and the error),
-// so it covers every byte landing in the target's pool.
-struct StagedPool {
+#if defined(TANDEM_HAVE_UCX) || defined(TANDEM_HAVE_CUDA_IPC)
+// The send/receive backends (needs_pairing): --backend ucx_staged (through
+// host staging; pools in host memory, --pool mmap, or GPU memory, --pool
+// cuda, GPU 0 on both sides) and --backend nccl (GPU pools: the initiator's
+// on GPU 0, the target's on --target-device, 1 by default). The initiator
+// pairs first and hands the target its offer with its PeerInfo. Per
+// transfer it asks the target to post its Receive ("N TAG" down the pipe,
+// "ok" back), then pushes; the time runs from the push to the target's word
+// that its Receive ended ("done", or "!" and the error), so it covers every
+// byte landing in the target's pool.
+struct TwoSidedPool {
   PoolLayout layout;
   uint8_t* base = nullptr;
 };
 
-absl::StatusOr<StagedPool> MakeStagedPool(const TransferBenchOptions& opt) {
-  StagedPool p{LlamaLayout(opt.max_blocks)};
+absl::StatusOr<TwoSidedPool> MakeTwoSidedPool(const TransferBenchOptions& opt, int device) {
+  TwoSidedPool p{LlamaLayout(opt.max_blocks)};
   if (opt.pool == "cuda") {
 #ifdef TANDEM_HAVE_CUDA_IPC
     p.layout.memory_type = kvtransfer::MemoryType::kCuda;
-    p.layout.device_id = 0;
+    p.layout.device_id = device;
     ASSIGN_OR_RETURN(p.base, DevicePool(p.layout));
     return p;
 #else
+    (void)device;
     return absl::UnimplementedError("--pool cuda: this tandem was built without CUDA");
 #endif
   }
@@ -623,17 +647,19 @@ absl::StatusOr<StagedPool> MakeStagedPool(const TransferBenchOptions& opt) {
   return p;
 }
 
-absl::StatusOr<std::unique_ptr<Transport>> StagedTransport(const TransferBenchOptions& opt, const StagedPool& pool) {
+absl::StatusOr<std::unique_ptr<Transport>> TwoSidedTransport(const TransferBenchOptions& opt,
+                                                             const TwoSidedPool& pool) {
   ASSIGN_OR_RETURN(std::unique_ptr<Transport> t,
                    kvtransfer::TransportRegistry::Builtin().Create(
-                       "ucx_staged", {.transports = opt.tls,
-                                      .staging_slots = opt.staging_slots,
-                                      .staging_slot_bytes = int64_t{opt.staging_slot_mib} << 20}));
+                       opt.backend, {.transports = opt.tls,
+                                     .device = std::max(pool.layout.device_id, 0),
+                                     .staging_slots = opt.staging_slots,
+                                     .staging_slot_bytes = int64_t{opt.staging_slot_mib} << 20}));
   RETURN_IF_ERROR(t->RegisterPool(pool.layout, pool.base));
   return t;
 }
 
-absl::Status ReadStagedBlock(const StagedPool& pool, int32_t block, uint8_t* out) {
+absl::Status ReadTwoSidedBlock(const TwoSidedPool& pool, int32_t block, uint8_t* out) {
 #ifdef TANDEM_HAVE_CUDA_IPC
   if (pool.layout.memory_type == kvtransfer::MemoryType::kCuda)
     return ReadDeviceBlock(pool.base, pool.layout, block, out);
@@ -641,17 +667,19 @@ absl::Status ReadStagedBlock(const StagedPool& pool, int32_t block, uint8_t* out
   return HostBlocks(pool.base, pool.layout)(block, out);
 }
 
-int RunStagedTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
+int RunTwoSidedTarget(const TransferBenchOptions& opt, int to_parent, int from_parent) {
   std::unique_ptr<Transport> t;
   absl::Status st = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(StagedPool pool, MakeStagedPool(opt));
-    ASSIGN_OR_RETURN(t, StagedTransport(opt, pool));
+    ASSIGN_OR_RETURN(TwoSidedPool pool, MakeTwoSidedPool(opt, TargetDevice(opt)));
+    ASSIGN_OR_RETURN(t, TwoSidedTransport(opt, pool));
     ASSIGN_OR_RETURN(PeerInfo info, t->LocalInfo());
     RETURN_IF_ERROR(WriteMessage(to_parent, kvtransfer::EncodePeerInfo(info)));
     ASSIGN_OR_RETURN(std::string encoded, ReadMessage(from_parent));
     ASSIGN_OR_RETURN(PeerInfo initiator, kvtransfer::DecodePeerInfo(encoded));
-    const auto deadline = Clock::now() + std::chrono::seconds(10);
-    RETURN_IF_ERROR(t->Pair(initiator, kvtransfer::PairRole::kResponder, "", deadline, [](absl::Status) {}).status());
+    ASSIGN_OR_RETURN(std::string offer, ReadMessage(from_parent));
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    RETURN_IF_ERROR(
+        t->Pair(initiator, kvtransfer::PairRole::kResponder, offer, deadline, [](absl::Status) {}).status());
     const std::vector<int32_t> perm = PeerBlockOrder(pool.layout, opt);
     while (true) {
       absl::StatusOr<std::string> ask = ReadMessage(from_parent);
@@ -660,7 +688,7 @@ int RunStagedTarget(const TransferBenchOptions& opt, int to_parent, int from_par
         // Push: the initiator's block 0 went to perm[0].
         std::vector<uint8_t> want(static_cast<size_t>(pool.layout.block_bytes)), got(want.size());
         FillBlock(want.data(), 0, pool.layout.block_bytes);
-        RETURN_IF_ERROR(ReadStagedBlock(pool, perm[0], got.data()));
+        RETURN_IF_ERROR(ReadTwoSidedBlock(pool, perm[0], got.data()));
         RETURN_IF_ERROR(WriteMessage(to_parent, want == got ? "ok" : "!a pushed block differs from its source"));
         continue;
       }
@@ -678,20 +706,23 @@ int RunStagedTarget(const TransferBenchOptions& opt, int to_parent, int from_par
   return TargetExit(st, to_parent);
 }
 
-absl::Status RunStaged(const TransferBenchOptions& opt) {
-  auto target = [&opt](int to_parent, int from_parent) { return RunStagedTarget(opt, to_parent, from_parent); };
+absl::Status RunTwoSided(const TransferBenchOptions& opt) {
+  auto target = [&opt](int to_parent, int from_parent) { return RunTwoSidedTarget(opt, to_parent, from_parent); };
   int to_target = -1;
   auto initiator = [&](int from_target) -> absl::Status {
-    ASSIGN_OR_RETURN(StagedPool pool, MakeStagedPool(opt));
-    ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, StagedTransport(opt, pool));
+    ASSIGN_OR_RETURN(TwoSidedPool pool, MakeTwoSidedPool(opt, 0));
+    ASSIGN_OR_RETURN(std::unique_ptr<Transport> t, TwoSidedTransport(opt, pool));
     ASSIGN_OR_RETURN(std::string encoded, ReadMessage(from_target));
     if (encoded.empty()) return absl::UnavailableError("the target process failed to start");
     ASSIGN_OR_RETURN(PeerInfo peer, kvtransfer::DecodePeerInfo(encoded));
-    RETURN_IF_ERROR(
-        t->Pair(peer, kvtransfer::PairRole::kInitiator, "", Clock::now() + std::chrono::seconds(10), [](absl::Status) {
-         }).status());
+    std::promise<absl::Status> paired;
+    ASSIGN_OR_RETURN(std::string offer,
+                     t->Pair(peer, kvtransfer::PairRole::kInitiator, "", Clock::now() + std::chrono::seconds(30),
+                             [&paired](absl::Status st) { paired.set_value(std::move(st)); }));
     ASSIGN_OR_RETURN(PeerInfo local, t->LocalInfo());
     RETURN_IF_ERROR(WriteMessage(to_target, kvtransfer::EncodePeerInfo(local)));
+    RETURN_IF_ERROR(WriteMessage(to_target, offer));
+    RETURN_IF_ERROR(paired.get_future().get());  // both sides joined (NCCL: the communicator is up)
     uint64_t tag = 0;
     Timed timed = [&](const std::vector<BlockPair>& pairs) -> absl::StatusOr<double> {
       RETURN_IF_ERROR(WriteMessage(to_target, absl::StrFormat("%d %d", pairs.size(), ++tag)));
@@ -712,8 +743,13 @@ absl::Status RunStaged(const TransferBenchOptions& opt) {
     Baseline baseline;
     if (pool.layout.memory_type == kvtransfer::MemoryType::kCuda) {
 #ifdef TANDEM_HAVE_CUDA_IPC
-      ASSIGN_OR_RETURN(uint8_t * scratch, DevicePool(pool.layout));
-      ASSIGN_OR_RETURN(baseline, DeviceCopyBaseline(pool.base, scratch, pool.layout));
+      // The same bytes copied by the GPUs themselves: within GPU 0
+      // (ucx_staged), or from GPU 0 into the target's GPU (nccl: what
+      // cudaMemcpyPeer reaches over their link).
+      PoolLayout scratch_layout = pool.layout;
+      scratch_layout.device_id = TargetDevice(opt);
+      ASSIGN_OR_RETURN(uint8_t * scratch, DevicePool(scratch_layout));
+      ASSIGN_OR_RETURN(baseline, DeviceCopyBaseline(pool.base, 0, scratch, scratch_layout.device_id, pool.layout));
 #endif
     } else {
       ASSIGN_OR_RETURN(baseline, HostCopyBaseline(pool.base, pool.layout));
@@ -721,23 +757,28 @@ absl::Status RunStaged(const TransferBenchOptions& opt) {
     ASSIGN_OR_RETURN(std::vector<Row> rows, Measure(timed, baseline, pool.layout, opt));
     RETURN_IF_ERROR(WriteMessage(to_target, "check"));
     ASSIGN_OR_RETURN(std::string checked, ReadMessage(from_target));
-    if (checked != "ok") return absl::DataLossError(absl::StrCat("ucx_staged: ", checked));
+    if (checked != "ok") return absl::DataLossError(absl::StrCat(opt.backend, ": ", checked));
     Print(rows, opt);
     return absl::OkStatus();
   };
   return WithTargetProcess(target, initiator, &to_target);
 }
-#endif  // TANDEM_HAVE_UCX
+#endif
 
 absl::Status RunTransferBench(TransferBenchOptions opt) {
-  if (opt.pool.empty()) opt.pool = opt.backend == "ucx_staged" ? "mmap" : "ucx";
+  const bool staged = opt.backend == "ucx_staged";
+  const bool nccl = opt.backend == "nccl";
+  if (opt.pool.empty()) opt.pool = staged ? "mmap" : nccl ? "cuda" : "ucx";
   if (opt.max_blocks < 1 || opt.repeats < 1) {
     return absl::InvalidArgumentError("--max-blocks and --repeats must be >= 1");
   }
-  const bool staged = opt.backend == "ucx_staged";
-  if (staged ? opt.pool != "mmap" && opt.pool != "cuda" : opt.pool != "ucx" && opt.pool != "mmap") {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--pool %s: want %s", opt.pool, staged ? "mmap or cuda (ucx_staged pools)" : "ucx or mmap"));
+  if (nccl     ? opt.pool != "cuda"
+      : staged ? opt.pool != "mmap" && opt.pool != "cuda"
+               : opt.pool != "ucx" && opt.pool != "mmap") {
+    return absl::InvalidArgumentError(absl::StrFormat("--pool %s: want %s", opt.pool,
+                                                      nccl     ? "cuda (nccl moves GPU pools)"
+                                                      : staged ? "mmap or cuda (ucx_staged pools)"
+                                                               : "ucx or mmap"));
   }
   if (opt.staging_slots < 2 || opt.staging_slot_mib < 2) {
     return absl::InvalidArgumentError("--staging-slots and --staging-slot-mib must be >= 2");
@@ -746,16 +787,20 @@ absl::Status RunTransferBench(TransferBenchOptions opt) {
   if (!staged && (opt.staging_slots != defaults.staging_slots || opt.staging_slot_mib != defaults.staging_slot_mib)) {
     return absl::InvalidArgumentError("--staging-slots and --staging-slot-mib are for --backend ucx_staged");
   }
-  if (staged && opt.op != "push") {
-    return absl::InvalidArgumentError("--backend ucx_staged only pushes (the receiver takes part): --op push");
+  if ((staged || nccl) && opt.op != "push") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend ", opt.backend, " only pushes (the receiver takes part): --op push"));
   }
   if (opt.op != "pull" && opt.op != "push") {
     return absl::InvalidArgumentError(absl::StrFormat("--op %s: want pull or push", opt.op));
   }
-  if (opt.target_device != 0 && opt.backend != "cuda_ipc") {
-    return absl::InvalidArgumentError("--target-device is for --backend cuda_ipc");
+  if (opt.target_device_set && opt.backend != "cuda_ipc" && !nccl) {
+    return absl::InvalidArgumentError("--target-device is for --backend cuda_ipc or nccl");
   }
   if (opt.target_device < 0) return absl::InvalidArgumentError("--target-device must be >= 0");
+  if (nccl && TargetDevice(opt) == 0) {
+    return absl::InvalidArgumentError("--backend nccl joins two GPUs: --target-device must not be 0 (the initiator's)");
+  }
   if (opt.backend == "loopback") return RunLoopback(opt);
   if (opt.backend == "cuda_ipc") {
 #ifdef TANDEM_HAVE_CUDA_IPC
@@ -764,15 +809,22 @@ absl::Status RunTransferBench(TransferBenchOptions opt) {
     return absl::UnimplementedError("--backend cuda_ipc: this tandem was built without CUDA");
 #endif
   }
+  if (nccl) {
+#ifdef TANDEM_HAVE_CUDA_IPC
+    return RunTwoSided(opt);
+#else
+    return absl::UnimplementedError("--backend nccl: this tandem was built without CUDA");
+#endif
+  }
   if (opt.backend != "ucx" && !staged) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("--backend %s: want ucx, ucx_staged, cuda_ipc or loopback", opt.backend));
+        absl::StrFormat("--backend %s: want ucx, ucx_staged, cuda_ipc, nccl or loopback", opt.backend));
   }
 #ifdef TANDEM_HAVE_UCX
   if (opt.tls != "shm" && opt.tls != "tcp") {
     return absl::InvalidArgumentError(absl::StrFormat("--tls %s: want shm or tcp", opt.tls));
   }
-  return staged ? RunStaged(opt) : RunUcx(opt);
+  return staged ? RunTwoSided(opt) : RunUcx(opt);
 #else
   return absl::UnimplementedError("this tandem was built without UCX (TANDEM_WITH_UCX=OFF)");
 #endif
@@ -786,13 +838,13 @@ void AddTransferBenchCommand(CLI::App& bench) {
       bench.add_subcommand("transfer", "KV-block transfer bandwidth/latency between two processes vs memcpy");
   cmd->add_option("--op", opt->op, "pull (what a decode worker does in disaggregation) or push")->capture_default_str();
   cmd->add_option("--backend", opt->backend,
-                  "ucx, ucx_staged (send/receive through host staging; push), cuda_ipc (GPU pools, one host) or "
-                  "loopback")
+                  "ucx, ucx_staged (send/receive through host staging; push), cuda_ipc (GPU pools, one host), nccl "
+                  "(GPU pools on two GPUs; push) or loopback")
       ->capture_default_str();
   cmd->add_option("--tls", opt->tls, "UCX transports: shm or tcp (tcp over lo)")->capture_default_str();
   cmd->add_option("--pool", opt->pool,
                   "UCX pools: ucx (allocated by UCX, shareable) or mmap (anonymous, registered); ucx_staged: mmap "
-                  "(host) or cuda (GPU 0)")
+                  "(host) or cuda (GPU 0); nccl: cuda")
       ->capture_default_str();
   cmd->add_flag("--sequential", opt->sequential,
                 "Peer block ids in order (one merged run) instead of a random permutation");
@@ -804,10 +856,14 @@ void AddTransferBenchCommand(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_option("--staging-slot-mib", opt->staging_slot_mib, "ucx_staged: MiB a staging slot (whole 2 MiB blocks)")
       ->capture_default_str();
-  cmd->add_option("--target-device", opt->target_device,
-                  "cuda_ipc: the GPU of the target process's pool (the initiator's is GPU 0; another GPU is "
-                  "reached by peer access)")
-      ->capture_default_str();
+  cmd->add_option_function<int>(
+      "--target-device",
+      [opt](const int& device) {
+        opt->target_device = device;
+        opt->target_device_set = true;
+      },
+      "cuda_ipc and nccl: the GPU of the target process's pool (the initiator's is GPU 0; cuda_ipc reaches "
+      "another GPU by peer access). Default: 0 for cuda_ipc, 1 for nccl");
   cmd->callback([opt] { ExitWithStatus("bench transfer", RunTransferBench(*opt)); });
 }
 

@@ -302,7 +302,7 @@ absl::Status RunWorker(WorkerOptions opt) {
       if (caps != nullptr && gpu && !caps->Moves(kvtransfer::MemoryType::kCuda)) {
         return absl::InvalidArgumentError(
             absl::StrFormat("--device %s keeps the KV cache in GPU memory, which --kv-transport %s cannot move: use "
-                            "--kv-transport cuda_ipc (GPUs of one host) or none",
+                            "--kv-transport cuda_ipc (GPUs of one host), nccl (two GPUs) or none",
                             opt.device, opt.kv_transport));
       }
       if (caps != nullptr && !gpu && !caps->Moves(kvtransfer::MemoryType::kHost)) {
@@ -530,8 +530,9 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_flag("--no-prefix-caching", opt->no_prefix_caching, "Disable the prefix cache");
   cmd->add_option("--kv-transport", opt->kv_transport,
                   "KV block transport between workers: none, ucx (host memory, across hosts), ucx_staged (any "
-                  "pool through host staging, send/receive: GPU memory across hosts; needs --kv-delivery push) or "
-                  "cuda_ipc (GPU memory, GPUs of one host)")
+                  "pool through host staging, send/receive: GPU memory across hosts; needs --kv-delivery push), "
+                  "cuda_ipc (GPU memory, GPUs of one host) or nccl (GPU memory between two GPUs, send/receive; "
+                  "needs --kv-delivery push; libnccl.so.2 from the loader path or $TANDEM_NCCL)")
       ->capture_default_str();
   cmd->add_option("--kv-transport-tls", opt->kv_transport_tls, "UCX transports: auto, shm (one host) or tcp")
       ->capture_default_str();
