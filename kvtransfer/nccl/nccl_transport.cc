@@ -42,6 +42,17 @@ NcclAddress DecodeAddress(absl::string_view text) {
   return a;
 }
 
+// Runs cut into pieces of at most `max` bytes (the same cut on both sides).
+std::vector<CopyRun> Pieces(const std::vector<CopyRun>& runs, int64_t max) {
+  std::vector<CopyRun> out;
+  for (const CopyRun& r : runs) {
+    for (int64_t off = 0; off < r.bytes; off += max) {
+      out.push_back({r.src_offset + off, r.dst_offset + off, std::min(max, r.bytes - off)});
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<NcclTransport>> NcclTransport::Create(NcclOptions options) {
@@ -76,6 +87,8 @@ NcclTransport::~NcclTransport() {
       FailComm(key.first, comm, absl::CancelledError("the NCCL transport was destroyed"), finished);
     }
     comms_.clear();
+    if (scratch_ != nullptr) api_->Free(options_.device, scratch_);
+    scratch_ = nullptr;
   }
   for (auto& [done, st] : finished) done(absl::CancelledError(st.message()));
 }
@@ -185,6 +198,16 @@ absl::StatusOr<std::string> NcclTransport::Pair(const PeerInfo& peer, PairRole r
                           offer.size(), peer.agent_id, NcclApi::kUniqueIdBytes));
     }
     id = std::string(offer);
+    std::lock_guard<std::mutex> lock(mu_);
+    // An id joins one communicator once: this side joined it before, and
+    // that communicator ended (or it would not pair again).
+    if (std::find(joined_offers_.begin(), joined_offers_.end(), id) != joined_offers_.end()) {
+      return absl::UnavailableError(absl::StrCat("a pairing offer from ", peer.agent_id,
+                                                 " that this worker joined before, whose communicator ended: the "
+                                                 "initiator must pair afresh"));
+    }
+    joined_offers_.push_back(id);
+    if (joined_offers_.size() > 64) joined_offers_.pop_front();
   }
   ASSIGN_OR_RETURN(void* handle, api_->InitRank(id, rank, options_.device));
   absl::StatusOr<void*> headers =
@@ -236,15 +259,18 @@ absl::StatusOr<uint64_t> NcclTransport::Start(const std::string& agent_id, std::
     if (peer == peers_.end()) return absl::NotFoundError(absl::StrCat("unknown NCCL peer ", agent_id));
     auto comm = comms_.find(CommKey{agent_id, send ? 0 : 1});
     if (comm == comms_.end() || !comm->second.doomed.ok()) {
-      return absl::FailedPreconditionError(absl::StrFormat("no NCCL pairing with %s as the %s side (Pair %s first)",
-                                                           agent_id, send ? "sending" : "receiving",
-                                                           send ? "as the initiator" : "as the responder"));
+      // Unavailable: a pairing that ended (its communicator failed) is
+      // redone by the caller's next one.
+      return absl::UnavailableError(absl::StrFormat("no NCCL communicator with %s as the %s side (Pair %s)", agent_id,
+                                                    send ? "sending" : "receiving",
+                                                    send ? "as the initiator" : "as the responder"));
     }
     Comm& c = comm->second;
     const int64_t local_blocks = layout_.num_blocks, remote_blocks = peer->second.info.layout.num_blocks;
     ASSIGN_OR_RETURN(std::vector<CopyRun> runs,
                      PlanRuns(blocks, layout_.block_bytes, send ? local_blocks : remote_blocks,
                               send ? remote_blocks : local_blocks));
+    runs = Pieces(runs, kMaxPiece);
     if (!send && c.receives.contains(tag)) {
       return absl::AlreadyExistsError(absl::StrFormat("a receive for tag %d from %s is open", tag, agent_id));
     }
@@ -350,6 +376,7 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
       RETURN_IF_ERROR(TakeHeader(c));
       continue;
     }
+    if (f.xfer == kDrainFlight) continue;
     const Xfer& x = xfers_.at(f.xfer);
     if (!x.send) c.receives.erase(x.tag);
     Finish(f.xfer, x.cancelled ? absl::CancelledError("cancelled; its bytes had moved already") : absl::OkStatus(),
@@ -357,7 +384,7 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
   }
   // A transfer past its deadline on the wire: only an abort ends it.
   for (const Flight& f : c.flights) {
-    if (f.xfer != 0 && now >= xfers_.at(f.xfer).deadline) {
+    if (f.xfer != 0 && f.xfer != kDrainFlight && now >= xfers_.at(f.xfer).deadline) {
       return absl::DeadlineExceededError(
           absl::StrFormat("an NCCL transfer with %s passed its deadline while its bytes moved", peer));
     }
@@ -397,7 +424,9 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
         continue;
       }
       const uint64_t id = it->second;
-      c.ended.push_back(it->first);
+      std::vector<int64_t> sizes;
+      for (const CopyRun& r : x.runs) sizes.push_back(r.bytes);
+      c.ended.emplace_back(it->first, std::move(sizes));
       if (c.ended.size() > kEndedTags) c.ended.pop_front();
       c.receives.erase(it++);
       Finish(id, std::move(end), finished);
@@ -452,9 +481,22 @@ absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
 absl::Status NcclTransport::PostReceives(Comm& c, Finished& finished) {
   // The receives of the push whose header landed, then the next header's:
   // the order the sender's buffers come in.
-  while (c.awaiting != 0 || (!c.header_posted && !c.parked)) {
+  while (c.awaiting != 0 || c.drain.has_value() || (!c.header_posted && !c.parked)) {
     ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
     if (!idle) return absl::OkStatus();
+    if (c.drain.has_value()) {
+      // An ended receive's push: every piece into the scratch buffer.
+      if (scratch_ == nullptr) {
+        ASSIGN_OR_RETURN(scratch_, api_->Alloc(options_.device, kMaxPiece));
+      }
+      std::vector<NcclApi::Buffer> buffers;
+      for (int64_t bytes : *c.drain) buffers.push_back({static_cast<uint8_t*>(scratch_), bytes});
+      c.drain.reset();
+      if (buffers.empty()) continue;
+      ASSIGN_OR_RETURN(uint64_t ticket, api_->Group(c.handle, /*send=*/false, buffers));
+      c.flights.push_back({ticket, kDrainFlight});
+      continue;
+    }
     if (c.awaiting != 0) {
       Xfer& x = xfers_.at(c.awaiting);
       c.awaiting = 0;
@@ -489,9 +531,20 @@ absl::Status NcclTransport::TakeHeader(Comm& c) {
 
 absl::Status NcclTransport::ClaimParked(Comm& c) {
   const Header h = *c.parked;
-  if (std::find(c.ended.begin(), c.ended.end(), h.tag) != c.ended.end()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "a push for tag %d, which no receive here expects (it ended: its deadline or a cancel)", h.tag));
+  auto ended = std::find_if(c.ended.begin(), c.ended.end(), [&](const auto& e) { return e.first == h.tag; });
+  if (ended != c.ended.end()) {
+    // Its receive ended before the push came: drained.
+    int64_t bytes = 0;
+    for (int64_t b : ended->second) bytes += b;
+    if (h.runs != ended->second.size() || h.bytes != bytes) {
+      return absl::InternalError(
+          absl::StrFormat("a push of %d runs (%d bytes) for tag %d, whose ended receive expected %d runs (%d bytes)",
+                          h.runs, h.bytes, h.tag, ended->second.size(), bytes));
+    }
+    c.drain = std::move(ended->second);
+    c.ended.erase(ended);
+    c.parked.reset();
+    return absl::OkStatus();
   }
   auto it = c.receives.find(h.tag);
   if (it == c.receives.end() || xfers_.at(it->second).posted) {
@@ -518,7 +571,7 @@ void NcclTransport::FailComm(const std::string& peer, Comm& c, const absl::Statu
   std::vector<uint64_t> ids(c.pending.begin(), c.pending.end());
   for (const auto& [tag, id] : c.receives) ids.push_back(id);
   for (const Flight& f : c.flights) {
-    if (f.xfer != 0) ids.push_back(f.xfer);
+    if (f.xfer != 0 && f.xfer != kDrainFlight) ids.push_back(f.xfer);
   }
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());

@@ -23,10 +23,13 @@
 // Receive(tag) it names (the same runs: both sides expand the same block
 // pairs), then the next header receive. A header whose Receive is not
 // posted yet waits for it up to kUnmatchedGrace (the pair's later pushes
-// queue behind it). A push for a Receive that ended (its deadline, a
-// cancel), one unclaimed past the grace, or one whose sizes differ cannot
-// be drained, so the communicator is aborted: every transfer on it fails
-// (Unavailable) and the next pairing builds a new one.
+// queue behind it). A push for a Receive that ended unposted (its deadline,
+// a cancel: the last kEndedTags are remembered) is drained into a scratch
+// buffer, which runs are cut to fit (pieces of at most kMaxPiece). One
+// unclaimed past the grace, or whose sizes differ, cannot be, so the
+// communicator is aborted: every transfer on it fails (Unavailable), the
+// next transfer to the peer is refused (Unavailable: pair afresh), and the
+// responder refuses an offer it joined before.
 //
 // Completion: one progress thread polls the communicators (their groups'
 // events and asynchronous errors, NcclApi::Done). A transfer past its
@@ -146,7 +149,10 @@ class NcclTransport final : public Transport {
     uint64_t awaiting = 0;                             // rank 1: its header landed, its receives are to post
     std::optional<Header> parked;                      // rank 1: a landed header whose Receive is not posted yet
     std::chrono::steady_clock::time_point parked_at;
-    std::deque<uint64_t> ended;  // rank 1: tags of receives that ended unposted (the last kEndedTags)
+    // rank 1: receives that ended unposted (the last kEndedTags): tag and
+    // piece sizes, to drain their pushes.
+    std::deque<std::pair<uint64_t, std::vector<int64_t>>> ended;
+    std::optional<std::vector<int64_t>> drain;  // rank 1: a push to drain, its receives to post
   };
   using CommKey = std::pair<std::string, int>;  // peer agent id, this side's rank
   using Finished = std::vector<std::pair<TransferDone, absl::Status>>;
@@ -155,7 +161,9 @@ class NcclTransport final : public Transport {
   static constexpr size_t kMaxInFlight = 16;  // a pair's pushes posted and not yet done
   static constexpr std::chrono::seconds kUnmatchedGrace{2};
   static constexpr size_t kEndedTags = 256;
-  static constexpr uint32_t kMagic = 0x4b564e43;  // "CNVK"
+  static constexpr int64_t kMaxPiece = int64_t{64} << 20;
+  static constexpr uint64_t kDrainFlight = ~uint64_t{0};  // Flight::xfer of a drained push
+  static constexpr uint32_t kMagic = 0x4b564e43;          // "CNVK"
 
   NcclTransport(NcclOptions options, std::shared_ptr<NcclApi> api);
   void ProgressLoop();
@@ -196,6 +204,8 @@ class NcclTransport final : public Transport {
   static constexpr std::chrono::milliseconds kWatchEvery{200};
   absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
   std::chrono::steady_clock::time_point next_watch_ ABSL_GUARDED_BY(mu_);
+  void* scratch_ ABSL_GUARDED_BY(mu_) = nullptr;                // kMaxPiece bytes on the device, for drains
+  std::deque<std::string> joined_offers_ ABSL_GUARDED_BY(mu_);  // offers this side joined as the responder
   std::map<CommKey, Comm> comms_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Xfer> xfers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

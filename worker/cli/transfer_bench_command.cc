@@ -514,6 +514,20 @@ absl::StatusOr<uint8_t*> DevicePool(const PoolLayout& layout) {
 // device's copy bandwidth allows, or, across two GPUs, cudaMemcpyPeer.
 absl::StatusOr<Baseline> DeviceCopyBaseline(uint8_t* pool, int pool_device, uint8_t* scratch, int scratch_device,
                                             const PoolLayout& layout) {
+  if (pool_device != scratch_device) {
+    // Peer access both ways, as cudaMemcpyPeer reaches the other GPU over
+    // their link (without it the copy is staged through the host).
+    for (auto [from, to] : {std::pair{pool_device, scratch_device}, std::pair{scratch_device, pool_device}}) {
+      cudaSetDevice(from);
+      const cudaError_t e = cudaDeviceEnablePeerAccess(to, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+        return absl::FailedPreconditionError(
+            absl::StrFormat("GPU %d cannot reach GPU %d (peer access): %s", from, to, cudaGetErrorString(e)));
+      }
+      cudaGetLastError();
+    }
+  }
   cudaSetDevice(pool_device);
   cudaStream_t raw = nullptr;
   if (cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking) != cudaSuccess) {

@@ -573,8 +573,11 @@ void KvReceiver::Join(const tandem::v1::KvReadyRequest& req, Deadline call_deadl
         if (pinned.ok() && transport_->capabilities().needs_pairing) {
           // The receiving half goes up before the answer lets the sender start.
           if (absl::Status posted = PostReceive(pull, until); !posted.ok()) {
+            // UNAVAILABLE where the pairing with the pusher's pool is gone
+            // (the pusher then pairs afresh), else ABORTED.
             Fail(pull,
-                 grpc::Status(grpc::StatusCode::ABORTED,
+                 grpc::Status(posted.code() == absl::StatusCode::kUnavailable ? grpc::StatusCode::UNAVAILABLE
+                                                                              : grpc::StatusCode::ABORTED,
                               absl::StrCat("cannot receive the pushed KV: ", posted.message())),
                  /*fall_back=*/true);
             return;
@@ -1082,7 +1085,9 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
   const uint64_t id = p->job.prefilled.id;
   const std::string& instance = p->described.decode_instance_id();
   if (!status.ok() && p->peer_held) {
-    peers_->Release(p->agent, /*lost=*/false);
+    // UNAVAILABLE: the decode worker cannot pair with this pool (for NCCL,
+    // a communicator that ended on its side): the next push pairs afresh.
+    peers_->Release(p->agent, /*lost=*/status.error_code() == grpc::StatusCode::UNAVAILABLE);
     p->peer_held = false;
   }
   if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {

@@ -28,6 +28,7 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::Pair
     if (it != peers_.end() && healthy(it->second)) {
       ++it->second.transfers;
       it->second.last_used = now;
+      if (offer_out != nullptr) *offer_out = it->second.offer;
       return absl::OkStatus();
     }
   }
@@ -44,6 +45,7 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::Pair
       if (healthy(it->second)) {  // joined meanwhile by another caller
         ++it->second.transfers;
         it->second.last_used = now;
+        if (offer_out != nullptr) *offer_out = it->second.offer;
         return absl::OkStatus();
       }
       // A pairing that completed with an error since: joined afresh, once
@@ -84,12 +86,12 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::Pair
         absl::StrCat("the ", transport_->backend(),
                      " transport pairs through an offer carried to the peer, and none is carried here"));
   }
-  if (offer_out != nullptr) *offer_out = *std::move(given);
+  if (offer_out != nullptr) *offer_out = *given;
   remove.clear();
   {
     std::lock_guard<std::mutex> lock(mu_);
     Use& use = peers_[peer.agent_id];
-    use = Use{.transfers = 1, .last_used = now, .pairing = completed ? nullptr : pairing};
+    use = Use{.transfers = 1, .last_used = now, .pairing = completed ? nullptr : pairing, .offer = *std::move(given)};
     if (peers_.size() > max_idle_) {
       for (auto p = peers_.begin(); p != peers_.end();) {
         if (p->second.transfers == 0 && now - p->second.last_used > idle_after_) {

@@ -7,7 +7,9 @@
 // transport that pairs through an offer (NCCL's communicator id: the
 // initiator's Pair gives one, the responder's takes it, both complete
 // later) is joined when the caller carries the offer (the prefill worker's
-// JOIN); a pairing that completes with an error later fails the peer's next
+// JOIN). Every later transfer to the peer carries the same offer: JOINs may
+// reach the peer in any order, and whichever comes first pairs it there; a
+// pairing that completes with an error later fails the peer's next
 // Acquire, and the peer is joined afresh once its transfers ended. Each
 // transfer in flight is counted; a peer reported lost is forgotten once its
 // transfers ended, and removed from the transport by the next pairing (a
@@ -70,6 +72,7 @@ class PeerSet {
     int transfers = 0;  // in flight
     std::chrono::steady_clock::time_point last_used;
     std::shared_ptr<Pairing> pairing;  // null: completed when it was joined
+    std::string offer;                 // the initiator's pairing offer, carried by every transfer's JOIN
   };
   kvtransfer::Transport* const transport_;
   const size_t max_idle_;
