@@ -21,7 +21,7 @@ PoolLayout Layout() {
 
 TEST(TransportRegistryTest, BuiltinTransportsByNameWithTheirCapabilities) {
   const TransportRegistry& r = TransportRegistry::Builtin();
-  EXPECT_EQ(r.names(), (std::vector<std::string>{"cuda_ipc", "ucx", "ucx_staged"}));
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"cuda_ipc", "nccl", "ucx", "ucx_staged"}));
   const TransportCapabilities* ucx = r.Capabilities("ucx");
   ASSERT_NE(ucx, nullptr);
   EXPECT_TRUE(ucx->push);
@@ -44,12 +44,27 @@ TEST(TransportRegistryTest, BuiltinTransportsByNameWithTheirCapabilities) {
   EXPECT_TRUE(staged->needs_pairing);
   EXPECT_TRUE(staged->Moves(MemoryType::kCuda));
   EXPECT_TRUE(staged->Moves(MemoryType::kHost));
-  EXPECT_EQ(r.Capabilities("nccl"), nullptr);
-  absl::StatusOr<std::unique_ptr<Transport>> bad = r.Create("nccl", {});
+  // NCCL send/receive between two GPUs (libnccl.so.2 loaded when created:
+  // an error naming the flag where it is not found).
+  const TransportCapabilities* nccl = r.Capabilities("nccl");
+  ASSERT_NE(nccl, nullptr);
+  EXPECT_TRUE(nccl->push);
+  EXPECT_FALSE(nccl->pull);
+  EXPECT_TRUE(nccl->needs_pairing);
+  EXPECT_TRUE(nccl->Moves(MemoryType::kCuda));
+  EXPECT_FALSE(nccl->Moves(MemoryType::kHost));
+  absl::StatusOr<std::unique_ptr<Transport>> made = r.Create("nccl", {});
+  if (made.ok()) {
+    EXPECT_EQ((*made)->backend(), "nccl");
+  } else {
+    EXPECT_THAT(std::string(made.status().message()), ::testing::HasSubstr("--kv-transport nccl: "));
+  }
+  absl::StatusOr<std::unique_ptr<Transport>> bad = r.Create("gloo", {});
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(bad.status().message()),
-              ::testing::HasSubstr("--kv-transport must be none or one of cuda_ipc, ucx, ucx_staged, got 'nccl'"));
+  EXPECT_THAT(
+      std::string(bad.status().message()),
+      ::testing::HasSubstr("--kv-transport must be none or one of cuda_ipc, nccl, ucx, ucx_staged, got 'gloo'"));
 }
 
 TEST(TransportRegistryTest, ARegistryCreatesWhatWasRegistered) {

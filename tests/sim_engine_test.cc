@@ -130,8 +130,17 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-domain 'rack 1'", &out), 0);
   EXPECT_NE(out.find("--kv-domain must be at most 128 letters, digits and . _ : -, got 'rack 1'"), std::string::npos)
       << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport gloo", &out), 0);
+  EXPECT_NE(out.find("--kv-transport must be none or one of cuda_ipc, nccl, ucx, ucx_staged, got 'gloo'"),
+            std::string::npos)
+      << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport nccl", &out), 0);
-  EXPECT_NE(out.find("--kv-transport must be none or one of cuda_ipc, ucx, ucx_staged, got 'nccl'"), std::string::npos)
+  EXPECT_NE(out.find("--kv-transport nccl sends and receives in pairs: it needs --kv-delivery push (got pull)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --kv-transport nccl --kv-delivery push", &out), 0);
+  EXPECT_NE(out.find("--kv-transport nccl moves GPU memory, and --device cpu keeps the KV cache in host memory"),
+            std::string::npos)
       << out;
   // The GPU runner's switches on a CPU (or simulated) worker: refused, not ignored.
   for (const std::string flag : {"--host-sampling", "--enforce-eager", "--batch-invariant"}) {

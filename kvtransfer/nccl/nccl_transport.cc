@@ -434,7 +434,12 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
     if (c.parked) RETURN_IF_ERROR(ClaimParked(c));
     RETURN_IF_ERROR(PostReceives(c, finished));
   }
-  if (!c.flights.empty() || c.parked) *flying = true;
+  // Polled fast only while bytes are expected (an idle receiver's header
+  // receive alone waits for the slow tick, or a new transfer's wake-up).
+  const bool expecting = !c.pending.empty() || !c.receives.empty() || c.parked || c.awaiting != 0 ||
+                         c.drain.has_value() ||
+                         std::any_of(c.flights.begin(), c.flights.end(), [](const Flight& f) { return f.xfer != 0; });
+  if (expecting) *flying = true;
   return absl::OkStatus();
 }
 

@@ -357,21 +357,5 @@ TEST_F(NcclTransportTest, Refusals) {
   EXPECT_EQ(first.Wait().code(), absl::StatusCode::kDeadlineExceeded);
 }
 
-TEST(NcclRegistryTest, BuiltinHasNcclAsASendReceiveGpuBackend) {
-  const TransportCapabilities* caps = TransportRegistry::Builtin().Capabilities("nccl");
-  ASSERT_NE(caps, nullptr);
-  EXPECT_TRUE(caps->needs_pairing);
-  EXPECT_TRUE(caps->push);
-  EXPECT_FALSE(caps->pull);
-  EXPECT_TRUE(caps->Moves(MemoryType::kCuda));
-  EXPECT_FALSE(caps->Moves(MemoryType::kHost));
-  absl::StatusOr<std::unique_ptr<Transport>> t = TransportRegistry::Builtin().Create("nccl", {});
-  if (!t.ok()) {
-    EXPECT_NE(t.status().message().find("--kv-transport nccl"), std::string::npos) << t.status();
-  } else {
-    EXPECT_EQ((*t)->backend(), "nccl");
-  }
-}
-
 }  // namespace
 }  // namespace tandem::kvtransfer
