@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -267,6 +268,55 @@ TEST_F(NcclTransportTest, BlockListsThatDifferAbortBeforeAnyByteLands) {
   EXPECT_FALSE(p.Wait().ok());
   EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
   EXPECT_EQ(Block(1, 2), std::vector<uint8_t>(kBlockBytes, 0));
+}
+
+// Runs longer than 64 MiB go as pieces of at most 64 MiB (the cut both
+// sides make; drains land in a 64 MiB scratch buffer): 144 MiB in one run,
+// pushed, then the same pushed for a cancelled receive and drained.
+TEST(NcclTransportPiecesTest, LongRunsGoInPiecesAndDrainIntoScratch) {
+  constexpr int64_t kBig = int64_t{24} << 20;
+  constexpr int kN = 8;
+  auto fabric = NewFakeNcclFabric();
+  std::unique_ptr<NcclTransport> t[2];
+  std::vector<uint8_t> pool[2];
+  PoolLayout layout = Layout();
+  layout.block_bytes = kBig;
+  layout.num_blocks = kN;
+  for (int i = 0; i < 2; ++i) {
+    pool[i].assign(kN * kBig, 0);
+    if (i == 0) std::iota(pool[i].begin(), pool[i].end(), static_cast<uint8_t>(3));
+    absl::StatusOr<std::unique_ptr<NcclTransport>> made =
+        NcclTransport::Create({.device = 0, .api = std::shared_ptr<NcclApi>(NewFakeNccl(fabric)), .host_pools = true});
+    ASSERT_TRUE(made.ok()) << made.status();
+    t[i] = *std::move(made);
+    ASSERT_TRUE(t[i]->RegisterPool(layout, pool[i].data()).ok());
+  }
+  const PeerInfo a = *t[0]->LocalInfo(), b = *t[1]->LocalInfo();
+  Waiter pa, pb;
+  absl::StatusOr<std::string> offer =
+      t[0]->Pair(b, PairRole::kInitiator, "", Clock::now() + milliseconds(5000), pa.Callback());
+  ASSERT_TRUE(offer.ok());
+  ASSERT_TRUE(t[1]->Pair(a, PairRole::kResponder, *offer, Clock::now() + milliseconds(5000), pb.Callback()).ok());
+  ASSERT_TRUE(pa.Wait().ok() && pb.Wait().ok());
+  const std::vector<BlockPair> run = {{0, 2}, {1, 3}, {2, 4}, {3, 5}, {4, 6}, {5, 7}};  // one 144 MiB run
+  auto deadline = [] { return Clock::now() + milliseconds(20000); };
+  Waiter r, p;
+  ASSERT_TRUE(t[1]->Receive(a.agent_id, run, 1, deadline(), r.Callback()).ok());
+  ASSERT_TRUE(t[0]->PushAfter(b.agent_id, run, CompletedFence(), 1, deadline(), p.Callback()).ok());
+  ASSERT_TRUE(p.Wait(milliseconds(20000)).ok());
+  ASSERT_TRUE(r.Wait(milliseconds(20000)).ok());
+  EXPECT_TRUE(std::equal(pool[0].begin(), pool[0].begin() + 6 * kBig, pool[1].begin() + 2 * kBig));
+  EXPECT_TRUE(std::all_of(pool[1].begin(), pool[1].begin() + 2 * kBig, [](uint8_t x) { return x == 0; }));
+  // The same push for a receive cancelled first: drained, the pool untouched.
+  std::fill(pool[1].begin(), pool[1].end(), 0);
+  Waiter gone, p2;
+  absl::StatusOr<uint64_t> id = t[1]->Receive(a.agent_id, run, 2, deadline(), gone.Callback());
+  ASSERT_TRUE(id.ok());
+  t[1]->Cancel(*id);
+  EXPECT_EQ(gone.Wait().code(), absl::StatusCode::kCancelled);
+  ASSERT_TRUE(t[0]->PushAfter(b.agent_id, run, CompletedFence(), 2, deadline(), p2.Callback()).ok());
+  EXPECT_TRUE(p2.Wait(milliseconds(20000)).ok());
+  EXPECT_TRUE(std::all_of(pool[1].begin(), pool[1].end(), [](uint8_t x) { return x == 0; }));
 }
 
 TEST_F(NcclTransportTest, RemovingThePeerFailsItsOpenTransfers) {
