@@ -206,8 +206,22 @@ absl::StatusOr<std::string> NcclTransport::Pair(const PeerInfo& peer, PairRole r
                                                  " that this worker joined before, whose communicator ended: the "
                                                  "initiator must pair afresh"));
     }
-    joined_offers_.push_back(id);
-    if (joined_offers_.size() > 64) joined_offers_.pop_front();
+  }
+  // The responder's scratch buffer for drains, up front (a drain is a
+  // recovery: it must not fail for memory).
+  bool need_scratch = false;
+  if (rank == 1) {
+    std::lock_guard<std::mutex> lock(mu_);
+    need_scratch = scratch_ == nullptr;
+  }
+  if (need_scratch) {
+    ASSIGN_OR_RETURN(void* scratch, api_->Alloc(options_.device, kMaxPiece));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (scratch_ == nullptr) {
+      scratch_ = scratch;
+    } else {
+      api_->Free(options_.device, scratch);
+    }
   }
   ASSIGN_OR_RETURN(void* handle, api_->InitRank(id, rank, options_.device));
   absl::StatusOr<void*> headers =
@@ -219,6 +233,10 @@ absl::StatusOr<std::string> NcclTransport::Pair(const PeerInfo& peer, PairRole r
   Finished finished;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (rank == 1) {
+      joined_offers_.push_back(id);
+      if (joined_offers_.size() > 64) joined_offers_.pop_front();
+    }
     const CommKey key{peer.agent_id, rank};
     if (auto old = comms_.find(key); old != comms_.end()) {
       FailComm(peer.agent_id, old->second, absl::UnavailableError("replaced by a new pairing"), finished);
@@ -351,6 +369,47 @@ bool NcclTransport::Step(Finished& finished) {
 absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& finished, bool* flying) {
   const auto now = Clock::now();
   if (!c.doomed.ok()) return c.doomed;
+  // Transfers not posted yet end here when cancelled or late (a pairing
+  // still under way holds none of them).
+  auto unposted_end = [&](const Xfer& x) -> absl::Status {
+    if (x.cancelled) return absl::CancelledError("cancelled before its bytes moved");
+    if (now >= x.deadline) {
+      return absl::DeadlineExceededError(x.send ? "the push did not start by its deadline (the blocks' writes, or the "
+                                                  "pairing, were not done)"
+                                                : "no push for this receive came by its deadline");
+    }
+    return absl::OkStatus();
+  };
+  auto end_unposted = [&] {
+    if (c.rank == 0) {
+      for (auto it = c.pending.begin(); it != c.pending.end();) {
+        absl::Status end = unposted_end(xfers_.at(*it));
+        if (end.ok()) {
+          ++it;
+          continue;
+        }
+        const uint64_t id = *it;
+        it = c.pending.erase(it);
+        Finish(id, std::move(end), finished);
+      }
+      return;
+    }
+    for (auto it = c.receives.begin(); it != c.receives.end();) {
+      const Xfer& x = xfers_.at(it->second);
+      absl::Status end = x.posted || x.id == c.awaiting ? absl::OkStatus() : unposted_end(x);
+      if (end.ok()) {
+        ++it;
+        continue;
+      }
+      const uint64_t id = it->second;
+      std::vector<int64_t> sizes;
+      for (const CopyRun& r : x.runs) sizes.push_back(r.bytes);
+      c.ended.emplace_back(it->first, std::move(sizes));
+      if (c.ended.size() > kEndedTags) c.ended.pop_front();
+      c.receives.erase(it++);
+      Finish(id, std::move(end), finished);
+    }
+  };
   if (!c.ready) {
     ASSIGN_OR_RETURN(bool ready, api_->Ready(c.handle));
     if (!ready) {
@@ -358,6 +417,7 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
         return absl::DeadlineExceededError(
             absl::StrFormat("NCCL pairing with %s did not complete by its deadline (did the peer join?)", peer));
       }
+      end_unposted();
       *flying = true;
       return absl::OkStatus();
     }
@@ -384,6 +444,10 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
   }
   // A transfer past its deadline on the wire: only an abort ends it.
   for (const Flight& f : c.flights) {
+    if (f.xfer == kDrainFlight && now >= f.drain_deadline) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "a drained NCCL push from %s did not end in %d s (the sender gone mid-push?)", peer, kDrainLimit.count()));
+    }
     if (f.xfer != 0 && f.xfer != kDrainFlight && now >= xfers_.at(f.xfer).deadline) {
       return absl::DeadlineExceededError(
           absl::StrFormat("an NCCL transfer with %s passed its deadline while its bytes moved", peer));
@@ -393,44 +457,10 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
     return absl::DeadlineExceededError(
         absl::StrFormat("an NCCL receive from %s passed its deadline as its push arrived", peer));
   }
-  // Transfers not posted yet end here when cancelled or late.
-  auto unposted_end = [&](const Xfer& x) -> absl::Status {
-    if (x.cancelled) return absl::CancelledError("cancelled before its bytes moved");
-    if (now >= x.deadline) {
-      return absl::DeadlineExceededError(x.send ? "the push did not start by its deadline (the blocks' writes, or the "
-                                                  "pairing, were not done)"
-                                                : "no push for this receive came by its deadline");
-    }
-    return absl::OkStatus();
-  };
+  end_unposted();
   if (c.rank == 0) {
-    for (auto it = c.pending.begin(); it != c.pending.end();) {
-      absl::Status end = unposted_end(xfers_.at(*it));
-      if (end.ok()) {
-        ++it;
-        continue;
-      }
-      const uint64_t id = *it;
-      it = c.pending.erase(it);
-      Finish(id, std::move(end), finished);
-    }
     RETURN_IF_ERROR(PostSends(c, finished));
   } else {
-    for (auto it = c.receives.begin(); it != c.receives.end();) {
-      const Xfer& x = xfers_.at(it->second);
-      absl::Status end = x.posted || x.id == c.awaiting ? absl::OkStatus() : unposted_end(x);
-      if (end.ok()) {
-        ++it;
-        continue;
-      }
-      const uint64_t id = it->second;
-      std::vector<int64_t> sizes;
-      for (const CopyRun& r : x.runs) sizes.push_back(r.bytes);
-      c.ended.emplace_back(it->first, std::move(sizes));
-      if (c.ended.size() > kEndedTags) c.ended.pop_front();
-      c.receives.erase(it++);
-      Finish(id, std::move(end), finished);
-    }
     if (c.parked) RETURN_IF_ERROR(ClaimParked(c));
     RETURN_IF_ERROR(PostReceives(c, finished));
   }
@@ -452,7 +482,12 @@ absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
         if (x.after->memory() == MemoryType::kCuda && x.after->cuda_event() != nullptr) {
           written = api_->EventDone(x.after->cuda_event());
         } else {
-          written = x.after->Wait(Clock::now()).ok();
+          const absl::Status waited = x.after->Wait(Clock::now());
+          if (waited.ok() || waited.code() == absl::StatusCode::kDeadlineExceeded) {
+            written = waited.ok();
+          } else {
+            written = waited;  // the writes' own error
+          }
         }
       }
       if (!written.ok()) {
@@ -486,7 +521,10 @@ absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
 absl::Status NcclTransport::PostReceives(Comm& c, Finished& finished) {
   // The receives of the push whose header landed, then the next header's:
   // the order the sender's buffers come in.
-  while (c.awaiting != 0 || c.drain.has_value() || (!c.header_posted && !c.parked)) {
+  // A header receive is posted only while a receive is open: an NCCL
+  // receive in flight spins on the GPU until its bytes come, and would hold
+  // anything that waits for the whole device (cudaFree) that long.
+  while (c.awaiting != 0 || c.drain.has_value() || (!c.header_posted && !c.parked && !c.receives.empty())) {
     ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
     if (!idle) return absl::OkStatus();
     if (c.drain.has_value()) {
@@ -499,7 +537,7 @@ absl::Status NcclTransport::PostReceives(Comm& c, Finished& finished) {
       c.drain.reset();
       if (buffers.empty()) continue;
       ASSIGN_OR_RETURN(uint64_t ticket, api_->Group(c.handle, /*send=*/false, buffers));
-      c.flights.push_back({ticket, kDrainFlight});
+      c.flights.push_back({ticket, kDrainFlight, Clock::now() + kDrainLimit});
       continue;
     }
     if (c.awaiting != 0) {

@@ -130,7 +130,8 @@ class NcclTransport final : public Transport {
   };
   struct Flight {
     uint64_t ticket = 0;
-    uint64_t xfer = 0;  // 0: the receiver's header receive
+    uint64_t xfer = 0;                                     // 0: the receiver's header receive
+    std::chrono::steady_clock::time_point drain_deadline;  // kDrainFlight: when it aborts the pair
   };
   // The communicator with one peer in one direction (rank 0 sends).
   struct Comm {
@@ -163,7 +164,8 @@ class NcclTransport final : public Transport {
   static constexpr size_t kEndedTags = 256;
   static constexpr int64_t kMaxPiece = int64_t{64} << 20;
   static constexpr uint64_t kDrainFlight = ~uint64_t{0};  // Flight::xfer of a drained push
-  static constexpr uint32_t kMagic = 0x4b564e43;          // "CNVK"
+  static constexpr std::chrono::seconds kDrainLimit{30};
+  static constexpr uint32_t kMagic = 0x4b564e43;  // "CNVK"
 
   NcclTransport(NcclOptions options, std::shared_ptr<NcclApi> api);
   void ProgressLoop();

@@ -229,15 +229,21 @@ TEST_F(NcclTransportTest, APushForAnEndedReceiveIsDrainedAndThePairGoesOn) {
   EXPECT_EQ(Block(1, 2), Block(0, 2));
 }
 
-// A header no receive claims: the pair's later pushes cannot pass it, so
-// past the grace the communicator is aborted.
+// A header no receive claims (it lands while another receive is open):
+// the pair's later pushes cannot pass it, so past the grace the
+// communicator is aborted. (With no receive open no header receive is
+// posted at all: such a push ends at its own deadline.)
 TEST_F(NcclTransportTest, APushNoReceiveClaimsAbortsThePairAfterTheGrace) {
   PairUp();
-  Waiter p;
+  Waiter open, p;
+  ASSERT_TRUE(Receive({{1, 1}}, 76, open, /*ms=*/10000).ok());  // a header receive is up while one is open
   const auto start = Clock::now();
   ASSERT_TRUE(Push({{1, 1}}, 77, p, CompletedFence(), /*ms=*/10000).ok());
   const absl::Status st = p.Wait(milliseconds(8000));
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;  // the receiver aborted the communicator
+  const absl::Status other = open.Wait();
+  EXPECT_EQ(other.code(), absl::StatusCode::kUnavailable) << other;
+  EXPECT_NE(other.message().find("no receive here claimed"), std::string::npos) << other;
   EXPECT_GE(Clock::now() - start, milliseconds(1900));
   // Afterwards: transfers are refused as Unavailable (the caller pairs
   // afresh), and the responder will not join the old offer again.

@@ -22,10 +22,16 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::Pair
     std::lock_guard<std::mutex> l(use.pairing->mu);
     return !use.pairing->called || use.pairing->status.ok();
   };
+  // A responder handed an offer other than the one it joined: the
+  // initiator paired afresh (its side of the old pairing ended, which the
+  // old communicator here may never learn): join the new one.
+  auto new_offer = [&](const Use& use) {
+    return role == kvtransfer::PairRole::kResponder && !offer.empty() && offer != use.offer;
+  };
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = peers_.find(peer.agent_id);
-    if (it != peers_.end() && healthy(it->second)) {
+    if (it != peers_.end() && healthy(it->second) && !new_offer(it->second)) {
       ++it->second.transfers;
       it->second.last_used = now;
       if (offer_out != nullptr) *offer_out = it->second.offer;
@@ -37,11 +43,14 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::Pair
   // mu_, and one at a time (pair_mu_, which Release does not take).
   std::lock_guard<std::mutex> pairing_lock(pair_mu_);
   std::vector<std::string> remove;
+  bool replace = false;  // the transport replaces its pairing with the peer; the transfers' count goes on
   {
     std::lock_guard<std::mutex> lock(mu_);
     remove.swap(removed_);
     auto it = peers_.find(peer.agent_id);
-    if (it != peers_.end()) {
+    if (it != peers_.end() && new_offer(it->second)) {
+      replace = true;
+    } else if (it != peers_.end()) {
       if (healthy(it->second)) {  // joined meanwhile by another caller
         ++it->second.transfers;
         it->second.last_used = now;
@@ -75,7 +84,7 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::Pair
     completed_with = pairing->status;
   }
   if (!completed_with.ok()) {
-    transport_->RemovePeer(peer.agent_id);
+    if (!replace) transport_->RemovePeer(peer.agent_id);
     return completed_with;
   }
   // An initiator whose pairing needs its offer carried (or completes later)
@@ -91,7 +100,13 @@ absl::Status PeerSet::Acquire(const kvtransfer::PeerInfo& peer, kvtransfer::Pair
   {
     std::lock_guard<std::mutex> lock(mu_);
     Use& use = peers_[peer.agent_id];
-    use = Use{.transfers = 1, .last_used = now, .pairing = completed ? nullptr : pairing, .offer = *std::move(given)};
+    // The offer this pairing rode on: the one given to the responder, the
+    // one the initiator's Pair made.
+    std::string joined = role == kvtransfer::PairRole::kResponder ? std::string(offer) : *std::move(given);
+    use = Use{.transfers = (replace ? use.transfers : 0) + 1,
+              .last_used = now,
+              .pairing = completed ? nullptr : pairing,
+              .offer = std::move(joined)};
     if (peers_.size() > max_idle_) {
       for (auto p = peers_.begin(); p != peers_.end();) {
         if (p->second.transfers == 0 && now - p->second.last_used > idle_after_) {

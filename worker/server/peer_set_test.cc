@@ -197,6 +197,26 @@ TEST(PeerSetTest, AnOfferCarriedByTheCallerJoinsAndAFailedPairingIsRedone) {
   set.Release(f.Info(0).agent_id, false);
 }
 
+// A responder handed an offer other than the one it joined (the initiator
+// paired afresh) joins the new one; the same offer again joins nothing.
+TEST(PeerSetTest, AResponderJoinsANewOfferAndKeepsItsTransfersCounted) {
+  Fleet f(1);
+  PairedTransport paired(&f.local, /*inline_pairing=*/true);
+  PeerSet set(&paired);
+  ASSERT_TRUE(set.Acquire(f.Info(0), kvtransfer::PairRole::kResponder, "offer A").ok());
+  ASSERT_TRUE(set.Acquire(f.Info(0), kvtransfer::PairRole::kResponder, "offer A").ok());
+  ASSERT_TRUE(set.Acquire(f.Info(0), kvtransfer::PairRole::kResponder, "").ok());
+  EXPECT_EQ(paired.roles.size(), 1u);
+  ASSERT_TRUE(set.Acquire(f.Info(0), kvtransfer::PairRole::kResponder, "offer B").ok());
+  EXPECT_EQ(paired.roles.size(), 2u);
+  EXPECT_EQ(set.in_flight(f.Info(0).agent_id), 4);
+  EXPECT_EQ(set.size(), 1u);
+  ASSERT_TRUE(set.Acquire(f.Info(0), kvtransfer::PairRole::kResponder, "offer B").ok());
+  EXPECT_EQ(paired.roles.size(), 2u);
+  for (int i = 0; i < 5; ++i) set.Release(f.Info(0).agent_id, false);
+  EXPECT_EQ(set.in_flight(f.Info(0).agent_id), 0);
+}
+
 TEST(PeerSetTest, ATransportThatPairsInlineJoinsInTheGivenRole) {
   Fleet f(2);
   PairedTransport paired(&f.local, /*inline_pairing=*/true);
