@@ -137,15 +137,12 @@ class RealNccl final : public NcclApi {
     return true;
   }
 
+  // The same state as Ready's (nothing in progress: created, and every
+  // group enqueued), then the enqueued groups' events go on the stream.
   absl::StatusOr<bool> Idle(void* handle) override {
+    absl::StatusOr<bool> settled = Ready(handle);
+    if (!settled.ok() || !*settled) return settled;
     Comm& c = *static_cast<Comm*>(handle);
-    ncclResult_t state = ncclSuccess;
-    if (ncclResult_t r = s_.CommGetAsyncError(c.comm, &state); r != ncclSuccess) {
-      return Error("ncclCommGetAsyncError", r);
-    }
-    if (state == ncclInProgress) return false;
-    if (state != ncclSuccess) return Error("the NCCL communicator", state);
-    // Every group is enqueued now: their events can go on the stream.
     std::vector<uint64_t> pending;
     for (const auto& [ticket, event] : c.events) {
       if (event == nullptr) pending.push_back(ticket);

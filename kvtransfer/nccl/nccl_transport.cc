@@ -295,7 +295,6 @@ absl::StatusOr<uint64_t> NcclTransport::Start(const std::string& agent_id, std::
     id = next_id_++;
     Xfer& x = xfers_[id];
     x.id = id;
-    x.peer = agent_id;
     x.send = send;
     x.tag = tag;
     for (const CopyRun& r : runs) x.bytes += r.bytes;
@@ -528,10 +527,8 @@ absl::Status NcclTransport::PostReceives(Comm& c, Finished& finished) {
     ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
     if (!idle) return absl::OkStatus();
     if (c.drain.has_value()) {
-      // An ended receive's push: every piece into the scratch buffer.
-      if (scratch_ == nullptr) {
-        ASSIGN_OR_RETURN(scratch_, api_->Alloc(options_.device, kMaxPiece));
-      }
+      // An ended receive's push: every piece into the scratch buffer (the
+      // responder's Pair allocated it).
       std::vector<NcclApi::Buffer> buffers;
       for (int64_t bytes : *c.drain) buffers.push_back({static_cast<uint8_t*>(scratch_), bytes});
       c.drain.reset();

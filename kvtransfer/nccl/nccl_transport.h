@@ -117,7 +117,6 @@ class NcclTransport final : public Transport {
  private:
   struct Xfer {
     uint64_t id = 0;
-    std::string peer;
     bool send = false;
     uint64_t tag = 0;
     std::vector<CopyRun> runs;

@@ -417,6 +417,9 @@ absl::Status Up(UpOptions opt) {
   }
   // The split's KV transport: one that moves the workers' pools (GPU or host memory).
   const std::string kv_transport = !opt.kv_transport.empty() ? opt.kv_transport : gpu ? "cuda_ipc" : "ucx";
+  // A send/receive transport takes part on both sides only through the push
+  // handshake: its workers push.
+  bool kv_push = false;
   if (split) {
     const kvtransfer::TransportCapabilities* caps = kvtransfer::TransportRegistry::Builtin().Capabilities(kv_transport);
     if (caps == nullptr) {
@@ -429,6 +432,7 @@ absl::Status Up(UpOptions opt) {
           absl::StrFormat("--kv-transport %s cannot move the KV cache of %s workers (%s memory): use --kv-transport %s",
                           kv_transport, gpu ? opt.device : "cpu", gpu ? "GPU" : "host", gpu ? "cuda_ipc" : "ucx"));
     }
+    kv_push = caps->needs_pairing;
   } else if (!opt.kv_transport.empty()) {
     return absl::InvalidArgumentError("--kv-transport is for disaggregated clusters (--prefill P --decode D)");
   }
@@ -556,11 +560,7 @@ absl::Status Up(UpOptions opt) {
       if (kv_transport == "ucx" || kv_transport == "ucx_staged") {
         argv.insert(argv.end(), {"--kv-transport-tls", "shm"});
       }
-      // A send/receive transport takes part on both sides only through the
-      // push handshake.
-      const kvtransfer::TransportCapabilities* caps =
-          kvtransfer::TransportRegistry::Builtin().Capabilities(kv_transport);
-      if (caps != nullptr && caps->needs_pairing) argv.insert(argv.end(), {"--kv-delivery", "push"});
+      if (kv_push) argv.insert(argv.end(), {"--kv-delivery", "push"});
     }
     if (opt.worker_threads > 0) {
       argv.push_back("--threads");
