@@ -949,6 +949,10 @@ TEST_F(DisaggGrpcTest, EveryPushFaultFallsBackAndLeaksNothing) {
   const Case cases[] = {{"drop", true, false},        {"delay_ms=300", false, false},
                         {"corrupt", true, true},      {"fail_after_blocks=2", true, false},
                         {"fail_submit", true, false}, {"fail_pair", true, false}};
+  // nccl's receiver checks the sender's runs against the receive's block
+  // pairs before a byte lands: a wrong source block breaks a run, and the
+  // push fails there ("block lists differ") instead of at the checksums.
+  const bool runs_checked = KvTransport() == "nccl";
   int n = 0;
   int64_t failures = 0, fallbacks = 0, checksum_failures = 0, received = 0;
   for (const Case& c : cases) {
@@ -964,7 +968,7 @@ TEST_F(DisaggGrpcTest, EveryPushFaultFallsBackAndLeaksNothing) {
     const v1::LoadReport d = ExpectIdle(decode->stub(), c.fault + ": decode");
     failures += c.fails ? 1 : 0;
     fallbacks += c.fails ? 1 : 0;
-    checksum_failures += c.checksum ? 1 : 0;
+    checksum_failures += c.checksum && !runs_checked ? 1 : 0;
     received += c.fails ? 0 : 1;
     EXPECT_EQ(d.kv_pull_failures(), failures) << c.fault;
     EXPECT_EQ(d.local_prefill_fallbacks(), fallbacks) << c.fault;
@@ -974,7 +978,7 @@ TEST_F(DisaggGrpcTest, EveryPushFaultFallsBackAndLeaksNothing) {
     if (c.fails) {
       EXPECT_NE(s.prefill.kv_transfer_error, "") << c.fault;
       if (c.checksum) {
-        EXPECT_THAT(s.prefill.kv_transfer_error, HasSubstr("corrupted"));
+        EXPECT_THAT(s.prefill.kv_transfer_error, HasSubstr(runs_checked ? "block lists differ" : "corrupted"));
       }
       if (c.fault == "fail_pair") {
         EXPECT_THAT(s.prefill.kv_transfer_error, HasSubstr("pairing"));
@@ -1222,6 +1226,7 @@ TEST_F(DisaggGrpcTest, JoinAndPushedCallsAreCheckedAndPinsOutliveACancel) {
 // PUSHED with sender_error after a JOIN: the decode worker falls back at
 // once, with the first token the sender gave.
 TEST_F(DisaggGrpcTest, SenderErrorFallsBackAtOnce) {
+  if (KvTransport() == "nccl") GTEST_SKIP() << "the test's own JOIN cannot carry an NCCL pairing offer";
   WorkerProcess* prefill = StartPrefill();
   WorkerProcess* decode = StartDecode({"--kv-delivery", "push"});
   ASSERT_TRUE(prefill && decode);

@@ -153,17 +153,24 @@ class RealNccl final : public NcclApi {
     return true;
   }
 
+  // Stream-ordered on the legacy stream, which none of the worker's streams
+  // (all non-blocking) waits for: cudaFree would wait for all of the
+  // device's work, another communicator's posted receive included, which
+  // waits for its peer.
   absl::StatusOr<void*> Alloc(int device, int64_t bytes) override {
     void* p = nullptr;
-    if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&p, static_cast<size_t>(bytes)) != cudaSuccess) {
+    if (cudaSetDevice(device) != cudaSuccess ||
+        cudaMallocAsync(&p, static_cast<size_t>(bytes), nullptr) != cudaSuccess ||
+        cudaStreamSynchronize(nullptr) != cudaSuccess) {
       cudaGetLastError();
       return absl::ResourceExhaustedError(absl::StrFormat("cudaMalloc of %d bytes on GPU %d failed", bytes, device));
     }
     return p;
   }
+  // Called once nothing uses the buffer (its communicator ended).
   void Free(int device, void* buffer) override {
     cudaSetDevice(device);
-    cudaFree(buffer);
+    cudaFreeAsync(buffer, nullptr);
   }
   absl::Status Write(void* handle, void* buffer, const void* src, int64_t bytes) override {
     Comm& c = *static_cast<Comm*>(handle);

@@ -328,7 +328,10 @@ void NcclTransport::ProgressLoop() {
       }
     }
     for (auto& [done, st] : finished) done(std::move(st));
-    if (flying && finished.empty()) std::this_thread::sleep_for(std::chrono::microseconds(10));
+    // Bytes expected: spin. A 10 us sleep took ~60 us with the timer's
+    // slack, twice a push (the header's arrival, then the data's): a fixed
+    // ~0.35 ms a transfer on two H200s.
+    if (flying && finished.empty()) std::this_thread::yield();
   }
 }
 

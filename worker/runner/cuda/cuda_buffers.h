@@ -2,6 +2,15 @@
 // and pinned host buffers that free themselves and grow to what a step needs.
 // Host C++ only (cuda_runner.cc, gpu_sampler.cc).
 //
+// Growing never frees synchronously. cudaFree and cudaFreeHost wait for all
+// of the device's work, and that includes an NCCL receive waiting for its
+// peer's send (kvtransfer/nccl keeps one posted while a hand-off is open):
+// a worker's step would stall until the push came, or for ever. So a device
+// buffer that grows on a stream is allocated and freed stream-ordered
+// (cudaMallocAsync / cudaFreeAsync on the stream that uses it), and a pinned
+// buffer keeps its earlier allocations until it is destroyed, growing at
+// least twofold so that they stay smaller than it.
+//
 // Thread safety: a buffer is used by one thread at a time.
 #ifndef TANDEM_WORKER_RUNNER_CUDA_CUDA_BUFFERS_H_
 #define TANDEM_WORKER_RUNNER_CUDA_CUDA_BUFFERS_H_
@@ -12,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -36,12 +46,15 @@ template <bool kPinned>
 class Buffer {
  public:
   Buffer() = default;
-  static absl::StatusOr<Buffer> Allocate(int64_t bytes, const char* what) {
+  // `stream` (device memory only): allocated on it and freed on it, in its
+  // order (nullptr: cudaMalloc and cudaFree).
+  static absl::StatusOr<Buffer> Allocate(int64_t bytes, const char* what, cudaStream_t stream = nullptr) {
     Buffer b;
     if (bytes == 0) return b;
     void* p = nullptr;
-    const cudaError_t e =
-        kPinned ? cudaMallocHost(&p, static_cast<size_t>(bytes)) : cudaMalloc(&p, static_cast<size_t>(bytes));
+    const cudaError_t e = kPinned             ? cudaMallocHost(&p, static_cast<size_t>(bytes))
+                          : stream != nullptr ? cudaMallocAsync(&p, static_cast<size_t>(bytes), stream)
+                                              : cudaMalloc(&p, static_cast<size_t>(bytes));
     if (e != cudaSuccess) {
       cudaGetLastError();
       if (kPinned) return Cuda(e, what);
@@ -51,7 +64,7 @@ class Buffer {
           absl::StrFormat("cuda runner: cannot allocate %d bytes of device memory for %s (%d of %d bytes free): %s",
                           bytes, what, free_bytes, total, cudaGetErrorString(e)));
     }
-    b.ptr_.reset(p);
+    b.ptr_ = std::unique_ptr<void, Free>(p, Free{stream});
     b.bytes_ = bytes;
     return b;
   }
@@ -59,11 +72,23 @@ class Buffer {
   int64_t bytes() const { return bytes_; }
   bool empty() const { return bytes_ == 0; }
 
+  // Pinned: takes `old`'s allocations (its own and those it kept), to keep
+  // until this buffer is destroyed (see the top of the file).
+  void Keep(Buffer&& old) {
+    static_assert(kPinned, "device buffers grow stream-ordered instead");
+    if (old.ptr_ != nullptr) retired_.push_back(std::move(old.ptr_));
+    for (auto& r : old.retired_) retired_.push_back(std::move(r));
+    old = Buffer();
+  }
+
  private:
   struct Free {
+    cudaStream_t stream = nullptr;
     void operator()(void* p) const {
       if (kPinned) {
         cudaFreeHost(p);
+      } else if (stream != nullptr) {
+        cudaFreeAsync(p, stream);
       } else {
         cudaFree(p);
       }
@@ -71,16 +96,29 @@ class Buffer {
   };
   std::unique_ptr<void, Free> ptr_;
   int64_t bytes_ = 0;
+  std::vector<std::unique_ptr<void, Free>> retired_;  // pinned: earlier allocations
 };
 using DeviceBuffer = Buffer<false>;
 using PinnedBuffer = Buffer<true>;
 
-// A buffer that grows to what a step needs (contents not kept).
-template <bool kPinned>
-absl::Status Reserve(Buffer<kPinned>* b, int64_t bytes, const char* what) {
+// A device buffer that grows to what a step needs (contents not kept), on
+// the stream that uses it: the old allocation is freed in that stream's
+// order, never with a device-wide wait.
+inline absl::Status Reserve(DeviceBuffer* b, int64_t bytes, const char* what, cudaStream_t stream) {
   if (b->bytes() >= bytes) return absl::OkStatus();
-  *b = Buffer<kPinned>();
-  ASSIGN_OR_RETURN(*b, Buffer<kPinned>::Allocate(std::max<int64_t>(bytes, 1 << 16), what));
+  *b = DeviceBuffer();
+  ASSIGN_OR_RETURN(*b, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 1 << 16), what, stream));
+  return absl::OkStatus();
+}
+
+// A pinned buffer that grows to what a step needs (contents not kept), at
+// least twofold; its earlier allocations are kept (freed with it).
+inline absl::Status Reserve(PinnedBuffer* b, int64_t bytes, const char* what) {
+  if (b->bytes() >= bytes) return absl::OkStatus();
+  ASSIGN_OR_RETURN(PinnedBuffer grown,
+                   PinnedBuffer::Allocate(std::max<int64_t>({bytes, 2 * b->bytes(), int64_t{1} << 16}), what));
+  grown.Keep(std::move(*b));
+  *b = std::move(grown);
   return absl::OkStatus();
 }
 

@@ -192,6 +192,15 @@ class CudaRunner final : public ModelRunner {
           c.hidden_size, c.intermediate_size, c.head_dim));
     }
     RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
+    {
+      // Step buffers grow stream-ordered (cuda_buffers.h); the pool keeps
+      // what they free for the next growth instead of giving it back to the
+      // driver at every synchronization.
+      cudaMemPool_t pool = nullptr;
+      uint64_t keep = UINT64_MAX;
+      RETURN_IF_ERROR(Cuda(cudaDeviceGetDefaultMemPool(&pool, device_), "cudaDeviceGetDefaultMemPool"));
+      RETURN_IF_ERROR(Cuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "memory pool"));
+    }
     ASSIGN_OR_RETURN(gemm_workspace_, DeviceBuffer::Allocate(kGemmWorkspaceBytes, "the cuBLASLt workspace"));
     ASSIGN_OR_RETURN(gemm_, LtGemm::Create(gemm_workspace_.get(), gemm_workspace_.bytes(), batch_invariant_));
 
@@ -224,7 +233,7 @@ class CudaRunner final : public ModelRunner {
         if (t.dtype == WeightDtype::kBF16) {
           RETURN_IF_ERROR(Cuda(cudaMemcpy(dst, t.bytes.data(), t.bytes.size(), cudaMemcpyHostToDevice), "upload"));
         } else {
-          RETURN_IF_ERROR(Reserve(&staging, int64_t(t.bytes.size()), "weight conversion"));
+          RETURN_IF_ERROR(Reserve(&staging, int64_t(t.bytes.size()), "weight conversion", nullptr));
           RETURN_IF_ERROR(
               Cuda(cudaMemcpy(staging.get(), t.bytes.data(), t.bytes.size(), cudaMemcpyHostToDevice), "upload"));
           RETURN_IF_ERROR(Launch(cuda_ops::LaunchToBf16(staging.get(), SrcTypeOf(t.dtype), dst, n, nullptr),
@@ -286,14 +295,15 @@ class CudaRunner final : public ModelRunner {
     if (checksum_stream_ == nullptr) {
       unsigned char secret[192];
       DefaultHashSecret(secret);
-      RETURN_IF_ERROR(Reserve(&checksum_secret_, sizeof(secret), "the checksum secret"));
+      RETURN_IF_ERROR(Reserve(&checksum_secret_, sizeof(secret), "the checksum secret", nullptr));
       RETURN_IF_ERROR(Cuda(cudaMemcpy(checksum_secret_.get(), secret, sizeof(secret), cudaMemcpyHostToDevice),
                            "upload the checksum secret"));
       RETURN_IF_ERROR(Cuda(cudaStreamCreateWithFlags(&checksum_stream_, cudaStreamNonBlocking), "the checksum stream"));
     }
     const size_t n = blocks.size();
     const size_t ids_bytes = Align16(n * sizeof(int32_t));
-    RETURN_IF_ERROR(Reserve(&checksum_io_, int64_t(ids_bytes + n * sizeof(uint64_t)), "block checksums"));
+    RETURN_IF_ERROR(
+        Reserve(&checksum_io_, int64_t(ids_bytes + n * sizeof(uint64_t)), "block checksums", checksum_stream_));
     auto* d_ids = static_cast<int32_t*>(checksum_io_.get());
     auto* d_out = reinterpret_cast<uint64_t*>(static_cast<unsigned char*>(checksum_io_.get()) + ids_bytes);
     std::vector<uint64_t> sums(n);
@@ -347,6 +357,10 @@ class CudaRunner final : public ModelRunner {
           "KV cache (raise the utilization, lower --max-batched-tokens, or use a smaller model)",
           utilization, allowed, device_, total, used, weight_bytes_, free_bytes, max_batched_tokens, activations));
     }
+    // The step buffers at their largest now, within the budget: they never
+    // grow while serving (a growth's memory stays in the stream-ordered
+    // pool).
+    RETURN_IF_ERROR(ReserveActivations(max_batched_tokens, std::min(max_seqs, max_batched_tokens)));
     LOG(INFO) << "cuda runner: KV cache of " << budget << " bytes (" << utilization << " of " << total
               << " bytes; this worker uses " << used << ", " << free_bytes << " free, activations " << activations
               << ")";
@@ -420,7 +434,7 @@ class CudaRunner final : public ModelRunner {
       RETURN_IF_ERROR(Reserve(&pinned_rows_, int64_t(g * sizeof(int)), "pinned rows"));
       RETURN_IF_ERROR(Reserve(&pinned_ids_, int64_t(g * sizeof(int32_t)), "pinned ids"));
       std::memcpy(pinned_rows_.get(), greedy_rows_.data(), g * sizeof(int));
-      RETURN_IF_ERROR(Reserve(&sample_meta_, int64_t(g) * 8, "sampling"));
+      RETURN_IF_ERROR(Reserve(&sample_meta_, int64_t(g) * 8, "sampling", stream_));
       int* d_rows = static_cast<int*>(sample_meta_.get());
       int32_t* d_ids = reinterpret_cast<int32_t*>(d_rows + g);
       RETURN_IF_ERROR(
@@ -587,7 +601,7 @@ class CudaRunner final : public ModelRunner {
       // The previous step's copy has finished: every step ends synchronized.
       RETURN_IF_ERROR(Reserve(&host_meta_, int64_t(m.total) * 2, "pinned metadata buffer"));
     }
-    RETURN_IF_ERROR(Reserve(&meta_, host_meta_.bytes(), "step metadata"));
+    RETURN_IF_ERROR(Reserve(&meta_, host_meta_.bytes(), "step metadata", stream_));
     char* h = static_cast<char*>(host_meta_.get());
     auto put = [&](size_t off, const auto& v) { std::memcpy(h + off, v.data(), v.size() * sizeof(v[0])); };
     put(m.tokens, in.tokens);
@@ -625,15 +639,15 @@ class CudaRunner final : public ModelRunner {
   absl::Status ReserveActivations(int T, int R) {
     const ModelConfig& c = config();
     const int64_t qkv = c.q_size() + 2 * c.kv_size();
-    RETURN_IF_ERROR(Reserve(&x_, int64_t{T} * c.hidden_size * 4, "the residual stream"));
-    RETURN_IF_ERROR(Reserve(&h_, int64_t{T} * c.hidden_size * 2, "activations"));
-    RETURN_IF_ERROR(Reserve(&qkv_, int64_t{T} * qkv * 2, "activations"));
-    RETURN_IF_ERROR(Reserve(&attn_, int64_t{T} * c.q_size() * 2, "activations"));
-    RETURN_IF_ERROR(Reserve(&gu_, int64_t{T} * 2 * c.intermediate_size * 2, "activations"));
-    RETURN_IF_ERROR(Reserve(&act_, int64_t{T} * c.intermediate_size * 2, "activations"));
-    RETURN_IF_ERROR(Reserve(&last_, int64_t{std::max(R, 1)} * c.hidden_size * 2, "activations"));
+    RETURN_IF_ERROR(Reserve(&x_, int64_t{T} * c.hidden_size * 4, "the residual stream", stream_));
+    RETURN_IF_ERROR(Reserve(&h_, int64_t{T} * c.hidden_size * 2, "activations", stream_));
+    RETURN_IF_ERROR(Reserve(&qkv_, int64_t{T} * qkv * 2, "activations", stream_));
+    RETURN_IF_ERROR(Reserve(&attn_, int64_t{T} * c.q_size() * 2, "activations", stream_));
+    RETURN_IF_ERROR(Reserve(&gu_, int64_t{T} * 2 * c.intermediate_size * 2, "activations", stream_));
+    RETURN_IF_ERROR(Reserve(&act_, int64_t{T} * c.intermediate_size * 2, "activations", stream_));
+    RETURN_IF_ERROR(Reserve(&last_, int64_t{std::max(R, 1)} * c.hidden_size * 2, "activations", stream_));
     const int64_t logits_bytes = int64_t{std::max(R, 1)} * c.vocab_size * int64_t{sizeof(float)};
-    RETURN_IF_ERROR(Reserve(&logits_, logits_bytes, "logits"));
+    RETURN_IF_ERROR(Reserve(&logits_, logits_bytes, "logits", stream_));
     RETURN_IF_ERROR(Reserve(&host_logits_, logits_bytes, "pinned logits buffer"));
     int64_t ws = kernels::cuda::kErrorWordBytes;
     for (const AttentionRun& r : runs_) {  // (a graph's run has its width's longest context)
@@ -642,7 +656,7 @@ class CudaRunner final : public ModelRunner {
                                        : kernels::cuda::WorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim));
     }
     if (attn_workspace_.bytes() < ws) {
-      RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace"));
+      RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace", stream_));
       // Zeroed once (the error word and the kernels' counters; they keep it so).
       RETURN_IF_ERROR(Cuda(cudaMemsetAsync(attn_workspace_.get(), 0, attn_workspace_.bytes(), stream_),
                            "clear the attention workspace"));

@@ -8,8 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <future>
 #include <map>
 #include <mutex>
 #include <random>
@@ -270,6 +272,45 @@ TEST(CudaRunnerTest, OnePassChunkedAndTokenByTokenAgree) {
         EXPECT_LE(a.max_tie_gap, 0.15);
       }
     }
+  }
+}
+
+// Steps never wait for work of other streams on the device. The NCCL KV
+// transport keeps a receive posted on the GPU while a hand-off is open, and
+// it completes only when the peer sends: a step that grew its buffers
+// through cudaFree (a wait for the whole device) hung with it, found on two
+// H200s (a decode worker's local prefill after its push was refused waited
+// until the next push came). Here the posted receive is a host function on
+// a stream of the test's that returns only when the test lets it; the steps
+// (prompts of growing length, so every step buffer grows) must finish first.
+TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
+  if (SkipWithoutGpu()) GTEST_SKIP();
+  const ModelConfig config = SmallConfig();
+  for (bool invariant : {false, true}) {
+    SCOPED_TRACE(invariant ? "batch-invariant" : "default");
+    absl::StatusOr<std::unique_ptr<ModelRunner>> gpu = MakeRunner("cuda", config, 3, invariant);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    std::unique_ptr<KvStorage> kv = Pool(**gpu, 64);
+    ASSERT_NE(kv, nullptr);
+    cudaStream_t other = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+    std::promise<void> release;
+    std::shared_future<void> released = release.get_future().share();
+    ASSERT_EQ(cudaLaunchHostFunc(
+                  other, [](void* f) { static_cast<std::shared_future<void>*>(f)->wait(); }, &released),
+              cudaSuccess);
+    std::future<size_t> steps = std::async(std::launch::async, [&] {
+      size_t sampled = 0;
+      for (int n : {8, 100, 400, 900})
+        sampled += TeacherForced(**gpu, *kv, RandomTokens(n, config.vocab_size, n), n).size();
+      return sampled;
+    });
+    const bool finished = steps.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+    release.set_value();
+    EXPECT_EQ(cudaStreamSynchronize(other), cudaSuccess);
+    cudaStreamDestroy(other);
+    EXPECT_TRUE(finished) << "a step waited for another stream's work";
+    EXPECT_EQ(steps.get(), size_t{8 + 100 + 400 + 900});
   }
 }
 

@@ -95,9 +95,9 @@ absl::Status GpuSampler::Enqueue(float* logits, int vocab, std::span<const RowSa
   const size_t out_bytes = n * sizeof(cuda_ops::SampleRowResult);
   RETURN_IF_ERROR(cuda_util::Reserve(&up_, int64_t(args_bytes + ids_bytes), "sampling arguments (pinned)"));
   RETURN_IF_ERROR(cuda_util::Reserve(&down_, int64_t(out_bytes), "sampling results (pinned)"));
-  RETURN_IF_ERROR(cuda_util::Reserve(&d_up_, int64_t(args_bytes + ids_bytes), "sampling arguments"));
-  RETURN_IF_ERROR(cuda_util::Reserve(&d_saved_, int64_t(ids_bytes), "sampling saved logits"));
-  RETURN_IF_ERROR(cuda_util::Reserve(&d_out_, int64_t(out_bytes), "sampling results"));
+  RETURN_IF_ERROR(cuda_util::Reserve(&d_up_, int64_t(args_bytes + ids_bytes), "sampling arguments", stream));
+  RETURN_IF_ERROR(cuda_util::Reserve(&d_saved_, int64_t(ids_bytes), "sampling saved logits", stream));
+  RETURN_IF_ERROR(cuda_util::Reserve(&d_out_, int64_t(out_bytes), "sampling results", stream));
   // Only now, with every buffer in hand, are the rows this sampler's to finish.
   for (size_t j = 0; j < n; ++j) slots_.push_back(static_cast<int>(j));
   auto* up = static_cast<unsigned char*>(up_.get());
@@ -158,8 +158,8 @@ absl::Status GpuSampler::EnqueueRest(float* logits, int vocab, cudaStream_t stre
       cudaMemcpyAsync(d_up, up_.get(), rest_.size() * sizeof(cuda_ops::SampleRowArgs), cudaMemcpyHostToDevice, stream),
       "upload sampling arguments"));
   const int per_launch = std::min(n, cuda_ops::kSampleFullRows);
-  RETURN_IF_ERROR(
-      cuda_util::Reserve(&d_full_, cuda_ops::SampleFullScratchBytes(vocab, per_launch), "sampling full-order scratch"));
+  RETURN_IF_ERROR(cuda_util::Reserve(&d_full_, cuda_ops::SampleFullScratchBytes(vocab, per_launch),
+                                     "sampling full-order scratch", stream));
   const auto* d_args = reinterpret_cast<const cuda_ops::SampleRowArgs*>(d_up);
   auto* d_out = static_cast<cuda_ops::SampleRowResult*>(d_out_.get());
   // Launches in turn on one stream: each reuses the scratch after the last.
