@@ -46,8 +46,11 @@ template <bool kPinned>
 class Buffer {
  public:
   Buffer() = default;
-  // `stream` (device memory only): allocated on it and freed on it, in its
-  // order (nullptr: cudaMalloc and cudaFree).
+  // `stream` (device memory only): allocated on it, in its order (nullptr:
+  // cudaMalloc). Such memory is freed by Reserve on that stream, and by the
+  // buffer's end on the legacy stream, which a non-blocking stream's work
+  // does not wait for (its owner synchronized its stream before its end;
+  // the stream may be gone by then).
   static absl::StatusOr<Buffer> Allocate(int64_t bytes, const char* what, cudaStream_t stream = nullptr) {
     Buffer b;
     if (bytes == 0) return b;
@@ -64,13 +67,22 @@ class Buffer {
           absl::StrFormat("cuda runner: cannot allocate %d bytes of device memory for %s (%d of %d bytes free): %s",
                           bytes, what, free_bytes, total, cudaGetErrorString(e)));
     }
-    b.ptr_ = std::unique_ptr<void, Free>(p, Free{stream});
+    b.ptr_ = std::unique_ptr<void, Free>(p, Free{stream != nullptr});
     b.bytes_ = bytes;
     return b;
   }
   void* get() const { return ptr_.get(); }
   int64_t bytes() const { return bytes_; }
   bool empty() const { return bytes_ == 0; }
+
+  // Frees the memory now, in `stream`'s order where it was allocated so,
+  // and leaves the buffer empty.
+  void FreeOn(cudaStream_t stream) {
+    static_assert(!kPinned, "pinned buffers keep their earlier allocations");
+    void* p = ptr_.release();
+    if (p != nullptr) ptr_.get_deleter().async ? cudaFreeAsync(p, stream) : cudaFree(p);
+    bytes_ = 0;
+  }
 
   // Pinned: takes `old`'s allocations (its own and those it kept), to keep
   // until this buffer is destroyed (see the top of the file).
@@ -83,12 +95,12 @@ class Buffer {
 
  private:
   struct Free {
-    cudaStream_t stream = nullptr;
+    bool async = false;  // from cudaMallocAsync
     void operator()(void* p) const {
       if (kPinned) {
         cudaFreeHost(p);
-      } else if (stream != nullptr) {
-        cudaFreeAsync(p, stream);
+      } else if (async) {
+        cudaFreeAsync(p, nullptr);
       } else {
         cudaFree(p);
       }
@@ -106,7 +118,7 @@ using PinnedBuffer = Buffer<true>;
 // order, never with a device-wide wait.
 inline absl::Status Reserve(DeviceBuffer* b, int64_t bytes, const char* what, cudaStream_t stream) {
   if (b->bytes() >= bytes) return absl::OkStatus();
-  *b = DeviceBuffer();
+  b->FreeOn(stream);
   ASSIGN_OR_RETURN(*b, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 1 << 16), what, stream));
   return absl::OkStatus();
 }

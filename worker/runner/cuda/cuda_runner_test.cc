@@ -6,6 +6,9 @@
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -278,13 +281,35 @@ TEST(CudaRunnerTest, OnePassChunkedAndTokenByTokenAgree) {
 // Steps never wait for work of other streams on the device. The NCCL KV
 // transport keeps a receive posted on the GPU while a hand-off is open, and
 // it completes only when the peer sends: a step that grew its buffers
-// through cudaFree (a wait for the whole device) hung with it, found on two
-// H200s (a decode worker's local prefill after its push was refused waited
-// until the next push came). Here the posted receive is a host function on
-// a stream of the test's that returns only when the test lets it; the steps
-// (prompts of growing length, so every step buffer grows) must finish first.
+// through cudaFree (a wait for the whole device), or launched a kernel for
+// the first time under CUDA's lazy module loading (which may wait for the
+// whole context), hung with it; found on two H200s (a decode worker's local
+// prefill after its push was refused waited until the next push came).
+// Here the posted receive is a host function on a stream of the test's
+// that returns only when the test lets it; the steps (prompts of growing
+// length, so every step buffer grows) must finish first. Run in a child
+// process with eager module loading, as `tandem worker --kv-transport nccl`
+// sets it.
 TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
   if (SkipWithoutGpu()) GTEST_SKIP();
+  if (const char* mode = std::getenv("CUDA_MODULE_LOADING"); mode == nullptr || std::string(mode) != "EAGER") {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (std::string(*e).rfind("CUDA_MODULE_LOADING=", 0) != 0) env.emplace_back(*e);
+    }
+    env.emplace_back("CUDA_MODULE_LOADING=EAGER");
+    std::vector<char*> envp;
+    for (std::string& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    std::string self = "/proc/self/exe", filter = "--gtest_filter=CudaRunnerTest.StepsNeverWaitForOtherStreamsWork";
+    char* argv[] = {self.data(), filter.data(), nullptr};
+    pid_t pid = 0;
+    ASSERT_EQ(posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv, envp.data()), 0);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child (eager module loading) failed: " << status;
+    return;
+  }
   const ModelConfig config = SmallConfig();
   for (bool invariant : {false, true}) {
     SCOPED_TRACE(invariant ? "batch-invariant" : "default");
