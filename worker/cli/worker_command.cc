@@ -8,7 +8,6 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <thread>
@@ -293,15 +292,6 @@ absl::Status RunWorker(WorkerOptions opt) {
     opt.engine.runner = "sim";
     opt.engine.runner_options.sim = opt.sim;
   } else if (opt.engine_kind == "real") {
-    if (opt.kv_transport == "nccl" && std::getenv("CUDA_MODULE_LOADING") == nullptr) {
-      // Before CUDA starts: with lazy module loading a kernel's first launch
-      // may wait for the whole context (CUDA's documented hazard of lazy
-      // loading), and NCCL keeps a receive posted on the GPU until the peer
-      // sends: a step's first use of a kernel would wait for the next push
-      // (seen on two H200s: a decode worker's local prefill after a refused
-      // push). Loading every kernel at start avoids it.
-      setenv("CUDA_MODULE_LOADING", "EAGER", 1);
-    }
     RETURN_IF_ERROR(SelectDevice(opt.device, &opt.engine.runner, &opt.engine.runner_options));
     // Checked here, before the model loads: the transport must move the
     // memory the pool is in (a GPU's, or the host's).

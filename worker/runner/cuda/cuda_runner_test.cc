@@ -6,9 +6,6 @@
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -280,36 +277,15 @@ TEST(CudaRunnerTest, OnePassChunkedAndTokenByTokenAgree) {
 
 // Steps never wait for work of other streams on the device. The NCCL KV
 // transport keeps a receive posted on the GPU while a hand-off is open, and
-// it completes only when the peer sends: a step that grew its buffers
-// through cudaFree (a wait for the whole device), or launched a kernel for
-// the first time under CUDA's lazy module loading (which may wait for the
-// whole context), hung with it; found on two H200s (a decode worker's local
-// prefill after its push was refused waited until the next push came).
-// Here the posted receive is a host function on a stream of the test's
-// that returns only when the test lets it; the steps (prompts of growing
-// length, so every step buffer grows) must finish first. Run in a child
-// process with eager module loading, as `tandem worker --kv-transport nccl`
-// sets it.
+// it completes only when the peer sends: a step that waits for the whole
+// device (cudaFree did, as buffers grew) hangs with it; found on two H200s
+// (a decode worker's local prefill after its push was refused waited until
+// the next push came). Here the posted receive is a host function on a
+// stream of the test's that returns only when the test lets it. Two
+// checks: steps of shapes the runner ran before (the steady state), and
+// steps of new, longer prompts (every step buffer grows).
 TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
   if (SkipWithoutGpu()) GTEST_SKIP();
-  if (const char* mode = std::getenv("CUDA_MODULE_LOADING"); mode == nullptr || std::string(mode) != "EAGER") {
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      if (std::string(*e).rfind("CUDA_MODULE_LOADING=", 0) != 0) env.emplace_back(*e);
-    }
-    env.emplace_back("CUDA_MODULE_LOADING=EAGER");
-    std::vector<char*> envp;
-    for (std::string& e : env) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    std::string self = "/proc/self/exe", filter = "--gtest_filter=CudaRunnerTest.StepsNeverWaitForOtherStreamsWork";
-    char* argv[] = {self.data(), filter.data(), nullptr};
-    pid_t pid = 0;
-    ASSERT_EQ(posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv, envp.data()), 0);
-    int status = 0;
-    ASSERT_EQ(waitpid(pid, &status, 0), pid);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child (eager module loading) failed: " << status;
-    return;
-  }
   const ModelConfig config = SmallConfig();
   for (bool invariant : {false, true}) {
     SCOPED_TRACE(invariant ? "batch-invariant" : "default");
@@ -317,25 +293,33 @@ TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     std::unique_ptr<KvStorage> kv = Pool(**gpu, 64);
     ASSERT_NE(kv, nullptr);
-    cudaStream_t other = nullptr;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
-    std::promise<void> release;
-    std::shared_future<void> released = release.get_future().share();
-    ASSERT_EQ(cudaLaunchHostFunc(
-                  other, [](void* f) { static_cast<std::shared_future<void>*>(f)->wait(); }, &released),
-              cudaSuccess);
-    std::future<size_t> steps = std::async(std::launch::async, [&] {
+    auto run = [&](std::vector<int> lengths) {
       size_t sampled = 0;
-      for (int n : {8, 100, 400, 900})
-        sampled += TeacherForced(**gpu, *kv, RandomTokens(n, config.vocab_size, n), n).size();
+      for (int n : lengths) sampled += TeacherForced(**gpu, *kv, RandomTokens(n, config.vocab_size, n), n).size();
       return sampled;
-    });
-    const bool finished = steps.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
-    release.set_value();
-    EXPECT_EQ(cudaStreamSynchronize(other), cudaSuccess);
-    cudaStreamDestroy(other);
-    EXPECT_TRUE(finished) << "a step waited for another stream's work";
-    EXPECT_EQ(steps.get(), size_t{8 + 100 + 400 + 900});
+    };
+    // True when `lengths` ran to the end while another stream's work waited.
+    auto beside_a_blocked_stream = [&](std::vector<int> lengths) {
+      cudaStream_t other = nullptr;
+      EXPECT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+      std::promise<void> release;
+      std::shared_future<void> released = release.get_future().share();
+      EXPECT_EQ(cudaLaunchHostFunc(
+                    other, [](void* f) { static_cast<std::shared_future<void>*>(f)->wait(); }, &released),
+                cudaSuccess);
+      std::future<size_t> steps = std::async(std::launch::async, run, lengths);
+      const bool finished = steps.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+      release.set_value();
+      EXPECT_EQ(cudaStreamSynchronize(other), cudaSuccess);
+      cudaStreamDestroy(other);
+      size_t want = 0;
+      for (int n : lengths) want += static_cast<size_t>(n);
+      EXPECT_EQ(steps.get(), want);
+      return finished;
+    };
+    EXPECT_EQ(run({8, 100}), size_t{108});
+    EXPECT_TRUE(beside_a_blocked_stream({8, 100})) << "a step of shapes run before waited for another stream";
+    EXPECT_TRUE(beside_a_blocked_stream({400, 900})) << "a step whose buffers grew waited for another stream";
   }
 }
 
