@@ -138,6 +138,14 @@ class ModelRunner {
   // needed and what was free when nothing is left; FailedPrecondition for a
   // runner without a device.
   virtual absl::StatusOr<int64_t> KvBudget(double utilization, int max_batched_tokens, int max_seqs);
+  // Allocates, before serving, what a step of up to `max_batched_tokens`
+  // tokens and `max_seqs` sequences of up to `max_blocks_per_seq` blocks
+  // needs, so that steps do not allocate (on a GPU an allocation may wait
+  // for all of the device's work, an NCCL receive posted for a hand-off
+  // included). The engine calls it once, after the KV pool.
+  virtual absl::Status ReserveSteps(int /*max_batched_tokens*/, int /*max_seqs*/, int /*max_blocks_per_seq*/) {
+    return absl::OkStatus();
+  }
 
   // One step: writes the K/V of `in`'s tokens into `kv` and samples one
   // token for each of in.logits_rows, in order, as `rows` says.

@@ -357,14 +357,48 @@ class CudaRunner final : public ModelRunner {
           "KV cache (raise the utilization, lower --max-batched-tokens, or use a smaller model)",
           utilization, allowed, device_, total, used, weight_bytes_, free_bytes, max_batched_tokens, activations));
     }
-    // The step buffers at their largest now, within the budget: they never
-    // grow while serving (a growth's memory stays in the stream-ordered
-    // pool).
-    RETURN_IF_ERROR(ReserveActivations(max_batched_tokens, std::min(max_seqs, max_batched_tokens)));
     LOG(INFO) << "cuda runner: KV cache of " << budget << " bytes (" << utilization << " of " << total
               << " bytes; this worker uses " << used << ", " << free_bytes << " free, activations " << activations
               << ")";
     return budget;
+  }
+
+  // The step buffers at their largest (KvBudget counted them), so that
+  // serving does not grow them. Left to grow: the GPU sampler's buffers for
+  // rows past 64 listed tokens each (penalties over long outputs), and the
+  // block checksums' (a hand-off's block list).
+  absl::Status ReserveSteps(int max_batched_tokens, int max_seqs, int max_blocks_per_seq) override {
+    RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
+    const int T = max_batched_tokens, S = std::min(max_seqs, max_batched_tokens);
+    RETURN_IF_ERROR(ReserveActivations(T, S));
+    // The attention workspace of the longest runs (ReserveActivations sized
+    // it for the runs of the last step: none yet).
+    const ModelConfig& c = config();
+    int64_t ws = kernels::cuda::WorkspaceBytes(T, c.num_heads, c.head_dim);
+    if (batch_invariant_) {
+      const int rows = PrefillKernelTakes() ? S : T;
+      ws = std::max(ws, kernels::cuda::FixedSplitWorkspaceBytes(rows, c.num_heads, c.head_dim,
+                                                                c.max_position_embeddings, kDecodeKeysPerSplit));
+    }
+    if (attn_workspace_.bytes() < ws) {
+      RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace", stream_));
+      RETURN_IF_ERROR(Cuda(cudaMemsetAsync(attn_workspace_.get(), 0, attn_workspace_.bytes(), stream_),
+                           "clear the attention workspace"));
+    }
+    // The step metadata at its largest (UploadMetadata's layout: tokens,
+    // positions, slots and logits rows a token; query starts, context
+    // lengths, runs' query starts and block tables a sequence; 16 bytes of
+    // alignment an array), twice as UploadMetadata reserves; then the
+    // sampling rows'.
+    const int64_t meta = int64_t{T} * (4 + 4 + 8 + 4) + int64_t{S + 1} * 4 + int64_t{S} * 4 + int64_t{2 * S} * 4 +
+                         int64_t{S} * max_blocks_per_seq * 4 + 8 * 16;
+    RETURN_IF_ERROR(Reserve(&host_meta_, meta * 2, "pinned metadata buffer"));
+    RETURN_IF_ERROR(Reserve(&meta_, host_meta_.bytes(), "step metadata", stream_));
+    RETURN_IF_ERROR(Reserve(&pinned_rows_, int64_t{S} * int64_t{sizeof(int)}, "pinned rows"));
+    RETURN_IF_ERROR(Reserve(&pinned_ids_, int64_t{S} * int64_t{sizeof(int32_t)}, "pinned ids"));
+    RETURN_IF_ERROR(Reserve(&sample_meta_, int64_t{S} * 8, "sampling", stream_));
+    if (gpu_sampling_) RETURN_IF_ERROR(gpu_sampler_.Reserve(S, S * 64, c.vocab_size, stream_));
+    return Cuda(cudaStreamSynchronize(stream_), "reserve the step buffers");
   }
 
   absl::Status Logits(const BatchInput& in, KvStorage& kv, std::vector<float>* logits) override {

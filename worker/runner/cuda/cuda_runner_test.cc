@@ -293,6 +293,7 @@ TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     std::unique_ptr<KvStorage> kv = Pool(**gpu, 64);
     ASSERT_NE(kv, nullptr);
+    ASSERT_TRUE((*gpu)->ReserveSteps(1024, 1024, 64).ok());  // as the engine does
     auto run = [&](std::vector<int> lengths) {
       size_t sampled = 0;
       for (int n : lengths) sampled += TeacherForced(**gpu, *kv, RandomTokens(n, config.vocab_size, n), n).size();

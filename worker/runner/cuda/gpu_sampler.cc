@@ -89,15 +89,10 @@ absl::Status GpuSampler::Enqueue(float* logits, int vocab, std::span<const RowSa
     args_.push_back(a);
   }
   const size_t n = args_.size();
-  const size_t args_bytes = cuda_util::Align16(n * sizeof(cuda_ops::SampleRowArgs));
-  args_bytes_ = args_bytes;
-  const size_t ids_bytes = cuda_util::Align16(std::max<size_t>(ids_.size(), 1) * sizeof(int32_t));
+  args_bytes_ = cuda_util::Align16(n * sizeof(cuda_ops::SampleRowArgs));
+  RETURN_IF_ERROR(ReserveRows(n, ids_.size(), stream));
+  const size_t args_bytes = args_bytes_;
   const size_t out_bytes = n * sizeof(cuda_ops::SampleRowResult);
-  RETURN_IF_ERROR(cuda_util::Reserve(&up_, int64_t(args_bytes + ids_bytes), "sampling arguments (pinned)"));
-  RETURN_IF_ERROR(cuda_util::Reserve(&down_, int64_t(out_bytes), "sampling results (pinned)"));
-  RETURN_IF_ERROR(cuda_util::Reserve(&d_up_, int64_t(args_bytes + ids_bytes), "sampling arguments", stream));
-  RETURN_IF_ERROR(cuda_util::Reserve(&d_saved_, int64_t(ids_bytes), "sampling saved logits", stream));
-  RETURN_IF_ERROR(cuda_util::Reserve(&d_out_, int64_t(out_bytes), "sampling results", stream));
   // Only now, with every buffer in hand, are the rows this sampler's to finish.
   for (size_t j = 0; j < n; ++j) slots_.push_back(static_cast<int>(j));
   auto* up = static_cast<unsigned char*>(up_.get());
@@ -138,6 +133,24 @@ bool GpuSampler::Finish(std::span<const RowSampling> rows, std::vector<SampledTo
   }
   slots_ = std::move(rest);
   return !slots_.empty();
+}
+
+absl::Status GpuSampler::ReserveRows(size_t rows, size_t ids, cudaStream_t stream) {
+  const size_t args_bytes = cuda_util::Align16(rows * sizeof(cuda_ops::SampleRowArgs));
+  const size_t ids_bytes = cuda_util::Align16(std::max<size_t>(ids, 1) * sizeof(int32_t));
+  const size_t out_bytes = rows * sizeof(cuda_ops::SampleRowResult);
+  RETURN_IF_ERROR(cuda_util::Reserve(&up_, int64_t(args_bytes + ids_bytes), "sampling arguments (pinned)"));
+  RETURN_IF_ERROR(cuda_util::Reserve(&down_, int64_t(out_bytes), "sampling results (pinned)"));
+  RETURN_IF_ERROR(cuda_util::Reserve(&d_up_, int64_t(args_bytes + ids_bytes), "sampling arguments", stream));
+  RETURN_IF_ERROR(cuda_util::Reserve(&d_saved_, int64_t(ids_bytes), "sampling saved logits", stream));
+  return cuda_util::Reserve(&d_out_, int64_t(out_bytes), "sampling results", stream);
+}
+
+absl::Status GpuSampler::Reserve(int rows, int ids, int vocab, cudaStream_t stream) {
+  RETURN_IF_ERROR(ReserveRows(static_cast<size_t>(rows), static_cast<size_t>(ids), stream));
+  return cuda_util::Reserve(&d_full_,
+                            cuda_ops::SampleFullScratchBytes(vocab, std::min(rows, cuda_ops::kSampleFullRows)),
+                            "sampling full-order scratch", stream);
 }
 
 std::vector<int> GpuSampler::PendingRows() const {

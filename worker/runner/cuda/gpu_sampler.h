@@ -49,7 +49,14 @@ class GpuSampler {
   // samples them another way (EnqueueRest could not get its memory).
   std::vector<int> PendingRows() const;
 
+  // Allocates the buffers of a pass of up to `rows` rows with up to `ids`
+  // listed tokens ahead of use (ModelRunner::ReserveSteps); a pass past
+  // that grows them.
+  absl::Status Reserve(int rows, int ids, int vocab, cudaStream_t stream);
+
  private:
+  // The buffers of `rows` rows and `ids` listed tokens.
+  absl::Status ReserveRows(size_t rows, size_t ids, cudaStream_t stream);
   // Distinct in-vocabulary tokens, a generation stamp per vocabulary entry.
   void NewList(int vocab);
   bool FirstTime(int token);
