@@ -38,6 +38,12 @@ class NcclApi {
     uint8_t* data;
     int64_t bytes;
   };
+  // One device-to-device copy of a staged transfer (Copies).
+  struct Copy {
+    const uint8_t* src;
+    uint8_t* dst;
+    int64_t bytes;
+  };
 
   virtual ~NcclApi() = default;
 
@@ -55,7 +61,18 @@ class NcclApi {
   // Idle (a non-blocking communicator takes no call while it enqueues a
   // group; the first group to a peer enqueues only once the peer posts its
   // own).
-  virtual absl::StatusOr<uint64_t> Group(void* comm, bool send, std::span<const Buffer> buffers) = 0;
+  // `after`: a ticket of Copies that the group waits for on the device (0,
+  // or a ticket already Done: none).
+  virtual absl::StatusOr<uint64_t> Group(void* comm, bool send, std::span<const Buffer> buffers, uint64_t after) = 0;
+  absl::StatusOr<uint64_t> Group(void* comm, bool send, std::span<const Buffer> buffers) {
+    return Group(comm, send, buffers, 0);
+  }
+  // Enqueues `copies` (one kernel; 16-byte multiples on the GPU) on the
+  // comm's copy stream, after the group of ticket `after` ended on the
+  // device (0, or a ticket already Done: at once); returns a ticket for Done
+  // and for a later Group's `after`. How a staged transfer gathers its runs
+  // into a staging buffer before a send, or scatters them after a receive.
+  virtual absl::StatusOr<uint64_t> Copies(void* comm, std::span<const Copy> copies, uint64_t after) = 0;
   // True when the comm takes a call: its last group is enqueued (not
   // necessarily done); the communicator's error otherwise.
   virtual absl::StatusOr<bool> Idle(void* comm) = 0;

@@ -17,6 +17,8 @@
 #include <map>
 #include <thread>
 #include <vector>
+
+#include "kvtransfer/cuda_ipc/copy_runs.h"
 #endif
 
 namespace tandem::kvtransfer {
@@ -60,8 +62,10 @@ class RealNccl final : public NcclApi {
     auto comm = std::make_unique<Comm>();
     comm->rank = rank;
     comm->device = device;
-    if (cudaStreamCreateWithFlags(&comm->stream, cudaStreamNonBlocking) != cudaSuccess) {
+    if (cudaStreamCreateWithFlags(&comm->stream, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&comm->copy_stream, cudaStreamNonBlocking) != cudaSuccess) {
       cudaGetLastError();
+      if (comm->stream != nullptr) cudaStreamDestroy(comm->stream);
       return absl::InternalError("cudaStreamCreate for NCCL failed");
     }
     ncclUniqueId id;
@@ -71,6 +75,7 @@ class RealNccl final : public NcclApi {
     const ncclResult_t r = s_.CommInitRankConfig(&comm->comm, 2, id, rank, &config);
     if (r != ncclSuccess && r != ncclInProgress) {
       cudaStreamDestroy(comm->stream);
+      cudaStreamDestroy(comm->copy_stream);
       return Error("ncclCommInitRankConfig", r);
     }
     return static_cast<void*>(comm.release());
@@ -87,9 +92,15 @@ class RealNccl final : public NcclApi {
     return true;
   }
 
-  absl::StatusOr<uint64_t> Group(void* handle, bool send, std::span<const Buffer> buffers) override {
+  absl::StatusOr<uint64_t> Group(void* handle, bool send, std::span<const Buffer> buffers, uint64_t after) override {
     Comm& c = *static_cast<Comm*>(handle);
     cudaSetDevice(c.device);
+    if (auto it = c.events.find(after); after != 0 && it != c.events.end() && it->second != nullptr) {
+      if (cudaStreamWaitEvent(c.stream, it->second, 0) != cudaSuccess) {
+        cudaGetLastError();
+        return absl::InternalError("ordering an NCCL group after its copies failed");
+      }
+    }
     if (ncclResult_t r = s_.GroupStart(); r != ncclSuccess) return Error("ncclGroupStart", r);
     const int peer = 1 - c.rank;
     for (const Buffer& b : buffers) {
@@ -109,6 +120,60 @@ class RealNccl final : public NcclApi {
     if (r == ncclSuccess) {
       if (absl::Status st = Record(c, c.next_ticket); !st.ok()) return st;
     }
+    return c.next_ticket;
+  }
+
+  // One kernel of the copies' chunks (cuda_ipc's), on the copy stream; the
+  // chunk list goes up first into a device buffer of the comm's, which the
+  // copy stream's order keeps from the next call until this kernel read it.
+  absl::StatusOr<uint64_t> Copies(void* handle, std::span<const Copy> copies, uint64_t after) override {
+    Comm& c = *static_cast<Comm*>(handle);
+    cudaSetDevice(c.device);
+    int64_t total = 0;
+    for (const Copy& cp : copies) total += cp.bytes;
+    const int64_t chunk = cuda_ipc::ChunkBytesFor(total, kCopyCtas);
+    std::vector<cuda_ipc::CopyChunk> chunks;
+    for (const Copy& cp : copies) {
+      if (!cuda_ipc::AppendChunks(reinterpret_cast<uint64_t>(cp.src), reinterpret_cast<uint64_t>(cp.dst), cp.bytes,
+                                  chunk, &chunks)) {
+        return absl::InvalidArgumentError("a staged NCCL copy not of 16-byte multiples");
+      }
+    }
+    auto fail = [](const char* what) {
+      cudaGetLastError();
+      return absl::InternalError(absl::StrCat("a staged NCCL copy: ", what));
+    };
+    if (auto it = c.events.find(after); after != 0 && it != c.events.end() && it->second != nullptr) {
+      if (cudaStreamWaitEvent(c.copy_stream, it->second, 0) != cudaSuccess) return fail("ordering after the group");
+    }
+    const int64_t bytes = static_cast<int64_t>(chunks.size() * sizeof(cuda_ipc::CopyChunk));
+    if (bytes > c.chunk_bytes) {
+      if (c.chunks != nullptr) cudaFreeAsync(c.chunks, c.copy_stream);
+      c.chunks = nullptr;
+      c.chunk_bytes = 0;
+      if (cudaMallocAsync(&c.chunks, static_cast<size_t>(bytes) * 2, c.copy_stream) != cudaSuccess) {
+        c.chunks = nullptr;
+        return fail("cudaMallocAsync of its chunk list");
+      }
+      c.chunk_bytes = bytes * 2;
+    }
+    if (!chunks.empty()) {
+      if (cudaMemcpyAsync(c.chunks, chunks.data(), static_cast<size_t>(bytes), cudaMemcpyHostToDevice, c.copy_stream) !=
+          cudaSuccess) {
+        return fail("uploading its chunk list");
+      }
+      if (cuda_ipc::LaunchCopyChunks(static_cast<const cuda_ipc::CopyChunk*>(c.chunks), static_cast<int>(chunks.size()),
+                                     kCopyCtas, c.copy_stream) != cudaSuccess) {
+        return fail("the copy kernel's launch");
+      }
+    }
+    cudaEvent_t event = nullptr;
+    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventRecord(event, c.copy_stream) != cudaSuccess) {
+      if (event != nullptr) cudaEventDestroy(event);
+      return fail("recording its event");
+    }
+    c.events[++c.next_ticket] = event;
     return c.next_ticket;
   }
 
@@ -216,11 +281,18 @@ class RealNccl final : public NcclApi {
   void Destroy(void* handle) override { End(static_cast<Comm*>(handle)); }
 
  private:
+  // CTAs of a staged transfer's copy kernel: enough to gather a piece faster
+  // than NVLink sends it, few enough to leave the SMs to the engine.
+  static constexpr int kCopyCtas = 32;
+
   struct Comm {
     ncclComm_t comm = nullptr;
     int rank = 0;
     int device = 0;
     cudaStream_t stream = nullptr;
+    cudaStream_t copy_stream = nullptr;  // a staged transfer's gathers and scatters
+    void* chunks = nullptr;              // their chunk lists (device memory, stream-ordered)
+    int64_t chunk_bytes = 0;
     std::map<uint64_t, cudaEvent_t> events;
     uint64_t next_ticket = 0;
   };
@@ -246,6 +318,8 @@ class RealNccl final : public NcclApi {
     for (auto& [ticket, event] : c->events) {
       if (event != nullptr) cudaEventDestroy(event);
     }
+    if (c->chunks != nullptr) cudaFreeAsync(c->chunks, c->copy_stream);
+    if (c->copy_stream != nullptr) cudaStreamDestroy(c->copy_stream);
     if (c->stream != nullptr) cudaStreamDestroy(c->stream);
     delete c;
   }

@@ -62,6 +62,11 @@ absl::StatusOr<std::unique_ptr<NcclTransport>> NcclTransport::Create(NcclOptions
     api = std::move(loaded);
   }
   if (options.device < 0) return absl::InvalidArgumentError(absl::StrFormat("NCCL on GPU %d", options.device));
+  if (options.stage_piece <= 0 || options.stage_piece % 16 != 0 || options.stage_piece > kMaxPiece) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("NCCL staging pieces of %d bytes: want a multiple of 16 up to %d (a drain's scratch buffer)",
+                        options.stage_piece, kMaxPiece));
+  }
   return std::unique_ptr<NcclTransport>(new NcclTransport(std::move(options), std::move(api)));
 }
 
@@ -226,9 +231,12 @@ absl::StatusOr<std::string> NcclTransport::Pair(const PeerInfo& peer, PairRole r
   ASSIGN_OR_RETURN(void* handle, api_->InitRank(id, rank, options_.device));
   absl::StatusOr<void*> headers =
       api_->Alloc(options_.device, rank == 0 ? kHeaderRing * sizeof(Header) : sizeof(Header));
-  if (!headers.ok()) {
+  absl::StatusOr<void*> staging = absl::UnknownError("not allocated");
+  if (headers.ok()) staging = api_->Alloc(options_.device, 2 * options_.stage_piece);
+  if (!headers.ok() || !staging.ok()) {
     api_->Abort(handle);
-    return headers.status();
+    if (headers.ok()) api_->Free(options_.device, *headers);
+    return headers.ok() ? staging.status() : headers.status();
   }
   Finished finished;
   {
@@ -248,6 +256,7 @@ absl::StatusOr<std::string> NcclTransport::Pair(const PeerInfo& peer, PairRole r
     c.pair_deadline = deadline;
     c.pairing.push_back(std::move(done));
     c.headers = *headers;
+    c.staging = *staging;
   }
   cv_.notify_all();
   for (auto& [d, st] : finished) d(st);
@@ -298,6 +307,7 @@ absl::StatusOr<uint64_t> NcclTransport::Start(const std::string& agent_id, std::
     x.send = send;
     x.tag = tag;
     for (const CopyRun& r : runs) x.bytes += r.bytes;
+    x.staged = runs.size() >= 2 && x.bytes / static_cast<int64_t>(runs.size()) < options_.stage_runs_below;
     x.runs = std::move(runs);
     x.after = std::move(after);
     x.deadline = deadline;
@@ -385,7 +395,8 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
   auto end_unposted = [&] {
     if (c.rank == 0) {
       for (auto it = c.pending.begin(); it != c.pending.end();) {
-        absl::Status end = unposted_end(xfers_.at(*it));
+        const Xfer& x = xfers_.at(*it);
+        absl::Status end = x.posted ? absl::OkStatus() : unposted_end(x);  // posted: a staged push's pieces
         if (end.ok()) {
           ++it;
           continue;
@@ -404,9 +415,13 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
         continue;
       }
       const uint64_t id = it->second;
-      std::vector<int64_t> sizes;
-      for (const CopyRun& r : x.runs) sizes.push_back(r.bytes);
-      c.ended.emplace_back(it->first, std::move(sizes));
+      Ended e{.tag = it->first, .runs = static_cast<uint32_t>(x.runs.size()), .bytes = x.bytes};
+      if (x.staged) {
+        e.sizes = PieceSizes(x);
+      } else {
+        for (const CopyRun& r : x.runs) e.sizes.push_back(r.bytes);
+      }
+      c.ended.push_back(std::move(e));
       if (c.ended.size() > kEndedTags) c.ended.pop_front();
       c.receives.erase(it++);
       Finish(id, std::move(end), finished);
@@ -438,7 +453,7 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
       RETURN_IF_ERROR(TakeHeader(c));
       continue;
     }
-    if (f.xfer == kDrainFlight) continue;
+    if (f.xfer == kDrainFlight || f.xfer == kPieceFlight) continue;
     const Xfer& x = xfers_.at(f.xfer);
     if (!x.send) c.receives.erase(x.tag);
     Finish(f.xfer, x.cancelled ? absl::CancelledError("cancelled; its bytes had moved already") : absl::OkStatus(),
@@ -450,9 +465,15 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
       return absl::DeadlineExceededError(absl::StrFormat(
           "a drained NCCL push from %s did not end in %d s (the sender gone mid-push?)", peer, kDrainLimit.count()));
     }
-    if (f.xfer != 0 && f.xfer != kDrainFlight && now >= xfers_.at(f.xfer).deadline) {
+    if (f.xfer != 0 && f.xfer != kDrainFlight && f.xfer != kPieceFlight && now >= xfers_.at(f.xfer).deadline) {
       return absl::DeadlineExceededError(
           absl::StrFormat("an NCCL transfer with %s passed its deadline while its bytes moved", peer));
+    }
+  }
+  for (uint64_t id : c.pending) {  // a staged push part posted
+    if (const Xfer& x = xfers_.at(id); x.posted && now >= x.deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrFormat("a staged NCCL push to %s passed its deadline while its pieces moved", peer));
     }
   }
   if (c.awaiting != 0 && now >= xfers_.at(c.awaiting).deadline) {
@@ -476,6 +497,14 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
 }
 
 absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
+  if (c.staging_xfer != 0) {
+    // A staged push's pieces go before anything else (the receiver posts
+    // them after its header).
+    ASSIGN_OR_RETURN(bool all, PostPieces(c, xfers_.at(c.staging_xfer)));
+    if (!all) return absl::OkStatus();
+    c.pending.erase(std::find(c.pending.begin(), c.pending.end(), c.staging_xfer));
+    c.staging_xfer = 0;
+  }
   for (auto it = c.pending.begin(); it != c.pending.end() && c.flights.size() < kMaxInFlight;) {
     Xfer& x = xfers_.at(*it);
     if (x.after != nullptr) {
@@ -511,13 +540,79 @@ absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
     RETURN_IF_ERROR(api_->Write(c.handle, slot, &h, sizeof(h)));
     ++c.headers_sent;
     std::vector<NcclApi::Buffer> buffers{{slot, static_cast<int64_t>(sizeof(Header))}};
-    for (const CopyRun& r : x.runs) buffers.push_back({base_ + r.src_offset, r.bytes});
+    if (!x.staged) {
+      for (const CopyRun& r : x.runs) buffers.push_back({base_ + r.src_offset, r.bytes});
+    }
     ASSIGN_OR_RETURN(uint64_t ticket, api_->Group(c.handle, /*send=*/true, buffers));
     x.posted = true;
+    if (x.staged) {
+      c.flights.push_back({ticket, kPieceFlight});
+      c.staging_xfer = x.id;
+      return PostSends(c, finished);
+    }
     c.flights.push_back({ticket, x.id});
     it = c.pending.erase(it);
   }
   return absl::OkStatus();
+}
+
+std::vector<int64_t> NcclTransport::PieceSizes(const Xfer& x) const {
+  std::vector<int64_t> sizes;
+  for (int64_t off = 0; off < x.bytes; off += options_.stage_piece) {
+    sizes.push_back(std::min(options_.stage_piece, x.bytes - off));
+  }
+  return sizes;
+}
+
+std::vector<NcclApi::Copy> NcclTransport::PieceCopies(const Xfer& x, size_t i, uint8_t* half) const {
+  const int64_t begin = static_cast<int64_t>(i) * options_.stage_piece;
+  const int64_t end = std::min(x.bytes, begin + options_.stage_piece);
+  std::vector<NcclApi::Copy> copies;
+  int64_t at = 0;  // the stream offset of run r
+  for (const CopyRun& r : x.runs) {
+    const int64_t lo = std::max(begin, at), hi = std::min(end, at + r.bytes);
+    if (lo < hi) {
+      uint8_t* pool = base_ + (x.send ? r.src_offset : r.dst_offset) + (lo - at);
+      uint8_t* staged = half + (lo - begin);
+      copies.push_back(x.send ? NcclApi::Copy{pool, staged, hi - lo} : NcclApi::Copy{staged, pool, hi - lo});
+    }
+    at += r.bytes;
+    if (at >= end) break;
+  }
+  return copies;
+}
+
+absl::StatusOr<bool> NcclTransport::PostPieces(Comm& c, Xfer& x) {
+  const std::vector<int64_t> sizes = PieceSizes(x);
+  while (x.next_piece < sizes.size()) {
+    ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
+    if (!idle) return false;
+    const size_t i = x.next_piece;
+    const int h = c.next_half;
+    uint8_t* half = static_cast<uint8_t*>(c.staging) + h * options_.stage_piece;
+    // The half's last use (any push's piece before this one) ends first.
+    const uint64_t reuse = c.half_done[h];
+    const bool last = i + 1 == sizes.size();
+    const NcclApi::Buffer buffer[] = {{half, sizes[i]}};
+    const std::vector<NcclApi::Copy> copies = PieceCopies(x, i, half);
+    if (x.send) {
+      ASSIGN_OR_RETURN(uint64_t gathered, api_->Copies(c.handle, copies, reuse));
+      c.flights.push_back({gathered, kPieceFlight});
+      ASSIGN_OR_RETURN(uint64_t sent, api_->Group(c.handle, /*send=*/true, buffer, gathered));
+      c.flights.push_back({sent, last ? x.id : kPieceFlight});
+      c.half_done[h] = sent;
+    } else {
+      ASSIGN_OR_RETURN(uint64_t received, api_->Group(c.handle, /*send=*/false, buffer, reuse));
+      c.flights.push_back({received, kPieceFlight});
+      ASSIGN_OR_RETURN(uint64_t scattered, api_->Copies(c.handle, copies, received));
+      c.flights.push_back({scattered, last ? x.id : kPieceFlight});
+      c.half_done[h] = scattered;
+    }
+    c.next_half = 1 - h;
+    x.posted = true;
+    ++x.next_piece;
+  }
+  return true;
 }
 
 absl::Status NcclTransport::PostReceives(Comm& c, Finished& finished) {
@@ -542,6 +637,13 @@ absl::Status NcclTransport::PostReceives(Comm& c, Finished& finished) {
     }
     if (c.awaiting != 0) {
       Xfer& x = xfers_.at(c.awaiting);
+      if (x.staged) {
+        // Its pieces, all of them before the next header's receive.
+        ASSIGN_OR_RETURN(bool all, PostPieces(c, x));
+        if (!all) return absl::OkStatus();
+        c.awaiting = 0;
+        continue;
+      }
       c.awaiting = 0;
       if (x.runs.empty()) {
         c.receives.erase(x.tag);
@@ -574,17 +676,15 @@ absl::Status NcclTransport::TakeHeader(Comm& c) {
 
 absl::Status NcclTransport::ClaimParked(Comm& c) {
   const Header h = *c.parked;
-  auto ended = std::find_if(c.ended.begin(), c.ended.end(), [&](const auto& e) { return e.first == h.tag; });
+  auto ended = std::find_if(c.ended.begin(), c.ended.end(), [&](const Ended& e) { return e.tag == h.tag; });
   if (ended != c.ended.end()) {
     // Its receive ended before the push came: drained.
-    int64_t bytes = 0;
-    for (int64_t b : ended->second) bytes += b;
-    if (h.runs != ended->second.size() || h.bytes != bytes) {
+    if (h.runs != ended->runs || h.bytes != ended->bytes) {
       return absl::InternalError(
           absl::StrFormat("a push of %d runs (%d bytes) for tag %d, whose ended receive expected %d runs (%d bytes)",
-                          h.runs, h.bytes, h.tag, ended->second.size(), bytes));
+                          h.runs, h.bytes, h.tag, ended->runs, ended->bytes));
     }
-    c.drain = std::move(ended->second);
+    c.drain = std::move(ended->sizes);
     c.ended.erase(ended);
     c.parked.reset();
     return absl::OkStatus();
@@ -614,7 +714,7 @@ void NcclTransport::FailComm(const std::string& peer, Comm& c, const absl::Statu
   std::vector<uint64_t> ids(c.pending.begin(), c.pending.end());
   for (const auto& [tag, id] : c.receives) ids.push_back(id);
   for (const Flight& f : c.flights) {
-    if (f.xfer != 0 && f.xfer != kDrainFlight) ids.push_back(f.xfer);
+    if (f.xfer != 0 && f.xfer != kDrainFlight && f.xfer != kPieceFlight) ids.push_back(f.xfer);
   }
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
@@ -637,8 +737,10 @@ void NcclTransport::FailComm(const std::string& peer, Comm& c, const absl::Statu
   c.flights.clear();
   if (c.handle != nullptr) api_->Abort(c.handle);
   if (c.headers != nullptr) api_->Free(options_.device, c.headers);
+  if (c.staging != nullptr) api_->Free(options_.device, c.staging);
   c.handle = nullptr;
   c.headers = nullptr;
+  c.staging = nullptr;
 }
 
 void NcclTransport::Finish(uint64_t id, absl::Status st, Finished& finished) {

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <future>
 #include <numeric>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -79,15 +80,23 @@ class NcclTransportTest : public ::testing::Test {
     fabric_ = NewFakeNcclFabric();
     for (int i = 0; i < 2; ++i) {
       pool_[i].resize(kBlocks * kBlockBytes);
-      std::iota(pool_[i].begin(), pool_[i].end(), static_cast<uint8_t>(i == 0 ? 1 : 0));
-      if (i == 1) std::fill(pool_[i].begin(), pool_[i].end(), 0);
+      // Side 0: seeded random bytes (every block its own, so a block that
+      // lands in the wrong place shows); side 1: zeros.
+      std::mt19937 rng(7);
+      for (uint8_t& b : pool_[i]) b = i == 0 ? static_cast<uint8_t>(rng()) : 0;
       t_[i] = MakeTransport();
       ASSERT_TRUE(t_[i]->RegisterPool(Layout(), pool_[i].data()).ok());
     }
   }
-  std::unique_ptr<NcclTransport> MakeTransport() {
+  // Pushes of two or more runs go through staging pieces of two blocks
+  // (unless `stage_runs_below` is 0).
+  std::unique_ptr<NcclTransport> MakeTransport(int64_t stage_runs_below = int64_t{16} << 20) {
     absl::StatusOr<std::unique_ptr<NcclTransport>> t =
-        NcclTransport::Create({.device = 0, .api = std::shared_ptr<NcclApi>(NewFakeNccl(fabric_)), .host_pools = true});
+        NcclTransport::Create({.device = 0,
+                               .api = std::shared_ptr<NcclApi>(NewFakeNccl(fabric_)),
+                               .host_pools = true,
+                               .stage_piece = 2 * kBlockBytes,
+                               .stage_runs_below = stage_runs_below});
     EXPECT_TRUE(t.ok()) << t.status();
     return t.ok() ? *std::move(t) : nullptr;
   }
@@ -205,6 +214,78 @@ TEST_F(NcclTransportTest, PushesNotStartedEndAtTheirDeadlineOrCancel) {
   t_[0]->Cancel(*id);
   EXPECT_EQ(cancelled.Wait().code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(late.Wait().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+// Scattered blocks (every pair its own run) go through the staging buffer,
+// gathered and scattered a piece of two blocks at a time, a piece cut
+// inside a run too; concurrent staged pushes whose receives were posted in
+// the other order each land in their own blocks; a staged push for a
+// receive that ended is drained piece by piece, and the pair goes on.
+TEST_F(NcclTransportTest, ScatteredRunsMoveThroughStagingPieces) {
+  PairUp();
+  constexpr int kN = 2;
+  auto pairs = [](int i) {
+    // Six runs (one of two blocks, which a piece boundary cuts), 1792 bytes:
+    // four pieces.
+    std::vector<BlockPair> v;
+    for (int k = 0; k < 5; ++k) {
+      v.push_back({i * 10 + 2 * k, 31 - (i * 10 + 2 * k)});
+      if (k == 0) {
+        v.push_back({24 + 2 * i, 2 * i});
+        v.push_back({25 + 2 * i, 2 * i + 1});
+      }
+    }
+    return v;
+  };
+  Waiter r[kN], p[kN];
+  for (int i = 0; i < kN; ++i) ASSERT_TRUE(Receive(pairs(i), 300 + i, r[i]).ok());
+  for (int i = kN - 1; i >= 0; --i) ASSERT_TRUE(Push(pairs(i), 300 + i, p[i]).ok());
+  std::vector<bool> written(kBlocks, false);
+  for (int i = 0; i < kN; ++i) {
+    EXPECT_TRUE(p[i].Wait().ok()) << i;
+    EXPECT_TRUE(r[i].Wait().ok()) << i;
+    for (const BlockPair& b : pairs(i)) {
+      EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << "transfer " << i << " block " << b.dst;
+      written[b.dst] = true;
+    }
+  }
+  for (int b = 0; b < kBlocks; ++b) {
+    if (!written[b]) {
+      EXPECT_EQ(Block(1, b), std::vector<uint8_t>(kBlockBytes, 0)) << "block " << b;
+    }
+  }
+  // Drained: a cancelled receive's staged push lands nowhere.
+  std::fill(pool_[1].begin(), pool_[1].end(), 0);
+  Waiter gone, drained, r2, p2;
+  absl::StatusOr<uint64_t> id = Receive(pairs(0), 400, gone);
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(Receive(pairs(1), 401, r2).ok());
+  t_[1]->Cancel(*id);
+  EXPECT_EQ(gone.Wait().code(), absl::StatusCode::kCancelled);
+  ASSERT_TRUE(Push(pairs(0), 400, drained).ok());
+  EXPECT_TRUE(drained.Wait().ok());
+  ASSERT_TRUE(Push(pairs(1), 401, p2).ok());
+  EXPECT_TRUE(p2.Wait().ok());
+  EXPECT_TRUE(r2.Wait().ok());
+  for (const BlockPair& b : pairs(0)) EXPECT_EQ(Block(1, b.dst), std::vector<uint8_t>(kBlockBytes, 0)) << b.dst;
+  for (const BlockPair& b : pairs(1)) EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << b.dst;
+}
+
+// Without staging, the runs go as one group's sends.
+TEST_F(NcclTransportTest, ScatteredRunsMoveAsOneGroupWithoutStaging) {
+  for (int i = 0; i < 2; ++i) {
+    t_[i] = MakeTransport(/*stage_runs_below=*/0);
+    ASSERT_TRUE(t_[i]->RegisterPool(Layout(), pool_[i].data()).ok());
+  }
+  PairUp();
+  std::vector<BlockPair> pairs;
+  for (int k = 0; k < 8; ++k) pairs.push_back({3 * k, 31 - 3 * k});
+  Waiter r, p;
+  ASSERT_TRUE(Receive(pairs, 9, r).ok());
+  ASSERT_TRUE(Push(pairs, 9, p).ok());
+  EXPECT_TRUE(p.Wait().ok());
+  EXPECT_TRUE(r.Wait().ok());
+  for (const BlockPair& b : pairs) EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << "block " << b.dst;
 }
 
 // A push for a receive that ended before it came (cancelled here) is
