@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <numeric>
 #include <thread>
@@ -109,6 +110,68 @@ TEST_F(NcclGpuTest, GroupsMoveBuffersBetweenTheGpusInPostingOrder) {
     EXPECT_EQ(got, host[i]) << "buffer " << i;
     cudaFree(src[i]);
     cudaFree(dst[i]);
+  }
+}
+
+// A staged transfer's steps on the real library: rank 0 gathers scattered
+// blocks into a staging buffer (Copies) and sends it after the gather
+// (Group after its ticket); rank 1 receives into its staging buffer and
+// scatters after the receive (Copies after the group's ticket).
+TEST_F(NcclGpuTest, StagedCopiesGatherSendReceiveAndScatter) {
+  constexpr int64_t kBlock = 64 << 10;
+  constexpr int kBlocks = 8;
+  uint8_t *pool[2] = {nullptr, nullptr}, *staging[2] = {nullptr, nullptr};
+  std::vector<uint8_t> host(kBlocks * kBlock);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>((i * 2654435761u) >> 13);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&pool[r]), host.size()), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&staging[r]), 4 * kBlock), cudaSuccess);
+    if (r == 0) {
+      ASSERT_EQ(cudaMemcpy(pool[r], host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    } else {
+      ASSERT_EQ(cudaMemset(pool[r], 0, host.size()), cudaSuccess);
+    }
+  }
+  // The pair's connection first (a group's first use waits for the peer's).
+  {
+    const NcclApi::Buffer r[] = {{staging[1], 4096}}, s[] = {{staging[0], 4096}};
+    absl::StatusOr<uint64_t> u = nccl_->Group(comm_[1], false, r), t = nccl_->Group(comm_[0], true, s);
+    ASSERT_TRUE(u.ok() && t.ok()) << u.status() << t.status();
+    absl::Status a, b;
+    Finish(*t, *u, &a, &b);
+    ASSERT_TRUE(a.ok() && b.ok()) << a << b;
+  }
+  const int from[] = {5, 1, 6, 2}, to[] = {0, 7, 3, 4};
+  std::vector<NcclApi::Copy> gather, scatter;
+  for (int i = 0; i < 4; ++i) {
+    gather.push_back({pool[0] + from[i] * kBlock, staging[0] + i * kBlock, kBlock});
+    scatter.push_back({staging[1] + i * kBlock, pool[1] + to[i] * kBlock, kBlock});
+  }
+  const NcclApi::Buffer sent[] = {{staging[0], 4 * kBlock}}, received[] = {{staging[1], 4 * kBlock}};
+  absl::StatusOr<uint64_t> recv = nccl_->Group(comm_[1], false, received, 0);
+  ASSERT_TRUE(recv.ok()) << recv.status();
+  absl::StatusOr<uint64_t> scattered = nccl_->Copies(comm_[1], scatter, *recv);
+  ASSERT_TRUE(scattered.ok()) << scattered.status();
+  absl::StatusOr<uint64_t> gathered = nccl_->Copies(comm_[0], gather, 0);
+  ASSERT_TRUE(gathered.ok()) << gathered.status();
+  absl::StatusOr<uint64_t> send = nccl_->Group(comm_[0], true, sent, *gathered);
+  ASSERT_TRUE(send.ok()) << send.status();
+  absl::Status a, b;
+  Finish(*send, *scattered, &a, &b);
+  EXPECT_TRUE(a.ok() && b.ok()) << a << b;
+  std::vector<uint8_t> got(host.size());
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), pool[1], got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(
+        std::equal(got.begin() + to[i] * kBlock, got.begin() + (to[i] + 1) * kBlock, host.begin() + from[i] * kBlock))
+        << "block " << to[i];
+  }
+  EXPECT_EQ(std::count(got.begin() + 5 * kBlock, got.begin() + 6 * kBlock, 0), kBlock) << "block 5: not a destination";
+  for (int r = 0; r < 2; ++r) {
+    cudaFree(pool[r]);
+    cudaFree(staging[r]);
   }
 }
 

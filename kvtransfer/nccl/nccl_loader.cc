@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/status_macros.h"
 #include "kvtransfer/nccl/nccl_api.h"
 
 #ifdef TANDEM_HAVE_NCCL
@@ -95,11 +96,10 @@ class RealNccl final : public NcclApi {
   absl::StatusOr<uint64_t> Group(void* handle, bool send, std::span<const Buffer> buffers, uint64_t after) override {
     Comm& c = *static_cast<Comm*>(handle);
     cudaSetDevice(c.device);
-    if (auto it = c.events.find(after); after != 0 && it != c.events.end() && it->second != nullptr) {
-      if (cudaStreamWaitEvent(c.stream, it->second, 0) != cudaSuccess) {
-        cudaGetLastError();
-        return absl::InternalError("ordering an NCCL group after its copies failed");
-      }
+    ASSIGN_OR_RETURN(cudaEvent_t wait, EventOf(handle, after));
+    if (wait != nullptr && cudaStreamWaitEvent(c.stream, wait, 0) != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InternalError("ordering an NCCL group after its copies failed");
     }
     if (ncclResult_t r = s_.GroupStart(); r != ncclSuccess) return Error("ncclGroupStart", r);
     const int peer = 1 - c.rank;
@@ -143,8 +143,9 @@ class RealNccl final : public NcclApi {
       cudaGetLastError();
       return absl::InternalError(absl::StrCat("a staged NCCL copy: ", what));
     };
-    if (auto it = c.events.find(after); after != 0 && it != c.events.end() && it->second != nullptr) {
-      if (cudaStreamWaitEvent(c.copy_stream, it->second, 0) != cudaSuccess) return fail("ordering after the group");
+    ASSIGN_OR_RETURN(cudaEvent_t wait, EventOf(handle, after));
+    if (wait != nullptr && cudaStreamWaitEvent(c.copy_stream, wait, 0) != cudaSuccess) {
+      return fail("ordering after the group");
     }
     const int64_t bytes = static_cast<int64_t>(chunks.size() * sizeof(cuda_ipc::CopyChunk));
     if (bytes > c.chunk_bytes) {
@@ -175,6 +176,27 @@ class RealNccl final : public NcclApi {
     }
     c.events[++c.next_ticket] = event;
     return c.next_ticket;
+  }
+
+  // The completion event of `ticket` to wait for: null where there is
+  // nothing to wait for (0, or a ticket Done already). A group still being
+  // enqueued (a non-blocking communicator's GroupEnd said in progress) has
+  // no event yet: waits here, briefly, for the communicator to settle (a
+  // staged transfer orders its copies right after its groups).
+  absl::StatusOr<cudaEvent_t> EventOf(void* handle, uint64_t ticket) {
+    Comm& c = *static_cast<Comm*>(handle);
+    auto it = ticket != 0 ? c.events.find(ticket) : c.events.end();
+    if (it == c.events.end()) return nullptr;
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (it->second == nullptr) {
+      ASSIGN_OR_RETURN(bool idle, Idle(handle));  // records the settled groups' events
+      if (idle) break;
+      if (std::chrono::steady_clock::now() >= give_up) {
+        return absl::DeadlineExceededError("an NCCL group stayed in progress for 10 s");
+      }
+      std::this_thread::yield();
+    }
+    return it->second;
   }
 
   absl::StatusOr<bool> Done(void* handle, uint64_t ticket) override {
