@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -26,6 +27,7 @@
 #include "worker/model/model_loader.h"
 #include "worker/model/safetensors.h"
 #include "worker/runner/cuda/gpu_test_support.h"
+#include "worker/runner/cuda/lt_gemm.h"
 #include "worker/runner/cuda/model_kernels.h"
 #include "worker/runner/model_runner.h"
 
@@ -322,6 +324,105 @@ TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
     EXPECT_TRUE(beside_a_blocked_stream({8, 100})) << "a step of shapes run before waited for another stream";
     EXPECT_TRUE(beside_a_blocked_stream({400, 900})) << "a step whose buffers grew waited for another stream";
   }
+}
+
+// The calls a step makes the first time it meets a shape, one by one beside
+// a blocked stream (as above): which of them wait for other streams' work.
+// cudaFree must (the control: it shows that the stand-in holds what an NCCL
+// receive holds); none of the others may.
+TEST(CudaRunnerTest, FirstUseCallsNeverWaitForOtherStreamsWork) {
+  if (SkipWithoutGpu()) GTEST_SKIP();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  // True when `call` returned within 3 s while another stream's work waited.
+  auto returns = [](const std::function<void()>& call) {
+    cudaStream_t other = nullptr;
+    EXPECT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+    std::promise<void> release;
+    std::shared_future<void> released = release.get_future().share();
+    EXPECT_EQ(cudaLaunchHostFunc(
+                  other, [](void* f) { static_cast<std::shared_future<void>*>(f)->wait(); }, &released),
+              cudaSuccess);
+    std::future<void> done = std::async(std::launch::async, call);
+    const bool returned = done.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
+    release.set_value();
+    done.get();
+    EXPECT_EQ(cudaStreamSynchronize(other), cudaSuccess);
+    cudaStreamDestroy(other);
+    return returned;
+  };
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  constexpr int kK = 4096, kN = 4096, kM = 777;
+  void *x = nullptr, *w = nullptr, *y = nullptr, *ws = nullptr;
+  ASSERT_EQ(cudaMalloc(&x, size_t{kM} * kK * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&w, size_t{kN} * kK * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&y, size_t{kM} * kN * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&ws, 32 << 20), cudaSuccess);
+  absl::StatusOr<std::unique_ptr<LtGemm>> gemm = LtGemm::Create(ws, 32 << 20);
+  ASSERT_TRUE(gemm.ok()) << gemm.status();
+  std::vector<char> pageable(1 << 20);
+  void* pinned = nullptr;
+  void* pooled = nullptr;
+  void* plain = nullptr;
+  ASSERT_EQ(cudaMalloc(&plain, 1 << 20), cudaSuccess);
+  const std::vector<std::pair<const char*, std::function<void()>>> calls = {
+      {"cudaMemcpyAsync from pageable memory",
+       [&] {
+         cudaMemcpyAsync(x, pageable.data(), pageable.size(), cudaMemcpyHostToDevice, s);
+         cudaStreamSynchronize(s);
+       }},
+      {"cudaEventCreate and record",
+       [&] {
+         cudaEvent_t e = nullptr;
+         cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+         cudaEventRecord(e, s);
+         cudaEventSynchronize(e);
+         cudaEventDestroy(e);
+       }},
+      {"cudaMallocAsync growing the pool",
+       [&] {
+         cudaMallocAsync(&pooled, size_t{256} << 20, s);
+         cudaStreamSynchronize(s);
+       }},
+      {"cudaFreeAsync",
+       [&] {
+         cudaFreeAsync(pooled, s);
+         cudaStreamSynchronize(s);
+       }},
+      {"a cuBLASLt product of a new shape",
+       [&] {
+         EXPECT_TRUE((*gemm)->Gemm(x, kM, kK, w, kN, 0.0f, y, LtGemm::Out::kF32, s).ok());
+         cudaStreamSynchronize(s);
+       }},
+      {"a CUDA graph: capture, instantiate, launch",
+       [&] {
+         cudaGraph_t g = nullptr;
+         cudaGraphExec_t exec = nullptr;
+         cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed);
+         cudaMemsetAsync(y, 0, 4096, s);
+         cudaStreamEndCapture(s, &g);
+         cudaGraphInstantiate(&exec, g, 0);
+         cudaGraphLaunch(exec, s);
+         cudaStreamSynchronize(s);
+         cudaGraphExecDestroy(exec);
+         cudaGraphDestroy(g);
+       }},
+      {"cudaStreamCreate",
+       [&] {
+         cudaStream_t t = nullptr;
+         cudaStreamCreateWithFlags(&t, cudaStreamNonBlocking);
+         cudaStreamDestroy(t);
+       }},
+      {"cudaMallocHost", [&] { cudaMallocHost(&pinned, 1 << 20); }},
+      {"cudaFreeHost", [&] { cudaFreeHost(pinned); }},
+  };
+  for (const auto& [name, call] : calls) EXPECT_TRUE(returns(call)) << name << " waited for another stream's work";
+  EXPECT_FALSE(returns([&] { cudaFree(plain); })) << "cudaFree did not wait: the blocked stream stands in for nothing";
+  cudaGetLastError();
+  cudaStreamDestroy(s);
+  for (void* p : {x, w, y}) cudaFree(p);
+  gemm->reset();
+  cudaFree(ws);
 }
 
 // Decode steps replayed from CUDA graphs (batch padded to a bucket, block
