@@ -337,6 +337,12 @@ class RealNccl final : public NcclApi {
   void End(Comm* c) {
     cudaSetDevice(c->device);
     if (c->comm != nullptr) s_.CommAbort(c->comm);
+    // The aborted groups' events have fired: what the copy stream queued
+    // behind them (a staged transfer's scatters into the pool, its gathers
+    // into staging) runs out now, before the caller reports the transfers
+    // ended and frees the staging buffer.
+    if (c->copy_stream != nullptr) cudaStreamSynchronize(c->copy_stream);
+    if (c->stream != nullptr) cudaStreamSynchronize(c->stream);
     for (auto& [ticket, event] : c->events) {
       if (event != nullptr) cudaEventDestroy(event);
     }

@@ -231,8 +231,8 @@ absl::StatusOr<std::string> NcclTransport::Pair(const PeerInfo& peer, PairRole r
   ASSIGN_OR_RETURN(void* handle, api_->InitRank(id, rank, options_.device));
   absl::StatusOr<void*> headers =
       api_->Alloc(options_.device, rank == 0 ? kHeaderRing * sizeof(Header) : sizeof(Header));
-  absl::StatusOr<void*> staging = absl::UnknownError("not allocated");
-  if (headers.ok()) staging = api_->Alloc(options_.device, 2 * options_.stage_piece);
+  absl::StatusOr<void*> staging = nullptr;  // none where nothing is staged
+  if (headers.ok() && options_.stage_runs_below > 0) staging = api_->Alloc(options_.device, 2 * options_.stage_piece);
   if (!headers.ok() || !staging.ok()) {
     api_->Abort(handle);
     if (headers.ok()) api_->Free(options_.device, *headers);
@@ -307,7 +307,9 @@ absl::StatusOr<uint64_t> NcclTransport::Start(const std::string& agent_id, std::
     x.send = send;
     x.tag = tag;
     for (const CopyRun& r : runs) x.bytes += r.bytes;
-    x.staged = runs.size() >= 2 && x.bytes / static_cast<int64_t>(runs.size()) < options_.stage_runs_below;
+    // (16-byte multiples: the copy kernel's; both sides' layouts agree)
+    x.staged = runs.size() >= 2 && x.bytes / static_cast<int64_t>(runs.size()) < options_.stage_runs_below &&
+               layout_.block_bytes % 16 == 0;
     x.runs = std::move(runs);
     x.after = std::move(after);
     x.deadline = deadline;
@@ -415,7 +417,10 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
         continue;
       }
       const uint64_t id = it->second;
-      Ended e{.tag = it->first, .runs = static_cast<uint32_t>(x.runs.size()), .bytes = x.bytes};
+      Ended e{.tag = it->first,
+              .runs = static_cast<uint32_t>(x.runs.size()),
+              .bytes = x.bytes,
+              .piece = x.staged ? static_cast<uint64_t>(options_.stage_piece) : 0};
       if (x.staged) {
         e.sizes = PieceSizes(x);
       } else {
@@ -535,7 +540,11 @@ absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
     }
     ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
     if (!idle) return absl::OkStatus();
-    const Header h{.magic = kMagic, .runs = static_cast<uint32_t>(x.runs.size()), .tag = x.tag, .bytes = x.bytes};
+    const Header h{.magic = kMagic,
+                   .runs = static_cast<uint32_t>(x.runs.size()),
+                   .tag = x.tag,
+                   .bytes = x.bytes,
+                   .piece = x.staged ? static_cast<uint64_t>(options_.stage_piece) : 0};
     auto* slot = static_cast<unsigned char*>(c.headers) + (c.headers_sent % kHeaderRing) * sizeof(Header);
     RETURN_IF_ERROR(api_->Write(c.handle, slot, &h, sizeof(h)));
     ++c.headers_sent;
@@ -585,6 +594,9 @@ std::vector<NcclApi::Copy> NcclTransport::PieceCopies(const Xfer& x, size_t i, u
 absl::StatusOr<bool> NcclTransport::PostPieces(Comm& c, Xfer& x) {
   const std::vector<int64_t> sizes = PieceSizes(x);
   while (x.next_piece < sizes.size()) {
+    // A few pieces ahead at most (two halves; each piece's chunk list goes
+    // up on the copy stream under the lock).
+    if (c.flights.size() >= kMaxInFlight) return false;
     ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
     if (!idle) return false;
     const size_t i = x.next_piece;
@@ -679,10 +691,11 @@ absl::Status NcclTransport::ClaimParked(Comm& c) {
   auto ended = std::find_if(c.ended.begin(), c.ended.end(), [&](const Ended& e) { return e.tag == h.tag; });
   if (ended != c.ended.end()) {
     // Its receive ended before the push came: drained.
-    if (h.runs != ended->runs || h.bytes != ended->bytes) {
-      return absl::InternalError(
-          absl::StrFormat("a push of %d runs (%d bytes) for tag %d, whose ended receive expected %d runs (%d bytes)",
-                          h.runs, h.bytes, h.tag, ended->runs, ended->bytes));
+    if (h.runs != ended->runs || h.bytes != ended->bytes || h.piece != ended->piece) {
+      return absl::InternalError(absl::StrFormat(
+          "a push of %d runs (%d bytes, staged in pieces of %d) for tag %d, whose ended receive expected %d runs (%d "
+          "bytes, pieces of %d)",
+          h.runs, h.bytes, h.piece, h.tag, ended->runs, ended->bytes, ended->piece));
     }
     c.drain = std::move(ended->sizes);
     c.ended.erase(ended);
@@ -702,6 +715,12 @@ absl::Status NcclTransport::ClaimParked(Comm& c) {
         absl::StrFormat("a push of %d runs (%d bytes) for tag %d, whose receive expects %d runs "
                         "(%d bytes): the two sides' block lists differ",
                         h.runs, h.bytes, h.tag, x.runs.size(), x.bytes));
+  }
+  if (const uint64_t piece = x.staged ? static_cast<uint64_t>(options_.stage_piece) : 0; h.piece != piece) {
+    return absl::InternalError(absl::StrFormat(
+        "a push for tag %d staged in pieces of %d bytes (0: not staged), whose receive stages in pieces of %d: the "
+        "two workers' NCCL staging settings differ",
+        h.tag, h.piece, piece));
   }
   c.awaiting = x.id;
   return absl::OkStatus();

@@ -16,20 +16,20 @@
 //
 // Order: NCCL matches a pair's sends and receives one by one in posting
 // order, but two workers see concurrent hand-offs in different orders. So
-// a push is one group of a 32-byte header (its tag, run count and bytes)
-// followed by its runs (PlanRuns of its block pairs), posted as soon as its
-// fence completed, in any order; the receiver keeps one header receive
-// posted, reads each header that lands, posts the receives of the
-// Receive(tag) it names (the same runs: both sides expand the same block
-// pairs), then the next header receive. A header whose Receive is not
-// posted yet waits for it up to kUnmatchedGrace (the pair's later pushes
-// queue behind it). A push for a Receive that ended unposted (its deadline,
-// a cancel: the last kEndedTags are remembered) is drained into a scratch
-// buffer, which runs are cut to fit (pieces of at most kMaxPiece). One
-// unclaimed past the grace, or whose sizes differ, cannot be, so the
-// communicator is aborted: every transfer on it fails (Unavailable), the
-// next transfer to the peer is refused (Unavailable: pair afresh), and the
-// responder refuses an offer it joined before.
+// a push is one group of a 32-byte header (its tag, run count, bytes and
+// staging piece size) followed by its runs (PlanRuns of its block pairs),
+// posted as soon as its fence completed, in any order; the receiver keeps
+// one header receive posted, reads each header that lands, posts the
+// receives of the Receive(tag) it names (the same runs: both sides expand
+// the same block pairs), then the next header receive. A header whose
+// Receive is not posted yet waits for it up to kUnmatchedGrace (the pair's
+// later pushes queue behind it). A push for a Receive that ended unposted
+// (its deadline, a cancel: the last kEndedTags are remembered) is drained
+// into a scratch buffer, which runs are cut to fit (pieces of at most
+// kMaxPiece). One unclaimed past the grace, or whose sizes differ, cannot
+// be, so the communicator is aborted: every transfer on it fails
+// (Unavailable), the next transfer to the peer is refused (Unavailable:
+// pair afresh), and the responder refuses an offer it joined before.
 //
 // Staging: NCCL moves a group of many small sends at a third of one large
 // send's rate (256 blocks of 2 MiB: ~120 GB/s against ~310 on two H200s),
@@ -128,7 +128,7 @@ class NcclTransport final : public Transport {
     uint32_t runs;
     uint64_t tag;
     int64_t bytes;
-    uint64_t reserved;
+    uint64_t piece;  // staged: the pieces' size; 0: the runs as they are
   };
   static_assert(sizeof(Header) == 32);
 
@@ -158,6 +158,7 @@ class NcclTransport final : public Transport {
     uint64_t tag = 0;
     uint32_t runs = 0;
     int64_t bytes = 0;
+    uint64_t piece = 0;
     std::vector<int64_t> sizes;
   };
   // The communicator with one peer in one direction (rank 0 sends).

@@ -344,6 +344,25 @@ TEST_F(NcclTransportTest, APushNoReceiveClaimsAbortsThePairAfterTheGrace) {
 
 // Block lists that differ between the sides (a bug on one of them) are
 // caught by the header before a byte is received.
+// Two workers whose staging settings differ (a rolling upgrade, say): the
+// header says how the push is staged, and the receiver refuses it before a
+// byte lands.
+TEST_F(NcclTransportTest, StagingSettingsThatDifferAbortBeforeAnyByteLands) {
+  t_[1] = MakeTransport(/*stage_runs_below=*/0);  // the receiver stages nothing
+  ASSERT_TRUE(t_[1]->RegisterPool(Layout(), pool_[1].data()).ok());
+  PairUp();
+  Waiter r, p;
+  const std::vector<BlockPair> pairs = {{1, 1}, {3, 3}};
+  ASSERT_TRUE(Receive(pairs, 6, r).ok());
+  ASSERT_TRUE(Push(pairs, 6, p).ok());
+  const absl::Status received = r.Wait();
+  EXPECT_EQ(received.code(), absl::StatusCode::kUnavailable) << received;
+  EXPECT_NE(received.message().find("staging settings differ"), std::string::npos) << received;
+  EXPECT_FALSE(p.Wait().ok());
+  EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
+  EXPECT_EQ(Block(1, 3), std::vector<uint8_t>(kBlockBytes, 0));
+}
+
 TEST_F(NcclTransportTest, BlockListsThatDifferAbortBeforeAnyByteLands) {
   PairUp();
   Waiter r, p;
