@@ -492,6 +492,20 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
     if (c.parked) RETURN_IF_ERROR(ClaimParked(c));
     RETURN_IF_ERROR(PostReceives(c, finished));
   }
+  // A header receive left posted alone (its Receive ended without the push)
+  // ends the pair past the limit; any Receive or push restarts the clock.
+  if (c.rank == 1) {
+    const bool alone = c.header_posted && c.receives.empty() && !c.parked && c.awaiting == 0 && !c.drain.has_value() &&
+                       c.flights.size() == 1;
+    if (!alone) {
+      c.idle_since = now;
+    } else if (now - c.idle_since >= options_.idle_receive_limit) {
+      return absl::UnavailableError(absl::StrFormat(
+          "the NCCL header receive from %s stayed posted %d ms with no receive open (it holds whatever waits for "
+          "the whole GPU): the pair ends, and the next push pairs afresh",
+          peer, options_.idle_receive_limit.count()));
+    }
+  }
   // Polled fast only while bytes are expected (an idle receiver's header
   // receive alone waits for the slow tick, or a new transfer's wake-up).
   const bool expecting = !c.pending.empty() || !c.receives.empty() || c.parked || c.awaiting != 0 ||

@@ -90,6 +90,11 @@ struct NcclOptions {
   // third of one large send's rate). Both sides must agree.
   int64_t stage_piece = int64_t{32} << 20;
   int64_t stage_runs_below = int64_t{16} << 20;
+  // A receiver whose header receive stays posted this long with no Receive
+  // open (its last ended without its push) aborts the communicator: a
+  // posted NCCL receive holds whatever waits for the whole GPU, and on a
+  // quiet pair no push may come to complete it. The next push pairs afresh.
+  std::chrono::milliseconds idle_receive_limit{5000};
 };
 
 class NcclTransport final : public Transport {
@@ -175,6 +180,7 @@ class NcclTransport final : public Transport {
     void* headers = nullptr;                           // rank 0: kHeaderRing headers; rank 1: one
     uint64_t headers_sent = 0;                         // rank 0: ring position
     bool header_posted = false;                        // rank 1: a header receive is posted
+    std::chrono::steady_clock::time_point idle_since;  // rank 1: when it became the only posted receive
     uint64_t awaiting = 0;                             // rank 1: its header landed, its receives are to post
     std::optional<Header> parked;                      // rank 1: a landed header whose Receive is not posted yet
     std::chrono::steady_clock::time_point parked_at;

@@ -90,13 +90,15 @@ class NcclTransportTest : public ::testing::Test {
   }
   // Pushes of two or more runs go through staging pieces of two blocks
   // (unless `stage_runs_below` is 0).
-  std::unique_ptr<NcclTransport> MakeTransport(int64_t stage_runs_below = int64_t{16} << 20) {
+  std::unique_ptr<NcclTransport> MakeTransport(int64_t stage_runs_below = int64_t{16} << 20,
+                                               milliseconds idle_receive_limit = milliseconds(5000)) {
     absl::StatusOr<std::unique_ptr<NcclTransport>> t =
         NcclTransport::Create({.device = 0,
                                .api = std::shared_ptr<NcclApi>(NewFakeNccl(fabric_)),
                                .host_pools = true,
                                .stage_piece = 2 * kBlockBytes,
-                               .stage_runs_below = stage_runs_below});
+                               .stage_runs_below = stage_runs_below,
+                               .idle_receive_limit = idle_receive_limit});
     EXPECT_TRUE(t.ok()) << t.status();
     return t.ok() ? *std::move(t) : nullptr;
   }
@@ -269,6 +271,38 @@ TEST_F(NcclTransportTest, ScatteredRunsMoveThroughStagingPieces) {
   EXPECT_TRUE(r2.Wait().ok());
   for (const BlockPair& b : pairs(0)) EXPECT_EQ(Block(1, b.dst), std::vector<uint8_t>(kBlockBytes, 0)) << b.dst;
   for (const BlockPair& b : pairs(1)) EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << b.dst;
+}
+
+// A receive that ended without its push leaves the header receive posted
+// alone: past the limit the receiver ends the pair (a posted NCCL receive
+// holds whatever waits for the whole GPU), its next receive is refused
+// until the pair is made afresh, and then pushes go on. A receive open
+// longer than the limit keeps the pair.
+TEST_F(NcclTransportTest, AHeaderReceiveLeftAloneEndsThePairPastTheLimit) {
+  t_[1] = MakeTransport(int64_t{16} << 20, /*idle_receive_limit=*/milliseconds(150));
+  ASSERT_TRUE(t_[1]->RegisterPool(Layout(), pool_[1].data()).ok());
+  PairUp();
+  Waiter waited, p0;
+  ASSERT_TRUE(Receive({{2, 2}}, 60, waited).ok());
+  std::this_thread::sleep_for(milliseconds(400));  // open past the limit: the pair stays
+  ASSERT_TRUE(Push({{2, 2}}, 60, p0).ok());
+  EXPECT_TRUE(p0.Wait().ok());
+  EXPECT_TRUE(waited.Wait().ok());
+  Waiter gone;
+  absl::StatusOr<uint64_t> id = Receive({{1, 1}}, 61, gone);
+  ASSERT_TRUE(id.ok());
+  t_[1]->Cancel(*id);
+  EXPECT_EQ(gone.Wait().code(), absl::StatusCode::kCancelled);
+  std::this_thread::sleep_for(milliseconds(500));
+  Waiter refused;
+  EXPECT_EQ(Receive({{3, 3}}, 62, refused).status().code(), absl::StatusCode::kUnavailable);
+  PairUp();
+  Waiter r, p;
+  ASSERT_TRUE(Receive({{4, 4}}, 63, r).ok());
+  ASSERT_TRUE(Push({{4, 4}}, 63, p).ok());
+  EXPECT_TRUE(p.Wait().ok());
+  EXPECT_TRUE(r.Wait().ok());
+  EXPECT_EQ(Block(1, 4), Block(0, 4));
 }
 
 // Without staging, the runs go as one group's sends.
