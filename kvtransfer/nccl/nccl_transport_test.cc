@@ -126,6 +126,15 @@ class NcclTransportTest : public ::testing::Test {
   absl::StatusOr<uint64_t> Receive(std::vector<BlockPair> pairs, uint64_t tag, Waiter& w, int ms = 5000) {
     return t_[1]->Receive(Info(0).agent_id, std::move(pairs), tag, In(ms), w.Callback());
   }
+  // A receive, then its push: both end OK and every destination holds its source.
+  void ExpectMoved(const std::vector<BlockPair>& pairs, uint64_t tag) {
+    Waiter r, p;
+    ASSERT_TRUE(Receive(pairs, tag, r).ok());
+    ASSERT_TRUE(Push(pairs, tag, p).ok());
+    EXPECT_TRUE(p.Wait().ok());
+    EXPECT_TRUE(r.Wait().ok());
+    for (const BlockPair& b : pairs) EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << "block " << b.dst;
+  }
 
   std::shared_ptr<FakeNcclFabric> fabric_;
   std::string offer_;  // the last pairing's
@@ -135,13 +144,7 @@ class NcclTransportTest : public ::testing::Test {
 
 TEST_F(NcclTransportTest, PushesBlocksIntoTheReceiversBlocks) {
   PairUp();
-  const std::vector<BlockPair> pairs = {{1, 5}, {2, 6}, {3, 7}, {9, 0}};
-  Waiter r, p;
-  ASSERT_TRUE(Receive(pairs, 7, r).ok());
-  ASSERT_TRUE(Push(pairs, 7, p).ok());
-  EXPECT_TRUE(p.Wait().ok());
-  EXPECT_TRUE(r.Wait().ok());
-  for (const BlockPair& b : pairs) EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << "block " << b.dst;
+  ExpectMoved({{1, 5}, {2, 6}, {3, 7}, {9, 0}}, 7);
   EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));  // not a destination
 }
 
@@ -196,12 +199,7 @@ TEST_F(NcclTransportTest, AReceiveWithoutItsPushEndsAtItsDeadline) {
   Waiter lonely;
   ASSERT_TRUE(Receive({{1, 1}}, 50, lonely, /*ms=*/80).ok());
   EXPECT_EQ(lonely.Wait().code(), absl::StatusCode::kDeadlineExceeded);
-  Waiter r, p;
-  ASSERT_TRUE(Receive({{6, 6}}, 51, r).ok());
-  ASSERT_TRUE(Push({{6, 6}}, 51, p).ok());
-  EXPECT_TRUE(p.Wait().ok());
-  EXPECT_TRUE(r.Wait().ok());
-  EXPECT_EQ(Block(1, 6), Block(0, 6));
+  ExpectMoved({{6, 6}}, 51);
 }
 
 // A fence that never completes holds its push to its deadline only; a
@@ -297,12 +295,7 @@ TEST_F(NcclTransportTest, AHeaderReceiveLeftAloneEndsThePairPastTheLimit) {
   Waiter refused;
   EXPECT_EQ(Receive({{3, 3}}, 62, refused).status().code(), absl::StatusCode::kUnavailable);
   PairUp();
-  Waiter r, p;
-  ASSERT_TRUE(Receive({{4, 4}}, 63, r).ok());
-  ASSERT_TRUE(Push({{4, 4}}, 63, p).ok());
-  EXPECT_TRUE(p.Wait().ok());
-  EXPECT_TRUE(r.Wait().ok());
-  EXPECT_EQ(Block(1, 4), Block(0, 4));
+  ExpectMoved({{4, 4}}, 63);
 }
 
 // Without staging, the runs go as one group's sends.
@@ -314,12 +307,7 @@ TEST_F(NcclTransportTest, ScatteredRunsMoveAsOneGroupWithoutStaging) {
   PairUp();
   std::vector<BlockPair> pairs;
   for (int k = 0; k < 8; ++k) pairs.push_back({3 * k, 31 - 3 * k});
-  Waiter r, p;
-  ASSERT_TRUE(Receive(pairs, 9, r).ok());
-  ASSERT_TRUE(Push(pairs, 9, p).ok());
-  EXPECT_TRUE(p.Wait().ok());
-  EXPECT_TRUE(r.Wait().ok());
-  for (const BlockPair& b : pairs) EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << "block " << b.dst;
+  ExpectMoved(pairs, 9);
 }
 
 // A push for a receive that ended before it came (cancelled here) is
@@ -368,16 +356,9 @@ TEST_F(NcclTransportTest, APushNoReceiveClaimsAbortsThePairAfterTheGrace) {
   EXPECT_EQ(t_[1]->Pair(Info(0), PairRole::kResponder, offer_, In(1000), stale.Callback()).status().code(),
             absl::StatusCode::kUnavailable);
   PairUp();
-  Waiter r, p2;
-  ASSERT_TRUE(Receive({{3, 3}}, 79, r).ok());
-  ASSERT_TRUE(Push({{3, 3}}, 79, p2).ok());
-  EXPECT_TRUE(p2.Wait().ok());
-  EXPECT_TRUE(r.Wait().ok());
-  EXPECT_EQ(Block(1, 3), Block(0, 3));
+  ExpectMoved({{3, 3}}, 79);
 }
 
-// Block lists that differ between the sides (a bug on one of them) are
-// caught by the header before a byte is received.
 // Two workers whose staging settings differ (a rolling upgrade, say): the
 // header says how the push is staged, and the receiver refuses it before a
 // byte lands.
@@ -397,6 +378,8 @@ TEST_F(NcclTransportTest, StagingSettingsThatDifferAbortBeforeAnyByteLands) {
   EXPECT_EQ(Block(1, 3), std::vector<uint8_t>(kBlockBytes, 0));
 }
 
+// Block lists that differ between the sides (a bug on one of them) are
+// caught by the header before a byte is received.
 TEST_F(NcclTransportTest, BlockListsThatDifferAbortBeforeAnyByteLands) {
   PairUp();
   Waiter r, p;

@@ -277,6 +277,27 @@ TEST(CudaRunnerTest, OnePassChunkedAndTokenByTokenAgree) {
   }
 }
 
+// True when `call` returns within `limit` while work on another stream
+// waits: a host function that returns only once `call` did or the limit
+// passed, standing in for an NCCL receive posted on the GPU until its peer
+// sends (anything that waits for the whole device waits for it).
+bool ReturnsBesideABlockedStream(const std::function<void()>& call, std::chrono::seconds limit) {
+  cudaStream_t other = nullptr;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  EXPECT_EQ(cudaLaunchHostFunc(
+                other, [](void* f) { static_cast<std::shared_future<void>*>(f)->wait(); }, &released),
+            cudaSuccess);
+  std::future<void> done = std::async(std::launch::async, call);
+  const bool returned = done.wait_for(limit) == std::future_status::ready;
+  release.set_value();
+  done.get();
+  EXPECT_EQ(cudaStreamSynchronize(other), cudaSuccess);
+  cudaStreamDestroy(other);
+  return returned;
+}
+
 // Steps never wait for work of other streams on the device. The NCCL KV
 // transport keeps a receive posted on the GPU while a hand-off is open, and
 // it completes only when the peer sends: a step that waits for the whole
@@ -303,21 +324,11 @@ TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
     };
     // True when `lengths` ran to the end while another stream's work waited.
     auto beside_a_blocked_stream = [&](std::vector<int> lengths) {
-      cudaStream_t other = nullptr;
-      EXPECT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
-      std::promise<void> release;
-      std::shared_future<void> released = release.get_future().share();
-      EXPECT_EQ(cudaLaunchHostFunc(
-                    other, [](void* f) { static_cast<std::shared_future<void>*>(f)->wait(); }, &released),
-                cudaSuccess);
-      std::future<size_t> steps = std::async(std::launch::async, run, lengths);
-      const bool finished = steps.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
-      release.set_value();
-      EXPECT_EQ(cudaStreamSynchronize(other), cudaSuccess);
-      cudaStreamDestroy(other);
+      size_t sampled = 0;
+      const bool finished = ReturnsBesideABlockedStream([&] { sampled = run(lengths); }, std::chrono::seconds(20));
       size_t want = 0;
       for (int n : lengths) want += static_cast<size_t>(n);
-      EXPECT_EQ(steps.get(), want);
+      EXPECT_EQ(sampled, want);
       return finished;
     };
     EXPECT_EQ(run({8, 100}), size_t{108});
@@ -333,22 +344,8 @@ TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
 TEST(CudaRunnerTest, FirstUseCallsNeverWaitForOtherStreamsWork) {
   if (SkipWithoutGpu()) GTEST_SKIP();
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-  // True when `call` returned within 3 s while another stream's work waited.
   auto returns = [](const std::function<void()>& call) {
-    cudaStream_t other = nullptr;
-    EXPECT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
-    std::promise<void> release;
-    std::shared_future<void> released = release.get_future().share();
-    EXPECT_EQ(cudaLaunchHostFunc(
-                  other, [](void* f) { static_cast<std::shared_future<void>*>(f)->wait(); }, &released),
-              cudaSuccess);
-    std::future<void> done = std::async(std::launch::async, call);
-    const bool returned = done.wait_for(std::chrono::seconds(3)) == std::future_status::ready;
-    release.set_value();
-    done.get();
-    EXPECT_EQ(cudaStreamSynchronize(other), cudaSuccess);
-    cudaStreamDestroy(other);
-    return returned;
+    return ReturnsBesideABlockedStream(call, std::chrono::seconds(3));
   };
   cudaStream_t s = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
