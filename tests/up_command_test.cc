@@ -484,7 +484,7 @@ TEST_F(UpCommandTest, BadFlagsAreClearErrors) {
       {"--prefill 1 --decode 1 --kv-transport cuda_ipc",
        "--kv-transport cuda_ipc cannot move the KV cache of cpu workers (host memory): use --kv-transport ucx"},
       {"--prefill 1 --decode 1 --kv-transport gloo",
-       "--kv-transport must be ucx, ucx_staged, cuda_ipc or nccl, got 'gloo'"},
+       "--kv-transport must be one of cuda_ipc, nccl, ucx, ucx_staged, got 'gloo'"},
       {"--prefill 1 --decode 1 --kv-transport nccl",
        "--kv-transport nccl joins the prefill and decode workers' GPUs, which must differ: --device cuda (worker k on "
        "GPU k), not cpu"},

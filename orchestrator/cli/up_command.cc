@@ -423,8 +423,9 @@ absl::Status Up(UpOptions opt) {
   if (split) {
     const kvtransfer::TransportCapabilities* caps = kvtransfer::TransportRegistry::Builtin().Capabilities(kv_transport);
     if (caps == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("--kv-transport must be ucx, ucx_staged, cuda_ipc or nccl, got '%s'", opt.kv_transport));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv-transport must be one of ", absl::StrJoin(kvtransfer::TransportRegistry::Builtin().names(), ", "),
+          ", got '", opt.kv_transport, "'"));
     }
     const kvtransfer::MemoryType pools = gpu ? kvtransfer::MemoryType::kCuda : kvtransfer::MemoryType::kHost;
     if (!caps->Moves(pools)) {
