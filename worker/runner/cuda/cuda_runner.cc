@@ -337,12 +337,7 @@ class CudaRunner final : public ModelRunner {
       activations += cuda_ops::SampleFullScratchBytes(config().vocab_size, cuda_ops::kSampleFullRows);
     }
     if (batch_invariant_) {
-      // Fixed splits: every row's partials over the longest context (decode
-      // rows; prompt rows too where the prefill kernel does not take the
-      // head size).
-      const int rows = PrefillKernelTakes() ? std::min(max_seqs, max_batched_tokens) : max_batched_tokens;
-      activations += kernels::cuda::FixedSplitWorkspaceBytes(rows, config().num_heads, config().head_dim,
-                                                             config().max_position_embeddings, kDecodeKeysPerSplit);
+      activations += FixedSplitWorkspaceAtMost(max_batched_tokens, std::min(max_seqs, max_batched_tokens));
     }
     const int64_t allowed = static_cast<int64_t>(utilization * double(total));
     // And no more than the device has free (other processes' memory), less
@@ -374,29 +369,16 @@ class CudaRunner final : public ModelRunner {
     // The attention workspace of the longest runs (ReserveActivations sized
     // it for the runs of the last step: none yet).
     const ModelConfig& c = config();
-    int64_t ws = kernels::cuda::WorkspaceBytes(T, c.num_heads, c.head_dim);
-    if (batch_invariant_) {
-      const int rows = PrefillKernelTakes() ? S : T;
-      ws = std::max(ws, kernels::cuda::FixedSplitWorkspaceBytes(rows, c.num_heads, c.head_dim,
-                                                                c.max_position_embeddings, kDecodeKeysPerSplit));
-    }
-    if (attn_workspace_.bytes() < ws) {
-      RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace", stream_));
-      RETURN_IF_ERROR(Cuda(cudaMemsetAsync(attn_workspace_.get(), 0, attn_workspace_.bytes(), stream_),
-                           "clear the attention workspace"));
-    }
+    RETURN_IF_ERROR(ReserveAttentionWorkspace(std::max(kernels::cuda::WorkspaceBytes(T, c.num_heads, c.head_dim),
+                                                       batch_invariant_ ? FixedSplitWorkspaceAtMost(T, S) : 0)));
     // The step metadata at its largest (UploadMetadata's layout: tokens,
     // positions, slots and logits rows a token; query starts, context
     // lengths, runs' query starts and block tables a sequence; 16 bytes of
-    // alignment an array), twice as UploadMetadata reserves; then the
-    // sampling rows'.
+    // alignment an array); then the greedy and sampled rows'.
     const int64_t meta = int64_t{T} * (4 + 4 + 8 + 4) + int64_t{S + 1} * 4 + int64_t{S} * 4 + int64_t{2 * S} * 4 +
                          int64_t{S} * max_blocks_per_seq * 4 + 8 * 16;
-    RETURN_IF_ERROR(Reserve(&host_meta_, meta * 2, "pinned metadata buffer"));
-    RETURN_IF_ERROR(Reserve(&meta_, host_meta_.bytes(), "step metadata", stream_));
-    RETURN_IF_ERROR(Reserve(&pinned_rows_, int64_t{S} * int64_t{sizeof(int)}, "pinned rows"));
-    RETURN_IF_ERROR(Reserve(&pinned_ids_, int64_t{S} * int64_t{sizeof(int32_t)}, "pinned ids"));
-    RETURN_IF_ERROR(Reserve(&sample_meta_, int64_t{S} * 8, "sampling", stream_));
+    RETURN_IF_ERROR(ReserveMetadata(meta));
+    RETURN_IF_ERROR(ReserveGreedyRows(S));
     if (gpu_sampling_) RETURN_IF_ERROR(gpu_sampler_.Reserve(S, S * 64, c.vocab_size, stream_));
     return Cuda(cudaStreamSynchronize(stream_), "reserve the step buffers");
   }
@@ -465,10 +447,8 @@ class CudaRunner final : public ModelRunner {
     }
     const size_t g = greedy_rows_.size();
     if (g > 0) {
-      RETURN_IF_ERROR(Reserve(&pinned_rows_, int64_t(g * sizeof(int)), "pinned rows"));
-      RETURN_IF_ERROR(Reserve(&pinned_ids_, int64_t(g * sizeof(int32_t)), "pinned ids"));
+      RETURN_IF_ERROR(ReserveGreedyRows(static_cast<int>(g)));
       std::memcpy(pinned_rows_.get(), greedy_rows_.data(), g * sizeof(int));
-      RETURN_IF_ERROR(Reserve(&sample_meta_, int64_t(g) * 8, "sampling", stream_));
       int* d_rows = static_cast<int*>(sample_meta_.get());
       int32_t* d_ids = reinterpret_cast<int32_t*>(d_rows + g);
       RETURN_IF_ERROR(
@@ -631,11 +611,8 @@ class CudaRunner final : public ModelRunner {
     }
     m.run_query_starts = place(run_query_starts_.size() * sizeof(int));
     m.total = at;
-    if (host_meta_.bytes() < int64_t(m.total)) {
-      // The previous step's copy has finished: every step ends synchronized.
-      RETURN_IF_ERROR(Reserve(&host_meta_, int64_t(m.total) * 2, "pinned metadata buffer"));
-    }
-    RETURN_IF_ERROR(Reserve(&meta_, host_meta_.bytes(), "step metadata", stream_));
+    // (The previous step's copy has finished: every step ends synchronized.)
+    RETURN_IF_ERROR(ReserveMetadata(int64_t(m.total)));
     char* h = static_cast<char*>(host_meta_.get());
     auto put = [&](size_t off, const auto& v) { std::memcpy(h + off, v.data(), v.size() * sizeof(v[0])); };
     put(m.tokens, in.tokens);
@@ -689,13 +666,40 @@ class CudaRunner final : public ModelRunner {
                                                                                  r.max_context, kDecodeKeysPerSplit)
                                        : kernels::cuda::WorkspaceBytes(r.num_tokens, c.num_heads, c.head_dim));
     }
-    if (attn_workspace_.bytes() < ws) {
-      RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace", stream_));
-      // Zeroed once (the error word and the kernels' counters; they keep it so).
-      RETURN_IF_ERROR(Cuda(cudaMemsetAsync(attn_workspace_.get(), 0, attn_workspace_.bytes(), stream_),
-                           "clear the attention workspace"));
-    }
-    return absl::OkStatus();
+    return ReserveAttentionWorkspace(ws);
+  }
+
+  // The attention workspace of at least `ws` bytes, zeroed where it grew
+  // (the error word and the kernels' counters; they keep it so).
+  absl::Status ReserveAttentionWorkspace(int64_t ws) {
+    if (attn_workspace_.bytes() >= ws) return absl::OkStatus();
+    RETURN_IF_ERROR(Reserve(&attn_workspace_, ws, "attention workspace", stream_));
+    return Cuda(cudaMemsetAsync(attn_workspace_.get(), 0, attn_workspace_.bytes(), stream_),
+                "clear the attention workspace");
+  }
+
+  // The fixed-split (--batch-invariant) workspace at its largest: every
+  // row's partials over the longest context (decode rows; prompt rows too
+  // where the prefill kernel does not take the head size), for steps of up
+  // to T tokens and S sequences.
+  int64_t FixedSplitWorkspaceAtMost(int T, int S) const {
+    const ModelConfig& c = config();
+    return kernels::cuda::FixedSplitWorkspaceBytes(PrefillKernelTakes() ? S : T, c.num_heads, c.head_dim,
+                                                   c.max_position_embeddings, kDecodeKeysPerSplit);
+  }
+
+  // The step metadata's pinned and device buffers for `bytes` (twice that
+  // where they grow).
+  absl::Status ReserveMetadata(int64_t bytes) {
+    if (host_meta_.bytes() < bytes) RETURN_IF_ERROR(Reserve(&host_meta_, bytes * 2, "pinned metadata buffer"));
+    return Reserve(&meta_, host_meta_.bytes(), "step metadata", stream_);
+  }
+
+  // The greedy rows' buffers for `g` rows (their indices and argmax ids).
+  absl::Status ReserveGreedyRows(int g) {
+    RETURN_IF_ERROR(Reserve(&pinned_rows_, int64_t{g} * int64_t{sizeof(int)}, "pinned rows"));
+    RETURN_IF_ERROR(Reserve(&pinned_ids_, int64_t{g} * int64_t{sizeof(int32_t)}, "pinned ids"));
+    return Reserve(&sample_meta_, int64_t{g} * 8, "sampling", stream_);
   }
 
   absl::Status Forward(const BatchInput& in, KvStorage& kv) {
