@@ -52,6 +52,16 @@ bool AppendChunks(uint64_t src, uint64_t dst, int64_t bytes, int64_t chunk_bytes
   return true;
 }
 
+bool ChunksOf(const std::vector<CopySpan>& spans, int max_ctas, std::vector<CopyChunk>* out) {
+  int64_t total = 0;
+  for (const CopySpan& s : spans) total += s.bytes;
+  const int64_t chunk_bytes = ChunkBytesFor(total, max_ctas);
+  for (const CopySpan& s : spans) {
+    if (!AppendChunks(s.src, s.dst, s.bytes, chunk_bytes, out)) return false;
+  }
+  return true;
+}
+
 cudaError_t LaunchCopyChunks(const CopyChunk* chunks, int n, int max_ctas, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   CopyChunksKernel<<<std::min(n, max_ctas), kThreads, 0, stream>>>(chunks, n);

@@ -37,6 +37,18 @@ int64_t ChunkBytesFor(int64_t total_bytes, int max_ctas);
 // bytes is not a multiple of 16.
 bool AppendChunks(uint64_t src, uint64_t dst, int64_t bytes, int64_t chunk_bytes, std::vector<CopyChunk>* out);
 
+// One copy of a transfer: `bytes` from `src` to `dst` (device addresses).
+struct CopySpan {
+  uint64_t src = 0;
+  uint64_t dst = 0;
+  int64_t bytes = 0;
+};
+
+// The chunks of `spans`, in order, cut for `max_ctas` CTAs (ChunkBytesFor
+// their total); false where one is not of 16-byte multiples (`out` then
+// holds the chunks before it).
+bool ChunksOf(const std::vector<CopySpan>& spans, int max_ctas, std::vector<CopyChunk>* out);
+
 // Copies the `n` chunks at `chunks` (memory the device reads: device memory
 // or mapped pinned host memory, unchanged until the kernel ends) on
 // `stream` with one kernel of at most `max_ctas` CTAs. The launch's error.

@@ -574,19 +574,13 @@ absl::Status CudaIpcTransport::IssueCopies(const Transfer& t, unsigned char* loc
     const unsigned char* src = t.push ? local + run.src_offset : t.mapping->base + run.src_offset;
     return std::pair{src, dst};
   };
-  int64_t total = 0;
-  for (const CopyRun& run : t.runs) total += run.bytes;
-  const int64_t chunk_bytes = cuda_ipc::ChunkBytesFor(total, max_ctas_);
-  std::vector<cuda_ipc::CopyChunk> chunks;
-  bool aligned = true;
+  std::vector<cuda_ipc::CopySpan> spans;
   for (const CopyRun& run : t.runs) {
     const auto [src, dst] = ends(run);
-    if (!cuda_ipc::AppendChunks(reinterpret_cast<uint64_t>(src), reinterpret_cast<uint64_t>(dst), run.bytes,
-                                chunk_bytes, &chunks)) {
-      aligned = false;
-      break;
-    }
+    spans.push_back({reinterpret_cast<uint64_t>(src), reinterpret_cast<uint64_t>(dst), run.bytes});
   }
+  std::vector<cuda_ipc::CopyChunk> chunks;
+  const bool aligned = cuda_ipc::ChunksOf(spans, max_ctas_, &chunks);
   auto copy_each_run = [&]() -> absl::Status {
     for (const CopyRun& run : t.runs) {
       const auto [src, dst] = ends(run);

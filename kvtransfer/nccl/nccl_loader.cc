@@ -129,15 +129,13 @@ class RealNccl final : public NcclApi {
   absl::StatusOr<uint64_t> Copies(void* handle, std::span<const Copy> copies, uint64_t after) override {
     Comm& c = *static_cast<Comm*>(handle);
     cudaSetDevice(c.device);
-    int64_t total = 0;
-    for (const Copy& cp : copies) total += cp.bytes;
-    const int64_t chunk = cuda_ipc::ChunkBytesFor(total, kCopyCtas);
-    std::vector<cuda_ipc::CopyChunk> chunks;
+    std::vector<cuda_ipc::CopySpan> spans;
     for (const Copy& cp : copies) {
-      if (!cuda_ipc::AppendChunks(reinterpret_cast<uint64_t>(cp.src), reinterpret_cast<uint64_t>(cp.dst), cp.bytes,
-                                  chunk, &chunks)) {
-        return absl::InvalidArgumentError("a staged NCCL copy not of 16-byte multiples");
-      }
+      spans.push_back({reinterpret_cast<uint64_t>(cp.src), reinterpret_cast<uint64_t>(cp.dst), cp.bytes});
+    }
+    std::vector<cuda_ipc::CopyChunk> chunks;
+    if (!cuda_ipc::ChunksOf(spans, kCopyCtas, &chunks)) {
+      return absl::InvalidArgumentError("a staged NCCL copy not of 16-byte multiples");
     }
     auto fail = [](const char* what) {
       cudaGetLastError();
@@ -168,13 +166,7 @@ class RealNccl final : public NcclApi {
         return fail("the copy kernel's launch");
       }
     }
-    cudaEvent_t event = nullptr;
-    if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventRecord(event, c.copy_stream) != cudaSuccess) {
-      if (event != nullptr) cudaEventDestroy(event);
-      return fail("recording its event");
-    }
-    c.events[++c.next_ticket] = event;
+    RETURN_IF_ERROR(Record(c, ++c.next_ticket, c.copy_stream));
     return c.next_ticket;
   }
 
@@ -319,16 +311,17 @@ class RealNccl final : public NcclApi {
     uint64_t next_ticket = 0;
   };
 
-  // The completion event of `ticket`'s group, now on the stream.
-  absl::Status Record(Comm& c, uint64_t ticket) {
+  // The completion event of `ticket`'s work, now on `stream` (the comm's
+  // NCCL stream, or its copy stream for Copies).
+  absl::Status Record(Comm& c, uint64_t ticket, cudaStream_t stream = nullptr) {
     cudaSetDevice(c.device);
     cudaEvent_t event = nullptr;
     if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventRecord(event, c.stream) != cudaSuccess) {
+        cudaEventRecord(event, stream != nullptr ? stream : c.stream) != cudaSuccess) {
       cudaGetLastError();
       if (event != nullptr) cudaEventDestroy(event);
       c.events.erase(ticket);
-      return absl::InternalError("recording the NCCL group's event failed");
+      return absl::InternalError("recording an NCCL ticket's event failed");
     }
     c.events[ticket] = event;
     return absl::OkStatus();
