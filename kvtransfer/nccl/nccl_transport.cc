@@ -417,10 +417,7 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
         continue;
       }
       const uint64_t id = it->second;
-      Ended e{.tag = it->first,
-              .runs = static_cast<uint32_t>(x.runs.size()),
-              .bytes = x.bytes,
-              .piece = x.staged ? static_cast<uint64_t>(options_.stage_piece) : 0};
+      Ended e{.tag = it->first, .runs = static_cast<uint32_t>(x.runs.size()), .bytes = x.bytes, .piece = PieceOf(x)};
       if (x.staged) {
         e.sizes = PieceSizes(x);
       } else {
@@ -558,7 +555,7 @@ absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
                    .runs = static_cast<uint32_t>(x.runs.size()),
                    .tag = x.tag,
                    .bytes = x.bytes,
-                   .piece = x.staged ? static_cast<uint64_t>(options_.stage_piece) : 0};
+                   .piece = PieceOf(x)};
     auto* slot = static_cast<unsigned char*>(c.headers) + (c.headers_sent % kHeaderRing) * sizeof(Header);
     RETURN_IF_ERROR(api_->Write(c.handle, slot, &h, sizeof(h)));
     ++c.headers_sent;
@@ -730,7 +727,7 @@ absl::Status NcclTransport::ClaimParked(Comm& c) {
                         "(%d bytes): the two sides' block lists differ",
                         h.runs, h.bytes, h.tag, x.runs.size(), x.bytes));
   }
-  if (const uint64_t piece = x.staged ? static_cast<uint64_t>(options_.stage_piece) : 0; h.piece != piece) {
+  if (const uint64_t piece = PieceOf(x); h.piece != piece) {
     return absl::InternalError(absl::StrFormat(
         "a push for tag %d staged in pieces of %d bytes (0: not staged), whose receive stages in pieces of %d: the "
         "two workers' NCCL staging settings differ",

@@ -227,6 +227,8 @@ class NcclTransport final : public Transport {
   // A staged transfer's pieces: their sizes, and piece `i`'s copies between
   // the pool and the staging half `half` (send: gathers; receive: scatters).
   std::vector<int64_t> PieceSizes(const Xfer& x) const;
+  // What its header says of staging: the pieces' size, 0 where not staged.
+  uint64_t PieceOf(const Xfer& x) const { return x.staged ? static_cast<uint64_t>(options_.stage_piece) : 0; }
   std::vector<NcclApi::Copy> PieceCopies(const Xfer& x, size_t i, uint8_t* half) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Posts what it can of staged `x` (send: the pieces' gathers and sends;
