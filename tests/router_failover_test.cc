@@ -7,12 +7,15 @@
 //    decode worker with exactly the tokens (and logprobs) of an undisturbed
 //    run with the same seed, greedy and seeded, aggregated and split.
 //  - The fault run: steady streaming load on a 2P2D cluster while each
-//    worker is killed and restarted and each is frozen for a while
+//    worker is killed and restarted, each is restarted as a rolling update
+//    does (SIGTERM, while the router still routes to it; it drains and
+//    exits, and comes back on its port), and each is frozen for a while
 //    ($TANDEM_FAULT_PAUSE_S seconds, 5 by default; the full run is
 //    30): no request fails or overruns, and afterwards no worker holds a
 //    KV block.
 // Checked through HTTP responses, /metrics and the workers' GetLoad.
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <atomic>
 #include <cmath>
@@ -389,19 +392,29 @@ TEST_F(RouterFailoverTest, FaultRunUnderSteadyStreamingLoadLosesNothing) {
         << pool << " worker " << w->address() << " was not readmitted";
   };
   std::this_thread::sleep_for(seconds(2));
-  // Kill each worker and restart it on its port.
-  for (auto* pool : {&prefill, &decode}) {
-    const bool is_prefill = pool == &prefill;
-    for (WorkerProcess*& w : *pool) {
-      const int port = w->port();
-      Kill(w);
-      std::this_thread::sleep_for(seconds(1));
-      std::vector<std::string> flags = kSimFlags;
-      flags.insert(flags.end(), {"--port", std::to_string(port)});
-      w = is_prefill ? StartPrefill(flags) : StartDecode(flags);
-      ASSERT_NE(w, nullptr);
-      wait_healthy(is_prefill ? "prefill" : "decode", w);
-      std::this_thread::sleep_for(seconds(1));
+  // Stop each worker (killed, or SIGTERMed and drained) and restart it on its
+  // port.
+  for (const bool drain : {false, true}) {
+    for (auto* pool : {&prefill, &decode}) {
+      const bool is_prefill = pool == &prefill;
+      for (WorkerProcess*& w : *pool) {
+        const int port = w->port();
+        if (drain) {
+          ASSERT_EQ(::kill(w->pid(), SIGTERM), 0);
+          const absl::StatusOr<int> exited = w->Wait(seconds(30));
+          ASSERT_TRUE(exited.ok()) << w->address() << " did not drain and exit: " << exited.status();
+          EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+        } else {
+          Kill(w);
+          std::this_thread::sleep_for(seconds(1));
+        }
+        std::vector<std::string> flags = kSimFlags;
+        flags.insert(flags.end(), {"--port", std::to_string(port)});
+        w = is_prefill ? StartPrefill(flags) : StartDecode(flags);
+        ASSERT_NE(w, nullptr);
+        wait_healthy(is_prefill ? "prefill" : "decode", w);
+        std::this_thread::sleep_for(seconds(1));
+      }
     }
   }
   // Freeze each worker for a while.

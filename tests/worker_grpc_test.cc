@@ -1219,6 +1219,62 @@ TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   ExpectCleanExit(w);
 }
 
+// A rolling restart's view from the worker: callers keep sending short
+// requests (on one shared channel, as a router does) while the worker gets
+// SIGTERM and exits. Each call either completes with its finish reason, or
+// is refused UNAVAILABLE (retryable), or, when it reached the server as the
+// server shut down, ends CANCELLED before any message (gRPC cancels the calls
+// it has not handed to the worker yet; a router retries those too). No call
+// the worker had started is cut.
+TEST_F(WorkerGrpcTest, SigtermUnderSteadyCallsCompletesOrRefusesEachCall) {
+  WorkerProcess* w = StartWorker();
+  ASSERT_NE(w, nullptr);
+  constexpr int kClients = 6;
+  std::atomic<int> completed{0}, refused{0}, unstarted{0};
+  std::atomic<bool> signalled{false}, exited{false};
+  std::mutex mu;
+  std::vector<std::string> unexpected;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&, c] {
+      std::mt19937 rng(77 + c);
+      for (int r = 0;; ++r) {
+        v1::GenerateRequest req = GreedyRequest(MakePrompt(rng(), 4 + static_cast<int>(rng() % 40)), 1 + rng() % 24);
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+        auto reader = w->stub().Generate(&ctx, req);
+        v1::GenerateResponse msg;
+        bool saw_finish = false;
+        int messages = 0;
+        for (; reader->Read(&msg); ++messages) saw_finish |= msg.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
+        const grpc::Status st = reader->Finish();
+        if (st.ok() && saw_finish) {
+          ++completed;
+        } else if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
+          ++refused;
+        } else if (st.error_code() == grpc::StatusCode::CANCELLED && messages == 0 && signalled) {
+          ++unstarted;
+        } else {
+          std::lock_guard<std::mutex> lock(mu);
+          unexpected.push_back(absl::StrCat("call ", r, " of client ", c, ": ", st.error_code(), " ",
+                                            st.error_message(), saw_finish ? "" : " (no finish reason)"));
+        }
+        if (exited) return;
+      }
+    });
+  }
+  EXPECT_TRUE(tandem::testing::WaitUntil([&] { return completed.load() >= 4 * kClients; }, kRpcTimeout));
+  signalled = true;
+  EXPECT_EQ(kill(w->pid(), SIGTERM), 0);
+  ExpectCleanExit(w);
+  exited = true;
+  for (std::thread& t : clients) t.join();
+  EXPECT_THAT(unexpected, ::testing::IsEmpty());
+  RecordProperty("outcomes", absl::StrCat(completed.load(), " completed, ", refused.load(), " refused, ",
+                                          unstarted.load(), " cancelled unstarted"));
+  EXPECT_GT(refused.load(), 0) << "no call came while the worker drained";
+}
+
 // The role is one of three names; anything else is refused naming the flag,
 // and what a worker reports is the name it was given.
 TEST_F(WorkerGrpcTest, RoleIsPrefillDecodeOrBoth) {

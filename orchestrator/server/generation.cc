@@ -19,9 +19,14 @@ using tandem::v1::GenerateResponse;
 using tandem::v1::KvTransferParams;
 using tandem::v1::TokenOutput;
 
-// Codes after which another worker may well succeed.
+// Codes after which another worker may well succeed. CANCELLED among them:
+// the router's own cancellations end calls of a finished or abandoned
+// attempt, which are never failed, so a live call ending CANCELLED was
+// cancelled by the worker's side (a server shutting down cancels the streams
+// it has not finished).
 bool Retryable(absl::StatusCode code) {
   switch (code) {
+    case absl::StatusCode::kCancelled:
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kResourceExhausted:
     case absl::StatusCode::kAborted:

@@ -154,22 +154,24 @@ absl::StatusOr<WorkerSecurity> MakeSecurity(const WorkerOptions& opt, std::optio
 // A graceful stop (SIGTERM from Kubernetes, Ctrl-C): the worker refuses new
 // requests and reports NOT_SERVING, so routers move new work elsewhere, and
 // waits up to `timeout_s` for what it runs, waits for, or holds for a decode
-// worker to finish. A second signal ends the wait.
+// worker to finish, and for those requests' streams to end (the server's
+// shutdown would cancel a stream whose last message is still on its way, and
+// a router cannot tell that from a failure). A second signal ends the wait.
 void Drain(const Engine& engine, WorkerService& service, grpc::Server& server, int sig, double timeout_s) {
   service.StartDrain();
   if (grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService()) {
     health->SetServingStatus(false);  // grpc.health.v1: NOT_SERVING
   }
-  const auto busy = [&engine] {
+  const auto busy = [&engine, &service] {
     const LoadSnapshot l = engine.GetLoad();
-    return l.running + l.waiting + l.reserved + l.prefilled;
+    return l.running + l.waiting + l.reserved + l.prefilled + service.open_generate_streams();
   };
   LOG(INFO) << "signal " << sig << ": draining (" << busy() << " requests in flight, at most " << timeout_s
             << " s; a second signal stops at once)";
   const auto deadline =
       std::chrono::steady_clock::now() +
       std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
-  int left = busy();
+  int64_t left = busy();
   while (left > 0 && std::chrono::steady_clock::now() < deadline) {
     if (const int again = WaitForSignalFor(50); again != 0) {
       LOG(WARNING) << "signal " << again << " while draining: stopping now";

@@ -98,6 +98,7 @@ class GenerateCall final {
       return;
     }
     new GenerateCall(c_);  // the next one
+    c_.service->GenerateStreamOpened();
     sink_ = std::make_shared<Sink>(this, c_.kv);
     Begin(c_, req_);
     if (notified_done_ && ctx_.IsCancelled()) OnCancel();
@@ -206,6 +207,7 @@ class GenerateCall final {
 
   void End() {
     sink_->Detach();
+    c_.service->GenerateStreamEnded();
     delete this;
   }
 

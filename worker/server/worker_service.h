@@ -82,6 +82,12 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   // calls in flight, and the KV hand-offs they wait for, go on.
   void StartDrain() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
+  // Generate streams accepted and not yet ended (their last message or
+  // status may still be on its way after the engine is done with them): a
+  // drain waits for these too, since the server's shutdown cancels them.
+  void GenerateStreamOpened() { open_generate_streams_.fetch_add(1); }
+  void GenerateStreamEnded() { open_generate_streams_.fetch_sub(1); }
+  int64_t open_generate_streams() const { return open_generate_streams_.load(); }
   // Takes new requests: the engine runs and the worker is not draining
   // (Health, grpc.health.v1, and the metrics port's /readyz say the same).
   bool serving() const;
@@ -109,6 +115,7 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   grpc::ServerCompletionQueue* const cq_;
   const WorkerRole role_;
   std::atomic<bool> draining_{false};
+  std::atomic<int64_t> open_generate_streams_{0};
   const std::string instance_id_;
   const std::string kv_domain_;
   const WorkerSecurity security_;
