@@ -200,6 +200,13 @@ class Transport {
   // write or read the peer's memory without its taking part).
   virtual absl::StatusOr<uint64_t> Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
                                            Deadline deadline, TransferDone done);
+  // Send/receive backends: the sender will not push `tag` after all, though
+  // the peer's Receive for it is open (its JOIN was answered with a pool).
+  // Tells the peer in band, so that nothing stays posted there for it; that
+  // Receive ends Aborted. Best effort and unanswered (the sender also says
+  // so over gRPC). Default: nothing (a backend whose open receives hold
+  // nothing).
+  virtual void Decline(const std::string& agent_id, uint64_t tag) {}
 };
 
 // A fresh agent id for a transport instance of `backend`: unique across

@@ -86,6 +86,7 @@ class FaultInjectingTransport final : public Transport {
   // fail_submit refuses it (Unavailable); the other faults act on the sender.
   absl::StatusOr<uint64_t> Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
                                    Deadline deadline, TransferDone done) override;
+  void Decline(const std::string& agent_id, uint64_t tag) override { inner_->Decline(agent_id, tag); }
 
  private:
   enum class Op { kPush, kPull, kPushAfter };

@@ -181,7 +181,7 @@ void NcclTransport::Cancel(uint64_t transfer_id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = xfers_.find(transfer_id);
-    if (it == xfers_.end()) return;
+    if (it == xfers_.end() || it->second.declined) return;  // (a push that ended, its decline queued)
     it->second.cancelled = true;
   }
   cv_.notify_all();
@@ -273,6 +273,22 @@ absl::StatusOr<uint64_t> NcclTransport::PushAfter(const std::string& agent_id, s
 absl::StatusOr<uint64_t> NcclTransport::Receive(const std::string& agent_id, std::vector<BlockPair> blocks,
                                                 uint64_t tag, Deadline deadline, TransferDone done) {
   return Start(agent_id, std::move(blocks), nullptr, tag, deadline, std::move(done), /*send=*/false);
+}
+
+void NcclTransport::Decline(const std::string& agent_id, uint64_t tag) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto comm = comms_.find(CommKey{agent_id, 0});
+    if (comm == comms_.end() || !comm->second.doomed.ok()) return;  // the pair ended: nothing is posted for it
+    const uint64_t id = next_id_++;
+    Xfer& x = xfers_[id];
+    x.id = id;
+    x.send = true;
+    x.tag = tag;
+    MakeDecline(x);
+    comm->second.pending.push_back(id);
+  }
+  cv_.notify_all();
 }
 
 absl::StatusOr<uint64_t> NcclTransport::Start(const std::string& agent_id, std::vector<BlockPair> blocks,
@@ -397,9 +413,16 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
   auto end_unposted = [&] {
     if (c.rank == 0) {
       for (auto it = c.pending.begin(); it != c.pending.end();) {
-        const Xfer& x = xfers_.at(*it);
+        Xfer& x = xfers_.at(*it);
         absl::Status end = x.posted ? absl::OkStatus() : unposted_end(x);  // posted: a staged push's pieces
         if (end.ok()) {
+          ++it;
+          continue;
+        }
+        if (!x.declined) {
+          // Its receiver waits for the tag's header: a decline goes in its place.
+          finished.emplace_back(std::move(x.done), std::move(end));
+          MakeDecline(x);
           ++it;
           continue;
         }
@@ -452,7 +475,7 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
     c.flights.pop_front();
     if (f.xfer == 0) {
       c.header_posted = false;
-      RETURN_IF_ERROR(TakeHeader(c));
+      RETURN_IF_ERROR(TakeHeader(c, finished));
       continue;
     }
     if (f.xfer == kDrainFlight || f.xfer == kPieceFlight) continue;
@@ -538,9 +561,9 @@ absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
         }
       }
       if (!written.ok()) {
-        const uint64_t id = *it;
-        it = c.pending.erase(it);
-        Finish(id, written.status(), finished);
+        // (its receiver still gets the tag's header: a decline)
+        finished.emplace_back(std::move(x.done), written.status());
+        MakeDecline(x);
         continue;
       }
       if (!*written) {
@@ -551,7 +574,7 @@ absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
     }
     ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
     if (!idle) return absl::OkStatus();
-    const Header h{.magic = kMagic,
+    const Header h{.magic = x.declined ? kDeclined : kMagic,
                    .runs = static_cast<uint32_t>(x.runs.size()),
                    .tag = x.tag,
                    .bytes = x.bytes,
@@ -688,9 +711,25 @@ absl::Status NcclTransport::PostReceives(Comm& c, Finished& finished) {
   return absl::OkStatus();
 }
 
-absl::Status NcclTransport::TakeHeader(Comm& c) {
+absl::Status NcclTransport::TakeHeader(Comm& c, Finished& finished) {
   Header h{};
   RETURN_IF_ERROR(api_->Read(c.handle, &h, c.headers, sizeof(h)));
+  if (h.magic == kDeclined) {
+    // No push for the tag: its Receive ends now (an ended one's entry goes:
+    // nothing is to drain).
+    if (auto it = c.receives.find(h.tag);
+        it != c.receives.end() && it->second != c.awaiting && !xfers_.at(it->second).posted) {
+      const uint64_t id = it->second;
+      const bool cancelled = xfers_.at(id).cancelled;
+      c.receives.erase(it);
+      Finish(id,
+             cancelled ? absl::CancelledError("cancelled")
+                       : absl::AbortedError(absl::StrFormat("the sender declined to push tag %d", h.tag)),
+             finished);
+    }
+    std::erase_if(c.ended, [&](const Ended& e) { return e.tag == h.tag; });
+    return absl::OkStatus();
+  }
   if (h.magic != kMagic) return absl::InternalError("a malformed NCCL push header");
   c.parked = h;
   c.parked_at = Clock::now();
@@ -771,6 +810,17 @@ void NcclTransport::FailComm(const std::string& peer, Comm& c, const absl::Statu
   c.handle = nullptr;
   c.headers = nullptr;
   c.staging = nullptr;
+}
+
+void NcclTransport::MakeDecline(Xfer& x) {
+  x.declined = true;
+  x.runs.clear();
+  x.bytes = 0;
+  x.staged = false;
+  x.after = nullptr;
+  x.cancelled = false;
+  x.deadline = Clock::now() + kDeclineLimit;
+  x.done = [](absl::Status) {};
 }
 
 void NcclTransport::Finish(uint64_t id, absl::Status st, Finished& finished) {

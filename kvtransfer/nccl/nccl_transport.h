@@ -30,6 +30,12 @@
 // be, so the communicator is aborted: every transfer on it fails
 // (Unavailable), the next transfer to the peer is refused (Unavailable:
 // pair afresh), and the responder refuses an offer it joined before.
+// A sender that will not push after all (its JOIN's answer did not suit
+// it) sends a header alone that says so (Decline), as does a push that ends
+// before it was posted (cancelled, late, its writes failed): the receiver's
+// header receive completes and that Receive ends Aborted, instead of the
+// header receive staying posted, which holds whatever waits for the whole
+// GPU, until the next push or idle_receive_limit.
 //
 // Staging: NCCL moves a group of many small sends at a third of one large
 // send's rate (256 blocks of 2 MiB: ~120 GB/s against ~310 on two H200s),
@@ -126,10 +132,16 @@ class NcclTransport final : public Transport {
                                      TransferDone done) override;
   absl::StatusOr<uint64_t> Receive(const std::string& agent_id, std::vector<BlockPair> blocks, uint64_t tag,
                                    Deadline deadline, TransferDone done) override;
+  // A header alone (magic kDeclined), queued as a push is: the receiver's
+  // header receive completes, and the Receive it names ends (or the ended
+  // one is forgotten) instead of its header receive staying posted. A push
+  // that ends before it is posted (cancelled, late, its writes failed)
+  // sends one in its place: every PushAfter(tag) sends the tag's header.
+  void Decline(const std::string& agent_id, uint64_t tag) override;
 
   // The header a push sends before its runs.
   struct Header {
-    uint32_t magic;
+    uint32_t magic;  // kMagic, or kDeclined: no push for `tag` (no runs follow)
     uint32_t runs;
     uint64_t tag;
     int64_t bytes;
@@ -149,6 +161,7 @@ class NcclTransport final : public Transport {
     TransferDone done;
     bool posted = false;
     bool cancelled = false;
+    bool declined = false;  // send: Decline's header alone
     bool staged = false;    // through the staging buffer, a piece at a time
     size_t next_piece = 0;  // staged: the pieces posted so far
   };
@@ -204,7 +217,9 @@ class NcclTransport final : public Transport {
   static constexpr uint64_t kDrainFlight = ~uint64_t{0};      // Flight::xfer of a drained push
   static constexpr uint64_t kPieceFlight = ~uint64_t{0} - 1;  // Flight::xfer of a staged step
   static constexpr std::chrono::seconds kDrainLimit{30};
-  static constexpr uint32_t kMagic = 0x4b564e43;  // "CNVK"
+  static constexpr uint32_t kMagic = 0x4b564e43;            // "CNVK"
+  static constexpr uint32_t kDeclined = 0x44564e43;         // "CNVD"
+  static constexpr std::chrono::seconds kDeclineLimit{10};  // a Decline's header posts and lands by then
 
   NcclTransport(NcclOptions options, std::shared_ptr<NcclApi> api);
   void ProgressLoop();
@@ -215,8 +230,9 @@ class NcclTransport final : public Transport {
   absl::Status PostSends(Comm& c, Finished& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PostReceives(Comm& c, Finished& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A landed header: parks it for its Receive (one that ended, or other
-  // sizes: the error that aborts the communicator).
-  absl::Status TakeHeader(Comm& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // sizes: the error that aborts the communicator); a declined one ends its
+  // Receive.
+  absl::Status TakeHeader(Comm& c, Finished& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The parked header's Receive, if posted now (or the error past the grace).
   absl::Status ClaimParked(Comm& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends `c` (aborted): its pairing and transfers finish (DeadlineExceeded
@@ -224,6 +240,9 @@ class NcclTransport final : public Transport {
   void FailComm(const std::string& peer, Comm& c, const absl::Status& why, Finished& finished)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Finish(uint64_t id, absl::Status st, Finished& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Turns send `x` (new, or a push that ended before it was posted, its
+  // `done` called) into a decline of its tag, queued where it is.
+  void MakeDecline(Xfer& x) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A staged transfer's pieces: their sizes, and piece `i`'s copies between
   // the pool and the staging half `half` (send: gathers; receive: scatters).
   std::vector<int64_t> PieceSizes(const Xfer& x) const;

@@ -203,17 +203,32 @@ TEST_F(NcclTransportTest, AReceiveWithoutItsPushEndsAtItsDeadline) {
 }
 
 // A fence that never completes holds its push to its deadline only; a
-// cancel ends a push not yet started at once.
-TEST_F(NcclTransportTest, PushesNotStartedEndAtTheirDeadlineOrCancel) {
+// cancel ends a push not yet started at once. Each still sends its tag's
+// header, a decline: their receives end then (Aborted), long before their
+// own deadlines, and nothing stays posted past the idle limit.
+TEST_F(NcclTransportTest, PushesNotStartedEndAtTheirDeadlineOrCancelAndDeclineTheirReceives) {
+  t_[1] = MakeTransport(int64_t{16} << 20, /*idle_receive_limit=*/milliseconds(150));
+  ASSERT_TRUE(t_[1]->RegisterPool(Layout(), pool_[1].data()).ok());
   PairUp();
   auto never = std::make_shared<ManualFence>();
-  Waiter late, cancelled;
+  Waiter late, cancelled, late_receive, cancelled_receive;
+  ASSERT_TRUE(Receive({{1, 1}}, 8, late_receive, /*ms=*/20000).ok());
+  ASSERT_TRUE(Receive({{2, 2}, {3, 3}}, 9, cancelled_receive, /*ms=*/20000).ok());
+  const auto start = Clock::now();
   ASSERT_TRUE(Push({{1, 1}}, 8, late, never, /*ms=*/80).ok());
-  absl::StatusOr<uint64_t> id = Push({{2, 2}}, 9, cancelled, never);
+  absl::StatusOr<uint64_t> id = Push({{2, 2}, {3, 3}}, 9, cancelled, never);
   ASSERT_TRUE(id.ok());
   t_[0]->Cancel(*id);
   EXPECT_EQ(cancelled.Wait().code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(late.Wait().code(), absl::StatusCode::kDeadlineExceeded);
+  t_[0]->Cancel(*id);  // again: its decline still goes
+  EXPECT_EQ(cancelled_receive.Wait().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(late_receive.Wait().code(), absl::StatusCode::kAborted);
+  EXPECT_LT(Clock::now() - start, milliseconds(5000));
+  std::this_thread::sleep_for(milliseconds(500));  // past the idle limit
+  ExpectMoved({{4, 4}}, 10);
+  EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
+  EXPECT_EQ(Block(1, 2), std::vector<uint8_t>(kBlockBytes, 0));
 }
 
 // Scattered blocks (every pair its own run) go through the staging buffer,
@@ -296,6 +311,32 @@ TEST_F(NcclTransportTest, AHeaderReceiveLeftAloneEndsThePairPastTheLimit) {
   EXPECT_EQ(Receive({{3, 3}}, 62, refused).status().code(), absl::StatusCode::kUnavailable);
   PairUp();
   ExpectMoved({{4, 4}}, 63);
+}
+
+// A push the sender declines (Decline: its JOIN's answer did not suit it)
+// ends its open Receive at once, Aborted; one for a receive that ended
+// already completes the header receive that waited for it. Either way no
+// header receive is left posted alone, so the pair outlives the idle limit.
+TEST_F(NcclTransportTest, ADeclinedPushEndsItsReceiveAndLeavesNothingPosted) {
+  t_[1] = MakeTransport(int64_t{16} << 20, /*idle_receive_limit=*/milliseconds(150));
+  ASSERT_TRUE(t_[1]->RegisterPool(Layout(), pool_[1].data()).ok());
+  PairUp();
+  Waiter declined;
+  ASSERT_TRUE(Receive({{1, 1}, {4, 7}}, 70, declined).ok());
+  t_[0]->Decline(Info(1).agent_id, 70);
+  const absl::Status st = declined.Wait();
+  EXPECT_EQ(st.code(), absl::StatusCode::kAborted) << st;
+  EXPECT_NE(st.message().find("declined"), std::string::npos) << st;
+  Waiter gone;
+  absl::StatusOr<uint64_t> id = Receive({{2, 2}}, 71, gone);
+  ASSERT_TRUE(id.ok());
+  t_[1]->Cancel(*id);
+  EXPECT_EQ(gone.Wait().code(), absl::StatusCode::kCancelled);
+  t_[0]->Decline(Info(1).agent_id, 71);
+  t_[0]->Decline("nccl-no-such-peer", 72);         // no pair: nothing to tell
+  std::this_thread::sleep_for(milliseconds(500));  // past the idle limit
+  ExpectMoved({{3, 3}}, 73);
+  EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
 }
 
 // Without staging, the runs go as one group's sends.

@@ -1119,6 +1119,10 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
   // The decode worker's word on where the bytes go.
   const int bs = engine_->config().block_size;
   const int skip = p->job.target.decode_cached_tokens() / bs;
+  // A two-sided backend's receive is open there for this pool: a push not
+  // made is declined in band (Transport::Decline), so nothing stays posted.
+  const bool receive_open = p->peer_held && joined.has_destination() && joined.destination().agent_id() == p->agent;
+  const uint64_t tag = p->job.target.reservation_id();
   const auto& prefilled = p->job.prefilled.blocks;
   std::string bad;
   if (!joined.has_destination() || joined.destination().backend() != transport_->backend()) {
@@ -1168,6 +1172,7 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
     }
   }
   if (!bad.empty()) {
+    if (receive_open) transport_->Decline(p->agent, tag);
     if (p->peer_held) peers_->Release(p->agent, /*lost=*/false);
     p->peer_held = false;
     engine_->ReleasePrefilled(id);
@@ -1181,6 +1186,7 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
     stopping = stopping_;
   }
   if (stopping) {
+    if (receive_open) transport_->Decline(p->agent, tag);
     peers_->Release(p->agent, /*lost=*/false);
     engine_->ReleasePrefilled(id);
     SendPushed(p, "the prefill worker is shutting down");
@@ -1192,9 +1198,10 @@ void KvSender::OnJoined(const std::shared_ptr<PushJob>& p, const tandem::v1::KvR
   std::shared_ptr<const kvtransfer::WriteFence> written =
       p->job.prefilled.written != nullptr ? p->job.prefilled.written : kvtransfer::CompletedFence();
   absl::StatusOr<uint64_t> transfer =
-      transport_->PushAfter(p->agent, std::move(pairs), std::move(written), p->job.target.reservation_id(),
-                            push_deadline, [this, p](absl::Status s) { OnPushed(p, std::move(s)); });
+      transport_->PushAfter(p->agent, std::move(pairs), std::move(written), tag, push_deadline,
+                            [this, p](absl::Status s) { OnPushed(p, std::move(s)); });
   if (!transfer.ok()) {
+    if (receive_open) transport_->Decline(p->agent, tag);
     peers_->Release(p->agent, transfer.status().code() == absl::StatusCode::kUnavailable ||
                                   transfer.status().code() == absl::StatusCode::kNotFound);
     engine_->ReleasePrefilled(id);
