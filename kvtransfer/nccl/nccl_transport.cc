@@ -440,7 +440,11 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
         continue;
       }
       const uint64_t id = it->second;
-      Ended e{.tag = it->first, .runs = static_cast<uint32_t>(x.runs.size()), .bytes = x.bytes, .piece = PieceOf(x)};
+      Ended e{.tag = it->first,
+              .runs = static_cast<uint32_t>(x.runs.size()),
+              .bytes = x.bytes,
+              .piece = PieceOf(x),
+              .shape = ShapeOf(x.runs)};
       if (x.staged) {
         e.sizes = PieceSizes(x);
       } else {
@@ -578,7 +582,8 @@ absl::Status NcclTransport::PostSends(Comm& c, Finished& finished) {
                    .runs = static_cast<uint32_t>(x.runs.size()),
                    .tag = x.tag,
                    .bytes = x.bytes,
-                   .piece = PieceOf(x)};
+                   .piece = PieceOf(x),
+                   .shape = ShapeOf(x.runs)};
     auto* slot = static_cast<unsigned char*>(c.headers) + (c.headers_sent % kHeaderRing) * sizeof(Header);
     RETURN_IF_ERROR(api_->Write(c.handle, slot, &h, sizeof(h)));
     ++c.headers_sent;
@@ -741,11 +746,11 @@ absl::Status NcclTransport::ClaimParked(Comm& c) {
   auto ended = std::find_if(c.ended.begin(), c.ended.end(), [&](const Ended& e) { return e.tag == h.tag; });
   if (ended != c.ended.end()) {
     // Its receive ended before the push came: drained.
-    if (h.runs != ended->runs || h.bytes != ended->bytes || h.piece != ended->piece) {
+    if (h.runs != ended->runs || h.bytes != ended->bytes || h.piece != ended->piece || h.shape != ended->shape) {
       return absl::InternalError(absl::StrFormat(
-          "a push of %d runs (%d bytes, staged in pieces of %d) for tag %d, whose ended receive expected %d runs (%d "
-          "bytes, pieces of %d)",
-          h.runs, h.bytes, h.piece, h.tag, ended->runs, ended->bytes, ended->piece));
+          "a push of %d runs (%d bytes, staged in pieces of %d, shape %016x) for tag %d, whose ended receive expected "
+          "%d runs (%d bytes, pieces of %d, shape %016x)",
+          h.runs, h.bytes, h.piece, h.shape, h.tag, ended->runs, ended->bytes, ended->piece, ended->shape));
     }
     c.drain = std::move(ended->sizes);
     c.ended.erase(ended);
@@ -760,11 +765,11 @@ absl::Status NcclTransport::ClaimParked(Comm& c) {
   }
   c.parked.reset();
   const Xfer& x = xfers_.at(it->second);
-  if (h.runs != x.runs.size() || h.bytes != x.bytes) {
+  if (const uint64_t shape = ShapeOf(x.runs); h.runs != x.runs.size() || h.bytes != x.bytes || h.shape != shape) {
     return absl::InternalError(
-        absl::StrFormat("a push of %d runs (%d bytes) for tag %d, whose receive expects %d runs "
-                        "(%d bytes): the two sides' block lists differ",
-                        h.runs, h.bytes, h.tag, x.runs.size(), x.bytes));
+        absl::StrFormat("a push of %d runs (%d bytes, run sizes' hash %016x) for tag %d, whose receive expects %d runs "
+                        "(%d bytes, %016x): the two sides' block lists differ",
+                        h.runs, h.bytes, h.shape, h.tag, x.runs.size(), x.bytes, shape));
   }
   if (const uint64_t piece = PieceOf(x); h.piece != piece) {
     return absl::InternalError(absl::StrFormat(
@@ -810,6 +815,17 @@ void NcclTransport::FailComm(const std::string& peer, Comm& c, const absl::Statu
   c.handle = nullptr;
   c.headers = nullptr;
   c.staging = nullptr;
+}
+
+uint64_t NcclTransport::ShapeOf(const std::vector<CopyRun>& runs) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over each size's bytes
+  for (const CopyRun& r : runs) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (static_cast<uint64_t>(r.bytes) >> (8 * i)) & 0xff;
+      h *= 0x100000001b3ull;
+    }
+  }
+  return h;
 }
 
 void NcclTransport::MakeDecline(Xfer& x) {

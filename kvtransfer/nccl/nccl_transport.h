@@ -146,8 +146,13 @@ class NcclTransport final : public Transport {
     uint64_t tag;
     int64_t bytes;
     uint64_t piece;  // staged: the pieces' size; 0: the runs as they are
+    uint64_t shape;  // ShapeOf the runs: the receiver's must match (the same block list)
   };
-  static_assert(sizeof(Header) == 32);
+  static_assert(sizeof(Header) == 40);
+  // A hash of the runs' sizes in order: two block lists of one run count
+  // and byte total whose runs differ differ here (NCCL needs each send to
+  // match its receive's size; staged, a shifted run would land misplaced).
+  static uint64_t ShapeOf(const std::vector<CopyRun>& runs);
 
  private:
   struct Xfer {
@@ -177,6 +182,7 @@ class NcclTransport final : public Transport {
     uint32_t runs = 0;
     int64_t bytes = 0;
     uint64_t piece = 0;
+    uint64_t shape = 0;
     std::vector<int64_t> sizes;
   };
   // The communicator with one peer in one direction (rank 0 sends).

@@ -432,6 +432,17 @@ TEST_F(NcclTransportTest, BlockListsThatDifferAbortBeforeAnyByteLands) {
   EXPECT_FALSE(p.Wait().ok());
   EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
   EXPECT_EQ(Block(1, 2), std::vector<uint8_t>(kBlockBytes, 0));
+  // As many runs and bytes, runs of other sizes (two blocks then one,
+  // against one then two): the run sizes' hash differs.
+  PairUp();
+  Waiter r2, p2;
+  ASSERT_TRUE(Receive({{1, 1}, {2, 2}, {5, 5}}, 6, r2).ok());
+  ASSERT_TRUE(Push({{1, 1}, {3, 3}, {4, 4}}, 6, p2).ok());
+  const absl::Status shifted = r2.Wait();
+  EXPECT_EQ(shifted.code(), absl::StatusCode::kUnavailable) << shifted;
+  EXPECT_NE(shifted.message().find("block lists differ"), std::string::npos) << shifted;
+  EXPECT_FALSE(p2.Wait().ok());
+  for (int b : {1, 2, 5}) EXPECT_EQ(Block(1, b), std::vector<uint8_t>(kBlockBytes, 0)) << b;
 }
 
 // Runs longer than 64 MiB go as pieces of at most 64 MiB (the cut both
