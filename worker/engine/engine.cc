@@ -102,8 +102,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
                  << " blocks), less than the context of " << max_len << ": requests are limited to the cache";
     max_len = static_cast<int>(cache_tokens);
   }
-  RETURN_IF_ERROR(runner->ReserveSteps(config.max_batched_tokens, config.max_running,
-                                       (max_len + config.block_size - 1) / config.block_size));
+  const int max_blocks_per_seq = (max_len + config.block_size - 1) / config.block_size;
+  RETURN_IF_ERROR(runner->ReserveSteps(config.max_batched_tokens, config.max_running, max_blocks_per_seq));
+  RETURN_IF_ERROR(
+      runner->WarmUp(*storage, std::min(config.max_running, config.max_batched_tokens), max_blocks_per_seq));
   auto engine = std::unique_ptr<Engine>(new Engine(config, model, std::move(runner), std::move(storage), max_len));
   engine->cache_limited_ = cache_tokens < max_len_before_cache;
   return engine;

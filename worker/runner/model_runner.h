@@ -146,6 +146,18 @@ class ModelRunner {
   virtual absl::Status ReserveSteps(int /*max_batched_tokens*/, int /*max_seqs*/, int /*max_blocks_per_seq*/) {
     return absl::OkStatus();
   }
+  // Prepares, before serving, what a step would otherwise prepare the first
+  // time it meets its shape, on `kv` (the pool it will serve from; nothing is
+  // written to it): the cuda runner captures the CUDA graph of every decode
+  // bucket of up to `max_seqs` sequences of up to `max_blocks_per_seq`
+  // blocks, so that no decode step stalls on a capture mid-serving (nor on
+  // whatever the capture waits for). The engine calls it after ReserveSteps.
+  virtual absl::Status WarmUp(KvStorage& /*kv*/, int /*max_seqs*/, int /*max_blocks_per_seq*/) {
+    return absl::OkStatus();
+  }
+  // Decode steps' CUDA graphs captured and held (the cuda runner's; 0
+  // elsewhere).
+  virtual int decode_graphs() const { return 0; }
 
   // One step: writes the K/V of `in`'s tokens into `kv` and samples one
   // token for each of in.logits_rows, in order, as `rows` says.

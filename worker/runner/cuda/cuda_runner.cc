@@ -365,7 +365,10 @@ class CudaRunner final : public ModelRunner {
   absl::Status ReserveSteps(int max_batched_tokens, int max_seqs, int max_blocks_per_seq) override {
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
     const int T = max_batched_tokens, S = std::min(max_seqs, max_batched_tokens);
-    RETURN_IF_ERROR(ReserveActivations(T, S));
+    // A decode graph's step is padded to its bucket: B rows, tables W wide.
+    const int B = cuda_graphs_ ? Bucket(std::min(S, kMaxGraphBatch), 1) : 0;
+    const int W = Bucket(std::max(max_blocks_per_seq, 1), 8);
+    RETURN_IF_ERROR(ReserveActivations(std::max(T, B), std::max(S, B)));
     // The attention workspace of the longest runs (ReserveActivations sized
     // it for the runs of the last step: none yet).
     const ModelConfig& c = config();
@@ -375,13 +378,59 @@ class CudaRunner final : public ModelRunner {
     // positions, slots and logits rows a token; query starts, context
     // lengths, runs' query starts and block tables a sequence; 16 bytes of
     // alignment an array); then the greedy and sampled rows'.
-    const int64_t meta = int64_t{T} * (4 + 4 + 8 + 4) + int64_t{S + 1} * 4 + int64_t{S} * 4 + int64_t{2 * S} * 4 +
-                         int64_t{S} * max_blocks_per_seq * 4 + 8 * 16;
-    RETURN_IF_ERROR(ReserveMetadata(meta));
+    auto meta = [](int64_t tokens, int64_t seqs, int64_t width) {
+      return tokens * (4 + 4 + 8 + 4) + (seqs + 1) * 4 + seqs * 4 + 2 * seqs * 4 + seqs * width * 4 + 8 * 16;
+    };
+    RETURN_IF_ERROR(ReserveMetadata(std::max(meta(T, S, max_blocks_per_seq), meta(B, B, W))));
     RETURN_IF_ERROR(ReserveGreedyRows(S));
     if (gpu_sampling_) RETURN_IF_ERROR(gpu_sampler_.Reserve(S, S * 64, c.vocab_size, stream_));
     return Cuda(cudaStreamSynchronize(stream_), "reserve the step buffers");
   }
+
+  // Every decode bucket's graph (batch B a power of two up to the largest
+  // bucket of max_seqs, table width W a power of two from 8 to the bucket of
+  // max_blocks_per_seq), each captured by a step of B one-token sequences
+  // that write no KV (slot -1) and attend one key of block 0, as padded
+  // rows do. A buffer that grew on the way drops the graphs before it: then
+  // once more with every buffer at its size.
+  absl::Status WarmUp(KvStorage& kv, int max_seqs, int max_blocks_per_seq) override {
+    if (!cuda_graphs_ || profile_.on() || max_seqs <= 0 || max_blocks_per_seq <= 0) return absl::OkStatus();
+    const auto start = std::chrono::steady_clock::now();
+    const int top_b = Bucket(std::min(max_seqs, kMaxGraphBatch), 1);
+    const int top_w = Bucket(max_blocks_per_seq, 8);
+    size_t want = 0;
+    for (int b = 1; b <= top_b; b *= 2) {
+      for (int w = 8; w <= top_w; w *= 2) ++want;
+    }
+    for (int pass = 0; pass < 2 && graphs_.size() < want; ++pass) {
+      for (int b = 1; b <= top_b; b *= 2) {
+        for (int w = 8; w <= top_w; w *= 2) {
+          if (graphs_.contains((int64_t{b} << 32) | w)) continue;
+          BatchInput in;
+          in.Clear();
+          in.tokens.assign(b, 0);
+          in.positions.assign(b, 0);
+          in.slot_mapping.assign(b, -1);
+          in.context_lens.assign(b, 1);
+          for (int s = 0; s <= b; ++s) in.query_start.push_back(s);
+          for (int s = 0; s < b; ++s) in.logits_rows.push_back(s);
+          in.max_blocks_per_seq = w;
+          in.block_tables.assign(size_t(b) * w, 0);
+          in.decode_seqs = b;
+          if (absl::Status st = Run(in, kv); !st.ok()) {
+            return absl::Status(st.code(), absl::StrFormat("capturing the decode graph of %d sequences and %d blocks "
+                                                           "each: %s",
+                                                           b, w, st.message()));
+          }
+        }
+      }
+    }
+    LOG(INFO) << "cuda runner: " << graphs_.size() << " decode graphs (batches up to " << top_b
+              << ", block tables up to " << top_w << " wide) captured in "
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s";
+    return absl::OkStatus();
+  }
+  int decode_graphs() const override { return static_cast<int>(graphs_.size()); }
 
   absl::Status Logits(const BatchInput& in, KvStorage& kv, std::vector<float>* logits) override {
     absl::Status status = Run(in, kv);

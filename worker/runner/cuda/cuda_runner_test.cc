@@ -427,7 +427,9 @@ TEST(CudaRunnerTest, FirstUseCallsNeverWaitForOtherStreamsWork) {
 // the same KV: bit-identical in the batch-invariant mode, within bf16 noise
 // otherwise (the products' algorithms may differ between the padded and
 // the exact row counts). Batches of 1 to 20 sequences, contexts crossing
-// three table widths, each shape replayed again with longer contexts.
+// three table widths, each shape replayed again with longer contexts. The
+// graphs were all captured before serving (WarmUp, as the engine does):
+// batches 1-32 by widths 8-32, none captured later.
 TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
   if (SkipWithoutGpu()) GTEST_SKIP();
   const ModelConfig config = SmallConfig();
@@ -439,6 +441,12 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
     constexpr int kSeqs = 20, kBlocksPerSeq = 24;
     std::unique_ptr<KvStorage> kv_graphs = Pool(**graphs, kSeqs * kBlocksPerSeq);
     std::unique_ptr<KvStorage> kv_eager = Pool(**eager, kSeqs * kBlocksPerSeq);
+    for (ModelRunner* r : {graphs->get(), eager->get()}) ASSERT_TRUE(r->ReserveSteps(4096, kSeqs, kBlocksPerSeq).ok());
+    ASSERT_TRUE((*graphs)->WarmUp(*kv_graphs, kSeqs, kBlocksPerSeq).ok());
+    ASSERT_TRUE((*eager)->WarmUp(*kv_eager, kSeqs, kBlocksPerSeq).ok());
+    constexpr int kWarmGraphs = 6 * 3;  // batches 1, 2, 4, 8, 16, 32; widths 8, 16, 32
+    EXPECT_EQ((*graphs)->decode_graphs(), kWarmGraphs);
+    EXPECT_EQ((*eager)->decode_graphs(), 0);
     SamplingParams params;
     params.temperature = 0.0f;
     params.logprobs = 5;
@@ -503,6 +511,7 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
         all_b.insert(all_b.end(), b.begin(), b.end());
       }
     }
+    EXPECT_EQ((*graphs)->decode_graphs(), kWarmGraphs) << "a decode step captured a graph while serving";
     const Agreement agree = Compare(all_a, all_b);
     std::printf("%s: graphs vs one by one, top-1 %.4f, max |logprob diff| %.6f\n",
                 invariant ? "batch-invariant" : "default", agree.top1, agree.max_diff);
