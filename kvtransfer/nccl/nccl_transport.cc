@@ -516,11 +516,12 @@ absl::Status NcclTransport::Advance(const std::string& peer, Comm& c, Finished& 
     if (c.parked) RETURN_IF_ERROR(ClaimParked(c));
     RETURN_IF_ERROR(PostReceives(c, finished));
   }
-  // A header receive left posted alone (its Receive ended without the push)
-  // ends the pair past the limit; any Receive or push restarts the clock.
+  // A header receive left posted alone (for receives that ended, whose
+  // headers have not come: a JOIN answer the sender never got) ends the pair
+  // past the limit; any Receive or push restarts the clock.
   if (c.rank == 1) {
-    const bool alone = c.header_posted && c.receives.empty() && !c.parked && c.awaiting == 0 && !c.drain.has_value() &&
-                       c.flights.size() == 1;
+    const bool alone = c.header_posted && !OwedHeader(c, /*open_only=*/true) && !c.parked && c.awaiting == 0 &&
+                       !c.drain.has_value() && c.flights.size() == 1;
     if (!alone) {
       c.idle_since = now;
     } else if (now - c.idle_since >= options_.idle_receive_limit) {
@@ -669,10 +670,14 @@ absl::StatusOr<bool> NcclTransport::PostPieces(Comm& c, Xfer& x) {
 absl::Status NcclTransport::PostReceives(Comm& c, Finished& finished) {
   // The receives of the push whose header landed, then the next header's:
   // the order the sender's buffers come in.
-  // A header receive is posted only while a receive is open: an NCCL
-  // receive in flight spins on the GPU until its bytes come, and would hold
-  // anything that waits for the whole device (cudaFree) that long.
-  while (c.awaiting != 0 || c.drain.has_value() || (!c.header_posted && !c.parked && !c.receives.empty())) {
+  // A header receive is posted only while a header is owed: a receive's
+  // whose header has not landed, or one that ended (every PushAfter sends
+  // one, a push or a decline: unmatched, the sender's send would spin on
+  // its GPU instead):
+  // an NCCL receive in flight spins on the GPU until its bytes come, and
+  // would hold anything that waits for the whole device (cudaFree) that
+  // long; one left alone ends the pair at idle_receive_limit.
+  while (c.awaiting != 0 || c.drain.has_value() || (!c.header_posted && !c.parked && OwedHeader(c))) {
     ASSIGN_OR_RETURN(bool idle, api_->Idle(c.handle));
     if (!idle) return absl::OkStatus();
     if (c.drain.has_value()) {
@@ -826,6 +831,12 @@ uint64_t NcclTransport::ShapeOf(const std::vector<CopyRun>& runs) {
     }
   }
   return h;
+}
+
+bool NcclTransport::OwedHeader(const Comm& c, bool open_only) const {
+  if (!open_only && !c.ended.empty()) return true;
+  return std::any_of(c.receives.begin(), c.receives.end(),
+                     [&](const auto& r) { return r.second != c.awaiting && !xfers_.at(r.second).posted; });
 }
 
 void NcclTransport::MakeDecline(Xfer& x) {

@@ -96,10 +96,12 @@ struct NcclOptions {
   // third of one large send's rate). Both sides must agree.
   int64_t stage_piece = int64_t{32} << 20;
   int64_t stage_runs_below = int64_t{16} << 20;
-  // A receiver whose header receive stays posted this long with no Receive
-  // open (its last ended without its push) aborts the communicator: a
-  // posted NCCL receive holds whatever waits for the whole GPU, and on a
-  // quiet pair no push may come to complete it. The next push pairs afresh.
+  // A receiver whose header receive stays posted this long for receives
+  // that ended only (their headers never came: a JOIN answer the sender
+  // did not get) aborts the communicator: a posted NCCL receive holds
+  // whatever waits for the whole GPU. The next push pairs afresh. (A header
+  // receive is posted only while a header is owed: a pair whose pushes all
+  // landed posts none, however long it stays quiet.)
   std::chrono::milliseconds idle_receive_limit{5000};
 };
 
@@ -246,6 +248,9 @@ class NcclTransport final : public Transport {
   void FailComm(const std::string& peer, Comm& c, const absl::Status& why, Finished& finished)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Finish(uint64_t id, absl::Status st, Finished& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the peer still owes a header: an open receive's that has not
+  // landed, or (unless `open_only`) one that ended unposted.
+  bool OwedHeader(const Comm& c, bool open_only = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Turns send `x` (new, or a push that ended before it was posted, its
   // `done` called) into a decline of its tag, queued where it is.
   void MakeDecline(Xfer& x) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -339,6 +339,57 @@ TEST_F(NcclTransportTest, ADeclinedPushEndsItsReceiveAndLeavesNothingPosted) {
   EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
 }
 
+// A pair whose pushes all landed posts no header receive (none is owed), so
+// a quiet spell past the idle limit leaves it paired: the next push needs no
+// new communicator.
+TEST_F(NcclTransportTest, AQuietPairStaysPairedPastTheIdleLimit) {
+  t_[1] = MakeTransport(int64_t{16} << 20, /*idle_receive_limit=*/milliseconds(150));
+  ASSERT_TRUE(t_[1]->RegisterPool(Layout(), pool_[1].data()).ok());
+  PairUp();
+  ExpectMoved({{1, 1}}, 100);
+  ExpectMoved({{2, 2}, {5, 9}}, 101);
+  std::this_thread::sleep_for(milliseconds(500));
+  ExpectMoved({{3, 3}}, 102);
+}
+
+// A receive that ended keeps a header receive posted for its tag's header
+// (its push, drained, or its decline) even once another push took the one
+// posted before: the sender's header then never waits unmatched on its GPU.
+// Its decline clears it; without one, the header receive left alone ends
+// the pair at the idle limit.
+TEST_F(NcclTransportTest, AnEndedReceiveStillTakesItsTagsHeader) {
+  for (const bool declined : {true, false}) {
+    SCOPED_TRACE(declined ? "declined" : "never told");
+    t_[1] = MakeTransport(int64_t{16} << 20, /*idle_receive_limit=*/milliseconds(150));
+    ASSERT_TRUE(t_[1]->RegisterPool(Layout(), pool_[1].data()).ok());
+    PairUp();
+    Waiter gone, other, p;
+    absl::StatusOr<uint64_t> id = Receive({{1, 1}}, 90, gone);
+    ASSERT_TRUE(id.ok());
+    ASSERT_TRUE(Receive({{2, 2}}, 91, other).ok());
+    t_[1]->Cancel(*id);
+    EXPECT_EQ(gone.Wait().code(), absl::StatusCode::kCancelled);
+    ASSERT_TRUE(Push({{2, 2}}, 91, p).ok());  // takes the header receive posted for both
+    EXPECT_TRUE(p.Wait().ok());
+    EXPECT_TRUE(other.Wait().ok());
+    if (declined) {
+      Waiter late;
+      absl::StatusOr<uint64_t> push = Push({{1, 1}}, 90, late, std::make_shared<ManualFence>());
+      ASSERT_TRUE(push.ok());
+      t_[0]->Cancel(*push);
+      EXPECT_EQ(late.Wait().code(), absl::StatusCode::kCancelled);
+    }
+    std::this_thread::sleep_for(milliseconds(500));  // past the idle limit
+    if (declined) {
+      ExpectMoved({{3, 3}}, 92);
+    } else {
+      Waiter refused;
+      EXPECT_EQ(Receive({{3, 3}}, 92, refused).status().code(), absl::StatusCode::kUnavailable);
+    }
+    EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
+  }
+}
+
 // Without staging, the runs go as one group's sends.
 TEST_F(NcclTransportTest, ScatteredRunsMoveAsOneGroupWithoutStaging) {
   for (int i = 0; i < 2; ++i) {
