@@ -372,8 +372,9 @@ class CudaRunner final : public ModelRunner {
     // The attention workspace of the longest runs (ReserveActivations sized
     // it for the runs of the last step: none yet).
     const ModelConfig& c = config();
-    RETURN_IF_ERROR(ReserveAttentionWorkspace(std::max(kernels::cuda::WorkspaceBytes(T, c.num_heads, c.head_dim),
-                                                       batch_invariant_ ? FixedSplitWorkspaceAtMost(T, S) : 0)));
+    RETURN_IF_ERROR(
+        ReserveAttentionWorkspace(std::max(kernels::cuda::WorkspaceBytes(std::max(T, B), c.num_heads, c.head_dim),
+                                           batch_invariant_ ? FixedSplitWorkspaceAtMost(T, S) : 0)));
     // The step metadata at its largest (UploadMetadata's layout: tokens,
     // positions, slots and logits rows a token; query starts, context
     // lengths, runs' query starts and block tables a sequence; 16 bytes of
@@ -398,6 +399,13 @@ class CudaRunner final : public ModelRunner {
     const auto start = std::chrono::steady_clock::now();
     const int top_b = Bucket(std::min(max_seqs, kMaxGraphBatch), 1);
     const int top_w = Bucket(max_blocks_per_seq, 8);
+    if (batch_invariant_) {
+      // The top bucket's fixed-split partials (KvBudget counted them), up
+      // front: growing on the way would drop the graphs captured before.
+      const ModelConfig& c = config();
+      RETURN_IF_ERROR(ReserveAttentionWorkspace(kernels::cuda::FixedSplitWorkspaceBytes(
+          top_b, c.num_heads, c.head_dim, top_w * kv.layout().block_size, kDecodeKeysPerSplit)));
+    }
     size_t want = 0;
     for (int b = 1; b <= top_b; b *= 2) {
       for (int w = 8; w <= top_w; w *= 2) ++want;
@@ -412,7 +420,7 @@ class CudaRunner final : public ModelRunner {
           in.positions.assign(b, 0);
           in.slot_mapping.assign(b, -1);
           in.context_lens.assign(b, 1);
-          for (int s = 0; s <= b; ++s) in.query_start.push_back(s);
+          for (int s = 1; s <= b; ++s) in.query_start.push_back(s);  // (Clear left its 0)
           for (int s = 0; s < b; ++s) in.logits_rows.push_back(s);
           in.max_blocks_per_seq = w;
           in.block_tables.assign(size_t(b) * w, 0);
@@ -424,6 +432,11 @@ class CudaRunner final : public ModelRunner {
           }
         }
       }
+    }
+    if (graphs_.size() < want) {
+      // (Serving still works: the missing buckets capture on first use.)
+      LOG(WARNING) << "cuda runner: only " << graphs_.size() << " of " << want
+                   << " decode graphs captured before serving (a bucket's step took the launched path)";
     }
     LOG(INFO) << "cuda runner: " << graphs_.size() << " decode graphs (batches up to " << top_b
               << ", block tables up to " << top_w << " wide) captured in "
@@ -731,10 +744,19 @@ class CudaRunner final : public ModelRunner {
   // row's partials over the longest context (decode rows; prompt rows too
   // where the prefill kernel does not take the head size), for steps of up
   // to T tokens and S sequences.
+  // A decode graph's step counts as its bucket: B = Bucket(S) rows over
+  // the padded context, W * block size = max(8 blocks, the context's next
+  // power of two) for power-of-two block sizes of at most 64.
   int64_t FixedSplitWorkspaceAtMost(int T, int S) const {
     const ModelConfig& c = config();
-    return kernels::cuda::FixedSplitWorkspaceBytes(PrefillKernelTakes() ? S : T, c.num_heads, c.head_dim,
-                                                   c.max_position_embeddings, kDecodeKeysPerSplit);
+    int64_t ws = kernels::cuda::FixedSplitWorkspaceBytes(PrefillKernelTakes() ? S : T, c.num_heads, c.head_dim,
+                                                         c.max_position_embeddings, kDecodeKeysPerSplit);
+    if (cuda_graphs_) {
+      const int padded = std::max(8 * 64, Bucket(c.max_position_embeddings, 1));
+      ws = std::max(ws, kernels::cuda::FixedSplitWorkspaceBytes(Bucket(std::min(S, kMaxGraphBatch), 1), c.num_heads,
+                                                                c.head_dim, padded, kDecodeKeysPerSplit));
+    }
+    return ws;
   }
 
   // The step metadata's pinned and device buffers for `bytes` (twice that
