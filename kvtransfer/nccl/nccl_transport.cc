@@ -20,10 +20,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // LocalInfo().address: "boot=<host boot id>;bus=<PCI bus id>;pid=<pid>;
-// pidns=<pid namespace>;start=<start time>" (any may be empty or 0: not
-// known). The process fields let a peer of the same host and pid namespace
-// see this process exit.
+// pidns=<pid namespace>;start=<start time>;wire=<header version>" (any may
+// be empty or 0: not known; a wire of 0 is a build before versions). The
+// process fields let a peer of the same host and pid namespace see this
+// process exit.
 struct NcclAddress {
+  int wire = 0;
   std::string boot;
   std::string bus;
   int64_t pid = 0;
@@ -38,6 +40,7 @@ NcclAddress DecodeAddress(absl::string_view text) {
     if (absl::ConsumePrefix(&field, "pid=") && !absl::SimpleAtoi(field, &a.pid)) a.pid = 0;
     if (absl::ConsumePrefix(&field, "pidns=")) a.pidns = std::string(field);
     if (absl::ConsumePrefix(&field, "start=") && !absl::SimpleAtoi(field, &a.start)) a.start = 0;
+    if (absl::ConsumePrefix(&field, "wire=") && !absl::SimpleAtoi(field, &a.wire)) a.wire = 0;
   }
   return a;
 }
@@ -129,8 +132,8 @@ absl::StatusOr<PeerInfo> NcclTransport::LocalInfo() const {
   return PeerInfo{.agent_id = agent_id_,
                   .backend = "nccl",
                   .layout = layout_,
-                  .address = absl::StrCat("boot=", HostBootId(), ";bus=", bus_id_, ";pid=", getpid(),
-                                          ";pidns=", PidNamespace(), ";start=", OwnStartTime())};
+                  .address = absl::StrCat("boot=", HostBootId(), ";bus=", bus_id_, ";pid=", getpid(), ";pidns=",
+                                          PidNamespace(), ";start=", OwnStartTime(), ";wire=", kWireVersion)};
 }
 
 absl::Status NcclTransport::AddPeer(const PeerInfo& peer) {
@@ -142,6 +145,12 @@ absl::Status NcclTransport::AddPeer(const PeerInfo& peer) {
   std::lock_guard<std::mutex> lock(mu_);
   if (base_ == nullptr) return absl::FailedPreconditionError("AddPeer before RegisterPool");
   RETURN_IF_ERROR(CheckCompatible(layout_, peer.layout));
+  if (there.wire != kWireVersion) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "peer %s speaks version %d of the NCCL push header (0: a build before versions), this worker %d: the two "
+        "builds cannot push to each other (upgrade both)",
+        peer.agent_id, there.wire, kWireVersion));
+  }
   if (!bus_id_.empty() && there.bus == bus_id_ && !there.boot.empty() && there.boot == HostBootId()) {
     return absl::FailedPreconditionError(
         absl::StrCat("peer ", peer.agent_id, "'s pool is on this worker's GPU (", bus_id_,

@@ -16,8 +16,9 @@
 //
 // Order: NCCL matches a pair's sends and receives one by one in posting
 // order, but two workers see concurrent hand-offs in different orders. So
-// a push is one group of a 32-byte header (its tag, run count, bytes and
-// staging piece size) followed by its runs (PlanRuns of its block pairs),
+// a push is one group of a 40-byte header (its tag, run count, bytes,
+// staging piece size and a hash of its run sizes) followed by its runs
+// (PlanRuns of its block pairs),
 // posted as soon as its fence completed, in any order; the receiver keeps
 // one header receive posted, reads each header that lands, posts the
 // receives of the Receive(tag) it names (the same runs: both sides expand
@@ -140,6 +141,11 @@ class NcclTransport final : public Transport {
   // that ends before it is posted (cancelled, late, its writes failed)
   // sends one in its place: every PushAfter(tag) sends the tag's header.
   void Decline(const std::string& agent_id, uint64_t tag) override;
+
+  // The header's layout and meanings: LocalInfo carries it, and AddPeer
+  // refuses a peer of another (a rolling upgrade's mixed pair would
+  // mismatch its sizes on the wire).
+  static constexpr int kWireVersion = 2;
 
   // The header a push sends before its runs.
   struct Header {

@@ -566,11 +566,20 @@ TEST_F(NcclTransportTest, APeerProcessThatExitsEndsItsCommunicators) {
     _exit(0);
   }
   ASSERT_GT(child, 0);
+  struct Reaper {  // (an early return must not leave the child paused forever)
+    pid_t pid;
+    ~Reaper() {
+      if (pid <= 0) return;
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  } reaper{child};
   std::optional<uint64_t> start = ProcessStartTime(child);
   ASSERT_TRUE(start.has_value() && *start != 0);
   PeerInfo peer = Info(0);
   peer.agent_id = "nccl-peer-that-exits";
-  peer.address = absl::StrCat("boot=", HostBootId(), ";bus=;pid=", child, ";pidns=", PidNamespace(), ";start=", *start);
+  peer.address = absl::StrCat("boot=", HostBootId(), ";bus=;pid=", child, ";pidns=", PidNamespace(), ";start=", *start,
+                              ";wire=", NcclTransport::kWireVersion);
   std::shared_ptr<NcclApi> ids(NewFakeNccl(fabric_));
   Waiter w;
   ASSERT_TRUE(t_[1]->Pair(peer, PairRole::kResponder, *ids->UniqueId(), In(20000), w.Callback()).ok());
@@ -578,6 +587,7 @@ TEST_F(NcclTransportTest, APeerProcessThatExitsEndsItsCommunicators) {
   EXPECT_FALSE(w.Called());  // alive: still pairing
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
+  reaper.pid = 0;
   const absl::Status st = w.Wait(milliseconds(3000));
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
   EXPECT_NE(st.message().find("exited"), std::string::npos) << st;
@@ -616,6 +626,16 @@ TEST_F(NcclTransportTest, Refusals) {
   other = Info(1);
   other.layout.block_bytes = 512;
   EXPECT_FALSE(t_[0]->AddPeer(other).ok());
+  // A build of another header version (or of none: before versions).
+  for (const std::string wire : {";wire=1", ""}) {
+    other = Info(1);
+    const size_t at = other.address.find(";wire=");
+    ASSERT_NE(at, std::string::npos) << other.address;
+    other.address = other.address.substr(0, at) + wire;
+    const absl::Status refused = t_[0]->AddPeer(other);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_NE(refused.message().find("version"), std::string::npos) << refused;
+  }
   PoolLayout gpu = Layout();
   gpu.memory_type = MemoryType::kCuda;
   std::vector<uint8_t> spare(16);
