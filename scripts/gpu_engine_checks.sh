@@ -40,29 +40,10 @@ steps=("$@")
 work=${WORK:-/tmp/tandem_gpu_engine}
 out=${OUT:-$work}
 mkdir -p "$work" "$out"
-export LD_LIBRARY_PATH="$bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-if [[ -z ${TANDEM_CUBLASLT:-} ]]; then
-  TANDEM_CUBLASLT=$(
-    python3 - 2>/dev/null <<'PY'
-import glob, os, nvidia
-for root in nvidia.__path__:
-    for p in glob.glob(os.path.join(root, "**", "libcublasLt.so.13*"), recursive=True):
-        print(p)
-        raise SystemExit
-PY
-  )
-fi
-export TANDEM_CUBLASLT
+# shellcheck source=scripts/gpu_checks_common.sh
+source "$(dirname "$0")/gpu_checks_common.sh"
 echo "cuBLASLt: ${TANDEM_CUBLASLT:-on the loader path}"
 nvidia-smi --query-gpu=name,memory.total,compute_cap --format=csv,noheader
-failed=()
-
-step() {  # step NAME COMMAND...
-  local name=$1
-  shift
-  echo "=== $name"
-  if ! "$@"; then failed+=("$name"); fi
-}
 
 for s in "${steps[@]}"; do
   case $s in
@@ -97,8 +78,4 @@ for s in "${steps[@]}"; do
       failed+=("$s") ;;
   esac
 done
-if ((${#failed[@]} > 0)); then
-  echo "FAILED: ${failed[*]}"
-  exit 1
-fi
-echo "all passed"
+finish

@@ -38,33 +38,15 @@ steps=("$@")
 ((${#steps[@]} > 0)) || steps=(probe seam bench disagg up compare)
 out=${OUT:-/tmp/tandem_gpu_nccl}
 mkdir -p "$out"
-export LD_LIBRARY_PATH="$bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# shellcheck source=scripts/gpu_checks_common.sh
+source "$(dirname "$0")/gpu_checks_common.sh"
 export NCCL_NVLS_ENABLE=0
 if [[ -z ${TANDEM_NCCL:-} ]]; then
   TANDEM_NCCL=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so.2'))" 2>/dev/null)
 fi
-if [[ -z ${TANDEM_CUBLASLT:-} ]]; then
-  TANDEM_CUBLASLT=$(
-    python3 - 2>/dev/null <<'PY'
-import glob, os, nvidia
-for root in nvidia.__path__:
-    for p in glob.glob(os.path.join(root, "**", "libcublasLt.so.13*"), recursive=True):
-        print(p)
-        raise SystemExit
-PY
-  )
-fi
-export TANDEM_NCCL TANDEM_CUBLASLT
+export TANDEM_NCCL
 echo "NCCL: ${TANDEM_NCCL:-on the loader path}; cuBLASLt: ${TANDEM_CUBLASLT:-on the loader path}"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
-failed=()
-
-step() {  # step NAME COMMAND...
-  local name=$1
-  shift
-  echo "=== $name"
-  if ! "$@"; then failed+=("$name"); fi
-}
 
 # compare: NAME then `tandem up` flags; the cluster serves, the bench runs, it stops.
 compare_one() {
@@ -120,8 +102,4 @@ for s in "${steps[@]}"; do
       failed+=("$s") ;;
   esac
 done
-if ((${#failed[@]} > 0)); then
-  echo "FAILED: ${failed[*]}"
-  exit 1
-fi
-echo "all passed"
+finish

@@ -135,6 +135,20 @@ class NcclTransportTest : public ::testing::Test {
     EXPECT_TRUE(r.Wait().ok());
     for (const BlockPair& b : pairs) EXPECT_EQ(Block(1, b.dst), Block(0, b.src)) << "block " << b.dst;
   }
+  // A receive of `received` and a push of `pushed` for one tag that the
+  // receiver's header check refuses before a byte lands: the receive ends
+  // Unavailable saying `why`, the push fails, the receive's blocks stay zero.
+  void ExpectRefusedBeforeAnyByte(const std::vector<BlockPair>& received, const std::vector<BlockPair>& pushed,
+                                  uint64_t tag, const std::string& why) {
+    Waiter r, p;
+    ASSERT_TRUE(Receive(received, tag, r).ok());
+    ASSERT_TRUE(Push(pushed, tag, p).ok());
+    const absl::Status st = r.Wait();
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
+    EXPECT_NE(st.message().find(why), std::string::npos) << st;
+    EXPECT_FALSE(p.Wait().ok());
+    for (const BlockPair& b : received) EXPECT_EQ(Block(1, b.dst), std::vector<uint8_t>(kBlockBytes, 0)) << b.dst;
+  }
 
   std::shared_ptr<FakeNcclFabric> fabric_;
   std::string offer_;  // the last pairing's
@@ -458,42 +472,18 @@ TEST_F(NcclTransportTest, StagingSettingsThatDifferAbortBeforeAnyByteLands) {
   t_[1] = MakeTransport(/*stage_runs_below=*/0);  // the receiver stages nothing
   ASSERT_TRUE(t_[1]->RegisterPool(Layout(), pool_[1].data()).ok());
   PairUp();
-  Waiter r, p;
-  const std::vector<BlockPair> pairs = {{1, 1}, {3, 3}};
-  ASSERT_TRUE(Receive(pairs, 6, r).ok());
-  ASSERT_TRUE(Push(pairs, 6, p).ok());
-  const absl::Status received = r.Wait();
-  EXPECT_EQ(received.code(), absl::StatusCode::kUnavailable) << received;
-  EXPECT_NE(received.message().find("staging settings differ"), std::string::npos) << received;
-  EXPECT_FALSE(p.Wait().ok());
-  EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
-  EXPECT_EQ(Block(1, 3), std::vector<uint8_t>(kBlockBytes, 0));
+  ExpectRefusedBeforeAnyByte({{1, 1}, {3, 3}}, {{1, 1}, {3, 3}}, 6, "staging settings differ");
 }
 
 // Block lists that differ between the sides (a bug on one of them) are
 // caught by the header before a byte is received.
 TEST_F(NcclTransportTest, BlockListsThatDifferAbortBeforeAnyByteLands) {
   PairUp();
-  Waiter r, p;
-  ASSERT_TRUE(Receive({{1, 1}, {2, 2}}, 5, r).ok());
-  ASSERT_TRUE(Push({{1, 1}, {2, 2}, {3, 3}}, 5, p).ok());
-  const absl::Status received = r.Wait();
-  EXPECT_EQ(received.code(), absl::StatusCode::kUnavailable) << received;
-  EXPECT_NE(received.message().find("block lists differ"), std::string::npos) << received;
-  EXPECT_FALSE(p.Wait().ok());
-  EXPECT_EQ(Block(1, 1), std::vector<uint8_t>(kBlockBytes, 0));
-  EXPECT_EQ(Block(1, 2), std::vector<uint8_t>(kBlockBytes, 0));
+  ExpectRefusedBeforeAnyByte({{1, 1}, {2, 2}}, {{1, 1}, {2, 2}, {3, 3}}, 5, "block lists differ");
   // As many runs and bytes, runs of other sizes (two blocks then one,
   // against one then two): the run sizes' hash differs.
   PairUp();
-  Waiter r2, p2;
-  ASSERT_TRUE(Receive({{1, 1}, {2, 2}, {5, 5}}, 6, r2).ok());
-  ASSERT_TRUE(Push({{1, 1}, {3, 3}, {4, 4}}, 6, p2).ok());
-  const absl::Status shifted = r2.Wait();
-  EXPECT_EQ(shifted.code(), absl::StatusCode::kUnavailable) << shifted;
-  EXPECT_NE(shifted.message().find("block lists differ"), std::string::npos) << shifted;
-  EXPECT_FALSE(p2.Wait().ok());
-  for (int b : {1, 2, 5}) EXPECT_EQ(Block(1, b), std::vector<uint8_t>(kBlockBytes, 0)) << b;
+  ExpectRefusedBeforeAnyByte({{1, 1}, {2, 2}, {5, 5}}, {{1, 1}, {3, 3}, {4, 4}}, 6, "block lists differ");
 }
 
 // Runs longer than 64 MiB go as pieces of at most 64 MiB (the cut both

@@ -366,8 +366,8 @@ class CudaRunner final : public ModelRunner {
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
     const int T = max_batched_tokens, S = std::min(max_seqs, max_batched_tokens);
     // A decode graph's step is padded to its bucket: B rows, tables W wide.
-    const int B = cuda_graphs_ ? Bucket(std::min(S, kMaxGraphBatch), 1) : 0;
-    const int W = Bucket(std::max(max_blocks_per_seq, 1), 8);
+    const int B = cuda_graphs_ ? GraphBatch(std::min(S, kMaxGraphBatch)) : 0;
+    const int W = GraphWidth(max_blocks_per_seq);
     RETURN_IF_ERROR(ReserveActivations(std::max(T, B), std::max(S, B)));
     // The attention workspace of the longest runs (ReserveActivations sized
     // it for the runs of the last step: none yet).
@@ -397,8 +397,8 @@ class CudaRunner final : public ModelRunner {
   absl::Status WarmUp(KvStorage& kv, int max_seqs, int max_blocks_per_seq) override {
     if (!cuda_graphs_ || profile_.on() || max_seqs <= 0 || max_blocks_per_seq <= 0) return absl::OkStatus();
     const auto start = std::chrono::steady_clock::now();
-    const int top_b = Bucket(std::min(max_seqs, kMaxGraphBatch), 1);
-    const int top_w = Bucket(max_blocks_per_seq, 8);
+    const int top_b = GraphBatch(std::min(max_seqs, kMaxGraphBatch));
+    const int top_w = GraphWidth(max_blocks_per_seq);
     if (batch_invariant_) {
       // The top bucket's fixed-split partials (KvBudget counted them), up
       // front: growing on the way would drop the graphs captured before.
@@ -406,30 +406,29 @@ class CudaRunner final : public ModelRunner {
       RETURN_IF_ERROR(ReserveAttentionWorkspace(kernels::cuda::FixedSplitWorkspaceBytes(
           top_b, c.num_heads, c.head_dim, top_w * kv.layout().block_size, kDecodeKeysPerSplit)));
     }
-    size_t want = 0;
+    std::vector<std::pair<int, int>> buckets;  // (batch, width)
     for (int b = 1; b <= top_b; b *= 2) {
-      for (int w = 8; w <= top_w; w *= 2) ++want;
+      for (int w = 8; w <= top_w; w *= 2) buckets.emplace_back(b, w);
     }
+    const size_t want = buckets.size();
     for (int pass = 0; pass < 2 && graphs_.size() < want; ++pass) {
-      for (int b = 1; b <= top_b; b *= 2) {
-        for (int w = 8; w <= top_w; w *= 2) {
-          if (graphs_.contains((int64_t{b} << 32) | w)) continue;
-          BatchInput in;
-          in.Clear();
-          in.tokens.assign(b, 0);
-          in.positions.assign(b, 0);
-          in.slot_mapping.assign(b, -1);
-          in.context_lens.assign(b, 1);
-          for (int s = 1; s <= b; ++s) in.query_start.push_back(s);  // (Clear left its 0)
-          for (int s = 0; s < b; ++s) in.logits_rows.push_back(s);
-          in.max_blocks_per_seq = w;
-          in.block_tables.assign(size_t(b) * w, 0);
-          in.decode_seqs = b;
-          if (absl::Status st = Run(in, kv); !st.ok()) {
-            return absl::Status(st.code(), absl::StrFormat("capturing the decode graph of %d sequences and %d blocks "
-                                                           "each: %s",
-                                                           b, w, st.message()));
-          }
+      for (const auto [b, w] : buckets) {
+        if (graphs_.contains(GraphKey(b, w))) continue;
+        BatchInput in;
+        in.Clear();
+        in.tokens.assign(b, 0);
+        in.positions.assign(b, 0);
+        in.slot_mapping.assign(b, -1);
+        in.context_lens.assign(b, 1);
+        for (int s = 1; s <= b; ++s) in.query_start.push_back(s);  // (Clear left its 0)
+        for (int s = 0; s < b; ++s) in.logits_rows.push_back(s);
+        in.max_blocks_per_seq = w;
+        in.block_tables.assign(size_t(b) * w, 0);
+        in.decode_seqs = b;
+        if (absl::Status st = Run(in, kv); !st.ok()) {
+          return absl::Status(st.code(), absl::StrFormat("capturing the decode graph of %d sequences and %d blocks "
+                                                         "each: %s",
+                                                         b, w, st.message()));
         }
       }
     }
@@ -744,16 +743,16 @@ class CudaRunner final : public ModelRunner {
   // row's partials over the longest context (decode rows; prompt rows too
   // where the prefill kernel does not take the head size), for steps of up
   // to T tokens and S sequences.
-  // A decode graph's step counts as its bucket: B = Bucket(S) rows over
-  // the padded context, W * block size = max(8 blocks, the context's next
-  // power of two) for power-of-two block sizes of at most 64.
+  // A decode graph's step counts as its bucket: GraphBatch(S) rows over the
+  // padded context, GraphWidth blocks of the largest block size (64; the
+  // padded context of a smaller one is no longer).
   int64_t FixedSplitWorkspaceAtMost(int T, int S) const {
     const ModelConfig& c = config();
     int64_t ws = kernels::cuda::FixedSplitWorkspaceBytes(PrefillKernelTakes() ? S : T, c.num_heads, c.head_dim,
                                                          c.max_position_embeddings, kDecodeKeysPerSplit);
     if (cuda_graphs_) {
-      const int padded = std::max(8 * 64, Bucket(c.max_position_embeddings, 1));
-      ws = std::max(ws, kernels::cuda::FixedSplitWorkspaceBytes(Bucket(std::min(S, kMaxGraphBatch), 1), c.num_heads,
+      const int padded = GraphWidth((c.max_position_embeddings + 63) / 64) * 64;
+      ws = std::max(ws, kernels::cuda::FixedSplitWorkspaceBytes(GraphBatch(std::min(S, kMaxGraphBatch)), c.num_heads,
                                                                 c.head_dim, padded, kDecodeKeysPerSplit));
     }
     return ws;
@@ -926,13 +925,19 @@ class CudaRunner final : public ModelRunner {
     while (b < n) b *= 2;
     return b;
   }
+  // A decode graph's padding: the batch to a power of two (S <=
+  // kMaxGraphBatch), the block tables to a power-of-two width of at least
+  // 8; a graph is held under its (batch, width) key.
+  static int GraphBatch(int seqs) { return Bucket(seqs, 1); }
+  static int GraphWidth(int blocks) { return Bucket(std::max(blocks, 1), 8); }
+  static int64_t GraphKey(int batch, int width) { return (int64_t{batch} << 32) | width; }
 
   // The decode step `in` through the graph of its bucket (captured first
   // if there is none), as Enqueue does.
   absl::Status EnqueueGraph(const BatchInput& in, KvStorage& kv) {
     const int S = in.num_seqs();
-    const int B = Bucket(S, 1);
-    const int W = Bucket(std::max(in.max_blocks_per_seq, 1), 8);
+    const int B = GraphBatch(S);
+    const int W = GraphWidth(in.max_blocks_per_seq);
     const int bs = kv.layout().block_size;
     // The padded step.
     BatchInput& g = graph_in_;
@@ -972,7 +977,7 @@ class CudaRunner final : public ModelRunner {
         DropGraphs();
         graph_buffers_ = buffers;
       }
-      st = LaunchGraph(g, kv, (int64_t{B} << 32) | W);
+      st = LaunchGraph(g, kv, GraphKey(B, W));
     }
     graph_contexts_.clear();
     return st;
