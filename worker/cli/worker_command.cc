@@ -8,8 +8,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
+#include <string_view>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -312,6 +314,24 @@ absl::Status RunWorker(WorkerOptions opt) {
             absl::StrFormat("--kv-transport %s moves GPU memory, and --device %s keeps the KV cache in host memory: "
                             "use --kv-transport ucx, or --device cuda",
                             opt.kv_transport, opt.device));
+      }
+    }
+    // The NCCL transport keeps a receive posted on the GPU while a hand-off
+    // is open, and it finishes only when the peer sends. With CUDA's default
+    // lazy module loading, the first launch of a kernel (ours at a new
+    // shape, a cuBLASLt product's, NCCL's) loads it, and loading waits for
+    // the whole device: such a step would stall until the next push came
+    // (CudaRunnerTest.StepsNeverWaitForOtherStreamsWork, on an H200). So
+    // this worker loads every kernel when CUDA starts, unless the operator
+    // chose a mode (before anything here initializes CUDA).
+    if (opt.engine.runner == "cuda" && opt.kv_transport == "nccl") {
+      const char* mode = std::getenv("CUDA_MODULE_LOADING");
+      if (mode == nullptr) {
+        setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+      } else if (std::string_view(mode) != "EAGER") {
+        LOG(WARNING) << "CUDA_MODULE_LOADING=" << mode
+                     << " with --kv-transport nccl: a step that loads a kernel may wait for a posted receive until "
+                        "its peer sends (EAGER avoids it)";
       }
     }
     // A GPU worker's KV cache takes what the weights and activations leave of

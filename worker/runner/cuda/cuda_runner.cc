@@ -368,7 +368,9 @@ class CudaRunner final : public ModelRunner {
     // A decode graph's step is padded to its bucket: B rows, tables W wide.
     const int B = cuda_graphs_ ? GraphBatch(std::min(S, kMaxGraphBatch)) : 0;
     const int W = GraphWidth(max_blocks_per_seq);
-    RETURN_IF_ERROR(ReserveActivations(std::max(T, B), std::max(S, B)));
+    reserved_tokens_ = std::max(T, B);
+    reserved_rows_ = std::max(S, B);
+    RETURN_IF_ERROR(ReserveActivations(reserved_tokens_, reserved_rows_));
     // The attention workspace of the longest runs (ReserveActivations sized
     // it for the runs of the last step: none yet).
     const ModelConfig& c = config();
@@ -394,7 +396,11 @@ class CudaRunner final : public ModelRunner {
   // that write no KV (slot -1) and attend one key of block 0, as padded
   // rows do. A buffer that grew on the way drops the graphs before it: then
   // once more with every buffer at its size.
+  //
+  // First, every cuBLASLt kernel a step of up to the reserved rows can take
+  // is launched once (PreloadProducts).
   absl::Status WarmUp(KvStorage& kv, int max_seqs, int max_blocks_per_seq) override {
+    RETURN_IF_ERROR(PreloadProducts());
     if (!cuda_graphs_ || profile_.on() || max_seqs <= 0 || max_blocks_per_seq <= 0) return absl::OkStatus();
     const auto start = std::chrono::steady_clock::now();
     const int top_b = GraphBatch(std::min(max_seqs, kMaxGraphBatch));
@@ -443,6 +449,43 @@ class CudaRunner final : public ModelRunner {
     return absl::OkStatus();
   }
   int decode_graphs() const override { return static_cast<int>(graphs_.size()); }
+
+  // The products' kernels for every row count up to what ReserveSteps sized
+  // (LtGemm::Preload: a kernel's first launch waits for the whole device,
+  // an NCCL receive posted until its peer sends included), on the step
+  // buffers and the first layer's weights; what they write is scratch.
+  absl::Status PreloadProducts() {
+    if (reserved_tokens_ <= 0) return absl::OkStatus();
+    RETURN_IF_ERROR(Cuda(cudaSetDevice(device_), "cudaSetDevice"));
+    const auto start = std::chrono::steady_clock::now();
+    const ModelConfig& c = config();
+    const int T = reserved_tokens_, R = reserved_rows_, H = c.hidden_size, I = c.intermediate_size;
+    const int q_size = c.q_size(), qkv_size = q_size + 2 * c.kv_size();
+    const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[0];
+    struct Shape {
+      const void* x;
+      int rows, k;
+      const void* w;
+      int n;
+      void* y;
+      LtGemm::Out out;
+    };
+    const Shape shapes[] = {
+        {h_.get(), T, H, lw.wqkv.get(), qkv_size, qkv_.get(), LtGemm::Out::kBF16},
+        {attn_.get(), T, q_size, lw.wo.get(), H, h_.get(), LtGemm::Out::kBF16},
+        {h_.get(), T, H, lw.w_gate_up.get(), 2 * I, gu_.get(), LtGemm::Out::kBF16},
+        {act_.get(), T, I, lw.w_down.get(), H, h_.get(), LtGemm::Out::kBF16},
+        {last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, logits_.get(), LtGemm::Out::kF32}};
+    int algorithms = 0;
+    for (const Shape& sh : shapes) {
+      ASSIGN_OR_RETURN(const int n, gemm_->Preload(sh.x, sh.rows, sh.k, sh.w, sh.n, sh.y, sh.out, stream_));
+      algorithms += n;
+    }
+    RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream_), "preload the products"));
+    LOG(INFO) << "cuda runner: " << algorithms << " cuBLASLt algorithms launched for products of up to " << T
+              << " rows in " << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s";
+    return absl::OkStatus();
+  }
 
   absl::Status Logits(const BatchInput& in, KvStorage& kv, std::vector<float>* logits) override {
     absl::Status status = Run(in, kv);
@@ -515,8 +558,9 @@ class CudaRunner final : public ModelRunner {
       RETURN_IF_ERROR(
           Cuda(cudaMemcpyAsync(d_rows, pinned_rows_.get(), g * sizeof(int), cudaMemcpyHostToDevice, stream_),
                "upload rows"));
+      // (rows, ids, then the argmax's pairs: g * 8 bytes in, 8-byte aligned)
       RETURN_IF_ERROR(Launch(cuda_ops::LaunchArgmax(static_cast<const float*>(logits_.get()), d_rows, int(g),
-                                                    c.vocab_size, d_ids, stream_),
+                                                    c.vocab_size, d_rows + 2 * g, d_ids, stream_),
                              "argmax"));
       RETURN_IF_ERROR(
           Cuda(cudaMemcpyAsync(pinned_ids_.get(), d_ids, g * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_), "ids"));
@@ -769,7 +813,7 @@ class CudaRunner final : public ModelRunner {
   absl::Status ReserveGreedyRows(int g) {
     RETURN_IF_ERROR(Reserve(&pinned_rows_, int64_t{g} * int64_t{sizeof(int)}, "pinned rows"));
     RETURN_IF_ERROR(Reserve(&pinned_ids_, int64_t{g} * int64_t{sizeof(int32_t)}, "pinned ids"));
-    return Reserve(&sample_meta_, int64_t{g} * 8, "sampling", stream_);
+    return Reserve(&sample_meta_, int64_t{g} * 8 + cuda_ops::ArgmaxWorkspaceBytes(g), "sampling", stream_);
   }
 
   absl::Status Forward(const BatchInput& in, KvStorage& kv) {
@@ -1033,6 +1077,7 @@ class CudaRunner final : public ModelRunner {
   const int device_;
   const bool batch_invariant_;
   const bool cuda_graphs_;
+  int reserved_tokens_ = 0, reserved_rows_ = 0;  // ReserveSteps' sizes (PreloadProducts)
   const bool gpu_sampling_;
   const bool use_gemv_ = [] {
     const char* e = std::getenv("TANDEM_GEMV");

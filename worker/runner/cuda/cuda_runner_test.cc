@@ -34,6 +34,13 @@
 namespace tandem::worker {
 namespace {
 
+// As a worker with the NCCL transport runs (worker_command.cc): every kernel
+// loaded when CUDA starts, since under lazy loading the first launch of a
+// kernel waits for the whole device (StepsNeverWaitForOtherStreamsWork
+// failed so on an H200: a cuBLASLt product of a new shape, the prefill
+// kernel's long-context variant). Set before main, so before CUDA starts.
+const bool kEagerModuleLoading = [] { return setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0; }();
+
 using ::testing::HasSubstr;
 
 // Seeded weights rounded to bfloat16 and stored so (as a bf16 checkpoint
@@ -317,6 +324,7 @@ TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
     std::unique_ptr<KvStorage> kv = Pool(**gpu, 64);
     ASSERT_NE(kv, nullptr);
     ASSERT_TRUE((*gpu)->ReserveSteps(1024, 1024, 64).ok());  // as the engine does
+    ASSERT_TRUE((*gpu)->WarmUp(*kv, 1024, 64).ok());
     auto run = [&](std::vector<int> lengths) {
       size_t sampled = 0;
       for (int n : lengths) sampled += TeacherForced(**gpu, *kv, RandomTokens(n, config.vocab_size, n), n).size();
@@ -333,14 +341,20 @@ TEST(CudaRunnerTest, StepsNeverWaitForOtherStreamsWork) {
     };
     EXPECT_EQ(run({8, 100}), size_t{108});
     EXPECT_TRUE(beside_a_blocked_stream({8, 100})) << "a step of shapes run before waited for another stream";
-    EXPECT_TRUE(beside_a_blocked_stream({400, 900})) << "a step whose buffers grew waited for another stream";
+    EXPECT_TRUE(beside_a_blocked_stream({400, 900})) << "a step of new shapes waited for another stream";
   }
 }
 
 // The calls a step makes the first time it meets a shape, one by one beside
 // a blocked stream (as above): which of them wait for other streams' work.
 // cudaFree must (the control: it shows that the stand-in holds what an NCCL
-// receive holds); none of the others may.
+// receive holds); none of the others may. (cudaFreeHost waits too, on an
+// H200: pinned buffers keep their earlier allocations, cuda_buffers.h.) A
+// cuBLASLt product whose algorithm was never launched waits too, eager
+// module loading or not (H200): the runner launches every algorithm its
+// products can take before serving (LtGemm::Preload), so a product of a new
+// row count must not wait; whether one of an unplanned shape does is
+// printed.
 TEST(CudaRunnerTest, FirstUseCallsNeverWaitForOtherStreamsWork) {
   if (SkipWithoutGpu()) GTEST_SKIP();
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
@@ -362,6 +376,10 @@ TEST(CudaRunnerTest, FirstUseCallsNeverWaitForOtherStreamsWork) {
   void* pooled = nullptr;
   void* plain = nullptr;
   ASSERT_EQ(cudaMalloc(&plain, 1 << 20), cudaSuccess);
+  absl::StatusOr<int> algorithms = (*gemm)->Preload(x, kM, kK, w, kN, y, LtGemm::Out::kF32, s);
+  ASSERT_TRUE(algorithms.ok()) << algorithms.status();
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  std::printf("%d cuBLASLt algorithms for 1 to %d rows of a %dx%d product\n", *algorithms, kM, kN, kK);
   const std::vector<std::pair<const char*, std::function<void()>>> calls = {
       {"cudaMemcpyAsync from pageable memory",
        [&] {
@@ -386,9 +404,9 @@ TEST(CudaRunnerTest, FirstUseCallsNeverWaitForOtherStreamsWork) {
          cudaFreeAsync(pooled, s);
          cudaStreamSynchronize(s);
        }},
-      {"a cuBLASLt product of a new shape",
+      {"a cuBLASLt product of a row count not run before (its algorithms preloaded)",
        [&] {
-         EXPECT_TRUE((*gemm)->Gemm(x, kM, kK, w, kN, 0.0f, y, LtGemm::Out::kF32, s).ok());
+         EXPECT_TRUE((*gemm)->Gemm(x, kM - 1, kK, w, kN, 0.0f, y, LtGemm::Out::kF32, s).ok());
          cudaStreamSynchronize(s);
        }},
       {"a CUDA graph: capture, instantiate, launch",
@@ -411,13 +429,20 @@ TEST(CudaRunnerTest, FirstUseCallsNeverWaitForOtherStreamsWork) {
          cudaStreamDestroy(t);
        }},
       {"cudaMallocHost", [&] { cudaMallocHost(&pinned, 1 << 20); }},
-      {"cudaFreeHost", [&] { cudaFreeHost(pinned); }},
   };
+  ASSERT_TRUE(kEagerModuleLoading);
   for (const auto& [name, call] : calls) EXPECT_TRUE(returns(call)) << name << " waited for another stream's work";
   EXPECT_FALSE(returns([&] { cudaFree(plain); })) << "cudaFree did not wait: the blocked stream stands in for nothing";
+  const bool unplanned = returns([&] {
+    EXPECT_TRUE((*gemm)->Gemm(x, kM, kK / 2, w, kN, 0.0f, y, LtGemm::Out::kBF16, s).ok());
+    cudaStreamSynchronize(s);
+  });
+  std::printf("a cuBLASLt product of a shape never planned %s for another stream's work\n",
+              unplanned ? "did not wait" : "waited");
   cudaGetLastError();
   cudaStreamDestroy(s);
   for (void* p : {x, w, y}) cudaFree(p);
+  cudaFreeHost(pinned);
   gemm->reset();
   cudaFree(ws);
 }

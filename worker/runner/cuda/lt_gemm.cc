@@ -4,6 +4,8 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -185,6 +187,20 @@ absl::Status LtGemm::Gemm(const void* x, int m, int k, const void* w, int n, flo
     return absl::InternalError(absl::StrFormat("cublasLtMatmul (%dx%dx%d): %s", m, n, k, api_->Error(s)));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<int> LtGemm::Preload(const void* x, int max_m, int k, const void* w, int n, void* y, Out out,
+                                    void* stream) {
+  std::set<std::string> seen;  // the algorithms' bytes
+  for (int m = 1; m <= max_m; ++m) {
+    absl::StatusOr<const Plan*> plan = PlanFor(Key{m, n, k, out});
+    if (!plan.ok()) return plan.status();
+    std::string bytes(sizeof((*plan)->algo), '\0');
+    std::memcpy(bytes.data(), &(*plan)->algo, bytes.size());
+    if (!seen.insert(std::move(bytes)).second) continue;
+    if (absl::Status s = Gemm(x, m, k, w, n, 0.0f, y, out, stream); !s.ok()) return s;
+  }
+  return static_cast<int>(seen.size());
 }
 
 }  // namespace tandem::worker

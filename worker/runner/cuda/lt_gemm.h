@@ -41,6 +41,15 @@ class LtGemm {
   // Enqueues the product on `stream` (a cudaStream_t). beta is 0 or 1.
   absl::Status Gemm(const void* x, int m, int k, const void* w, int n, float beta, void* y, Out out, void* stream);
 
+  // Plans the product for every m from 1 to max_m and runs it once (beta 0,
+  // into y) for each distinct algorithm among them, so that no later Gemm
+  // of these shapes picks a kernel that was never launched. cuBLASLt loads a
+  // kernel at its first launch, and loading waits for all of the device's
+  // work, an NCCL receive posted until its peer sends included (found on an
+  // H200: CudaRunnerTest.FirstUseCallsNeverWaitForOtherStreamsWork). x and y
+  // hold max_m rows. Returns the number of distinct algorithms.
+  absl::StatusOr<int> Preload(const void* x, int max_m, int k, const void* w, int n, void* y, Out out, void* stream);
+
  private:
   struct Api;
   struct Plan;

@@ -7,6 +7,8 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -134,6 +136,84 @@ TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
         EXPECT_EQ(__bfloat162float(yb[i]), __bfloat162float(__float2bfloat16(y[i]))) << i;
       }
     }
+  }
+}
+
+// The greedy argmax (cuda_ops::LaunchArgmax) against the host sampler's
+// rule: NaN never chosen, +inf the largest, ties to the lowest id, a row of
+// -inf or NaN gives 0; maxima planted at the edges of the CTAs' slices.
+TEST_F(LtGemmTest, ArgmaxFollowsTheHostSamplersRule) {
+  auto host = [](const float* row, int vocab) {
+    int best = 0;
+    float bv = -INFINITY;
+    bool any = false;
+    for (int i = 0; i < vocab; ++i) {
+      float v = std::isnan(row[i]) ? -INFINITY : row[i];
+      if (v == INFINITY) v = FLT_MAX;
+      if (!any || v > bv) {
+        bv = v;
+        best = i;
+        any = true;
+      }
+    }
+    return best;
+  };
+  for (const int vocab : {128256, 1001, 31, 1}) {
+    SCOPED_TRACE(::testing::Message() << "vocab " << vocab);
+    const int slice = (vocab + cuda_ops::kArgmaxParts - 1) / cuda_ops::kArgmaxParts;
+    std::mt19937 rng(vocab);
+    std::normal_distribution<float> d(0.0f, 3.0f);
+    std::vector<std::vector<float>> rows;
+    auto random_row = [&] {
+      std::vector<float> r(vocab);
+      for (float& x : r) x = d(rng);
+      return r;
+    };
+    for (int edge : {0, slice - 1, slice, vocab - 1, vocab / 2}) {  // a planted maximum
+      std::vector<float> r = random_row();
+      r[std::min(std::max(edge, 0), vocab - 1)] = 100.0f;
+      rows.push_back(r);
+    }
+    {  // a tie across two slices: the lower id
+      std::vector<float> r = random_row();
+      r[std::min(vocab - 1, slice + 3)] = 50.0f;
+      r[vocab - 1] = 50.0f;
+      rows.push_back(r);
+    }
+    {  // NaN everywhere but one value, then +inf twice
+      std::vector<float> r(vocab, NAN);
+      r[vocab / 3] = -5.0f;
+      rows.push_back(r);
+      r = random_row();
+      r[vocab - 1] = INFINITY;
+      r[vocab / 2] = INFINITY;
+      rows.push_back(r);
+    }
+    rows.push_back(std::vector<float>(vocab, -INFINITY));
+    rows.push_back(std::vector<float>(vocab, NAN));
+    {  // -0 and 0 tie
+      std::vector<float> r(vocab, -1.0f);
+      r[vocab - 1] = 0.0f;
+      r[0] = -0.0f;
+      rows.push_back(r);
+    }
+    for (int i = 0; i < 40; ++i) rows.push_back(random_row());
+    const int n = static_cast<int>(rows.size());
+    std::vector<float> flat;
+    for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+    // The rows asked for in reverse, every other one.
+    std::vector<int> pick;
+    for (int i = n - 1; i >= 0; i -= 2) pick.push_back(i);
+    const int m = static_cast<int>(pick.size());
+    Device dl(flat.size() * 4), drows(pick.size() * 4), dws(cuda_ops::ArgmaxWorkspaceBytes(m)), dout(pick.size() * 4);
+    ASSERT_EQ(cudaMemcpy(dl.p, flat.data(), flat.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(drows.p, pick.data(), pick.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cuda_ops::LaunchArgmax(static_cast<const float*>(dl.p), static_cast<const int*>(drows.p), m, vocab, dws.p,
+                                     static_cast<int32_t*>(dout.p), nullptr),
+              0);
+    std::vector<int32_t> got(pick.size());
+    ASSERT_EQ(cudaMemcpy(got.data(), dout.p, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int i = 0; i < m; ++i) EXPECT_EQ(got[i], host(rows[pick[i]].data(), vocab)) << "row " << pick[i];
   }
 }
 

@@ -255,39 +255,61 @@ int GemvFor(const bf16* x, int k, const bf16* w, int n, void* y, bool f32, cudaS
   return static_cast<int>(cudaGetLastError());
 }
 
-// One CTA per row: each thread's best (value, id), then the block's.
-__global__ void ArgmaxKernel(const float* logits, const int* rows, int vocab, int32_t* out) {
-  const float* row = logits + int64_t{rows[blockIdx.x]} * vocab;
-  float best = -INFINITY;
-  int best_id = 0;
-  bool any = false;
-  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+// (value, id) pairs: the larger value wins, a tie goes to the lower id;
+// id INT_MAX is "nothing seen" and loses to anything.
+struct ArgmaxPair {
+  float v;
+  int id;
+};
+__device__ __forceinline__ ArgmaxPair Better(ArgmaxPair a, ArgmaxPair b) {
+  if (a.id == INT_MAX) return b;
+  if (b.id == INT_MAX) return a;
+  return (b.v > a.v || (b.v == a.v && b.id < a.id)) ? b : a;
+}
+__device__ __forceinline__ ArgmaxPair WarpBest(ArgmaxPair p) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    ArgmaxPair o{__shfl_xor_sync(0xffffffffu, p.v, off), __shfl_xor_sync(0xffffffffu, p.id, off)};
+    p = Better(p, o);
+  }
+  return p;
+}
+
+constexpr int kArgmaxThreads = 256;
+
+// Grid (kArgmaxParts, rows): CTA (p, r) takes the p-th slice of row rows[r]
+// and writes its best pair to part[r * kArgmaxParts + p].
+__global__ void __launch_bounds__(kArgmaxThreads)
+    ArgmaxPartKernel(const float* logits, const int* rows, int vocab, ArgmaxPair* part) {
+  const float* row = logits + int64_t{rows[blockIdx.y]} * vocab;
+  const int per = (vocab + kArgmaxParts - 1) / kArgmaxParts;
+  const int begin = blockIdx.x * per, end = min(vocab, begin + per);
+  ArgmaxPair best{-INFINITY, INT_MAX};
+#pragma unroll 4
+  for (int i = begin + threadIdx.x; i < end; i += kArgmaxThreads) {
     float v = row[i];
     if (isnan(v)) v = -INFINITY;  // as the host sampler reads it
     if (v == INFINITY) v = FLT_MAX;
-    if (!any || v > best) {  // ids grow along a thread's walk: ties keep the first
-      best = v;
-      best_id = i;
-      any = true;
-    }
+    best = Better(best, ArgmaxPair{v, i});
   }
-  __shared__ float s_val[1024];
-  __shared__ int s_id[1024];
-  s_val[threadIdx.x] = any ? best : -INFINITY;
-  s_id[threadIdx.x] = any ? best_id : INT_MAX;
+  best = WarpBest(best);
+  __shared__ ArgmaxPair s[kArgmaxThreads / 32];
+  if (threadIdx.x % 32 == 0) s[threadIdx.x / 32] = best;
   __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-    if (threadIdx.x < stride) {
-      const float v = s_val[threadIdx.x + stride];
-      const int id = s_id[threadIdx.x + stride];
-      if (v > s_val[threadIdx.x] || (v == s_val[threadIdx.x] && id < s_id[threadIdx.x])) {
-        s_val[threadIdx.x] = v;
-        s_id[threadIdx.x] = id;
-      }
-    }
-    __syncthreads();
+  if (threadIdx.x < 32) {
+    best = WarpBest(threadIdx.x < kArgmaxThreads / 32 ? s[threadIdx.x] : ArgmaxPair{-INFINITY, INT_MAX});
+    if (threadIdx.x == 0) part[blockIdx.y * kArgmaxParts + blockIdx.x] = best;
   }
-  if (threadIdx.x == 0) out[blockIdx.x] = s_id[0] == INT_MAX ? 0 : s_id[0];
+}
+
+// One warp a row over its kArgmaxParts pairs.
+__global__ void ArgmaxFinalKernel(const ArgmaxPair* part, int num_rows, int32_t* out) {
+  static_assert(kArgmaxParts <= 32);
+  const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (r >= num_rows) return;
+  const ArgmaxPair best =
+      WarpBest(lane < kArgmaxParts ? part[r * kArgmaxParts + lane] : ArgmaxPair{-INFINITY, INT_MAX});
+  if (lane == 0) out[r] = best.id == INT_MAX ? 0 : best.id;
 }
 
 // One warp per block (KvChecksums): lane l owns accumulator l % 8 and
@@ -430,9 +452,17 @@ int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool 
   }
 }
 
-int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, int32_t* out, void* stream) {
+int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, void* workspace, int32_t* out,
+                 void* stream) {
   if (num_rows == 0) return 0;
-  ArgmaxKernel<<<num_rows, 1024, 0, S(stream)>>>(logits, rows, vocab, out);
+  if (num_rows > 65535 || vocab <= 0 || reinterpret_cast<uintptr_t>(workspace) % 8 != 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  auto* part = static_cast<ArgmaxPair*>(workspace);
+  ArgmaxPartKernel<<<dim3(kArgmaxParts, num_rows), kArgmaxThreads, 0, S(stream)>>>(logits, rows, vocab, part);
+  constexpr int kRowsPerCta = 8;
+  ArgmaxFinalKernel<<<(num_rows + kRowsPerCta - 1) / kRowsPerCta, kRowsPerCta * 32, 0, S(stream)>>>(part, num_rows,
+                                                                                                    out);
   return Err();
 }
 

@@ -63,8 +63,15 @@ int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* st
 // out[i] = the argmax of logits row rows[i] (float32, `vocab` wide) as the
 // host sampler's greedy pick: NaN never chosen, +inf as the largest float,
 // ties to the lowest id, a row of -inf gives 0. For rows that need nothing
-// else (no penalties, masks or logprobs).
-int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, int32_t* out, void* stream);
+// else (no penalties, masks or logprobs). Each row is split over
+// kArgmaxParts CTAs (one CTA could not read a 128k-wide row at the memory's
+// rate), whose (value, id) pairs go to `workspace`
+// (ArgmaxWorkspaceBytes(num_rows), 8-byte aligned) and one warp a row then
+// picks among them.
+inline constexpr int kArgmaxParts = 32;
+inline constexpr int64_t ArgmaxWorkspaceBytes(int num_rows) { return int64_t{num_rows} * kArgmaxParts * 8; }
+int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, void* workspace, int32_t* out,
+                 void* stream);
 
 // y[m, n] = x[m, k] . w[n, k]^T for m <= kMaxGemvRows rows (decode's
 // products): a warp per output column streams its weight row once in 16-byte
