@@ -913,11 +913,12 @@ class CudaRunner final : public ModelRunner {
 
   float* X() const { return static_cast<float*>(x_.get()); }
 
-  // y = x . w^T: cuBLASLt, or at up to kMaxGemvRows rows the GEMV kernel
-  // when TANDEM_GEMV=1 (an experiment until measured on the GPU machine;
-  // never in the batch-invariant mode, whose rows must not depend on m).
+  // y = x . w^T: cuBLASLt, or at up to gemv_rows_ rows the GEMV kernel
+  // (TANDEM_GEMV=N, N <= kMaxGemvRows: an experiment until measured on the
+  // GPU machine; never in the batch-invariant mode, whose rows must not
+  // depend on m).
   absl::Status Product(const void* x, int m, int k, const void* w, int n, void* y, LtGemm::Out out, void* s) {
-    if (use_gemv_ && m <= cuda_ops::kMaxGemvRows) {
+    if (m <= gemv_rows_) {
       return Launch(cuda_ops::LaunchGemv(x, m, k, w, n, y, out == LtGemm::Out::kF32, s), "gemv");
     }
     return gemm_->Gemm(x, m, k, w, n, 0.0f, y, out, s);
@@ -1079,10 +1080,11 @@ class CudaRunner final : public ModelRunner {
   const bool cuda_graphs_;
   int reserved_tokens_ = 0, reserved_rows_ = 0;  // ReserveSteps' sizes (PreloadProducts)
   const bool gpu_sampling_;
-  const bool use_gemv_ = [] {
+  const int gemv_rows_ = [this] {
     const char* e = std::getenv("TANDEM_GEMV");
-    return e != nullptr && std::string_view(e) == "1";
-  }() && !batch_invariant_;
+    const int rows = e != nullptr ? std::atoi(e) : 0;
+    return batch_invariant_ ? 0 : std::clamp(rows, 0, cuda_ops::kMaxGemvRows);
+  }();
   StepProfile profile_;
   std::vector<AttentionRun> runs_;
   std::vector<int> run_query_starts_;

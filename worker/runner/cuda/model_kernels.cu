@@ -196,6 +196,16 @@ __global__ void AddBiasKernel(bf16* y, int n, int64_t total, const bf16* bias) {
   }
 }
 
+// A weight vector streamed past L1 (read once a step; the x rows, read by
+// every warp, stay cached).
+__device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 template <int M, typename Out>
 __global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, Out* y, int n, int k) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -206,26 +216,39 @@ __global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, 
   float acc[M];
 #pragma unroll
   for (int r = 0; r < M; ++r) acc[r] = 0.0f;
-#pragma unroll 4
-  for (int c = lane; c < chunks; c += 32) {
-    const uint4 wv = __ldg(wr + c);
-    const auto* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv);
-    float wf[8];
+  // kLoads 16-byte weight loads in flight a lane (all issued before any is
+  // used): 4 KB a warp at one or two rows, enough to keep the HBM busy with
+  // the few warps a small product has.
+  constexpr int kLoads = M <= 2 ? 8 : 4;
+  for (int base = lane; base < chunks; base += 32 * kLoads) {
+    uint4 wv[kLoads];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float2 f = __bfloat1622float2(w2[q]);
-      wf[2 * q] = f.x;
-      wf[2 * q + 1] = f.y;
+    for (int u = 0; u < kLoads; ++u) {
+      const int c = base + 32 * u;
+      wv[u] = c < chunks ? LoadStreaming(wr + c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int r = 0; r < M; ++r) {
-      const uint4 xv = *reinterpret_cast<const uint4*>(x + int64_t{r} * k + 8 * c);
-      const auto* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+    for (int u = 0; u < kLoads; ++u) {
+      const int c = base + 32 * u;
+      if (c >= chunks) break;
+      const auto* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[u]);
+      float wf[8];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(x2[q]);
-        acc[r] = fmaf(wf[2 * q], f.x, acc[r]);
-        acc[r] = fmaf(wf[2 * q + 1], f.y, acc[r]);
+        const float2 f = __bfloat1622float2(w2[q]);
+        wf[2 * q] = f.x;
+        wf[2 * q + 1] = f.y;
+      }
+#pragma unroll
+      for (int r = 0; r < M; ++r) {
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + int64_t{r} * k) + c);
+        const auto* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(x2[q]);
+          acc[r] = fmaf(wf[2 * q], f.x, acc[r]);
+          acc[r] = fmaf(wf[2 * q + 1], f.y, acc[r]);
+        }
       }
     }
   }
