@@ -3,9 +3,10 @@
 # GPU, CUDA 13 and torch/transformers (the lent GPU machine):
 #   runner   cuda_runner_test, lt_gemm_test and gpu_sampler_test (the cuda
 #            runner against the CPU runner, chunk and batch invariance,
-#            --gpu-memory-utilization, device block checksums; cuBLASLt rows
-#            independent of the batch; the GPU sampler's tokens against the
-#            host sampler's)
+#            --gpu-memory-utilization, device block checksums, no step waiting
+#            beside a blocked stream; cuBLASLt rows independent of the batch,
+#            the GEMV and the greedy argmax; the GPU sampler's tokens against
+#            the host sampler's)
 #   transfer kvtransfer_cuda_ipc_test (the cuda_ipc KV transport), then
 #            disagg_grpc_test on GPU workers over cuda_ipc (--batch-invariant)
 #            and up_command_test's GPU split cluster through the router

@@ -1,6 +1,7 @@
 // LtGemm on the GPU: products against a float64 reference, and a row's bits
 // independent of how many rows the product has (what makes the engine's
-// batching invisible to each sequence). Skips without a GPU or cuBLASLt.
+// batching invisible to each sequence); the decode GEMV and the greedy
+// argmax kernels beside them. Skips without a GPU or cuBLASLt.
 #include "worker/runner/cuda/lt_gemm.h"
 
 #include <cuda_bf16.h>
