@@ -576,6 +576,7 @@ __device__ __forceinline__ void ConsumerBarrier() { asm volatile("bar.sync 1, %0
 // 64 x 1k), nothing at long ones.
 __device__ __forceinline__ void PrefetchItemLookups(const AttnArgs& a, int item, int num_splits, int keys_per_split,
                                                     int bs_shift, int lane) {
+  if (a.num_seqs <= 0) return;
   const int split = item % num_splits, unit = item / num_splits;
   const int token = unit / a.pool.num_kv_heads;
   const int seq = min(token, a.num_seqs - 1);

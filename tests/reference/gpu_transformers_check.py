@@ -151,6 +151,8 @@ def main():
     parser.add_argument("--weights", choices=["random", "trained", "both"], default="both")
     parser.add_argument("--train-steps", type=int, default=300)
     args = parser.parse_args()
+    if args.train_steps < 1:
+        parser.error("--train-steps must be at least 1")
     try:
         import numpy as np
         import torch

@@ -300,13 +300,15 @@ __device__ __forceinline__ ArgmaxPair WarpBest(ArgmaxPair p) {
 
 constexpr int kArgmaxThreads = 256;
 
-// Grid (kArgmaxParts, rows): CTA (p, r) takes the p-th slice of row rows[r]
+static_assert(sizeof(ArgmaxPair) * kArgmaxParts == ArgmaxWorkspaceBytes(1));
+
+// Grid (rows, kArgmaxParts): CTA (r, p) takes the p-th slice of row rows[r]
 // and writes its best pair to part[r * kArgmaxParts + p].
 __global__ void __launch_bounds__(kArgmaxThreads)
     ArgmaxPartKernel(const float* logits, const int* rows, int vocab, ArgmaxPair* part) {
-  const float* row = logits + int64_t{rows[blockIdx.y]} * vocab;
+  const float* row = logits + int64_t{rows[blockIdx.x]} * vocab;
   const int per = (vocab + kArgmaxParts - 1) / kArgmaxParts;
-  const int begin = blockIdx.x * per, end = min(vocab, begin + per);
+  const int begin = blockIdx.y * per, end = min(vocab, begin + per);
   ArgmaxPair best{-INFINITY, INT_MAX};
 #pragma unroll 4
   for (int i = begin + threadIdx.x; i < end; i += kArgmaxThreads) {
@@ -321,7 +323,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   __syncthreads();
   if (threadIdx.x < 32) {
     best = WarpBest(threadIdx.x < kArgmaxThreads / 32 ? s[threadIdx.x] : ArgmaxPair{-INFINITY, INT_MAX});
-    if (threadIdx.x == 0) part[blockIdx.y * kArgmaxParts + blockIdx.x] = best;
+    if (threadIdx.x == 0) part[int64_t{blockIdx.x} * kArgmaxParts + blockIdx.y] = best;
   }
 }
 
@@ -478,11 +480,9 @@ int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool 
 int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, void* workspace, int32_t* out,
                  void* stream) {
   if (num_rows == 0) return 0;
-  if (num_rows > 65535 || vocab <= 0 || reinterpret_cast<uintptr_t>(workspace) % 8 != 0) {
-    return static_cast<int>(cudaErrorInvalidValue);
-  }
+  if (vocab <= 0 || reinterpret_cast<uintptr_t>(workspace) % 8 != 0) return static_cast<int>(cudaErrorInvalidValue);
   auto* part = static_cast<ArgmaxPair*>(workspace);
-  ArgmaxPartKernel<<<dim3(kArgmaxParts, num_rows), kArgmaxThreads, 0, S(stream)>>>(logits, rows, vocab, part);
+  ArgmaxPartKernel<<<dim3(num_rows, kArgmaxParts), kArgmaxThreads, 0, S(stream)>>>(logits, rows, vocab, part);
   constexpr int kRowsPerCta = 8;
   ArgmaxFinalKernel<<<(num_rows + kRowsPerCta - 1) / kRowsPerCta, kRowsPerCta * 32, 0, S(stream)>>>(part, num_rows,
                                                                                                     out);
