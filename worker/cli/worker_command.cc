@@ -554,7 +554,8 @@ void AddWorkerCommand(CLI::App& app) {
                   "KV block transport between workers: none, ucx (host memory, across hosts), ucx_staged (any "
                   "pool through host staging, send/receive: GPU memory across hosts; needs --kv-delivery push), "
                   "cuda_ipc (GPU memory, GPUs of one host) or nccl (GPU memory between two GPUs, send/receive; "
-                  "needs --kv-delivery push; libnccl.so.2 from the loader path or $TANDEM_NCCL)")
+                  "needs --kv-delivery push; libnccl.so.2 from the loader path or $TANDEM_NCCL; the worker then "
+                  "loads every CUDA kernel at start: CUDA_MODULE_LOADING=EAGER unless set)")
       ->capture_default_str();
   cmd->add_option("--kv-transport-tls", opt->kv_transport_tls, "UCX transports: auto, shm (one host) or tcp")
       ->capture_default_str();
