@@ -547,47 +547,48 @@ __host__ __device__ constexpr int StreamSmemBytes() {
   return kStages * (2 * kMmaTile * kD * 2 + StreamQBytes<kD>()) + 1024;
 }
 
-__device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, int num_splits, int keys_per_split) {
-  StreamItem it;
-  it.split = item % num_splits;
-  const int unit = item / num_splits;
-  it.kv_head = unit % a.pool.num_kv_heads;
-  it.token = unit / a.pool.num_kv_heads;
-  // Decode batches: sequence `token` holds just this token (no search).
-  const bool own = it.token < a.num_seqs && __ldg(&a.query_start[it.token]) == it.token &&
-                   __ldg(&a.query_start[it.token + 1]) == it.token + 1;
-  it.seq = own ? it.token : SequenceOf(a.query_start, a.num_seqs, it.token);
-  it.n_keys = KeysIn(a, it.seq, it.token);
-  it.k_begin = it.split * keys_per_split;
-  it.k_end = min(it.n_keys, it.k_begin + keys_per_split);
-  return it;
-}
-
-__device__ __forceinline__ void ConsumerBarrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kStreamConsumers * 32)); }
-
 // Brings the lines an item's lookups read into L1 at once (the query
-// starts and context length of its token's own sequence, the first block
-// ids of its split), so that DecodeItem's dependent loads (query starts,
+// starts and context length of `token`'s own sequence, the first block ids
+// from `first_block`), so that DecodeItem's dependent loads (query starts,
 // then the context length, then the block ids) take one memory round trip
 // instead of three. A guess: right for decode batches (a token is its own
 // sequence), harmless otherwise (the addresses are in the arrays). Four
 // lines of block ids: 128 ids, a 2048-key item at pages of 16. Measured on
 // an H200 (kernels/cuda/NOTES.md): 0.5-1% at short items (1 x 128, 1 x 8k,
 // 64 x 1k), nothing at long ones.
-__device__ __forceinline__ void PrefetchItemLookups(const AttnArgs& a, int item, int num_splits, int keys_per_split,
-                                                    int bs_shift, int lane) {
+__device__ __forceinline__ void PrefetchItemLookups(const AttnArgs& a, int token, int first_block, int lane) {
   if (a.num_seqs <= 0) return;
-  const int split = item % num_splits, unit = item / num_splits;
-  const int token = unit / a.pool.num_kv_heads;
   const int seq = min(token, a.num_seqs - 1);
   auto prefetch = [](const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); };
   if (lane == 0) {
     prefetch(&a.query_start[seq]);
     prefetch(&a.context_lens[seq]);
   }
-  const int b = ((split * keys_per_split) >> bs_shift) + 32 * lane;
+  const int b = first_block + 32 * lane;
   if (lane < 4 && b < a.max_blocks_per_seq) prefetch(a.block_tables + int64_t{seq} * a.max_blocks_per_seq + b);
 }
+
+// An item's token, KV head, split, sequence and key range; `lane` of the
+// warp that asks (the producer), which prefetches the lookups first.
+__device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, int num_splits, int keys_per_split,
+                                                 int bs_shift, int lane) {
+  StreamItem it;
+  it.split = item % num_splits;
+  const int unit = item / num_splits;
+  it.kv_head = unit % a.pool.num_kv_heads;
+  it.token = unit / a.pool.num_kv_heads;
+  it.k_begin = it.split * keys_per_split;
+  PrefetchItemLookups(a, it.token, it.k_begin >> bs_shift, lane);
+  // Decode batches: sequence `token` holds just this token (no search).
+  const bool own = it.token < a.num_seqs && __ldg(&a.query_start[it.token]) == it.token &&
+                   __ldg(&a.query_start[it.token + 1]) == it.token + 1;
+  it.seq = own ? it.token : SequenceOf(a.query_start, a.num_seqs, it.token);
+  it.n_keys = KeysIn(a, it.seq, it.token);
+  it.k_end = min(it.n_keys, it.k_begin + keys_per_split);
+  return it;
+}
+
+__device__ __forceinline__ void ConsumerBarrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kStreamConsumers * 32)); }
 
 template <typename T, int kD>
 __global__ void __launch_bounds__(kStreamThreads, 2)
@@ -639,8 +640,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       p.item = item;
       p.done = item >= num_items;
       if (p.done) return p;
-      PrefetchItemLookups(a, item, num_splits, keys_per_split, bs_shift, lane);
-      p.it = DecodeItem(a, item, num_splits, keys_per_split);
+      p.it = DecodeItem(a, item, num_splits, keys_per_split, bs_shift, lane);
       p.skip = p.it.k_begin >= p.it.k_end;  // past this token's keys
       if (p.skip) return p;
       p.table = a.block_tables + int64_t{p.it.seq} * a.max_blocks_per_seq;

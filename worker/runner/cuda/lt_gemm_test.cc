@@ -17,6 +17,7 @@
 
 #include "kernels/paged_attention.h"
 #include "worker/runner/cuda/model_kernels.h"
+#include "worker/sampling/sampler.h"
 
 namespace tandem::worker {
 namespace {
@@ -142,24 +143,13 @@ TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
 }
 
 // The greedy argmax (cuda_ops::LaunchArgmax) against the host sampler's
-// rule: NaN never chosen, +inf the largest, ties to the lowest id, a row of
-// -inf or NaN gives 0; maxima planted at the edges of the CTAs' slices.
+// greedy pick (SampleToken at temperature 0): NaN never chosen, +inf the
+// largest, ties to the lowest id, a row of -inf or NaN gives 0; maxima
+// planted at the edges of the CTAs' slices.
 TEST_F(LtGemmTest, ArgmaxFollowsTheHostSamplersRule) {
-  auto host = [](const float* row, int vocab) {
-    int best = 0;
-    float bv = -INFINITY;
-    bool any = false;
-    for (int i = 0; i < vocab; ++i) {
-      float v = std::isnan(row[i]) ? -INFINITY : row[i];
-      if (v == INFINITY) v = FLT_MAX;
-      if (!any || v > bv) {
-        bv = v;
-        best = i;
-        any = true;
-      }
-    }
-    return best;
-  };
+  SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  auto host = [&](std::vector<float> row) { return SampleToken(row, greedy, {}, {}, {}, 0).token_id; };
   for (const int vocab : {128256, 1001, 31, 1}) {
     SCOPED_TRACE(::testing::Message() << "vocab " << vocab);
     const int slice = (vocab + cuda_ops::kArgmaxParts - 1) / cuda_ops::kArgmaxParts;
@@ -219,7 +209,7 @@ TEST_F(LtGemmTest, ArgmaxFollowsTheHostSamplersRule) {
               0);
     std::vector<int32_t> got(pick.size());
     ASSERT_EQ(cudaMemcpy(got.data(), dout.p, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    for (int i = 0; i < m; ++i) EXPECT_EQ(got[i], host(rows[pick[i]].data(), vocab)) << "row " << pick[i];
+    for (int i = 0; i < m; ++i) EXPECT_EQ(got[i], host(rows[pick[i]])) << "row " << pick[i];
   }
 }
 

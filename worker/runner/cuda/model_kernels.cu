@@ -9,6 +9,7 @@
 
 #include "common/xxh3_portable.h"
 #include "kernels/cuda/common.cuh"
+#include "worker/runner/cuda/clean_logit.cuh"
 #include "worker/runner/cuda/model_kernels.h"
 
 namespace tandem::worker::cuda_ops {
@@ -312,10 +313,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   ArgmaxPair best{-INFINITY, INT_MAX};
 #pragma unroll 4
   for (int i = begin + threadIdx.x; i < end; i += kArgmaxThreads) {
-    float v = row[i];
-    if (isnan(v)) v = -INFINITY;  // as the host sampler reads it
-    if (v == INFINITY) v = FLT_MAX;
-    best = Better(best, ArgmaxPair{v, i});
+    best = Better(best, ArgmaxPair{CleanLogit(row[i]), i});
   }
   best = WarpBest(best);
   __shared__ ArgmaxPair s[kArgmaxThreads / 32];

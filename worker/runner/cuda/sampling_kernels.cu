@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "worker/runner/cuda/clean_logit.cuh"
 #include "worker/runner/cuda/sampling_kernels.h"
 #include "worker/sampling/sampling_math.h"
 
@@ -38,9 +39,6 @@ struct Shared {
   int token;
   double total;
 };
-
-// NaN never chosen, +inf as the largest float (the host's ReplaceNonFinite).
-__device__ __forceinline__ float Clean(float v) { return isnan(v) ? -INFINITY : fminf(v, FLT_MAX); }
 
 // A float's place in the order as an unsigned (larger float, larger key);
 // -0 counts as +0, as the host's comparisons see them.
@@ -320,7 +318,7 @@ __global__ void __launch_bounds__(kThreads)
   SampleRowResult* r = out + blockIdx.x;
   for (int i = tid; i < vocab; i += kThreads) {
     const float v = x[i];
-    if (!(v >= -FLT_MAX && v <= FLT_MAX) && v != -INFINITY) x[i] = Clean(v);  // NaN or +inf
+    if (!(v >= -FLT_MAX && v <= FLT_MAX) && v != -INFINITY) x[i] = CleanLogit(v);  // NaN or +inf
   }
   __syncthreads();
   // The listed tokens' (cleaned) logits, put back at the end: the row leaves
