@@ -87,9 +87,14 @@ struct SplitPlan {
 SplitPlan PlanSplits(const AttnArgs& a, int num_sms, int64_t workspace_bytes);
 int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes, void* stream);
 // The same with a kernel chosen for comparison (kernels/cuda/bench): 0 the
-// default, 1 the CUDA-core kernel (the fallback for other shapes) always.
+// default, 1 the CUDA-core kernel (the fallback for other shapes) always;
+// at head_dim 128 in bf16, 2 the default without its math (the loads' own
+// time) and 3 the default writing a per-CTA trace (CopyDecodeTrace).
 int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes,
                          void* stream, int variant);
+// Variant 3's trace of its last call: per CTA (the first 1024), its start,
+// first tile's arrival and end (%globaltimer ns) and the items it took.
+int CopyDecodeTrace(unsigned long long* host);
 // The most splits a call of `num_tokens` query tokens can be given (every
 // token is at least one unit of work), for sizing workspaces.
 int MaxUsefulSplits(int num_tokens, int num_sms);

@@ -849,6 +849,29 @@ TEST(CudaAttentionTest, BadBlockIdWithSplitKv) {
                   1, 0, 1);
 }
 
+// More (token, KV head) units than the persistent decode grid's CTAs (two
+// an SM): CTAs take several items each from the work counter, of ragged
+// lengths (1 to 1500 keys). The bad-block run puts a bad id in the middle
+// of the last unit's keys (block 60 of 88): the decode kernel checks ids
+// tile by tile as it loads, so tiles before it were already read, and the
+// rows must still come out zeros.
+Case WiderThanTheGrid(uint32_t seed) {
+  Case c{.num_kv_heads = 2, .group = 4, .head_dim = 128, .block_size = 16, .seed = seed};
+  for (int s = 0; s < 300; ++s) c.seqs.push_back({1, 1 + (s * 37) % 1500});
+  c.seqs.back().ctx = 1400;
+  return c;
+}
+
+TEST(CudaAttentionTest, DecodeBatchWiderThanTheGrid) {
+  SKIP_WITHOUT_GPU();
+  RunCase(WiderThanTheGrid(41));
+}
+
+TEST(CudaAttentionTest, BadBlockIdMidItemInAWideDecodeBatch) {
+  SKIP_WITHOUT_GPU();
+  RunBadBlockCase(WiderThanTheGrid(42), 299, 60, 7);
+}
+
 // Host-checked parameter errors: each a clear InvalidArgument, nothing launched.
 class CudaBadParams : public ::testing::Test {
  protected:

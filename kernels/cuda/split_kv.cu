@@ -498,11 +498,11 @@ __device__ __forceinline__ void MmaTileStep(uint32_t stage, int bs_shift, int wa
 // consumer warps, and a grid of as many CTAs as fit the GPU at once, each
 // walking work items until none are left. Items are numbered split-fastest.
 // The producer takes the next item from an atomic counter in the workspace
-// (so CTAs that finish early take more), checks the item's block ids, and
-// streams its 64-key K/V tiles (TMA with a 128-byte L2 promotion, or
-// cp.async for a tile that ends inside the split) through a ring of
-// `kStages` stages; the
-// item's query rows ride along with its first tile. Each stage carries a
+// (so CTAs that finish early take more) and streams its 64-key K/V tiles
+// (TMA with a 128-byte L2 promotion, or cp.async for a tile that ends
+// inside the split; each tile's block ids checked just before its load)
+// through a ring of `kStages` stages; the item's query rows ride along
+// with its first tile. Each stage carries a
 // descriptor (item, tile, tile count) and completes on a "full" mbarrier;
 // consumers release it on an "empty" mbarrier as soon as they have read it,
 // so the producer runs ahead across item boundaries and no CTA-wide barrier
@@ -531,8 +531,8 @@ struct StageDesc {
   StreamItem it;
   int item;     // -1: no more items (nothing else is set)
   int tile;     // tile index within the item
-  int n_tiles;  // the item's tiles (0: a bad block id; nothing was loaded)
-  int bad;
+  int n_tiles;  // the item's tiles
+  int bad;      // a block id of this tile is out of range: nothing was loaded
 };
 
 template <int kD>
@@ -588,9 +588,19 @@ __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, in
   return it;
 }
 
+// Diagnostic variants (kVar; prefill_check dbench only): bit 0 no math
+// (the loads' own time), bit 1 a trace (per-CTA start, first tile and end
+// times and items taken, into g_decode_trace; CopyDecodeTrace reads it).
+__device__ unsigned long long g_decode_trace[4 * 1024];
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
 __device__ __forceinline__ void ConsumerBarrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kStreamConsumers * 32)); }
 
-template <typename T, int kD>
+template <typename T, int kD, int kVar = 0>
 __global__ void __launch_bounds__(kStreamThreads, 2)
     DecodeStreamKernel(AttnArgs a, const __grid_constant__ CUtensorMap pool_map, bool use_tma, int num_splits,
                        int keys_per_split, int num_items, Partials part, unsigned* sched) {
@@ -608,6 +618,9 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int bs_shift = __ffs(a.pool.block_size) - 1;
   const int bs_mask = a.pool.block_size - 1;
+  constexpr bool kMath = (kVar & 1) == 0;
+  constexpr bool kTrace = (kVar & 2) != 0;
+  if (kTrace && tid == 0 && blockIdx.x < 1024) g_decode_trace[blockIdx.x * 4] = GlobalTimer();
 
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -620,6 +633,9 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
 
   if (warp == kStreamConsumers) {
     // ---- producer ----
+    // The tensor map's descriptor, fetched while the first item's lookups
+    // run rather than by the first TMA load after them.
+    if (lane == 0 && use_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&pool_map) : "memory");
     int taken = 0;
     auto grab = [&]() {
       if (taken++ == 0) return NextWorkItem(sched, 0);
@@ -627,13 +643,19 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       if (lane == 0) next = NextWorkItem(sched, 1);
       return __shfl_sync(0xffffffffu, next, 0);
     };
-    // An item as the producer streams it: decoded, its block ids checked
-    // (which also brings the block table's lines into L1 for the loads).
+    // An item as the producer streams it. Its block ids are checked tile
+    // by tile as the tiles load (a whole-item scan before the first load
+    // cost a long item's first tile up to 30 us: 8192 ids at 128k keys).
     struct Prepared {
       StreamItem it;
       const int32_t* table;
-      int item, n_tiles, bad;
+      int item, n_tiles;
+      int32_t block0;  // this lane's block id of the first tile (lanes < its pages)
       bool done, skip;
+    };
+    // A tile's pages (the last tile of an item may hold fewer keys).
+    auto pages_of = [&](const StreamItem& it, int key0) {
+      return (min(it.k_end, key0 + kMmaTile) - key0 + a.pool.block_size - 1) >> bs_shift;
     };
     auto prepare = [&](int item) {
       Prepared p{};
@@ -644,14 +666,8 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       p.skip = p.it.k_begin >= p.it.k_end;  // past this token's keys
       if (p.skip) return p;
       p.table = a.block_tables + int64_t{p.it.seq} * a.max_blocks_per_seq;
-      bool mine = false;
-      for (int b = (p.it.k_begin >> bs_shift) + lane; b <= (p.it.k_end - 1) >> bs_shift; b += 32) {
-        const int32_t id = __ldg(&p.table[b]);
-        mine |= id < 0 || id >= a.pool.num_blocks;
-      }
-      p.bad = __any_sync(0xffffffffu, mine) ? 1 : 0;
-      if (p.bad && lane == 0) RecordError(a.error, kErrBlockId, p.it.seq);
-      p.n_tiles = p.bad ? 0 : (p.it.k_end - p.it.k_begin + kMmaTile - 1) / kMmaTile;
+      p.n_tiles = (p.it.k_end - p.it.k_begin + kMmaTile - 1) / kMmaTile;
+      p.block0 = lane < pages_of(p.it, p.it.k_begin) ? __ldg(&p.table[(p.it.k_begin >> bs_shift) + lane]) : 0;
       return p;
     };
     const T* pool = static_cast<const T*>(a.pool.kv);
@@ -663,16 +679,27 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
         continue;
       }
       const StreamItem& it = cur.it;
-      const int fills = cur.done ? 1 : max(cur.n_tiles, 1);
+      const int fills = cur.done ? 1 : cur.n_tiles;
       Prepared next{};
+      int32_t next_block = cur.block0;  // the ids are read a tile ahead of their check and load
       for (int t = 0; t < fills; ++t) {
         const uint32_t f = SmemAddr(&full[st]);
         MbarWait(SmemAddr(&empty[st]), ph ^ 1);
         const int key0 = it.k_begin + t * kMmaTile;
-        const bool load = !cur.done && t < cur.n_tiles;
+        // The tile's block ids: one a lane, checked before any load. A bad
+        // id loads nothing for the tile; the consumers then write the
+        // item's rows as zeros (or mark its partials bad).
+        const int pages = pages_of(it, key0);
+        const int32_t block = next_block;
+        int bad = 0;
+        if (!cur.done) {
+          bad = __any_sync(0xffffffffu, lane < pages && (block < 0 || block >= a.pool.num_blocks)) ? 1 : 0;
+          if (bad && lane == 0) RecordError(a.error, kErrBlockId, it.seq);
+        }
+        const bool load = !cur.done && !bad;
         const bool tma = load && use_tma && key0 + kMmaTile <= it.k_end;
         if (lane == 0) {
-          desc[st] = StageDesc{it, cur.done ? -1 : cur.item, t, cur.n_tiles, cur.bad};
+          desc[st] = StageDesc{it, cur.done ? -1 : cur.item, t, cur.n_tiles, bad};
           MbarArriveExpectTx(f, tma ? 2 * kTileBytes : 0);
         }
         __syncwarp();
@@ -686,9 +713,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
         }
         if (tma) {
           // Lane p issues page p's box: its K and V, whole rows.
-          const int pages = kMmaTile >> bs_shift;
           if (lane < pages) {
-            const int32_t block = __ldg(&cur.table[(key0 >> bs_shift) + lane]);
             // The stage was last read by ldmatrix (generic proxy; the empty
             // barrier orders those reads before this): order them before the
             // async writes.
@@ -702,15 +727,26 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
             const int key = key0 + r;
             const T* src = pool;
             int bytes = 0;
+            const int32_t id = __shfl_sync(0xffffffffu, block, (key - key0) >> bs_shift);  // every lane
             if (key < it.k_end) {
-              const int32_t block = __ldg(&cur.table[key >> bs_shift]);
-              src = pool + PoolOffset(a.pool, block, kv, it.kv_head, key & bs_mask) + ch * 8;
+              src = pool + PoolOffset(a.pool, id, kv, it.kv_head, key & bs_mask) + ch * 8;
               bytes = 16;
             }
             CpAsync16(dk + StageOffset<kD>(kv, r, ch, bs_shift), src, bytes);
           }
         }
         MbarArriveOnCpAsync(f);
+        if (!cur.done && t + 1 < fills) {
+          const int key1 = key0 + kMmaTile;
+          next_block = lane < pages_of(it, key1) ? __ldg(&cur.table[(key1 >> bs_shift) + lane]) : 0;
+          // Keeps the block table's lines in L1 ahead of the loads: the line
+          // 128 ids on (32 tiles at pages of 16), after the item's first 128
+          // that PrefetchItemLookups brought.
+          const int ahead = (key0 >> bs_shift) + 128;
+          if (lane == 0 && ahead <= (it.k_end - 1) >> bs_shift) {
+            asm volatile("prefetch.global.L1 [%0];\n" ::"l"(cur.table + ahead));
+          }
+        }
         if (++st == kStages) {
           st = 0;
           ph ^= 1;
@@ -732,10 +768,16 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   float o[kD / 8][4];
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
   int st = 0, ph = 0;
+  int traced_items = 0;
+  int item_bad = 0;  // a tile of the current item had a bad block id
   for (;;) {
     MbarWait(SmemAddr(&full[st]), ph);
+    if (kTrace && tid == 0 && traced_items == 0 && blockIdx.x < 1024) {
+      g_decode_trace[blockIdx.x * 4 + 1] = GlobalTimer();
+    }
     const StageDesc d = desc[st];
     if (d.item < 0) break;
+    if (kTrace && d.tile == 0) ++traced_items;
     const StreamItem& it = d.it;
     if (d.tile == 0) {
       const auto* q = reinterpret_cast<const uint32_t*>(qsmem + st * kQBytes);
@@ -752,8 +794,10 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
       m_a = m_b = -INFINITY;
       l_a = l_b = 0.0f;
+      item_bad = 0;
     }
-    if (d.tile < d.n_tiles) {
+    item_bad |= d.bad;
+    if (kMath && !d.bad) {
       const uint32_t ck = base + st * 2 * kTileBytes;
       MmaTileStep<T, kD>(ck, bs_shift, warp, lane, qa, it.k_begin + d.tile * kMmaTile + warp * 16, it.k_end, qk_scale,
                          o, m_a, m_b, l_a, l_b);
@@ -834,7 +878,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     if (warp == 2) put(buf);
     ConsumerBarrier();
     if (warp == 0) add(merge + (kD / 8) * 32);
-    const bool bad = d.bad != 0;
+    const bool bad = item_bad != 0;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = g + half * 8;
@@ -872,15 +916,19 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     }
     MbarArrive(SmemAddr(&empty[used]));
   }
+  if (kTrace && tid == 0 && blockIdx.x < 1024) {
+    g_decode_trace[blockIdx.x * 4 + 2] = GlobalTimer();
+    g_decode_trace[blockIdx.x * 4 + 3] = traced_items;
+  }
 }
 
 // Resident CTAs of DecodeStreamKernel an SM holds (from the occupancy API,
 // once per instantiation; also sets its shared-memory size).
-template <typename T, int kD>
+template <typename T, int kD, int kVar = 0>
 int StreamCtasPerSm() {
   static const int n = [] {
     int blocks = 0;
-    auto* kernel = DecodeStreamKernel<T, kD>;
+    auto* kernel = DecodeStreamKernel<T, kD, kVar>;
     constexpr int kSmem = StreamSmemBytes<kD>();
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kStreamThreads, kSmem) != cudaSuccess) {
@@ -893,16 +941,16 @@ int StreamCtasPerSm() {
 
 // `sched`: two zeroed words of the workspace, the work counter and the
 // CTAs' exit count (the kernel leaves them zero).
-template <typename T, int kD>
+template <typename T, int kD, int kVar = 0>
 int LaunchStream(const AttnArgs& a, const SplitPlan& plan, Partials part, unsigned* sched, cudaStream_t stream) {
-  const int per_sm = StreamCtasPerSm<T, kD>();
+  const int per_sm = StreamCtasPerSm<T, kD, kVar>();
   CUtensorMap map{};
   const bool use_tma = EncodePoolMap(a, a.pool.block_size, &map, kDecodeL2Promotion, /*kv_box=*/2, /*split_rows=*/true);
   const int64_t items = int64_t{a.num_tokens} * a.pool.num_kv_heads * plan.num_splits;
   if (items >= (int64_t{1} << 31)) return static_cast<int>(cudaErrorInvalidValue);
   const int sms = a.num_sms > 0 ? a.num_sms : 132;
   const int grid = static_cast<int>(std::min<int64_t>(items, int64_t{per_sm} * sms));
-  DecodeStreamKernel<T, kD><<<grid, kStreamThreads, StreamSmemBytes<kD>(), stream>>>(
+  DecodeStreamKernel<T, kD, kVar><<<grid, kStreamThreads, StreamSmemBytes<kD>(), stream>>>(
       a, map, use_tma, plan.num_splits, plan.keys_per_split, static_cast<int>(items), part, sched);
   return static_cast<int>(cudaGetLastError());
 }
@@ -1039,6 +1087,11 @@ Partials PartialsAt(void* workspace, int num_tokens, int num_heads, int head_dim
 }
 }  // namespace
 
+// Copies g_decode_trace (4 words a CTA, the first 1024 CTAs) to `host`.
+int CopyDecodeTrace(unsigned long long* host) {
+  return static_cast<int>(cudaMemcpyFromSymbol(host, g_decode_trace, sizeof(g_decode_trace)));
+}
+
 int64_t SplitKvWorkspaceBytes(int num_tokens, int num_heads, int head_dim, int num_splits) {
   if (num_splits <= 1) return 0;
   int64_t bytes = 0;
@@ -1055,6 +1108,11 @@ int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspa
     part = PartialsAt(workspace, a.num_tokens, a.num_heads, a.pool.head_dim, plan.num_splits, &bytes);
   }
   auto s = static_cast<cudaStream_t>(stream);
+  if ((variant == 2 || variant == 3) && a.pool.head_dim == 128 && a.elem == Elem::kBF16) {  // diagnostics (kVar)
+    unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
+    return variant == 2 ? LaunchStream<__nv_bfloat16, 128, 1>(a, plan, part, sched, s)
+                        : LaunchStream<__nv_bfloat16, 128, 2>(a, plan, part, sched, s);
+  }
   if (variant == 0 && MmaShapeSupported(a) && plan.keys_per_split % kMmaTile == 0) {
     // The work counter: in the zeroed head of the workspace, past the error
     // word.

@@ -41,9 +41,14 @@ int LaunchPrefillVariant(
 static const char* kVariantName[] = {"fa3",          "ws",        "fa3:cp.async", "fa3:noload", "fa3:grid",
                                      "fa3:lazy",     "fa3:qregs", "fa3:drain",    "fa3:xitem",  "fa3:176:drain",
                                      "fa3:176:xitem"};
-static const char* kDecodeName[] = {"stream", "cuda-core"};  // LaunchSplitKvVariant's variants
-static int g_rounds = 3;                                     // dbench: interleaved rounds (DBENCH_ROUNDS)
-static bool g_seq_tables = false;                            // dbench: blocks in order instead of shuffled
+// LaunchSplitKvVariant's variants (2: the loads without the math; 3: the
+// default with a per-CTA trace, printed after the shape's timings), then
+// this file's dense read of the same bytes (4: the device's read ceiling
+// for the call's size).
+static const char* kDecodeName[] = {"stream", "cuda-core", "stream:nomath", "stream:trace", "dense-read"};
+static constexpr int kDenseRead = 4;
+static int g_rounds = 3;           // dbench: interleaved rounds (DBENCH_ROUNDS)
+static bool g_seq_tables = false;  // dbench: blocks in order instead of shuffled
 static std::string DecodeName(int v) { return kDecodeName[v]; }
 static const int kVariants = 11;
 static bool Checked(int v) { return v != 3; }  // variant 3 skips loads (timing only)
@@ -85,8 +90,35 @@ static int g_sms = 132;
 
 // The split-KV launch the API makes: `kps` > 0 fixes the split size (the
 // engine's batch-invariant plan), else PlanSplits chooses.
+// Reads `n` 16-byte vectors once, as a streaming kernel would (no L1
+// allocation, eight loads in flight a thread); one word out per CTA keeps
+// the loads alive.
+__global__ void DenseReadKernel(const int4* p, int64_t n, int* out) {
+  int acc = 0;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  for (; i + 7 * stride < n; i += 8 * stride) {
+    int4 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w)
+                   : "l"(p + i + j * stride));
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  }
+  for (; i < n; i += stride) acc ^= p[i].x;
+  if (acc == 0x12345678) out[blockIdx.x] = acc;
+}
+
 static int LaunchDecode(const AttnArgs& a, int variant, int kps, int* ws, int64_t ws_bytes,
                         cudaStream_t stream = nullptr) {
+  if (variant == kDenseRead) {
+    const int64_t bytes = int64_t{a.pool.num_blocks} * a.pool.block_stride * 2;
+    DenseReadKernel<<<g_sms * 4, 512, 0, stream>>>(static_cast<const int4*>(a.pool.kv), bytes / 16, ws + 64);
+    return static_cast<int>(cudaGetLastError());
+  }
   SplitPlan plan;
   if (kps > 0) {
     plan.keys_per_split = (kps + 63) / 64 * 64;
@@ -308,8 +340,8 @@ static bool RunCase(const Case& c, int variant, bool decode = false, int kps = 0
   CK(cudaMemcpy(sched, d_err + 32, sizeof(sched), cudaMemcpyDeviceToHost));
   const bool ok2 = ok && same_again && sched[0] == 0 && sched[1] == 0;
   char label[64];
-  std::snprintf(label, sizeof(label), "%s%s", decode ? DecodeName(variant).c_str() : kVariantName[variant],
-                decode ? (kps > 0 ? (":" + std::to_string(kps)).c_str() : ":plan") : "");
+  std::snprintf(label, sizeof(label), "%s%s%s", decode ? DecodeName(variant).c_str() : kVariantName[variant],
+                decode ? (kps > 0 ? (":" + std::to_string(kps)).c_str() : ":plan") : "", g_sms <= 2 ? "@2sm" : "");
   std::printf("%s %-20s %-30s T=%5d rel=%.2e maxabs=%.2e unwritten=%lld badrows_nonzero=%lld err=%#x (want %#x)%s%s\n",
               ok2 ? "PASS" : "FAIL", label, c.name, T, rel, maxabs, (long long)unwritten, (long long)bad_nonzero, err,
               want_err, sched[0] || sched[1] ? " sched counters left nonzero" : "",
@@ -526,6 +558,38 @@ static double DBench(const std::vector<std::pair<int, int>>& configs, int batch,
     CK(cudaEventElapsedTime(&t, e0, e1));
     (*timings)[c].call_us = t * 1e3 / reps;
   }
+  for (const auto& [variant, kps] : configs) {
+    if (variant != 3) continue;
+    // One traced call from a cold L2: when each CTA started, saw its first
+    // tile and ended (ns after the earliest start), and its items.
+    CK(cudaMemsetAsync(flush, 1, kFlushBytes));
+    CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
+    CK(cudaDeviceSynchronize());
+    std::vector<unsigned long long> tr(4 * 1024);
+    CK(static_cast<cudaError_t>(CopyDecodeTrace(tr.data())));
+    unsigned long long t0 = ~0ull, newest = 0;
+    for (int b = 0; b < 1024; ++b) newest = std::max(newest, tr[4 * b]);
+    std::vector<double> first, end, items;
+    for (int b = 0; b < 1024; ++b) {
+      if (tr[4 * b] + 1000000ull < newest || tr[4 * b + 2] == 0) continue;  // not this launch
+      t0 = std::min(t0, tr[4 * b]);
+    }
+    for (int b = 0; b < 1024; ++b) {
+      if (tr[4 * b] < t0 || tr[4 * b] + 1000000ull < newest || tr[4 * b + 2] < tr[4 * b]) continue;
+      first.push_back((tr[4 * b + 1] - t0) * 1e-3);
+      end.push_back((tr[4 * b + 2] - t0) * 1e-3);
+      items.push_back(double(tr[4 * b + 3]));
+    }
+    auto q = [](std::vector<double> v, double f) {
+      std::sort(v.begin(), v.end());
+      return v.empty() ? 0.0 : v[std::min(v.size() - 1, size_t(f * v.size()))];
+    };
+    std::printf(
+        "trace %dx%d kps %d: %zu CTAs; first tile us p0 %.1f p50 %.1f p100 %.1f; end us p0 %.1f p10 %.1f "
+        "p50 %.1f p90 %.1f p100 %.1f; items min %.0f max %.0f\n",
+        batch, ctx, kps, end.size(), q(first, 0), q(first, 0.5), q(first, 1.0), q(end, 0), q(end, 0.1), q(end, 0.5),
+        q(end, 0.9), q(end, 1.0), q(items, 0), q(items, 1.0));
+  }
   int err = 0;
   CK(cudaMemcpy(&err, d_ws, 4, cudaMemcpyDeviceToHost));
   if (err != 0) std::printf("dbench: error word %#x\n", err);
@@ -595,11 +659,19 @@ static int DecodeMain(int argc, char** argv, bool check, bool bench) {
         {"d64 bs32 bad block seq0 first", F, 64, 32, 1, 8, true, ones(2), {1000, 500}, 0, 0},
     };
     const std::vector<int> variants = argc > 2 ? ParseList(argv[2]) : std::vector<int>{0, 1};
+    // Each case on the device's SM count and as if it had 2 SMs (4 CTAs:
+    // the units then outnumber the grid, so the plan's tail pieces run,
+    // with ragged and bad-block units among them).
+    const int sms = g_sms;
     for (int v : variants) {
-      for (int kps : {0, 64, 512}) {
-        for (const Case& c : cases) failures += RunCase(c, v, true, kps) ? 0 : 1;
+      for (int as_sms : {sms, 2}) {
+        g_sms = as_sms;
+        for (int kps : {0, 64, 512}) {
+          for (const Case& c : cases) failures += RunCase(c, v, true, kps) ? 0 : 1;
+        }
       }
     }
+    g_sms = sms;
     std::printf("%d decode case(s) failed\n", failures);
   }
   if (!bench) return failures == 0 ? 0 : 1;
