@@ -529,10 +529,11 @@ struct StreamItem {
 // What a stage carries besides its tile: which item and tile it is.
 struct StageDesc {
   StreamItem it;
-  int item;     // -1: no more items (nothing else is set)
-  int tile;     // tile index within the item
-  int n_tiles;  // the item's tiles
-  int bad;      // a block id of this tile is out of range: nothing was loaded
+  int item;      // -1: no more items (nothing else is set)
+  int tile;      // tile index within the item
+  int n_tiles;   // the item's tiles
+  int bad;       // a block id of this tile is out of range: nothing was loaded
+  int item_bad;  // so was one of this or an earlier tile of the item's
 };
 
 template <int kD>
@@ -682,6 +683,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       const int fills = cur.done ? 1 : cur.n_tiles;
       Prepared next{};
       int32_t next_block = cur.block0;  // the ids are read a tile ahead of their check and load
+      int item_bad = 0;
       for (int t = 0; t < fills; ++t) {
         const uint32_t f = SmemAddr(&full[st]);
         MbarWait(SmemAddr(&empty[st]), ph ^ 1);
@@ -695,11 +697,12 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
         if (!cur.done) {
           bad = __any_sync(0xffffffffu, lane < pages && (block < 0 || block >= a.pool.num_blocks)) ? 1 : 0;
           if (bad && lane == 0) RecordError(a.error, kErrBlockId, it.seq);
+          item_bad |= bad;
         }
         const bool load = !cur.done && !bad;
         const bool tma = load && use_tma && key0 + kMmaTile <= it.k_end;
         if (lane == 0) {
-          desc[st] = StageDesc{it, cur.done ? -1 : cur.item, t, cur.n_tiles, bad};
+          desc[st] = StageDesc{it, cur.done ? -1 : cur.item, t, cur.n_tiles, bad, item_bad};
           MbarArriveExpectTx(f, tma ? 2 * kTileBytes : 0);
         }
         __syncwarp();
@@ -769,7 +772,6 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
   int st = 0, ph = 0;
   int traced_items = 0;
-  int item_bad = 0;  // a tile of the current item had a bad block id
   for (;;) {
     MbarWait(SmemAddr(&full[st]), ph);
     if (kTrace && tid == 0 && traced_items == 0 && blockIdx.x < 1024) {
@@ -794,9 +796,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
       m_a = m_b = -INFINITY;
       l_a = l_b = 0.0f;
-      item_bad = 0;
     }
-    item_bad |= d.bad;
     if (kMath && !d.bad) {
       const uint32_t ck = base + st * 2 * kTileBytes;
       MmaTileStep<T, kD>(ck, bs_shift, warp, lane, qa, it.k_begin + d.tile * kMmaTile + warp * 16, it.k_end, qk_scale,
@@ -878,7 +878,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     if (warp == 2) put(buf);
     ConsumerBarrier();
     if (warp == 0) add(merge + (kD / 8) * 32);
-    const bool bad = item_bad != 0;
+    const bool bad = d.item_bad != 0;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = g + half * 8;

@@ -861,6 +861,34 @@ class CudaRunner final : public ModelRunner {
                                  .error = static_cast<int*>(attn_workspace_.get())};
     const float eps = c.rms_norm_eps;
     auto opt = [](const DeviceBuffer& b) -> const void* { return b.empty() ? nullptr : b.get(); };
+    if (T == 1 && fused_one_row_) {
+      // One token: the fused one-row products fold the norms, the residual
+      // adds and SiLU-and-multiply in (five kernels a layer instead of ten).
+      for (int l = 0; l < c.num_layers; ++l) {
+        const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[l];
+        RETURN_IF_ERROR(Fused(nullptr, H, lw.wqkv.get(), qkv_size, qkv_.get(), cuda_ops::GemvEpilogue::kStore,
+                              {.norm_x = X(), .norm_weight = lw.input_norm.get(), .eps = eps}, s));
+        profile_.Mark("qkv product", s);
+        rope.bias = opt(lw.bqkv);
+        rope.pool = kernels::cuda::internal::ViewOf(layout, kv.data(), l);
+        RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
+        profile_.Mark("rope + KV write", s);
+        attn.layer = l;
+        RETURN_IF_ERROR(Attention(in, attn));
+        profile_.Mark("attention", s);
+        RETURN_IF_ERROR(Fused(attn_.get(), q_size, lw.wo.get(), H, nullptr, cuda_ops::GemvEpilogue::kResidual,
+                              {.residual = X(), .bias = opt(lw.bo)}, s));
+        profile_.Mark("o product", s);
+        RETURN_IF_ERROR(Fused(nullptr, H, lw.w_gate_up.get(), I, act_.get(), cuda_ops::GemvEpilogue::kSiluMul,
+                              {.norm_x = X(), .norm_weight = lw.post_norm.get(), .eps = eps, .bias = opt(lw.b_gate_up)},
+                              s));
+        profile_.Mark("gate/up product", s);
+        RETURN_IF_ERROR(Fused(act_.get(), I, lw.w_down.get(), H, nullptr, cuda_ops::GemvEpilogue::kResidual,
+                              {.residual = X(), .bias = opt(lw.b_down)}, s));
+        profile_.Mark("down product", s);
+      }
+      return FinalNormAndHead(R, m, s);
+    }
     // h = the first layer's normed input; afterwards each product's output
     // (bf16, in h_) is added to the residual by the kernel that norms it for
     // the next product.
@@ -901,14 +929,26 @@ class CudaRunner final : public ModelRunner {
                  "add and norm"));
       profile_.Mark("norms", s);
     }
+    return FinalNormAndHead(R, m, s);
+  }
+
+  // The logits rows' final norm and the LM head (R rows wanted).
+  absl::Status FinalNormAndHead(int R, const MetaLayout& m, void* s) {
     if (R == 0) return absl::OkStatus();
+    const ModelConfig& c = config();
+    const int H = c.hidden_size;
     RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddRmsNorm(X(), Meta<int>(m.logits_rows), R, H, nullptr, nullptr,
-                                                      w_.final_norm.get(), eps, last_.get(), s),
+                                                      w_.final_norm.get(), c.rms_norm_eps, last_.get(), s),
                            "final norm"));
     RETURN_IF_ERROR(
         Product(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, logits_.get(), LtGemm::Out::kF32, s));
     profile_.Mark("final norm + LM head", s);
     return absl::OkStatus();
+  }
+
+  absl::Status Fused(const void* x, int k, const void* w, int n, void* y, cuda_ops::GemvEpilogue epi,
+                     const cuda_ops::GemvFusion& f, void* s) {
+    return Launch(cuda_ops::LaunchGemvFused(x, k, w, n, y, epi, f, s), "fused gemv");
   }
 
   float* X() const { return static_cast<float*>(x_.get()); }
@@ -1084,6 +1124,13 @@ class CudaRunner final : public ModelRunner {
     const char* e = std::getenv("TANDEM_GEMV");
     const int rows = e != nullptr ? std::atoi(e) : 0;
     return batch_invariant_ ? 0 : std::clamp(rows, 0, cuda_ops::kMaxGemvRows);
+  }();
+  // Steps of one token run the fused one-row products (LaunchGemvFused);
+  // TANDEM_FUSED_GEMV=0 turns them off (A/B), as does --batch-invariant
+  // (whose rows must not depend on the batch).
+  const bool fused_one_row_ = [this] {
+    const char* e = std::getenv("TANDEM_FUSED_GEMV");
+    return !batch_invariant_ && (e == nullptr || std::string_view(e) != "0");
   }();
   StepProfile profile_;
   std::vector<AttentionRun> runs_;

@@ -142,6 +142,89 @@ TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
   }
 }
 
+// The fused one-row products (cuda_ops::LaunchGemvFused) against the
+// kernels they stand for, run one by one on the same inputs: AddRmsNorm
+// then the GEMV (the norm built in the product), the GEMV then AddRmsNorm's
+// residual add (with and without a bias), and the gate/up GEMV, its bias,
+// then SiluMul. The roundings are the same, so the values agree but for
+// the norm's sum order (a few bf16 steps at most).
+TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
+  const int H = 4096, I = 1408, n = 1000;  // hidden, intermediate (k % 8 == 0), a product's rows
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> residual(H);
+  for (float& v : residual) v = 3.0f * nd(rng);
+  const std::vector<__nv_bfloat16> gamma = RandomBf16(H, 11), w = RandomBf16(size_t(2 * I) * H, 12),
+                                   wd = RandomBf16(size_t(H) * I, 13), xin = RandomBf16(I, 14),
+                                   bias = RandomBf16(2 * I, 15);
+  Device dres(H * 4), dres2(H * 4), dgamma(H * 2), dw(w.size() * 2), dwd(wd.size() * 2), dxin(I * 2),
+      dbias(bias.size() * 2), dh(H * 2), dy(size_t(2 * I) * 2), dy2(size_t(2 * I) * 2), dact(I * 2);
+  auto up = [](Device& d, const void* p, size_t bytes) {
+    ASSERT_EQ(cudaMemcpy(d.p, p, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  };
+  up(dres, residual.data(), H * 4);
+  up(dgamma, gamma.data(), H * 2);
+  up(dw, w.data(), w.size() * 2);
+  up(dwd, wd.data(), wd.size() * 2);
+  up(dxin, xin.data(), I * 2);
+  up(dbias, bias.data(), bias.size() * 2);
+  auto bf16s = [](Device& d, size_t count) {
+    std::vector<__nv_bfloat16> v(count);
+    EXPECT_EQ(cudaMemcpy(v.data(), d.p, count * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    std::vector<float> f(count);
+    for (size_t i = 0; i < count; ++i) f[i] = __bfloat162float(v[i]);
+    return f;
+  };
+  auto floats = [](Device& d, size_t count) {
+    std::vector<float> f(count);
+    EXPECT_EQ(cudaMemcpy(f.data(), d.p, count * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    return f;
+  };
+  // Agreement: all within a few bf16 steps, and most values identical.
+  auto expect_close = [](const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+    size_t same = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      same += got[i] == want[i];
+      ASSERT_NEAR(got[i], want[i], 0.02 * std::fabs(want[i]) + 1e-3) << what << " at " << i;
+    }
+    EXPECT_GE(same, got.size() * 9 / 10) << what;
+  };
+  const float eps = 1e-5f;
+  {  // norm prologue, plain store
+    ASSERT_EQ(cuda_ops::LaunchAddRmsNorm(static_cast<float*>(dres.p), nullptr, 1, H, nullptr, nullptr, dgamma.p, eps,
+                                         dh.p, nullptr),
+              0);
+    ASSERT_EQ(cuda_ops::LaunchGemv(dh.p, 1, H, dw.p, n, dy.p, false, nullptr), 0);
+    cuda_ops::GemvFusion f{.norm_x = static_cast<const float*>(dres.p), .norm_weight = dgamma.p, .eps = eps};
+    ASSERT_EQ(cuda_ops::LaunchGemvFused(nullptr, H, dw.p, n, dy2.p, cuda_ops::GemvEpilogue::kStore, f, nullptr), 0);
+    expect_close(bf16s(dy2, n), bf16s(dy, n), "norm + product");
+  }
+  {  // norm prologue, the gate/up pair with its bias, SiLU-and-multiply
+    ASSERT_EQ(cuda_ops::LaunchGemv(dh.p, 1, H, dw.p, 2 * I, dy.p, false, nullptr), 0);
+    ASSERT_EQ(cuda_ops::LaunchAddBias(dy.p, 1, 2 * I, dbias.p, nullptr), 0);
+    ASSERT_EQ(cuda_ops::LaunchSiluMul(dy.p, 1, I, dact.p, nullptr), 0);
+    cuda_ops::GemvFusion f{
+        .norm_x = static_cast<const float*>(dres.p), .norm_weight = dgamma.p, .eps = eps, .bias = dbias.p};
+    ASSERT_EQ(cuda_ops::LaunchGemvFused(nullptr, H, dw.p, I, dy2.p, cuda_ops::GemvEpilogue::kSiluMul, f, nullptr), 0);
+    expect_close(bf16s(dy2, I), bf16s(dact, I), "norm + gate/up + bias + silu");
+  }
+  for (const bool with_bias : {false, true}) {  // the residual's update from a bf16 x (the down product)
+    SCOPED_TRACE(with_bias ? "with a bias" : "no bias");
+    up(dres, residual.data(), H * 4);
+    up(dres2, residual.data(), H * 4);
+    ASSERT_EQ(cuda_ops::LaunchGemv(dxin.p, 1, I, dwd.p, H, dh.p, false, nullptr), 0);
+    ASSERT_EQ(cuda_ops::LaunchAddRmsNorm(static_cast<float*>(dres.p), nullptr, 1, H, dh.p,
+                                         with_bias ? dbias.p : nullptr, nullptr, eps, nullptr, nullptr),
+              0);
+    cuda_ops::GemvFusion f{.residual = static_cast<float*>(dres2.p), .bias = with_bias ? dbias.p : nullptr};
+    ASSERT_EQ(cuda_ops::LaunchGemvFused(dxin.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, f, nullptr),
+              0);
+    // No norm here: the same sums in the same order, so the same bits.
+    EXPECT_EQ(floats(dres2, H), floats(dres, H));
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // The greedy argmax (cuda_ops::LaunchArgmax) against the host sampler's
 // greedy pick (SampleToken at temperature 0): NaN never chosen, +inf the
 // largest, ties to the lowest id, a row of -inf or NaN gives 0; maxima

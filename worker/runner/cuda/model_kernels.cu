@@ -207,63 +207,146 @@ __device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
   return v;
 }
 
+// One warp's dot products of R weight rows (wr[r]: k / 8 16-byte chunks)
+// with M x rows (row stride k; in shared memory where kSharedX), this lane's
+// share of the chunks, into acc. kLoads 16-byte weight loads a row are in
+// flight before any is used; `prologue` runs once the first of them are
+// issued (the fused kernel builds its x there: the weights stream meanwhile).
+template <int M, int R, int kLoads, bool kSharedX, typename Prologue>
+__device__ __forceinline__ void GemvDot(const uint4* const (&wr)[R], int chunks, int lane, const bf16* x, int k,
+                                        bool active, float (&acc)[R][M], Prologue&& prologue) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) acc[r][i] = 0.0f;
+  }
+  uint4 wv[R][kLoads];
+  auto load = [&](int base) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int c = base + 32 * u;
+        wv[r][u] = active && c < chunks ? LoadStreaming(wr[r] + c) : make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  load(lane);
+  prologue();
+  if (!active) return;
+  for (int base = lane; base < chunks; base += 32 * kLoads) {
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int c = base + 32 * u;
+      if (c >= chunks) break;
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        const uint4* xp = reinterpret_cast<const uint4*>(x + int64_t{i} * k) + c;
+        const uint4 xv = kSharedX ? *xp : __ldg(xp);
+        const auto* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const auto* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[r][u]);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float2 f = __bfloat1622float2(x2[q]), wf = __bfloat1622float2(w2[q]);
+            acc[r][i] = fmaf(wf.x, f.x, acc[r][i]);
+            acc[r][i] = fmaf(wf.y, f.y, acc[r][i]);
+          }
+        }
+      }
+    }
+    if (base + 32 * kLoads < chunks) load(base + 32 * kLoads);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      for (int o = 16; o > 0; o >>= 1) acc[r][i] += __shfl_xor_sync(0xffffffffu, acc[r][i], o);
+    }
+  }
+}
+
 template <int M, typename Out>
 __global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, Out* y, int n, int k) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int j = blockIdx.x * (blockDim.x / 32) + warp;
   if (j >= n) return;
-  const uint4* wr = reinterpret_cast<const uint4*>(w + int64_t{j} * k);
-  const int chunks = k / 8;
-  float acc[M];
-#pragma unroll
-  for (int r = 0; r < M; ++r) acc[r] = 0.0f;
+  const uint4* const wr[1] = {reinterpret_cast<const uint4*>(w + int64_t{j} * k)};
+  float acc[1][M];
   // kLoads 16-byte weight loads in flight a lane (all issued before any is
   // used): 4 KB a warp at one or two rows, enough to keep the HBM busy with
   // the few warps a small product has.
-  constexpr int kLoads = M <= 2 ? 8 : 4;
-  for (int base = lane; base < chunks; base += 32 * kLoads) {
-    uint4 wv[kLoads];
+  GemvDot<M, 1, M <= 2 ? 8 : 4, false>(wr, k / 8, lane, x, k, true, acc, [] {});
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      const int c = base + 32 * u;
-      wv[u] = c < chunks ? LoadStreaming(wr + c) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      const int c = base + 32 * u;
-      if (c >= chunks) break;
-      const auto* w2 = reinterpret_cast<const __nv_bfloat162*>(&wv[u]);
-      float wf[8];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(w2[q]);
-        wf[2 * q] = f.x;
-        wf[2 * q + 1] = f.y;
-      }
-#pragma unroll
-      for (int r = 0; r < M; ++r) {
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + int64_t{r} * k) + c);
-        const auto* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(x2[q]);
-          acc[r] = fmaf(wf[2 * q], f.x, acc[r]);
-          acc[r] = fmaf(wf[2 * q + 1], f.y, acc[r]);
-        }
+  for (int r = 0; r < M; ++r) {
+    if (lane == 0) {
+      if constexpr (std::is_same_v<Out, float>) {
+        y[int64_t{r} * n + j] = acc[0][r];
+      } else {
+        y[int64_t{r} * n + j] = __float2bfloat16(acc[0][r]);
       }
     }
   }
+}
+
+// The fused one-row GEMV of a decode step (GemvFusion). Its x is the
+// RMS-normed residual (built in shared memory by every CTA, rounded to bf16
+// as AddRmsNormKernel writes it) or a bf16 vector; its output is a bf16
+// vector, the residual's update, or the SiLU-and-multiply of a gate row and
+// its up row (R = 2: warp j computes rows j and j + n).
+template <bool kNorm, GemvEpilogue kEpi>
+__global__ void __launch_bounds__(256)
+    GemvFusedKernel(const bf16* x, const bf16* w, bf16* y, int n, int k, GemvFusion f) {
+  constexpr int R = kEpi == GemvEpilogue::kSiluMul ? 2 : 1;
+  extern __shared__ __align__(16) bf16 xs[];  // [k] where kNorm
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int j = blockIdx.x * (blockDim.x / 32) + warp;
+  const bool active = j < n;
+  const int row = active ? j : 0;
+  uint4 const* wr[R];
 #pragma unroll
-  for (int r = 0; r < M; ++r) {
-    float v = acc[r];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) {
-      if constexpr (std::is_same_v<Out, float>) {
-        y[int64_t{r} * n + j] = v;
-      } else {
-        y[int64_t{r} * n + j] = __float2bfloat16(v);
+  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (int64_t{row} + r * int64_t{n}) * k);
+  auto norm = [&] {
+    if constexpr (kNorm) {
+      const float4* in = reinterpret_cast<const float4*>(f.norm_x);
+      const int vecs = k / 4;
+      float sum = 0.0f;
+      for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+        const float4 v = in[i];
+        sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
       }
+      const float scale = rsqrtf(BlockSum(sum) / k + f.eps);
+      auto* o = reinterpret_cast<__nv_bfloat162*>(xs);
+      const auto* g = static_cast<const __nv_bfloat162*>(f.norm_weight);
+      for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+        const float4 v = in[i];
+        const float2 w0 = __bfloat1622float2(g[2 * i]), w1 = __bfloat1622float2(g[2 * i + 1]);
+        o[2 * i] = __floats2bfloat162_rn(v.x * scale * w0.x, v.y * scale * w0.y);
+        o[2 * i + 1] = __floats2bfloat162_rn(v.z * scale * w1.x, v.w * scale * w1.y);
+      }
+      __syncthreads();
     }
+  };
+  float acc[R][1];
+  GemvDot<1, R, R == 2 ? 4 : 8, kNorm>(wr, k / 8, lane, kNorm ? xs : x, k, active, acc, norm);
+  if (!active || lane != 0) return;
+  // The bf16 roundings of the unfused path: the product's output, + bias.
+  const auto* bias = static_cast<const bf16*>(f.bias);
+  auto out = [&](int r) {
+    float v = RoundBf16(acc[r][0]);
+    if (bias != nullptr) v = RoundBf16(v + __bfloat162float(bias[j + r * n]));
+    return v;
+  };
+  if constexpr (kEpi == GemvEpilogue::kStore) {
+    y[j] = __float2bfloat16(out(0));
+  } else if constexpr (kEpi == GemvEpilogue::kResidual) {
+    // AddRmsNormKernel's order: (x + delta) + bias, the delta in bf16.
+    const float d = RoundBf16(acc[0][0]);
+    f.residual[j] = bias != nullptr ? f.residual[j] + d + __bfloat162float(bias[j]) : f.residual[j] + d;
+  } else {
+    const float g = out(0), u = out(1);
+    y[j] = __float2bfloat16(RoundBf16(g / (1.0f + __expf(-g))) * u);
   }
 }
 
@@ -473,6 +556,33 @@ int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool 
     default:
       return static_cast<int>(cudaErrorInvalidValue);
   }
+}
+
+int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpilogue epi, const GemvFusion& f,
+                    void* stream) {
+  if (n == 0) return 0;
+  constexpr int kWarps = 8;
+  const unsigned blocks = static_cast<unsigned>((n + kWarps - 1) / kWarps);
+  const bool norm = f.norm_x != nullptr;
+  const size_t smem = norm ? size_t{2} * k : 0;
+  const auto* xb = static_cast<const bf16*>(x);
+  const auto* wb = static_cast<const bf16*>(w);
+  auto* yb = static_cast<bf16*>(y);
+  auto go = [&](auto kernel) {
+    kernel<<<blocks, kWarps * 32, smem, S(stream)>>>(xb, wb, yb, n, k, f);
+    return Err();
+  };
+  switch (epi) {
+    case GemvEpilogue::kStore:
+      return norm ? go(GemvFusedKernel<true, GemvEpilogue::kStore>) : go(GemvFusedKernel<false, GemvEpilogue::kStore>);
+    case GemvEpilogue::kResidual:
+      return norm ? go(GemvFusedKernel<true, GemvEpilogue::kResidual>)
+                  : go(GemvFusedKernel<false, GemvEpilogue::kResidual>);
+    case GemvEpilogue::kSiluMul:
+      return norm ? go(GemvFusedKernel<true, GemvEpilogue::kSiluMul>)
+                  : go(GemvFusedKernel<false, GemvEpilogue::kSiluMul>);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, void* workspace, int32_t* out,

@@ -80,6 +80,28 @@ int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, 
 inline constexpr int kMaxGemvRows = 8;
 int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream);
 
+// The same product at one row with the kernels around it folded in (a
+// decode step of one sequence; cuda_runner's fused path): x may be built by
+// the product itself as the RMS norm of a float32 residual (norm_x, k
+// values; every CTA reduces it, so no norm kernel runs before), and the
+// output may be the residual's update or the SiLU-and-multiply of the gate
+// and up halves. Roundings are those of the unfused kernels (the normed x,
+// the product and its bias in bf16), so only the norm's sum order differs.
+enum class GemvEpilogue {
+  kStore,     // y[j] = bf16(x . w_j (+ bias[j]))
+  kResidual,  // residual[j] += bf16(x . w_j) (+ bias[j]); y unused
+  kSiluMul,   // w holds 2n rows (gate, then up): y[j] = silu(g_j) * u_j, each bf16 (+ its bias)
+};
+struct GemvFusion {
+  const float* norm_x = nullptr;  // set: x is RMSNorm(norm_x) * norm_weight in bf16 (x ignored)
+  const void* norm_weight = nullptr;
+  float eps = 0.0f;
+  float* residual = nullptr;   // kResidual
+  const void* bias = nullptr;  // n values (kSiluMul: 2n, the gate's then the up's)
+};
+int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpilogue epi, const GemvFusion& f,
+                    void* stream);
+
 // out[j] = XXH3-64 of block blocks[j] of `pool` (block_bytes each): the
 // values common/block_hash.h's HashBytes gives on the host (xxh3_portable.h;
 // `secret`: DefaultHashSecret's 192 bytes, in device memory). One warp a
