@@ -1108,7 +1108,8 @@ int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspa
     part = PartialsAt(workspace, a.num_tokens, a.num_heads, a.pool.head_dim, plan.num_splits, &bytes);
   }
   auto s = static_cast<cudaStream_t>(stream);
-  if ((variant == 2 || variant == 3) && a.pool.head_dim == 128 && a.elem == Elem::kBF16) {  // diagnostics (kVar)
+  if ((variant == 2 || variant == 3) && a.pool.head_dim == 128 && a.elem == Elem::kBF16 && MmaShapeSupported(a) &&
+      plan.keys_per_split % kMmaTile == 0) {  // diagnostics (kVar)
     unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
     return variant == 2 ? LaunchStream<__nv_bfloat16, 128, 1>(a, plan, part, sched, s)
                         : LaunchStream<__nv_bfloat16, 128, 2>(a, plan, part, sched, s);

@@ -863,16 +863,22 @@ class CudaRunner final : public ModelRunner {
     auto opt = [](const DeviceBuffer& b) -> const void* { return b.empty() ? nullptr : b.get(); };
     if (T == 1 && fused_one_row_) {
       // One token: the fused one-row products fold the norms, the residual
-      // adds and SiLU-and-multiply in (five kernels a layer instead of ten).
+      // adds, SiLU-and-multiply, RoPE and the KV write in (five kernels a layer, attention one of them, instead of
+      // ten).
       for (int l = 0; l < c.num_layers; ++l) {
         const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[l];
-        RETURN_IF_ERROR(Fused(nullptr, H, lw.wqkv.get(), qkv_size, qkv_.get(), cuda_ops::GemvEpilogue::kStore,
-                              {.norm_x = X(), .norm_weight = lw.input_norm.get(), .eps = eps}, s));
-        profile_.Mark("qkv product", s);
         rope.bias = opt(lw.bqkv);
         rope.pool = kernels::cuda::internal::ViewOf(layout, kv.data(), l);
-        RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
-        profile_.Mark("rope + KV write", s);
+        if (fused_rope_) {  // the QKV product with RoPE and the KV write in its epilogue
+          RETURN_IF_ERROR(Fused(
+              nullptr, H, lw.wqkv.get(), qkv_size / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv,
+              {.norm_x = X(), .norm_weight = lw.input_norm.get(), .eps = eps, .bias = rope.bias, .rope = rope}, s));
+        } else {
+          RETURN_IF_ERROR(Fused(nullptr, H, lw.wqkv.get(), qkv_size, qkv_.get(), cuda_ops::GemvEpilogue::kStore,
+                                {.norm_x = X(), .norm_weight = lw.input_norm.get(), .eps = eps}, s));
+          RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
+        }
+        profile_.Mark("qkv product + rope + KV write", s);
         attn.layer = l;
         RETURN_IF_ERROR(Attention(in, attn));
         profile_.Mark("attention", s);
@@ -1131,6 +1137,12 @@ class CudaRunner final : public ModelRunner {
   const bool fused_one_row_ = [this] {
     const char* e = std::getenv("TANDEM_FUSED_GEMV");
     return !batch_invariant_ && (e == nullptr || std::string_view(e) != "0");
+  }();
+  // ... with RoPE and the KV write in the QKV product (TANDEM_FUSED_ROPE=0:
+  // their own kernel; A/B).
+  const bool fused_rope_ = [] {
+    const char* e = std::getenv("TANDEM_FUSED_ROPE");
+    return e == nullptr || std::string_view(e) != "0";
   }();
   StepProfile profile_;
   std::vector<AttentionRun> runs_;

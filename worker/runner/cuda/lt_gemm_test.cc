@@ -222,7 +222,89 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
     // No norm here: the same sums in the same order, so the same bits.
     EXPECT_EQ(floats(dres2, H), floats(dres, H));
   }
+  // Refused: norming the residual the same launch updates, a norm past 48 KB of shared memory.
+  const cuda_ops::GemvFusion racy{.norm_x = static_cast<const float*>(dres.p),
+                                  .norm_weight = dgamma.p,
+                                  .eps = eps,
+                                  .residual = static_cast<float*>(dres.p)};
+  EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, H, dw.p, n, nullptr, cuda_ops::GemvEpilogue::kResidual, racy, nullptr),
+            cudaErrorInvalidValue);
+  const cuda_ops::GemvFusion wide{.norm_x = static_cast<const float*>(dres.p), .norm_weight = dgamma.p, .eps = eps};
+  EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, 32768, dw.p, 1, dy.p, cuda_ops::GemvEpilogue::kStore, wide, nullptr),
+            cudaErrorInvalidValue);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// The QKV product with RoPE and the KV write in its epilogue (kRopeWriteKv)
+// against the product then RopeWriteKvKernel, with a QKV bias: the same Q
+// row and the same pool, bit for bit; a slot past the pool writes nothing
+// and sets the slot error.
+TEST_F(LtGemmTest, FusedRopeAndKvWriteMatchTheirKernel) {
+  const int heads = 8, kv_heads = 2, hd = 128, k = 512, bs = 16, blocks = 4;
+  const int qkv = (heads + 2 * kv_heads) * hd;
+  const std::vector<__nv_bfloat16> x = RandomBf16(k, 21), w = RandomBf16(size_t(qkv) * k, 22),
+                                   bias = RandomBf16(qkv, 23);
+  std::vector<double> inv_freq(hd / 2);
+  for (int i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(500000.0, -2.0 * i / hd);
+  const size_t pool_elems = size_t(blocks) * 2 * kv_heads * bs * hd;
+  Device dx(k * 2), dw(w.size() * 2), dbias(qkv * 2), dfreq(inv_freq.size() * 8), dpos(4), dslot(8), dqkv(qkv * 2),
+      dqkv2(qkv * 2), dpool(pool_elems * 2), dpool2(pool_elems * 2), derr(4), derr2(4);
+  auto up = [](Device& d, const void* p, size_t bytes) {
+    ASSERT_EQ(cudaMemcpy(d.p, p, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  };
+  up(dx, x.data(), k * 2);
+  up(dw, w.data(), w.size() * 2);
+  up(dbias, bias.data(), qkv * 2);
+  up(dfreq, inv_freq.data(), inv_freq.size() * 8);
+  const int32_t pos = 1234;
+  up(dpos, &pos, 4);
+  auto args = [&](Device& row, Device& pool, Device& err) {
+    cuda_ops::RopeWriteArgs a{.qkv = row.p,
+                              .num_tokens = 1,
+                              .qkv_stride = qkv,
+                              .bias = dbias.p,
+                              .positions = static_cast<const int32_t*>(dpos.p),
+                              .inv_freq = static_cast<const double*>(dfreq.p),
+                              .num_heads = heads,
+                              .num_kv_heads = kv_heads,
+                              .head_dim = hd,
+                              .slot_mapping = static_cast<const int64_t*>(dslot.p),
+                              .error = static_cast<int*>(err.p)};
+    a.pool.kv = pool.p;
+    a.pool.head_stride = int64_t{bs} * hd;
+    a.pool.kv_stride = kv_heads * a.pool.head_stride;
+    a.pool.block_stride = 2 * a.pool.kv_stride;
+    a.pool.num_blocks = blocks;
+    a.pool.block_size = bs;
+    a.pool.head_dim = hd;
+    a.pool.num_kv_heads = kv_heads;
+    return a;
+  };
+  auto bytes = [](Device& d, size_t n) {
+    std::vector<uint16_t> v(n);
+    EXPECT_EQ(cudaMemcpy(v.data(), d.p, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  };
+  for (const int64_t slot : {int64_t{2 * bs + 5}, int64_t{blocks * bs + 3}}) {
+    SCOPED_TRACE(::testing::Message() << "slot " << slot);
+    up(dslot, &slot, 8);
+    for (Device* d : {&dpool, &dpool2, &derr, &derr2})
+      ASSERT_EQ(cudaMemset(d->p, 0, d == &derr || d == &derr2 ? 4 : pool_elems * 2), cudaSuccess);
+    ASSERT_EQ(cuda_ops::LaunchGemv(dx.p, 1, k, dw.p, qkv, dqkv.p, false, nullptr), 0);
+    ASSERT_EQ(cuda_ops::LaunchRopeWriteKv(args(dqkv, dpool, derr), nullptr), 0);
+    cuda_ops::GemvFusion f{.bias = dbias.p, .rope = args(dqkv2, dpool2, derr2)};
+    ASSERT_EQ(
+        cuda_ops::LaunchGemvFused(dx.p, k, dw.p, qkv / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv, f, nullptr),
+        0);
+    const std::vector<uint16_t> q = bytes(dqkv, heads * hd), q2 = bytes(dqkv2, heads * hd);
+    EXPECT_EQ(q2, q) << "the rotated Q";
+    EXPECT_EQ(bytes(dpool2, pool_elems), bytes(dpool, pool_elems)) << "the pool";
+    int err = 0, err2 = 0;
+    ASSERT_EQ(cudaMemcpy(&err, derr.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(&err2, derr2.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(err2, err);
+    EXPECT_EQ(err != 0, slot >= blocks * bs);
+  }
 }
 
 // The greedy argmax (cuda_ops::LaunchArgmax) against the host sampler's

@@ -293,20 +293,26 @@ __global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, 
 // The fused one-row GEMV of a decode step (GemvFusion). Its x is the
 // RMS-normed residual (built in shared memory by every CTA, rounded to bf16
 // as AddRmsNormKernel writes it) or a bf16 vector; its output is a bf16
-// vector, the residual's update, or the SiLU-and-multiply of a gate row and
-// its up row (R = 2: warp j computes rows j and j + n).
+// vector, the residual's update, the SiLU-and-multiply of a gate row and
+// its up row (R = 2: warp j computes rows j and j + n), or RopeWriteKv's
+// rotation and KV write of a head's row pair (R = 2: rows i and i + half).
 template <bool kNorm, GemvEpilogue kEpi>
 __global__ void __launch_bounds__(256)
     GemvFusedKernel(const bf16* x, const bf16* w, bf16* y, int n, int k, GemvFusion f) {
-  constexpr int R = kEpi == GemvEpilogue::kSiluMul ? 2 : 1;
+  constexpr bool kRope = kEpi == GemvEpilogue::kRopeWriteKv;
+  constexpr int R = kEpi == GemvEpilogue::kSiluMul || kRope ? 2 : 1;
   extern __shared__ __align__(16) bf16 xs[];  // [k] where kNorm
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int j = blockIdx.x * (blockDim.x / 32) + warp;
   const bool active = j < n;
-  const int row = active ? j : 0;
+  const int unit = active ? j : 0;
+  // The warp's weight rows: j (and j + n), or a head's pair.
+  const int half = kRope ? f.rope.head_dim / 2 : 1;
+  const int row0 = kRope ? unit / half * f.rope.head_dim + unit % half : unit;
+  const int step = kRope ? half : n;
   uint4 const* wr[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (int64_t{row} + r * int64_t{n}) * k);
+  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (int64_t{row0} + r * int64_t{step}) * k);
   auto norm = [&] {
     if constexpr (kNorm) {
       const float4* in = reinterpret_cast<const float4*>(f.norm_x);
@@ -335,7 +341,7 @@ __global__ void __launch_bounds__(256)
   const auto* bias = static_cast<const bf16*>(f.bias);
   auto out = [&](int r) {
     float v = RoundBf16(acc[r][0]);
-    if (bias != nullptr) v = RoundBf16(v + __bfloat162float(bias[j + r * n]));
+    if (bias != nullptr) v = RoundBf16(v + __bfloat162float(bias[row0 + r * step]));
     return v;
   };
   if constexpr (kEpi == GemvEpilogue::kStore) {
@@ -344,9 +350,41 @@ __global__ void __launch_bounds__(256)
     // AddRmsNormKernel's order: (x + delta) + bias, the delta in bf16.
     const float d = RoundBf16(acc[0][0]);
     f.residual[j] = bias != nullptr ? f.residual[j] + d + __bfloat162float(bias[j]) : f.residual[j] + d;
-  } else {
+  } else if constexpr (kEpi == GemvEpilogue::kSiluMul) {
     const float g = out(0), u = out(1);
     y[j] = __float2bfloat16(RoundBf16(g / (1.0f + __expf(-g))) * u);
+  } else {
+    // RopeWriteKvKernel's arithmetic for one token, at this pair.
+    const RopeWriteArgs& a = f.rope;
+    const int head = unit / half, i = unit % half;
+    const float x0 = out(0), x1 = out(1);
+    bf16 y0 = __float2bfloat16(x0), y1 = __float2bfloat16(x1);
+    if (head < a.num_heads + a.num_kv_heads) {
+      double s, c;
+      sincos(double(a.positions[0]) * a.inv_freq[i], &s, &c);
+      const float cf = static_cast<float>(c), sf = static_cast<float>(s);
+      y0 = __float2bfloat16(x0 * cf - x1 * sf);
+      y1 = __float2bfloat16(x1 * cf + x0 * sf);
+    }
+    if (head < a.num_heads) {
+      bf16* q = static_cast<bf16*>(a.qkv);
+      q[row0] = y0;
+      q[row0 + half] = y1;
+      return;
+    }
+    const int64_t slot = a.slot_mapping[0];
+    if (slot < 0) return;
+    const int64_t block = slot / a.pool.block_size;
+    if (block >= a.pool.num_blocks) {
+      if (head == a.num_heads && i == 0) RecordError(a.error, kErrSlot, 0);
+      return;
+    }
+    const bool is_k = head < a.num_heads + a.num_kv_heads;
+    const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
+    bf16* pool = static_cast<bf16*>(const_cast<void*>(a.pool.kv));
+    const int64_t at = PoolOffset(a.pool, block, is_k ? 0 : 1, kv_head, static_cast<int>(slot % a.pool.block_size));
+    pool[at + i] = y0;
+    pool[at + i + half] = y1;
   }
 }
 
@@ -565,6 +603,11 @@ int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpi
   const unsigned blocks = static_cast<unsigned>((n + kWarps - 1) / kWarps);
   const bool norm = f.norm_x != nullptr;
   const size_t smem = norm ? size_t{2} * k : 0;
+  // The normed x lives in the default 48 KB of shared memory; a launch
+  // that norms the residual it also updates would race with itself.
+  if (smem > 48 * 1024 || (norm && f.residual != nullptr) || k % 8 != 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
   const auto* xb = static_cast<const bf16*>(x);
   const auto* wb = static_cast<const bf16*>(w);
   auto* yb = static_cast<bf16*>(y);
@@ -581,6 +624,9 @@ int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpi
     case GemvEpilogue::kSiluMul:
       return norm ? go(GemvFusedKernel<true, GemvEpilogue::kSiluMul>)
                   : go(GemvFusedKernel<false, GemvEpilogue::kSiluMul>);
+    case GemvEpilogue::kRopeWriteKv:
+      return norm ? go(GemvFusedKernel<true, GemvEpilogue::kRopeWriteKv>)
+                  : go(GemvFusedKernel<false, GemvEpilogue::kRopeWriteKv>);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }

@@ -91,14 +91,22 @@ enum class GemvEpilogue {
   kStore,     // y[j] = bf16(x . w_j (+ bias[j]))
   kResidual,  // residual[j] += bf16(x . w_j) (+ bias[j]); y unused
   kSiluMul,   // w holds 2n rows (gate, then up): y[j] = silu(g_j) * u_j, each bf16 (+ its bias)
+  // The QKV product with RopeWriteKv's work (`rope`, one token): n is half
+  // the product's rows, warp u computes a head's rows i and i + head_dim/2;
+  // Q rotated into rope.qkv, K rotated and V into the pool at the token's
+  // slot (a slot past the pool: rope.error, nothing written). y unused.
+  kRopeWriteKv,
 };
 struct GemvFusion {
   const float* norm_x = nullptr;  // set: x is RMSNorm(norm_x) * norm_weight in bf16 (x ignored)
   const void* norm_weight = nullptr;
   float eps = 0.0f;
   float* residual = nullptr;   // kResidual
-  const void* bias = nullptr;  // n values (kSiluMul: 2n, the gate's then the up's)
+  const void* bias = nullptr;  // n values (kSiluMul, kRopeWriteKv: 2n, in the weight rows' order)
+  RopeWriteArgs rope;          // kRopeWriteKv (its bias unused: `bias` above)
 };
+// Refuses (cudaErrorInvalidValue) k % 8 != 0, a norm over more than 24,576
+// values, and a norm together with kResidual's update of the same launch.
 int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpilogue epi, const GemvFusion& f,
                     void* stream);
 
