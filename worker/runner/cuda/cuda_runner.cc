@@ -863,8 +863,8 @@ class CudaRunner final : public ModelRunner {
     auto opt = [](const DeviceBuffer& b) -> const void* { return b.empty() ? nullptr : b.get(); };
     if (T == 1 && fused_one_row_) {
       // One token: the fused one-row products fold the norms, the residual
-      // adds, SiLU-and-multiply, RoPE and the KV write in (five kernels a layer, attention one of them, instead of
-      // ten).
+      // adds, SiLU-and-multiply, RoPE and the KV write in (five kernels a
+      // layer, attention one of them, instead of ten).
       for (int l = 0; l < c.num_layers; ++l) {
         const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[l];
         rope.bias = opt(lw.bqkv);
