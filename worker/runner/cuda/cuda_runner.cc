@@ -861,7 +861,7 @@ class CudaRunner final : public ModelRunner {
                                  .error = static_cast<int*>(attn_workspace_.get())};
     const float eps = c.rms_norm_eps;
     auto opt = [](const DeviceBuffer& b) -> const void* { return b.empty() ? nullptr : b.get(); };
-    if (T == 1 && fused_one_row_) {
+    if (T == 1 && fused_one_row_ && H <= cuda_ops::kMaxGemvNormWidth) {
       // One token: the fused one-row products fold the norms, the residual
       // adds, SiLU-and-multiply, RoPE and the KV write in (five kernels a
       // layer, attention one of them, instead of ten).

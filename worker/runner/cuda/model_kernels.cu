@@ -605,7 +605,7 @@ int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpi
   const size_t smem = norm ? size_t{2} * k : 0;
   // The normed x lives in the default 48 KB of shared memory; a launch
   // that norms the residual it also updates would race with itself.
-  if (smem > 48 * 1024 || (norm && f.residual != nullptr) || k % 8 != 0) {
+  if ((norm && k > kMaxGemvNormWidth) || (norm && f.residual != nullptr) || k % 8 != 0) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const auto* xb = static_cast<const bf16*>(x);

@@ -105,8 +105,10 @@ struct GemvFusion {
   const void* bias = nullptr;  // n values (kSiluMul, kRopeWriteKv: 2n, in the weight rows' order)
   RopeWriteArgs rope;          // kRopeWriteKv (its bias unused: `bias` above)
 };
-// Refuses (cudaErrorInvalidValue) k % 8 != 0, a norm over more than 24,576
-// values, and a norm together with kResidual's update of the same launch.
+// Refuses (cudaErrorInvalidValue) k % 8 != 0, a norm over more than
+// kMaxGemvNormWidth values (the normed x in 48 KB of shared memory), and a
+// norm together with kResidual's update of the same launch.
+inline constexpr int kMaxGemvNormWidth = 24576;
 int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpilogue epi, const GemvFusion& f,
                     void* stream);
 
