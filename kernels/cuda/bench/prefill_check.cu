@@ -10,7 +10,10 @@
 //   ./prefill_check check [V,..] # correctness only (those variants); `bench`: the table only
 //   ./prefill_check dcheck     # the decode variants' correctness
 //   ./prefill_check dbench 0,2 # the decode variants' timings (GPU time from a
-//                              # cold L2, and back-to-back call time)
+//                              # cold L2, and back-to-back call time); 2 the
+//                              # loads without the math, 3 a per-CTA trace,
+//                              # 4 a dense read of the same bytes
+//   ./prefill_check dbench V KPS 8b:64x1024,70b:16x8192 shuf|seq PAGE
 //
 // Correctness: fresh random inputs rounded to the element type, a paged pool
 // with shuffled block ids, two layers (the layer offset and block stride
