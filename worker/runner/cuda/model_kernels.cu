@@ -26,6 +26,56 @@ unsigned Blocks(int64_t n, int threads) { return static_cast<unsigned>((n + thre
 
 __device__ __forceinline__ float RoundBf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
+// The normed row AddRmsNormKernel writes and the fused products build in
+// shared memory: out = bf16(in * scale * weight), this thread's share of a
+// CTA's float4 walk over `vecs`.
+__device__ __forceinline__ void WriteNormed(const float4* in, const bf16* weight, float scale, int vecs, bf16* out) {
+  auto* o = reinterpret_cast<__nv_bfloat162*>(out);
+  const auto* w = reinterpret_cast<const __nv_bfloat162*>(weight);
+  for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+    const float4 v = in[i];
+    const float2 w0 = __bfloat1622float2(w[2 * i]), w1 = __bfloat1622float2(w[2 * i + 1]);
+    o[2 * i] = __floats2bfloat162_rn(v.x * scale * w0.x, v.y * scale * w0.y);
+    o[2 * i + 1] = __floats2bfloat162_rn(v.z * scale * w1.x, v.w * scale * w1.y);
+  }
+}
+
+// silu(g) * u with SiLU rounded to bf16 first (the caller rounds the
+// product).
+__device__ __forceinline__ float SiluTimes(float g, float u) { return RoundBf16(g / (1.0f + __expf(-g))) * u; }
+
+// RoPE at position `pos` for pair i: the angle in double, its cos and sin
+// as float (x: cos, y: sin).
+__device__ __forceinline__ float2 RopeTrig(double pos, double inv_freq) {
+  double s, c;
+  sincos(pos * inv_freq, &s, &c);
+  return make_float2(static_cast<float>(c), static_cast<float>(s));
+}
+// A pair (x0 at i, x1 at i + head_dim/2) rotated, each rounded to bf16.
+__device__ __forceinline__ void RotatePair(float x0, float x1, float2 cs, bf16* y0, bf16* y1) {
+  *y0 = __float2bfloat16(x0 * cs.x - x1 * cs.y);
+  *y1 = __float2bfloat16(x1 * cs.x + x0 * cs.y);
+}
+
+// A token's KV slot in a layer's pool: block -1 where nothing is written
+// (slot -1, or past the pool: then `past`, which the caller records).
+struct KvSlot {
+  int64_t block = -1;
+  int in_block = 0;
+  bool past = false;
+};
+__device__ __forceinline__ KvSlot SlotOf(const kernels::cuda::internal::PoolView& p, int64_t slot) {
+  KvSlot s;
+  if (slot < 0) return s;
+  s.block = slot / p.block_size;
+  s.in_block = static_cast<int>(slot % p.block_size);
+  if (s.block >= p.num_blocks) {
+    s.block = -1;
+    s.past = true;
+  }
+  return s;
+}
+
 // Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024).
 __device__ float BlockSum(float v) {
   __shared__ float partial[32];
@@ -96,15 +146,7 @@ __global__ void AddRmsNormKernel(float* x, const int* rows, const bf16* delta, c
     sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
   if (weight == nullptr) return;
-  const float scale = rsqrtf(BlockSum(sum) / hidden + eps);
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + int64_t{r} * hidden);
-  const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(weight);
-  for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
-    const float4 v = in[i];
-    const float2 w0 = __bfloat1622float2(w[2 * i]), w1 = __bfloat1622float2(w[2 * i + 1]);
-    o[2 * i] = __floats2bfloat162_rn(v.x * scale * w0.x, v.y * scale * w0.y);
-    o[2 * i + 1] = __floats2bfloat162_rn(v.z * scale * w1.x, v.w * scale * w1.y);
-  }
+  WriteNormed(in, weight, rsqrtf(BlockSum(sum) / hidden + eps), vecs, out + int64_t{r} * hidden);
 }
 
 // Grid (tokens, parts): each CTA computes its token's cos/sin table
@@ -117,27 +159,19 @@ __global__ void RopeWriteKvKernel(RopeWriteArgs a) {
   const int half = a.head_dim / 2;
   const double pos = a.positions[t];
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    double s, c;
-    sincos(pos * a.inv_freq[i], &s, &c);
-    trig[i] = static_cast<float>(c);
-    trig[half + i] = static_cast<float>(s);
+    const float2 cs = RopeTrig(pos, a.inv_freq[i]);
+    trig[i] = cs.x;
+    trig[half + i] = cs.y;
   }
   __syncthreads();
 
   bf16* row = static_cast<bf16*>(a.qkv) + int64_t{t} * a.qkv_stride;
   const bf16* bias = static_cast<const bf16*>(a.bias);
   const int q_size = a.num_heads * a.head_dim, kv_size = a.num_kv_heads * a.head_dim;
-  const int64_t slot = a.slot_mapping[t];
-  int64_t block = -1;
-  int in_block = 0;
-  if (slot >= 0) {
-    block = slot / a.pool.block_size;
-    in_block = static_cast<int>(slot % a.pool.block_size);
-    if (block >= a.pool.num_blocks) {
-      if (threadIdx.x == 0 && blockIdx.y == 0) RecordError(a.error, kErrSlot, t);
-      block = -1;
-    }
-  }
+  const KvSlot kv = SlotOf(a.pool, a.slot_mapping[t]);
+  if (kv.past && threadIdx.x == 0 && blockIdx.y == 0) RecordError(a.error, kErrSlot, t);
+  const int64_t block = kv.block;
+  const int in_block = kv.in_block;
   bf16* pool = static_cast<bf16*>(const_cast<void*>(a.pool.kv));
   auto load = [&](int col) {
     float v = __bfloat162float(row[col]);
@@ -150,8 +184,8 @@ __global__ void RopeWriteKvKernel(RopeWriteArgs a) {
     const int head = p / half, i = p % half;  // heads: Q's, then K's
     const int col = head * a.head_dim + i;
     const float x0 = load(col), x1 = load(col + half);
-    const float c = trig[i], s = trig[half + i];
-    const bf16 y0 = __float2bfloat16(x0 * c - x1 * s), y1 = __float2bfloat16(x1 * c + x0 * s);
+    bf16 y0, y1;
+    RotatePair(x0, x1, make_float2(trig[i], trig[half + i]), &y0, &y1);
     if (head < a.num_heads) {
       row[col] = y0;
       row[col + half] = y1;
@@ -184,8 +218,7 @@ __global__ void SiluMulKernel(const bf16* gu, int inter, int num_tokens, bf16* o
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const float2 g = __bfloat1622float2(g2[k]), u = __bfloat1622float2(u2[k]);
-      const float a0 = RoundBf16(g.x / (1.0f + __expf(-g.x))), a1 = RoundBf16(g.y / (1.0f + __expf(-g.y)));
-      o2[k] = __floats2bfloat162_rn(a0 * u.x, a1 * u.y);
+      o2[k] = __floats2bfloat162_rn(SiluTimes(g.x, u.x), SiluTimes(g.y, u.y));
     }
     *reinterpret_cast<uint4*>(out + int64_t{t} * inter + j) = oraw;
   }
@@ -322,15 +355,7 @@ __global__ void __launch_bounds__(256)
         const float4 v = in[i];
         sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
       }
-      const float scale = rsqrtf(BlockSum(sum) / k + f.eps);
-      auto* o = reinterpret_cast<__nv_bfloat162*>(xs);
-      const auto* g = static_cast<const __nv_bfloat162*>(f.norm_weight);
-      for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
-        const float4 v = in[i];
-        const float2 w0 = __bfloat1622float2(g[2 * i]), w1 = __bfloat1622float2(g[2 * i + 1]);
-        o[2 * i] = __floats2bfloat162_rn(v.x * scale * w0.x, v.y * scale * w0.y);
-        o[2 * i + 1] = __floats2bfloat162_rn(v.z * scale * w1.x, v.w * scale * w1.y);
-      }
+      WriteNormed(in, static_cast<const bf16*>(f.norm_weight), rsqrtf(BlockSum(sum) / k + f.eps), vecs, xs);
       __syncthreads();
     }
   };
@@ -351,38 +376,27 @@ __global__ void __launch_bounds__(256)
     const float d = RoundBf16(acc[0][0]);
     f.residual[j] = bias != nullptr ? f.residual[j] + d + __bfloat162float(bias[j]) : f.residual[j] + d;
   } else if constexpr (kEpi == GemvEpilogue::kSiluMul) {
-    const float g = out(0), u = out(1);
-    y[j] = __float2bfloat16(RoundBf16(g / (1.0f + __expf(-g))) * u);
+    y[j] = __float2bfloat16(SiluTimes(out(0), out(1)));
   } else {
     // RopeWriteKvKernel's arithmetic for one token, at this pair.
     const RopeWriteArgs& a = f.rope;
     const int head = unit / half, i = unit % half;
     const float x0 = out(0), x1 = out(1);
     bf16 y0 = __float2bfloat16(x0), y1 = __float2bfloat16(x1);
-    if (head < a.num_heads + a.num_kv_heads) {
-      double s, c;
-      sincos(double(a.positions[0]) * a.inv_freq[i], &s, &c);
-      const float cf = static_cast<float>(c), sf = static_cast<float>(s);
-      y0 = __float2bfloat16(x0 * cf - x1 * sf);
-      y1 = __float2bfloat16(x1 * cf + x0 * sf);
-    }
+    if (head < a.num_heads + a.num_kv_heads) RotatePair(x0, x1, RopeTrig(a.positions[0], a.inv_freq[i]), &y0, &y1);
     if (head < a.num_heads) {
       bf16* q = static_cast<bf16*>(a.qkv);
       q[row0] = y0;
       q[row0 + half] = y1;
       return;
     }
-    const int64_t slot = a.slot_mapping[0];
-    if (slot < 0) return;
-    const int64_t block = slot / a.pool.block_size;
-    if (block >= a.pool.num_blocks) {
-      if (head == a.num_heads && i == 0) RecordError(a.error, kErrSlot, 0);
-      return;
-    }
+    const KvSlot kv = SlotOf(a.pool, a.slot_mapping[0]);
+    if (kv.past && head == a.num_heads && i == 0) RecordError(a.error, kErrSlot, 0);
+    if (kv.block < 0) return;
     const bool is_k = head < a.num_heads + a.num_kv_heads;
     const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
     bf16* pool = static_cast<bf16*>(const_cast<void*>(a.pool.kv));
-    const int64_t at = PoolOffset(a.pool, block, is_k ? 0 : 1, kv_head, static_cast<int>(slot % a.pool.block_size));
+    const int64_t at = PoolOffset(a.pool, kv.block, is_k ? 0 : 1, kv_head, kv.in_block);
     pool[at + i] = y0;
     pool[at + i + half] = y1;
   }
