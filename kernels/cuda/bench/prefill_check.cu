@@ -52,6 +52,18 @@ static const char* kDecodeName[] = {"stream", "cuda-core", "stream:nomath", "str
 static constexpr int kDenseRead = 4;
 static int g_rounds = 3;           // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;  // dbench: blocks in order instead of shuffled
+// PC_KV_ADJ=1: each KV head's K and V rows of a block side by side (one run
+// of 2 x page rows a head) instead of every head's K, then every head's V.
+static const bool g_kv_adjacent = [] {
+  const char* e = std::getenv("PC_KV_ADJ");
+  return e != nullptr && std::string(e) == "1";
+}();
+// A block's (head, K|V) strides in elements, as g_kv_adjacent lays it out.
+static void PoolStrides(int bs, int D, int Hkv, int64_t* head_stride, int64_t* kv_stride) {
+  const int64_t rows = int64_t{bs} * D;
+  *head_stride = g_kv_adjacent ? 2 * rows : rows;
+  *kv_stride = g_kv_adjacent ? rows : Hkv * rows;
+}
 static std::string DecodeName(int v) { return kDecodeName[v]; }
 static const int kVariants = 11;
 static bool Checked(int v) { return v != 3; }  // variant 3 skips loads (timing only)
@@ -142,14 +154,15 @@ static int LaunchDecode(const AttnArgs& a, int variant, int kps, int* ws, int64_
 static AttnArgs BenchArgs(void* pool, int num_blocks, int bs, int D, int H, int Hkv, void* q, void* out, int* qs,
                           int* ctx, int32_t* table, int blocks_per_seq, int* error, int batch, int tokens, int max_q,
                           int max_ctx, bool causal) {
-  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride;
+  int64_t head_stride = 0, kv_stride = 0;
+  PoolStrides(bs, D, Hkv, &head_stride, &kv_stride);
   AttnArgs a;
   a.elem = Elem::kBF16;
   a.q = q;
   a.q_stride = int64_t{H} * D;
   a.out = out;
   a.pool.kv = pool;
-  a.pool.block_stride = 2 * kv_stride;
+  a.pool.block_stride = 2 * Hkv * int64_t{bs} * D;
   a.pool.kv_stride = kv_stride;
   a.pool.head_stride = head_stride;
   a.pool.num_blocks = num_blocks;
@@ -191,8 +204,9 @@ static bool RunCase(const Case& c, int variant, bool decode = false, int kps = 0
   }
   const int num_blocks = total_blocks + 3;
   const int layers = 2, layer = 1;
-  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride, layer_stride = 2 * kv_stride,
-                block_stride = layers * layer_stride;
+  int64_t head_stride = 0, kv_stride = 0;
+  PoolStrides(bs, D, Hkv, &head_stride, &kv_stride);
+  const int64_t layer_stride = 2 * Hkv * int64_t{bs} * D, block_stride = layers * layer_stride;
   std::vector<int> perm(num_blocks);
   for (int i = 0; i < num_blocks; ++i) perm[i] = i;
   std::shuffle(perm.begin(), perm.end(), rng);
@@ -370,7 +384,7 @@ static  // Seconds since the epoch (wall clock), for lining runs up with sampler
 double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, int bs, bool causal, double* tflops) {
   const int blocks_per_seq = (seqlen + bs - 1) / bs;
   const int num_blocks = batch * blocks_per_seq;
-  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride, block_stride = 2 * kv_stride;
+  const int64_t block_stride = 2 * Hkv * int64_t{bs} * D;
   const int64_t T = int64_t{batch} * seqlen;
   void *d_pool, *d_q, *d_out;
   int *d_qs, *d_ctx, *d_err;
@@ -490,7 +504,7 @@ static double DBench(const std::vector<std::pair<int, int>>& configs, int batch,
                      int rounds, std::vector<DTiming>* timings) {
   const int blocks_per_seq = (ctx + bs - 1) / bs;
   const int num_blocks = batch * blocks_per_seq;
-  const int64_t head_stride = int64_t{bs} * D, kv_stride = Hkv * head_stride, block_stride = 2 * kv_stride;
+  const int64_t block_stride = 2 * Hkv * int64_t{bs} * D;
   void *d_pool, *d_q, *d_out;
   int *d_qs, *d_ctx, *d_ws;
   int32_t* d_table;

@@ -893,7 +893,7 @@ class CudaRunner final : public ModelRunner {
                               {.residual = X(), .bias = opt(lw.b_down)}, s));
         profile_.Mark("down product", s);
       }
-      return FinalNormAndHead(R, m, s);
+      return FinalNormAndHead(R, m, s, /*one_row=*/true);
     }
     // h = the first layer's normed input; afterwards each product's output
     // (bf16, in h_) is added to the residual by the kernel that norms it for
@@ -935,19 +935,26 @@ class CudaRunner final : public ModelRunner {
                  "add and norm"));
       profile_.Mark("norms", s);
     }
-    return FinalNormAndHead(R, m, s);
+    return FinalNormAndHead(R, m, s, /*one_row=*/false);
   }
 
-  // The logits rows' final norm and the LM head (R rows wanted).
-  absl::Status FinalNormAndHead(int R, const MetaLayout& m, void* s) {
+  // The logits rows' final norm and the LM head (R rows wanted; `one_row`:
+  // the fused one-row path's step, whose LM head is the one-row GEMV).
+  absl::Status FinalNormAndHead(int R, const MetaLayout& m, void* s, bool one_row) {
     if (R == 0) return absl::OkStatus();
     const ModelConfig& c = config();
     const int H = c.hidden_size;
     RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddRmsNorm(X(), Meta<int>(m.logits_rows), R, H, nullptr, nullptr,
                                                       w_.final_norm.get(), c.rms_norm_eps, last_.get(), s),
                            "final norm"));
-    RETURN_IF_ERROR(
-        Product(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, logits_.get(), LtGemm::Out::kF32, s));
+    if (one_row && R == 1) {
+      RETURN_IF_ERROR(Launch(cuda_ops::LaunchGemv(last_.get(), 1, H, w_.output_matrix().get(), c.vocab_size,
+                                                  logits_.get(), /*f32=*/true, s),
+                             "LM head gemv"));
+    } else {
+      RETURN_IF_ERROR(
+          Product(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, logits_.get(), LtGemm::Out::kF32, s));
+    }
     profile_.Mark("final norm + LM head", s);
     return absl::OkStatus();
   }

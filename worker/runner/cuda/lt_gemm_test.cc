@@ -190,37 +190,51 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
     EXPECT_GE(same, got.size() * 9 / 10) << what;
   };
   const float eps = 1e-5f;
-  {  // norm prologue, plain store
-    ASSERT_EQ(cuda_ops::LaunchAddRmsNorm(static_cast<float*>(dres.p), nullptr, 1, H, nullptr, nullptr, dgamma.p, eps,
-                                         dh.p, nullptr),
-              0);
-    ASSERT_EQ(cuda_ops::LaunchGemv(dh.p, 1, H, dw.p, n, dy.p, false, nullptr), 0);
-    cuda_ops::GemvFusion f{.norm_x = static_cast<const float*>(dres.p), .norm_weight = dgamma.p, .eps = eps};
-    ASSERT_EQ(cuda_ops::LaunchGemvFused(nullptr, H, dw.p, n, dy2.p, cuda_ops::GemvEpilogue::kStore, f, nullptr), 0);
-    expect_close(bf16s(dy2, n), bf16s(dy, n), "norm + product");
-  }
-  {  // norm prologue, the gate/up pair with its bias, SiLU-and-multiply
-    ASSERT_EQ(cuda_ops::LaunchGemv(dh.p, 1, H, dw.p, 2 * I, dy.p, false, nullptr), 0);
-    ASSERT_EQ(cuda_ops::LaunchAddBias(dy.p, 1, 2 * I, dbias.p, nullptr), 0);
-    ASSERT_EQ(cuda_ops::LaunchSiluMul(dy.p, 1, I, dact.p, nullptr), 0);
-    cuda_ops::GemvFusion f{
-        .norm_x = static_cast<const float*>(dres.p), .norm_weight = dgamma.p, .eps = eps, .bias = dbias.p};
-    ASSERT_EQ(cuda_ops::LaunchGemvFused(nullptr, H, dw.p, I, dy2.p, cuda_ops::GemvEpilogue::kSiluMul, f, nullptr), 0);
-    expect_close(bf16s(dy2, I), bf16s(dact, I), "norm + gate/up + bias + silu");
-  }
-  for (const bool with_bias : {false, true}) {  // the residual's update from a bf16 x (the down product)
-    SCOPED_TRACE(with_bias ? "with a bias" : "no bias");
+  // Every split of a row over warps (0: the kernel's default).
+  for (const int split : {0, 1, 2, 4, 8}) {
+    SCOPED_TRACE(testing::Message() << "split " << split);
     up(dres, residual.data(), H * 4);
-    up(dres2, residual.data(), H * 4);
-    ASSERT_EQ(cuda_ops::LaunchGemv(dxin.p, 1, I, dwd.p, H, dh.p, false, nullptr), 0);
-    ASSERT_EQ(cuda_ops::LaunchAddRmsNorm(static_cast<float*>(dres.p), nullptr, 1, H, dh.p,
-                                         with_bias ? dbias.p : nullptr, nullptr, eps, nullptr, nullptr),
-              0);
-    cuda_ops::GemvFusion f{.residual = static_cast<float*>(dres2.p), .bias = with_bias ? dbias.p : nullptr};
-    ASSERT_EQ(cuda_ops::LaunchGemvFused(dxin.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, f, nullptr),
-              0);
-    // No norm here: the same sums in the same order, so the same bits.
-    EXPECT_EQ(floats(dres2, H), floats(dres, H));
+    {  // norm prologue, plain store
+      ASSERT_EQ(cuda_ops::LaunchAddRmsNorm(static_cast<float*>(dres.p), nullptr, 1, H, nullptr, nullptr, dgamma.p, eps,
+                                           dh.p, nullptr),
+                0);
+      ASSERT_EQ(cuda_ops::LaunchGemv(dh.p, 1, H, dw.p, n, dy.p, false, nullptr), 0);
+      cuda_ops::GemvFusion f{
+          .norm_x = static_cast<const float*>(dres.p), .norm_weight = dgamma.p, .eps = eps, .split = split};
+      ASSERT_EQ(cuda_ops::LaunchGemvFused(nullptr, H, dw.p, n, dy2.p, cuda_ops::GemvEpilogue::kStore, f, nullptr), 0);
+      expect_close(bf16s(dy2, n), bf16s(dy, n), "norm + product");
+    }
+    {  // norm prologue, the gate/up pair with its bias, SiLU-and-multiply
+      ASSERT_EQ(cuda_ops::LaunchGemv(dh.p, 1, H, dw.p, 2 * I, dy.p, false, nullptr), 0);
+      ASSERT_EQ(cuda_ops::LaunchAddBias(dy.p, 1, 2 * I, dbias.p, nullptr), 0);
+      ASSERT_EQ(cuda_ops::LaunchSiluMul(dy.p, 1, I, dact.p, nullptr), 0);
+      cuda_ops::GemvFusion f{.norm_x = static_cast<const float*>(dres.p),
+                             .norm_weight = dgamma.p,
+                             .eps = eps,
+                             .bias = dbias.p,
+                             .split = split};
+      ASSERT_EQ(cuda_ops::LaunchGemvFused(nullptr, H, dw.p, I, dy2.p, cuda_ops::GemvEpilogue::kSiluMul, f, nullptr), 0);
+      expect_close(bf16s(dy2, I), bf16s(dact, I), "norm + gate/up + bias + silu");
+    }
+    for (const bool with_bias : {false, true}) {  // the residual's update from a bf16 x (the down product)
+      SCOPED_TRACE(with_bias ? "with a bias" : "no bias");
+      up(dres, residual.data(), H * 4);
+      up(dres2, residual.data(), H * 4);
+      ASSERT_EQ(cuda_ops::LaunchGemv(dxin.p, 1, I, dwd.p, H, dh.p, false, nullptr), 0);
+      ASSERT_EQ(cuda_ops::LaunchAddRmsNorm(static_cast<float*>(dres.p), nullptr, 1, H, dh.p,
+                                           with_bias ? dbias.p : nullptr, nullptr, eps, nullptr, nullptr),
+                0);
+      cuda_ops::GemvFusion f{
+          .residual = static_cast<float*>(dres2.p), .bias = with_bias ? dbias.p : nullptr, .split = split};
+      ASSERT_EQ(cuda_ops::LaunchGemvFused(dxin.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, f, nullptr),
+                0);
+      if (split == 0 || split == 4) {
+        // No norm and LaunchGemv's split: the same sums in the same order, so the same bits.
+        EXPECT_EQ(floats(dres2, H), floats(dres, H));
+      } else {
+        expect_close(floats(dres2, H), floats(dres, H), "the residual's update");
+      }
+    }
   }
   // Refused: norming the residual the same launch updates, a norm past 48 KB of shared memory.
   const cuda_ops::GemvFusion racy{.norm_x = static_cast<const float*>(dres.p),
@@ -232,6 +246,10 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
   const cuda_ops::GemvFusion wide{.norm_x = static_cast<const float*>(dres.p), .norm_weight = dgamma.p, .eps = eps};
   EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, 32768, dw.p, 1, dy.p, cuda_ops::GemvEpilogue::kStore, wide, nullptr),
             cudaErrorInvalidValue);
+  const cuda_ops::GemvFusion three_warps{.residual = static_cast<float*>(dres.p), .split = 3};
+  EXPECT_EQ(
+      cuda_ops::LaunchGemvFused(dxin.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, three_warps, nullptr),
+      cudaErrorInvalidValue);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 

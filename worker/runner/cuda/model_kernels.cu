@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <type_traits>
 
 #include "common/xxh3_portable.h"
 #include "kernels/cuda/common.cuh"
@@ -300,17 +301,76 @@ __device__ __forceinline__ void GemvDot(const uint4* const (&wr)[R], int chunks,
   }
 }
 
-template <int M, typename Out>
+// The GEMV kernels' CTA: eight warps; each output row is split over kSplit
+// of them (consecutive), warp `part` taking the part-th slice of the row's
+// k / 8 chunks. Many warps with few loads each put the whole weight matrix
+// in flight at once and end together: on an H200, 8B decode shapes, a row
+// split over four warps with two loads a lane in flight took 13.9 / 9.9 /
+// 53.9 / 28.6 us for the QKV / output / gate+up / down products against
+// 17.4 / 11.6 / 57.3 / 34.8 us for a warp a row with eight
+// (kernels/cuda/NOTES.md, 2026-11-29). A product that norms its own x does
+// so once a CTA, so splitting it finer multiplies that work: two warps a row
+// there (the 8B batch-1 step at 128 keys: 4.70 ms unsplit, 4.46 with the
+// plain products split in four, 4.43 with the normed ones in two as well;
+// 4.71-4.75 with every product in four, 5.5 in eight).
+inline constexpr int kGemvWarps = 8;
+inline constexpr int kGemvSplit = 4, kGemvSplitNorm = 2;
+struct ChunkRange {
+  int begin, len;
+};
+__device__ __forceinline__ ChunkRange PartOf(int chunks, int part, int split) {
+  const int per = (chunks + split - 1) / split;
+  const int begin = min(chunks, part * per);
+  return {begin, min(chunks, begin + per) - begin};
+}
+// 16-byte weight loads in flight a lane and row (all issued before any is
+// used): fewer as the rows are split finer.
+__host__ __device__ constexpr int GemvLoads(int split, bool wide) {
+  const int loads = (wide ? 4 : 8) / (split < 4 ? split : 4);
+  return loads > 0 ? loads : 1;
+}
+
+// A row's total over its kSplit warps, in part order (the same bits however
+// the warps run), into lane 0 of its first warp. Every thread of the CTA
+// calls it.
+template <int kSplit, int R, int M>
+__device__ __forceinline__ void SumParts(float (&acc)[R][M]) {
+  if constexpr (kSplit > 1) {
+    __shared__ float sums[kGemvWarps][R * M];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int i = 0; i < M; ++i) sums[warp][r * M + i] = acc[r][i];
+      }
+    }
+    __syncthreads();
+    if (lane == 0 && warp % kSplit == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+          float s = sums[warp][r * M + i];
+          for (int p = 1; p < kSplit; ++p) s += sums[warp + p][r * M + i];
+          acc[r][i] = s;
+        }
+      }
+    }
+  }
+}
+
+template <int M, typename Out, int kSplit>
 __global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, Out* y, int n, int k) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int j = blockIdx.x * (blockDim.x / 32) + warp;
-  if (j >= n) return;
-  const uint4* const wr[1] = {reinterpret_cast<const uint4*>(w + int64_t{j} * k)};
+  const int j = blockIdx.x * (kGemvWarps / kSplit) + warp / kSplit, part = warp % kSplit;
+  const bool active = j < n;
+  const ChunkRange cr = PartOf(k / 8, part, kSplit);
+  const uint4* const wr[1] = {reinterpret_cast<const uint4*>(w + int64_t{active ? j : 0} * k) + cr.begin};
   float acc[1][M];
-  // kLoads 16-byte weight loads in flight a lane (all issued before any is
-  // used): 4 KB a warp at one or two rows, enough to keep the HBM busy with
-  // the few warps a small product has.
-  GemvDot<M, 1, M <= 2 ? 8 : 4, false>(wr, k / 8, lane, x, k, true, acc, [] {});
+  GemvDot<M, 1, GemvLoads(kSplit, M > 2), false>(wr, cr.len, lane, x + cr.begin * 8, k, active, acc, [] {});
+  SumParts<kSplit>(acc);
+  if (!active || part != 0) return;
 #pragma unroll
   for (int r = 0; r < M; ++r) {
     if (lane == 0) {
@@ -329,23 +389,26 @@ __global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, 
 // vector, the residual's update, the SiLU-and-multiply of a gate row and
 // its up row (R = 2: warp j computes rows j and j + n), or RopeWriteKv's
 // rotation and KV write of a head's row pair (R = 2: rows i and i + half).
-template <bool kNorm, GemvEpilogue kEpi>
+template <bool kNorm, GemvEpilogue kEpi, int kSplit>
 __global__ void __launch_bounds__(256)
     GemvFusedKernel(const bf16* x, const bf16* w, bf16* y, int n, int k, GemvFusion f) {
   constexpr bool kRope = kEpi == GemvEpilogue::kRopeWriteKv;
   constexpr int R = kEpi == GemvEpilogue::kSiluMul || kRope ? 2 : 1;
   extern __shared__ __align__(16) bf16 xs[];  // [k] where kNorm
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int j = blockIdx.x * (blockDim.x / 32) + warp;
+  const int j = blockIdx.x * (kGemvWarps / kSplit) + warp / kSplit, part = warp % kSplit;
   const bool active = j < n;
   const int unit = active ? j : 0;
   // The warp's weight rows: j (and j + n), or a head's pair.
   const int half = kRope ? f.rope.head_dim / 2 : 1;
   const int row0 = kRope ? unit / half * f.rope.head_dim + unit % half : unit;
   const int step = kRope ? half : n;
+  const ChunkRange cr = PartOf(k / 8, part, kSplit);
   uint4 const* wr[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint4*>(w + (int64_t{row0} + r * int64_t{step}) * k);
+  for (int r = 0; r < R; ++r) {
+    wr[r] = reinterpret_cast<const uint4*>(w + (int64_t{row0} + r * int64_t{step}) * k) + cr.begin;
+  }
   auto norm = [&] {
     if constexpr (kNorm) {
       const float4* in = reinterpret_cast<const float4*>(f.norm_x);
@@ -360,8 +423,10 @@ __global__ void __launch_bounds__(256)
     }
   };
   float acc[R][1];
-  GemvDot<1, R, R == 2 ? 4 : 8, kNorm>(wr, k / 8, lane, kNorm ? xs : x, k, active, acc, norm);
-  if (!active || lane != 0) return;
+  GemvDot<1, R, GemvLoads(kSplit, R == 2), kNorm>(wr, cr.len, lane, (kNorm ? xs : x) + cr.begin * 8, k, active, acc,
+                                                  norm);
+  SumParts<kSplit>(acc);
+  if (!active || lane != 0 || part != 0) return;
   // The bf16 roundings of the unfused path: the product's output, + bias.
   const auto* bias = static_cast<const bf16*>(f.bias);
   auto out = [&](int r) {
@@ -402,16 +467,33 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// Calls go(kernel template instance for the split, its grid) for `split`.
+template <typename Go>
+int WithSplit(int split, int n, Go&& go) {
+  auto blocks = [&](int sp) { return static_cast<unsigned>((int64_t{n} * sp + kGemvWarps - 1) / kGemvWarps); };
+  switch (split) {
+    case 1:
+      return go(std::integral_constant<int, 1>{}, blocks(1));
+    case 2:
+      return go(std::integral_constant<int, 2>{}, blocks(2));
+    case 8:
+      return go(std::integral_constant<int, 8>{}, blocks(8));
+    default:
+      return go(std::integral_constant<int, 4>{}, blocks(4));
+  }
+}
+
 template <int M>
 int GemvFor(const bf16* x, int k, const bf16* w, int n, void* y, bool f32, cudaStream_t s) {
-  constexpr int kWarps = 8;
-  const unsigned blocks = static_cast<unsigned>((n + kWarps - 1) / kWarps);
-  if (f32) {
-    GemvKernel<M, float><<<blocks, kWarps * 32, 0, s>>>(x, w, static_cast<float*>(y), n, k);
-  } else {
-    GemvKernel<M, bf16><<<blocks, kWarps * 32, 0, s>>>(x, w, static_cast<bf16*>(y), n, k);
-  }
-  return static_cast<int>(cudaGetLastError());
+  return WithSplit(M == 1 ? kGemvSplit : 1, n, [&](auto split_c, unsigned blocks) {
+    constexpr int kSplit = M == 1 ? decltype(split_c)::value : 1;
+    if (f32) {
+      GemvKernel<M, float, kSplit><<<blocks, kGemvWarps * 32, 0, s>>>(x, w, static_cast<float*>(y), n, k);
+    } else {
+      GemvKernel<M, bf16, kSplit><<<blocks, kGemvWarps * 32, 0, s>>>(x, w, static_cast<bf16*>(y), n, k);
+    }
+    return static_cast<int>(cudaGetLastError());
+  });
 }
 
 // (value, id) pairs: the larger value wins, a tie goes to the lower id;
@@ -613,36 +695,39 @@ int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool 
 int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpilogue epi, const GemvFusion& f,
                     void* stream) {
   if (n == 0) return 0;
-  constexpr int kWarps = 8;
-  const unsigned blocks = static_cast<unsigned>((n + kWarps - 1) / kWarps);
   const bool norm = f.norm_x != nullptr;
   const size_t smem = norm ? size_t{2} * k : 0;
   // The normed x lives in the default 48 KB of shared memory; a launch
   // that norms the residual it also updates would race with itself.
-  if ((norm && k > kMaxGemvNormWidth) || (norm && f.residual != nullptr) || k % 8 != 0) {
+  if ((norm && k > kMaxGemvNormWidth) || (norm && f.residual != nullptr) || k % 8 != 0 ||
+      (f.split != 0 && f.split != 1 && f.split != 2 && f.split != 4 && f.split != 8)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const auto* xb = static_cast<const bf16*>(x);
   const auto* wb = static_cast<const bf16*>(w);
   auto* yb = static_cast<bf16*>(y);
-  auto go = [&](auto kernel) {
-    kernel<<<blocks, kWarps * 32, smem, S(stream)>>>(xb, wb, yb, n, k, f);
-    return Err();
-  };
-  switch (epi) {
-    case GemvEpilogue::kStore:
-      return norm ? go(GemvFusedKernel<true, GemvEpilogue::kStore>) : go(GemvFusedKernel<false, GemvEpilogue::kStore>);
-    case GemvEpilogue::kResidual:
-      return norm ? go(GemvFusedKernel<true, GemvEpilogue::kResidual>)
-                  : go(GemvFusedKernel<false, GemvEpilogue::kResidual>);
-    case GemvEpilogue::kSiluMul:
-      return norm ? go(GemvFusedKernel<true, GemvEpilogue::kSiluMul>)
-                  : go(GemvFusedKernel<false, GemvEpilogue::kSiluMul>);
-    case GemvEpilogue::kRopeWriteKv:
-      return norm ? go(GemvFusedKernel<true, GemvEpilogue::kRopeWriteKv>)
-                  : go(GemvFusedKernel<false, GemvEpilogue::kRopeWriteKv>);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
+  const int split = f.split != 0 ? f.split : norm ? kGemvSplitNorm : kGemvSplit;
+  return WithSplit(split, n, [&](auto split_c, unsigned blocks) {
+    constexpr int kSplit = decltype(split_c)::value;
+    // The kernel for epilogue E (a std::integral_constant) and this norm.
+    auto go = [&](auto epi_c) {
+      constexpr GemvEpilogue E = decltype(epi_c)::value;
+      auto kernel = norm ? GemvFusedKernel<true, E, kSplit> : GemvFusedKernel<false, E, kSplit>;
+      kernel<<<blocks, kGemvWarps * 32, smem, S(stream)>>>(xb, wb, yb, n, k, f);
+      return Err();
+    };
+    switch (epi) {
+      case GemvEpilogue::kStore:
+        return go(std::integral_constant<GemvEpilogue, GemvEpilogue::kStore>{});
+      case GemvEpilogue::kResidual:
+        return go(std::integral_constant<GemvEpilogue, GemvEpilogue::kResidual>{});
+      case GemvEpilogue::kSiluMul:
+        return go(std::integral_constant<GemvEpilogue, GemvEpilogue::kSiluMul>{});
+      case GemvEpilogue::kRopeWriteKv:
+        return go(std::integral_constant<GemvEpilogue, GemvEpilogue::kRopeWriteKv>{});
+    }
+    return static_cast<int>(cudaErrorInvalidValue);
+  });
 }
 
 int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, void* workspace, int32_t* out,

@@ -74,9 +74,10 @@ int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, 
                  void* stream);
 
 // y[m, n] = x[m, k] . w[n, k]^T for m <= kMaxGemvRows rows (decode's
-// products): a warp per output column streams its weight row once in 16-byte
-// loads, float32 accumulation, then a warp reduction. y is bf16 or (`f32`)
-// float32. k % 8 == 0; x and w 16-byte aligned.
+// products): each output column's weight row streamed once in 16-byte loads
+// by one warp, or at m = 1 by four (each a quarter of the row; their sums
+// added in a fixed order), float32 accumulation, then warp reductions. y is
+// bf16 or (`f32`) float32. k % 8 == 0; x and w 16-byte aligned.
 inline constexpr int kMaxGemvRows = 8;
 int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream);
 
@@ -104,10 +105,15 @@ struct GemvFusion {
   float* residual = nullptr;   // kResidual
   const void* bias = nullptr;  // n values (kSiluMul, kRopeWriteKv: 2n, in the weight rows' order)
   RopeWriteArgs rope;          // kRopeWriteKv (its bias unused: `bias` above)
+  // Warps a row: 1, 2, 4 or 8 (each sums a slice of the row; the slices'
+  // sums are added in order), 0: the kernel's default (2 where it norms x,
+  // else 4, LaunchGemv's at one row).
+  int split = 0;
 };
 // Refuses (cudaErrorInvalidValue) k % 8 != 0, a norm over more than
-// kMaxGemvNormWidth values (the normed x in 48 KB of shared memory), and a
-// norm together with kResidual's update of the same launch.
+// kMaxGemvNormWidth values (the normed x in 48 KB of shared memory), a
+// norm together with kResidual's update of the same launch, and a split
+// other than those above.
 inline constexpr int kMaxGemvNormWidth = 24576;
 int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpilogue epi, const GemvFusion& f,
                     void* stream);
