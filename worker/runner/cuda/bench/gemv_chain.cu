@@ -1,8 +1,10 @@
 // The one-row products of a decode step, timed as the step runs them: each
-// Llama-3.1-8B product shape as a chain of 32 layers' launches (distinct
+// Llama-3.1-8B product as the engine launches it (its epilogue, and whether
+// it norms its own input) in a chain of 32 layers' launches (distinct
 // weights per layer, so nothing stays in L2) captured in one CUDA graph, for
 // every split of a row over warps (GemvFusion::split) and against a plain
-// grid-stride read of the same bytes. Not part of the cmake build (no absl:
+// grid-stride read of the same bytes. (The QKV product's RoPE-and-KV-write
+// epilogue is stood in for by SiLU-and-multiply: the same two rows a warp.) Not part of the cmake build (no absl:
 // it builds with nvcc alone). Build and run on an H100/H200:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I. \
@@ -44,18 +46,21 @@ __global__ void ReadKernel(const uint4* p, int64_t n, unsigned* sink) {
 
 struct Shape {
   const char* name;
-  int n, k, layers;
+  int n, k, layers;  // n: the launch's units (rows, or row pairs where `epi` takes two)
+  tandem::worker::cuda_ops::GemvEpilogue epi;
+  bool norm;  // x is the RMS norm of a float32 residual, built by every CTA
 };
 
 }  // namespace
 
 int main() {
   namespace ops = tandem::worker::cuda_ops;
-  const Shape shapes[] = {{"QKV 6144 x 4096", 6144, 4096, 32},
-                          {"output 4096 x 4096", 4096, 4096, 32},
-                          {"gate/up 28672 x 4096", 28672, 4096, 32},
-                          {"down 4096 x 14336", 4096, 14336, 32},
-                          {"LM head 128256 x 4096", 128256, 4096, 2}};
+  using E = ops::GemvEpilogue;
+  const Shape shapes[] = {{"QKV 6144 x 4096, normed, row pairs", 3072, 4096, 32, E::kSiluMul, true},
+                          {"output 4096 x 4096, residual", 4096, 4096, 32, E::kResidual, false},
+                          {"gate/up 28672 x 4096, normed, SiLU", 14336, 4096, 32, E::kSiluMul, true},
+                          {"down 4096 x 14336, residual", 4096, 14336, 32, E::kResidual, false},
+                          {"LM head 128256 x 4096", 128256, 4096, 2, E::kStore, false}};
   const int configs[] = {1, 2, 4, 8, 0};  // warps a row; 0: the plain read
   constexpr int kConfigs = sizeof(configs) / sizeof(configs[0]);
   int sms = 0;
@@ -71,13 +76,19 @@ int main() {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   for (const Shape& sh : shapes) {
-    const int64_t per = int64_t{sh.n} * sh.k;
-    __nv_bfloat16 *w, *x, *y;
+    const int rows = sh.epi == ops::GemvEpilogue::kSiluMul ? 2 * sh.n : sh.n;
+    const int64_t per = int64_t{rows} * sh.k;
+    __nv_bfloat16 *w, *x, *y, *gamma;
+    float* residual;
     CK(cudaMalloc(&w, per * 2 * sh.layers));
     CK(cudaMemset(w, 0x3c, per * 2 * sh.layers));  // finite values; the time does not depend on them
     CK(cudaMalloc(&x, sh.k * 2));
     CK(cudaMemset(x, 0x3c, sh.k * 2));
-    CK(cudaMalloc(&y, sh.n * 2));
+    CK(cudaMalloc(&y, rows * 2));
+    CK(cudaMalloc(&gamma, sh.k * 2));
+    CK(cudaMemset(gamma, 0x3c, sh.k * 2));
+    CK(cudaMalloc(&residual, std::max(sh.n, sh.k) * 4));
+    CK(cudaMemset(residual, 0, std::max(sh.n, sh.k) * 4));
     std::vector<cudaGraphExec_t> execs(kConfigs);
     for (int c = 0; c < kConfigs; ++c) {
       cudaGraph_t g;
@@ -88,7 +99,14 @@ int main() {
           ReadKernel<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(wl), per / 8, sink);
           CK(cudaGetLastError());
         } else {
-          CK(ops::LaunchGemvFused(x, sh.k, wl, sh.n, y, ops::GemvEpilogue::kStore, {.split = configs[c]}, s));
+          ops::GemvFusion f{.split = configs[c]};
+          if (sh.norm) {
+            f.norm_x = residual;
+            f.norm_weight = gamma;
+            f.eps = 1e-5f;
+          }
+          if (sh.epi == ops::GemvEpilogue::kResidual) f.residual = residual;
+          CK(ops::LaunchGemvFused(x, sh.k, wl, sh.n, y, sh.epi, f, s));
         }
       }
       CK(cudaStreamEndCapture(s, &g));
@@ -121,6 +139,8 @@ int main() {
     CK(cudaFree(w));
     CK(cudaFree(x));
     CK(cudaFree(y));
+    CK(cudaFree(gamma));
+    CK(cudaFree(residual));
   }
   return 0;
 }
