@@ -48,6 +48,17 @@ __device__ __forceinline__ uint4 Pack8(const float (&f)[8]) {
   return raw;
 }
 
+// A 16-byte read-only load that does not allocate in L1: data read once and
+// streamed (a weight row read once a step; the x rows, read by every warp,
+// stay cached).
+__device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // Records the first error of a launch (later ones are dropped).
 __device__ __forceinline__ void RecordError(int* error, int kind, int index) {
   if (error != nullptr) atomicCAS(error, 0, (kind << 28) | (index & ((1 << 28) - 1)));

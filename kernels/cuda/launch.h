@@ -40,6 +40,21 @@ struct PoolView {
 // The view of `layer` of a pool laid out as `layout` at `kv` (api.cc).
 PoolView ViewOf(const KvLayout& layout, const void* kv, int layer);
 
+// The same view of a one-layer pool of that layout (K of every head, then
+// V, block after block), for tests and tools that build a pool by hand.
+inline PoolView OneLayerView(const void* kv, int64_t num_blocks, int block_size, int head_dim, int num_kv_heads) {
+  PoolView v;
+  v.kv = kv;
+  v.head_stride = int64_t{block_size} * head_dim;
+  v.kv_stride = num_kv_heads * v.head_stride;
+  v.block_stride = 2 * v.kv_stride;
+  v.num_blocks = num_blocks;
+  v.block_size = block_size;
+  v.head_dim = head_dim;
+  v.num_kv_heads = num_kv_heads;
+  return v;
+}
+
 struct WriteKvArgs {
   Elem elem = Elem::kBF16;
   const void* k = nullptr;

@@ -861,20 +861,20 @@ class CudaRunner final : public ModelRunner {
                                  .error = static_cast<int*>(attn_workspace_.get())};
     const float eps = c.rms_norm_eps;
     auto opt = [](const DeviceBuffer& b) -> const void* { return b.empty() ? nullptr : b.get(); };
-    if (T == 1 && fused_one_row_ && H <= cuda_ops::kMaxGemvNormWidth) {
-      // One token: the fused one-row products fold the norms, the residual
-      // adds, SiLU-and-multiply, RoPE and the KV write in (five kernels a
-      // layer, attention one of them, instead of ten).
+    if (T >= 1 && T <= fused_rows_ && int64_t{T} * H <= cuda_ops::kMaxGemvNormWidth) {
+      // One token (or up to fused_rows_): the fused products fold the norms,
+      // the residual adds, SiLU-and-multiply, RoPE and the KV write in (five
+      // kernels a layer, attention one of them, instead of ten).
       for (int l = 0; l < c.num_layers; ++l) {
         const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[l];
         rope.bias = opt(lw.bqkv);
         rope.pool = kernels::cuda::internal::ViewOf(layout, kv.data(), l);
         if (fused_rope_) {  // the QKV product with RoPE and the KV write in its epilogue
           RETURN_IF_ERROR(Fused(
-              nullptr, H, lw.wqkv.get(), qkv_size / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv,
+              T, nullptr, H, lw.wqkv.get(), qkv_size / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv,
               {.norm_x = X(), .norm_weight = lw.input_norm.get(), .eps = eps, .bias = rope.bias, .rope = rope}, s));
         } else {
-          RETURN_IF_ERROR(Fused(nullptr, H, lw.wqkv.get(), qkv_size, qkv_.get(), cuda_ops::GemvEpilogue::kStore,
+          RETURN_IF_ERROR(Fused(T, nullptr, H, lw.wqkv.get(), qkv_size, qkv_.get(), cuda_ops::GemvEpilogue::kStore,
                                 {.norm_x = X(), .norm_weight = lw.input_norm.get(), .eps = eps}, s));
           RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
         }
@@ -882,14 +882,14 @@ class CudaRunner final : public ModelRunner {
         attn.layer = l;
         RETURN_IF_ERROR(Attention(in, attn));
         profile_.Mark("attention", s);
-        RETURN_IF_ERROR(Fused(attn_.get(), q_size, lw.wo.get(), H, nullptr, cuda_ops::GemvEpilogue::kResidual,
+        RETURN_IF_ERROR(Fused(T, attn_.get(), q_size, lw.wo.get(), H, nullptr, cuda_ops::GemvEpilogue::kResidual,
                               {.residual = X(), .bias = opt(lw.bo)}, s));
         profile_.Mark("o product", s);
-        RETURN_IF_ERROR(Fused(nullptr, H, lw.w_gate_up.get(), I, act_.get(), cuda_ops::GemvEpilogue::kSiluMul,
+        RETURN_IF_ERROR(Fused(T, nullptr, H, lw.w_gate_up.get(), I, act_.get(), cuda_ops::GemvEpilogue::kSiluMul,
                               {.norm_x = X(), .norm_weight = lw.post_norm.get(), .eps = eps, .bias = opt(lw.b_gate_up)},
                               s));
         profile_.Mark("gate/up product", s);
-        RETURN_IF_ERROR(Fused(act_.get(), I, lw.w_down.get(), H, nullptr, cuda_ops::GemvEpilogue::kResidual,
+        RETURN_IF_ERROR(Fused(T, act_.get(), I, lw.w_down.get(), H, nullptr, cuda_ops::GemvEpilogue::kResidual,
                               {.residual = X(), .bias = opt(lw.b_down)}, s));
         profile_.Mark("down product", s);
       }
@@ -959,8 +959,10 @@ class CudaRunner final : public ModelRunner {
     return absl::OkStatus();
   }
 
-  absl::Status Fused(const void* x, int k, const void* w, int n, void* y, cuda_ops::GemvEpilogue epi,
-                     const cuda_ops::GemvFusion& f, void* s) {
+  // A fused product over the step's `rows` tokens.
+  absl::Status Fused(int rows, const void* x, int k, const void* w, int n, void* y, cuda_ops::GemvEpilogue epi,
+                     cuda_ops::GemvFusion f, void* s) {
+    f.rows = rows;
     return Launch(cuda_ops::LaunchGemvFused(x, k, w, n, y, epi, f, s), "fused gemv");
   }
 
@@ -1141,9 +1143,14 @@ class CudaRunner final : public ModelRunner {
   // Steps of one token run the fused one-row products (LaunchGemvFused);
   // TANDEM_FUSED_GEMV=0 turns them off (A/B), as does --batch-invariant
   // (whose rows must not depend on the batch).
-  const bool fused_one_row_ = [this] {
+  // TANDEM_FUSED_ROWS=N (N <= kMaxFusedRows) takes steps of up to N tokens
+  // that way too: an experiment until measured on a GPU (each token's bits
+  // are those of its own one-token launch).
+  const int fused_rows_ = [this] {
     const char* e = std::getenv("TANDEM_FUSED_GEMV");
-    return !batch_invariant_ && (e == nullptr || std::string_view(e) != "0");
+    if (batch_invariant_ || (e != nullptr && std::string_view(e) == "0")) return 0;
+    const char* rows = std::getenv("TANDEM_FUSED_ROWS");
+    return rows != nullptr ? std::clamp(std::atoi(rows), 1, cuda_ops::kMaxFusedRows) : 1;
   }();
   // ... with RoPE and the KV write in the QKV product (TANDEM_FUSED_ROPE=0:
   // their own kernel; A/B).

@@ -220,6 +220,58 @@ std::vector<int> RandomTokens(int n, int vocab, uint32_t seed) {
   return t;
 }
 
+// Sequence s owns blocks s * blocks_per_seq on (slots from s * blocks_per_seq
+// * 16: blocks of 16 tokens).
+int64_t SlotOf(int s, int blocks_per_seq, int position) { return int64_t{s} * blocks_per_seq * 16 + position; }
+
+// A step prefilling sequence s's whole prompt `tokens` in one chunk, its
+// last row sampled (`rows`: its sampling).
+BatchInput PromptStep(const std::vector<int>& tokens, int s, int blocks_per_seq, const SamplingParams* params,
+                      std::vector<RowSampling>* rows) {
+  const int n = static_cast<int>(tokens.size());
+  BatchInput in;
+  in.Clear();
+  for (int t = 0; t < n; ++t) {
+    in.tokens.push_back(tokens[t]);
+    in.positions.push_back(t);
+    in.slot_mapping.push_back(SlotOf(s, blocks_per_seq, t));
+  }
+  in.logits_rows = {n - 1};
+  in.query_start = {0, n};
+  in.context_lens = {n};
+  in.prefilling = {1};
+  in.prefill_tokens = n;
+  in.max_blocks_per_seq = blocks_per_seq;
+  for (int b = 0; b < blocks_per_seq; ++b) in.block_tables.push_back(s * blocks_per_seq + b);
+  *rows = {{.params = params, .prompt = tokens, .position = n}};
+  return in;
+}
+
+// A decode step of sequences 0 to n - 1, each feeding its newest token
+// (tokens[s].back(), at position tokens[s].size() - 1), block tables
+// `width` wide.
+BatchInput DecodeStep(const std::vector<std::vector<int>>& tokens, int n, int blocks_per_seq, int width,
+                      const SamplingParams* params, std::vector<RowSampling>* rows) {
+  BatchInput in;
+  in.Clear();
+  in.max_blocks_per_seq = width;
+  in.query_start.push_back(0);
+  rows->clear();
+  for (int s = 0; s < n; ++s) {
+    const int t = static_cast<int>(tokens[s].size()) - 1;
+    in.tokens.push_back(tokens[s][t]);
+    in.positions.push_back(t);
+    in.slot_mapping.push_back(SlotOf(s, blocks_per_seq, t));
+    in.logits_rows.push_back(s);
+    in.query_start.push_back(s + 1);
+    in.context_lens.push_back(t + 1);
+    for (int b = 0; b < width; ++b) in.block_tables.push_back(s * blocks_per_seq + b);
+    rows->push_back({.params = params, .prompt = tokens[s], .position = t + 1});
+  }
+  in.decode_seqs = n;
+  return in;
+}
+
 TEST(CudaRunnerTest, RefusesToStartWithoutAGpuAndSaysWhy) {
   const char* why = nullptr;
   if (kernels::cuda::Available(&why)) GTEST_SKIP() << "a GPU is present";
@@ -489,21 +541,8 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
     for (int s = 0; s < kSeqs; ++s) {
       len[s] = 100 + 9 * s;
       tokens[s] = RandomTokens(len[s], config.vocab_size, 100 + s);
-      BatchInput in;
-      in.Clear();
-      for (int t = 0; t < len[s]; ++t) {
-        in.tokens.push_back(tokens[s][t]);
-        in.positions.push_back(t);
-        in.slot_mapping.push_back(int64_t{s} * kBlocksPerSeq * 16 + t);
-      }
-      in.logits_rows = {len[s] - 1};
-      in.query_start = {0, len[s]};
-      in.context_lens = {len[s]};
-      in.prefilling = {1};
-      in.max_blocks_per_seq = kBlocksPerSeq;
-      for (int b = 0; b < kBlocksPerSeq; ++b) in.block_tables.push_back(s * kBlocksPerSeq + b);
-      in.prefill_tokens = len[s];
-      std::vector<RowSampling> rows = {{.params = &params, .prompt = tokens[s], .position = len[s]}};
+      std::vector<RowSampling> rows;
+      const BatchInput in = PromptStep(tokens[s], s, kBlocksPerSeq, &params, &rows);
       std::vector<SampledToken> a, b;
       ASSERT_TRUE((*graphs)->Step(in, rows, *kv_graphs, &a).ok());
       ASSERT_TRUE((*eager)->Step(in, rows, *kv_eager, &b).ok());
@@ -512,28 +551,14 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
     for (int round = 0; round < 2; ++round) {
       for (int n : {1, 3, 6, 17, 20}) {
         SCOPED_TRACE(absl::StrCat("round ", round, ", batch ", n));
-        BatchInput in;
-        in.Clear();
         int width = 0;
-        for (int s = 0; s < n; ++s) width = std::max(width, (len[s] + 1 + 15) / 16);
-        in.max_blocks_per_seq = width;
-        in.query_start.push_back(0);
-        std::vector<RowSampling> rows;
         for (int s = 0; s < n; ++s) {
-          const int t = len[s];
-          const int token = RandomTokens(1, config.vocab_size, 1000 * round + 10 * n + s)[0];
-          tokens[s].push_back(token);
-          in.tokens.push_back(token);
-          in.positions.push_back(t);
-          in.slot_mapping.push_back(int64_t{s} * kBlocksPerSeq * 16 + t);
-          in.logits_rows.push_back(s);
-          in.query_start.push_back(s + 1);
-          in.context_lens.push_back(t + 1);
-          for (int b = 0; b < width; ++b) in.block_tables.push_back(s * kBlocksPerSeq + b);
-          rows.push_back({.params = &params, .prompt = tokens[s], .position = t + 1});
+          width = std::max(width, (len[s] + 1 + 15) / 16);
+          tokens[s].push_back(RandomTokens(1, config.vocab_size, 1000 * round + 10 * n + s)[0]);
           ++len[s];
         }
-        in.decode_seqs = n;
+        std::vector<RowSampling> rows;
+        const BatchInput in = DecodeStep(tokens, n, kBlocksPerSeq, width, &params, &rows);
         std::vector<SampledToken> a, b;
         absl::Status sa = (*graphs)->Step(in, rows, *kv_graphs, &a);
         absl::Status sb = (*eager)->Step(in, rows, *kv_eager, &b);
@@ -555,6 +580,66 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
       EXPECT_GE(agree.top1, 0.95);
       EXPECT_LE(agree.max_diff, 0.1);
     }
+  }
+}
+
+// Decode steps of two to four sequences through the fused products
+// (TANDEM_FUSED_ROWS=4) agree with the unfused path (cuBLASLt and the
+// separate norm, RoPE and SiLU kernels), from graphs (three sequences: a
+// bucket of four with a padded row) and launched one by one.
+TEST(CudaRunnerTest, FusedStepsOfSeveralTokensAgreeWithTheUnfusedPath) {
+  if (SkipWithoutGpu()) GTEST_SKIP();
+  const ModelConfig config = SmallConfig();
+  for (bool graphs : {true, false}) {
+    SCOPED_TRACE(graphs ? "decode graphs" : "launched one by one");
+    absl::StatusOr<std::unique_ptr<ModelRunner>> unfused = MakeRunner("cuda", config, 9, false, graphs);
+    ASSERT_EQ(setenv("TANDEM_FUSED_ROWS", "4", 1), 0);
+    absl::StatusOr<std::unique_ptr<ModelRunner>> fused = MakeRunner("cuda", config, 9, false, graphs);
+    ASSERT_EQ(unsetenv("TANDEM_FUSED_ROWS"), 0);
+    ASSERT_TRUE(unfused.ok() && fused.ok());
+    constexpr int kSeqs = 4, kBlocksPerSeq = 8;
+    std::vector<std::unique_ptr<KvStorage>> pools;
+    for (ModelRunner* r : {unfused->get(), fused->get()}) {
+      ASSERT_TRUE(r->ReserveSteps(512, kSeqs, kBlocksPerSeq).ok());
+      pools.push_back(Pool(*r, kSeqs * kBlocksPerSeq));
+      ASSERT_TRUE(r->WarmUp(*pools.back(), kSeqs, kBlocksPerSeq).ok());
+    }
+    SamplingParams params;
+    params.temperature = 0.0f;
+    params.logprobs = 5;
+    std::vector<std::vector<int>> tokens(kSeqs);
+    std::vector<SampledToken> all[2];
+    // Prompts of 20 + 7 s tokens, one step each (the same path on both).
+    for (int s = 0; s < kSeqs; ++s) {
+      tokens[s] = RandomTokens(20 + 7 * s, config.vocab_size, 50 + s);
+      std::vector<RowSampling> rows;
+      const BatchInput in = PromptStep(tokens[s], s, kBlocksPerSeq, &params, &rows);
+      for (int r = 0; r < 2; ++r) {
+        std::vector<SampledToken> out;
+        ASSERT_TRUE((r == 0 ? *unfused : *fused)->Step(in, rows, *pools[r], &out).ok());
+        ASSERT_EQ(out.size(), 1u);
+        if (r == 0) tokens[s].push_back(out[0].token_id);
+      }
+    }
+    // Decode steps of 2, 3 and 4 sequences in turn, each token the unfused runner's pick.
+    for (int step = 0; step < 18; ++step) {
+      const int n = 2 + step % 3;
+      std::vector<RowSampling> rows;
+      const BatchInput in = DecodeStep(tokens, n, kBlocksPerSeq, kBlocksPerSeq, &params, &rows);
+      std::vector<SampledToken> out[2];
+      for (int r = 0; r < 2; ++r) {
+        const absl::Status st = (r == 0 ? *unfused : *fused)->Step(in, rows, *pools[r], &out[r]);
+        ASSERT_TRUE(st.ok()) << st;
+        ASSERT_EQ(out[r].size(), size_t(n));
+        all[r].insert(all[r].end(), out[r].begin(), out[r].end());
+      }
+      for (int s = 0; s < n; ++s) tokens[s].push_back(out[0][s].token_id);
+    }
+    const Agreement agree = Compare(all[0], all[1]);
+    std::printf("%s: fused several-token steps vs unfused, top-1 %.4f, max |logprob diff| %.6f\n",
+                graphs ? "graphs" : "launched", agree.top1, agree.max_diff);
+    EXPECT_GE(agree.top1, 0.95);
+    EXPECT_LE(agree.max_diff, 0.1);
   }
 }
 

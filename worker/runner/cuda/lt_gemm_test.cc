@@ -103,8 +103,11 @@ TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
   struct Shape {
     int n, k;
   };
-  // (k = 3584: the last batch of a lane's loads is partial.)
-  for (const Shape& sh : {Shape{6144, 4096}, Shape{4096, 14336}, Shape{512, 3584}, Shape{1000, 64}}) {
+  // (k = 3584: the last batch of a lane's loads is partial; 1001 x 1000: the
+  // last CTA has a row past n and 125 chunks split unevenly; k = 40: five
+  // chunks over four warps, one with none.)
+  for (const Shape& sh :
+       {Shape{6144, 4096}, Shape{4096, 14336}, Shape{512, 3584}, Shape{1000, 64}, Shape{1001, 1000}, Shape{77, 40}}) {
     const std::vector<__nv_bfloat16> x = RandomBf16(size_t(cuda_ops::kMaxGemvRows) * sh.k, 3),
                                      w = RandomBf16(size_t(sh.n) * sh.k, 4);
     Device dx(x.size() * 2), dw(w.size() * 2), dy(size_t(cuda_ops::kMaxGemvRows) * sh.n * 4),
@@ -119,8 +122,11 @@ TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
       ASSERT_EQ(cudaMemcpy(y.data(), dy.p, y.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(ref.data(), dref.p, ref.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
       double worst = 0, worst_lt = 0;
+      std::vector<int> columns;
+      for (int j = 0; j < sh.n; j += 37) columns.push_back(j);
+      columns.push_back(sh.n - 1);
       for (int r = 0; r < m; ++r) {
-        for (int j = 0; j < sh.n; j += 37) {
+        for (const int j : columns) {
           double exact = 0;
           for (int i = 0; i < sh.k; ++i) {
             exact += double(__bfloat162float(x[size_t(r) * sh.k + i])) * __bfloat162float(w[size_t(j) * sh.k + i]);
@@ -148,6 +154,36 @@ TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
 // residual add (with and without a bias), and the gate/up GEMV, its bias,
 // then SiluMul. The roundings are the same, so the values agree but for
 // the norm's sum order (a few bf16 steps at most).
+// The fused product at every split of a row over warps, against a float64
+// reference, on shapes whose rows and chunks do not divide evenly.
+TEST_F(LtGemmTest, FusedProductsAtEverySplitMatchTheReference) {
+  struct Shape {
+    int n, k;
+  };
+  for (const Shape& sh : {Shape{1001, 1000}, Shape{77, 40}, Shape{30, 4096}}) {
+    const std::vector<__nv_bfloat16> x = RandomBf16(sh.k, 41), w = RandomBf16(size_t(sh.n) * sh.k, 42);
+    Device dx(x.size() * 2), dw(w.size() * 2), dy(size_t(sh.n) * 2);
+    ASSERT_EQ(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    for (const int split : {1, 2, 4, 8}) {
+      SCOPED_TRACE(::testing::Message() << sh.n << "x" << sh.k << ", split " << split);
+      ASSERT_EQ(cudaMemset(dy.p, 0xff, size_t(sh.n) * 2), cudaSuccess);  // NaNs where nothing is written
+      const cuda_ops::GemvFusion f{.split = split};
+      ASSERT_EQ(cuda_ops::LaunchGemvFused(dx.p, sh.k, dw.p, sh.n, dy.p, cuda_ops::GemvEpilogue::kStore, f, nullptr), 0);
+      std::vector<__nv_bfloat16> y(sh.n);
+      ASSERT_EQ(cudaMemcpy(y.data(), dy.p, y.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      for (int j = 0; j < sh.n; ++j) {
+        double exact = 0;
+        for (int i = 0; i < sh.k; ++i) {
+          exact += double(__bfloat162float(x[i])) * __bfloat162float(w[size_t(j) * sh.k + i]);
+        }
+        // One bf16 rounding of a float32 sum.
+        ASSERT_NEAR(__bfloat162float(y[j]), exact, std::fabs(exact) / 128 + 1e-4 * std::sqrt(double(sh.k))) << j;
+      }
+    }
+  }
+}
+
 TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
   const int H = 4096, I = 1408, n = 1000;  // hidden, intermediate (k % 8 == 0), a product's rows
   std::mt19937 rng(7);
@@ -194,7 +230,8 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
   for (const int split : {0, 1, 2, 4, 8}) {
     SCOPED_TRACE(testing::Message() << "split " << split);
     up(dres, residual.data(), H * 4);
-    {  // norm prologue, plain store
+    ASSERT_EQ(cudaMemset(dy2.p, 0xff, size_t(2 * I) * 2), cudaSuccess);  // no split sees the last one's output
+    {                                                                    // norm prologue, plain store
       ASSERT_EQ(cuda_ops::LaunchAddRmsNorm(static_cast<float*>(dres.p), nullptr, 1, H, nullptr, nullptr, dgamma.p, eps,
                                            dh.p, nullptr),
                 0);
@@ -244,8 +281,20 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
   EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, H, dw.p, n, nullptr, cuda_ops::GemvEpilogue::kResidual, racy, nullptr),
             cudaErrorInvalidValue);
   const cuda_ops::GemvFusion wide{.norm_x = static_cast<const float*>(dres.p), .norm_weight = dgamma.p, .eps = eps};
-  EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, 32768, dw.p, 1, dy.p, cuda_ops::GemvEpilogue::kStore, wide, nullptr),
+  EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, cuda_ops::kMaxGemvNormWidth + 8, dw.p, 1, dy.p,
+                                      cuda_ops::GemvEpilogue::kStore, wide, nullptr),
             cudaErrorInvalidValue);
+  {  // ... and the widest norm it takes launches (its shared memory fits).
+    std::vector<float> big(cuda_ops::kMaxGemvNormWidth, 0.5f);
+    Device dbig(big.size() * 4), dgbig(big.size() * 2);
+    up(dbig, big.data(), big.size() * 4);
+    ASSERT_EQ(cudaMemset(dgbig.p, 0, big.size() * 2), cudaSuccess);
+    const cuda_ops::GemvFusion widest{.norm_x = static_cast<const float*>(dbig.p), .norm_weight = dgbig.p, .eps = eps};
+    EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, cuda_ops::kMaxGemvNormWidth, dw.p, 1, dy.p,
+                                        cuda_ops::GemvEpilogue::kStore, widest, nullptr),
+              0);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
   const cuda_ops::GemvFusion three_warps{.residual = static_cast<float*>(dres.p), .split = 3};
   EXPECT_EQ(
       cuda_ops::LaunchGemvFused(dxin.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, three_warps, nullptr),
@@ -257,6 +306,133 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
 // against the product then RopeWriteKvKernel, with a QKV bias: the same Q
 // row and the same pool, bit for bit; a slot past the pool writes nothing
 // and sets the slot error.
+// The fused products of a step of several tokens (GemvFusion::rows) give
+// each token the bits a launch of that token alone gives: the normed QKV
+// product with RoPE and the KV write (tokens at their own positions and
+// slots, one past the pool), the normed gate/up product with its bias, and
+// the residual's update with a bias.
+TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
+  const int heads = 8, kv_heads = 2, hd = 128, H = 1024, I = 704, bs = 16, blocks = 4;
+  const int qkv = (heads + 2 * kv_heads) * hd;
+  const int M = cuda_ops::kMaxFusedRows;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  std::vector<float> residual(size_t(M) * H);
+  for (float& v : residual) v = nd(rng);
+  const std::vector<__nv_bfloat16> gamma = RandomBf16(H, 31), wqkv = RandomBf16(size_t(qkv) * H, 32),
+                                   bqkv = RandomBf16(qkv, 33), wgu = RandomBf16(size_t(2 * I) * H, 34),
+                                   bgu = RandomBf16(2 * I, 35), wd = RandomBf16(size_t(H) * I, 36),
+                                   bd = RandomBf16(H, 37), act = RandomBf16(size_t(M) * I, 38);
+  std::vector<double> inv_freq(hd / 2);
+  for (int i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(500000.0, -2.0 * i / hd);
+  const std::vector<int32_t> pos = {7, 1234, 0, 65000};
+  const std::vector<int64_t> slots = {2 * bs + 5, int64_t{blocks} * bs + 3, -1, 5};  // the second past the pool
+  const size_t pool_elems = size_t(blocks) * 2 * kv_heads * bs * hd;
+  Device dres(residual.size() * 4), dres2(residual.size() * 4), dgamma(H * 2), dwqkv(wqkv.size() * 2), dbqkv(qkv * 2),
+      dwgu(wgu.size() * 2), dbgu(bgu.size() * 2), dwd(wd.size() * 2), dbd(H * 2), dact(act.size() * 2),
+      dfreq(inv_freq.size() * 8), dpos(pos.size() * 4), dslot(slots.size() * 8), dqkv(size_t(M) * qkv * 2),
+      dqkv2(size_t(M) * qkv * 2), dpool(pool_elems * 2), dpool2(pool_elems * 2), derr(4), derr2(4),
+      dy(size_t(M) * I * 2), dy2(size_t(M) * I * 2);
+  auto up = [](Device& d, const void* p, size_t bytes) {
+    ASSERT_EQ(cudaMemcpy(d.p, p, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  };
+  up(dgamma, gamma.data(), H * 2);
+  up(dwqkv, wqkv.data(), wqkv.size() * 2);
+  up(dbqkv, bqkv.data(), qkv * 2);
+  up(dwgu, wgu.data(), wgu.size() * 2);
+  up(dbgu, bgu.data(), bgu.size() * 2);
+  up(dwd, wd.data(), wd.size() * 2);
+  up(dbd, bd.data(), H * 2);
+  up(dact, act.data(), act.size() * 2);
+  up(dfreq, inv_freq.data(), inv_freq.size() * 8);
+  up(dpos, pos.data(), pos.size() * 4);
+  up(dslot, slots.data(), slots.size() * 8);
+  auto raw = [](Device& d, size_t bytes) {
+    std::vector<unsigned char> v(bytes);
+    EXPECT_EQ(cudaMemcpy(v.data(), d.p, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return v;
+  };
+  const auto* res_p = static_cast<const float*>(dres.p);
+  // Token t's view of a buffer of rows `width` elements of `elem` bytes wide.
+  auto row = [](Device& d, int t, size_t width, size_t elem) { return static_cast<char*>(d.p) + t * width * elem; };
+  auto rope = [&](Device& q, Device& pool, Device& err, int t, int n) {
+    cuda_ops::RopeWriteArgs a{.qkv = row(q, t, qkv, 2),
+                              .num_tokens = n,
+                              .qkv_stride = qkv,
+                              .positions = static_cast<const int32_t*>(dpos.p) + t,
+                              .inv_freq = static_cast<const double*>(dfreq.p),
+                              .num_heads = heads,
+                              .num_kv_heads = kv_heads,
+                              .head_dim = hd,
+                              .slot_mapping = static_cast<const int64_t*>(dslot.p) + t,
+                              .error = static_cast<int*>(err.p)};
+    a.pool = kernels::cuda::internal::OneLayerView(pool.p, blocks, bs, hd, kv_heads);
+    return a;
+  };
+  for (int rows = 2; rows <= M; ++rows) {
+    SCOPED_TRACE(testing::Message() << rows << " tokens");
+    for (Device* d : {&dpool, &dpool2, &derr, &derr2, &dqkv, &dqkv2}) {
+      ASSERT_EQ(cudaMemset(d->p, 0,
+                           d == &derr || d == &derr2   ? 4
+                           : d == &dqkv || d == &dqkv2 ? M * qkv * 2
+                                                       : pool_elems * 2),
+                cudaSuccess);
+    }
+    up(dres, residual.data(), residual.size() * 4);
+    up(dres2, residual.data(), residual.size() * 4);
+    // The QKV product: all tokens in one launch (into dqkv, dpool), then each alone (dqkv2, dpool2).
+    auto qkv_launch = [&](Device& q, Device& pool, Device& err, int t, int n) {
+      cuda_ops::GemvFusion f{.norm_x = res_p + int64_t{t} * H,
+                             .norm_weight = dgamma.p,
+                             .eps = 1e-5f,
+                             .bias = dbqkv.p,
+                             .rope = rope(q, pool, err, t, n),
+                             .rows = n};
+      return cuda_ops::LaunchGemvFused(nullptr, H, dwqkv.p, qkv / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv, f,
+                                       nullptr);
+    };
+    ASSERT_EQ(qkv_launch(dqkv, dpool, derr, 0, rows), 0);
+    for (int t = 0; t < rows; ++t) ASSERT_EQ(qkv_launch(dqkv2, dpool2, derr2, t, 1), 0);
+    EXPECT_EQ(raw(dqkv, size_t(rows) * qkv * 2), raw(dqkv2, size_t(rows) * qkv * 2)) << "the rotated Q rows";
+    EXPECT_EQ(raw(dpool, pool_elems * 2), raw(dpool2, pool_elems * 2)) << "the pool";
+    std::vector<unsigned char> err = raw(derr, 4), err2 = raw(derr2, 4);
+    EXPECT_EQ(err, err2) << "the slot error (token 1's slot is past the pool)";
+    EXPECT_NE(err, std::vector<unsigned char>(4, 0));
+    // The gate/up product with its bias and SiLU-and-multiply.
+    auto gu_launch = [&](Device& y, int t, int n) {
+      cuda_ops::GemvFusion f{
+          .norm_x = res_p + int64_t{t} * H, .norm_weight = dgamma.p, .eps = 1e-5f, .bias = dbgu.p, .rows = n};
+      return cuda_ops::LaunchGemvFused(nullptr, H, dwgu.p, I, row(y, t, I, 2), cuda_ops::GemvEpilogue::kSiluMul, f,
+                                       nullptr);
+    };
+    ASSERT_EQ(gu_launch(dy, 0, rows), 0);
+    for (int t = 0; t < rows; ++t) ASSERT_EQ(gu_launch(dy2, t, 1), 0);
+    EXPECT_EQ(raw(dy, size_t(rows) * I * 2), raw(dy2, size_t(rows) * I * 2)) << "silu(gate) * up";
+    // The down product's update of the residual, with a bias.
+    auto down_launch = [&](Device& res, int t, int n) {
+      cuda_ops::GemvFusion f{.residual = reinterpret_cast<float*>(row(res, t, H, 4)), .bias = dbd.p, .rows = n};
+      return cuda_ops::LaunchGemvFused(row(dact, t, I, 2), I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, f,
+                                       nullptr);
+    };
+    ASSERT_EQ(down_launch(dres, 0, rows), 0);
+    for (int t = 0; t < rows; ++t) ASSERT_EQ(down_launch(dres2, t, 1), 0);
+    const std::vector<unsigned char> after = raw(dres, size_t(rows) * H * 4);
+    EXPECT_EQ(after, raw(dres2, size_t(rows) * H * 4)) << "the residual";
+    EXPECT_NE(std::memcmp(after.data(), residual.data(), after.size()), 0) << "the update changed nothing";
+  }
+  // Refused: more rows than kMaxFusedRows, a split at several rows, normed rows past 48 KB.
+  const cuda_ops::GemvFusion five{.residual = static_cast<float*>(dres.p), .rows = M + 1};
+  EXPECT_EQ(cuda_ops::LaunchGemvFused(dact.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, five, nullptr),
+            cudaErrorInvalidValue);
+  const cuda_ops::GemvFusion split{.residual = static_cast<float*>(dres.p), .split = 4, .rows = 2};
+  EXPECT_EQ(cuda_ops::LaunchGemvFused(dact.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, split, nullptr),
+            cudaErrorInvalidValue);
+  const cuda_ops::GemvFusion wide{.norm_x = res_p, .norm_weight = dgamma.p, .eps = 1e-5f, .rows = 4};
+  EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, 8192, dwqkv.p, 1, dy.p, cuda_ops::GemvEpilogue::kStore, wide, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 TEST_F(LtGemmTest, FusedRopeAndKvWriteMatchTheirKernel) {
   const int heads = 8, kv_heads = 2, hd = 128, k = 512, bs = 16, blocks = 4;
   const int qkv = (heads + 2 * kv_heads) * hd;
@@ -288,14 +464,7 @@ TEST_F(LtGemmTest, FusedRopeAndKvWriteMatchTheirKernel) {
                               .head_dim = hd,
                               .slot_mapping = static_cast<const int64_t*>(dslot.p),
                               .error = static_cast<int*>(err.p)};
-    a.pool.kv = pool.p;
-    a.pool.head_stride = int64_t{bs} * hd;
-    a.pool.kv_stride = kv_heads * a.pool.head_stride;
-    a.pool.block_stride = 2 * a.pool.kv_stride;
-    a.pool.num_blocks = blocks;
-    a.pool.block_size = bs;
-    a.pool.head_dim = hd;
-    a.pool.num_kv_heads = kv_heads;
+    a.pool = kernels::cuda::internal::OneLayerView(pool.p, blocks, bs, hd, kv_heads);
     return a;
   };
   auto bytes = [](Device& d, size_t n) {

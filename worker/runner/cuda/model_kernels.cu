@@ -18,6 +18,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 using kernels::cuda::internal::kErrSlot;
+using kernels::cuda::internal::LoadStreaming;
 using kernels::cuda::internal::PoolOffset;
 using kernels::cuda::internal::RecordError;
 
@@ -231,16 +232,6 @@ __global__ void AddBiasKernel(bf16* y, int n, int64_t total, const bf16* bias) {
   }
 }
 
-// A weight vector streamed past L1 (read once a step; the x rows, read by
-// every warp, stay cached).
-__device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 // One warp's dot products of R weight rows (wr[r]: k / 8 16-byte chunks)
 // with M x rows (row stride k; in shared memory where kSharedX), this lane's
 // share of the chunks, into acc. kLoads 16-byte weight loads a row are in
@@ -324,7 +315,8 @@ __device__ __forceinline__ ChunkRange PartOf(int chunks, int part, int split) {
   return {begin, min(chunks, begin + per) - begin};
 }
 // 16-byte weight loads in flight a lane and row (all issued before any is
-// used): fewer as the rows are split finer.
+// used): eight at a warp a row, four at two, two from four on (halved
+// where a warp computes two rows, or more than two x rows).
 __host__ __device__ constexpr int GemvLoads(int split, bool wide) {
   const int loads = (wide ? 4 : 8) / (split < 4 ? split : 4);
   return loads > 0 ? loads : 1;
@@ -383,18 +375,19 @@ __global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, 
   }
 }
 
-// The fused one-row GEMV of a decode step (GemvFusion). Its x is the
-// RMS-normed residual (built in shared memory by every CTA, rounded to bf16
-// as AddRmsNormKernel writes it) or a bf16 vector; its output is a bf16
-// vector, the residual's update, the SiLU-and-multiply of a gate row and
-// its up row (R = 2: warp j computes rows j and j + n), or RopeWriteKv's
+// The fused GEMV of a decode step of M tokens (GemvFusion). Its x rows are
+// the RMS-normed residual rows (built in shared memory by every CTA, rounded
+// to bf16 as AddRmsNormKernel writes them) or bf16 vectors; its outputs are
+// bf16 vectors, the residual's update, the SiLU-and-multiply of a gate row
+// and its up row (R = 2: warp j computes rows j and j + n), or RopeWriteKv's
 // rotation and KV write of a head's row pair (R = 2: rows i and i + half).
-template <bool kNorm, GemvEpilogue kEpi, int kSplit>
+// Each token's sums are those of a launch of that token alone.
+template <bool kNorm, GemvEpilogue kEpi, int kSplit, int M>
 __global__ void __launch_bounds__(256)
     GemvFusedKernel(const bf16* x, const bf16* w, bf16* y, int n, int k, GemvFusion f) {
   constexpr bool kRope = kEpi == GemvEpilogue::kRopeWriteKv;
   constexpr int R = kEpi == GemvEpilogue::kSiluMul || kRope ? 2 : 1;
-  extern __shared__ __align__(16) bf16 xs[];  // [k] where kNorm
+  extern __shared__ __align__(16) bf16 xs[];  // [M, k] where kNorm
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int j = blockIdx.x * (kGemvWarps / kSplit) + warp / kSplit, part = warp % kSplit;
   const bool active = j < n;
@@ -411,89 +404,86 @@ __global__ void __launch_bounds__(256)
   }
   auto norm = [&] {
     if constexpr (kNorm) {
-      const float4* in = reinterpret_cast<const float4*>(f.norm_x);
       const int vecs = k / 4;
-      float sum = 0.0f;
-      for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
-        const float4 v = in[i];
-        sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+#pragma unroll 1
+      for (int t = 0; t < M; ++t) {
+        const float4* in = reinterpret_cast<const float4*>(f.norm_x + int64_t{t} * k);
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+          const float4 v = in[i];
+          sum += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        WriteNormed(in, static_cast<const bf16*>(f.norm_weight), rsqrtf(BlockSum(sum) / k + f.eps), vecs,
+                    xs + int64_t{t} * k);
       }
-      WriteNormed(in, static_cast<const bf16*>(f.norm_weight), rsqrtf(BlockSum(sum) / k + f.eps), vecs, xs);
       __syncthreads();
     }
   };
-  float acc[R][1];
-  GemvDot<1, R, GemvLoads(kSplit, R == 2), kNorm>(wr, cr.len, lane, (kNorm ? xs : x) + cr.begin * 8, k, active, acc,
-                                                  norm);
+  float acc[R][M];
+  GemvDot<M, R, GemvLoads(kSplit, R == 2 || M > 2), kNorm>(wr, cr.len, lane, (kNorm ? xs : x) + cr.begin * 8, k, active,
+                                                           acc, norm);
   SumParts<kSplit>(acc);
   if (!active || lane != 0 || part != 0) return;
   // The bf16 roundings of the unfused path: the product's output, + bias.
   const auto* bias = static_cast<const bf16*>(f.bias);
-  auto out = [&](int r) {
-    float v = RoundBf16(acc[r][0]);
-    if (bias != nullptr) v = RoundBf16(v + __bfloat162float(bias[row0 + r * step]));
-    return v;
-  };
-  if constexpr (kEpi == GemvEpilogue::kStore) {
-    y[j] = __float2bfloat16(out(0));
-  } else if constexpr (kEpi == GemvEpilogue::kResidual) {
-    // AddRmsNormKernel's order: (x + delta) + bias, the delta in bf16.
-    const float d = RoundBf16(acc[0][0]);
-    f.residual[j] = bias != nullptr ? f.residual[j] + d + __bfloat162float(bias[j]) : f.residual[j] + d;
-  } else if constexpr (kEpi == GemvEpilogue::kSiluMul) {
-    y[j] = __float2bfloat16(SiluTimes(out(0), out(1)));
-  } else {
-    // RopeWriteKvKernel's arithmetic for one token, at this pair.
-    const RopeWriteArgs& a = f.rope;
-    const int head = unit / half, i = unit % half;
-    const float x0 = out(0), x1 = out(1);
-    bf16 y0 = __float2bfloat16(x0), y1 = __float2bfloat16(x1);
-    if (head < a.num_heads + a.num_kv_heads) RotatePair(x0, x1, RopeTrig(a.positions[0], a.inv_freq[i]), &y0, &y1);
-    if (head < a.num_heads) {
-      bf16* q = static_cast<bf16*>(a.qkv);
-      q[row0] = y0;
-      q[row0 + half] = y1;
-      return;
+#pragma unroll
+  for (int t = 0; t < M; ++t) {
+    auto out = [&](int r) {
+      float v = RoundBf16(acc[r][t]);
+      if (bias != nullptr) v = RoundBf16(v + __bfloat162float(bias[row0 + r * step]));
+      return v;
+    };
+    if constexpr (kEpi == GemvEpilogue::kStore) {
+      y[int64_t{t} * n + j] = __float2bfloat16(out(0));
+    } else if constexpr (kEpi == GemvEpilogue::kResidual) {
+      // AddRmsNormKernel's order: (x + delta) + bias, the delta in bf16.
+      float& res = f.residual[int64_t{t} * n + j];
+      const float d = RoundBf16(acc[0][t]);
+      res = bias != nullptr ? res + d + __bfloat162float(bias[j]) : res + d;
+    } else if constexpr (kEpi == GemvEpilogue::kSiluMul) {
+      y[int64_t{t} * n + j] = __float2bfloat16(SiluTimes(out(0), out(1)));
+    } else {
+      // RopeWriteKvKernel's arithmetic for token t, at this pair.
+      const RopeWriteArgs& a = f.rope;
+      const int head = unit / half, i = unit % half;
+      const float x0 = out(0), x1 = out(1);
+      bf16 y0 = __float2bfloat16(x0), y1 = __float2bfloat16(x1);
+      if (head < a.num_heads + a.num_kv_heads) RotatePair(x0, x1, RopeTrig(a.positions[t], a.inv_freq[i]), &y0, &y1);
+      if (head < a.num_heads) {
+        bf16* q = static_cast<bf16*>(a.qkv) + int64_t{t} * a.qkv_stride;
+        q[row0] = y0;
+        q[row0 + half] = y1;
+        continue;
+      }
+      const KvSlot kv = SlotOf(a.pool, a.slot_mapping[t]);
+      if (kv.past && head == a.num_heads && i == 0) RecordError(a.error, kErrSlot, t);
+      if (kv.block < 0) continue;
+      const bool is_k = head < a.num_heads + a.num_kv_heads;
+      const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
+      bf16* pool = static_cast<bf16*>(const_cast<void*>(a.pool.kv));
+      const int64_t at = PoolOffset(a.pool, kv.block, is_k ? 0 : 1, kv_head, kv.in_block);
+      pool[at + i] = y0;
+      pool[at + i + half] = y1;
     }
-    const KvSlot kv = SlotOf(a.pool, a.slot_mapping[0]);
-    if (kv.past && head == a.num_heads && i == 0) RecordError(a.error, kErrSlot, 0);
-    if (kv.block < 0) return;
-    const bool is_k = head < a.num_heads + a.num_kv_heads;
-    const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
-    bf16* pool = static_cast<bf16*>(const_cast<void*>(a.pool.kv));
-    const int64_t at = PoolOffset(a.pool, kv.block, is_k ? 0 : 1, kv_head, kv.in_block);
-    pool[at + i] = y0;
-    pool[at + i + half] = y1;
   }
 }
 
-// Calls go(kernel template instance for the split, its grid) for `split`.
-template <typename Go>
-int WithSplit(int split, int n, Go&& go) {
-  auto blocks = [&](int sp) { return static_cast<unsigned>((int64_t{n} * sp + kGemvWarps - 1) / kGemvWarps); };
-  switch (split) {
-    case 1:
-      return go(std::integral_constant<int, 1>{}, blocks(1));
-    case 2:
-      return go(std::integral_constant<int, 2>{}, blocks(2));
-    case 8:
-      return go(std::integral_constant<int, 8>{}, blocks(8));
-    default:
-      return go(std::integral_constant<int, 4>{}, blocks(4));
-  }
+// CTAs for n rows at `split` warps a row.
+unsigned GemvBlocks(int n, int split) {
+  return static_cast<unsigned>((int64_t{n} * split + kGemvWarps - 1) / kGemvWarps);
 }
 
+// One row: kGemvSplit warps a row; more: a warp a row.
 template <int M>
 int GemvFor(const bf16* x, int k, const bf16* w, int n, void* y, bool f32, cudaStream_t s) {
-  return WithSplit(M == 1 ? kGemvSplit : 1, n, [&](auto split_c, unsigned blocks) {
-    constexpr int kSplit = M == 1 ? decltype(split_c)::value : 1;
-    if (f32) {
-      GemvKernel<M, float, kSplit><<<blocks, kGemvWarps * 32, 0, s>>>(x, w, static_cast<float*>(y), n, k);
-    } else {
-      GemvKernel<M, bf16, kSplit><<<blocks, kGemvWarps * 32, 0, s>>>(x, w, static_cast<bf16*>(y), n, k);
-    }
-    return static_cast<int>(cudaGetLastError());
-  });
+  constexpr int kSplit = M == 1 ? kGemvSplit : 1;
+  const unsigned blocks = GemvBlocks(n, kSplit);
+  if (f32) {
+    GemvKernel<M, float, kSplit><<<blocks, kGemvWarps * 32, 0, s>>>(x, w, static_cast<float*>(y), n, k);
+  } else {
+    GemvKernel<M, bf16, kSplit><<<blocks, kGemvWarps * 32, 0, s>>>(x, w, static_cast<bf16*>(y), n, k);
+  }
+  return static_cast<int>(cudaGetLastError());
 }
 
 // (value, id) pairs: the larger value wins, a tie goes to the lower id;
@@ -668,6 +658,7 @@ int LaunchSiluMul(const void* gu, int num_tokens, int inter, void* out, void* st
 
 int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream) {
   if (m == 0 || n == 0) return 0;
+  if (k % 8 != 0) return static_cast<int>(cudaErrorInvalidValue);
   const auto* xb = static_cast<const bf16*>(x);
   const auto* wb = static_cast<const bf16*>(w);
   switch (m) {
@@ -692,42 +683,74 @@ int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool 
   }
 }
 
+namespace {
+
+// The fused kernel of epilogue E at M rows: kPlainSplit warps a row, or
+// kNormSplit where it norms its own x.
+template <GemvEpilogue E, int kPlainSplit, int kNormSplit, int M>
+int LaunchFusedKernel(const bf16* x, int k, const bf16* w, int n, bf16* y, const GemvFusion& f, cudaStream_t s) {
+  const bool norm = f.norm_x != nullptr;
+  const unsigned blocks = GemvBlocks(n, norm ? kNormSplit : kPlainSplit);
+  const size_t smem = norm ? size_t{2} * M * k : 0;
+  auto kernel = norm ? GemvFusedKernel<true, E, kNormSplit, M> : GemvFusedKernel<false, E, kPlainSplit, M>;
+  kernel<<<blocks, kGemvWarps * 32, smem, s>>>(x, w, y, n, k, f);
+  return Err();
+}
+
+// LaunchFusedKernel for f.rows and f.split: any split at one row, the
+// defaults at more.
+template <GemvEpilogue E>
+int LaunchFusedFor(const bf16* x, int k, const bf16* w, int n, bf16* y, const GemvFusion& f, cudaStream_t s) {
+  switch (f.rows) {
+    case 1:
+      switch (f.split) {
+        case 1:
+          return LaunchFusedKernel<E, 1, 1, 1>(x, k, w, n, y, f, s);
+        case 2:
+          return LaunchFusedKernel<E, 2, 2, 1>(x, k, w, n, y, f, s);
+        case 4:
+          return LaunchFusedKernel<E, 4, 4, 1>(x, k, w, n, y, f, s);
+        case 8:
+          return LaunchFusedKernel<E, 8, 8, 1>(x, k, w, n, y, f, s);
+        default:
+          return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm, 1>(x, k, w, n, y, f, s);
+      }
+    case 2:
+      return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm, 2>(x, k, w, n, y, f, s);
+    case 3:
+      return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm, 3>(x, k, w, n, y, f, s);
+    default:
+      return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm, 4>(x, k, w, n, y, f, s);
+  }
+}
+
+}  // namespace
+
 int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpilogue epi, const GemvFusion& f,
                     void* stream) {
   if (n == 0) return 0;
   const bool norm = f.norm_x != nullptr;
-  const size_t smem = norm ? size_t{2} * k : 0;
-  // The normed x lives in the default 48 KB of shared memory; a launch
+  // The normed rows live in the default 48 KB of shared memory; a launch
   // that norms the residual it also updates would race with itself.
-  if ((norm && k > kMaxGemvNormWidth) || (norm && f.residual != nullptr) || k % 8 != 0 ||
-      (f.split != 0 && f.split != 1 && f.split != 2 && f.split != 4 && f.split != 8)) {
+  const bool split_ok = f.split == 0 || (f.rows == 1 && (f.split == 1 || f.split == 2 || f.split == 4 || f.split == 8));
+  if (f.rows < 1 || f.rows > kMaxFusedRows || (norm && int64_t{f.rows} * k > kMaxGemvNormWidth) ||
+      (norm && f.residual != nullptr) || k % 8 != 0 || !split_ok) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const auto* xb = static_cast<const bf16*>(x);
   const auto* wb = static_cast<const bf16*>(w);
   auto* yb = static_cast<bf16*>(y);
-  const int split = f.split != 0 ? f.split : norm ? kGemvSplitNorm : kGemvSplit;
-  return WithSplit(split, n, [&](auto split_c, unsigned blocks) {
-    constexpr int kSplit = decltype(split_c)::value;
-    // The kernel for epilogue E (a std::integral_constant) and this norm.
-    auto go = [&](auto epi_c) {
-      constexpr GemvEpilogue E = decltype(epi_c)::value;
-      auto kernel = norm ? GemvFusedKernel<true, E, kSplit> : GemvFusedKernel<false, E, kSplit>;
-      kernel<<<blocks, kGemvWarps * 32, smem, S(stream)>>>(xb, wb, yb, n, k, f);
-      return Err();
-    };
-    switch (epi) {
-      case GemvEpilogue::kStore:
-        return go(std::integral_constant<GemvEpilogue, GemvEpilogue::kStore>{});
-      case GemvEpilogue::kResidual:
-        return go(std::integral_constant<GemvEpilogue, GemvEpilogue::kResidual>{});
-      case GemvEpilogue::kSiluMul:
-        return go(std::integral_constant<GemvEpilogue, GemvEpilogue::kSiluMul>{});
-      case GemvEpilogue::kRopeWriteKv:
-        return go(std::integral_constant<GemvEpilogue, GemvEpilogue::kRopeWriteKv>{});
-    }
-    return static_cast<int>(cudaErrorInvalidValue);
-  });
+  switch (epi) {
+    case GemvEpilogue::kStore:
+      return LaunchFusedFor<GemvEpilogue::kStore>(xb, k, wb, n, yb, f, S(stream));
+    case GemvEpilogue::kResidual:
+      return LaunchFusedFor<GemvEpilogue::kResidual>(xb, k, wb, n, yb, f, S(stream));
+    case GemvEpilogue::kSiluMul:
+      return LaunchFusedFor<GemvEpilogue::kSiluMul>(xb, k, wb, n, yb, f, S(stream));
+    case GemvEpilogue::kRopeWriteKv:
+      return LaunchFusedFor<GemvEpilogue::kRopeWriteKv>(xb, k, wb, n, yb, f, S(stream));
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, void* workspace, int32_t* out,

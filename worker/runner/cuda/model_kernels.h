@@ -107,14 +107,21 @@ struct GemvFusion {
   RopeWriteArgs rope;          // kRopeWriteKv (its bias unused: `bias` above)
   // Warps a row: 1, 2, 4 or 8 (each sums a slice of the row; the slices'
   // sums are added in order), 0: the kernel's default (2 where it norms x,
-  // else 4, LaunchGemv's at one row).
+  // else 4, LaunchGemv's at one row). Only the default for rows > 1.
   int split = 0;
+  // Tokens, 1 to kMaxFusedRows: x and norm_x hold `rows` rows of k values,
+  // y and residual `rows` rows of n, rope.qkv `rows` tokens (qkv_stride
+  // apart) with as many positions and slots. Each token's result is the
+  // bits a launch of that token alone gives.
+  int rows = 1;
 };
+inline constexpr int kMaxFusedRows = 4;
 // Refuses (cudaErrorInvalidValue) k % 8 != 0, a norm over more than
-// kMaxGemvNormWidth values (the normed x in 48 KB of shared memory), a
-// norm together with kResidual's update of the same launch, and a split
-// other than those above.
-inline constexpr int kMaxGemvNormWidth = 24576;
+// kMaxGemvNormWidth values in all (the normed rows in the default 48 KB of
+// shared memory, less the kernel's 384 bytes of its own), a norm together
+// with kResidual's update of the same launch, and rows or a split other
+// than those above.
+inline constexpr int kMaxGemvNormWidth = 24320;
 int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpilogue epi, const GemvFusion& f,
                     void* stream);
 

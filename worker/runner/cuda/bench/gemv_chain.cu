@@ -12,15 +12,18 @@
 //   ./gemv_chain
 //
 // Prints, per product, each configuration's median time per launch over five
-// interleaved rounds and its read rate.
+// interleaved rounds and its read rate. `./gemv_chain ROWS` times steps of
+// ROWS tokens (up to kMaxFusedRows) at the default splits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
+#include "kernels/cuda/common.cuh"
 #include "worker/runner/cuda/model_kernels.h"
 
 namespace {
@@ -34,11 +37,22 @@ namespace {
     }                                                                                       \
   } while (0)
 
-// The device's read ceiling for a buffer: every 16-byte word loaded once.
+// The device's read ceiling for a buffer: every 16-byte word loaded once,
+// four loads in flight a thread, past L1.
+using tandem::kernels::cuda::internal::LoadStreaming;
 __global__ void ReadKernel(const uint4* p, int64_t n, unsigned* sink) {
   unsigned acc = 0;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const uint4 v = __ldg(p + i);
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = LoadStreaming(p + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = LoadStreaming(p + i);
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads
@@ -48,26 +62,33 @@ struct Shape {
   const char* name;
   int n, k, layers;  // n: the launch's units (rows, or row pairs where `epi` takes two)
   tandem::worker::cuda_ops::GemvEpilogue epi;
-  bool norm;  // x is the RMS norm of a float32 residual, built by every CTA
+  bool norm;     // x is the RMS norm of a float32 residual, built by every CTA
+  bool lm_head;  // LaunchGemv with float32 logits, as the engine's batch-1 LM head
 };
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   namespace ops = tandem::worker::cuda_ops;
   using E = ops::GemvEpilogue;
-  const Shape shapes[] = {{"QKV 6144 x 4096, normed, row pairs", 3072, 4096, 32, E::kSiluMul, true},
-                          {"output 4096 x 4096, residual", 4096, 4096, 32, E::kResidual, false},
-                          {"gate/up 28672 x 4096, normed, SiLU", 14336, 4096, 32, E::kSiluMul, true},
-                          {"down 4096 x 14336, residual", 4096, 14336, 32, E::kResidual, false},
-                          {"LM head 128256 x 4096", 128256, 4096, 2, E::kStore, false}};
-  const int configs[] = {1, 2, 4, 8, 0};  // warps a row; 0: the plain read
-  constexpr int kConfigs = sizeof(configs) / sizeof(configs[0]);
+  // `gemv_chain [ROWS]`: the tokens of the step (the fused products take up
+  // to kMaxFusedRows at their default splits).
+  const int rows = argc > 1 ? std::atoi(argv[1]) : 1;
+  if (rows < 1 || rows > ops::kMaxFusedRows) {
+    std::fprintf(stderr, "gemv_chain: ROWS must be 1 to %d\n", ops::kMaxFusedRows);
+    return 2;
+  }
+  const int heads = 32, kv_heads = 8, hd = 128, bs = 16;
+  const Shape shapes[] = {{"QKV 6144 x 4096, normed, RoPE + KV write", 3072, 4096, 32, E::kRopeWriteKv, true, false},
+                          {"output 4096 x 4096, residual", 4096, 4096, 32, E::kResidual, false, false},
+                          {"gate/up 28672 x 4096, normed, SiLU", 14336, 4096, 32, E::kSiluMul, true, false},
+                          {"down 4096 x 14336, residual", 4096, 14336, 32, E::kResidual, false, false},
+                          {"LM head 128256 x 4096 (LaunchGemv)", 128256, 4096, 2, E::kStore, false, true}};
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s\n", prop.name);
+  std::printf("device: %s, %d token(s)\n", prop.name, rows);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   unsigned* sink;
@@ -75,22 +96,67 @@ int main() {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
+  // RoPE's inputs: positions, frequencies and slots of `rows` tokens, a
+  // one-block pool per token.
+  std::vector<double> inv_freq(hd / 2);
+  for (int i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(500000.0, -2.0 * i / hd);
+  std::vector<int32_t> pos(rows);
+  std::vector<int64_t> slots(rows);
+  for (int t = 0; t < rows; ++t) {
+    pos[t] = 100 + t;
+    slots[t] = int64_t{t} * bs + 5;
+  }
+  double* d_freq;
+  int32_t* d_pos;
+  int64_t* d_slots;
+  int* d_err;
+  __nv_bfloat16 *d_pool, *d_qkv;
+  CK(cudaMalloc(&d_freq, inv_freq.size() * 8));
+  CK(cudaMemcpy(d_freq, inv_freq.data(), inv_freq.size() * 8, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&d_pos, rows * 4));
+  CK(cudaMemcpy(d_pos, pos.data(), rows * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&d_slots, rows * 8));
+  CK(cudaMemcpy(d_slots, slots.data(), rows * 8, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&d_err, 4));
+  CK(cudaMemset(d_err, 0, 4));
+  const int qkv = (heads + 2 * kv_heads) * hd;
+  CK(cudaMalloc(&d_qkv, size_t(rows) * qkv * 2));
+  CK(cudaMalloc(&d_pool, size_t(rows) * 2 * kv_heads * bs * hd * 2));
+  ops::RopeWriteArgs rope{.qkv = d_qkv,
+                          .num_tokens = rows,
+                          .qkv_stride = qkv,
+                          .positions = d_pos,
+                          .inv_freq = d_freq,
+                          .num_heads = heads,
+                          .num_kv_heads = kv_heads,
+                          .head_dim = hd,
+                          .slot_mapping = d_slots,
+                          .error = d_err};
+  rope.pool = tandem::kernels::cuda::internal::OneLayerView(d_pool, rows, bs, hd, kv_heads);
   for (const Shape& sh : shapes) {
-    const int rows = sh.epi == ops::GemvEpilogue::kSiluMul ? 2 * sh.n : sh.n;
-    const int64_t per = int64_t{rows} * sh.k;
+    if (sh.lm_head && rows > 1) continue;  // the engine's LM head takes cuBLASLt there
+    // Warps a row (the defaults only at several tokens); 0: the plain read;
+    // -1: LaunchGemv.
+    std::vector<int> configs = sh.lm_head ? std::vector<int>{-1, 0}
+                               : rows > 1 ? std::vector<int>{0x100, 0}
+                                          : std::vector<int>{1, 2, 4, 8, 0};
+    const int n_configs = static_cast<int>(configs.size());
+    const int weight_rows = sh.epi == E::kSiluMul || sh.epi == E::kRopeWriteKv ? 2 * sh.n : sh.n;
+    const int64_t per = int64_t{weight_rows} * sh.k;
     __nv_bfloat16 *w, *x, *y, *gamma;
     float* residual;
     CK(cudaMalloc(&w, per * 2 * sh.layers));
     CK(cudaMemset(w, 0x3c, per * 2 * sh.layers));  // finite values; the time does not depend on them
-    CK(cudaMalloc(&x, sh.k * 2));
-    CK(cudaMemset(x, 0x3c, sh.k * 2));
-    CK(cudaMalloc(&y, rows * 2));
+    CK(cudaMalloc(&x, size_t(rows) * sh.k * 2));
+    CK(cudaMemset(x, 0x3c, size_t(rows) * sh.k * 2));
+    CK(cudaMalloc(&y, size_t(rows) * weight_rows * 4));
     CK(cudaMalloc(&gamma, sh.k * 2));
     CK(cudaMemset(gamma, 0x3c, sh.k * 2));
-    CK(cudaMalloc(&residual, std::max(sh.n, sh.k) * 4));
-    CK(cudaMemset(residual, 0, std::max(sh.n, sh.k) * 4));
-    std::vector<cudaGraphExec_t> execs(kConfigs);
-    for (int c = 0; c < kConfigs; ++c) {
+    const size_t res_elems = size_t(rows) * std::max(sh.n, sh.k);
+    CK(cudaMalloc(&residual, res_elems * 4));
+    CK(cudaMemset(residual, 0, res_elems * 4));
+    std::vector<cudaGraphExec_t> execs(n_configs);
+    for (int c = 0; c < n_configs; ++c) {
       cudaGraph_t g;
       CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
       for (int l = 0; l < sh.layers; ++l) {
@@ -98,14 +164,17 @@ int main() {
         if (configs[c] == 0) {
           ReadKernel<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(wl), per / 8, sink);
           CK(cudaGetLastError());
+        } else if (configs[c] < 0) {
+          CK(ops::LaunchGemv(x, 1, sh.k, wl, sh.n, y, /*f32=*/true, s));
         } else {
-          ops::GemvFusion f{.split = configs[c]};
+          ops::GemvFusion f{.split = configs[c] == 0x100 ? 0 : configs[c], .rows = rows};
           if (sh.norm) {
             f.norm_x = residual;
             f.norm_weight = gamma;
             f.eps = 1e-5f;
           }
-          if (sh.epi == ops::GemvEpilogue::kResidual) f.residual = residual;
+          if (sh.epi == E::kResidual) f.residual = residual;
+          if (sh.epi == E::kRopeWriteKv) f.rope = rope;
           CK(ops::LaunchGemvFused(x, sh.k, wl, sh.n, y, sh.epi, f, s));
         }
       }
@@ -113,9 +182,9 @@ int main() {
       CK(cudaGraphInstantiate(&execs[c], g, 0));
       CK(cudaGraphDestroy(g));
     }
-    std::vector<std::vector<float>> us(kConfigs);
+    std::vector<std::vector<float>> us(n_configs);
     for (int round = 0; round < 5; ++round) {
-      for (int c = 0; c < kConfigs; ++c) {
+      for (int c = 0; c < n_configs; ++c) {
         CK(cudaGraphLaunch(execs[c], s));  // warm
         CK(cudaEventRecord(e0, s));
         for (int rep = 0; rep < 5; ++rep) CK(cudaGraphLaunch(execs[c], s));
@@ -127,11 +196,19 @@ int main() {
       }
     }
     std::printf("%s (%.1f MB a launch)\n", sh.name, per * 2 / 1e6);
-    for (int c = 0; c < kConfigs; ++c) {
+    for (int c = 0; c < n_configs; ++c) {
       std::sort(us[c].begin(), us[c].end());
       const float med = us[c][us[c].size() / 2];
       char label[32];
-      std::snprintf(label, sizeof(label), configs[c] == 0 ? "plain read" : "%d warp(s) a row", configs[c]);
+      if (configs[c] == 0) {
+        std::snprintf(label, sizeof(label), "plain read");
+      } else if (configs[c] < 0) {
+        std::snprintf(label, sizeof(label), "LaunchGemv");
+      } else if (configs[c] == 0x100) {
+        std::snprintf(label, sizeof(label), "default split");
+      } else {
+        std::snprintf(label, sizeof(label), "%d warp(s) a row", configs[c]);
+      }
       std::printf("  %-18s %8.2f us %7.0f GB/s  (rounds %.2f-%.2f)\n", label, med, per * 2 / med / 1e3, us[c].front(),
                   us[c].back());
     }
