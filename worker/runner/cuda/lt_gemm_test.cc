@@ -148,12 +148,6 @@ TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
   }
 }
 
-// The fused one-row products (cuda_ops::LaunchGemvFused) against the
-// kernels they stand for, run one by one on the same inputs: AddRmsNorm
-// then the GEMV (the norm built in the product), the GEMV then AddRmsNorm's
-// residual add (with and without a bias), and the gate/up GEMV, its bias,
-// then SiluMul. The roundings are the same, so the values agree but for
-// the norm's sum order (a few bf16 steps at most).
 // The fused product at every split of a row over warps, against a float64
 // reference, on shapes whose rows and chunks do not divide evenly.
 TEST_F(LtGemmTest, FusedProductsAtEverySplitMatchTheReference) {
@@ -184,6 +178,12 @@ TEST_F(LtGemmTest, FusedProductsAtEverySplitMatchTheReference) {
   }
 }
 
+// The fused one-row products (cuda_ops::LaunchGemvFused) against the
+// kernels they stand for, run one by one on the same inputs: AddRmsNorm
+// then the GEMV (the norm built in the product), the GEMV then AddRmsNorm's
+// residual add (with and without a bias), and the gate/up GEMV, its bias,
+// then SiluMul. The roundings are the same, so the values agree but for
+// the norm's sum order (a few bf16 steps at most).
 TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
   const int H = 4096, I = 1408, n = 1000;  // hidden, intermediate (k % 8 == 0), a product's rows
   std::mt19937 rng(7);
@@ -302,17 +302,15 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
-// The QKV product with RoPE and the KV write in its epilogue (kRopeWriteKv)
-// against the product then RopeWriteKvKernel, with a QKV bias: the same Q
-// row and the same pool, bit for bit; a slot past the pool writes nothing
-// and sets the slot error.
 // The fused products of a step of several tokens (GemvFusion::rows) give
 // each token the bits a launch of that token alone gives: the normed QKV
 // product with RoPE and the KV write (tokens at their own positions and
-// slots, one past the pool), the normed gate/up product with its bias, and
-// the residual's update with a bias.
+// slots, one past the pool), the normed QKV product stored plainly, the
+// normed gate/up product with its bias, and the residual's update with a
+// bias. (H and I give each lane several chunks, so the loads in flight,
+// which differ with the token count, would show in the sum order.)
 TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
-  const int heads = 8, kv_heads = 2, hd = 128, H = 1024, I = 704, bs = 16, blocks = 4;
+  const int heads = 8, kv_heads = 2, hd = 128, H = 2048, I = 2816, bs = 16, blocks = 4;
   const int qkv = (heads + 2 * kv_heads) * hd;
   const int M = cuda_ops::kMaxFusedRows;
   std::mt19937 rng(5);
@@ -332,7 +330,7 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
       dwgu(wgu.size() * 2), dbgu(bgu.size() * 2), dwd(wd.size() * 2), dbd(H * 2), dact(act.size() * 2),
       dfreq(inv_freq.size() * 8), dpos(pos.size() * 4), dslot(slots.size() * 8), dqkv(size_t(M) * qkv * 2),
       dqkv2(size_t(M) * qkv * 2), dpool(pool_elems * 2), dpool2(pool_elems * 2), derr(4), derr2(4),
-      dy(size_t(M) * I * 2), dy2(size_t(M) * I * 2);
+      dy(size_t(M) * std::max(I, qkv) * 2), dy2(size_t(M) * std::max(I, qkv) * 2);
   auto up = [](Device& d, const void* p, size_t bytes) {
     ASSERT_EQ(cudaMemcpy(d.p, p, bytes, cudaMemcpyHostToDevice), cudaSuccess);
   };
@@ -402,6 +400,15 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
     ASSERT_EQ(cudaMemcpy(&err2, derr2.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(err, (kernels::cuda::internal::kErrSlot << 28) | 1);
     EXPECT_EQ(err2, (kernels::cuda::internal::kErrSlot << 28) | 0);
+    // The QKV product stored plainly (TANDEM_FUSED_ROPE=0's).
+    auto store_launch = [&](Device& y, int t, int n) {
+      cuda_ops::GemvFusion f{.norm_x = res_p + int64_t{t} * H, .norm_weight = dgamma.p, .eps = 1e-5f, .rows = n};
+      return cuda_ops::LaunchGemvFused(nullptr, H, dwqkv.p, qkv, row(y, t, qkv, 2), cuda_ops::GemvEpilogue::kStore, f,
+                                       nullptr);
+    };
+    ASSERT_EQ(store_launch(dy, 0, rows), 0);
+    for (int t = 0; t < rows; ++t) ASSERT_EQ(store_launch(dy2, t, 1), 0);
+    EXPECT_EQ(raw(dy, size_t(rows) * qkv * 2), raw(dy2, size_t(rows) * qkv * 2)) << "the stored QKV rows";
     // The gate/up product with its bias and SiLU-and-multiply.
     auto gu_launch = [&](Device& y, int t, int n) {
       cuda_ops::GemvFusion f{
@@ -431,12 +438,28 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
   const cuda_ops::GemvFusion split{.residual = static_cast<float*>(dres.p), .split = 4, .rows = 2};
   EXPECT_EQ(cuda_ops::LaunchGemvFused(dact.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, split, nullptr),
             cudaErrorInvalidValue);
-  const cuda_ops::GemvFusion wide{.norm_x = res_p, .norm_weight = dgamma.p, .eps = 1e-5f, .rows = 4};
-  EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, 8192, dwqkv.p, 1, dy.p, cuda_ops::GemvEpilogue::kStore, wide, nullptr),
-            cudaErrorInvalidValue);
+  // At four tokens the widest norm is a quarter as wide; the SiLU product
+  // there has the most shared memory of its own.
+  const int widest = cuda_ops::kMaxGemvNormWidth / M;
+  std::vector<float> big(size_t(M) * (widest + 8), 0.5f);
+  Device dbig(big.size() * 4), dgbig((widest + 8) * 2);
+  up(dbig, big.data(), big.size() * 4);
+  ASSERT_EQ(cudaMemset(dgbig.p, 0, (widest + 8) * 2), cudaSuccess);
+  const cuda_ops::GemvFusion wide{
+      .norm_x = static_cast<const float*>(dbig.p), .norm_weight = dgbig.p, .eps = 1e-5f, .rows = M};
+  EXPECT_EQ(
+      cuda_ops::LaunchGemvFused(nullptr, widest, dwgu.p, 1, dy.p, cuda_ops::GemvEpilogue::kSiluMul, wide, nullptr), 0);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "the widest norm at four tokens";
+  EXPECT_EQ(
+      cuda_ops::LaunchGemvFused(nullptr, widest + 8, dwgu.p, 1, dy.p, cuda_ops::GemvEpilogue::kSiluMul, wide, nullptr),
+      cudaErrorInvalidValue);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
+// The QKV product with RoPE and the KV write in its epilogue (kRopeWriteKv)
+// against the product then RopeWriteKvKernel, with a QKV bias: the same Q
+// row and the same pool, bit for bit; a slot past the pool writes nothing
+// and sets the slot error.
 TEST_F(LtGemmTest, FusedRopeAndKvWriteMatchTheirKernel) {
   const int heads = 8, kv_heads = 2, hd = 128, k = 512, bs = 16, blocks = 4;
   const int qkv = (heads + 2 * kv_heads) * hd;
