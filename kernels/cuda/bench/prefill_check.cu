@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/bench/dense_read.cuh"
 #include "kernels/cuda/launch.h"
 
 using namespace tandem::kernels::cuda::internal;
@@ -58,11 +59,14 @@ static const bool g_kv_adjacent = [] {
   const char* e = std::getenv("PC_KV_ADJ");
   return e != nullptr && std::string(e) == "1";
 }();
-// A block's (head, K|V) strides in elements, as g_kv_adjacent lays it out.
-static void PoolStrides(int bs, int D, int Hkv, int64_t* head_stride, int64_t* kv_stride) {
+// A layer's strides in elements, as g_kv_adjacent lays a block out: its
+// (head, K|V) strides and the whole layer's.
+struct Strides {
+  int64_t head, kv, layer;
+};
+static Strides PoolStrides(int bs, int D, int Hkv) {
   const int64_t rows = int64_t{bs} * D;
-  *head_stride = g_kv_adjacent ? 2 * rows : rows;
-  *kv_stride = g_kv_adjacent ? rows : Hkv * rows;
+  return {g_kv_adjacent ? 2 * rows : rows, g_kv_adjacent ? rows : Hkv * rows, 2 * Hkv * rows};
 }
 static std::string DecodeName(int v) { return kDecodeName[v]; }
 static const int kVariants = 11;
@@ -105,33 +109,12 @@ static int g_sms = 132;
 
 // The split-KV launch the API makes: `kps` > 0 fixes the split size (the
 // engine's batch-invariant plan), else PlanSplits chooses.
-// Reads `n` 16-byte vectors once, as a streaming kernel would (no L1
-// allocation, eight loads in flight a thread); one word out per CTA keeps
-// the loads alive.
-__global__ void DenseReadKernel(const int4* p, int64_t n, int* out) {
-  int acc = 0;
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  for (; i + 7 * stride < n; i += 8 * stride) {
-    int4 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w)
-                   : "l"(p + i + j * stride));
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-  }
-  for (; i < n; i += stride) acc ^= p[i].x;
-  if (acc == 0x12345678) out[blockIdx.x] = acc;
-}
-
 static int LaunchDecode(const AttnArgs& a, int variant, int kps, int* ws, int64_t ws_bytes,
                         cudaStream_t stream = nullptr) {
   if (variant == kDenseRead) {
     const int64_t bytes = int64_t{a.pool.num_blocks} * a.pool.block_stride * 2;
-    DenseReadKernel<<<g_sms * 4, 512, 0, stream>>>(static_cast<const int4*>(a.pool.kv), bytes / 16, ws + 64);
+    tandem::kernels::cuda::bench::DenseReadKernel<<<g_sms * 4, 512, 0, stream>>>(
+        static_cast<const uint4*>(a.pool.kv), bytes / 16, reinterpret_cast<unsigned*>(ws + 64));
     return static_cast<int>(cudaGetLastError());
   }
   SplitPlan plan;
@@ -154,17 +137,16 @@ static int LaunchDecode(const AttnArgs& a, int variant, int kps, int* ws, int64_
 static AttnArgs BenchArgs(void* pool, int num_blocks, int bs, int D, int H, int Hkv, void* q, void* out, int* qs,
                           int* ctx, int32_t* table, int blocks_per_seq, int* error, int batch, int tokens, int max_q,
                           int max_ctx, bool causal) {
-  int64_t head_stride = 0, kv_stride = 0;
-  PoolStrides(bs, D, Hkv, &head_stride, &kv_stride);
+  const Strides st = PoolStrides(bs, D, Hkv);
   AttnArgs a;
   a.elem = Elem::kBF16;
   a.q = q;
   a.q_stride = int64_t{H} * D;
   a.out = out;
   a.pool.kv = pool;
-  a.pool.block_stride = 2 * Hkv * int64_t{bs} * D;
-  a.pool.kv_stride = kv_stride;
-  a.pool.head_stride = head_stride;
+  a.pool.block_stride = st.layer;
+  a.pool.kv_stride = st.kv;
+  a.pool.head_stride = st.head;
   a.pool.num_blocks = num_blocks;
   a.pool.block_size = bs;
   a.pool.head_dim = D;
@@ -204,9 +186,8 @@ static bool RunCase(const Case& c, int variant, bool decode = false, int kps = 0
   }
   const int num_blocks = total_blocks + 3;
   const int layers = 2, layer = 1;
-  int64_t head_stride = 0, kv_stride = 0;
-  PoolStrides(bs, D, Hkv, &head_stride, &kv_stride);
-  const int64_t layer_stride = 2 * Hkv * int64_t{bs} * D, block_stride = layers * layer_stride;
+  const Strides st = PoolStrides(bs, D, Hkv);
+  const int64_t head_stride = st.head, kv_stride = st.kv, layer_stride = st.layer, block_stride = layers * layer_stride;
   std::vector<int> perm(num_blocks);
   for (int i = 0; i < num_blocks; ++i) perm[i] = i;
   std::shuffle(perm.begin(), perm.end(), rng);
@@ -384,7 +365,7 @@ static  // Seconds since the epoch (wall clock), for lining runs up with sampler
 double Bench(int variant, int batch, int seqlen, int H, int Hkv, int D, int bs, bool causal, double* tflops) {
   const int blocks_per_seq = (seqlen + bs - 1) / bs;
   const int num_blocks = batch * blocks_per_seq;
-  const int64_t block_stride = 2 * Hkv * int64_t{bs} * D;
+  const int64_t block_stride = PoolStrides(bs, D, Hkv).layer;
   const int64_t T = int64_t{batch} * seqlen;
   void *d_pool, *d_q, *d_out;
   int *d_qs, *d_ctx, *d_err;
@@ -504,7 +485,7 @@ static double DBench(const std::vector<std::pair<int, int>>& configs, int batch,
                      int rounds, std::vector<DTiming>* timings) {
   const int blocks_per_seq = (ctx + bs - 1) / bs;
   const int num_blocks = batch * blocks_per_seq;
-  const int64_t block_stride = 2 * Hkv * int64_t{bs} * D;
+  const int64_t block_stride = PoolStrides(bs, D, Hkv).layer;
   void *d_pool, *d_q, *d_out;
   int *d_qs, *d_ctx, *d_ws;
   int32_t* d_table;

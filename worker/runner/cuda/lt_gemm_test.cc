@@ -378,19 +378,24 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
     }
     up(dres, residual.data(), residual.size() * 4);
     up(dres2, residual.data(), residual.size() * 4);
-    // The QKV product: all tokens in one launch (into dqkv, dpool), then each alone (dqkv2, dpool2).
-    auto qkv_launch = [&](Device& q, Device& pool, Device& err, int t, int n) {
+    // Each product twice: `launch(alone, t, n)` for tokens t..t+n-1, all
+    // tokens in one launch into the first buffers (dqkv, dpool, derr, dy,
+    // dres), then each token alone into the second (dqkv2, ...).
+    auto all_then_each = [&](auto&& launch) {
+      ASSERT_EQ(launch(false, 0, rows), 0);
+      for (int t = 0; t < rows; ++t) ASSERT_EQ(launch(true, t, 1), 0);
+    };
+    // The QKV product with RoPE and the KV write.
+    all_then_each([&](bool alone, int t, int n) {
       cuda_ops::GemvFusion f{.norm_x = res_p + int64_t{t} * H,
                              .norm_weight = dgamma.p,
                              .eps = 1e-5f,
                              .bias = dbqkv.p,
-                             .rope = rope(q, pool, err, t, n),
+                             .rope = alone ? rope(dqkv2, dpool2, derr2, t, n) : rope(dqkv, dpool, derr, t, n),
                              .rows = n};
       return cuda_ops::LaunchGemvFused(nullptr, H, dwqkv.p, qkv / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv, f,
                                        nullptr);
-    };
-    ASSERT_EQ(qkv_launch(dqkv, dpool, derr, 0, rows), 0);
-    for (int t = 0; t < rows; ++t) ASSERT_EQ(qkv_launch(dqkv2, dpool2, derr2, t, 1), 0);
+    });
     EXPECT_EQ(raw(dqkv, size_t(rows) * qkv * 2), raw(dqkv2, size_t(rows) * qkv * 2)) << "the rotated Q rows";
     EXPECT_EQ(raw(dpool, pool_elems * 2), raw(dpool2, pool_elems * 2)) << "the pool";
     // Token 1's slot is past the pool: the error names it (index 1) in the
@@ -401,32 +406,27 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
     EXPECT_EQ(err, (kernels::cuda::internal::kErrSlot << 28) | 1);
     EXPECT_EQ(err2, (kernels::cuda::internal::kErrSlot << 28) | 0);
     // The QKV product stored plainly (TANDEM_FUSED_ROPE=0's).
-    auto store_launch = [&](Device& y, int t, int n) {
+    all_then_each([&](bool alone, int t, int n) {
       cuda_ops::GemvFusion f{.norm_x = res_p + int64_t{t} * H, .norm_weight = dgamma.p, .eps = 1e-5f, .rows = n};
-      return cuda_ops::LaunchGemvFused(nullptr, H, dwqkv.p, qkv, row(y, t, qkv, 2), cuda_ops::GemvEpilogue::kStore, f,
-                                       nullptr);
-    };
-    ASSERT_EQ(store_launch(dy, 0, rows), 0);
-    for (int t = 0; t < rows; ++t) ASSERT_EQ(store_launch(dy2, t, 1), 0);
+      return cuda_ops::LaunchGemvFused(nullptr, H, dwqkv.p, qkv, row(alone ? dy2 : dy, t, qkv, 2),
+                                       cuda_ops::GemvEpilogue::kStore, f, nullptr);
+    });
     EXPECT_EQ(raw(dy, size_t(rows) * qkv * 2), raw(dy2, size_t(rows) * qkv * 2)) << "the stored QKV rows";
     // The gate/up product with its bias and SiLU-and-multiply.
-    auto gu_launch = [&](Device& y, int t, int n) {
+    all_then_each([&](bool alone, int t, int n) {
       cuda_ops::GemvFusion f{
           .norm_x = res_p + int64_t{t} * H, .norm_weight = dgamma.p, .eps = 1e-5f, .bias = dbgu.p, .rows = n};
-      return cuda_ops::LaunchGemvFused(nullptr, H, dwgu.p, I, row(y, t, I, 2), cuda_ops::GemvEpilogue::kSiluMul, f,
-                                       nullptr);
-    };
-    ASSERT_EQ(gu_launch(dy, 0, rows), 0);
-    for (int t = 0; t < rows; ++t) ASSERT_EQ(gu_launch(dy2, t, 1), 0);
+      return cuda_ops::LaunchGemvFused(nullptr, H, dwgu.p, I, row(alone ? dy2 : dy, t, I, 2),
+                                       cuda_ops::GemvEpilogue::kSiluMul, f, nullptr);
+    });
     EXPECT_EQ(raw(dy, size_t(rows) * I * 2), raw(dy2, size_t(rows) * I * 2)) << "silu(gate) * up";
     // The down product's update of the residual, with a bias.
-    auto down_launch = [&](Device& res, int t, int n) {
-      cuda_ops::GemvFusion f{.residual = reinterpret_cast<float*>(row(res, t, H, 4)), .bias = dbd.p, .rows = n};
+    all_then_each([&](bool alone, int t, int n) {
+      cuda_ops::GemvFusion f{
+          .residual = reinterpret_cast<float*>(row(alone ? dres2 : dres, t, H, 4)), .bias = dbd.p, .rows = n};
       return cuda_ops::LaunchGemvFused(row(dact, t, I, 2), I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, f,
                                        nullptr);
-    };
-    ASSERT_EQ(down_launch(dres, 0, rows), 0);
-    for (int t = 0; t < rows; ++t) ASSERT_EQ(down_launch(dres2, t, 1), 0);
+    });
     const std::vector<unsigned char> after = raw(dres, size_t(rows) * H * 4);
     EXPECT_EQ(after, raw(dres2, size_t(rows) * H * 4)) << "the residual";
     EXPECT_NE(std::memcmp(after.data(), residual.data(), after.size()), 0) << "the update changed nothing";

@@ -81,21 +81,22 @@ int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, 
 inline constexpr int kMaxGemvRows = 8;
 int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream);
 
-// The same product at one row with the kernels around it folded in (a
-// decode step of one sequence; cuda_runner's fused path): x may be built by
-// the product itself as the RMS norm of a float32 residual (norm_x, k
-// values; every CTA reduces it, so no norm kernel runs before), and the
-// output may be the residual's update or the SiLU-and-multiply of the gate
-// and up halves. Roundings are those of the unfused kernels (the normed x,
+// The same product for a step of one token (or up to kMaxFusedRows: `rows`
+// below) with the kernels around it folded in (cuda_runner's fused path): x
+// may be built by the product itself as the RMS norm of a float32 residual
+// (norm_x, k values a token; every CTA reduces it, so no norm kernel runs
+// before), and the output may be the residual's update or the
+// SiLU-and-multiply of the gate and up halves. Roundings are those of the unfused kernels (the normed x,
 // the product and its bias in bf16), so only the norm's sum order differs.
 enum class GemvEpilogue {
   kStore,     // y[j] = bf16(x . w_j (+ bias[j]))
   kResidual,  // residual[j] += bf16(x . w_j) (+ bias[j]); y unused
   kSiluMul,   // w holds 2n rows (gate, then up): y[j] = silu(g_j) * u_j, each bf16 (+ its bias)
-  // The QKV product with RopeWriteKv's work (`rope`, one token): n is half
-  // the product's rows, warp u computes a head's rows i and i + head_dim/2;
-  // Q rotated into rope.qkv, K rotated and V into the pool at the token's
-  // slot (a slot past the pool: rope.error, nothing written). y unused.
+  // The QKV product with RopeWriteKv's work (`rope`, a token a row): n is
+  // half the product's rows, warp u computes a head's rows i and i +
+  // head_dim/2; Q rotated into rope.qkv, K rotated and V into the pool at
+  // each token's slot (a slot past the pool: rope.error, nothing written).
+  // y unused.
   kRopeWriteKv,
 };
 struct GemvFusion {

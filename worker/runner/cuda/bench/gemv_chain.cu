@@ -23,7 +23,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/bench/dense_read.cuh"
 #include "worker/runner/cuda/model_kernels.h"
 
 namespace {
@@ -36,27 +36,6 @@ namespace {
       std::exit(1);                                                                         \
     }                                                                                       \
   } while (0)
-
-// The device's read ceiling for a buffer: every 16-byte word loaded once,
-// four loads in flight a thread, past L1.
-using tandem::kernels::cuda::internal::LoadStreaming;
-__global__ void ReadKernel(const uint4* p, int64_t n, unsigned* sink) {
-  unsigned acc = 0;
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  for (; i + 3 * stride < n; i += 4 * stride) {
-    uint4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = LoadStreaming(p + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < n; i += stride) {
-    const uint4 v = LoadStreaming(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads
-}
 
 struct Shape {
   const char* name;
@@ -91,8 +70,8 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d token(s)\n", prop.name, rows);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  unsigned* sink;
-  CK(cudaMalloc(&sink, 4));
+  unsigned* sink;  // DenseReadKernel's word a CTA
+  CK(cudaMalloc(&sink, sizeof(unsigned) * sms * 4));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -162,7 +141,8 @@ int main(int argc, char** argv) {
       for (int l = 0; l < sh.layers; ++l) {
         const __nv_bfloat16* wl = w + per * l;
         if (configs[c] == 0) {
-          ReadKernel<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(wl), per / 8, sink);
+          tandem::kernels::cuda::bench::DenseReadKernel<<<sms * 4, 512, 0, s>>>(reinterpret_cast<const uint4*>(wl),
+                                                                                per / 8, sink);
           CK(cudaGetLastError());
         } else if (configs[c] < 0) {
           CK(ops::LaunchGemv(x, 1, sh.k, wl, sh.n, y, /*f32=*/true, s));
