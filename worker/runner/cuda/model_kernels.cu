@@ -303,9 +303,15 @@ __device__ __forceinline__ void GemvDot(const uint4* const (&wr)[R], int chunks,
 // so once a CTA, so splitting it finer multiplies that work: two warps a row
 // there (the 8B batch-1 step at 128 keys: 4.70 ms unsplit, 4.46 with the
 // plain products split in four, 4.43 with the normed ones in two as well;
-// 4.71-4.75 with every product in four, 5.5 in eight).
+// 4.71-4.75 with every product in four, 5.5 in eight), and one for the QKV
+// product, whose norm is the largest share of its time (16.7 us against
+// 18.3 in two, once its epilogue's inputs were loaded in the prologue; the
+// gate/up product 58.4 in one against 57.0 in two). Sixteen or 32 warps a
+// CTA for the normed products (fewer CTAs, fewer norms) were slower.
 inline constexpr int kGemvWarps = 8;
-inline constexpr int kGemvSplit = 4, kGemvSplitNorm = 2;
+inline constexpr int kGemvSplit = 4;
+template <GemvEpilogue E>
+inline constexpr int kGemvSplitNorm = E == GemvEpilogue::kRopeWriteKv ? 1 : 2;
 struct ChunkRange {
   int begin, len;
 };
@@ -402,8 +408,31 @@ __global__ void __launch_bounds__(256)
   for (int r = 0; r < R; ++r) {
     wr[r] = reinterpret_cast<const uint4*>(w + (int64_t{row0} + r * int64_t{step}) * k) + cr.begin;
   }
-  auto norm = [&] {
-    if constexpr (kNorm) {
+  // The epilogue's inputs, loaded by the lane that writes the row's results
+  // as soon as the first weight loads are in flight (after the sums they
+  // were a round trip at the end of every CTA): the bias, the residual
+  // values (kResidual), RoPE's angles and the slots (kRopeWriteKv).
+  const bool owner = active && lane == 0 && part == 0;
+  const auto* bias = static_cast<const bf16*>(f.bias);
+  const RopeWriteArgs& a = f.rope;
+  const int head = unit / half, pair = unit % half;
+  float in_bias[R], in_res[M];
+  float2 in_trig[M];
+  int64_t in_slot[M];
+  auto prologue = [&] {
+    if (owner) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) in_bias[r] = bias != nullptr ? __bfloat162float(bias[row0 + r * step]) : 0.0f;
+#pragma unroll
+      for (int t = 0; t < M; ++t) {
+        if constexpr (kEpi == GemvEpilogue::kResidual) in_res[t] = f.residual[int64_t{t} * n + j];
+        if constexpr (kRope) {
+          in_slot[t] = head >= a.num_heads ? a.slot_mapping[t] : -1;
+          in_trig[t] = head < a.num_heads + a.num_kv_heads ? RopeTrig(a.positions[t], a.inv_freq[pair]) : float2{};
+        }
+      }
+    }
+    if constexpr (kNorm) {  // x: the normed residual rows, into shared memory
       const int vecs = k / 4;
 #pragma unroll 1
       for (int t = 0; t < M; ++t) {
@@ -421,49 +450,45 @@ __global__ void __launch_bounds__(256)
   };
   float acc[R][M];
   GemvDot<M, R, GemvLoads(kSplit, R == 2 || M > 2), kNorm>(wr, cr.len, lane, (kNorm ? xs : x) + cr.begin * 8, k, active,
-                                                           acc, norm);
+                                                           acc, prologue);
   SumParts<kSplit>(acc);
-  if (!active || lane != 0 || part != 0) return;
-  // The bf16 roundings of the unfused path: the product's output, + bias.
-  const auto* bias = static_cast<const bf16*>(f.bias);
+  if (!owner) return;
+    // The bf16 roundings of the unfused path: the product's output, + bias.
 #pragma unroll
   for (int t = 0; t < M; ++t) {
     auto out = [&](int r) {
       float v = RoundBf16(acc[r][t]);
-      if (bias != nullptr) v = RoundBf16(v + __bfloat162float(bias[row0 + r * step]));
+      if (bias != nullptr) v = RoundBf16(v + in_bias[r]);
       return v;
     };
     if constexpr (kEpi == GemvEpilogue::kStore) {
       y[int64_t{t} * n + j] = __float2bfloat16(out(0));
     } else if constexpr (kEpi == GemvEpilogue::kResidual) {
       // AddRmsNormKernel's order: (x + delta) + bias, the delta in bf16.
-      float& res = f.residual[int64_t{t} * n + j];
       const float d = RoundBf16(acc[0][t]);
-      res = bias != nullptr ? res + d + __bfloat162float(bias[j]) : res + d;
+      f.residual[int64_t{t} * n + j] = bias != nullptr ? in_res[t] + d + in_bias[0] : in_res[t] + d;
     } else if constexpr (kEpi == GemvEpilogue::kSiluMul) {
       y[int64_t{t} * n + j] = __float2bfloat16(SiluTimes(out(0), out(1)));
     } else {
       // RopeWriteKvKernel's arithmetic for token t, at this pair.
-      const RopeWriteArgs& a = f.rope;
-      const int head = unit / half, i = unit % half;
       const float x0 = out(0), x1 = out(1);
       bf16 y0 = __float2bfloat16(x0), y1 = __float2bfloat16(x1);
-      if (head < a.num_heads + a.num_kv_heads) RotatePair(x0, x1, RopeTrig(a.positions[t], a.inv_freq[i]), &y0, &y1);
+      if (head < a.num_heads + a.num_kv_heads) RotatePair(x0, x1, in_trig[t], &y0, &y1);
       if (head < a.num_heads) {
         bf16* q = static_cast<bf16*>(a.qkv) + int64_t{t} * a.qkv_stride;
         q[row0] = y0;
         q[row0 + half] = y1;
         continue;
       }
-      const KvSlot kv = SlotOf(a.pool, a.slot_mapping[t]);
-      if (kv.past && head == a.num_heads && i == 0) RecordError(a.error, kErrSlot, t);
+      const KvSlot kv = SlotOf(a.pool, in_slot[t]);
+      if (kv.past && head == a.num_heads && pair == 0) RecordError(a.error, kErrSlot, t);
       if (kv.block < 0) continue;
       const bool is_k = head < a.num_heads + a.num_kv_heads;
       const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
       bf16* pool = static_cast<bf16*>(const_cast<void*>(a.pool.kv));
       const int64_t at = PoolOffset(a.pool, kv.block, is_k ? 0 : 1, kv_head, kv.in_block);
-      pool[at + i] = y0;
-      pool[at + i + half] = y1;
+      pool[at + pair] = y0;
+      pool[at + pair + half] = y1;
     }
   }
 }
@@ -690,8 +715,8 @@ namespace {
 template <GemvEpilogue E, int kPlainSplit, int kNormSplit, int M>
 int LaunchFusedKernel(const bf16* x, int k, const bf16* w, int n, bf16* y, const GemvFusion& f, cudaStream_t s) {
   const bool norm = f.norm_x != nullptr;
-  const unsigned blocks = GemvBlocks(n, norm ? kNormSplit : kPlainSplit);
   const size_t smem = norm ? size_t{2} * M * k : 0;
+  const unsigned blocks = GemvBlocks(n, norm ? kNormSplit : kPlainSplit);
   auto kernel = norm ? GemvFusedKernel<true, E, kNormSplit, M> : GemvFusedKernel<false, E, kPlainSplit, M>;
   kernel<<<blocks, kGemvWarps * 32, smem, s>>>(x, w, y, n, k, f);
   return Err();
@@ -713,14 +738,14 @@ int LaunchFusedFor(const bf16* x, int k, const bf16* w, int n, bf16* y, const Ge
         case 8:
           return LaunchFusedKernel<E, 8, 8, 1>(x, k, w, n, y, f, s);
         default:
-          return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm, 1>(x, k, w, n, y, f, s);
+          return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm<E>, 1>(x, k, w, n, y, f, s);
       }
     case 2:
-      return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm, 2>(x, k, w, n, y, f, s);
+      return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm<E>, 2>(x, k, w, n, y, f, s);
     case 3:
-      return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm, 3>(x, k, w, n, y, f, s);
+      return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm<E>, 3>(x, k, w, n, y, f, s);
     default:
-      return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm, 4>(x, k, w, n, y, f, s);
+      return LaunchFusedKernel<E, kGemvSplit, kGemvSplitNorm<E>, 4>(x, k, w, n, y, f, s);
   }
 }
 

@@ -107,8 +107,9 @@ struct GemvFusion {
   const void* bias = nullptr;  // n values (kSiluMul, kRopeWriteKv: 2n, in the weight rows' order)
   RopeWriteArgs rope;          // kRopeWriteKv (its bias unused: `bias` above)
   // Warps a row: 1, 2, 4 or 8 (each sums a slice of the row; the slices'
-  // sums are added in order), 0: the kernel's default (2 where it norms x,
-  // else 4, LaunchGemv's at one row). Only the default for rows > 1.
+  // sums are added in order), 0: the kernel's default (where it norms x, 1
+  // for kRopeWriteKv and 2 for the others; else 4, LaunchGemv's at one
+  // row). Only the default for rows > 1.
   int split = 0;
   // Tokens, 1 to kMaxFusedRows: x and norm_x hold `rows` rows of k values,
   // y and residual `rows` rows of n, rope.qkv `rows` tokens (qkv_stride
