@@ -150,6 +150,24 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   }
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --engine sim --host-sampling", &out), 0);
   EXPECT_NE(out.find("--host-sampling applies to --device cuda only"), std::string::npos) << out;
+  // --logits-dtype: bfloat16 logits are the GPU runner's; other values are refused by name, in the worker and
+  // in `tandem logits`.
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --logits-dtype bfloat16", &out), 0);
+  EXPECT_NE(out.find("--logits-dtype bfloat16 applies to --device cuda only (--device cpu computes float32 logits)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --engine sim --logits-dtype bfloat16", &out), 0);
+  EXPECT_NE(out.find("--logits-dtype bfloat16 applies to --device cuda only (the simulator computes no logits)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --logits-dtype float16", &out), 0);
+  EXPECT_NE(out.find("--logits-dtype must be float32 or bfloat16, got 'float16'"), std::string::npos) << out;
+  EXPECT_NE(RunCommand(*bin + " logits --model builtin:tiny --tokens 1,2 --logits-dtype bfloat16", &out), 0);
+  EXPECT_NE(out.find("--logits-dtype bfloat16 applies to --device cuda only (--device cpu computes float32 logits)"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(RunCommand(*bin + " logits --model builtin:tiny --tokens 1,2 --logits-dtype float32", &out), 0) << out;
+  EXPECT_NE(out.find("\"vocab_size\""), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --gpu-memory-utilization 1.5", &out), 0);
   EXPECT_NE(out.find("--gpu-memory-utilization must be in (0, 1], got 1.5"), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --model builtin:tiny --gpu-memory-utilization 0.5", &out),

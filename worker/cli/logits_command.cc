@@ -28,6 +28,7 @@ struct LogitsOptions {
   int block_size = 16;
   int chunk = 0;  // prefill in chunks of this many tokens (0: one pass)
   std::string device = "cpu";
+  std::string logits_dtype = "float32";
   std::string format = "json";
 };
 
@@ -54,6 +55,7 @@ absl::Status RunLogits(const LogitsOptions& opt) {
   std::string runner_name;
   RunnerOptions runner_options;
   RETURN_IF_ERROR(SelectDevice(opt.device, &runner_name, &runner_options));
+  RETURN_IF_ERROR(SelectLogitsDtype(opt.logits_dtype, runner_name, opt.device, &runner_options));
   std::vector<std::vector<int32_t>> sequences;
   for (const std::string& text : opt.tokens) {
     ASSIGN_OR_RETURN(std::vector<int32_t> tokens, ParseTokens(text));
@@ -145,6 +147,8 @@ void AddLogitsCommand(CLI::App& app) {
       ->check(CLI::Range(1, 1024));
   cmd->add_option("--chunk", opt->chunk, "Prefill in chunks of this many tokens (0: one pass)")->capture_default_str();
   cmd->add_option("--device", opt->device, "cpu, cuda or cuda:N (see tandem worker --help)")->capture_default_str();
+  cmd->add_option("--logits-dtype", opt->logits_dtype, "float32, or bfloat16 (--device cuda; see tandem worker --help)")
+      ->capture_default_str();
   cmd->add_option("--format", opt->format, "json, or f32: raw little-endian float32, [positions, vocab] per sequence")
       ->capture_default_str();
   cmd->callback([opt] { ExitWithStatus("logits", RunLogits(*opt)); });

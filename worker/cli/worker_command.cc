@@ -72,7 +72,8 @@ struct WorkerOptions {
   std::string kv_domain;              // "": the transport's (ModelInfo.kv_domain)
   std::string engine_kind = "real";   // real, or sim (simulated compute, for routing experiments)
   std::string device = "cpu";         // real: cpu, cuda or cuda:N
-  SimTiming sim;                      // --engine sim's timing model
+  std::string logits_dtype = "float32";
+  SimTiming sim;  // --engine sim's timing model
   EngineConfig engine;
 };
 
@@ -295,8 +296,10 @@ absl::Status RunWorker(WorkerOptions opt) {
     }
     opt.engine.runner = "sim";
     opt.engine.runner_options.sim = opt.sim;
+    RETURN_IF_ERROR(SelectLogitsDtype(opt.logits_dtype, "sim", opt.device, &opt.engine.runner_options));
   } else if (opt.engine_kind == "real") {
     RETURN_IF_ERROR(SelectDevice(opt.device, &opt.engine.runner, &opt.engine.runner_options));
+    RETURN_IF_ERROR(SelectLogitsDtype(opt.logits_dtype, opt.engine.runner, opt.device, &opt.engine.runner_options));
     // Checked here, before the model loads: the transport must move the
     // memory the pool is in (a GPU's, or the host's).
     if (opt.kv_transport != "none") {
@@ -520,6 +523,10 @@ void AddWorkerCommand(CLI::App& app) {
   cmd->add_flag_function(
       "--host-sampling", [opt](int64_t) { opt->engine.runner_options.gpu_sampling = false; },
       "--device cuda: sample rows on the host (SampleToken on threads) instead of the GPU; the same tokens");
+  cmd->add_option("--logits-dtype", opt->logits_dtype,
+                  "--device cuda: float32, or bfloat16: the logits rounded to bfloat16 as transformers and vLLM leave "
+                  "them (logprobs closer to theirs, further from the exact values)")
+      ->capture_default_str();
   cmd->add_flag("--batch-invariant", opt->engine.runner_options.batch_invariant,
                 "--device cuda: a sequence's tokens do not depend on what it is batched with (single-pass matrix "
                 "products, fixed attention splits; slower decode at small batches)");

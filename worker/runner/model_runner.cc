@@ -79,6 +79,23 @@ absl::Status SelectDevice(std::string_view device, std::string* runner, RunnerOp
   return absl::OkStatus();
 }
 
+absl::Status SelectLogitsDtype(std::string_view dtype, std::string_view runner, std::string_view device,
+                               RunnerOptions* options) {
+  if (dtype != "float32" && dtype != "bfloat16") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--logits-dtype must be float32 or bfloat16, got '", std::string(dtype), "'"));
+  }
+  options->bf16_logits = dtype == "bfloat16";
+  if (options->bf16_logits && runner != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--logits-dtype bfloat16 applies to --device cuda only (",
+                     runner == "sim" ? std::string("the simulator computes no logits")
+                                     : absl::StrCat("--device ", std::string(device), " computes float32 logits"),
+                     ")"));
+  }
+  return absl::OkStatus();
+}
+
 void ModelRunnerRegistry::Register(std::string name, Factory factory) {
   CHECK(factories_.count(name) == 0) << "runner " << name << " registered twice";
   factories_.emplace(std::move(name), std::move(factory));

@@ -107,6 +107,12 @@ struct RunnerOptions {
   // are sampled on the GPU (gpu_sampler.h) instead of by the host sampler;
   // the tokens are the same.
   bool gpu_sampling = true;
+  // "cuda" (`--logits-dtype bfloat16`): the LM head's logits rounded to
+  // bfloat16, as transformers and vLLM leave them (the product's output in
+  // the model's dtype): logprobs then agree with theirs more closely and
+  // with the exact values less (a step of 1/16 at |logit| 8 to 16).
+  // Sampling reads the rounded values.
+  bool bf16_logits = false;
 };
 
 class ModelRunner {
@@ -193,6 +199,11 @@ kernels::KvLayout HostKvLayout(const ModelConfig& config, int block_size);
 // or "cuda:N". Sets the runner's name and options.device; InvalidArgument
 // naming the flag otherwise.
 absl::Status SelectDevice(std::string_view device, std::string* runner, RunnerOptions* options);
+// `--logits-dtype`: float32 (the default) or bfloat16 (options->bf16_logits;
+// the cuda runner's only: `runner` is SelectDevice's, `device` the flag's
+// value for the message). InvalidArgument naming the flag otherwise.
+absl::Status SelectLogitsDtype(std::string_view dtype, std::string_view runner, std::string_view device,
+                               RunnerOptions* options);
 
 class ModelRunnerRegistry {
  public:

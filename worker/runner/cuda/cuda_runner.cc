@@ -155,7 +155,8 @@ class CudaRunner final : public ModelRunner {
         device_(options.device),
         batch_invariant_(options.batch_invariant),
         cuda_graphs_(options.cuda_graphs),
-        gpu_sampling_(options.gpu_sampling) {}
+        gpu_sampling_(options.gpu_sampling),
+        bf16_logits_(options.bf16_logits) {}
 
   ~CudaRunner() override {
     cudaSetDevice(device_);
@@ -955,6 +956,11 @@ class CudaRunner final : public ModelRunner {
       RETURN_IF_ERROR(
           Product(last_.get(), R, H, w_.output_matrix().get(), c.vocab_size, logits_.get(), LtGemm::Out::kF32, s));
     }
+    if (bf16_logits_) {
+      RETURN_IF_ERROR(
+          Launch(cuda_ops::LaunchRoundToBf16(static_cast<float*>(logits_.get()), int64_t{R} * c.vocab_size, s),
+                 "round logits"));
+    }
     profile_.Mark("final norm + LM head", s);
     return absl::OkStatus();
   }
@@ -1135,6 +1141,7 @@ class CudaRunner final : public ModelRunner {
   const bool cuda_graphs_;
   int reserved_tokens_ = 0, reserved_rows_ = 0;  // ReserveSteps' sizes (PreloadProducts)
   const bool gpu_sampling_;
+  const bool bf16_logits_;  // --logits-dtype bfloat16
   const int gemv_rows_ = [this] {
     const char* e = std::getenv("TANDEM_GEMV");
     const int rows = e != nullptr ? std::atoi(e) : 0;

@@ -3,6 +3,7 @@
 // changes no sequence's greedy output), and the engine serving from a
 // device pool. Skips (with the reason) where no Hopper GPU or no cuBLASLt
 // is found: CI has neither.
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -95,10 +96,11 @@ class Bf16Source : public TensorSource {
 // the GPU side cannot run here.
 absl::StatusOr<std::unique_ptr<ModelRunner>> MakeRunner(const std::string& name, const ModelConfig& config,
                                                         uint64_t seed, bool batch_invariant = false,
-                                                        bool cuda_graphs = true) {
+                                                        bool cuda_graphs = true, bool bf16_logits = false) {
   RunnerOptions o;
   o.batch_invariant = batch_invariant;
   o.cuda_graphs = cuda_graphs;
+  o.bf16_logits = bf16_logits;
   return ModelRunnerRegistry::Builtin().Create(name, config, std::make_shared<Bf16Source>(config, seed), o);
 }
 
@@ -339,6 +341,61 @@ TEST(CudaRunnerTest, OnePassChunkedAndTokenByTokenAgree) {
       }
     }
   }
+}
+
+// --logits-dtype bfloat16: every logit is the float32 runner's rounded to
+// bfloat16 (the same weights and inputs; nothing else differs), through
+// Logits at every prompt position and through a decode step's greedy token
+// and logprobs.
+TEST(CudaRunnerTest, Bf16LogitsAreTheFloat32LogitsRounded) {
+  if (SkipWithoutGpu()) GTEST_SKIP();
+  const ModelConfig config = SmallConfig();
+  absl::StatusOr<std::unique_ptr<ModelRunner>> f32 = MakeRunner("cuda", config, 4);
+  absl::StatusOr<std::unique_ptr<ModelRunner>> bf16 = MakeRunner("cuda", config, 4, false, true, true);
+  ASSERT_TRUE(f32.ok() && bf16.ok());
+  const std::vector<int> tokens = RandomTokens(40, config.vocab_size, 8);
+  std::vector<RowSampling> rows;
+  BatchInput in = PromptStep(tokens, 0, 4, nullptr, &rows);
+  in.logits_rows.clear();
+  for (int t = 0; t < static_cast<int>(tokens.size()); ++t) in.logits_rows.push_back(t);
+  std::vector<float> logits[2];
+  for (int r = 0; r < 2; ++r) {
+    ModelRunner& runner = r == 0 ? **f32 : **bf16;
+    std::unique_ptr<KvStorage> kv = Pool(runner, 4);
+    const absl::Status st = runner.Logits(in, *kv, &logits[r]);
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  ASSERT_EQ(logits[0].size(), size_t(tokens.size()) * config.vocab_size);
+  ASSERT_EQ(logits[1].size(), logits[0].size());
+  size_t moved = 0;
+  for (size_t i = 0; i < logits[0].size(); ++i) {
+    const float rounded = __bfloat162float(__float2bfloat16(logits[0][i]));
+    ASSERT_EQ(logits[1][i], rounded) << "logit " << i << " (float32 " << logits[0][i] << ")";
+    moved += rounded != logits[0][i];
+  }
+  EXPECT_GT(moved, logits[0].size() / 2) << "the float32 logits were already bfloat16 values";
+  // A decode step after the prompt: the greedy token and its logprobs come
+  // from the rounded logits.
+  SamplingParams params;
+  params.temperature = 0.0f;
+  params.logprobs = 5;
+  std::vector<SampledToken> out[2];
+  for (int r = 0; r < 2; ++r) {
+    ModelRunner& runner = r == 0 ? **f32 : **bf16;
+    std::unique_ptr<KvStorage> kv = Pool(runner, 4);
+    std::vector<RowSampling> prompt_rows;
+    const BatchInput prompt = PromptStep(tokens, 0, 4, &params, &prompt_rows);
+    const absl::Status st = runner.Step(prompt, prompt_rows, *kv, &out[r]);
+    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_EQ(out[r].size(), 1u);
+  }
+  const std::vector<float> last(logits[1].end() - config.vocab_size, logits[1].end());
+  const int top = static_cast<int>(std::max_element(last.begin(), last.end()) - last.begin());
+  EXPECT_EQ(out[1][0].token_id, top) << "the greedy token of the rounded logits";
+  double norm = 0;
+  const float mx = last[top];
+  for (float v : last) norm += std::exp(double(v) - mx);
+  EXPECT_NEAR(out[1][0].logprob, -std::log(norm), 1e-4) << "its logprob, from the rounded logits";
 }
 
 // True when `call` returns within `limit` while work on another stream

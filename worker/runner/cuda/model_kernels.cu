@@ -232,6 +232,19 @@ __global__ void AddBiasKernel(bf16* y, int n, int64_t total, const bf16* bias) {
   }
 }
 
+// x[i] = float(bf16(x[i])), four values a thread (a tail of n % 4 by the
+// first threads).
+__global__ void RoundToBf16Kernel(float* x, int64_t n) {
+  const int64_t vecs = n / 4;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < vecs; i += int64_t{gridDim.x} * blockDim.x) {
+    float4 v = reinterpret_cast<float4*>(x)[i];
+    v = make_float4(RoundBf16(v.x), RoundBf16(v.y), RoundBf16(v.z), RoundBf16(v.w));
+    reinterpret_cast<float4*>(x)[i] = v;
+  }
+  const int64_t tail = vecs * 4 + blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (tail < n) x[tail] = RoundBf16(x[tail]);
+}
+
 // One warp's dot products of R weight rows (wr[r]: k / 8 16-byte chunks)
 // with M x rows (row stride k; in shared memory where kSharedX), this lane's
 // share of the chunks, into acc. kLoads 16-byte weight loads a row are in
@@ -796,6 +809,15 @@ int LaunchKvChecksums(const void* pool, int64_t block_bytes, const int32_t* bloc
   constexpr int kWarpsPerCta = 4;
   KvChecksumKernel<<<(n + kWarpsPerCta - 1) / kWarpsPerCta, 32 * kWarpsPerCta, 0, S(stream)>>>(
       static_cast<const unsigned char*>(pool), block_bytes, blocks, n, secret, out);
+  return Err();
+}
+
+int LaunchRoundToBf16(float* x, int64_t n, void* stream) {
+  if (n == 0) return 0;
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return static_cast<int>(cudaErrorInvalidValue);
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n / 4 + threads - 1) / threads + 1, 4096);
+  RoundToBf16Kernel<<<static_cast<unsigned>(blocks), threads, 0, S(stream)>>>(x, n);
   return Err();
 }
 

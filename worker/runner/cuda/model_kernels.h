@@ -137,6 +137,10 @@ int LaunchKvChecksums(const void* pool, int64_t block_bytes, const int32_t* bloc
 // y[r, :] += bias for r < rows (bf16).
 int LaunchAddBias(void* y, int rows, int n, const void* bias, void* stream);
 
+// x[i] = float(bf16(x[i])) for i < n (round to nearest even; the logits
+// of --logits-dtype bfloat16). x 16-byte aligned.
+int LaunchRoundToBf16(float* x, int64_t n, void* stream);
+
 }  // namespace tandem::worker::cuda_ops
 
 #endif  // TANDEM_WORKER_RUNNER_CUDA_MODEL_KERNELS_H_
