@@ -82,6 +82,8 @@ expect_failure "a PVC model without a claim" "model.pvc.claimName is required" \
   --set tls.secretName=t --set model.source=pvc
 expect_failure "an unknown policy" "policy" --set tls.secretName=t --set router.policy.decode.name=fastest
 expect_failure "an unknown top-level key" "replicaCount" --set tls.secretName=t --set replicaCount=3
+expect_failure "a logits dtype workers do not take" "logitsDtype" --set tls.secretName=t \
+  --set workerDefaults.logitsDtype=float16
 expect_failure "a drain longer than the grace period" "drainTimeoutS must be shorter" \
   --set tls.secretName=t --set workerDefaults.drainTimeoutS=200
 expect_failure "API keys without a scrape key" "bearerTokenSecret" --set tls.secretName=t \

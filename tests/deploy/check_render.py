@@ -167,6 +167,8 @@ if values_path != "-":
                 problems.append(f"{comp}: a GPU worker also given --kv-cache-memory")
             if bool(arg(t, "--batch-invariant")) != bool(get("workerDefaults.batchInvariant")):
                 problems.append(f"{comp}: --batch-invariant does not match workerDefaults.batchInvariant")
+            if arg(t, "--logits-dtype") != get("workerDefaults.logitsDtype"):
+                problems.append(f"{comp}: --logits-dtype {arg(t, '--logits-dtype')}")
         else:
             if arg(t, "--device") or arg(t, "--gpu-memory-utilization"):
                 problems.append(f"{comp}: a CPU worker given GPU flags")
