@@ -525,7 +525,7 @@ void AddWorkerCommand(CLI::App& app) {
       "--device cuda: sample rows on the host (SampleToken on threads) instead of the GPU; the same tokens");
   cmd->add_option("--logits-dtype", opt->logits_dtype,
                   "--device cuda: float32, or bfloat16: the logits rounded to bfloat16 as transformers and vLLM leave "
-                  "them (logprobs closer to theirs, further from the exact values)")
+                  "them (their logprobs' precision)")
       ->capture_default_str();
   cmd->add_flag("--batch-invariant", opt->engine.runner_options.batch_invariant,
                 "--device cuda: a sequence's tokens do not depend on what it is batched with (single-pass matrix "

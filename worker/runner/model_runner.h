@@ -109,9 +109,9 @@ struct RunnerOptions {
   bool gpu_sampling = true;
   // "cuda" (`--logits-dtype bfloat16`): the LM head's logits rounded to
   // bfloat16, as transformers and vLLM leave them (the product's output in
-  // the model's dtype): logprobs then agree with theirs more closely and
-  // with the exact values less (a step of 1/16 at |logit| 8 to 16).
-  // Sampling reads the rounded values.
+  // the model's dtype): their logprobs' precision, a step of 1/16 at
+  // |logit| 8 to 16, instead of float32's. Sampling reads the rounded
+  // values.
   bool bf16_logits = false;
 };
 
