@@ -167,10 +167,10 @@ if values_path != "-":
                 problems.append(f"{comp}: a GPU worker also given --kv-cache-memory")
             if bool(arg(t, "--batch-invariant")) != bool(get("workerDefaults.batchInvariant")):
                 problems.append(f"{comp}: --batch-invariant does not match workerDefaults.batchInvariant")
-            if arg(t, "--logits-dtype") != get("workerDefaults.logitsDtype"):
+            if (arg(t, "--logits-dtype") or "float32") != get("workerDefaults.logitsDtype"):
                 problems.append(f"{comp}: --logits-dtype {arg(t, '--logits-dtype')}")
         else:
-            if arg(t, "--device") or arg(t, "--gpu-memory-utilization"):
+            if arg(t, "--device") or arg(t, "--gpu-memory-utilization") or arg(t, "--logits-dtype"):
                 problems.append(f"{comp}: a CPU worker given GPU flags")
             if arg(t, "--kv-cache-memory") != get("workerDefaults.kvCacheMemory"):
                 problems.append(f"{comp}: --kv-cache-memory {arg(t, '--kv-cache-memory')}")

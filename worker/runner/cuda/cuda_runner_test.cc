@@ -344,9 +344,8 @@ TEST(CudaRunnerTest, OnePassChunkedAndTokenByTokenAgree) {
 }
 
 // --logits-dtype bfloat16: every logit is the float32 runner's rounded to
-// bfloat16 (the same weights and inputs; nothing else differs), through
-// Logits at every prompt position and through a decode step's greedy token
-// and logprobs.
+// bfloat16 (the same weights and inputs; nothing else differs), at every
+// prompt position; and steps sample from the rounded logits.
 TEST(CudaRunnerTest, Bf16LogitsAreTheFloat32LogitsRounded) {
   if (SkipWithoutGpu()) GTEST_SKIP();
   const ModelConfig config = SmallConfig();
@@ -374,28 +373,47 @@ TEST(CudaRunnerTest, Bf16LogitsAreTheFloat32LogitsRounded) {
     moved += rounded != logits[0][i];
   }
   EXPECT_GT(moved, logits[0].size() / 2) << "the float32 logits were already bfloat16 values";
-  // A decode step after the prompt: the greedy token and its logprobs come
-  // from the rounded logits.
+  // Steps of a rounded runner: its prompt step and decode steps of one
+  // token (the one-row GEMV head). Each step's greedy token and logprob are
+  // those of the rounded logits Logits gives for the same batch, and every
+  // logit is a bfloat16 value. (Launched one by one, as Logits runs: a
+  // decode graph plans attention's splits for its block-table width, and a
+  // float32 bit apart may round to another bfloat16 value.)
+  absl::StatusOr<std::unique_ptr<ModelRunner>> eager = MakeRunner("cuda", config, 4, false, false, true);
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  ModelRunner& runner = **eager;
+  std::unique_ptr<KvStorage> kv = Pool(runner, 4);
   SamplingParams params;
   params.temperature = 0.0f;
   params.logprobs = 5;
-  std::vector<SampledToken> out[2];
-  for (int r = 0; r < 2; ++r) {
-    ModelRunner& runner = r == 0 ? **f32 : **bf16;
-    std::unique_ptr<KvStorage> kv = Pool(runner, 4);
-    std::vector<RowSampling> prompt_rows;
-    const BatchInput prompt = PromptStep(tokens, 0, 4, &params, &prompt_rows);
-    const absl::Status st = runner.Step(prompt, prompt_rows, *kv, &out[r]);
+  std::vector<std::vector<int>> seq = {tokens};
+  auto check = [&](const BatchInput& step, const std::vector<RowSampling>& step_rows) {
+    std::vector<float> lg;
+    const absl::Status got = runner.Logits(step, *kv, &lg);
+    ASSERT_TRUE(got.ok()) << got;
+    ASSERT_EQ(lg.size(), size_t(config.vocab_size));
+    for (size_t i = 0; i < lg.size(); ++i) ASSERT_EQ(lg[i], __bfloat162float(__float2bfloat16(lg[i]))) << i;
+    std::vector<SampledToken> out;
+    const absl::Status st = runner.Step(step, step_rows, *kv, &out);
     ASSERT_TRUE(st.ok()) << st;
-    ASSERT_EQ(out[r].size(), 1u);
+    ASSERT_EQ(out.size(), 1u);
+    // The first of the largest (ties go to the lower id, as the samplers break them).
+    const int top = static_cast<int>(std::max_element(lg.begin(), lg.end()) - lg.begin());
+    EXPECT_EQ(out[0].token_id, top) << "the greedy token of the rounded logits";
+    double norm = 0;
+    for (float v : lg) norm += std::exp(double(v) - lg[top]);
+    EXPECT_NEAR(out[0].logprob, -std::log(norm), 1e-4) << "its logprob, from the rounded logits";
+    seq[0].push_back(out[0].token_id);
+  };
+  std::vector<RowSampling> step_rows;
+  {
+    SCOPED_TRACE("the prompt step");
+    check(PromptStep(tokens, 0, 4, &params, &step_rows), step_rows);
   }
-  const std::vector<float> last(logits[1].end() - config.vocab_size, logits[1].end());
-  const int top = static_cast<int>(std::max_element(last.begin(), last.end()) - last.begin());
-  EXPECT_EQ(out[1][0].token_id, top) << "the greedy token of the rounded logits";
-  double norm = 0;
-  const float mx = last[top];
-  for (float v : last) norm += std::exp(double(v) - mx);
-  EXPECT_NEAR(out[1][0].logprob, -std::log(norm), 1e-4) << "its logprob, from the rounded logits";
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(testing::Message() << "decode step " << i);
+    check(DecodeStep(seq, 1, 4, 4, &params, &step_rows), step_rows);
+  }
 }
 
 // True when `call` returns within `limit` while work on another stream

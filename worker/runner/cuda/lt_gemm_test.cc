@@ -299,6 +299,9 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
   EXPECT_EQ(
       cuda_ops::LaunchGemvFused(dxin.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, three_warps, nullptr),
       cudaErrorInvalidValue);
+  EXPECT_EQ(cuda_ops::LaunchGemvFused(dxin.p, I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, {}, nullptr),
+            cudaErrorInvalidValue)
+      << "the residual's update without a residual";
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 

@@ -769,10 +769,12 @@ int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpi
   if (n == 0) return 0;
   const bool norm = f.norm_x != nullptr;
   // The normed rows live in the default 48 KB of shared memory; a launch
-  // that norms the residual it also updates would race with itself.
+  // that norms the residual it also updates would race with itself; the
+  // residual's update needs the residual.
   const bool split_ok = f.split == 0 || (f.rows == 1 && (f.split == 1 || f.split == 2 || f.split == 4 || f.split == 8));
   if (f.rows < 1 || f.rows > kMaxFusedRows || (norm && int64_t{f.rows} * k > kMaxGemvNormWidth) ||
-      (norm && f.residual != nullptr) || k % 8 != 0 || !split_ok) {
+      (norm && f.residual != nullptr) || (epi == GemvEpilogue::kResidual && f.residual == nullptr) || k % 8 != 0 ||
+      !split_ok) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const auto* xb = static_cast<const bf16*>(x);

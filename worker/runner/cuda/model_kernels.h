@@ -121,8 +121,8 @@ inline constexpr int kMaxFusedRows = 4;
 // Refuses (cudaErrorInvalidValue) k % 8 != 0, a norm over more than
 // kMaxGemvNormWidth values in all (the normed rows in the default 48 KB of
 // shared memory, less the kernel's 384 bytes of its own), a norm together
-// with kResidual's update of the same launch, and rows or a split other
-// than those above.
+// with kResidual's update of the same launch, kResidual without a residual,
+// and rows or a split other than those above.
 inline constexpr int kMaxGemvNormWidth = 24320;
 int LaunchGemvFused(const void* x, int k, const void* w, int n, void* y, GemvEpilogue epi, const GemvFusion& f,
                     void* stream);
