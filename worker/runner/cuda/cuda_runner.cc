@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string_view>
@@ -419,7 +420,7 @@ class CudaRunner final : public ModelRunner {
     }
     const size_t want = buckets.size();
     for (int pass = 0; pass < 2 && graphs_.size() < want; ++pass) {
-      for (const auto [b, w] : buckets) {
+      for (const auto& [b, w] : buckets) {
         if (graphs_.contains(GraphKey(b, w))) continue;
         BatchInput in;
         in.Clear();
@@ -865,18 +866,39 @@ class CudaRunner final : public ModelRunner {
     if (T >= 1 && T <= fused_rows_ && int64_t{T} * H <= cuda_ops::kMaxGemvNormWidth) {
       // One token (or up to fused_rows_): the fused products fold the norms,
       // the residual adds, SiLU-and-multiply, RoPE and the KV write in (five
-      // kernels a layer, attention one of them, instead of ten).
+      // kernels a layer, attention one of them, instead of ten). From
+      // fused_norm_rows_ tokens on, the norms run as kernels of their own
+      // (into h_) and the products read their x: a product that norms its
+      // own x does so in every CTA, for every token.
+      const bool norm_apart = T >= fused_norm_rows_;
+      // The QKV or gate/up product's x: the normed residual (`weight`), by
+      // the product itself or by a norm kernel before it.
+      auto normed = [&](const DeviceBuffer& weight, cuda_ops::GemvFusion f,
+                        const void** x) -> absl::StatusOr<cuda_ops::GemvFusion> {
+        if (!norm_apart) {
+          f.norm_x = X();
+          f.norm_weight = weight.get();
+          f.eps = eps;
+          *x = nullptr;
+          return f;
+        }
+        RETURN_IF_ERROR(Launch(
+            cuda_ops::LaunchAddRmsNorm(X(), nullptr, T, H, nullptr, nullptr, weight.get(), eps, h_.get(), s), "norm"));
+        *x = h_.get();
+        return f;
+      };
       for (int l = 0; l < c.num_layers; ++l) {
         const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[l];
         rope.bias = opt(lw.bqkv);
         rope.pool = kernels::cuda::internal::ViewOf(layout, kv.data(), l);
+        const void* x = nullptr;
         if (fused_rope_) {  // the QKV product with RoPE and the KV write in its epilogue
-          RETURN_IF_ERROR(Fused(
-              T, nullptr, H, lw.wqkv.get(), qkv_size / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv,
-              {.norm_x = X(), .norm_weight = lw.input_norm.get(), .eps = eps, .bias = rope.bias, .rope = rope}, s));
+          ASSIGN_OR_RETURN(const cuda_ops::GemvFusion f, normed(lw.input_norm, {.bias = rope.bias, .rope = rope}, &x));
+          RETURN_IF_ERROR(
+              Fused(T, x, H, lw.wqkv.get(), qkv_size / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv, f, s));
         } else {
-          RETURN_IF_ERROR(Fused(T, nullptr, H, lw.wqkv.get(), qkv_size, qkv_.get(), cuda_ops::GemvEpilogue::kStore,
-                                {.norm_x = X(), .norm_weight = lw.input_norm.get(), .eps = eps}, s));
+          ASSIGN_OR_RETURN(const cuda_ops::GemvFusion f, normed(lw.input_norm, {}, &x));
+          RETURN_IF_ERROR(Fused(T, x, H, lw.wqkv.get(), qkv_size, qkv_.get(), cuda_ops::GemvEpilogue::kStore, f, s));
           RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
         }
         profile_.Mark("qkv product + rope + KV write", s);
@@ -886,9 +908,8 @@ class CudaRunner final : public ModelRunner {
         RETURN_IF_ERROR(Fused(T, attn_.get(), q_size, lw.wo.get(), H, nullptr, cuda_ops::GemvEpilogue::kResidual,
                               {.residual = X(), .bias = opt(lw.bo)}, s));
         profile_.Mark("o product", s);
-        RETURN_IF_ERROR(Fused(T, nullptr, H, lw.w_gate_up.get(), I, act_.get(), cuda_ops::GemvEpilogue::kSiluMul,
-                              {.norm_x = X(), .norm_weight = lw.post_norm.get(), .eps = eps, .bias = opt(lw.b_gate_up)},
-                              s));
+        ASSIGN_OR_RETURN(const cuda_ops::GemvFusion gu, normed(lw.post_norm, {.bias = opt(lw.b_gate_up)}, &x));
+        RETURN_IF_ERROR(Fused(T, x, H, lw.w_gate_up.get(), I, act_.get(), cuda_ops::GemvEpilogue::kSiluMul, gu, s));
         profile_.Mark("gate/up product", s);
         RETURN_IF_ERROR(Fused(T, act_.get(), I, lw.w_down.get(), H, nullptr, cuda_ops::GemvEpilogue::kResidual,
                               {.residual = X(), .bias = opt(lw.b_down)}, s));
@@ -1161,6 +1182,15 @@ class CudaRunner final : public ModelRunner {
     if (batch_invariant_ || (e != nullptr && std::string_view(e) == "0")) return 0;
     const char* rows = std::getenv("TANDEM_FUSED_ROWS");
     return rows != nullptr ? std::clamp(std::atoi(rows), 1, cuda_ops::kMaxFusedRows) : 1;
+  }();
+  // Fused steps of this many tokens or more norm the residual in a kernel of
+  // its own before the QKV and gate/up products instead of in every CTA of
+  // them (TANDEM_FUSED_NORM_ROWS=N; never by default): an experiment until
+  // measured on a GPU against the per-CTA norm at two to four tokens.
+  const int fused_norm_rows_ = [] {
+    const char* e = std::getenv("TANDEM_FUSED_NORM_ROWS");
+    const int rows = e != nullptr ? std::atoi(e) : 0;
+    return rows >= 1 ? rows : std::numeric_limits<int>::max();
   }();
   // ... with RoPE and the KV write in the QKV product (TANDEM_FUSED_ROPE=0:
   // their own kernel; A/B).

@@ -661,19 +661,29 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
 // Decode steps of two to four sequences through the fused products
 // (TANDEM_FUSED_ROWS=4) agree with the unfused path (cuBLASLt and the
 // separate norm, RoPE and SiLU kernels), from graphs (three sequences: a
-// bucket of four with a padded row) and launched one by one.
+// bucket of four with a padded row) and launched one by one, with the norms
+// in the products or (TANDEM_FUSED_NORM_ROWS=2) in kernels of their own.
 TEST(CudaRunnerTest, FusedStepsOfSeveralTokensAgreeWithTheUnfusedPath) {
   if (SkipWithoutGpu()) GTEST_SKIP();
-  if (std::getenv("TANDEM_FUSED_ROWS") != nullptr || std::getenv("TANDEM_FUSED_GEMV") != nullptr) {
-    GTEST_SKIP() << "TANDEM_FUSED_ROWS or TANDEM_FUSED_GEMV is set: this test sets the first itself";
+  if (std::getenv("TANDEM_FUSED_ROWS") != nullptr || std::getenv("TANDEM_FUSED_GEMV") != nullptr ||
+      std::getenv("TANDEM_FUSED_NORM_ROWS") != nullptr) {
+    GTEST_SKIP() << "TANDEM_FUSED_ROWS, TANDEM_FUSED_NORM_ROWS or TANDEM_FUSED_GEMV is set: this test sets the first "
+                    "two itself";
   }
   const ModelConfig config = SmallConfig();
-  for (bool graphs : {true, false}) {
-    SCOPED_TRACE(graphs ? "decode graphs" : "launched one by one");
+  // Decode graphs or launches one by one; the norms in the products' CTAs,
+  // or from two tokens on in norm kernels of their own.
+  for (const auto& [graphs, norm_rows] : {std::pair{true, ""}, std::pair{false, ""}, std::pair{true, "2"}}) {
+    SCOPED_TRACE(testing::Message() << (graphs ? "decode graphs" : "launched one by one")
+                                    << (*norm_rows ? ", norm kernels from two tokens" : ""));
     absl::StatusOr<std::unique_ptr<ModelRunner>> unfused = MakeRunner("cuda", config, 9, false, graphs);
     ASSERT_EQ(setenv("TANDEM_FUSED_ROWS", "4", 1), 0);
+    if (*norm_rows) {
+      ASSERT_EQ(setenv("TANDEM_FUSED_NORM_ROWS", norm_rows, 1), 0);
+    }
     absl::StatusOr<std::unique_ptr<ModelRunner>> fused = MakeRunner("cuda", config, 9, false, graphs);
     ASSERT_EQ(unsetenv("TANDEM_FUSED_ROWS"), 0);
+    ASSERT_EQ(unsetenv("TANDEM_FUSED_NORM_ROWS"), 0);
     ASSERT_TRUE(unfused.ok() && fused.ok());
     constexpr int kSeqs = 4, kBlocksPerSeq = 8;
     std::vector<std::unique_ptr<KvStorage>> pools;
@@ -714,8 +724,8 @@ TEST(CudaRunnerTest, FusedStepsOfSeveralTokensAgreeWithTheUnfusedPath) {
       for (int s = 0; s < n; ++s) tokens[s].push_back(out[0][s].token_id);
     }
     const Agreement agree = Compare(all[0], all[1]);
-    std::printf("%s: fused several-token steps vs unfused, top-1 %.4f, max |logprob diff| %.6f\n",
-                graphs ? "graphs" : "launched", agree.top1, agree.max_diff);
+    std::printf("%s%s: fused several-token steps vs unfused, top-1 %.4f, max |logprob diff| %.6f\n",
+                graphs ? "graphs" : "launched", *norm_rows ? ", norm kernels" : "", agree.top1, agree.max_diff);
     EXPECT_GE(agree.top1, 0.95);
     EXPECT_LE(agree.max_diff, 0.1);
   }
