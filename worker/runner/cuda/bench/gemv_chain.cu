@@ -1,11 +1,12 @@
-// The one-row products of a decode step, timed as the step runs them: each
-// Llama-3.1-8B product as the engine launches it (its epilogue, and whether
-// it norms its own input) in a chain of 32 layers' launches (distinct
-// weights per layer, so nothing stays in L2) captured in one CUDA graph, for
-// every split of a row over warps (GemvFusion::split) and against a plain
-// grid-stride read of the same bytes. (The QKV product's RoPE-and-KV-write
-// epilogue is stood in for by SiLU-and-multiply: the same two rows a warp.) Not part of the cmake build (no absl:
-// it builds with nvcc alone). Build and run on an H100/H200:
+// The products of a decode step, timed as the step runs them: each
+// Llama-3.1-8B product as the engine launches it (its epilogue, RoPE and the
+// KV write included, and whether it norms its own input) in a chain of 32
+// layers' launches (distinct weights per layer, so nothing stays in L2)
+// captured in one CUDA graph, for every split of a row over warps
+// (GemvFusion::split), the normed products also without their norm and with
+// it in a kernel of its own, and against a plain grid-stride read of the
+// same bytes. Not part of the cmake build (no absl: it builds with nvcc
+// alone). Build and run on an H100/H200:
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I. \
 //     worker/runner/cuda/model_kernels.cu worker/runner/cuda/bench/gemv_chain.cu -o gemv_chain
@@ -114,11 +115,15 @@ int main(int argc, char** argv) {
   rope.pool = tandem::kernels::cuda::internal::OneLayerView(d_pool, rows, bs, hd, kv_heads);
   for (const Shape& sh : shapes) {
     if (sh.lm_head && rows > 1) continue;  // the engine's LM head takes cuBLASLt there
-    // Warps a row (the defaults only at several tokens); 0: the plain read;
-    // -1: LaunchGemv.
+    // Warps a row (the defaults only at several tokens, kDefault); 0: the
+    // plain read; -1: LaunchGemv. A normed product also at its default
+    // split with x given (kGiven: no norm at all) and with the norm in a
+    // kernel of its own before it (kApart: TANDEM_FUSED_NORM_ROWS's).
+    constexpr int kDefault = 0x100, kGiven = 0x200, kApart = 0x400;
     std::vector<int> configs = sh.lm_head ? std::vector<int>{-1, 0}
-                               : rows > 1 ? std::vector<int>{0x100, 0}
+                               : rows > 1 ? std::vector<int>{kDefault, 0}
                                           : std::vector<int>{1, 2, 4, 8, 0};
+    if (sh.norm) configs.insert(configs.end() - 1, {kGiven, kApart});
     const int n_configs = static_cast<int>(configs.size());
     const int weight_rows = sh.epi == E::kSiluMul || sh.epi == E::kRopeWriteKv ? 2 * sh.n : sh.n;
     const int64_t per = int64_t{weight_rows} * sh.k;
@@ -147,8 +152,11 @@ int main(int argc, char** argv) {
         } else if (configs[c] < 0) {
           CK(ops::LaunchGemv(x, 1, sh.k, wl, sh.n, y, /*f32=*/true, s));
         } else {
-          ops::GemvFusion f{.split = configs[c] == 0x100 ? 0 : configs[c], .rows = rows};
-          if (sh.norm) {
+          ops::GemvFusion f{.split = configs[c] >= kDefault ? 0 : configs[c], .rows = rows};
+          if (configs[c] == kApart) {
+            CK(ops::LaunchAddRmsNorm(residual, nullptr, rows, sh.k, nullptr, nullptr, gamma, 1e-5f, x, s));
+          }
+          if (sh.norm && configs[c] < kGiven) {
             f.norm_x = residual;
             f.norm_weight = gamma;
             f.eps = 1e-5f;
@@ -184,8 +192,12 @@ int main(int argc, char** argv) {
         std::snprintf(label, sizeof(label), "plain read");
       } else if (configs[c] < 0) {
         std::snprintf(label, sizeof(label), "LaunchGemv");
-      } else if (configs[c] == 0x100) {
+      } else if (configs[c] == kDefault) {
         std::snprintf(label, sizeof(label), "default split");
+      } else if (configs[c] == kGiven) {
+        std::snprintf(label, sizeof(label), "x given, no norm");
+      } else if (configs[c] == kApart) {
+        std::snprintf(label, sizeof(label), "norm kernel + x");
       } else {
         std::snprintf(label, sizeof(label), "%d warp(s) a row", configs[c]);
       }
