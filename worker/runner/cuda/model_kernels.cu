@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, 
   const ChunkRange cr = PartOf(k / 8, part, kSplit);
   const uint4* const wr[1] = {reinterpret_cast<const uint4*>(w + int64_t{active ? j : 0} * k) + cr.begin};
   float acc[1][M];
-  GemvDot<M, 1, GemvLoads(kSplit, M > 2), false>(wr, cr.len, lane, x + cr.begin * 8, k, active, acc, [] {});
+  GemvDot<M, 1, GemvLoads(kSplit, M > kMaxFusedRows), false>(wr, cr.len, lane, x + cr.begin * 8, k, active, acc, [] {});
   SumParts<kSplit>(acc);
   if (!active || part != 0) return;
 #pragma unroll
@@ -513,10 +513,11 @@ unsigned GemvBlocks(int n, int split) {
   return static_cast<unsigned>((int64_t{n} * split + kGemvWarps - 1) / kGemvWarps);
 }
 
-// One row: kGemvSplit warps a row; more: a warp a row.
+// Up to kMaxFusedRows rows: kGemvSplit warps a row, as the fused products
+// split them; more: a warp a row.
 template <int M>
 int GemvFor(const bf16* x, int k, const bf16* w, int n, void* y, bool f32, cudaStream_t s) {
-  constexpr int kSplit = M == 1 ? kGemvSplit : 1;
+  constexpr int kSplit = M <= kMaxFusedRows ? kGemvSplit : 1;
   const unsigned blocks = GemvBlocks(n, kSplit);
   if (f32) {
     GemvKernel<M, float, kSplit><<<blocks, kGemvWarps * 32, 0, s>>>(x, w, static_cast<float*>(y), n, k);

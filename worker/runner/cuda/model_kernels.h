@@ -75,9 +75,10 @@ int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, 
 
 // y[m, n] = x[m, k] . w[n, k]^T for m <= kMaxGemvRows rows (decode's
 // products): each output column's weight row streamed once in 16-byte loads
-// by one warp, or at m = 1 by four (each a quarter of the row; their sums
-// added in a fixed order), float32 accumulation, then warp reductions. y is
-// bf16 or (`f32`) float32. k % 8 == 0; x and w 16-byte aligned.
+// by four warps at m <= kMaxFusedRows (each a quarter of the row; their sums
+// added in a fixed order), else by one, float32 accumulation, then warp
+// reductions. y is bf16 or (`f32`) float32. k % 8 == 0; x and w 16-byte
+// aligned.
 inline constexpr int kMaxGemvRows = 8;
 int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream);
 
