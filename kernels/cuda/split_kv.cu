@@ -102,17 +102,21 @@ __device__ __forceinline__ void WriteSplitResult(const AttnArgs& a, const Partia
 // L1: other CTAs wrote them). A fixed order for a given split count: the
 // same bits for a row in any batch. Splits that start past the token's keys
 // hold nothing and are not read.
-template <typename T>
+//
+// kThreadsM threads merge (threads base .. base + kThreadsM - 1 of the CTA,
+// syncing on named barrier `bar`), the first kCache splits' weights kept in
+// sm_w ([rows][kCache]); the same bits whatever the two are.
+template <typename T, int kThreadsM = 128, int kCache = kMaxSplitsPerRow>
 __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, int head0, int rows, int num_splits,
-                          int keys_per_split, float* sm_w, int bar) {
+                          int keys_per_split, float* sm_w, int bar, int base = 0) {
   __shared__ float sm_sum[16], sm_mx[16];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = static_cast<int>(threadIdx.x) - base, warp = tid / 32, lane = tid % 32;
   const int head_dim = a.pool.head_dim;
   const int n_keys = KeysOf(a, token);
   const int splits = max(1, min(num_splits, (n_keys + keys_per_split - 1) / keys_per_split));
-  const int cached = min(splits, kMaxSplitsPerRow);
+  const int cached = min(splits, kCache);
   const int64_t row0 = int64_t{token} * a.num_heads + head0;
-  for (int g = warp; g < rows; g += 4) {
+  for (int g = warp; g < rows; g += kThreadsM / 32) {
     const float* ml = part.ml + (row0 + g) * num_splits * 2;
     float mx = -FLT_MAX;
     int bad = 0;
@@ -127,7 +131,7 @@ __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, in
     for (int j = lane; j < splits; j += 32) {
       const float lj = __ldcg(&ml[j * 2 + 1]);
       const float w = lj > 0.0f ? exp2f(__ldcg(&ml[j * 2]) - mx) : 0.0f;
-      if (j < kMaxSplitsPerRow) sm_w[g * kMaxSplitsPerRow + j] = w;
+      if (j < kCache) sm_w[g * kCache + j] = w;
       sum += w * lj;
     }
 #pragma unroll
@@ -137,12 +141,12 @@ __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, in
       sm_mx[g] = mx;
     }
   }
-  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+  asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "n"(kThreadsM) : "memory");
   const int vecs = head_dim / 4;  // float4 columns of a row
-  for (int e = tid; e < rows * vecs; e += 128) {
+  for (int e = tid; e < rows * vecs; e += kThreadsM) {
     const int g = e / vecs, d = (e % vecs) * 4;
     const float sum = sm_sum[g];
-    const float* w = sm_w + g * kMaxSplitsPerRow;
+    const float* w = sm_w + g * kCache;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (sum > 0.0f) {
       const float4* o = reinterpret_cast<const float4*>(part.o + (row0 + g) * num_splits * head_dim + d);
@@ -161,7 +165,7 @@ __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, in
       }
       for (; j < splits; ++j) {  // the rest, and fixed plans that cut a row more ways
         float wj = 0.0f;
-        if (j < kMaxSplitsPerRow) {
+        if (j < kCache) {
           wj = w[j];
         } else {
           const float* ml = part.ml + (row0 + g) * num_splits * 2;
@@ -513,6 +517,21 @@ __device__ __forceinline__ void MmaTileStep(uint32_t stage, int bs_shift, int wa
 // (MergeUnit does not read them).
 constexpr int kStreamConsumers = 4;
 constexpr int kStreamThreads = (kStreamConsumers + 1) * 32;
+// Diagnostic variant bit 2 (kVar & 4; prefill_check dbench and dcheck
+// only, an experiment): a sixth warp takes a split's arrival and the merge
+// off the consumers (below), so that they go on to the next item at once.
+template <int kVar>
+constexpr int StreamThreadsOf() {
+  return kStreamThreads + ((kVar & 4) != 0 ? 32 : 0);
+}
+// The merge warp's queue: a finished split (token, KV head, arrivals to
+// expect), or token -1: no more.
+struct MergeJob {
+  int token, kv_head, arrivals;
+};
+constexpr int kMergeQueue = 2;
+constexpr int kMergeCache = 8;  // splits whose weights the merge warp keeps in shared memory
+constexpr int kMergeBarrier = 2;
 // Three stages of 64 keys (K and V) and two CTAs an SM (the most that fit
 // two CTAs at head dim 128: the merge at an item's end borrows the stage of
 // its last tile instead of buffers of its own). Persistent variants
@@ -602,7 +621,7 @@ __device__ __forceinline__ unsigned long long GlobalTimer() {
 __device__ __forceinline__ void ConsumerBarrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kStreamConsumers * 32)); }
 
 template <typename T, int kD, int kVar = 0>
-__global__ void __launch_bounds__(kStreamThreads, 2)
+__global__ void __launch_bounds__(StreamThreadsOf<kVar>(), 2)
     DecodeStreamKernel(AttnArgs a, const __grid_constant__ CUtensorMap pool_map, bool use_tma, int num_splits,
                        int keys_per_split, int num_items, Partials part, unsigned* sched) {
   constexpr int kChunks = kD / 8;
@@ -621,6 +640,11 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   const int bs_mask = a.pool.block_size - 1;
   constexpr bool kMath = (kVar & 1) == 0;
   constexpr bool kTrace = (kVar & 2) != 0;
+  constexpr bool kMergeWarp = (kVar & 4) != 0;
+  constexpr int kMq = kMergeWarp ? kMergeQueue : 1;
+  __shared__ MergeJob mq_job[kMq];
+  __shared__ __align__(8) uint64_t mq_full[kMq], mq_empty[kMq];
+  __shared__ float mq_w[kMergeWarp ? 16 * kMergeCache : 1];
   if (kTrace && tid == 0 && blockIdx.x < 1024) g_decode_trace[blockIdx.x * 4] = GlobalTimer();
 
   if (tid == 0) {
@@ -628,9 +652,50 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       MbarInit(SmemAddr(&full[i]), 33);                      // lane 0's arrive (+ TMA bytes), and 32 cp.async arrivals
       MbarInit(SmemAddr(&empty[i]), kStreamConsumers * 32);  // every consumer thread releases
     }
+    if constexpr (kMergeWarp) {
+      for (int i = 0; i < kMergeQueue; ++i) {
+        MbarInit(SmemAddr(&mq_full[i]), 32);   // consumer warp 0 hands a split over
+        MbarInit(SmemAddr(&mq_empty[i]), 32);  // the merge warp is done with it
+      }
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+
+  if constexpr (kMergeWarp) {
+    if (warp == kStreamConsumers + 1) {
+      // ---- merge warp ----
+      // Takes each finished split the consumers hand over, counts it in
+      // (ArriveAndMerge's fence and atomic: consumer warp 0's partials are
+      // ordered before this warp's fence by the queue's mbarrier), and
+      // merges the unit where this split is its last.
+      int q = 0, qph = 0;
+      for (;;) {
+        MbarWait(SmemAddr(&mq_full[q]), qph);
+        const MergeJob job = mq_job[q];
+        if (job.token < 0) break;
+        int last = 0;
+        if (lane == 0) {
+          __threadfence();
+          const int64_t unit = int64_t{job.token} * a.pool.num_kv_heads + job.kv_head;
+          last = atomicAdd(&part.arrivals[unit], 1u) == static_cast<unsigned>(job.arrivals - 1);
+          if (last) part.arrivals[unit] = 0;
+        }
+        last = __shfl_sync(0xffffffffu, last, 0);
+        if (last) {
+          __threadfence();
+          MergeUnit<T, 32, kMergeCache>(a, part, job.token, job.kv_head * a.group, a.group, num_splits, keys_per_split,
+                                        mq_w, kMergeBarrier, (kStreamConsumers + 1) * 32);
+        }
+        MbarArrive(SmemAddr(&mq_empty[q]));
+        if (++q == kMergeQueue) {
+          q = 0;
+          qph ^= 1;
+        }
+      }
+      return;
+    }
+  }
 
   if (warp == kStreamConsumers) {
     // ---- producer ----
@@ -772,6 +837,18 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
   int st = 0, ph = 0;
   int traced_items = 0;
+  int mq = 0, mq_ph = 0;  // the merge warp's queue (kMergeWarp; consumer warp 0 fills it)
+  // Consumer warp 0 hands a job to the merge warp (its partials, written
+  // before, are ordered before the merge warp's read by the mbarrier).
+  auto hand_over = [&](MergeJob job) {
+    MbarWait(SmemAddr(&mq_empty[mq]), mq_ph ^ 1);
+    if (lane == 0) mq_job[mq] = job;
+    MbarArrive(SmemAddr(&mq_full[mq]));
+    if (++mq == kMergeQueue) {
+      mq = 0;
+      mq_ph ^= 1;
+    }
+  };
   for (;;) {
     MbarWait(SmemAddr(&full[st]), ph);
     if (kTrace && tid == 0 && traced_items == 0 && blockIdx.x < 1024) {
@@ -911,10 +988,17 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     // The unit's last split to finish merges them (no second launch).
     if (num_splits > 1) {
       const int arrivals = max(1, min(num_splits, (it.n_keys + keys_per_split - 1) / keys_per_split));
-      ArriveAndMerge<T>(a, part, int64_t{it.token} * a.pool.num_kv_heads + it.kv_head, it.token, it.kv_head * a.group,
-                        a.group, num_splits, keys_per_split, arrivals, reinterpret_cast<float*>(merge), 1);
+      if constexpr (kMergeWarp) {
+        if (warp == 0) hand_over({it.token, it.kv_head, arrivals});
+      } else {
+        ArriveAndMerge<T>(a, part, int64_t{it.token} * a.pool.num_kv_heads + it.kv_head, it.token, it.kv_head * a.group,
+                          a.group, num_splits, keys_per_split, arrivals, reinterpret_cast<float*>(merge), 1);
+      }
     }
     MbarArrive(SmemAddr(&empty[used]));
+  }
+  if constexpr (kMergeWarp) {
+    if (warp == 0) hand_over({-1, 0, 0});  // no more
   }
   if (kTrace && tid == 0 && blockIdx.x < 1024) {
     g_decode_trace[blockIdx.x * 4 + 2] = GlobalTimer();
@@ -931,7 +1015,7 @@ int StreamCtasPerSm() {
     auto* kernel = DecodeStreamKernel<T, kD, kVar>;
     constexpr int kSmem = StreamSmemBytes<kD>();
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kStreamThreads, kSmem) != cudaSuccess) {
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, StreamThreadsOf<kVar>(), kSmem) != cudaSuccess) {
       return 1;
     }
     return blocks > 0 ? blocks : 1;
@@ -950,7 +1034,7 @@ int LaunchStream(const AttnArgs& a, const SplitPlan& plan, Partials part, unsign
   if (items >= (int64_t{1} << 31)) return static_cast<int>(cudaErrorInvalidValue);
   const int sms = a.num_sms > 0 ? a.num_sms : 132;
   const int grid = static_cast<int>(std::min<int64_t>(items, int64_t{per_sm} * sms));
-  DecodeStreamKernel<T, kD, kVar><<<grid, kStreamThreads, StreamSmemBytes<kD>(), stream>>>(
+  DecodeStreamKernel<T, kD, kVar><<<grid, StreamThreadsOf<kVar>(), StreamSmemBytes<kD>(), stream>>>(
       a, map, use_tma, plan.num_splits, plan.keys_per_split, static_cast<int>(items), part, sched);
   return static_cast<int>(cudaGetLastError());
 }
@@ -1113,6 +1197,11 @@ int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspa
     unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
     return variant == 2 ? LaunchStream<__nv_bfloat16, 128, 1>(a, plan, part, sched, s)
                         : LaunchStream<__nv_bfloat16, 128, 2>(a, plan, part, sched, s);
+  }
+  if (variant == 5 && a.pool.head_dim == 128 && a.elem == Elem::kBF16 && MmaShapeSupported(a) &&
+      plan.keys_per_split % kMmaTile == 0) {  // an experiment: the merge warp (kVar bit 2)
+    unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
+    return LaunchStream<__nv_bfloat16, 128, 4>(a, plan, part, sched, s);
   }
   if (variant == 0 && MmaShapeSupported(a) && plan.keys_per_split % kMmaTile == 0) {
     // The work counter: in the zeroed head of the workspace, past the error

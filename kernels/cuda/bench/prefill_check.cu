@@ -48,8 +48,10 @@ static const char* kVariantName[] = {"fa3",          "ws",        "fa3:cp.async"
 // LaunchSplitKvVariant's variants (2: the loads without the math; 3: the
 // default with a per-CTA trace, printed after the shape's timings), then
 // this file's dense read of the same bytes (4: the device's read ceiling
-// for the call's size).
-static const char* kDecodeName[] = {"stream", "cuda-core", "stream:nomath", "stream:trace", "dense-read"};
+// for the call's size), then 5: the default with a merge warp (an
+// experiment: the splits' arrivals and merges off the consumers).
+static const char* kDecodeName[] = {"stream",       "cuda-core",  "stream:nomath",
+                                    "stream:trace", "dense-read", "stream:mergewarp"};
 static constexpr int kDenseRead = 4;
 static int g_rounds = 3;           // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;  // dbench: blocks in order instead of shuffled
