@@ -114,7 +114,6 @@ __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, in
   const int head_dim = a.pool.head_dim;
   const int n_keys = KeysOf(a, token);
   const int splits = max(1, min(num_splits, (n_keys + keys_per_split - 1) / keys_per_split));
-  const int cached = min(splits, kCache);
   const int64_t row0 = int64_t{token} * a.num_heads + head0;
   for (int g = warp; g < rows; g += kThreadsM / 32) {
     const float* ml = part.ml + (row0 + g) * num_splits * 2;
@@ -150,28 +149,40 @@ __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, in
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (sum > 0.0f) {
       const float4* o = reinterpret_cast<const float4*>(part.o + (row0 + g) * num_splits * head_dim + d);
+      const float* ml = part.ml + (row0 + g) * num_splits * 2;
+      // Split j's weight: cached, or (past kCache splits) recomputed as the
+      // first pass computed it.
+      auto weight = [&](int j) {
+        if (j < kCache) return w[j];
+        const float lj = __ldcg(&ml[j * 2 + 1]);
+        return lj > 0.0f ? exp2f(__ldcg(&ml[j * 2]) - sm_mx[g]) : 0.0f;
+      };
+      // Eight splits' loads in flight at a time, added in split order: over
+      // the cached weights, or (a small cache: the merge warp's) over all.
+      const int grouped = kCache >= kMaxSplitsPerRow ? min(splits, kCache) : splits;
       int j = 0;
-      for (; j + 8 <= cached; j += 8) {
+      for (; j + 8 <= grouped; j += 8) {
         float4 v[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = __ldcg(&o[(j + u) * vecs]);
+        float wu[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          acc.x += w[j + u] * v[u].x;
-          acc.y += w[j + u] * v[u].y;
-          acc.z += w[j + u] * v[u].z;
-          acc.w += w[j + u] * v[u].w;
+          v[u] = __ldcg(&o[int64_t{j + u} * vecs]);
+          if constexpr (kCache >= kMaxSplitsPerRow) {
+            wu[u] = w[j + u];
+          } else {
+            wu[u] = weight(j + u);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          acc.x += wu[u] * v[u].x;
+          acc.y += wu[u] * v[u].y;
+          acc.z += wu[u] * v[u].z;
+          acc.w += wu[u] * v[u].w;
         }
       }
       for (; j < splits; ++j) {  // the rest, and fixed plans that cut a row more ways
-        float wj = 0.0f;
-        if (j < kCache) {
-          wj = w[j];
-        } else {
-          const float* ml = part.ml + (row0 + g) * num_splits * 2;
-          const float lj = __ldcg(&ml[j * 2 + 1]);
-          wj = lj > 0.0f ? exp2f(__ldcg(&ml[j * 2]) - sm_mx[g]) : 0.0f;
-        }
+        const float wj = weight(j);
         const float4 v = __ldcg(&o[int64_t{j} * vecs]);
         acc.x += wj * v.x;
         acc.y += wj * v.y;
@@ -530,7 +541,7 @@ struct MergeJob {
   int token, kv_head, arrivals;
 };
 constexpr int kMergeQueue = 2;
-constexpr int kMergeCache = 8;  // splits whose weights the merge warp keeps in shared memory
+constexpr int kMergeCache = 32;  // splits whose weights the merge warp keeps in shared memory (2 KB)
 constexpr int kMergeBarrier = 2;
 // Three stages of 64 keys (K and V) and two CTAs an SM (the most that fit
 // two CTAs at head dim 128: the merge at an item's end borrows the stage of
@@ -681,12 +692,14 @@ __global__ void __launch_bounds__(StreamThreadsOf<kVar>(), 2)
           last = atomicAdd(&part.arrivals[unit], 1u) == static_cast<unsigned>(job.arrivals - 1);
           if (last) part.arrivals[unit] = 0;
         }
+        __syncwarp();  // orders lane 0's atomic before the other lanes' reads
         last = __shfl_sync(0xffffffffu, last, 0);
         if (last) {
           __threadfence();
           MergeUnit<T, 32, kMergeCache>(a, part, job.token, job.kv_head * a.group, a.group, num_splits, keys_per_split,
                                         mq_w, kMergeBarrier, (kStreamConsumers + 1) * 32);
         }
+        __syncwarp();  // this merge's shared-memory reads before the next one's writes
         MbarArrive(SmemAddr(&mq_empty[q]));
         if (++q == kMergeQueue) {
           q = 0;
