@@ -3,6 +3,7 @@
 // its timing model, and says it is a simulator.
 #include <chrono>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -152,20 +153,20 @@ TEST_F(SimEngineTest, RejectsBadFlags) {
   EXPECT_NE(out.find("--host-sampling applies to --device cuda only"), std::string::npos) << out;
   // --logits-dtype: bfloat16 logits are the GPU runner's; other values are refused by name, in the worker and
   // in `tandem logits`.
-  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --logits-dtype bfloat16", &out), 0);
-  EXPECT_NE(out.find("--logits-dtype bfloat16 applies to --device cuda only (--device cpu computes float32 logits)"),
-            std::string::npos)
-      << out;
-  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --engine sim --logits-dtype bfloat16", &out), 0);
-  EXPECT_NE(out.find("--logits-dtype bfloat16 applies to --device cuda only (the simulator computes no logits)"),
-            std::string::npos)
-      << out;
-  EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --logits-dtype float16", &out), 0);
-  EXPECT_NE(out.find("--logits-dtype must be float32 or bfloat16, got 'float16'"), std::string::npos) << out;
-  EXPECT_NE(RunCommand(*bin + " logits --model builtin:tiny --tokens 1,2 --logits-dtype bfloat16", &out), 0);
-  EXPECT_NE(out.find("--logits-dtype bfloat16 applies to --device cuda only (--device cpu computes float32 logits)"),
-            std::string::npos)
-      << out;
+  const std::pair<std::string, std::string> logits_dtype_refusals[] = {
+      {"worker --port 0 --insecure --logits-dtype bfloat16",
+       "--logits-dtype bfloat16 applies to --device cuda only (--device cpu computes float32 logits)"},
+      {"worker --port 0 --insecure --engine sim --logits-dtype bfloat16",
+       "--logits-dtype bfloat16 applies to --device cuda only (the simulator computes no logits)"},
+      {"worker --port 0 --insecure --logits-dtype float16",
+       "--logits-dtype must be float32 or bfloat16, got 'float16'"},
+      {"logits --model builtin:tiny --tokens 1,2 --logits-dtype bfloat16",
+       "--logits-dtype bfloat16 applies to --device cuda only (--device cpu computes float32 logits)"},
+  };
+  for (const auto& [args, message] : logits_dtype_refusals) {
+    EXPECT_NE(RunCommand(*bin + " " + args, &out), 0) << args;
+    EXPECT_NE(out.find(message), std::string::npos) << args << ": " << out;
+  }
   EXPECT_EQ(RunCommand(*bin + " logits --model builtin:tiny --tokens 1,2 --logits-dtype float32", &out), 0) << out;
   EXPECT_NE(out.find("\"vocab_size\""), std::string::npos) << out;
   EXPECT_NE(RunCommand(*bin + " worker --port 0 --insecure --gpu-memory-utilization 1.5", &out), 0);

@@ -199,6 +199,15 @@ __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, in
   }
 }
 
+// Counts a split of `unit` in (after its partials were written and
+// fenced): true in the one arrival that brings the count to `arrivals`,
+// which also sets the counter back to 0 for the next launch.
+__device__ __forceinline__ bool CountArrival(const Partials& part, int64_t unit, int arrivals) {
+  const bool last = atomicAdd(&part.arrivals[unit], 1u) == static_cast<unsigned>(arrivals - 1);
+  if (last) part.arrivals[unit] = 0;
+  return last;
+}
+
 // After a CTA wrote its split's partials of a unit (arrival counter `unit`;
 // query heads head0 .. head0 + rows - 1 of `token`): counts it in (fence,
 // then the atomic, by thread 0 of the 128 that sync on `bar`) and, in the
@@ -211,10 +220,7 @@ __device__ void ArriveAndMerge(const AttnArgs& a, const Partials& part, int64_t 
   __shared__ int sm_last;
   __threadfence();
   asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
-  if (threadIdx.x == 0) {
-    sm_last = atomicAdd(&part.arrivals[unit], 1u) == static_cast<unsigned>(arrivals - 1);
-    if (sm_last) part.arrivals[unit] = 0;
-  }
+  if (threadIdx.x == 0) sm_last = CountArrival(part, unit, arrivals);
   asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
   if (!sm_last) return;
   __threadfence();
@@ -688,9 +694,7 @@ __global__ void __launch_bounds__(StreamThreadsOf<kVar>(), 2)
         int last = 0;
         if (lane == 0) {
           __threadfence();
-          const int64_t unit = int64_t{job.token} * a.pool.num_kv_heads + job.kv_head;
-          last = atomicAdd(&part.arrivals[unit], 1u) == static_cast<unsigned>(job.arrivals - 1);
-          if (last) part.arrivals[unit] = 0;
+          last = CountArrival(part, int64_t{job.token} * a.pool.num_kv_heads + job.kv_head, job.arrivals);
         }
         __syncwarp();  // orders lane 0's atomic before the other lanes' reads
         last = __shfl_sync(0xffffffffu, last, 0);
@@ -1205,21 +1209,23 @@ int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspa
     part = PartialsAt(workspace, a.num_tokens, a.num_heads, a.pool.head_dim, plan.num_splits, &bytes);
   }
   auto s = static_cast<cudaStream_t>(stream);
-  if ((variant == 2 || variant == 3) && a.pool.head_dim == 128 && a.elem == Elem::kBF16 && MmaShapeSupported(a) &&
-      plan.keys_per_split % kMmaTile == 0) {  // diagnostics (kVar)
-    unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
-    return variant == 2 ? LaunchStream<__nv_bfloat16, 128, 1>(a, plan, part, sched, s)
-                        : LaunchStream<__nv_bfloat16, 128, 2>(a, plan, part, sched, s);
+  const bool streams = MmaShapeSupported(a) && plan.keys_per_split % kMmaTile == 0;
+  // The work counter: in the zeroed head of the workspace, past the error
+  // word.
+  unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
+  if (streams && a.pool.head_dim == 128 && a.elem == Elem::kBF16) {  // diagnostics and experiments (kVar)
+    switch (variant) {
+      case 2:
+        return LaunchStream<__nv_bfloat16, 128, 1>(a, plan, part, sched, s);
+      case 3:
+        return LaunchStream<__nv_bfloat16, 128, 2>(a, plan, part, sched, s);
+      case 5:  // the merge warp
+        return LaunchStream<__nv_bfloat16, 128, 4>(a, plan, part, sched, s);
+      default:
+        break;
+    }
   }
-  if (variant == 5 && a.pool.head_dim == 128 && a.elem == Elem::kBF16 && MmaShapeSupported(a) &&
-      plan.keys_per_split % kMmaTile == 0) {  // an experiment: the merge warp (kVar bit 2)
-    unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
-    return LaunchStream<__nv_bfloat16, 128, 4>(a, plan, part, sched, s);
-  }
-  if (variant == 0 && MmaShapeSupported(a) && plan.keys_per_split % kMmaTile == 0) {
-    // The work counter: in the zeroed head of the workspace, past the error
-    // word.
-    unsigned* sched = reinterpret_cast<unsigned*>(a.error) + 32;
+  if (variant == 0 && streams) {
     if (a.pool.head_dim == 64) {
       return a.elem == Elem::kBF16 ? LaunchStream<__nv_bfloat16, 64>(a, plan, part, sched, s)
                                    : LaunchStream<__half, 64>(a, plan, part, sched, s);

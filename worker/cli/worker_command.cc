@@ -66,14 +66,14 @@ struct WorkerOptions {
   int kv_staging_slots = kvtransfer::TransportOptions{}.staging_slots;  // ucx_staged: slots of the staging ring
   std::string kv_staging_slot_size =  // ucx_staged: bytes a slot (the transport's default, whole MiB)
       absl::StrCat(kvtransfer::TransportOptions{}.staging_slot_bytes >> 20, "MiB");
-  int64_t kv_staging_slot_bytes = 0;  // parsed from kv_staging_slot_size
-  int kv_quarantine_ms = 2000;        // decode: a failed transfer's blocks stay unused this long
-  std::string kv_fault;               // testing: faults injected into the KV transport
-  std::string kv_domain;              // "": the transport's (ModelInfo.kv_domain)
-  std::string engine_kind = "real";   // real, or sim (simulated compute, for routing experiments)
-  std::string device = "cpu";         // real: cpu, cuda or cuda:N
-  std::string logits_dtype = "float32";
-  SimTiming sim;  // --engine sim's timing model
+  int64_t kv_staging_slot_bytes = 0;     // parsed from kv_staging_slot_size
+  int kv_quarantine_ms = 2000;           // decode: a failed transfer's blocks stay unused this long
+  std::string kv_fault;                  // testing: faults injected into the KV transport
+  std::string kv_domain;                 // "": the transport's (ModelInfo.kv_domain)
+  std::string engine_kind = "real";      // real, or sim (simulated compute, for routing experiments)
+  std::string device = "cpu";            // real: cpu, cuda or cuda:N
+  std::string logits_dtype = "float32";  // real, --device cuda: float32 or bfloat16
+  SimTiming sim;                         // --engine sim's timing model
   EngineConfig engine;
 };
 

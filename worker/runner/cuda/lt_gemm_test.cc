@@ -28,6 +28,18 @@ struct Device {
   ~Device() { cudaFree(p); }
 };
 
+// `bytes` from host memory at `src` into d.
+void Up(Device& d, const void* src, size_t bytes) {
+  ASSERT_EQ(cudaMemcpy(d.p, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+// d's first `bytes`, for comparisons bit for bit.
+std::vector<unsigned char> Raw(const Device& d, size_t bytes) {
+  std::vector<unsigned char> v(bytes);
+  EXPECT_EQ(cudaMemcpy(v.data(), d.p, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  return v;
+}
+
 std::vector<__nv_bfloat16> RandomBf16(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> d(0.0f, 1.0f);
@@ -195,15 +207,12 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
                                    bias = RandomBf16(2 * I, 15);
   Device dres(H * 4), dres2(H * 4), dgamma(H * 2), dw(w.size() * 2), dwd(wd.size() * 2), dxin(I * 2),
       dbias(bias.size() * 2), dh(H * 2), dy(size_t(2 * I) * 2), dy2(size_t(2 * I) * 2), dact(I * 2);
-  auto up = [](Device& d, const void* p, size_t bytes) {
-    ASSERT_EQ(cudaMemcpy(d.p, p, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  };
-  up(dres, residual.data(), H * 4);
-  up(dgamma, gamma.data(), H * 2);
-  up(dw, w.data(), w.size() * 2);
-  up(dwd, wd.data(), wd.size() * 2);
-  up(dxin, xin.data(), I * 2);
-  up(dbias, bias.data(), bias.size() * 2);
+  Up(dres, residual.data(), H * 4);
+  Up(dgamma, gamma.data(), H * 2);
+  Up(dw, w.data(), w.size() * 2);
+  Up(dwd, wd.data(), wd.size() * 2);
+  Up(dxin, xin.data(), I * 2);
+  Up(dbias, bias.data(), bias.size() * 2);
   auto bf16s = [](Device& d, size_t count) {
     std::vector<__nv_bfloat16> v(count);
     EXPECT_EQ(cudaMemcpy(v.data(), d.p, count * 2, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -229,7 +238,7 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
   // Every split of a row over warps (0: the kernel's default).
   for (const int split : {0, 1, 2, 4, 8}) {
     SCOPED_TRACE(testing::Message() << "split " << split);
-    up(dres, residual.data(), H * 4);
+    Up(dres, residual.data(), H * 4);
     ASSERT_EQ(cudaMemset(dy2.p, 0xff, size_t(2 * I) * 2), cudaSuccess);  // no split sees the last one's output
     {                                                                    // norm prologue, plain store
       ASSERT_EQ(cuda_ops::LaunchAddRmsNorm(static_cast<float*>(dres.p), nullptr, 1, H, nullptr, nullptr, dgamma.p, eps,
@@ -255,8 +264,8 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
     }
     for (const bool with_bias : {false, true}) {  // the residual's update from a bf16 x (the down product)
       SCOPED_TRACE(with_bias ? "with a bias" : "no bias");
-      up(dres, residual.data(), H * 4);
-      up(dres2, residual.data(), H * 4);
+      Up(dres, residual.data(), H * 4);
+      Up(dres2, residual.data(), H * 4);
       ASSERT_EQ(cuda_ops::LaunchGemv(dxin.p, 1, I, dwd.p, H, dh.p, false, nullptr), 0);
       ASSERT_EQ(cuda_ops::LaunchAddRmsNorm(static_cast<float*>(dres.p), nullptr, 1, H, dh.p,
                                            with_bias ? dbias.p : nullptr, nullptr, eps, nullptr, nullptr),
@@ -287,7 +296,7 @@ TEST_F(LtGemmTest, FusedOneRowProductsMatchTheKernelsTheyReplace) {
   {  // ... and the widest norm it takes launches (its shared memory fits).
     std::vector<float> big(cuda_ops::kMaxGemvNormWidth, 0.5f);
     Device dbig(big.size() * 4), dgbig(big.size() * 2);
-    up(dbig, big.data(), big.size() * 4);
+    Up(dbig, big.data(), big.size() * 4);
     ASSERT_EQ(cudaMemset(dgbig.p, 0, big.size() * 2), cudaSuccess);
     const cuda_ops::GemvFusion widest{.norm_x = static_cast<const float*>(dbig.p), .norm_weight = dgbig.p, .eps = eps};
     EXPECT_EQ(cuda_ops::LaunchGemvFused(nullptr, cuda_ops::kMaxGemvNormWidth, dw.p, 1, dy.p,
@@ -334,25 +343,17 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
       dfreq(inv_freq.size() * 8), dpos(pos.size() * 4), dslot(slots.size() * 8), dqkv(size_t(M) * qkv * 2),
       dqkv2(size_t(M) * qkv * 2), dpool(pool_elems * 2), dpool2(pool_elems * 2), derr(4), derr2(4),
       dy(size_t(M) * std::max(I, qkv) * 2), dy2(size_t(M) * std::max(I, qkv) * 2);
-  auto up = [](Device& d, const void* p, size_t bytes) {
-    ASSERT_EQ(cudaMemcpy(d.p, p, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  };
-  up(dgamma, gamma.data(), H * 2);
-  up(dwqkv, wqkv.data(), wqkv.size() * 2);
-  up(dbqkv, bqkv.data(), qkv * 2);
-  up(dwgu, wgu.data(), wgu.size() * 2);
-  up(dbgu, bgu.data(), bgu.size() * 2);
-  up(dwd, wd.data(), wd.size() * 2);
-  up(dbd, bd.data(), H * 2);
-  up(dact, act.data(), act.size() * 2);
-  up(dfreq, inv_freq.data(), inv_freq.size() * 8);
-  up(dpos, pos.data(), pos.size() * 4);
-  up(dslot, slots.data(), slots.size() * 8);
-  auto raw = [](Device& d, size_t bytes) {
-    std::vector<unsigned char> v(bytes);
-    EXPECT_EQ(cudaMemcpy(v.data(), d.p, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-    return v;
-  };
+  Up(dgamma, gamma.data(), H * 2);
+  Up(dwqkv, wqkv.data(), wqkv.size() * 2);
+  Up(dbqkv, bqkv.data(), qkv * 2);
+  Up(dwgu, wgu.data(), wgu.size() * 2);
+  Up(dbgu, bgu.data(), bgu.size() * 2);
+  Up(dwd, wd.data(), wd.size() * 2);
+  Up(dbd, bd.data(), H * 2);
+  Up(dact, act.data(), act.size() * 2);
+  Up(dfreq, inv_freq.data(), inv_freq.size() * 8);
+  Up(dpos, pos.data(), pos.size() * 4);
+  Up(dslot, slots.data(), slots.size() * 8);
   const auto* res_p = static_cast<const float*>(dres.p);
   // Token t's view of a buffer of rows `width` elements of `elem` bytes wide.
   auto row = [](Device& d, int t, size_t width, size_t elem) { return static_cast<char*>(d.p) + t * width * elem; };
@@ -379,8 +380,8 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
                                                        : pool_elems * 2),
                 cudaSuccess);
     }
-    up(dres, residual.data(), residual.size() * 4);
-    up(dres2, residual.data(), residual.size() * 4);
+    Up(dres, residual.data(), residual.size() * 4);
+    Up(dres2, residual.data(), residual.size() * 4);
     // Each product twice: `launch(alone, t, n)` for tokens t..t+n-1, all
     // tokens in one launch into the first buffers (dqkv, dpool, derr, dy,
     // dres), then each token alone into the second (dqkv2, ...).
@@ -399,8 +400,8 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
       return cuda_ops::LaunchGemvFused(nullptr, H, dwqkv.p, qkv / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv, f,
                                        nullptr);
     });
-    EXPECT_EQ(raw(dqkv, size_t(rows) * qkv * 2), raw(dqkv2, size_t(rows) * qkv * 2)) << "the rotated Q rows";
-    EXPECT_EQ(raw(dpool, pool_elems * 2), raw(dpool2, pool_elems * 2)) << "the pool";
+    EXPECT_EQ(Raw(dqkv, size_t(rows) * qkv * 2), Raw(dqkv2, size_t(rows) * qkv * 2)) << "the rotated Q rows";
+    EXPECT_EQ(Raw(dpool, pool_elems * 2), Raw(dpool2, pool_elems * 2)) << "the pool";
     // Token 1's slot is past the pool: the error names it (index 1) in the
     // launch of all tokens, and token 0 of its own launch.
     int err = 0, err2 = 0;
@@ -414,7 +415,7 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
       return cuda_ops::LaunchGemvFused(nullptr, H, dwqkv.p, qkv, row(alone ? dy2 : dy, t, qkv, 2),
                                        cuda_ops::GemvEpilogue::kStore, f, nullptr);
     });
-    EXPECT_EQ(raw(dy, size_t(rows) * qkv * 2), raw(dy2, size_t(rows) * qkv * 2)) << "the stored QKV rows";
+    EXPECT_EQ(Raw(dy, size_t(rows) * qkv * 2), Raw(dy2, size_t(rows) * qkv * 2)) << "the stored QKV rows";
     // The gate/up product with its bias and SiLU-and-multiply.
     all_then_each([&](bool alone, int t, int n) {
       cuda_ops::GemvFusion f{
@@ -422,7 +423,7 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
       return cuda_ops::LaunchGemvFused(nullptr, H, dwgu.p, I, row(alone ? dy2 : dy, t, I, 2),
                                        cuda_ops::GemvEpilogue::kSiluMul, f, nullptr);
     });
-    EXPECT_EQ(raw(dy, size_t(rows) * I * 2), raw(dy2, size_t(rows) * I * 2)) << "silu(gate) * up";
+    EXPECT_EQ(Raw(dy, size_t(rows) * I * 2), Raw(dy2, size_t(rows) * I * 2)) << "silu(gate) * up";
     // The down product's update of the residual, with a bias.
     all_then_each([&](bool alone, int t, int n) {
       cuda_ops::GemvFusion f{
@@ -430,8 +431,8 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
       return cuda_ops::LaunchGemvFused(row(dact, t, I, 2), I, dwd.p, H, nullptr, cuda_ops::GemvEpilogue::kResidual, f,
                                        nullptr);
     });
-    const std::vector<unsigned char> after = raw(dres, size_t(rows) * H * 4);
-    EXPECT_EQ(after, raw(dres2, size_t(rows) * H * 4)) << "the residual";
+    const std::vector<unsigned char> after = Raw(dres, size_t(rows) * H * 4);
+    EXPECT_EQ(after, Raw(dres2, size_t(rows) * H * 4)) << "the residual";
     EXPECT_NE(std::memcmp(after.data(), residual.data(), after.size()), 0) << "the update changed nothing";
   }
   // Refused: more rows than kMaxFusedRows, a split at several rows, normed rows past 48 KB.
@@ -446,7 +447,7 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
   const int widest = cuda_ops::kMaxGemvNormWidth / M;
   std::vector<float> big(size_t(M) * (widest + 8), 0.5f);
   Device dbig(big.size() * 4), dgbig((widest + 8) * 2);
-  up(dbig, big.data(), big.size() * 4);
+  Up(dbig, big.data(), big.size() * 4);
   ASSERT_EQ(cudaMemset(dgbig.p, 0, (widest + 8) * 2), cudaSuccess);
   const cuda_ops::GemvFusion wide{
       .norm_x = static_cast<const float*>(dbig.p), .norm_weight = dgbig.p, .eps = 1e-5f, .rows = M};
@@ -473,15 +474,12 @@ TEST_F(LtGemmTest, FusedRopeAndKvWriteMatchTheirKernel) {
   const size_t pool_elems = size_t(blocks) * 2 * kv_heads * bs * hd;
   Device dx(k * 2), dw(w.size() * 2), dbias(qkv * 2), dfreq(inv_freq.size() * 8), dpos(4), dslot(8), dqkv(qkv * 2),
       dqkv2(qkv * 2), dpool(pool_elems * 2), dpool2(pool_elems * 2), derr(4), derr2(4);
-  auto up = [](Device& d, const void* p, size_t bytes) {
-    ASSERT_EQ(cudaMemcpy(d.p, p, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  };
-  up(dx, x.data(), k * 2);
-  up(dw, w.data(), w.size() * 2);
-  up(dbias, bias.data(), qkv * 2);
-  up(dfreq, inv_freq.data(), inv_freq.size() * 8);
+  Up(dx, x.data(), k * 2);
+  Up(dw, w.data(), w.size() * 2);
+  Up(dbias, bias.data(), qkv * 2);
+  Up(dfreq, inv_freq.data(), inv_freq.size() * 8);
   const int32_t pos = 1234;
-  up(dpos, &pos, 4);
+  Up(dpos, &pos, 4);
   auto args = [&](Device& row, Device& pool, Device& err) {
     cuda_ops::RopeWriteArgs a{.qkv = row.p,
                               .num_tokens = 1,
@@ -497,14 +495,9 @@ TEST_F(LtGemmTest, FusedRopeAndKvWriteMatchTheirKernel) {
     a.pool = kernels::cuda::internal::OneLayerView(pool.p, blocks, bs, hd, kv_heads);
     return a;
   };
-  auto bytes = [](Device& d, size_t n) {
-    std::vector<uint16_t> v(n);
-    EXPECT_EQ(cudaMemcpy(v.data(), d.p, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-    return v;
-  };
   for (const int64_t slot : {int64_t{2 * bs + 5}, int64_t{blocks * bs + 3}}) {
     SCOPED_TRACE(::testing::Message() << "slot " << slot);
-    up(dslot, &slot, 8);
+    Up(dslot, &slot, 8);
     for (Device* d : {&dpool, &dpool2, &derr, &derr2})
       ASSERT_EQ(cudaMemset(d->p, 0, d == &derr || d == &derr2 ? 4 : pool_elems * 2), cudaSuccess);
     ASSERT_EQ(cuda_ops::LaunchGemv(dx.p, 1, k, dw.p, qkv, dqkv.p, false, nullptr), 0);
@@ -513,9 +506,8 @@ TEST_F(LtGemmTest, FusedRopeAndKvWriteMatchTheirKernel) {
     ASSERT_EQ(
         cuda_ops::LaunchGemvFused(dx.p, k, dw.p, qkv / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv, f, nullptr),
         0);
-    const std::vector<uint16_t> q = bytes(dqkv, heads * hd), q2 = bytes(dqkv2, heads * hd);
-    EXPECT_EQ(q2, q) << "the rotated Q";
-    EXPECT_EQ(bytes(dpool2, pool_elems), bytes(dpool, pool_elems)) << "the pool";
+    EXPECT_EQ(Raw(dqkv2, size_t(heads) * hd * 2), Raw(dqkv, size_t(heads) * hd * 2)) << "the rotated Q";
+    EXPECT_EQ(Raw(dpool2, pool_elems * 2), Raw(dpool, pool_elems * 2)) << "the pool";
     int err = 0, err2 = 0;
     ASSERT_EQ(cudaMemcpy(&err, derr.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(&err2, derr2.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);

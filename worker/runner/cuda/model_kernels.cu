@@ -335,9 +335,10 @@ __device__ __forceinline__ ChunkRange PartOf(int chunks, int part, int split) {
 }
 // 16-byte weight loads in flight a lane and row (all issued before any is
 // used): eight at a warp a row, four at two, two from four on (halved
-// where a warp computes two rows, or LaunchGemv's more than two x rows; the
-// fused products at four tokens took 15.0 / 38.9 us for the 8B output /
-// down products with two loads, 16.3 / 40.6 with one, on an H200).
+// where a warp computes two rows, or LaunchGemv's more than kMaxFusedRows
+// x rows; the fused products at four tokens took 15.0 / 38.9 us for the
+// 8B output / down products with two loads, 16.3 / 40.6 with one, on an
+// H200).
 __host__ __device__ constexpr int GemvLoads(int split, bool wide) {
   const int loads = (wide ? 4 : 8) / (split < 4 ? split : 4);
   return loads > 0 ? loads : 1;
@@ -468,9 +469,9 @@ __global__ void __launch_bounds__(256)
                                                   prologue);
   SumParts<kSplit>(acc);
   if (!owner) return;
-    // The bf16 roundings of the unfused path: the product's output, + bias.
 #pragma unroll
   for (int t = 0; t < M; ++t) {
+    // The bf16 roundings of the unfused path: the product's output, + bias.
     auto out = [&](int r) {
       float v = RoundBf16(acc[r][t]);
       if (bias != nullptr) v = RoundBf16(v + in_bias[r]);

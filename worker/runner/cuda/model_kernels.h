@@ -86,9 +86,11 @@ int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool 
 // below) with the kernels around it folded in (cuda_runner's fused path): x
 // may be built by the product itself as the RMS norm of a float32 residual
 // (norm_x, k values a token; every CTA reduces it, so no norm kernel runs
-// before), and the output may be the residual's update or the
-// SiLU-and-multiply of the gate and up halves. Roundings are those of the unfused kernels (the normed x,
-// the product and its bias in bf16), so only the norm's sum order differs.
+// before), and the output may be the residual's update, the
+// SiLU-and-multiply of the gate and up halves, or the QKV rows rotated and
+// written to the KV cache. Roundings are those of the unfused kernels (the
+// normed x, the product and its bias in bf16), so only the norm's sum order
+// differs.
 enum class GemvEpilogue {
   kStore,     // y[j] = bf16(x . w_j (+ bias[j]))
   kResidual,  // residual[j] += bf16(x . w_j) (+ bias[j]); y unused
