@@ -13,6 +13,9 @@
 //    ($TANDEM_FAULT_PAUSE_S seconds, 5 by default; the full run is
 //    30): no request fails or overruns, and afterwards no worker holds a
 //    KV block.
+//  - No healthy worker at all (retries.wait_for_worker_s): a request waits
+//    and is served by the first worker to become routable, streamed or not;
+//    a wait that runs out is a 503 naming the setting.
 // Checked through HTTP responses, /metrics and the workers' GetLoad.
 #include <signal.h>
 #include <sys/wait.h>
@@ -21,6 +24,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -454,6 +458,64 @@ TEST_F(RouterFailoverTest, FaultRunUnderSteadyStreamingLoadLosesNothing) {
   for (auto* pool : {&prefill, &decode}) {
     for (WorkerProcess* w : *pool) ExpectIdle(w->stub(), w->address(), seconds(20));
   }
+}
+
+// ---------------------------------------------------------------------------
+// (e) No healthy worker: waiting for one.
+
+// The only decode "worker" is an address nothing listens on; requests wait
+// (one streamed, one not) until a reload names a real worker, which serves
+// them once it passed its health check.
+TEST_F(RouterFailoverTest, RequestsWithNoHealthyWorkerWaitAndAreServedByTheFirstOneUp) {
+  WorkerProcess* w = StartBoth(kSimFlags);
+  ASSERT_NE(w, nullptr);
+  const std::string waits = "retries:\n  wait_for_worker_s: 60\n";
+  ASSERT_NE(StartRouter({.decode = {"127.0.0.1:1"}, .extra = waits}, /*wait_healthy=*/false), nullptr);
+  const json body = StreamBody({5, 6, 7}, 6, 0);
+  json unstreamed = body;
+  unstreamed["stream"] = false;
+  unstreamed.erase("stream_options");
+  std::future<StreamResult> streamed =
+      std::async(std::launch::async, [&, url = router()->url()] { return RunStream(url, body); });
+  std::future<Reply> plain = PostAsync("/v1/completions", unstreamed);
+  // Both wait: no answer while no worker is healthy.
+  std::this_thread::sleep_for(milliseconds(1500));
+  EXPECT_EQ(streamed.wait_for(milliseconds(0)), std::future_status::timeout);
+  EXPECT_EQ(plain.wait_for(milliseconds(0)), std::future_status::timeout);
+  EXPECT_EQ(Get("/health").http.status, 503);
+
+  router()->Rewrite(RouterYaml{.decode = {w->address()}, .extra = waits}.Text());
+  router()->Signal(SIGHUP);
+  const StreamResult s = streamed.get();
+  ExpectComplete(s, 6, "the streamed request");
+  EXPECT_EQ(s.decode_worker, w->address());
+  const Reply p = plain.get();
+  ASSERT_EQ(p.http.status, 200) << p.http.body;
+  EXPECT_EQ(p.json["usage"]["completion_tokens"], 6);
+  EXPECT_EQ(p.http.Header("x-tandem-decode-worker"), w->address());
+  EXPECT_EQ(Metric("tandem_router_worker_waits_total{outcome=\"placed\"}"), 2);
+  EXPECT_EQ(Metric("tandem_router_worker_waits_total{outcome=\"expired\"}").value_or(0), 0);
+  EXPECT_EQ(Metric("tandem_router_retries_total"), 0);
+  ExpectIdle(w->stub(), w->address(), seconds(20));
+}
+
+// A wait that runs out fails the request with 503 (Retry-After, the reason
+// and the setting), no sooner than the wait.
+TEST_F(RouterFailoverTest, AWaitForAWorkerThatRunsOutIs503NamingTheSetting) {
+  ASSERT_NE(
+      StartRouter({.decode = {"127.0.0.1:1"}, .extra = "retries:\n  wait_for_worker_s: 1.5\n"}, /*wait_healthy=*/false),
+      nullptr);
+  const Clock::time_point start = Clock::now();
+  const Reply r = Post("/v1/chat/completions",
+                       {{"model", "tiny"}, {"max_tokens", 2}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}});
+  EXPECT_GE(SecondsSince(start), 1.5);
+  EXPECT_EQ(r.http.status, 503) << r.http.body;
+  EXPECT_EQ(r.http.Header("retry-after"), "1");
+  const std::string message = r.json["error"]["message"].get<std::string>();
+  EXPECT_THAT(message, ::testing::AllOf(::testing::HasSubstr("no healthy worker"), ::testing::HasSubstr("; waited "),
+                                        ::testing::HasSubstr(" s for one (retries.wait_for_worker_s)")));
+  EXPECT_EQ(Metric("tandem_router_worker_waits_total{outcome=\"expired\"}"), 1);
+  EXPECT_EQ(Metric("tandem_router_worker_waits_total{outcome=\"placed\"}").value_or(0), 0);
 }
 
 }  // namespace

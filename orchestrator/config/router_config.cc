@@ -216,6 +216,7 @@ class Validator {
     RETURN_IF_ERROR(Seconds("retries.auto_multiplier", c.retries.auto_multiplier, 1, true, 1000));
     RETURN_IF_ERROR(Seconds("retries.auto_floor_s", c.retries.auto_floor_s, 0, false, 3600));
     RETURN_IF_ERROR(Range("retries.max_failovers", c.retries.max_failovers, 0, 10));
+    RETURN_IF_ERROR(Seconds("retries.wait_for_worker_s", c.retries.wait_for_worker_s, 0, true, 3600));
 
     RETURN_IF_ERROR(Range("limits.max_body_bytes", c.limits.max_body_bytes, 1024, int64_t{1} << 30));
     RETURN_IF_ERROR(Range("limits.max_queue", c.limits.max_queue, 0, int64_t{1} << 20));
@@ -630,7 +631,7 @@ class Parser {
 
     ASSIGN_OR_RETURN(Fields retries, SubMap(top, "retries",
                                             {"max_attempts", "budget_ratio", "attempt_first_token_s", "attempt_idle_s",
-                                             "auto_multiplier", "auto_floor_s", "max_failovers"}));
+                                             "auto_multiplier", "auto_floor_s", "max_failovers", "wait_for_worker_s"}));
     RETURN_IF_ERROR(Int(retries, "max_attempts", &c->retries.max_attempts));
     RETURN_IF_ERROR(Double(retries, "budget_ratio", &c->retries.budget_ratio));
     RETURN_IF_ERROR(AttemptDeadline(retries, "attempt_first_token_s", &c->retries.attempt_first_token));
@@ -638,6 +639,7 @@ class Parser {
     RETURN_IF_ERROR(Double(retries, "auto_multiplier", &c->retries.auto_multiplier));
     RETURN_IF_ERROR(Double(retries, "auto_floor_s", &c->retries.auto_floor_s));
     RETURN_IF_ERROR(Int(retries, "max_failovers", &c->retries.max_failovers));
+    RETURN_IF_ERROR(Double(retries, "wait_for_worker_s", &c->retries.wait_for_worker_s));
 
     ASSIGN_OR_RETURN(Fields limits,
                      SubMap(top, "limits", {"max_body_bytes", "max_queue", "max_in_flight", "max_connections"}));
@@ -962,6 +964,7 @@ std::string SerializeRouterConfig(const RouterConfig& c) {
   Pair(out, "auto_multiplier", c.retries.auto_multiplier);
   Pair(out, "auto_floor_s", c.retries.auto_floor_s);
   Pair(out, "max_failovers", c.retries.max_failovers);
+  Pair(out, "wait_for_worker_s", c.retries.wait_for_worker_s);
   out << YAML::EndMap;
   out << YAML::Key << "limits" << YAML::Value << YAML::BeginMap;
   Pair(out, "max_body_bytes", c.limits.max_body_bytes);

@@ -185,6 +185,12 @@ struct RetriesConfig {
   // Mid-stream failovers per choice, in [0, 10]; 0: a worker that fails
   // after the first token fails the stream (an error event).
   int max_failovers = 3;
+  // A request that finds no healthy worker to go to (a pool restarting, a
+  // pod rediscovered but not yet passed its health checks, a pool scaling
+  // up) waits up to this long for one, placed as soon as one is healthy,
+  // before it fails with 503. In [0, 3600] seconds; 0 fails at once. The
+  // wait counts toward the request's timeouts.
+  double wait_for_worker_s = 0;
 
   friend bool operator==(const RetriesConfig&, const RetriesConfig&) = default;
 };

@@ -169,10 +169,11 @@ TEST(RouterConfigTest, AttemptDeadlinesAndFailovers) {
   EXPECT_TRUE(defaults->retries.attempt_first_token.automatic);
   EXPECT_TRUE(defaults->retries.attempt_idle.automatic);
   EXPECT_EQ(defaults->retries.max_failovers, 3);
+  EXPECT_EQ(defaults->retries.wait_for_worker_s, 0);
 
   auto config = Parse(std::string(kMinimal) +
                       "retries: {attempt_first_token_s: 1.5, attempt_idle_s: auto, "
-                      "auto_multiplier: 8, auto_floor_s: 0.5, max_failovers: 0}\n");
+                      "auto_multiplier: 8, auto_floor_s: 0.5, max_failovers: 0, wait_for_worker_s: 12.5}\n");
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_FALSE(config->retries.attempt_first_token.automatic);
   EXPECT_EQ(config->retries.attempt_first_token.seconds, 1.5);
@@ -180,6 +181,7 @@ TEST(RouterConfigTest, AttemptDeadlinesAndFailovers) {
   EXPECT_EQ(config->retries.auto_multiplier, 8);
   EXPECT_EQ(config->retries.auto_floor_s, 0.5);
   EXPECT_EQ(config->retries.max_failovers, 0);
+  EXPECT_EQ(config->retries.wait_for_worker_s, 12.5);
 
   EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {attempt_idle_s: soon}\n"),
               StartsWith("t.yaml:6:27: retries.attempt_idle_s: expected auto or a number of "
@@ -192,6 +194,10 @@ TEST(RouterConfigTest, AttemptDeadlinesAndFailovers) {
               StartsWith("t.yaml:6:25: retries.auto_floor_s: 0 is not in (0, 3600]"));
   EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {auto_multiplier: 0.5}\n"),
               StartsWith("t.yaml:6:28: retries.auto_multiplier: 0.5 is not in [1, 1000]"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {wait_for_worker_s: 3601}\n"),
+              StartsWith("t.yaml:6:30: retries.wait_for_worker_s: 3601 is not in [0, 3600]"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {wait_for_worker_s: soon}\n"),
+              StartsWith("t.yaml:6:30: retries.wait_for_worker_s:"));
 }
 
 TEST(RouterConfigTest, BadPolicyName) {
@@ -459,6 +465,7 @@ TEST(RouterConfigSerializeTest, RoundTripsEveryField) {
   c.retries.auto_multiplier = 3.5;
   c.retries.auto_floor_s = 0.5;
   c.retries.max_failovers = 2;
+  c.retries.wait_for_worker_s = 7.5;
   c.limits = {.max_body_bytes = 1 << 20, .max_queue = 17, .max_in_flight = 33, .max_connections = 99};
   c.health = {.interval_s = 0.7, .timeout_s = 0.3, .unhealthy_after = 4, .healthy_after = 3};
   c.kv_events.enabled = false;

@@ -107,6 +107,8 @@ void ApiCall::Start() {
                               .max_attempts = config_->retries.max_attempts,
                               .deadline = deadline,
                               .max_failovers = config_->retries.max_failovers,
+                              .wait_for_worker = std::chrono::milliseconds(
+                                  static_cast<int64_t>(config_->retries.wait_for_worker_s * 1000)),
                               .first_token_latency = env_->first_token_latency,
                               .token_gaps = env_->token_gaps};
         gens_.push_back(std::make_shared<Generation>(o, std::move(requests_[i]), planner_.get(), this));
@@ -309,6 +311,8 @@ void ApiCall::AccountLocked() {
       m.attempt_timeouts.WithLabels({"first_token"}).Inc(r.first_token_timeouts);
     }
     if (r.idle_timeouts > 0) m.attempt_timeouts.WithLabels({"idle"}).Inc(r.idle_timeouts);
+    if (r.worker_waits > 0) m.worker_waits.WithLabels({"placed"}).Inc(r.worker_waits);
+    if (r.worker_wait_expired) m.worker_waits.WithLabels({"expired"}).Inc();
     if (r.kv_fallback) m.fallbacks.WithLabels({"kv_transfer"}).Inc();
     m.generation_tokens.Inc(static_cast<double>(c.tokens));
     m.kv_bytes.Inc(static_cast<double>(r.kv_bytes));

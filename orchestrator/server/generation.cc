@@ -122,14 +122,31 @@ void Generation::StartLaunched() {
 void Generation::AttemptLocked() {
   absl::StatusOr<Placement> placement = PlaceLocked(exclude_);
   if (!placement.ok()) {
+    std::string waited;
+    if (placement.status().code() == absl::StatusCode::kUnavailable && options_.wait_for_worker.count() > 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (!waiting_since_.has_value()) {
+        waiting_since_ = now;
+        LOG(INFO) << "request " << options_.request_id << " choice " << options_.choice << ": waiting up to "
+                  << std::chrono::duration<double>(options_.wait_for_worker).count()
+                  << " s for a worker: " << placement.status().message();
+      }
+      if (now - *waiting_since_ < options_.wait_for_worker) return;  // CheckProgress places again
+      result_.worker_wait_expired = true;
+      waited = absl::StrFormat("; waited %.3g s for one (retries.wait_for_worker_s)",
+                               std::chrono::duration<double>(now - *waiting_since_).count());
+    }
+    std::string message = absl::StrCat(placement.status().message(), waited);
+    if (!last_error_.ok()) absl::StrAppend(&message, "; the last attempt failed: ", last_error_.message());
     GenerationResult r = result_;
-    r.status = last_error_.ok() ? placement.status()
-                                : absl::Status(placement.status().code(),
-                                               absl::StrCat(placement.status().message(),
-                                                            "; the last attempt failed: ", last_error_.message()));
+    r.status = absl::Status(placement.status().code(), message);
     r.completion_tokens = emitted_;
     FinishLocked(std::move(r), /*cancel_prefill=*/true);
     return;
+  }
+  if (waiting_since_.has_value()) {
+    ++result_.worker_waits;
+    waiting_since_.reset();
   }
   LaunchAttemptLocked(*std::move(placement));
 }
@@ -424,70 +441,80 @@ void Generation::AbandonAttemptLocked() {
 void Generation::CheckProgress(std::chrono::steady_clock::time_point now, double first_token_s, double idle_s) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (done_ || attempt_expired_ || placement_.decode == nullptr) return;
-    const double deadline = attempt_has_token_ ? idle_s : first_token_s;
-    const auto since = attempt_has_token_ ? last_token_at_ : attempt_started_;
-    if (deadline <= 0 || now - since < std::chrono::duration<double>(deadline)) return;
-    attempt_expired_ = true;
-    if (attempt_has_token_) {
-      ++result_.idle_timeouts;
-    } else {
-      ++result_.first_token_timeouts;
+    if (done_) return;
+    if (waiting_since_.has_value()) {
+      // No attempt runs: place again (a worker may be healthy by now).
+      AttemptLocked();
+    } else if (!attempt_expired_ && placement_.decode != nullptr) {
+      MoveIfPastDeadlineLocked(now, first_token_s, idle_s);
     }
-    // The worker to suspect: the decode worker, unless this is a split
-    // attempt whose decode side is waiting on the prefill worker (the
-    // reservation is made, or the first token came, and the hand-off has not
-    // ended).
-    std::shared_ptr<WorkerClient> suspect = placement_.decode;
-    if (placement_.prefill != nullptr && !decode_has_token_) {
-      bool reserved = false, send_open = false;
-      for (const Call* c : calls_) {
-        if (c->attempt != attempt_) continue;
-        if (c->kind == CallKind::kReceive && c->reserved) reserved = true;
-        if (c->kind == CallKind::kSend && !c->finished) send_open = true;
-      }
-      if (attempt_has_token_ ? send_open : reserved) suspect = placement_.prefill;
-    }
-    const absl::Status why = absl::DeadlineExceededError(
-        absl::StrFormat("worker %s sent no token for %.3g s (retries.%s)", suspect->address(), deadline,
-                        attempt_has_token_ ? "attempt_idle_s" : "attempt_first_token_s"));
-    last_error_ = why;
-    const bool failover = first_emitted_;
-    if (failover ? failovers_ >= options_.max_failovers : attempt_ >= options_.max_attempts || !planner_->TakeRetry()) {
-      LOG(WARNING) << "request " << options_.request_id << ": " << why.message() << "; no "
-                   << (failover ? "failover" : "retry") << " left, waiting on it";
-      return;
-    }
-    if (std::optional<tandem::v1::FinishReason> end = EndedBySentLocked(); failover && end) {
-      FinishSentLocked(*end);
-      return;
-    }
-    std::set<std::string> exclude = exclude_;
-    exclude.insert(suspect->address());
-    absl::StatusOr<Placement> placement = PlaceLocked(exclude);
-    if (!placement.ok()) {
-      LOG(WARNING) << "request " << options_.request_id << ": " << why.message() << "; no other worker to move to ("
-                   << placement.status().message() << "), waiting on it";
-      return;
-    }
-    if (suspect->Eject()) {
-      LOG(WARNING) << "worker " << suspect->address() << " ejected: " << why.message();
-    }
-    if (failover) {
-      ++failovers_;
-      ++result_.stall_failovers;
-      LOG(WARNING) << "request " << options_.request_id << " choice " << options_.choice << ": failing over after "
-                   << sent_ids_.size() << " tokens (failover " << failovers_ << " of " << options_.max_failovers
-                   << "): " << why.message();
-    } else {
-      LOG(WARNING) << "request " << options_.request_id << ": retrying elsewhere: " << why.message();
-    }
-    AbandonAttemptLocked();
-    exclude_ = std::move(exclude);
-    result_.kv_fallback = false;
-    LaunchAttemptLocked(*std::move(placement));
   }
   StartLaunched();
+}
+
+void Generation::MoveIfPastDeadlineLocked(std::chrono::steady_clock::time_point now, double first_token_s,
+                                          double idle_s) {
+  const double deadline = attempt_has_token_ ? idle_s : first_token_s;
+  const auto since = attempt_has_token_ ? last_token_at_ : attempt_started_;
+  if (deadline <= 0 || now - since < std::chrono::duration<double>(deadline)) return;
+  attempt_expired_ = true;
+  if (attempt_has_token_) {
+    ++result_.idle_timeouts;
+  } else {
+    ++result_.first_token_timeouts;
+  }
+  // The worker to suspect: the decode worker, unless this is a split
+  // attempt whose decode side is waiting on the prefill worker (the
+  // reservation is made, or the first token came, and the hand-off has not
+  // ended).
+  std::shared_ptr<WorkerClient> suspect = placement_.decode;
+  if (placement_.prefill != nullptr && !decode_has_token_) {
+    bool reserved = false, send_open = false;
+    for (const Call* c : calls_) {
+      if (c->attempt != attempt_) continue;
+      if (c->kind == CallKind::kReceive && c->reserved) reserved = true;
+      if (c->kind == CallKind::kSend && !c->finished) send_open = true;
+    }
+    if (attempt_has_token_ ? send_open : reserved) suspect = placement_.prefill;
+  }
+  const absl::Status why = absl::DeadlineExceededError(
+      absl::StrFormat("worker %s sent no token for %.3g s (retries.%s)", suspect->address(), deadline,
+                      attempt_has_token_ ? "attempt_idle_s" : "attempt_first_token_s"));
+  last_error_ = why;
+  const bool failover = first_emitted_;
+  if (failover ? failovers_ >= options_.max_failovers : attempt_ >= options_.max_attempts || !planner_->TakeRetry()) {
+    LOG(WARNING) << "request " << options_.request_id << ": " << why.message() << "; no "
+                 << (failover ? "failover" : "retry") << " left, waiting on it";
+    return;
+  }
+  if (std::optional<tandem::v1::FinishReason> end = EndedBySentLocked(); failover && end) {
+    FinishSentLocked(*end);
+    return;
+  }
+  std::set<std::string> exclude = exclude_;
+  exclude.insert(suspect->address());
+  absl::StatusOr<Placement> placement = PlaceLocked(exclude);
+  if (!placement.ok()) {
+    LOG(WARNING) << "request " << options_.request_id << ": " << why.message() << "; no other worker to move to ("
+                 << placement.status().message() << "), waiting on it";
+    return;
+  }
+  if (suspect->Eject()) {
+    LOG(WARNING) << "worker " << suspect->address() << " ejected: " << why.message();
+  }
+  if (failover) {
+    ++failovers_;
+    ++result_.stall_failovers;
+    LOG(WARNING) << "request " << options_.request_id << " choice " << options_.choice << ": failing over after "
+                 << sent_ids_.size() << " tokens (failover " << failovers_ << " of " << options_.max_failovers
+                 << "): " << why.message();
+  } else {
+    LOG(WARNING) << "request " << options_.request_id << ": retrying elsewhere: " << why.message();
+  }
+  AbandonAttemptLocked();
+  exclude_ = std::move(exclude);
+  result_.kv_fallback = false;
+  LaunchAttemptLocked(*std::move(placement));
 }
 
 void Generation::FinishLocked(GenerationResult result, bool cancel_prefill) {

@@ -33,6 +33,12 @@
 // checks), and the generation moves: a retry before the first token, a
 // failover after it. When none is left, the attempt keeps its chance.
 //
+// Waiting for a worker: when no healthy worker is left to place an attempt
+// on (a pool restarting, a pod not yet past its health checks), the
+// generation waits up to `wait_for_worker`, placing again on each
+// CheckProgress, before it fails with the planner's UNAVAILABLE. The wait
+// launches nothing and holds no worker.
+//
 // Failover (after tokens reached the sink): a decode or aggregated call that
 // fails with a retryable code, or misses its deadline, is resumed on another
 // decode worker, aggregated, from the prompt plus every token already sent
@@ -105,12 +111,14 @@ struct GenerationResult {
   std::string prefill_worker;  // where the last attempt ran (equal when aggregated)
   std::string decode_worker;
   int attempts = 0;
-  int error_failovers = 0;       // resumed elsewhere after the stream failed mid-way
-  int stall_failovers = 0;       // resumed elsewhere after the idle deadline
-  int first_token_timeouts = 0;  // attempts past their first-token deadline
-  int idle_timeouts = 0;         // attempts past their idle deadline (mid-stream)
-  bool kv_fallback = false;      // the decode worker prefilled locally: the KV never came
-  int64_t kv_bytes = 0;          // pulled by the decode worker
+  int error_failovers = 0;           // resumed elsewhere after the stream failed mid-way
+  int stall_failovers = 0;           // resumed elsewhere after the idle deadline
+  int first_token_timeouts = 0;      // attempts past their first-token deadline
+  int idle_timeouts = 0;             // attempts past their idle deadline (mid-stream)
+  int worker_waits = 0;              // waits for a healthy worker that ended placed
+  bool worker_wait_expired = false;  // a wait ran out: the generation failed
+  bool kv_fallback = false;          // the decode worker prefilled locally: the KV never came
+  int64_t kv_bytes = 0;              // pulled by the decode worker
 };
 
 class GenerationSink {
@@ -140,6 +148,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
     uint32_t kv_receive_timeout_ms = 0;
     // Mid-stream failovers allowed (see the top of this file).
     int max_failovers = 0;
+    // How long a placement that finds no healthy worker waits for one (0:
+    // it fails at once).
+    std::chrono::milliseconds wait_for_worker{0};
     // Where attempts record the time from their start to their first token,
     // and the gaps between token messages, for `auto` deadlines (may be null).
     LatencyWindow* first_token_latency = nullptr;
@@ -166,8 +177,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
   struct Call;
   enum class CallKind { kAggregated, kReceive, kSend };
 
-  // Places and launches the next attempt; finishes the generation when no
-  // worker is left.
+  // Places and launches the next attempt. When no worker is healthy it
+  // waits (returns, with waiting_since_ set) while `wait_for_worker` allows,
+  // else finishes the generation.
   void AttemptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Places on a worker not in `exclude`: the prompt, plus the tokens sent
   // when resuming.
@@ -175,6 +187,10 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // Launches an attempt at `placement`: aggregated with the tokens sent as
   // resumed output when some were, else as placed.
   void LaunchAttemptLocked(Placement placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The watchdog's look at a running attempt: one past its deadline is moved
+  // to another worker when the planner finds one (see the top of this file).
+  void MoveIfPastDeadlineLocked(std::chrono::steady_clock::time_point now, double first_token_s, double idle_s)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Resumes on another worker after tokens were sent; false when no
   // failover is left. `worker` is excluded from then on.
   bool FailoverLocked(const absl::Status& why, const std::shared_ptr<WorkerClient>& worker)
@@ -236,6 +252,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
   bool attempt_has_token_ ABSL_GUARDED_BY(mu_) = false;  // it sent a token to the sink
   bool decode_has_token_ ABSL_GUARDED_BY(mu_) = false;   // its decode stream delivered one
   bool attempt_expired_ ABSL_GUARDED_BY(mu_) = false;    // past a deadline, nowhere to go
+  // Set while no healthy worker could be placed on: since when it waits.
+  std::optional<std::chrono::steady_clock::time_point> waiting_since_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tandem::router

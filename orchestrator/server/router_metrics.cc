@@ -68,6 +68,11 @@ RouterMetrics::RouterMetrics(MetricsRegistry& r)
                        "or idle (retries.attempt_idle_s, mid-stream); moved to another worker when one was "
                        "healthy.",
                        {"phase"})),
+      worker_waits(r.AddCounter("tandem_router_worker_waits_total",
+                                "Generations that found no healthy worker and waited for one "
+                                "(retries.wait_for_worker_s), by how the wait ended: placed, or expired "
+                                "(the request failed 503).",
+                                {"outcome"})),
       prompt_tokens(r.AddCounter("tandem_router_prompt_tokens_total", "Prompt tokens served.").Get()),
       cached_tokens(
           r.AddCounter("tandem_router_cached_prompt_tokens_total", "Prompt tokens served from a worker's prefix cache.")

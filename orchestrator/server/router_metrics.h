@@ -36,6 +36,7 @@ struct RouterMetrics {
   Counter& retries;
   CounterFamily& failovers;
   CounterFamily& attempt_timeouts;
+  CounterFamily& worker_waits;
   Counter& prompt_tokens;
   Counter& cached_tokens;
   Counter& expected_cached_tokens;

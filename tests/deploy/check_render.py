@@ -12,6 +12,7 @@ ports; the router's pools name the workers' Services) and, with a values file,
 that what the values asked for reached the objects. Exits 1 listing every problem.
 """
 import json
+import math
 import sys
 
 import yaml
@@ -145,9 +146,15 @@ if values_path != "-":
     if set(workers) != want:
         problems.append(f"mode {mode}: worker pools {sorted(workers)}, expected {sorted(want)}")
     roles = {"aggregated": "both", "prefill": "prefill", "decode": "decode"}
+    # A new pod is routable once the router discovered it and it passed its health checks.
+    routable_s = get("router.discoveryIntervalS") + math.ceil(get("router.health.intervalS")) * get(
+        "router.health.healthyAfter")
     for comp, (d, t) in workers.items():
         if arg(t, "--role") != roles[comp]:
             problems.append(f"{comp}: --role is {arg(t, '--role')}")
+        if d["spec"].get("minReadySeconds") != routable_s:
+            problems.append(f"{comp}: minReadySeconds {d['spec'].get('minReadySeconds')}, the router routes to a "
+                            f"new pod after {routable_s} s")
         if d["spec"]["replicas"] != get(f"workers.{comp}.replicas"):
             problems.append(f"{comp}: replicas {d['spec']['replicas']}, values ask {get(f'workers.{comp}.replicas')}")
         gpus = get(f"workers.{comp}.gpus")
@@ -192,6 +199,9 @@ if values_path != "-":
             problems.append(f"router tls mode {router['tls']['mode']}")
         if router["model"]["served_name"] != get("model.servedName"):
             problems.append("router served_name differs from model.servedName")
+        if "retries" not in (get("router.extraConfig") or {}) and \
+                router["retries"]["wait_for_worker_s"] != get("router.retries.waitForWorkerS"):
+            problems.append(f"router retries.wait_for_worker_s {router['retries']['wait_for_worker_s']}")
         if get("router.apiKeysSecret") and "auth" not in router:
             problems.append("router.apiKeysSecret set but the router has no auth section")
         for k, v in (get("router.extraConfig") or {}).items():

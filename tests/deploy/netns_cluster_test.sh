@@ -11,7 +11,8 @@
 #   2. a decode pod added to its Service's DNS records is discovered and used;
 #   3. a decode pod killed (SIGKILL) under load is ejected and no request fails;
 #   4. a rolling restart of the decode pool under steady load (each pod: SIGTERM,
-#      exit, start again at its address) fails no request;
+#      exit, start again at its address, the Deployment's minReadySeconds
+#      before the next) fails no request;
 #   5. a real Prometheus (Debian's), scraping the pods as the rendered
 #      ServiceMonitors declare (their Services' DNS names, ports and paths; the
 #      pods' prometheus.io/* annotations agree), has every target up, and every
@@ -59,6 +60,7 @@ for d in objs:
     argv = c["command"] + c["args"]
     open(f"{work}/{comp}.argv", "w").write(" ".join(shlex.quote(a) for a in argv) + "\n")
     open(f"{work}/{comp}.replicas", "w").write(str(d["spec"]["replicas"]) + "\n")
+    open(f"{work}/{comp}.minready", "w").write(str(d["spec"].get("minReadySeconds", 0)) + "\n")
 def dns(svc):
     return f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.cluster.local"
 for s in objs:
@@ -267,12 +269,14 @@ for i in 1 2; do
   start_pod decode "$i" $((30 + i))
   wait_port "$net.$((30 + i))" 50051
   publish
-  sleep 1
+  # As the Deployment's rolling update does: the next pod goes once this one was
+  # available for minReadySeconds (the router's discovery and health checks).
+  sleep "$(cat "$work/decode.minready")"
 done
 wait "$loader"
 [[ ! -s $work/load4 ]] || { echo "FAIL: $(cat "$work/load4")"; exit 1; }
 echo "ok: 80 requests, none failed, while decode-1 and decode-2 restarted one after the other"
-echo "$(metric 'tandem_router_failovers_total' | awk '{s += $2} END {print s + 0}') failovers, $(metric 'tandem_router_retries_total' | awk '{s += $2} END {print s + 0}') retries"
+echo "$(metric 'tandem_router_failovers_total' | awk '{s += $2} END {print s + 0}') failovers, $(metric 'tandem_router_retries_total' | awk '{s += $2} END {print s + 0}') retries, $(metric 'tandem_router_worker_waits_total' | awk '{s += $2} END {print s + 0}') waits for a worker"
 
 echo "== 5. Prometheus scrapes the pods as the chart declares; the dashboard and alerts evaluate"
 promq() {  # EXPR: the query's result as JSON
