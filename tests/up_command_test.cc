@@ -413,6 +413,61 @@ TEST_F(UpCommandTest, AWorkerThatDiesIsRestartedOnItsPortWhileTheOthersServe) {
   EXPECT_TRUE(served.count(address)) << "the restarted worker serves no request";
 }
 
+// The only worker killed under streaming load: the streams it was running
+// fail over to it once it is restarted (tried, but admitted again since),
+// and requests that came meanwhile wait for it; no client sees an error.
+TEST_F(UpCommandTest, TheOnlyWorkerKilledUnderLoadFailsNoRequest) {
+  const std::string url =
+      Start({"--aggregated", "1", "--engine", "sim", "--worker-arg=--sim-step-ms", "--worker-arg=20"});
+  ASSERT_FALSE(url.empty());
+  const std::string ready = dir_ + "/run/nested/worker-0.addr";
+  const pid_t victim = WorkerWithReadyFile(up_->pid(), ready);
+  ASSERT_GT(victim, 0);
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0};
+  std::mutex mu;
+  std::vector<std::string> failures;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 3; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; !stop.load(); ++i) {
+        const HttpResponse r =
+            HttpPost(url, "/v1/completions",
+                     absl::StrCat(R"({"model": "builtin:tiny", "prompt": "still here )", c, " ", i,
+                                  R"(", "max_tokens": 30, "stream": true, "ignore_eos": true, "seed": 1})"));
+        if (r.status == 200 && r.body.find("\"error\"") == std::string::npos &&
+            r.body.find("[DONE]") != std::string::npos) {
+          ++ok;
+        } else {
+          std::lock_guard<std::mutex> lock(mu);
+          failures.push_back(absl::StrCat(r.status, " ", r.body.substr(0, 300)));
+        }
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));  // streams in flight
+  ::kill(victim, SIGKILL);
+  pid_t restarted = -1;
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        restarted = WorkerWithReadyFile(up_->pid(), ready);
+        return restarted > 0 && restarted != victim;
+      },
+      seconds(20)));
+  const std::string placed = "tandem_router_worker_waits_total{outcome=\"placed\"}";
+  EXPECT_TRUE(WaitUntil([&] { return ScrapeMetric(url, placed).value_or(0) >= 1; }, seconds(30)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // served again
+  stop = true;
+  for (std::thread& t : clients) t.join();
+  EXPECT_TRUE(failures.empty()) << failures.size() << " failed, the first: " << failures.front();
+  EXPECT_GE(ok.load(), 6);
+  // The streams it was running moved (retried before their first token, failed over after it).
+  EXPECT_GE(ScrapeMetric(url, "tandem_router_failovers_total{reason=\"error\"}").value_or(0) +
+                ScrapeMetric(url, "tandem_router_retries_total").value_or(0),
+            1);
+  EXPECT_EQ(ScrapeMetric(url, "tandem_router_worker_waits_total{outcome=\"expired\"}").value_or(0), 0);
+}
+
 TEST_F(UpCommandTest, AWorkerThatKeepsDyingIsGivenUpOnAndTheRestServe) {
   const std::string url = Start({"--aggregated", "2", "--engine", "sim", "--max-restarts", "1"});
   ASSERT_FALSE(url.empty());

@@ -6,7 +6,8 @@
 //
 // A worker that dies is restarted on its port after a backoff (0.5 s,
 // doubling up to 30 s; logged), so the router readmits it at its next health
-// checks; the others serve meanwhile. One that dies --max-restarts times in
+// checks; the others serve meanwhile (without --config, requests that find no
+// healthy worker wait up to 10 s for one: retries.wait_for_worker_s). One that dies --max-restarts times in
 // a row, each within a minute of starting, is given up on (logged), and the
 // cluster serves with the rest; with no decode worker left it stops.
 // --max-restarts 0 restores stopping the whole cluster when any child dies.
@@ -356,6 +357,8 @@ absl::Status Up(UpOptions opt) {
     config.prefill->policy.name = "kv_cache_aware";
     config.health.interval_s = 1;
     config.health.timeout_s = 1;
+    // Requests that find no healthy worker (one restarting) wait for it.
+    config.retries.wait_for_worker_s = 10;
     config.debug.worker_details = true;  // a development cluster
   }
   if (!opt.served_model_name.empty()) config.model.served_name = opt.served_model_name;

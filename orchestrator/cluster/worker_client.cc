@@ -68,6 +68,7 @@ bool WorkerClient::RecordCheck(bool ok, const HealthConfig& config) {
   if (!was && ok && streak_ >= (ever_healthy_ ? config.healthy_after : 1)) now = true;
   if (was && !ok && -streak_ >= config.unhealthy_after) now = false;
   if (now) ever_healthy_ = true;
+  if (now && !was) admitted_at_ = std::chrono::steady_clock::now();
   healthy_.store(now, std::memory_order_release);
   return now != was;
 }

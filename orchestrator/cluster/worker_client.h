@@ -25,6 +25,7 @@
 #include <grpcpp/support/channel_arguments.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -63,6 +64,12 @@ class WorkerClient {
   bool RecordCheck(bool ok, const HealthConfig& config);
   // Ejects the worker now (a request saw it gone); true if it was healthy.
   bool Eject();
+  // When its health checks last admitted it (made it healthy); the clock's
+  // epoch before the first admission.
+  std::chrono::steady_clock::time_point admitted_at() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return admitted_at_;
+  }
   // True once the worker has been admitted (healthy) at least once.
   bool ever_healthy() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -105,6 +112,7 @@ class WorkerClient {
 
   mutable std::mutex mu_;
   bool ever_healthy_ ABSL_GUARDED_BY(mu_) = false;
+  std::chrono::steady_clock::time_point admitted_at_ ABSL_GUARDED_BY(mu_);
   int streak_ ABSL_GUARDED_BY(mu_) = 0;  // > 0: successes in a row; < 0: failures
   std::optional<tandem::v1::ModelInfo> model_info_ ABSL_GUARDED_BY(mu_);
   std::optional<tandem::v1::LoadReport> last_load_ ABSL_GUARDED_BY(mu_);

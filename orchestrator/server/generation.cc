@@ -120,7 +120,7 @@ void Generation::StartLaunched() {
 }
 
 void Generation::AttemptLocked() {
-  absl::StatusOr<Placement> placement = PlaceLocked(exclude_);
+  absl::StatusOr<Placement> placement = PlaceLocked(tried_);
   if (!placement.ok()) {
     std::string waited;
     if (placement.status().code() == absl::StatusCode::kUnavailable && options_.wait_for_worker.count() > 0) {
@@ -151,14 +151,14 @@ void Generation::AttemptLocked() {
   LaunchAttemptLocked(*std::move(placement));
 }
 
-absl::StatusOr<Placement> Generation::PlaceLocked(const std::set<std::string>& exclude) {
+absl::StatusOr<Placement> Generation::PlaceLocked(const TriedWorkers& tried) {
   const auto& prompt = request_.prompt_token_ids();
   if (sent_ids_.empty()) {
-    return planner_->Place(std::span<const int32_t>(prompt.data(), prompt.size()), exclude);
+    return planner_->Place(std::span<const int32_t>(prompt.data(), prompt.size()), tried);
   }
   std::vector<int32_t> tokens(prompt.begin(), prompt.end());
   tokens.insert(tokens.end(), sent_ids_.begin(), sent_ids_.end());
-  return planner_->Place(tokens, exclude);
+  return planner_->Place(tokens, tried);
 }
 
 void Generation::LaunchAttemptLocked(Placement placement) {
@@ -370,7 +370,7 @@ void Generation::FailAttemptLocked(const absl::Status& status, const std::shared
   if (!first_emitted_ && Retryable(status.code()) && attempt_ < options_.max_attempts && planner_->TakeRetry()) {
     LOG(INFO) << "request " << options_.request_id << ": retrying after " << status.ToString();
     AbandonAttemptLocked();
-    exclude_.insert(worker->address());
+    tried_[worker->address()] = std::chrono::steady_clock::now();
     result_.kv_fallback = false;
     AttemptLocked();
     return;
@@ -418,7 +418,7 @@ bool Generation::FailoverLocked(const absl::Status& why, const std::shared_ptr<W
                << sent_ids_.size() << " tokens (failover " << failovers_ << " of " << options_.max_failovers
                << "): " << why.ToString();
   AbandonAttemptLocked();
-  exclude_.insert(worker->address());
+  tried_[worker->address()] = std::chrono::steady_clock::now();
   AttemptLocked();
   return true;
 }
@@ -491,9 +491,9 @@ void Generation::MoveIfPastDeadlineLocked(std::chrono::steady_clock::time_point 
     FinishSentLocked(*end);
     return;
   }
-  std::set<std::string> exclude = exclude_;
-  exclude.insert(suspect->address());
-  absl::StatusOr<Placement> placement = PlaceLocked(exclude);
+  TriedWorkers tried = tried_;
+  tried[suspect->address()] = std::chrono::steady_clock::now();
+  absl::StatusOr<Placement> placement = PlaceLocked(tried);
   if (!placement.ok()) {
     LOG(WARNING) << "request " << options_.request_id << ": " << why.message() << "; no other worker to move to ("
                  << placement.status().message() << "), waiting on it";
@@ -512,7 +512,7 @@ void Generation::MoveIfPastDeadlineLocked(std::chrono::steady_clock::time_point 
     LOG(WARNING) << "request " << options_.request_id << ": retrying elsewhere: " << why.message();
   }
   AbandonAttemptLocked();
-  exclude_ = std::move(exclude);
+  tried_ = std::move(tried);
   result_.kv_fallback = false;
   LaunchAttemptLocked(*std::move(placement));
 }

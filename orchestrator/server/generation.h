@@ -24,6 +24,8 @@
 // FAILED_PRECONDITION, INTERNAL, UNKNOWN), is cancelled whole and placed
 // again without the worker that failed, up to `max_attempts` and while the
 // planner's retry budget allows. UNAVAILABLE also ejects the worker at once.
+// A worker once tried is passed over until its health checks admit it again
+// (TriedWorkers).
 //
 // Attempt deadlines (CheckProgress, from the router's watchdog): an attempt
 // that sent no token `first_token_s` after it started, or none for `idle_s`
@@ -59,6 +61,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -92,12 +95,18 @@ struct Placement {
   std::string explanation;
 };
 
+// The workers a generation already tried, by address, with when each
+// failed it: placement passes one over unless it was admitted (again) since,
+// by its health checks (the same process back after an ejection, or a new
+// one restarted at that address).
+using TriedWorkers = std::map<std::string, std::chrono::steady_clock::time_point>;
+
 class Planner {
  public:
   virtual ~Planner() = default;
-  // Chooses workers for `tokens`, never one whose address is in `exclude`.
+  // Chooses workers for `tokens`, never one `tried` passes over.
   // Unavailable when no healthy worker is left.
-  virtual absl::StatusOr<Placement> Place(std::span<const int32_t> tokens, const std::set<std::string>& exclude) = 0;
+  virtual absl::StatusOr<Placement> Place(std::span<const int32_t> tokens, const TriedWorkers& tried) = 0;
   // Takes one retry from the budget; false when it is spent.
   virtual bool TakeRetry() = 0;
 };
@@ -181,9 +190,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // waits (returns, with waiting_since_ set) while `wait_for_worker` allows,
   // else finishes the generation.
   void AttemptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Places on a worker not in `exclude`: the prompt, plus the tokens sent
-  // when resuming.
-  absl::StatusOr<Placement> PlaceLocked(const std::set<std::string>& exclude) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places on a worker `tried` does not pass over: the prompt, plus the
+  // tokens sent when resuming.
+  absl::StatusOr<Placement> PlaceLocked(const TriedWorkers& tried) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Launches an attempt at `placement`: aggregated with the tokens sent as
   // resumed output when some were, else as placed.
   void LaunchAttemptLocked(Placement placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -229,7 +238,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::mutex mu_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   int attempt_ ABSL_GUARDED_BY(mu_) = 0;
-  std::set<std::string> exclude_ ABSL_GUARDED_BY(mu_);
+  TriedWorkers tried_ ABSL_GUARDED_BY(mu_);
   Placement placement_ ABSL_GUARDED_BY(mu_);
   std::vector<Call*> calls_ ABSL_GUARDED_BY(mu_);     // open calls (any attempt)
   std::vector<Call*> launched_ ABSL_GUARDED_BY(mu_);  // not yet started

@@ -41,7 +41,7 @@ std::string RefusedWorkers(const std::vector<std::shared_ptr<WorkerClient>>& wor
 // what the policy weighed (eligible, matched prefix blocks, score).
 nlohmann::json ExplainDecision(const char* pool, const std::string& policy, const std::vector<WorkerView>& views,
                                const std::vector<std::shared_ptr<WorkerClient>>& workers,
-                               const std::set<std::string>& exclude, const std::vector<std::string>& passed_over,
+                               const std::vector<bool>& tried, const std::vector<std::string>& passed_over,
                                const RouteExplanation& why, std::optional<size_t> chosen) {
   nlohmann::json candidates = nlohmann::json::array();
   for (size_t i = 0; i < views.size(); ++i) {
@@ -52,7 +52,7 @@ nlohmann::json ExplainDecision(const char* pool, const std::string& policy, cons
                         {"kv_used_blocks", v.used_blocks},
                         {"kv_total_blocks", v.total_blocks},
                         {"prefill_tokens_queued", v.prefill_tokens_in_flight}};
-    if (exclude.count(v.id) != 0) {
+    if (tried[i]) {
       c["skipped"] = "already tried by this request";
     } else if (!passed_over[i].empty()) {
       c["skipped"] = passed_over[i];
@@ -146,7 +146,7 @@ void Placer::Rebuild(std::shared_ptr<const RouterConfig> config) {
 }
 
 absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<const int32_t> tokens,
-                                        const std::set<std::string>& exclude) {
+                                        const TriedWorkers& tried) {
   std::shared_ptr<RoutingState> rs = Routing();
   if (rs == nullptr) {
     std::vector<std::shared_ptr<WorkerClient>> all = cluster_.Workers(PoolRole::kDecode);
@@ -168,10 +168,17 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     std::vector<std::shared_ptr<WorkerClient>> workers = cluster_.Workers(role);
     std::vector<WorkerView> views;
     views.reserve(workers.size());
-    for (const auto& w : workers) {
-      views.push_back(w->View());
-      if (exclude.count(w->address()) != 0) views.back().healthy = false;
+    // Tried by this request, and not admitted again since.
+    std::vector<bool> passed_tried(workers.size(), false);
+    for (size_t i = 0; i < workers.size(); ++i) {
+      views.push_back(workers[i]->View());
+      auto t = tried.find(workers[i]->address());
+      if (t != tried.end() && workers[i]->admitted_at() <= t->second) {
+        passed_tried[i] = true;
+        views.back().healthy = false;
+      }
     }
+    const int64_t tried_here = std::count(passed_tried.begin(), passed_tried.end(), true);
     // Why a healthy worker was passed over (x-tandem-explain), by index.
     std::vector<std::string> passed_over(workers.size());
     // Domains first: a full worker is passed over only while a peer the
@@ -230,15 +237,15 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     rr.explain = call.explain ? &why : nullptr;
     absl::StatusOr<size_t> i = policy.Pick(rr, views);
     if (call.explain) {
-      explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, exclude, passed_over, why,
-                                          i.ok() ? std::optional<size_t>(*i) : std::nullopt));
+      explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, passed_tried, passed_over,
+                                          why, i.ok() ? std::optional<size_t>(*i) : std::nullopt));
     }
     metrics_.decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
     metrics_.decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
     if (!i.ok()) {
       return absl::UnavailableError(absl::StrFormat(
           "no healthy %s worker (%d in the pool%s%s)", PoolRoleName(role), workers.size(),
-          exclude.empty() ? "" : absl::StrFormat(", %d already tried", exclude.size()), RefusedWorkers(workers)));
+          tried_here == 0 ? "" : absl::StrFormat(", %d already tried", tried_here), RefusedWorkers(workers)));
     }
     metrics_.routed.WithLabels({PoolRoleName(role), policy.name(), workers[*i]->address()}).Inc();
     return workers[*i];

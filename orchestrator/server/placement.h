@@ -72,10 +72,10 @@ class Placer {
   // were; null (built later) while no worker has told the model's shape.
   void Rebuild(std::shared_ptr<const RouterConfig> config);
 
-  // Chooses workers for `tokens`, never one whose address is in `exclude`.
+  // Chooses workers for `tokens`, never one `tried` passes over.
   // Unavailable when no healthy worker is left.
   absl::StatusOr<Placement> Place(const PlaceRequest& request, std::span<const int32_t> tokens,
-                                  const std::set<std::string>& exclude);
+                                  const TriedWorkers& tried);
 
   // The latest decisions, for /dashboard.
   std::vector<RecentDecision> Recent() const { return recent_.Snapshot(); }
@@ -102,8 +102,8 @@ class RequestPlanner final : public Planner {
  public:
   RequestPlanner(Placer* placer, Admission* admission, PlaceRequest request)
       : placer_(placer), admission_(admission), request_(std::move(request)) {}
-  absl::StatusOr<Placement> Place(std::span<const int32_t> tokens, const std::set<std::string>& exclude) override {
-    return placer_->Place(request_, tokens, exclude);
+  absl::StatusOr<Placement> Place(std::span<const int32_t> tokens, const TriedWorkers& tried) override {
+    return placer_->Place(request_, tokens, tried);
   }
   bool TakeRetry() override { return admission_->TakeRetry(); }
 
