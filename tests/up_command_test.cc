@@ -351,6 +351,23 @@ pid_t WorkerWithReadyFile(pid_t up_pid, const std::string& ready_file) {
   return -1;
 }
 
+// SIGKILLs `victim`, the worker of `up_pid` with `ready_file`; true once
+// another process runs in its place.
+bool KillAndAwaitRestart(pid_t up_pid, pid_t victim, const std::string& ready_file) {
+  ::kill(victim, SIGKILL);
+  return WaitUntil(
+      [&] {
+        const pid_t restarted = WorkerWithReadyFile(up_pid, ready_file);
+        return restarted > 0 && restarted != victim;
+      },
+      seconds(20));
+}
+
+// A streamed completion that ended with [DONE] and no error event.
+bool CompleteStream(const HttpResponse& r) {
+  return r.status == 200 && r.body.find("\"error\"") == std::string::npos && r.body.find("[DONE]") != std::string::npos;
+}
+
 std::string ReadFirstLine(const std::string& path) {
   std::ifstream in(path);
   std::string line;
@@ -378,21 +395,12 @@ TEST_F(UpCommandTest, AWorkerThatDiesIsRestartedOnItsPortWhileTheOthersServe) {
       const HttpResponse r = HttpPost(url, "/v1/completions",
                                       absl::StrCat(R"({"model": "builtin:tiny", "prompt": "keep going )", i,
                                                    R"(", "max_tokens": 40, "stream": true, "ignore_eos": true})"));
-      const bool good = r.status == 200 && r.body.find("\"error\"") == std::string::npos &&
-                        r.body.find("[DONE]") != std::string::npos;
-      (good ? ok : failed)++;
+      (CompleteStream(r) ? ok : failed)++;
     }
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  ::kill(victim, SIGKILL);
   // A new process on the same port, admitted again by the router.
-  pid_t restarted = -1;
-  EXPECT_TRUE(WaitUntil(
-      [&] {
-        restarted = WorkerWithReadyFile(up_->pid(), ready);
-        return restarted > 0 && restarted != victim;
-      },
-      seconds(20)));
+  EXPECT_TRUE(KillAndAwaitRestart(up_->pid(), victim, ready));
   EXPECT_TRUE(WaitUntil([&] { return ReadFirstLine(ready) == address; }, seconds(30)))
       << "the restarted worker is not on " << address;
   EXPECT_TRUE(WaitUntil([&] { return ScrapeMetric(url, healthy) == 1; }, seconds(30)));
@@ -435,8 +443,7 @@ TEST_F(UpCommandTest, TheOnlyWorkerKilledUnderLoadFailsNoRequest) {
             HttpPost(url, "/v1/completions",
                      absl::StrCat(R"({"model": "builtin:tiny", "prompt": "still here )", c, " ", i,
                                   R"(", "max_tokens": 30, "stream": true, "ignore_eos": true, "seed": 1})"));
-        if (r.status == 200 && r.body.find("\"error\"") == std::string::npos &&
-            r.body.find("[DONE]") != std::string::npos) {
+        if (CompleteStream(r)) {
           ++ok;
         } else {
           std::lock_guard<std::mutex> lock(mu);
@@ -446,14 +453,7 @@ TEST_F(UpCommandTest, TheOnlyWorkerKilledUnderLoadFailsNoRequest) {
     });
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(800));  // streams in flight
-  ::kill(victim, SIGKILL);
-  pid_t restarted = -1;
-  EXPECT_TRUE(WaitUntil(
-      [&] {
-        restarted = WorkerWithReadyFile(up_->pid(), ready);
-        return restarted > 0 && restarted != victim;
-      },
-      seconds(20)));
+  EXPECT_TRUE(KillAndAwaitRestart(up_->pid(), victim, ready));
   const std::string placed = "tandem_router_worker_waits_total{outcome=\"placed\"}";
   EXPECT_TRUE(WaitUntil([&] { return ScrapeMetric(url, placed).value_or(0) >= 1; }, seconds(30)));
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // served again
