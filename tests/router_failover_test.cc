@@ -479,7 +479,7 @@ TEST_F(RouterFailoverTest, RequestsWithNoHealthyWorkerWaitAndAreServedByTheFirst
       std::async(std::launch::async, [&, url = router()->url()] { return RunStream(url, body); });
   std::future<Reply> plain = PostAsync("/v1/completions", unstreamed);
   // Both wait: no answer while no worker is healthy.
-  std::this_thread::sleep_for(milliseconds(1500));
+  ASSERT_TRUE(WaitForMetric("tandem_router_waiting_for_worker", [](double v) { return v == 2; }));
   EXPECT_EQ(streamed.wait_for(milliseconds(0)), std::future_status::timeout);
   EXPECT_EQ(plain.wait_for(milliseconds(0)), std::future_status::timeout);
   EXPECT_EQ(Get("/health").http.status, 503);
@@ -496,6 +496,7 @@ TEST_F(RouterFailoverTest, RequestsWithNoHealthyWorkerWaitAndAreServedByTheFirst
   EXPECT_EQ(Metric("tandem_router_worker_waits_total{outcome=\"placed\"}"), 2);
   EXPECT_EQ(Metric("tandem_router_worker_waits_total{outcome=\"expired\"}").value_or(0), 0);
   EXPECT_EQ(Metric("tandem_router_retries_total"), 0);
+  EXPECT_EQ(Metric("tandem_router_waiting_for_worker"), 0);
   ExpectIdle(w->stub(), w->address(), seconds(20));
 }
 

@@ -313,6 +313,7 @@ void ApiCall::AccountLocked() {
     if (r.idle_timeouts > 0) m.attempt_timeouts.WithLabels({"idle"}).Inc(r.idle_timeouts);
     if (r.worker_waits > 0) m.worker_waits.WithLabels({"placed"}).Inc(r.worker_waits);
     if (r.worker_wait_expired) m.worker_waits.WithLabels({"expired"}).Inc();
+    if (r.worker_wait_cancelled) m.worker_waits.WithLabels({"cancelled"}).Inc();
     if (r.kv_fallback) m.fallbacks.WithLabels({"kv_transfer"}).Inc();
     m.generation_tokens.Inc(static_cast<double>(c.tokens));
     m.kv_bytes.Inc(static_cast<double>(r.kv_bytes));

@@ -121,34 +121,51 @@ void Generation::StartLaunched() {
 
 void Generation::AttemptLocked() {
   absl::StatusOr<Placement> placement = PlaceLocked(tried_);
-  if (!placement.ok()) {
-    std::string waited;
-    if (placement.status().code() == absl::StatusCode::kUnavailable && options_.wait_for_worker.count() > 0) {
-      const auto now = std::chrono::steady_clock::now();
-      if (!waiting_since_.has_value()) {
-        waiting_since_ = now;
-        LOG(INFO) << "request " << options_.request_id << " choice " << options_.choice << ": waiting up to "
-                  << std::chrono::duration<double>(options_.wait_for_worker).count()
-                  << " s for a worker: " << placement.status().message();
-      }
-      if (now - *waiting_since_ < options_.wait_for_worker) return;  // CheckProgress places again
-      result_.worker_wait_expired = true;
-      waited = absl::StrFormat("; waited %.3g s for one (retries.wait_for_worker_s)",
-                               std::chrono::duration<double>(now - *waiting_since_).count());
-    }
-    std::string message = absl::StrCat(placement.status().message(), waited);
-    if (!last_error_.ok()) absl::StrAppend(&message, "; the last attempt failed: ", last_error_.message());
-    GenerationResult r = result_;
-    r.status = absl::Status(placement.status().code(), message);
-    r.completion_tokens = emitted_;
-    FinishLocked(std::move(r), /*cancel_prefill=*/true);
+  if (placement.ok()) {
+    EndWaitLocked(WaitEnd::kPlaced);
+    LaunchAttemptLocked(*std::move(placement));
     return;
   }
-  if (waiting_since_.has_value()) {
-    ++result_.worker_waits;
-    waiting_since_.reset();
+  const absl::Status& failed = placement.status();
+  const auto now = std::chrono::steady_clock::now();
+  const bool may_wait = failed.code() == absl::StatusCode::kUnavailable && options_.wait_for_worker.count() > 0 &&
+                        !failed.GetPayload(kNoWorkerToWaitFor).has_value();
+  if (may_wait && !waiting_since_.has_value()) {
+    waiting_since_ = now;
+    planner_->NoteWaiting(1);
+    LOG(INFO) << "request " << options_.request_id << " choice " << options_.choice << ": waiting up to "
+              << std::chrono::duration<double>(options_.wait_for_worker).count()
+              << " s for a worker: " << failed.message();
   }
-  LaunchAttemptLocked(*std::move(placement));
+  if (may_wait && now - *waiting_since_ < options_.wait_for_worker) return;  // CheckProgress places again
+  std::string message(failed.message());
+  if (waiting_since_.has_value()) {
+    absl::StrAppendFormat(&message, "; waited %.3g s for one (retries.wait_for_worker_s)",
+                          std::chrono::duration<double>(now - *waiting_since_).count());
+    EndWaitLocked(WaitEnd::kExpired);
+  }
+  if (!last_error_.ok()) absl::StrAppend(&message, "; the last attempt failed: ", last_error_.message());
+  GenerationResult r = result_;
+  r.status = absl::Status(failed.code(), message);
+  r.completion_tokens = emitted_;
+  FinishLocked(std::move(r), /*cancel_prefill=*/true);
+}
+
+void Generation::EndWaitLocked(WaitEnd how) {
+  if (!waiting_since_.has_value()) return;
+  waiting_since_.reset();
+  planner_->NoteWaiting(-1);
+  switch (how) {
+    case WaitEnd::kPlaced:
+      ++result_.worker_waits;
+      break;
+    case WaitEnd::kExpired:
+      result_.worker_wait_expired = true;
+      break;
+    case WaitEnd::kCancelled:
+      result_.worker_wait_cancelled = true;
+      break;
+  }
 }
 
 absl::StatusOr<Placement> Generation::PlaceLocked(const TriedWorkers& tried) {
@@ -206,7 +223,7 @@ Generation::Call* Generation::LaunchLocked(CallKind kind, const std::shared_ptr<
 void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (done_ || call->attempt != attempt_) return;
+    if (done_ || call->attempt != attempt_ || waiting_since_.has_value()) return;
     // (RepeatedPtrField holds pointers; messages carry a few tokens each.)
     const std::vector<TokenOutput> token_list(msg.tokens().begin(), msg.tokens().end());
     const std::span<const TokenOutput> tokens(token_list);
@@ -343,7 +360,8 @@ void Generation::OnCallDone(Call* call, const grpc::Status& status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     calls_.erase(std::find(calls_.begin(), calls_.end(), call));
-    if (done_ || call->attempt != attempt_ || call->finished) return;
+    // (While waiting, the calls left are the abandoned attempt's, cancelled.)
+    if (done_ || call->attempt != attempt_ || call->finished || waiting_since_.has_value()) return;
     absl::Status s = status.ok() ? absl::InternalError(absl::StrCat("worker ", call->worker->address(),
                                                                     " ended the stream without a finish reason"))
                                  : FromGrpcStatus(status);
@@ -370,7 +388,7 @@ void Generation::FailAttemptLocked(const absl::Status& status, const std::shared
   if (!first_emitted_ && Retryable(status.code()) && attempt_ < options_.max_attempts && planner_->TakeRetry()) {
     LOG(INFO) << "request " << options_.request_id << ": retrying after " << status.ToString();
     AbandonAttemptLocked();
-    tried_[worker->address()] = std::chrono::steady_clock::now();
+    tried_[worker->address()] = attempt_started_;
     result_.kv_fallback = false;
     AttemptLocked();
     return;
@@ -418,7 +436,7 @@ bool Generation::FailoverLocked(const absl::Status& why, const std::shared_ptr<W
                << sent_ids_.size() << " tokens (failover " << failovers_ << " of " << options_.max_failovers
                << "): " << why.ToString();
   AbandonAttemptLocked();
-  tried_[worker->address()] = std::chrono::steady_clock::now();
+  tried_[worker->address()] = attempt_started_;
   AttemptLocked();
   return true;
 }
@@ -492,7 +510,7 @@ void Generation::MoveIfPastDeadlineLocked(std::chrono::steady_clock::time_point 
     return;
   }
   TriedWorkers tried = tried_;
-  tried[suspect->address()] = std::chrono::steady_clock::now();
+  tried[suspect->address()] = attempt_started_;
   absl::StatusOr<Placement> placement = PlaceLocked(tried);
   if (!placement.ok()) {
     LOG(WARNING) << "request " << options_.request_id << ": " << why.message() << "; no other worker to move to ("
@@ -520,6 +538,10 @@ void Generation::MoveIfPastDeadlineLocked(std::chrono::steady_clock::time_point 
 void Generation::FinishLocked(GenerationResult result, bool cancel_prefill) {
   if (done_) return;
   done_ = true;
+  if (waiting_since_.has_value()) {
+    EndWaitLocked(WaitEnd::kCancelled);
+    result.worker_wait_cancelled = true;
+  }
   CancelCallsLocked(cancel_prefill);
   // A failure before any token still names the workers last tried.
   if (!placed_ && placement_.decode != nullptr) {

@@ -95,11 +95,16 @@ struct Placement {
   std::string explanation;
 };
 
-// The workers a generation already tried, by address, with when each
-// failed it: placement passes one over unless it was admitted (again) since,
+// The workers a generation already tried, by address, with when the attempt
+// on each started: placement passes one over unless it was admitted (again) since,
 // by its health checks (the same process back after an ejection, or a new
 // one restarted at that address).
 using TriedWorkers = std::map<std::string, std::chrono::steady_clock::time_point>;
+
+// The payload (its type URL) of a planner's UNAVAILABLE when waiting cannot
+// help: every worker of the pool is healthy (or refused as incompatible) but
+// already tried, so none is coming back for this generation.
+inline constexpr char kNoWorkerToWaitFor[] = "type.tandem/no-worker-to-wait-for";
 
 class Planner {
  public:
@@ -109,6 +114,8 @@ class Planner {
   virtual absl::StatusOr<Placement> Place(std::span<const int32_t> tokens, const TriedWorkers& tried) = 0;
   // Takes one retry from the budget; false when it is spent.
   virtual bool TakeRetry() = 0;
+  // A generation began (+1) or ended (-1) a wait for a healthy worker.
+  virtual void NoteWaiting(int delta) = 0;
 };
 
 struct GenerationResult {
@@ -120,14 +127,15 @@ struct GenerationResult {
   std::string prefill_worker;  // where the last attempt ran (equal when aggregated)
   std::string decode_worker;
   int attempts = 0;
-  int error_failovers = 0;           // resumed elsewhere after the stream failed mid-way
-  int stall_failovers = 0;           // resumed elsewhere after the idle deadline
-  int first_token_timeouts = 0;      // attempts past their first-token deadline
-  int idle_timeouts = 0;             // attempts past their idle deadline (mid-stream)
-  int worker_waits = 0;              // waits for a healthy worker that ended placed
-  bool worker_wait_expired = false;  // a wait ran out: the generation failed
-  bool kv_fallback = false;          // the decode worker prefilled locally: the KV never came
-  int64_t kv_bytes = 0;              // pulled by the decode worker
+  int error_failovers = 0;             // resumed elsewhere after the stream failed mid-way
+  int stall_failovers = 0;             // resumed elsewhere after the idle deadline
+  int first_token_timeouts = 0;        // attempts past their first-token deadline
+  int idle_timeouts = 0;               // attempts past their idle deadline (mid-stream)
+  int worker_waits = 0;                // waits for a healthy worker that ended placed
+  bool worker_wait_expired = false;    // a wait ran out (or nothing was left to wait for): it failed
+  bool worker_wait_cancelled = false;  // it ended (cancelled, timed out) while waiting
+  bool kv_fallback = false;            // the decode worker prefilled locally: the KV never came
+  int64_t kv_bytes = 0;                // pulled by the decode worker
 };
 
 class GenerationSink {
@@ -196,6 +204,9 @@ class Generation : public std::enable_shared_from_this<Generation> {
   // Launches an attempt at `placement`: aggregated with the tokens sent as
   // resumed output when some were, else as placed.
   void LaunchAttemptLocked(Placement placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  enum class WaitEnd { kPlaced, kExpired, kCancelled };
+  // Ends the wait for a worker, if one runs, counting how it ended.
+  void EndWaitLocked(WaitEnd how) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The watchdog's look at a running attempt: one past its deadline is moved
   // to another worker when the planner finds one (see the top of this file).
   void MoveIfPastDeadlineLocked(std::chrono::steady_clock::time_point now, double first_token_s, double idle_s)
@@ -262,6 +273,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   bool decode_has_token_ ABSL_GUARDED_BY(mu_) = false;   // its decode stream delivered one
   bool attempt_expired_ ABSL_GUARDED_BY(mu_) = false;    // past a deadline, nowhere to go
   // Set while no healthy worker could be placed on: since when it waits.
+  // No attempt is live then (the last one's calls were abandoned).
   std::optional<std::chrono::steady_clock::time_point> waiting_since_ ABSL_GUARDED_BY(mu_);
 };
 

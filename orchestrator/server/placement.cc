@@ -5,6 +5,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -33,6 +34,20 @@ std::string RefusedWorkers(const std::vector<std::shared_ptr<WorkerClient>>& wor
     if (why.empty()) why = std::move(reason);
   }
   return refused == 0 ? "" : absl::StrFormat(", %d refused as incompatible: %s", refused, why);
+}
+
+// `none` (UNAVAILABLE: no worker to place on) marked kNoWorkerToWaitFor
+// unless waiting may help: some worker may yet be admitted (unhealthy, or
+// healthy but not yet routable, and not refused as incompatible), or there
+// is none at all (discovery may add one). Healthy workers all tried, or all
+// refused: waiting cannot help.
+absl::Status MarkIfNothingToWaitFor(absl::Status none, const std::vector<std::shared_ptr<WorkerClient>>& workers,
+                                    bool healthy_ones_may_come) {
+  const bool may_come = workers.empty() || std::any_of(workers.begin(), workers.end(), [&](const auto& w) {
+                          return (healthy_ones_may_come || !w->healthy()) && w->incompatibility().empty();
+                        });
+  if (!may_come) none.SetPayload(kNoWorkerToWaitFor, absl::Cord("nothing to wait for"));
+  return none;
 }
 
 // One pool's routing decision as x-tandem-route and the log show it: the
@@ -152,8 +167,11 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     std::vector<std::shared_ptr<WorkerClient>> all = cluster_.Workers(PoolRole::kDecode);
     for (auto& w : cluster_.Workers(PoolRole::kPrefill)) all.push_back(std::move(w));
     const std::string refused = RefusedWorkers(all);
-    return absl::UnavailableError(absl::StrCat("no healthy worker: none has reported the model yet",
-                                               refused.empty() ? "" : absl::StrCat(" (", refused.substr(2), ")")));
+    // (A healthy worker here has not yet built the routing state: it may.)
+    return MarkIfNothingToWaitFor(
+        absl::UnavailableError(absl::StrCat("no healthy worker: none has reported the model yet",
+                                            refused.empty() ? "" : absl::StrCat(" (", refused.substr(2), ")"))),
+        all, /*healthy_ones_may_come=*/true);
   }
   const RouterConfig& cfg = *rs->config;
   RouteRequest rr{.tokens = tokens, .session_id = call.session_id};
@@ -243,9 +261,11 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
     metrics_.decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
     metrics_.decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
     if (!i.ok()) {
-      return absl::UnavailableError(absl::StrFormat(
-          "no healthy %s worker (%d in the pool%s%s)", PoolRoleName(role), workers.size(),
-          tried_here == 0 ? "" : absl::StrFormat(", %d already tried", tried_here), RefusedWorkers(workers)));
+      return MarkIfNothingToWaitFor(
+          absl::UnavailableError(absl::StrFormat(
+              "no healthy %s worker (%d in the pool%s%s)", PoolRoleName(role), workers.size(),
+              tried_here == 0 ? "" : absl::StrFormat(", %d already tried", tried_here), RefusedWorkers(workers))),
+          workers, /*healthy_ones_may_come=*/false);
     }
     metrics_.routed.WithLabels({PoolRoleName(role), policy.name(), workers[*i]->address()}).Inc();
     return workers[*i];

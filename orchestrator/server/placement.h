@@ -14,6 +14,7 @@
 #ifndef TANDEM_ORCHESTRATOR_SERVER_PLACEMENT_H_
 #define TANDEM_ORCHESTRATOR_SERVER_PLACEMENT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -80,6 +81,10 @@ class Placer {
   // The latest decisions, for /dashboard.
   std::vector<RecentDecision> Recent() const { return recent_.Snapshot(); }
 
+  // Generations waiting now for a healthy worker (retries.wait_for_worker_s).
+  void NoteWaiting(int delta) { waiting_.fetch_add(delta, std::memory_order_relaxed); }
+  int64_t waiting() const { return waiting_.load(std::memory_order_relaxed); }
+
  private:
   // `prev` (may be null): the running state, whose policies are kept where
   // the config leaves them unchanged.
@@ -91,6 +96,7 @@ class Placer {
   const std::function<std::shared_ptr<const RouterConfig>()> config_;
   ThrottledWarnings warnings_;
   RecentDecisions recent_{32};
+  std::atomic<int64_t> waiting_{0};
   std::mutex build_mu_;  // one Build at a time (it rewires the cluster's indexes)
   mutable std::mutex mu_;
   std::shared_ptr<RoutingState> routing_ ABSL_GUARDED_BY(mu_);
@@ -106,6 +112,7 @@ class RequestPlanner final : public Planner {
     return placer_->Place(request_, tokens, tried);
   }
   bool TakeRetry() override { return admission_->TakeRetry(); }
+  void NoteWaiting(int delta) override { placer_->NoteWaiting(delta); }
 
  private:
   Placer* const placer_;

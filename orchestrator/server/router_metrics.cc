@@ -70,8 +70,8 @@ RouterMetrics::RouterMetrics(MetricsRegistry& r)
                        {"phase"})),
       worker_waits(r.AddCounter("tandem_router_worker_waits_total",
                                 "Generations that found no healthy worker and waited for one "
-                                "(retries.wait_for_worker_s), by how the wait ended: placed, or expired "
-                                "(the request failed 503).",
+                                "(retries.wait_for_worker_s), by how the wait ended: placed, expired (the "
+                                "request failed 503) or cancelled (the client left, a timeout, shutdown).",
                                 {"outcome"})),
       prompt_tokens(r.AddCounter("tandem_router_prompt_tokens_total", "Prompt tokens served.").Get()),
       cached_tokens(
@@ -335,6 +335,10 @@ void RegisterRouterGauges(MetricsRegistry& registry, const RouterGaugeSources& s
   registry.AddCallbackGauge(
       "tandem_router_in_flight_requests", "Requests running on workers (router-wide).", {},
       [admission](MetricEmitter& e) { e.Emit({}, static_cast<double>(admission->stats().running_requests)); });
+  const Placer* placer = sources.placer;
+  registry.AddCallbackGauge("tandem_router_waiting_for_worker",
+                            "Generations waiting now for a healthy worker to go to (retries.wait_for_worker_s).", {},
+                            [placer](MetricEmitter& e) { e.Emit({}, static_cast<double>(placer->waiting())); });
   registry.AddCallbackGauge(
       "tandem_router_in_flight_sequences",
       "Sequences (choices: a request with n = 8 runs 8) running on workers, against "
