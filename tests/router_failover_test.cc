@@ -15,7 +15,9 @@
 //    KV block.
 //  - No healthy worker at all (retries.wait_for_worker_s): a request waits
 //    and is served by the first worker to become routable, streamed or not;
-//    a wait that runs out is a 503 naming the setting.
+//    a wait that runs out is a 503 naming the setting; a split request whose
+//    decode worker restarts mid-prefill runs split again on the same prefill
+//    worker.
 // Checked through HTTP responses, /metrics and the workers' GetLoad.
 #include <signal.h>
 #include <sys/wait.h>
@@ -498,6 +500,45 @@ TEST_F(RouterFailoverTest, RequestsWithNoHealthyWorkerWaitAndAreServedByTheFirst
   EXPECT_EQ(Metric("tandem_router_retries_total"), 0);
   EXPECT_EQ(Metric("tandem_router_waiting_for_worker"), 0);
   ExpectIdle(w->stub(), w->address(), seconds(20));
+}
+
+// Split requests whose only decode worker dies while the prefill worker is
+// still prefilling them: they wait for it, and once it is back on its port
+// they run split again on the same prefill worker (cancelling the abandoned
+// attempt's prefill does not count as that worker failing).
+TEST_F(RouterFailoverTest, SplitRequestsWaitForTheirDecodeWorkerRestartedMidPrefill) {
+  std::vector<std::string> slow_prefill = kSimFlags;
+  slow_prefill.insert(slow_prefill.end(), {"--sim-prefill-us-per-token", "2000"});
+  WorkerProcess* p = StartPrefill(slow_prefill);
+  WorkerProcess* d = StartDecode(kSimFlags);
+  ASSERT_TRUE(p && d);
+  const std::string waits = "retries:\n  wait_for_worker_s: 60\n";
+  ASSERT_NE(StartRouter({.prefill = {p->address()}, .decode = {d->address()}, .mode = "always", .extra = waits}),
+            nullptr);
+  // A 1,000-token prompt: two seconds of prefill.
+  std::vector<json> bodies;
+  for (int i = 0; i < 2; ++i) bodies.push_back(StreamBody(MakePrompt(300 + i, 1000), 8, 0));
+  StreamsInFlight streams(router()->url(), bodies);
+  // Both prefilling (the router's calls on the prefill worker).
+  ASSERT_TRUE(
+      WaitForMetric(absl::StrCat("tandem_router_worker_in_flight{pool=\"prefill\",worker=\"", p->address(), "\"}"),
+                    [](double v) { return v == 2; }));
+  const int port = d->port();
+  Kill(d);
+  std::vector<std::string> flags = kSimFlags;
+  flags.insert(flags.end(), {"--port", std::to_string(port)});
+  d = StartDecode(flags);
+  ASSERT_NE(d, nullptr);
+  for (const StreamResult& r : streams.Join()) {
+    ExpectComplete(r, 8, "a stream whose decode worker died");
+    EXPECT_EQ(r.decode_worker, d->address());
+  }
+  // Each stream retried once, split again: nothing prefilled on the decode worker.
+  EXPECT_EQ(Metric("tandem_router_retries_total"), 2);
+  EXPECT_EQ(Metric("tandem_router_fallbacks_total{kind=\"local_prefill\"}").value_or(0), 0);
+  EXPECT_EQ(Metric("tandem_router_worker_waits_total{outcome=\"placed\"}"), 2);
+  ExpectIdle(p->stub(), "the prefill worker", seconds(15));
+  ExpectIdle(d->stub(), "the restarted decode worker", seconds(15));
 }
 
 // A wait that runs out fails the request with 503 (Retry-After, the reason
