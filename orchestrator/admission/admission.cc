@@ -171,8 +171,8 @@ void Admission::StartWatchdog(std::function<void()> before_watch) {
 
 void Admission::WatchdogLoop(const std::function<void()>& before_watch) {
   std::unique_lock<std::mutex> lock(mu_);
-  while (!stopping_) {
-    stop_cv_.wait_for(lock, watch_period_, [&] { return stopping_; });
+  while (!watchdog_stopping_) {
+    stop_cv_.wait_for(lock, watch_period_, [&] { return watchdog_stopping_; });
     std::vector<std::shared_ptr<Admittable>> calls;
     calls.reserve(active_.size());
     for (const auto& [call, entry] : active_) calls.push_back(call);
@@ -186,11 +186,8 @@ void Admission::WatchdogLoop(const std::function<void()>& before_watch) {
 }
 
 void Admission::Close() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-  }
-  stop_cv_.notify_all();
+  std::lock_guard<std::mutex> lock(mu_);
+  stopping_ = true;
 }
 
 void Admission::Stop(std::chrono::milliseconds grace) {
@@ -206,7 +203,9 @@ void Admission::Stop(std::chrono::milliseconds grace) {
     {
       std::unique_lock<std::mutex> lock(mu_);
       idle_cv_.wait_for(lock, grace, [&] { return active_.empty(); });
+      watchdog_stopping_ = true;
     }
+    stop_cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
   });
 }

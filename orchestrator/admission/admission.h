@@ -129,8 +129,8 @@ class Admission {
   // Starts the watchdog: every watch_period, `before_watch` runs once and
   // then Watch on each call in progress (off admission's lock).
   void StartWatchdog(std::function<void()> before_watch);
-  // Refuses new calls from now on (503) and stops the watchdog's checks;
-  // those in progress go on.
+  // Refuses new calls from now on (503); those in progress go on, still
+  // watched (their deadlines, their waits for a worker) until Stop.
   void Close();
   // Close()s, cancels the calls in progress and waits up to `grace` for
   // them to be answered; joins the watchdog. Idempotent.
@@ -164,10 +164,11 @@ class Admission {
   int64_t running_requests_ ABSL_GUARDED_BY(mu_) = 0;
   FairQueue<std::shared_ptr<Admittable>> queue_ ABSL_GUARDED_BY(mu_);
   std::map<std::shared_ptr<Admittable>, Entry> active_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::condition_variable idle_cv_;  // active_ emptied: Stop waits for it
-  std::condition_variable stop_cv_;  // stopping_ set: wakes the watchdog (apart,
-                                     // so finishing calls do not wake it)
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;           // closed to new calls
+  bool watchdog_stopping_ ABSL_GUARDED_BY(mu_) = false;  // Stop: the watchdog ends
+  std::condition_variable idle_cv_;                      // active_ emptied: Stop waits for it
+  std::condition_variable stop_cv_;                      // watchdog_stopping_ set: wakes the watchdog
+                                                         // (apart, so finishing calls do not wake it)
   std::thread watchdog_;
   std::once_flag stopped_;
 };

@@ -258,9 +258,13 @@ TEST(AdmissionTest, TheWatchdogWatchesEveryCallInProgress) {
   std::atomic<int> ticks{0};
   a.StartWatchdog([&] { ++ticks; });
   while (c->watched < 3) std::this_thread::yield();
+  // Closed to new calls, it still watches those in progress (until Stop).
+  a.Close();
+  const int before = c->watched;
+  while (c->watched < before + 3) std::this_thread::yield();
   a.Finished(c);
   a.Stop();
-  EXPECT_GE(ticks.load(), 3);
+  EXPECT_GE(ticks.load(), 6);
 }
 
 }  // namespace
