@@ -217,6 +217,10 @@ class Validator {
     RETURN_IF_ERROR(Seconds("retries.auto_floor_s", c.retries.auto_floor_s, 0, false, 3600));
     RETURN_IF_ERROR(Range("retries.max_failovers", c.retries.max_failovers, 0, 10));
     RETURN_IF_ERROR(Seconds("retries.wait_for_worker_s", c.retries.wait_for_worker_s, 0, true, 3600));
+    if (c.retries.wait_for_worker_s > t.first_token_s) {
+      return Bad("retries.wait_for_worker_s", absl::StrCat("must be <= timeouts.first_token_s (", t.first_token_s,
+                                                           "): a longer wait would end as a first-token timeout"));
+    }
 
     RETURN_IF_ERROR(Range("limits.max_body_bytes", c.limits.max_body_bytes, 1024, int64_t{1} << 30));
     RETURN_IF_ERROR(Range("limits.max_queue", c.limits.max_queue, 0, int64_t{1} << 20));

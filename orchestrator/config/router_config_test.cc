@@ -198,6 +198,8 @@ TEST(RouterConfigTest, AttemptDeadlinesAndFailovers) {
               StartsWith("t.yaml:6:30: retries.wait_for_worker_s: 3601 is not in [0, 3600]"));
   EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {wait_for_worker_s: soon}\n"),
               StartsWith("t.yaml:6:30: retries.wait_for_worker_s:"));
+  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "timeouts: {first_token_s: 5}\nretries: {wait_for_worker_s: 6}\n"),
+              StartsWith("t.yaml:7:30: retries.wait_for_worker_s: must be <= timeouts.first_token_s (5)"));
 }
 
 TEST(RouterConfigTest, BadPolicyName) {

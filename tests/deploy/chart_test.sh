@@ -86,6 +86,8 @@ expect_failure "a logits dtype workers do not take" "logitsDtype" --set tls.secr
   --set workerDefaults.logitsDtype=float16
 expect_failure "a drain longer than the grace period" "drainTimeoutS must be shorter" \
   --set tls.secretName=t --set workerDefaults.drainTimeoutS=200
+expect_failure "a wait for a worker past the first-token timeout" "waitForWorkerS must be at most" \
+  --set tls.secretName=t --set router.retries.waitForWorkerS=90
 expect_failure "API keys without a scrape key" "bearerTokenSecret" --set tls.secretName=t \
   --set router.apiKeysSecret=k --set monitoring.serviceMonitor.enabled=true
 # The schema check refuses what Kubernetes would drop: a misspelled field deep in a pod
