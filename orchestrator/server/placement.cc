@@ -258,15 +258,16 @@ absl::StatusOr<Placement> Placer::Place(const PlaceRequest& call, std::span<cons
       explained.push_back(ExplainDecision(PoolRoleName(role), policy.name(), views, workers, passed_tried, passed_over,
                                           why, i.ok() ? std::optional<size_t>(*i) : std::nullopt));
     }
-    metrics_.decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
-    metrics_.decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
     if (!i.ok()) {
+      // (Not a decision's time: a request waiting for a worker asks every tick.)
       return MarkIfNothingToWaitFor(
           absl::UnavailableError(absl::StrFormat(
               "no healthy %s worker (%d in the pool%s%s)", PoolRoleName(role), workers.size(),
               tried_here == 0 ? "" : absl::StrFormat(", %d already tried", tried_here), RefusedWorkers(workers))),
           workers, /*healthy_ones_may_come=*/false);
     }
+    metrics_.decision.WithLabels({PoolRoleName(role)}).Observe(Seconds(Clock::now() - start));
+    metrics_.decision_cpu.WithLabels({PoolRoleName(role)}).Observe(ThreadCpuSeconds() - cpu_start);
     metrics_.routed.WithLabels({PoolRoleName(role), policy.name(), workers[*i]->address()}).Inc();
     return workers[*i];
   };

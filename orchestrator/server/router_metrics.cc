@@ -36,7 +36,8 @@ RouterMetrics::RouterMetrics(MetricsRegistry& r)
       queue_time(r.AddHistogram("tandem_router_queue_time_seconds", "Time a request waited for an admission slot.", {},
                                 ExponentialBuckets(0.0001, 2, 20))
                      .Get()),
-      decision(r.AddHistogram("tandem_router_routing_decision_seconds", "Time to choose a worker, by pool.", {"pool"},
+      decision(r.AddHistogram("tandem_router_routing_decision_seconds",
+                              "Time to choose a worker, by pool (decisions that found one).", {"pool"},
                               DecisionBuckets())),
       decision_cpu(r.AddHistogram("tandem_router_routing_decision_cpu_seconds",
                                   "CPU time of the thread choosing a worker, by pool: the decision's own cost, without "
