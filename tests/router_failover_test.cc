@@ -502,6 +502,33 @@ TEST_F(RouterFailoverTest, RequestsWithNoHealthyWorkerWaitAndAreServedByTheFirst
   ExpectIdle(w->stub(), w->address(), seconds(20));
 }
 
+// A worker told to stop (SIGTERM) drains: its first health check after that
+// answers NOT_SERVING and ejects it at once (not after unhealthy_after = 3
+// failed checks), while the stream it runs finishes there.
+TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsFirstNotServingCheck) {
+  std::vector<std::string> slow = {"--engine", "sim", "--sim-step-ms", "40"};
+  WorkerProcess* a = StartBoth(slow);
+  WorkerProcess* b = StartBoth(slow);
+  ASSERT_TRUE(a && b);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .health_interval_s = 2}), nullptr);
+  const std::string failed_checks = "tandem_router_health_checks_total{result=\"failed\"}";
+  const double failed_before = Metric(failed_checks).value_or(0);
+  // Two long streams, one on each worker (round robin): ~8 s each.
+  const std::vector<json> bodies = {StreamBody(MakePrompt(400, 16), 200, 0), StreamBody(MakePrompt(401, 16), 200, 0)};
+  StreamsInFlight streams(router()->url(), bodies);
+  ASSERT_TRUE(RunsAtLeast(*a, 1, seconds(20)));
+  ASSERT_EQ(::kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(WaitForMetric(
+      Healthy("decode", a->address()), [](double v) { return v == 0; }, seconds(20)));
+  // Read within a tick of the ejection; the next round is 2 s away.
+  EXPECT_EQ(Metric(failed_checks).value_or(0) - failed_before, 1) << "checks it failed before it was ejected";
+  for (const StreamResult& r : streams.Join()) ExpectComplete(r, 200, "a stream through the drain");
+  EXPECT_EQ(Metric(Healthy("decode", b->address())), 1);
+  const absl::StatusOr<int> exited = a->Wait(seconds(30));
+  ASSERT_TRUE(exited.ok()) << "the drained worker did not exit: " << exited.status();
+  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+}
+
 // Split requests whose only decode worker dies while the prefill worker is
 // still prefilling them: they wait for it, and once it is back on its port
 // they run split again on the same prefill worker (cancelling the abandoned

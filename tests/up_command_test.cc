@@ -57,6 +57,13 @@ std::vector<std::pair<pid_t, std::string>> ChildrenOf(pid_t parent) {
 
 bool Alive(pid_t pid) { return ::kill(pid, 0) == 0; }
 
+std::string ReadFirstLine(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
 class UpCommandTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -96,6 +103,13 @@ TEST_F(UpCommandTest, AggregatedClusterServesAndStopsCleanlyOnCtrlC) {
   ASSERT_FALSE(url.empty());
   const std::vector<std::pair<pid_t, std::string>> children = ChildrenOf(up_->pid());
   ASSERT_EQ(children.size(), 3u) << "two workers and a router";
+  // Up once one worker is healthy; round robin reaches both once both are.
+  const std::string ready0 = ReadFirstLine(dir_ + "/run/nested/worker-0.addr");
+  const std::string ready1 = ReadFirstLine(dir_ + "/run/nested/worker-1.addr");
+  for (const std::string& address : {ready0, ready1}) {
+    const std::string healthy = absl::StrCat("tandem_router_worker_healthy{pool=\"decode\",worker=\"", address, "\"}");
+    EXPECT_TRUE(WaitUntil([&] { return ScrapeMetric(url, healthy) == 1; }, seconds(20))) << address;
+  }
   std::set<std::string> served;
   for (int i = 0; i < 4; ++i) {
     const HttpResponse r =
@@ -366,13 +380,6 @@ bool KillAndAwaitRestart(pid_t up_pid, pid_t victim, const std::string& ready_fi
 // A streamed completion that ended with [DONE] and no error event.
 bool CompleteStream(const HttpResponse& r) {
   return r.status == 200 && r.body.find("\"error\"") == std::string::npos && r.body.find("[DONE]") != std::string::npos;
-}
-
-std::string ReadFirstLine(const std::string& path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
 }
 
 TEST_F(UpCommandTest, AWorkerThatDiesIsRestartedOnItsPortWhileTheOthersServe) {

@@ -297,6 +297,7 @@ void Cluster::HealthRound() {
     tandem::v1::ModelInfoRequest info_req;
     tandem::v1::ModelInfo info;
     bool ok = false;
+    bool not_serving = false;  // it answered NOT_SERVING (draining, stopping)
   };
   std::vector<std::shared_ptr<WorkerClient>> workers;
   HealthConfig health;
@@ -328,6 +329,7 @@ void Cluster::HealthRound() {
     GrpcPoller::Unary(w->stub().PrepareAsyncHealth(&c->health_ctx, c->health_req, cq), &c->health,
                       [c, cq, &finish](const grpc::Status& s) {
                         if (!s.ok() || c->health.status() != tandem::v1::HealthResponse::SERVING) {
+                          c->not_serving = s.ok();
                           finish();
                           return;
                         }
@@ -415,7 +417,10 @@ void Cluster::HealthRound() {
       if (!c->ok) ++stats_.health_check_failures;
       const bool was_healthy = c->worker->healthy();
       const bool admitted_before = c->worker->ever_healthy();
-      if (c->worker->RecordCheck(c->ok, health)) {
+      // NOT_SERVING is the worker's own word that it takes no more work (it
+      // drains): ejected at once, not after unhealthy_after checks.
+      const bool ejected = c->not_serving && c->worker->Eject();
+      if (c->worker->RecordCheck(c->ok, health) || ejected) {
         changes.emplace_back(c->worker->address(), !was_healthy);
         if (was_healthy) {
           ++stats_.ejections;

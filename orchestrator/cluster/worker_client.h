@@ -13,7 +13,8 @@
 //     that starts with its workers serves within one check);
 //   - a healthy worker is ejected after `unhealthy_after` consecutive failed
 //     checks, or at once by Eject() when a request meets a transport failure
-//     (connection refused or reset: the process is gone);
+//     (connection refused or reset: the process is gone) or a check is
+//     answered NOT_SERVING (it drains);
 //   - an ejected worker is readmitted after `healthy_after` consecutive
 //     successful checks.
 //
