@@ -286,6 +286,8 @@ promv() { promq "$1" | python3 -c 'import json, sys; r = json.load(sys.stdin)["d
 # The router and the four running workers (decode-0 was killed in 3 and left its Service).
 for _ in $(seq 100); do [[ $(promv 'count(up == 1)') == 5 ]] && break; sleep 0.2; done
 [[ $(promv 'count(up == 1)') == 5 ]] || { echo "FAIL: not every target is up"; ip netns exec "$hub" curl -s "$api/targets"; exit 1; }
+# (A pod restarted in 4 was last scraped while it drained, serving 0, until its next scrape.)
+for _ in $(seq 100); do [[ $(promv 'count(tandem_worker_serving{namespace="llm"} == 1)') == 4 ]] && break; sleep 0.2; done
 [[ $(promv 'count(tandem_worker_serving{namespace="llm"} == 1)') == 4 ]] ||
   { echo "FAIL: the four workers' own metrics are not scraped"; promq 'tandem_worker_serving'; exit 1; }
 failures=$(load 500 16 4)  # (in a subshell: load's `wait` must not wait for the pods)
