@@ -769,7 +769,8 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_option("--run-dir", opt->run_dir, "Where addresses and the router config go");
   cmd->add_option("--max-restarts", opt->max_restarts,
                   "Restarts of a worker that dies, in a row, before it is given up on (0: a "
-                  "worker that dies stops the cluster)")
+                  "worker that dies stops the cluster); meanwhile requests wait up to 10 s for a "
+                  "worker (retries.wait_for_worker_s, without --config)")
       ->capture_default_str()
       ->check(CLI::Range(0, 1000));
   cmd->add_flag("--insecure", opt->insecure,
