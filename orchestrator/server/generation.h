@@ -38,8 +38,9 @@
 // Waiting for a worker: when no healthy worker is left to place an attempt
 // on (a pool restarting, a pod not yet past its health checks), the
 // generation waits up to `wait_for_worker`, placing again on each
-// CheckProgress, before it fails with the planner's UNAVAILABLE. The wait
-// launches nothing and holds no worker.
+// CheckProgress, before it fails with the planner's UNAVAILABLE; not when
+// the planner says none can come (kNoWorkerToWaitFor). The wait launches
+// nothing and holds no worker.
 //
 // Failover (after tokens reached the sink): a decode or aggregated call that
 // fails with a retryable code, or misses its deadline, is resumed on another
@@ -65,7 +66,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -96,9 +96,9 @@ struct Placement {
 };
 
 // The workers a generation already tried, by address, with when the attempt
-// on each started: placement passes one over unless it was admitted (again) since,
-// by its health checks (the same process back after an ejection, or a new
-// one restarted at that address).
+// on each started: placement passes one over unless its health checks have
+// admitted it (again) since (the same process back after an ejection, or a
+// new one restarted at that address).
 using TriedWorkers = std::map<std::string, std::chrono::steady_clock::time_point>;
 
 // The payload (its type URL) of a planner's UNAVAILABLE when waiting cannot

@@ -19,7 +19,6 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <span>
 #include <string>
 #include <vector>
