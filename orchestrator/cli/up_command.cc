@@ -7,9 +7,10 @@
 // A worker that dies is restarted on its port after a backoff (0.5 s,
 // doubling up to 30 s; logged), so the router readmits it at its next health
 // checks; the others serve meanwhile (without --config, requests that find no
-// healthy worker wait up to 10 s for one: retries.wait_for_worker_s). One that dies --max-restarts times in
-// a row, each within a minute of starting, is given up on (logged), and the
-// cluster serves with the rest; with no decode worker left it stops.
+// healthy worker wait up to 10 s for one: retries.wait_for_worker_s). One
+// that dies --max-restarts times in a row, each within a minute of starting,
+// is given up on (logged), and the cluster serves with the rest; with no
+// decode worker left it stops.
 // --max-restarts 0 restores stopping the whole cluster when any child dies.
 //
 // The router's config is the --config file (or the defaults) with its pools
@@ -112,6 +113,9 @@ struct TempDir {
 constexpr std::chrono::seconds kStableRun(60);
 constexpr std::chrono::milliseconds kFirstBackoff(500);
 constexpr std::chrono::milliseconds kMaxBackoff(30000);
+// The default config's retries.wait_for_worker_s: requests that find no
+// healthy worker (one restarting) wait this long for it.
+constexpr int kWaitForWorkerS = 10;
 
 std::mutex g_log_mu;
 
@@ -357,8 +361,7 @@ absl::Status Up(UpOptions opt) {
     config.prefill->policy.name = "kv_cache_aware";
     config.health.interval_s = 1;
     config.health.timeout_s = 1;
-    // Requests that find no healthy worker (one restarting) wait for it.
-    config.retries.wait_for_worker_s = 10;
+    config.retries.wait_for_worker_s = kWaitForWorkerS;
     config.debug.worker_details = true;  // a development cluster
   }
   if (!opt.served_model_name.empty()) config.model.served_name = opt.served_model_name;
@@ -768,9 +771,9 @@ void AddUpCommand(CLI::App& app) {
   cmd->add_option("--worker-arg", opt->worker_args, "Extra flag for every worker (repeatable)");
   cmd->add_option("--run-dir", opt->run_dir, "Where addresses and the router config go");
   cmd->add_option("--max-restarts", opt->max_restarts,
-                  "Restarts of a worker that dies, in a row, before it is given up on (0: a "
-                  "worker that dies stops the cluster); meanwhile requests wait up to 10 s for a "
-                  "worker (retries.wait_for_worker_s, without --config)")
+                  absl::StrCat("Restarts of a worker that dies, in a row, before it is given up on (0: a "
+                               "worker that dies stops the cluster); meanwhile requests wait up to ",
+                               kWaitForWorkerS, " s for a worker (retries.wait_for_worker_s, without --config)"))
       ->capture_default_str()
       ->check(CLI::Range(0, 1000));
   cmd->add_flag("--insecure", opt->insecure,

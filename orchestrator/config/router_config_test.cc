@@ -183,23 +183,22 @@ TEST(RouterConfigTest, AttemptDeadlinesAndFailovers) {
   EXPECT_EQ(config->retries.max_failovers, 0);
   EXPECT_EQ(config->retries.wait_for_worker_s, 12.5);
 
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {attempt_idle_s: soon}\n"),
-              StartsWith("t.yaml:6:27: retries.attempt_idle_s: expected auto or a number of "
-                         "seconds, got 'soon'"));
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {attempt_first_token_s: -2}\n"),
-              StartsWith("t.yaml:6:34: retries.attempt_first_token_s: -2 is not in [0, 86400]"));
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {max_failovers: 11}\n"),
-              StartsWith("t.yaml:6:26: retries.max_failovers: 11 is not in [0, 10]"));
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {auto_floor_s: 0}\n"),
-              StartsWith("t.yaml:6:25: retries.auto_floor_s: 0 is not in (0, 3600]"));
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {auto_multiplier: 0.5}\n"),
-              StartsWith("t.yaml:6:28: retries.auto_multiplier: 0.5 is not in [1, 1000]"));
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {wait_for_worker_s: 3601}\n"),
-              StartsWith("t.yaml:6:30: retries.wait_for_worker_s: 3601 is not in [0, 3600]"));
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "retries: {wait_for_worker_s: soon}\n"),
-              StartsWith("t.yaml:6:30: retries.wait_for_worker_s:"));
-  EXPECT_THAT(ErrorOf(std::string(kMinimal) + "timeouts: {first_token_s: 5}\nretries: {wait_for_worker_s: 6}\n"),
-              StartsWith("t.yaml:7:30: retries.wait_for_worker_s: must be <= timeouts.first_token_s (5)"));
+  // Each refusal: the YAML after kMinimal, and how its error starts.
+  const std::pair<const char*, const char*> refused[] = {
+      {"retries: {attempt_idle_s: soon}\n",
+       "t.yaml:6:27: retries.attempt_idle_s: expected auto or a number of seconds, got 'soon'"},
+      {"retries: {attempt_first_token_s: -2}\n", "t.yaml:6:34: retries.attempt_first_token_s: -2 is not in [0, 86400]"},
+      {"retries: {max_failovers: 11}\n", "t.yaml:6:26: retries.max_failovers: 11 is not in [0, 10]"},
+      {"retries: {auto_floor_s: 0}\n", "t.yaml:6:25: retries.auto_floor_s: 0 is not in (0, 3600]"},
+      {"retries: {auto_multiplier: 0.5}\n", "t.yaml:6:28: retries.auto_multiplier: 0.5 is not in [1, 1000]"},
+      {"retries: {wait_for_worker_s: 3601}\n", "t.yaml:6:30: retries.wait_for_worker_s: 3601 is not in [0, 3600]"},
+      {"retries: {wait_for_worker_s: soon}\n", "t.yaml:6:30: retries.wait_for_worker_s:"},
+      {"timeouts: {first_token_s: 5}\nretries: {wait_for_worker_s: 6}\n",
+       "t.yaml:7:30: retries.wait_for_worker_s: must be <= timeouts.first_token_s (5)"},
+  };
+  for (const auto& [yaml, error] : refused) {
+    EXPECT_THAT(ErrorOf(std::string(kMinimal) + yaml), StartsWith(error)) << yaml;
+  }
 }
 
 TEST(RouterConfigTest, BadPolicyName) {

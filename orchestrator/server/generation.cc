@@ -83,8 +83,9 @@ struct Generation::Call final : GrpcReader<GenerateResponse> {
   GenerateRequest request;
   InFlight in_flight;
   grpc::ClientContext context;
-  bool reserved = false;  // RECEIVE: the reservation came
-  bool finished = false;  // its final message (finish_reason set) came
+  bool reserved = false;   // RECEIVE: the reservation came
+  bool finished = false;   // its final message (finish_reason set) came
+  bool abandoned = false;  // its attempt was abandoned: what it still says is ignored
 };
 
 Generation::Generation(Options options, GenerateRequest request, Planner* planner, GenerationSink* sink)
@@ -223,7 +224,7 @@ Generation::Call* Generation::LaunchLocked(CallKind kind, const std::shared_ptr<
 void Generation::OnMessage(Call* call, const GenerateResponse& msg) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (done_ || call->attempt != attempt_ || waiting_since_.has_value()) return;
+    if (done_ || call->attempt != attempt_ || call->abandoned) return;
     // (RepeatedPtrField holds pointers; messages carry a few tokens each.)
     const std::vector<TokenOutput> token_list(msg.tokens().begin(), msg.tokens().end());
     const std::span<const TokenOutput> tokens(token_list);
@@ -360,8 +361,7 @@ void Generation::OnCallDone(Call* call, const grpc::Status& status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     calls_.erase(std::find(calls_.begin(), calls_.end(), call));
-    // (While waiting, the calls left are the abandoned attempt's, cancelled.)
-    if (done_ || call->attempt != attempt_ || call->finished || waiting_since_.has_value()) return;
+    if (done_ || call->attempt != attempt_ || call->finished || call->abandoned) return;
     absl::Status s = status.ok() ? absl::InternalError(absl::StrCat("worker ", call->worker->address(),
                                                                     " ended the stream without a finish reason"))
                                  : FromGrpcStatus(status);
@@ -451,6 +451,10 @@ void Generation::FinishSentLocked(tandem::v1::FinishReason reason) {
 }
 
 void Generation::AbandonAttemptLocked() {
+  // (Marked, not only cancelled: the next attempt may not start at once, a
+  // wait for a worker coming first, and the attempt number alone would not
+  // tell these calls from live ones meanwhile.)
+  for (Call* c : calls_) c->abandoned = true;
   CancelCallsLocked(/*include_send=*/true);
   held_.clear();
   decode_finished_ = false;

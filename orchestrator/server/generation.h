@@ -212,7 +212,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void MoveIfPastDeadlineLocked(std::chrono::steady_clock::time_point now, double first_token_s, double idle_s)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Resumes on another worker after tokens were sent; false when no
-  // failover is left. `worker` is excluded from then on.
+  // failover is left. `worker` is tried from then on (TriedWorkers).
   bool FailoverLocked(const absl::Status& why, const std::shared_ptr<WorkerClient>& worker)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Set when the tokens already sent ended the generation (the stream broke
@@ -220,7 +220,8 @@ class Generation : public std::enable_shared_from_this<Generation> {
   std::optional<tandem::v1::FinishReason> EndedBySentLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finishes with `reason`: the tokens sent ended the generation.
   void FinishSentLocked(tandem::v1::FinishReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Cancels the current attempt's calls and forgets what they held back.
+  // Cancels the current attempt's calls (marked abandoned) and forgets what
+  // they held back.
   void AbandonAttemptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts the calls launched under the lock (gRPC may run a reaction
   // inline, so calls start with mu_ released).
@@ -273,7 +274,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   bool decode_has_token_ ABSL_GUARDED_BY(mu_) = false;   // its decode stream delivered one
   bool attempt_expired_ ABSL_GUARDED_BY(mu_) = false;    // past a deadline, nowhere to go
   // Set while no healthy worker could be placed on: since when it waits.
-  // No attempt is live then (the last one's calls were abandoned).
+  // No attempt is live then (the last one's calls are abandoned).
   std::optional<std::chrono::steady_clock::time_point> waiting_since_ ABSL_GUARDED_BY(mu_);
 };
 
