@@ -102,20 +102,17 @@ __device__ __forceinline__ void WriteSplitResult(const AttnArgs& a, const Partia
 // L1: other CTAs wrote them). A fixed order for a given split count: the
 // same bits for a row in any batch. Splits that start past the token's keys
 // hold nothing and are not read.
-//
-// kThreadsM threads merge (threads base .. base + kThreadsM - 1 of the CTA,
-// syncing on named barrier `bar`), the first kCache splits' weights kept in
-// sm_w ([rows][kCache]); the same bits whatever the two are.
-template <typename T, int kThreadsM = 128, int kCache = kMaxSplitsPerRow>
+template <typename T>
 __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, int head0, int rows, int num_splits,
-                          int keys_per_split, float* sm_w, int bar, int base = 0) {
+                          int keys_per_split, float* sm_w, int bar) {
   __shared__ float sm_sum[16], sm_mx[16];
-  const int tid = static_cast<int>(threadIdx.x) - base, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int head_dim = a.pool.head_dim;
   const int n_keys = KeysOf(a, token);
   const int splits = max(1, min(num_splits, (n_keys + keys_per_split - 1) / keys_per_split));
+  const int cached = min(splits, kMaxSplitsPerRow);
   const int64_t row0 = int64_t{token} * a.num_heads + head0;
-  for (int g = warp; g < rows; g += kThreadsM / 32) {
+  for (int g = warp; g < rows; g += 4) {
     const float* ml = part.ml + (row0 + g) * num_splits * 2;
     float mx = -FLT_MAX;
     int bad = 0;
@@ -130,7 +127,7 @@ __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, in
     for (int j = lane; j < splits; j += 32) {
       const float lj = __ldcg(&ml[j * 2 + 1]);
       const float w = lj > 0.0f ? exp2f(__ldcg(&ml[j * 2]) - mx) : 0.0f;
-      if (j < kCache) sm_w[g * kCache + j] = w;
+      if (j < kMaxSplitsPerRow) sm_w[g * kMaxSplitsPerRow + j] = w;
       sum += w * lj;
     }
 #pragma unroll
@@ -140,49 +137,37 @@ __device__ void MergeUnit(const AttnArgs& a, const Partials& part, int token, in
       sm_mx[g] = mx;
     }
   }
-  asm volatile("bar.sync %0, %1;\n" ::"r"(bar), "n"(kThreadsM) : "memory");
+  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
   const int vecs = head_dim / 4;  // float4 columns of a row
-  for (int e = tid; e < rows * vecs; e += kThreadsM) {
+  for (int e = tid; e < rows * vecs; e += 128) {
     const int g = e / vecs, d = (e % vecs) * 4;
     const float sum = sm_sum[g];
-    const float* w = sm_w + g * kCache;
+    const float* w = sm_w + g * kMaxSplitsPerRow;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (sum > 0.0f) {
       const float4* o = reinterpret_cast<const float4*>(part.o + (row0 + g) * num_splits * head_dim + d);
-      const float* ml = part.ml + (row0 + g) * num_splits * 2;
-      // Split j's weight: cached, or (past kCache splits) recomputed as the
-      // first pass computed it.
-      auto weight = [&](int j) {
-        if (j < kCache) return w[j];
-        const float lj = __ldcg(&ml[j * 2 + 1]);
-        return lj > 0.0f ? exp2f(__ldcg(&ml[j * 2]) - sm_mx[g]) : 0.0f;
-      };
-      // Eight splits' loads in flight at a time, added in split order: over
-      // the cached weights, or (a small cache: the merge warp's) over all.
-      const int grouped = kCache >= kMaxSplitsPerRow ? min(splits, kCache) : splits;
       int j = 0;
-      for (; j + 8 <= grouped; j += 8) {
+      for (; j + 8 <= cached; j += 8) {
         float4 v[8];
-        float wu[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = __ldcg(&o[(j + u) * vecs]);
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
-          v[u] = __ldcg(&o[int64_t{j + u} * vecs]);
-          if constexpr (kCache >= kMaxSplitsPerRow) {
-            wu[u] = w[j + u];
-          } else {
-            wu[u] = weight(j + u);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          acc.x += wu[u] * v[u].x;
-          acc.y += wu[u] * v[u].y;
-          acc.z += wu[u] * v[u].z;
-          acc.w += wu[u] * v[u].w;
+          acc.x += w[j + u] * v[u].x;
+          acc.y += w[j + u] * v[u].y;
+          acc.z += w[j + u] * v[u].z;
+          acc.w += w[j + u] * v[u].w;
         }
       }
       for (; j < splits; ++j) {  // the rest, and fixed plans that cut a row more ways
-        const float wj = weight(j);
+        float wj = 0.0f;
+        if (j < kMaxSplitsPerRow) {
+          wj = w[j];
+        } else {
+          const float* ml = part.ml + (row0 + g) * num_splits * 2;
+          const float lj = __ldcg(&ml[j * 2 + 1]);
+          wj = lj > 0.0f ? exp2f(__ldcg(&ml[j * 2]) - sm_mx[g]) : 0.0f;
+        }
         const float4 v = __ldcg(&o[int64_t{j} * vecs]);
         acc.x += wj * v.x;
         acc.y += wj * v.y;
@@ -534,21 +519,6 @@ __device__ __forceinline__ void MmaTileStep(uint32_t stage, int bs_shift, int wa
 // (MergeUnit does not read them).
 constexpr int kStreamConsumers = 4;
 constexpr int kStreamThreads = (kStreamConsumers + 1) * 32;
-// Diagnostic variant bit 2 (kVar & 4; prefill_check dbench and dcheck
-// only, an experiment): a sixth warp takes a split's arrival and the merge
-// off the consumers (below), so that they go on to the next item at once.
-template <int kVar>
-constexpr int StreamThreadsOf() {
-  return kStreamThreads + ((kVar & 4) != 0 ? 32 : 0);
-}
-// The merge warp's queue: a finished split (token, KV head, arrivals to
-// expect), or token -1: no more.
-struct MergeJob {
-  int token, kv_head, arrivals;
-};
-constexpr int kMergeQueue = 2;
-constexpr int kMergeCache = 32;  // splits whose weights the merge warp keeps in shared memory (2 KB)
-constexpr int kMergeBarrier = 2;
 // Three stages of 64 keys (K and V) and two CTAs an SM (the most that fit
 // two CTAs at head dim 128: the merge at an item's end borrows the stage of
 // its last tile instead of buffers of its own). Persistent variants
@@ -628,7 +598,7 @@ __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, in
 // Diagnostic variants (kVar; prefill_check dbench only): bit 0 no math
 // (the loads' own time), bit 1 a trace (per-CTA start, first tile and end
 // times and items taken, into g_decode_trace; CopyDecodeTrace reads it).
-__device__ unsigned long long g_decode_trace[4 * 1024];
+__device__ unsigned long long g_decode_trace[6 * 1024];  // start, first tile, end (ns), items, start and end clock64
 __device__ __forceinline__ unsigned long long GlobalTimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -638,7 +608,7 @@ __device__ __forceinline__ unsigned long long GlobalTimer() {
 __device__ __forceinline__ void ConsumerBarrier() { asm volatile("bar.sync 1, %0;\n" ::"n"(kStreamConsumers * 32)); }
 
 template <typename T, int kD, int kVar = 0>
-__global__ void __launch_bounds__(StreamThreadsOf<kVar>(), 2)
+__global__ void __launch_bounds__(kStreamThreads, 2)
     DecodeStreamKernel(AttnArgs a, const __grid_constant__ CUtensorMap pool_map, bool use_tma, int num_splits,
                        int keys_per_split, int num_items, Partials part, unsigned* sched) {
   constexpr int kChunks = kD / 8;
@@ -657,62 +627,19 @@ __global__ void __launch_bounds__(StreamThreadsOf<kVar>(), 2)
   const int bs_mask = a.pool.block_size - 1;
   constexpr bool kMath = (kVar & 1) == 0;
   constexpr bool kTrace = (kVar & 2) != 0;
-  constexpr bool kMergeWarp = (kVar & 4) != 0;
-  constexpr int kMq = kMergeWarp ? kMergeQueue : 1;
-  __shared__ MergeJob mq_job[kMq];
-  __shared__ __align__(8) uint64_t mq_full[kMq], mq_empty[kMq];
-  __shared__ float mq_w[kMergeWarp ? 16 * kMergeCache : 1];
-  if (kTrace && tid == 0 && blockIdx.x < 1024) g_decode_trace[blockIdx.x * 4] = GlobalTimer();
+  if (kTrace && tid == 0 && blockIdx.x < 1024) {
+    g_decode_trace[blockIdx.x * 6] = GlobalTimer();
+    g_decode_trace[blockIdx.x * 6 + 4] = clock64();
+  }
 
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       MbarInit(SmemAddr(&full[i]), 33);                      // lane 0's arrive (+ TMA bytes), and 32 cp.async arrivals
       MbarInit(SmemAddr(&empty[i]), kStreamConsumers * 32);  // every consumer thread releases
     }
-    if constexpr (kMergeWarp) {
-      for (int i = 0; i < kMergeQueue; ++i) {
-        MbarInit(SmemAddr(&mq_full[i]), 32);   // consumer warp 0 hands a split over
-        MbarInit(SmemAddr(&mq_empty[i]), 32);  // the merge warp is done with it
-      }
-    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-
-  if constexpr (kMergeWarp) {
-    if (warp == kStreamConsumers + 1) {
-      // ---- merge warp ----
-      // Takes each finished split the consumers hand over, counts it in
-      // (ArriveAndMerge's fence and atomic: consumer warp 0's partials are
-      // ordered before this warp's fence by the queue's mbarrier), and
-      // merges the unit where this split is its last.
-      int q = 0, qph = 0;
-      for (;;) {
-        MbarWait(SmemAddr(&mq_full[q]), qph);
-        const MergeJob job = mq_job[q];
-        if (job.token < 0) break;
-        int last = 0;
-        if (lane == 0) {
-          __threadfence();
-          last = CountArrival(part, int64_t{job.token} * a.pool.num_kv_heads + job.kv_head, job.arrivals);
-        }
-        __syncwarp();  // orders lane 0's atomic before the other lanes' reads
-        last = __shfl_sync(0xffffffffu, last, 0);
-        if (last) {
-          __threadfence();
-          MergeUnit<T, 32, kMergeCache>(a, part, job.token, job.kv_head * a.group, a.group, num_splits, keys_per_split,
-                                        mq_w, kMergeBarrier, (kStreamConsumers + 1) * 32);
-        }
-        __syncwarp();  // this merge's shared-memory reads before the next one's writes
-        MbarArrive(SmemAddr(&mq_empty[q]));
-        if (++q == kMergeQueue) {
-          q = 0;
-          qph ^= 1;
-        }
-      }
-      return;
-    }
-  }
 
   if (warp == kStreamConsumers) {
     // ---- producer ----
@@ -854,22 +781,10 @@ __global__ void __launch_bounds__(StreamThreadsOf<kVar>(), 2)
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
   int st = 0, ph = 0;
   int traced_items = 0;
-  int mq = 0, mq_ph = 0;  // the merge warp's queue (kMergeWarp; consumer warp 0 fills it)
-  // Consumer warp 0 hands a job to the merge warp (its partials, written
-  // before, are ordered before the merge warp's read by the mbarrier).
-  auto hand_over = [&](MergeJob job) {
-    MbarWait(SmemAddr(&mq_empty[mq]), mq_ph ^ 1);
-    if (lane == 0) mq_job[mq] = job;
-    MbarArrive(SmemAddr(&mq_full[mq]));
-    if (++mq == kMergeQueue) {
-      mq = 0;
-      mq_ph ^= 1;
-    }
-  };
   for (;;) {
     MbarWait(SmemAddr(&full[st]), ph);
     if (kTrace && tid == 0 && traced_items == 0 && blockIdx.x < 1024) {
-      g_decode_trace[blockIdx.x * 4 + 1] = GlobalTimer();
+      g_decode_trace[blockIdx.x * 6 + 1] = GlobalTimer();
     }
     const StageDesc d = desc[st];
     if (d.item < 0) break;
@@ -1005,21 +920,15 @@ __global__ void __launch_bounds__(StreamThreadsOf<kVar>(), 2)
     // The unit's last split to finish merges them (no second launch).
     if (num_splits > 1) {
       const int arrivals = max(1, min(num_splits, (it.n_keys + keys_per_split - 1) / keys_per_split));
-      if constexpr (kMergeWarp) {
-        if (warp == 0) hand_over({it.token, it.kv_head, arrivals});
-      } else {
-        ArriveAndMerge<T>(a, part, int64_t{it.token} * a.pool.num_kv_heads + it.kv_head, it.token, it.kv_head * a.group,
-                          a.group, num_splits, keys_per_split, arrivals, reinterpret_cast<float*>(merge), 1);
-      }
+      ArriveAndMerge<T>(a, part, int64_t{it.token} * a.pool.num_kv_heads + it.kv_head, it.token, it.kv_head * a.group,
+                        a.group, num_splits, keys_per_split, arrivals, reinterpret_cast<float*>(merge), 1);
     }
     MbarArrive(SmemAddr(&empty[used]));
   }
-  if constexpr (kMergeWarp) {
-    if (warp == 0) hand_over({-1, 0, 0});  // no more
-  }
   if (kTrace && tid == 0 && blockIdx.x < 1024) {
-    g_decode_trace[blockIdx.x * 4 + 2] = GlobalTimer();
-    g_decode_trace[blockIdx.x * 4 + 3] = traced_items;
+    g_decode_trace[blockIdx.x * 6 + 2] = GlobalTimer();
+    g_decode_trace[blockIdx.x * 6 + 3] = traced_items;
+    g_decode_trace[blockIdx.x * 6 + 5] = clock64();
   }
 }
 
@@ -1032,7 +941,7 @@ int StreamCtasPerSm() {
     auto* kernel = DecodeStreamKernel<T, kD, kVar>;
     constexpr int kSmem = StreamSmemBytes<kD>();
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, StreamThreadsOf<kVar>(), kSmem) != cudaSuccess) {
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kStreamThreads, kSmem) != cudaSuccess) {
       return 1;
     }
     return blocks > 0 ? blocks : 1;
@@ -1051,7 +960,7 @@ int LaunchStream(const AttnArgs& a, const SplitPlan& plan, Partials part, unsign
   if (items >= (int64_t{1} << 31)) return static_cast<int>(cudaErrorInvalidValue);
   const int sms = a.num_sms > 0 ? a.num_sms : 132;
   const int grid = static_cast<int>(std::min<int64_t>(items, int64_t{per_sm} * sms));
-  DecodeStreamKernel<T, kD, kVar><<<grid, StreamThreadsOf<kVar>(), StreamSmemBytes<kD>(), stream>>>(
+  DecodeStreamKernel<T, kD, kVar><<<grid, kStreamThreads, StreamSmemBytes<kD>(), stream>>>(
       a, map, use_tma, plan.num_splits, plan.keys_per_split, static_cast<int>(items), part, sched);
   return static_cast<int>(cudaGetLastError());
 }
@@ -1219,8 +1128,8 @@ int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspa
         return LaunchStream<__nv_bfloat16, 128, 1>(a, plan, part, sched, s);
       case 3:
         return LaunchStream<__nv_bfloat16, 128, 2>(a, plan, part, sched, s);
-      case 5:  // the merge warp
-        return LaunchStream<__nv_bfloat16, 128, 4>(a, plan, part, sched, s);
+      case 5:  // the trace without the math
+        return LaunchStream<__nv_bfloat16, 128, 3>(a, plan, part, sched, s);
       default:
         break;
     }

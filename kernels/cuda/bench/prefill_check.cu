@@ -12,7 +12,8 @@
 //   ./prefill_check dbench 0,2 # the decode variants' timings (GPU time from a
 //                              # cold L2, and back-to-back call time); 2 the
 //                              # loads without the math, 3 a per-CTA trace,
-//                              # 4 a dense read of the same bytes
+//                              # 4 a dense read of the same bytes, 5 the
+//                              # trace without the math
 //   ./prefill_check dbench V KPS 8b:64x1024,70b:16x8192 shuf|seq PAGE
 //
 // Correctness: fresh random inputs rounded to the element type, a paged pool
@@ -46,12 +47,13 @@ static const char* kVariantName[] = {"fa3",          "ws",        "fa3:cp.async"
                                      "fa3:lazy",     "fa3:qregs", "fa3:drain",    "fa3:xitem",  "fa3:176:drain",
                                      "fa3:176:xitem"};
 // LaunchSplitKvVariant's variants (2: the loads without the math; 3: the
-// default with a per-CTA trace, printed after the shape's timings), then
-// this file's dense read of the same bytes (4: the device's read ceiling
-// for the call's size), then 5: the default with a merge warp (an
-// experiment: the splits' arrivals and merges off the consumers).
+// default with a per-CTA trace, printed after the shape's timings: when
+// each CTA saw its first tile and ended, and its SM clock from clock64
+// against %globaltimer), then this file's dense read of the same bytes (4:
+// the device's read ceiling for the call's size), then 5: the trace of the
+// loads without the math.
 static const char* kDecodeName[] = {"stream",       "cuda-core",  "stream:nomath",
-                                    "stream:trace", "dense-read", "stream:mergewarp"};
+                                    "stream:trace", "dense-read", "stream:trace:nomath"};
 static constexpr int kDenseRead = 4;
 static int g_rounds = 3;           // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;  // dbench: blocks in order instead of shuffled
@@ -559,26 +561,27 @@ static double DBench(const std::vector<std::pair<int, int>>& configs, int batch,
     (*timings)[c].call_us = t * 1e3 / reps;
   }
   for (const auto& [variant, kps] : configs) {
-    if (variant != 3) continue;
+    if (variant != 3 && variant != 5) continue;
     // One traced call from a cold L2: when each CTA started, saw its first
-    // tile and ended (ns after the earliest start), and its items.
+    // tile and ended (ns after the earliest start), its items and its SM clock.
     CK(cudaMemsetAsync(flush, 1, kFlushBytes));
     CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
     CK(cudaDeviceSynchronize());
-    std::vector<unsigned long long> tr(4 * 1024);
+    std::vector<unsigned long long> tr(6 * 1024);
     CK(static_cast<cudaError_t>(CopyDecodeTrace(tr.data())));
     unsigned long long t0 = ~0ull, newest = 0;
-    for (int b = 0; b < 1024; ++b) newest = std::max(newest, tr[4 * b]);
-    std::vector<double> first, end, items;
+    for (int b = 0; b < 1024; ++b) newest = std::max(newest, tr[6 * b]);
+    std::vector<double> first, end, items, ghz;
     for (int b = 0; b < 1024; ++b) {
-      if (tr[4 * b] + 1000000ull < newest || tr[4 * b + 2] == 0) continue;  // not this launch
-      t0 = std::min(t0, tr[4 * b]);
+      if (tr[6 * b] + 1000000ull < newest || tr[6 * b + 2] == 0) continue;  // not this launch
+      t0 = std::min(t0, tr[6 * b]);
     }
     for (int b = 0; b < 1024; ++b) {
-      if (tr[4 * b] < t0 || tr[4 * b] + 1000000ull < newest || tr[4 * b + 2] < tr[4 * b]) continue;
-      first.push_back((tr[4 * b + 1] - t0) * 1e-3);
-      end.push_back((tr[4 * b + 2] - t0) * 1e-3);
-      items.push_back(double(tr[4 * b + 3]));
+      if (tr[6 * b] < t0 || tr[6 * b] + 1000000ull < newest || tr[6 * b + 2] < tr[6 * b]) continue;
+      first.push_back((tr[6 * b + 1] - t0) * 1e-3);
+      end.push_back((tr[6 * b + 2] - t0) * 1e-3);
+      items.push_back(double(tr[6 * b + 3]));
+      ghz.push_back(double(tr[6 * b + 5] - tr[6 * b + 4]) / double(tr[6 * b + 2] - tr[6 * b]));
     }
     auto q = [](std::vector<double> v, double f) {
       std::sort(v.begin(), v.end());
@@ -586,9 +589,9 @@ static double DBench(const std::vector<std::pair<int, int>>& configs, int batch,
     };
     std::printf(
         "trace %dx%d kps %d: %zu CTAs; first tile us p0 %.1f p50 %.1f p100 %.1f; end us p0 %.1f p10 %.1f "
-        "p50 %.1f p90 %.1f p100 %.1f; items min %.0f max %.0f\n",
+        "p50 %.1f p90 %.1f p100 %.1f; items min %.0f max %.0f; SM GHz p0 %.3f p50 %.3f p100 %.3f\n",
         batch, ctx, kps, end.size(), q(first, 0), q(first, 0.5), q(first, 1.0), q(end, 0), q(end, 0.1), q(end, 0.5),
-        q(end, 0.9), q(end, 1.0), q(items, 0), q(items, 1.0));
+        q(end, 0.9), q(end, 1.0), q(items, 0), q(items, 1.0), q(ghz, 0), q(ghz, 0.5), q(ghz, 1.0));
   }
   int err = 0;
   CK(cudaMemcpy(&err, d_ws, 4, cudaMemcpyDeviceToHost));

@@ -1171,26 +1171,28 @@ class CudaRunner final : public ModelRunner {
   // Steps of one token run the fused one-row products (LaunchGemvFused);
   // TANDEM_FUSED_GEMV=0 turns them off (A/B), as does --batch-invariant
   // (whose rows must not depend on the batch).
-  // TANDEM_FUSED_ROWS=N (N <= kMaxFusedRows) takes steps of up to N tokens
-  // that way too (each token's bits are those of its own one-token launch).
-  // Off by default: on an H200 (8B, 2026-11-29) a step of two tokens took
-  // 4.96-5.13 ms that way against 5.00-5.09 through cuBLASLt, four tokens
-  // 6.3-7.3 ms against 5.0-5.1 (each CTA norms every token's row, and the
-  // products at four rows are issue-bound).
+  // Steps of two tokens too, by default (TANDEM_FUSED_ROWS=N, N <=
+  // kMaxFusedRows, sets the most; each token's sums are in the order of its
+  // own one-token launch). On an H200 (8B, 2026-11-29, two rounds each) a
+  // two-token step took 4.63 ms that way (with the norm apart, below)
+  // against 4.92-4.96 through cuBLASLt; three or four tokens 5.75-5.78
+  // against 4.95-4.99 (the products at three and four rows are issue-bound),
+  // so steps of three or more stay on cuBLASLt.
   const int fused_rows_ = [this] {
     const char* e = std::getenv("TANDEM_FUSED_GEMV");
     if (batch_invariant_ || (e != nullptr && std::string_view(e) == "0")) return 0;
     const char* rows = std::getenv("TANDEM_FUSED_ROWS");
-    return rows != nullptr ? std::clamp(std::atoi(rows), 1, cuda_ops::kMaxFusedRows) : 1;
+    return rows != nullptr ? std::clamp(std::atoi(rows), 1, cuda_ops::kMaxFusedRows) : 2;
   }();
   // Fused steps of this many tokens or more norm the residual in a kernel of
   // its own before the QKV and gate/up products instead of in every CTA of
-  // them (TANDEM_FUSED_NORM_ROWS=N; never by default): an experiment until
-  // measured on a GPU against the per-CTA norm at two to four tokens.
+  // them (TANDEM_FUSED_NORM_ROWS=N sets it). Two by default: with the norm in
+  // every CTA a two-token step took 4.92-4.93 ms (H200, 8B), with the norm
+  // apart 4.63; one token is as fast either way (4.29-4.32).
   const int fused_norm_rows_ = [] {
     const char* e = std::getenv("TANDEM_FUSED_NORM_ROWS");
     const int rows = e != nullptr ? std::atoi(e) : 0;
-    return rows >= 1 ? rows : std::numeric_limits<int>::max();
+    return rows >= 1 ? rows : 2;
   }();
   // ... with RoPE and the KV write in the QKV product (TANDEM_FUSED_ROPE=0:
   // their own kernel; A/B).

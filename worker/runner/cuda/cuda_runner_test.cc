@@ -661,10 +661,11 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
 }
 
 // Decode steps of two to four sequences through the fused products
-// (TANDEM_FUSED_ROWS=4) agree with the unfused path (cuBLASLt and the
-// separate norm, RoPE and SiLU kernels), from graphs (three sequences: a
-// bucket of four with a padded row) and launched one by one, with the norms
-// in the products or (TANDEM_FUSED_NORM_ROWS=2) in kernels of their own.
+// (TANDEM_FUSED_ROWS=4) agree with the unfused path (TANDEM_FUSED_ROWS=1:
+// cuBLASLt and the separate norm, RoPE and SiLU kernels), from graphs
+// (three sequences: a bucket of four with a padded row) and launched one by
+// one, with the norms in the products (TANDEM_FUSED_NORM_ROWS=9) or, as by
+// default from two tokens, in kernels of their own.
 TEST(CudaRunnerTest, FusedStepsOfSeveralTokensAgreeWithTheUnfusedPath) {
   if (SkipWithoutGpu()) GTEST_SKIP();
   if (std::getenv("TANDEM_FUSED_ROWS") != nullptr || std::getenv("TANDEM_FUSED_GEMV") != nullptr ||
@@ -674,14 +675,15 @@ TEST(CudaRunnerTest, FusedStepsOfSeveralTokensAgreeWithTheUnfusedPath) {
   }
   const ModelConfig config = SmallConfig();
   // Decode graphs or launches one by one; the norms in the products' CTAs,
-  // or from two tokens on in norm kernels of their own.
-  for (const auto& [graphs, norm_rows] : {std::pair{true, ""}, std::pair{false, ""}, std::pair{true, "2"}}) {
+  // or (the default) from two tokens on in norm kernels of their own.
+  for (const auto& [graphs, norm_apart] : {std::pair{true, false}, std::pair{false, false}, std::pair{true, true}}) {
     SCOPED_TRACE(testing::Message() << (graphs ? "decode graphs" : "launched one by one")
-                                    << (*norm_rows ? ", norm kernels from two tokens" : ""));
+                                    << (norm_apart ? ", norm kernels from two tokens" : ""));
+    ASSERT_EQ(setenv("TANDEM_FUSED_ROWS", "1", 1), 0);
     absl::StatusOr<std::unique_ptr<ModelRunner>> unfused = MakeRunner("cuda", config, 9, false, graphs);
     ASSERT_EQ(setenv("TANDEM_FUSED_ROWS", "4", 1), 0);
-    if (*norm_rows) {
-      ASSERT_EQ(setenv("TANDEM_FUSED_NORM_ROWS", norm_rows, 1), 0);
+    if (!norm_apart) {
+      ASSERT_EQ(setenv("TANDEM_FUSED_NORM_ROWS", "9", 1), 0);
     }
     absl::StatusOr<std::unique_ptr<ModelRunner>> fused = MakeRunner("cuda", config, 9, false, graphs);
     ASSERT_EQ(unsetenv("TANDEM_FUSED_ROWS"), 0);
@@ -727,7 +729,7 @@ TEST(CudaRunnerTest, FusedStepsOfSeveralTokensAgreeWithTheUnfusedPath) {
     }
     const Agreement agree = Compare(all[0], all[1]);
     std::printf("%s%s: fused several-token steps vs unfused, top-1 %.4f, max |logprob diff| %.6f\n",
-                graphs ? "graphs" : "launched", *norm_rows ? ", norm kernels" : "", agree.top1, agree.max_diff);
+                graphs ? "graphs" : "launched", norm_apart ? ", norm kernels" : "", agree.top1, agree.max_diff);
     EXPECT_GE(agree.top1, 0.95);
     EXPECT_LE(agree.max_diff, 0.1);
   }
