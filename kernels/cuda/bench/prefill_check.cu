@@ -52,8 +52,8 @@ static const char* kVariantName[] = {"fa3",          "ws",        "fa3:cp.async"
 // against %globaltimer), then this file's dense read of the same bytes (4:
 // the device's read ceiling for the call's size), then 5: the trace of the
 // loads without the math.
-static const char* kDecodeName[] = {"stream",       "cuda-core",  "stream:nomath",
-                                    "stream:trace", "dense-read", "stream:trace:nomath"};
+static const char* kDecodeName[] = {"stream",     "cuda-core",           "stream:nomath", "stream:trace",
+                                    "dense-read", "stream:trace:nomath", "stream:static"};
 static constexpr int kDenseRead = 4;
 static int g_rounds = 3;           // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;  // dbench: blocks in order instead of shuffled
