@@ -186,6 +186,7 @@ bool RunsAtLeast(WorkerProcess& worker, int n, std::chrono::seconds timeout) {
 
 class RouterFailoverTest : public RouterTest {
  protected:
+  void ExpectDrainPushedBeforeTheNextCheck(const std::string& policy);
   std::string Healthy(const std::string& pool, const std::string& address) {
     return absl::StrCat("tandem_router_worker_healthy{pool=\"", pool, "\",worker=\"", address, "\"}");
   }
@@ -502,15 +503,19 @@ TEST_F(RouterFailoverTest, RequestsWithNoHealthyWorkerWaitAndAreServedByTheFirst
   ExpectIdle(w->stub(), w->address(), seconds(20));
 }
 
-// A worker told to stop (SIGTERM) drains: its first health check after that
-// answers NOT_SERVING and ejects it at once (not after unhealthy_after = 3
-// failed checks), while the stream it runs finishes there.
+// A worker told to stop (SIGTERM) drains: with no event streams
+// (kv_events.enabled false) its first health check after that answers
+// NOT_SERVING and ejects it at once (not after unhealthy_after = 3 failed
+// checks), while the stream it runs finishes there.
 TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsFirstNotServingCheck) {
   std::vector<std::string> slow = {"--engine", "sim", "--sim-step-ms", "40"};
   WorkerProcess* a = StartBoth(slow);
   WorkerProcess* b = StartBoth(slow);
   ASSERT_TRUE(a && b);
-  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .health_interval_s = 2}), nullptr);
+  ASSERT_NE(
+      StartRouter(
+          {.decode = {a->address(), b->address()}, .extra = "kv_events:\n  enabled: false\n", .health_interval_s = 2}),
+      nullptr);
   const std::string failed_checks = "tandem_router_health_checks_total{result=\"failed\"}";
   const double failed_before = Metric(failed_checks).value_or(0);
   // Two long streams, one on each worker (round robin): ~8 s each.
@@ -527,6 +532,51 @@ TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsFirstNotServingCheck) {
   const absl::StatusOr<int> exited = a->Wait(seconds(30));
   ASSERT_TRUE(exited.ok()) << "the drained worker did not exit: " << exited.status();
   EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+}
+
+// The drain reaches the router over the worker's KV event stream, long
+// before its next health check (30 s away): the worker is ejected within
+// seconds of its SIGTERM without a failed check, the requests sent then all
+// go to the other worker without a retry, and the streams in flight on the
+// draining one complete. Under a KV-aware policy (the stream carries
+// events) and round robin (a status-only stream).
+void RouterFailoverTest::ExpectDrainPushedBeforeTheNextCheck(const std::string& policy) {
+  std::vector<std::string> slow = {"--engine", "sim", "--sim-step-ms", "40"};
+  WorkerProcess* a = StartBoth(slow);
+  WorkerProcess* b = StartBoth(slow);
+  ASSERT_TRUE(a && b);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .policy = policy, .health_interval_s = 30}), nullptr);
+  const std::string failed_checks = "tandem_router_health_checks_total{result=\"failed\"}";
+  const double failed_before = Metric(failed_checks).value_or(0);
+  // Two long streams (~4 s each), one on each worker.
+  const std::vector<json> bodies = {StreamBody(MakePrompt(600, 16), 100, 0), StreamBody(MakePrompt(601, 16), 100, 0)};
+  StreamsInFlight streams(router()->url(), bodies);
+  ASSERT_TRUE(RunsAtLeast(*a, 1, seconds(20)));
+  const auto sigterm_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(a->pid(), SIGTERM), 0);
+  ASSERT_TRUE(WaitForMetric(
+      Healthy("decode", a->address()), [](double v) { return v == 0; }, seconds(20)));
+  EXPECT_LT(std::chrono::steady_clock::now() - sigterm_at, seconds(10)) << "ejected by a health check, not the stream";
+  EXPECT_EQ(Metric(failed_checks).value_or(0), failed_before) << "a health check failed before the ejection";
+  const double retries_before = Metric("tandem_router_retries_total").value_or(0);
+  for (int i = 0; i < 4; ++i) {
+    const StreamResult r = RunStream(router()->url(), StreamBody(MakePrompt(700 + i, 16), 4, 1 + i));
+    ExpectComplete(r, 4, "a request sent during the drain");
+    EXPECT_EQ(r.decode_worker, b->address());
+  }
+  EXPECT_EQ(Metric("tandem_router_retries_total").value_or(0), retries_before) << "requests met the draining worker";
+  for (const StreamResult& r : streams.Join()) ExpectComplete(r, 100, "a stream through the drain");
+  const absl::StatusOr<int> exited = a->Wait(seconds(30));
+  ASSERT_TRUE(exited.ok()) << "the drained worker did not exit: " << exited.status();
+  EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+}
+
+TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsKvEventStreamUnderAKvAwarePolicy) {
+  ExpectDrainPushedBeforeTheNextCheck("kv_cache_aware");
+}
+
+TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsStatusOnlyStreamUnderRoundRobin) {
+  ExpectDrainPushedBeforeTheNextCheck("round_robin");
 }
 
 // Split requests whose only decode worker dies while the prefill worker is

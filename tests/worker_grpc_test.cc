@@ -1188,14 +1188,44 @@ void ExpectCleanExit(WorkerProcess* w) {
   EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
 }
 
-// SIGTERM drains: Health turns NOT_SERVING and new Generate calls get
-// UNAVAILABLE (a router retries them elsewhere), while the stream in flight
-// runs to its end; then the worker exits by itself, cleanly.
+// SIGTERM drains: the KV event streams say so at once (one batch with
+// `draining`: a status-only stream gets just that, an event stream gets it
+// beside its events, and a stream opened later gets it first), Health turns
+// NOT_SERVING and new Generate calls get UNAVAILABLE (a router retries them
+// elsewhere), while the stream in flight runs to its end; then the worker
+// exits by itself, cleanly.
 TEST_F(WorkerGrpcTest, SigtermDrainsInFlightStreamsAndRefusesNewOnes) {
   WorkerProcess* w = StartWorker();
   ASSERT_NE(w, nullptr);
+  v1::KvEventsRequest status_only, with_events;
+  status_only.set_status_only(true);
+  with_events.set_snapshot(true);
+  KvEventReader status(w->stub(), status_only);
+  KvEventReader events(w->stub(), with_events);
+  ASSERT_TRUE(events.WaitForSeq(0));  // its snapshot
+  auto drain_batches = [](KvEventReader& r) {
+    int n = 0;
+    for (const v1::KvEventBatch& b : r.batches()) n += b.draining() ? 1 : 0;
+    return n;
+  };
+  EXPECT_EQ(drain_batches(status) + drain_batches(events), 0) << "a drain announced before SIGTERM";
   StreamCutBySigterm stream(w, 1500);
   ASSERT_TRUE(stream.ok());
+  for (KvEventReader* r : {&status, &events}) {
+    EXPECT_TRUE(tandem::testing::WaitUntil([&] { return drain_batches(*r) > 0; }, seconds(5)))
+        << "no batch said the worker drains";
+  }
+  KvEventReader later(w->stub(), status_only);
+  EXPECT_TRUE(tandem::testing::WaitUntil([&] { return drain_batches(later) > 0; }, seconds(5)))
+      << "a stream opened during the drain";
+  for (KvEventReader* r : {&status, &later}) {
+    const std::vector<v1::KvEventBatch> got = r->batches();
+    ASSERT_EQ(got.size(), 1u) << "a status-only stream carries the drain alone";
+    EXPECT_FALSE(got[0].has_snapshot());
+    EXPECT_EQ(got[0].events_size(), 0);
+    EXPECT_EQ(got[0].instance_id(), events.batches()[0].instance_id());
+  }
+  EXPECT_EQ(drain_batches(events), 1) << "announced once";
 
   // The drain is visible to callers at once (within a health check or two).
   EXPECT_EQ(WaitForHealth(w->stub(), v1::HealthResponse::NOT_SERVING, seconds(5)), v1::HealthResponse::NOT_SERVING);

@@ -302,9 +302,12 @@ struct HealthConfig {
 };
 
 // The workers' KV-cache event streams (blocks stored / evicted), which feed
-// the router's index for kv_cache_aware routing.
+// the router's index for kv_cache_aware routing and tell the router at once
+// that a worker drains.
 struct KvEventsConfig {
-  // Subscribe to the events. Required by the kv_cache_aware policy.
+  // Subscribe to every healthy worker's stream (with its events where a
+  // policy keeps an index). Required by the kv_cache_aware policy. false: no
+  // streams; a draining worker is then ejected by its next health check.
   bool enabled = true;
 
   friend bool operator==(const KvEventsConfig&, const KvEventsConfig&) = default;

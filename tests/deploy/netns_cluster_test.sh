@@ -285,7 +285,15 @@ promq() {  # EXPR: the query's result as JSON
 promv() { promq "$1" | python3 -c 'import json, sys; r = json.load(sys.stdin)["data"]["result"]; print(r[0]["value"][1] if r else 0)'; }
 # The router and the four running workers (decode-0 was killed in 3 and left its Service).
 for _ in $(seq 100); do [[ $(promv 'count(up == 1)') == 5 ]] && break; sleep 0.2; done
-[[ $(promv 'count(up == 1)') == 5 ]] || { echo "FAIL: not every target is up"; ip netns exec "$hub" curl -s "$api/targets"; exit 1; }
+if [[ $(promv 'count(up == 1)') != 5 ]]; then
+  echo "FAIL: not every target is up"
+  ip netns exec "$hub" curl -s "$api/targets"
+  echo; echo "the Services' records now:"; cat "$hosts"
+  for comp in prefill decode; do
+    echo "$comp: $(ip netns exec "$hub" getent ahostsv4 "$(cat "$work/$comp.dns")" | awk '{print $1}' | sort -u | xargs)"
+  done
+  exit 1
+fi
 # (A pod restarted in 4 was last scraped while it drained, serving 0, until its next scrape.)
 for _ in $(seq 100); do [[ $(promv 'count(tandem_worker_serving{namespace="llm"} == 1)') == 4 ]] && break; sleep 0.2; done
 [[ $(promv 'count(tandem_worker_serving{namespace="llm"} == 1)') == 4 ]] ||

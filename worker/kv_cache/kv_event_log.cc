@@ -39,6 +39,10 @@ void KvEventLog::Publish() {
     if (published_seq_ == seq_) return;
     published_seq_ = seq_;
   }
+  WakeListeners();
+}
+
+void KvEventLog::WakeListeners() {
   absl::MutexLock lock(&listeners_mu_);
   for (auto& [id, fn] : listeners_) fn();
 }

@@ -53,6 +53,9 @@ class KvEventLog {
   void Cleared();
   // Wakes the listeners if events were appended since the last Publish().
   void Publish();
+  // Wakes the listeners whether or not there are new events: for a change of
+  // state that their streams carry beside the events (the worker's drain).
+  void WakeListeners();
 
   uint64_t last_seq() const;
 

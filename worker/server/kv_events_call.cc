@@ -43,8 +43,9 @@ class KvEventsCall final {
     const tandem::v1::KvEventsRequest& req = req_;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      status_only_ = req.status_only();
       cursor_ = req.start_after_seq();
-      need_snapshot_ = req.snapshot() || cursor_ > log_.last_seq();
+      need_snapshot_ = !status_only_ && (req.snapshot() || cursor_ > log_.last_seq());
     }
     // The listener may run as soon as it is added; it takes mu_ itself.
     listener_ = log_.AddListener([this] {
@@ -116,6 +117,18 @@ class KvEventsCall final {
     if (writing_ || finished_) return;
     batch_.Clear();
     batch_.set_instance_id(instance_id_);
+    // The drain, once, in the next batch (alone if no events are due).
+    const bool announce = !drain_announced_ && service_->draining();
+    if (announce) {
+      drain_announced_ = true;
+      batch_.set_draining(true);
+    }
+    if (status_only_) {
+      if (!announce) return;
+      writing_ = true;
+      writer_.Write(batch_, &op_tag_);
+      return;
+    }
     std::vector<KvEvent> events;
     if (!need_snapshot_ && !sending_snapshot_ && !log_.ReadSince(cursor_, kMaxEventsPerBatch, &events)) {
       need_snapshot_ = true;  // fell behind the log: resync
@@ -142,7 +155,7 @@ class KvEventsCall final {
       snapshot_ = KvSnapshot{};
       events.clear();
       log_.ReadSince(cursor_, kMaxEventsPerBatch, &events);
-    } else if (events.empty()) {
+    } else if (events.empty() && !announce) {
       return;
     }
     size_t bytes = 0;
@@ -175,7 +188,9 @@ class KvEventsCall final {
   uint64_t cursor_ ABSL_GUARDED_BY(mu_) = 0;  // the last seq sent (or covered by the snapshot)
   bool need_snapshot_ ABSL_GUARDED_BY(mu_) = false;
   bool sending_snapshot_ ABSL_GUARDED_BY(mu_) = false;
-  KvSnapshot snapshot_ ABSL_GUARDED_BY(mu_);  // being sent, in chunks
+  bool status_only_ ABSL_GUARDED_BY(mu_) = false;      // KvEventsRequest.status_only
+  bool drain_announced_ ABSL_GUARDED_BY(mu_) = false;  // a batch said draining
+  KvSnapshot snapshot_ ABSL_GUARDED_BY(mu_);           // being sent, in chunks
   size_t snapshot_sent_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;     // Finish was called

@@ -4,7 +4,9 @@
 //
 // KvEventsCall (in the .cc) sends a snapshot when needed (in chunks), then
 // events as they come, each batch bounded in size so default gRPC clients
-// (4 MiB messages) can read it. Lifetime as a Generate call's: it waits for
+// (4 MiB messages) can read it; and, once, that the worker drains (in the
+// next batch, alone if no events are due; the only batch of a status_only
+// stream). Lifetime as a Generate call's: it waits for
 // its call, serves it, and deletes itself when its Finish completed and gRPC
 // said the call is done.
 //

@@ -85,6 +85,11 @@ void WorkerService::Serve() {
 
 void WorkerService::Shutdown() { kv_handoff_.Stop(); }
 
+void WorkerService::StartDrain() {
+  draining_.store(true);
+  engine_->events().WakeListeners();  // the KV event streams announce it
+}
+
 bool WorkerService::serving() const { return engine_->running() && !draining(); }
 
 KvHandoffStats WorkerService::kv_stats() const { return kv_handoff_.stats(); }

@@ -77,10 +77,11 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   // Stops the KvReady calls this worker makes (cancels those in flight and
   // waits for their answers, which need the poller running).
   void Shutdown();
-  // Starts draining (SIGTERM): Health answers NOT_SERVING and new Generate
-  // calls get UNAVAILABLE (the router retries them on another worker), while
-  // calls in flight, and the KV hand-offs they wait for, go on.
-  void StartDrain() { draining_.store(true); }
+  // Starts draining (SIGTERM): Health answers NOT_SERVING, the KV event
+  // streams say so at once (KvEventBatch.draining), and new Generate calls
+  // get UNAVAILABLE (the router retries them on another worker), while calls
+  // in flight, and the KV hand-offs they wait for, go on.
+  void StartDrain();
   bool draining() const { return draining_.load(); }
   // Generate streams accepted and not yet ended (their last message or
   // status may still be on its way after the engine is done with them): a
