@@ -104,11 +104,14 @@ int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int
 // The same with a kernel chosen for comparison (kernels/cuda/bench): 0 the
 // default, 1 the CUDA-core kernel (the fallback for other shapes) always;
 // at head_dim 128 in bf16, 2 the default without its math (the loads' own
-// time) and 3 the default writing a per-CTA trace (CopyDecodeTrace).
+// time), 3 the default writing a per-CTA trace (CopyDecodeTrace), 5 the
+// trace without the math, 6 items by grid stride (an experiment; other
+// shapes fall back to the CUDA-core kernel).
 int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes,
                          void* stream, int variant);
-// Variant 3's trace of its last call: per CTA (the first 1024), its start,
-// first tile's arrival and end (%globaltimer ns) and the items it took.
+// Variant 3's (or 5's) trace of its last call: per CTA (the first 1024), its
+// start, first tile's arrival and end (%globaltimer ns), the items it took
+// and its clock64 at start and end (6 words a CTA).
 int CopyDecodeTrace(unsigned long long* host);
 // The most splits a call of `num_tokens` query tokens can be given (every
 // token is at least one unit of work), for sizing workspaces.

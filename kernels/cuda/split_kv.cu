@@ -597,7 +597,9 @@ __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, in
 
 // Diagnostic variants (kVar; prefill_check dbench only): bit 0 no math
 // (the loads' own time), bit 1 a trace (per-CTA start, first tile and end
-// times and items taken, into g_decode_trace; CopyDecodeTrace reads it).
+// times, items taken and the SM clock at start and end, into
+// g_decode_trace; CopyDecodeTrace reads it), bit 2 items by grid stride (an
+// experiment: the next item's lookups prefetched an item ahead).
 __device__ unsigned long long g_decode_trace[6 * 1024];  // start, first tile, end (ns), items, start and end clock64
 __device__ __forceinline__ unsigned long long GlobalTimer() {
   unsigned long long t;
@@ -1114,7 +1116,7 @@ Partials PartialsAt(void* workspace, int num_tokens, int num_heads, int head_dim
 }
 }  // namespace
 
-// Copies g_decode_trace (4 words a CTA, the first 1024 CTAs) to `host`.
+// Copies g_decode_trace (6 words a CTA, the first 1024 CTAs) to `host`.
 int CopyDecodeTrace(unsigned long long* host) {
   return static_cast<int>(cudaMemcpyFromSymbol(host, g_decode_trace, sizeof(g_decode_trace)));
 }

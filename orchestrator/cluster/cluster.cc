@@ -75,6 +75,7 @@ struct Cluster::Subscription final : GrpcReader<tandem::v1::KvEventBatch> {
 
   // False (and the call cancelled) when an index refused the batch.
   bool OnMessage(const tandem::v1::KvEventBatch& batch) override {
+    if (batch.draining()) cluster->WorkerDraining(address, batch.instance_id());
     for (const std::shared_ptr<KvIndex>& index : indexes) {
       const absl::Status s = index->Apply(address, batch);
       if (!s.ok()) {
@@ -83,7 +84,6 @@ struct Cluster::Subscription final : GrpcReader<tandem::v1::KvEventBatch> {
         return false;
       }
     }
-    if (batch.draining()) cluster->WorkerDraining(address);
     return true;
   }
 
@@ -379,6 +379,14 @@ void Cluster::HealthRound() {
     done_cv.wait(lock, [&] { return remaining == 0; });
   }
 
+  // A SERVING answer from an instance that has since said it drains is not
+  // a success (it was sent before the drain).
+  for (const std::unique_ptr<Check>& c : checks) {
+    if (c->ok && c->worker->Drains(c->health.instance_id())) {
+      c->ok = false;
+      c->not_serving = true;
+    }
+  }
   // Each worker that answered must fit the router's tokenizer and a worker
   // already serving; when none serves yet, the model most of this round's
   // workers share. Checked every round, so one refused beside workers that
@@ -477,13 +485,14 @@ void Cluster::MaybeSubscribe(const std::shared_ptr<WorkerClient>& worker) {
   sub->Start(worker->stub());
 }
 
-void Cluster::WorkerDraining(const std::string& address) {
+void Cluster::WorkerDraining(const std::string& address, const std::string& instance_id) {
   HealthListener listener;
   bool ejected = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = workers_.find(address);
     if (it == workers_.end()) return;
+    it->second->SetDraining(instance_id);
     ejected = it->second->Eject();
     if (ejected) ++stats_.ejections;
     listener = listener_;

@@ -11,10 +11,10 @@
 //     eject/readmit rules;
 //   - KV events: each healthy worker's StreamKvEvents is subscribed: for a
 //     pool with a KvIndex with a snapshot, its events applied to the index;
-//     otherwise status only (unless SetStatusStreams(false)). A stream that ends or sends a batch the index
-//     refuses is resubscribed, with a snapshot, at the next check. A batch
-//     that says the worker drains ejects it at once (WorkerDraining), ahead
-//     of its next health check.
+//     otherwise status only (unless SetStatusStreams(false)). A stream that
+//     ends or sends a batch the index refuses is resubscribed at the next
+//     check. A batch that says the worker drains ejects it at once
+//     (WorkerDraining), ahead of its next health check.
 // A worker listed in both pools (role both) is one WorkerClient, so its
 // in-flight counts are shared.
 //
@@ -59,7 +59,7 @@ class Cluster {
   struct Stats {
     uint64_t health_checks = 0;
     uint64_t health_check_failures = 0;
-    uint64_t ejections = 0;     // healthy -> unhealthy, by health checks
+    uint64_t ejections = 0;     // healthy -> unhealthy, by health checks or a drain notice
     uint64_t readmissions = 0;  // unhealthy -> healthy after an ejection
     uint64_t dns_lookups = 0;   // discovery lookups of DNS pools
     uint64_t dns_failures = 0;  // of which failed (the last members kept)
@@ -124,8 +124,9 @@ class Cluster {
   std::vector<std::shared_ptr<KvIndex>> IndexesFor(const std::string& address) const;
   void MaybeSubscribe(const std::shared_ptr<WorkerClient>& worker);
   // A worker's KV event stream said it drains: ejected at once (its health
-  // checks, answered NOT_SERVING from now on, keep it out).
-  void WorkerDraining(const std::string& address);
+  // checks, answered NOT_SERVING from now on, keep it out; a SERVING answer
+  // from the same instance, sent before the drain, counts as failed).
+  void WorkerDraining(const std::string& address, const std::string& instance_id);
   void CancelSubscription(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SubscriptionDone(const std::string& address, Subscription* sub);
 

@@ -73,6 +73,16 @@ bool WorkerClient::RecordCheck(bool ok, const HealthConfig& config) {
   return now != was;
 }
 
+void WorkerClient::SetDraining(std::string instance_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  draining_instance_ = std::move(instance_id);
+}
+
+bool WorkerClient::Drains(const std::string& instance_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !draining_instance_.empty() && draining_instance_ == instance_id;
+}
+
 bool WorkerClient::Eject() {
   std::lock_guard<std::mutex> lock(mu_);
   streak_ = std::min(streak_, 0);

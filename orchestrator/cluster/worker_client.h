@@ -95,6 +95,11 @@ class WorkerClient {
   std::string incompatibility() const;
   // Records a health check's verdict; true when it changed.
   bool SetIncompatibility(std::string why);
+  // The worker instance that said it drains (on its KV event stream). A
+  // SERVING answer from that instance (sent before its drain) is not a
+  // successful check (Drains); a restarted worker, a new instance, is.
+  void SetDraining(std::string instance_id);
+  bool Drains(const std::string& instance_id) const;
 
   // The worker as a routing policy sees it.
   WorkerView View() const;
@@ -118,6 +123,7 @@ class WorkerClient {
   std::optional<tandem::v1::ModelInfo> model_info_ ABSL_GUARDED_BY(mu_);
   std::optional<tandem::v1::LoadReport> last_load_ ABSL_GUARDED_BY(mu_);
   std::string incompatibility_ ABSL_GUARDED_BY(mu_);
+  std::string draining_instance_ ABSL_GUARDED_BY(mu_);
 };
 
 // The channels to workers that the router's tls config asks for: mutual TLS

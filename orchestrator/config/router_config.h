@@ -306,8 +306,9 @@ struct HealthConfig {
 // that a worker drains.
 struct KvEventsConfig {
   // Subscribe to every healthy worker's stream (with its events where a
-  // policy keeps an index). Required by the kv_cache_aware policy. false: no
-  // streams; a draining worker is then ejected by its next health check.
+  // policy keeps an index). false: no streams; kv_cache_aware then learns
+  // from its own decisions (approximate), and a draining worker is ejected
+  // by its next health check.
   bool enabled = true;
 
   friend bool operator==(const KvEventsConfig&, const KvEventsConfig&) = default;

@@ -8,7 +8,9 @@
 // that fell too far behind (or starts fresh) gets a consistent snapshot.
 //
 // Thread-safe. The engine thread appends and then calls Publish() once per
-// step; listeners (gRPC streams) are called from Publish() and must not block.
+// step; listeners (gRPC streams) are called from Publish() (and from
+// WakeListeners(), on the caller's thread), one at a time under the
+// listeners' lock, and must not block.
 #ifndef TANDEM_WORKER_KV_CACHE_KV_EVENT_LOG_H_
 #define TANDEM_WORKER_KV_CACHE_KV_EVENT_LOG_H_
 

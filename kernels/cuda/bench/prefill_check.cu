@@ -13,7 +13,9 @@
 //                              # cold L2, and back-to-back call time); 2 the
 //                              # loads without the math, 3 a per-CTA trace,
 //                              # 4 a dense read of the same bytes, 5 the
-//                              # trace without the math
+//                              # trace without the math, 6 items by grid
+//                              # stride (head_dim 128 bf16 only: dcheck's
+//                              # other cases run the CUDA-core kernel)
 //   ./prefill_check dbench V KPS 8b:64x1024,70b:16x8192 shuf|seq PAGE
 //
 // Correctness: fresh random inputs rounded to the element type, a paged pool

@@ -1186,13 +1186,14 @@ class CudaRunner final : public ModelRunner {
   }();
   // Fused steps of this many tokens or more norm the residual in a kernel of
   // its own before the QKV and gate/up products instead of in every CTA of
-  // them (TANDEM_FUSED_NORM_ROWS=N sets it). Two by default: with the norm in
-  // every CTA a two-token step took 4.92-4.93 ms (H200, 8B), with the norm
-  // apart 4.63; one token is as fast either way (4.29-4.32).
+  // them (TANDEM_FUSED_NORM_ROWS=N sets it; 0: never). Two by default: with
+  // the norm in every CTA a two-token step took 4.92-4.93 ms (H200, 8B), with
+  // the norm apart 4.63; one token is as fast either way (4.29-4.32).
   const int fused_norm_rows_ = [] {
     const char* e = std::getenv("TANDEM_FUSED_NORM_ROWS");
-    const int rows = e != nullptr ? std::atoi(e) : 0;
-    return rows >= 1 ? rows : 2;
+    if (e == nullptr) return 2;
+    const int rows = std::atoi(e);
+    return rows >= 1 ? rows : std::numeric_limits<int>::max();
   }();
   // ... with RoPE and the KV write in the QKV product (TANDEM_FUSED_ROPE=0:
   // their own kernel; A/B).
