@@ -241,38 +241,40 @@ void ApiCall::OnDone(int index, const GenerationResult& result) {
     std::lock_guard<std::mutex> lock(mu_);
     Choice& c = choices_[index];
     c.result = result;
-    if (!finished_) {
-      if (!result.status.ok()) {
-        finished_ = true;
-        failure_ = result.status;
-        cancel_others = remaining_ > 1;
-        if (!stream_started_) {
-          SendApiError(result.status);
-        } else {
-          writer_->Write(ErrorChunk(env_->errors->ForClient(result.status, show_workers_)));
-          writer_->Write(DoneChunk());
-          writer_->End();
-        }
-      } else {
-        std::string tail;
-        if (!c.stops.stopped()) tail = c.stops.Push(c.detok.Flush());
-        if (!c.stops.stopped()) tail += c.stops.Flush();
-        const FinishReason finish = c.stops.stopped() ? FinishReason::kStop : ToApiFinish(result.finish_reason);
-        c.finish = finish;
-        if (stream_) {
-          WriteDeltaLocked(index, tail, std::nullopt, finish);
-        } else {
-          c.text += tail;
-        }
-      }
-    }
     all_done = --remaining_ == 0;
-    // The admission slot is free before the client sees the end, so a
-    // client's next request never finds its own last one still counted.
+    const bool fails = !finished_ && !result.status.ok();
+    if (fails) {
+      finished_ = true;
+      failure_ = result.status;
+      cancel_others = remaining_ > 0;
+    }
+    // The admission slot is free, and the request accounted in the metrics,
+    // before the client sees the end: a client's next request never finds
+    // its own last one still counted, and a scrape after the reply sees it.
     if (all_done) {
       env_->admission->ReleaseSlot(shared_from_this());
       env_->admission->ReleaseKey(shared_from_this(), TokensUsedLocked());
       AccountLocked();
+    }
+    if (fails) {
+      if (!stream_started_) {
+        SendApiError(result.status);
+      } else {
+        writer_->Write(ErrorChunk(env_->errors->ForClient(result.status, show_workers_)));
+        writer_->Write(DoneChunk());
+        writer_->End();
+      }
+    } else if (!finished_) {
+      std::string tail;
+      if (!c.stops.stopped()) tail = c.stops.Push(c.detok.Flush());
+      if (!c.stops.stopped()) tail += c.stops.Flush();
+      const FinishReason finish = c.stops.stopped() ? FinishReason::kStop : ToApiFinish(result.finish_reason);
+      c.finish = finish;
+      if (stream_) {
+        WriteDeltaLocked(index, tail, std::nullopt, finish);
+      } else {
+        c.text += tail;
+      }
     }
     if (all_done && !finished_) {
       finished_ = true;

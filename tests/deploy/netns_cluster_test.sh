@@ -146,7 +146,8 @@ publish() {  # the Services' records: every running pod of each pool
   : >"$hosts.new"
   for comp in prefill decode router; do
     for f in "$work"/pods/"$comp"-*; do
-      [[ -e $f ]] && echo "$net.$(cat "$f") $(cat "$work/$comp.dns")" >>"$hosts.new"
+      # pods/NAME holds the pod's host number; pods/NAME.pid its process.
+      [[ -e $f && $f != *.pid ]] && echo "$net.$(cat "$f") $(cat "$work/$comp.dns")" >>"$hosts.new"
     done
   done
   mv "$hosts.new" "$hosts"
