@@ -186,7 +186,6 @@ bool RunsAtLeast(WorkerProcess& worker, int n, std::chrono::seconds timeout) {
 
 class RouterFailoverTest : public RouterTest {
  protected:
-  void ExpectDrainPushedBeforeTheNextCheck(const std::string& policy);
   std::string Healthy(const std::string& pool, const std::string& address) {
     return absl::StrCat("tandem_router_worker_healthy{pool=\"", pool, "\",worker=\"", address, "\"}");
   }
@@ -540,12 +539,13 @@ TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsFirstNotServingCheck) {
 // go to the other worker without a retry, and the streams in flight on the
 // draining one complete (kv_cache_aware: the pools whose workers' streams
 // the router reads).
-void RouterFailoverTest::ExpectDrainPushedBeforeTheNextCheck(const std::string& policy) {
+TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsKvEventStreamUnderAKvAwarePolicy) {
   std::vector<std::string> slow = {"--engine", "sim", "--sim-step-ms", "40"};
   WorkerProcess* a = StartBoth(slow);
   WorkerProcess* b = StartBoth(slow);
   ASSERT_TRUE(a && b);
-  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .policy = policy, .health_interval_s = 30}), nullptr);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .policy = "kv_cache_aware", .health_interval_s = 30}),
+            nullptr);
   const std::string failed_checks = "tandem_router_health_checks_total{result=\"failed\"}";
   const double failed_before = Metric(failed_checks).value_or(0);
   // Two long streams (~4 s each), one on each worker.
@@ -569,10 +569,6 @@ void RouterFailoverTest::ExpectDrainPushedBeforeTheNextCheck(const std::string& 
   const absl::StatusOr<int> exited = a->Wait(seconds(30));
   ASSERT_TRUE(exited.ok()) << "the drained worker did not exit: " << exited.status();
   EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
-}
-
-TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsKvEventStreamUnderAKvAwarePolicy) {
-  ExpectDrainPushedBeforeTheNextCheck("kv_cache_aware");
 }
 
 // Split requests whose only decode worker dies while the prefill worker is

@@ -109,9 +109,11 @@ int LaunchSplitKv(const AttnArgs& a, const SplitPlan& plan, void* workspace, int
 // shapes fall back to the CUDA-core kernel).
 int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspace, int64_t workspace_bytes,
                          void* stream, int variant);
-// Variant 3's (or 5's) trace of its last call: per CTA (the first 1024), its
-// start, first tile's arrival and end (%globaltimer ns), the items it took
-// and its clock64 at start and end (6 words a CTA).
+// Variant 3's (or 5's) trace of its last call: for each of the first
+// kDecodeTraceCtas CTAs, kDecodeTraceWords words indexed by DecodeTraceWord.
+enum DecodeTraceWord { kTraceStartNs, kTraceFirstTileNs, kTraceEndNs, kTraceItems, kTraceStartClock, kTraceEndClock };
+inline constexpr int kDecodeTraceWords = 6;
+inline constexpr int kDecodeTraceCtas = 1024;
 int CopyDecodeTrace(unsigned long long* host);
 // The most splits a call of `num_tokens` query tokens can be given (every
 // token is at least one unit of work), for sizing workspaces.

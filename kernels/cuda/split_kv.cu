@@ -600,7 +600,7 @@ __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, in
 // times, items taken and the SM clock at start and end, into
 // g_decode_trace; CopyDecodeTrace reads it), bit 2 items by grid stride (an
 // experiment: the next item's lookups prefetched an item ahead).
-__device__ unsigned long long g_decode_trace[6 * 1024];  // start, first tile, end (ns), items, start and end clock64
+__device__ unsigned long long g_decode_trace[kDecodeTraceWords * kDecodeTraceCtas];  // launch.h: DecodeTraceWord
 __device__ __forceinline__ unsigned long long GlobalTimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -630,9 +630,12 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   constexpr bool kMath = (kVar & 1) == 0;
   constexpr bool kTrace = (kVar & 2) != 0;
   constexpr bool kStatic = (kVar & 4) != 0;  // experiment: items by grid stride, the next one's lookups prefetched
-  if (kTrace && tid == 0 && blockIdx.x < 1024) {
-    g_decode_trace[blockIdx.x * 6] = GlobalTimer();
-    g_decode_trace[blockIdx.x * 6 + 4] = clock64();
+  // This CTA's trace words (kTrace, the first kDecodeTraceCtas CTAs), else null.
+  unsigned long long* const trace =
+      kTrace && blockIdx.x < kDecodeTraceCtas ? g_decode_trace + blockIdx.x * kDecodeTraceWords : nullptr;
+  if (trace != nullptr && tid == 0) {
+    trace[kTraceStartNs] = GlobalTimer();
+    trace[kTraceStartClock] = clock64();
   }
 
   if (tid == 0) {
@@ -802,9 +805,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   int traced_items = 0;
   for (;;) {
     MbarWait(SmemAddr(&full[st]), ph);
-    if (kTrace && tid == 0 && traced_items == 0 && blockIdx.x < 1024) {
-      g_decode_trace[blockIdx.x * 6 + 1] = GlobalTimer();
-    }
+    if (trace != nullptr && tid == 0 && traced_items == 0) trace[kTraceFirstTileNs] = GlobalTimer();
     const StageDesc d = desc[st];
     if (d.item < 0) break;
     if (kTrace && d.tile == 0) ++traced_items;
@@ -944,10 +945,10 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     }
     MbarArrive(SmemAddr(&empty[used]));
   }
-  if (kTrace && tid == 0 && blockIdx.x < 1024) {
-    g_decode_trace[blockIdx.x * 6 + 2] = GlobalTimer();
-    g_decode_trace[blockIdx.x * 6 + 3] = traced_items;
-    g_decode_trace[blockIdx.x * 6 + 5] = clock64();
+  if (trace != nullptr && tid == 0) {
+    trace[kTraceEndNs] = GlobalTimer();
+    trace[kTraceItems] = traced_items;
+    trace[kTraceEndClock] = clock64();
   }
 }
 
@@ -1116,7 +1117,7 @@ Partials PartialsAt(void* workspace, int num_tokens, int num_heads, int head_dim
 }
 }  // namespace
 
-// Copies g_decode_trace (6 words a CTA, the first 1024 CTAs) to `host`.
+// Copies g_decode_trace (launch.h's layout) to `host`.
 int CopyDecodeTrace(unsigned long long* host) {
   return static_cast<int>(cudaMemcpyFromSymbol(host, g_decode_trace, sizeof(g_decode_trace)));
 }

@@ -569,21 +569,23 @@ static double DBench(const std::vector<std::pair<int, int>>& configs, int batch,
     CK(cudaMemsetAsync(flush, 1, kFlushBytes));
     CK(static_cast<cudaError_t>(LaunchDecode(a, variant, kps, d_ws, ws_bytes)));
     CK(cudaDeviceSynchronize());
-    std::vector<unsigned long long> tr(6 * 1024);
+    std::vector<unsigned long long> tr(kDecodeTraceWords * kDecodeTraceCtas);
     CK(static_cast<cudaError_t>(CopyDecodeTrace(tr.data())));
+    auto word = [&](int b, DecodeTraceWord w) { return tr[b * kDecodeTraceWords + w]; };
     unsigned long long t0 = ~0ull, newest = 0;
-    for (int b = 0; b < 1024; ++b) newest = std::max(newest, tr[6 * b]);
+    for (int b = 0; b < kDecodeTraceCtas; ++b) newest = std::max(newest, word(b, kTraceStartNs));
     std::vector<double> first, end, items, ghz;
-    for (int b = 0; b < 1024; ++b) {
-      if (tr[6 * b] + 1000000ull < newest || tr[6 * b + 2] == 0) continue;  // not this launch
-      t0 = std::min(t0, tr[6 * b]);
+    for (int b = 0; b < kDecodeTraceCtas; ++b) {
+      if (word(b, kTraceStartNs) + 1000000ull < newest || word(b, kTraceEndNs) == 0) continue;  // not this launch
+      t0 = std::min(t0, word(b, kTraceStartNs));
     }
-    for (int b = 0; b < 1024; ++b) {
-      if (tr[6 * b] < t0 || tr[6 * b] + 1000000ull < newest || tr[6 * b + 2] < tr[6 * b]) continue;
-      first.push_back((tr[6 * b + 1] - t0) * 1e-3);
-      end.push_back((tr[6 * b + 2] - t0) * 1e-3);
-      items.push_back(double(tr[6 * b + 3]));
-      ghz.push_back(double(tr[6 * b + 5] - tr[6 * b + 4]) / double(tr[6 * b + 2] - tr[6 * b]));
+    for (int b = 0; b < kDecodeTraceCtas; ++b) {
+      const unsigned long long start = word(b, kTraceStartNs), stop = word(b, kTraceEndNs);
+      if (start < t0 || start + 1000000ull < newest || stop < start) continue;
+      first.push_back((word(b, kTraceFirstTileNs) - t0) * 1e-3);
+      end.push_back((stop - t0) * 1e-3);
+      items.push_back(double(word(b, kTraceItems)));
+      ghz.push_back(double(word(b, kTraceEndClock) - word(b, kTraceStartClock)) / double(stop - start));
     }
     auto q = [](std::vector<double> v, double f) {
       std::sort(v.begin(), v.end());
