@@ -31,7 +31,7 @@ class KvEventsCall final {
       delete this;  // shutting down
       return;
     }
-    new KvEventsCall(service_, cq_, engine_, instance_id_);  // the next one
+    service_->StartOp([this] { new KvEventsCall(service_, cq_, engine_, instance_id_); });  // the next one
     accepted_ = true;
     // Other users' prompts (token ids) flow here: the router's only.
     if (grpc::Status auth = service_->Authorize(ctx_, "StreamKvEvents", Admits::kRouter); !auth.ok()) {
@@ -52,13 +52,17 @@ class KvEventsCall final {
       std::lock_guard<std::mutex> l(mu_);
       MaybeWriteLocked();
     });
-    std::lock_guard<std::mutex> lock(mu_);
-    if (notified_done_) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!notified_done_) {
+        MaybeWriteLocked();
+        return;
+      }
       cancelled_ = true;  // gone before it was served
       if (!writing_) FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-      return;
+      if (!finish_done_) return;  // its completion ends the call
     }
-    MaybeWriteLocked();
+    End();
   }
 
   // A write completed, or the Finish did.
@@ -72,9 +76,10 @@ class KvEventsCall final {
         } else {
           MaybeWriteLocked();
         }
-        return;
+        if (!finish_done_) return;  // streaming on, or the Finish's completion comes here
+      } else {
+        finish_done_ = true;
       }
-      finish_done_ = true;
     }
     if (notified_done_) End();
   }
@@ -106,10 +111,20 @@ class KvEventsCall final {
   static constexpr size_t kMaxEventsPerBatch = 4096;
   static constexpr size_t kMaxBatchBytes = 1 << 20;
 
+  // Past the service's Shutdown no operation starts (StartOp): the call
+  // counts as finished at once.
   void FinishLocked(const grpc::Status& s) {
     if (finished_) return;
     finished_ = true;
-    writer_.Finish(s, &op_tag_);
+    if (!service_->StartOp([&] { writer_.Finish(s, &op_tag_); })) finish_done_ = true;
+  }
+
+  // Writes batch_. REQUIRES: mu_ held, no write in flight.
+  void WriteBatchLocked() {
+    service_->StartOp([this] {
+      writing_ = true;
+      writer_.Write(batch_, &op_tag_);
+    });
   }
 
   // REQUIRES: mu_ held.
@@ -125,8 +140,7 @@ class KvEventsCall final {
     }
     if (status_only_) {
       if (!announce) return;
-      writing_ = true;
-      writer_.Write(batch_, &op_tag_);
+      WriteBatchLocked();
       return;
     }
     std::vector<KvEvent> events;
@@ -146,8 +160,7 @@ class KvEventsCall final {
       const size_t end = std::min(snapshot_.blocks.size(), snapshot_sent_ + kSnapshotBlocksPerBatch);
       for (; snapshot_sent_ < end; ++snapshot_sent_) ToProto(snapshot_.blocks[snapshot_sent_], s->add_blocks());
       if (snapshot_sent_ < snapshot_.blocks.size()) {
-        writing_ = true;
-        writer_.Write(batch_, &op_tag_);
+        WriteBatchLocked();
         return;
       }
       s->set_complete(true);
@@ -165,8 +178,7 @@ class KvEventsCall final {
       ToProto(e, batch_.add_events());
       cursor_ = e.seq;
     }
-    writing_ = true;
-    writer_.Write(batch_, &op_tag_);
+    WriteBatchLocked();
   }
 
   WorkerService* const service_;

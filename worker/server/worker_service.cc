@@ -83,7 +83,11 @@ void WorkerService::Serve() {
   AwaitUnaryCall(this, cq_, "KvReady", Admits::kWorker, &WorkerService::RequestKvReady, HandleKvReady);
 }
 
-void WorkerService::Shutdown() { kv_handoff_.Stop(); }
+void WorkerService::Shutdown() {
+  kv_handoff_.Stop();
+  std::unique_lock<std::shared_mutex> lock(ops_mu_);
+  ops_closed_ = true;
+}
 
 void WorkerService::StartDrain() {
   draining_.store(true);

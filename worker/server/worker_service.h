@@ -36,6 +36,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <shared_mutex>
 #include <string>
 
 #include "common/tls.h"
@@ -75,8 +76,21 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   // Starts accepting calls (once the server has started).
   void Serve();
   // Stops the KvReady calls this worker makes (cancels those in flight and
-  // waits for their answers, which need the poller running).
+  // waits for their answers, which need the poller running), then closes
+  // StartOp: after the server's Shutdown, before the queue is shut down.
   void Shutdown();
+  // Runs `start` (which starts an operation on the completion queue) unless
+  // Shutdown has returned; false then. A call whose streams outlive the
+  // server's Shutdown deadline (StreamKvEvents: cancelled by it) starts its
+  // operations through this, so none starts on a queue shut down after it
+  // (gRPC aborts the process on that).
+  template <typename F>
+  bool StartOp(F&& start) {
+    std::shared_lock<std::shared_mutex> lock(ops_mu_);
+    if (ops_closed_) return false;
+    start();
+    return true;
+  }
   // Starts draining (SIGTERM): Health answers NOT_SERVING, the KV event
   // streams say so at once (KvEventBatch.draining), and new Generate calls
   // get UNAVAILABLE (the router retries them on another worker), while calls
@@ -116,6 +130,8 @@ class WorkerService final : public tandem::v1::Worker::AsyncService {
   grpc::ServerCompletionQueue* const cq_;
   const WorkerRole role_;
   std::atomic<bool> draining_{false};
+  std::shared_mutex ops_mu_;
+  bool ops_closed_ = false;  // guarded by ops_mu_ (StartOp)
   std::atomic<int64_t> open_generate_streams_{0};
   const std::string instance_id_;
   const std::string kv_domain_;
