@@ -186,6 +186,7 @@ bool RunsAtLeast(WorkerProcess& worker, int n, std::chrono::seconds timeout) {
 
 class RouterFailoverTest : public RouterTest {
  protected:
+  void ExpectDrainPushedBeforeTheNextCheck(const std::string& policy);
   std::string Healthy(const std::string& pool, const std::string& address) {
     return absl::StrCat("tandem_router_worker_healthy{pool=\"", pool, "\",worker=\"", address, "\"}");
   }
@@ -537,15 +538,14 @@ TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsFirstNotServingCheck) {
 // before its next health check (30 s away): the worker is ejected within
 // seconds of its SIGTERM without a failed check, the requests sent then all
 // go to the other worker without a retry, and the streams in flight on the
-// draining one complete (kv_cache_aware: the pools whose workers' streams
-// the router reads).
-TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsKvEventStreamUnderAKvAwarePolicy) {
+// draining one complete. Under a KV-aware policy (the stream carries
+// events) and round robin (a status-only stream).
+void RouterFailoverTest::ExpectDrainPushedBeforeTheNextCheck(const std::string& policy) {
   std::vector<std::string> slow = {"--engine", "sim", "--sim-step-ms", "40"};
   WorkerProcess* a = StartBoth(slow);
   WorkerProcess* b = StartBoth(slow);
   ASSERT_TRUE(a && b);
-  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .policy = "kv_cache_aware", .health_interval_s = 30}),
-            nullptr);
+  ASSERT_NE(StartRouter({.decode = {a->address(), b->address()}, .policy = policy, .health_interval_s = 30}), nullptr);
   const std::string failed_checks = "tandem_router_health_checks_total{result=\"failed\"}";
   const double failed_before = Metric(failed_checks).value_or(0);
   // Two long streams (~4 s each), one on each worker.
@@ -569,6 +569,14 @@ TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsKvEventStreamUnderAKvAwa
   const absl::StatusOr<int> exited = a->Wait(seconds(30));
   ASSERT_TRUE(exited.ok()) << "the drained worker did not exit: " << exited.status();
   EXPECT_TRUE(WIFEXITED(*exited) && WEXITSTATUS(*exited) == 0) << *exited;
+}
+
+TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsKvEventStreamUnderAKvAwarePolicy) {
+  ExpectDrainPushedBeforeTheNextCheck("kv_cache_aware");
+}
+
+TEST_F(RouterFailoverTest, ADrainingWorkerIsEjectedByItsStatusOnlyStreamUnderRoundRobin) {
+  ExpectDrainPushedBeforeTheNextCheck("round_robin");
 }
 
 // Split requests whose only decode worker dies while the prefill worker is

@@ -57,14 +57,19 @@ absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name, int
 }
 
 // One worker's KV event stream, read on the process's GrpcPoller and applied
-// to the indexes of its pools; a batch that says the worker drains ejects
-// it. Deletes itself when the call ends, after telling the cluster.
+// to the indexes of its pools; with no index, the stream's status only (the
+// worker's drain). Deletes itself when the call ends, after telling the
+// cluster.
 struct Cluster::Subscription final : GrpcReader<tandem::v1::KvEventBatch> {
   Subscription(Cluster* c, std::string addr, std::vector<std::shared_ptr<KvIndex>> idx)
       : cluster(c), address(std::move(addr)), indexes(std::move(idx)) {}
 
   void Start(tandem::v1::Worker::Stub& stub) {
-    request.set_snapshot(true);
+    if (indexes.empty()) {
+      request.set_status_only(true);
+    } else {
+      request.set_snapshot(true);
+    }
     StartReading(stub.PrepareAsyncStreamKvEvents(&context, request, GrpcPoller::Shared().cq()));
   }
 
@@ -141,6 +146,15 @@ void Cluster::SetHealthConfig(const HealthConfig& health) {
 void Cluster::SetHealthListener(HealthListener listener) {
   std::lock_guard<std::mutex> lock(mu_);
   listener_ = std::move(listener);
+}
+
+void Cluster::SetStatusStreams(bool enabled) {
+  std::lock_guard<std::mutex> lock(mu_);
+  status_streams_ = enabled;
+  if (enabled) return;
+  for (const auto& [address, sub] : subscriptions_) {
+    if (sub->indexes.empty()) sub->context.TryCancel();
+  }
 }
 
 void Cluster::SetRouterTokenizer(RouterTokenizer tokenizer) {
@@ -463,8 +477,9 @@ void Cluster::MaybeSubscribe(const std::shared_ptr<WorkerClient>& worker) {
   if (stopping_ || subscriptions_.count(worker->address()) != 0 || workers_.count(worker->address()) == 0) {
     return;
   }
+  // Every healthy worker: its KV events for the pools' indexes, and its drain.
   std::vector<std::shared_ptr<KvIndex>> indexes = IndexesFor(worker->address());
-  if (indexes.empty()) return;
+  if (indexes.empty() && !status_streams_) return;
   auto* sub = new Subscription(this, worker->address(), std::move(indexes));
   subscriptions_[worker->address()] = sub;
   sub->Start(worker->stub());

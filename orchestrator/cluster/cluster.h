@@ -9,12 +9,12 @@
 //     or with the router's tokenizer (compatibility.h) fails its check, with
 //     an ERROR logged once per verdict; WorkerClient applies the
 //     eject/readmit rules;
-//   - KV events: for a pool with a KvIndex, each healthy worker's
-//     StreamKvEvents is subscribed (with a snapshot) and applied to the
-//     index; a stream that ends or sends a batch the index refuses is
-//     resubscribed, with a snapshot, at the next check. A batch that says
-//     the worker drains ejects it at once (WorkerDraining), ahead of its
-//     next health check.
+//   - KV events: each healthy worker's StreamKvEvents is subscribed: for a
+//     pool with a KvIndex with a snapshot, its events applied to the index;
+//     otherwise status only (unless SetStatusStreams(false)). A stream that
+//     ends or sends a batch the index refuses is resubscribed at the next
+//     check. A batch that says the worker drains ejects it at once
+//     (WorkerDraining), ahead of its next health check.
 // A worker listed in both pools (role both) is one WorkerClient, so its
 // in-flight counts are shared.
 //
@@ -85,6 +85,9 @@ class Cluster {
   void SetKvIndex(PoolRole role, std::shared_ptr<KvIndex> index);
   void SetHealthConfig(const HealthConfig& health);
   void SetHealthListener(HealthListener listener);
+  // Whether workers of pools without a KvIndex get a status-only stream
+  // (their drain; default true). false closes those streams.
+  void SetStatusStreams(bool enabled);
   // The router's tokenizer, which every worker's must be (compatibility.h).
   void SetRouterTokenizer(RouterTokenizer tokenizer);
 
@@ -135,6 +138,7 @@ class Cluster {
   std::map<std::string, std::shared_ptr<WorkerClient>> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Subscription*> subscriptions_ ABSL_GUARDED_BY(mu_);
   HealthListener listener_ ABSL_GUARDED_BY(mu_);
+  bool status_streams_ ABSL_GUARDED_BY(mu_) = true;
   RouterTokenizer tokenizer_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
   bool started_ ABSL_GUARDED_BY(mu_) = false;

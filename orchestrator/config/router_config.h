@@ -305,10 +305,10 @@ struct HealthConfig {
 // the router's index for kv_cache_aware routing and tell the router at once
 // that a worker drains.
 struct KvEventsConfig {
-  // Subscribe to the streams of kv_cache_aware pools' workers. false: no
-  // streams; kv_cache_aware then learns from its own decisions
-  // (approximate), and a draining worker is ejected by its next health
-  // check (as in pools of other policies).
+  // Subscribe to every healthy worker's stream (with its events where a
+  // policy keeps an index). false: no streams; kv_cache_aware then learns
+  // from its own decisions (approximate), and a draining worker is ejected
+  // by its next health check.
   bool enabled = true;
 
   friend bool operator==(const KvEventsConfig&, const KvEventsConfig&) = default;

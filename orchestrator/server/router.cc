@@ -112,6 +112,7 @@ void Router::Impl::Stop() {
 
 void Router::Impl::ApplyClusterConfig(const RouterConfig& config) {
   cluster_.SetHealthConfig(config.health);
+  cluster_.SetStatusStreams(config.kv_events.enabled);
   if (config.prefill.has_value()) {
     cluster_.SetPool(PoolRole::kPrefill, *config.prefill);
   } else {
