@@ -598,8 +598,7 @@ __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, in
 // Diagnostic variants (kVar; prefill_check dbench only): bit 0 no math
 // (the loads' own time), bit 1 a trace (per-CTA start, first tile and end
 // times, items taken and the SM clock at start and end, into
-// g_decode_trace; CopyDecodeTrace reads it), bit 2 items by grid stride (an
-// experiment: the next item's lookups prefetched an item ahead).
+// g_decode_trace; CopyDecodeTrace reads it).
 __device__ unsigned long long g_decode_trace[kDecodeTraceWords * kDecodeTraceCtas];  // launch.h: DecodeTraceWord
 __device__ __forceinline__ unsigned long long GlobalTimer() {
   unsigned long long t;
@@ -629,7 +628,6 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   const int bs_mask = a.pool.block_size - 1;
   constexpr bool kMath = (kVar & 1) == 0;
   constexpr bool kTrace = (kVar & 2) != 0;
-  constexpr bool kStatic = (kVar & 4) != 0;  // experiment: items by grid stride, the next one's lookups prefetched
   // This CTA's trace words (kTrace, the first kDecodeTraceCtas CTAs), else null.
   unsigned long long* const trace =
       kTrace && blockIdx.x < kDecodeTraceCtas ? g_decode_trace + blockIdx.x * kDecodeTraceWords : nullptr;
@@ -654,7 +652,6 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     if (lane == 0 && use_tma) asm volatile("prefetch.tensormap [%0];\n" ::"l"(&pool_map) : "memory");
     int taken = 0;
     auto grab = [&]() {
-      if constexpr (kStatic) return static_cast<int>(blockIdx.x + gridDim.x * taken++);
       if (taken++ == 0) return NextWorkItem(sched, 0);
       int next = 0;
       if (lane == 0) next = NextWorkItem(sched, 1);
@@ -698,7 +695,6 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       const StreamItem& it = cur.it;
       const int fills = cur.done ? 1 : cur.n_tiles;
       Prepared next{};
-      int next_id = 0;
       int32_t next_block = cur.block0;  // the ids are read a tile ahead of their check and load
       int item_bad = 0;
       for (int t = 0; t < fills; ++t) {
@@ -772,21 +768,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
           ph ^= 1;
         }
         // The next item's lookups run while this item's first tiles load.
-        if constexpr (kStatic) {
-          // The next item is known without a round trip: its lookups are
-          // prefetched now and read at this item's last tile (L1 hits).
-          if (t == 0 && !cur.done) {
-            next_id = grab();
-            if (next_id < num_items) {
-              const int unit = next_id / num_splits;
-              PrefetchItemLookups(a, unit / a.pool.num_kv_heads, ((next_id % num_splits) * keys_per_split) >> bs_shift,
-                                  lane);
-            }
-          }
-          if (t == fills - 1 && !cur.done) next = prepare(next_id);
-        } else {
-          if (t == 0 && !cur.done) next = prepare(grab());
-        }
+        if (t == 0 && !cur.done) next = prepare(grab());
       }
       if (cur.done) break;
       cur = next;
@@ -1150,8 +1132,6 @@ int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspa
         return LaunchStream<__nv_bfloat16, 128, 2>(a, plan, part, sched, s);
       case 5:  // the trace without the math
         return LaunchStream<__nv_bfloat16, 128, 3>(a, plan, part, sched, s);
-      case 6:  // items by grid stride
-        return LaunchStream<__nv_bfloat16, 128, 4>(a, plan, part, sched, s);
       default:
         break;
     }

@@ -13,10 +13,13 @@
 //                              # cold L2, and back-to-back call time); 2 the
 //                              # loads without the math, 3 a per-CTA trace,
 //                              # 4 a dense read of the same bytes, 5 the
-//                              # trace without the math, 6 items by grid
-//                              # stride (head_dim 128 bf16 only: dcheck's
-//                              # other cases run the CUDA-core kernel)
+//                              # trace without the math
 //   ./prefill_check dbench V KPS 8b:64x1024,70b:16x8192 shuf|seq PAGE
+//   DBENCH_LAYERS=32 DBENCH_POOL_GIB=100 ./prefill_check dbench ...
+//                              # blocks of 32 layers (layer 0 read), as the
+//                              # engine's pool holds them, drawn from a
+//                              # pool of 100 GiB (default: just the blocks
+//                              # read)
 //
 // Correctness: fresh random inputs rounded to the element type, a paged pool
 // with shuffled block ids, two layers (the layer offset and block stride
@@ -54,11 +57,13 @@ static const char* kVariantName[] = {"fa3",          "ws",        "fa3:cp.async"
 // against %globaltimer), then this file's dense read of the same bytes (4:
 // the device's read ceiling for the call's size), then 5: the trace of the
 // loads without the math.
-static const char* kDecodeName[] = {"stream",     "cuda-core",           "stream:nomath", "stream:trace",
-                                    "dense-read", "stream:trace:nomath", "stream:static"};
+static const char* kDecodeName[] = {"stream",       "cuda-core",  "stream:nomath",
+                                    "stream:trace", "dense-read", "stream:trace:nomath"};
 static constexpr int kDenseRead = 4;
 static int g_rounds = 3;           // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;  // dbench: blocks in order instead of shuffled
+static int g_layers = 1;           // dbench: layers a block holds (DBENCH_LAYERS; the engine's pool: every layer)
+static double g_pool_gib = 0;      // dbench: the pool's size (DBENCH_POOL_GIB; 0: the blocks read, no more)
 // PC_KV_ADJ=1: each KV head's K and V rows of a block side by side (one run
 // of 2 x page rows a head) instead of every head's K, then every head's V.
 static const bool g_kv_adjacent = [] {
@@ -118,7 +123,8 @@ static int g_sms = 132;
 static int LaunchDecode(const AttnArgs& a, int variant, int kps, int* ws, int64_t ws_bytes,
                         cudaStream_t stream = nullptr) {
   if (variant == kDenseRead) {
-    const int64_t bytes = int64_t{a.pool.num_blocks} * a.pool.block_stride * 2;
+    // The KV bytes the decode reads (the pool's first bytes, contiguous).
+    const int64_t bytes = int64_t{a.num_seqs} * a.max_context * a.pool.num_kv_heads * a.pool.head_dim * 2 * 2;
     tandem::kernels::cuda::bench::DenseReadKernel<<<g_sms * 4, 512, 0, stream>>>(
         static_cast<const uint4*>(a.pool.kv), bytes / 16, reinterpret_cast<unsigned*>(ws + 64));
     return static_cast<int>(cudaGetLastError());
@@ -490,8 +496,14 @@ struct DTiming {
 static double DBench(const std::vector<std::pair<int, int>>& configs, int batch, int ctx, int H, int Hkv, int D, int bs,
                      int rounds, std::vector<DTiming>* timings) {
   const int blocks_per_seq = (ctx + bs - 1) / bs;
-  const int num_blocks = batch * blocks_per_seq;
-  const int64_t block_stride = PoolStrides(bs, D, Hkv).layer;
+  const int used_blocks = batch * blocks_per_seq;
+  // A block holds g_layers layers (read: the first), as the engine's pool
+  // does; the pool holds at least g_pool_gib of blocks, the used ones drawn
+  // from all of it (a long-running engine's free list).
+  const int64_t layer_stride = PoolStrides(bs, D, Hkv).layer;
+  const int64_t block_stride = layer_stride * g_layers;
+  const int num_blocks =
+      std::max<int64_t>(used_blocks, static_cast<int64_t>(g_pool_gib * double(1 << 30) / (block_stride * 2)));
   void *d_pool, *d_q, *d_out;
   int *d_qs, *d_ctx, *d_ws;
   int32_t* d_table;
@@ -505,17 +517,20 @@ static double DBench(const std::vector<std::pair<int, int>>& configs, int batch,
   const int64_t ws_bytes = 256 + SplitKvWorkspaceBytes(batch, H, D, std::max(128, (ctx + 63) / 64));
   CK(cudaMalloc(&d_ws, ws_bytes));
   CK(cudaMemset(d_ws, 0, ws_bytes));
-  CK(cudaMalloc(&d_table, int64_t{num_blocks} * 4));
+  CK(cudaMalloc(&d_table, int64_t{used_blocks} * 4));
   std::vector<int> qs(batch + 1), ctxs(batch, ctx);
   for (int s = 0; s <= batch; ++s) qs[s] = s;
   std::vector<int32_t> table(num_blocks);
   for (int i = 0; i < num_blocks; ++i) table[i] = i;
   if (!g_seq_tables) std::shuffle(table.begin(), table.end(), rng);
+  table.resize(used_blocks);
+  if (g_seq_tables) std::sort(table.begin(), table.end());
   CK(cudaMemcpy(d_qs, qs.data(), qs.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_ctx, ctxs.data(), ctxs.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
-  const AttnArgs a = BenchArgs(d_pool, num_blocks, bs, D, H, Hkv, d_q, d_out, d_qs, d_ctx, d_table, blocks_per_seq,
-                               d_ws, batch, batch, 1, ctx, true);
+  AttnArgs a = BenchArgs(d_pool, num_blocks, bs, D, H, Hkv, d_q, d_out, d_qs, d_ctx, d_table, blocks_per_seq, d_ws,
+                         batch, batch, 1, ctx, true);
+  a.pool.block_stride = block_stride;
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -694,6 +709,8 @@ static int DecodeMain(int argc, char** argv, bool check, bool bench) {
   std::vector<Shape> shapes;
   g_seq_tables = argc > 5 && std::string(argv[5]) == "seq";
   if (const char* r = std::getenv("DBENCH_ROUNDS")) g_rounds = std::max(1, std::atoi(r));
+  if (const char* l = std::getenv("DBENCH_LAYERS")) g_layers = std::max(1, std::atoi(l));
+  if (const char* p = std::getenv("DBENCH_POOL_GIB")) g_pool_gib = std::atof(p);
   const int page = argc > 6 ? std::atoi(argv[6]) : 16;  // `dbench V KPS SHAPES shuf|seq PAGE`
   if (argc > 4) {                                       // `8b:1x8192,70b:16x8192,...`
     for (const char* p = argv[4]; *p != 0;) {

@@ -995,13 +995,16 @@ class CudaRunner final : public ModelRunner {
 
   float* X() const { return static_cast<float*>(x_.get()); }
 
-  // y = x . w^T: cuBLASLt, or at up to gemv_rows_ rows the GEMV kernel
-  // (TANDEM_GEMV=N, N <= kMaxGemvRows: an experiment until measured on the
-  // GPU machine; never in the batch-invariant mode, whose rows must not
-  // depend on m).
+  // y = x . w^T: at up to mma_rows_ rows the tensor-core product of a few
+  // rows (LaunchGemvMma, where the shape allows), else cuBLASLt; at up to
+  // gemv_rows_ rows the CUDA-core GEMV instead (TANDEM_GEMV=N: an A/B
+  // experiment). Neither in the batch-invariant mode, whose single-pass
+  // products must not change with m.
   absl::Status Product(const void* x, int m, int k, const void* w, int n, void* y, LtGemm::Out out, void* s) {
-    if (m <= gemv_rows_) {
-      return Launch(cuda_ops::LaunchGemv(x, m, k, w, n, y, out == LtGemm::Out::kF32, s), "gemv");
+    const bool f32 = out == LtGemm::Out::kF32;
+    if (m <= gemv_rows_) return Launch(cuda_ops::LaunchGemv(x, m, k, w, n, y, f32, s), "gemv");
+    if (m <= mma_rows_ && cuda_ops::GemvMmaSupports(x, m, k, w, n)) {
+      return Launch(cuda_ops::LaunchGemvMma(x, m, k, w, n, y, f32, s), "gemv mma");
     }
     return gemm_->Gemm(x, m, k, w, n, 0.0f, y, out, s);
   }
@@ -1168,6 +1171,17 @@ class CudaRunner final : public ModelRunner {
     const int rows = e != nullptr ? std::atoi(e) : 0;
     return batch_invariant_ ? 0 : std::clamp(rows, 0, cuda_ops::kMaxGemvRows);
   }();
+  // Products of up to this many rows run on LaunchGemvMma
+  // (TANDEM_MMA_GEMV=N sets it, up to kMaxGemvMmaRows; 0 turns it off).
+  // Eight by default: on an H200 (8B, two rounds each) steps of 3 / 4 / 8
+  // tokens took 4.68-4.69 / 4.66-4.70 / 4.81-4.83 ms with it against
+  // 4.96-5.00 / 4.96-4.98 / 5.01-5.02 through cuBLASLt, and 16 tokens 5.08
+  // against 5.04-5.05.
+  const int mma_rows_ = [this] {
+    const char* e = std::getenv("TANDEM_MMA_GEMV");
+    const int rows = e != nullptr ? std::atoi(e) : 8;
+    return batch_invariant_ ? 0 : std::clamp(rows, 0, cuda_ops::kMaxGemvMmaRows);
+  }();
   // Steps of one token run the fused one-row products (LaunchGemvFused);
   // TANDEM_FUSED_GEMV=0 turns them off (A/B), as does --batch-invariant
   // (whose rows must not depend on the batch).
@@ -1177,7 +1191,8 @@ class CudaRunner final : public ModelRunner {
   // two-token step took 4.63 ms that way (with the norm apart, below)
   // against 4.92-4.96 through cuBLASLt; three or four tokens 5.75-5.78
   // against 4.95-4.99 (the products at three and four rows are issue-bound),
-  // so steps of three or more stay on cuBLASLt.
+  // so steps of three or more run unfused (their products on LaunchGemvMma
+  // up to mma_rows_ rows, else cuBLASLt).
   const int fused_rows_ = [this] {
     const char* e = std::getenv("TANDEM_FUSED_GEMV");
     if (batch_invariant_ || (e != nullptr && std::string_view(e) == "0")) return 0;

@@ -660,12 +660,77 @@ TEST(CudaRunnerTest, DecodeGraphsMatchStepsLaunchedOneByOne) {
   }
 }
 
+// The runner's product paths that its environment picks (read when a
+// runner is made): each setting, NAME=VALUE, set for the making and unset
+// after.
+using Env = std::vector<std::pair<const char*, const char*>>;
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> MakeRunnerWith(const Env& env, const ModelConfig& config, bool graphs) {
+  for (const auto& [name, value] : env) EXPECT_EQ(setenv(name, value, 1), 0);
+  absl::StatusOr<std::unique_ptr<ModelRunner>> r = MakeRunner("cuda", config, 9, false, graphs);
+  for (const auto& [name, value] : env) EXPECT_EQ(unsetenv(name), 0);
+  return r;
+}
+
+// A runner made with `env_a` and one made with `env_b` prefill the same
+// prompts (20 + 7 s tokens), then take `steps` decode steps of sizes[i %
+// sizes.size()] sequences, each token the first runner's pick: their
+// samples' agreement.
+Agreement DecodeAgreement(const Env& env_a, const Env& env_b, bool graphs, const std::vector<int>& sizes, int steps) {
+  const ModelConfig config = SmallConfig();
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runners[2] = {MakeRunnerWith(env_a, config, graphs),
+                                                             MakeRunnerWith(env_b, config, graphs)};
+  EXPECT_TRUE(runners[0].ok() && runners[1].ok());
+  if (!runners[0].ok() || !runners[1].ok()) return {};
+  const int seqs = *std::max_element(sizes.begin(), sizes.end());
+  constexpr int kBlocksPerSeq = 8;
+  std::vector<std::unique_ptr<KvStorage>> pools;
+  for (auto& r : runners) {
+    EXPECT_TRUE((*r)->ReserveSteps(512, seqs, kBlocksPerSeq).ok());
+    pools.push_back(Pool(**r, int64_t{seqs} * kBlocksPerSeq));
+    EXPECT_TRUE((*r)->WarmUp(*pools.back(), seqs, kBlocksPerSeq).ok());
+  }
+  SamplingParams params;
+  params.temperature = 0.0f;
+  params.logprobs = 5;
+  std::vector<std::vector<int>> tokens(seqs);
+  std::vector<SampledToken> all[2];
+  for (int s = 0; s < seqs; ++s) {
+    tokens[s] = RandomTokens(20 + 7 * s, config.vocab_size, 50 + s);
+    std::vector<RowSampling> rows;
+    const BatchInput in = PromptStep(tokens[s], s, kBlocksPerSeq, &params, &rows);
+    for (int r = 0; r < 2; ++r) {
+      std::vector<SampledToken> out;
+      const absl::Status st = (*runners[r])->Step(in, rows, *pools[r], &out);
+      EXPECT_TRUE(st.ok()) << st;
+      if (!st.ok() || out.size() != 1) return {};
+      if (r == 0) tokens[s].push_back(out[0].token_id);
+    }
+  }
+  for (int step = 0; step < steps; ++step) {
+    const int n = sizes[step % sizes.size()];
+    std::vector<RowSampling> rows;
+    const BatchInput in = DecodeStep(tokens, n, kBlocksPerSeq, kBlocksPerSeq, &params, &rows);
+    std::vector<SampledToken> out[2];
+    for (int r = 0; r < 2; ++r) {
+      const absl::Status st = (*runners[r])->Step(in, rows, *pools[r], &out[r]);
+      EXPECT_TRUE(st.ok()) << st;
+      EXPECT_EQ(out[r].size(), size_t(n));
+      if (!st.ok() || out[r].size() != size_t(n)) return {};
+      all[r].insert(all[r].end(), out[r].begin(), out[r].end());
+    }
+    for (int s = 0; s < n; ++s) tokens[s].push_back(out[0][s].token_id);
+  }
+  return Compare(all[0], all[1]);
+}
+
 // Decode steps of two to four sequences through the fused products
 // (TANDEM_FUSED_ROWS=4) agree with the unfused path (TANDEM_FUSED_ROWS=1:
-// cuBLASLt and the separate norm, RoPE and SiLU kernels), from graphs
-// (three sequences: a bucket of four with a padded row) and launched one by
-// one, with the norms in the products (TANDEM_FUSED_NORM_ROWS=9) or, as by
-// default from two tokens, in kernels of their own.
+// the products of a few rows and the separate norm, RoPE and SiLU
+// kernels), from graphs (three sequences: a bucket of four with a padded
+// row) and launched one by one, with the norms in the products
+// (TANDEM_FUSED_NORM_ROWS=9) or, as by default from two tokens, in kernels
+// of their own.
 TEST(CudaRunnerTest, FusedStepsOfSeveralTokensAgreeWithTheUnfusedPath) {
   if (SkipWithoutGpu()) GTEST_SKIP();
   if (std::getenv("TANDEM_FUSED_ROWS") != nullptr || std::getenv("TANDEM_FUSED_GEMV") != nullptr ||
@@ -673,63 +738,34 @@ TEST(CudaRunnerTest, FusedStepsOfSeveralTokensAgreeWithTheUnfusedPath) {
     GTEST_SKIP() << "TANDEM_FUSED_ROWS, TANDEM_FUSED_NORM_ROWS or TANDEM_FUSED_GEMV is set: this test sets the first "
                     "two itself";
   }
-  const ModelConfig config = SmallConfig();
-  // Decode graphs or launches one by one; the norms in the products' CTAs,
-  // or (the default) from two tokens on in norm kernels of their own.
   for (const auto& [graphs, norm_apart] : {std::pair{true, false}, std::pair{false, false}, std::pair{true, true}}) {
     SCOPED_TRACE(testing::Message() << (graphs ? "decode graphs" : "launched one by one")
                                     << (norm_apart ? ", norm kernels from two tokens" : ""));
-    ASSERT_EQ(setenv("TANDEM_FUSED_ROWS", "1", 1), 0);
-    absl::StatusOr<std::unique_ptr<ModelRunner>> unfused = MakeRunner("cuda", config, 9, false, graphs);
-    ASSERT_EQ(setenv("TANDEM_FUSED_ROWS", "4", 1), 0);
-    if (!norm_apart) {
-      ASSERT_EQ(setenv("TANDEM_FUSED_NORM_ROWS", "9", 1), 0);
-    }
-    absl::StatusOr<std::unique_ptr<ModelRunner>> fused = MakeRunner("cuda", config, 9, false, graphs);
-    ASSERT_EQ(unsetenv("TANDEM_FUSED_ROWS"), 0);
-    ASSERT_EQ(unsetenv("TANDEM_FUSED_NORM_ROWS"), 0);
-    ASSERT_TRUE(unfused.ok() && fused.ok());
-    constexpr int kSeqs = 4, kBlocksPerSeq = 8;
-    std::vector<std::unique_ptr<KvStorage>> pools;
-    for (ModelRunner* r : {unfused->get(), fused->get()}) {
-      ASSERT_TRUE(r->ReserveSteps(512, kSeqs, kBlocksPerSeq).ok());
-      pools.push_back(Pool(*r, kSeqs * kBlocksPerSeq));
-      ASSERT_TRUE(r->WarmUp(*pools.back(), kSeqs, kBlocksPerSeq).ok());
-    }
-    SamplingParams params;
-    params.temperature = 0.0f;
-    params.logprobs = 5;
-    std::vector<std::vector<int>> tokens(kSeqs);
-    std::vector<SampledToken> all[2];
-    // Prompts of 20 + 7 s tokens, one step each (the same path on both).
-    for (int s = 0; s < kSeqs; ++s) {
-      tokens[s] = RandomTokens(20 + 7 * s, config.vocab_size, 50 + s);
-      std::vector<RowSampling> rows;
-      const BatchInput in = PromptStep(tokens[s], s, kBlocksPerSeq, &params, &rows);
-      for (int r = 0; r < 2; ++r) {
-        std::vector<SampledToken> out;
-        ASSERT_TRUE((r == 0 ? *unfused : *fused)->Step(in, rows, *pools[r], &out).ok());
-        ASSERT_EQ(out.size(), 1u);
-        if (r == 0) tokens[s].push_back(out[0].token_id);
-      }
-    }
-    // Decode steps of 2, 3 and 4 sequences in turn, each token the unfused runner's pick.
-    for (int step = 0; step < 18; ++step) {
-      const int n = 2 + step % 3;
-      std::vector<RowSampling> rows;
-      const BatchInput in = DecodeStep(tokens, n, kBlocksPerSeq, kBlocksPerSeq, &params, &rows);
-      std::vector<SampledToken> out[2];
-      for (int r = 0; r < 2; ++r) {
-        const absl::Status st = (r == 0 ? *unfused : *fused)->Step(in, rows, *pools[r], &out[r]);
-        ASSERT_TRUE(st.ok()) << st;
-        ASSERT_EQ(out[r].size(), size_t(n));
-        all[r].insert(all[r].end(), out[r].begin(), out[r].end());
-      }
-      for (int s = 0; s < n; ++s) tokens[s].push_back(out[0][s].token_id);
-    }
-    const Agreement agree = Compare(all[0], all[1]);
+    Env fused = {{"TANDEM_FUSED_ROWS", "4"}};
+    if (!norm_apart) fused.emplace_back("TANDEM_FUSED_NORM_ROWS", "9");
+    const Agreement agree = DecodeAgreement({{"TANDEM_FUSED_ROWS", "1"}}, fused, graphs, {2, 3, 4}, 18);
     std::printf("%s%s: fused several-token steps vs unfused, top-1 %.4f, max |logprob diff| %.6f\n",
                 graphs ? "graphs" : "launched", norm_apart ? ", norm kernels" : "", agree.top1, agree.max_diff);
+    EXPECT_GE(agree.top1, 0.95);
+    EXPECT_LE(agree.max_diff, 0.1);
+  }
+}
+
+// Decode steps of 3 to 16 sequences through the tensor-core products of a
+// few rows (LaunchGemvMma, here up to kMaxGemvMmaRows rows) agree with the
+// same steps through cuBLASLt (TANDEM_MMA_GEMV=0), from graphs (buckets of
+// 4, 8 and 16 with padded rows) and launched one by one.
+TEST(CudaRunnerTest, StepsOfAFewTokensOnTheTensorCoreProductsAgreeWithCublasLt) {
+  if (SkipWithoutGpu()) GTEST_SKIP();
+  if (std::getenv("TANDEM_MMA_GEMV") != nullptr || std::getenv("TANDEM_GEMV") != nullptr) {
+    GTEST_SKIP() << "TANDEM_MMA_GEMV or TANDEM_GEMV is set: this test sets the first itself";
+  }
+  for (const bool graphs : {true, false}) {
+    SCOPED_TRACE(graphs ? "decode graphs" : "launched one by one");
+    const Agreement agree =
+        DecodeAgreement({{"TANDEM_MMA_GEMV", "0"}}, {{"TANDEM_MMA_GEMV", "16"}}, graphs, {3, 5, 8, 11, 16}, 15);
+    std::printf("%s: tensor-core products of a few rows vs cuBLASLt, top-1 %.4f, max |logprob diff| %.6f\n",
+                graphs ? "graphs" : "launched", agree.top1, agree.max_diff);
     EXPECT_GE(agree.top1, 0.95);
     EXPECT_LE(agree.max_diff, 0.1);
   }

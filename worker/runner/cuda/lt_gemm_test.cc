@@ -160,6 +160,79 @@ TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
   }
 }
 
+// The tensor-core product of a few rows (cuda_ops::LaunchGemvMma) at every
+// m from 1 to kMaxGemvMmaRows: float32 output against float64, bf16 output
+// the same values rounded, and each row's bits those of the 16-row product
+// (a row does not depend on the others). Shapes: the 8B model's QKV and
+// down products (k split unevenly over the warps: 64 and 224 slices), one
+// slice per warp at most (k = 256), a single CTA (n = 16); then what it
+// refuses.
+TEST_F(LtGemmTest, GemvMmaMatchesTheReferenceAndKeepsEachRowsBits) {
+  struct Shape {
+    int n, k;
+  };
+  constexpr int kRows = cuda_ops::kMaxGemvMmaRows;
+  for (const Shape& sh : {Shape{6144, 4096}, Shape{4096, 14336}, Shape{1024, 256}, Shape{16, 576}}) {
+    const std::vector<__nv_bfloat16> x = RandomBf16(size_t(kRows) * sh.k, 5), w = RandomBf16(size_t(sh.n) * sh.k, 6);
+    Device dx(x.size() * 2), dw(w.size() * 2), dy(size_t(kRows) * sh.n * 4);
+    Up(dx, x.data(), x.size() * 2);
+    Up(dw, w.data(), w.size() * 2);
+    ASSERT_TRUE(cuda_ops::GemvMmaSupports(dx.p, kRows, sh.k, dw.p, sh.n));
+    ASSERT_EQ(cuda_ops::LaunchGemvMma(dx.p, kRows, sh.k, dw.p, sh.n, dy.p, /*f32=*/true, nullptr), 0);
+    const std::vector<unsigned char> all_rows = Raw(dy, size_t(kRows) * sh.n * 4);
+    std::vector<int> columns;
+    for (int j = 0; j < sh.n; j += 37) columns.push_back(j);
+    columns.push_back(sh.n - 1);
+    for (int m = 1; m <= kRows; ++m) {
+      SCOPED_TRACE(::testing::Message() << sh.n << "x" << sh.k << ", m = " << m);
+      ASSERT_EQ(cudaMemset(dy.p, 0xff, size_t(kRows) * sh.n * 4), cudaSuccess);
+      ASSERT_EQ(cuda_ops::LaunchGemvMma(dx.p, m, sh.k, dw.p, sh.n, dy.p, /*f32=*/true, nullptr), 0);
+      const std::vector<unsigned char> raw = Raw(dy, size_t(kRows) * sh.n * 4);
+      EXPECT_EQ(std::memcmp(raw.data(), all_rows.data(), size_t(m) * sh.n * 4), 0)
+          << "a row's bits changed with the number of rows";
+      for (size_t i = size_t(m) * sh.n * 4; i < raw.size(); ++i) {
+        ASSERT_EQ(raw[i], 0xff) << "written past row m - 1, at byte " << i;
+      }
+      std::vector<float> y(size_t(m) * sh.n);
+      std::memcpy(y.data(), raw.data(), y.size() * 4);
+      double worst = 0;
+      for (int r = 0; r < m; ++r) {
+        for (const int j : columns) {
+          double exact = 0;
+          for (int i = 0; i < sh.k; ++i) {
+            exact += double(__bfloat162float(x[size_t(r) * sh.k + i])) * __bfloat162float(w[size_t(j) * sh.k + i]);
+          }
+          worst = std::max(worst, std::fabs(exact - y[size_t(r) * sh.n + j]) / std::sqrt(double(sh.k)));
+        }
+      }
+      EXPECT_LT(worst, 1e-4);
+      ASSERT_EQ(cuda_ops::LaunchGemvMma(dx.p, m, sh.k, dw.p, sh.n, dy.p, /*f32=*/false, nullptr), 0);
+      std::vector<__nv_bfloat16> yb(size_t(m) * sh.n);
+      ASSERT_EQ(cudaMemcpy(yb.data(), dy.p, yb.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      for (size_t i = 0; i < yb.size(); i += 53) {
+        EXPECT_EQ(__bfloat162float(yb[i]), __bfloat162float(__float2bfloat16(y[i]))) << i;
+      }
+    }
+  }
+  // Refused: too many rows, k not a multiple of 64, n not of 16, x or w
+  // not 16-byte aligned; nothing launched.
+  Device dx(size_t(kRows + 1) * 4096 * 2 + 16), dw(size_t(64) * 4096 * 2 + 16), dy(size_t(kRows + 1) * 64 * 4);
+  const auto* x8 = static_cast<const char*>(dx.p);
+  const auto* w8 = static_cast<const char*>(dw.p);
+  EXPECT_FALSE(cuda_ops::GemvMmaSupports(dx.p, kRows + 1, 4096, dw.p, 64));
+  EXPECT_FALSE(cuda_ops::GemvMmaSupports(dx.p, 4, 4000, dw.p, 64));
+  EXPECT_FALSE(cuda_ops::GemvMmaSupports(dx.p, 4, 4096, dw.p, 56));
+  EXPECT_FALSE(cuda_ops::GemvMmaSupports(x8 + 8, 4, 4096, dw.p, 64));
+  EXPECT_FALSE(cuda_ops::GemvMmaSupports(dx.p, 4, 4096, w8 + 8, 64));
+  EXPECT_EQ(cuda_ops::LaunchGemvMma(dx.p, kRows + 1, 4096, dw.p, 64, dy.p, false, nullptr),
+            static_cast<int>(cudaErrorInvalidValue));
+  EXPECT_EQ(cuda_ops::LaunchGemvMma(dx.p, 4, 4000, dw.p, 64, dy.p, false, nullptr),
+            static_cast<int>(cudaErrorInvalidValue));
+  EXPECT_EQ(cuda_ops::LaunchGemvMma(x8 + 8, 4, 4096, dw.p, 64, dy.p, false, nullptr),
+            static_cast<int>(cudaErrorInvalidValue));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // The fused product at every split of a row over warps, against a float64
 // reference, on shapes whose rows and chunks do not divide evenly.
 TEST_F(LtGemmTest, FusedProductsAtEverySplitMatchTheReference) {

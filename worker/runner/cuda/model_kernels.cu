@@ -528,6 +528,135 @@ int GemvFor(const bf16* x, int k, const bf16* w, int n, void* y, bool f32, cudaS
   return static_cast<int>(cudaGetLastError());
 }
 
+// The tensor-core product of a few rows (GemvMmaKernel): a CTA computes 16
+// output columns (16 weight rows) for every token, its kMmaGemvWarps warps
+// each taking every kMmaGemvWarps-th 64-wide slice of k. The weight rows
+// are the mma's A operand (16 x 16 a k-step), the tokens its B (16 x 8, one
+// or two tiles of eight tokens). A lane loads 32 contiguous bytes of each of
+// its two weight rows (g and g + 8) and of its token's x row (g) a slice:
+// the same k positions for both operands, so the slice's 64 values are fed
+// to the four k-steps in a permuted order that the dot product does not
+// see. The warps' partial sums meet in shared memory, added in warp order.
+// Each warp loads kMmaGemvBatch slices (fewer at 16 rows: registers) before
+// their products, so that several loads are in flight a warp (the volatile
+// loads do not move past each other's mma); kMmaGemvCtas CTAs an SM. Two
+// slices and three CTAs were the fastest of (1, 2), (4, 2), (3, 3), (2, 3)
+// and (2, 4) on an H200 (docs/benchmarks.md); gemv_chain builds with other
+// values (-DTANDEM_GEMV_MMA_BATCH=, -DTANDEM_GEMV_MMA_CTAS=) to compare.
+constexpr int kMmaGemvWarps = 8;
+#ifndef TANDEM_GEMV_MMA_BATCH
+#define TANDEM_GEMV_MMA_BATCH 2
+#endif
+#ifndef TANDEM_GEMV_MMA_CTAS
+#define TANDEM_GEMV_MMA_CTAS 3
+#endif
+constexpr int kMmaGemvBatch = TANDEM_GEMV_MMA_BATCH;
+constexpr int kMmaGemvCtas = TANDEM_GEMV_MMA_CTAS;
+
+__device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <int NT, typename Out>
+__global__ void __launch_bounds__(kMmaGemvWarps * 32, kMmaGemvCtas)
+    GemvMmaKernel(const bf16* x, const bf16* w, Out* y, int m, int n, int k) {
+  __shared__ float4 part[kMmaGemvWarps][NT][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int col0 = blockIdx.x * 16;
+  const int slices = k / 64;
+  // uint4 units: a slice is 8 of a row; this lane's 32 bytes are 2 of them.
+  const uint4* const w0 = reinterpret_cast<const uint4*>(w + int64_t{col0 + g} * k) + 2 * t;
+  const uint4* const w1 = reinterpret_cast<const uint4*>(w + int64_t{col0 + g + 8} * k) + 2 * t;
+  const uint4* xr[NT];
+  bool has[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int token = g + 8 * nt;
+    has[nt] = token < m;
+    xr[nt] = reinterpret_cast<const uint4*>(x + int64_t{has[nt] ? token : 0} * k) + 2 * t;
+  }
+  constexpr int kBatch = NT == 1 ? kMmaGemvBatch : (kMmaGemvBatch * 3 + 3) / 4;
+  float c[NT][4] = {};
+  for (int s0 = warp; s0 < slices; s0 += kBatch * kMmaGemvWarps) {
+    uint4 a[kBatch][2][2], b[kBatch][NT][2];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int s = s0 + u * kMmaGemvWarps;
+      const int o = s * 8;
+      const bool in = s < slices;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        a[u][0][h] = in ? LoadStreaming(w0 + o + h) : make_uint4(0, 0, 0, 0);
+        a[u][1][h] = in ? LoadStreaming(w1 + o + h) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) b[u][nt][h] = in && has[nt] ? __ldg(xr[nt] + o + h) : make_uint4(0, 0, 0, 0);
+      }
+    }
+    // k-step j takes the values 4j..4j+3 of the lane's 16 (words 2j, 2j+1).
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int h = j / 2, w_lo = 2 * (j % 2);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          MmaBf16(c[nt], Word(a[u][0][h], w_lo), Word(a[u][1][h], w_lo), Word(a[u][0][h], w_lo + 1),
+                  Word(a[u][1][h], w_lo + 1), Word(b[u][nt][h], w_lo), Word(b[u][nt][h], w_lo + 1));
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) part[warp][nt][lane] = make_float4(c[nt][0], c[nt][1], c[nt][2], c[nt][3]);
+  __syncthreads();
+  if (warp != 0) return;
+    // c[0..1]: column g, tokens 2t and 2t + 1 of the tile; c[2..3]: column g + 8.
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    float4 s = part[0][nt][lane];
+#pragma unroll
+    for (int wi = 1; wi < kMmaGemvWarps; ++wi) {
+      const float4 v = part[wi][nt][lane];
+      s.x += v.x;
+      s.y += v.y;
+      s.z += v.z;
+      s.w += v.w;
+    }
+    const float v[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int token = 8 * nt + 2 * t + (i & 1);
+      const int col = col0 + g + 8 * (i >> 1);
+      if (token >= m) continue;
+      if constexpr (std::is_same_v<Out, float>) {
+        y[int64_t{token} * n + col] = v[i];
+      } else {
+        y[int64_t{token} * n + col] = __float2bfloat16(v[i]);
+      }
+    }
+  }
+}
+
+template <int NT>
+int GemvMmaFor(const bf16* x, int m, int k, const bf16* w, int n, void* y, bool f32, cudaStream_t s) {
+  const unsigned blocks = static_cast<unsigned>(n / 16);
+  if (f32) {
+    GemvMmaKernel<NT, float><<<blocks, kMmaGemvWarps * 32, 0, s>>>(x, w, static_cast<float*>(y), m, n, k);
+  } else {
+    GemvMmaKernel<NT, bf16><<<blocks, kMmaGemvWarps * 32, 0, s>>>(x, w, static_cast<bf16*>(y), m, n, k);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
 // (value, id) pairs: the larger value wins, a tie goes to the lower id;
 // id INT_MAX is "nothing seen" and loses to anything.
 struct ArgmaxPair {
@@ -723,6 +852,19 @@ int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool 
     default:
       return static_cast<int>(cudaErrorInvalidValue);
   }
+}
+
+bool GemvMmaSupports(const void* x, int m, int k, const void* w, int n) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return m >= 1 && m <= kMaxGemvMmaRows && k > 0 && k % 64 == 0 && n > 0 && n % 16 == 0 && aligned(x) && aligned(w);
+}
+
+int LaunchGemvMma(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream) {
+  if (m == 0 || n == 0) return 0;
+  if (!GemvMmaSupports(x, m, k, w, n)) return static_cast<int>(cudaErrorInvalidValue);
+  const auto* xb = static_cast<const bf16*>(x);
+  const auto* wb = static_cast<const bf16*>(w);
+  return m <= 8 ? GemvMmaFor<1>(xb, m, k, wb, n, y, f32, S(stream)) : GemvMmaFor<2>(xb, m, k, wb, n, y, f32, S(stream));
 }
 
 namespace {

@@ -82,6 +82,18 @@ int LaunchArgmax(const float* logits, const int* rows, int num_rows, int vocab, 
 inline constexpr int kMaxGemvRows = 8;
 int LaunchGemv(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream);
 
+// The same product on the tensor cores (mma.sync, bf16 in, float32
+// accumulation) for 1 to kMaxGemvMmaRows rows: each weight row is read once
+// in 32-byte runs whatever m is, where LaunchGemv's CUDA-core dot products
+// become issue-bound from three rows. A row's result does not depend on the
+// other rows (each output is its own accumulator; the k slices' sums are
+// added in a fixed order). GemvMmaSupports: m in range, k % 64 == 0,
+// n % 16 == 0, x and w 16-byte aligned; LaunchGemvMma refuses
+// (cudaErrorInvalidValue) what it does not support.
+inline constexpr int kMaxGemvMmaRows = 16;
+bool GemvMmaSupports(const void* x, int m, int k, const void* w, int n);
+int LaunchGemvMma(const void* x, int m, int k, const void* w, int n, void* y, bool f32, void* stream);
+
 // The same product for a step of one token (or up to kMaxFusedRows: `rows`
 // below) with the kernels around it folded in (cuda_runner's fused path): x
 // may be built by the product itself as the RMS norm of a float32 residual

@@ -14,7 +14,10 @@
 //
 // Prints, per product, each configuration's median time per launch over five
 // interleaved rounds and its read rate. `./gemv_chain ROWS` times steps of
-// ROWS tokens (up to kMaxFusedRows) at the default splits.
+// ROWS tokens at the default splits (up to kMaxFusedRows) and the
+// tensor-core product of a few rows (LaunchGemvMma, up to kMaxGemvMmaRows,
+// with no epilogue: the engine's unfused path; add -DTANDEM_GEMV_MMA_BATCH=B
+// -DTANDEM_GEMV_MMA_CTAS=C to the build to time its other shapes).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -52,10 +55,11 @@ int main(int argc, char** argv) {
   namespace ops = tandem::worker::cuda_ops;
   using E = ops::GemvEpilogue;
   // `gemv_chain [ROWS]`: the tokens of the step (the fused products take up
-  // to kMaxFusedRows at their default splits).
+  // to kMaxFusedRows at their default splits, LaunchGemvMma up to
+  // kMaxGemvMmaRows).
   const int rows = argc > 1 ? std::atoi(argv[1]) : 1;
-  if (rows < 1 || rows > ops::kMaxFusedRows) {
-    std::fprintf(stderr, "gemv_chain: ROWS must be 1 to %d\n", ops::kMaxFusedRows);
+  if (rows < 1 || rows > ops::kMaxGemvMmaRows) {
+    std::fprintf(stderr, "gemv_chain: ROWS must be 1 to %d\n", ops::kMaxGemvMmaRows);
     return 2;
   }
   const int heads = 32, kv_heads = 8, hd = 128, bs = 16;
@@ -114,16 +118,19 @@ int main(int argc, char** argv) {
                           .error = d_err};
   rope.pool = tandem::kernels::cuda::internal::OneLayerView(d_pool, rows, bs, hd, kv_heads);
   for (const Shape& sh : shapes) {
-    if (sh.lm_head && rows > 1) continue;  // the engine's LM head takes cuBLASLt there
     // Warps a row (the defaults only at several tokens, kDefault); 0: the
     // plain read; -1: LaunchGemv. A normed product also at its default
     // split with x given (kGiven: no norm at all) and with the norm in a
     // kernel of its own before it (kApart: TANDEM_FUSED_NORM_ROWS's).
-    constexpr int kDefault = 0x100, kGiven = 0x200, kApart = 0x400;
-    std::vector<int> configs = sh.lm_head ? std::vector<int>{-1, 0}
-                               : rows > 1 ? std::vector<int>{kDefault, 0}
-                                          : std::vector<int>{1, 2, 4, 8, 0};
-    if (sh.norm) configs.insert(configs.end() - 1, {kGiven, kApart});
+    // kMma: LaunchGemvMma (the whole weight, no epilogue).
+    constexpr int kDefault = 0x100, kGiven = 0x200, kApart = 0x400, kMma = 0x800;
+    std::vector<int> configs = sh.lm_head && rows == 1     ? std::vector<int>{-1, 0}
+                               : sh.lm_head                ? std::vector<int>{0}
+                               : rows > ops::kMaxFusedRows ? std::vector<int>{0}
+                               : rows > 1                  ? std::vector<int>{kDefault, 0}
+                                                           : std::vector<int>{1, 2, 4, 8, 0};
+    if (sh.norm && rows <= ops::kMaxFusedRows) configs.insert(configs.end() - 1, {kGiven, kApart});
+    configs.insert(configs.end() - 1, kMma);
     const int n_configs = static_cast<int>(configs.size());
     const int weight_rows = sh.epi == E::kSiluMul || sh.epi == E::kRopeWriteKv ? 2 * sh.n : sh.n;
     const int64_t per = int64_t{weight_rows} * sh.k;
@@ -151,6 +158,8 @@ int main(int argc, char** argv) {
           CK(cudaGetLastError());
         } else if (configs[c] < 0) {
           CK(ops::LaunchGemv(x, 1, sh.k, wl, sh.n, y, /*f32=*/true, s));
+        } else if (configs[c] == kMma) {
+          CK(ops::LaunchGemvMma(x, rows, sh.k, wl, weight_rows, y, /*f32=*/sh.lm_head, s));
         } else {
           ops::GemvFusion f{.split = configs[c] >= kDefault ? 0 : configs[c], .rows = rows};
           if (configs[c] == kApart) {
@@ -198,6 +207,8 @@ int main(int argc, char** argv) {
         std::snprintf(label, sizeof(label), "x given, no norm");
       } else if (configs[c] == kApart) {
         std::snprintf(label, sizeof(label), "norm kernel + x");
+      } else if (configs[c] == kMma) {
+        std::snprintf(label, sizeof(label), "LaunchGemvMma");
       } else {
         std::snprintf(label, sizeof(label), "%d warp(s) a row", configs[c]);
       }
