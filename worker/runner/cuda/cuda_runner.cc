@@ -924,14 +924,27 @@ class CudaRunner final : public ModelRunner {
                                                       w_.layers[0].input_norm.get(), eps, h_.get(), s),
                            "norm"));
     profile_.Mark("norms", s);
+    // Steps of a few tokens: the QKV and gate/up products on the tensor
+    // cores with RoPE and the KV write, or the bias and SiLU-and-multiply, in
+    // their epilogues (two kernels a layer fewer).
+    const bool mma_fused = mma_fused_ && T <= mma_rows_;
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerWeightsOf<DeviceBuffer>& lw = w_.layers[l];
-      RETURN_IF_ERROR(Product(h_.get(), T, H, lw.wqkv.get(), qkv_size, qkv_.get(), LtGemm::Out::kBF16, s));
-      profile_.Mark("qkv product", s);
       rope.bias = opt(lw.bqkv);
       rope.pool = kernels::cuda::internal::ViewOf(layout, kv.data(), l);
-      RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
-      profile_.Mark("rope + KV write", s);
+      if (mma_fused && cuda_ops::GemvMmaFusedSupports(h_.get(), T, H, lw.wqkv.get(), qkv_size / 2,
+                                                      cuda_ops::GemvEpilogue::kRopeWriteKv)) {
+        RETURN_IF_ERROR(Launch(
+            cuda_ops::LaunchGemvMmaFused(h_.get(), T, H, lw.wqkv.get(), qkv_size / 2, nullptr,
+                                         cuda_ops::GemvEpilogue::kRopeWriteKv, {.bias = rope.bias, .rope = rope}, s),
+            "qkv product with rope"));
+        profile_.Mark("qkv product + rope + KV write", s);
+      } else {
+        RETURN_IF_ERROR(Product(h_.get(), T, H, lw.wqkv.get(), qkv_size, qkv_.get(), LtGemm::Out::kBF16, s));
+        profile_.Mark("qkv product", s);
+        RETURN_IF_ERROR(Launch(cuda_ops::LaunchRopeWriteKv(rope, s), "rope and KV write"));
+        profile_.Mark("rope + KV write", s);
+      }
       attn.layer = l;
       RETURN_IF_ERROR(Attention(in, attn));
       profile_.Mark("attention", s);
@@ -941,13 +954,22 @@ class CudaRunner final : public ModelRunner {
           cuda_ops::LaunchAddRmsNorm(X(), nullptr, T, H, h_.get(), opt(lw.bo), lw.post_norm.get(), eps, h_.get(), s),
           "add and norm"));
       profile_.Mark("norms", s);
-      RETURN_IF_ERROR(Product(h_.get(), T, H, lw.w_gate_up.get(), 2 * I, gu_.get(), LtGemm::Out::kBF16, s));
-      profile_.Mark("gate/up product", s);
-      if (!lw.b_gate_up.empty()) {
-        RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(gu_.get(), T, 2 * I, lw.b_gate_up.get(), s), "mlp bias"));
+      if (mma_fused &&
+          cuda_ops::GemvMmaFusedSupports(h_.get(), T, H, lw.w_gate_up.get(), I, cuda_ops::GemvEpilogue::kSiluMul)) {
+        RETURN_IF_ERROR(
+            Launch(cuda_ops::LaunchGemvMmaFused(h_.get(), T, H, lw.w_gate_up.get(), I, act_.get(),
+                                                cuda_ops::GemvEpilogue::kSiluMul, {.bias = opt(lw.b_gate_up)}, s),
+                   "gate/up product with silu"));
+        profile_.Mark("gate/up product + silu", s);
+      } else {
+        RETURN_IF_ERROR(Product(h_.get(), T, H, lw.w_gate_up.get(), 2 * I, gu_.get(), LtGemm::Out::kBF16, s));
+        profile_.Mark("gate/up product", s);
+        if (!lw.b_gate_up.empty()) {
+          RETURN_IF_ERROR(Launch(cuda_ops::LaunchAddBias(gu_.get(), T, 2 * I, lw.b_gate_up.get(), s), "mlp bias"));
+        }
+        RETURN_IF_ERROR(Launch(cuda_ops::LaunchSiluMul(gu_.get(), T, I, act_.get(), s), "silu"));
+        profile_.Mark("silu", s);
       }
-      RETURN_IF_ERROR(Launch(cuda_ops::LaunchSiluMul(gu_.get(), T, I, act_.get(), s), "silu"));
-      profile_.Mark("silu", s);
       RETURN_IF_ERROR(Product(act_.get(), T, I, lw.w_down.get(), H, h_.get(), LtGemm::Out::kBF16, s));
       profile_.Mark("down product", s);
       const bool last = l + 1 == c.num_layers;
@@ -1181,6 +1203,12 @@ class CudaRunner final : public ModelRunner {
     const char* e = std::getenv("TANDEM_MMA_GEMV");
     const int rows = e != nullptr ? std::atoi(e) : 8;
     return batch_invariant_ ? 0 : std::clamp(rows, 0, cuda_ops::kMaxGemvMmaRows);
+  }();
+  // ... with the QKV and gate/up products' epilogues fused in
+  // (LaunchGemvMmaFused; TANDEM_MMA_FUSED=0: their own kernels, an A/B).
+  const bool mma_fused_ = [] {
+    const char* e = std::getenv("TANDEM_MMA_FUSED");
+    return e == nullptr || std::string_view(e) != "0";
   }();
   // Steps of one token run the fused one-row products (LaunchGemvFused);
   // TANDEM_FUSED_GEMV=0 turns them off (A/B), as does --batch-invariant

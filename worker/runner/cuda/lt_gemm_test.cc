@@ -233,6 +233,124 @@ TEST_F(LtGemmTest, GemvMmaMatchesTheReferenceAndKeepsEachRowsBits) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
+// The tensor-core products with the fused epilogues (LaunchGemvMmaFused)
+// give the bits of LaunchGemvMma followed by the kernels they replace: the
+// gate/up product with and without its bias, then SiLU-and-multiply; the
+// QKV product with its bias, then RoPE and the KV write (a token's slot past
+// the pool recorded, one with none skipped); at 3, 8, 11 and 16 tokens.
+// Then what it refuses.
+TEST_F(LtGemmTest, MmaFusedEpiloguesGiveTheBitsOfTheKernelsTheyReplace) {
+  const int heads = 8, kv_heads = 2, hd = 128, H = 2048, I = 2816, bs = 16, blocks = 4;
+  const int qkv = (heads + 2 * kv_heads) * hd;
+  constexpr int M = cuda_ops::kMaxGemvMmaRows;
+  const std::vector<__nv_bfloat16> x = RandomBf16(size_t(M) * H, 41), wqkv = RandomBf16(size_t(qkv) * H, 42),
+                                   bqkv = RandomBf16(qkv, 43), wgu = RandomBf16(size_t(2 * I) * H, 44),
+                                   bgu = RandomBf16(2 * I, 45);
+  std::vector<double> inv_freq(hd / 2);
+  for (int i = 0; i < hd / 2; ++i) inv_freq[i] = std::pow(500000.0, -2.0 * i / hd);
+  std::vector<int32_t> pos(M);
+  std::vector<int64_t> slots(M);
+  for (int t = 0; t < M; ++t) {
+    pos[t] = 37 * t + (t == 5 ? 70000 : 0);
+    slots[t] = t % blocks * bs + t;  // token t in block t % 4
+  }
+  slots[1] = int64_t{blocks} * bs + 3;  // past the pool
+  slots[2] = -1;                        // no slot
+  const size_t pool_elems = size_t(blocks) * 2 * kv_heads * bs * hd;
+  Device dx(x.size() * 2), dwqkv(wqkv.size() * 2), dbqkv(qkv * 2), dwgu(wgu.size() * 2), dbgu(bgu.size() * 2),
+      dfreq(inv_freq.size() * 8), dpos(M * 4), dslot(M * 8), dgu(size_t(M) * 2 * I * 2), dact(size_t(M) * I * 2),
+      dact2(size_t(M) * I * 2), dqkv(size_t(M) * qkv * 2), dqkv2(size_t(M) * qkv * 2), dpool(pool_elems * 2),
+      dpool2(pool_elems * 2), derr(4), derr2(4);
+  Up(dx, x.data(), x.size() * 2);
+  Up(dwqkv, wqkv.data(), wqkv.size() * 2);
+  Up(dbqkv, bqkv.data(), qkv * 2);
+  Up(dwgu, wgu.data(), wgu.size() * 2);
+  Up(dbgu, bgu.data(), bgu.size() * 2);
+  Up(dfreq, inv_freq.data(), inv_freq.size() * 8);
+  Up(dpos, pos.data(), M * 4);
+  Up(dslot, slots.data(), M * 8);
+  auto rope = [&](Device& q, Device& pool, Device& err, int n) {
+    cuda_ops::RopeWriteArgs a{.qkv = q.p,
+                              .num_tokens = n,
+                              .qkv_stride = qkv,
+                              .positions = static_cast<const int32_t*>(dpos.p),
+                              .inv_freq = static_cast<const double*>(dfreq.p),
+                              .num_heads = heads,
+                              .num_kv_heads = kv_heads,
+                              .head_dim = hd,
+                              .slot_mapping = static_cast<const int64_t*>(dslot.p),
+                              .error = static_cast<int*>(err.p)};
+    a.pool = kernels::cuda::internal::OneLayerView(pool.p, blocks, bs, hd, kv_heads);
+    return a;
+  };
+  // Token t's Q columns of a QKV buffer, for comparison.
+  auto q_rows = [&](const Device& d, int m) {
+    const std::vector<unsigned char> all = Raw(d, size_t(m) * qkv * 2);
+    std::vector<unsigned char> q;
+    for (int t = 0; t < m; ++t) {
+      q.insert(q.end(), all.begin() + size_t(t) * qkv * 2, all.begin() + (size_t(t) * qkv + heads * hd) * 2);
+    }
+    return q;
+  };
+  for (const int m : {3, 8, 11, M}) {
+    SCOPED_TRACE(testing::Message() << m << " tokens");
+    for (const void* bias : {static_cast<const void*>(dbgu.p), static_cast<const void*>(nullptr)}) {
+      SCOPED_TRACE(bias != nullptr ? "with the gate/up bias" : "no bias");
+      ASSERT_EQ(cuda_ops::LaunchGemvMma(dx.p, m, H, dwgu.p, 2 * I, dgu.p, /*f32=*/false, nullptr), 0);
+      if (bias != nullptr) ASSERT_EQ(cuda_ops::LaunchAddBias(dgu.p, m, 2 * I, bias, nullptr), 0);
+      ASSERT_EQ(cuda_ops::LaunchSiluMul(dgu.p, m, I, dact.p, nullptr), 0);
+      ASSERT_TRUE(cuda_ops::GemvMmaFusedSupports(dx.p, m, H, dwgu.p, I, cuda_ops::GemvEpilogue::kSiluMul));
+      ASSERT_EQ(cuda_ops::LaunchGemvMmaFused(dx.p, m, H, dwgu.p, I, dact2.p, cuda_ops::GemvEpilogue::kSiluMul,
+                                             {.bias = bias}, nullptr),
+                0);
+      EXPECT_EQ(Raw(dact, size_t(m) * I * 2), Raw(dact2, size_t(m) * I * 2)) << "silu(gate) * up";
+    }
+    for (Device* d : {&dpool, &dpool2, &derr, &derr2, &dqkv2}) {
+      ASSERT_EQ(cudaMemset(d->p, 0,
+                           d == &derr || d == &derr2 ? 4
+                           : d == &dqkv2             ? size_t(M) * qkv * 2
+                                                     : pool_elems * 2),
+                cudaSuccess);
+    }
+    ASSERT_EQ(cuda_ops::LaunchGemvMma(dx.p, m, H, dwqkv.p, qkv, dqkv.p, /*f32=*/false, nullptr), 0);
+    cuda_ops::RopeWriteArgs unfused = rope(dqkv, dpool, derr, m);
+    unfused.bias = dbqkv.p;
+    ASSERT_EQ(cuda_ops::LaunchRopeWriteKv(unfused, nullptr), 0);
+    ASSERT_EQ(cuda_ops::LaunchGemvMmaFused(dx.p, m, H, dwqkv.p, qkv / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv,
+                                           {.bias = dbqkv.p, .rope = rope(dqkv2, dpool2, derr2, m)}, nullptr),
+              0);
+    EXPECT_EQ(q_rows(dqkv, m), q_rows(dqkv2, m)) << "the rotated Q rows";
+    const std::vector<unsigned char> pool = Raw(dpool, pool_elems * 2);
+    EXPECT_EQ(pool, Raw(dpool2, pool_elems * 2)) << "the pool";
+    EXPECT_NE(pool, std::vector<unsigned char>(pool.size(), 0)) << "nothing written to the pool";
+    int err = 0, err2 = 0;
+    ASSERT_EQ(cudaMemcpy(&err, derr.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(&err2, derr2.p, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(err2, (kernels::cuda::internal::kErrSlot << 28) | 1) << "token 1's slot is past the pool";
+    EXPECT_EQ(err2, err);
+  }
+  // Refused: another epilogue, units not a multiple of 8, a norm or a
+  // residual asked for, fewer RoPE tokens than rows.
+  const auto invalid = static_cast<int>(cudaErrorInvalidValue);
+  EXPECT_FALSE(cuda_ops::GemvMmaFusedSupports(dx.p, 4, H, dwgu.p, I, cuda_ops::GemvEpilogue::kStore));
+  EXPECT_EQ(cuda_ops::LaunchGemvMmaFused(dx.p, 4, H, dwgu.p, I, dact.p, cuda_ops::GemvEpilogue::kResidual, {}, nullptr),
+            invalid);
+  EXPECT_EQ(
+      cuda_ops::LaunchGemvMmaFused(dx.p, 4, H, dwgu.p, I - 4, dact.p, cuda_ops::GemvEpilogue::kSiluMul, {}, nullptr),
+      invalid);
+  float* some = static_cast<float*>(dpool.p);
+  EXPECT_EQ(cuda_ops::LaunchGemvMmaFused(dx.p, 4, H, dwgu.p, I, dact.p, cuda_ops::GemvEpilogue::kSiluMul,
+                                         {.norm_x = some}, nullptr),
+            invalid);
+  EXPECT_EQ(cuda_ops::LaunchGemvMmaFused(dx.p, 4, H, dwgu.p, I, dact.p, cuda_ops::GemvEpilogue::kSiluMul,
+                                         {.residual = some}, nullptr),
+            invalid);
+  EXPECT_EQ(cuda_ops::LaunchGemvMmaFused(dx.p, 4, H, dwqkv.p, qkv / 2, nullptr, cuda_ops::GemvEpilogue::kRopeWriteKv,
+                                         {.rope = rope(dqkv2, dpool2, derr2, 3)}, nullptr),
+            invalid);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // The fused product at every split of a row over warps, against a float64
 // reference, on shapes whose rows and chunks do not divide evenly.
 TEST_F(LtGemmTest, FusedProductsAtEverySplitMatchTheReference) {

@@ -397,6 +397,62 @@ __global__ void __launch_bounds__(256) GemvKernel(const bf16* x, const bf16* w, 
   }
 }
 
+// The fused products' epilogue (GemvEpilogue) for token t at output unit u
+// (a row, or a row pair where R = 2): v0 and v1, the sums of its weight
+// rows; b0 and b1, their bias values (has_bias); res, the residual's value
+// (kResidual); trig and slot, RoPE's angle and the token's slot
+// (kRopeWriteKv). The roundings of the unfused kernels: the product's
+// output, + bias, in bf16.
+template <GemvEpilogue kEpi>
+__device__ __forceinline__ void ApplyEpilogue(const GemvFusion& f, bf16* y, int n, int u, int t, float v0, float v1,
+                                              bool has_bias, float b0, float b1, float res, float2 trig, int64_t slot) {
+  auto out = [&](float v, float b) {
+    const float r = RoundBf16(v);
+    return has_bias ? RoundBf16(r + b) : r;
+  };
+  if constexpr (kEpi == GemvEpilogue::kStore) {
+    y[int64_t{t} * n + u] = __float2bfloat16(out(v0, b0));
+  } else if constexpr (kEpi == GemvEpilogue::kResidual) {
+    // AddRmsNormKernel's order: (x + delta) + bias, the delta in bf16.
+    const float d = RoundBf16(v0);
+    f.residual[int64_t{t} * n + u] = has_bias ? res + d + b0 : res + d;
+  } else if constexpr (kEpi == GemvEpilogue::kSiluMul) {
+    y[int64_t{t} * n + u] = __float2bfloat16(SiluTimes(out(v0, b0), out(v1, b1)));
+  } else {
+    // RopeWriteKvKernel's arithmetic for token t, at this pair.
+    const RopeWriteArgs& a = f.rope;
+    const int half = a.head_dim / 2, head = u / half, pair = u % half;
+    const int row0 = head * a.head_dim + pair;
+    const float x0 = out(v0, b0), x1 = out(v1, b1);
+    bf16 y0 = __float2bfloat16(x0), y1 = __float2bfloat16(x1);
+    if (head < a.num_heads + a.num_kv_heads) RotatePair(x0, x1, trig, &y0, &y1);
+    if (head < a.num_heads) {
+      bf16* q = static_cast<bf16*>(a.qkv) + int64_t{t} * a.qkv_stride;
+      q[row0] = y0;
+      q[row0 + half] = y1;
+      return;
+    }
+    const KvSlot kv = SlotOf(a.pool, slot);
+    if (kv.past && head == a.num_heads && pair == 0) RecordError(a.error, kErrSlot, t);
+    if (kv.block < 0) return;
+    const bool is_k = head < a.num_heads + a.num_kv_heads;
+    const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
+    bf16* pool = static_cast<bf16*>(const_cast<void*>(a.pool.kv));
+    const int64_t at = PoolOffset(a.pool, kv.block, is_k ? 0 : 1, kv_head, kv.in_block);
+    pool[at + pair] = y0;
+    pool[at + pair + half] = y1;
+  }
+}
+
+// The inputs of RoPE's epilogue for token t at unit u (ApplyEpilogue's trig
+// and slot): the angle where the unit is in a Q or K head, the slot where
+// in a K or V head.
+__device__ __forceinline__ void RopeInputs(const RopeWriteArgs& a, int u, int t, float2* trig, int64_t* slot) {
+  const int half = a.head_dim / 2, head = u / half;
+  *slot = head >= a.num_heads ? a.slot_mapping[t] : -1;
+  *trig = head < a.num_heads + a.num_kv_heads ? RopeTrig(a.positions[t], a.inv_freq[u % half]) : float2{};
+}
+
 // The fused GEMV of a decode step of M tokens (GemvFusion). Its x rows are
 // the RMS-normed residual rows (built in shared memory by every CTA, rounded
 // to bf16 as AddRmsNormKernel writes them) or bf16 vectors; its outputs are
@@ -430,11 +486,9 @@ __global__ void __launch_bounds__(256)
   // values (kResidual), RoPE's angles and the slots (kRopeWriteKv).
   const bool owner = active && lane == 0 && part == 0;
   const auto* bias = static_cast<const bf16*>(f.bias);
-  const RopeWriteArgs& a = f.rope;
-  const int head = unit / half, pair = unit % half;
-  float in_bias[R], in_res[M];
-  float2 in_trig[M];
-  int64_t in_slot[M];
+  float in_bias[R] = {}, in_res[M] = {};
+  float2 in_trig[M] = {};
+  int64_t in_slot[M] = {};
   auto prologue = [&] {
     if (owner) {
 #pragma unroll
@@ -442,10 +496,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int t = 0; t < M; ++t) {
         if constexpr (kEpi == GemvEpilogue::kResidual) in_res[t] = f.residual[int64_t{t} * n + j];
-        if constexpr (kRope) {
-          in_slot[t] = head >= a.num_heads ? a.slot_mapping[t] : -1;
-          in_trig[t] = head < a.num_heads + a.num_kv_heads ? RopeTrig(a.positions[t], a.inv_freq[pair]) : float2{};
-        }
+        if constexpr (kRope) RopeInputs(f.rope, unit, t, &in_trig[t], &in_slot[t]);
       }
     }
     if constexpr (kNorm) {  // x: the normed residual rows, into shared memory
@@ -471,41 +522,8 @@ __global__ void __launch_bounds__(256)
   if (!owner) return;
 #pragma unroll
   for (int t = 0; t < M; ++t) {
-    // The bf16 roundings of the unfused path: the product's output, + bias.
-    auto out = [&](int r) {
-      float v = RoundBf16(acc[r][t]);
-      if (bias != nullptr) v = RoundBf16(v + in_bias[r]);
-      return v;
-    };
-    if constexpr (kEpi == GemvEpilogue::kStore) {
-      y[int64_t{t} * n + j] = __float2bfloat16(out(0));
-    } else if constexpr (kEpi == GemvEpilogue::kResidual) {
-      // AddRmsNormKernel's order: (x + delta) + bias, the delta in bf16.
-      const float d = RoundBf16(acc[0][t]);
-      f.residual[int64_t{t} * n + j] = bias != nullptr ? in_res[t] + d + in_bias[0] : in_res[t] + d;
-    } else if constexpr (kEpi == GemvEpilogue::kSiluMul) {
-      y[int64_t{t} * n + j] = __float2bfloat16(SiluTimes(out(0), out(1)));
-    } else {
-      // RopeWriteKvKernel's arithmetic for token t, at this pair.
-      const float x0 = out(0), x1 = out(1);
-      bf16 y0 = __float2bfloat16(x0), y1 = __float2bfloat16(x1);
-      if (head < a.num_heads + a.num_kv_heads) RotatePair(x0, x1, in_trig[t], &y0, &y1);
-      if (head < a.num_heads) {
-        bf16* q = static_cast<bf16*>(a.qkv) + int64_t{t} * a.qkv_stride;
-        q[row0] = y0;
-        q[row0 + half] = y1;
-        continue;
-      }
-      const KvSlot kv = SlotOf(a.pool, in_slot[t]);
-      if (kv.past && head == a.num_heads && pair == 0) RecordError(a.error, kErrSlot, t);
-      if (kv.block < 0) continue;
-      const bool is_k = head < a.num_heads + a.num_kv_heads;
-      const int kv_head = head - a.num_heads - (is_k ? 0 : a.num_kv_heads);
-      bf16* pool = static_cast<bf16*>(const_cast<void*>(a.pool.kv));
-      const int64_t at = PoolOffset(a.pool, kv.block, is_k ? 0 : 1, kv_head, kv.in_block);
-      pool[at + pair] = y0;
-      pool[at + pair + half] = y1;
-    }
+    ApplyEpilogue<kEpi>(f, y, n, j, t, acc[0][t], acc[R - 1][t], bias != nullptr, in_bias[0], in_bias[R - 1], in_res[t],
+                        in_trig[t], in_slot[t]);
   }
 }
 
@@ -565,17 +583,30 @@ __device__ __forceinline__ uint32_t Word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-template <int NT, typename Out>
+// kFused: the fused products' epilogue kEpi (kSiluMul or kRopeWriteKv) on
+// n units of two weight rows each (row0 and row0 + step, as
+// GemvFusedKernel pairs them): the tile's rows g and g + 8 are unit
+// blockIdx.x * 8 + g's two rows, so a lane holds both sums of its unit for
+// its tokens. Otherwise n plain rows, 16 a CTA, into y (bf16 or float32).
+template <int NT, typename Out, bool kFused = false, GemvEpilogue kEpi = GemvEpilogue::kStore>
 __global__ void __launch_bounds__(kMmaGemvWarps * 32, kMmaGemvCtas)
-    GemvMmaKernel(const bf16* x, const bf16* w, Out* y, int m, int n, int k) {
+    GemvMmaKernel(const bf16* x, const bf16* w, Out* y, int m, int n, int k, GemvFusion f) {
+  constexpr bool kRope = kEpi == GemvEpilogue::kRopeWriteKv;
   __shared__ float4 part[kMmaGemvWarps][NT][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int col0 = blockIdx.x * 16;
   const int slices = k / 64;
+  // This lane's weight rows (A's rows g and g + 8).
+  int64_t row_a = int64_t{blockIdx.x} * 16 + g, row_b = row_a + 8;
+  const int unit = blockIdx.x * 8 + g;
+  if constexpr (kFused) {
+    const int half = kRope ? f.rope.head_dim / 2 : 1;
+    row_a = kRope ? unit / half * f.rope.head_dim + unit % half : unit;
+    row_b = row_a + (kRope ? half : n);
+  }
   // uint4 units: a slice is 8 of a row; this lane's 32 bytes are 2 of them.
-  const uint4* const w0 = reinterpret_cast<const uint4*>(w + int64_t{col0 + g} * k) + 2 * t;
-  const uint4* const w1 = reinterpret_cast<const uint4*>(w + int64_t{col0 + g + 8} * k) + 2 * t;
+  const uint4* const w0 = reinterpret_cast<const uint4*>(w + row_a * k) + 2 * t;
+  const uint4* const w1 = reinterpret_cast<const uint4*>(w + row_b * k) + 2 * t;
   const uint4* xr[NT];
   bool has[NT];
 #pragma unroll
@@ -583,6 +614,29 @@ __global__ void __launch_bounds__(kMmaGemvWarps * 32, kMmaGemvCtas)
     const int token = g + 8 * nt;
     has[nt] = token < m;
     xr[nt] = reinterpret_cast<const uint4*>(x + int64_t{has[nt] ? token : 0} * k) + 2 * t;
+  }
+  // The epilogue's inputs, loaded by warp 0 (which writes the results) as
+  // its first weight loads go out: the unit's biases, and RoPE's angle and
+  // slot for the lane's tokens 8 nt + 2 t + i.
+  const auto* bias = static_cast<const bf16*>(f.bias);
+  float b0 = 0.0f, b1 = 0.0f;
+  float2 trig[NT][2] = {};
+  int64_t slot[NT][2] = {};
+  if (kFused && warp == 0) {
+    if (bias != nullptr) {
+      b0 = __bfloat162float(bias[row_a]);
+      b1 = __bfloat162float(bias[row_b]);
+    }
+    if constexpr (kRope) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int token = 8 * nt + 2 * t + i;
+          if (token < m) RopeInputs(f.rope, unit, token, &trig[nt][i], &slot[nt][i]);
+        }
+      }
+    }
   }
   constexpr int kBatch = NT == 1 ? kMmaGemvBatch : (kMmaGemvBatch * 3 + 3) / 4;
   float c[NT][4] = {};
@@ -619,7 +673,7 @@ __global__ void __launch_bounds__(kMmaGemvWarps * 32, kMmaGemvCtas)
   for (int nt = 0; nt < NT; ++nt) part[warp][nt][lane] = make_float4(c[nt][0], c[nt][1], c[nt][2], c[nt][3]);
   __syncthreads();
   if (warp != 0) return;
-    // c[0..1]: column g, tokens 2t and 2t + 1 of the tile; c[2..3]: column g + 8.
+    // c[0..1]: row g (row_a), tokens 2t and 2t + 1 of the tile; c[2..3]: row g + 8 (row_b).
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     float4 s = part[0][nt][lane];
@@ -633,27 +687,35 @@ __global__ void __launch_bounds__(kMmaGemvWarps * 32, kMmaGemvCtas)
     }
     const float v[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int token = 8 * nt + 2 * t + (i & 1);
-      const int col = col0 + g + 8 * (i >> 1);
+    for (int i = 0; i < 2; ++i) {
+      const int token = 8 * nt + 2 * t + i;
       if (token >= m) continue;
-      if constexpr (std::is_same_v<Out, float>) {
-        y[int64_t{token} * n + col] = v[i];
+      if constexpr (kFused) {
+        ApplyEpilogue<kEpi>(f, y, n, unit, token, v[i], v[2 + i], bias != nullptr, b0, b1, 0.0f, trig[nt][i],
+                            slot[nt][i]);
+      } else if constexpr (std::is_same_v<Out, float>) {
+        y[int64_t{token} * n + row_a] = v[i];
+        y[int64_t{token} * n + row_b] = v[2 + i];
       } else {
-        y[int64_t{token} * n + col] = __float2bfloat16(v[i]);
+        y[int64_t{token} * n + row_a] = __float2bfloat16(v[i]);
+        y[int64_t{token} * n + row_b] = __float2bfloat16(v[2 + i]);
       }
     }
   }
 }
 
-template <int NT>
-int GemvMmaFor(const bf16* x, int m, int k, const bf16* w, int n, void* y, bool f32, cudaStream_t s) {
-  const unsigned blocks = static_cast<unsigned>(n / 16);
-  if (f32) {
-    GemvMmaKernel<NT, float><<<blocks, kMmaGemvWarps * 32, 0, s>>>(x, w, static_cast<float*>(y), m, n, k);
-  } else {
-    GemvMmaKernel<NT, bf16><<<blocks, kMmaGemvWarps * 32, 0, s>>>(x, w, static_cast<bf16*>(y), m, n, k);
+// n plain rows (16 a CTA), or with kFused n units (8 a CTA).
+template <int NT, bool kFused = false, GemvEpilogue kEpi = GemvEpilogue::kStore>
+int GemvMmaFor(const bf16* x, int m, int k, const bf16* w, int n, void* y, bool f32, const GemvFusion& f,
+               cudaStream_t s) {
+  const unsigned blocks = static_cast<unsigned>(kFused ? n / 8 : n / 16);
+  if constexpr (!kFused) {
+    if (f32) {
+      GemvMmaKernel<NT, float><<<blocks, kMmaGemvWarps * 32, 0, s>>>(x, w, static_cast<float*>(y), m, n, k, f);
+      return static_cast<int>(cudaGetLastError());
+    }
   }
+  GemvMmaKernel<NT, bf16, kFused, kEpi><<<blocks, kMmaGemvWarps * 32, 0, s>>>(x, w, static_cast<bf16*>(y), m, n, k, f);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -864,7 +926,31 @@ int LaunchGemvMma(const void* x, int m, int k, const void* w, int n, void* y, bo
   if (!GemvMmaSupports(x, m, k, w, n)) return static_cast<int>(cudaErrorInvalidValue);
   const auto* xb = static_cast<const bf16*>(x);
   const auto* wb = static_cast<const bf16*>(w);
-  return m <= 8 ? GemvMmaFor<1>(xb, m, k, wb, n, y, f32, S(stream)) : GemvMmaFor<2>(xb, m, k, wb, n, y, f32, S(stream));
+  return m <= 8 ? GemvMmaFor<1>(xb, m, k, wb, n, y, f32, {}, S(stream))
+                : GemvMmaFor<2>(xb, m, k, wb, n, y, f32, {}, S(stream));
+}
+
+bool GemvMmaFusedSupports(const void* x, int m, int k, const void* w, int n, GemvEpilogue epi) {
+  return (epi == GemvEpilogue::kSiluMul || epi == GemvEpilogue::kRopeWriteKv) && n % 8 == 0 &&
+         GemvMmaSupports(x, m, k, w, 2 * n);
+}
+
+int LaunchGemvMmaFused(const void* x, int m, int k, const void* w, int n, void* y, GemvEpilogue epi,
+                       const GemvFusion& f, void* stream) {
+  if (m == 0 || n == 0) return 0;
+  if (!GemvMmaFusedSupports(x, m, k, w, n, epi) || f.norm_x != nullptr || f.residual != nullptr ||
+      (epi == GemvEpilogue::kRopeWriteKv && (f.rope.head_dim % 2 != 0 || f.rope.num_tokens < m))) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const auto* xb = static_cast<const bf16*>(x);
+  const auto* wb = static_cast<const bf16*>(w);
+  constexpr GemvEpilogue kSilu = GemvEpilogue::kSiluMul, kRope = GemvEpilogue::kRopeWriteKv;
+  if (epi == kSilu) {
+    return m <= 8 ? GemvMmaFor<1, true, kSilu>(xb, m, k, wb, n, y, false, f, S(stream))
+                  : GemvMmaFor<2, true, kSilu>(xb, m, k, wb, n, y, false, f, S(stream));
+  }
+  return m <= 8 ? GemvMmaFor<1, true, kRope>(xb, m, k, wb, n, y, false, f, S(stream))
+                : GemvMmaFor<2, true, kRope>(xb, m, k, wb, n, y, false, f, S(stream));
 }
 
 namespace {

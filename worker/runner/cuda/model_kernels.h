@@ -133,6 +133,20 @@ struct GemvFusion {
   int rows = 1;
 };
 inline constexpr int kMaxFusedRows = 4;
+
+// LaunchGemvMma with the fused path's epilogue, for steps of up to
+// kMaxGemvMmaRows tokens whose x is given (normed by a kernel before):
+// kSiluMul (w: 2n rows, gate then up; y: m rows of n) or kRopeWriteKv (n:
+// half the QKV rows; `f.rope` as for LaunchGemvFused, its num_tokens >= m).
+// f.bias as there; f.norm_x, f.residual, f.split and f.rows are not used
+// (must be unset). Each token's result is the bits of LaunchGemvMma's
+// product followed by the kernels the epilogue replaces (AddBias, SiluMul;
+// RopeWriteKv), and independent of m. GemvMmaFusedSupports: the epilogue is
+// one of those two, n % 8 == 0, and GemvMmaSupports(x, m, k, w, 2n);
+// LaunchGemvMmaFused refuses (cudaErrorInvalidValue) anything else.
+bool GemvMmaFusedSupports(const void* x, int m, int k, const void* w, int n, GemvEpilogue epi);
+int LaunchGemvMmaFused(const void* x, int m, int k, const void* w, int n, void* y, GemvEpilogue epi,
+                       const GemvFusion& f, void* stream);
 // Refuses (cudaErrorInvalidValue) k % 8 != 0, a norm over more than
 // kMaxGemvNormWidth values in all (the normed rows in the default 48 KB of
 // shared memory, less the kernel's 384 bytes of its own), a norm together
