@@ -143,7 +143,7 @@ void ExpectSameTokens(const StreamResult& got, const StreamResult& want, const s
   }
   ASSERT_EQ(got.logprobs.size(), want.logprobs.size()) << what;
   for (size_t i = 0; i < want.logprobs.size(); ++i) {
-    ASSERT_NEAR(got.logprobs[i], want.logprobs[i], kLogprobTolerance) << what << ": token " << i;
+    ASSERT_NEAR(got.logprobs[i], want.logprobs[i], BatchingLogprobTolerance()) << what << ": token " << i;
   }
 }
 
