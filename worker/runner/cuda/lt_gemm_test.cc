@@ -164,15 +164,16 @@ TEST_F(LtGemmTest, GemvMatchesTheReferenceAtDecodeRows) {
 // m from 1 to kMaxGemvMmaRows: float32 output against float64, bf16 output
 // the same values rounded, and each row's bits those of the 16-row product
 // (a row does not depend on the others). Shapes: the 8B model's QKV and
-// down products (k split unevenly over the warps: 64 and 224 slices), one
-// slice per warp at most (k = 256), a single CTA (n = 16); then what it
-// refuses.
+// down products (64 and 224 slices of k over eight warps, two a warp at a
+// time), a last round of one slice a warp (k = 1536: 24 slices), fewer
+// slices than warps (k = 256), a single CTA (n = 16, k = 576: nine
+// slices); then what it refuses.
 TEST_F(LtGemmTest, GemvMmaMatchesTheReferenceAndKeepsEachRowsBits) {
   struct Shape {
     int n, k;
   };
   constexpr int kRows = cuda_ops::kMaxGemvMmaRows;
-  for (const Shape& sh : {Shape{6144, 4096}, Shape{4096, 14336}, Shape{1024, 256}, Shape{16, 576}}) {
+  for (const Shape& sh : {Shape{6144, 4096}, Shape{4096, 14336}, Shape{512, 1536}, Shape{1024, 256}, Shape{16, 576}}) {
     const std::vector<__nv_bfloat16> x = RandomBf16(size_t(kRows) * sh.k, 5), w = RandomBf16(size_t(sh.n) * sh.k, 6);
     Device dx(x.size() * 2), dw(w.size() * 2), dy(size_t(kRows) * sh.n * 4);
     Up(dx, x.data(), x.size() * 2);
@@ -297,13 +298,21 @@ TEST_F(LtGemmTest, MmaFusedEpiloguesGiveTheBitsOfTheKernelsTheyReplace) {
     for (const void* bias : {static_cast<const void*>(dbgu.p), static_cast<const void*>(nullptr)}) {
       SCOPED_TRACE(bias != nullptr ? "with the gate/up bias" : "no bias");
       ASSERT_EQ(cuda_ops::LaunchGemvMma(dx.p, m, H, dwgu.p, 2 * I, dgu.p, /*f32=*/false, nullptr), 0);
-      if (bias != nullptr) ASSERT_EQ(cuda_ops::LaunchAddBias(dgu.p, m, 2 * I, bias, nullptr), 0);
+      if (bias != nullptr) {
+        ASSERT_EQ(cuda_ops::LaunchAddBias(dgu.p, m, 2 * I, bias, nullptr), 0);
+      }
       ASSERT_EQ(cuda_ops::LaunchSiluMul(dgu.p, m, I, dact.p, nullptr), 0);
+      ASSERT_EQ(cudaMemset(dact2.p, 0xff, size_t(M) * I * 2), cudaSuccess);
       ASSERT_TRUE(cuda_ops::GemvMmaFusedSupports(dx.p, m, H, dwgu.p, I, cuda_ops::GemvEpilogue::kSiluMul));
       ASSERT_EQ(cuda_ops::LaunchGemvMmaFused(dx.p, m, H, dwgu.p, I, dact2.p, cuda_ops::GemvEpilogue::kSiluMul,
                                              {.bias = bias}, nullptr),
                 0);
-      EXPECT_EQ(Raw(dact, size_t(m) * I * 2), Raw(dact2, size_t(m) * I * 2)) << "silu(gate) * up";
+      const std::vector<unsigned char> fused = Raw(dact2, size_t(M) * I * 2);
+      EXPECT_EQ(Raw(dact, size_t(m) * I * 2),
+                std::vector<unsigned char>(fused.begin(), fused.begin() + size_t(m) * I * 2))
+          << "silu(gate) * up";
+      EXPECT_EQ(std::count(fused.begin() + size_t(m) * I * 2, fused.end(), 0xff), int64_t(M - m) * I * 2)
+          << "written past token m - 1";
     }
     for (Device* d : {&dpool, &dpool2, &derr, &derr2, &dqkv2}) {
       ASSERT_EQ(cudaMemset(d->p, 0,
