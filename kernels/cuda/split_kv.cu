@@ -598,7 +598,9 @@ __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, in
 // Diagnostic variants (kVar; prefill_check dbench only): bit 0 no math
 // (the loads' own time), bit 1 a trace (per-CTA start, first tile and end
 // times, items taken and the SM clock at start and end, into
-// g_decode_trace; CopyDecodeTrace reads it).
+// g_decode_trace; CopyDecodeTrace reads it), bit 2 no merge of the four
+// consumer warps' states at an item's end (what the merge costs short
+// items; results wrong).
 __device__ unsigned long long g_decode_trace[kDecodeTraceWords * kDecodeTraceCtas];  // launch.h: DecodeTraceWord
 __device__ __forceinline__ unsigned long long GlobalTimer() {
   unsigned long long t;
@@ -628,6 +630,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   const int bs_mask = a.pool.block_size - 1;
   constexpr bool kMath = (kVar & 1) == 0;
   constexpr bool kTrace = (kVar & 2) != 0;
+  constexpr bool kMerge = (kVar & 4) == 0;  // diagnostic: without, warp 0 writes its own state (results wrong)
   // This CTA's trace words (kTrace, the first kDecodeTraceCtas CTAs), else null.
   unsigned long long* const trace =
       kTrace && blockIdx.x < kDecodeTraceCtas ? g_decode_trace + blockIdx.x * kDecodeTraceWords : nullptr;
@@ -831,64 +834,69 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-    if (t == 0) {
-      sm_ml[warp][g][0] = m_a;
-      sm_ml[warp][g][1] = l_a;
-      sm_ml[warp][g + 8][0] = m_b;
-      sm_ml[warp][g + 8][1] = l_b;
-    }
-    ConsumerBarrier();
-    float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kStreamConsumers; ++w) {
-      if (sm_ml[w][g][1] > 0.0f) mx_a = fmaxf(mx_a, sm_ml[w][g][0]);
-      if (sm_ml[w][g + 8][1] > 0.0f) mx_b = fmaxf(mx_b, sm_ml[w][g + 8][0]);
-    }
-    float sum_a = 0.0f, sum_b = 0.0f, self_a = 0.0f, self_b = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kStreamConsumers; ++w) {
-      const float la = sm_ml[w][g][1], lb = sm_ml[w][g + 8][1];
-      const float wa = la > 0.0f ? exp2f(sm_ml[w][g][0] - mx_a) : 0.0f;
-      const float wb = lb > 0.0f ? exp2f(sm_ml[w][g + 8][0] - mx_b) : 0.0f;
-      sum_a += wa * la;
-      sum_b += wb * lb;
-      if (w == warp) {
-        self_a = wa;
-        self_b = wb;
+    float mx_a = m_a, mx_b = m_b, sum_a = l_a, sum_b = l_b;
+    if constexpr (kMerge) {
+      if (t == 0) {
+        sm_ml[warp][g][0] = m_a;
+        sm_ml[warp][g][1] = l_a;
+        sm_ml[warp][g + 8][0] = m_b;
+        sm_ml[warp][g + 8][1] = l_b;
       }
-    }
+      ConsumerBarrier();
+      mx_a = -INFINITY;
+      mx_b = -INFINITY;
 #pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
-      o[n][0] *= self_a;
-      o[n][1] *= self_a;
-      o[n][2] *= self_b;
-      o[n][3] *= self_b;
-    }
-    // Hands this warp's output over through buffer `b` ([kD/8][32] float4)
-    // or adds the one handed over.
-    auto put = [&](float4* b) {
+      for (int w = 0; w < kStreamConsumers; ++w) {
+        if (sm_ml[w][g][1] > 0.0f) mx_a = fmaxf(mx_a, sm_ml[w][g][0]);
+        if (sm_ml[w][g + 8][1] > 0.0f) mx_b = fmaxf(mx_b, sm_ml[w][g + 8][0]);
+      }
+      sum_a = sum_b = 0.0f;
+      float self_a = 0.0f, self_b = 0.0f;
 #pragma unroll
-      for (int n = 0; n < kD / 8; ++n) b[n * 32 + lane] = make_float4(o[n][0], o[n][1], o[n][2], o[n][3]);
-    };
-    auto add = [&](const float4* b) {
+      for (int w = 0; w < kStreamConsumers; ++w) {
+        const float la = sm_ml[w][g][1], lb = sm_ml[w][g + 8][1];
+        const float wa = la > 0.0f ? exp2f(sm_ml[w][g][0] - mx_a) : 0.0f;
+        const float wb = lb > 0.0f ? exp2f(sm_ml[w][g + 8][0] - mx_b) : 0.0f;
+        sum_a += wa * la;
+        sum_b += wb * lb;
+        if (w == warp) {
+          self_a = wa;
+          self_b = wb;
+        }
+      }
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
-        const float4 v = b[n * 32 + lane];
-        o[n][0] += v.x;
-        o[n][1] += v.y;
-        o[n][2] += v.z;
-        o[n][3] += v.w;
+        o[n][0] *= self_a;
+        o[n][1] *= self_a;
+        o[n][2] *= self_b;
+        o[n][3] *= self_b;
       }
-    };
-    // Round 1: warps 1 and 3 hand their outputs to warps 0 and 2.
-    float4* buf = merge + (warp >> 1) * (kD / 8) * 32;
-    if (warp & 1) put(buf);
-    ConsumerBarrier();
-    if (!(warp & 1)) add(buf);
-    // Round 2: warp 2 hands its sum to warp 0 (through the buffer it just read).
-    if (warp == 2) put(buf);
-    ConsumerBarrier();
-    if (warp == 0) add(merge + (kD / 8) * 32);
+      // Hands this warp's output over through buffer `b` ([kD/8][32] float4)
+      // or adds the one handed over.
+      auto put = [&](float4* b) {
+#pragma unroll
+        for (int n = 0; n < kD / 8; ++n) b[n * 32 + lane] = make_float4(o[n][0], o[n][1], o[n][2], o[n][3]);
+      };
+      auto add = [&](const float4* b) {
+#pragma unroll
+        for (int n = 0; n < kD / 8; ++n) {
+          const float4 v = b[n * 32 + lane];
+          o[n][0] += v.x;
+          o[n][1] += v.y;
+          o[n][2] += v.z;
+          o[n][3] += v.w;
+        }
+      };
+      // Round 1: warps 1 and 3 hand their outputs to warps 0 and 2.
+      float4* buf = merge + (warp >> 1) * (kD / 8) * 32;
+      if (warp & 1) put(buf);
+      ConsumerBarrier();
+      if (!(warp & 1)) add(buf);
+      // Round 2: warp 2 hands its sum to warp 0 (through the buffer it just read).
+      if (warp == 2) put(buf);
+      ConsumerBarrier();
+      if (warp == 0) add(merge + (kD / 8) * 32);
+    }
     const bool bad = d.item_bad != 0;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -1132,6 +1140,8 @@ int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspa
         return LaunchStream<__nv_bfloat16, 128, 2>(a, plan, part, sched, s);
       case 5:  // the trace without the math
         return LaunchStream<__nv_bfloat16, 128, 3>(a, plan, part, sched, s);
+      case 6:  // no merge of the four warps' states at an item's end
+        return LaunchStream<__nv_bfloat16, 128, 4>(a, plan, part, sched, s);
       default:
         break;
     }
