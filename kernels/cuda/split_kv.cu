@@ -600,7 +600,8 @@ __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, in
 // times, items taken and the SM clock at start and end, into
 // g_decode_trace; CopyDecodeTrace reads it), bit 2 no merge of the four
 // consumer warps' states at an item's end (what the merge costs short
-// items; results wrong).
+// items; results wrong), bit 3 the outputs merged in one round (warps 1-3
+// hand theirs over at once, warp 0 adds them: one barrier fewer an item).
 __device__ unsigned long long g_decode_trace[kDecodeTraceWords * kDecodeTraceCtas];  // launch.h: DecodeTraceWord
 __device__ __forceinline__ unsigned long long GlobalTimer() {
   unsigned long long t;
@@ -630,7 +631,9 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   const int bs_mask = a.pool.block_size - 1;
   constexpr bool kMath = (kVar & 1) == 0;
   constexpr bool kTrace = (kVar & 2) != 0;
-  constexpr bool kMerge = (kVar & 4) == 0;  // diagnostic: without, warp 0 writes its own state (results wrong)
+  constexpr bool kMerge = (kVar & 4) == 0;     // diagnostic: without, warp 0 writes its own state (results wrong)
+  constexpr bool kOneRound = (kVar & 8) != 0;  // experiment: the outputs merged in one round
+  static_assert(!kOneRound || 3 * 16 * kD * 4 <= 2 * kMmaTile * kD * 2, "three merge buffers in a stage");
   // This CTA's trace words (kTrace, the first kDecodeTraceCtas CTAs), else null.
   unsigned long long* const trace =
       kTrace && blockIdx.x < kDecodeTraceCtas ? g_decode_trace + blockIdx.x * kDecodeTraceWords : nullptr;
@@ -887,15 +890,25 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
           o[n][3] += v.w;
         }
       };
-      // Round 1: warps 1 and 3 hand their outputs to warps 0 and 2.
-      float4* buf = merge + (warp >> 1) * (kD / 8) * 32;
-      if (warp & 1) put(buf);
-      ConsumerBarrier();
-      if (!(warp & 1)) add(buf);
-      // Round 2: warp 2 hands its sum to warp 0 (through the buffer it just read).
-      if (warp == 2) put(buf);
-      ConsumerBarrier();
-      if (warp == 0) add(merge + (kD / 8) * 32);
+      if constexpr (kOneRound) {
+        // Warps 1-3 hand their outputs over at once; warp 0 adds them in order.
+        if (warp != 0) put(merge + (warp - 1) * (kD / 8) * 32);
+        ConsumerBarrier();
+        if (warp == 0) {
+#pragma unroll 1
+          for (int w = 0; w < kStreamConsumers - 1; ++w) add(merge + w * (kD / 8) * 32);
+        }
+      } else {
+        // Round 1: warps 1 and 3 hand their outputs to warps 0 and 2.
+        float4* buf = merge + (warp >> 1) * (kD / 8) * 32;
+        if (warp & 1) put(buf);
+        ConsumerBarrier();
+        if (!(warp & 1)) add(buf);
+        // Round 2: warp 2 hands its sum to warp 0 (through the buffer it just read).
+        if (warp == 2) put(buf);
+        ConsumerBarrier();
+        if (warp == 0) add(merge + (kD / 8) * 32);
+      }
     }
     const bool bad = d.item_bad != 0;
 #pragma unroll
@@ -1142,6 +1155,8 @@ int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspa
         return LaunchStream<__nv_bfloat16, 128, 3>(a, plan, part, sched, s);
       case 6:  // no merge of the four warps' states at an item's end
         return LaunchStream<__nv_bfloat16, 128, 4>(a, plan, part, sched, s);
+      case 7:  // the outputs merged in one round
+        return LaunchStream<__nv_bfloat16, 128, 8>(a, plan, part, sched, s);
       default:
         break;
     }

@@ -15,7 +15,8 @@
 //                              # 4 a dense read of the same bytes, 5 the
 //                              # trace without the math, 6 without the
 //                              # four warps' merge at an item's end
-//                              # (timing only: its results are wrong)
+//                              # (timing only: its results are wrong),
+//                              # 7 the outputs merged in one round
 //   ./prefill_check dbench V KPS 8b:64x1024,70b:16x8192 shuf|seq PAGE
 //   DBENCH_LAYERS=32 DBENCH_POOL_GIB=100 ./prefill_check dbench ...
 //                              # blocks of 32 layers (layer 0 read), as the
@@ -58,10 +59,11 @@ static const char* kVariantName[] = {"fa3",          "ws",        "fa3:cp.async"
 // each CTA saw its first tile and ended, and its SM clock from clock64
 // against %globaltimer), then this file's dense read of the same bytes (4:
 // the device's read ceiling for the call's size), then 5: the trace of the
-// loads without the math, and 6: no merge of the consumer warps' states at
-// an item's end (its results are wrong: timing only).
-static const char* kDecodeName[] = {"stream",     "cuda-core",           "stream:nomath", "stream:trace",
-                                    "dense-read", "stream:trace:nomath", "stream:nomerge"};
+// loads without the math, 6: no merge of the consumer warps' states at an
+// item's end (its results are wrong: timing only), and 7: the merge in one
+// round.
+static const char* kDecodeName[] = {"stream",     "cuda-core",           "stream:nomath",  "stream:trace",
+                                    "dense-read", "stream:trace:nomath", "stream:nomerge", "stream:merge1"};
 static constexpr int kDenseRead = 4;
 static int g_rounds = 3;           // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;  // dbench: blocks in order instead of shuffled
