@@ -16,7 +16,9 @@
 //                              # trace without the math, 6 without the
 //                              # four warps' merge at an item's end
 //                              # (timing only: its results are wrong),
-//                              # 7 the outputs merged in one round
+//                              # 7 the outputs merged in one round (2, 3,
+//                              # 5-7 are head_dim 128 bf16 variants: dcheck's
+//                              # other cases run the CUDA-core kernel)
 //   ./prefill_check dbench V KPS 8b:64x1024,70b:16x8192 shuf|seq PAGE
 //   DBENCH_LAYERS=32 DBENCH_POOL_GIB=100 ./prefill_check dbench ...
 //                              # blocks of 32 layers (layer 0 read), as the
