@@ -128,10 +128,19 @@ void ExpectSameOutput(const Output& got, const Output& want, const std::string& 
   ASSERT_EQ(got.top.size(), want.top.size()) << what;
   for (size_t i = 0; i < got.logprobs.size(); ++i) {
     EXPECT_NEAR(got.logprobs[i], want.logprobs[i], tolerance) << what << " token " << i;
-    ASSERT_EQ(got.top[i].size(), want.top[i].size()) << what << " token " << i;
-    for (size_t k = 0; k < got.top[i].size(); ++k) {
-      EXPECT_EQ(got.top[i][k].first, want.top[i][k].first) << what << " token " << i << " alt " << k;
-      EXPECT_NEAR(got.top[i][k].second, want.top[i][k].second, tolerance) << what << " token " << i << " alt " << k;
+    const auto& g = got.top[i];
+    const auto& w = want.top[i];
+    ASSERT_EQ(g.size(), w.size()) << what << " token " << i;
+    for (size_t k = 0; k < g.size(); ++k) {
+      EXPECT_NEAR(g[k].second, w[k].second, tolerance) << what << " token " << i << " alt " << k;
+      if (g[k].first == w[k].first) continue;
+      // Between runs whose roundings differ (the loose tolerance), two
+      // alternatives within it of each other may change places; the last
+      // may be one the reference did not list. Exact runs keep the order.
+      const bool near_tie = (k > 0 && w[k - 1].second - w[k].second <= tolerance) ||
+                            (k + 1 < w.size() && w[k].second - w[k + 1].second <= tolerance) || k + 1 == w.size();
+      EXPECT_TRUE(tolerance > kLogprobTolerance && near_tie) << what << " token " << i << " alt " << k << ": id "
+                                                             << g[k].first << " where the reference has " << w[k].first;
     }
   }
 }

@@ -33,7 +33,8 @@ constexpr float kLogprobTolerance = 1e-5f;
 // outside --batch-invariant (TANDEM_TEST_WORKER_ARGS), whose steps of one or
 // two tokens, of three to eight and of more run different product kernels
 // (the fused GEMV, the tensor-core products, cuBLASLt) with different bf16
-// roundings: 0.05 there (the greedy tokens must still be the same).
+// roundings: 0.05 there (the greedy tokens must still be the same; top
+// alternatives within it of each other may change places).
 float BatchingLogprobTolerance();
 constexpr std::chrono::seconds kRpcTimeout(60);
 constexpr std::chrono::milliseconds kIdleTimeout(5000);
