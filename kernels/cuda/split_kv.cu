@@ -601,7 +601,9 @@ __device__ __forceinline__ StreamItem DecodeItem(const AttnArgs& a, int item, in
 // g_decode_trace; CopyDecodeTrace reads it), bit 2 no merge of the four
 // consumer warps' states at an item's end (what the merge costs short
 // items; results wrong), bit 3 the outputs merged in one round (warps 1-3
-// hand theirs over at once, warp 0 adds them: one barrier fewer an item).
+// hand theirs over at once, warp 0 adds them: one barrier fewer an item),
+// bit 4 each consumer warp taking whole items in turn (no merge; unsplit
+// plans only).
 __device__ unsigned long long g_decode_trace[kDecodeTraceWords * kDecodeTraceCtas];  // launch.h: DecodeTraceWord
 __device__ __forceinline__ unsigned long long GlobalTimer() {
   unsigned long long t;
@@ -621,6 +623,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   __shared__ StageDesc desc[kStages];
+  __shared__ int owner_of[kStages];  // kWarpItems: the consumer warp that takes the stage's item
   __shared__ float sm_ml[kStreamConsumers][16][2];
   const uint32_t base = (SmemAddr(smem) + 1023) & ~1023u;
   unsigned char* aligned = smem + (base - SmemAddr(smem));
@@ -631,7 +634,12 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
   const int bs_mask = a.pool.block_size - 1;
   constexpr bool kMath = (kVar & 1) == 0;
   constexpr bool kTrace = (kVar & 2) != 0;
-  constexpr bool kMerge = (kVar & 4) == 0;     // diagnostic: without, warp 0 writes its own state (results wrong)
+  // Experiment: each consumer warp takes whole items in turn (all 64 keys of
+  // their tiles), so nothing is merged at an item's end. Unsplit plans only
+  // (LaunchSplitKvVariant).
+  constexpr bool kWarpItems = (kVar & 16) != 0;
+  // Diagnostic: without the merge, warp 0 writes its own state (results wrong).
+  constexpr bool kMerge = (kVar & 4) == 0 && !kWarpItems;
   constexpr bool kOneRound = (kVar & 8) != 0;  // experiment: the outputs merged in one round
   static_assert(!kOneRound || 3 * 16 * kD * 4 <= 2 * kMmaTile * kD * 2, "three merge buffers in a stage");
   // This CTA's trace words (kTrace, the first kDecodeTraceCtas CTAs), else null.
@@ -692,6 +700,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     };
     const T* pool = static_cast<const T*>(a.pool.kv);
     int st = 0, ph = 0;
+    int ordinal = 0;  // kWarpItems: items this CTA has started
     Prepared cur = prepare(grab());
     for (;;) {
       if (cur.skip) {
@@ -700,6 +709,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       }
       const StreamItem& it = cur.it;
       const int fills = cur.done ? 1 : cur.n_tiles;
+      const int owner = cur.done ? 0 : ordinal++ % kStreamConsumers;
       Prepared next{};
       int32_t next_block = cur.block0;  // the ids are read a tile ahead of their check and load
       int item_bad = 0;
@@ -722,6 +732,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
         const bool tma = load && use_tma && key0 + kMmaTile <= it.k_end;
         if (lane == 0) {
           desc[st] = StageDesc{it, cur.done ? -1 : cur.item, t, cur.n_tiles, bad, item_bad};
+          if constexpr (kWarpItems) owner_of[st] = owner;
           MbarArriveExpectTx(f, tma ? 2 * kTileBytes : 0);
         }
         __syncwarp();
@@ -796,6 +807,16 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     if (trace != nullptr && tid == 0 && traced_items == 0) trace[kTraceFirstTileNs] = GlobalTimer();
     const StageDesc d = desc[st];
     if (d.item < 0) break;
+    if constexpr (kWarpItems) {
+      if (owner_of[st] != warp) {  // another warp's item: release the stage at once
+        MbarArrive(SmemAddr(&empty[st]));
+        if (++st == kStages) {
+          st = 0;
+          ph ^= 1;
+        }
+        continue;
+      }
+    }
     if (kTrace && d.tile == 0) ++traced_items;
     const StreamItem& it = d.it;
     if (d.tile == 0) {
@@ -816,8 +837,16 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
     }
     if (kMath && !d.bad) {
       const uint32_t ck = base + st * 2 * kTileBytes;
-      MmaTileStep<T, kD>(ck, bs_shift, warp, lane, qa, it.k_begin + d.tile * kMmaTile + warp * 16, it.k_end, qk_scale,
-                         o, m_a, m_b, l_a, l_b);
+      if constexpr (kWarpItems) {
+#pragma unroll 1
+        for (int part = 0; part < kStreamConsumers; ++part) {
+          MmaTileStep<T, kD>(ck, bs_shift, part, lane, qa, it.k_begin + d.tile * kMmaTile + part * 16, it.k_end,
+                             qk_scale, o, m_a, m_b, l_a, l_b);
+        }
+      } else {
+        MmaTileStep<T, kD>(ck, bs_shift, warp, lane, qa, it.k_begin + d.tile * kMmaTile + warp * 16, it.k_end, qk_scale,
+                           o, m_a, m_b, l_a, l_b);
+      }
     }
     const int used = st;
     if (++st == kStages) {
@@ -914,7 +943,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = g + half * 8;
-      if (warp != 0 || row >= a.group) continue;
+      if ((!kWarpItems && warp != 0) || row >= a.group) continue;  // (kWarpItems: only the owner is here)
       const float sum = half ? sum_b : sum_a;
       const float mx = half ? mx_b : mx_a;
       const int64_t out_row = int64_t{it.token} * a.num_heads + int64_t{it.kv_head} * a.group + row;
@@ -941,7 +970,7 @@ __global__ void __launch_bounds__(kStreamThreads, 2)
       }
     }
     // The unit's last split to finish merges them (no second launch).
-    if (num_splits > 1) {
+    if (!kWarpItems && num_splits > 1) {
       const int arrivals = max(1, min(num_splits, (it.n_keys + keys_per_split - 1) / keys_per_split));
       ArriveAndMerge<T>(a, part, int64_t{it.token} * a.pool.num_kv_heads + it.kv_head, it.token, it.kv_head * a.group,
                         a.group, num_splits, keys_per_split, arrivals, reinterpret_cast<float*>(merge), 1);
@@ -1157,6 +1186,9 @@ int LaunchSplitKvVariant(const AttnArgs& a, const SplitPlan& plan, void* workspa
         return LaunchStream<__nv_bfloat16, 128, 4>(a, plan, part, sched, s);
       case 7:  // the outputs merged in one round
         return LaunchStream<__nv_bfloat16, 128, 8>(a, plan, part, sched, s);
+      case 8:  // each consumer warp takes whole items (unsplit plans; else the default kernel)
+        return plan.num_splits == 1 ? LaunchStream<__nv_bfloat16, 128, 16>(a, plan, part, sched, s)
+                                    : LaunchStream<__nv_bfloat16, 128, 0>(a, plan, part, sched, s);
       default:
         break;
     }

@@ -16,8 +16,10 @@
 //                              # trace without the math, 6 without the
 //                              # four warps' merge at an item's end
 //                              # (timing only: its results are wrong),
-//                              # 7 the outputs merged in one round (2, 3,
-//                              # 5-7 are head_dim 128 bf16 variants: dcheck's
+//                              # 7 the outputs merged in one round, 8 each
+//                              # consumer warp taking whole items (unsplit
+//                              # plans; split ones run the default) (2, 3,
+//                              # 5-8 are head_dim 128 bf16 variants: dcheck's
 //                              # other cases run the CUDA-core kernel)
 //   ./prefill_check dbench V KPS 8b:64x1024,70b:16x8192 shuf|seq PAGE
 //   DBENCH_LAYERS=32 DBENCH_POOL_GIB=100 ./prefill_check dbench ...
@@ -62,10 +64,11 @@ static const char* kVariantName[] = {"fa3",          "ws",        "fa3:cp.async"
 // against %globaltimer), then this file's dense read of the same bytes (4:
 // the device's read ceiling for the call's size), then 5: the trace of the
 // loads without the math, 6: no merge of the consumer warps' states at an
-// item's end (its results are wrong: timing only), and 7: the merge in one
-// round.
-static const char* kDecodeName[] = {"stream",     "cuda-core",           "stream:nomath",  "stream:trace",
-                                    "dense-read", "stream:trace:nomath", "stream:nomerge", "stream:merge1"};
+// item's end (its results are wrong: timing only), 7: the merge in one
+// round, and 8: each consumer warp taking whole items (no merge).
+static const char* kDecodeName[] = {"stream",         "cuda-core",     "stream:nomath",
+                                    "stream:trace",   "dense-read",    "stream:trace:nomath",
+                                    "stream:nomerge", "stream:merge1", "stream:warpitems"};
 static constexpr int kDenseRead = 4;
 static int g_rounds = 3;           // dbench: interleaved rounds (DBENCH_ROUNDS)
 static bool g_seq_tables = false;  // dbench: blocks in order instead of shuffled
