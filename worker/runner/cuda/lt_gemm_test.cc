@@ -48,6 +48,31 @@ std::vector<__nv_bfloat16> RandomBf16(size_t n, uint32_t seed) {
   return v;
 }
 
+// A test's RoPE and KV-write arguments: heads, KV heads and head_dim; a
+// one-layer pool of `blocks` pages of `bs` tokens; and the device arrays of
+// the frequencies and of every token's position and slot.
+struct RopeCase {
+  int heads, kv_heads, hd, bs, blocks;
+  const Device &freq, &pos, &slot;
+  // Tokens t .. t + n - 1, whose QKV rows (qkv_stride apart) start at qkv:
+  // rotated there and written to `pool`, errors into `err`.
+  cuda_ops::RopeWriteArgs Args(void* qkv, int t, int n, Device& pool, Device& err) const {
+    const int qkv_stride = (heads + 2 * kv_heads) * hd;
+    cuda_ops::RopeWriteArgs a{.qkv = static_cast<char*>(qkv) + size_t(t) * qkv_stride * 2,
+                              .num_tokens = n,
+                              .qkv_stride = qkv_stride,
+                              .positions = static_cast<const int32_t*>(pos.p) + t,
+                              .inv_freq = static_cast<const double*>(freq.p),
+                              .num_heads = heads,
+                              .num_kv_heads = kv_heads,
+                              .head_dim = hd,
+                              .slot_mapping = static_cast<const int64_t*>(slot.p) + t,
+                              .error = static_cast<int*>(err.p)};
+    a.pool = kernels::cuda::internal::OneLayerView(pool.p, blocks, bs, hd, kv_heads);
+    return a;
+  }
+};
+
 class LtGemmTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -270,20 +295,8 @@ TEST_F(LtGemmTest, MmaFusedEpiloguesGiveTheBitsOfTheKernelsTheyReplace) {
   Up(dfreq, inv_freq.data(), inv_freq.size() * 8);
   Up(dpos, pos.data(), M * 4);
   Up(dslot, slots.data(), M * 8);
-  auto rope = [&](Device& q, Device& pool, Device& err, int n) {
-    cuda_ops::RopeWriteArgs a{.qkv = q.p,
-                              .num_tokens = n,
-                              .qkv_stride = qkv,
-                              .positions = static_cast<const int32_t*>(dpos.p),
-                              .inv_freq = static_cast<const double*>(dfreq.p),
-                              .num_heads = heads,
-                              .num_kv_heads = kv_heads,
-                              .head_dim = hd,
-                              .slot_mapping = static_cast<const int64_t*>(dslot.p),
-                              .error = static_cast<int*>(err.p)};
-    a.pool = kernels::cuda::internal::OneLayerView(pool.p, blocks, bs, hd, kv_heads);
-    return a;
-  };
+  const RopeCase rc{heads, kv_heads, hd, bs, blocks, dfreq, dpos, dslot};
+  auto rope = [&](Device& q, Device& pool, Device& err, int n) { return rc.Args(q.p, 0, n, pool, err); };
   // Token t's Q columns of a QKV buffer, for comparison.
   auto q_rows = [&](const Device& d, int m) {
     const std::vector<unsigned char> all = Raw(d, size_t(m) * qkv * 2);
@@ -557,20 +570,8 @@ TEST_F(LtGemmTest, FusedProductsOfSeveralTokensGiveEachItsOwnBits) {
   const auto* res_p = static_cast<const float*>(dres.p);
   // Token t's view of a buffer of rows `width` elements of `elem` bytes wide.
   auto row = [](Device& d, int t, size_t width, size_t elem) { return static_cast<char*>(d.p) + t * width * elem; };
-  auto rope = [&](Device& q, Device& pool, Device& err, int t, int n) {
-    cuda_ops::RopeWriteArgs a{.qkv = row(q, t, qkv, 2),
-                              .num_tokens = n,
-                              .qkv_stride = qkv,
-                              .positions = static_cast<const int32_t*>(dpos.p) + t,
-                              .inv_freq = static_cast<const double*>(dfreq.p),
-                              .num_heads = heads,
-                              .num_kv_heads = kv_heads,
-                              .head_dim = hd,
-                              .slot_mapping = static_cast<const int64_t*>(dslot.p) + t,
-                              .error = static_cast<int*>(err.p)};
-    a.pool = kernels::cuda::internal::OneLayerView(pool.p, blocks, bs, hd, kv_heads);
-    return a;
-  };
+  const RopeCase rc{heads, kv_heads, hd, bs, blocks, dfreq, dpos, dslot};
+  auto rope = [&](Device& q, Device& pool, Device& err, int t, int n) { return rc.Args(q.p, t, n, pool, err); };
   for (int rows = 2; rows <= M; ++rows) {
     SCOPED_TRACE(testing::Message() << rows << " tokens");
     for (Device* d : {&dpool, &dpool2, &derr, &derr2, &dqkv, &dqkv2}) {
@@ -680,19 +681,10 @@ TEST_F(LtGemmTest, FusedRopeAndKvWriteMatchTheirKernel) {
   Up(dfreq, inv_freq.data(), inv_freq.size() * 8);
   const int32_t pos = 1234;
   Up(dpos, &pos, 4);
+  const RopeCase rc{heads, kv_heads, hd, bs, blocks, dfreq, dpos, dslot};
   auto args = [&](Device& row, Device& pool, Device& err) {
-    cuda_ops::RopeWriteArgs a{.qkv = row.p,
-                              .num_tokens = 1,
-                              .qkv_stride = qkv,
-                              .bias = dbias.p,
-                              .positions = static_cast<const int32_t*>(dpos.p),
-                              .inv_freq = static_cast<const double*>(dfreq.p),
-                              .num_heads = heads,
-                              .num_kv_heads = kv_heads,
-                              .head_dim = hd,
-                              .slot_mapping = static_cast<const int64_t*>(dslot.p),
-                              .error = static_cast<int*>(err.p)};
-    a.pool = kernels::cuda::internal::OneLayerView(pool.p, blocks, bs, hd, kv_heads);
+    cuda_ops::RopeWriteArgs a = rc.Args(row.p, 0, 1, pool, err);
+    a.bias = dbias.p;
     return a;
   };
   for (const int64_t slot : {int64_t{2 * bs + 5}, int64_t{blocks * bs + 3}}) {

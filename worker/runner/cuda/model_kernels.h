@@ -138,12 +138,13 @@ inline constexpr int kMaxFusedRows = 4;
 // kMaxGemvMmaRows tokens whose x is given (normed by a kernel before):
 // kSiluMul (w: 2n rows, gate then up; y: m rows of n) or kRopeWriteKv (n:
 // half the QKV rows; `f.rope` as for LaunchGemvFused, its num_tokens >= m).
-// f.bias as there; f.norm_x, f.residual, f.split and f.rows are not used
-// (must be unset). Each token's result is the bits of LaunchGemvMma's
-// product followed by the kernels the epilogue replaces (AddBias, SiluMul;
-// RopeWriteKv), and independent of m. GemvMmaFusedSupports: the epilogue is
-// one of those two, n % 8 == 0, and GemvMmaSupports(x, m, k, w, 2n);
-// LaunchGemvMmaFused refuses (cudaErrorInvalidValue) anything else.
+// f.bias as there; f.split and f.rows are ignored (m counts the tokens).
+// Each token's result is the bits of LaunchGemvMma's product followed by
+// the kernels the epilogue replaces (AddBias, SiluMul; RopeWriteKv), and
+// independent of m. GemvMmaFusedSupports: the epilogue is one of those two,
+// n % 8 == 0, and GemvMmaSupports(x, m, k, w, 2n); LaunchGemvMmaFused also
+// refuses (cudaErrorInvalidValue) f.norm_x or f.residual set, an odd
+// rope.head_dim and rope.num_tokens < m.
 bool GemvMmaFusedSupports(const void* x, int m, int k, const void* w, int n, GemvEpilogue epi);
 int LaunchGemvMmaFused(const void* x, int m, int k, const void* w, int n, void* y, GemvEpilogue epi,
                        const GemvFusion& f, void* stream);
